@@ -1,0 +1,35 @@
+"""replayssm_jax: ReplaySSM decode-state storage for Mamba-2 layers in JAX.
+
+Public API:
+  ReplayState                 checkpoint + input buffer + per-row counter.
+  selective_state_update      baseline decode step (state read+written).
+  replay_state_update         ReplaySSM decode step (checkpoint written 1/L).
+  materialize                 the full current state of a ReplayState.
+  ssd_chunked_scan            chunked SSD prefill.
+  causal_conv1d(_update)      Mamba-2's short conv, prefill and decode step.
+  traffic                     bytes-per-step model (baseline vs replay).
+"""
+
+from replayssm_jax import traffic
+from replayssm_jax.conv import causal_conv1d, causal_conv1d_update
+from replayssm_jax.ops import (Implementation, implementations, materialize,
+                               register_implementation, replay_state_update,
+                               selective_state_update)
+from replayssm_jax.ssd import ssd_chunked_scan
+from replayssm_jax.state import ReplayState
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ReplayState",
+    "Implementation",
+    "causal_conv1d",
+    "causal_conv1d_update",
+    "implementations",
+    "materialize",
+    "register_implementation",
+    "replay_state_update",
+    "selective_state_update",
+    "ssd_chunked_scan",
+    "traffic",
+]

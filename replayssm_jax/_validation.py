@@ -1,0 +1,126 @@
+"""Argument checks shared by the reference ops and the kernels.
+
+All checks here are *static*: they look at shapes and dtypes only, so they run
+once at trace time and cost nothing inside a jitted step. Every error names the
+argument and says what was expected.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
+STATE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def _dtype(arr: Any):
+  return jnp.result_type(arr) if not hasattr(arr, "dtype") else arr.dtype
+
+
+def check_array(name: str, arr: Any) -> None:
+  if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
+    raise TypeError(
+        f"{name} must be an array (jax.Array or numpy.ndarray), got "
+        f"{type(arr).__name__}.")
+
+
+def check_floating(name: str, arr: Any, allowed: Sequence[Any] = FLOAT_DTYPES):
+  check_array(name, arr)
+  dt = jnp.dtype(arr.dtype)
+  if dt not in [jnp.dtype(a) for a in allowed]:
+    names = ", ".join(jnp.dtype(a).name for a in allowed)
+    raise TypeError(f"{name} must have a floating dtype in ({names}), got "
+                    f"{dt.name}.")
+
+
+def check_integer(name: str, arr: Any) -> None:
+  check_array(name, arr)
+  if not jnp.issubdtype(arr.dtype, jnp.integer):
+    raise TypeError(f"{name} must have an integer dtype (int32), got "
+                    f"{jnp.dtype(arr.dtype).name}.")
+
+
+def check_shape(name: str, arr: Any, expected: Sequence[int],
+                layout: str) -> None:
+  """Raises ValueError unless arr.shape == expected.
+
+  Args:
+    name: argument name used in the message.
+    arr: the array.
+    expected: the expected shape.
+    layout: the axis names, e.g. "[batch, nheads, headdim]".
+  """
+  check_array(name, arr)
+  if tuple(arr.shape) != tuple(expected):
+    raise ValueError(f"{name} must have shape {layout} = {tuple(expected)}, "
+                     f"got {tuple(arr.shape)}.")
+
+
+def check_ndim(name: str, arr: Any, ndim: int, layout: str) -> None:
+  check_array(name, arr)
+  if arr.ndim != ndim:
+    raise ValueError(f"{name} must be {ndim}-D {layout}, got shape "
+                     f"{tuple(arr.shape)}.")
+
+
+def check_groups(nheads: int, ngroups: int, where: str = "B") -> None:
+  if ngroups < 1 or nheads % ngroups != 0:
+    raise ValueError(
+        f"nheads ({nheads}) must be divisible by ngroups ({ngroups}, read "
+        f"from {where}); each group of B/C serves nheads // ngroups heads.")
+
+
+def is_concrete(arr: Any) -> bool:
+  """True when the values of arr can be read on the host (not traced)."""
+  return not isinstance(arr, jax.core.Tracer)
+
+
+def check_count_range(count: Any, buffer_len: int, name: str = "count"):
+  """Value check of per-row counters; only possible outside of jit."""
+  if not is_concrete(count):
+    return
+  c = np.asarray(count)
+  bad = (c < 0) | (c >= buffer_len)
+  if bad.any():
+    rows = np.nonzero(bad)[0][:8].tolist()
+    raise ValueError(
+        f"{name} must lie in [0, buffer_len) = [0, {buffer_len}) for every "
+        f"row; rows {rows} hold {c[rows].tolist()}.")
+
+
+def check_params(nheads: int, *, A, D=None, dt_bias=None) -> None:
+  """Per-head parameters: A, D, dt_bias are [nheads]."""
+  check_floating("A", A)
+  check_shape("A", A, (nheads,), "[nheads]")
+  if D is not None:
+    check_floating("D", D)
+    check_shape("D", D, (nheads,), "[nheads]")
+  if dt_bias is not None:
+    check_floating("dt_bias", dt_bias)
+    check_shape("dt_bias", dt_bias, (nheads,), "[nheads]")
+
+
+def check_step_inputs(batch: int, nheads: int, headdim: int, dstate: int, *,
+                      x, dt, A, B, C, D=None, z=None, dt_bias=None,
+                      ngroups: int | None = None) -> int:
+  """Validates one decode token's inputs; returns ngroups."""
+  check_floating("x", x)
+  check_shape("x", x, (batch, nheads, headdim), "[batch, nheads, headdim]")
+  check_floating("dt", dt)
+  check_shape("dt", dt, (batch, nheads), "[batch, nheads]")
+  check_floating("B", B)
+  check_ndim("B", B, 3, "[batch, ngroups, dstate]")
+  g = B.shape[1] if ngroups is None else ngroups
+  check_shape("B", B, (batch, g, dstate), "[batch, ngroups, dstate]")
+  check_groups(nheads, g)
+  check_floating("C", C)
+  check_shape("C", C, (batch, g, dstate), "[batch, ngroups, dstate]")
+  if z is not None:
+    check_floating("z", z)
+    check_shape("z", z, (batch, nheads, headdim), "[batch, nheads, headdim]")
+  check_params(nheads, A=A, D=D, dt_bias=dt_bias)
+  return g

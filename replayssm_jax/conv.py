@@ -1,0 +1,105 @@
+"""Causal depthwise conv1d (Mamba-2's short convolution) and its decode step.
+
+Weight layout is [dim, kernel_size] (the Hugging Face `conv1d.weight`
+[dim, 1, k] with the middle axis dropped); the last tap multiplies the
+current token. The rolling conv state holds the last `kernel_size - 1`
+inputs, time-major: [batch, kernel_size - 1, dim] (oldest first).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from replayssm_jax import _validation as V
+from replayssm_jax.reference import F32
+
+_ACTIVATIONS = (None, "silu", "swish")
+
+
+def _activate(y, activation):
+  return jax.nn.silu(y) if activation in ("silu", "swish") else y
+
+
+def _check_conv_params(weight, bias, dim, activation):
+  V.check_floating("weight", weight)
+  V.check_ndim("weight", weight, 2, "[dim, kernel_size]")
+  if weight.shape[0] != dim:
+    raise ValueError(f"weight must have shape [dim, kernel_size] with dim = "
+                     f"{dim}, got {tuple(weight.shape)}.")
+  if bias is not None:
+    V.check_floating("bias", bias)
+    V.check_shape("bias", bias, (dim,), "[dim]")
+  if activation not in _ACTIVATIONS:
+    raise ValueError(f"activation must be one of {_ACTIVATIONS}, got "
+                     f"{activation!r}.")
+  return weight.shape[1]
+
+
+def causal_conv1d(x, weight, bias=None, initial_state=None,
+                  activation: str | None = "silu"):
+  """Causal depthwise conv over a sequence (prefill).
+
+  Args:
+    x: [batch, seqlen, dim].
+    weight: [dim, kernel_size].
+    bias: optional [dim].
+    initial_state: optional [batch, kernel_size - 1, dim] inputs preceding
+      x (zeros if None), e.g. a conv state carried over from an earlier chunk.
+    activation: "silu" (Mamba-2) or None.
+
+  Returns:
+    (y [batch, seqlen, dim] in x.dtype, final conv state
+     [batch, kernel_size - 1, dim] in x.dtype (initial_state's dtype if
+     given)).
+  """
+  V.check_floating("x", x)
+  V.check_ndim("x", x, 3, "[batch, seqlen, dim]")
+  b, l, dim = x.shape
+  k = _check_conv_params(weight, bias, dim, activation)
+  state_dtype = x.dtype
+  if initial_state is None:
+    initial_state = jnp.zeros((b, k - 1, dim), x.dtype)
+  else:
+    V.check_floating("initial_state", initial_state)
+    V.check_shape("initial_state", initial_state, (b, k - 1, dim),
+                  "[batch, kernel_size - 1, dim]")
+    state_dtype = initial_state.dtype
+  xp = jnp.concatenate([initial_state.astype(F32), x.astype(F32)], axis=1)
+  w = weight.astype(F32)
+  y = sum(xp[:, i:i + l] * w[:, i] for i in range(k))
+  if bias is not None:
+    y = y + bias.astype(F32)
+  y = _activate(y, activation)
+  final_state = xp[:, xp.shape[1] - (k - 1):].astype(state_dtype)
+  return y.astype(x.dtype), final_state
+
+
+def causal_conv1d_update(x, conv_state, weight, bias=None,
+                         activation: str | None = "silu"):
+  """One decode step of the causal conv.
+
+  Args:
+    x: [batch, dim] the new token's pre-conv input.
+    conv_state: [batch, kernel_size - 1, dim] the previous inputs.
+    weight, bias, activation: as in `causal_conv1d`.
+
+  Returns:
+    (y [batch, dim] in x.dtype, new conv state (same shape and dtype)).
+  """
+  V.check_floating("x", x)
+  V.check_ndim("x", x, 2, "[batch, dim]")
+  b, dim = x.shape
+  k = _check_conv_params(weight, bias, dim, activation)
+  V.check_floating("conv_state", conv_state)
+  V.check_shape("conv_state", conv_state, (b, k - 1, dim),
+                "[batch, kernel_size - 1, dim]")
+  window = jnp.concatenate(
+      [conv_state.astype(F32), x.astype(F32)[:, None]], axis=1)  # [b, k, d]
+  y = jnp.einsum("bkd,dk->bd", window, weight.astype(F32),
+                 precision=jax.lax.Precision.HIGHEST)
+  if bias is not None:
+    y = y + bias.astype(F32)
+  y = _activate(y, activation)
+  new_state = window[:, 1:].astype(conv_state.dtype)
+  return y.astype(x.dtype), new_state

@@ -1,0 +1,158 @@
+"""Public, validated decode-step ops with an implementation dispatcher.
+
+`selective_state_update` (baseline) and `replay_state_update` (ReplaySSM)
+check their arguments once at trace time (shape/dtype errors name the
+argument), then run an implementation:
+
+  implementation=None         the fastest registered implementation that
+                              supports the device and shapes (the reference
+                              always does);
+  implementation="reference"  the pure-JAX reference in `reference.py`;
+  any other registered name   that implementation, with no fallback: if it
+                              cannot take the inputs it raises
+                              NotImplementedError saying why.
+
+Kernels register themselves with `register_implementation`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from replayssm_jax import _validation as V
+from replayssm_jax import reference
+from replayssm_jax.state import ReplayState
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+  """One way to run an op.
+
+  Attributes:
+    name: the name users pass as `implementation=`.
+    fn: callable with the reference op's signature plus `config=` keyword.
+    supports: callable(**op_kwargs) -> None | str; a string says why the
+      implementation cannot take these inputs on this device.
+    priority: higher runs first when implementation=None.
+  """
+  name: str
+  fn: Callable
+  supports: Callable[..., str | None] = lambda **_: None
+  priority: int = 0
+
+
+_REGISTRY: dict[str, dict[str, Implementation]] = {
+    "selective_state_update": {
+        "reference": Implementation(
+            "reference", reference.selective_state_update, priority=-1)},
+    "replay_state_update": {
+        "reference": Implementation(
+            "reference", reference.replay_state_update, priority=-1)},
+}
+
+
+def register_implementation(op: str, impl: Implementation) -> None:
+  if op not in _REGISTRY:
+    raise ValueError(f"op must be one of {sorted(_REGISTRY)}, got {op!r}.")
+  _REGISTRY[op][impl.name] = impl
+
+
+def implementations(op: str) -> tuple[str, ...]:
+  """Registered implementation names of `op`, fastest first."""
+  impls = sorted(_REGISTRY[op].values(), key=lambda i: -i.priority)
+  return tuple(i.name for i in impls)
+
+
+def _dispatch(op: str, implementation: str | None, config, args: dict):
+  table = _REGISTRY[op]
+  if implementation is not None:
+    if implementation not in table:
+      raise ValueError(f"implementation must be None or one of "
+                       f"{implementations(op)}, got {implementation!r}.")
+    impl = table[implementation]
+    why = impl.supports(**args)
+    if why is not None:
+      raise NotImplementedError(
+          f"{op}: implementation {implementation!r} cannot run these inputs: "
+          f"{why}")
+    return impl.fn(**args, **({"config": config} if config else {}))
+  if config is not None:
+    raise ValueError("config can only be given with a named implementation.")
+  for name in implementations(op):
+    impl = table[name]
+    if impl.supports(**args) is None:
+      return impl.fn(**args)
+  raise AssertionError("unreachable: the reference supports every input")
+
+
+def selective_state_update(ssm_state, x, dt, A, B, C, D=None, z=None,
+                           dt_bias=None, dt_softplus=False, *,
+                           implementation: str | None = None, config=None):
+  """Baseline Mamba-2 decode step.
+
+  Args:
+    ssm_state: [batch, nheads, headdim, dstate] f32/bf16/f16 state.
+    x: [batch, nheads, headdim] post-conv input.
+    dt: [batch, nheads] raw time step.
+    A: [nheads] per-head decay rate (A = -exp(A_log)).
+    B, C: [batch, ngroups, dstate]; nheads % ngroups == 0.
+    D: optional [nheads] skip.
+    z: optional [batch, nheads, headdim] gate: y *= silu(z).
+    dt_bias: optional [nheads], added to dt before the softplus.
+    dt_softplus: apply softplus to dt + dt_bias.
+    implementation: see module docstring.
+    config: tuning config of the named implementation.
+
+  Returns:
+    (y [batch, nheads, headdim] in x.dtype, new ssm_state in its dtype).
+  """
+  V.check_floating("ssm_state", ssm_state, V.STATE_DTYPES)
+  V.check_ndim("ssm_state", ssm_state, 4, "[batch, nheads, headdim, dstate]")
+  b, h, p, n = ssm_state.shape
+  V.check_step_inputs(b, h, p, n, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z,
+                      dt_bias=dt_bias)
+  args = dict(ssm_state=ssm_state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z,
+              dt_bias=dt_bias, dt_softplus=bool(dt_softplus))
+  return _dispatch("selective_state_update", implementation, config, args)
+
+
+def replay_state_update(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
+                        dt_bias=None, dt_softplus=False, *,
+                        implementation: str | None = None, config=None):
+  """ReplaySSM decode step: same arguments as `selective_state_update` with a
+  `ReplayState` instead of the full state.
+
+  Rows with count < L-1 compute y from checkpoint + buffer and append the
+  token (checkpoint untouched); rows with count == L-1 fold the L tokens into
+  a new checkpoint (flush) and reset their count. Each row therefore writes
+  its checkpoint exactly once every L steps; L = 1 is the baseline step.
+
+  Returns:
+    (y [batch, nheads, headdim] in x.dtype, new ReplayState).
+  """
+  if not isinstance(rstate, ReplayState):
+    raise TypeError(f"rstate must be a ReplayState, got "
+                    f"{type(rstate).__name__}.")
+  rstate.validate("rstate")
+  V.check_step_inputs(rstate.batch, rstate.nheads, rstate.headdim,
+                      rstate.dstate, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z,
+                      dt_bias=dt_bias, ngroups=rstate.ngroups)
+  args = dict(rstate=rstate, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z,
+              dt_bias=dt_bias, dt_softplus=bool(dt_softplus))
+  return _dispatch("replay_state_update", implementation, config, args)
+
+
+def materialize(rstate: ReplayState, A, dtype=None):
+  """Full current state [batch, nheads, headdim, dstate] of a ReplayState.
+
+  The checkpoint advanced over the `count` buffered tokens, computed in f32
+  and returned in `dtype` (default float32).
+  """
+  if not isinstance(rstate, ReplayState):
+    raise TypeError(f"rstate must be a ReplayState, got "
+                    f"{type(rstate).__name__}.")
+  rstate.validate("rstate")
+  V.check_params(rstate.nheads, A=A)
+  return reference.materialize(rstate, A, reference.F32 if dtype is None
+                               else dtype)

@@ -1,0 +1,178 @@
+"""Pure-JAX reference math for one Mamba-2 decode step (baseline and replay).
+
+These functions assume validated inputs (see `replayssm_jax.ops` for the
+public, checked entry points). Everything is computed in float32 whatever the
+storage dtypes; results are cast back to the storage dtype at the end.
+
+Notation (research notes §2.4): for a window of w tokens with processed steps
+d_j (dt after bias and softplus), Lambda_j = A * sum_{i<=j} d_i and
+Lambda = Lambda_w:
+
+  S_w = exp(Lambda) S_0 + sum_j s_j x_j B_j^T,  s_j = d_j exp(Lambda - Lambda_j)
+  y_w = exp(Lambda) (S_0 C_w) + sum_j s_j (B_j . C_w) x_j + D x_w
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from replayssm_jax.state import ReplayState
+
+F32 = jnp.float32
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def process_dt(dt, dt_bias=None, dt_softplus=False):
+  """dt' = softplus(dt + dt_bias) in float32 (softplus is the identity > 20)."""
+  d = dt.astype(F32)
+  if dt_bias is not None:
+    d = d + dt_bias.astype(F32)
+  if dt_softplus:
+    d = jnp.where(d <= 20.0, jnp.log1p(jnp.exp(jnp.minimum(d, 20.0))), d)
+  return d
+
+
+def heads_from_groups(v, nheads: int, axis: int):
+  """[.., ngroups, ..] -> [.., nheads, ..]: head h reads group h // (H/G)."""
+  return jnp.repeat(v, nheads // v.shape[axis], axis=axis)
+
+
+def _finish_output(y, x, D, z):
+  if D is not None:
+    y = y + D.astype(F32)[:, None] * x.astype(F32)
+  if z is not None:
+    y = y * jax.nn.silu(z.astype(F32))
+  return y
+
+
+def selective_state_update(ssm_state, x, dt, A, B, C, D=None, z=None,
+                           dt_bias=None, dt_softplus=False):
+  """Baseline decode step: reads and writes the full state.
+
+  Shapes: ssm_state [b, h, p, n]; x, z [b, h, p]; dt [b, h]; A, D, dt_bias [h];
+  B, C [b, g, n]. Returns (y [b, h, p] in x.dtype, new state in
+  ssm_state.dtype).
+  """
+  h = x.shape[1]
+  d = process_dt(dt, dt_bias, dt_softplus)  # [b, h]
+  decay = jnp.exp(d * A.astype(F32))  # [b, h]
+  bh = heads_from_groups(B.astype(F32), h, axis=1)  # [b, h, n]
+  ch = heads_from_groups(C.astype(F32), h, axis=1)
+  dx = d[..., None] * x.astype(F32)  # [b, h, p]
+  state = (ssm_state.astype(F32) * decay[..., None, None]
+           + dx[..., None] * bh[:, :, None, :])
+  y = jnp.einsum("bhpn,bhn->bhp", state, ch, precision=HIGHEST)
+  y = _finish_output(y, x, D, z)
+  return y.astype(x.dtype), state.astype(ssm_state.dtype)
+
+
+def fold_window(checkpoint, xw, bw, dw, A):
+  """Advances a checkpoint over a window of buffered tokens.
+
+  Args:
+    checkpoint: [b, h, p, n] state before the window.
+    xw: [b, w, h, p] window inputs (any float dtype).
+    bw: [b, w, g, n] window B.
+    dw: [b, w, h] processed dt, **zero at masked positions** (a zero step
+      neither decays nor adds, so masked slots drop out exactly).
+    A: [h].
+
+  Returns:
+    (state [b, h, p, n] f32, decay exp(Lambda) [b, h], weights s [b, w, h]).
+  """
+  h = checkpoint.shape[1]
+  lam = jnp.cumsum(dw, axis=1) * A.astype(F32)  # [b, w, h]
+  lam_tot = lam[:, -1]  # masked (zero) steps add nothing to the sum
+  s = dw * jnp.exp(lam_tot[:, None] - lam)  # [b, w, h]
+  decay = jnp.exp(lam_tot)
+  sx = s[..., None] * xw.astype(F32)  # [b, w, h, p]
+  bh = heads_from_groups(bw.astype(F32), h, axis=2)  # [b, w, h, n]
+  state = (decay[..., None, None] * checkpoint.astype(F32)
+           + jnp.einsum("bwhp,bwhn->bhpn", sx, bh, precision=HIGHEST))
+  return state, decay, s
+
+
+def _buffer_mask(count, length):
+  return jnp.arange(length)[None, :] < count[:, None]  # [b, L]
+
+
+def materialize(rstate: ReplayState, A, dtype=F32):
+  """The current full state: checkpoint advanced over the buffered tokens."""
+  valid = _buffer_mask(rstate.count, rstate.buffer_len)
+  dw = jnp.where(valid[..., None], rstate.dt_buf, 0.0)
+  xw = jnp.where(valid[..., None, None], rstate.x_buf.astype(F32), 0.0)
+  bw = jnp.where(valid[..., None, None], rstate.b_buf.astype(F32), 0.0)
+  state, _, _ = fold_window(rstate.checkpoint, xw, bw, dw, A)
+  return state.astype(dtype)
+
+
+def _write_slot(buf, value, idx):
+  """buf[r, idx[r]] = value[r] for every row r."""
+  def one(b, v, i):
+    return jax.lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), i, 0)
+  return jax.vmap(one)(buf, value, idx)
+
+
+def replay_state_update(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
+                        dt_bias=None, dt_softplus=False):
+  """ReplaySSM decode step (reference).
+
+  Row r with count c = rstate.count[r]:
+    * c < L - 1 (output-only route): y from checkpoint + buffer + current
+      token, the token is appended at slot c, count -> c + 1; the checkpoint is
+      left untouched.
+    * c == L - 1 (flush route): the c buffered tokens and the current one are
+      folded into a new checkpoint, y is read from it, count -> 0.
+  Rows whose count lies outside [0, L) (only possible under jit, where values
+  cannot be checked) get NaN outputs rather than a silently wrong answer.
+  """
+  L = rstate.buffer_len
+  h = x.shape[1]
+  c = rstate.count.astype(jnp.int32)
+  d_cur = process_dt(dt, dt_bias, dt_softplus)  # [b, h]
+
+  # Window = buffered slots [0, c) plus the current token logically at slot c.
+  slot = jnp.arange(L)[None, :]
+  at_c = slot == c[:, None]  # [b, L]
+  valid = slot <= c[:, None]
+  xw = jnp.where(at_c[..., None, None], x.astype(F32)[:, None],
+                 rstate.x_buf.astype(F32))
+  bw = jnp.where(at_c[..., None, None], B.astype(F32)[:, None],
+                 rstate.b_buf.astype(F32))
+  dw = jnp.where(at_c[..., None], d_cur[:, None], rstate.dt_buf)
+  xw = jnp.where(valid[..., None, None], xw, 0.0)
+  bw = jnp.where(valid[..., None, None], bw, 0.0)
+  dw = jnp.where(valid[..., None], dw, 0.0)
+
+  new_state, decay, s = fold_window(rstate.checkpoint, xw, bw, dw, A)
+  ch = heads_from_groups(C.astype(F32), h, axis=1)  # [b, h, n]
+
+  # Output-only route: never forms the state.
+  readout = jnp.einsum("bhpn,bhn->bhp", rstate.checkpoint.astype(F32), ch,
+                       precision=HIGHEST)
+  bc = jnp.einsum("bwgn,bgn->bwg", bw, C.astype(F32), precision=HIGHEST)
+  bc = heads_from_groups(bc, h, axis=2)  # [b, w, h]
+  y_out = decay[..., None] * readout + jnp.einsum(
+      "bwh,bwhp->bhp", s * bc, xw, precision=HIGHEST)
+  # Flush route: read the output from the rebuilt state.
+  y_flush = jnp.einsum("bhpn,bhn->bhp", new_state, ch, precision=HIGHEST)
+
+  flush = c == L - 1
+  y = jnp.where(flush[:, None, None], y_flush, y_out)
+  y = _finish_output(y, x, D, z)
+  in_range = (c >= 0) & (c < L)
+  y = jnp.where(in_range[:, None, None], y, jnp.nan)
+
+  checkpoint = jnp.where(flush[:, None, None, None],
+                         new_state.astype(rstate.checkpoint.dtype),
+                         rstate.checkpoint)
+  slot_idx = jnp.clip(c, 0, L - 1)
+  new_rstate = ReplayState(
+      checkpoint=checkpoint,
+      x_buf=_write_slot(rstate.x_buf, x, slot_idx),
+      b_buf=_write_slot(rstate.b_buf, B, slot_idx),
+      dt_buf=_write_slot(rstate.dt_buf, d_cur, slot_idx),
+      count=jnp.where(flush, 0, c + 1).astype(jnp.int32),
+  )
+  return y.astype(x.dtype), new_rstate

@@ -1,0 +1,144 @@
+"""Chunked SSD scan (Mamba-2 prefill) in pure JAX, float32 accumulation.
+
+The sequence is cut into chunks of `chunk_size` tokens. Inside a chunk the
+output is a masked (causal, decayed) attention-like product; across chunks a
+short `lax.scan` carries the state. Any seqlen works: the tail is padded with
+zero steps (dt' = 0 after bias/softplus), which neither decay nor add to the
+state, so the final state is exact.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from replayssm_jax import _validation as V
+from replayssm_jax.reference import (F32, HIGHEST, _finish_output,
+                                     heads_from_groups, process_dt)
+
+
+def _segsum(a):
+  """a [..., Q] -> [..., Q, Q] with out[i, j] = sum_{j<k<=i} a_k, -inf j > i.
+
+  Computed as a cumsum of a masked matrix rather than a difference of
+  cumsums, which would lose precision when the prefix sums are large.
+  """
+  q = a.shape[-1]
+  rep = jnp.broadcast_to(a[..., None, :], a.shape + (q,))  # [..., i, k]
+  rep = jnp.swapaxes(rep, -1, -2)  # [..., k, i]: value a_k
+  strict = jnp.tril(jnp.ones((q, q), bool), -1)  # k > j
+  seg = jnp.cumsum(jnp.where(strict, rep, 0.0), axis=-2)  # [..., i, j]
+  causal = jnp.tril(jnp.ones((q, q), bool))
+  return jnp.where(causal, seg, -jnp.inf)
+
+
+def _check_scan_inputs(x, dt, A, B, C, D, z, dt_bias, initial_state):
+  V.check_floating("x", x)
+  V.check_ndim("x", x, 4, "[batch, seqlen, nheads, headdim]")
+  b, l, h, p = x.shape
+  V.check_floating("dt", dt)
+  V.check_shape("dt", dt, (b, l, h), "[batch, seqlen, nheads]")
+  V.check_floating("B", B)
+  V.check_ndim("B", B, 4, "[batch, seqlen, ngroups, dstate]")
+  g, n = B.shape[2], B.shape[3]
+  V.check_shape("B", B, (b, l, g, n), "[batch, seqlen, ngroups, dstate]")
+  V.check_groups(h, g)
+  V.check_floating("C", C)
+  V.check_shape("C", C, (b, l, g, n), "[batch, seqlen, ngroups, dstate]")
+  if z is not None:
+    V.check_floating("z", z)
+    V.check_shape("z", z, (b, l, h, p), "[batch, seqlen, nheads, headdim]")
+  V.check_params(h, A=A, D=D, dt_bias=dt_bias)
+  if initial_state is not None:
+    V.check_floating("initial_state", initial_state)
+    V.check_shape("initial_state", initial_state, (b, h, p, n),
+                  "[batch, nheads, headdim, dstate]")
+
+
+def ssd_chunked_scan(x, dt, A, B, C, chunk_size: int, D=None, z=None,
+                     dt_bias=None, dt_softplus=False, initial_state=None):
+  """Mamba-2 SSD over a whole sequence.
+
+  Args:
+    x: [batch, seqlen, nheads, headdim].
+    dt: [batch, seqlen, nheads] raw time steps.
+    A: [nheads].
+    B, C: [batch, seqlen, ngroups, dstate].
+    chunk_size: tokens per chunk (any positive int; seqlen need not be a
+      multiple).
+    D, z, dt_bias, dt_softplus: as in `selective_state_update`.
+    initial_state: optional [batch, nheads, headdim, dstate] state before the
+      first token (zeros if None).
+
+  Returns:
+    (y [batch, seqlen, nheads, headdim] in x.dtype,
+     final_state [batch, nheads, headdim, dstate] float32).
+  """
+  if not isinstance(chunk_size, int) or chunk_size < 1:
+    raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}.")
+  _check_scan_inputs(x, dt, A, B, C, D, z, dt_bias, initial_state)
+  return _ssd_chunked_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias,
+                           bool(dt_softplus), initial_state)
+
+
+def _ssd_chunked_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus,
+                      initial_state):
+  b, l, h, p = x.shape
+  n = B.shape[-1]
+  q = chunk_size
+  nchunks = -(-l // q)
+  pad = nchunks * q - l
+
+  d = process_dt(dt, dt_bias, dt_softplus)  # [b, l, h]
+  xf = x.astype(F32)
+  bh = heads_from_groups(B.astype(F32), h, axis=2)  # [b, l, h, n]
+  ch = heads_from_groups(C.astype(F32), h, axis=2)
+  if pad:
+    # Zero steps after dt processing: exp(0) = 1 decay, zero contribution.
+    padw = ((0, 0), (0, pad), (0, 0))
+    d = jnp.pad(d, padw)
+    xf = jnp.pad(xf, padw + ((0, 0),))
+    bh = jnp.pad(bh, padw + ((0, 0),))
+    ch = jnp.pad(ch, padw + ((0, 0),))
+
+  def chunked(v):
+    return v.reshape((b, nchunks, q) + v.shape[2:])
+
+  d, xf, bh, ch = map(chunked, (d, xf, bh, ch))
+  a = jnp.moveaxis(d * A.astype(F32), 2, -1)  # [b, c, h, q]
+  a_cum = jnp.cumsum(a, axis=-1)  # [b, c, h, q]
+  dx = d[..., None] * xf  # [b, c, q, h, p]
+
+  # 1. Intra-chunk (diagonal blocks).
+  decay_ij = jnp.exp(_segsum(a))  # [b, c, h, i, j]
+  cb = jnp.einsum("bcihn,bcjhn->bchij", ch, bh, precision=HIGHEST)
+  y_diag = jnp.einsum("bchij,bcjhp->bcihp", decay_ij * cb, dx,
+                      precision=HIGHEST)
+
+  # 2. State contributed by each chunk, as of the chunk's end.
+  decay_to_end = jnp.exp(a_cum[..., -1:] - a_cum)  # [b, c, h, q]
+  chunk_states = jnp.einsum("bchj,bcjhp,bcjhn->bchpn", decay_to_end, dx, bh,
+                            precision=HIGHEST)
+
+  # 3. Carry the state across chunks.
+  chunk_decay = jnp.exp(a_cum[..., -1])  # [b, c, h]
+  s0 = (jnp.zeros((b, h, p, n), F32) if initial_state is None
+        else initial_state.astype(F32))
+
+  def step(state, inp):
+    dec, cs = inp
+    return dec[..., None, None] * state + cs, state
+
+  final_state, prev_states = jax.lax.scan(
+      step, s0, (jnp.moveaxis(chunk_decay, 1, 0),
+                 jnp.moveaxis(chunk_states, 1, 0)))
+  prev_states = jnp.moveaxis(prev_states, 0, 1)  # [b, c, h, p, n]
+
+  # 4. Contribution of the state entering each chunk.
+  y_off = jnp.einsum("bcihn,bchpn,bchi->bcihp", ch, prev_states,
+                     jnp.exp(a_cum), precision=HIGHEST)
+
+  y = (y_diag + y_off).reshape(b, nchunks * q, h, p)[:, :l]
+  y = _finish_output(y, x, D, z)  # D/z broadcast over [.., heads, headdim]
+  return y.astype(x.dtype), final_state
+

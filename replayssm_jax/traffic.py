@@ -1,0 +1,1 @@
+"""Memory-traffic model (placeholder, filled below)."""
