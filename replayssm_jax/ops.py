@@ -18,7 +18,10 @@ Kernels register themselves with `register_implementation`.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from typing import Callable
+
+from absl import logging
 
 from replayssm_jax import _validation as V
 from replayssm_jax import reference
@@ -34,11 +37,15 @@ class Implementation:
     fn: callable with the reference op's signature plus `config=` keyword.
     supports: callable(**op_kwargs) -> None | str; a string says why the
       implementation cannot take these inputs on this device.
+    preferred: callable() -> bool; whether implementation=None may pick it
+      (e.g. a Pallas kernel only on GPU: elsewhere it runs in the slow
+      interpret mode, which only an explicit request gets).
     priority: higher runs first when implementation=None.
   """
   name: str
   fn: Callable
   supports: Callable[..., str | None] = lambda **_: None
+  preferred: Callable[[], bool] = lambda: True
   priority: int = 0
 
 
@@ -60,16 +67,41 @@ def register_implementation(op: str, impl: Implementation) -> None:
 
 def implementations(op: str) -> tuple[str, ...]:
   """Registered implementation names of `op`, fastest first."""
+  _load_plugins()
   impls = sorted(_REGISTRY[op].values(), key=lambda i: -i.priority)
   return tuple(i.name for i in impls)
 
 
+_PLUGINS = ("pallas_kernels",)
+_plugins_loaded = False
+_plugin_errors: dict[str, str] = {}
+
+
+def _load_plugins() -> None:
+  """Imports the kernel packages once; they register themselves."""
+  global _plugins_loaded
+  if _plugins_loaded:
+    return
+  _plugins_loaded = True
+  for module in _PLUGINS:
+    try:
+      importlib.import_module(module)
+    except ImportError as e:  # e.g. a jax build without Pallas.
+      _plugin_errors[module] = f"{type(e).__name__}: {e}"
+      logging.warning("replayssm_jax: kernels in %s unavailable: %s", module,
+                      e)
+
+
 def _dispatch(op: str, implementation: str | None, config, args: dict):
+  _load_plugins()
   table = _REGISTRY[op]
   if implementation is not None:
     if implementation not in table:
+      unavailable = "".join(f" (kernel package {m} failed to import: {e})"
+                            for m, e in _plugin_errors.items())
       raise ValueError(f"implementation must be None or one of "
-                       f"{implementations(op)}, got {implementation!r}.")
+                       f"{implementations(op)}, got {implementation!r}."
+                       f"{unavailable}")
     impl = table[implementation]
     why = impl.supports(**args)
     if why is not None:
@@ -81,7 +113,7 @@ def _dispatch(op: str, implementation: str | None, config, args: dict):
     raise ValueError("config can only be given with a named implementation.")
   for name in implementations(op):
     impl = table[name]
-    if impl.supports(**args) is None:
+    if impl.preferred() and impl.supports(**args) is None:
       return impl.fn(**args)
   raise AssertionError("unreachable: the reference supports every input")
 

@@ -1,0 +1,70 @@
+"""Pallas GPU kernels for the Mamba-2 decode step (baseline and ReplaySSM).
+
+Importing this package registers implementation "pallas" for
+`replayssm_jax.selective_state_update` and `replayssm_jax.replay_state_update`
+(the dispatcher imports it lazily on first use). The kernels use the Pallas
+Triton backend on GPU and Pallas interpret mode elsewhere, so the same kernel
+code runs in CPU tests. A Mosaic GPU variant would register beside it under
+its own name (e.g. "pallas_mosaic_gpu") with the same signature.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels import common
+from pallas_kernels import replay as replay_kernel
+from pallas_kernels import ssu as ssu_kernel
+from pallas_kernels.common import ReplayConfig, SSUConfig
+from replayssm_jax import ops as _ops
+
+
+def on_gpu() -> bool:
+  try:
+    return jax.default_backend() == "gpu"
+  except RuntimeError:
+    return False
+
+
+def _pow2(v: int) -> bool:
+  return v >= 1 and not v & (v - 1)
+
+
+def _shape_problem(headdim: int, dstate: int, buffer_len: int = 1):
+  """Triton block shapes must be powers of two."""
+  for name, v in (("headdim", headdim), ("dstate", dstate),
+                  ("buffer_len", buffer_len)):
+    if not _pow2(v):
+      return (f"{name} = {v} is not a power of two (Triton block shapes "
+              f"must be); use implementation='reference'.")
+  return None
+
+
+def _ssu_supports(ssm_state, **_):
+  return _shape_problem(ssm_state.shape[2], ssm_state.shape[3])
+
+
+def _replay_supports(rstate, **_):
+  return _shape_problem(rstate.headdim, rstate.dstate, rstate.buffer_len)
+
+
+def _ssu(*, config=None, **args):
+  return ssu_kernel.selective_state_update(
+      **args, config=config or SSUConfig(), interpret=not on_gpu())
+
+
+def _replay(*, config=None, **args):
+  return replay_kernel.replay_state_update(
+      **args, config=config or ReplayConfig(), interpret=not on_gpu())
+
+
+_ops.register_implementation(
+    "selective_state_update",
+    _ops.Implementation("pallas", _ssu, supports=_ssu_supports,
+                        preferred=on_gpu, priority=10))
+_ops.register_implementation(
+    "replay_state_update",
+    _ops.Implementation("pallas", _replay, supports=_replay_supports,
+                        preferred=on_gpu, priority=10))
+
+__all__ = ["ReplayConfig", "SSUConfig", "common", "on_gpu"]

@@ -1,0 +1,73 @@
+"""Pieces shared by the Pallas decode kernels: tuning configs and math."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+
+
+def _check_pow2(name, v):
+  if not isinstance(v, int) or v < 1 or v & (v - 1):
+    raise ValueError(f"{name} must be a power of two >= 1, got {v!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class SSUConfig:
+  """Tuning of the baseline kernel (Triton launch parameters)."""
+  num_warps: int = 4
+  num_stages: int = 1
+
+  def __post_init__(self):
+    _check_pow2("num_warps", self.num_warps)
+    if self.num_stages < 1:
+      raise ValueError(f"num_stages must be >= 1, got {self.num_stages}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayConfig:
+  """Tuning of the replay kernel.
+
+  Attributes:
+    heads_per_program: heads of one B/C group handled by one program; the
+      program computes the B-buffer dot products B_j . C once and reuses them
+      for all its heads (so the B buffer is read once per group, not once per
+      head, when heads_per_program == nheads // ngroups). None picks a
+      heuristic from the batch size (more programs at small batch).
+    num_warps, num_stages: Triton launch parameters.
+  """
+  heads_per_program: int | None = None
+  num_warps: int = 4
+  num_stages: int = 1
+
+  def __post_init__(self):
+    hb = self.heads_per_program
+    if hb is not None and (not isinstance(hb, int) or hb < 1):
+      raise ValueError(f"heads_per_program must be None or an int >= 1, got "
+                       f"{hb!r}.")
+    _check_pow2("num_warps", self.num_warps)
+    if self.num_stages < 1:
+      raise ValueError(f"num_stages must be >= 1, got {self.num_stages}.")
+
+
+def process_dt(dt, dt_bias, dt_softplus):
+  """Scalar/vector dt' = softplus(dt + bias) in f32 (identity above 20)."""
+  d = dt.astype(F32)
+  if dt_bias is not None:
+    d = d + dt_bias.astype(F32)
+  if dt_softplus:
+    d = jnp.where(d <= 20.0, jnp.log1p(jnp.exp(jnp.minimum(d, 20.0))), d)
+  return d
+
+
+def finish_output(y, x, D, z):
+  """y + D x, then * silu(z); all f32. x, z: [P]; D scalar or None."""
+  if D is not None:
+    y = y + D.astype(F32) * x
+  if z is not None:
+    zf = z.astype(F32)
+    y = y * (zf * jax.nn.sigmoid(zf))
+  return y
