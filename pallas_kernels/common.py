@@ -17,11 +17,20 @@ def _check_pow2(name, v):
 
 @dataclasses.dataclass(frozen=True)
 class SSUConfig:
-  """Tuning of the baseline kernel (Triton launch parameters)."""
+  """Tuning of the baseline kernel.
+
+  Attributes:
+    block_p: headdim rows per program (the state tile is [block_p, dstate]);
+      None = all of headdim.
+    num_warps, num_stages: Triton launch parameters.
+  """
+  block_p: int | None = None
   num_warps: int = 4
   num_stages: int = 1
 
   def __post_init__(self):
+    if self.block_p is not None:
+      _check_pow2("block_p", self.block_p)
     _check_pow2("num_warps", self.num_warps)
     if self.num_stages < 1:
       raise ValueError(f"num_stages must be >= 1, got {self.num_stages}.")
@@ -32,6 +41,9 @@ class ReplayConfig:
   """Tuning of the replay kernel.
 
   Attributes:
+    block_p: headdim rows per program (checkpoint tile [block_p, dstate]);
+      None = all of headdim. Smaller tiles mean fewer registers per thread
+      (the flush route holds one more tile) and more programs.
     heads_per_program: heads of one B/C group handled by one program; the
       program computes the B-buffer dot products B_j . C once and reuses them
       for all its heads (so the B buffer is read once per group, not once per
@@ -40,10 +52,13 @@ class ReplayConfig:
     num_warps, num_stages: Triton launch parameters.
   """
   heads_per_program: int | None = None
+  block_p: int | None = None
   num_warps: int = 4
   num_stages: int = 1
 
   def __post_init__(self):
+    if self.block_p is not None:
+      _check_pow2("block_p", self.block_p)
     hb = self.heads_per_program
     if hb is not None and (not isinstance(hb, int) or hb < 1):
       raise ValueError(f"heads_per_program must be None or an int >= 1, got "
@@ -71,3 +86,11 @@ def finish_output(y, x, D, z):
     zf = z.astype(F32)
     y = y * (zf * jax.nn.sigmoid(zf))
   return y
+
+
+def resolve_block_p(block_p, headdim: int) -> int:
+  bp = headdim if block_p is None else min(block_p, headdim)
+  if headdim % bp:
+    raise NotImplementedError(
+        f"block_p ({bp}) must divide headdim ({headdim}).")
+  return bp

@@ -1,7 +1,8 @@
 """Pallas (Triton backend) kernel: ReplaySSM decode step, both routes in one.
 
-Grid: (head blocks of one group, ngroups, batch). A program owns
-`heads_per_program` heads of one B/C group of one row. It
+Grid: (headdim blocks x head blocks of one group, ngroups, batch). A program
+owns `block_p` headdim rows of `heads_per_program` heads of one B/C group of
+one row. It
 
   1. reads the row's counter c and decides its route (flush iff c == L-1);
   2. loads the group's B window (buffered slots < c, the current B at slot c)
@@ -36,7 +37,7 @@ F32 = jnp.float32
 
 
 def _replay_kernel(*refs, buffer_len, heads_per_program, heads_per_group,
-                   has_D, has_z, has_bias, dt_softplus):
+                   block_p, has_D, has_z, has_bias, dt_softplus):
   it = iter(refs)
   ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref = (next(it) for _ in range(5))
   x_ref, dt_ref, a_ref, b_ref, c_ref = (next(it) for _ in range(5))
@@ -48,9 +49,11 @@ def _replay_kernel(*refs, buffer_len, heads_per_program, heads_per_group,
   y_ref, ck_out, xb_out, bb_out, dtb_out, cnt_out = (next(it)
                                                      for _ in range(6))
   L = buffer_len
-  blk, g, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  pid, g, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  nblk_p = ck_ref.shape[-2] // block_p
+  pblk, blk = pid % nblk_p, pid // nblk_p
+  ps = pl.ds(pblk * block_p, block_p)
   nstate = ck_ref.shape[-1]
-  headdim = ck_ref.shape[-2]
 
   c = cnt_ref[b]
   flush = c == L - 1
@@ -79,18 +82,18 @@ def _replay_kernel(*refs, buffer_len, heads_per_program, heads_per_group,
     s = dw * jnp.exp(a * suffix)  # [L]
     decay = jnp.exp(a * jnp.sum(dw))
 
-    x_cur = x_ref[b, h, :].astype(F32)  # [P]
-    x_hist = plgpu.load(xb_ref.at[b, :, h, :],
-                        mask=jnp.broadcast_to(hist[:, None], (L, headdim)),
-                        other=0.0).astype(F32)  # [L, P]
+    x_cur = x_ref[b, h, ps].astype(F32)  # [block_p]
+    x_hist = plgpu.load(xb_ref.at[b, :, h, ps],
+                        mask=jnp.broadcast_to(hist[:, None], (L, block_p)),
+                        other=0.0).astype(F32)  # [L, block_p]
     x_win = jnp.where(cur[:, None], x_cur[None, :], x_hist)
-    s0 = plgpu.load(ck_ref.at[b, h],
-                    eviction_policy="evict_first").astype(F32)  # [P, N]
-    readout = jnp.sum(s0 * cv[None, :], axis=1)  # [P]
+    s0 = plgpu.load(ck_ref.at[b, h, ps],
+                    eviction_policy="evict_first").astype(F32)  # [block_p, N]
+    readout = jnp.sum(s0 * cv[None, :], axis=1)  # [block_p]
     y = decay * readout + jnp.sum((s * bc)[:, None] * x_win, axis=0)
     y = common.finish_output(y, x_cur, d_ref[h] if has_D else None,
-                             z_ref[b, h, :] if has_z else None)
-    y_ref[b, h, :] = y.astype(y_ref.dtype)
+                             z_ref[b, h, ps] if has_z else None)
+    y_ref[b, h, ps] = y.astype(y_ref.dtype)
 
     @pl.when(flush)
     def _fold():
@@ -99,27 +102,30 @@ def _replay_kernel(*refs, buffer_len, heads_per_program, heads_per_group,
       st = decay * s0
       for jj in range(L - 1):
         s_j = jnp.sum(jnp.where(j == jj, s, 0.0))
-        x_j = xb_ref[b, jj, h, :].astype(F32)
+        x_j = xb_ref[b, jj, h, ps].astype(F32)
         b_j = bb_ref[b, jj, g, :].astype(F32)
         st = st + (s_j * x_j)[:, None] * b_j[None, :]
       s_last = jnp.sum(jnp.where(j == L - 1, s, 0.0))
       st = st + (s_last * x_cur)[:, None] * b_cur[None, :]
-      plgpu.store(ck_out.at[b, h], st.astype(ck_out.dtype))
+      plgpu.store(ck_out.at[b, h, ps], st.astype(ck_out.dtype))
 
     @pl.when(jnp.logical_not(flush))
     def _append():
-      xb_out[b, c, h, :] = x_ref[b, h, :].astype(xb_out.dtype)
+      xb_out[b, c, h, ps] = x_ref[b, h, ps].astype(xb_out.dtype)
+
+    @pl.when(jnp.logical_not(flush) & (pblk == 0))
+    def _append_dt():
       dtb_out[b, c, h] = d_cur
 
     return carry
 
   lax.fori_loop(0, heads_per_program, one_head, 0)
 
-  @pl.when(jnp.logical_not(flush) & (blk == 0))
+  @pl.when(jnp.logical_not(flush) & (pid == 0))
   def _append_b():
     bb_out[b, c, g, :] = b_ref[b, g, :].astype(bb_out.dtype)
 
-  @pl.when((g == 0) & (blk == 0))
+  @pl.when((g == 0) & (pid == 0))
   def _count():
     cnt_out[b] = jnp.where(flush, 0, c + 1).astype(cnt_out.dtype)
 
@@ -146,6 +152,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   batch, nheads, headdim, _ = rstate.checkpoint.shape
   ngroups = rstate.ngroups
   per_group = nheads // ngroups
+  block_p = common.resolve_block_p(config.block_p, headdim)
   hb = config.heads_per_program or default_heads_per_program(
       batch, nheads, ngroups)
   if per_group % hb:
@@ -157,12 +164,12 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   operands += [v for v in (D, z, dt_bias) if v is not None]
   kernel = functools.partial(
       _replay_kernel, buffer_len=rstate.buffer_len, heads_per_program=hb,
-      heads_per_group=per_group, has_D=D is not None, has_z=z is not None,
+      heads_per_group=per_group, block_p=block_p, has_D=D is not None, has_z=z is not None,
       has_bias=dt_bias is not None, dt_softplus=dt_softplus)
   sds = jax.ShapeDtypeStruct
   y, ck, xb, bb, dtb, cnt = pl.pallas_call(
       kernel,
-      grid=(per_group // hb, ngroups, batch),
+      grid=((headdim // block_p) * (per_group // hb), ngroups, batch),
       out_shape=(sds((batch, nheads, headdim), x.dtype),
                  sds(rstate.checkpoint.shape, rstate.checkpoint.dtype),
                  sds(rstate.x_buf.shape, rstate.x_buf.dtype),

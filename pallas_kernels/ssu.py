@@ -1,6 +1,6 @@
 """Pallas (Triton backend) kernel: baseline Mamba-2 selective state update.
 
-One program per (row, head): read the [P, N] state tile, apply the decayed
+One program per (headdim block, head, row): read the [block_p, N] state tile, apply the decayed
 rank-1 update, write it back in place (the state is aliased input->output),
 and write y = S C + D x (optionally gated by silu(z)). Matches
 `replayssm_jax.reference.selective_state_update`.
@@ -20,7 +20,8 @@ from pallas_kernels import common
 F32 = jnp.float32
 
 
-def _ssu_kernel(*refs, has_D, has_z, has_bias, dt_softplus, heads_per_group):
+def _ssu_kernel(*refs, has_D, has_z, has_bias, dt_softplus, heads_per_group,
+                block_p):
   it = iter(refs)
   state_ref, x_ref, dt_ref, a_ref, b_ref, c_ref = (next(it) for _ in range(6))
   d_ref = next(it) if has_D else None
@@ -30,23 +31,23 @@ def _ssu_kernel(*refs, has_D, has_z, has_bias, dt_softplus, heads_per_group):
   # mode it starts as a copy of the input): read one, write the other.
   y_ref, state_out_ref = next(it), next(it)
 
-  h = pl.program_id(0)
-  b = pl.program_id(1)
+  pblk, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   g = h // heads_per_group
+  ps = pl.ds(pblk * block_p, block_p)
 
   d = common.process_dt(dt_ref[b, h], bias_ref[h] if has_bias else None,
                         dt_softplus)
   decay = jnp.exp(a_ref[h].astype(F32) * d)
-  x = x_ref[b, h, :].astype(F32)  # [P]
+  x = x_ref[b, h, ps].astype(F32)  # [block_p]
   bv = b_ref[b, g, :].astype(F32)  # [N]
   cv = c_ref[b, g, :].astype(F32)  # [N]
-  s = plgpu.load(state_ref.at[b, h], eviction_policy="evict_first")
-  s = s.astype(F32) * decay + (d * x)[:, None] * bv[None, :]  # [P, N]
-  y = jnp.sum(s * cv[None, :], axis=1)  # [P]
-  plgpu.store(state_out_ref.at[b, h], s.astype(state_out_ref.dtype))
+  s = plgpu.load(state_ref.at[b, h, ps], eviction_policy="evict_first")
+  s = s.astype(F32) * decay + (d * x)[:, None] * bv[None, :]  # [block_p, N]
+  y = jnp.sum(s * cv[None, :], axis=1)  # [block_p]
+  plgpu.store(state_out_ref.at[b, h, ps], s.astype(state_out_ref.dtype))
   y = common.finish_output(y, x, d_ref[h] if has_D else None,
-                           z_ref[b, h, :] if has_z else None)
-  y_ref[b, h, :] = y.astype(y_ref.dtype)
+                           z_ref[b, h, ps] if has_z else None)
+  y_ref[b, h, ps] = y.astype(y_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "config",
@@ -58,15 +59,16 @@ def selective_state_update(ssm_state, x, dt, A, B, C, D=None, z=None,
   """Same signature and results as the reference, plus a tuning config."""
   batch, nheads, headdim, _ = ssm_state.shape
   ngroups = B.shape[1]
+  block_p = common.resolve_block_p(config.block_p, headdim)
   operands = [ssm_state, x, dt, A, B, C]
   operands += [v for v in (D, z, dt_bias) if v is not None]
   kernel = functools.partial(
       _ssu_kernel, has_D=D is not None, has_z=z is not None,
       has_bias=dt_bias is not None, dt_softplus=dt_softplus,
-      heads_per_group=nheads // ngroups)
+      heads_per_group=nheads // ngroups, block_p=block_p)
   y, new_state = pl.pallas_call(
       kernel,
-      grid=(nheads, batch),
+      grid=(headdim // block_p, nheads, batch),
       out_shape=(jax.ShapeDtypeStruct((batch, nheads, headdim), x.dtype),
                  jax.ShapeDtypeStruct(ssm_state.shape, ssm_state.dtype)),
       input_output_aliases={0: 1},
