@@ -1,23 +1,26 @@
-"""Pallas (Triton backend) kernel: ReplaySSM decode step, both routes in one.
+"""Pallas (Triton backend) kernels: the ReplaySSM decode step.
+
+Two kernels, both launched every step, each exiting at once on the rows of
+the other route (the route of a row is data: no host branch, one compile):
+
+* output route (rows with count c < L-1): y = exp(Lambda) (S_0 C)
+  + sum_j s_j (B_j . C) x_j + D x from the checkpoint S_0 and the buffer,
+  then append (x, dt', B) at slot c. The checkpoint is only read.
+* flush route (rows with c == L-1): fold the L-1 buffered tokens and the
+  current one into a new checkpoint (exact f32 rank-1 updates), store it,
+  and read y from it.
 
 Grid: (headdim blocks x head blocks of one group, ngroups, batch). A program
 owns `block_p` headdim rows of `heads_per_program` heads of one B/C group of
-one row. It
-
-  1. reads the row's counter c and decides its route (flush iff c == L-1);
-  2. loads the group's B window (buffered slots < c, the current B at slot c)
-     and forms bc_j = B_j . C once for all its heads;
-  3. per head: loads the dt window, forms the weights
-     s_j = d_j exp(A * sum_{i>j} d_i) and the decay exp(A * sum_i d_i), reads
-     the checkpoint tile [P, N] and the x window, and writes
-     y = decay * (S_0 C) + sum_j s_j bc_j x_j  (+ D x, * silu(z));
-  4. flush rows fold the L tokens into a new checkpoint and store it; every
-     other row appends (x, dt', B) at slot c and never touches the checkpoint.
+one row; the output route forms bc_j = B_j . C once per program, so the B
+buffer is read once per group (not once per head) when a program holds the
+whole group. Keeping the fold in its own kernel keeps the output route's
+register footprint at one checkpoint tile.
 
 The checkpoint and the buffers are aliased input->output and only the
-elements named above are stored, so a non-flush step costs one checkpoint
-read (no write). The new counters go to a fresh [batch] output (not aliased:
-every program of a row reads the old counter). Matches
+elements named above are stored: a non-flush step never writes the
+checkpoint. New counters go to a fresh [batch] output (every program of a row
+reads the old counter, so it cannot be updated in place). Matches
 `replayssm_jax.reference.replay_state_update`.
 """
 
@@ -36,98 +39,146 @@ from pallas_kernels import common
 F32 = jnp.float32
 
 
-def _replay_kernel(*refs, buffer_len, heads_per_program, heads_per_group,
-                   block_p, has_D, has_z, has_bias, dt_softplus):
-  it = iter(refs)
-  ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref = (next(it) for _ in range(5))
-  x_ref, dt_ref, a_ref, b_ref, c_ref = (next(it) for _ in range(5))
-  d_ref = next(it) if has_D else None
-  z_ref = next(it) if has_z else None
-  bias_ref = next(it) if has_bias else None
-  # Aliased outputs (same HBM buffers as ck/xb/bb/dtb on GPU; copies of the
-  # inputs in interpret mode): read the inputs, store to these.
-  y_ref, ck_out, xb_out, bb_out, dtb_out, cnt_out = (next(it)
-                                                     for _ in range(6))
-  L = buffer_len
-  pid, g, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  nblk_p = ck_ref.shape[-2] // block_p
-  pblk, blk = pid % nblk_p, pid // nblk_p
-  ps = pl.ds(pblk * block_p, block_p)
-  nstate = ck_ref.shape[-1]
+class _Program:
+  """Indices and the token window shared by both route kernels."""
 
-  c = cnt_ref[b]
-  flush = c == L - 1
-  j = jnp.arange(L)
-  hist = j < c  # buffered slots
-  cur = j == c  # the current token's logical slot
+  def __init__(self, cnt_ref, dt_ref, a_ref, bias_ref, *, buffer_len,
+               heads_per_program, heads_per_group, block_p, headdim,
+               dt_softplus):
+    self.L = buffer_len
+    pid, self.g, self.b = (pl.program_id(0), pl.program_id(1),
+                           pl.program_id(2))
+    nblk_p = headdim // block_p
+    self.pid, self.pblk, blk = pid, pid % nblk_p, pid // nblk_p
+    self.ps = pl.ds(self.pblk * block_p, block_p)
+    self.head0 = self.g * heads_per_group + blk * heads_per_program
+    self.c = cnt_ref[self.b]
+    self.flush = self.c == self.L - 1
+    self.j = jnp.arange(self.L)
+    self.hist = self.j < self.c  # buffered slots
+    self.cur = self.j == self.c  # the current token's logical slot
+    self._dt, self._a, self._bias = dt_ref, a_ref, bias_ref
+    self._softplus = dt_softplus
 
-  # Group-shared B window and its dot products with C (once per program).
-  cv = c_ref[b, g, :].astype(F32)  # [N]
-  b_cur = b_ref[b, g, :].astype(F32)  # [N]
-  b_hist = plgpu.load(bb_ref.at[b, :, g, :],
-                      mask=jnp.broadcast_to(hist[:, None], (L, nstate)),
-                      other=0.0).astype(F32)  # [L, N]
-  b_win = jnp.where(cur[:, None], b_cur[None, :], b_hist)
-  bc = jnp.sum(b_win * cv[None, :], axis=1)  # [L]
-  after = j[:, None] < j[None, :]  # [j, i]: i > j
-
-  def one_head(r, carry):
-    h = g * heads_per_group + blk * heads_per_program + r
-    d_cur = common.process_dt(dt_ref[b, h], bias_ref[h] if has_bias else None,
-                              dt_softplus)
-    d_hist = plgpu.load(dtb_ref.at[b, :, h], mask=hist, other=0.0)  # [L]
-    dw = jnp.where(cur, d_cur, d_hist)  # zero past the current slot
-    a = a_ref[h].astype(F32)
+  def window_weights(self, h, dtb_ref):
+    """dt' of the current token, the weights s_j and the decay of head h."""
+    d_cur = common.process_dt(
+        self._dt[self.b, h],
+        None if self._bias is None else self._bias[h], self._softplus)
+    d_hist = plgpu.load(dtb_ref.at[self.b, :, h], mask=self.hist, other=0.0)
+    dw = jnp.where(self.cur, d_cur, d_hist)  # zero past the current slot
+    a = self._a[h].astype(F32)
+    after = self.j[:, None] < self.j[None, :]  # [j, i]: i > j
     suffix = jnp.sum(jnp.where(after, dw[None, :], 0.0), axis=1)  # [L]
-    s = dw * jnp.exp(a * suffix)  # [L]
-    decay = jnp.exp(a * jnp.sum(dw))
+    s = dw * jnp.exp(a * suffix)  # s_j = d_j exp(A sum_{i>j} d_i)
+    return d_cur, s, jnp.exp(a * jnp.sum(dw))
 
-    x_cur = x_ref[b, h, ps].astype(F32)  # [block_p]
-    x_hist = plgpu.load(xb_ref.at[b, :, h, ps],
-                        mask=jnp.broadcast_to(hist[:, None], (L, block_p)),
-                        other=0.0).astype(F32)  # [L, block_p]
-    x_win = jnp.where(cur[:, None], x_cur[None, :], x_hist)
-    s0 = plgpu.load(ck_ref.at[b, h, ps],
-                    eviction_policy="evict_first").astype(F32)  # [block_p, N]
-    readout = jnp.sum(s0 * cv[None, :], axis=1)  # [block_p]
-    y = decay * readout + jnp.sum((s * bc)[:, None] * x_win, axis=0)
-    y = common.finish_output(y, x_cur, d_ref[h] if has_D else None,
-                             z_ref[b, h, ps] if has_z else None)
-    y_ref[b, h, ps] = y.astype(y_ref.dtype)
 
-    @pl.when(flush)
-    def _fold():
+def _unpack(refs, n_out, has_D, has_z, has_bias, extra_in=0):
+  it = iter(refs)
+  ins = [next(it) for _ in range(10 + extra_in)]
+  opt = [next(it) if flag else None for flag in (has_D, has_z, has_bias)]
+  outs = [next(it) for _ in range(n_out)]
+  return ins, opt, outs
+
+
+def _output_kernel(*refs, has_D, has_z, has_bias, **kw):
+  """Route 1 (rows with count < L-1): y from checkpoint + buffer, append."""
+  (ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, x_ref, dt_ref, a_ref, b_ref,
+   c_ref), (d_ref, z_ref, bias_ref), outs = _unpack(refs, 5, has_D, has_z,
+                                                    has_bias)
+  # Buffers are aliased input->output (same HBM on GPU; copies of the inputs
+  # in interpret mode): read the inputs, store to the outputs.
+  y_ref, xb_out, bb_out, dtb_out, cnt_out = outs
+  p = _Program(cnt_ref, dt_ref, a_ref, bias_ref, **kw)
+  b, g, ps = p.b, p.g, p.ps
+
+  @pl.when((g == 0) & (p.pid == 0))
+  def _count():
+    cnt_out[b] = jnp.where(p.flush, 0, p.c + 1).astype(cnt_out.dtype)
+
+  @pl.when(jnp.logical_not(p.flush))
+  def _route():
+    nstate = ck_ref.shape[-1]
+    block_p = kw["block_p"]
+    # bc_j = B_j . C for the group, once for all heads of the program.
+    cv = c_ref[b, g, :].astype(F32)  # [N]
+    b_cur = b_ref[b, g, :].astype(F32)
+    b_hist = plgpu.load(bb_ref.at[b, :, g, :],
+                        mask=jnp.broadcast_to(p.hist[:, None],
+                                              (p.L, nstate)),
+                        other=0.0).astype(F32)  # [L, N]
+    b_win = jnp.where(p.cur[:, None], b_cur[None, :], b_hist)
+    bc = jnp.sum(b_win * cv[None, :], axis=1)  # [L]
+
+    def one_head(r, carry):
+      h = p.head0 + r
+      # Issue the big read first so its latency overlaps the small math.
+      s0 = plgpu.load(ck_ref.at[b, h, ps], eviction_policy="evict_first")
+      d_cur, s, decay = p.window_weights(h, dtb_ref)
+      x_cur = x_ref[b, h, ps].astype(F32)  # [block_p]
+      x_hist = plgpu.load(xb_ref.at[b, :, h, ps],
+                          mask=jnp.broadcast_to(p.hist[:, None],
+                                                (p.L, block_p)),
+                          other=0.0).astype(F32)  # [L, block_p]
+      x_win = jnp.where(p.cur[:, None], x_cur[None, :], x_hist)
+      readout = jnp.sum(s0.astype(F32) * cv[None, :], axis=1)  # [block_p]
+      y = decay * readout + jnp.sum((s * bc)[:, None] * x_win, axis=0)
+      y = common.finish_output(y, x_cur, None if d_ref is None else d_ref[h],
+                               None if z_ref is None else z_ref[b, h, ps])
+      y_ref[b, h, ps] = y.astype(y_ref.dtype)
+      xb_out[b, p.c, h, ps] = x_ref[b, h, ps].astype(xb_out.dtype)
+
+      @pl.when(p.pblk == 0)
+      def _append_dt():
+        dtb_out[b, p.c, h] = d_cur
+
+      return carry
+
+    lax.fori_loop(0, kw["heads_per_program"], one_head, 0)
+
+    @pl.when(p.pid == 0)
+    def _append_b():
+      bb_out[b, p.c, g, :] = b_ref[b, g, :].astype(bb_out.dtype)
+
+
+def _flush_kernel(*refs, has_D, has_z, has_bias, **kw):
+  """Route 2 (rows with count == L-1): fold L tokens, store, read y."""
+  (ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, x_ref, dt_ref, a_ref, b_ref,
+   c_ref, _), (d_ref, z_ref, bias_ref), outs = _unpack(
+       refs, 2, has_D, has_z, has_bias, extra_in=1)
+  y_out, ck_out = outs  # aliased with the y input and ck_ref
+  p = _Program(cnt_ref, dt_ref, a_ref, bias_ref, **kw)
+  b, g, ps, L = p.b, p.g, p.ps, p.L
+
+  @pl.when(p.flush)
+  def _route():
+    cv = c_ref[b, g, :].astype(F32)  # [N]
+    b_cur = b_ref[b, g, :].astype(F32)
+
+    def one_head(r, carry):
+      h = p.head0 + r
+      s0 = plgpu.load(ck_ref.at[b, h, ps], eviction_policy="evict_first")
+      _, s, decay = p.window_weights(h, dtb_ref)
+      x_cur = x_ref[b, h, ps].astype(F32)
       # New checkpoint = decay * S_0 + sum_j s_j x_j B_j^T over the L tokens
-      # (L-1 buffered + current); exact f32 rank-1 updates, no tf32 dot.
-      st = decay * s0
+      # (L-1 buffered + current): exact f32 rank-1 updates, no tf32 dot.
+      st = decay * s0.astype(F32)  # [block_p, N]
       for jj in range(L - 1):
-        s_j = jnp.sum(jnp.where(j == jj, s, 0.0))
+        s_j = jnp.sum(jnp.where(p.j == jj, s, 0.0))
         x_j = xb_ref[b, jj, h, ps].astype(F32)
         b_j = bb_ref[b, jj, g, :].astype(F32)
         st = st + (s_j * x_j)[:, None] * b_j[None, :]
-      s_last = jnp.sum(jnp.where(j == L - 1, s, 0.0))
+      s_last = jnp.sum(jnp.where(p.j == L - 1, s, 0.0))
       st = st + (s_last * x_cur)[:, None] * b_cur[None, :]
       plgpu.store(ck_out.at[b, h, ps], st.astype(ck_out.dtype))
+      y = jnp.sum(st * cv[None, :], axis=1)
+      y = common.finish_output(y, x_cur, None if d_ref is None else d_ref[h],
+                               None if z_ref is None else z_ref[b, h, ps])
+      y_out[b, h, ps] = y.astype(y_out.dtype)
+      return carry
 
-    @pl.when(jnp.logical_not(flush))
-    def _append():
-      xb_out[b, c, h, ps] = x_ref[b, h, ps].astype(xb_out.dtype)
-
-    @pl.when(jnp.logical_not(flush) & (pblk == 0))
-    def _append_dt():
-      dtb_out[b, c, h] = d_cur
-
-    return carry
-
-  lax.fori_loop(0, heads_per_program, one_head, 0)
-
-  @pl.when(jnp.logical_not(flush) & (pid == 0))
-  def _append_b():
-    bb_out[b, c, g, :] = b_ref[b, g, :].astype(bb_out.dtype)
-
-  @pl.when((g == 0) & (pid == 0))
-  def _count():
-    cnt_out[b] = jnp.where(flush, 0, c + 1).astype(cnt_out.dtype)
+    lax.fori_loop(0, kw["heads_per_program"], one_head, 0)
 
 
 def default_heads_per_program(batch: int, nheads: int, ngroups: int) -> int:
@@ -159,28 +210,43 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     raise NotImplementedError(
         f"heads_per_program ({hb}) must divide nheads // ngroups "
         f"({per_group}).")
-  operands = [rstate.checkpoint, rstate.x_buf, rstate.b_buf, rstate.dt_buf,
-              rstate.count, x, dt, A, B, C]
-  operands += [v for v in (D, z, dt_bias) if v is not None]
-  kernel = functools.partial(
-      _replay_kernel, buffer_len=rstate.buffer_len, heads_per_program=hb,
-      heads_per_group=per_group, block_p=block_p, has_D=D is not None, has_z=z is not None,
-      has_bias=dt_bias is not None, dt_softplus=dt_softplus)
+  state_in = [rstate.checkpoint, rstate.x_buf, rstate.b_buf, rstate.dt_buf,
+              rstate.count]
+  token_in = [x, dt, A, B, C]
+  optional = [v for v in (D, z, dt_bias) if v is not None]
+  kw = dict(buffer_len=rstate.buffer_len, heads_per_program=hb,
+            heads_per_group=per_group, block_p=block_p, headdim=headdim,
+            has_D=D is not None, has_z=z is not None,
+            has_bias=dt_bias is not None, dt_softplus=dt_softplus)
+  grid = ((headdim // block_p) * (per_group // hb), ngroups, batch)
+  params = plgpu.CompilerParams(num_warps=config.num_warps,
+                                num_stages=config.num_stages)
   sds = jax.ShapeDtypeStruct
-  y, ck, xb, bb, dtb, cnt = pl.pallas_call(
-      kernel,
-      grid=((headdim // block_p) * (per_group // hb), ngroups, batch),
+  # Both routes always launch; each program exits at once on rows of the
+  # other route (no host-side branch; every row's route is data).
+  y, xb, bb, dtb, cnt = pl.pallas_call(
+      functools.partial(_output_kernel, **kw),
+      grid=grid,
       out_shape=(sds((batch, nheads, headdim), x.dtype),
-                 sds(rstate.checkpoint.shape, rstate.checkpoint.dtype),
                  sds(rstate.x_buf.shape, rstate.x_buf.dtype),
                  sds(rstate.b_buf.shape, rstate.b_buf.dtype),
                  sds(rstate.dt_buf.shape, rstate.dt_buf.dtype),
                  sds(rstate.count.shape, rstate.count.dtype)),
-      input_output_aliases={0: 1, 1: 2, 2: 3, 3: 4},
-      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
-                                           num_stages=config.num_stages),
-      interpret=interpret,
-      name="replayssm_replay_state_update",
-  )(*operands)
+      input_output_aliases={1: 1, 2: 2, 3: 3},
+      compiler_params=params, interpret=interpret,
+      name="replayssm_replay_output_route",
+  )(*state_in, *token_in, *optional)
+  # The flush route reads the *old* buffers: flush rows do not append, so
+  # their slots are unchanged by the output route; pass the new arrays to
+  # keep one live copy of each buffer.
+  y, ck = pl.pallas_call(
+      functools.partial(_flush_kernel, **kw),
+      grid=grid,
+      out_shape=(sds(y.shape, y.dtype),
+                 sds(rstate.checkpoint.shape, rstate.checkpoint.dtype)),
+      input_output_aliases={10: 0, 0: 1},
+      compiler_params=params, interpret=interpret,
+      name="replayssm_replay_flush_route",
+  )(rstate.checkpoint, xb, bb, dtb, rstate.count, *token_in, y, *optional)
   return y, ReplayState(checkpoint=ck, x_buf=xb, b_buf=bb, dt_buf=dtb,
                         count=cnt)
