@@ -50,11 +50,20 @@ class ReplayConfig:
       head, when heads_per_program == nheads // ngroups). None picks a
       heuristic from the batch size (more programs at small batch).
     num_warps, num_stages: Triton launch parameters.
+    precompute_bc: form bc_j = B_j . C for all buffer slots in a small XLA
+      op before the kernel (reads the B buffer once per row) instead of in
+      every program.
+    output_all_rows: the output kernel computes y for flush rows too (the
+      output-only formula holds for every row), so its checkpoint read does
+      not wait on the row's counter; flush rows then read their checkpoint
+      twice (once per kernel), +1/L of a checkpoint per step.
   """
   heads_per_program: int | None = None
   block_p: int | None = None
   num_warps: int = 4
   num_stages: int = 1
+  precompute_bc: bool = False
+  output_all_rows: bool = False
 
   def __post_init__(self):
     if self.block_p is not None:

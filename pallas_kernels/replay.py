@@ -74,42 +74,52 @@ class _Program:
     return d_cur, s, jnp.exp(a * jnp.sum(dw))
 
 
-def _unpack(refs, n_out, has_D, has_z, has_bias, extra_in=0):
+def _unpack(refs, n_in, n_out, has_D, has_z, has_bias):
   it = iter(refs)
-  ins = [next(it) for _ in range(10 + extra_in)]
+  ins = [next(it) for _ in range(n_in)]
   opt = [next(it) if flag else None for flag in (has_D, has_z, has_bias)]
   outs = [next(it) for _ in range(n_out)]
   return ins, opt, outs
 
 
-def _output_kernel(*refs, has_D, has_z, has_bias, **kw):
-  """Route 1 (rows with count < L-1): y from checkpoint + buffer, append."""
-  (ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, x_ref, dt_ref, a_ref, b_ref,
-   c_ref), (d_ref, z_ref, bias_ref), outs = _unpack(refs, 5, has_D, has_z,
-                                                    has_bias)
+def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
+                   **kw):
+  """Output route: y from checkpoint + buffer; non-flush rows append.
+
+  With all_rows, flush rows take this route for y as well (the formula holds
+  for any row), so no program waits on its row's counter before issuing the
+  checkpoint read; the flush kernel then only stores the new checkpoint.
+  Otherwise flush-row programs exit at once.
+  """
+  ins, (d_ref, z_ref, bias_ref), outs = _unpack(
+      refs, 10 + precomputed_bc, 5, has_D, has_z, has_bias)
+  ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, x_ref, dt_ref, a_ref, b_ref = (
+      ins[:9])
+  c_ref = ins[9]
   # Buffers are aliased input->output (same HBM on GPU; copies of the inputs
   # in interpret mode): read the inputs, store to the outputs.
   y_ref, xb_out, bb_out, dtb_out, cnt_out = outs
   p = _Program(cnt_ref, dt_ref, a_ref, bias_ref, **kw)
-  b, g, ps = p.b, p.g, p.ps
+  b, g, ps, block_p = p.b, p.g, p.ps, kw["block_p"]
+  appends = jnp.logical_not(p.flush)
 
   @pl.when((g == 0) & (p.pid == 0))
   def _count():
     cnt_out[b] = jnp.where(p.flush, 0, p.c + 1).astype(cnt_out.dtype)
 
-  @pl.when(jnp.logical_not(p.flush))
-  def _route():
-    nstate = ck_ref.shape[-1]
-    block_p = kw["block_p"]
-    # bc_j = B_j . C for the group, once for all heads of the program.
+  def route():
     cv = c_ref[b, g, :].astype(F32)  # [N]
     b_cur = b_ref[b, g, :].astype(F32)
-    b_hist = plgpu.load(bb_ref.at[b, :, g, :],
-                        mask=jnp.broadcast_to(p.hist[:, None],
-                                              (p.L, nstate)),
-                        other=0.0).astype(F32)  # [L, N]
-    b_win = jnp.where(p.cur[:, None], b_cur[None, :], b_hist)
-    bc = jnp.sum(b_win * cv[None, :], axis=1)  # [L]
+    bc_cur = jnp.sum(b_cur * cv)
+    if precomputed_bc:  # bc_j = B_j . C precomputed per (row, slot, group)
+      bc_hist = plgpu.load(ins[10].at[b, :, g], mask=p.hist, other=0.0)
+    else:  # once per program, for all its heads
+      b_hist = plgpu.load(
+          bb_ref.at[b, :, g, :],
+          mask=jnp.broadcast_to(p.hist[:, None], (p.L, cv.shape[0])),
+          other=0.0).astype(F32)  # [L, N]
+      bc_hist = jnp.sum(b_hist * cv[None, :], axis=1)
+    bc = jnp.where(p.cur, bc_cur, bc_hist)  # [L]
 
     def one_head(r, carry):
       h = p.head0 + r
@@ -127,9 +137,12 @@ def _output_kernel(*refs, has_D, has_z, has_bias, **kw):
       y = common.finish_output(y, x_cur, None if d_ref is None else d_ref[h],
                                None if z_ref is None else z_ref[b, h, ps])
       y_ref[b, h, ps] = y.astype(y_ref.dtype)
-      xb_out[b, p.c, h, ps] = x_ref[b, h, ps].astype(xb_out.dtype)
 
-      @pl.when(p.pblk == 0)
+      @pl.when(appends)
+      def _append_x():
+        xb_out[b, p.c, h, ps] = x_ref[b, h, ps].astype(xb_out.dtype)
+
+      @pl.when(appends & (p.pblk == 0))
       def _append_dt():
         dtb_out[b, p.c, h] = d_cur
 
@@ -137,23 +150,30 @@ def _output_kernel(*refs, has_D, has_z, has_bias, **kw):
 
     lax.fori_loop(0, kw["heads_per_program"], one_head, 0)
 
-    @pl.when(p.pid == 0)
+    @pl.when(appends & (p.pid == 0))
     def _append_b():
       bb_out[b, p.c, g, :] = b_ref[b, g, :].astype(bb_out.dtype)
 
+  if all_rows:
+    route()
+  else:
+    pl.when(appends)(route)
 
-def _flush_kernel(*refs, has_D, has_z, has_bias, **kw):
-  """Route 2 (rows with count == L-1): fold L tokens, store, read y."""
-  (ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, x_ref, dt_ref, a_ref, b_ref,
-   c_ref, _), (d_ref, z_ref, bias_ref), outs = _unpack(
-       refs, 2, has_D, has_z, has_bias, extra_in=1)
-  y_out, ck_out = outs  # aliased with the y input and ck_ref
+
+def _flush_kernel(*refs, has_D, has_z, has_bias, writes_y, **kw):
+  """Flush route (rows with count == L-1): fold L tokens into a new
+  checkpoint and store it; with writes_y also read y from it."""
+  ins, (d_ref, z_ref, bias_ref), outs = _unpack(
+      refs, 10 + writes_y, 1 + writes_y, has_D, has_z, has_bias)
+  ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, x_ref, dt_ref, a_ref, b_ref = (
+      ins[:9])
+  c_ref = ins[9]
+  ck_out = outs[-1]  # aliased with ck_ref (and y_out with the y input)
   p = _Program(cnt_ref, dt_ref, a_ref, bias_ref, **kw)
   b, g, ps, L = p.b, p.g, p.ps, p.L
 
   @pl.when(p.flush)
   def _route():
-    cv = c_ref[b, g, :].astype(F32)  # [N]
     b_cur = b_ref[b, g, :].astype(F32)
 
     def one_head(r, carry):
@@ -172,10 +192,12 @@ def _flush_kernel(*refs, has_D, has_z, has_bias, **kw):
       s_last = jnp.sum(jnp.where(p.j == L - 1, s, 0.0))
       st = st + (s_last * x_cur)[:, None] * b_cur[None, :]
       plgpu.store(ck_out.at[b, h, ps], st.astype(ck_out.dtype))
-      y = jnp.sum(st * cv[None, :], axis=1)
-      y = common.finish_output(y, x_cur, None if d_ref is None else d_ref[h],
-                               None if z_ref is None else z_ref[b, h, ps])
-      y_out[b, h, ps] = y.astype(y_out.dtype)
+      if writes_y:
+        y = jnp.sum(st * c_ref[b, g, :].astype(F32)[None, :], axis=1)
+        y = common.finish_output(
+            y, x_cur, None if d_ref is None else d_ref[h],
+            None if z_ref is None else z_ref[b, h, ps])
+        outs[0][b, h, ps] = y.astype(outs[0].dtype)
       return carry
 
     lax.fori_loop(0, kw["heads_per_program"], one_head, 0)
@@ -222,10 +244,17 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   params = plgpu.CompilerParams(num_warps=config.num_warps,
                                 num_stages=config.num_stages)
   sds = jax.ShapeDtypeStruct
-  # Both routes always launch; each program exits at once on rows of the
-  # other route (no host-side branch; every row's route is data).
+  extra = []
+  if config.precompute_bc:
+    # bc[b, j, g] = B_j . C for every buffer slot (stale ones are masked in
+    # the kernel): reads the B buffer once per row instead of per program.
+    extra = [jnp.einsum("blgn,bgn->blg", rstate.b_buf.astype(F32),
+                        C.astype(F32), precision=lax.Precision.HIGHEST)]
+  # Both routes always launch; each program exits at once on rows that are
+  # not its route's (no host-side branch; every row's route is data).
   y, xb, bb, dtb, cnt = pl.pallas_call(
-      functools.partial(_output_kernel, **kw),
+      functools.partial(_output_kernel, all_rows=config.output_all_rows,
+                        precomputed_bc=config.precompute_bc, **kw),
       grid=grid,
       out_shape=(sds((batch, nheads, headdim), x.dtype),
                  sds(rstate.x_buf.shape, rstate.x_buf.dtype),
@@ -235,18 +264,21 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
       input_output_aliases={1: 1, 2: 2, 3: 3},
       compiler_params=params, interpret=interpret,
       name="replayssm_replay_output_route",
-  )(*state_in, *token_in, *optional)
-  # The flush route reads the *old* buffers: flush rows do not append, so
-  # their slots are unchanged by the output route; pass the new arrays to
-  # keep one live copy of each buffer.
-  y, ck = pl.pallas_call(
-      functools.partial(_flush_kernel, **kw),
+  )(*state_in, *token_in, *extra, *optional)
+  # The flush route reads the buffers after the output route: flush rows do
+  # not append, so their slots are unchanged, and one copy of each buffer
+  # stays live.
+  writes_y = not config.output_all_rows
+  outs = pl.pallas_call(
+      functools.partial(_flush_kernel, writes_y=writes_y, **kw),
       grid=grid,
-      out_shape=(sds(y.shape, y.dtype),
-                 sds(rstate.checkpoint.shape, rstate.checkpoint.dtype)),
-      input_output_aliases={10: 0, 0: 1},
+      out_shape=((sds(y.shape, y.dtype),) if writes_y else ()) + (
+          sds(rstate.checkpoint.shape, rstate.checkpoint.dtype),),
+      input_output_aliases={10: 0, 0: 1} if writes_y else {0: 0},
       compiler_params=params, interpret=interpret,
       name="replayssm_replay_flush_route",
-  )(rstate.checkpoint, xb, bb, dtb, rstate.count, *token_in, y, *optional)
+  )(rstate.checkpoint, xb, bb, dtb, rstate.count, *token_in,
+    *([y] if writes_y else []), *optional)
+  y, ck = (outs if writes_y else (y, outs[0]))
   return y, ReplayState(checkpoint=ck, x_buf=xb, b_buf=bb, dt_buf=dtb,
                         count=cnt)
