@@ -26,6 +26,7 @@ reads the old counter, so it cannot be updated in place). Matches
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -203,15 +204,11 @@ def _flush_kernel(*refs, has_D, has_z, has_bias, writes_y, **kw):
     lax.fori_loop(0, kw["heads_per_program"], one_head, 0)
 
 
-def default_heads_per_program(batch: int, nheads: int, ngroups: int) -> int:
-  """Whole groups per program once there are enough programs to fill the
-  GPU; fewer heads per program (more programs) at small batch."""
-  per_group = nheads // ngroups
-  hb = per_group
-  # Aim for >= 4 programs per SM (~132 SMs on H100/H200).
-  while hb > 1 and batch * nheads // hb < 4 * 132:
-    hb //= 2
-  return hb
+def default_block_p(batch: int, nheads: int, headdim: int) -> int:
+  """Tuned on the H200 (benchmarks/kernel_sweep_h200.md): whole-headdim
+  tiles once the grid has ~16 programs per SM, quarter tiles below (more
+  programs to hide latency at small batch)."""
+  return headdim if batch * nheads >= 16 * 132 else min(16, headdim)
 
 
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "config",
@@ -226,8 +223,10 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   ngroups = rstate.ngroups
   per_group = nheads // ngroups
   block_p = common.resolve_block_p(config.block_p, headdim)
-  hb = config.heads_per_program or default_heads_per_program(
-      batch, nheads, ngroups)
+  hb = config.heads_per_program or 1
+  if config.block_p is None:
+    config = dataclasses.replace(
+        config, block_p=default_block_p(batch, nheads, headdim))
   if per_group % hb:
     raise NotImplementedError(
         f"heads_per_program ({hb}) must divide nheads // ngroups "
