@@ -37,6 +37,19 @@ def check_floating(name: str, arr: Any, allowed: Sequence[Any] = FLOAT_DTYPES):
                     f"{dt.name}.")
 
 
+def check_dtype_arg(name: str, dtype: Any,
+                    allowed: Sequence[Any] = STATE_DTYPES) -> None:
+  """A dtype argument (not an array) must be one of `allowed`."""
+  try:
+    dt = jnp.dtype(dtype)
+  except TypeError:
+    dt = None
+  if dt is None or dt not in [jnp.dtype(a) for a in allowed]:
+    names = ", ".join(jnp.dtype(a).name for a in allowed)
+    got = dt.name if dt is not None else repr(dtype)
+    raise TypeError(f"{name} must be one of ({names}), got {got}.")
+
+
 def check_integer(name: str, arr: Any) -> None:
   check_array(name, arr)
   if not jnp.issubdtype(arr.dtype, jnp.integer):

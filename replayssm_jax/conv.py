@@ -27,6 +27,9 @@ def _check_conv_params(weight, bias, dim, activation):
   if weight.shape[0] != dim:
     raise ValueError(f"weight must have shape [dim, kernel_size] with dim = "
                      f"{dim}, got {tuple(weight.shape)}.")
+  if weight.shape[1] < 1:
+    raise ValueError(f"weight must have shape [dim, kernel_size] with "
+                     f"kernel_size >= 1, got {tuple(weight.shape)}.")
   if bias is not None:
     V.check_floating("bias", bias)
     V.check_shape("bias", bias, (dim,), "[dim]")

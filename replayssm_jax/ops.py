@@ -186,5 +186,7 @@ def materialize(rstate: ReplayState, A, dtype=None):
                     f"{type(rstate).__name__}.")
   rstate.validate("rstate")
   V.check_params(rstate.nheads, A=A)
+  if dtype is not None:
+    V.check_dtype_arg("dtype", dtype)
   return reference.materialize(rstate, A, reference.F32 if dtype is None
                                else dtype)

@@ -98,12 +98,18 @@ def _buffer_mask(count, length):
 
 
 def materialize(rstate: ReplayState, A, dtype=F32):
-  """The current full state: checkpoint advanced over the buffered tokens."""
+  """The current full state: checkpoint advanced over the buffered tokens.
+
+  Rows whose count lies outside [0, L) (possible only under jit) are NaN.
+  """
   valid = _buffer_mask(rstate.count, rstate.buffer_len)
   dw = jnp.where(valid[..., None], rstate.dt_buf, 0.0)
   xw = jnp.where(valid[..., None, None], rstate.x_buf.astype(F32), 0.0)
   bw = jnp.where(valid[..., None, None], rstate.b_buf.astype(F32), 0.0)
   state, _, _ = fold_window(rstate.checkpoint, xw, bw, dw, A)
+  c = rstate.count
+  in_range = (c >= 0) & (c < rstate.buffer_len)
+  state = jnp.where(in_range[:, None, None, None], state, jnp.nan)
   return state.astype(dtype)
 
 
@@ -125,7 +131,9 @@ def replay_state_update(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
     * c == L - 1 (flush route): the c buffered tokens and the current one are
       folded into a new checkpoint, y is read from it, count -> 0.
   Rows whose count lies outside [0, L) (only possible under jit, where values
-  cannot be checked) get NaN outputs rather than a silently wrong answer.
+  cannot be checked) get NaN outputs rather than a silently wrong answer, and
+  keep their count (and checkpoint), so every later output of the row is NaN
+  too instead of silently resuming from a state that lost tokens.
   """
   L = rstate.buffer_len
   h = x.shape[1]
@@ -173,6 +181,7 @@ def replay_state_update(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
       x_buf=_write_slot(rstate.x_buf, x, slot_idx),
       b_buf=_write_slot(rstate.b_buf, B, slot_idx),
       dt_buf=_write_slot(rstate.dt_buf, d_cur, slot_idx),
-      count=jnp.where(flush, 0, c + 1).astype(jnp.int32),
+      count=jnp.where(in_range, jnp.where(flush, 0, c + 1),
+                      c).astype(jnp.int32),
   )
   return y.astype(x.dtype), new_rstate

@@ -93,7 +93,10 @@ class ReplayState:
         ssm_state).
       buffer_dtype: storage dtype of the x and B buffers.
     """
-    V.check_floating("ssm_state", ssm_state)
+    # Without an explicit checkpoint_dtype the state's own dtype is kept, so
+    # it must be a storage dtype (an f64 state needs checkpoint_dtype).
+    V.check_floating("ssm_state", ssm_state, V.FLOAT_DTYPES
+                     if checkpoint_dtype is not None else V.STATE_DTYPES)
     V.check_ndim("ssm_state", ssm_state, 4,
                  "[batch, nheads, headdim, dstate]")
     dtype = ssm_state.dtype if checkpoint_dtype is None else checkpoint_dtype
@@ -110,9 +113,7 @@ class ReplayState:
       raise ValueError(f"ngroups must be an int, got {ngroups!r}.")
     batch, nheads, headdim, dstate = checkpoint.shape
     V.check_groups(nheads, ngroups, where="ngroups")
-    bdt = jnp.dtype(buffer_dtype)
-    if bdt not in [jnp.dtype(d) for d in V.FLOAT_DTYPES]:
-      raise TypeError(f"buffer_dtype must be a floating dtype, got {bdt}.")
+    bdt = _state_dtype("buffer_dtype", buffer_dtype)
     return cls(
         checkpoint=checkpoint,
         x_buf=jnp.zeros((batch, buffer_len, nheads, headdim), bdt),
@@ -128,7 +129,7 @@ class ReplayState:
     V.check_ndim(f"{name}.checkpoint", self.checkpoint, 4,
                  "[batch, nheads, headdim, dstate]")
     b, h, p, n = self.checkpoint.shape
-    V.check_floating(f"{name}.x_buf", self.x_buf)
+    V.check_floating(f"{name}.x_buf", self.x_buf, V.STATE_DTYPES)
     V.check_ndim(f"{name}.x_buf", self.x_buf, 4,
                  "[batch, L, nheads, headdim]")
     L = self.x_buf.shape[1]
@@ -136,7 +137,7 @@ class ReplayState:
       raise ValueError(f"{name}.x_buf: buffer_len must be >= 1, got {L}.")
     V.check_shape(f"{name}.x_buf", self.x_buf, (b, L, h, p),
                   "[batch, L, nheads, headdim]")
-    V.check_floating(f"{name}.b_buf", self.b_buf)
+    V.check_floating(f"{name}.b_buf", self.b_buf, V.STATE_DTYPES)
     V.check_ndim(f"{name}.b_buf", self.b_buf, 4, "[batch, L, ngroups, dstate]")
     g = self.b_buf.shape[2]
     V.check_shape(f"{name}.b_buf", self.b_buf, (b, L, g, n),

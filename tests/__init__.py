@@ -1,0 +1,1 @@
+"""Test-suite of replayssm_jax (import shared helpers as `tests.cases`)."""
