@@ -1,0 +1,93 @@
+r"""Decode-step kernel benchmark: baseline vs ReplaySSM, every implementation.
+
+Full run (GPU; Nemotron-H 8B Mamba layer, TP=1), from the repository root:
+
+  python -m experiments.kernel_bench --config=configs/kernel_bench.py \
+      --workdir=runs/kernel_bench --results_dir=benchmarks
+
+Smoke run (CPU, about 30 s on 2 cores; used by tests/test_experiments.py):
+
+  python -m experiments.kernel_bench --config=configs/kernel_bench.py:smoke \
+      --workdir=runs/kernel_bench_smoke
+
+Useful overrides: `--config.implementations='("pallas",)'` (one
+implementation only), `--config.exclude_replay_implementations='()'` (also
+time the XLA reference replay step: slow, and slow to compile at batch 1),
+`--config.checkpoint_dtypes='("float32",)'` (split a long run in two),
+`--config.batches='(64,256)'`, `--config.name=h200_f32` (file names under
+--results_dir).
+
+Needs ml_collections (a pure-Python wheel) and matplotlib besides the
+library.
+"""
+
+import ml_collections
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  """The benchmark configuration; `arg="smoke"` is a tiny CPU run."""
+  if arg not in (None, "", "smoke"):
+    raise ValueError(f"config arg must be '' or 'smoke', got {arg!r}.")
+  config = ml_collections.ConfigDict()
+  config.name = "kernel_bench"  # stem of the files copied to --results_dir
+  config.seed = 0
+
+  # Layer shape: Nemotron-H 8B Mamba-2 layer at TP=1.
+  config.nheads = 128
+  config.headdim = 64
+  config.dstate = 128
+  config.ngroups = 8
+  config.batches = (1, 16, 64, 128, 256)
+  config.checkpoint_dtypes = ("float32", "float16")  # "bfloat16" optional
+  config.buffer_lens = (4, 8, 16, 32)
+  config.buffer_dtype = "bfloat16"
+  config.act_dtype = "bfloat16"  # x, dt, B, C, y
+  config.has_z = False  # vLLM's Mamba-2 mixer gates in the RMSNorm
+  config.has_D = True
+  config.has_dt_bias = True
+
+  # () = every registered implementation ("pallas" registers itself when
+  # `import pallas_kernels` succeeds).
+  config.implementations = ()
+  # Names left out of the timing, for both ops / for the replay op only,
+  # unless nothing else would remain. The reference replay step is plain XLA
+  # that rebuilds and rewrites the full state every step (it is the
+  # correctness oracle, not a kernel); the reference *baseline* is XLA's
+  # fused version of the baseline step, kept as a yardstick for the Pallas
+  # baseline ("x vs best" in the results).
+  config.exclude_implementations = ()
+  config.exclude_replay_implementations = ("reference",)
+
+  # Timing methodology (see experiments/kernel_bench.py).
+  config.rotate_bytes = 256 * 2**20  # state sets rotated per call >= this
+  config.min_sets = 2  # K >= 2: consecutive steps never reuse one set
+  config.max_sets = 256  # cap on the number of rotating state sets
+  config.min_steps = 32  # decode steps per timed call (at least)
+  config.min_call_ms = 5.0  # more steps per call until a call lasts this
+  config.warmup = 2  # untimed calls after compilation
+  config.iters = 20  # timed calls; median / p10 / p90 reported
+  config.copy_bytes = 2 * 2**30  # device copy-bandwidth buffer
+  config.copy_iters = 20
+  config.check = True  # each implementation vs the reference first
+
+  if arg == "smoke":
+    config.name = "kernel_bench_smoke"
+    config.nheads = 4
+    config.headdim = 8
+    config.dstate = 16
+    config.ngroups = 2
+    config.batches = (1, 2)
+    config.checkpoint_dtypes = ("float32",)
+    config.buffer_lens = (2, 4)
+    # Time the kernels (checked against the reference); the reference only
+    # when no kernel is registered.
+    config.exclude_implementations = ("reference",)
+    config.rotate_bytes = 2**10
+    config.min_sets = 1  # one state set: minimal compile time on CPU
+    config.min_steps = 2
+    config.min_call_ms = 0.0
+    config.warmup = 1
+    config.iters = 3
+    config.copy_bytes = 4 * 2**20
+    config.copy_iters = 3
+  return config

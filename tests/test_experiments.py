@@ -1,0 +1,228 @@
+"""End-to-end runs of the experiment scripts' smoke configs (CPU)."""
+
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("ml_collections")
+pytest.importorskip("matplotlib")
+
+from configs import kernel_bench as kernel_bench_config  # noqa: E402
+from configs import replay_demo as replay_demo_config  # noqa: E402
+from experiments import common  # noqa: E402
+from experiments import kernel_bench  # noqa: E402
+from experiments import replay_demo  # noqa: E402
+import replayssm_jax  # noqa: E402
+from replayssm_jax import traffic  # noqa: E402
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _assert_png(path):
+  assert os.path.exists(path), path
+  with open(path, "rb") as f:
+    assert f.read(8) == PNG_MAGIC, path
+  assert os.path.getsize(path) > 5_000, path
+
+
+def _assert_config_json(workdir, config):
+  with open(os.path.join(workdir, "config.json")) as f:
+    saved = json.load(f)
+  assert saved == common.to_jsonable(config.to_dict())
+
+
+def test_config_args():
+  for mod in (replay_demo_config, kernel_bench_config):
+    assert mod.get_config().to_dict() == mod.get_config("").to_dict()
+    assert mod.get_config("smoke").to_dict() != mod.get_config().to_dict()
+    with pytest.raises(ValueError, match="smoke"):
+      mod.get_config("bogus")
+    assert "python -m experiments." in mod.__doc__
+
+
+def test_replay_demo_smoke(tmp_path):
+  config = replay_demo_config.get_config("smoke")
+  workdir = str(tmp_path / "replay_demo")
+  out = replay_demo.run(config, workdir)
+
+  _assert_config_json(workdir, config)
+  records = common.read_metrics(os.path.join(workdir, "metrics.jsonl"))
+  kinds = [r["kind"] for r in records]
+  assert kinds[0] == "environment"
+
+  decode = [r for r in records if r["kind"] == "decode"]
+  n_base = len(config.baseline_state_dtypes)
+  n_rep = len(config.buffer_lens) * len(config.buffer_dtypes)
+  assert len(decode) == n_base + n_rep
+  keys = {"mode", "L", "checkpoint_dtype", "buffer_dtype", "steps",
+          "max_rel_output_dev", "final_state_rel_dev", "tolerance",
+          "within_tolerance", "dev_per_step"}
+  for r in decode:
+    assert keys <= set(r), r.keys()
+    assert len(r["dev_per_step"]) == config.steps
+  replay = [r for r in decode if r["mode"] == "replay"]
+  assert {(r["L"], r["buffer_dtype"]) for r in replay} == {
+      (L, d) for L in config.buffer_lens for d in config.buffer_dtypes}
+  for r in replay:
+    # ReplaySSM reproduces the baseline decode within the storage tolerance.
+    assert r["within_tolerance"], r
+    assert r["max_rel_output_dev"] <= r["tolerance"], r
+    assert r["final_state_rel_dev"] <= r["tolerance"], r
+    if r["buffer_dtype"] == "float32":
+      assert r["max_rel_output_dev"] < 1e-5, r
+    if r["L"] == 1:  # L=1 is algebraically the baseline step
+      assert r["max_rel_output_dev"] < 1e-6, r
+
+  tr = [r for r in records if r["kind"] == "traffic"]
+  assert len(tr) == (len(config.traffic.buffer_lens)
+                     * len(config.traffic.checkpoint_dtypes))
+  dims = traffic.LayerDims.nemotron_h_8b()
+  for r in tr:
+    assert r["baseline_bytes"] == traffic.baseline_step_bytes(
+        dims, config.traffic.batch, r["checkpoint_dtype"])
+    assert r["predicted_speedup"] == pytest.approx(1 / r["ratio"])
+  opt = {r["checkpoint_dtype"]: r for r in records
+         if r["kind"] == "traffic_optimum"}
+  assert opt["float32"]["optimal_L"] == 21
+  assert opt["float16"]["optimal_L"] == 15
+  assert len(out["decode"]) == len(decode)
+
+  for name in ("deviation.png", "traffic_speedup.png"):
+    _assert_png(os.path.join(workdir, name))
+  assert os.path.exists(os.path.join(workdir, "summary.md"))
+
+
+def test_kernel_bench_smoke(tmp_path):
+  config = kernel_bench_config.get_config("smoke")
+  # The smoke config times the kernels (each checked against the reference
+  # first), or the reference alone when no kernel is registered.
+  others = tuple(
+      i for i in replayssm_jax.implementations("replay_state_update")
+      if i != "reference"
+      and i in replayssm_jax.implementations("selective_state_update"))
+  impls = others or ("reference",)
+  workdir = str(tmp_path / "kernel_bench")
+  results_dir = str(tmp_path / "benchmarks")
+  results = kernel_bench.run(config, workdir, results_dir)
+
+  _assert_config_json(workdir, config)
+  for name in ("results.json", "results.md", "metrics.jsonl"):
+    assert os.path.exists(os.path.join(workdir, name)), name
+  _assert_png(os.path.join(workdir, "speedup.png"))
+  for ext in ("json", "md", "png"):
+    assert os.path.exists(os.path.join(results_dir, f"{config.name}.{ext}"))
+
+  with open(os.path.join(workdir, "results.json")) as f:
+    saved = json.load(f)
+  assert saved["summary"] == results["summary"]
+  meta = saved["meta"]
+  for key in ("device_kind", "jax", "jaxlib", "date", "command_line"):
+    assert meta[key], key
+  assert saved["stream_bandwidth"]["gbps"] > 0
+
+  # Every implementation passed its checks against the reference.
+  checks = [c for c in saved["checks"] if c["impl"] != "reference"]
+  if impls != ("reference",):
+    n_cfg = len(config.batches) * len(config.checkpoint_dtypes)
+    assert len(checks) == len(impls) * n_cfg * (1 + len(config.buffer_lens))
+  for c in checks:
+    assert c["passed"] is True, c
+    assert c["max_err_y"] <= c["tolerance"], c
+
+  # Every phase of every configuration was timed, with the model's bytes.
+  dims = traffic.LayerDims(config.nheads, config.headdim, config.dstate,
+                           config.ngroups)
+  timings = saved["timings"]
+  assert {t["impl"] for t in timings} == set(impls)
+  for impl in impls:
+    for batch in config.batches:
+      for sdt in config.checkpoint_dtypes:
+        base = [t for t in timings if t["impl"] == impl
+                and t["batch"] == batch and t["phase"] == "baseline"
+                and t["checkpoint_dtype"] == sdt]
+        assert len(base) == 1
+        assert base[0]["model_bytes"] == traffic.baseline_step_bytes(
+            dims, batch, sdt, config.act_dtype)
+        for L in config.buffer_lens:
+          phases = {t["phase"]: t for t in timings if t["impl"] == impl
+                    and t["batch"] == batch and t["L"] == L
+                    and t["checkpoint_dtype"] == sdt}
+          assert set(phases) == {"non_flush", "flush", "natural",
+                                 "amortized"}
+          assert phases["flush"]["fill"] == L - 1
+          assert phases["non_flush"]["fill"] == (L - 2) // 2
+          assert phases["flush"]["model_bytes"] == traffic.replay_step_bytes(
+              dims, batch, L, L - 1, sdt, config.buffer_dtype,
+              config.act_dtype)
+          # Whole L-step cycles per call in the natural phase.
+          nat = phases["natural"]
+          assert nat["steps_per_call"] % (L * nat["num_sets"]) == 0
+          for t in phases.values():
+            assert math.isfinite(t["median_us"]) and t["median_us"] > 0
+            assert t["p10_us"] <= t["median_us"] <= t["p90_us"]
+  assert len(saved["summary"]) == (len(impls) * len(config.batches)
+                                   * len(config.checkpoint_dtypes)
+                                   * len(config.buffer_lens))
+  for row in saved["summary"]:
+    assert row["speedup_amortized"] > 0
+    assert row["predicted_speedup"] > 1
+
+  records = common.read_metrics(os.path.join(workdir, "metrics.jsonl"))
+  kinds = {r["kind"] for r in records}
+  assert {"environment", "stream_bandwidth", "timing", "summary"} <= kinds
+
+
+def test_random_generators():
+  """DeviceGen (accelerators) and HostGen (CPU) draw the same structures."""
+  dims = traffic.LayerDims(nheads=4, headdim=8, dstate=16, ngroups=2)
+  out = {}
+  for gen in (kernel_bench.DeviceGen(0, dims), kernel_bench.HostGen(0, dims)):
+    inp = gen.inputs(3, jnp.bfloat16, False)
+    seq = gen.inputs(3, jnp.bfloat16, True, seqlen=5)
+    assert inp["z"] is None and seq["z"].shape == (5, 3, 4, 8)
+    assert seq["x"].shape == (5, 3, 4, 8) and seq["dt"].shape == (5, 3, 4)
+    rs = gen.rstate([0, 1, 3], True, 4, jnp.float16, jnp.bfloat16)
+    rs.validate()
+    x = np.asarray(rs.x_buf, np.float32)
+    assert np.all(x[0] > 5e3) and np.all(x[1, 1:] > 5e3)  # stale: junk
+    assert np.all(np.abs(x[2, :3]) < 100) and np.any(x[2, :3] != 0)
+    assert np.all(np.asarray(rs.dt_buf)[0] == 50.0)
+    clean = gen.rstate([0, 1, 3], False, 4, jnp.float32, jnp.bfloat16)
+    assert np.all(np.abs(np.asarray(clean.x_buf, np.float32)) < 100)
+    state = gen.state(2, jnp.float32)
+    assert float(jnp.std(state)) > 0.5  # fresh random, never zeros
+    out[type(gen).__name__] = jax.tree.map(
+        lambda a: (a.shape, a.dtype), (inp, seq, rs, clean, state))
+  assert out["DeviceGen"] == out["HostGen"]
+
+
+def test_count_state_copies():
+  hlo = "\n".join([
+      "%fused_computation (p: f32[2,3]) -> f32[2,3] {",
+      "  %copy.1 = f32[2,3]{1,0} copy(%p)",
+      "}",
+      "ENTRY %main (a: f32[2,3]) -> f32[2,3] {",
+      "  %copy.2 = f32[2,3]{1,0} copy(%a)",
+      "  %copy.3 = f32[3,2]{1,0} copy(%a)",
+      "  %cs = (f32[2,3]{1,0}, f32[2,3]{1,0}, u32[]) copy-start(%a)",
+      "  %cd = f32[2,3]{1,0} copy-done(%cs)",
+      "}",
+  ])
+  # copy.2 and copy-start count; the fused copy and other shapes do not.
+  assert kernel_bench.count_state_copies(hlo, (2, 3)) == 2
+
+
+def test_metrics_writer_and_tables(tmp_path):
+  w = common.MetricsWriter(str(tmp_path))
+  w.write(a=1, b=float("nan"))
+  w.write({"c": [1, 2]}, d=None)
+  assert common.read_metrics(w.path) == [{"a": 1, "b": "nan"},
+                                         {"c": [1, 2], "d": None}]
+  table = common.markdown_table([{"x": 1.23456, "y": None}], ["x", "y"],
+                                {"x": ".2f"})
+  assert table.splitlines()[-1] == "| 1.23 | - |"
