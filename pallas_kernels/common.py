@@ -1,4 +1,7 @@
-"""Pieces shared by the Pallas decode kernels: tuning configs and math."""
+"""Pieces shared by the Pallas decode kernels: tuning configs and math.
+
+(dt processing is `replayssm_jax.reference.process_dt`, shared as is.)
+"""
 
 from __future__ import annotations
 
@@ -57,6 +60,12 @@ class ReplayConfig:
       output-only formula holds for every row), so its checkpoint read does
       not wait on the row's counter; flush rows then read their checkpoint
       twice (once per kernel), +1/L of a checkpoint per step.
+    flush_block_p: block_p of the flush-route kernel (None: block_p). Its
+      fold holds a second f32 tile, so it may want smaller tiles than the
+      output route (ncu on the H200: 128 registers/thread, 25% occupancy at
+      block_p 64).
+    flush_unroll: unroll the L-1 rank-1 updates of the fold (False keeps a
+      loop: fewer registers, no hoisted loads).
   """
   heads_per_program: int | None = None
   block_p: int | None = None
@@ -64,10 +73,13 @@ class ReplayConfig:
   num_stages: int = 1
   precompute_bc: bool = False
   output_all_rows: bool = False
+  flush_block_p: int | None = None
+  flush_unroll: bool = True
 
   def __post_init__(self):
-    if self.block_p is not None:
-      _check_pow2("block_p", self.block_p)
+    for name in ("block_p", "flush_block_p"):
+      if getattr(self, name) is not None:
+        _check_pow2(name, getattr(self, name))
     hb = self.heads_per_program
     if hb is not None and (not isinstance(hb, int) or hb < 1):
       raise ValueError(f"heads_per_program must be None or an int >= 1, got "
@@ -75,16 +87,6 @@ class ReplayConfig:
     _check_pow2("num_warps", self.num_warps)
     if self.num_stages < 1:
       raise ValueError(f"num_stages must be >= 1, got {self.num_stages}.")
-
-
-def process_dt(dt, dt_bias, dt_softplus):
-  """Scalar/vector dt' = softplus(dt + bias) in f32 (identity above 20)."""
-  d = dt.astype(F32)
-  if dt_bias is not None:
-    d = d + dt_bias.astype(F32)
-  if dt_softplus:
-    d = jnp.where(d <= 20.0, jnp.log1p(jnp.exp(jnp.minimum(d, 20.0))), d)
-  return d
 
 
 def finish_output(y, x, D, z):

@@ -26,7 +26,6 @@ reads the old counter, so it cannot be updated in place). Matches
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -36,6 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
+from replayssm_jax.reference import process_dt
 
 F32 = jnp.float32
 
@@ -54,6 +54,9 @@ class _Program:
     self.ps = pl.ds(self.pblk * block_p, block_p)
     self.head0 = self.g * heads_per_group + blk * heads_per_program
     self.c = cnt_ref[self.b]
+    # A counter outside [0, L) (possible only under jit) must not write out
+    # of bounds: such a row appends nothing, keeps its count, outputs NaN.
+    self.valid = (self.c >= 0) & (self.c < self.L)
     self.flush = self.c == self.L - 1
     self.j = jnp.arange(self.L)
     self.hist = self.j < self.c  # buffered slots
@@ -63,7 +66,7 @@ class _Program:
 
   def window_weights(self, h, dtb_ref):
     """dt' of the current token, the weights s_j and the decay of head h."""
-    d_cur = common.process_dt(
+    d_cur = process_dt(
         self._dt[self.b, h],
         None if self._bias is None else self._bias[h], self._softplus)
     d_hist = plgpu.load(dtb_ref.at[self.b, :, h], mask=self.hist, other=0.0)
@@ -102,11 +105,12 @@ def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
   y_ref, xb_out, bb_out, dtb_out, cnt_out = outs
   p = _Program(cnt_ref, dt_ref, a_ref, bias_ref, **kw)
   b, g, ps, block_p = p.b, p.g, p.ps, kw["block_p"]
-  appends = jnp.logical_not(p.flush)
+  appends = jnp.logical_not(p.flush) & p.valid
 
   @pl.when((g == 0) & (p.pid == 0))
   def _count():
-    cnt_out[b] = jnp.where(p.flush, 0, p.c + 1).astype(cnt_out.dtype)
+    new = jnp.where(p.flush, 0, p.c + 1)
+    cnt_out[b] = jnp.where(p.valid, new, p.c).astype(cnt_out.dtype)
 
   def route():
     cv = c_ref[b, g, :].astype(F32)  # [N]
@@ -137,6 +141,7 @@ def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
       y = decay * readout + jnp.sum((s * bc)[:, None] * x_win, axis=0)
       y = common.finish_output(y, x_cur, None if d_ref is None else d_ref[h],
                                None if z_ref is None else z_ref[b, h, ps])
+      y = jnp.where(p.valid, y, jnp.nan)
       y_ref[b, h, ps] = y.astype(y_ref.dtype)
 
       @pl.when(appends)
@@ -158,10 +163,10 @@ def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
   if all_rows:
     route()
   else:
-    pl.when(appends)(route)
+    pl.when(jnp.logical_not(p.flush))(route)
 
 
-def _flush_kernel(*refs, has_D, has_z, has_bias, writes_y, **kw):
+def _flush_kernel(*refs, has_D, has_z, has_bias, writes_y, unroll, **kw):
   """Flush route (rows with count == L-1): fold L tokens into a new
   checkpoint and store it; with writes_y also read y from it."""
   ins, (d_ref, z_ref, bias_ref), outs = _unpack(
@@ -184,12 +189,14 @@ def _flush_kernel(*refs, has_D, has_z, has_bias, writes_y, **kw):
       x_cur = x_ref[b, h, ps].astype(F32)
       # New checkpoint = decay * S_0 + sum_j s_j x_j B_j^T over the L tokens
       # (L-1 buffered + current): exact f32 rank-1 updates, no tf32 dot.
-      st = decay * s0.astype(F32)  # [block_p, N]
-      for jj in range(L - 1):
+      def fold(jj, st):
         s_j = jnp.sum(jnp.where(p.j == jj, s, 0.0))
         x_j = xb_ref[b, jj, h, ps].astype(F32)
         b_j = bb_ref[b, jj, g, :].astype(F32)
-        st = st + (s_j * x_j)[:, None] * b_j[None, :]
+        return st + (s_j * x_j)[:, None] * b_j[None, :]
+
+      st = lax.fori_loop(0, L - 1, fold, decay * s0.astype(F32),
+                         unroll=unroll)  # [block_p, N]
       s_last = jnp.sum(jnp.where(p.j == L - 1, s, 0.0))
       st = st + (s_last * x_cur)[:, None] * b_cur[None, :]
       plgpu.store(ck_out.at[b, h, ps], st.astype(ck_out.dtype))
@@ -222,11 +229,11 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   batch, nheads, headdim, _ = rstate.checkpoint.shape
   ngroups = rstate.ngroups
   per_group = nheads // ngroups
-  block_p = common.resolve_block_p(config.block_p, headdim)
+  block_p = common.resolve_block_p(
+      config.block_p or default_block_p(batch, nheads, headdim), headdim)
+  flush_block_p = common.resolve_block_p(config.flush_block_p or block_p,
+                                         headdim)
   hb = config.heads_per_program or 1
-  if config.block_p is None:
-    config = dataclasses.replace(
-        config, block_p=default_block_p(batch, nheads, headdim))
   if per_group % hb:
     raise NotImplementedError(
         f"heads_per_program ({hb}) must divide nheads // ngroups "
@@ -239,7 +246,9 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
             heads_per_group=per_group, block_p=block_p, headdim=headdim,
             has_D=D is not None, has_z=z is not None,
             has_bias=dt_bias is not None, dt_softplus=dt_softplus)
-  grid = ((headdim // block_p) * (per_group // hb), ngroups, batch)
+  def grid(bp):
+    return ((headdim // bp) * (per_group // hb), ngroups, batch)
+
   params = plgpu.CompilerParams(num_warps=config.num_warps,
                                 num_stages=config.num_stages)
   sds = jax.ShapeDtypeStruct
@@ -254,7 +263,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   y, xb, bb, dtb, cnt = pl.pallas_call(
       functools.partial(_output_kernel, all_rows=config.output_all_rows,
                         precomputed_bc=config.precompute_bc, **kw),
-      grid=grid,
+      grid=grid(block_p),
       out_shape=(sds((batch, nheads, headdim), x.dtype),
                  sds(rstate.x_buf.shape, rstate.x_buf.dtype),
                  sds(rstate.b_buf.shape, rstate.b_buf.dtype),
@@ -269,8 +278,10 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   # stays live.
   writes_y = not config.output_all_rows
   outs = pl.pallas_call(
-      functools.partial(_flush_kernel, writes_y=writes_y, **kw),
-      grid=grid,
+      functools.partial(_flush_kernel, writes_y=writes_y,
+                        unroll=config.flush_unroll,
+                        **{**kw, "block_p": flush_block_p}),
+      grid=grid(flush_block_p),
       out_shape=((sds(y.shape, y.dtype),) if writes_y else ()) + (
           sds(rstate.checkpoint.shape, rstate.checkpoint.dtype),),
       input_output_aliases={10: 0, 0: 1} if writes_y else {0: 0},

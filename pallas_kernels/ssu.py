@@ -16,6 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
+from replayssm_jax.reference import process_dt
 
 F32 = jnp.float32
 
@@ -35,7 +36,7 @@ def _ssu_kernel(*refs, has_D, has_z, has_bias, dt_softplus, heads_per_group,
   g = h // heads_per_group
   ps = pl.ds(pblk * block_p, block_p)
 
-  d = common.process_dt(dt_ref[b, h], bias_ref[h] if has_bias else None,
+  d = process_dt(dt_ref[b, h], bias_ref[h] if has_bias else None,
                         dt_softplus)
   decay = jnp.exp(a_ref[h].astype(F32) * d)
   x = x_ref[b, h, ps].astype(F32)  # [block_p]
