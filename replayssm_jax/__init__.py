@@ -5,6 +5,9 @@ Public API:
   selective_state_update      baseline decode step (state read+written).
   replay_state_update         ReplaySSM decode step (checkpoint written 1/L).
   materialize                 the full current state of a ReplayState.
+  replay_verify/replay_commit speculative window: parallel verify, rollback
+                              by counter (baseline_verify/_commit: one
+                              snapshot per draft, for comparison).
   ssd_chunked_scan            chunked SSD prefill.
   causal_conv1d(_update)      Mamba-2's short conv, prefill and decode step.
   traffic                     bytes-per-step model (baseline vs replay).
@@ -15,6 +18,8 @@ from replayssm_jax.conv import causal_conv1d, causal_conv1d_update
 from replayssm_jax.ops import (Implementation, implementations, materialize,
                                register_implementation, replay_state_update,
                                selective_state_update)
+from replayssm_jax.speculative import (baseline_commit, baseline_verify,
+                                      replay_commit, replay_verify)
 from replayssm_jax.ssd import ssd_chunked_scan
 from replayssm_jax.state import ReplayState
 
@@ -23,11 +28,15 @@ __version__ = "0.1.0"
 __all__ = [
     "ReplayState",
     "Implementation",
+    "baseline_commit",
+    "baseline_verify",
     "causal_conv1d",
     "causal_conv1d_update",
     "implementations",
     "materialize",
     "register_implementation",
+    "replay_commit",
+    "replay_verify",
     "replay_state_update",
     "selective_state_update",
     "ssd_chunked_scan",

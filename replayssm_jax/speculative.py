@@ -1,0 +1,242 @@
+"""Speculative decoding with a ReplayState: parallel verify, rollback by count.
+
+A verify step feeds a window of T tokens per row (the last sampled token and
+T-1 drafts). `replay_verify` computes the outputs of all T positions in one
+parallel pass from the checkpoint + committed buffer + the window, writes
+the window's inputs into the buffer after the committed history, and leaves
+`count` (the committed history) unchanged. `replay_commit` then advances
+`count` by the number of accepted tokens: rejected positions are simply
+overwritten by the next window. No per-draft state is ever formed.
+
+Flush policy: a row whose window would not fit behind its history with room
+to spare (count + T >= L) first folds its committed history into the
+checkpoint (the checkpoint's only write of that window, and only over
+committed tokens), then places the window at slot 0. Hence count stays in
+[0, L) after any acceptance pattern and the standard decode step
+(`replay_state_update`) can continue from any committed state. This needs
+buffer_len > T.
+
+Reference (pure-JAX, f32 accumulation) implementations; see
+research notes §3.2 for the engine designs this mirrors.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from replayssm_jax import _validation as V
+from replayssm_jax.reference import (F32, HIGHEST, _finish_output,
+                                     fold_window, heads_from_groups,
+                                     process_dt)
+from replayssm_jax.state import ReplayState
+
+
+def _check_window(rstate: ReplayState, x, dt, A, B, C, D, z, dt_bias):
+  b, h, p, n, g = (rstate.batch, rstate.nheads, rstate.headdim,
+                   rstate.dstate, rstate.ngroups)
+  V.check_floating("x", x)
+  V.check_ndim("x", x, 4, "[batch, T, nheads, headdim]")
+  T = x.shape[1]
+  V.check_shape("x", x, (b, T, h, p), "[batch, T, nheads, headdim]")
+  if T < 1:
+    raise ValueError("x must hold a window of T >= 1 tokens, got T = 0.")
+  if rstate.buffer_len <= T:
+    raise ValueError(
+        f"rstate.buffer_len ({rstate.buffer_len}) must exceed the window "
+        f"length T ({T}): a window is placed behind the committed history "
+        f"and the count must stay below buffer_len after any acceptance.")
+  V.check_floating("dt", dt)
+  V.check_shape("dt", dt, (b, T, h), "[batch, T, nheads]")
+  for name, v in (("B", B), ("C", C)):
+    V.check_floating(name, v)
+    V.check_shape(name, v, (b, T, g, n), "[batch, T, ngroups, dstate]")
+  if z is not None:
+    V.check_floating("z", z)
+    V.check_shape("z", z, (b, T, h, p), "[batch, T, nheads, headdim]")
+  V.check_params(h, A=A, D=D, dt_bias=dt_bias)
+  return T
+
+
+def replay_verify(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
+                  dt_bias=None, dt_softplus=False):
+  """Outputs of a T-token window from checkpoint + buffer, in one pass.
+
+  Args:
+    rstate: the committed state (count = committed history per row).
+    x: [batch, T, nheads, headdim] window inputs (position 0 first).
+    dt: [batch, T, nheads]; B, C: [batch, T, ngroups, dstate];
+    z: optional [batch, T, nheads, headdim]; A, D, dt_bias, dt_softplus: as
+      in `replay_state_update`.
+
+  Returns:
+    (y [batch, T, nheads, headdim] in x.dtype: y[:, s] is the output of
+     window position s given the committed history and window positions
+     0..s; the state with the window's inputs pending behind the committed
+     history (count unchanged, or 0 for rows that flushed)).
+  """
+  if not isinstance(rstate, ReplayState):
+    raise TypeError(f"rstate must be a ReplayState, got "
+                    f"{type(rstate).__name__}.")
+  rstate.validate("rstate")
+  _check_window(rstate, x, dt, A, B, C, D, z, dt_bias)
+  return _replay_verify(rstate, x, dt, A, B, C, D, z, dt_bias,
+                        bool(dt_softplus))
+
+
+def _replay_verify(rstate, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
+  L, T, h = rstate.buffer_len, x.shape[1], rstate.nheads
+  c = rstate.count.astype(jnp.int32)
+  in_range = (c >= 0) & (c < L)
+  slot = jnp.arange(L)[None, :]  # [1, L]
+
+  # 1. Early flush of the committed history where the window would not fit.
+  flush = c + T >= L
+  hist = slot < c[:, None]
+  folded, _, _ = fold_window(
+      rstate.checkpoint,
+      jnp.where(hist[..., None, None], rstate.x_buf.astype(F32), 0.0),
+      jnp.where(hist[..., None, None], rstate.b_buf.astype(F32), 0.0),
+      jnp.where(hist[..., None], rstate.dt_buf, 0.0), A)
+  checkpoint = jnp.where(flush[:, None, None, None],
+                         folded.astype(rstate.checkpoint.dtype),
+                         rstate.checkpoint)
+  base = jnp.where(flush, 0, c)  # committed tokens still in the buffer
+
+  # 2. Window inputs into slots [base, base + T).
+  d_win = process_dt(dt, dt_bias, dt_softplus)  # [b, T, h]
+
+  def put(buf, win):
+    def one(bf, w, i):
+      return jax.lax.dynamic_update_slice_in_dim(bf, w.astype(bf.dtype), i,
+                                                 0)
+    return jax.vmap(one)(buf, win, jnp.clip(base, 0, L - T))
+  x_buf, b_buf, dt_buf = (put(rstate.x_buf, x), put(rstate.b_buf, B),
+                          put(rstate.dt_buf, d_win))
+
+  # 3. Output of window position s: fold slots [0, base + s] (the current
+  # token from the caller's full-precision x/B, like the decode step).
+  ckf = checkpoint.astype(F32)
+  ch = heads_from_groups(C.astype(F32), h, axis=2)  # [b, T, h, n]
+
+  def output(s):
+    last = base + s  # [b]
+    live = slot <= last[:, None]
+    cur = slot == last[:, None]
+    xw = jnp.where(cur[..., None, None], x[:, s].astype(F32)[:, None],
+                   x_buf.astype(F32))
+    bw = jnp.where(cur[..., None, None], B[:, s].astype(F32)[:, None],
+                   b_buf.astype(F32))
+    xw = jnp.where(live[..., None, None], xw, 0.0)
+    bw = jnp.where(live[..., None, None], bw, 0.0)
+    dw = jnp.where(live[..., None], dt_buf, 0.0)
+    lam = jnp.cumsum(dw, axis=1) * A.astype(F32)
+    w = dw * jnp.exp(lam[:, -1:] - lam)  # [b, L, h]
+    readout = jnp.einsum("bhpn,bhn->bhp", ckf, ch[:, s], precision=HIGHEST)
+    bc = jnp.einsum("blgn,bgn->blg", bw, C[:, s].astype(F32),
+                    precision=HIGHEST)
+    bc = heads_from_groups(bc, h, axis=2)
+    return jnp.exp(lam[:, -1])[..., None] * readout + jnp.einsum(
+        "blh,blhp->bhp", w * bc, xw, precision=HIGHEST)
+
+  y = jnp.stack([output(s) for s in range(T)], axis=1)  # [b, T, h, p]
+  y = _finish_output(y, x, D, z)
+  y = jnp.where(in_range[:, None, None, None], y, jnp.nan)
+  new = ReplayState(checkpoint=jnp.where(in_range[:, None, None, None],
+                                         checkpoint, rstate.checkpoint),
+                    x_buf=x_buf, b_buf=b_buf, dt_buf=dt_buf,
+                    count=jnp.where(in_range, base, c).astype(jnp.int32))
+  return y.astype(x.dtype), new
+
+
+def replay_commit(rstate: ReplayState, num_accepted, window: int):
+  """Makes the first num_accepted window tokens of each row history.
+
+  Args:
+    rstate: the state returned by `replay_verify` for a window of `window`
+      tokens.
+    num_accepted: [batch] int32 in [1, window]: accepted tokens per row,
+      counting the window's first (already sampled) token.
+    window: T.
+
+  Returns:
+    The state with count advanced (rollback of the rest is implicit: their
+    slots are overwritten by the next window). Under jit an out-of-range
+    num_accepted sets the row's count to -1, which makes every later output
+    of the row NaN instead of silently wrong.
+  """
+  if not isinstance(rstate, ReplayState):
+    raise TypeError(f"rstate must be a ReplayState, got "
+                    f"{type(rstate).__name__}.")
+  if not isinstance(window, (int, np.integer)) or window < 1:
+    raise ValueError(f"window must be an int >= 1, got {window!r}.")
+  if rstate.buffer_len <= window:
+    raise ValueError(f"rstate.buffer_len ({rstate.buffer_len}) must exceed "
+                     f"window ({window}).")
+  V.check_integer("num_accepted", num_accepted)
+  V.check_shape("num_accepted", num_accepted, (rstate.batch,), "[batch]")
+  if V.is_concrete(num_accepted):
+    n = np.asarray(num_accepted)
+    bad = (n < 1) | (n > window)
+    if bad.any():
+      rows = np.nonzero(bad)[0][:8].tolist()
+      raise ValueError(f"num_accepted must lie in [1, window] = [1, "
+                       f"{window}] for every row; rows {rows} hold "
+                       f"{n[rows].tolist()}.")
+  n = jnp.asarray(num_accepted, jnp.int32)
+  ok = (n >= 1) & (n <= window)
+  return rstate.replace(
+      count=jnp.where(ok, rstate.count + n, -1).astype(jnp.int32))
+
+
+# ------------------------------------------------------------------ baseline
+def baseline_verify(ssm_state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
+                    dt_softplus=False):
+  """Snapshot-per-draft verify (what serving engines do without replay).
+
+  Steps the full state through the window and keeps one full state per
+  position (T state writes per step, T x the state memory).
+
+  Args:
+    ssm_state: [batch, nheads, headdim, dstate] committed state.
+    x, dt, B, C, z: the window, as in `replay_verify`; A, D, dt_bias,
+      dt_softplus as in `selective_state_update`.
+
+  Returns:
+    (y [batch, T, nheads, headdim], snapshots [batch, T, nheads, headdim,
+     dstate] in ssm_state.dtype: the state after each window position).
+  """
+  from replayssm_jax import ops  # pylint: disable=g-import-not-at-top
+  V.check_floating("ssm_state", ssm_state, V.STATE_DTYPES)
+  V.check_ndim("ssm_state", ssm_state, 4, "[batch, nheads, headdim, dstate]")
+  V.check_ndim("x", x, 4, "[batch, T, nheads, headdim]")
+
+  def step(state, tok):
+    y, state = ops.selective_state_update(
+        state, tok["x"], tok["dt"], A, tok["B"], tok["C"], D, tok["z"],
+        dt_bias, dt_softplus, implementation="reference")
+    return state, (y, state)
+
+  win = dict(x=x, dt=dt, B=B, C=C, z=z)
+  win = {k: None if v is None else jnp.swapaxes(v, 0, 1)
+         for k, v in win.items()}
+  _, (ys, snaps) = jax.lax.scan(step, ssm_state, win)
+  return jnp.swapaxes(ys, 0, 1), jnp.swapaxes(snaps, 0, 1)
+
+
+def baseline_commit(snapshots, num_accepted):
+  """The snapshot of each row's last accepted position ([batch] in [1, T])."""
+  V.check_ndim("snapshots", snapshots, 5,
+               "[batch, T, nheads, headdim, dstate]")
+  b, T = snapshots.shape[:2]
+  V.check_integer("num_accepted", num_accepted)
+  V.check_shape("num_accepted", num_accepted, (b,), "[batch]")
+  if V.is_concrete(num_accepted):
+    n = np.asarray(num_accepted)
+    if ((n < 1) | (n > T)).any():
+      raise ValueError(f"num_accepted must lie in [1, T] = [1, {T}], got "
+                       f"{n.tolist()}.")
+  idx = jnp.clip(jnp.asarray(num_accepted, jnp.int32) - 1, 0, T - 1)
+  return jnp.take_along_axis(snapshots, idx[:, None, None, None, None],
+                             axis=1)[:, 0]
