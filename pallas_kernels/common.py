@@ -66,6 +66,10 @@ class ReplayConfig:
       block_p 64).
     flush_unroll: unroll the L-1 rank-1 updates of the fold (False keeps a
       loop: fewer registers, no hoisted loads).
+    flush_fold: "rank1" (exact f32 rank-1 updates), "dot_tf32x3" (one
+      tensor-core dot with 3xTF32 inputs, ~f32 accurate; exact f32 in
+      interpret mode) or "dot_f32" (one dot with IEEE f32 inputs); the dot
+      modes need buffer_len and the flush block_p >= 16.
   """
   heads_per_program: int | None = None
   block_p: int | None = None
@@ -75,11 +79,16 @@ class ReplayConfig:
   output_all_rows: bool = False
   flush_block_p: int | None = None
   flush_unroll: bool = True
+  flush_fold: str = "rank1"
 
   def __post_init__(self):
     for name in ("block_p", "flush_block_p"):
       if getattr(self, name) is not None:
         _check_pow2(name, getattr(self, name))
+    folds = ("rank1", "dot_tf32x3", "dot_f32")
+    if self.flush_fold not in folds:
+      raise ValueError(f"flush_fold must be one of {folds}, got "
+                       f"{self.flush_fold!r}.")
     hb = self.heads_per_program
     if hb is not None and (not isinstance(hb, int) or hb < 1):
       raise ValueError(f"heads_per_program must be None or an int >= 1, got "

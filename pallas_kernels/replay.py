@@ -166,9 +166,15 @@ def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
     pl.when(jnp.logical_not(p.flush))(route)
 
 
-def _flush_kernel(*refs, has_D, has_z, has_bias, writes_y, unroll, **kw):
+def _flush_kernel(*refs, has_D, has_z, has_bias, writes_y, unroll, fold_dot,
+                  **kw):
   """Flush route (rows with count == L-1): fold L tokens into a new
-  checkpoint and store it; with writes_y also read y from it."""
+  checkpoint and store it; with writes_y also read y from it.
+
+  fold_dot: None folds with L exact f32 rank-1 updates (each extracts its
+  weight s_j with a masked reduction); otherwise the fold is one
+  [block_p, L] x [L, N] dot with this precision (needs L, block_p >= 16).
+  """
   ins, (d_ref, z_ref, bias_ref), outs = _unpack(
       refs, 10 + writes_y, 1 + writes_y, has_D, has_z, has_bias)
   ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, x_ref, dt_ref, a_ref, b_ref = (
@@ -181,6 +187,12 @@ def _flush_kernel(*refs, has_D, has_z, has_bias, writes_y, unroll, **kw):
   @pl.when(p.flush)
   def _route():
     b_cur = b_ref[b, g, :].astype(F32)
+    if fold_dot is not None:  # the group's L B rows (flush: slots < L-1)
+      nstate = ck_ref.shape[-1]
+      b_hist = plgpu.load(bb_ref.at[b, :, g, :],
+                          mask=jnp.broadcast_to(p.hist[:, None], (L, nstate)),
+                          other=0.0).astype(F32)
+      b_win = jnp.where(p.cur[:, None], b_cur[None, :], b_hist)  # [L, N]
 
     def one_head(r, carry):
       h = p.head0 + r
@@ -188,17 +200,28 @@ def _flush_kernel(*refs, has_D, has_z, has_bias, writes_y, unroll, **kw):
       _, s, decay = p.window_weights(h, dtb_ref)
       x_cur = x_ref[b, h, ps].astype(F32)
       # New checkpoint = decay * S_0 + sum_j s_j x_j B_j^T over the L tokens
-      # (L-1 buffered + current): exact f32 rank-1 updates, no tf32 dot.
-      def fold(jj, st):
-        s_j = jnp.sum(jnp.where(p.j == jj, s, 0.0))
-        x_j = xb_ref[b, jj, h, ps].astype(F32)
-        b_j = bb_ref[b, jj, g, :].astype(F32)
-        return st + (s_j * x_j)[:, None] * b_j[None, :]
+      # (L-1 buffered + current).
+      if fold_dot is None:
+        def fold(jj, st):
+          s_j = jnp.sum(jnp.where(p.j == jj, s, 0.0))
+          x_j = xb_ref[b, jj, h, ps].astype(F32)
+          b_j = bb_ref[b, jj, g, :].astype(F32)
+          return st + (s_j * x_j)[:, None] * b_j[None, :]
 
-      st = lax.fori_loop(0, L - 1, fold, decay * s0.astype(F32),
-                         unroll=unroll)  # [block_p, N]
-      s_last = jnp.sum(jnp.where(p.j == L - 1, s, 0.0))
-      st = st + (s_last * x_cur)[:, None] * b_cur[None, :]
+        st = lax.fori_loop(0, L - 1, fold, decay * s0.astype(F32),
+                           unroll=unroll)  # [block_p, N]
+        s_last = jnp.sum(jnp.where(p.j == L - 1, s, 0.0))
+        st = st + (s_last * x_cur)[:, None] * b_cur[None, :]
+      else:
+        block_p = kw["block_p"]
+        x_hist = plgpu.load(xb_ref.at[b, :, h, ps],
+                            mask=jnp.broadcast_to(p.hist[:, None],
+                                                  (L, block_p)),
+                            other=0.0).astype(F32)
+        xs = s[:, None] * jnp.where(p.cur[:, None], x_cur[None, :], x_hist)
+        st = decay * s0.astype(F32) + lax.dot_general(
+            xs, b_win, (((0,), (0,)), ((), ())), precision=fold_dot,
+            preferred_element_type=F32)
       plgpu.store(ck_out.at[b, h, ps], st.astype(ck_out.dtype))
       if writes_y:
         y = jnp.sum(st * c_ref[b, g, :].astype(F32)[None, :], axis=1)
@@ -209,6 +232,19 @@ def _flush_kernel(*refs, has_D, has_z, has_bias, writes_y, unroll, **kw):
       return carry
 
     lax.fori_loop(0, kw["heads_per_program"], one_head, 0)
+
+
+def _fold_precision(flush_fold: str, interpret: bool):
+  """The dot precision of a flush fold mode (None: rank-1 updates).
+
+  XLA:CPU has no TF32 algorithms, so interpret mode runs the dot modes in
+  exact f32 (the kernel code is otherwise the same).
+  """
+  if flush_fold == "rank1":
+    return None
+  if interpret or flush_fold == "dot_f32":
+    return (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
+  return lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
 
 def default_block_p(batch: int, nheads: int, headdim: int) -> int:
@@ -234,6 +270,12 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   flush_block_p = common.resolve_block_p(config.flush_block_p or block_p,
                                          headdim)
   hb = config.heads_per_program or 1
+  if config.flush_fold != "rank1" and min(rstate.buffer_len,
+                                          flush_block_p) < 16:
+    raise NotImplementedError(
+        f"flush_fold={config.flush_fold!r} needs buffer_len and the flush "
+        f"block_p >= 16 (Triton dot tiles), got {rstate.buffer_len} and "
+        f"{flush_block_p}.")
   if per_group % hb:
     raise NotImplementedError(
         f"heads_per_program ({hb}) must divide nheads // ngroups "
@@ -280,6 +322,8 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   outs = pl.pallas_call(
       functools.partial(_flush_kernel, writes_y=writes_y,
                         unroll=config.flush_unroll,
+                        fold_dot=_fold_precision(config.flush_fold,
+                                                 interpret),
                         **{**kw, "block_p": flush_block_p}),
       grid=grid(flush_block_p),
       out_shape=((sds(y.shape, y.dtype),) if writes_y else ()) + (

@@ -266,3 +266,26 @@ def test_replay_kernel_out_of_range_count_under_jit():
     np.testing.assert_array_equal(
         harness.bits(getattr(new, name)[:2]),
         harness.bits(getattr(bad, name)[:2]), err_msg=name)
+
+
+@pytest.mark.parametrize("fold", ["dot_tf32x3", "dot_f32"])
+def test_replay_kernel_dot_fold(fold):
+  """The tensor-core fold variants (exact f32 in interpret mode) equal the
+  reference on flush rows and refuse tiles smaller than Triton's dot."""
+  params, tok, rstate, counts = _mixed_state("float32", 16, 71)
+  kw = dict(**tok, **params, dt_softplus=True)
+  y_ref, r_ref = rs.replay_state_update(rstate, **kw,
+                                        implementation="reference")
+  y, r = rs.replay_state_update(rstate, **kw, implementation="pallas",
+                                config=pk.ReplayConfig(block_p=16,
+                                                       flush_fold=fold))
+  tol = testing.tolerance("bfloat16")  # bf16 buffers
+  testing.assert_close(y, y_ref, tol, "y")
+  testing.assert_close(r.checkpoint, r_ref.checkpoint, tol, "checkpoint")
+  np.testing.assert_array_equal(r.count, r_ref.count)
+  with pytest.raises(NotImplementedError, match="block_p >= 16"):
+    rs.replay_state_update(rstate, **kw, implementation="pallas",
+                           config=pk.ReplayConfig(block_p=8,
+                                                  flush_fold=fold))
+  with pytest.raises(ValueError, match="flush_fold must be one of"):
+    pk.ReplayConfig(flush_fold="tf32")
