@@ -26,8 +26,9 @@ import ml_collections
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The benchmark configuration; `arg="smoke"` is a tiny CPU run."""
-  if arg not in (None, "", "smoke"):
-    raise ValueError(f"config arg must be '' or 'smoke', got {arg!r}.")
+  if arg not in (None, "", "smoke", "sweep"):
+    raise ValueError(f"config arg must be '', 'smoke' or 'sweep', got "
+                     f"{arg!r}.")
   config = ml_collections.ConfigDict()
   config.name = "kernel_bench"  # stem of the files copied to --results_dir
   config.seed = 0
@@ -69,6 +70,31 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.copy_bytes = 2 * 2**30  # device copy-bandwidth buffer
   config.copy_iters = 20
   config.check = True  # each implementation vs the reference first
+
+  # Tuned kernel variants, timed as implementation "pallas:<name>" beside
+  # the default "pallas" (name -> pallas_kernels.SSUConfig / ReplayConfig
+  # keyword arguments).
+  config.ssu_variants = ml_collections.ConfigDict()
+  config.replay_variants = ml_collections.ConfigDict()
+
+  if arg == "sweep":
+    # The flush-route variants to measure next (benchmarks/README.md):
+    # batch 256 and 1, L 16, both checkpoint dtypes.
+    config.name = "kernel_sweep"
+    config.batches = (256, 1)
+    config.buffer_lens = (16,)
+    config.exclude_implementations = ("reference",)
+    config.ssu_variants = ml_collections.ConfigDict(dict(
+        bp32=dict(block_p=32)))
+    config.replay_variants = ml_collections.ConfigDict(dict(
+        flush16=dict(flush_block_p=16),
+        flush16_loop=dict(flush_block_p=16, flush_unroll=False),
+        flush32_loop=dict(flush_block_p=32, flush_unroll=False),
+        flush16_dot=dict(flush_block_p=16, flush_fold="dot_tf32x3"),
+        flush64_dot=dict(flush_fold="dot_tf32x3"),
+        bp32_flush16_loop=dict(block_p=32, flush_block_p=16,
+                               flush_unroll=False),
+    ))
 
   if arg == "smoke":
     config.name = "kernel_bench_smoke"

@@ -219,23 +219,47 @@ class HostGen:
     return jax.tree.map(jnp.asarray, rs)
 
 
+def _plain_dict(d) -> dict:
+  return d.to_dict() if hasattr(d, "to_dict") else dict(d)
+
+
 def _tree_bytes(tree) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 # ------------------------------------------------------------------ steps
+# Tuned variants of the Pallas kernels, timed as implementation
+# "pallas:<name>": name -> keyword arguments of pallas_kernels.SSUConfig
+# (baseline) / ReplayConfig (replay). Filled from config.ssu_variants and
+# config.replay_variants.
+_VARIANTS: dict[str, dict[str, dict]] = {}
+
+
+def _impl_and_config(op: str, impl: str):
+  """"name" -> (name, None); "pallas:<variant>" -> ("pallas", its config)."""
+  name, _, variant = impl.partition(":")
+  if not variant:
+    return name, None
+  import pallas_kernels  # pylint: disable=g-import-not-at-top
+  cls = (pallas_kernels.SSUConfig if op == BASELINE_OP
+         else pallas_kernels.ReplayConfig)
+  return name, cls(**_VARIANTS[op][variant])
+
+
 def _baseline_step(state, inp, params, impl):
+  name, config = _impl_and_config(BASELINE_OP, impl)
   return replayssm_jax.selective_state_update(
       state, inp["x"], inp["dt"], params["A"], inp["B"], inp["C"],
       D=params["D"], z=inp["z"], dt_bias=params["dt_bias"],
-      dt_softplus=True, implementation=impl)
+      dt_softplus=True, implementation=name, config=config)
 
 
 def _replay_step(rstate, inp, params, impl):
+  name, config = _impl_and_config(REPLAY_OP, impl)
   return replayssm_jax.replay_state_update(
       rstate, inp["x"], inp["dt"], params["A"], inp["B"], inp["C"],
       D=params["D"], z=inp["z"], dt_bias=params["dt_bias"],
-      dt_softplus=True, implementation=impl)
+      dt_softplus=True, implementation=name, config=config)
 
 
 
@@ -506,6 +530,9 @@ class Bench:
     self.checks, self.timings, self.summary = [], [], []
     self.copy_bw = None
     # See "random data" above for why the CPU backend draws with numpy.
+    _VARIANTS.clear()
+    _VARIANTS[BASELINE_OP] = _plain_dict(config.get("ssu_variants", {}))
+    _VARIANTS[REPLAY_OP] = _plain_dict(config.get("replay_variants", {}))
     gen_cls = HostGen if jax.default_backend() == "cpu" else DeviceGen
     self.gen = gen_cls(config.seed + 1, self.dims)
 
@@ -532,7 +559,9 @@ class Bench:
     if not kept:
       logging.info("%s: excluding %s would leave no implementation; "
                    "timing %s", op, excluded, chosen)
-      return chosen
+      kept = chosen
+    if "pallas" in registered:
+      kept += tuple(f"pallas:{v}" for v in _VARIANTS.get(op, {}))
     return kept
 
   def _model_kw(self):
@@ -754,9 +783,9 @@ class Bench:
       for L in c.buffer_lens:
         for impl in rep_impls:
           rep = self.run_replay(impl, batch, sdt, L)
-          if rep:
-            self._summarize(impl, batch, sdt, L, bases.get(impl), rep,
-                            best_base)
+          if rep:  # a kernel variant compares with its plain baseline
+            base = bases.get(impl) or bases.get(impl.partition(":")[0])
+            self._summarize(impl, batch, sdt, L, base, rep, best_base)
 
 
 # ---------------------------------------------------------------- reports

@@ -226,3 +226,25 @@ def test_metrics_writer_and_tables(tmp_path):
   table = common.markdown_table([{"x": 1.23456, "y": None}], ["x", "y"],
                                 {"x": ".2f"})
   assert table.splitlines()[-1] == "| 1.23 | - |"
+
+
+def test_kernel_variants_resolve_to_configs():
+  """'pallas:<name>' runs the kernel with the named tuning config; every
+  variant of the sweep config is a valid config object."""
+  import pallas_kernels  # pylint: disable=g-import-not-at-top
+  sweep = kernel_bench_config.get_config("sweep")
+  variants = {kernel_bench.BASELINE_OP: sweep.ssu_variants.to_dict(),
+              kernel_bench.REPLAY_OP: sweep.replay_variants.to_dict()}
+  assert variants[kernel_bench.REPLAY_OP], "the sweep has replay variants"
+  saved = dict(kernel_bench._VARIANTS)  # pylint: disable=protected-access
+  try:
+    kernel_bench._VARIANTS.update(variants)  # pylint: disable=protected-access
+    for op, cls in ((kernel_bench.BASELINE_OP, pallas_kernels.SSUConfig),
+                    (kernel_bench.REPLAY_OP, pallas_kernels.ReplayConfig)):
+      assert kernel_bench._impl_and_config(op, "pallas") == ("pallas", None)  # pylint: disable=protected-access
+      for name, kw in variants[op].items():
+        impl, config = kernel_bench._impl_and_config(op, f"pallas:{name}")  # pylint: disable=protected-access
+        assert impl == "pallas" and config == cls(**kw)
+  finally:
+    kernel_bench._VARIANTS.clear()  # pylint: disable=protected-access
+    kernel_bench._VARIANTS.update(saved)  # pylint: disable=protected-access
