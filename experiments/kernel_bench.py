@@ -246,22 +246,22 @@ def _impl_and_config(op: str, impl: str):
   return name, cls(**_VARIANTS[op][variant])
 
 
+def _step(op: str, state, inp, params, impl):
+  """One decode step of `op` ("pallas:<variant>" runs that config)."""
+  name, config = _impl_and_config(op, impl)
+  fn = (replayssm_jax.selective_state_update if op == BASELINE_OP
+        else replayssm_jax.replay_state_update)
+  return fn(state, inp["x"], inp["dt"], params["A"], inp["B"], inp["C"],
+            D=params["D"], z=inp["z"], dt_bias=params["dt_bias"],
+            dt_softplus=True, implementation=name, config=config)
+
+
 def _baseline_step(state, inp, params, impl):
-  name, config = _impl_and_config(BASELINE_OP, impl)
-  return replayssm_jax.selective_state_update(
-      state, inp["x"], inp["dt"], params["A"], inp["B"], inp["C"],
-      D=params["D"], z=inp["z"], dt_bias=params["dt_bias"],
-      dt_softplus=True, implementation=name, config=config)
+  return _step(BASELINE_OP, state, inp, params, impl)
 
 
 def _replay_step(rstate, inp, params, impl):
-  name, config = _impl_and_config(REPLAY_OP, impl)
-  return replayssm_jax.replay_state_update(
-      rstate, inp["x"], inp["dt"], params["A"], inp["B"], inp["C"],
-      D=params["D"], z=inp["z"], dt_bias=params["dt_bias"],
-      dt_softplus=True, implementation=name, config=config)
-
-
+  return _step(REPLAY_OP, rstate, inp, params, impl)
 
 
 def make_loop(op: str, impl: str, num_sets: int, fixed_count: bool,
