@@ -1,7 +1,8 @@
 """Pallas GPU kernels for the Mamba-2 decode step (baseline and ReplaySSM).
 
 Importing this package registers implementation "pallas" for
-`replayssm_jax.selective_state_update` and `replayssm_jax.replay_state_update`
+`replayssm_jax.selective_state_update`, `replayssm_jax.replay_state_update`
+and `replayssm_jax.replay_verify`
 (the dispatcher imports it lazily on first use). The kernels use the Pallas
 Triton backend on GPU and Pallas interpret mode elsewhere, so the same kernel
 code runs in CPU tests. A Mosaic GPU variant would register beside it under
@@ -15,7 +16,8 @@ import jax
 from pallas_kernels import common
 from pallas_kernels import replay as replay_kernel
 from pallas_kernels import ssu as ssu_kernel
-from pallas_kernels.common import ReplayConfig, SSUConfig
+from pallas_kernels import verify as verify_kernel
+from pallas_kernels.common import ReplayConfig, SSUConfig, VerifyConfig
 from replayssm_jax import ops as _ops
 
 
@@ -48,6 +50,15 @@ def _replay_supports(rstate, **_):
   return _shape_problem(rstate.headdim, rstate.dstate, rstate.buffer_len)
 
 
+def _verify_supports(rstate, x, **_):
+  problem = _shape_problem(rstate.headdim, rstate.dstate, rstate.buffer_len)
+  if problem is None and not _pow2(x.shape[1]):
+    problem = (f"the window length T = {x.shape[1]} is not a power of two "
+               f"(Triton block shapes must be); use "
+               f"implementation='reference'.")
+  return problem
+
+
 def _ssu(*, config=None, **args):
   return ssu_kernel.selective_state_update(
       **args, config=config or SSUConfig(), interpret=not on_gpu())
@@ -58,6 +69,15 @@ def _replay(*, config=None, **args):
       **args, config=config or ReplayConfig(), interpret=not on_gpu())
 
 
+def _verify(*, config=None, **args):
+  return verify_kernel.replay_verify(
+      **args, config=config or VerifyConfig(), interpret=not on_gpu())
+
+
+_ops.register_implementation(
+    "replay_verify",
+    _ops.Implementation("pallas", _verify, supports=_verify_supports,
+                        preferred=on_gpu, priority=10))
 _ops.register_implementation(
     "selective_state_update",
     _ops.Implementation("pallas", _ssu, supports=_ssu_supports,
@@ -67,4 +87,4 @@ _ops.register_implementation(
     _ops.Implementation("pallas", _replay, supports=_replay_supports,
                         preferred=on_gpu, priority=10))
 
-__all__ = ["ReplayConfig", "SSUConfig", "common", "on_gpu"]
+__all__ = ["ReplayConfig", "SSUConfig", "VerifyConfig", "common", "on_gpu"]

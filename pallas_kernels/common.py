@@ -98,6 +98,26 @@ class ReplayConfig:
       raise ValueError(f"num_stages must be >= 1, got {self.num_stages}.")
 
 
+@dataclasses.dataclass(frozen=True)
+class VerifyConfig:
+  """Tuning of the speculative verify kernels (one head per program).
+
+  Attributes:
+    block_p: headdim rows per program; None = replay.default_block_p.
+    num_warps, num_stages: Triton launch parameters.
+  """
+  block_p: int | None = None
+  num_warps: int = 4
+  num_stages: int = 1
+
+  def __post_init__(self):
+    if self.block_p is not None:
+      _check_pow2("block_p", self.block_p)
+    _check_pow2("num_warps", self.num_warps)
+    if self.num_stages < 1:
+      raise ValueError(f"num_stages must be >= 1, got {self.num_stages}.")
+
+
 def finish_output(y, x, D, z):
   """y + D x, then * silu(z); all f32. x, z: [P]; D scalar or None."""
   if D is not None:

@@ -25,6 +25,7 @@ from absl import logging
 
 from replayssm_jax import _validation as V
 from replayssm_jax import reference
+from replayssm_jax import speculative
 from replayssm_jax.state import ReplayState
 
 
@@ -56,6 +57,9 @@ _REGISTRY: dict[str, dict[str, Implementation]] = {
     "replay_state_update": {
         "reference": Implementation(
             "reference", reference.replay_state_update, priority=-1)},
+    "replay_verify": {
+        "reference": Implementation(
+            "reference", speculative.replay_verify_reference, priority=-1)},
 }
 
 
@@ -92,7 +96,8 @@ def _load_plugins() -> None:
                       e)
 
 
-def _dispatch(op: str, implementation: str | None, config, args: dict):
+def dispatch(op: str, implementation: str | None, config, args: dict):
+  """Runs `op` (validated args) with the chosen implementation."""
   _load_plugins()
   table = _REGISTRY[op]
   if implementation is not None:
@@ -146,7 +151,7 @@ def selective_state_update(ssm_state, x, dt, A, B, C, D=None, z=None,
                       dt_bias=dt_bias)
   args = dict(ssm_state=ssm_state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z,
               dt_bias=dt_bias, dt_softplus=bool(dt_softplus))
-  return _dispatch("selective_state_update", implementation, config, args)
+  return dispatch("selective_state_update", implementation, config, args)
 
 
 def replay_state_update(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
@@ -172,7 +177,7 @@ def replay_state_update(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
                       dt_bias=dt_bias, ngroups=rstate.ngroups)
   args = dict(rstate=rstate, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z,
               dt_bias=dt_bias, dt_softplus=bool(dt_softplus))
-  return _dispatch("replay_state_update", implementation, config, args)
+  return dispatch("replay_state_update", implementation, config, args)
 
 
 def materialize(rstate: ReplayState, A, dtype=None):

@@ -60,7 +60,8 @@ def _check_window(rstate: ReplayState, x, dt, A, B, C, D, z, dt_bias):
 
 
 def replay_verify(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
-                  dt_bias=None, dt_softplus=False):
+                  dt_bias=None, dt_softplus=False, *,
+                  implementation: str | None = None, config=None):
   """Outputs of a T-token window from checkpoint + buffer, in one pass.
 
   Args:
@@ -69,6 +70,7 @@ def replay_verify(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
     dt: [batch, T, nheads]; B, C: [batch, T, ngroups, dstate];
     z: optional [batch, T, nheads, headdim]; A, D, dt_bias, dt_softplus: as
       in `replay_state_update`.
+    implementation, config: as in `replay_state_update` (the dispatcher).
 
   Returns:
     (y [batch, T, nheads, headdim] in x.dtype: y[:, s] is the output of
@@ -81,11 +83,15 @@ def replay_verify(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
                     f"{type(rstate).__name__}.")
   rstate.validate("rstate")
   _check_window(rstate, x, dt, A, B, C, D, z, dt_bias)
-  return _replay_verify(rstate, x, dt, A, B, C, D, z, dt_bias,
-                        bool(dt_softplus))
+  from replayssm_jax import ops  # pylint: disable=g-import-not-at-top
+  args = dict(rstate=rstate, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z,
+              dt_bias=dt_bias, dt_softplus=bool(dt_softplus))
+  return ops.dispatch("replay_verify", implementation, config, args)
 
 
-def _replay_verify(rstate, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
+def replay_verify_reference(rstate, x, dt, A, B, C, D=None, z=None,
+                            dt_bias=None, dt_softplus=False):
+  """Pure-JAX `replay_verify` (validated inputs; f32 accumulation)."""
   L, T, h = rstate.buffer_len, x.shape[1], rstate.nheads
   c = rstate.count.astype(jnp.int32)
   in_range = (c >= 0) & (c < L)

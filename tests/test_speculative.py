@@ -187,3 +187,48 @@ def test_snapshot_baseline_matches_replay_spec():
                        "committed state")
   with pytest.raises(ValueError, match=r"num_accepted must lie in \[1, T\]"):
     rs.baseline_commit(snaps, jnp.asarray([0, 1, 1, 1], jnp.int32))
+
+
+# ------------------------------------------------------- Pallas verify kernel
+@pytest.mark.parametrize("L,T,buffer_dtype,block_p",
+                         [(8, 4, "float32", 8), (8, 2, "bfloat16", 4),
+                          (4, 1, "float32", None), (16, 8, "bfloat16", 8)])
+def test_pallas_verify_matches_reference(L, T, buffer_dtype, block_p):
+  """The verify kernels (interpret mode) == the reference: outputs, folded
+  checkpoint, appended window, counts; non-flush rows' checkpoint and stale
+  slots are bit-identical."""
+  import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
+  key = jax.random.PRNGKey(L * 10 + T)
+  params = testing.random_params(key, H)
+  counts = np.array([0, L - 1, L - T, max(0, L - T - 1)])
+  rstate, _ = testing.random_replay_state(
+      jax.random.fold_in(key, 1), B, H, P, N, G, L, counts, params["A"],
+      buffer_dtype=jnp.dtype(buffer_dtype))
+  win = _window(L + T, T)
+  kw = dict(**win, **params, dt_softplus=True)
+  y_ref, r_ref = rs.replay_verify(rstate, **kw, implementation="reference")
+  y, r = rs.replay_verify(rstate, **kw, implementation="pallas",
+                          config=pk.VerifyConfig(block_p=block_p))
+  tol = testing.tolerance(buffer_dtype)
+  testing.assert_close(y, y_ref, tol, "y")
+  testing.assert_close(r.checkpoint, r_ref.checkpoint, tol, "checkpoint")
+  np.testing.assert_array_equal(r.count, r_ref.count)
+  flush = (counts + T >= L) & (counts > 0)
+  same = ~np.asarray(harness.rows_changed(rstate.checkpoint, r.checkpoint))
+  np.testing.assert_array_equal(same, ~flush)
+  n = jnp.full((B,), T, jnp.int32)  # accept all: the window is history
+  testing.assert_close(
+      rs.materialize(rs.replay_commit(r, n, T), params["A"]),
+      rs.materialize(rs.replay_commit(r_ref, n, T), params["A"]), tol,
+      "state after commit")
+  for row in range(B):  # slots past the new window are untouched
+    end = int(r.count[row]) + T
+    np.testing.assert_array_equal(
+        harness.bits(r.x_buf[row, end:]), harness.bits(rstate.x_buf[row, end:]))
+
+
+def test_pallas_verify_refuses_non_pow2_window():
+  params, rstate, _ = _setup(8, 3, [0, 1, 2, 3])
+  with pytest.raises(NotImplementedError, match="T = 3 is not a power"):
+    rs.replay_verify(rstate, **_window(1, 3), **params,
+                     implementation="pallas")

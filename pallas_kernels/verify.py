@@ -1,0 +1,196 @@
+"""Pallas (Triton backend) kernels: speculative verify on a ReplayState.
+
+Matches `replayssm_jax.speculative.replay_verify_reference`. Two kernels,
+both launched every step, rows routed by data:
+
+* fold kernel (rows whose window does not fit behind their history,
+  count + T >= L, with count > 0): folds the committed history into the
+  checkpoint and stores it (the window's only checkpoint write);
+* verify kernel (every row): outputs of the T window positions from the
+  checkpoint (as left by the fold kernel) + committed history + window, in
+  one pass with no per-token state, then appends the window's inputs behind
+  the history. The checkpoint is only read.
+
+Grid: (headdim blocks x heads of one group, ngroups, batch), one head per
+program. T, L, headdim and dstate must be powers of two (Triton blocks).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import common
+from pallas_kernels.replay import _Program, _unpack, default_block_p
+from replayssm_jax.reference import process_dt
+
+F32 = jnp.float32
+
+
+def _fold_kernel(*refs, window, has_D, has_z, has_bias, **kw):
+  """Early flush: checkpoint <- checkpoint advanced over the history."""
+  ins, _, (ck_out,) = _unpack(refs, 10, 1, has_D, has_z, has_bias)
+  ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, _, _, a_ref, _, _ = ins
+  p = _Program(cnt_ref, None, a_ref, None, **kw)
+  b, g, ps, L, c, h = p.b, p.g, p.ps, p.L, p.c, p.head0
+  block_p = kw["block_p"]
+
+  @pl.when(p.valid & (c + window >= L) & (c > 0))
+  def _fold():
+    hist = p.j < c
+    d_hist = plgpu.load(dtb_ref.at[b, :, h], mask=hist, other=0.0)  # [L]
+    a = a_ref[h].astype(F32)
+    after = p.j[:, None] < p.j[None, :]
+    suffix = jnp.sum(jnp.where(after, d_hist[None, :], 0.0), axis=1)
+    s = d_hist * jnp.exp(a * suffix)
+
+    def fold(jj, st):
+      live = jj < c
+      s_j = jnp.sum(jnp.where(p.j == jj, s, 0.0))
+      x_j = plgpu.load(xb_ref.at[b, jj, h, ps],
+                       mask=jnp.broadcast_to(live, (block_p,)), other=0.0)
+      b_j = plgpu.load(bb_ref.at[b, jj, g, :],
+                       mask=jnp.broadcast_to(live, (ck_ref.shape[-1],)),
+                       other=0.0)
+      return st + (s_j * x_j.astype(F32))[:, None] * b_j.astype(F32)[None, :]
+
+    s0 = plgpu.load(ck_ref.at[b, h, ps]).astype(F32)
+    st = lax.fori_loop(0, L, fold, jnp.exp(a * jnp.sum(d_hist)) * s0)
+    plgpu.store(ck_out.at[b, h, ps], st.astype(ck_out.dtype))
+
+
+def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus, **kw):
+  """Window outputs from checkpoint + history + window; append the window."""
+  ins, (d_ref, z_ref, bias_ref), outs = _unpack(refs, 10, 5, has_D, has_z,
+                                                has_bias)
+  ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, x_ref, dt_ref, a_ref, b_ref = (
+      ins[:9])
+  c_ref = ins[9]
+  y_ref, xb_out, bb_out, dtb_out, cnt_out = outs
+  T = window
+  p = _Program(cnt_ref, None, a_ref, None, dt_softplus=dt_softplus, **kw)
+  b, g, ps, L, c, h = p.b, p.g, p.ps, p.L, p.c, p.head0
+  block_p, nstate = kw["block_p"], ck_ref.shape[-1]
+  base = jnp.where(c + T >= L, 0, c)  # committed tokens left in the buffer
+  hist = p.j < base
+  jw = jnp.arange(T)
+  bias = None if bias_ref is None else bias_ref[h]
+
+  s0 = plgpu.load(ck_ref.at[b, h, ps], eviction_policy="evict_first")
+  s0 = s0.astype(F32)  # [block_p, N]
+  a = a_ref[h].astype(F32)
+  d_hist = plgpu.load(dtb_ref.at[b, :, h], mask=hist, other=0.0)  # [L]
+  suf_hist = jnp.sum(jnp.where(p.j[:, None] < p.j[None, :], d_hist[None, :],
+                               0.0), axis=1)
+  x_hist = plgpu.load(
+      xb_ref.at[b, :, h, ps], mask=jnp.broadcast_to(hist[:, None],
+                                                    (L, block_p)),
+      other=0.0).astype(F32)  # [L, block_p]
+  b_hist = plgpu.load(
+      bb_ref.at[b, :, g, :], mask=jnp.broadcast_to(hist[:, None],
+                                                   (L, nstate)),
+      other=0.0).astype(F32)  # [L, N]
+  d_win = process_dt(dt_ref[b, :, h], bias, dt_softplus)  # [T]
+  x_win = x_ref[b, :, h, ps].astype(F32)  # [T, block_p]
+  b_win = b_ref[b, :, g, :].astype(F32)  # [T, N]
+  # Earlier window tokens are read back from the buffer, so they carry its
+  # rounding; the current position uses the caller's values (as the
+  # reference and the decode step do).
+  x_win_st = x_win.astype(xb_ref.dtype).astype(F32)
+  b_win_st = b_win.astype(bb_ref.dtype).astype(F32)
+  after_w = jw[:, None] < jw[None, :]
+
+  for s in range(T):
+    dws = jnp.where(jw <= s, d_win, 0.0)  # [T]
+    tot_win = jnp.sum(dws)
+    suf_win = jnp.sum(jnp.where(after_w, dws[None, :], 0.0), axis=1)
+    w_hist = d_hist * jnp.exp(a * (suf_hist + tot_win))  # [L]
+    w_win = dws * jnp.exp(a * suf_win)  # [T]
+    decay = jnp.exp(a * (jnp.sum(d_hist) + tot_win))
+    cs = c_ref[b, s, g, :].astype(F32)  # [N]
+    cur = (jw == s)[:, None]
+    xw = jnp.where(cur, x_win, x_win_st)
+    bw = jnp.where(cur, b_win, b_win_st)
+    y = (decay * jnp.sum(s0 * cs[None, :], axis=1)
+         + jnp.sum((w_hist * jnp.sum(b_hist * cs[None, :], axis=1))[:, None]
+                   * x_hist, axis=0)
+         + jnp.sum((w_win * jnp.sum(bw * cs[None, :], axis=1))[:, None]
+                   * xw, axis=0))
+    y = common.finish_output(y, x_ref[b, s, h, ps].astype(F32),
+                             None if d_ref is None else d_ref[h],
+                             None if z_ref is None else z_ref[b, s, h, ps])
+    y_ref[b, s, h, ps] = jnp.where(p.valid, y, jnp.nan).astype(y_ref.dtype)
+
+  @pl.when(p.valid)
+  def _append():
+    for i in range(T):
+      xb_out[b, base + i, h, ps] = x_ref[b, i, h, ps].astype(xb_out.dtype)
+
+    @pl.when(p.pblk == 0)
+    def _append_dt():
+      for i in range(T):
+        dtb_out[b, base + i, h] = process_dt(dt_ref[b, i, h], bias,
+                                             dt_softplus)
+
+    @pl.when(p.pid == 0)  # the group's first head, first headdim block
+    def _append_b():
+      for i in range(T):
+        bb_out[b, base + i, g, :] = b_ref[b, i, g, :].astype(bb_out.dtype)
+
+  @pl.when((g == 0) & (p.pid == 0))
+  def _count():
+    cnt_out[b] = jnp.where(p.valid, base, c).astype(cnt_out.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("dt_softplus", "config",
+                                             "interpret"))
+def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
+                  dt_softplus=False, *,
+                  config: common.VerifyConfig = common.VerifyConfig(),
+                  interpret: bool = False):
+  """Same signature and results as the reference, plus a tuning config."""
+  from replayssm_jax.state import ReplayState  # pylint: disable=g-import-not-at-top
+  batch, nheads, headdim, _ = rstate.checkpoint.shape
+  T, ngroups = x.shape[1], rstate.ngroups
+  per_group = nheads // ngroups
+  block_p = common.resolve_block_p(
+      config.block_p or default_block_p(batch, nheads, headdim), headdim)
+  kw = dict(buffer_len=rstate.buffer_len, heads_per_program=1,
+            heads_per_group=per_group, block_p=block_p, headdim=headdim,
+            window=T, has_D=D is not None, has_z=z is not None,
+            has_bias=dt_bias is not None)
+  grid = ((headdim // block_p) * per_group, ngroups, batch)
+  params = plgpu.CompilerParams(num_warps=config.num_warps,
+                                num_stages=config.num_stages)
+  sds = jax.ShapeDtypeStruct
+  token_in = [x, dt, A, B, C]
+  optional = [v for v in (D, z, dt_bias) if v is not None]
+  # 1. Early flush of the committed history (in place, flush rows only).
+  (ck,) = pl.pallas_call(
+      functools.partial(_fold_kernel, dt_softplus=dt_softplus, **kw),
+      grid=grid,
+      out_shape=(sds(rstate.checkpoint.shape, rstate.checkpoint.dtype),),
+      input_output_aliases={0: 0}, compiler_params=params,
+      interpret=interpret, name="replayssm_verify_fold",
+  )(rstate.checkpoint, rstate.x_buf, rstate.b_buf, rstate.dt_buf,
+    rstate.count, *token_in, *optional)
+  # 2. Window outputs and appends (reads the folded checkpoint).
+  y, xb, bb, dtb, cnt = pl.pallas_call(
+      functools.partial(_verify_kernel, dt_softplus=dt_softplus, **kw),
+      grid=grid,
+      out_shape=(sds(x.shape, x.dtype),
+                 sds(rstate.x_buf.shape, rstate.x_buf.dtype),
+                 sds(rstate.b_buf.shape, rstate.b_buf.dtype),
+                 sds(rstate.dt_buf.shape, rstate.dt_buf.dtype),
+                 sds(rstate.count.shape, rstate.count.dtype)),
+      input_output_aliases={1: 1, 2: 2, 3: 3}, compiler_params=params,
+      interpret=interpret, name="replayssm_verify_window",
+  )(ck, rstate.x_buf, rstate.b_buf, rstate.dt_buf, rstate.count, *token_in,
+    *optional)
+  return y, ReplayState(checkpoint=ck, x_buf=xb, b_buf=bb, dt_buf=dtb,
+                        count=cnt)
