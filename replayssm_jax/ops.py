@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 from typing import Callable
 
 from absl import logging
@@ -113,7 +114,12 @@ def dispatch(op: str, implementation: str | None, config, args: dict):
       raise NotImplementedError(
           f"{op}: implementation {implementation!r} cannot run these inputs: "
           f"{why}")
-    return impl.fn(**args, **({"config": config} if config else {}))
+    if config is None:
+      return impl.fn(**args)
+    if "config" not in inspect.signature(impl.fn).parameters:
+      raise ValueError(f"{op}: implementation {implementation!r} takes no "
+                       f"config, got {config!r}.")
+    return impl.fn(**args, config=config)
   if config is not None:
     raise ValueError("config can only be given with a named implementation.")
   for name in implementations(op):

@@ -289,3 +289,11 @@ def test_replay_kernel_dot_fold(fold):
                                                   flush_fold=fold))
   with pytest.raises(ValueError, match="flush_fold must be one of"):
     pk.ReplayConfig(flush_fold="tf32")
+
+
+def test_config_for_the_reference_is_refused():
+  params, tok, rstate, _ = _mixed_state("float32", 4, 81)
+  with pytest.raises(ValueError, match="'reference' takes no config"):
+    rs.replay_state_update(rstate, **tok, **params,
+                           implementation="reference",
+                           config=pk.ReplayConfig())
