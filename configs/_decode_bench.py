@@ -1,0 +1,47 @@
+"""Shared layout of the model configs (`configs/<model>.py`).
+
+Every model config is an ml_collections ConfigDict with:
+  model:  the `replayssm_jax.models.ModelConfig` fields as plain values
+          (build it with `ModelConfig(**config.model.to_dict())`; the library
+          itself never imports ml_collections);
+  bench:  the settings of experiments/decode_bench.py.
+The ":smoke" variant swaps in the tiny model and a few decode steps.
+"""
+
+import ml_collections
+
+# The tiny hybrid of tests/test_models.py (CPU-sized).
+TINY_MODEL = dict(vocab_size=64, d_model=32, pattern="M-M*-M", ssm_heads=4,
+                  head_dim=8, d_state=8, n_groups=2, conv_kernel=4,
+                  chunk_size=8, num_heads=4, num_kv_heads=2, attn_head_dim=8,
+                  rope_theta=10000.0, intermediate_size=48,
+                  mlp_activation="relu2", norm_eps=1e-5, tie_embeddings=False,
+                  dtype="float32", param_dtype="float32")
+
+
+def make_config(model: dict, arg: str | None, *, batch: int, prompt_len: int,
+                new_tokens: int, buffer_len: int = 16
+                ) -> ml_collections.ConfigDict:
+  """The config of one model; arg "smoke" shrinks it for CPU tests."""
+  if arg not in (None, "", "smoke"):
+    raise ValueError(f"config arg must be '' or 'smoke', got {arg!r}.")
+  smoke = arg == "smoke"
+  config = ml_collections.ConfigDict()
+  config.seed = 0
+  config.model = ml_collections.ConfigDict(dict(TINY_MODEL if smoke
+                                                else model))
+  config.bench = ml_collections.ConfigDict()
+  config.bench.batch = 2 if smoke else batch
+  config.bench.prompt_len = 8 if smoke else prompt_len
+  config.bench.new_tokens = 16 if smoke else new_tokens
+  config.bench.ssm_modes = ("baseline", "replay")
+  config.bench.buffer_len = 4 if smoke else buffer_len
+  # Replay checkpoint / baseline state dtype; buffers and KV cache default
+  # to the model dtype ("" = default).
+  config.bench.checkpoint_dtype = "float32"
+  config.bench.buffer_dtype = ""
+  config.bench.kv_dtype = ""
+  config.bench.repeats = 1 if smoke else 3  # timed runs after the warm-up
+  # "" = dispatcher default (fastest supported kernel).
+  config.bench.implementation = "reference" if smoke else ""
+  return config

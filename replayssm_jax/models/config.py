@@ -1,0 +1,168 @@
+"""`ModelConfig`: the shapes of a hybrid Mamba-2 / attention / MLP LM.
+
+The layer pattern follows Nemotron-H's `hybrid_override_pattern`: one
+character per block, 'M' a Mamba-2 mixer, '*' grouped-query attention, '-' an
+MLP. Every block is pre-norm residual (x + mixer(norm(x))). A pure Mamba-2 LM
+(Hugging Face `Mamba2ForCausalLM`) is the pattern "M" * n_layers.
+
+This module is plain Python (no ml_collections): the `configs/` files build a
+`ModelConfig` from plain values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+PATTERN_CHARS = {"M": "mamba", "*": "attention", "-": "mlp"}
+MLP_ACTIVATIONS = ("relu2", "swiglu")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Architecture of a hybrid LM (hashable: usable as a static jit arg).
+
+  Attributes:
+    vocab_size: number of token ids.
+    d_model: width of the residual stream.
+    pattern: one char per block: 'M' Mamba-2, '*' attention, '-' MLP.
+    ssm_heads: Mamba-2 heads H (d_inner = ssm_heads * head_dim).
+    head_dim: Mamba-2 head dim P.
+    d_state: SSM state size N.
+    n_groups: B/C groups G (ssm_heads % n_groups == 0).
+    conv_kernel: width of the causal depthwise conv.
+    chunk_size: SSD chunk length used by prefill.
+    num_heads: attention query heads.
+    num_kv_heads: attention key/value heads (num_heads % num_kv_heads == 0).
+    attn_head_dim: attention head dim.
+    rope_theta: RoPE base, or None for no positional encoding (Nemotron-H).
+    intermediate_size: MLP hidden width.
+    mlp_activation: "relu2" (Nemotron-H squared ReLU, up/down) or "swiglu"
+      (gate/up/down).
+    norm_eps: RMSNorm epsilon (all norms).
+    tie_embeddings: LM head = embedding matrix transposed.
+    dtype: activation / matmul dtype name.
+    param_dtype: parameter storage dtype name.
+  """
+  vocab_size: int
+  d_model: int
+  pattern: str
+  ssm_heads: int = 8
+  head_dim: int = 64
+  d_state: int = 128
+  n_groups: int = 1
+  conv_kernel: int = 4
+  chunk_size: int = 256
+  num_heads: int = 8
+  num_kv_heads: int = 8
+  attn_head_dim: int = 64
+  rope_theta: float | None = 10000.0
+  intermediate_size: int = 1024
+  mlp_activation: str = "relu2"
+  norm_eps: float = 1e-5
+  tie_embeddings: bool = False
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+
+  def __post_init__(self):
+    self.validate()
+
+  # ----------------------------------------------------------- derived
+  @property
+  def n_layers(self) -> int:
+    return len(self.pattern)
+
+  @property
+  def block_kinds(self) -> tuple[str, ...]:
+    return tuple(PATTERN_CHARS[c] for c in self.pattern)
+
+  @property
+  def d_inner(self) -> int:
+    return self.ssm_heads * self.head_dim
+
+  @property
+  def conv_dim(self) -> int:
+    """Channels of the conv: x, B and C together."""
+    return self.d_inner + 2 * self.n_groups * self.d_state
+
+  @property
+  def in_proj_dim(self) -> int:
+    """Output width of the Mamba in_proj: [z, xBC, dt]."""
+    return self.d_inner + self.conv_dim + self.ssm_heads
+
+  @property
+  def jnp_dtype(self):
+    return jnp.dtype(self.dtype)
+
+  @property
+  def jnp_param_dtype(self):
+    return jnp.dtype(self.param_dtype)
+
+  def replace(self, **kwargs) -> "ModelConfig":
+    return dataclasses.replace(self, **kwargs)
+
+  # -------------------------------------------------------- validation
+  def validate(self) -> "ModelConfig":
+    """Raises ValueError/TypeError naming the offending field."""
+    def positive(name):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"ModelConfig.{name} must be a positive int, got "
+                         f"{v!r}.")
+
+    if not isinstance(self.pattern, str) or not self.pattern:
+      raise ValueError(f"ModelConfig.pattern must be a non-empty string of "
+                       f"{sorted(PATTERN_CHARS)}, got {self.pattern!r}.")
+    bad = sorted(set(self.pattern) - set(PATTERN_CHARS))
+    if bad:
+      raise ValueError(f"ModelConfig.pattern may only hold 'M' (Mamba-2), "
+                       f"'*' (attention), '-' (MLP); got {bad} in "
+                       f"{self.pattern!r}.")
+    positive("vocab_size")
+    positive("d_model")
+    if "M" in self.pattern:
+      for name in ("ssm_heads", "head_dim", "d_state", "n_groups",
+                   "conv_kernel", "chunk_size"):
+        positive(name)
+      if self.ssm_heads % self.n_groups:
+        raise ValueError(f"ModelConfig.n_groups ({self.n_groups}) must divide "
+                         f"ModelConfig.ssm_heads ({self.ssm_heads}).")
+      if self.conv_kernel < 2:
+        raise ValueError(f"ModelConfig.conv_kernel must be >= 2, got "
+                         f"{self.conv_kernel}.")
+    if "*" in self.pattern:
+      for name in ("num_heads", "num_kv_heads", "attn_head_dim"):
+        positive(name)
+      if self.num_heads % self.num_kv_heads:
+        raise ValueError(f"ModelConfig.num_kv_heads ({self.num_kv_heads}) "
+                         f"must divide ModelConfig.num_heads "
+                         f"({self.num_heads}).")
+      if self.rope_theta is not None:
+        if (isinstance(self.rope_theta, bool)
+            or not isinstance(self.rope_theta, (int, float))
+            or self.rope_theta <= 0):
+          raise ValueError(f"ModelConfig.rope_theta must be a positive "
+                           f"number or None, got {self.rope_theta!r}.")
+        if self.attn_head_dim % 2:
+          raise ValueError(f"ModelConfig.attn_head_dim must be even with "
+                           f"RoPE, got {self.attn_head_dim}.")
+    if "-" in self.pattern:
+      positive("intermediate_size")
+      if self.mlp_activation not in MLP_ACTIVATIONS:
+        raise ValueError(f"ModelConfig.mlp_activation must be one of "
+                         f"{MLP_ACTIVATIONS}, got {self.mlp_activation!r}.")
+    if (isinstance(self.norm_eps, bool)
+        or not isinstance(self.norm_eps, (int, float)) or self.norm_eps <= 0):
+      raise ValueError(f"ModelConfig.norm_eps must be a positive number, got "
+                       f"{self.norm_eps!r}.")
+    if not isinstance(self.tie_embeddings, bool):
+      raise TypeError(f"ModelConfig.tie_embeddings must be a bool, got "
+                      f"{self.tie_embeddings!r}.")
+    for name in ("dtype", "param_dtype"):
+      v = getattr(self, name)
+      if v not in DTYPES:
+        raise ValueError(f"ModelConfig.{name} must be one of {DTYPES} (a "
+                         f"name), got {v!r}.")
+    return self

@@ -1,0 +1,149 @@
+"""Batched sampling: prefill + a jit-compiled `lax.while_loop` decode.
+
+As in the Flax gemma sampler, the NNX model is split once into graphdef +
+params; the jitted function (graphdef static) merges them inside, so
+`generate` compiles once per shape (sampling settings and eos_id are traced
+values) and never retraces the model. The decode state is created outside
+and donated.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from replayssm_jax import _validation as V
+from replayssm_jax.models import model as M
+
+F32 = jnp.float32
+
+
+def check_sampling(temperature, top_k, top_p) -> None:
+  if not temperature >= 0:
+    raise ValueError(f"temperature must be >= 0 (0: greedy), got "
+                     f"{temperature!r}.")
+  if top_k is not None and (isinstance(top_k, bool)
+                            or not isinstance(top_k, int) or top_k < 1):
+    raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}.")
+  if top_p is not None and not 0 < top_p <= 1:
+    raise ValueError(f"top_p must be None or in (0, 1], got {top_p!r}.")
+
+
+def sample_logits(logits, rng, greedy, temperature, top_k, top_p):
+  """logits [b, vocab] f32 -> tokens [b] int32.
+
+  All settings are traced scalars (changing them does not recompile):
+  greedy (bool) picks the argmax; otherwise logits / temperature, restricted
+  to the top_k (int32, 0: off) most likely, then to the smallest set of
+  mass >= top_p (float, 1: off), are sampled.
+  """
+  vocab = logits.shape[-1]
+  scaled = logits.astype(F32) / jnp.where(greedy, 1.0, temperature)
+  srt = jnp.sort(scaled, axis=-1)[:, ::-1]  # [b, vocab] descending
+  k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+  kth = srt[:, k - 1][:, None]  # [b, 1]
+  probs = jax.nn.softmax(jnp.where(srt < kth, -jnp.inf, srt), axis=-1)
+  # Keep the smallest prefix whose mass reaches top_p (>= 1 token).
+  n_keep = jnp.sum(jnp.cumsum(probs, axis=-1) - probs < top_p, axis=-1,
+                   keepdims=True)
+  thresh = jnp.maximum(jnp.take_along_axis(srt, n_keep - 1, axis=-1), kth)
+  masked = jnp.where(scaled < thresh, -jnp.inf, scaled)
+  sampled = jax.random.categorical(rng, masked, axis=-1)
+  return jnp.where(greedy, jnp.argmax(logits, axis=-1),
+                   sampled).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=(4,))
+def _generate_jit(graphdef, params, tokens, lengths, state, max_new_tokens,
+                  implementation, sampling, eos_id, rng):
+  M.TRACE_COUNTS["generate"] += 1
+  model = nnx.merge(graphdef, params)
+  b = tokens.shape[0]
+  logits, state = M.prefill_fn(model, tokens, lengths, state)
+  pad = jnp.maximum(eos_id, 0)  # eos_id < 0: no eos.
+
+  def cond(carry):
+    i, _, _, _, done, _, _ = carry
+    return (i < max_new_tokens) & ~jnp.all(done)
+
+  def body(carry):
+    i, logits, state, out, done, n, rng = carry
+    rng, sub = jax.random.split(rng)
+    tok = sample_logits(logits, sub, *sampling)
+    tok = jnp.where(done, pad, tok)
+    out = out.at[:, i].set(tok)
+    n = n + (~done).astype(jnp.int32)
+    done = done | (tok == eos_id)
+    logits, state = model.step(tok, state, implementation)
+    return i + 1, logits, state, out, done, n, rng
+
+  out = jnp.full((b, max_new_tokens), pad, jnp.int32)
+  carry = (jnp.int32(0), logits, state, out, jnp.zeros((b,), bool),
+           jnp.zeros((b,), jnp.int32), rng)
+  _, _, state, out, _, n, _ = jax.lax.while_loop(cond, body, carry)
+  return out, n, state
+
+
+def generate(model: M.HybridLM, prompt_tokens, prompt_lengths,
+             max_new_tokens: int, *, ssm_mode: str = "replay",
+             buffer_len: int = 16, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None,
+             greedy: bool | None = None, rng=None, eos_id: int | None = None,
+             implementation: str | None = None, return_state: bool = False,
+             **state_kwargs):
+  """Samples `max_new_tokens` per row after right-padded prompts.
+
+  Args:
+    model: the HybridLM.
+    prompt_tokens: [batch, T] int, right-padded.
+    prompt_lengths: [batch] int in [1, T].
+    max_new_tokens: tokens to generate per row (static).
+    ssm_mode, buffer_len: decode state of the Mamba layers ("replay" or
+      "baseline"); further `init_state` keywords (checkpoint_dtype,
+      buffer_dtype, kv_dtype) go through **state_kwargs.
+    temperature, top_k, top_p: sampling; temperature 0 (default) is greedy.
+      Traced: changing them does not recompile.
+    greedy: force greedy (True) or sampling (False); default temperature==0.
+    rng: PRNG key (required when sampling).
+    eos_id: a row stops after emitting it; later slots hold eos_id.
+    implementation: SSM decode op implementation (dispatcher name).
+    return_state: also return the final decode state.
+
+  Returns:
+    (tokens [batch, max_new_tokens] int32, lengths [batch] int32: tokens
+     generated per row, eos included) [, final ModelState].
+  """
+  if isinstance(max_new_tokens, bool) or not isinstance(
+      max_new_tokens, int) or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be a positive int, got "
+                     f"{max_new_tokens!r}.")
+  check_sampling(temperature, top_k, top_p)
+  greedy = (temperature == 0) if greedy is None else bool(greedy)
+  if not greedy and temperature <= 0:
+    raise ValueError(f"temperature must be > 0 when sampling, got "
+                     f"{temperature!r}.")
+  sampling = (jnp.asarray(greedy), jnp.float32(temperature),
+              jnp.int32(top_k or 0), jnp.float32(1.0 if top_p is None
+                                                 else top_p))
+  if not greedy and rng is None:
+    raise ValueError("rng is required when sampling (temperature > 0).")
+  if eos_id is not None and not 0 <= eos_id < model.config.vocab_size:
+    raise ValueError(f"eos_id must lie in [0, vocab_size), got {eos_id!r}.")
+  V.check_array("prompt_tokens", prompt_tokens)
+  V.check_ndim("prompt_tokens", prompt_tokens, 2, "[batch, seqlen]")
+  b, t = prompt_tokens.shape
+  state = model.init_state(b, t + max_new_tokens, ssm_mode=ssm_mode,
+                           buffer_len=buffer_len, **state_kwargs)
+  lengths = jnp.asarray(prompt_lengths, jnp.int32)
+  M.check_prefill_inputs(model, prompt_tokens, lengths, state)
+  rng = jax.random.PRNGKey(0) if rng is None else rng
+  graphdef, params = nnx.split(model)
+  out, n, state = _generate_jit(graphdef, params, jnp.asarray(prompt_tokens),
+                                lengths, state, max_new_tokens,
+                                implementation, sampling,
+                                jnp.int32(-1 if eos_id is None else eos_id),
+                                rng)
+  return (out, n, state) if return_state else (out, n)

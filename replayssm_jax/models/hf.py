@@ -1,0 +1,283 @@
+"""Hugging Face checkpoints: `Mamba2ForCausalLM` and `NemotronHForCausalLM`.
+
+`from_pretrained(directory)` reads config.json and the *.safetensors files
+(one file or sharded with model.safetensors.index.json) and returns a ready
+`HybridLM`. Tensor names and layouts are those of transformers:
+
+  backbone.embeddings.weight                   [vocab, d]
+  backbone.layers.{i}.norm.weight              [d]
+  backbone.layers.{i}.mixer.in_proj.weight     [in_proj_dim, d]   (Mamba)
+  backbone.layers.{i}.mixer.conv1d.weight      [conv_dim, 1, k]
+  backbone.layers.{i}.mixer.conv1d.bias        [conv_dim]
+  backbone.layers.{i}.mixer.{A_log, D, dt_bias} [H]
+  backbone.layers.{i}.mixer.norm.weight        [d_inner]
+  backbone.layers.{i}.mixer.out_proj.weight    [d, d_inner]
+  backbone.layers.{i}.mixer.{q,k,v,o}_proj.weight                 (attention)
+  backbone.layers.{i}.mixer.{up,down}_proj.weight                 (MLP)
+  backbone.norm_f.weight                       [d]
+  lm_head.weight                               [vocab, d] (absent if tied)
+
+Linear weights are stored [out, in] there and [in, out] here.
+`export_hf_tensors` / `hf_config_dict` write the same layout (tests use them
+to build synthetic checkpoints).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from replayssm_jax.models.config import ModelConfig
+from replayssm_jax.models.model import HybridLM
+
+ARCHITECTURES = ("Mamba2ForCausalLM", "NemotronHForCausalLM")
+
+_LINEARS = {
+    "mamba": ("in_proj", "out_proj"),
+    "attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
+}
+
+
+def tensor_map(cfg: ModelConfig) -> dict[str, tuple[tuple, str]]:
+  """HF tensor name -> (parameter path in HybridLM, transform).
+
+  Transforms: "id", "T" (linear [out, in] <-> [in, out]), "conv"
+  ([C, 1, k] <-> [C, k]).
+  """
+  m = {"backbone.embeddings.weight": (("embeddings", "weight"), "id"),
+       "backbone.norm_f.weight": (("norm_f", "weight"), "id")}
+  if not cfg.tie_embeddings:
+    m["lm_head.weight"] = (("lm_head", "kernel"), "T")
+  for i, kind in enumerate(cfg.block_kinds):
+    hf = f"backbone.layers.{i}."
+    me = ("blocks", i)
+    m[hf + "norm.weight"] = (me + ("norm", "weight"), "id")
+    mx = me + ("mixer",)
+    if kind == "mlp":
+      names = ("up_proj", "down_proj") + (
+          ("gate_proj",) if cfg.mlp_activation == "swiglu" else ())
+    else:
+      names = _LINEARS[kind]
+    for n in names:
+      m[hf + f"mixer.{n}.weight"] = (mx + (n, "kernel"), "T")
+    if kind == "mamba":
+      m[hf + "mixer.conv1d.weight"] = (mx + ("conv_weight",), "conv")
+      m[hf + "mixer.conv1d.bias"] = (mx + ("conv_bias",), "id")
+      for n in ("A_log", "D", "dt_bias"):
+        m[hf + f"mixer.{n}"] = (mx + (n,), "id")
+      m[hf + "mixer.norm.weight"] = (mx + ("norm", "weight"), "id")
+  return m
+
+
+def _to_ours(arr, transform):
+  if transform == "T":
+    return arr.T
+  if transform == "conv":
+    return arr[:, 0, :]
+  return arr
+
+
+def _to_hf(arr, transform):
+  if transform == "T":
+    return arr.T
+  if transform == "conv":
+    return arr[:, None, :]
+  return arr
+
+
+# ------------------------------------------------------------- configs
+def _get(d: dict, *keys, default=None):
+  for k in keys:
+    if k in d and d[k] is not None:
+      return d[k]
+  return default
+
+
+def config_from_hf(hf: dict[str, Any], dtype: str = "float32",
+                   param_dtype: str | None = None) -> tuple[ModelConfig, str]:
+  """(ModelConfig, architecture) from a parsed config.json."""
+  archs = hf.get("architectures") or []
+  arch = archs[0] if archs else {"mamba2": "Mamba2ForCausalLM",
+                                 "nemotron_h": "NemotronHForCausalLM"}.get(
+                                     hf.get("model_type"))
+  if arch not in ARCHITECTURES:
+    raise ValueError(f"config.json: architecture must be one of "
+                     f"{ARCHITECTURES}, got {archs or hf.get('model_type')!r}.")
+  param_dtype = dtype if param_dtype is None else param_dtype
+  d = hf["hidden_size"]
+  common = dict(vocab_size=hf["vocab_size"], d_model=d,
+                chunk_size=_get(hf, "chunk_size", "mamba_chunk_size",
+                                default=256),
+                conv_kernel=_get(hf, "conv_kernel", "mamba_d_conv", default=4),
+                n_groups=_get(hf, "n_groups", "mamba_n_groups", default=1),
+                norm_eps=float(_get(hf, "layer_norm_epsilon", "rms_norm_eps",
+                                    default=1e-5)),
+                dtype=dtype, param_dtype=param_dtype)
+  if arch == "Mamba2ForCausalLM":
+    for key, ok in (("use_bias", False), ("use_conv_bias", True)):
+      if hf.get(key, ok) != ok:
+        raise ValueError(f"config.json: {key}={hf[key]!r} is not supported "
+                         f"(only {ok}).")
+    heads, hdim = hf["num_heads"], hf["head_dim"]
+    expand = hf.get("expand", 2)
+    if heads * hdim != expand * d:
+      raise ValueError(f"config.json: num_heads * head_dim ({heads * hdim}) "
+                       f"!= expand * hidden_size ({expand * d}).")
+    cfg = ModelConfig(pattern="M" * hf["num_hidden_layers"], ssm_heads=heads,
+                      head_dim=hdim, d_state=hf["state_size"],
+                      tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+                      **common)
+    return cfg, arch
+  pattern = hf["hybrid_override_pattern"]
+  bad = sorted(set(pattern) - set("M*-"))
+  if bad:
+    raise ValueError(f"config.json: hybrid_override_pattern holds "
+                     f"unsupported block kinds {bad} (only M, *, -).")
+  for key in ("mamba_proj_bias", "attention_bias", "mlp_bias", "use_bias"):
+    if hf.get(key, False):
+      raise ValueError(f"config.json: {key}=True is not supported.")
+  if not hf.get("use_conv_bias", hf.get("mamba_conv_bias", True)):
+    raise ValueError("config.json: use_conv_bias=False is not supported.")
+  act = hf.get("mlp_hidden_act", "relu2")
+  if act != "relu2":
+    raise ValueError(f"config.json: mlp_hidden_act={act!r} is not supported "
+                     f"for NemotronH (only 'relu2').")
+  nh = hf.get("num_attention_heads", 32)
+  cfg = ModelConfig(
+      pattern=pattern, ssm_heads=hf["mamba_num_heads"],
+      head_dim=hf["mamba_head_dim"],
+      d_state=_get(hf, "ssm_state_size", "mamba_d_state", default=128),
+      num_heads=nh, num_kv_heads=hf.get("num_key_value_heads", nh),
+      attn_head_dim=_get(hf, "head_dim", "attention_head_dim",
+                         default=d // nh),
+      rope_theta=None,  # NemotronH attention has no positional encoding.
+      intermediate_size=hf.get("intermediate_size", 4 * d),
+      mlp_activation="relu2",
+      tie_embeddings=bool(hf.get("tie_word_embeddings", False)), **common)
+  return cfg, arch
+
+
+def hf_config_dict(cfg: ModelConfig, architecture: str) -> dict[str, Any]:
+  """A config.json dict that `config_from_hf` maps back to `cfg` (dtypes
+  aside)."""
+  if architecture == "Mamba2ForCausalLM":
+    if set(cfg.pattern) != {"M"}:
+      raise ValueError("Mamba2ForCausalLM needs an all-'M' pattern.")
+    if cfg.d_inner % cfg.d_model:
+      raise ValueError("Mamba2ForCausalLM needs d_inner = expand * d_model.")
+    return dict(architectures=[architecture], model_type="mamba2",
+                hidden_size=cfg.d_model, num_heads=cfg.ssm_heads,
+                head_dim=cfg.head_dim, expand=cfg.d_inner // cfg.d_model,
+                state_size=cfg.d_state, n_groups=cfg.n_groups,
+                conv_kernel=cfg.conv_kernel, chunk_size=cfg.chunk_size,
+                vocab_size=cfg.vocab_size, num_hidden_layers=cfg.n_layers,
+                layer_norm_epsilon=cfg.norm_eps, use_bias=False,
+                use_conv_bias=True, tie_word_embeddings=cfg.tie_embeddings)
+  if architecture == "NemotronHForCausalLM":
+    if cfg.rope_theta is not None and "*" in cfg.pattern:
+      raise ValueError("NemotronHForCausalLM attention has no RoPE: "
+                       "rope_theta must be None.")
+    if "-" in cfg.pattern and cfg.mlp_activation != "relu2":
+      raise ValueError("NemotronHForCausalLM MLPs are relu2.")
+    return dict(architectures=[architecture], model_type="nemotron_h",
+                hybrid_override_pattern=cfg.pattern,
+                num_hidden_layers=cfg.n_layers, hidden_size=cfg.d_model,
+                vocab_size=cfg.vocab_size, mamba_num_heads=cfg.ssm_heads,
+                mamba_head_dim=cfg.head_dim, ssm_state_size=cfg.d_state,
+                n_groups=cfg.n_groups, conv_kernel=cfg.conv_kernel,
+                chunk_size=cfg.chunk_size,
+                num_attention_heads=cfg.num_heads,
+                num_key_value_heads=cfg.num_kv_heads,
+                head_dim=cfg.attn_head_dim,
+                intermediate_size=cfg.intermediate_size,
+                mlp_hidden_act="relu2", layer_norm_epsilon=cfg.norm_eps,
+                tie_word_embeddings=cfg.tie_embeddings, use_conv_bias=True,
+                mamba_proj_bias=False, attention_bias=False, mlp_bias=False)
+  raise ValueError(f"architecture must be one of {ARCHITECTURES}, got "
+                   f"{architecture!r}.")
+
+
+# ------------------------------------------------------------- tensors
+def export_hf_tensors(model: HybridLM) -> dict[str, np.ndarray]:
+  """The model's parameters under their HF names and layouts (numpy)."""
+  flat = {p: v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+  out = {}
+  for name, (path, tr) in tensor_map(model.config).items():
+    # C-contiguous: safetensors writes the raw buffer of what it is given.
+    out[name] = np.ascontiguousarray(
+        _to_hf(np.asarray(flat[path].get_value()), tr))
+  return out
+
+
+def _read_tensors(directory: str) -> dict[str, Any]:
+  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+  index = os.path.join(directory, "model.safetensors.index.json")
+  if os.path.exists(index):
+    with open(index) as f:
+      files = sorted(set(json.load(f)["weight_map"].values()))
+  else:
+    files = sorted(f for f in os.listdir(directory)
+                   if f.endswith(".safetensors"))
+  if not files:
+    raise FileNotFoundError(f"no *.safetensors files in {directory!r}.")
+  tensors = {}
+  for fn in files:
+    with safe_open(os.path.join(directory, fn), framework="flax") as f:
+      for k in f.keys():
+        tensors[k] = f.get_tensor(k)
+  return tensors
+
+
+def load_tensors(model_cfg: ModelConfig, tensors: dict[str, Any]) -> HybridLM:
+  """A HybridLM with the given HF-named tensors (checks names and shapes)."""
+  tmap = tensor_map(model_cfg)
+  extra = set(tensors) - set(tmap)
+  if model_cfg.tie_embeddings:
+    extra.discard("lm_head.weight")  # Saved by some tied checkpoints.
+  missing = sorted(set(tmap) - set(tensors))
+  if missing or extra:
+    raise ValueError(f"checkpoint tensors do not match the config: missing "
+                     f"{missing}; unexpected {sorted(extra)}.")
+  abstract = nnx.eval_shape(lambda: HybridLM(model_cfg, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract)
+  by_path = {path: (name, tr) for name, (path, tr) in tmap.items()}
+  new_flat, bad = [], []
+  for path, var in nnx.to_flat_state(state):
+    name, tr = by_path[path]
+    arr = _to_ours(jnp.asarray(tensors[name]), tr)
+    want = var.get_value()
+    if tuple(arr.shape) != tuple(want.shape):
+      expected = tuple(_to_hf(np.empty(want.shape), tr).shape)
+      bad.append(f"{name}: expected {expected}, got "
+                 f"{tuple(tensors[name].shape)}")
+      continue
+    new_flat.append((path, var.replace(arr.astype(want.dtype))))
+  if bad:
+    raise ValueError("checkpoint tensors have wrong shapes: " +
+                     "; ".join(bad))
+  return nnx.merge(graphdef, nnx.from_flat_state(new_flat))
+
+
+def from_pretrained(directory: str, dtype: str = "float32",
+                    param_dtype: str | None = None) -> HybridLM:
+  """Loads a HF Mamba2ForCausalLM / NemotronHForCausalLM directory.
+
+  Args:
+    directory: holds config.json and model.safetensors (or shards listed in
+      model.safetensors.index.json).
+    dtype: activation dtype of the returned model.
+    param_dtype: parameter dtype (default: dtype).
+
+  Raises:
+    ValueError: unsupported architecture/options, or tensors missing,
+      unexpected or of the wrong shape (all listed).
+  """
+  with open(os.path.join(directory, "config.json")) as f:
+    hf = json.load(f)
+  cfg, _ = config_from_hf(hf, dtype=dtype, param_dtype=param_dtype)
+  return load_tensors(cfg, _read_tensors(directory))

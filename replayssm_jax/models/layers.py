@@ -1,0 +1,326 @@
+"""Flax NNX blocks of the hybrid LM: parameters only, state passed in/out.
+
+Every mixer has two entry points:
+  prefill(h [b, T, d], lengths [b], state) -> (y [b, T, d], new_state)
+      the whole right-padded prompt (positions t >= lengths[r] are padding:
+      they never touch the state); `state` None: no decode state is built.
+  step(h [b, d], state) -> (y [b, d], new_state)
+      one decode token per row.
+`Block` (pre-norm residual) dispatches on h.ndim. Linear kernels are stored
+[in, out]; matmuls run in `config.dtype`, norms/softmax in float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from replayssm_jax import ops
+from replayssm_jax.conv import causal_conv1d, causal_conv1d_update
+from replayssm_jax.models.config import ModelConfig
+from replayssm_jax.models.states import AttentionState, MambaState
+from replayssm_jax.reference import process_dt
+from replayssm_jax.ssd import ssd_chunked_scan
+from replayssm_jax.state import ReplayState
+
+F32 = jnp.float32
+
+
+def _normal(rngs, shape, std, dtype):
+  return (std * jax.random.normal(rngs.params(), shape, F32)).astype(dtype)
+
+
+class Linear(nnx.Module):
+  """y = x @ kernel (no bias: none of the supported checkpoints has one)."""
+
+  def __init__(self, d_in: int, d_out: int, cfg: ModelConfig, *, rngs):
+    self.dtype = cfg.jnp_dtype
+    self.kernel = nnx.Param(_normal(rngs, (d_in, d_out), d_in ** -0.5,
+                                    cfg.jnp_param_dtype))  # [in, out]
+
+  def __call__(self, x):
+    return jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+
+
+class Embedding(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, rngs):
+    self.dtype = cfg.jnp_dtype
+    self.weight = nnx.Param(_normal(rngs, (cfg.vocab_size, cfg.d_model), 1.0,
+                                    cfg.jnp_param_dtype))  # [vocab, d]
+
+  def __call__(self, tokens):
+    return jnp.take(self.weight[...], tokens, axis=0).astype(self.dtype)
+
+  def attend(self, h):
+    """Tied LM head: h [..., d] -> logits [..., vocab] float32."""
+    return jnp.dot(h.astype(self.dtype),
+                   self.weight[...].astype(self.dtype).T).astype(F32)
+
+
+class RMSNorm(nnx.Module):
+  """weight * x / rms(x), computed in float32, returned in config.dtype."""
+
+  def __init__(self, dim: int, cfg: ModelConfig):
+    self.eps = float(cfg.norm_eps)
+    self.dtype = cfg.jnp_dtype
+    self.weight = nnx.Param(jnp.ones((dim,), cfg.jnp_param_dtype))
+
+  def __call__(self, x):
+    xf = x.astype(F32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + self.eps)
+    return (self.weight[...].astype(F32) * xf).astype(self.dtype)
+
+
+class GatedRMSNorm(nnx.Module):
+  """norm(y * silu(z)) over groups of `group_size` channels (Mamba-2)."""
+
+  def __init__(self, dim: int, group_size: int, cfg: ModelConfig):
+    self.eps = float(cfg.norm_eps)
+    self.dtype = cfg.jnp_dtype
+    self.group_size = group_size
+    self.weight = nnx.Param(jnp.ones((dim,), cfg.jnp_param_dtype))
+
+  def __call__(self, y, z):
+    h = y.astype(F32) * jax.nn.silu(z.astype(F32))  # [..., dim]
+    g = h.reshape(h.shape[:-1] + (-1, self.group_size))
+    g = g * jax.lax.rsqrt(jnp.mean(g * g, -1, keepdims=True) + self.eps)
+    h = g.reshape(h.shape)
+    return (self.weight[...].astype(F32) * h).astype(self.dtype)
+
+
+# --------------------------------------------------------------- Mamba-2
+class Mamba2Mixer(nnx.Module):
+  """HF Mamba2 / Nemotron-H mixer: in_proj -> [z, xBC, dt] -> conv+silu ->
+  SSM (replayssm_jax ops) -> gated grouped RMSNorm -> out_proj."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs):
+    self.cfg = cfg
+    h, k = cfg.ssm_heads, cfg.conv_kernel
+    pdt = cfg.jnp_param_dtype
+    self.in_proj = Linear(cfg.d_model, cfg.in_proj_dim, cfg, rngs=rngs)
+    self.conv_weight = nnx.Param(_normal(rngs, (cfg.conv_dim, k), k ** -0.5,
+                                         pdt))  # [conv_dim, k]
+    self.conv_bias = nnx.Param(_normal(rngs, (cfg.conv_dim,), 0.1, pdt))
+    self.A_log = nnx.Param(jnp.log(jax.random.uniform(
+        rngs.params(), (h,), F32, 1.0, 16.0)).astype(pdt))  # [H]
+    self.D = nnx.Param((1.0 + _normal(rngs, (h,), 0.1, F32)).astype(pdt))
+    dt = jnp.exp(jax.random.uniform(rngs.params(), (h,), F32,
+                                    math.log(1e-3), math.log(0.1)))
+    self.dt_bias = nnx.Param((dt + jnp.log(-jnp.expm1(-dt))).astype(pdt))
+    self.norm = GatedRMSNorm(cfg.d_inner, cfg.d_inner // cfg.n_groups, cfg)
+    self.out_proj = Linear(cfg.d_inner, cfg.d_model, cfg, rngs=rngs)
+
+  def _split(self, zxbcdt):
+    c = self.cfg
+    z = zxbcdt[..., :c.d_inner]
+    xbc = zxbcdt[..., c.d_inner:c.d_inner + c.conv_dim]
+    dt = zxbcdt[..., c.d_inner + c.conv_dim:]
+    return z, xbc, dt
+
+  def _split_xbc(self, xbc):
+    """[..., conv_dim] -> x [..., H, P], B, C [..., G, N]."""
+    c = self.cfg
+    gn = c.n_groups * c.d_state
+    lead = xbc.shape[:-1]
+    x = xbc[..., :c.d_inner].reshape(lead + (c.ssm_heads, c.head_dim))
+    b = xbc[..., c.d_inner:c.d_inner + gn].reshape(
+        lead + (c.n_groups, c.d_state))
+    cc = xbc[..., c.d_inner + gn:].reshape(lead + (c.n_groups, c.d_state))
+    return x, b, cc
+
+  def _ssm_params(self):
+    A = -jnp.exp(self.A_log[...].astype(F32))  # [H]
+    return A, self.D[...].astype(F32), self.dt_bias[...].astype(F32)
+
+  def prefill(self, h, lengths, state: MambaState | None):
+    c = self.cfg
+    bsz, t, _ = h.shape
+    z, xbc, dt = self._split(self.in_proj(h))
+    conv_w, conv_b = self.conv_weight[...], self.conv_bias[...]
+    xbc_act, _ = causal_conv1d(xbc, conv_w, conv_b, activation="silu")
+    x, b, cc = self._split_xbc(xbc_act)  # [b, T, H, P], [b, T, G, N] x2
+    A, D, dt_bias = self._ssm_params()
+    valid = jnp.arange(t)[None, :] < lengths[:, None]  # [b, T]
+    # Padded positions: dt' = 0 (no decay, no input) and x = 0.
+    dtp = jnp.where(valid[..., None], process_dt(dt, dt_bias, True), 0.0)
+    x = jnp.where(valid[..., None, None], x, jnp.zeros((), x.dtype))
+    y, final = ssd_chunked_scan(x, dtp, A, b, cc, c.chunk_size, D=D,
+                                dt_softplus=False)  # final: [b, H, P, N] f32
+    y = self.norm(y.reshape(bsz, t, c.d_inner), z)
+    out = self.out_proj(y)
+    if state is None:
+      return out, None
+    # Conv state: the k-1 inputs before each row's end (zeros before t=0).
+    k1 = c.conv_kernel - 1
+    xp = jnp.concatenate([jnp.zeros((bsz, k1, c.conv_dim), xbc.dtype), xbc],
+                         axis=1)  # [b, k-1+T, conv_dim]
+    idx = lengths[:, None] + jnp.arange(k1)[None, :]  # [b, k-1]
+    conv = jnp.take_along_axis(xp, idx[..., None], axis=1)
+    conv = conv.astype(state.conv.dtype)
+    if isinstance(state.ssm, ReplayState):
+      ssm = ReplayState.from_ssm_state(
+          final, c.n_groups, state.ssm.buffer_len,
+          checkpoint_dtype=state.ssm.checkpoint.dtype,
+          buffer_dtype=state.ssm.x_buf.dtype)
+    else:
+      ssm = final.astype(state.ssm.dtype)
+    return out, MambaState(conv=conv, ssm=ssm)
+
+  def step(self, h, state: MambaState, implementation: str | None = None):
+    c = self.cfg
+    bsz = h.shape[0]
+    z, xbc, dt = self._split(self.in_proj(h))
+    xbc, conv = causal_conv1d_update(xbc, state.conv, self.conv_weight[...],
+                                     self.conv_bias[...], activation="silu")
+    x, b, cc = self._split_xbc(xbc)  # [b, H, P], [b, G, N] x2
+    A, D, dt_bias = self._ssm_params()
+    kw = dict(D=D, dt_bias=dt_bias, dt_softplus=True,
+              implementation=implementation)
+    if isinstance(state.ssm, ReplayState):
+      y, ssm = ops.replay_state_update(state.ssm, x, dt, A, b, cc, **kw)
+    else:
+      y, ssm = ops.selective_state_update(state.ssm, x, dt, A, b, cc, **kw)
+    y = self.norm(y.reshape(bsz, c.d_inner), z)
+    return self.out_proj(y), MambaState(conv=conv, ssm=ssm)
+
+
+# ------------------------------------------------------------- attention
+def _rope(x, positions, theta):
+  """Rotate-half RoPE (HF Llama layout). x [..., T, heads, D], positions
+  [..., T]."""
+  d = x.shape[-1]
+  inv = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=F32) / d))  # [D/2]
+  ang = positions.astype(F32)[..., None] * inv  # [..., T, D/2]
+  cos = jnp.cos(ang)[..., None, :]
+  sin = jnp.sin(ang)[..., None, :]
+  xf = x.astype(F32)
+  x1, x2 = xf[..., :d // 2], xf[..., d // 2:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+  return out.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+  """Grouped-query causal attention with optional RoPE and a KV cache."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs):
+    self.cfg = cfg
+    hd = cfg.attn_head_dim
+    self.q_proj = Linear(cfg.d_model, cfg.num_heads * hd, cfg, rngs=rngs)
+    self.k_proj = Linear(cfg.d_model, cfg.num_kv_heads * hd, cfg, rngs=rngs)
+    self.v_proj = Linear(cfg.d_model, cfg.num_kv_heads * hd, cfg, rngs=rngs)
+    self.o_proj = Linear(cfg.num_heads * hd, cfg.d_model, cfg, rngs=rngs)
+
+  def _qkv(self, h, positions):
+    """h [b, T, d], positions [b, T] -> q [b, T, Hq, D], k, v [b, T, Hk, D]."""
+    c = self.cfg
+    lead = h.shape[:-1]
+    q = self.q_proj(h).reshape(lead + (c.num_heads, c.attn_head_dim))
+    k = self.k_proj(h).reshape(lead + (c.num_kv_heads, c.attn_head_dim))
+    v = self.v_proj(h).reshape(lead + (c.num_kv_heads, c.attn_head_dim))
+    if c.rope_theta is not None:
+      q = _rope(q, positions, c.rope_theta)
+      k = _rope(k, positions, c.rope_theta)
+    return q, k, v
+
+  def _attend(self, q, k, v, mask):
+    """q [b, Tq, Hq, D], k/v [b, S, Hk, D], mask [b, Tq, S] -> [b, Tq, Hq*D]."""
+    c = self.cfg
+    b, tq = q.shape[:2]
+    rep = c.num_heads // c.num_kv_heads
+    qg = q.reshape(b, tq, c.num_kv_heads, rep, c.attn_head_dim)
+    s = jnp.einsum("bqkrd,bskd->bkrqs", qg.astype(F32), k.astype(F32))
+    s = s * (c.attn_head_dim ** -0.5)
+    s = jnp.where(mask[:, None, None], s, -1e30)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bkrqs,bskd->bqkrd", p, v.astype(F32))
+    return o.reshape(b, tq, c.num_heads * c.attn_head_dim).astype(c.jnp_dtype)
+
+  def prefill(self, h, lengths, state: AttentionState | None):
+    b, t, _ = h.shape
+    positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
+    q, k, v = self._qkv(h, positions)
+    causal = jnp.tril(jnp.ones((t, t), bool))[None]  # [1, T, T]
+    mask = causal & (jnp.arange(t)[None, None, :] < lengths[:, None, None])
+    out = self.o_proj(self._attend(q, k, v, mask))
+    if state is None:
+      return out, None
+    if t > state.max_len:
+      raise ValueError(f"prompt length {t} exceeds the KV cache max_len "
+                       f"{state.max_len}.")
+    new = AttentionState(
+        k=jax.lax.dynamic_update_slice_in_dim(state.k, k.astype(state.k.dtype),
+                                              0, axis=1),
+        v=jax.lax.dynamic_update_slice_in_dim(state.v, v.astype(state.v.dtype),
+                                              0, axis=1),
+        length=lengths.astype(jnp.int32))
+    return out, new
+
+  def step(self, h, state: AttentionState):
+    """One query per row against its cache (masked by length; no recompute).
+
+    A row whose cache is full (length == max_len) drops its new key/value.
+    """
+    b = h.shape[0]
+    pos = state.length  # [b]
+    q, k, v = self._qkv(h[:, None], pos[:, None])  # [b, 1, heads, D]
+    rows = jnp.arange(b)
+    kc = state.k.at[rows, pos].set(k[:, 0].astype(state.k.dtype), mode="drop")
+    vc = state.v.at[rows, pos].set(v[:, 0].astype(state.v.dtype), mode="drop")
+    mask = jnp.arange(state.max_len)[None, None, :] <= pos[:, None, None]
+    out = self.o_proj(self._attend(q, kc, vc, mask))[:, 0]
+    return out, AttentionState(k=kc, v=vc, length=pos + 1)
+
+
+# ------------------------------------------------------------------- MLP
+class MLP(nnx.Module):
+  """relu2: down(relu(up(x))^2) (Nemotron-H); swiglu: down(silu(gate(x)) *
+  up(x))."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs):
+    self.activation = cfg.mlp_activation
+    d, f = cfg.d_model, cfg.intermediate_size
+    self.up_proj = Linear(d, f, cfg, rngs=rngs)
+    if self.activation == "swiglu":
+      self.gate_proj = Linear(d, f, cfg, rngs=rngs)
+    self.down_proj = Linear(f, d, cfg, rngs=rngs)
+
+  def __call__(self, h):
+    u = self.up_proj(h)
+    if self.activation == "swiglu":
+      a = jax.nn.silu(self.gate_proj(h)) * u
+    else:
+      a = jnp.square(jax.nn.relu(u))
+    return self.down_proj(a)
+
+  def prefill(self, h, lengths, state):
+    del lengths
+    return self(h), state
+
+  def step(self, h, state):
+    return self(h), state
+
+
+MIXERS = {"mamba": Mamba2Mixer, "attention": Attention, "mlp": MLP}
+
+
+class Block(nnx.Module):
+  """Pre-norm residual block: x + mixer(norm(x)); residual in float32."""
+
+  def __init__(self, kind: str, cfg: ModelConfig, *, rngs):
+    self.kind = kind
+    self.norm = RMSNorm(cfg.d_model, cfg)
+    self.mixer = MIXERS[kind](cfg, rngs=rngs)
+
+  def __call__(self, x, state, lengths=None, implementation=None):
+    """x [b, T, d] (with lengths [b]) or [b, d] -> (x', new_state)."""
+    h = self.norm(x)
+    if x.ndim == 3:
+      y, state = self.mixer.prefill(h, lengths, state)
+    elif self.kind == "mamba":
+      y, state = self.mixer.step(h, state, implementation)
+    else:
+      y, state = self.mixer.step(h, state)
+    return x.astype(F32) + y.astype(F32), state

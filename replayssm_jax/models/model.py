@@ -1,0 +1,250 @@
+"""The hybrid LM and its functional prefill / decode entry points.
+
+  model = HybridLM(config, rngs=nnx.Rngs(0))
+  logits = model(tokens)                              # [b, T, vocab] f32
+  state = model.init_state(batch, max_len, ssm_mode="replay")
+  last_logits, state = prefill(model, tokens, lengths, state)
+  logits, state = decode_step(model, token, state)    # [b, vocab] f32
+
+`prefill` and `decode_step` are jit-compiled once per shape (the model is
+split into graphdef + params, the graphdef being a static argument) and
+donate the decode state.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from replayssm_jax import _validation as V
+from replayssm_jax.models import states as S
+from replayssm_jax.models.config import ModelConfig
+from replayssm_jax.models.layers import Block, Embedding, Linear, RMSNorm
+
+F32 = jnp.float32
+
+# Number of times each jitted entry point was traced (tests assert on it).
+TRACE_COUNTS = {"prefill": 0, "decode_step": 0, "generate": 0}
+
+
+class HybridLM(nnx.Module):
+  """Embedding -> blocks from `config.pattern` -> RMSNorm -> LM head."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    if not isinstance(config, ModelConfig):
+      raise TypeError(f"config must be a ModelConfig, got "
+                      f"{type(config).__name__}.")
+    self.config = config.validate()
+    self.embeddings = Embedding(config, rngs=rngs)
+    self.blocks = nnx.List([Block(kind, config, rngs=rngs)
+                            for kind in config.block_kinds])
+    self.norm_f = RMSNorm(config.d_model, config)
+    if not config.tie_embeddings:
+      self.lm_head = Linear(config.d_model, config.vocab_size, config,
+                            rngs=rngs)
+
+  def logits(self, h):
+    """h [..., d] -> [..., vocab] float32."""
+    h = self.norm_f(h)
+    if self.config.tie_embeddings:
+      return self.embeddings.attend(h)
+    return self.lm_head(h).astype(F32)
+
+  def forward(self, tokens, lengths=None, state: S.ModelState | None = None):
+    """Runs a right-padded sequence. tokens [b, T] int, lengths [b].
+
+    Returns (hidden [b, T, d] float32 before the final norm, new state or
+    None).
+    """
+    b, t = tokens.shape
+    if lengths is None:
+      lengths = jnp.full((b,), t, jnp.int32)
+    x = self.embeddings(tokens)
+    new_layers = []
+    for i, block in enumerate(self.blocks):
+      s = None if state is None else state.layers[i]
+      x, s = block(x, s, lengths=lengths)
+      new_layers.append(s)
+    if state is None:
+      return x, None
+    return x, S.ModelState(layers=tuple(new_layers),
+                           positions=lengths.astype(jnp.int32))
+
+  def __call__(self, tokens):
+    """Full-sequence logits [b, T, vocab] float32 (no decode state)."""
+    _check_tokens("tokens", tokens, 2, "[batch, seqlen]", self.config)
+    x, _ = self.forward(tokens)
+    return self.logits(x)
+
+  def step(self, token, state: S.ModelState, implementation=None):
+    """One decode token per row: token [b] -> (logits [b, vocab], state)."""
+    x = self.embeddings(token)  # [b, d]
+    new_layers = []
+    for block, s in zip(self.blocks, state.layers):
+      x, s = block(x, s, implementation=implementation)
+      new_layers.append(s)
+    return self.logits(x), S.ModelState(layers=tuple(new_layers),
+                                        positions=state.positions + 1)
+
+  def init_state(self, batch: int, max_len: int, ssm_mode: str = "replay",
+                 buffer_len: int = 16, checkpoint_dtype=jnp.float32,
+                 buffer_dtype=None, kv_dtype=None,
+                 conv_dtype=None) -> S.ModelState:
+    """An empty decode state.
+
+    Args:
+      batch: rows.
+      max_len: KV-cache length (prompt + generated tokens) of attention
+        layers.
+      ssm_mode: "replay" (ReplayState checkpoint + buffer) or "baseline"
+        (full SSM state).
+      buffer_len: L of the replay buffer (replay mode only).
+      checkpoint_dtype: the replay checkpoint / baseline SSM state dtype.
+      buffer_dtype: x/B buffer dtype (default: config.dtype, lossless since
+        the buffered inputs are activations of that dtype).
+      kv_dtype: KV-cache dtype (default config.dtype).
+      conv_dtype: conv-state dtype (default config.dtype).
+    """
+    cfg = self.config
+    for name, v in (("batch", batch), ("max_len", max_len),
+                    ("buffer_len", buffer_len)):
+      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name} must be a positive int, got {v!r}.")
+    if ssm_mode not in S.SSM_MODES:
+      raise ValueError(f"ssm_mode must be one of {S.SSM_MODES}, got "
+                       f"{ssm_mode!r}.")
+    buffer_dtype = cfg.jnp_dtype if buffer_dtype is None else buffer_dtype
+    kv_dtype = cfg.jnp_dtype if kv_dtype is None else kv_dtype
+    conv_dtype = cfg.jnp_dtype if conv_dtype is None else conv_dtype
+    for name, v in (("checkpoint_dtype", checkpoint_dtype),
+                    ("buffer_dtype", buffer_dtype), ("kv_dtype", kv_dtype),
+                    ("conv_dtype", conv_dtype)):
+      V.check_dtype_arg(name, v)
+    layers = []
+    for kind in cfg.block_kinds:
+      if kind == "mamba":
+        layers.append(S.init_mamba_state(cfg, batch, ssm_mode, buffer_len,
+                                         checkpoint_dtype, buffer_dtype,
+                                         conv_dtype))
+      elif kind == "attention":
+        layers.append(S.init_attention_state(cfg, batch, max_len, kv_dtype))
+      else:
+        layers.append(None)
+    return S.ModelState(layers=tuple(layers),
+                        positions=jnp.zeros((batch,), jnp.int32))
+
+
+# ------------------------------------------------------------ validation
+def _check_tokens(name, tokens, ndim, layout, cfg):
+  V.check_integer(name, tokens)
+  V.check_ndim(name, tokens, ndim, layout)
+  if V.is_concrete(tokens) and tokens.size:
+    t = np.asarray(tokens)
+    if t.min() < 0 or t.max() >= cfg.vocab_size:
+      raise ValueError(f"{name} must lie in [0, vocab_size) = [0, "
+                       f"{cfg.vocab_size}), got values in [{t.min()}, "
+                       f"{t.max()}].")
+
+
+def _check_state(state, batch, cfg):
+  if not isinstance(state, S.ModelState):
+    raise TypeError(f"state must be a ModelState (from model.init_state), "
+                    f"got {type(state).__name__}.")
+  if len(state.layers) != cfg.n_layers:
+    raise ValueError(f"state has {len(state.layers)} layers, the model "
+                     f"{cfg.n_layers}.")
+  if state.batch != batch:
+    raise ValueError(f"state batch ({state.batch}) != input batch "
+                     f"({batch}).")
+
+
+def check_prefill_inputs(model, tokens, lengths, state):
+  cfg = model.config
+  _check_tokens("tokens", tokens, 2, "[batch, seqlen]", cfg)
+  b, t = tokens.shape
+  V.check_integer("lengths", lengths)
+  V.check_shape("lengths", lengths, (b,), "[batch]")
+  if V.is_concrete(lengths):
+    ln = np.asarray(lengths)
+    if (ln < 1).any() or (ln > t).any():
+      raise ValueError(f"lengths must lie in [1, seqlen] = [1, {t}], got "
+                       f"{ln.tolist()}.")
+  _check_state(state, b, cfg)
+  if state.max_len is not None and t > state.max_len:
+    raise ValueError(f"prompt seqlen {t} exceeds the state's max_len "
+                     f"{state.max_len}.")
+
+
+# ------------------------------------------------------- jitted entries
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(4,))
+def _prefill_jit(graphdef, params, tokens, lengths, state):
+  TRACE_COUNTS["prefill"] += 1
+  model = nnx.merge(graphdef, params)
+  return prefill_fn(model, tokens, lengths, state)
+
+
+def prefill_fn(model, tokens, lengths, state):
+  """Traceable prefill: (logits at each row's last prompt token [b, vocab]
+  float32, decode state)."""
+  x, state = model.forward(tokens, lengths.astype(jnp.int32), state)
+  last = jnp.take_along_axis(x, (lengths - 1)[:, None, None].astype(
+      jnp.int32), axis=1)[:, 0]  # [b, d]
+  return model.logits(last), state
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=(3,))
+def _decode_jit(graphdef, params, token, state, implementation):
+  TRACE_COUNTS["decode_step"] += 1
+  model = nnx.merge(graphdef, params)
+  return model.step(token, state, implementation)
+
+
+def prefill(model: HybridLM, tokens, lengths, state: S.ModelState):
+  """Runs the right-padded prompts and fills the decode state.
+
+  Mamba layers use the chunked SSD scan (padded positions have dt' = 0 and
+  x = 0, so they never touch the SSM state; the conv state is gathered at
+  each row's true end); replay-mode SSM states become checkpoint = final
+  state with an empty buffer. Attention layers fill their KV cache. The
+  given `state` (from `init_state`; donated) only fixes the storage layout:
+  prefill starts every row from an empty state.
+
+  Args:
+    model: the HybridLM.
+    tokens: [batch, seqlen] int token ids, right-padded.
+    lengths: [batch] int, 1 <= lengths <= seqlen.
+    state: a ModelState from `model.init_state`.
+
+  Returns:
+    (logits [batch, vocab] float32 of each row's last prompt token,
+     new ModelState with positions = lengths).
+  """
+  check_prefill_inputs(model, tokens, lengths, state)
+  graphdef, params = nnx.split(model)
+  return _prefill_jit(graphdef, params, jnp.asarray(tokens),
+                      jnp.asarray(lengths, jnp.int32), state)
+
+
+def decode_step(model: HybridLM, token, state: S.ModelState,
+                implementation: str | None = None):
+  """One decode step of every row: token [batch] int -> (logits [batch,
+  vocab] float32, new state). The state is donated.
+
+  `implementation` is passed to the SSM decode op's dispatcher.
+  """
+  _check_tokens("token", token, 1, "[batch]", model.config)
+  _check_state(state, token.shape[0], model.config)
+  if state.max_len is not None and V.is_concrete(state.positions):
+    pos = np.asarray(state.positions)
+    if (pos >= state.max_len).any():
+      rows = np.nonzero(pos >= state.max_len)[0].tolist()
+      raise ValueError(f"KV cache full: rows {rows} are at position >= "
+                       f"max_len {state.max_len}; create the state with a "
+                       f"larger max_len.")
+  graphdef, params = nnx.split(model)
+  return _decode_jit(graphdef, params, jnp.asarray(token), state,
+                     implementation)

@@ -1,0 +1,56 @@
+"""The model configs (configs/{tiny,mamba2_130m,hybrid_1b,nemotron_h_8b}.py)
+and the decode_bench smoke run."""
+
+import os
+
+import pytest
+
+pytest.importorskip("ml_collections")
+
+from configs import hybrid_1b, mamba2_130m, nemotron_h_8b, tiny  # noqa: E402
+from experiments import common  # noqa: E402
+from experiments import decode_bench  # noqa: E402
+from replayssm_jax.models import ModelConfig  # noqa: E402
+
+MODULES = (tiny, mamba2_130m, hybrid_1b, nemotron_h_8b)
+
+
+@pytest.mark.parametrize("mod", MODULES, ids=lambda m: m.__name__)
+def test_model_configs_build(mod):
+  full = mod.get_config()
+  assert full.to_dict() == mod.get_config("").to_dict()
+  cfg = ModelConfig(**full.model.to_dict())
+  smoke = ModelConfig(**mod.get_config("smoke").model.to_dict())
+  assert smoke.d_model <= 32
+  with pytest.raises(ValueError, match="smoke"):
+    mod.get_config("bogus")
+  assert "python -m experiments.decode_bench" in mod.__doc__
+  assert cfg.n_layers >= 6
+
+
+def test_published_shapes():
+  m = ModelConfig(**mamba2_130m.get_config().model.to_dict())
+  assert (m.d_model, m.n_layers, m.d_state, m.head_dim, m.d_inner,
+          m.n_groups, m.vocab_size, m.conv_kernel, m.tie_embeddings) == (
+              768, 24, 128, 64, 2 * 768, 1, 50280, 4, True)
+  assert set(m.pattern) == {"M"}
+  n = ModelConfig(**nemotron_h_8b.get_config().model.to_dict())
+  assert (n.d_model, n.n_layers, n.ssm_heads, n.head_dim, n.d_state,
+          n.n_groups, n.num_heads, n.num_kv_heads, n.attn_head_dim,
+          n.intermediate_size, n.vocab_size) == (
+              4096, 52, 128, 64, 128, 8, 32, 8, 128, 21504, 131072)
+  assert (n.pattern.count("M"), n.pattern.count("*"),
+          n.pattern.count("-")) == (24, 4, 24)
+
+
+def test_decode_bench_smoke(tmp_path):
+  config = tiny.get_config("smoke")
+  out = decode_bench.run(config, str(tmp_path / "bench"))
+  records = common.read_metrics(os.path.join(out["workdir"],
+                                             "metrics.jsonl"))
+  assert records[0]["kind"] == "environment"
+  decode = [r for r in records if r["kind"] == "decode"]
+  assert [r["ssm_mode"] for r in decode] == ["baseline", "replay"]
+  for r in decode:
+    assert r["tokens_per_s"] > 0 and r["state_bytes"] > 0
+  assert os.path.exists(os.path.join(out["workdir"], "summary.md"))
