@@ -19,15 +19,9 @@ def _check_pow2(name, v):
 
 
 @dataclasses.dataclass(frozen=True)
-class SSUConfig:
-  """Tuning of the baseline kernel.
-
-  Attributes:
-    block_p: headdim rows per program (the state tile is [block_p, dstate]);
-      None = all of headdim.
-    num_warps, num_stages: Triton launch parameters.
-  """
-  block_p: int | None = 16  # H200 sweep: 16/32/64 within 4% at batch 256
+class _LaunchConfig:
+  """Fields and checks shared by the kernel configs."""
+  block_p: int | None = None
   num_warps: int = 4
   num_stages: int = 1
 
@@ -40,7 +34,19 @@ class SSUConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class ReplayConfig:
+class SSUConfig(_LaunchConfig):
+  """Tuning of the baseline kernel.
+
+  Attributes:
+    block_p: headdim rows per program (the state tile is [block_p, dstate]);
+      None = all of headdim.
+    num_warps, num_stages: Triton launch parameters.
+  """
+  block_p: int | None = 16  # H200 sweep: 16/32/64 within 4% at batch 256
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayConfig(_LaunchConfig):
   """Tuning of the replay kernel.
 
   Attributes:
@@ -72,9 +78,6 @@ class ReplayConfig:
       modes need buffer_len and the flush block_p >= 16.
   """
   heads_per_program: int | None = None
-  block_p: int | None = None
-  num_warps: int = 4
-  num_stages: int = 1
   precompute_bc: bool = False
   output_all_rows: bool = False
   flush_block_p: int | None = None
@@ -82,9 +85,9 @@ class ReplayConfig:
   flush_fold: str = "rank1"
 
   def __post_init__(self):
-    for name in ("block_p", "flush_block_p"):
-      if getattr(self, name) is not None:
-        _check_pow2(name, getattr(self, name))
+    super().__post_init__()
+    if self.flush_block_p is not None:
+      _check_pow2("flush_block_p", self.flush_block_p)
     folds = ("rank1", "dot_tf32x3", "dot_f32")
     if self.flush_fold not in folds:
       raise ValueError(f"flush_fold must be one of {folds}, got "
@@ -93,29 +96,16 @@ class ReplayConfig:
     if hb is not None and (not isinstance(hb, int) or hb < 1):
       raise ValueError(f"heads_per_program must be None or an int >= 1, got "
                        f"{hb!r}.")
-    _check_pow2("num_warps", self.num_warps)
-    if self.num_stages < 1:
-      raise ValueError(f"num_stages must be >= 1, got {self.num_stages}.")
 
 
 @dataclasses.dataclass(frozen=True)
-class VerifyConfig:
+class VerifyConfig(_LaunchConfig):
   """Tuning of the speculative verify kernels (one head per program).
 
   Attributes:
     block_p: headdim rows per program; None = replay.default_block_p.
     num_warps, num_stages: Triton launch parameters.
   """
-  block_p: int | None = None
-  num_warps: int = 4
-  num_stages: int = 1
-
-  def __post_init__(self):
-    if self.block_p is not None:
-      _check_pow2("block_p", self.block_p)
-    _check_pow2("num_warps", self.num_warps)
-    if self.num_stages < 1:
-      raise ValueError(f"num_stages must be >= 1, got {self.num_stages}.")
 
 
 def finish_output(y, x, D, z):
