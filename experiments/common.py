@@ -198,3 +198,33 @@ def log_block(text: str) -> None:
   """Logs a multi-line block (tables) line by line."""
   for line in text.splitlines():
     logging.info("%s", line)
+
+
+def run_app(run, *, default_config: str, default_workdir: str,
+            extra_flags: dict[str, tuple[str, str]] | None = None) -> None:
+  """The shared absl entry point of the experiment scripts.
+
+  Defines --config (an ml_collections config file, optionally with an arg
+  such as ':smoke'), --workdir and the string flags of `extra_flags`
+  (name -> (default, help)), then calls run(config, workdir, **extras).
+  Flags are defined here, at run time, so that tests can import several
+  experiment modules without duplicate-flag errors.
+  """
+  from absl import app  # pylint: disable=g-import-not-at-top
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  config = config_flags.DEFINE_config_file(
+      "config", default_config, "Path to a configs/*.py config file "
+      "(optionally with ':<arg>', e.g. ':smoke').", lock_config=True)
+  workdir = flags.DEFINE_string("workdir", default_workdir,
+                                "Output directory (runs/ is ignored by git).")
+  extras = {name: flags.DEFINE_string(name, default, help_)
+            for name, (default, help_) in (extra_flags or {}).items()}
+
+  def main(argv):
+    if len(argv) > 1:
+      raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    run(config.value, workdir.value,
+        **{name: flag.value for name, flag in extras.items()})
+
+  app.run(main)

@@ -22,8 +22,6 @@ import functools
 import os
 import time
 
-from absl import app
-from absl import flags
 from absl import logging
 import jax
 import jax.numpy as jnp
@@ -137,18 +135,6 @@ def run(config, workdir: str) -> dict:
   return dict(workdir=workdir, records=records)
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  run(_CONFIG.value, _WORKDIR.value)
-
-
 if __name__ == "__main__":
-  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
-  _CONFIG = config_flags.DEFINE_config_file(
-      "config", _DEFAULT_CONFIG, "Path to a configs/<model>.py config file "
-      "(optionally with ':smoke').", lock_config=True)
-  _WORKDIR = flags.DEFINE_string(
-      "workdir", "runs/decode_bench", "Output directory (runs/ is ignored "
-      "by git).")
-  app.run(main)
+  common.run_app(run, default_config=_DEFAULT_CONFIG,
+                 default_workdir="runs/decode_bench")

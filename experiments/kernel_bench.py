@@ -62,8 +62,6 @@ import re
 import shutil
 import time
 
-from absl import app
-from absl import flags
 from absl import logging
 import jax
 import jax.numpy as jnp
@@ -944,21 +942,11 @@ def run(config, workdir: str, results_dir: str | None = None) -> dict:
   return results
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  run(_CONFIG.value, _WORKDIR.value, _RESULTS_DIR.value or None)
-
-
 if __name__ == "__main__":
-  # Flags are defined only when run as a script (see replay_demo.py).
-  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
-  _CONFIG = config_flags.DEFINE_config_file(
-      "config", _DEFAULT_CONFIG, "Path to a configs/kernel_bench.py config "
-      "file (optionally with ':smoke').", lock_config=True)
-  _WORKDIR = flags.DEFINE_string("workdir", "runs/kernel_bench",
-                                 "Output directory.")
-  _RESULTS_DIR = flags.DEFINE_string(
-      "results_dir", "", "Optional directory (e.g. benchmarks/) that also "
-      "receives <config.name>.json/.md/.png.")
-  app.run(main)
+  common.run_app(
+      lambda config, workdir, results_dir: run(config, workdir,
+                                               results_dir or None),
+      default_config=_DEFAULT_CONFIG, default_workdir="runs/kernel_bench",
+      extra_flags={"results_dir": (
+          "", "Optional directory (e.g. benchmarks/) that also receives "
+          "<config.name>.json/.md/.png.")})

@@ -24,8 +24,6 @@ import functools
 import os
 import time
 
-from absl import app
-from absl import flags
 from absl import logging
 import jax
 import jax.numpy as jnp
@@ -388,20 +386,6 @@ def run(config, workdir: str) -> dict:
               wall_s=wall)
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  run(_CONFIG.value, _WORKDIR.value)
-
-
 if __name__ == "__main__":
-  # Flags are defined only when run as a script, so that tests can import
-  # several experiment modules without duplicate-flag errors.
-  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
-  _CONFIG = config_flags.DEFINE_config_file(
-      "config", _DEFAULT_CONFIG, "Path to a configs/replay_demo.py config "
-      "file (optionally with ':smoke').", lock_config=True)
-  _WORKDIR = flags.DEFINE_string(
-      "workdir", "runs/replay_demo", "Output directory (runs/ is ignored "
-      "by git).")
-  app.run(main)
+  common.run_app(run, default_config=_DEFAULT_CONFIG,
+                 default_workdir="runs/replay_demo")
