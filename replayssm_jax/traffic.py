@@ -196,12 +196,18 @@ def replay_amortized_bytes(dims: LayerDims, batch: int, buffer_len: int,
                            has_D: bool = True,
                            has_dt_bias: bool = True) -> float:
   """Mean bytes per replay step over one L-step cycle (one flush per L)."""
+  steps = _cycle_bytes(dims, batch, buffer_len, checkpoint_dtype,
+                       buffer_dtype, act_dtype, has_z=has_z, has_D=has_D,
+                       has_dt_bias=has_dt_bias)
+  return sum(steps) / len(steps)
+
+
+def _cycle_bytes(dims, batch, buffer_len, checkpoint_dtype, buffer_dtype,
+                 act_dtype, **kw) -> list[int]:
+  """replay_step_bytes for every fill 0..L-1 (the last one flushes)."""
   L = _check_pos_int("buffer_len", buffer_len)
-  kw = dict(has_z=has_z, has_D=has_D, has_dt_bias=has_dt_bias)
-  total = sum(replay_step_bytes(dims, batch, L, f, checkpoint_dtype,
-                                buffer_dtype, act_dtype, **kw)
-              for f in range(L))
-  return total / L
+  return [replay_step_bytes(dims, batch, L, f, checkpoint_dtype,
+                            buffer_dtype, act_dtype, **kw) for f in range(L)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,12 +244,11 @@ def replay_breakdown(dims: LayerDims, batch: int, buffer_len: int,
                      has_D: bool = True,
                      has_dt_bias: bool = True) -> ReplayTraffic:
   """Non-flush, flush and amortized replay bytes against the baseline."""
-  L = _check_pos_int("buffer_len", buffer_len)
   kw = dict(has_z=has_z, has_D=has_D, has_dt_bias=has_dt_bias)
   base = baseline_step_bytes(dims, batch, checkpoint_dtype, act_dtype, **kw)
-  steps = [replay_step_bytes(dims, batch, L, f, checkpoint_dtype,
-                             buffer_dtype, act_dtype, **kw)
-           for f in range(L)]
+  steps = _cycle_bytes(dims, batch, buffer_len, checkpoint_dtype,
+                       buffer_dtype, act_dtype, **kw)
+  L = len(steps)
   amortized = sum(steps) / L
   return ReplayTraffic(
       buffer_len=L,
