@@ -32,25 +32,64 @@ def check_sampling(temperature, top_k, top_p) -> None:
     raise ValueError(f"top_p must be None or in (0, 1], got {top_p!r}.")
 
 
-def sample_logits(logits, rng, greedy, temperature, top_k, top_p):
-  """logits [b, vocab] f32 -> tokens [b] int32.
+def sampling_settings(temperature, top_k, top_p, greedy, rng):
+  """Validated sampling settings as the traced tuple (greedy, temperature,
+  top_k, top_p) that `sample_logits` / `sampling_probs` take.
 
-  All settings are traced scalars (changing them does not recompile):
-  greedy (bool) picks the argmax; otherwise logits / temperature, restricted
-  to the top_k (int32, 0: off) most likely, then to the smallest set of
-  mass >= top_p (float, 1: off), are sampled.
+  greedy None means temperature == 0; rng is required when sampling.
+  """
+  check_sampling(temperature, top_k, top_p)
+  greedy = (temperature == 0) if greedy is None else bool(greedy)
+  if not greedy and temperature <= 0:
+    raise ValueError(f"temperature must be > 0 when sampling, got "
+                     f"{temperature!r}.")
+  if not greedy and rng is None:
+    raise ValueError("rng is required when sampling (temperature > 0).")
+  return (jnp.asarray(greedy), jnp.float32(temperature),
+          jnp.int32(top_k or 0), jnp.float32(1.0 if top_p is None
+                                             else top_p))
+
+
+def filter_logits(logits, greedy, temperature, top_k, top_p):
+  """The logits that sampling draws from: [..., vocab] f32 -> [..., vocab].
+
+  logits / temperature (1 when greedy), restricted to the top_k (int32, 0:
+  off) most likely tokens, then to the smallest set of mass >= top_p (float,
+  1: off); excluded tokens are -inf. All settings are traced scalars.
   """
   vocab = logits.shape[-1]
   scaled = logits.astype(F32) / jnp.where(greedy, 1.0, temperature)
-  srt = jnp.sort(scaled, axis=-1)[:, ::-1]  # [b, vocab] descending
+  srt = jnp.flip(jnp.sort(scaled, axis=-1), axis=-1)  # descending
   k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-  kth = srt[:, k - 1][:, None]  # [b, 1]
+  kth = jnp.take(srt, k - 1, axis=-1)[..., None]  # [..., 1]
   probs = jax.nn.softmax(jnp.where(srt < kth, -jnp.inf, srt), axis=-1)
   # Keep the smallest prefix whose mass reaches top_p (>= 1 token).
   n_keep = jnp.sum(jnp.cumsum(probs, axis=-1) - probs < top_p, axis=-1,
                    keepdims=True)
   thresh = jnp.maximum(jnp.take_along_axis(srt, n_keep - 1, axis=-1), kth)
-  masked = jnp.where(scaled < thresh, -jnp.inf, scaled)
+  return jnp.where(scaled < thresh, -jnp.inf, scaled)
+
+
+def sampling_probs(logits, greedy, temperature, top_k, top_p):
+  """The distribution `sample_logits` draws from: [..., vocab] f32.
+
+  Greedy: one-hot at the argmax; otherwise softmax of `filter_logits`.
+  """
+  vocab = logits.shape[-1]
+  onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=F32)
+  soft = jax.nn.softmax(filter_logits(logits, greedy, temperature, top_k,
+                                      top_p), axis=-1)
+  return jnp.where(greedy, onehot, soft)
+
+
+def sample_logits(logits, rng, greedy, temperature, top_k, top_p):
+  """logits [b, vocab] f32 -> tokens [b] int32.
+
+  All settings are traced scalars (changing them does not recompile):
+  greedy (bool) picks the argmax; otherwise `filter_logits` (temperature,
+  top_k, top_p) is sampled.
+  """
+  masked = filter_logits(logits, greedy, temperature, top_k, top_p)
   sampled = jax.random.categorical(rng, masked, axis=-1)
   return jnp.where(greedy, jnp.argmax(logits, axis=-1),
                    sampled).astype(jnp.int32)
@@ -120,16 +159,7 @@ def generate(model: M.HybridLM, prompt_tokens, prompt_lengths,
       max_new_tokens, int) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be a positive int, got "
                      f"{max_new_tokens!r}.")
-  check_sampling(temperature, top_k, top_p)
-  greedy = (temperature == 0) if greedy is None else bool(greedy)
-  if not greedy and temperature <= 0:
-    raise ValueError(f"temperature must be > 0 when sampling, got "
-                     f"{temperature!r}.")
-  sampling = (jnp.asarray(greedy), jnp.float32(temperature),
-              jnp.int32(top_k or 0), jnp.float32(1.0 if top_p is None
-                                                 else top_p))
-  if not greedy and rng is None:
-    raise ValueError("rng is required when sampling (temperature > 0).")
+  sampling = sampling_settings(temperature, top_k, top_p, greedy, rng)
   if eos_id is not None and not 0 <= eos_id < model.config.vocab_size:
     raise ValueError(f"eos_id must lie in [0, vocab_size), got {eos_id!r}.")
   V.check_array("prompt_tokens", prompt_tokens)
