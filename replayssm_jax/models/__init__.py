@@ -6,6 +6,10 @@
   prefill           right-padded prompts -> decode state.
   decode_step       one token per row.
   generate          jit-compiled sampling loop (lax.while_loop).
+  verify / commit   speculative window: one parallel pass, then rollback
+                    (replay: counter move; baseline: snapshot per position).
+  speculative_generate  jit-compiled speculative decoding loop with a
+                    Proposer (DraftModelProposer, NgramProposer).
   from_pretrained   Hugging Face Mamba2 / NemotronH checkpoint directory.
 """
 
@@ -13,16 +17,31 @@ from replayssm_jax.models.config import ModelConfig
 from replayssm_jax.models.generate import generate
 from replayssm_jax.models.hf import from_pretrained
 from replayssm_jax.models.model import HybridLM, decode_step, prefill
+from replayssm_jax.models.speculative import (DraftModelProposer,
+                                              NgramProposer, PendingState,
+                                              Proposal, ProposalContext,
+                                              Proposer, SpecStats, commit,
+                                              speculative_generate, verify)
 from replayssm_jax.models.states import AttentionState, MambaState, ModelState
 
 __all__ = [
     "AttentionState",
+    "DraftModelProposer",
     "HybridLM",
     "MambaState",
     "ModelConfig",
     "ModelState",
+    "NgramProposer",
+    "PendingState",
+    "Proposal",
+    "ProposalContext",
+    "Proposer",
+    "SpecStats",
+    "commit",
     "decode_step",
     "from_pretrained",
     "generate",
     "prefill",
+    "speculative_generate",
+    "verify",
 ]

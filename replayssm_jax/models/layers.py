@@ -6,7 +6,11 @@ Every mixer has two entry points:
       they never touch the state); `state` None: no decode state is built.
   step(h [b, d], state) -> (y [b, d], new_state)
       one decode token per row.
-`Block` (pre-norm residual) dispatches on h.ndim. Linear kernels are stored
+  verify(h [b, T, d], state) -> (y [b, T, d], pending)
+      a speculative window of T tokens per row, in one parallel pass from
+      the committed state (see replayssm_jax.models.speculative).
+`Block` (pre-norm residual) dispatches on h.ndim (`Block.verify` for
+windows). Linear kernels are stored
 [in, out]; matmuls run in `config.dtype`, norms/softmax in float32.
 """
 
@@ -23,6 +27,7 @@ from replayssm_jax.conv import causal_conv1d, causal_conv1d_update
 from replayssm_jax.models.config import ModelConfig
 from replayssm_jax.models.states import AttentionState, MambaState
 from replayssm_jax.reference import process_dt
+from replayssm_jax.speculative import baseline_verify, replay_verify
 from replayssm_jax.ssd import ssd_chunked_scan
 from replayssm_jax.state import ReplayState
 
@@ -186,6 +191,46 @@ class Mamba2Mixer(nnx.Module):
     y = self.norm(y.reshape(bsz, c.d_inner), z)
     return self.out_proj(y), MambaState(conv=conv, ssm=ssm)
 
+  def verify(self, h, state: MambaState, implementation: str | None = None):
+    """A window of T tokens per row from the committed state.
+
+    in_proj and the causal conv (starting from the conv state) run over the
+    whole window; the SSM outputs come from `replay_verify` (replay state:
+    one parallel pass from checkpoint + buffer, `implementation` goes to its
+    dispatcher) or `baseline_verify` (full state: one snapshot per window
+    position).
+
+    Args:
+      h: [b, T, d] normed window activations.
+      state: the committed MambaState.
+      implementation: replay_verify implementation (replay mode only).
+
+    Returns:
+      (y [b, T, d], (ssm, window_conv_inputs, snapshots)): ssm is the
+      replay state with the window pending (count unchanged) or, baseline,
+      the committed state unchanged; window_conv_inputs [b, T, conv_dim]
+      the window's pre-conv inputs in the conv-state dtype (to roll the
+      conv state forward over an accepted prefix); snapshots [b, T, H, P, N]
+      (baseline) or None.
+    """
+    c = self.cfg
+    bsz, t, _ = h.shape
+    z, xbc, dt = self._split(self.in_proj(h))
+    xbc_act, _ = causal_conv1d(xbc, self.conv_weight[...], self.conv_bias[...],
+                               initial_state=state.conv, activation="silu")
+    x, b, cc = self._split_xbc(xbc_act)  # [b, T, H, P], [b, T, G, N] x2
+    A, D, dt_bias = self._ssm_params()
+    if isinstance(state.ssm, ReplayState):
+      y, ssm = replay_verify(state.ssm, x, dt, A, b, cc, D=D, dt_bias=dt_bias,
+                             dt_softplus=True, implementation=implementation)
+      snapshots = None
+    else:
+      y, snapshots = baseline_verify(state.ssm, x, dt, A, b, cc, D=D,
+                                     dt_bias=dt_bias, dt_softplus=True)
+      ssm = state.ssm
+    y = self.norm(y.reshape(bsz, t, c.d_inner), z)
+    return self.out_proj(y), (ssm, xbc.astype(state.conv.dtype), snapshots)
+
 
 # ------------------------------------------------------------- attention
 def _rope(x, positions, theta):
@@ -273,6 +318,26 @@ class Attention(nnx.Module):
     out = self.o_proj(self._attend(q, kc, vc, mask))[:, 0]
     return out, AttentionState(k=kc, v=vc, length=pos + 1)
 
+  def verify(self, h, state: AttentionState):
+    """A window of T queries per row: writes the T new keys/values at
+    positions length .. length + T - 1 and attends causally (the cache
+    prefix plus the window up to each query).
+
+    Returns (y [b, T, d], the cache with the window written and `length`
+    unchanged: committing n tokens sets length += n, and the rest is
+    overwritten later). Keys of positions >= max_len are dropped (callers
+    check the room).
+    """
+    b, t, _ = h.shape
+    pos = state.length[:, None] + jnp.arange(t)[None, :]  # [b, T]
+    q, k, v = self._qkv(h, pos)
+    rows = jnp.arange(b)[:, None]
+    kc = state.k.at[rows, pos].set(k.astype(state.k.dtype), mode="drop")
+    vc = state.v.at[rows, pos].set(v.astype(state.v.dtype), mode="drop")
+    mask = jnp.arange(state.max_len)[None, None, :] <= pos[:, :, None]
+    out = self.o_proj(self._attend(q, kc, vc, mask))
+    return out, AttentionState(k=kc, v=vc, length=state.length)
+
 
 # ------------------------------------------------------------------- MLP
 class MLP(nnx.Module):
@@ -302,6 +367,9 @@ class MLP(nnx.Module):
   def step(self, h, state):
     return self(h), state
 
+  def verify(self, h, state):
+    return self(h), state
+
 
 MIXERS = {"mamba": Mamba2Mixer, "attention": Attention, "mlp": MLP}
 
@@ -324,3 +392,12 @@ class Block(nnx.Module):
     else:
       y, state = self.mixer.step(h, state)
     return x.astype(F32) + y.astype(F32), state
+
+  def verify(self, x, state, implementation=None):
+    """x [b, T, d] speculative window -> (x', the mixer's pending state)."""
+    h = self.norm(x)
+    if self.kind == "mamba":
+      y, pending = self.mixer.verify(h, state, implementation)
+    else:
+      y, pending = self.mixer.verify(h, state)
+    return x.astype(F32) + y.astype(F32), pending

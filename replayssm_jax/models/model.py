@@ -28,7 +28,8 @@ from replayssm_jax.models.layers import Block, Embedding, Linear, RMSNorm
 F32 = jnp.float32
 
 # Number of times each jitted entry point was traced (tests assert on it).
-TRACE_COUNTS = {"prefill": 0, "decode_step": 0, "generate": 0}
+TRACE_COUNTS = {"prefill": 0, "decode_step": 0, "generate": 0, "verify": 0,
+                "commit": 0, "speculative_generate": 0}
 
 
 class HybridLM(nnx.Module):
