@@ -78,22 +78,21 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.replay_variants = ml_collections.ConfigDict()
 
   if arg == "sweep":
-    # The flush-route variants to measure next (benchmarks/README.md):
-    # batch 256 and 1, L 16, both checkpoint dtypes.
+    # Flush-route designs side by side (benchmarks/README.md): batch 256
+    # and 1, L 16, both checkpoint dtypes. The default is the persistent
+    # flush grid with the 3xTF32 dot fold.
     config.name = "kernel_sweep"
     config.batches = (256, 1)
     config.buffer_lens = (16,)
     config.exclude_implementations = ("reference",)
-    config.ssu_variants = ml_collections.ConfigDict(dict(
-        bp32=dict(block_p=32)))
     config.replay_variants = ml_collections.ConfigDict(dict(
-        flush16=dict(flush_block_p=16),
-        flush16_loop=dict(flush_block_p=16, flush_unroll=False),
-        flush32_loop=dict(flush_block_p=32, flush_unroll=False),
-        flush16_dot=dict(flush_block_p=16, flush_fold="dot_tf32x3"),
-        flush64_dot=dict(flush_fold="dot_tf32x3"),
-        bp32_flush16_loop=dict(block_p=32, flush_block_p=16,
-                               flush_unroll=False),
+        rows_dot=dict(flush_grid="rows", flush_fold="dot_tf32x3"),
+        dotf32=dict(flush_fold="dot_f32"),
+        flush32=dict(flush_block_p=32),
+        programs132=dict(flush_programs=132),
+        # One program per flush item of a natural-cycle step at batch 256
+        # (256 / 16 rows x 128 heads): not yet measured.
+        programs2048=dict(flush_programs=2048),
     ))
 
   if arg == "smoke":

@@ -75,21 +75,39 @@ class ReplayConfig(_LaunchConfig):
     flush_fold: "rank1" (exact f32 rank-1 updates), "dot_tf32x3" (one
       tensor-core dot with 3xTF32 inputs, ~f32 accurate; exact f32 in
       interpret mode) or "dot_f32" (one dot with IEEE f32 inputs); the dot
-      modes need buffer_len and the flush block_p >= 16.
+      modes need buffer_len and the flush block_p >= 16. None: "dot_tf32x3"
+      where it applies, else "rank1".
+    flush_grid: "rows" launches the flush kernel on the output route's
+      grid (programs of non-flush rows exit at once, but each costs a
+      launch slot: ~30 µs per step at batch 256 on the H200);
+      "persistent" launches `flush_programs` programs that share out the
+      (flush row, head, headdim block) items of the flush rows only.
+    flush_programs: program count of the persistent flush grid (None: 4
+      per SM; 8 in interpret mode).
   """
   heads_per_program: int | None = None
   precompute_bc: bool = False
   output_all_rows: bool = False
   flush_block_p: int | None = None
-  flush_unroll: bool = True
-  flush_fold: str = "rank1"
+  flush_unroll: bool = False
+  flush_fold: str | None = None
+  flush_grid: str = "persistent"
+  flush_programs: int | None = None
 
   def __post_init__(self):
     super().__post_init__()
+    grids = ("rows", "persistent")
+    if self.flush_grid not in grids:
+      raise ValueError(f"flush_grid must be one of {grids}, got "
+                       f"{self.flush_grid!r}.")
+    fp = self.flush_programs
+    if fp is not None and (not isinstance(fp, int) or fp < 1):
+      raise ValueError(f"flush_programs must be None or an int >= 1, got "
+                       f"{fp!r}.")
     if self.flush_block_p is not None:
       _check_pow2("flush_block_p", self.flush_block_p)
     folds = ("rank1", "dot_tf32x3", "dot_f32")
-    if self.flush_fold not in folds:
+    if self.flush_fold is not None and self.flush_fold not in folds:
       raise ValueError(f"flush_fold must be one of {folds}, got "
                        f"{self.flush_fold!r}.")
     hb = self.heads_per_program

@@ -1,21 +1,25 @@
 """Pallas (Triton backend) kernels: the ReplaySSM decode step.
 
-Two kernels, both launched every step, each exiting at once on the rows of
-the other route (the route of a row is data: no host branch, one compile):
+Two kernels, both launched every step (the route of a row is data: no host
+branch, one compile):
 
 * output route (rows with count c < L-1): y = exp(Lambda) (S_0 C)
   + sum_j s_j (B_j . C) x_j + D x from the checkpoint S_0 and the buffer,
   then append (x, dt', B) at slot c. The checkpoint is only read.
 * flush route (rows with c == L-1): fold the L-1 buffered tokens and the
-  current one into a new checkpoint (exact f32 rank-1 updates), store it,
-  and read y from it.
+  current one into a new checkpoint (one [block_p, L] x [L, N] dot, or exact
+  f32 rank-1 updates), store it, and read y from it.
 
-Grid: (headdim blocks x head blocks of one group, ngroups, batch). A program
-owns `block_p` headdim rows of `heads_per_program` heads of one B/C group of
-one row; the output route forms bc_j = B_j . C once per program, so the B
-buffer is read once per group (not once per head) when a program holds the
-whole group. Keeping the fold in its own kernel keeps the output route's
-register footprint at one checkpoint tile.
+Output-route grid: (headdim blocks x head blocks of one group, ngroups,
+batch). A program owns `block_p` headdim rows of `heads_per_program` heads
+of one B/C group of one row; it forms bc_j = B_j . C once, so the B buffer
+is read once per group (not once per head) when a program holds the whole
+group. The flush route runs by default on a small persistent grid whose
+programs share out the (flush row, head, headdim block) items of the flush
+rows only, so the ~(L-1)/L of rows that do not flush cost it nothing
+(`ReplayConfig.flush_grid="rows"` launches it on the output grid instead,
+with early exits). Keeping the fold in its own kernel keeps the output
+route's register footprint at one checkpoint tile.
 
 The checkpoint and the buffers are aliased input->output and only the
 elements named above are stored: a non-flush step never writes the
@@ -41,19 +45,16 @@ F32 = jnp.float32
 
 
 class _Program:
-  """Indices and the token window shared by both route kernels."""
+  """One (row, heads, headdim block) work item and its token window."""
 
-  def __init__(self, cnt_ref, dt_ref, a_ref, bias_ref, *, buffer_len,
-               heads_per_program, heads_per_group, block_p, headdim,
-               dt_softplus):
+  def __init__(self, cnt_ref, dt_ref, a_ref, bias_ref, *, b, g, pblk, head0,
+               buffer_len, block_p, dt_softplus, pid=None, count=None, **_):
+    """count: the row's counter when known at trace time (then it is not
+    loaded and the slot masks are constants), else read from cnt_ref."""
     self.L = buffer_len
-    pid, self.g, self.b = (pl.program_id(0), pl.program_id(1),
-                           pl.program_id(2))
-    nblk_p = headdim // block_p
-    self.pid, self.pblk, blk = pid, pid % nblk_p, pid // nblk_p
-    self.ps = pl.ds(self.pblk * block_p, block_p)
-    self.head0 = self.g * heads_per_group + blk * heads_per_program
-    self.c = cnt_ref[self.b]
+    self.b, self.g, self.pblk, self.head0, self.pid = b, g, pblk, head0, pid
+    self.ps = pl.ds(pblk * block_p, block_p)
+    self.c = cnt_ref[b] if count is None else jnp.int32(count)
     # A counter outside [0, L) (possible only under jit) must not write out
     # of bounds: such a row appends nothing, keeps its count, outputs NaN.
     self.valid = (self.c >= 0) & (self.c < self.L)
@@ -63,6 +64,16 @@ class _Program:
     self.cur = self.j == self.c  # the current token's logical slot
     self._dt, self._a, self._bias = dt_ref, a_ref, bias_ref
     self._softplus = dt_softplus
+
+  @classmethod
+  def from_grid(cls, *refs, heads_per_program, heads_per_group, block_p,
+                headdim, **kw):
+    """Grid (headdim blocks x head blocks of a group, ngroups, batch)."""
+    pid, g, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    nblk_p = headdim // block_p
+    return cls(*refs, b=b, g=g, pblk=pid % nblk_p, block_p=block_p,
+               head0=g * heads_per_group + (pid // nblk_p) * heads_per_program,
+               pid=pid, **kw)
 
   def window_weights(self, h, dtb_ref):
     """dt' of the current token, the weights s_j and the decay of head h."""
@@ -103,7 +114,7 @@ def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
   # Buffers are aliased input->output (same HBM on GPU; copies of the inputs
   # in interpret mode): read the inputs, store to the outputs.
   y_ref, xb_out, bb_out, dtb_out, cnt_out = outs
-  p = _Program(cnt_ref, dt_ref, a_ref, bias_ref, **kw)
+  p = _Program.from_grid(cnt_ref, dt_ref, a_ref, bias_ref, **kw)
   b, g, ps, block_p = p.b, p.g, p.ps, kw["block_p"]
   appends = jnp.logical_not(p.flush) & p.valid
 
@@ -166,72 +177,132 @@ def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
     pl.when(jnp.logical_not(p.flush))(route)
 
 
-def _flush_kernel(*refs, has_D, has_z, has_bias, writes_y, unroll, fold_dot,
-                  **kw):
-  """Flush route (rows with count == L-1): fold L tokens into a new
-  checkpoint and store it; with writes_y also read y from it.
+def _fold_head(p, h, refs, *, unroll, fold_dot, block_p):
+  """New checkpoint tile of head h of a flush row (count == L-1):
+  decay * S_0 + sum_j s_j x_j B_j^T over the L tokens (L-1 buffered + the
+  current one) -> ([block_p, N] f32, x_cur [block_p] f32).
 
   fold_dot: None folds with L exact f32 rank-1 updates (each extracts its
   weight s_j with a masked reduction); otherwise the fold is one
   [block_p, L] x [L, N] dot with this precision (needs L, block_p >= 16).
   """
+  ck_ref, xb_ref, bb_ref, dtb_ref, x_ref, b_ref = refs
+  b, g, ps, L = p.b, p.g, p.ps, p.L
+  s0 = plgpu.load(ck_ref.at[b, h, ps], eviction_policy="evict_first")
+  _, s, decay = p.window_weights(h, dtb_ref)
+  x_cur = x_ref[b, h, ps].astype(F32)
+  b_cur = b_ref[b, g, :].astype(F32)
+  if fold_dot is None:
+    def fold(jj, st):
+      s_j = jnp.sum(jnp.where(p.j == jj, s, 0.0))
+      x_j = xb_ref[b, jj, h, ps].astype(F32)
+      b_j = bb_ref[b, jj, g, :].astype(F32)
+      return st + (s_j * x_j)[:, None] * b_j[None, :]
+
+    st = decay * s0.astype(F32)  # [block_p, N]
+    if unroll:  # a Python loop: Triton's scan lowering refuses unroll
+      for jj in range(L - 1):
+        st = fold(jj, st)
+    else:
+      st = lax.fori_loop(0, L - 1, fold, st)
+    s_last = jnp.sum(jnp.where(p.j == L - 1, s, 0.0))
+    return st + (s_last * x_cur)[:, None] * b_cur[None, :], x_cur
+  nstate = ck_ref.shape[-1]
+  b_hist = plgpu.load(bb_ref.at[b, :, g, :],
+                      mask=jnp.broadcast_to(p.hist[:, None], (L, nstate)),
+                      other=0.0).astype(F32)
+  b_win = jnp.where(p.cur[:, None], b_cur[None, :], b_hist)  # [L, N]
+  x_hist = plgpu.load(xb_ref.at[b, :, h, ps],
+                      mask=jnp.broadcast_to(p.hist[:, None], (L, block_p)),
+                      other=0.0).astype(F32)
+  xs = s[:, None] * jnp.where(p.cur[:, None], x_cur[None, :], x_hist)
+  st = decay * s0.astype(F32) + lax.dot_general(
+      xs, b_win, (((0,), (0,)), ((), ())), precision=fold_dot,
+      preferred_element_type=F32)
+  return st, x_cur
+
+
+def _store_flush(p, h, st, x_cur, ck_out, y_out, c_ref, d_ref, z_ref):
+  """Stores the new checkpoint tile (and y read from it, with y_out)."""
+  b, ps = p.b, p.ps
+  plgpu.store(ck_out.at[b, h, ps], st.astype(ck_out.dtype))
+  if y_out is not None:
+    y = jnp.sum(st * c_ref[b, p.g, :].astype(F32)[None, :], axis=1)
+    y = common.finish_output(y, x_cur, None if d_ref is None else d_ref[h],
+                             None if z_ref is None else z_ref[b, h, ps])
+    y_out[b, h, ps] = y.astype(y_out.dtype)
+
+
+def _flush_kernel(*refs, has_D, has_z, has_bias, writes_y, unroll, fold_dot,
+                  **kw):
+  """Flush route over the output route's grid: programs of non-flush rows
+  exit at once (each still costs a launch slot); flush rows fold L tokens
+  into a new checkpoint and store it, with writes_y also y."""
   ins, (d_ref, z_ref, bias_ref), outs = _unpack(
       refs, 10 + writes_y, 1 + writes_y, has_D, has_z, has_bias)
   ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, x_ref, dt_ref, a_ref, b_ref = (
       ins[:9])
-  c_ref = ins[9]
-  ck_out = outs[-1]  # aliased with ck_ref (and y_out with the y input)
-  p = _Program(cnt_ref, dt_ref, a_ref, bias_ref, **kw)
-  b, g, ps, L = p.b, p.g, p.ps, p.L
+  c_ref, y_out = ins[9], outs[0] if writes_y else None
+  p = _Program.from_grid(cnt_ref, dt_ref, a_ref, bias_ref, **kw)
+  fold_refs = (ck_ref, xb_ref, bb_ref, dtb_ref, x_ref, b_ref)
 
   @pl.when(p.flush)
   def _route():
-    b_cur = b_ref[b, g, :].astype(F32)
-    if fold_dot is not None:  # the group's L B rows (flush: slots < L-1)
-      nstate = ck_ref.shape[-1]
-      b_hist = plgpu.load(bb_ref.at[b, :, g, :],
-                          mask=jnp.broadcast_to(p.hist[:, None], (L, nstate)),
-                          other=0.0).astype(F32)
-      b_win = jnp.where(p.cur[:, None], b_cur[None, :], b_hist)  # [L, N]
-
     def one_head(r, carry):
       h = p.head0 + r
-      s0 = plgpu.load(ck_ref.at[b, h, ps], eviction_policy="evict_first")
-      _, s, decay = p.window_weights(h, dtb_ref)
-      x_cur = x_ref[b, h, ps].astype(F32)
-      # New checkpoint = decay * S_0 + sum_j s_j x_j B_j^T over the L tokens
-      # (L-1 buffered + current).
-      if fold_dot is None:
-        def fold(jj, st):
-          s_j = jnp.sum(jnp.where(p.j == jj, s, 0.0))
-          x_j = xb_ref[b, jj, h, ps].astype(F32)
-          b_j = bb_ref[b, jj, g, :].astype(F32)
-          return st + (s_j * x_j)[:, None] * b_j[None, :]
-
-        st = lax.fori_loop(0, L - 1, fold, decay * s0.astype(F32),
-                           unroll=unroll)  # [block_p, N]
-        s_last = jnp.sum(jnp.where(p.j == L - 1, s, 0.0))
-        st = st + (s_last * x_cur)[:, None] * b_cur[None, :]
-      else:
-        block_p = kw["block_p"]
-        x_hist = plgpu.load(xb_ref.at[b, :, h, ps],
-                            mask=jnp.broadcast_to(p.hist[:, None],
-                                                  (L, block_p)),
-                            other=0.0).astype(F32)
-        xs = s[:, None] * jnp.where(p.cur[:, None], x_cur[None, :], x_hist)
-        st = decay * s0.astype(F32) + lax.dot_general(
-            xs, b_win, (((0,), (0,)), ((), ())), precision=fold_dot,
-            preferred_element_type=F32)
-      plgpu.store(ck_out.at[b, h, ps], st.astype(ck_out.dtype))
-      if writes_y:
-        y = jnp.sum(st * c_ref[b, g, :].astype(F32)[None, :], axis=1)
-        y = common.finish_output(
-            y, x_cur, None if d_ref is None else d_ref[h],
-            None if z_ref is None else z_ref[b, h, ps])
-        outs[0][b, h, ps] = y.astype(outs[0].dtype)
+      st, x_cur = _fold_head(p, h, fold_refs, unroll=unroll,
+                             fold_dot=fold_dot, block_p=kw["block_p"])
+      _store_flush(p, h, st, x_cur, outs[-1], y_out, c_ref, d_ref, z_ref)
       return carry
 
     lax.fori_loop(0, kw["heads_per_program"], one_head, 0)
+
+
+def _flush_persistent_kernel(*refs, has_D, has_z, has_bias, writes_y,
+                             unroll, fold_dot, num_programs, nheads,
+                             heads_per_group, block_p, headdim, **kw):
+  """Flush route on a fixed grid of num_programs programs that share out
+  the work items (flush row, head, headdim block) of the flush rows only.
+
+  Every program loads the [batch] counters, ranks the flush rows with a
+  cumulative sum and loops over its items w = pid, pid + P, ...; item w
+  belongs to the r-th flush row, r = w // items_per_row, whose index is the
+  number of rows whose inclusive flush count is <= r. So the launch costs
+  P programs whatever the batch, and a step where 1/L of the rows flush
+  does 1/L of the work (no early-exit program per non-flush row).
+  """
+  ins, (d_ref, z_ref, bias_ref), outs = _unpack(
+      refs, 10 + writes_y, 1 + writes_y, has_D, has_z, has_bias)
+  ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, x_ref, dt_ref, a_ref, b_ref = (
+      ins[:9])
+  c_ref, y_out = ins[9], outs[0] if writes_y else None
+  L = kw["buffer_len"]
+  counts = cnt_ref[...]  # [batch] (padded to a power of two with -1)
+  flush = (counts == L - 1).astype(jnp.int32)
+  ranks = jnp.cumsum(flush)  # inclusive
+  nblk = headdim // block_p
+  per_row = nheads * nblk
+  total = jnp.sum(flush) * per_row
+  pid = pl.program_id(0)
+  mine = jnp.maximum(total - pid + num_programs - 1, 0) // num_programs
+  fold_refs = (ck_ref, xb_ref, bb_ref, dtb_ref, x_ref, b_ref)
+
+  def item(i, carry):
+    w = pid + i * num_programs
+    r, rem = w // per_row, w % per_row
+    b = jnp.sum((ranks <= r).astype(jnp.int32))
+    h = rem // nblk
+    # A flush row's counter is L-1: every load of the item depends only on
+    # (b, h), so all of them issue at once.
+    p = _Program(cnt_ref, dt_ref, a_ref, bias_ref, b=b,
+                 g=h // heads_per_group, pblk=rem % nblk, head0=h,
+                 block_p=block_p, count=L - 1, **kw)
+    st, x_cur = _fold_head(p, h, fold_refs, unroll=unroll,
+                           fold_dot=fold_dot, block_p=block_p)
+    _store_flush(p, h, st, x_cur, outs[-1], y_out, c_ref, d_ref, z_ref)
+    return carry
+
+  lax.fori_loop(0, mine, item, 0)
 
 
 def _fold_precision(flush_fold: str, interpret: bool):
@@ -245,6 +316,13 @@ def _fold_precision(flush_fold: str, interpret: bool):
   if interpret or flush_fold == "dot_f32":
     return (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
   return lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+
+
+def _default_flush_programs(interpret: bool) -> int:
+  """4 programs per SM (one wave at the fold's register footprint)."""
+  if interpret:
+    return 8
+  return 4 * getattr(jax.devices()[0], "core_count", 132)
 
 
 def default_block_p(batch: int, nheads: int, headdim: int) -> int:
@@ -270,10 +348,11 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   flush_block_p = common.resolve_block_p(config.flush_block_p or block_p,
                                          headdim)
   hb = config.heads_per_program or 1
-  if config.flush_fold != "rank1" and min(rstate.buffer_len,
-                                          flush_block_p) < 16:
+  fold = config.flush_fold or ("dot_tf32x3" if min(
+      rstate.buffer_len, flush_block_p) >= 16 else "rank1")
+  if fold != "rank1" and min(rstate.buffer_len, flush_block_p) < 16:
     raise NotImplementedError(
-        f"flush_fold={config.flush_fold!r} needs buffer_len and the flush "
+        f"flush_fold={fold!r} needs buffer_len and the flush "
         f"block_p >= 16 (Triton dot tiles), got {rstate.buffer_len} and "
         f"{flush_block_p}.")
   if per_group % hb:
@@ -319,19 +398,29 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   # not append, so their slots are unchanged, and one copy of each buffer
   # stays live.
   writes_y = not config.output_all_rows
+  flush_kw = dict(kw, block_p=flush_block_p, writes_y=writes_y,
+                  unroll=config.flush_unroll,
+                  fold_dot=_fold_precision(fold, interpret))
+  count = rstate.count
+  if config.flush_grid == "persistent":
+    nprog = config.flush_programs or _default_flush_programs(interpret)
+    kernel = functools.partial(_flush_persistent_kernel, nheads=nheads,
+                               num_programs=nprog, **flush_kw)
+    flush_grid = (nprog,)
+    pad = (1 << (batch - 1).bit_length()) - batch  # Triton: pow2 vectors
+    if pad:
+      count = jnp.pad(count, (0, pad), constant_values=-1)
+  else:
+    kernel = functools.partial(_flush_kernel, **flush_kw)
+    flush_grid = grid(flush_block_p)
   outs = pl.pallas_call(
-      functools.partial(_flush_kernel, writes_y=writes_y,
-                        unroll=config.flush_unroll,
-                        fold_dot=_fold_precision(config.flush_fold,
-                                                 interpret),
-                        **{**kw, "block_p": flush_block_p}),
-      grid=grid(flush_block_p),
+      kernel, grid=flush_grid,
       out_shape=((sds(y.shape, y.dtype),) if writes_y else ()) + (
           sds(rstate.checkpoint.shape, rstate.checkpoint.dtype),),
       input_output_aliases={10: 0, 0: 1} if writes_y else {0: 0},
       compiler_params=params, interpret=interpret,
       name="replayssm_replay_flush_route",
-  )(rstate.checkpoint, xb, bb, dtb, rstate.count, *token_in,
+  )(rstate.checkpoint, xb, bb, dtb, count, *token_in,
     *([y] if writes_y else []), *optional)
   y, ck = (outs if writes_y else (y, outs[0]))
   return y, ReplayState(checkpoint=ck, x_buf=xb, b_buf=bb, dt_buf=dtb,

@@ -36,7 +36,7 @@ def _fold_kernel(*refs, window, has_D, has_z, has_bias, **kw):
   """Early flush: checkpoint <- checkpoint advanced over the history."""
   ins, _, (ck_out,) = _unpack(refs, 10, 1, has_D, has_z, has_bias)
   ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, _, _, a_ref, _, _ = ins
-  p = _Program(cnt_ref, None, a_ref, None, **kw)
+  p = _Program.from_grid(cnt_ref, None, a_ref, None, **kw)
   b, g, ps, L, c, h = p.b, p.g, p.ps, p.L, p.c, p.head0
   block_p = kw["block_p"]
 
@@ -73,7 +73,8 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus, **kw):
   c_ref = ins[9]
   y_ref, xb_out, bb_out, dtb_out, cnt_out = outs
   T = window
-  p = _Program(cnt_ref, None, a_ref, None, dt_softplus=dt_softplus, **kw)
+  p = _Program.from_grid(cnt_ref, None, a_ref, None,
+                         dt_softplus=dt_softplus, **kw)
   b, g, ps, L, c, h = p.b, p.g, p.ps, p.L, p.c, p.head0
   block_p, nstate = kw["block_p"], ck_ref.shape[-1]
   base = jnp.where(c + T >= L, 0, c)  # committed tokens left in the buffer

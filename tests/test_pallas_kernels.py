@@ -81,6 +81,10 @@ REPLAY_CONFIGS = [
     pk.ReplayConfig(block_p=8, heads_per_program=2, precompute_bc=True,
                     output_all_rows=True),
     pk.ReplayConfig(block_p=16, flush_block_p=4, flush_unroll=False),
+    pk.ReplayConfig(flush_grid="rows"),
+    # Fewer programs than work items: each program loops over several.
+    pk.ReplayConfig(block_p=4, flush_block_p=8, flush_grid="persistent",
+                    flush_programs=3),
 ]
 
 
@@ -268,8 +272,9 @@ def test_replay_kernel_out_of_range_count_under_jit():
         harness.bits(getattr(bad, name)[:2]), err_msg=name)
 
 
+@pytest.mark.parametrize("grid", ["rows", "persistent"])
 @pytest.mark.parametrize("fold", ["dot_tf32x3", "dot_f32"])
-def test_replay_kernel_dot_fold(fold):
+def test_replay_kernel_dot_fold(fold, grid):
   """The tensor-core fold variants (exact f32 in interpret mode) equal the
   reference on flush rows and refuse tiles smaller than Triton's dot."""
   params, tok, rstate, counts = _mixed_state("float32", 16, 71)
@@ -278,7 +283,8 @@ def test_replay_kernel_dot_fold(fold):
                                         implementation="reference")
   y, r = rs.replay_state_update(rstate, **kw, implementation="pallas",
                                 config=pk.ReplayConfig(block_p=16,
-                                                       flush_fold=fold))
+                                                       flush_fold=fold,
+                                                       flush_grid=grid))
   tol = testing.tolerance("bfloat16")  # bf16 buffers
   testing.assert_close(y, y_ref, tol, "y")
   testing.assert_close(r.checkpoint, r_ref.checkpoint, tol, "checkpoint")
@@ -297,3 +303,72 @@ def test_config_for_the_reference_is_refused():
     rs.replay_state_update(rstate, **tok, **params,
                            implementation="reference",
                            config=pk.ReplayConfig())
+
+
+# ------------------------------------------------- GPU lowering (no GPU here)
+def _lower_for_cuda(fn, *args):
+  """Lowers fn for CUDA on this CPU machine (jax.export cross-lowering):
+  every pallas_call is lowered to Triton IR by the Pallas Triton backend,
+  so an op it cannot lower (interpret mode runs anything) fails here."""
+  from jax import export  # pylint: disable=g-import-not-at-top
+  triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+  exp = export.export(jax.jit(fn), platforms=["cuda"],
+                      disabled_checks=[triton])(*args)
+  text = exp.mlir_module()
+  assert "triton" in text  # the kernels were lowered, not skipped
+  return text
+
+
+LOWERING_REPLAY_CONFIGS = [
+    pk.ReplayConfig(),
+    pk.ReplayConfig(flush_fold="dot_f32"),
+    pk.ReplayConfig(flush_fold="rank1", flush_unroll=True),
+    pk.ReplayConfig(flush_grid="rows", heads_per_program=2,
+                    precompute_bc=True, output_all_rows=True),
+]
+
+
+@pytest.mark.parametrize("config", LOWERING_REPLAY_CONFIGS, ids=str)
+@pytest.mark.parametrize("batch,buffer_len", [(6, 16), (1, 4)])
+def test_kernels_lower_to_triton(config, batch, buffer_len):
+  """Every kernel and tuning option lowers for the GPU (found on the H200:
+  a fully unrolled fori_loop and a vector slice have no Triton lowering)."""
+  from pallas_kernels import replay as replay_kernel  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import ssu as ssu_kernel  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import verify as verify_kernel  # pylint: disable=g-import-not-at-top
+  h, p, n, g = 4, 16, 16, 2
+  key = jax.random.PRNGKey(5)
+  params = testing.random_params(key, h, with_D=True, with_dt_bias=True)
+  tok = testing.random_step_inputs(key, batch, h, p, n, g, jnp.bfloat16,
+                                   with_z=True)
+  counts = np.arange(batch) % buffer_len
+  rstate, _ = testing.random_replay_state(
+      key, batch, h, p, n, g, buffer_len, counts, params["A"],
+      checkpoint_dtype=jnp.float16, buffer_dtype=jnp.bfloat16)
+  kw = dict(D=params["D"], dt_bias=params["dt_bias"], dt_softplus=True)
+
+  def replay():
+    _lower_for_cuda(
+        lambda r, t: replay_kernel.replay_state_update(
+            r, t["x"], t["dt"], params["A"], t["B"], t["C"], z=t["z"], **kw,
+            config=config),
+        rstate, tok)
+
+  if config.flush_fold in ("dot_f32", "dot_tf32x3") and buffer_len < 16:
+    with pytest.raises(NotImplementedError, match="block_p >= 16"):
+      replay()
+  else:
+    replay()
+  if config == LOWERING_REPLAY_CONFIGS[0]:
+    state = rstate.checkpoint
+    _lower_for_cuda(
+        lambda s, t: ssu_kernel.selective_state_update(
+            s, t["x"], t["dt"], params["A"], t["B"], t["C"], z=t["z"], **kw),
+        state, tok)
+    win = jax.tree.map(lambda v: jnp.stack([v, v], axis=1), tok)  # T = 2
+    if buffer_len > 2:
+      _lower_for_cuda(
+          lambda r, t: verify_kernel.replay_verify(
+              r, t["x"], t["dt"], params["A"], t["B"], t["C"], z=t["z"],
+              **kw),
+          rstate, win)
