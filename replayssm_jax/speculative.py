@@ -198,7 +198,7 @@ def replay_commit(rstate: ReplayState, num_accepted, window: int):
 
 # ------------------------------------------------------------------ baseline
 def baseline_verify(ssm_state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
-                    dt_softplus=False):
+                    dt_softplus=False, *, implementation=None):
   """Snapshot-per-draft verify (what serving engines do without replay).
 
   Steps the full state through the window and keeps one full state per
@@ -208,6 +208,8 @@ def baseline_verify(ssm_state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     ssm_state: [batch, nheads, headdim, dstate] committed state.
     x, dt, B, C, z: the window, as in `replay_verify`; A, D, dt_bias,
       dt_softplus as in `selective_state_update`.
+    implementation: of the per-position `selective_state_update` steps
+      (dispatcher name; None: the fastest supported).
 
   Returns:
     (y [batch, T, nheads, headdim], snapshots [batch, T, nheads, headdim,
@@ -221,7 +223,7 @@ def baseline_verify(ssm_state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   def step(state, tok):
     y, state = ops.selective_state_update(
         state, tok["x"], tok["dt"], A, tok["B"], tok["C"], D, tok["z"],
-        dt_bias, dt_softplus, implementation="reference")
+        dt_bias, dt_softplus, implementation=implementation)
     return state, (y, state)
 
   win = dict(x=x, dt=dt, B=B, C=C, z=z)

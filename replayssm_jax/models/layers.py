@@ -203,7 +203,8 @@ class Mamba2Mixer(nnx.Module):
     Args:
       h: [b, T, d] normed window activations.
       state: the committed MambaState.
-      implementation: replay_verify implementation (replay mode only).
+      implementation: SSM op implementation (replay_verify in replay mode,
+        the per-position selective_state_update steps in baseline mode).
 
     Returns:
       (y [b, T, d], (ssm, window_conv_inputs, snapshots)): ssm is the
@@ -226,7 +227,8 @@ class Mamba2Mixer(nnx.Module):
       snapshots = None
     else:
       y, snapshots = baseline_verify(state.ssm, x, dt, A, b, cc, D=D,
-                                     dt_bias=dt_bias, dt_softplus=True)
+                                     dt_bias=dt_bias, dt_softplus=True,
+                                     implementation=implementation)
       ssm = state.ssm
     y = self.norm(y.reshape(bsz, t, c.d_inner), z)
     return self.out_proj(y), (ssm, xbc.astype(state.conv.dtype), snapshots)

@@ -192,8 +192,8 @@ def verify(model: M.HybridLM, tokens, state: S.ModelState,
     tokens: [batch, T] int window (position 0: the last sampled token, not
       yet in `state`; then the drafts).
     state: the committed ModelState (donated).
-    implementation: `replay_verify` implementation (replay mode; the
-      baseline snapshot verify always runs the reference).
+    implementation: SSM op implementation: of `replay_verify` (replay
+      mode) or of the per-position steps of `baseline_verify`.
 
   Returns:
     (logits [batch, T, vocab] float32: logits[:, s] predicts the token after
