@@ -248,3 +248,47 @@ def test_kernel_variants_resolve_to_configs():
   finally:
     kernel_bench._VARIANTS.clear()  # pylint: disable=protected-access
     kernel_bench._VARIANTS.update(saved)  # pylint: disable=protected-access
+
+
+def test_specdec_bench_smoke(tmp_path):
+  """The speculative-decoding benchmark's smoke run: every mode reproduces
+  the plain greedy tokens, the oracle proposer's acceptance is the same for
+  baseline and replay, and the outputs are written."""
+  from configs import specdec_bench as specdec_config  # pylint: disable=g-import-not-at-top
+  from experiments import specdec_bench  # pylint: disable=g-import-not-at-top
+  config = specdec_config.get_config("smoke")
+  assert "python -m experiments.specdec_bench" in specdec_config.__doc__
+  out = specdec_bench.run(config, str(tmp_path))
+  recs = out["records"]
+  b = config.bench
+  assert len(recs) == len(b.batches) * (1 + len(b.windows) * len(b.ssm_modes))
+  for r in recs:
+    assert r["match_fraction"] == 1.0, r  # f32: exactly the plain tokens
+    assert r["e2e_tokens_per_s"] > 0
+  for batch in b.batches:
+    for w in b.windows:
+      acc = {r["mode"]: r["mean_accepted_length"] for r in recs
+             if r["batch"] == batch and r["window"] == w}
+      assert acc["baseline"] == acc["replay"]  # same proposer, same drafts
+      assert 1.0 <= acc["replay"] <= w
+  _assert_config_json(out["workdir"], config)
+  lines = common.read_metrics(os.path.join(out["workdir"], "metrics.jsonl"))
+  assert lines[0]["kind"] == "environment" and len(lines) == 1 + len(recs)
+  _assert_png(os.path.join(out["workdir"], "throughput.png"))
+
+
+def test_oracle_proposer_acceptance_rate():
+  """accept_prob 1 drafts the reference exactly; 0 never does."""
+  from experiments.specdec_bench import OracleProposer  # pylint: disable=g-import-not-at-top
+  from replayssm_jax.models import ProposalContext  # pylint: disable=g-import-not-at-top
+  ref = jax.random.randint(jax.random.PRNGKey(0), (64, 20), 0, 50, jnp.int32)
+  ctx = ProposalContext(history=None, length=None, last=None,
+                        num_generated=jnp.full((64,), 3, jnp.int32),
+                        active=None, iteration=None)
+  for p, check in ((1.0, np.equal), (0.0, np.not_equal)):
+    prop, _ = OracleProposer(ref, p, 50).propose(
+        (), ctx, 5, jax.random.PRNGKey(1), None)
+    assert check(np.asarray(prop.drafts), np.asarray(ref[:, 3:7])).all()
+    np.testing.assert_array_equal(prop.num_drafts, 4)
+  with pytest.raises(ValueError, match="accept_prob"):
+    OracleProposer(ref, 1.5, 50)

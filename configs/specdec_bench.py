@@ -1,0 +1,46 @@
+r"""Speculative decoding benchmark (experiments/specdec_bench.py).
+
+Full run (one GPU; the mid-size hybrid of configs/hybrid_1b.py, random
+weights, bf16):
+
+  python -m experiments.specdec_bench --config=configs/specdec_bench.py \
+      --workdir=runs/specdec_bench
+
+Smoke run (CPU, about a minute; used by tests/test_experiments.py):
+
+  python -m experiments.specdec_bench --config=configs/specdec_bench.py:smoke \
+      --workdir=runs/specdec_bench_smoke
+
+Useful overrides: --config.bench.batches='(256,512)',
+--config.bench.windows='(4,)', --config.bench.accept_prob=0.5.
+"""
+
+import ml_collections
+
+from configs import _decode_bench
+from configs import hybrid_1b
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  """The benchmark configuration; `arg="smoke"` is a tiny CPU run."""
+  if arg not in (None, "", "smoke"):
+    raise ValueError(f"config arg must be '' or 'smoke', got {arg!r}.")
+  smoke = arg == "smoke"
+  config = ml_collections.ConfigDict()
+  config.seed = 0
+  config.model = ml_collections.ConfigDict(
+      dict(_decode_bench.TINY_MODEL if smoke else hybrid_1b.MODEL))
+  b = config.bench = ml_collections.ConfigDict()
+  b.batches = (1, 2) if smoke else (1, 64, 256, 512)
+  b.windows = (2, 4) if smoke else (4, 2, 8)  # T: last token + T-1 drafts
+  b.ssm_modes = ("baseline", "replay")
+  b.buffer_len = 8 if smoke else 16  # replay buffer (> every window)
+  b.prompt_len = 8 if smoke else 128
+  b.new_tokens = 16 if smoke else 128
+  # Oracle proposer: each draft is the target's own greedy token with this
+  # probability (mean accepted length ~ (1 - a^T) / (1 - a) tokens/step).
+  b.accept_prob = 0.7
+  b.checkpoint_dtype = "float32"  # SSM state / replay checkpoint
+  b.repeats = 1 if smoke else 2  # timed runs after the compile + warm-up
+  b.implementation = ""  # "" = dispatcher default (fastest supported)
+  return config

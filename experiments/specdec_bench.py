@@ -1,0 +1,236 @@
+r"""Speculative-decoding throughput: replay rollback vs snapshot baseline.
+
+For each batch: random prompts, then
+  * plain: `generate` (greedy, replay state, one token per step);
+  * for each window T and ssm_mode ("baseline": one full SSM state per
+    window position, rollback selects one; "replay": verify from checkpoint
+    + buffer, rollback moves the counter): `speculative_generate` (greedy)
+    with the same proposer.
+The proposer is an oracle with a set acceptance rate: it drafts the plain
+run's own continuation and corrupts each draft with probability
+1 - accept_prob, so every mode sees the same (reported) acceptance length
+and the proposer itself costs nothing: the figures isolate the target's
+verify/commit cost. Each run is timed end to end (best of `repeats` after a
+compile + warm-up run). tokens_per_s counts decode only, batch *
+new_tokens / (total - prefill) with the prefill timed alone (None when the
+prefill is over 95% of the run); e2e_tokens_per_s includes the prefill.
+
+Usage (see configs/specdec_bench.py):
+  python -m experiments.specdec_bench --config=configs/specdec_bench.py \
+      --workdir=runs/specdec_bench
+  python -m experiments.specdec_bench --config=configs/specdec_bench.py:smoke \
+      --workdir=runs/specdec_bench_smoke   # CPU, about a minute
+
+Outputs in --workdir: config.json, metrics.jsonl (environment + one line
+per run), summary.md, throughput.png.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments import common
+from experiments.decode_bench import build_model
+from replayssm_jax.models import ModelConfig, Proposal, Proposer
+from replayssm_jax.models import generate, prefill, speculative_generate
+
+_DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), "configs", "specdec_bench.py")
+
+
+@jax.tree_util.register_pytree_node_class
+class OracleProposer(Proposer):
+  """Drafts the reference continuation, each draft corrupted with
+  probability 1 - accept_prob (a corrupted draft is never the reference
+  token). With a target whose greedy output is the reference, a draft is
+  accepted iff it and every earlier draft of the window are uncorrupted.
+
+  Args:
+    reference: [batch, N] int32 tokens the target generates greedily.
+    accept_prob: probability that a draft is left intact.
+    vocab_size: the target's vocabulary size.
+  """
+
+  def __init__(self, reference, accept_prob: float, vocab_size: int):
+    if not 0.0 <= accept_prob <= 1.0:
+      raise ValueError(f"accept_prob must lie in [0, 1], got "
+                       f"{accept_prob!r}.")
+    self.reference = reference
+    self.accept_prob, self.vocab_size = float(accept_prob), int(vocab_size)
+
+  def tree_flatten(self):
+    return (self.reference,), (self.accept_prob, self.vocab_size)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    return cls(children[0], *aux)
+
+  def init(self, prompt_tokens, prompt_lengths, **unused):
+    return ()
+
+  def propose(self, pstate, ctx, window, rng, sampling):
+    del sampling
+    b, n = self.reference.shape
+    t1 = window - 1
+    # Reference position of the token after `last`: num_generated.
+    idx = ctx.num_generated[:, None] + jnp.arange(t1)[None, :]
+    drafts = jnp.take_along_axis(self.reference, jnp.clip(idx, 0, n - 1),
+                                 axis=1)
+    k1, k2 = jax.random.split(rng)
+    bad = jax.random.uniform(k1, drafts.shape) >= self.accept_prob
+    shift = jax.random.randint(k2, drafts.shape, 1, self.vocab_size)
+    drafts = jnp.where(bad, (drafts + shift) % self.vocab_size, drafts)
+    nd = jnp.clip(n - ctx.num_generated, 0, t1)
+    return Proposal(drafts.astype(jnp.int32), nd.astype(jnp.int32),
+                    None), pstate
+
+
+def _best_time(fn, repeats: int):
+  """(best seconds over `repeats` timed calls after one warm-up, output)."""
+  out = jax.block_until_ready(fn())  # compile + warm-up
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn())
+    times.append(time.perf_counter() - t0)
+  return min(times), times, out
+
+
+def bench_batch(model, config, batch: int, writer) -> list[dict]:
+  b, cfg = config.bench, model.config
+  impl = b.implementation or None
+  key = jax.random.PRNGKey(config.seed + batch)
+  prompts = jax.random.randint(key, (batch, b.prompt_len), 0, cfg.vocab_size,
+                               jnp.int32)
+  lengths = jnp.full((batch,), b.prompt_len, jnp.int32)
+  state_kw = dict(checkpoint_dtype=b.checkpoint_dtype)
+  n_new = b.new_tokens
+
+  def run_prefill():
+    st = model.init_state(batch, b.prompt_len + n_new + max(b.windows),
+                          ssm_mode="replay", buffer_len=b.buffer_len,
+                          **state_kw)
+    return prefill(model, prompts, lengths, st)[0]
+
+  t_prefill, _, _ = _best_time(run_prefill, b.repeats)
+  t_plain, times, (ref, _) = _best_time(
+      lambda: generate(model, prompts, lengths, n_new, ssm_mode="replay",
+                       buffer_len=b.buffer_len, implementation=impl,
+                       **state_kw), b.repeats)
+  ref = jnp.asarray(ref)
+  base = dict(kind="specdec", batch=batch, prompt_len=b.prompt_len,
+              new_tokens=n_new, prefill_s=t_prefill)
+
+  def record(**fields):
+    # Decode-only time; None when the run is too short to tell it from the
+    # prefill's (CPU smoke runs).
+    decode_s = fields["total_s"] - t_prefill
+    decode_s = decode_s if decode_s > 0.05 * fields["total_s"] else None
+    rec = dict(base, **fields, decode_s=decode_s,
+               tokens_per_s=batch * n_new / decode_s if decode_s else None,
+               e2e_tokens_per_s=batch * n_new / fields["total_s"])
+    logging.info("batch %d %-8s T=%s: %s decode tokens/s, %.1f end to end "
+                 "(accepted length %.2f, match %.3f)", batch, rec["mode"],
+                 rec["window"], rec["tokens_per_s"], rec["e2e_tokens_per_s"],
+                 rec["mean_accepted_length"], rec["match_fraction"])
+    return writer.write(rec)
+
+  recs = [record(mode="plain", window=None, total_s=t_plain, times_s=times,
+                 mean_accepted_length=1.0, match_fraction=1.0)]
+  proposer = OracleProposer(ref, b.accept_prob, cfg.vocab_size)
+  for window in b.windows:
+    for mode in b.ssm_modes:
+      t, times, (out, _, stats) = _best_time(
+          lambda: speculative_generate(  # pylint: disable=cell-var-from-loop
+              model, proposer, prompts, lengths, n_new, window,
+              ssm_mode=mode, buffer_len=b.buffer_len,
+              implementation=impl, rng=jax.random.PRNGKey(1), **state_kw),
+          b.repeats)
+      # Greedy speculative decoding must reproduce the plain greedy run (up
+      # to low-precision rounding differences between a parallel verify and
+      # single steps, which is why this is reported, not asserted).
+      match = float(np.mean(np.asarray(out) == np.asarray(ref)))
+      recs.append(record(
+          mode=mode, window=window, total_s=t, times_s=times,
+          mean_accepted_length=float(stats.mean_accepted_length),
+          iterations=int(stats.iterations), match_fraction=match))
+  return recs
+
+
+def _summarize(records: list[dict]) -> list[dict]:
+  rows = []
+  for r in records:
+    same = [q for q in records if q["batch"] == r["batch"]]
+    plain = next(q for q in same if q["mode"] == "plain")
+    base = next((q for q in same if q["mode"] == "baseline"
+                 and q["window"] == r["window"]), None)
+    def ratio(a, b):
+      return a / b if a and b else None
+
+    rows.append(dict(
+        r, vs_plain=ratio(r["tokens_per_s"], plain["tokens_per_s"]),
+        replay_vs_baseline=(ratio(r["tokens_per_s"], base["tokens_per_s"])
+                            if base and r["mode"] == "replay" else None)))
+  return rows
+
+
+def _plot(rows: list[dict], path: str):
+  windows = sorted({r["window"] for r in rows if r["window"]})
+  fig, axes = common.new_figure(1, len(windows),
+                                figsize=(4.5 * len(windows), 4.0))
+  for ax, w in zip(axes[0], windows):
+    for mode, style in (("plain", "k--"), ("baseline", "o-"),
+                        ("replay", "s-")):
+      pts = sorted((r["batch"], r["e2e_tokens_per_s"]) for r in rows
+                   if r["mode"] == mode and r["window"] in (w, None)
+                   and (mode == "plain") == (r["window"] is None))
+      if pts:
+        ax.plot(*zip(*pts), style, label=mode)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch")
+    ax.set_ylabel("generated tokens/s (end to end)")
+    ax.set_title(f"window {w}")
+    ax.legend()
+  common.save_plot(fig, path)
+
+
+def run(config, workdir: str) -> dict:
+  """Runs the benchmark into `workdir`; returns the records."""
+  workdir = common.prepare_workdir(workdir, config)
+  env = common.log_environment()
+  writer = common.MetricsWriter(workdir)
+  writer.write(kind="environment", **env)
+  cfg = ModelConfig(**config.model.to_dict())
+  model = build_model(cfg, config.seed)
+  records = []
+  for i, batch in enumerate(config.bench.batches):
+    logging.info("[%d/%d] batch %d", i + 1, len(config.bench.batches), batch)
+    records += bench_batch(model, config, batch, writer)
+  rows = _summarize(records)
+  text = (f"# specdec_bench\n\nmodel: {cfg.pattern} d_model {cfg.d_model}, "
+          f"{cfg.dtype}; oracle proposer accept_prob "
+          f"{config.bench.accept_prob}; backend {env['backend']} "
+          f"({env['device_kind']})\n\n" + common.markdown_table(
+              rows, ["batch", "mode", "window", "tokens_per_s",
+                     "e2e_tokens_per_s", "mean_accepted_length", "vs_plain",
+                     "replay_vs_baseline", "match_fraction"],
+              formats=dict(tokens_per_s=".1f", e2e_tokens_per_s=".1f",
+                           mean_accepted_length=".2f",
+                           vs_plain=".2f", replay_vs_baseline=".2f",
+                           match_fraction=".3f")) + "\n")
+  with open(os.path.join(workdir, "summary.md"), "w") as f:
+    f.write(text)
+  common.log_block(text)
+  _plot(rows, os.path.join(workdir, "throughput.png"))
+  return dict(workdir=workdir, records=records, rows=rows)
+
+
+if __name__ == "__main__":
+  common.run_app(run, default_config=_DEFAULT_CONFIG,
+                 default_workdir="runs/specdec_bench")
