@@ -19,8 +19,10 @@ TINY_MODEL = dict(vocab_size=64, d_model=32, pattern="M-M*-M", ssm_heads=4,
                   dtype="float32", param_dtype="float32")
 
 
-def make_config(model: dict, arg: str | None, *, batch: int, prompt_len: int,
-                new_tokens: int, buffer_len: int = 16
+def make_config(model: dict, arg: str | None, *, batches: tuple[int, ...],
+                prompt_len: int, new_tokens: int,
+                buffer_lens: tuple[int, ...] = (8, 16, 32),
+                split_batches: tuple[int, ...] = ()
                 ) -> ml_collections.ConfigDict:
   """The config of one model; arg "smoke" shrinks it for CPU tests."""
   if arg not in (None, "", "smoke"):
@@ -30,18 +32,21 @@ def make_config(model: dict, arg: str | None, *, batch: int, prompt_len: int,
   config.seed = 0
   config.model = ml_collections.ConfigDict(dict(TINY_MODEL if smoke
                                                 else model))
-  config.bench = ml_collections.ConfigDict()
-  config.bench.batch = 2 if smoke else batch
-  config.bench.prompt_len = 8 if smoke else prompt_len
-  config.bench.new_tokens = 16 if smoke else new_tokens
-  config.bench.ssm_modes = ("baseline", "replay")
-  config.bench.buffer_len = 4 if smoke else buffer_len
+  b = config.bench = ml_collections.ConfigDict()
+  b.batches = (2,) if smoke else batches
+  b.prompt_len = 8 if smoke else prompt_len
+  b.new_tokens = 16 if smoke else new_tokens
+  b.ssm_modes = ("baseline", "replay")
+  b.buffer_lens = (4,) if smoke else buffer_lens  # replay runs, one per L
+  # Batches at which the step is also timed part by part (Mamba mixers,
+  # their SSM op alone, attention, MLP, embedding + LM head).
+  b.split_batches = (2,) if smoke else split_batches
   # Replay checkpoint / baseline state dtype; buffers and KV cache default
   # to the model dtype ("" = default).
-  config.bench.checkpoint_dtype = "float32"
-  config.bench.buffer_dtype = ""
-  config.bench.kv_dtype = ""
-  config.bench.repeats = 1 if smoke else 3  # timed runs after the warm-up
+  b.checkpoint_dtype = "float32"
+  b.buffer_dtype = ""
+  b.kv_dtype = ""
+  b.repeats = 1 if smoke else 3  # timed runs after the warm-up
   # "" = dispatcher default (fastest supported kernel).
-  config.bench.implementation = "reference" if smoke else ""
+  b.implementation = "reference" if smoke else ""
   return config

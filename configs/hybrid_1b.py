@@ -27,5 +27,6 @@ MODEL = dict(vocab_size=32768, d_model=2048,
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  return _decode_bench.make_config(MODEL, arg, batch=128, prompt_len=1024,
-                                   new_tokens=512)
+  return _decode_bench.make_config(MODEL, arg, batches=(1, 64, 256, 512),
+                                   prompt_len=256, new_tokens=128,
+                                   split_batches=(256,))

@@ -24,5 +24,5 @@ MODEL = dict(vocab_size=50280, d_model=768, pattern="M" * 24, ssm_heads=24,
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  return _decode_bench.make_config(MODEL, arg, batch=64, prompt_len=512,
+  return _decode_bench.make_config(MODEL, arg, batches=(64,), prompt_len=512,
                                    new_tokens=512)

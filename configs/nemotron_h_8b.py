@@ -32,5 +32,5 @@ MODEL = dict(vocab_size=131072, d_model=4096,
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  return _decode_bench.make_config(MODEL, arg, batch=64, prompt_len=1024,
+  return _decode_bench.make_config(MODEL, arg, batches=(64,), prompt_len=1024,
                                    new_tokens=256)

@@ -14,5 +14,5 @@ from configs import _decode_bench
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  return _decode_bench.make_config(_decode_bench.TINY_MODEL, arg, batch=8,
+  return _decode_bench.make_config(_decode_bench.TINY_MODEL, arg, batches=(8,),
                                    prompt_len=32, new_tokens=256)

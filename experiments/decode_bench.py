@@ -1,19 +1,30 @@
 r"""Decode throughput of a whole hybrid LM: baseline vs ReplaySSM states.
 
-For each `bench.ssm_modes` entry: builds the model of `config.model` with
-random weights (one jitted init), prefills `bench.batch` random prompts of
-`bench.prompt_len` tokens, then times `bench.new_tokens` greedy decode steps
-of the full model (embedding, every block, LM head, argmax) run as one
-jitted `lax.fori_loop` with the decode state donated. Reports tokens/s and
-ms/step (best of `bench.repeats`, after a compile + warm-up run) and the
+Builds the model of `config.model` with random weights (one jitted init).
+For each batch of `bench.batches` and each state (baseline, and replay for
+each `bench.buffer_lens` L): prefills `bench.prompt_len` random tokens per
+row, then times `bench.new_tokens` greedy decode steps of the full model
+(embedding, every block, LM head, argmax) run as one jitted
+`lax.fori_loop` with the decode state donated. Reports tokens/s, ms/step
+(best of `bench.repeats`, after a compile + warm-up run) and the
 decode-state bytes.
 
+At each batch of `bench.split_batches` the step is also timed part by
+part, each part as its own jitted loop of `new_tokens` steps on fixed
+inputs with its states threaded through: every Mamba-2 mixer (in_proj,
+conv, SSM, gated norm, out_proj; per state), the SSM op alone of every
+Mamba layer (per state), every attention mixer, every MLP, and the
+embedding + final norm + LM head + argmax. The parts explain the
+replay/baseline ratio: only the Mamba parts differ between the states.
+
 Usage (see configs/{tiny,mamba2_130m,hybrid_1b,nemotron_h_8b}.py):
+  python -m experiments.decode_bench --config=configs/hybrid_1b.py \
+      --workdir=runs/decode_bench_hybrid_1b
   python -m experiments.decode_bench --config=configs/tiny.py:smoke \
       --workdir=runs/decode_bench_smoke
 
-Outputs in --workdir: config.json, metrics.jsonl (environment + one line per
-mode), summary.md.
+Outputs in --workdir: config.json, metrics.jsonl (environment + one line
+per timed run), summary.md, decode_speedup.png.
 """
 
 from __future__ import annotations
@@ -59,49 +70,213 @@ def _state_bytes(state) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
 
 
-def bench_mode(model, config, mode: str) -> dict:
-  b = config.bench
-  cfg = model.config
-  kw = {k: getattr(b, k) for k in ("buffer_dtype", "kv_dtype") if getattr(
-      b, k)}
-  prompts = jax.random.randint(jax.random.PRNGKey(config.seed + 1),
-                               (b.batch, b.prompt_len), 0, cfg.vocab_size,
-                               jnp.int32)
-  lengths = jnp.full((b.batch,), b.prompt_len, jnp.int32)
-  graphdef, params = nnx.split(model)
-  impl = b.implementation or None
-
-  def fresh_state():
-    st = model.init_state(b.batch, b.prompt_len + b.new_tokens,
-                          ssm_mode=mode, buffer_len=b.buffer_len,
-                          checkpoint_dtype=b.checkpoint_dtype, **kw)
-    logits, st = prefill(model, prompts, lengths, st)
-    return jnp.argmax(logits, -1).astype(jnp.int32), st
-
+def _best_of(fn, repeats: int):
+  """fn() -> (output, best seconds of `repeats` timed calls), after one
+  compile + warm-up call; fn builds its own (donated) inputs untimed and
+  returns (inputs, thunk)."""
   times = []
-  for i in range(b.repeats + 1):  # run 0: compile + warm-up
-    tok, st = fresh_state()
-    state_bytes = _state_bytes(st)
-    jax.block_until_ready((tok, st))
+  for i in range(repeats + 1):
+    thunk = fn()
     t0 = time.perf_counter()
-    tok, st = decode_loop(graphdef, params, tok, st, b.new_tokens, impl)
-    jax.block_until_ready((tok, st))
+    out = jax.block_until_ready(thunk())
     if i:
       times.append(time.perf_counter() - t0)
-  best = min(times)
-  rec = dict(kind="decode", ssm_mode=mode, batch=b.batch,
+  return out, min(times), times
+
+
+class _Setup:
+  """Model, prompts and state factory of one batch."""
+
+  def __init__(self, model, config, batch: int):
+    b = self.b = config.bench
+    self.model, self.batch = model, batch
+    cfg = model.config
+    self.prompts = jax.random.randint(
+        jax.random.PRNGKey(config.seed + 1), (batch, b.prompt_len), 0,
+        cfg.vocab_size, jnp.int32)
+    self.lengths = jnp.full((batch,), b.prompt_len, jnp.int32)
+    self.kw = {k: getattr(b, k) for k in ("buffer_dtype", "kv_dtype")
+               if getattr(b, k)}
+    self.impl = b.implementation or None
+
+  def state(self, mode: str, buffer_len):
+    """(first token, decode state after the prompts)."""
+    b = self.b
+    st = self.model.init_state(self.batch, b.prompt_len + b.new_tokens,
+                               ssm_mode=mode, buffer_len=buffer_len or 16,
+                               checkpoint_dtype=b.checkpoint_dtype,
+                               **self.kw)
+    logits, st = prefill(self.model, self.prompts, self.lengths, st)
+    return jnp.argmax(logits, -1).astype(jnp.int32), st
+
+
+def bench_mode(setup: _Setup, mode: str, buffer_len) -> dict:
+  b = setup.b
+  graphdef, params = nnx.split(setup.model)
+
+  def make():
+    tok, st = setup.state(mode, buffer_len)
+    jax.block_until_ready((tok, st))
+    make.state_bytes = _state_bytes(st)
+    return lambda: decode_loop(graphdef, params, tok, st, b.new_tokens,
+                               setup.impl)
+
+  _, best, times = _best_of(make, b.repeats)
+  rec = dict(kind="decode", ssm_mode=mode, batch=setup.batch,
              prompt_len=b.prompt_len, new_tokens=b.new_tokens,
-             buffer_len=b.buffer_len if mode == "replay" else None,
-             tokens_per_s=b.batch * b.new_tokens / best,
+             buffer_len=buffer_len,
+             tokens_per_s=setup.batch * b.new_tokens / best,
              ms_per_step=1e3 * best / b.new_tokens, times_s=times,
-             state_bytes=state_bytes)
-  logging.info("%s: %.1f tokens/s, %.3f ms/step, state %.1f MB", mode,
-               rec["tokens_per_s"], rec["ms_per_step"], state_bytes / 2**20)
+             state_bytes=make.state_bytes)
+  logging.info("batch %d %s L=%s: %.1f tokens/s, %.3f ms/step, state %.1f "
+               "MB", setup.batch, mode, buffer_len, rec["tokens_per_s"],
+               rec["ms_per_step"], rec["state_bytes"] / 2**20)
   return rec
 
 
+# ------------------------------------------------------------ time split
+PARTS = ("mamba", "ssm", "attention", "mlp", "embed_head")
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6), donate_argnums=(3,))
+def part_loop(graphdef, params, inputs, layers, steps, implementation,
+              part):
+  """`steps` decode steps of one part of the model on fixed inputs.
+
+  layers: the per-layer states of the part's layers (donated); inputs: the
+  fixed activations (see `_part_inputs`). Returns (layers, sink): the sink
+  sums a slice of every output so that no step is dead code.
+  """
+  model = nnx.merge(graphdef, params)
+  idx = _part_layers(model, part)
+
+  def body(_, carry):
+    layers, sink = carry
+    layers = list(layers)
+    if part == "embed_head":
+      x = model.embeddings(inputs["token"])
+      tok = jnp.argmax(model.logits(x), -1)
+      return tuple(layers), sink + tok[:1].astype(jnp.float32)
+    for n, i in enumerate(idx):
+      blk = model.blocks[i]
+      if part == "ssm":
+        y, layers[n] = _ssm_op(blk.mixer, inputs, layers[n], implementation)
+      else:
+        y, layers[n] = blk(inputs["h"], layers[n],
+                           implementation=implementation)
+      sink = sink + y.reshape(y.shape[0], -1)[:1, 0].astype(jnp.float32)
+    return tuple(layers), sink
+
+  return jax.lax.fori_loop(0, steps, body,
+                           (tuple(layers), jnp.zeros((1,), jnp.float32)))
+
+
+def _part_layers(model, part: str) -> list[int]:
+  kind = {"mamba": "mamba", "ssm": "mamba", "attention": "attention",
+          "mlp": "mlp"}.get(part)
+  return [i for i, blk in enumerate(model.blocks) if blk.kind == kind]
+
+
+def _ssm_op(mixer, inputs, ssm_state, implementation):
+  from replayssm_jax import ops  # pylint: disable=g-import-not-at-top
+  A, D, dt_bias = mixer._ssm_params()  # pylint: disable=protected-access
+  args = (inputs["x"], inputs["dt"], A, inputs["B"], inputs["C"])
+  kw = dict(D=D, dt_bias=dt_bias, dt_softplus=True,
+            implementation=implementation)
+  if isinstance(ssm_state, jax.Array):
+    return ops.selective_state_update(ssm_state, *args, **kw)
+  return ops.replay_state_update(ssm_state, *args, **kw)
+
+
+def _part_inputs(cfg, batch: int, seed: int) -> dict:
+  keys = jax.random.split(jax.random.PRNGKey(seed), 6)
+  dt = jnp.dtype(cfg.dtype)
+  normal = lambda k, shape: jax.random.normal(k, shape, dt)  # noqa: E731
+  return dict(
+      h=normal(keys[0], (batch, cfg.d_model)),
+      token=jax.random.randint(keys[1], (batch,), 0, cfg.vocab_size),
+      x=normal(keys[2], (batch, cfg.ssm_heads, cfg.head_dim)),
+      dt=jax.random.uniform(keys[3], (batch, cfg.ssm_heads), dt, -3.0, 0.0),
+      B=normal(keys[4], (batch, cfg.n_groups, cfg.d_state)),
+      C=normal(keys[5], (batch, cfg.n_groups, cfg.d_state)))
+
+
+def bench_parts(setup: _Setup, config, modes) -> list[dict]:
+  """Times every part at one batch; modes: [(ssm_mode, buffer_len)]."""
+  b, model = setup.b, setup.model
+  graphdef, params = nnx.split(model)
+  inputs = _part_inputs(model.config, setup.batch, config.seed + 7)
+  records = []
+  for part in PARTS:
+    idx = _part_layers(model, part)
+    if part != "embed_head" and not idx:
+      continue
+    # Only the Mamba parts depend on the SSM state.
+    for mode, L in (modes if part in ("mamba", "ssm") else [modes[0]]):
+      def make(mode=mode, L=L):
+        _, st = setup.state(mode, L)
+        layers = tuple(st.layers[i] for i in idx)
+        if part == "ssm":
+          layers = tuple(s.ssm for s in layers)
+        jax.block_until_ready(layers)
+        return lambda: part_loop(graphdef, params, inputs, layers,
+                                 b.new_tokens, setup.impl, part)
+
+      _, best, times = _best_of(make, b.repeats)
+      rec = dict(kind="part", part=part, layers=len(idx),
+                 ssm_mode=mode if part in ("mamba", "ssm") else None,
+                 buffer_len=L if part in ("mamba", "ssm") else None,
+                 batch=setup.batch, ms_per_step=1e3 * best / b.new_tokens,
+                 times_s=times)
+      logging.info("batch %d part %-10s %-8s L=%-4s: %.3f ms/step",
+                   setup.batch, part, rec["ssm_mode"] or "-", L,
+                   rec["ms_per_step"])
+      records.append(rec)
+  return records
+
+
+def _split_table(decode: list[dict], parts: list[dict]) -> str:
+  """Per state: full step, the parts, their sum, and the SSM share."""
+  rows = []
+  for d in decode:
+    if d["batch"] not in {p["batch"] for p in parts}:
+      continue
+    mine = {p["part"]: p["ms_per_step"] for p in parts
+            if p["batch"] == d["batch"] and p["ssm_mode"] in (None,
+                                                              d["ssm_mode"])
+            and p["buffer_len"] in (None, d["buffer_len"])}
+    total = sum(v for k, v in mine.items() if k != "ssm")
+    rows.append(dict(batch=d["batch"], ssm_mode=d["ssm_mode"],
+                     buffer_len=d["buffer_len"], step_ms=d["ms_per_step"],
+                     **{f"{k}_ms": v for k, v in mine.items()},
+                     parts_sum_ms=total,
+                     ssm_share=mine.get("ssm", 0.0) / d["ms_per_step"]))
+  if not rows:
+    return ""
+  cols = list(dict.fromkeys(k for r in rows for k in r))
+  return "\n## Time split (ms per step)\n\n" + common.markdown_table(
+      rows, cols, formats={c: ".3f" for c in cols if c.endswith("_ms")}
+      | dict(ssm_share=".2f")) + "\n"
+
+
+def _plot(rows: list[dict], path: str):
+  fig, axes = common.new_figure()
+  ax = axes[0][0]
+  for L in sorted({r["buffer_len"] for r in rows if r["buffer_len"]}):
+    pts = sorted((r["batch"], r["speedup"]) for r in rows
+                 if r["buffer_len"] == L and r["speedup"])
+    if pts:
+      ax.plot(*zip(*pts), "o-", label=f"replay L={L}")
+  ax.axhline(1.0, color="k", lw=0.8)
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel("batch")
+  ax.set_ylabel("decode tokens/s vs baseline")
+  ax.legend()
+  common.save_plot(fig, path)
+
+
 def run(config, workdir: str) -> dict:
-  """Runs the benchmark into `workdir`; returns the per-mode records."""
+  """Runs the benchmark into `workdir`; returns the records."""
   workdir = common.prepare_workdir(workdir, config)
   env = common.log_environment()
   writer = common.MetricsWriter(workdir)
@@ -109,30 +284,40 @@ def run(config, workdir: str) -> dict:
   cfg = ModelConfig(**config.model.to_dict())
   model = build_model(cfg, config.seed)
   n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
-  records = []
-  for mode in config.bench.ssm_modes:
-    records.append(writer.write(bench_mode(model, config, mode),
-                                n_params=n_params))
+  b = config.bench
+  modes = [(m, L) for m in b.ssm_modes
+           for L in (b.buffer_lens if m == "replay" else (None,))]
+  records, parts = [], []
+  for i, batch in enumerate(b.batches):
+    logging.info("[%d/%d] batch %d", i + 1, len(b.batches), batch)
+    setup = _Setup(model, config, batch)
+    for mode, L in modes:
+      records.append(writer.write(bench_mode(setup, mode, L),
+                                  n_params=n_params))
+    if batch in b.split_batches:
+      parts += [writer.write(p) for p in bench_parts(setup, config, modes)]
   rows = [dict(r) for r in records]
-  base = {r["ssm_mode"]: r["tokens_per_s"] for r in rows}
   for r in rows:
-    r["speedup"] = (r["tokens_per_s"] / base["baseline"]
-                    if "baseline" in base else None)
+    base = next((q for q in rows if q["batch"] == r["batch"]
+                 and q["ssm_mode"] == "baseline"), None)
+    r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if base else None
     r["state_MB"] = r["state_bytes"] / 2**20
   text = (f"# decode_bench\n\nmodel: {cfg.pattern} d_model {cfg.d_model}, "
           f"{n_params / 1e6:.1f}M params, {cfg.dtype}; backend "
           f"{env['backend']} ({env['device_kind']})\n\n" +
-          common.markdown_table(rows, ["ssm_mode", "buffer_len", "batch",
+          common.markdown_table(rows, ["batch", "ssm_mode", "buffer_len",
                                        "tokens_per_s", "ms_per_step",
                                        "speedup", "state_MB"],
                                  formats=dict(tokens_per_s=".1f",
                                               ms_per_step=".3f",
                                               speedup=".2f",
-                                              state_MB=".2f")) + "\n")
+                                              state_MB=".2f")) + "\n" +
+          _split_table(records, parts))
   with open(os.path.join(workdir, "summary.md"), "w") as f:
     f.write(text)
   common.log_block(text)
-  return dict(workdir=workdir, records=records)
+  _plot(rows, os.path.join(workdir, "decode_speedup.png"))
+  return dict(workdir=workdir, records=records, parts=parts)
 
 
 if __name__ == "__main__":

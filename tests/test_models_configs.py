@@ -50,7 +50,18 @@ def test_decode_bench_smoke(tmp_path):
                                              "metrics.jsonl"))
   assert records[0]["kind"] == "environment"
   decode = [r for r in records if r["kind"] == "decode"]
-  assert [r["ssm_mode"] for r in decode] == ["baseline", "replay"]
+  assert [(r["ssm_mode"], r["buffer_len"]) for r in decode] == [
+      ("baseline", None), ("replay", 4)]
   for r in decode:
     assert r["tokens_per_s"] > 0 and r["state_bytes"] > 0
-  assert os.path.exists(os.path.join(out["workdir"], "summary.md"))
+  # The time split: every part once, the Mamba parts once per state.
+  parts = [(r["part"], r["ssm_mode"]) for r in records if r["kind"] == "part"]
+  assert sorted(parts, key=str) == sorted(
+      [("mamba", "baseline"), ("mamba", "replay"), ("ssm", "baseline"),
+       ("ssm", "replay"), ("attention", None), ("mlp", None),
+       ("embed_head", None)], key=str)
+  assert all(r["ms_per_step"] > 0 for r in records if r["kind"] == "part")
+  with open(os.path.join(out["workdir"], "summary.md")) as f:
+    assert "Time split" in f.read()
+  assert os.path.getsize(os.path.join(out["workdir"],
+                                      "decode_speedup.png")) > 5000
