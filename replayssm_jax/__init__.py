@@ -5,6 +5,11 @@ Public API:
   selective_state_update      baseline decode step (state read+written).
   replay_state_update         ReplaySSM decode step (checkpoint written 1/L).
   materialize                 the full current state of a ReplayState.
+  PrecisionPolicy / precision storage policies: dual precision (master +
+                              low-precision read copy), fp8/int8
+                              quantization, stochastic rounding.
+  selective_state_update_stored  baseline step storing its state in a low
+                              precision every step (RN or SR), for contrast.
   replay_verify/replay_commit speculative window: parallel verify, rollback
                               by counter (baseline_verify/_commit: one
                               snapshot per draft, for comparison).
@@ -13,11 +18,14 @@ Public API:
   traffic                     bytes-per-step model (baseline vs replay).
 """
 
+from replayssm_jax import precision
 from replayssm_jax import traffic
 from replayssm_jax.conv import causal_conv1d, causal_conv1d_update
 from replayssm_jax.ops import (Implementation, implementations, materialize,
                                register_implementation, replay_state_update,
-                               selective_state_update)
+                               selective_state_update,
+                               selective_state_update_stored)
+from replayssm_jax.precision import PrecisionPolicy
 from replayssm_jax.speculative import (baseline_commit, baseline_verify,
                                       replay_commit, replay_verify)
 from replayssm_jax.ssd import ssd_chunked_scan
@@ -26,6 +34,7 @@ from replayssm_jax.state import ReplayState
 __version__ = "0.1.0"
 
 __all__ = [
+    "PrecisionPolicy",
     "ReplayState",
     "Implementation",
     "baseline_commit",
@@ -34,11 +43,13 @@ __all__ = [
     "causal_conv1d_update",
     "implementations",
     "materialize",
+    "precision",
     "register_implementation",
     "replay_commit",
     "replay_verify",
     "replay_state_update",
     "selective_state_update",
+    "selective_state_update_stored",
     "ssd_chunked_scan",
     "traffic",
 ]

@@ -23,8 +23,11 @@ import inspect
 from typing import Callable
 
 from absl import logging
+import jax.numpy as jnp
+import numpy as np
 
 from replayssm_jax import _validation as V
+from replayssm_jax import precision as P
 from replayssm_jax import reference
 from replayssm_jax import speculative
 from replayssm_jax.state import ReplayState
@@ -162,7 +165,9 @@ def selective_state_update(ssm_state, x, dt, A, B, C, D=None, z=None,
 
 def replay_state_update(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
                         dt_bias=None, dt_softplus=False, *,
-                        implementation: str | None = None, config=None):
+                        policy: P.PrecisionPolicy | None = None,
+                        layer=0, implementation: str | None = None,
+                        config=None):
   """ReplaySSM decode step: same arguments as `selective_state_update` with a
   `ReplayState` instead of the full state.
 
@@ -170,6 +175,20 @@ def replay_state_update(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
   token (checkpoint untouched); rows with count == L-1 fold the L tokens into
   a new checkpoint (flush) and reset their count. Each row therefore writes
   its checkpoint exactly once every L steps; L = 1 is the baseline step.
+
+  Args:
+    policy: optional `precision.PrecisionPolicy` the state was built with
+      (`ReplayState.create/from_ssm_state(policy=...)`); it must match the
+      state's dtypes and fields. None: the policy implied by the state with
+      round-to-nearest stores. With a read copy, non-flush rows read only the
+      (dequantized) copy and flush rows write master + copy; with
+      stochastic_rounding, flush stores round stochastically keyed by
+      (policy.seed, layer, row_id, step, element index).
+    layer: layer index (int >= 0, or an int32 scalar, e.g. under a scan over
+      layers) keying stochastic rounding; ignored otherwise.
+    Others: see `selective_state_update`. A state with a read copy or
+      stochastic rounding runs on implementations that support it (the
+      reference; the Pallas kernels refuse it with NotImplementedError).
 
   Returns:
     (y [batch, nheads, headdim] in x.dtype, new ReplayState).
@@ -181,9 +200,115 @@ def replay_state_update(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
   V.check_step_inputs(rstate.batch, rstate.nheads, rstate.headdim,
                       rstate.dstate, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z,
                       dt_bias=dt_bias, ngroups=rstate.ngroups)
+  policy = resolve_policy(rstate, policy)
+  _check_layer(layer)
   args = dict(rstate=rstate, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z,
               dt_bias=dt_bias, dt_softplus=bool(dt_softplus))
+  if not policy.plain or rstate.step is not None:
+    args.update(policy=policy, layer=layer)
   return dispatch("replay_state_update", implementation, config, args)
+
+
+def resolve_policy(rstate: ReplayState,
+                   policy: P.PrecisionPolicy | None) -> P.PrecisionPolicy:
+  """The policy of a step: `policy` checked against the state, or (None)
+  the round-to-nearest policy implied by the state's dtypes."""
+  ck = jnp.dtype(rstate.checkpoint.dtype).name
+  bf = jnp.dtype(rstate.x_buf.dtype).name
+  rd = None if rstate.read_copy is None else jnp.dtype(
+      rstate.read_copy.dtype).name
+  if policy is None:
+    return P.PrecisionPolicy(checkpoint_dtype=ck, read_dtype=rd,
+                             buffer_dtype=bf)
+  if not isinstance(policy, P.PrecisionPolicy):
+    raise TypeError(f"policy must be a PrecisionPolicy or None, got "
+                    f"{type(policy).__name__}.")
+  for what, mine, theirs in (("checkpoint dtype", ck, policy.checkpoint_dtype),
+                             ("buffer dtype", bf, policy.buffer_dtype),
+                             ("read copy dtype", rd, policy.read_dtype)):
+    if mine != theirs:
+      raise ValueError(
+          f"rstate does not match policy {policy.name!r}: its {what} is "
+          f"{mine} but the policy's is {theirs}; build the state with "
+          f"ReplayState.create/from_ssm_state(..., policy=policy).")
+  if policy.stochastic_rounding and rstate.step is None:
+    raise ValueError(
+        f"policy {policy.name!r} rounds stochastically, which needs "
+        f"rstate.row_id and rstate.step ([batch] int32); build the state "
+        f"with ReplayState.create/from_ssm_state(..., policy=policy).")
+  return policy
+
+
+def _check_layer(layer):
+  if isinstance(layer, (bool, np.bool_)):
+    raise TypeError(f"layer must be an int >= 0, got {layer!r}.")
+  if isinstance(layer, (int, np.integer)):
+    if layer < 0:
+      raise ValueError(f"layer must be an int >= 0, got {layer}.")
+    return
+  if (not hasattr(layer, "dtype") or jnp.ndim(layer) != 0
+      or not jnp.issubdtype(layer.dtype, jnp.integer)):
+    raise TypeError(f"layer must be an int >= 0 or an integer scalar "
+                    f"array, got {layer!r}.")
+
+
+def selective_state_update_stored(ssm_state, x, dt, A, B, C, D=None, z=None,
+                                  dt_bias=None, dt_softplus=False, *,
+                                  state_scale=None,
+                                  stochastic_rounding: bool = False,
+                                  seed: int = 0, layer=0, row_id=None,
+                                  step=None):
+  """Baseline decode step with the state stored (rounded) every step.
+
+  The contrast of the precision study (reference implementation only).
+
+  Args:
+    ssm_state: [batch, nheads, headdim, dstate] stored state: float32,
+      bfloat16, float16, float8_e4m3fn or int8.
+    state_scale: [batch, nheads, headdim] float32 scales, required for (and
+      only for) float8_e4m3fn / int8 states (see `precision.quantize`).
+    stochastic_rounding: round the store stochastically (needs row_id and
+      step, [batch] int32; the caller advances step).
+    seed, layer: key the stochastic rounding.
+    Others: as in `selective_state_update`.
+
+  Returns:
+    (y [batch, nheads, headdim] in x.dtype, new state in ssm_state.dtype,
+    new scale [batch, nheads, headdim] float32 or None).
+  """
+  V.check_array("ssm_state", ssm_state)
+  sdt = jnp.dtype(ssm_state.dtype).name
+  allowed = P.CHECKPOINT_DTYPES + P.QUANTIZED_DTYPES
+  if sdt not in allowed:
+    raise TypeError(f"ssm_state must have a dtype in ({', '.join(allowed)}),"
+                    f" got {sdt}.")
+  V.check_ndim("ssm_state", ssm_state, 4, "[batch, nheads, headdim, dstate]")
+  b, h, p, n = ssm_state.shape
+  V.check_step_inputs(b, h, p, n, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z,
+                      dt_bias=dt_bias)
+  if sdt in P.QUANTIZED_DTYPES:
+    if state_scale is None:
+      raise ValueError(f"state_scale ([batch, nheads, headdim] float32) is "
+                       f"required with a {sdt} ssm_state.")
+    V.check_floating("state_scale", state_scale, (jnp.float32,))
+    V.check_shape("state_scale", state_scale, (b, h, p),
+                  "[batch, nheads, headdim]")
+  elif state_scale is not None:
+    raise ValueError(f"state_scale must be None with a {sdt} ssm_state "
+                     f"(only float8_e4m3fn/int8 states are scaled).")
+  if stochastic_rounding:
+    for name, v in (("row_id", row_id), ("step", step)):
+      if v is None:
+        raise ValueError(f"{name} ([batch] int32) is required with "
+                         f"stochastic_rounding=True.")
+      V.check_integer(name, v)
+      V.check_shape(name, v, (b,), "[batch]")
+    P.PrecisionPolicy(seed=seed)  # validates the seed
+  _check_layer(layer)
+  return reference.selective_state_update_stored(
+      ssm_state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus),
+      state_scale=state_scale, stochastic_rounding=bool(stochastic_rounding),
+      seed=seed, layer=layer, row_id=row_id, step=step)
 
 
 def materialize(rstate: ReplayState, A, dtype=None):

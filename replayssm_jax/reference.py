@@ -17,6 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from replayssm_jax import precision as P
 from replayssm_jax.state import ReplayState
 
 F32 = jnp.float32
@@ -121,7 +122,8 @@ def _write_slot(buf, value, idx):
 
 
 def replay_state_update(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
-                        dt_bias=None, dt_softplus=False):
+                        dt_bias=None, dt_softplus=False, policy=None,
+                        layer=0):
   """ReplaySSM decode step (reference).
 
   Row r with count c = rstate.count[r]:
@@ -134,6 +136,16 @@ def replay_state_update(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
   cannot be checked) get NaN outputs rather than a silently wrong answer, and
   keep their count (and checkpoint), so every later output of the row is NaN
   too instead of silently resuming from a state that lost tokens.
+
+  Precision (`policy`, a validated `precision.PrecisionPolicy` matching the
+  state, or None = round to nearest):
+    * with a read copy, output-only rows read the dequantized read copy in
+      place of the checkpoint (never the master); flush rows fold from the
+      master + buffer, store the master in its dtype and the read copy
+      re-quantized from the stored master;
+    * with stochastic rounding, both flush stores round stochastically with
+      bits keyed by (policy.seed, layer, row_id, step, element) (see
+      `precision.random_bits`); `step` advances by one per in-range row.
   """
   L = rstate.buffer_len
   h = x.shape[1]
@@ -156,9 +168,12 @@ def replay_state_update(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
   new_state, decay, s = fold_window(rstate.checkpoint, xw, bw, dw, A)
   ch = heads_from_groups(C.astype(F32), h, axis=1)  # [b, h, n]
 
-  # Output-only route: never forms the state.
-  readout = jnp.einsum("bhpn,bhn->bhp", rstate.checkpoint.astype(F32), ch,
-                       precision=HIGHEST)
+  # Output-only route: never forms the state, reads the read copy if any.
+  if rstate.read_copy is None:
+    read = rstate.checkpoint.astype(F32)
+  else:
+    read = P.load(rstate.read_copy, rstate.read_scale)
+  readout = jnp.einsum("bhpn,bhn->bhp", read, ch, precision=HIGHEST)
   bc = jnp.einsum("bwgn,bgn->bwg", bw, C.astype(F32), precision=HIGHEST)
   bc = heads_from_groups(bc, h, axis=2)  # [b, w, h]
   y_out = decay[..., None] * readout + jnp.einsum(
@@ -172,9 +187,31 @@ def replay_state_update(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
   in_range = (c >= 0) & (c < L)
   y = jnp.where(in_range[:, None, None], y, jnp.nan)
 
-  checkpoint = jnp.where(flush[:, None, None, None],
-                         new_state.astype(rstate.checkpoint.dtype),
-                         rstate.checkpoint)
+  sr = policy is not None and policy.stochastic_rounding
+  shape = rstate.checkpoint.shape[1:]
+
+  def sr_bits(site):
+    return P.random_bits(policy.seed, layer, rstate.row_id, rstate.step,
+                         shape, site)
+
+  ck_dtype = rstate.checkpoint.dtype
+  master = P.round_to(new_state, ck_dtype,
+                      sr_bits(P.SITE_MASTER)
+                      if sr and ck_dtype != jnp.dtype(F32) else None)
+  flush4 = flush[:, None, None, None]
+  checkpoint = jnp.where(flush4, master, rstate.checkpoint)
+  extra = {}
+  if rstate.read_copy is not None:
+    copy, scale = P.store(master.astype(F32), rstate.read_copy.dtype,
+                          sr_bits(P.SITE_READ_COPY) if sr else None)
+    extra["read_copy"] = jnp.where(flush4, copy, rstate.read_copy)
+    if scale is not None:
+      extra["read_scale"] = jnp.where(flush[:, None, None], scale,
+                                      rstate.read_scale)
+  if rstate.step is not None:
+    extra["row_id"] = rstate.row_id
+    extra["step"] = jnp.where(in_range, rstate.step + 1,
+                              rstate.step).astype(jnp.int32)
   slot_idx = jnp.clip(c, 0, L - 1)
   new_rstate = ReplayState(
       checkpoint=checkpoint,
@@ -183,5 +220,36 @@ def replay_state_update(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
       dt_buf=_write_slot(rstate.dt_buf, d_cur, slot_idx),
       count=jnp.where(in_range, jnp.where(flush, 0, c + 1),
                       c).astype(jnp.int32),
+      **extra,
   )
   return y.astype(x.dtype), new_rstate
+
+
+def selective_state_update_stored(ssm_state, x, dt, A, B, C, D=None, z=None,
+                                  dt_bias=None, dt_softplus=False, *,
+                                  state_scale=None,
+                                  stochastic_rounding=False, seed=0,
+                                  layer=0, row_id=None, step=None):
+  """Baseline decode step whose state is *stored* in a low precision.
+
+  The stored state (ssm_state in its dtype: f32/bf16/f16, or fp8 e4m3 /
+  int8 with `state_scale` [b, h, p]) is loaded to f32, advanced one token
+  in f32 and stored back in its dtype every step: round to nearest, or
+  stochastic rounding keyed by (seed, layer, row_id, step, element) like a
+  ReplayState flush (store site `precision.SITE_BASELINE`). This is the
+  contrast of the precision study: the baseline rounds the state every
+  step, replay once per L steps.
+
+  Returns:
+    (y [b, h, p] in x.dtype, new state in ssm_state.dtype, new scale
+    [b, h, p] float32 or None).
+  """
+  state = P.load(ssm_state, state_scale)
+  y, new = selective_state_update(state, x, dt, A, B, C, D, z, dt_bias,
+                                  dt_softplus)
+  bits = None
+  if stochastic_rounding and jnp.dtype(ssm_state.dtype) != jnp.dtype(F32):
+    bits = P.random_bits(seed, layer, row_id, step, ssm_state.shape[1:],
+                         P.SITE_BASELINE)
+  stored, scale = P.store(new, ssm_state.dtype, bits)
+  return y, stored, scale

@@ -82,6 +82,11 @@ def replay_verify(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
     raise TypeError(f"rstate must be a ReplayState, got "
                     f"{type(rstate).__name__}.")
   rstate.validate("rstate")
+  if rstate.read_copy is not None or rstate.step is not None:
+    raise NotImplementedError(
+        "replay_verify does not support a state with a read copy or "
+        "stochastic-rounding counters (a PrecisionPolicy with read_dtype or "
+        "stochastic_rounding) yet; decode it with replay_state_update.")
   _check_window(rstate, x, dt, A, B, C, D, z, dt_bias)
   from replayssm_jax import ops  # pylint: disable=g-import-not-at-top
   args = dict(rstate=rstate, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z,
