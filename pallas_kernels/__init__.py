@@ -46,8 +46,22 @@ def _ssu_supports(ssm_state, **_):
   return _shape_problem(ssm_state.shape[2], ssm_state.shape[3])
 
 
-def _replay_supports(rstate, **_):
-  return _shape_problem(rstate.headdim, rstate.dstate, rstate.buffer_len)
+def _precision_problem(rstate, policy=None):
+  """The kernels store neither read copies nor stochastic-rounding state."""
+  if (getattr(rstate, "read_copy", None) is not None
+      or getattr(rstate, "step", None) is not None
+      or getattr(policy, "stochastic_rounding", False)):
+    return ("the state has a read copy or stochastic-rounding counters (a "
+            "PrecisionPolicy with read_dtype or stochastic_rounding), which "
+            "the Pallas kernels do not support yet; use "
+            "implementation='reference'.")
+  return None
+
+
+def _replay_supports(rstate, policy=None, **_):
+  return (_precision_problem(rstate, policy)
+          or _shape_problem(rstate.headdim, rstate.dstate,
+                            rstate.buffer_len))
 
 
 def _verify_supports(rstate, x, **_):
