@@ -23,6 +23,7 @@ Evaluation, full sequence or decode:
   task.evaluate(model, batches)               full-forward metrics
   task.decode_evaluate(model, batches, ssm_mode="replay", buffer_len=16,
                        checkpoint_dtype=jnp.bfloat16)
+  forward_logits(model, inputs)               jitted model(inputs)
   forward_metrics(model, batch)               one batch, full forward
   decode_metrics(model, batch, ssm_mode, buffer_len, **state_kwargs)
   decode_accuracy(model, batch, ssm_mode, buffer_len, **state_kwargs)
@@ -524,6 +525,21 @@ def _check_batch(model, batch) -> tuple:
                        f"{a.max()}].")
   return (jnp.asarray(inputs, jnp.int32), jnp.asarray(targets, jnp.int32),
           jnp.asarray(mask, F32))
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _forward_logits_jit(graphdef, params, inputs):
+  return nnx.merge(graphdef, params)(inputs)
+
+
+def forward_logits(model, inputs):
+  """`model(inputs)` jit-compiled (once per model structure and shape):
+  [b, T] int -> logits [b, T, vocab] float32."""
+  inputs = np.asarray(inputs)
+  from replayssm_jax.models import model as M  # pylint: disable=g-import-not-at-top
+  M._check_tokens("inputs", inputs, 2, "[batch, seqlen]", model.config)  # pylint: disable=protected-access
+  graphdef, params = nnx.split(model)
+  return _forward_logits_jit(graphdef, params, jnp.asarray(inputs, jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
