@@ -1,0 +1,126 @@
+r"""Small hybrid Mamba-2 / attention LMs trained on MQAR or a char-level task.
+
+Run one named size (the argument after ':' is <task>_<size>, task in
+{mqar, char}, size in {tiny, small, medium, large}), e.g. on a GPU:
+
+  python -m experiments.train --config=configs/train.py:mqar_large \
+      --workdir=runs/train/mqar_large
+
+Smoke variants (CPU, well under a minute; `:smoke` is the MQAR one used by
+tests/test_train.py):
+
+  python -m experiments.train --config=configs/train.py:smoke \
+      --workdir=runs/train/smoke
+  python -m experiments.train --config=configs/train.py:char_smoke \
+      --workdir=runs/train/char_smoke
+
+Any field can be overridden, e.g. `--config.train.num_steps=500` or
+`--config.model.pattern=MMMM-`. The sizes share one task per task name (so
+accuracies compare across sizes); every pattern mixes Mamba-2 ('M'),
+attention ('*') and MLP ('-') blocks:
+
+  size    d_model  pattern        ssm heads x dim, state  params (MQAR)
+  tiny         64  M-M*-M          8 x 16, N 16           0.23 M
+  small       128  M-M*-M          8 x 32, N 32           0.77 M
+  medium      256  M-M*-M-M*-M-    8 x 64, N 64           5.6 M
+  large       512  M-M*-M-M*-M-   16 x 64, N 64           21.2 M
+"""
+
+import ml_collections
+
+from configs import _decode_bench
+
+TASKS = ("mqar", "char")
+SIZES = ("tiny", "small", "medium", "large")
+
+# One task per name for every size (the char vocab is tasks.CHARS: 77).
+_TASK = dict(
+    mqar=dict(name="mqar", vocab_size=512, num_kv_pairs=32, num_queries=32,
+              seq_len=256, seed=0),
+    char=dict(name="char", seq_len=256, corpus_chars=2_000_000,
+              val_fraction=0.05, vocab_size=80, seed=0, corpus_seed=0),
+)
+
+# (d_model, pattern, ssm_heads, head_dim, d_state, n_groups, attn heads,
+#  kv heads, attn_head_dim, mlp width)
+_SIZES = dict(
+    tiny=(64, "M-M*-M", 8, 16, 16, 1, 4, 2, 16, 256),
+    small=(128, "M-M*-M", 8, 32, 32, 1, 4, 2, 32, 512),
+    medium=(256, "M-M*-M-M*-M-", 8, 64, 64, 2, 4, 2, 64, 1024),
+    large=(512, "M-M*-M-M*-M-", 16, 64, 64, 2, 8, 4, 64, 2048),
+)
+
+# (num_steps, batch_size, peak learning rate)
+_SCHEDULE = dict(tiny=(3000, 64, 3e-3), small=(3000, 64, 2e-3),
+                 medium=(4000, 64, 1e-3), large=(4000, 64, 8e-4))
+
+
+def _model(size: str, vocab_size: int) -> dict:
+  (d, pattern, heads, hdim, dstate, groups, nh, nkv, ahd,
+   inter) = _SIZES[size]
+  return dict(vocab_size=vocab_size, d_model=d, pattern=pattern,
+              ssm_heads=heads, head_dim=hdim, d_state=dstate, n_groups=groups,
+              conv_kernel=4, chunk_size=64, num_heads=nh, num_kv_heads=nkv,
+              attn_head_dim=ahd, rope_theta=10000.0, intermediate_size=inter,
+              mlp_activation="relu2", norm_eps=1e-5, tie_embeddings=False,
+              dtype="float32", param_dtype="float32")
+
+
+def _train(num_steps: int, batch_size: int, lr: float) -> dict:
+  return dict(
+      batch_size=batch_size,
+      num_steps=num_steps,
+      learning_rate=lr,  # peak of warmup + cosine decay
+      warmup_steps=min(200, num_steps // 10),
+      end_lr_fraction=0.1,  # final lr = fraction * peak
+      weight_decay=0.1,  # AdamW, matrices (ndim >= 2) only
+      b1=0.9,
+      b2=0.98,
+      grad_clip=1.0,  # global-norm clipping
+      log_every=50,
+      eval_every=500,
+      eval_batches=4,
+      eval_batch_size=64,
+      checkpoint_every=0,  # 0: only the final checkpoint
+      # After training: decode-mode evaluation (prefill 1 token + teacher-
+      # forced decode_step) of this many eval batches, baseline and replay
+      # (buffer_len) f32 states, as a cross-check of the forward metrics.
+      decode_eval_batches=1,
+      decode_buffer_len=16,
+  )
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  """`arg`: "<task>_<size>" (default "mqar_tiny"), "smoke" (= MQAR smoke)
+  or "char_smoke"."""
+  arg = arg or "mqar_tiny"
+  config = ml_collections.ConfigDict()
+  config.name = arg
+  config.seed = 0
+  if arg in ("smoke", "mqar_smoke", "char_smoke"):
+    task = "char" if arg == "char_smoke" else "mqar"
+    model = dict(_decode_bench.TINY_MODEL)  # d_model 32, "M-M*-M"
+    if task == "mqar":
+      config.task = dict(name="mqar", vocab_size=64, num_kv_pairs=4,
+                         num_queries=4, seq_len=24, seed=0)
+    else:
+      model["vocab_size"] = 80
+      config.task = dict(name="char", seq_len=32, corpus_chars=60_000,
+                         val_fraction=0.1, vocab_size=80, seed=0,
+                         corpus_seed=0)
+    config.model = model
+    train = _train(num_steps=300, batch_size=32, lr=1e-2)
+    train.update(warmup_steps=10, log_every=25, eval_every=100,
+                 eval_batches=2, eval_batch_size=32, decode_buffer_len=4,
+                 checkpoint_every=150)
+    config.train = train
+    return config
+  task, _, size = arg.partition("_")
+  if task not in TASKS or size not in SIZES:
+    raise ValueError(f"config arg must be 'smoke', 'char_smoke' or "
+                     f"'<task>_<size>' with task in {TASKS} and size in "
+                     f"{SIZES}, got {arg!r}.")
+  config.task = dict(_TASK[task])
+  config.model = _model(size, config.task.vocab_size)
+  config.train = _train(*_SCHEDULE[size])
+  return config
