@@ -76,6 +76,16 @@ def prepare_workdir(workdir: str, config: Any) -> str:
   return workdir
 
 
+def start_run(workdir: str, config: Any) -> tuple[str, dict, "MetricsWriter"]:
+  """`prepare_workdir`, then the environment logged and written as the
+  first line of metrics.jsonl -> (absolute workdir, environment, writer)."""
+  workdir = prepare_workdir(workdir, config)
+  env = log_environment()
+  writer = MetricsWriter(workdir)
+  writer.write(kind="environment", **env)
+  return workdir, env, writer
+
+
 class MetricsWriter:
   """Appends one JSON object per line to `<workdir>/<filename>`.
 

@@ -371,10 +371,7 @@ def _plots(config, workdir, decode, optima):
 def run(config, workdir: str) -> dict:
   """Runs the demo into `workdir`; returns the decode and traffic records."""
   t0 = time.perf_counter()
-  workdir = common.prepare_workdir(workdir, config)
-  env = common.log_environment()
-  writer = common.MetricsWriter(workdir)
-  writer.write(kind="environment", **env)
+  workdir, env, writer = common.start_run(workdir, config)
   decode = run_decode(config, writer)
   dims, rows, optima = run_traffic(config, writer)
   text = _report(config, workdir, decode, dims, rows, optima)

@@ -214,10 +214,7 @@ def _plot(rows: list[dict], path: str):
 
 def run(config, workdir: str) -> dict:
   """Runs the benchmark into `workdir`; returns the records."""
-  workdir = common.prepare_workdir(workdir, config)
-  env = common.log_environment()
-  writer = common.MetricsWriter(workdir)
-  writer.write(kind="environment", **env)
+  workdir, env, writer = common.start_run(workdir, config)
   cfg = ModelConfig(**config.model.to_dict())
   model = build_model(cfg, config.seed)
   records = []

@@ -18,6 +18,18 @@ def _check_pow2(name, v):
     raise ValueError(f"{name} must be a power of two >= 1, got {v!r}.")
 
 
+def _check_choice(name, v, choices, optional=False):
+  if not (optional and v is None) and v not in choices:
+    raise ValueError(f"{name} must be one of {choices}"
+                     f"{' or None' if optional else ''}, got {v!r}.")
+
+
+def _check_count(name, v):
+  """None or a positive int."""
+  if v is not None and (not isinstance(v, int) or v < 1):
+    raise ValueError(f"{name} must be None or an int >= 1, got {v!r}.")
+
+
 @dataclasses.dataclass(frozen=True)
 class _LaunchConfig:
   """Fields and checks shared by the kernel configs."""
@@ -96,24 +108,13 @@ class ReplayConfig(_LaunchConfig):
 
   def __post_init__(self):
     super().__post_init__()
-    grids = ("rows", "persistent")
-    if self.flush_grid not in grids:
-      raise ValueError(f"flush_grid must be one of {grids}, got "
-                       f"{self.flush_grid!r}.")
-    fp = self.flush_programs
-    if fp is not None and (not isinstance(fp, int) or fp < 1):
-      raise ValueError(f"flush_programs must be None or an int >= 1, got "
-                       f"{fp!r}.")
+    _check_choice("flush_grid", self.flush_grid, ("rows", "persistent"))
+    _check_count("flush_programs", self.flush_programs)
     if self.flush_block_p is not None:
       _check_pow2("flush_block_p", self.flush_block_p)
-    folds = ("rank1", "dot_tf32x3", "dot_f32")
-    if self.flush_fold is not None and self.flush_fold not in folds:
-      raise ValueError(f"flush_fold must be one of {folds}, got "
-                       f"{self.flush_fold!r}.")
-    hb = self.heads_per_program
-    if hb is not None and (not isinstance(hb, int) or hb < 1):
-      raise ValueError(f"heads_per_program must be None or an int >= 1, got "
-                       f"{hb!r}.")
+    _check_choice("flush_fold", self.flush_fold,
+                  ("rank1", "dot_tf32x3", "dot_f32"), optional=True)
+    _check_count("heads_per_program", self.heads_per_program)
 
 
 @dataclasses.dataclass(frozen=True)
