@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One device call's worth of H200 benchmarks (each part should fit the 10-minute
+# command limit; run from the repository root on the GPU machine with the
+# `wheels/` folder carried: it holds the ml_collections wheel).
+#
+#   (times are estimates from session 2 runs)
+#   bash benchmarks/scripts/run_h200.sh sweep      # flush-route designs, b 256 + 1, L 16 (~6 min)
+#   bash benchmarks/scripts/run_h200.sh grid f16   # full kernel grid, one dtype (~8 min)
+#   bash benchmarks/scripts/run_h200.sh grid f32
+#   bash benchmarks/scripts/run_h200.sh decode     # hybrid_1b decode, b {64,256,512} x L {8,16,32} + split (~8 min)
+#   bash benchmarks/scripts/run_h200.sh specdec    # hybrid_1b spec decoding, b {64,256,512}, T 4 (~8 min)
+#
+# Results land under $OUT/<part> (config.json, metrics.jsonl, tables, PNGs).
+set -euo pipefail
+pip install --no-deps --no-index -q --target /tmp/mlc wheels/*.whl 2>/dev/null
+export PYTHONPATH=.:/tmp/mlc
+OUT=${OUT:-runs}
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu_${1}.csv"
+case "$1" in
+  sweep)
+    timeout 560 python -m experiments.kernel_bench \
+      --config=configs/kernel_bench.py:sweep --workdir="$OUT/sweep" --config.iters=10 ;;
+  grid)
+    dtype=${2:?grid needs f16 or f32}
+    [ "$dtype" = f16 ] && d=float16 || d=float32
+    timeout 560 python -m experiments.kernel_bench --config=configs/kernel_bench.py \
+      --workdir="$OUT/grid_$dtype" --config.checkpoint_dtypes="('$d',)" \
+      --config.iters=10 --config.name="kernel_bench_h200_$dtype" ;;
+  decode)
+    timeout 560 python -m experiments.decode_bench --config=configs/hybrid_1b.py \
+      --workdir="$OUT/decode" --config.bench.batches='(64,256,512)' \
+      --config.bench.repeats=2 ;;
+  specdec)
+    timeout 560 python -m experiments.specdec_bench --config=configs/specdec_bench.py \
+      --workdir="$OUT/specdec" --config.bench.batches='(64,256,512)' \
+      --config.bench.windows='(4,)' ;;
+  *) echo "unknown part: $1" >&2; exit 2 ;;
+esac
