@@ -15,6 +15,7 @@ set -euo pipefail
 pip install --no-deps --no-index -q --target /tmp/mlc wheels/*.whl 2>/dev/null
 export PYTHONPATH=.:/tmp/mlc
 OUT=${OUT:-runs}
+mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu_${1}.csv"
 case "$1" in
   sweep)
