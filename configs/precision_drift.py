@@ -1,0 +1,64 @@
+r"""State-precision drift: policy x L vs a float64 reference, long decodes.
+
+Run (GPU: 100k steps, Nemotron-H-like layer dims scaled down):
+
+  python -m experiments.precision_drift --config=configs/precision_drift.py \
+      --workdir=runs/precision_drift
+
+Smoke variant (CPU, about a minute; used by tests/test_precision_drift.py):
+
+  python -m experiments.precision_drift \
+      --config=configs/precision_drift.py:smoke --workdir=runs/drift_smoke
+
+Any field can be overridden, e.g. `--config.steps=20000`.
+"""
+
+import ml_collections
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  """The drift configuration; `arg="smoke"` shrinks it for CPU tests."""
+  if arg not in (None, "", "smoke"):
+    raise ValueError(f"config arg must be '' or 'smoke', got {arg!r}.")
+  config = ml_collections.ConfigDict()
+  config.seed = 0
+  # Nemotron-H 8B Mamba layer: nheads 128, headdim 64, dstate 128, ngroups 8;
+  # heads (and groups) scaled down by `head_scale` to keep 100k steps cheap.
+  config.nheads = 128
+  config.headdim = 64
+  config.dstate = 128
+  config.ngroups = 8
+  config.head_scale = 8  # nheads / 8 = 16 heads, ngroups / 8 = 1 group
+  config.batch = 8  # rows start at staggered counts (row r at r % L)
+  config.steps = 100_000
+  config.num_points = 40  # log-spaced measurement points (plus the last step)
+  config.with_D = False  # D*x is exact in every run and would dilute errors
+  # Activations and buffers in f32 so the state storage is the only
+  # low-precision part (buffers round each token once and do not compound).
+  config.buffer_dtype = "float32"
+  # Reference: float64 state (jax.enable_x64) or float32.
+  config.reference_dtype = "float64"
+  config.policies = ("f32", "bf16", "f16", "bf16+sr", "f16+sr", "f32+bf16",
+                     "f32+f16", "f32+fp8", "f32+int8", "f32+fp8+sr",
+                     "f32+int8+sr", "f16+fp8+sr")
+  config.buffer_lens = (4, 16, 64)
+  # Baselines storing the state in these dtypes every step (rn and sr).
+  config.baseline_dtypes = ("bfloat16", "float16", "float8_e4m3fn", "int8")
+  config.baseline_roundings = ("rn", "sr")
+  config.sr_seed = 1234
+  config.layer = 0
+
+  if arg == "smoke":
+    config.nheads = 8
+    config.headdim = 8
+    config.dstate = 16
+    config.ngroups = 2
+    config.head_scale = 2
+    config.batch = 4
+    config.steps = 400
+    config.num_points = 8
+    config.policies = ("f32", "bf16", "f32+int8")
+    config.buffer_lens = (4, 16)
+    config.baseline_dtypes = ("bfloat16",)
+    config.baseline_roundings = ("rn",)
+  return config
