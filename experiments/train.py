@@ -154,8 +154,9 @@ def restore_model(cfg: ModelConfig, path: str) -> HybridLM:
   abstract = nnx.eval_shape(lambda: HybridLM(cfg, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)
   flat = list(nnx.to_flat_state(state))
-  target = {".".join(map(str, p)): jax.ShapeDtypeStruct(v.get_value().shape,
-                                                        v.get_value().dtype)
+  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = {".".join(map(str, p)): jax.ShapeDtypeStruct(
+      v.get_value().shape, v.get_value().dtype, sharding=sharding)
             for p, v in flat}
   with ocp.StandardCheckpointer() as ckptr:
     restored = ckptr.restore(os.path.abspath(path), target)
@@ -303,7 +304,10 @@ def run(config, workdir: str) -> dict:
   evals = [evaluate(0)]
   history = []
   interval_losses, t_interval, compile_s, train_s = [], None, None, 0.0
-  steps_timed = 0
+  # Step timing excludes compilation (step 1), evals and checkpoints:
+  # n_since steps ran since t_interval; int_* accumulate the log interval.
+  steps_timed = n_since = int_steps = 0
+  int_time = 0.0
   for step in range(1, tc.num_steps + 1):
     batch = task.batch(step - 1, tc.batch_size, "train")
     if step == 1:
@@ -315,15 +319,17 @@ def run(config, workdir: str) -> dict:
       t_interval = time.perf_counter()
     else:
       params, opt_state, m = train_step(params, opt_state, batch)
+      n_since += 1
     interval_losses.append(m["loss"])
     if step % tc.log_every == 0 or step == tc.num_steps:
       losses = np.asarray(jax.device_get(interval_losses), np.float64)
       now = time.perf_counter()
-      n_timed = len(losses) - (1 if step <= tc.log_every else 0)
-      dt = (now - t_interval) / max(n_timed, 1)
-      if n_timed:
-        train_s += now - t_interval
-        steps_timed += n_timed
+      int_time += now - t_interval
+      int_steps += n_since
+      t_interval, n_since = now, 0
+      dt = int_time / int_steps if int_steps else float("nan")
+      train_s += int_time
+      steps_timed += int_steps
       rec = writer.write(kind="train", step=step, loss=float(losses.mean()),
                          last_loss=float(losses[-1]),
                          lr=float(schedule(step - 1)),
@@ -336,14 +342,20 @@ def run(config, workdir: str) -> dict:
       logging.info("step %d/%d: loss %.4f, lr %.2e, grad norm %.3f, "
                    "%.1f ms/step", step, tc.num_steps, rec["loss"], rec["lr"],
                    rec["grad_norm"], dt * 1e3)
-      interval_losses, t_interval = [], time.perf_counter()
-    if step % tc.eval_every == 0 or step == tc.num_steps:
-      evals.append(evaluate(step))
-      t_interval = time.perf_counter()  # eval time is not step time
-    if tc.checkpoint_every and step % tc.checkpoint_every == 0 and (
-        step != tc.num_steps):
-      save_checkpoint(workdir, step, params)
-      t_interval = time.perf_counter()
+      interval_losses, int_time, int_steps = [], 0.0, 0
+    do_eval = step % tc.eval_every == 0 or step == tc.num_steps
+    do_ckpt = bool(tc.checkpoint_every) and step % tc.checkpoint_every == 0 \
+        and step != tc.num_steps
+    if do_eval or do_ckpt:
+      if n_since:  # close the running timing before the pause
+        jax.block_until_ready(params)
+        int_time += time.perf_counter() - t_interval
+        int_steps += n_since
+      if do_eval:
+        evals.append(evaluate(step))
+      if do_ckpt:
+        save_checkpoint(workdir, step, params)
+      t_interval, n_since = time.perf_counter(), 0
   ckpt = save_checkpoint(workdir, tc.num_steps, params)
 
   # Decode-mode cross-check of the trained model (f32 states).
