@@ -66,10 +66,14 @@ def measure_points(steps: int, num: int) -> np.ndarray:
 
 @contextlib.contextmanager
 def _precision_context(ref_dtype: str):
-  if jnp.dtype(ref_dtype) == jnp.float64:
-    with jax.enable_x64(True):
-      yield
-  else:
+  """float64 enabled for the run when the reference is float64."""
+  if jnp.dtype(ref_dtype) != jnp.float64:
+    yield
+    return
+  enable = getattr(jax, "enable_x64", None)
+  if enable is None:
+    from jax.experimental import enable_x64 as enable  # pylint: disable=g-import-not-at-top
+  with enable(True):
     yield
 
 

@@ -53,9 +53,13 @@ import dataclasses
 from typing import Any
 
 import jax
-from jax.extend import random as jex_random
 import jax.numpy as jnp
 import numpy as np
+
+try:  # public since jax 0.4.x; the private path is a guard for later moves
+  from jax.extend.random import threefry_2x32 as _threefry_2x32
+except ImportError:  # pragma: no cover
+  from jax._src.prng import threefry_2x32 as _threefry_2x32  # pylint: disable=g-import-not-at-top
 
 F32 = jnp.float32
 
@@ -226,7 +230,7 @@ def random_bits(seed: int, layer, row_id, step, shape, site: int):
 
   def row(r, s):
     k = jax.random.fold_in(jax.random.fold_in(base, r), s)
-    return jex_random.threefry_2x32(jax.random.key_data(k), counter)
+    return _threefry_2x32(jax.random.key_data(k), counter)
 
   bits = jax.vmap(row)(jnp.asarray(row_id, jnp.int32),
                        jnp.asarray(step, jnp.int32))
