@@ -267,7 +267,7 @@ def run(config, workdir: str) -> dict:
                "eval_batch_size"):
     if tc[name] < 1:
       raise ValueError(f"train.{name} must be >= 1, got {tc[name]}.")
-  workdir = common.prepare_workdir(workdir, config)
+  workdir, _, writer = common.start_run(workdir, config)
   ckpt_root = os.path.join(workdir, CHECKPOINT_DIR)
   if os.path.isdir(ckpt_root):  # a previous run's: would mix with ours
     logging.info("removing old checkpoints in %s", ckpt_root)
@@ -276,9 +276,6 @@ def run(config, workdir: str) -> dict:
                                                  task.to_dict())):
     with open(os.path.join(workdir, name), "w") as f:
       json.dump(common.to_jsonable(obj), f, indent=2, sort_keys=True)
-  env = common.log_environment()
-  writer = common.MetricsWriter(workdir)
-  writer.write(kind="environment", **env)
 
   model = HybridLM(cfg, rngs=nnx.Rngs(config.seed))
   graphdef, params = nnx.split(model)
