@@ -204,6 +204,13 @@ def markdown_table(rows: Iterable[dict], columns: Sequence[str],
   return "\n".join(lines)
 
 
+def write_summary(workdir: str, text: str) -> str:
+  """Writes `text` to workdir/summary.md and returns it."""
+  with open(os.path.join(workdir, "summary.md"), "w") as f:
+    f.write(text)
+  return text
+
+
 def log_block(text: str) -> None:
   """Logs a multi-line block (tables) line by line."""
   for line in text.splitlines():

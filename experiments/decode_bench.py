@@ -310,9 +310,7 @@ def run(config, workdir: str) -> dict:
                                               speedup=".2f",
                                               state_MB=".2f")) + "\n" +
           _split_table(records, parts))
-  with open(os.path.join(workdir, "summary.md"), "w") as f:
-    f.write(text)
-  common.log_block(text)
+  common.log_block(common.write_summary(workdir, text))
   _plot(rows, os.path.join(workdir, "decode_speedup.png"))
   return dict(workdir=workdir, records=records, parts=parts)
 

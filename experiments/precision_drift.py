@@ -272,9 +272,7 @@ def _report(config, workdir, records) -> str:
       table,
       "",
   ])
-  with open(os.path.join(workdir, "summary.md"), "w") as f:
-    f.write(text)
-  return text
+  return common.write_summary(workdir, text)
 
 
 def _plots(config, workdir, records):

@@ -313,9 +313,7 @@ def _report(config, workdir, decode, dims, rows, optima) -> str:
       t3,
       "",
   ])
-  with open(os.path.join(workdir, "summary.md"), "w") as f:
-    f.write(text)
-  return text
+  return common.write_summary(workdir, text)
 
 
 def _plots(config, workdir, decode, optima):

@@ -237,9 +237,7 @@ def run(config, workdir: str) -> dict:
          if r.get("out_of_memory")]
   if oom:
     text += "\nDid not fit in device memory: " + ", ".join(oom) + ".\n"
-  with open(os.path.join(workdir, "summary.md"), "w") as f:
-    f.write(text)
-  common.log_block(text)
+  common.log_block(common.write_summary(workdir, text))
   _plot(rows, os.path.join(workdir, "throughput.png"))
   return dict(workdir=workdir, records=records, rows=rows)
 

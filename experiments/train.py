@@ -251,9 +251,7 @@ def _summary(workdir, config, cfg, n_params, final) -> str:
       table,
       "",
   ])
-  with open(os.path.join(workdir, "summary.md"), "w") as f:
-    f.write(text)
-  return text
+  return common.write_summary(workdir, text)
 
 
 # ------------------------------------------------------------------- run

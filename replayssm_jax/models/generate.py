@@ -82,6 +82,16 @@ def sampling_probs(logits, greedy, temperature, top_k, top_p):
   return jnp.where(greedy, onehot, soft)
 
 
+def check_prompts_and_eos(model: M.HybridLM, prompt_tokens,
+                          eos_id) -> tuple[int, int]:
+  """Checks the prompt array's rank and eos_id's range -> (batch, P)."""
+  if eos_id is not None and not 0 <= eos_id < model.config.vocab_size:
+    raise ValueError(f"eos_id must lie in [0, vocab_size), got {eos_id!r}.")
+  V.check_array("prompt_tokens", prompt_tokens)
+  V.check_ndim("prompt_tokens", prompt_tokens, 2, "[batch, seqlen]")
+  return prompt_tokens.shape
+
+
 def sample_logits(logits, rng, greedy, temperature, top_k, top_p):
   """logits [b, vocab] f32 -> tokens [b] int32.
 
@@ -160,11 +170,7 @@ def generate(model: M.HybridLM, prompt_tokens, prompt_lengths,
     raise ValueError(f"max_new_tokens must be a positive int, got "
                      f"{max_new_tokens!r}.")
   sampling = sampling_settings(temperature, top_k, top_p, greedy, rng)
-  if eos_id is not None and not 0 <= eos_id < model.config.vocab_size:
-    raise ValueError(f"eos_id must lie in [0, vocab_size), got {eos_id!r}.")
-  V.check_array("prompt_tokens", prompt_tokens)
-  V.check_ndim("prompt_tokens", prompt_tokens, 2, "[batch, seqlen]")
-  b, t = prompt_tokens.shape
+  b, t = check_prompts_and_eos(model, prompt_tokens, eos_id)
   state = model.init_state(b, t + max_new_tokens, ssm_mode=ssm_mode,
                            buffer_len=buffer_len, **state_kwargs)
   lengths = jnp.asarray(prompt_lengths, jnp.int32)

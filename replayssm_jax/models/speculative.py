@@ -45,7 +45,8 @@ from flax import nnx
 from replayssm_jax import _validation as V
 from replayssm_jax.models import model as M
 from replayssm_jax.models import states as S
-from replayssm_jax.models.generate import (sample_logits, sampling_probs,
+from replayssm_jax.models.generate import (check_prompts_and_eos,
+                                           sample_logits, sampling_probs,
                                            sampling_settings)
 from replayssm_jax.speculative import baseline_commit, replay_commit
 from replayssm_jax.state import ReplayState
@@ -722,11 +723,7 @@ def speculative_generate(target: M.HybridLM, proposer: Proposer,
                      f"({window}) in replay mode: a window is placed behind "
                      f"the committed history in the replay buffer.")
   sampling = sampling_settings(temperature, top_k, top_p, greedy, rng)
-  if eos_id is not None and not 0 <= eos_id < target.config.vocab_size:
-    raise ValueError(f"eos_id must lie in [0, vocab_size), got {eos_id!r}.")
-  V.check_array("prompt_tokens", prompt_tokens)
-  V.check_ndim("prompt_tokens", prompt_tokens, 2, "[batch, seqlen]")
-  b, p_len = prompt_tokens.shape
+  b, p_len = check_prompts_and_eos(target, prompt_tokens, eos_id)
   # Room: verify writes up to position P + max_new_tokens + window - 3.
   max_len = p_len + max_new_tokens + window
   state = target.init_state(b, max_len, ssm_mode=ssm_mode,
