@@ -137,3 +137,17 @@ def check_step_inputs(batch: int, nheads: int, headdim: int, dstate: int, *,
     check_shape("z", z, (batch, nheads, headdim), "[batch, nheads, headdim]")
   check_params(nheads, A=A, D=D, dt_bias=dt_bias)
   return g
+
+
+def check_num_accepted(num_accepted: Any, batch: int, window: int) -> None:
+  """[batch] integers in [1, window] (checked per row when concrete)."""
+  check_integer("num_accepted", num_accepted)
+  check_shape("num_accepted", num_accepted, (batch,), "[batch]")
+  if is_concrete(num_accepted):
+    n = np.asarray(num_accepted)
+    bad = (n < 1) | (n > window)
+    if bad.any():
+      rows = np.nonzero(bad)[0][:8].tolist()
+      raise ValueError(f"num_accepted must lie in [1, T] = [1, {window}] "
+                       f"for every row; rows {rows} hold "
+                       f"{n[rows].tolist()}.")

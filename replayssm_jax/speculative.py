@@ -185,16 +185,7 @@ def replay_commit(rstate: ReplayState, num_accepted, window: int):
   if rstate.buffer_len <= window:
     raise ValueError(f"rstate.buffer_len ({rstate.buffer_len}) must exceed "
                      f"window ({window}).")
-  V.check_integer("num_accepted", num_accepted)
-  V.check_shape("num_accepted", num_accepted, (rstate.batch,), "[batch]")
-  if V.is_concrete(num_accepted):
-    n = np.asarray(num_accepted)
-    bad = (n < 1) | (n > window)
-    if bad.any():
-      rows = np.nonzero(bad)[0][:8].tolist()
-      raise ValueError(f"num_accepted must lie in [1, window] = [1, "
-                       f"{window}] for every row; rows {rows} hold "
-                       f"{n[rows].tolist()}.")
+  V.check_num_accepted(num_accepted, rstate.batch, window)
   n = jnp.asarray(num_accepted, jnp.int32)
   ok = (n >= 1) & (n <= window)
   return rstate.replace(
@@ -243,13 +234,7 @@ def baseline_commit(snapshots, num_accepted):
   V.check_ndim("snapshots", snapshots, 5,
                "[batch, T, nheads, headdim, dstate]")
   b, T = snapshots.shape[:2]
-  V.check_integer("num_accepted", num_accepted)
-  V.check_shape("num_accepted", num_accepted, (b,), "[batch]")
-  if V.is_concrete(num_accepted):
-    n = np.asarray(num_accepted)
-    if ((n < 1) | (n > T)).any():
-      raise ValueError(f"num_accepted must lie in [1, T] = [1, {T}], got "
-                       f"{n.tolist()}.")
+  V.check_num_accepted(num_accepted, b, T)
   idx = jnp.clip(jnp.asarray(num_accepted, jnp.int32) - 1, 0, T - 1)
   return jnp.take_along_axis(snapshots, idx[:, None, None, None, None],
                              axis=1)[:, 0]

@@ -152,7 +152,7 @@ def test_capacity_and_bad_inputs():
     rs.replay_verify(rstate.checkpoint, **win, **params)
   _, pending = rs.replay_verify(rstate, **win, **params)
   with pytest.raises(ValueError, match=r"num_accepted must lie in \[1, "
-                     r"window\] = \[1, 2\] for every row; rows \[1\] hold \[3\]"):
+                     r"T\] = \[1, 2\] for every row; rows \[1\] hold \[3\]"):
     rs.replay_commit(pending, jnp.asarray([1, 3, 2, 1], jnp.int32), 2)
   with pytest.raises(ValueError, match=r"num_accepted must lie in"):
     rs.replay_commit(pending, jnp.asarray([0, 1, 1, 1], jnp.int32), 2)

@@ -232,16 +232,7 @@ def commit(pending: PendingState, num_accepted):
   if not isinstance(pending, PendingState):
     raise TypeError(f"pending must be a PendingState (from verify), got "
                     f"{type(pending).__name__}.")
-  V.check_integer("num_accepted", num_accepted)
-  V.check_shape("num_accepted", num_accepted, (pending.batch,), "[batch]")
-  if V.is_concrete(num_accepted):
-    n = np.asarray(num_accepted)
-    bad = (n < 1) | (n > pending.window)
-    if bad.any():
-      rows = np.nonzero(bad)[0][:8].tolist()
-      raise ValueError(f"num_accepted must lie in [1, T] = [1, "
-                       f"{pending.window}] for every row; rows {rows} hold "
-                       f"{n[rows].tolist()}.")
+  V.check_num_accepted(num_accepted, pending.batch, pending.window)
   return _commit_jit(pending.state, (pending.window_conv_inputs,
                                      pending.snapshots),
                      jnp.asarray(num_accepted, jnp.int32), pending.window)
