@@ -10,6 +10,8 @@ The ":smoke" variant swaps in the tiny model and a few decode steps.
 
 import ml_collections
 
+from configs import _args
+
 # The tiny hybrid of tests/test_models.py (CPU-sized).
 TINY_MODEL = dict(vocab_size=64, d_model=32, pattern="M-M*-M", ssm_heads=4,
                   head_dim=8, d_state=8, n_groups=2, conv_kernel=4,
@@ -25,8 +27,7 @@ def make_config(model: dict, arg: str | None, *, batches: tuple[int, ...],
                 split_batches: tuple[int, ...] = ()
                 ) -> ml_collections.ConfigDict:
   """The config of one model; arg "smoke" shrinks it for CPU tests."""
-  if arg not in (None, "", "smoke"):
-    raise ValueError(f"config arg must be '' or 'smoke', got {arg!r}.")
+  _args.check_arg(arg)
   smoke = arg == "smoke"
   config = ml_collections.ConfigDict()
   config.seed = 0

@@ -23,12 +23,12 @@ library.
 
 import ml_collections
 
+from configs import _args
+
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The benchmark configuration; `arg="smoke"` is a tiny CPU run."""
-  if arg not in (None, "", "smoke", "sweep"):
-    raise ValueError(f"config arg must be '', 'smoke' or 'sweep', got "
-                     f"{arg!r}.")
+  _args.check_arg(arg, "sweep")
   config = ml_collections.ConfigDict()
   config.name = "kernel_bench"  # stem of the files copied to --results_dir
   config.seed = 0

@@ -15,11 +15,12 @@ Any field can be overridden, e.g. `--config.steps=20000`.
 
 import ml_collections
 
+from configs import _args
+
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The drift configuration; `arg="smoke"` shrinks it for CPU tests."""
-  if arg not in (None, "", "smoke"):
-    raise ValueError(f"config arg must be '' or 'smoke', got {arg!r}.")
+  _args.check_arg(arg)
   config = ml_collections.ConfigDict()
   config.seed = 0
   # Nemotron-H 8B Mamba layer: nheads 128, headdim 64, dstate 128, ngroups 8;

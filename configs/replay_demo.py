@@ -16,11 +16,12 @@ Any field can be overridden, e.g. `--config.steps=512` or
 
 import ml_collections
 
+from configs import _args
+
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The demo configuration; `arg="smoke"` shrinks it for tests."""
-  if arg not in (None, "", "smoke"):
-    raise ValueError(f"config arg must be '' or 'smoke', got {arg!r}.")
+  _args.check_arg(arg)
   config = ml_collections.ConfigDict()
   config.seed = 0
 

@@ -17,14 +17,15 @@ Useful overrides: --config.bench.batches='(256,512)',
 
 import ml_collections
 
+from configs import _args
+
 from configs import _decode_bench
 from configs import hybrid_1b
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The benchmark configuration; `arg="smoke"` is a tiny CPU run."""
-  if arg not in (None, "", "smoke"):
-    raise ValueError(f"config arg must be '' or 'smoke', got {arg!r}.")
+  _args.check_arg(arg)
   smoke = arg == "smoke"
   config = ml_collections.ConfigDict()
   config.seed = 0
