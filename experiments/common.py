@@ -21,6 +21,7 @@ import math
 import os
 import platform
 import sys
+import time
 from typing import Any, Iterable, Sequence
 
 from absl import logging
@@ -202,6 +203,28 @@ def markdown_table(rows: Iterable[dict], columns: Sequence[str],
     cells = [format_value(row.get(c), formats.get(c)) for c in columns]
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)
+
+
+def best_of(make, repeats: int):
+  """Times `repeats` calls after one compile + warm-up call.
+
+  Args:
+    make: () -> thunk; runs untimed before every call (e.g. to build fresh
+      inputs for a thunk that donates them), then thunk() is timed until
+      its output is ready.
+    repeats: timed calls.
+
+  Returns:
+    (output of the last call, best seconds, every timed call's seconds).
+  """
+  times = []
+  for i in range(repeats + 1):
+    thunk = make()
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(thunk())
+    if i:
+      times.append(time.perf_counter() - t0)
+  return out, min(times), times
 
 
 def write_summary(workdir: str, text: str) -> str:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import os
-import time
 
 from absl import logging
 import jax
@@ -68,20 +67,6 @@ def decode_loop(graphdef, params, token, state, steps, implementation):
 
 def _state_bytes(state) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
-
-
-def _best_of(fn, repeats: int):
-  """fn() -> (output, best seconds of `repeats` timed calls), after one
-  compile + warm-up call; fn builds its own (donated) inputs untimed and
-  returns (inputs, thunk)."""
-  times = []
-  for i in range(repeats + 1):
-    thunk = fn()
-    t0 = time.perf_counter()
-    out = jax.block_until_ready(thunk())
-    if i:
-      times.append(time.perf_counter() - t0)
-  return out, min(times), times
 
 
 class _Setup:
@@ -121,7 +106,7 @@ def bench_mode(setup: _Setup, mode: str, buffer_len) -> dict:
     return lambda: decode_loop(graphdef, params, tok, st, b.new_tokens,
                                setup.impl)
 
-  _, best, times = _best_of(make, b.repeats)
+  _, best, times = common.best_of(make, b.repeats)
   rec = dict(kind="decode", ssm_mode=mode, batch=setup.batch,
              prompt_len=b.prompt_len, new_tokens=b.new_tokens,
              buffer_len=buffer_len,
@@ -222,7 +207,7 @@ def bench_parts(setup: _Setup, config, modes) -> list[dict]:
         return lambda: part_loop(graphdef, params, inputs, layers,
                                  b.new_tokens, setup.impl, part)
 
-      _, best, times = _best_of(make, b.repeats)
+      _, best, times = common.best_of(make, b.repeats)
       rec = dict(kind="part", part=part, layers=len(idx),
                  ssm_mode=mode if part in ("mamba", "ssm") else None,
                  buffer_len=L if part in ("mamba", "ssm") else None,

@@ -28,7 +28,6 @@ per run), summary.md, throughput.png.
 from __future__ import annotations
 
 import os
-import time
 
 from absl import logging
 import jax
@@ -91,17 +90,6 @@ class OracleProposer(Proposer):
                     None), pstate
 
 
-def _best_time(fn, repeats: int):
-  """(best seconds over `repeats` timed calls after one warm-up, output)."""
-  out = jax.block_until_ready(fn())  # compile + warm-up
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    out = jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return min(times), times, out
-
-
 def bench_batch(model, config, batch: int, writer) -> list[dict]:
   b, cfg = config.bench, model.config
   impl = b.implementation or None
@@ -118,11 +106,11 @@ def bench_batch(model, config, batch: int, writer) -> list[dict]:
                           **state_kw)
     return prefill(model, prompts, lengths, st)[0]
 
-  t_prefill, _, _ = _best_time(run_prefill, b.repeats)
-  t_plain, times, (ref, _) = _best_time(
-      lambda: generate(model, prompts, lengths, n_new, ssm_mode="replay",
-                       buffer_len=b.buffer_len, implementation=impl,
-                       **state_kw), b.repeats)
+  _, t_prefill, _ = common.best_of(lambda: run_prefill, b.repeats)
+  (ref, _), t_plain, times = common.best_of(
+      lambda: lambda: generate(model, prompts, lengths, n_new,
+                               ssm_mode="replay", buffer_len=b.buffer_len,
+                               implementation=impl, **state_kw), b.repeats)
   ref = jnp.asarray(ref)
   base = dict(kind="specdec", batch=batch, prompt_len=b.prompt_len,
               new_tokens=n_new, prefill_s=t_prefill)
@@ -147,8 +135,8 @@ def bench_batch(model, config, batch: int, writer) -> list[dict]:
   for window in b.windows:
     for mode in b.ssm_modes:
       try:
-        t, times, (out, _, stats) = _best_time(
-            lambda: speculative_generate(  # pylint: disable=cell-var-from-loop
+        (out, _, stats), t, times = common.best_of(
+            lambda: lambda: speculative_generate(  # pylint: disable=cell-var-from-loop
                 model, proposer, prompts, lengths, n_new, window,
                 ssm_mode=mode, buffer_len=b.buffer_len,
                 implementation=impl, rng=jax.random.PRNGKey(1), **state_kw),
