@@ -18,6 +18,7 @@ from experiments import common  # noqa: E402
 from experiments import kernel_bench  # noqa: E402
 from experiments import replay_demo  # noqa: E402
 import replayssm_jax  # noqa: E402
+from replayssm_jax import testing  # noqa: E402
 from replayssm_jax import traffic  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -199,6 +200,31 @@ def test_random_generators():
     out[type(gen).__name__] = jax.tree.map(
         lambda a: (a.shape, a.dtype), (inp, seq, rs, clean, state))
   assert out["DeviceGen"] == out["HostGen"]
+
+
+def test_device_check_matches_testing_helpers():
+  """kernel_bench's on-device check agrees with testing's host helpers."""
+  tol = testing.tolerance(jnp.float16)
+  rng = np.random.default_rng(3)
+  expected = rng.standard_normal((4, 5, 6)).astype(np.float32)
+  noise = rng.standard_normal(expected.shape).astype(np.float32)
+  for scale in (0.1 * tol.rtol, 10.0 * (tol.atol + tol.rtol)):
+    actual = expected + scale * noise
+    err, ok = kernel_bench._errors_ok(  # pylint: disable=protected-access
+        jnp.asarray(actual), jnp.asarray(expected), tol)
+    np.testing.assert_allclose(err, testing.max_rel_error(actual, expected),
+                               rtol=1e-5)
+    try:
+      testing.assert_close(actual, expected, tol)
+      host_ok = True
+    except AssertionError:
+      host_ok = False
+    assert ok == host_ok
+  assert not host_ok, "the large perturbation must fail"
+  actual[0, 0, 0] = np.nan
+  err, ok = kernel_bench._errors_ok(  # pylint: disable=protected-access
+      jnp.asarray(actual), jnp.asarray(expected), tol)
+  assert err == float("inf") and not ok
 
 
 def test_count_state_copies():

@@ -5,8 +5,9 @@
 #
 #   (times are estimates from session 2 runs)
 #   bash benchmarks/scripts/run_h200.sh sweep      # flush-route designs, b 256 + 1, L 16 (~6 min)
-#   bash benchmarks/scripts/run_h200.sh grid f16   # full kernel grid, one dtype (~8 min)
+#   bash benchmarks/scripts/run_h200.sh grid f16   # full kernel grid, one dtype
 #   bash benchmarks/scripts/run_h200.sh grid f32
+#   bash benchmarks/scripts/run_h200.sh grid both  # both dtypes, f16 first
 #   bash benchmarks/scripts/run_h200.sh decode     # hybrid_1b decode, b {64,256,512} x L {8,16,32} + split (~8 min)
 #   bash benchmarks/scripts/run_h200.sh specdec    # hybrid_1b spec decoding, b {64,256,512}, T 4 (~8 min)
 #
@@ -22,10 +23,13 @@ case "$1" in
     timeout 560 python -m experiments.kernel_bench \
       --config=configs/kernel_bench.py:sweep --workdir="$OUT/sweep" --config.iters=10 ;;
   grid)
-    dtype=${2:?grid needs f16 or f32}
-    [ "$dtype" = f16 ] && d=float16 || d=float32
+    dtype=${2:?grid needs f16, f32 or both}
+    case "$dtype" in
+      f16) d="'float16'," ;; f32) d="'float32'," ;; both) d="'float16','float32'" ;;
+      *) echo "grid: unknown dtype $dtype" >&2; exit 2 ;;
+    esac
     timeout 560 python -m experiments.kernel_bench --config=configs/kernel_bench.py \
-      --workdir="$OUT/grid_$dtype" --config.checkpoint_dtypes="('$d',)" \
+      --workdir="$OUT/grid_$dtype" --config.checkpoint_dtypes="($d)" \
       --config.iters=10 --config.name="kernel_bench_h200_$dtype" ;;
   decode)
     timeout 560 python -m experiments.decode_bench --config=configs/hybrid_1b.py \
