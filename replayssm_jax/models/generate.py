@@ -152,7 +152,8 @@ def generate(model: M.HybridLM, prompt_tokens, prompt_lengths,
     max_new_tokens: tokens to generate per row (static).
     ssm_mode, buffer_len: decode state of the Mamba layers ("replay" or
       "baseline"); further `init_state` keywords (checkpoint_dtype,
-      buffer_dtype, kv_dtype) go through **state_kwargs.
+      buffer_dtype, kv_dtype, precision, row_ids) go through
+      **state_kwargs.
     temperature, top_k, top_p: sampling; temperature 0 (default) is greedy.
       Traced: changing them does not recompile.
     greedy: force greedy (True) or sampling (False); default temperature==0.

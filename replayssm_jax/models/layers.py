@@ -25,7 +25,8 @@ from flax import nnx
 from replayssm_jax import ops
 from replayssm_jax.conv import causal_conv1d, causal_conv1d_update
 from replayssm_jax.models.config import ModelConfig
-from replayssm_jax.models.states import AttentionState, MambaState
+from replayssm_jax.models.states import (AttentionState, MambaState,
+                                         StoredSSMState, store_baseline)
 from replayssm_jax.reference import process_dt
 from replayssm_jax.speculative import baseline_verify, replay_verify
 from replayssm_jax.ssd import ssd_chunked_scan
@@ -96,6 +97,19 @@ class GatedRMSNorm(nnx.Module):
     return (self.weight[...].astype(F32) * h).astype(self.dtype)
 
 
+def check_speculative_precision(state: MambaState, what: str) -> None:
+  """The speculative verify/commit path supports states without a policy
+  or with a plain one (no read copy, round to nearest)."""
+  policy = state.precision
+  if policy is not None and not policy.plain:
+    raise ValueError(
+        f"{what}: precision {policy.name!r} (a read copy or stochastic "
+        f"rounding) is not supported by the speculative verify/commit path; "
+        f"build the state with init_state(precision=None) or a plain policy "
+        f"(read_dtype=None, stochastic_rounding=False, e.g. "
+        f"PrecisionPolicy.preset('bf16')).")
+
+
 # --------------------------------------------------------------- Mamba-2
 class Mamba2Mixer(nnx.Module):
   """HF Mamba2 / Nemotron-H mixer: in_proj -> [z, xBC, dt] -> conv+silu ->
@@ -140,7 +154,9 @@ class Mamba2Mixer(nnx.Module):
     A = -jnp.exp(self.A_log[...].astype(F32))  # [H]
     return A, self.D[...].astype(F32), self.dt_bias[...].astype(F32)
 
-  def prefill(self, h, lengths, state: MambaState | None):
+  def prefill(self, h, lengths, state: MambaState | None, layer: int = 0):
+    """The prompt; the decode state per state.precision (`layer`: the Mamba
+    index keying stochastic rounding)."""
     c = self.cfg
     bsz, t, _ = h.shape
     z, xbc, dt = self._split(self.in_proj(h))
@@ -165,16 +181,32 @@ class Mamba2Mixer(nnx.Module):
     idx = lengths[:, None] + jnp.arange(k1)[None, :]  # [b, k-1]
     conv = jnp.take_along_axis(xp, idx[..., None], axis=1)
     conv = conv.astype(state.conv.dtype)
+    policy = state.precision
+    lengths = lengths.astype(jnp.int32)
     if isinstance(state.ssm, ReplayState):
-      ssm = ReplayState.from_ssm_state(
-          final, c.n_groups, state.ssm.buffer_len,
-          checkpoint_dtype=state.ssm.checkpoint.dtype,
-          buffer_dtype=state.ssm.x_buf.dtype)
+      if policy is None:
+        ssm = ReplayState.from_ssm_state(
+            final, c.n_groups, state.ssm.buffer_len,
+            checkpoint_dtype=state.ssm.checkpoint.dtype,
+            buffer_dtype=state.ssm.x_buf.dtype)
+      else:  # master (and read copy) stored per the policy
+        sr = policy.stochastic_rounding
+        ssm = ReplayState.from_ssm_state(
+            final, c.n_groups, state.ssm.buffer_len, policy=policy,
+            row_id=state.ssm.row_id if sr else None,
+            step=lengths if sr else None, layer=layer)
+    elif isinstance(state.ssm, StoredSSMState):
+      ssm = store_baseline(final, policy, state.ssm.dtype, state.ssm.row_id,
+                           lengths if state.ssm.step is not None else None,
+                           layer)
     else:
       ssm = final.astype(state.ssm.dtype)
-    return out, MambaState(conv=conv, ssm=ssm)
+    return out, state.replace(conv=conv, ssm=ssm)
 
-  def step(self, h, state: MambaState, implementation: str | None = None):
+  def step(self, h, state: MambaState, implementation: str | None = None,
+           layer: int = 0):
+    """One token; replay states step under state.precision with `layer`
+    (the Mamba index keying stochastic rounding)."""
     c = self.cfg
     bsz = h.shape[0]
     z, xbc, dt = self._split(self.in_proj(h))
@@ -184,12 +216,28 @@ class Mamba2Mixer(nnx.Module):
     A, D, dt_bias = self._ssm_params()
     kw = dict(D=D, dt_bias=dt_bias, dt_softplus=True,
               implementation=implementation)
+    policy = state.precision
     if isinstance(state.ssm, ReplayState):
-      y, ssm = ops.replay_state_update(state.ssm, x, dt, A, b, cc, **kw)
+      y, ssm = ops.replay_state_update(state.ssm, x, dt, A, b, cc,
+                                       policy=policy, layer=layer, **kw)
+    elif isinstance(state.ssm, StoredSSMState):
+      if implementation not in (None, "reference"):
+        raise NotImplementedError(
+            f"implementation {implementation!r} cannot run a baseline state "
+            f"stored per precision {policy.name!r} (8-bit or stochastic "
+            f"rounding): that step has a reference implementation only; "
+            f"pass implementation=None or 'reference'.")
+      st = state.ssm
+      step = None if st.step is None else st.step + 1
+      y, stored, scale = ops.selective_state_update_stored(
+          st.state, x, dt, A, b, cc, D=D, dt_bias=dt_bias, dt_softplus=True,
+          state_scale=st.scale, stochastic_rounding=step is not None,
+          seed=policy.seed, layer=layer, row_id=st.row_id, step=step)
+      ssm = st.replace(state=stored, scale=scale, step=step)
     else:
       y, ssm = ops.selective_state_update(state.ssm, x, dt, A, b, cc, **kw)
     y = self.norm(y.reshape(bsz, c.d_inner), z)
-    return self.out_proj(y), MambaState(conv=conv, ssm=ssm)
+    return self.out_proj(y), state.replace(conv=conv, ssm=ssm)
 
   def verify(self, h, state: MambaState, implementation: str | None = None):
     """A window of T tokens per row from the committed state.
@@ -215,6 +263,7 @@ class Mamba2Mixer(nnx.Module):
       (baseline) or None.
     """
     c = self.cfg
+    check_speculative_precision(state, "verify")
     bsz, t, _ = h.shape
     z, xbc, dt = self._split(self.in_proj(h))
     xbc_act, _ = causal_conv1d(xbc, self.conv_weight[...], self.conv_bias[...],
@@ -384,15 +433,18 @@ class Block(nnx.Module):
     self.norm = RMSNorm(cfg.d_model, cfg)
     self.mixer = MIXERS[kind](cfg, rngs=rngs)
 
-  def __call__(self, x, state, lengths=None, implementation=None):
-    """x [b, T, d] (with lengths [b]) or [b, d] -> (x', new_state)."""
+  def __call__(self, x, state, lengths=None, implementation=None, layer=0):
+    """x [b, T, d] (with lengths [b]) or [b, d] -> (x', new_state); `layer`:
+    a Mamba block's index among the Mamba blocks (keys stochastic
+    rounding)."""
     h = self.norm(x)
-    if x.ndim == 3:
-      y, state = self.mixer.prefill(h, lengths, state)
-    elif self.kind == "mamba":
-      y, state = self.mixer.step(h, state, implementation)
+    if self.kind != "mamba":
+      y, state = (self.mixer.prefill(h, lengths, state) if x.ndim == 3
+                  else self.mixer.step(h, state))
+    elif x.ndim == 3:
+      y, state = self.mixer.prefill(h, lengths, state, layer)
     else:
-      y, state = self.mixer.step(h, state)
+      y, state = self.mixer.step(h, state, implementation, layer)
     return x.astype(F32) + y.astype(F32), state
 
   def verify(self, x, state, implementation=None):

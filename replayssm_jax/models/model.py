@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from replayssm_jax import _validation as V
+from replayssm_jax import precision as P
 from replayssm_jax.models import states as S
 from replayssm_jax.models.config import ModelConfig
 from replayssm_jax.models.layers import Block, Embedding, Linear, RMSNorm
@@ -48,6 +49,15 @@ class HybridLM(nnx.Module):
       self.lm_head = Linear(config.d_model, config.vocab_size, config,
                             rngs=rngs)
 
+  def mamba_indices(self) -> tuple[int | None, ...]:
+    """Per block: its index among the Mamba blocks (0, 1, ... in pattern
+    order; keys the stochastic rounding of its state), None for others."""
+    out, m = [], 0
+    for kind in self.config.block_kinds:
+      out.append(m if kind == "mamba" else None)
+      m += kind == "mamba"
+    return tuple(out)
+
   def logits(self, h):
     """h [..., d] -> [..., vocab] float32."""
     h = self.norm_f(h)
@@ -66,9 +76,10 @@ class HybridLM(nnx.Module):
       lengths = jnp.full((b,), t, jnp.int32)
     x = self.embeddings(tokens)
     new_layers = []
-    for i, block in enumerate(self.blocks):
+    for i, (block, layer) in enumerate(zip(self.blocks,
+                                           self.mamba_indices())):
       s = None if state is None else state.layers[i]
-      x, s = block(x, s, lengths=lengths)
+      x, s = block(x, s, lengths=lengths, layer=layer)
       new_layers.append(s)
     if state is None:
       return x, None
@@ -85,16 +96,18 @@ class HybridLM(nnx.Module):
     """One decode token per row: token [b] -> (logits [b, vocab], state)."""
     x = self.embeddings(token)  # [b, d]
     new_layers = []
-    for block, s in zip(self.blocks, state.layers):
-      x, s = block(x, s, implementation=implementation)
+    for block, s, layer in zip(self.blocks, state.layers,
+                               self.mamba_indices()):
+      x, s = block(x, s, implementation=implementation, layer=layer)
       new_layers.append(s)
     return self.logits(x), S.ModelState(layers=tuple(new_layers),
                                         positions=state.positions + 1)
 
   def init_state(self, batch: int, max_len: int, ssm_mode: str = "replay",
-                 buffer_len: int = 16, checkpoint_dtype=jnp.float32,
-                 buffer_dtype=None, kv_dtype=None,
-                 conv_dtype=None) -> S.ModelState:
+                 buffer_len: int = 16, checkpoint_dtype=None,
+                 buffer_dtype=None, kv_dtype=None, conv_dtype=None, *,
+                 precision: P.PrecisionPolicy | None = None,
+                 row_ids=None) -> S.ModelState:
     """An empty decode state.
 
     Args:
@@ -104,11 +117,28 @@ class HybridLM(nnx.Module):
       ssm_mode: "replay" (ReplayState checkpoint + buffer) or "baseline"
         (full SSM state).
       buffer_len: L of the replay buffer (replay mode only).
-      checkpoint_dtype: the replay checkpoint / baseline SSM state dtype.
+      checkpoint_dtype: the replay checkpoint / baseline SSM state dtype
+        (default float32, or the policy's).
       buffer_dtype: x/B buffer dtype (default: config.dtype, lossless since
-        the buffered inputs are activations of that dtype).
+        the buffered inputs are activations of that dtype; or the policy's).
       kv_dtype: KV-cache dtype (default config.dtype).
       conv_dtype: conv-state dtype (default config.dtype).
+      precision: None (the dtypes above, round to nearest), or a
+        `PrecisionPolicy` for the SSM states of the Mamba layers. Replay
+        mode: each layer's ReplayState is built with the policy (master
+        checkpoint, buffers, read copy, stochastic-rounding counters);
+        prefill stores the checkpoint (and read copy) per the policy and
+        every decode step passes the policy and the layer's Mamba index
+        (0, 1, ... in pattern order) to `replay_state_update`. Baseline
+        mode: the full state is stored every step in the policy's narrowest
+        dtype (`states.baseline_storage_dtype`: read_dtype, else
+        checkpoint_dtype) with the policy's rounding, the "round every
+        step" contrast. checkpoint_dtype / buffer_dtype, if given, must
+        agree with the policy.
+      row_ids: [batch] int, stable identities of the rows' sequences
+        (default arange(batch)); only with a policy that rounds
+        stochastically, whose random bits they key, so a sequence decodes
+        to the same bits in any batch or slot.
     """
     cfg = self.config
     for name, v in (("batch", batch), ("max_len", max_len),
@@ -118,6 +148,9 @@ class HybridLM(nnx.Module):
     if ssm_mode not in S.SSM_MODES:
       raise ValueError(f"ssm_mode must be one of {S.SSM_MODES}, got "
                        f"{ssm_mode!r}.")
+    row_ids = _check_precision_args(precision, ssm_mode, batch,
+                                    checkpoint_dtype, buffer_dtype, row_ids)
+    checkpoint_dtype = F32 if checkpoint_dtype is None else checkpoint_dtype
     buffer_dtype = cfg.jnp_dtype if buffer_dtype is None else buffer_dtype
     kv_dtype = cfg.jnp_dtype if kv_dtype is None else kv_dtype
     conv_dtype = cfg.jnp_dtype if conv_dtype is None else conv_dtype
@@ -130,13 +163,59 @@ class HybridLM(nnx.Module):
       if kind == "mamba":
         layers.append(S.init_mamba_state(cfg, batch, ssm_mode, buffer_len,
                                          checkpoint_dtype, buffer_dtype,
-                                         conv_dtype))
+                                         conv_dtype, precision, row_ids))
       elif kind == "attention":
         layers.append(S.init_attention_state(cfg, batch, max_len, kv_dtype))
       else:
         layers.append(None)
     return S.ModelState(layers=tuple(layers),
                         positions=jnp.zeros((batch,), jnp.int32))
+
+
+def _check_precision_args(precision, ssm_mode, batch, checkpoint_dtype,
+                          buffer_dtype, row_ids):
+  """Checks init_state's precision / dtype / row_ids arguments together;
+  returns row_ids as [batch] int32 (or None)."""
+  if precision is None:
+    if row_ids is not None:
+      raise ValueError("row_ids is only used with a precision policy that "
+                       "rounds stochastically (precision=PrecisionPolicy("
+                       "..., stochastic_rounding=True)); got precision=None.")
+    return None
+  if not isinstance(precision, P.PrecisionPolicy):
+    raise TypeError(f"precision must be a replayssm_jax.PrecisionPolicy or "
+                    f"None, got {type(precision).__name__} "
+                    f"({precision!r}); e.g. "
+                    f"PrecisionPolicy.preset('f32+bf16').")
+  own = {"checkpoint_dtype": (S.baseline_storage_dtype(precision)
+                              if ssm_mode == "baseline"
+                              else precision.checkpoint_dtype)}
+  if ssm_mode == "replay":
+    own["buffer_dtype"] = precision.buffer_dtype
+  for name, given in (("checkpoint_dtype", checkpoint_dtype),
+                      ("buffer_dtype", buffer_dtype)):
+    if given is None or name not in own:
+      continue
+    try:
+      same = jnp.dtype(given).name == own[name]
+    except TypeError:
+      same = False
+    if not same:
+      V.check_dtype_arg(name, given)
+      raise ValueError(
+          f"{name} ({jnp.dtype(given).name}) contradicts precision "
+          f"{precision.name!r}, whose {ssm_mode} {name} is {own[name]}; "
+          f"give one or the other.")
+  if not precision.stochastic_rounding:
+    if row_ids is not None:
+      raise ValueError(f"row_ids is only used with stochastic rounding; "
+                       f"precision {precision.name!r} rounds to nearest.")
+    return None
+  if row_ids is None:
+    return jnp.arange(batch, dtype=jnp.int32)
+  V.check_integer("row_ids", row_ids)
+  V.check_shape("row_ids", row_ids, (batch,), "[batch]")
+  return jnp.asarray(row_ids, jnp.int32)
 
 
 # ------------------------------------------------------------ validation

@@ -48,6 +48,7 @@ from replayssm_jax.models import states as S
 from replayssm_jax.models.generate import (check_prompts_and_eos,
                                            sample_logits, sampling_probs,
                                            sampling_settings)
+from replayssm_jax.models.layers import check_speculative_precision
 from replayssm_jax.speculative import baseline_commit, replay_commit
 from replayssm_jax.state import ReplayState
 
@@ -98,7 +99,7 @@ def verify_fn(model: M.HybridLM, tokens, state: S.ModelState,
     x, pend = block.verify(x, s, implementation)
     if block.kind == "mamba":
       ssm, win, snap = pend
-      layers.append(S.MambaState(conv=s.conv, ssm=ssm))
+      layers.append(s.replace(ssm=ssm))
       convs.append(win)
       snaps.append(snap)
     else:
@@ -139,7 +140,7 @@ def commit_fn(pending: PendingState, num_accepted, active=None):
         ssm = baseline_commit(snap, n)
         if active is not None:
           ssm = jnp.where(active[:, None, None, None], ssm, s.ssm)
-      layers.append(S.MambaState(conv=conv, ssm=ssm))
+      layers.append(s.replace(conv=conv, ssm=ssm))
     elif isinstance(s, S.AttentionState):
       layers.append(s.replace(length=s.length + moved))
     else:
@@ -164,8 +165,11 @@ def _commit_jit(state, window_data, num_accepted, window):
 
 
 def _check_window_room(state: S.ModelState, t: int, what: str) -> None:
-  """Replay buffers must exceed T; KV caches need T free slots per row."""
+  """Replay buffers must exceed T; KV caches need T free slots per row;
+  precision policies must be plain (`check_speculative_precision`)."""
   for i, s in enumerate(state.layers):
+    if isinstance(s, S.MambaState):
+      check_speculative_precision(s, what)
     if isinstance(s, S.MambaState) and isinstance(s.ssm, ReplayState):
       if s.ssm.buffer_len <= t:
         raise ValueError(
@@ -192,7 +196,10 @@ def verify(model: M.HybridLM, tokens, state: S.ModelState,
     model: the HybridLM.
     tokens: [batch, T] int window (position 0: the last sampled token, not
       yet in `state`; then the drafts).
-    state: the committed ModelState (donated).
+    state: the committed ModelState (donated). A state built with
+      `init_state(precision=policy)` is supported for plain policies only
+      (no read copy, round to nearest); others raise a ValueError naming
+      `precision`.
     implementation: SSM op implementation: of `replay_verify` (replay
       mode) or of the per-position steps of `baseline_verify`.
 
@@ -680,8 +687,8 @@ def speculative_generate(target: M.HybridLM, proposer: Proposer,
     window: T >= 1 window tokens per verify (T - 1 drafts; static).
     ssm_mode: "replay" or "baseline" (snapshot per window position) target
       state; buffer_len: the replay buffer length (> window); further
-      `init_state` keywords (checkpoint_dtype, buffer_dtype, kv_dtype) via
-      **state_kwargs.
+      `init_state` keywords (checkpoint_dtype, buffer_dtype, kv_dtype,
+      precision: plain policies only, see `verify`) via **state_kwargs.
     temperature, top_k, top_p, greedy, rng: sampling, as in `generate`.
     eos_id: a row stops after emitting it; later slots hold eos_id.
     implementation: SSM op implementation of the target (dispatcher name).
@@ -719,6 +726,9 @@ def speculative_generate(target: M.HybridLM, proposer: Proposer,
   max_len = p_len + max_new_tokens + window
   state = target.init_state(b, max_len, ssm_mode=ssm_mode,
                             buffer_len=buffer_len, **state_kwargs)
+  for s in state.layers:
+    if isinstance(s, S.MambaState):
+      check_speculative_precision(s, "speculative_generate")
   lengths = jnp.asarray(prompt_lengths, jnp.int32)
   M.check_prefill_inputs(target, prompt_tokens, lengths, state)
   proposer.validate(target, window=window, ssm_mode=ssm_mode,

@@ -4,12 +4,27 @@ The modules hold parameters only; these states are passed in and returned.
 
   MambaState      conv: [batch, conv_kernel - 1, conv_dim] rolling conv input
                   ssm:  ReplayState (ssm_mode="replay") or
-                        [batch, H, P, N] array (ssm_mode="baseline")
+                        [batch, H, P, N] array (ssm_mode="baseline") or
+                        StoredSSMState (baseline stored in 8 bits or
+                        with stochastic rounding, see below)
+                  precision: the PrecisionPolicy the state was built with
+                        (static; None: no policy)
   AttentionState  k, v: [batch, max_len, num_kv_heads, attn_head_dim]
                   length: [batch] int32, valid cache entries per row
   MLP blocks      None (stateless)
   ModelState      layers: tuple in layer order; positions: [batch] int32,
                   tokens processed per row.
+
+Precision policies (`init_state(precision=policy)`, a
+`replayssm_jax.precision.PrecisionPolicy`):
+  replay    ReplayState built with the policy (master checkpoint, optional
+            read copy, row_id/step counters with stochastic rounding).
+  baseline  the full state stored every step in the policy's narrowest state
+            dtype, `baseline_storage_dtype(policy)` (read_dtype if any, else
+            checkpoint_dtype) with the policy's rounding: the "round every
+            step" contrast. A float dtype rounded to nearest is a plain
+            array (as `init_state(checkpoint_dtype=...)` without a policy);
+            8-bit or stochastically rounded storage is a StoredSSMState.
 """
 
 from __future__ import annotations
@@ -20,6 +35,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from replayssm_jax import precision as P
 from replayssm_jax.state import ReplayState
 
 SSM_MODES = ("replay", "baseline")
@@ -27,10 +43,60 @@ SSM_MODES = ("replay", "baseline")
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class StoredSSMState:
+  """A baseline SSM state stored in a low precision, rounded every step.
+
+  Decoded by `ops.selective_state_update_stored` (reference only): load to
+  f32, advance one token, store back (round to nearest or stochastically).
+  Stochastic rounding of a store is keyed by (policy seed, Mamba layer
+  index, row_id, step after the store, element), with the store site
+  `precision.SITE_BASELINE`; the prefill store is keyed by step = prompt
+  length.
+  """
+  state: jax.Array  # [batch, H, P, N] storage dtype
+  scale: jax.Array | None = None  # [batch, H, P] float32 (fp8 / int8 only)
+  row_id: jax.Array | None = None  # [batch] int32 (stochastic rounding)
+  step: jax.Array | None = None  # [batch] int32 tokens in the stored state
+
+  @property
+  def dtype(self):
+    return self.state.dtype
+
+  def replace(self, **kwargs) -> "StoredSSMState":
+    return dataclasses.replace(self, **kwargs)
+
+
+def baseline_storage_dtype(policy: P.PrecisionPolicy) -> str:
+  """The dtype a baseline state is stored in under `policy`: the read copy's
+  (the narrowest stored copy of the replay state) or else the master's."""
+  return policy.read_dtype or policy.checkpoint_dtype
+
+
+def store_baseline(state, policy: P.PrecisionPolicy, dtype, row_id, step,
+                   layer):
+  """f32 `state` [b, H, P, N] stored per `policy` in `dtype`: a plain array
+  (float, round to nearest) or a StoredSSMState."""
+  sr = policy.stochastic_rounding and jnp.dtype(dtype) != jnp.float32
+  if jnp.dtype(dtype).name not in P.QUANTIZED_DTYPES and not sr:
+    return state.astype(dtype)
+  bits = None
+  if sr:
+    bits = P.random_bits(policy.seed, layer, row_id, step, state.shape[1:],
+                         P.SITE_BASELINE)
+  stored, scale = P.store(state.astype(jnp.float32), dtype, bits)
+  return StoredSSMState(state=stored, scale=scale,
+                        row_id=row_id if sr else None,
+                        step=step if sr else None)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class MambaState:
-  """Conv window + SSM state of one Mamba-2 layer."""
+  """Conv window + SSM state of one Mamba-2 layer (+ its static policy)."""
   conv: jax.Array  # [batch, conv_kernel - 1, conv_dim]
-  ssm: Any  # ReplayState | jax.Array [batch, H, P, N]
+  ssm: Any  # ReplayState | jax.Array [batch, H, P, N] | StoredSSMState
+  precision: P.PrecisionPolicy | None = dataclasses.field(
+      default=None, metadata=dict(static=True))
 
   def replace(self, **kwargs) -> "MambaState":
     return dataclasses.replace(self, **kwargs)
@@ -71,6 +137,14 @@ class ModelState:
     return None
 
   @property
+  def precision(self) -> P.PrecisionPolicy | None:
+    """The PrecisionPolicy of the Mamba layers (None: none given)."""
+    for s in self.layers:
+      if isinstance(s, MambaState):
+        return s.precision
+    return None
+
+  @property
   def max_len(self) -> int | None:
     for s in self.layers:
       if isinstance(s, AttentionState):
@@ -82,17 +156,38 @@ class ModelState:
 
 
 def init_mamba_state(cfg, batch: int, ssm_mode: str, buffer_len: int,
-                     checkpoint_dtype, buffer_dtype, conv_dtype) -> MambaState:
+                     checkpoint_dtype, buffer_dtype, conv_dtype,
+                     precision: P.PrecisionPolicy | None = None,
+                     row_ids=None) -> MambaState:
+  """An empty MambaState; with `precision`, laid out per the policy (see
+  the module docstring); row_ids: [batch] int32 (stochastic rounding)."""
   conv = jnp.zeros((batch, cfg.conv_kernel - 1, cfg.conv_dim), conv_dtype)
+  shape = (batch, cfg.ssm_heads, cfg.head_dim, cfg.d_state)
+  if row_ids is not None:  # a buffer of this layer's own (states are donated)
+    row_ids = jnp.array(row_ids, jnp.int32, copy=True)
   if ssm_mode == "replay":
-    ssm = ReplayState.create(batch, cfg.ssm_heads, cfg.head_dim, cfg.d_state,
-                             cfg.n_groups, buffer_len,
-                             checkpoint_dtype=checkpoint_dtype,
-                             buffer_dtype=buffer_dtype)
-  else:
-    ssm = jnp.zeros((batch, cfg.ssm_heads, cfg.head_dim, cfg.d_state),
-                    checkpoint_dtype)
-  return MambaState(conv=conv, ssm=ssm)
+    if precision is None:
+      ssm = ReplayState.create(batch, cfg.ssm_heads, cfg.head_dim,
+                               cfg.d_state, cfg.n_groups, buffer_len,
+                               checkpoint_dtype=checkpoint_dtype,
+                               buffer_dtype=buffer_dtype)
+    else:
+      ssm = ReplayState.create(batch, cfg.ssm_heads, cfg.head_dim,
+                               cfg.d_state, cfg.n_groups, buffer_len,
+                               policy=precision, row_id=row_ids)
+  elif precision is None:
+    ssm = jnp.zeros(shape, checkpoint_dtype)
+  else:  # zeros store exactly: no random bits needed
+    rn = precision.replace(stochastic_rounding=False) if (
+        precision.stochastic_rounding) else precision
+    ssm = store_baseline(jnp.zeros(shape, jnp.float32), rn,
+                         baseline_storage_dtype(precision), None, None, 0)
+    if precision.stochastic_rounding:
+      if not isinstance(ssm, StoredSSMState):
+        ssm = StoredSSMState(state=ssm)
+      ssm = ssm.replace(row_id=row_ids,
+                        step=jnp.zeros((batch,), jnp.int32))
+  return MambaState(conv=conv, ssm=ssm, precision=precision)
 
 
 def init_attention_state(cfg, batch: int, max_len: int,
