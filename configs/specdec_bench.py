@@ -38,8 +38,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   b.buffer_len = 8 if smoke else 16  # replay buffer (> every window)
   b.prompt_len = 8 if smoke else 128
   b.new_tokens = 16 if smoke else 128
-  # Oracle proposer: each draft is the target's own greedy token with this
-  # probability (mean accepted length ~ (1 - a^T) / (1 - a) tokens/step).
+  # Oracle proposer with a set acceptance probability a per draft (mean
+  # accepted length (1 - a^T) / (1 - a) tokens per verify step):
+  # "greedy_oracle" (greedy; exact in f32, drifts with a bf16 random-weight
+  # target) or "flat_sampling" (sampling at `temperature`, where the target
+  # is nearly uniform; see experiments/specdec_bench.py).
+  b.proposer = "greedy_oracle" if smoke else "flat_sampling"
+  b.temperature = 1000.0
   b.accept_prob = 0.7
   b.checkpoint_dtype = "float32"  # SSM state / replay checkpoint
   b.repeats = 1 if smoke else 2  # timed runs after the compile + warm-up

@@ -126,34 +126,41 @@ PARTS = ("mamba", "ssm", "attention", "mlp", "embed_head")
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6), donate_argnums=(3,))
 def part_loop(graphdef, params, inputs, layers, steps, implementation,
               part):
-  """`steps` decode steps of one part of the model on fixed inputs.
+  """`steps` decode steps of one part of the model.
 
   layers: the per-layer states of the part's layers (donated); inputs: the
-  fixed activations (see `_part_inputs`). Returns (layers, sink): the sink
-  sums a slice of every output so that no step is dead code.
+  first step's activations (see `_part_inputs`; the SSM op alone runs on
+  them every step). Returns (layers, sink): the sink sums a slice of every
+  output so that no step is dead code.
   """
   model = nnx.merge(graphdef, params)
   idx = _part_layers(model, part)
 
+  # Each iteration's input is the previous one's output (as in decoding):
+  # with loop-invariant inputs XLA would hoist the projections of the fixed
+  # activations out of the loop and time only what depends on the state.
   def body(_, carry):
-    layers, sink = carry
+    layers, h, tok, sink = carry
     layers = list(layers)
     if part == "embed_head":
-      x = model.embeddings(inputs["token"])
-      tok = jnp.argmax(model.logits(x), -1)
-      return tuple(layers), sink + tok[:1].astype(jnp.float32)
+      tok = jnp.argmax(model.logits(model.embeddings(tok)), -1)
+      return tuple(layers), h, tok.astype(jnp.int32), sink
     for n, i in enumerate(idx):
       blk = model.blocks[i]
-      if part == "ssm":
+      if part == "ssm":  # opaque kernel on fixed inputs, stateful
         y, layers[n] = _ssm_op(blk.mixer, inputs, layers[n], implementation)
       else:
-        y, layers[n] = blk(inputs["h"], layers[n],
-                           implementation=implementation)
+        y, layers[n] = blk(h, layers[n], implementation=implementation)
+        yf = y.astype(jnp.float32)
+        h = (yf * jax.lax.rsqrt(jnp.mean(yf * yf, -1, keepdims=True)
+                                + 1e-6)).astype(h.dtype)
       sink = sink + y.reshape(y.shape[0], -1)[:1, 0].astype(jnp.float32)
-    return tuple(layers), sink
+    return tuple(layers), h, tok, sink
 
-  return jax.lax.fori_loop(0, steps, body,
-                           (tuple(layers), jnp.zeros((1,), jnp.float32)))
+  layers, _, tok, sink = jax.lax.fori_loop(
+      0, steps, body, (tuple(layers), inputs["h"], inputs["token"],
+                       jnp.zeros((1,), jnp.float32)))
+  return layers, sink + tok[:1].astype(jnp.float32)
 
 
 def _part_layers(model, part: str) -> list[int]:
@@ -199,11 +206,15 @@ def bench_parts(setup: _Setup, config, modes) -> list[dict]:
     # Only the Mamba parts depend on the SSM state.
     for mode, L in (modes if part in ("mamba", "ssm") else [modes[0]]):
       def make(mode=mode, L=L):
-        _, st = setup.state(mode, L)
-        layers = tuple(st.layers[i] for i in idx)
-        if part == "ssm":
-          layers = tuple(s.ssm for s in layers)
-        jax.block_until_ready(layers)
+        if part in ("mlp", "embed_head"):  # stateless parts
+          layers = tuple(None for _ in idx)
+        else:
+          _, st = setup.state(mode, L)
+          # Wait for the whole prefill, not only the part's layers.
+          jax.block_until_ready(st)
+          layers = tuple(st.layers[i] for i in idx)
+          if part == "ssm":
+            layers = tuple(s.ssm for s in layers)
         return lambda: part_loop(graphdef, params, inputs, layers,
                                  b.new_tokens, setup.impl, part)
 

@@ -318,3 +318,30 @@ def test_oracle_proposer_acceptance_rate():
     np.testing.assert_array_equal(prop.num_drafts, 4)
   with pytest.raises(ValueError, match="accept_prob"):
     OracleProposer(ref, 1.5, 50)
+
+
+def test_flat_oracle_proposer_acceptance_rate():
+  """Speculative sampling of a nearly flat target accepts each of the flat
+  oracle's drafts with probability accept_prob."""
+  from experiments.specdec_bench import FlatOracleProposer  # pylint: disable=g-import-not-at-top
+  from replayssm_jax.models import ProposalContext  # pylint: disable=g-import-not-at-top
+  from replayssm_jax.models.generate import sampling_settings  # pylint: disable=g-import-not-at-top
+  from replayssm_jax.models.speculative import accept  # pylint: disable=g-import-not-at-top
+  b, t, vocab, temperature = 4096, 4, 64, 1000.0
+  ctx = ProposalContext(history=None, length=None, last=None,
+                        num_generated=jnp.zeros((b,), jnp.int32),
+                        active=None, iteration=None)
+  logits = jax.random.normal(jax.random.PRNGKey(0), (b, t, vocab)) * 3.0
+  sampling = sampling_settings(temperature, None, None, None,
+                               jax.random.PRNGKey(1))
+  for a in (0.0, 0.5, 0.9):
+    prop, _ = FlatOracleProposer(a, vocab).propose(
+        (), ctx, t, jax.random.PRNGKey(2), sampling)
+    np.testing.assert_allclose(np.sum(prop.q, -1), 1.0, rtol=1e-5)
+    acc, _ = accept(logits, prop.drafts, prop.num_drafts, prop.q, sampling,
+                    jax.random.PRNGKey(3))
+    # First draft accepted w.p. a(1 + O(logit / T)); binomial sd <= 0.008.
+    first = float(np.mean(np.asarray(acc) >= 1))
+    assert abs(first - a) < 0.03 + 1.5 / vocab, (a, first)
+  with pytest.raises(ValueError, match="accept_prob"):
+    FlatOracleProposer(-0.1, vocab)

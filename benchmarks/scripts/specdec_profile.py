@@ -1,0 +1,144 @@
+"""Where a speculative-decoding iteration's time goes (GPU diagnostic).
+
+Times, per SSM mode, jitted loops of the pieces of one iteration of
+`speculative_generate` on `configs/hybrid_1b.py` (random weights) after a
+prefill: the plain decode step (step + argmax), verify of a T-token window
+(+ commit of 2 tokens: the state advances as in decoding), and `accept` on
+[batch, T, vocab] logits (greedy and sampling), and lists the large copies
+in the optimized HLO of the verify + commit loop (a full-state copy per
+iteration would show there).
+
+  PYTHONPATH=. python benchmarks/scripts/specdec_profile.py --batch 256 \
+      --out $OUT/specdec_profile.json
+"""
+
+import argparse
+import json
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from configs import _decode_bench
+from configs import hybrid_1b
+from experiments.decode_bench import build_model
+from replayssm_jax.models import ModelConfig, prefill
+from replayssm_jax.models.generate import sampling_settings
+from replayssm_jax.models.speculative import accept, commit_fn, verify_fn
+
+_SHAPE = re.compile(r"= (\w+)\[([\d,]*)\]")
+_BYTES = dict(f32=4, bf16=2, f16=2, s32=4, pred=1, u32=4, s8=1)
+
+
+def big_copies(hlo: str, min_bytes: int = 2**24) -> list[str]:
+  """Top-level copy instructions moving >= min_bytes."""
+  out = []
+  for line in hlo.splitlines():
+    if " copy(" not in line and " copy-start(" not in line:
+      continue
+    m = _SHAPE.search(line)
+    if not m:
+      continue
+    n = 1
+    for d in filter(None, m.group(2).split(",")):
+      n *= int(d)
+    nbytes = n * _BYTES.get(m.group(1), 4)
+    if nbytes >= min_bytes:
+      out.append(f"{nbytes / 2**20:.0f} MiB: {line.strip()[:160]}")
+  return out
+
+
+def timed(f, *args, steps):
+  f(*args)  # compile + warm-up; args are not donated
+  jax.block_until_ready(f(*args))
+  best = float("inf")
+  for _ in range(3):
+    t = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    best = min(best, time.perf_counter() - t)
+  return 1e3 * best / steps
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--batch", type=int, default=256)
+  ap.add_argument("--window", type=int, default=4)
+  ap.add_argument("--steps", type=int, default=16)
+  ap.add_argument("--out", default="specdec_profile.json")
+  ap.add_argument("--tiny", action="store_true", help="CPU check")
+  a = ap.parse_args()
+  cfg = ModelConfig(**(_decode_bench.TINY_MODEL if a.tiny
+                       else hybrid_1b.get_config().model.to_dict()))
+  model = build_model(cfg, 0)
+  graphdef, params = nnx.split(model)
+  b, t, steps = a.batch, a.window, a.steps
+  prompts = jax.random.randint(jax.random.PRNGKey(1), (b, 128), 0,
+                               cfg.vocab_size, jnp.int32)
+  lengths = jnp.full((b,), 128, jnp.int32)
+  res = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+             batch=b, window=t, steps=steps, modes={})
+
+  @jax.jit
+  def plain_loop(params, tok, st):
+    m = nnx.merge(graphdef, params)
+
+    def body(_, c):
+      tok, st = c
+      logits, st = m.step(tok, st)
+      return jnp.argmax(logits, -1).astype(jnp.int32), st
+    return jax.lax.fori_loop(0, steps, body, (tok, st))
+
+  @jax.jit
+  def verify_loop(params, win, st):
+    m = nnx.merge(graphdef, params)
+
+    def body(_, st):
+      logits, pend = verify_fn(m, win, st, None)
+      st = commit_fn(pend, jnp.full((b,), 2, jnp.int32))
+      return st
+    return jax.lax.fori_loop(0, steps, body, st)
+
+  @jax.jit
+  def verify_only(params, win, st):
+    m = nnx.merge(graphdef, params)
+    logits, pend = verify_fn(m, win, st, None)
+    return logits, pend
+
+  for mode in ("replay", "baseline"):
+    st = model.init_state(b, 128 + 4 * steps * t + 8, ssm_mode=mode,
+                          buffer_len=16, checkpoint_dtype="float32")
+    logits, st = prefill(model, prompts, lengths, st)
+    tok = jnp.argmax(logits, -1).astype(jnp.int32)
+    win = jax.random.randint(jax.random.PRNGKey(2), (b, t), 0,
+                             cfg.vocab_size, jnp.int32)
+    r = dict(plain_step_ms=timed(plain_loop, params, tok, st, steps=steps),
+             verify_commit_ms=timed(verify_loop, params, win, st,
+                                    steps=steps),
+             verify_only_ms=timed(verify_only, params, win, st, steps=1))
+    hlo = verify_loop.lower(params, win, st).compile().as_text()
+    r["verify_loop_big_copies"] = big_copies(hlo)
+    res["modes"][mode] = r
+    print(mode, {k: v for k, v in r.items() if k.endswith("_ms")},
+          len(r["verify_loop_big_copies"]), "big copies", flush=True)
+    del st
+
+  logits = jax.random.normal(jax.random.PRNGKey(3), (b, t, cfg.vocab_size))
+  drafts = jax.random.randint(jax.random.PRNGKey(4), (b, t - 1), 0,
+                              cfg.vocab_size, jnp.int32)
+  nd = jnp.full((b,), t - 1, jnp.int32)
+  q = jnp.full((b, t - 1, cfg.vocab_size), 1.0 / cfg.vocab_size)
+  for name, temp, qq in (("greedy", 0.0, None), ("sampling", 1000.0, q)):
+    sampling = sampling_settings(temp, None, None, None,
+                                 jax.random.PRNGKey(5))
+    f = jax.jit(lambda lg, qq, s=sampling: accept(lg, drafts, nd, qq, s,
+                                                  jax.random.PRNGKey(6)))
+    res[f"accept_{name}_ms"] = timed(f, logits, qq, steps=1)
+  print({k: v for k, v in res.items() if k.startswith("accept")})
+  with open(a.out, "w") as fh:
+    json.dump(res, fh, indent=1)
+
+
+if __name__ == "__main__":
+  main()
