@@ -206,14 +206,30 @@ class PrecisionPolicy:
 
 
 # ------------------------------------------------------------------ RNG
+def row_keys(seed: int, layer, row_id, step, site: int):
+  """[batch, 2] uint32: the threefry key data k_r of each row (see
+  `random_bits`), k_r = fold_in(fold_in(fold_in(fold_in(key(seed), layer),
+  site), row_id[r]), step[r])."""
+  base = jax.random.key(seed, impl="threefry2x32")
+  base = jax.random.fold_in(jax.random.fold_in(base, layer), site)
+
+  def row(r, s):
+    k = jax.random.fold_in(jax.random.fold_in(base, r), s)
+    return jax.random.key_data(k)
+
+  return jax.vmap(row)(jnp.asarray(row_id, jnp.int32),
+                       jnp.asarray(step, jnp.int32))
+
+
 def random_bits(seed: int, layer, row_id, step, shape, site: int):
   """uint32 random bits [batch, *shape] for the stores of one step.
 
   Row r's bits are threefry2x32(k_r, element index) with the key
   k_r = fold_in(fold_in(fold_in(fold_in(key(seed), layer), site),
-  row_id[r]), step[r]): a pure function of (seed, layer, site, row id, step,
-  element index), independent of the batch composition and of jax's
-  `jax_threefry_partitionable` flag.
+  row_id[r]), step[r]) (`row_keys`): a pure function of (seed, layer, site,
+  row id, step, element index), independent of the batch composition and of
+  jax's `jax_threefry_partitionable` flag. `element_bits` computes the bits
+  of any element from k_r alone (what a kernel does).
 
   Args:
     seed: policy seed (int).
@@ -224,17 +240,61 @@ def random_bits(seed: int, layer, row_id, step, shape, site: int):
     site: a store-site tag (SITE_*).
   """
   size = int(np.prod(shape))
-  base = jax.random.key(seed, impl="threefry2x32")
-  base = jax.random.fold_in(jax.random.fold_in(base, layer), site)
   counter = jnp.arange(size, dtype=jnp.uint32)
-
-  def row(r, s):
-    k = jax.random.fold_in(jax.random.fold_in(base, r), s)
-    return _threefry_2x32(jax.random.key_data(k), counter)
-
-  bits = jax.vmap(row)(jnp.asarray(row_id, jnp.int32),
-                       jnp.asarray(step, jnp.int32))
+  keys = row_keys(seed, layer, row_id, step, site)
+  bits = jax.vmap(lambda k: _threefry_2x32(k, counter))(keys)
   return bits.reshape((bits.shape[0],) + tuple(shape))
+
+
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+def threefry2x32_hash(key0, key1, x0, x1):
+  """The Threefry-2x32 block function (20 rounds), in plain uint32 jnp ops
+  (adds, shifts, xors: they lower in Pallas kernels, unlike the threefry
+  primitive). Same values as jax's threefry2x32 primitive.
+
+  Args:
+    key0, key1: uint32 key words (scalars or arrays broadcasting with x).
+    x0, x1: uint32 counter words.
+
+  Returns:
+    (y0, y1) uint32.
+  """
+  u32 = jnp.uint32
+  key0, key1 = jnp.asarray(key0, u32), jnp.asarray(key1, u32)
+  ks = (key0, key1, key0 ^ key1 ^ np.uint32(0x1BD11BDA))
+  x = [jnp.asarray(x0, u32) + ks[0], jnp.asarray(x1, u32) + ks[1]]
+  for i in range(5):
+    for r in _ROTATIONS[i % 2]:
+      x[0] = x[0] + x[1]
+      x[1] = (x[1] << np.uint32(r)) | (x[1] >> np.uint32(32 - r))
+      x[1] = x[0] ^ x[1]
+    x[0] = x[0] + ks[(i + 1) % 3]
+    x[1] = x[1] + ks[(i + 2) % 3] + np.uint32(i + 1)
+  return x[0], x[1]
+
+
+def element_bits(key0, key1, index, size: int):
+  """random_bits of the elements `index` (uint32 flat indices into a row of
+  `size` elements) of the row with key data (key0, key1) (`row_keys`).
+
+  jax's threefry_2x32(k, arange(size)) hashes the counter pairs
+  (i, i + half), half = ceil(size / 2) (a pad 0 past the end for odd
+  sizes), and returns word 0 of pair i at index i and word 1 at i + half;
+  this recomputes that for any subset of the indices (e.g. one kernel
+  tile), so it equals `random_bits` element for element.
+  """
+  size = int(size)
+  half = (size + 1) // 2
+  i = jnp.asarray(index, jnp.uint32)
+  lo = i < np.uint32(half)
+  x0 = jnp.where(lo, i, i - np.uint32(half))
+  x1 = jnp.where(lo, i + np.uint32(half), i)
+  if size % 2:  # the padded counter past the end is 0
+    x1 = jnp.where(x1 == np.uint32(size), np.uint32(0), x1)
+  y0, y1 = threefry2x32_hash(key0, key1, x0, x1)
+  return jnp.where(lo, y0, y1)
 
 
 # ------------------------------------------------------------ rounding
@@ -366,6 +426,6 @@ def quantization_step(dtype) -> float:
 __all__ = [
     "BUFFER_DTYPES", "CHECKPOINT_DTYPES", "PrecisionPolicy", "QMAX",
     "QUANTIZED_DTYPES", "READ_DTYPES", "dequantize", "load", "quantize",
-    "quantization_step", "random_bits", "round_to", "stochastic_round",
-    "store",
+    "element_bits", "quantization_step", "random_bits", "round_to",
+    "row_keys", "stochastic_round", "store", "threefry2x32_hash",
 ]

@@ -311,6 +311,23 @@ def test_random_bits_depend_only_on_the_key():
   np.testing.assert_array_equal(a[1].reshape(-1), want)
 
 
+@pytest.mark.parametrize("shape", [(2, 3), (3, 5, 7), (1,)])
+def test_element_bits_equal_random_bits(shape):
+  """What a kernel computes per element (row keys + threefry of one flat
+  index, in plain uint32 ops) equals random_bits, for even and odd row
+  sizes and for any subset of the indices."""
+  size = int(np.prod(shape))
+  rid = jnp.asarray([5, 9, 2**30], jnp.int32)
+  stp = jnp.asarray([3, 0, 2**31 - 1], jnp.int32)
+  for site in (P.SITE_MASTER, P.SITE_READ_COPY):
+    want = np.asarray(_random_bits(7, 2, rid, stp, shape, site))
+    keys = P.row_keys(7, 2, rid, stp, site)
+    idx = jnp.arange(size, dtype=jnp.uint32)[::-1]  # any order
+    got = jax.vmap(lambda k, i=idx: P.element_bits(k[0], k[1], i, size))(keys)
+    np.testing.assert_array_equal(np.asarray(got)[:, ::-1],
+                                  want.reshape(3, -1))
+
+
 # ---------------------------------------------------------- reproducibility
 @pytest.mark.parametrize("name", ["f16+fp8+sr", "f32+int8+sr"])
 def test_sr_decode_is_bit_reproducible_across_runs_and_batches(name):
