@@ -24,6 +24,14 @@ attention ('*') and MLP ('-') blocks:
   small       128  M-M*-M          8 x 32, N 32           0.77 M
   medium      256  M-M*-M-M*-M-    8 x 64, N 64           5.6 M
   large       512  M-M*-M-M*-M-   16 x 64, N 64           21.2 M
+
+SSM-only variants, `<task>_<size>_ssm` (e.g. `:mqar_small_ssm`): the same
+size with every attention block replaced by a Mamba-2 block (tiny/small
+"M-MM-M", medium/large "M-MM-M-MM-M-"), so that only the SSM state can
+carry the context. Attention alone solves MQAR (it looks the key up in its
+KV cache), so these are the models to evaluate decode-state precision on
+(experiments/precision_accuracy.py). `:smoke_ssm` / `:char_smoke_ssm` are
+the MQAR / char smoke runs with a two-layer pure Mamba-2 model ("MM").
 """
 
 import ml_collections
@@ -90,16 +98,25 @@ def _train(num_steps: int, batch_size: int, lr: float) -> dict:
   )
 
 
+def ssm_only(pattern: str) -> str:
+  """The pattern with every attention block ('*') made a Mamba-2 block."""
+  return pattern.replace("*", "M")
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  """`arg`: "<task>_<size>" (default "mqar_tiny"), "smoke" (= MQAR smoke)
-  or "char_smoke"."""
+  """`arg`: "<task>_<size>" (default "mqar_tiny"), "<task>_<size>_ssm"
+  (SSM-only pattern), "smoke" (= MQAR smoke), "char_smoke", or their
+  two-layer pure Mamba-2 versions "smoke_ssm", "char_smoke_ssm"."""
   arg = arg or "mqar_tiny"
   config = ml_collections.ConfigDict()
   config.name = arg
   config.seed = 0
-  if arg in ("smoke", "mqar_smoke", "char_smoke"):
-    task = "char" if arg == "char_smoke" else "mqar"
+  if arg in ("smoke", "mqar_smoke", "char_smoke", "smoke_ssm",
+             "char_smoke_ssm"):
+    task = "char" if arg.startswith("char_") else "mqar"
     model = dict(_decode_bench.TINY_MODEL)  # d_model 32, "M-M*-M"
+    if arg.endswith("_ssm"):
+      model["pattern"] = "MM"
     if task == "mqar":
       config.task = dict(name="mqar", vocab_size=64, num_kv_pairs=4,
                          num_queries=4, seq_len=24, seed=0)
@@ -116,11 +133,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.train = train
     return config
   task, _, size = arg.partition("_")
-  if task not in TASKS or size not in SIZES:
-    raise ValueError(f"config arg must be 'smoke', 'char_smoke' or "
-                     f"'<task>_<size>' with task in {TASKS} and size in "
-                     f"{SIZES}, got {arg!r}.")
+  size, _, variant = size.partition("_")
+  if task not in TASKS or size not in SIZES or variant not in ("", "ssm"):
+    raise ValueError(f"config arg must be 'smoke', 'char_smoke' (or "
+                     f"either + '_ssm'), '<task>_<size>' or "
+                     f"'<task>_<size>_ssm' "
+                     f"with task in {TASKS} and size in {SIZES}, got "
+                     f"{arg!r}.")
   config.task = dict(_TASK[task])
   config.model = _model(size, config.task.vocab_size)
+  if variant == "ssm":
+    config.model.pattern = ssm_only(config.model.pattern)
   config.train = _train(*_SCHEDULE[size])
   return config

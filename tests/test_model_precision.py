@@ -15,7 +15,7 @@ from flax import nnx
 
 from replayssm_jax import PrecisionPolicy, ReplayState, testing
 from replayssm_jax.models import (HybridLM, ModelConfig, commit,
-                                  decode_step, generate, prefill,
+                                  decode_step, generate,
                                   speculative_generate, verify)
 from replayssm_jax.models import model as M
 from replayssm_jax.models.speculative import NgramProposer
@@ -59,9 +59,22 @@ def _prefill_then_decode(gp, prompts, lengths, cont, state):
   return last, jnp.swapaxes(logits, 0, 1), state
 
 
+_RUNS = {}
+
+
 def run(model, rows=None, ssm_mode="replay", **state_kwargs):
   """prefill + STEPS teacher-forced decode steps of PROMPTS/CONT (the given
-  rows) -> (last prompt logits, decode logits [b, STEPS, vocab], state)."""
+  rows) -> (last prompt logits, decode logits [b, STEPS, vocab], state)
+  as numpy; memoized per arguments (tests share runs, and compilations)."""
+  key = (id(model), None if rows is None else tuple(rows), ssm_mode,
+         repr(sorted((k, np.asarray(v).tolist() if k == "row_ids" else v)
+                     for k, v in state_kwargs.items())))
+  if key not in _RUNS:
+    _RUNS[key] = _run(model, rows, ssm_mode, **state_kwargs)
+  return _RUNS[key]
+
+
+def _run(model, rows, ssm_mode, **state_kwargs):
   rows = np.arange(B) if rows is None else np.asarray(rows)
   state = model.init_state(len(rows), MAX_LEN, ssm_mode=ssm_mode,
                            buffer_len=L, **state_kwargs)
@@ -170,7 +183,7 @@ def test_stochastic_rounding_reproducible_and_batch_independent(model):
   ids = np.array([5, 9, 2])
   pol = PrecisionPolicy.preset("f32+int8+sr").replace(seed=11)
   a = run(model, precision=pol, row_ids=ids)
-  again = run(model, precision=pol, row_ids=ids)
+  again = _run(model, None, "replay", precision=pol, row_ids=ids)
   _assert_trees_equal(a, again)
   other_seed = run(model, precision=pol.replace(seed=12), row_ids=ids)
   assert not np.array_equal(a[1], other_seed[1])
@@ -187,13 +200,12 @@ def test_stochastic_rounding_reproducible_and_batch_independent(model):
 
 
 def test_baseline_round_every_step_stays_expressible(model):
-  """Baseline mode with a policy stores the full state every step: "bf16"
-  is the plain bf16 baseline (a bf16 array, as init_state(checkpoint_dtype=
-  bfloat16) builds it); "f32+int8+sr" keeps an int8 state + scales + SR
-  counters, reproducibly, and its outputs differ from the bf16 ones."""
-  a = run(model, ssm_mode="baseline",
-          precision=PrecisionPolicy.preset("bf16"))
-  assert a[2].layers[1].ssm.dtype == jnp.bfloat16
+  """Baseline mode with a policy stores the full state every step (the
+  contrast of replay's once-per-L stores): "f32+int8+sr" keeps an int8
+  state + scales + SR counters, reproducibly, and stays near the exact
+  decode. (A float policy rounded to nearest is the plain array of
+  init_state(checkpoint_dtype=...), see test_mamba_indices_and_state_
+  layouts.)"""
   pol = PrecisionPolicy.preset("f32+int8+sr")
   c = run(model, ssm_mode="baseline", precision=pol)
   assert np.all(np.isfinite(c[1]))
@@ -201,14 +213,14 @@ def test_baseline_round_every_step_stays_expressible(model):
   assert isinstance(s, StoredSSMState) and s.state.dtype == jnp.int8
   assert s.scale.dtype == jnp.float32
   np.testing.assert_array_equal(s.step, np.array(LENGTHS) + STEPS)
-  _assert_trees_equal(c, run(model, ssm_mode="baseline", precision=pol))
-  assert not np.array_equal(c[1], a[1])
-  # Both stay near the exact decode: within 0.1 of the logit scale after
-  # 40 steps of rounding every step (observed ~1e-2: bf16 roundoff 4e-3
-  # and int8 0.5/127 per step, forgotten at the state's decay rate).
+  _assert_trees_equal(c, _run(model, None, "baseline", precision=pol))
+  # Within 0.1 of the logit scale of the exact (f32 policy) decode after
+  # 40 int8 stores (observed ~5e-3: each store errs by <= amax / 254 per
+  # row, and the state forgets old errors at its decay rate), but not
+  # equal to it.
   ref = run(model, precision=PrecisionPolicy.preset("f32"))
-  for out in (a, c):
-    assert testing.max_rel_error(out[1], ref[1]) < 0.1
+  err = testing.max_rel_error(c[1], ref[1])
+  assert 0 < err < 0.1, err
 
 
 def test_generate_carries_the_policy(model):
@@ -249,14 +261,13 @@ def test_speculative_path_keeps_a_plain_policy(model):
   goes through verify + commit and stays attached to the state."""
   pol = PrecisionPolicy.preset("bf16")
   state = model.init_state(B, MAX_LEN, buffer_len=8, precision=pol)
-  _, state = prefill(model, PROMPTS, jnp.asarray(LENGTHS), state)
+  # From the empty state (no prefill: one compilation less).
   logits, pending = verify(model, PROMPTS[:, 3:6], state)
   assert logits.shape == (B, 3, 64) and np.all(np.isfinite(logits))
   assert pending.state.precision == pol
   committed = commit(pending, jnp.array([3, 1, 2]))
   assert committed.precision == pol
-  np.testing.assert_array_equal(committed.positions,
-                                np.array(LENGTHS) + [3, 1, 2])
+  np.testing.assert_array_equal(committed.positions, [3, 1, 2])
   np.testing.assert_array_equal(committed.layers[0].ssm.count, [3, 1, 2])
   assert committed.layers[0].ssm.checkpoint.dtype == jnp.bfloat16
 

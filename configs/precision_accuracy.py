@@ -1,0 +1,103 @@
+r"""Task accuracy of trained models decoding under precision policies.
+
+Evaluates models trained by experiments/train.py in decode mode (prefill
+one token, then teacher-forced `decode_step`s) with the Mamba decode states
+stored per each precision policy x buffer length L, against the f32
+baseline decode (full f32 state), with the baseline stored at each policy's
+storage dtype (rounded every step) for contrast.
+
+Train the models first (GPU; the SSM-only variants, see configs/train.py,
+because attention alone solves MQAR and would hide the SSM state):
+
+  python -m experiments.train --config=configs/train.py:mqar_small_ssm \
+      --workdir=runs/train/mqar_small_ssm
+  python -m experiments.train --config=configs/train.py:char_small_ssm \
+      --workdir=runs/train/char_small_ssm
+
+then
+
+  python -m experiments.precision_accuracy \
+      --config=configs/precision_accuracy.py --workdir=runs/precision_accuracy
+
+`:medium` / `:large` evaluate the `<task>_medium_ssm` / `<task>_large_ssm`
+runs instead (same workdir layout). Smoke variant (CPU, about a minute;
+trains a two-layer pure Mamba-2 model on the char smoke task first; used by
+tests/test_precision_accuracy.py):
+
+  python -m experiments.precision_accuracy \
+      --config=configs/precision_accuracy.py:smoke \
+      --workdir=runs/precision_accuracy_smoke
+
+Fields (override any with --config.<field>=...):
+  models: one entry per evaluation: name, workdir (of the training run;
+    "" = <workdir>/train/<name>), train_config (the configs/train.py arg
+    used when the run is missing and train_missing is True), eval_seq_len
+    (0: the task's own seq_len; longer sequences make more flushes: a row
+    flushes floor((eval_seq_len - 1) / L) times), train_overrides (flat
+    dict applied to the train config, e.g. {"train.num_steps": 100}).
+  train_missing: train models whose workdir holds no checkpoint (else such
+    a model is an error).
+  policies: `PrecisionPolicy.preset` names; buffer_dtype and sr_seed are
+    applied to each. buffer_lens: the L values.
+  buffer_dtype: x/B buffers. float32 (the models' activation dtype, so the
+    buffers are lossless) isolates the state storage.
+  baseline_contrast: also decode with the baseline state stored every step
+    in each policy's storage dtype (`states.baseline_storage_dtype`) and
+    rounding.
+  eval_batches, eval_batch_size: validation batches per model.
+  within_points: the accuracy band (percentage points) reported as "within".
+"""
+
+import ml_collections
+
+from configs import _args
+
+POLICIES = ("f32", "bf16", "f16", "bf16+sr", "f16+sr", "f32+bf16", "f32+f16",
+            "f32+fp8", "f32+int8", "f32+fp8+sr", "f32+int8+sr", "f16+fp8+sr")
+
+
+def _model(name: str, eval_seq_len: int = 0) -> dict:
+  train_arg = name.split("@")[0]
+  return dict(name=name, workdir=f"runs/train/{train_arg}",
+              train_config=train_arg, eval_seq_len=eval_seq_len,
+              train_overrides={})
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  """The accuracy study; arg "smoke" (CPU test), "medium" or "large"
+  (model size; default small)."""
+  _args.check_arg(arg, "medium", "large")
+  size = arg if arg in ("medium", "large") else "small"
+  config = ml_collections.ConfigDict()
+  config.seed = 0
+  # MQAR at its trained length (255 decode steps: 63 / 15 / 3 flushes per
+  # row at L = 4 / 16 / 64) and at 1024 tokens (same pairs, queries spread
+  # further; 255 / 63 / 15 flushes); char at 1024 tokens.
+  config.models = [_model(f"mqar_{size}_ssm"),
+                   _model(f"mqar_{size}_ssm@1024", 1024),
+                   _model(f"char_{size}_ssm", 1024)]
+  config.train_missing = False
+  config.policies = POLICIES
+  config.buffer_lens = (4, 16, 64)
+  config.buffer_dtype = "float32"
+  config.sr_seed = 1234
+  config.baseline_contrast = True
+  config.eval_batches = 4
+  config.eval_batch_size = 32
+  config.within_points = 1.0
+  if arg == "smoke":
+    # Next-character prediction (every position scored) by a two-layer
+    # pure Mamba-2 model trained for 200 steps here.
+    config.models = [dict(
+        name="char_smoke_ssm", workdir="", train_config="char_smoke_ssm",
+        eval_seq_len=64,  # 63 decode steps: 15 / 7 flushes at L = 4 / 8
+        train_overrides={"train.num_steps": 200, "train.eval_every": 200,
+                         "train.log_every": 50, "train.checkpoint_every": 0,
+                         "train.decode_eval_batches": 0,
+                         "train.warmup_steps": 10})]
+    config.train_missing = True
+    config.policies = ("f32", "f32+int8+sr")
+    config.buffer_lens = (4, 8)
+    config.eval_batches = 1
+    config.eval_batch_size = 16
+  return config

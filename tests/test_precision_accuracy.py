@@ -1,0 +1,111 @@
+"""Smoke run of experiments/precision_accuracy (CPU: trains a two-layer
+pure Mamba-2 char model for 200 steps, then decodes under two policies x
+two buffer lengths and the every-step baseline)."""
+
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("ml_collections")
+pytest.importorskip("matplotlib")
+pytest.importorskip("optax")
+pytest.importorskip("orbax.checkpoint")
+
+from configs import precision_accuracy as pa_config  # noqa: E402
+from experiments import common  # noqa: E402
+from experiments import precision_accuracy  # noqa: E402
+from replayssm_jax import testing  # noqa: E402
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_config_args():
+  full = pa_config.get_config()
+  assert full.to_dict() == pa_config.get_config("").to_dict()
+  assert [m["train_config"] for m in full.models] == [
+      "mqar_small_ssm", "mqar_small_ssm", "char_small_ssm"]
+  assert [m["eval_seq_len"] for m in full.models] == [0, 1024, 1024]
+  assert [m["workdir"] for m in pa_config.get_config("large").models][0] == (
+      "runs/train/mqar_large_ssm")
+  assert pa_config.get_config("smoke").train_missing
+  with pytest.raises(ValueError, match="smoke"):
+    pa_config.get_config("bogus")
+  assert "python -m experiments.precision_accuracy" in pa_config.__doc__
+  # Every model the full config names is an SSM-only train variant.
+  from configs import train as train_config  # pylint: disable=g-import-not-at-top
+  for m in full.models:
+    assert "*" not in train_config.get_config(
+        m["train_config"]).model.pattern
+
+
+def test_missing_model_and_bad_entries_raise(tmp_path):
+  config = pa_config.get_config()
+  config.models = [dict(name="absent", train_config="mqar_small_ssm",
+                        workdir=str(tmp_path / "nowhere"))]
+  with pytest.raises(FileNotFoundError,
+                     match="configs/train.py:mqar_small_ssm"):
+    precision_accuracy.run(config, str(tmp_path / "out"))
+  config.models = [dict(name="x")]
+  with pytest.raises(ValueError, match="train_config"):
+    precision_accuracy.run(config, str(tmp_path / "out"))
+  config.models = [dict(name="x", train_config="smoke_ssm")]
+  config.policies = ("f32", "f64")
+  with pytest.raises(ValueError, match="f64"):
+    precision_accuracy.run(config, str(tmp_path / "out"))
+
+
+def test_precision_accuracy_smoke(tmp_path):
+  config = pa_config.get_config("smoke")
+  workdir = str(tmp_path / "pa")
+  out = precision_accuracy.run(config, workdir)
+  for f in ("config.json", "metrics.jsonl", "summary.md"):
+    assert os.path.exists(os.path.join(workdir, f)), f
+  with open(os.path.join(workdir, "accuracy_delta.png"), "rb") as f:
+    assert f.read(8) == PNG_MAGIC
+  records = common.read_metrics(os.path.join(workdir, "metrics.jsonl"))
+  assert records[0]["kind"] == "environment"
+  assert records[-1]["kind"] == "final"
+  ref = next(r for r in records if r["kind"] == "reference")
+  replay = {(r["policy"], r["L"]): r for r in records
+            if r["kind"] == "replay"}
+  assert set(replay) == {(p, L) for p in config.policies
+                         for L in config.buffer_lens}
+  base = {r["label"]: r for r in records if r["kind"] == "baseline"}
+  assert set(base) == {"int8+sr"}  # f32's every-step baseline = reference
+  steps = config.models[0]["eval_seq_len"] - 1
+  assert ref["decode_steps"] == steps and ref["num_targets"] > 0
+  # The model learned something (chance: 1/77 characters).
+  assert ref["accuracy"] > 0.2, ref
+  for r in list(replay.values()) + list(base.values()):
+    assert np.isfinite(r["loss"]) and r["nonfinite_logits"] == 0, r
+    assert r["within"] == (abs(r["delta_accuracy_points"])
+                           <= config.within_points)
+    assert r["delta_accuracy_points"] == pytest.approx(
+        100 * (r["accuracy"] - ref["accuracy"]))
+  for L in config.buffer_lens:
+    r = replay[("f32", L)]
+    assert r["flushes_per_row"] == steps // L
+    # f32 replay == the f32 baseline decode: the same greedy prediction at
+    # every scored position, hence exactly the same accuracy; logits agree
+    # to f32 association order.
+    assert r["delta_accuracy_points"] == 0.0 and r["agreement"] == 1.0
+    assert r["accuracy"] == ref["accuracy"]
+    assert r["max_rel_logit_diff"] < testing.TOLERANCES["float32"].rtol
+    # The int8 read copy is really read: its logits differ.
+    assert replay[("f32+int8+sr", L)]["max_rel_logit_diff"] > 1e-4
+  with open(os.path.join(workdir, "summary.md")) as f:
+    summary = f.read()
+  assert "| policy | L=4 | L=8 | baseline (every step) |" in summary
+  assert "| f32 | +0.00 (yes) | +0.00 (yes) | = reference |" in summary
+  # The trained model is reused by a second run (no retraining).
+  train_dir = out["models"][0]["train_workdir"]
+  assert train_dir == os.path.join(workdir, "train", "char_smoke_ssm")
+  mtime = os.path.getmtime(os.path.join(train_dir, "metrics.jsonl"))
+  config.policies = ("f32",)
+  config.buffer_lens = (4,)
+  config.baseline_contrast = False
+  again = precision_accuracy.run(config, workdir)
+  assert os.path.getmtime(os.path.join(train_dir, "metrics.jsonl")) == mtime
+  r2 = next(r for r in again["records"] if r["kind"] == "replay")
+  assert r2["accuracy"] == replay[("f32", 4)]["accuracy"]
