@@ -597,7 +597,7 @@ def decode_logits(model, inputs, ssm_mode: str = "replay",
     prefill_len: tokens run by prefill, 1 <= prefill_len <= T.
     implementation: SSM decode op implementation (dispatcher name).
     **state_kwargs: more `model.init_state` keywords (checkpoint_dtype,
-      buffer_dtype, kv_dtype, conv_dtype, ...).
+      buffer_dtype, kv_dtype, conv_dtype, precision, row_ids).
   """
   inputs = np.asarray(inputs)
   if inputs.ndim != 2:

@@ -2,7 +2,10 @@
 
   ModelConfig       architecture (Nemotron-H style layer pattern).
   HybridLM          the Flax NNX model (parameters only).
-  ModelState        decode state (per-layer states + per-row positions).
+  ModelState        decode state (per-layer states + per-row positions);
+                    init_state(precision=PrecisionPolicy) stores the Mamba
+                    states per a precision policy (StoredSSMState: a
+                    baseline state stored in 8 bits / with SR).
   prefill           right-padded prompts -> decode state.
   decode_step       one token per row.
   generate          jit-compiled sampling loop (lax.while_loop).
@@ -22,7 +25,8 @@ from replayssm_jax.models.speculative import (DraftModelProposer,
                                               Proposal, ProposalContext,
                                               Proposer, SpecStats, commit,
                                               speculative_generate, verify)
-from replayssm_jax.models.states import AttentionState, MambaState, ModelState
+from replayssm_jax.models.states import (AttentionState, MambaState,
+                                         ModelState, StoredSSMState)
 
 __all__ = [
     "AttentionState",
@@ -37,6 +41,7 @@ __all__ = [
     "ProposalContext",
     "Proposer",
     "SpecStats",
+    "StoredSSMState",
     "commit",
     "decode_step",
     "from_pretrained",
