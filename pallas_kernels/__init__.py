@@ -12,6 +12,7 @@ its own name (e.g. "pallas_mosaic_gpu") with the same signature.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels import common
 from pallas_kernels import replay as replay_kernel
@@ -19,6 +20,7 @@ from pallas_kernels import ssu as ssu_kernel
 from pallas_kernels import verify as verify_kernel
 from pallas_kernels.common import ReplayConfig, SSUConfig, VerifyConfig
 from replayssm_jax import ops as _ops
+from replayssm_jax import precision as P
 
 
 def on_gpu() -> bool:
@@ -46,15 +48,54 @@ def _ssu_supports(ssm_state, **_):
   return _shape_problem(ssm_state.shape[2], ssm_state.shape[3])
 
 
+def _compute_capability():
+  """(major, minor) of the GPU, or None off-GPU or when unknown."""
+  if not on_gpu():
+    return None
+  cc = getattr(jax.devices()[0], "compute_capability", None)
+  try:
+    major, minor = (int(v) for v in str(cc).split(".")[:2])
+  except ValueError:
+    return None  # unknown: let the Triton compiler decide
+  return major, minor
+
+
+def _fp8_capability_problem():
+  """float8_e4m3fn loads/stores need sm_89+ (Triton's fp8e4nv); interpret
+  mode (off-GPU) runs them anywhere."""
+  cc = _compute_capability()
+  if cc is not None and cc < (8, 9):
+    return (f"rstate.read_copy is float8_e4m3fn, which Triton converts only "
+            f"on compute capability >= 8.9 (this GPU: {cc[0]}.{cc[1]}); use "
+            f"a bfloat16/float16/int8 read_dtype or "
+            f"implementation='reference'.")
+  return None
+
+
 def _precision_problem(rstate, policy=None):
-  """The kernels store neither read copies nor stochastic-rounding state."""
-  if (getattr(rstate, "read_copy", None) is not None
-      or getattr(rstate, "step", None) is not None
-      or getattr(policy, "stochastic_rounding", False)):
-    return ("the state has a read copy or stochastic-rounding counters (a "
-            "PrecisionPolicy with read_dtype or stochastic_rounding), which "
-            "the Pallas kernels do not support yet; use "
-            "implementation='reference'.")
+  """Why the kernels cannot run this state's precision policy, or None.
+
+  Supported: every read copy (bfloat16, float16, float8_e4m3fn with scales,
+  int8 with scales; fp8 on sm_89+), stochastic rounding of the flush stores
+  (needs rstate.row_id and rstate.step), and row_id/step counters (advanced
+  like the reference's).
+  """
+  read_copy = getattr(rstate, "read_copy", None)
+  if read_copy is not None:
+    name = jnp.dtype(read_copy.dtype).name
+    if name not in P.READ_DTYPES:
+      return (f"rstate.read_copy has dtype {name}; the kernels store read "
+              f"copies in ({', '.join(P.READ_DTYPES)}); use "
+              f"implementation='reference'.")
+    if name == "float8_e4m3fn":
+      problem = _fp8_capability_problem()
+      if problem is not None:
+        return problem
+  if (getattr(policy, "stochastic_rounding", False)
+      and getattr(rstate, "step", None) is None):
+    return ("policy.stochastic_rounding needs rstate.row_id and rstate.step "
+            "(they key the random bits); build the state with "
+            "ReplayState.create/from_ssm_state(..., policy=policy).")
   return None
 
 

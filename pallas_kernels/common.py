@@ -9,6 +9,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from replayssm_jax import precision as P
 
 F32 = jnp.float32
 
@@ -143,3 +146,49 @@ def resolve_block_p(block_p, headdim: int) -> int:
     raise NotImplementedError(
         f"block_p ({bp}) must divide headdim ({headdim}).")
   return bp
+
+
+# ------------------------------------------------- stores of a read copy
+# `precision.quantize` / `round_to` restated in ops that the Pallas Triton
+# backend lowers (it has no round primitive, and its max reduction ignores
+# NaN). Equal to them bit for bit (tests/test_pallas_kernels.py).
+
+
+def round_half_even(v):
+  """jnp.round (ties to even) of f32 values with |v| < 2^22, from floor."""
+  f = jnp.floor(v)
+  d = v - f  # exact
+  odd = (f - 2.0 * jnp.floor(f * 0.5)) != 0.0
+  up = (d > 0.5) | ((d == 0.5) & odd)
+  return f + jnp.where(up, 1.0, 0.0)
+
+
+def quantize_rows(xf, dtype, bits=None):
+  """`precision.quantize` of an f32 tile [rows, n] (one scale per row).
+
+  Returns:
+    (q [rows, n] in dtype (float8_e4m3fn or int8), scale [rows] f32).
+  """
+  dt = jnp.dtype(dtype)
+  qmax = np.float32(P.QMAX[dt.name])
+  amax = jnp.max(jnp.abs(xf), axis=-1)
+  # A row with a NaN or inf (the reference: amax not finite); counted
+  # apart because Triton's max drops NaNs.
+  bad = jnp.sum(jnp.where(jnp.isfinite(xf), 0.0, 1.0), axis=-1)
+  finite = bad == 0.0
+  enc = qmax / jnp.where(amax > 0, amax, 1.0)
+  usable = finite & (amax > 0) & jnp.isfinite(enc)
+  enc = jnp.where(usable, enc, 1.0)
+  v = jnp.where(usable[:, None], xf * enc[:, None], 0.0)
+  v = jnp.minimum(jnp.maximum(v, -qmax), qmax)
+  if dt.name == "int8":
+    if bits is None:
+      r = round_half_even(v)
+    else:
+      u = (bits >> np.uint32(8)).astype(F32) * np.float32(2.0**-24)
+      r = jnp.floor(v + u)
+    q = jnp.minimum(jnp.maximum(r, -qmax), qmax).astype(jnp.int8)
+  else:
+    q = P.round_to(v, dt, bits)
+  scale = jnp.where(finite, 1.0 / enc, jnp.nan).astype(F32)
+  return q, scale

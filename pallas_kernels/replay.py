@@ -26,10 +26,23 @@ elements named above are stored: a non-flush step never writes the
 checkpoint. New counters go to a fresh [batch] output (every program of a row
 reads the old counter, so it cannot be updated in place). Matches
 `replayssm_jax.reference.replay_state_update`.
+
+Dual precision (a state with a read copy, `precision.PrecisionPolicy`): the
+output route reads the read copy (bf16/f16, or fp8 e4m3/int8 dequantized
+in f32 with its per-(row, head, headdim-row) scales) in place of the
+checkpoint, which it does not take as an input at all; the flush route
+reads the master + buffer, folds in f32, stores the master in its dtype and
+the copy re-stored from the stored master (`precision.store`, scales from
+the row amax over dstate), both aliased input->output so non-flush rows'
+master, copy and scales keep their bits. Stochastic rounding of the flush
+stores recomputes the reference's threefry bits per element in-kernel
+(`precision.element_bits`, keys per row from `precision.row_keys`). A plain
+state runs exactly the kernels above (same inputs, same code).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -39,6 +52,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
+from replayssm_jax import precision as P
 from replayssm_jax.reference import process_dt
 
 F32 = jnp.float32
@@ -98,19 +112,24 @@ def _unpack(refs, n_in, n_out, has_D, has_z, has_bias):
 
 
 def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
-                   **kw):
+                   scaled=False, **kw):
   """Output route: y from checkpoint + buffer; non-flush rows append.
 
   With all_rows, flush rows take this route for y as well (the formula holds
   for any row), so no program waits on its row's counter before issuing the
   checkpoint read; the flush kernel then only stores the new checkpoint.
   Otherwise flush-row programs exit at once.
+
+  The state read (ck_ref) is the checkpoint, or the state's read copy when it
+  has one (then the master is not an input at all); `scaled`: an 8-bit copy
+  whose per-row f32 scales follow the inputs (dequantized in f32).
   """
   ins, (d_ref, z_ref, bias_ref), outs = _unpack(
-      refs, 10 + precomputed_bc, 5, has_D, has_z, has_bias)
+      refs, 10 + precomputed_bc + scaled, 5, has_D, has_z, has_bias)
   ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, x_ref, dt_ref, a_ref, b_ref = (
       ins[:9])
   c_ref = ins[9]
+  scale_ref = ins[10 + precomputed_bc] if scaled else None
   # Buffers are aliased input->output (same HBM on GPU; copies of the inputs
   # in interpret mode): read the inputs, store to the outputs.
   y_ref, xb_out, bb_out, dtb_out, cnt_out = outs
@@ -141,6 +160,7 @@ def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
       h = p.head0 + r
       # Issue the big read first so its latency overlaps the small math.
       s0 = plgpu.load(ck_ref.at[b, h, ps], eviction_policy="evict_first")
+      scale = None if scale_ref is None else scale_ref[b, h, ps]
       d_cur, s, decay = p.window_weights(h, dtb_ref)
       x_cur = x_ref[b, h, ps].astype(F32)  # [block_p]
       x_hist = plgpu.load(xb_ref.at[b, :, h, ps],
@@ -148,7 +168,10 @@ def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
                                                 (p.L, block_p)),
                           other=0.0).astype(F32)  # [L, block_p]
       x_win = jnp.where(p.cur[:, None], x_cur[None, :], x_hist)
-      readout = jnp.sum(s0.astype(F32) * cv[None, :], axis=1)  # [block_p]
+      s0 = s0.astype(F32)
+      if scale is not None:  # precision.dequantize: q * scale in f32
+        s0 = s0 * scale[:, None]
+      readout = jnp.sum(s0 * cv[None, :], axis=1)  # [block_p]
       y = decay * readout + jnp.sum((s * bc)[:, None] * x_win, axis=0)
       y = common.finish_output(y, x_cur, None if d_ref is None else d_ref[h],
                                None if z_ref is None else z_ref[b, h, ps])
@@ -222,10 +245,103 @@ def _fold_head(p, h, refs, *, unroll, fold_dot, block_p):
   return st, x_cur
 
 
-def _store_flush(p, h, st, x_cur, ck_out, y_out, c_ref, d_ref, z_ref):
+@dataclasses.dataclass(frozen=True)
+class _CopySpec:
+  """What a flush stores besides the master of a state with a read copy
+  and/or stochastic rounding (None for the plain state).
+
+  Attributes:
+    copy: the state has a read copy (an extra aliased input and output).
+    scaled: the copy is 8-bit with [batch, nheads, headdim] f32 scales
+      (another aliased input and output).
+    sr_master, sr_copy: round the master / the copy stochastically; the
+      threefry key data of each row and site come in one [batch, sites, 2]
+      uint32 input (master first), see `precision.row_keys`.
+    nheads, headdim, dstate: row shape (element indices of the random
+      bits).
+    reload: interpret mode: derive the copy from the master tile read back
+      after its store. XLA:CPU recomputes the fold's last update (an
+      elementwise a + b * c) inside each fusion that consumes it and
+      contracts it to an FMA in some only, so the copy could round a value
+      one f32 ulp away from the stored master (seen on f16 ties); an
+      optimization barrier does not survive its fusion passes. Triton
+      computes the tile once, so the GPU code keeps it in registers.
+  """
+  copy: bool
+  scaled: bool
+  sr_master: bool
+  sr_copy: bool
+  nheads: int
+  headdim: int
+  dstate: int
+  reload: bool = False
+
+  @property
+  def n_in(self) -> int:
+    return self.copy + self.scaled + (self.sr_master or self.sr_copy)
+
+  @property
+  def n_out(self) -> int:
+    return self.copy + self.scaled
+
+
+class _FlushStores:
+  """The flush outputs (after y): master, then read copy and its scales;
+  and the extra inputs (read copy, scales, SR keys) that come after y."""
+
+  def __init__(self, outs, extra_ins, spec):
+    self.spec = spec
+    self.ck_out = outs[0]
+    self.rc_out = outs[1] if spec is not None and spec.copy else None
+    self.rs_out = outs[2] if spec is not None and spec.scaled else None
+    nk = 0 if spec is None else spec.copy + spec.scaled
+    self.keys_ref = (extra_ins[nk] if spec is not None
+                     and (spec.sr_master or spec.sr_copy) else None)
+
+  def _bits(self, b, site, index):
+    k0, k1 = self.keys_ref[b, site, 0], self.keys_ref[b, site, 1]
+    spec = self.spec
+    return P.element_bits(k0, k1, index,
+                          spec.nheads * spec.headdim * spec.dstate)
+
+  def store(self, p, h, st):
+    """Stores the master tile rounded to its dtype (maybe stochastically)
+    and the read copy re-stored from it, like the reference's flush."""
+    b, ps, spec = p.b, p.ps, self.spec
+    index = None
+    if spec.sr_master or spec.sr_copy:
+      # Flat element indices (h, p, n) of the tile within the row.
+      block_p, n = st.shape
+      rows = (jnp.arange(block_p, dtype=jnp.int32) + p.pblk * block_p
+              + h * spec.headdim)
+      index = (rows[:, None] * n + jnp.arange(n, dtype=jnp.int32)[None, :]
+               ).astype(jnp.uint32)
+    master = P.round_to(st, self.ck_out.dtype,
+                        self._bits(b, 0, index) if spec.sr_master else None)
+    plgpu.store(self.ck_out.at[b, h, ps], master)
+    if spec.reload:  # interpret mode only, see _CopySpec.reload
+      master = plgpu.load(self.ck_out.at[b, h, ps])
+    if self.rc_out is None:
+      return
+    bits = self._bits(b, int(spec.sr_master), index) if spec.sr_copy else None
+    mf = master.astype(F32)
+    if self.rs_out is not None:
+      q, scale = common.quantize_rows(mf, self.rc_out.dtype, bits)
+      plgpu.store(self.rc_out.at[b, h, ps], q)
+      self.rs_out[b, h, ps] = scale
+    else:
+      plgpu.store(self.rc_out.at[b, h, ps],
+                  P.round_to(mf, self.rc_out.dtype, bits))
+
+
+def _store_flush(p, h, st, x_cur, stores, y_out, c_ref, d_ref, z_ref):
   """Stores the new checkpoint tile (and y read from it, with y_out)."""
   b, ps = p.b, p.ps
-  plgpu.store(ck_out.at[b, h, ps], st.astype(ck_out.dtype))
+  if stores.spec is None:
+    ck_out = stores.ck_out
+    plgpu.store(ck_out.at[b, h, ps], st.astype(ck_out.dtype))
+  else:
+    stores.store(p, h, st)
   if y_out is not None:
     y = jnp.sum(st * c_ref[b, p.g, :].astype(F32)[None, :], axis=1)
     y = common.finish_output(y, x_cur, None if d_ref is None else d_ref[h],
@@ -234,15 +350,18 @@ def _store_flush(p, h, st, x_cur, ck_out, y_out, c_ref, d_ref, z_ref):
 
 
 def _flush_kernel(*refs, has_D, has_z, has_bias, writes_y, unroll, fold_dot,
-                  **kw):
+                  copy_spec=None, **kw):
   """Flush route over the output route's grid: programs of non-flush rows
   exit at once (each still costs a launch slot); flush rows fold L tokens
-  into a new checkpoint and store it, with writes_y also y."""
+  into a new checkpoint and store it, with writes_y also y (and with
+  copy_spec the read copy, see _CopySpec)."""
+  nin, nout = _copy_counts(copy_spec)
   ins, (d_ref, z_ref, bias_ref), outs = _unpack(
-      refs, 10 + writes_y, 1 + writes_y, has_D, has_z, has_bias)
+      refs, 10 + writes_y + nin, 1 + writes_y + nout, has_D, has_z, has_bias)
   ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, x_ref, dt_ref, a_ref, b_ref = (
       ins[:9])
   c_ref, y_out = ins[9], outs[0] if writes_y else None
+  stores = _FlushStores(outs[writes_y:], ins[10 + writes_y:], copy_spec)
   p = _Program.from_grid(cnt_ref, dt_ref, a_ref, bias_ref, **kw)
   fold_refs = (ck_ref, xb_ref, bb_ref, dtb_ref, x_ref, b_ref)
 
@@ -252,7 +371,7 @@ def _flush_kernel(*refs, has_D, has_z, has_bias, writes_y, unroll, fold_dot,
       h = p.head0 + r
       st, x_cur = _fold_head(p, h, fold_refs, unroll=unroll,
                              fold_dot=fold_dot, block_p=kw["block_p"])
-      _store_flush(p, h, st, x_cur, outs[-1], y_out, c_ref, d_ref, z_ref)
+      _store_flush(p, h, st, x_cur, stores, y_out, c_ref, d_ref, z_ref)
       return carry
 
     lax.fori_loop(0, kw["heads_per_program"], one_head, 0)
@@ -260,7 +379,8 @@ def _flush_kernel(*refs, has_D, has_z, has_bias, writes_y, unroll, fold_dot,
 
 def _flush_persistent_kernel(*refs, has_D, has_z, has_bias, writes_y,
                              unroll, fold_dot, num_programs, nheads,
-                             heads_per_group, block_p, headdim, **kw):
+                             heads_per_group, block_p, headdim,
+                             copy_spec=None, **kw):
   """Flush route on a fixed grid of num_programs programs that share out
   the work items (flush row, head, headdim block) of the flush rows only.
 
@@ -271,11 +391,13 @@ def _flush_persistent_kernel(*refs, has_D, has_z, has_bias, writes_y,
   P programs whatever the batch, and a step where 1/L of the rows flush
   does 1/L of the work (no early-exit program per non-flush row).
   """
+  nin, nout = _copy_counts(copy_spec)
   ins, (d_ref, z_ref, bias_ref), outs = _unpack(
-      refs, 10 + writes_y, 1 + writes_y, has_D, has_z, has_bias)
+      refs, 10 + writes_y + nin, 1 + writes_y + nout, has_D, has_z, has_bias)
   ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, x_ref, dt_ref, a_ref, b_ref = (
       ins[:9])
   c_ref, y_out = ins[9], outs[0] if writes_y else None
+  stores = _FlushStores(outs[writes_y:], ins[10 + writes_y:], copy_spec)
   L = kw["buffer_len"]
   counts = cnt_ref[...]  # [batch] (padded to a power of two with -1)
   flush = (counts == L - 1).astype(jnp.int32)
@@ -299,10 +421,15 @@ def _flush_persistent_kernel(*refs, has_D, has_z, has_bias, writes_y,
                  block_p=block_p, count=L - 1, **kw)
     st, x_cur = _fold_head(p, h, fold_refs, unroll=unroll,
                            fold_dot=fold_dot, block_p=block_p)
-    _store_flush(p, h, st, x_cur, outs[-1], y_out, c_ref, d_ref, z_ref)
+    _store_flush(p, h, st, x_cur, stores, y_out, c_ref, d_ref, z_ref)
     return carry
 
   lax.fori_loop(0, mine, item, 0)
+
+
+def _copy_counts(spec):
+  """(extra inputs, extra outputs) of the flush kernels for a _CopySpec."""
+  return (0, 0) if spec is None else (spec.n_in, spec.n_out)
 
 
 def _fold_precision(flush_fold: str, interpret: bool):
@@ -332,13 +459,58 @@ def default_block_p(batch: int, nheads: int, headdim: int) -> int:
   return headdim if batch * nheads >= 16 * 132 else min(16, headdim)
 
 
-@functools.partial(jax.jit, static_argnames=("dt_softplus", "config",
-                                             "interpret"))
+def _copy_spec(rstate, policy, interpret):
+  """The _CopySpec of a state and policy (None: the plain state)."""
+  sr = policy is not None and policy.stochastic_rounding
+  if rstate.read_copy is None and not sr:
+    return None
+  if sr and rstate.step is None:
+    raise ValueError(
+        f"policy {policy.name!r} rounds stochastically, which needs "
+        f"rstate.row_id and rstate.step ([batch] int32).")
+  copy = rstate.read_copy is not None
+  scaled = rstate.read_scale is not None
+  if copy and scaled != (jnp.dtype(rstate.read_copy.dtype).name
+                         in P.QUANTIZED_DTYPES):
+    raise ValueError(
+        f"rstate.read_scale must be given exactly with an 8-bit read copy "
+        f"(float8_e4m3fn/int8), got a {rstate.read_copy.dtype} copy and "
+        f"read_scale={'None' if rstate.read_scale is None else 'array'}.")
+  _, nheads, headdim, dstate = rstate.checkpoint.shape
+  return _CopySpec(
+      copy=copy, scaled=scaled,
+      sr_master=sr and jnp.dtype(rstate.checkpoint.dtype) != jnp.dtype(F32),
+      sr_copy=sr and copy, nheads=nheads, headdim=headdim, dstate=dstate,
+      reload=interpret and copy)
+
+
+def _sr_keys(spec, policy, layer, rstate):
+  """[batch, sites, 2] uint32 key data of the stochastic stores (master
+  first, then the read copy), or None."""
+  sites = ([P.SITE_MASTER] if spec.sr_master else []) + (
+      [P.SITE_READ_COPY] if spec.sr_copy else [])
+  if not sites:
+    return None
+  return jnp.stack([P.row_keys(policy.seed, layer, rstate.row_id,
+                               rstate.step, site) for site in sites], axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("dt_softplus", "policy",
+                                             "config", "interpret"))
 def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
-                        dt_softplus=False, *,
+                        dt_softplus=False, policy=None, layer=0, *,
                         config: common.ReplayConfig = common.ReplayConfig(),
                         interpret: bool = False):
-  """Same signature and results as the reference, plus a tuning config."""
+  """Same signature and results as the reference, plus a tuning config.
+
+  A state with a read copy (`precision.PrecisionPolicy.read_dtype`): the
+  output route reads the copy (and its scales) instead of the master, the
+  flush route reads the master + buffer and writes the master and the
+  re-stored copy (aliased: non-flush rows' copies are never written). With
+  `policy.stochastic_rounding` the flush stores round stochastically with
+  the reference's bits (keyed by policy.seed, layer, row_id, step and the
+  element index); `step` advances like the reference's.
+  """
   from replayssm_jax.state import ReplayState  # pylint: disable=g-import-not-at-top
   batch, nheads, headdim, _ = rstate.checkpoint.shape
   ngroups = rstate.ngroups
@@ -359,8 +531,18 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     raise NotImplementedError(
         f"heads_per_program ({hb}) must divide nheads // ngroups "
         f"({per_group}).")
-  state_in = [rstate.checkpoint, rstate.x_buf, rstate.b_buf, rstate.dt_buf,
-              rstate.count]
+  spec = _copy_spec(rstate, policy, interpret)
+  if spec is not None and spec.copy and config.output_all_rows:
+    raise NotImplementedError(
+        "config.output_all_rows=True computes the flush rows' y from the "
+        "state the output route reads, which with a read copy is the copy, "
+        "not the rebuilt master (the reference reads y from the fold); use "
+        "output_all_rows=False with a read copy.")
+  # The output route reads the read copy (never the master) when there is
+  # one; otherwise the same inputs and kernel code as the plain state.
+  read = rstate.checkpoint if rstate.read_copy is None else rstate.read_copy
+  scaled = rstate.read_scale is not None
+  state_in = [read, rstate.x_buf, rstate.b_buf, rstate.dt_buf, rstate.count]
   token_in = [x, dt, A, B, C]
   optional = [v for v in (D, z, dt_bias) if v is not None]
   kw = dict(buffer_len=rstate.buffer_len, heads_per_program=hb,
@@ -379,11 +561,14 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     # the kernel): reads the B buffer once per row instead of per program.
     extra = [jnp.einsum("blgn,bgn->blg", rstate.b_buf.astype(F32),
                         C.astype(F32), precision=lax.Precision.HIGHEST)]
+  if scaled:
+    extra.append(rstate.read_scale)
   # Both routes always launch; each program exits at once on rows that are
   # not its route's (no host-side branch; every row's route is data).
+  out_kw = dict(scaled=True) if scaled else {}
   y, xb, bb, dtb, cnt = pl.pallas_call(
       functools.partial(_output_kernel, all_rows=config.output_all_rows,
-                        precomputed_bc=config.precompute_bc, **kw),
+                        precomputed_bc=config.precompute_bc, **out_kw, **kw),
       grid=grid(block_p),
       out_shape=(sds((batch, nheads, headdim), x.dtype),
                  sds(rstate.x_buf.shape, rstate.x_buf.dtype),
@@ -413,15 +598,44 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   else:
     kernel = functools.partial(_flush_kernel, **flush_kw)
     flush_grid = grid(flush_block_p)
+  out_shape = ((sds(y.shape, y.dtype),) if writes_y else ()) + (
+      sds(rstate.checkpoint.shape, rstate.checkpoint.dtype),)
+  aliases = {10: 0, 0: 1} if writes_y else {0: 0}
+  copy_in = []
+  if spec is not None:
+    kernel = functools.partial(kernel, copy_spec=spec)
+    # Read copy and scales: aliased input -> output after the master, so
+    # only flush rows' tiles are stored and the others keep their bits.
+    first_in, first_out = 10 + writes_y, 1 + writes_y
+    for v in (rstate.read_copy, rstate.read_scale):
+      if v is not None:
+        aliases[first_in + len(copy_in)] = first_out + len(copy_in)
+        out_shape += (sds(v.shape, v.dtype),)
+        copy_in.append(v)
+    keys = _sr_keys(spec, policy, layer, rstate)
+    if keys is not None:
+      copy_in.append(keys)
   outs = pl.pallas_call(
       kernel, grid=flush_grid,
-      out_shape=((sds(y.shape, y.dtype),) if writes_y else ()) + (
-          sds(rstate.checkpoint.shape, rstate.checkpoint.dtype),),
-      input_output_aliases={10: 0, 0: 1} if writes_y else {0: 0},
+      out_shape=out_shape,
+      input_output_aliases=aliases,
       compiler_params=params, interpret=interpret,
       name="replayssm_replay_flush_route",
   )(rstate.checkpoint, xb, bb, dtb, count, *token_in,
-    *([y] if writes_y else []), *optional)
-  y, ck = (outs if writes_y else (y, outs[0]))
+    *([y] if writes_y else []), *copy_in, *optional)
+  if writes_y:
+    y, outs = outs[0], outs[1:]
+  ck, outs = outs[0], outs[1:]
+  fields = {}
+  if spec is not None and spec.copy:
+    fields["read_copy"] = outs[0]
+    if spec.scaled:
+      fields["read_scale"] = outs[1]
+  if rstate.step is not None:  # as the reference: +1 per in-range row
+    c = rstate.count
+    in_range = (c >= 0) & (c < rstate.buffer_len)
+    fields["row_id"] = rstate.row_id
+    fields["step"] = jnp.where(in_range, rstate.step + 1,
+                               rstate.step).astype(jnp.int32)
   return y, ReplayState(checkpoint=ck, x_buf=xb, b_buf=bb, dt_buf=dtb,
-                        count=cnt)
+                        count=cnt, **fields)

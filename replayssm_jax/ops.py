@@ -188,7 +188,8 @@ def replay_state_update(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
       layers) keying stochastic rounding; ignored otherwise.
     Others: see `selective_state_update`. A state with a read copy or
       stochastic rounding runs on implementations that support it (the
-      reference; the Pallas kernels refuse it with NotImplementedError).
+      reference and the Pallas kernels; see
+      `pallas_kernels._precision_problem` for what they refuse).
 
   Returns:
     (y [batch, nheads, headdim] in x.dtype, new ReplayState).

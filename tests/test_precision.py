@@ -565,7 +565,7 @@ def test_create_and_validate_policy_fields():
     st.replace(step=st.step.astype(jnp.int16)).validate()
 
 
-def test_step_checks_policy_against_state_and_refuses_kernels():
+def test_step_checks_policy_against_state_and_refuses_verify():
   params, steps = _params(), _steps()
   kw = harness.step_kwargs(_tok(steps, 0), params, True)
   q8 = P.PrecisionPolicy.preset("f32+int8")
@@ -578,8 +578,6 @@ def test_step_checks_policy_against_state_and_refuses_kernels():
         stochastic_rounding=True))
   with pytest.raises(ValueError, match=r"layer must be an int >= 0"):
     rs.replay_state_update(st, **kw, policy=q8, layer=-1)
-  with pytest.raises(NotImplementedError, match=r"read copy or stochastic"):
-    rs.replay_state_update(st, **kw, policy=q8, implementation="pallas")
   # policy=None: the state's own (round-to-nearest) policy, same result.
   y_none, new_none = rs.replay_state_update(st, **kw)
   y_pol, new_pol = rs.replay_state_update(st, **kw, policy=q8)
