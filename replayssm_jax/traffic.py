@@ -27,6 +27,16 @@ Amortized over one L-step cycle (every fill once, one flush):
   S*(1 + 1/L) + r*(L-1)*(L+2)/(2L) + token I/O + 8,
 minimized near L* ~= sqrt(2S/r) (research notes §2.6).
 
+Dual precision (`read_dtype`, a `precision.PrecisionPolicy` read copy):
+  R = H*P*N*q (+ 4*H*P)  one row's read copy (q = itemsize of the read dtype;
+                         8-bit copies add one f32 scale per (head, P-row));
+  non-flush: R (copy + scales read, never the checkpoint) + f*r + token I/O
+             + r + 8;
+  flush:     2S (master read + write) + R (copy + scales write) + (L-1)*r
+             + token I/O + 8.
+Stochastic rounding adds only per-row counters and keys (a few bytes per
+row, ignored here).
+
 The model deliberately ignores caches: B history is counted once per group
 (the per-group bc pre-computation of §2.4), and the flush route's per-head
 re-reads of B are assumed to hit L2.
@@ -48,6 +58,10 @@ _COUNT_BYTES = 4  # int32 per-row counter
 
 
 # ---------------------------------------------------------------- arguments
+_READ_DTYPES = ("bfloat16", "float16", "float8_e4m3fn", "int8")
+_SCALED_READ_DTYPES = ("float8_e4m3fn", "int8")  # + f32 per (head, P-row)
+
+
 def _check_pos_int(name: str, value: Any, minimum: int = 1) -> int:
   if isinstance(value, bool) or not isinstance(value, numbers.Integral):
     raise TypeError(f"{name} must be an int, got {type(value).__name__} "
@@ -122,12 +136,40 @@ def param_bytes(dims: LayerDims, *, has_D: bool = True,
   return _F32_BYTES * dims.nheads * (1 + int(has_D) + int(has_dt_bias))
 
 
+def _read_dtype_name(read_dtype) -> str | None:
+  if read_dtype is None:
+    return None
+  try:
+    name = jnp.dtype(read_dtype).name
+  except TypeError:
+    name = None
+  if name not in _READ_DTYPES:
+    raise TypeError(f"read_dtype must be None or one of "
+                    f"({', '.join(_READ_DTYPES)}), got {read_dtype!r}.")
+  return name
+
+
+def read_copy_bytes(dims: LayerDims, read_dtype) -> int:
+  """R: one row's read copy in `read_dtype` (bfloat16, float16,
+  float8_e4m3fn, int8), with the f32 scale per (head, headdim-row) of an
+  8-bit copy; 0 for read_dtype None."""
+  name = _read_dtype_name(read_dtype)
+  if name is None:
+    return 0
+  scales = (_F32_BYTES * dims.nheads * dims.headdim
+            if name in _SCALED_READ_DTYPES else 0)
+  return dims.state_elems * jnp.dtype(name).itemsize + scales
+
+
 def replay_state_bytes(dims: LayerDims, buffer_len: int, checkpoint_dtype,
-                       buffer_dtype=jnp.bfloat16) -> int:
-  """Memory footprint of one row's ReplayState (checkpoint + L slots +
-  counter), for capacity planning; compare `state_bytes`."""
+                       buffer_dtype=jnp.bfloat16, *,
+                       read_dtype=None) -> int:
+  """Memory footprint of one row's ReplayState (checkpoint + read copy if
+  any + L slots + counter), for capacity planning; compare `state_bytes`.
+  (Stochastic rounding's row_id/step add 8 bytes, not counted.)"""
   _check_pos_int("buffer_len", buffer_len)
   return (state_bytes(dims, checkpoint_dtype)
+          + read_copy_bytes(dims, read_dtype)
           + buffer_len * buffered_token_bytes(dims, buffer_dtype)
           + _COUNT_BYTES)
 
@@ -157,7 +199,8 @@ def baseline_step_bytes(dims: LayerDims, batch: int, state_dtype,
 def replay_step_bytes(dims: LayerDims, batch: int, buffer_len: int, fill: int,
                       checkpoint_dtype, buffer_dtype=jnp.bfloat16,
                       act_dtype=jnp.bfloat16, *, has_z: bool = False,
-                      has_D: bool = True, has_dt_bias: bool = True) -> int:
+                      has_D: bool = True, has_dt_bias: bool = True,
+                      read_dtype=None) -> int:
   """Bytes moved by one `replay_state_update` call with every row at `fill`.
 
   Args:
@@ -169,6 +212,9 @@ def replay_step_bytes(dims: LayerDims, batch: int, buffer_len: int, fill: int,
     buffer_dtype: storage dtype of the x and B buffers (dt' is float32).
     act_dtype: dtype of x, z, y, dt, B, C.
     has_z, has_D, has_dt_bias: whether the optional inputs are present.
+    read_dtype: None, or the dtype of a read copy (dual precision):
+      non-flush steps read the copy (+ scales) instead of the checkpoint,
+      flush steps also write it.
 
   Returns:
     batch * per-row bytes (see module docstring) + per-call parameter bytes.
@@ -180,25 +226,26 @@ def replay_step_bytes(dims: LayerDims, batch: int, buffer_len: int, fill: int,
     raise ValueError(f"fill must be in [0, buffer_len) = [0, {L}), got "
                      f"{fill}.")
   S = state_bytes(dims, checkpoint_dtype)
+  R = read_copy_bytes(dims, read_dtype)
   r = buffered_token_bytes(dims, buffer_dtype)
   io = token_io_bytes(dims, act_dtype, has_z=has_z)
   count = 2 * _COUNT_BYTES
   if fill == L - 1:  # flush: rebuild over all L tokens, write the checkpoint
-    row = 2 * S + (L - 1) * r + io + count
-  else:  # output-only: read checkpoint + history, append the token
-    row = S + fill * r + io + r + count
+    row = 2 * S + R + (L - 1) * r + io + count  # (+ the copy write)
+  else:  # output-only: read checkpoint (or copy) + history, append the token
+    row = (R if R else S) + fill * r + io + r + count
   return batch * row + param_bytes(dims, has_D=has_D, has_dt_bias=has_dt_bias)
 
 
 def replay_amortized_bytes(dims: LayerDims, batch: int, buffer_len: int,
                            checkpoint_dtype, buffer_dtype=jnp.bfloat16,
                            act_dtype=jnp.bfloat16, *, has_z: bool = False,
-                           has_D: bool = True,
-                           has_dt_bias: bool = True) -> float:
+                           has_D: bool = True, has_dt_bias: bool = True,
+                           read_dtype=None) -> float:
   """Mean bytes per replay step over one L-step cycle (one flush per L)."""
   steps = _cycle_bytes(dims, batch, buffer_len, checkpoint_dtype,
                        buffer_dtype, act_dtype, has_z=has_z, has_D=has_D,
-                       has_dt_bias=has_dt_bias)
+                       has_dt_bias=has_dt_bias, read_dtype=read_dtype)
   return sum(steps) / len(steps)
 
 
@@ -241,13 +288,14 @@ class ReplayTraffic:
 def replay_breakdown(dims: LayerDims, batch: int, buffer_len: int,
                      checkpoint_dtype, buffer_dtype=jnp.bfloat16,
                      act_dtype=jnp.bfloat16, *, has_z: bool = False,
-                     has_D: bool = True,
-                     has_dt_bias: bool = True) -> ReplayTraffic:
-  """Non-flush, flush and amortized replay bytes against the baseline."""
+                     has_D: bool = True, has_dt_bias: bool = True,
+                     read_dtype=None) -> ReplayTraffic:
+  """Non-flush, flush and amortized replay bytes against the baseline
+  (whose full state is stored in the checkpoint dtype)."""
   kw = dict(has_z=has_z, has_D=has_D, has_dt_bias=has_dt_bias)
   base = baseline_step_bytes(dims, batch, checkpoint_dtype, act_dtype, **kw)
   steps = _cycle_bytes(dims, batch, buffer_len, checkpoint_dtype,
-                       buffer_dtype, act_dtype, **kw)
+                       buffer_dtype, act_dtype, read_dtype=read_dtype, **kw)
   L = len(steps)
   amortized = sum(steps) / L
   return ReplayTraffic(
@@ -266,14 +314,16 @@ def replay_breakdown(dims: LayerDims, batch: int, buffer_len: int,
 def optimal_buffer_len(dims: LayerDims, checkpoint_dtype,
                        buffer_dtype=jnp.bfloat16, act_dtype=jnp.bfloat16,
                        max_len: int = 64, *, has_z: bool = False,
-                       has_D: bool = True, has_dt_bias: bool = True) -> int:
+                       has_D: bool = True, has_dt_bias: bool = True,
+                       read_dtype=None) -> int:
   """The L in [1, max_len] with the fewest amortized bytes per step.
 
   Independent of the batch size (the per-call terms do not depend on L).
   Ties go to the smaller L (less buffer memory).
   """
   max_len = _check_pos_int("max_len", max_len)
-  kw = dict(has_z=has_z, has_D=has_D, has_dt_bias=has_dt_bias)
+  kw = dict(has_z=has_z, has_D=has_D, has_dt_bias=has_dt_bias,
+            read_dtype=read_dtype)
   costs = [replay_amortized_bytes(dims, 1, L, checkpoint_dtype, buffer_dtype,
                                   act_dtype, **kw)
            for L in range(1, max_len + 1)]
@@ -281,25 +331,34 @@ def optimal_buffer_len(dims: LayerDims, checkpoint_dtype,
 
 
 def approx_optimal_buffer_len(dims: LayerDims, checkpoint_dtype,
-                              buffer_dtype=jnp.bfloat16) -> float:
-  """sqrt(2S/r), the continuous optimum of S/L + L*r/2 (research §2.6)."""
-  return math.sqrt(2 * state_bytes(dims, checkpoint_dtype)
-                   / buffered_token_bytes(dims, buffer_dtype))
+                              buffer_dtype=jnp.bfloat16, *,
+                              read_dtype=None) -> float:
+  """sqrt(2S/r), the continuous optimum of S/L + L*r/2 (research §2.6).
+
+  With a read copy the flush costs 2S (master read + write) over the
+  non-flush step's copy read, so the L-dependent term is 2S/L + L*r/2 and
+  the optimum sqrt(4S/r).
+  """
+  S = state_bytes(dims, checkpoint_dtype)
+  if _read_dtype_name(read_dtype) is not None:
+    S *= 2
+  return math.sqrt(2 * S / buffered_token_bytes(dims, buffer_dtype))
 
 
 # ------------------------------------------------------------------- tables
 def traffic_table(dims: LayerDims, batch: int, buffer_lens: Sequence[int],
                   checkpoint_dtype, buffer_dtype=jnp.bfloat16,
                   act_dtype=jnp.bfloat16, *, has_z: bool = False,
-                  has_D: bool = True,
-                  has_dt_bias: bool = True) -> list[dict]:
+                  has_D: bool = True, has_dt_bias: bool = True,
+                  read_dtype=None) -> list[dict]:
   """One row per L: baseline vs replay bytes per step and predicted speed-up.
 
   Returns:
     list of JSON-serializable dicts with keys L, batch, checkpoint_dtype,
-    buffer_dtype, act_dtype, baseline_bytes, replay_non_flush_bytes (mean over
-    the non-flush fills, None for L=1), replay_flush_bytes,
-    replay_amortized_bytes, ratio, predicted_speedup.
+    read_dtype (None without a read copy), buffer_dtype, act_dtype,
+    baseline_bytes, replay_non_flush_bytes (mean over the non-flush fills,
+    None for L=1), replay_flush_bytes, replay_amortized_bytes, ratio,
+    predicted_speedup.
   """
   if isinstance(buffer_lens, int) or not len(buffer_lens):
     raise ValueError(f"buffer_lens must be a non-empty sequence of ints, got "
@@ -308,11 +367,12 @@ def traffic_table(dims: LayerDims, batch: int, buffer_lens: Sequence[int],
   for L in buffer_lens:
     t = replay_breakdown(dims, batch, L, checkpoint_dtype, buffer_dtype,
                          act_dtype, has_z=has_z, has_D=has_D,
-                         has_dt_bias=has_dt_bias)
+                         has_dt_bias=has_dt_bias, read_dtype=read_dtype)
     rows.append(dict(
         L=L,
         batch=batch,
         checkpoint_dtype=jnp.dtype(checkpoint_dtype).name,
+        read_dtype=_read_dtype_name(read_dtype),
         buffer_dtype=jnp.dtype(buffer_dtype).name,
         act_dtype=jnp.dtype(act_dtype).name,
         baseline_bytes=t.baseline,

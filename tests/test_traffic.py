@@ -200,12 +200,14 @@ def test_nemotron_optimum():
 def test_traffic_table():
   rows = T.traffic_table(NEMO, 256, [1, 4, 16], F32)
   assert [r["L"] for r in rows] == [1, 4, 16]
-  keys = {"L", "batch", "checkpoint_dtype", "buffer_dtype", "act_dtype",
+  keys = {"L", "batch", "checkpoint_dtype", "read_dtype", "buffer_dtype",
+          "act_dtype",
           "baseline_bytes", "replay_non_flush_bytes", "replay_flush_bytes",
           "replay_amortized_bytes", "ratio", "predicted_speedup"}
   for row in rows:
     assert set(row) == keys
     assert row["checkpoint_dtype"] == "float32"
+    assert row["read_dtype"] is None
     assert row["buffer_dtype"] == "bfloat16"
     assert row["predicted_speedup"] == pytest.approx(1 / row["ratio"])
   assert rows[0]["replay_non_flush_bytes"] is None
@@ -213,6 +215,75 @@ def test_traffic_table():
   assert rows[2]["replay_amortized_bytes"] == b16.amortized
   assert rows[2]["replay_flush_bytes"] == b16.flush
   assert rows[2]["baseline_bytes"] == T.baseline_step_bytes(NEMO, 256, F32)
+
+
+# ----------------------------------------------------- dual precision copies
+def test_read_copy_small_dims_by_hand():
+  # SMALL: H=4, P=2, N=3 (24 elements), f32 master S=96, bf16 buffers r=44,
+  # token I/O 64, parameters 48 (see test_small_dims_by_hand).
+  S, r, io, params = 96, 44, 64, 48
+  scales = 4 * 2 * 4  # one f32 per (head, headdim-row)
+  R = {"int8": 24 + scales, "float8_e4m3fn": 24 + scales,
+       "bfloat16": 48, "float16": 48}
+  assert R["int8"] == 56
+  for rd, want in R.items():
+    assert T.read_copy_bytes(SMALL, rd) == want
+  assert T.read_copy_bytes(SMALL, None) == 0
+  # L=3, int8 copy: non-flush rows read the copy (+ scales) instead of the
+  # checkpoint; the flush reads + writes the master and writes the copy.
+  row0 = 56 + 0 * r + io + r + 8  # 172
+  row1 = 56 + 1 * r + io + r + 8  # 216
+  row2 = 2 * S + 56 + 2 * r + io + 8  # 408
+  assert (row0, row1, row2) == (172, 216, 408)
+  got = [T.replay_step_bytes(SMALL, 2, 3, f, F32, read_dtype="int8")
+         for f in range(3)]
+  assert got == [2 * row0 + params, 2 * row1 + params, 2 * row2 + params]
+  assert T.replay_amortized_bytes(SMALL, 2, 3, F32, read_dtype="int8") == (
+      pytest.approx(sum(got) / 3))
+  b = T.replay_breakdown(SMALL, 2, 3, F32, read_dtype=jnp.int8)
+  assert b.flush == got[-1] and b.non_flush_mean == pytest.approx(
+      (got[0] + got[1]) / 2)
+  assert b.baseline == T.baseline_step_bytes(SMALL, 2, F32)
+  # Footprint: checkpoint + copy + 3 slots + count.
+  assert T.replay_state_bytes(SMALL, 3, F32, read_dtype="int8") == (
+      96 + 56 + 3 * 44 + 4)
+
+
+@pytest.mark.parametrize("ck,rd,copy_bytes", [
+    (F32, "float8_e4m3fn", 1), (F32, "int8", 1), (F32, "bfloat16", 2),
+    (F32, "float16", 2), (F16, "float8_e4m3fn", 1)])
+def test_read_copy_relations(ck, rd, copy_bytes):
+  """Against the same master without a copy: every non-flush step moves
+  S - R fewer bytes per row, the flush R more (the copy write)."""
+  L, batch = 16, 8
+  S = T.state_bytes(NEMO, ck)
+  R = NEMO.state_elems * copy_bytes + (
+      4 * NEMO.nheads * NEMO.headdim if rd in ("float8_e4m3fn", "int8")
+      else 0)
+  assert T.read_copy_bytes(NEMO, rd) == R
+  for f in range(L - 1):
+    plain = T.replay_step_bytes(NEMO, batch, L, f, ck)
+    dual = T.replay_step_bytes(NEMO, batch, L, f, ck, read_dtype=rd)
+    assert plain - dual == batch * (S - R)
+  assert (T.replay_step_bytes(NEMO, batch, L, L - 1, ck, read_dtype=rd)
+          - T.replay_step_bytes(NEMO, batch, L, L - 1, ck)) == batch * R
+  # A copy narrower than the master (an fp8 copy of an f32 master: a
+  # quarter of the bytes, plus the scales): amortized it beats the plain
+  # state at L = 16.
+  assert (T.replay_amortized_bytes(NEMO, batch, L, ck, read_dtype=rd)
+          < T.replay_amortized_bytes(NEMO, batch, L, ck))
+  # The flush costs 2S over a copy read, so the optimum L is ~sqrt(2)
+  # times longer; the brute force and the closed form agree.
+  best = T.optimal_buffer_len(NEMO, ck, read_dtype=rd)
+  approx = T.approx_optimal_buffer_len(NEMO, ck, read_dtype=rd)
+  assert approx == pytest.approx(
+      math.sqrt(2) * T.approx_optimal_buffer_len(NEMO, ck))
+  assert abs(best - approx) <= 1.5
+  assert best > T.optimal_buffer_len(NEMO, ck)
+  row = T.traffic_table(NEMO, batch, [L], ck, read_dtype=rd)[0]
+  assert row["read_dtype"] == jnp.dtype(rd).name
+  assert row["replay_amortized_bytes"] == T.replay_amortized_bytes(
+      NEMO, batch, L, ck, read_dtype=rd)
 
 
 def test_argument_errors_name_the_argument():
@@ -234,6 +305,10 @@ def test_argument_errors_name_the_argument():
     T.optimal_buffer_len(NEMO, F32, max_len=0)
   with pytest.raises(ValueError, match="buffer_lens"):
     T.traffic_table(NEMO, 1, [], F32)
+  with pytest.raises(TypeError, match="read_dtype must be None or one of"):
+    T.replay_step_bytes(NEMO, 1, 4, 0, F32, read_dtype=F32)
+  with pytest.raises(TypeError, match="read_dtype"):
+    T.read_copy_bytes(NEMO, "not-a-dtype")
   # numpy integers are accepted.
   assert T.replay_step_bytes(NEMO, np.int64(2), 4, np.int32(1), F32) == (
       T.replay_step_bytes(NEMO, 2, 4, 1, F32))
