@@ -288,11 +288,16 @@ def make_loop(op: str, impl: str, num_sets: int, fixed_count: bool,
       states, ys = list(carry[0]), list(carry[1])
       for k in list(range(K)) * rounds_per_iter:
         if op == BASELINE_OP:
-          ys[k], states[k] = _baseline_step(states[k], inputs[k], params,
-                                            impl)
+          y, st = _baseline_step(states[k], inputs[k], params, impl)
         else:
           rs = states[k].replace(count=count) if fixed_count else states[k]
-          ys[k], states[k] = _replay_step(rs, inputs[k], params, impl)
+          y, st = _replay_step(rs, inputs[k], params, impl)
+        # One step's results materialize before the next step reads them:
+        # without the barrier XLA fuses a set's consecutive XLA-reference
+        # steps into one pass over the state (the H200 grid of 2026-11-29
+        # timed the reference baseline at 15-60 TB/s that way). Kernels
+        # (custom calls) are unaffected.
+        ys[k], states[k] = jax.lax.optimization_barrier((y, st))
       return tuple(states), tuple(ys)
 
     # Carrying every set's last y keeps each step's output live.

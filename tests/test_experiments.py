@@ -227,6 +227,20 @@ def test_device_check_matches_testing_helpers():
   assert err == float("inf") and not ok
 
 
+def test_timed_loop_keeps_steps_apart():
+  """Every timed step ends in an optimization barrier, so XLA cannot fuse a
+  state set's consecutive reference steps into one pass over the state."""
+  dims = traffic.LayerDims(nheads=2, headdim=4, dstate=8, ngroups=1)
+  gen = kernel_bench.HostGen(0, dims)
+  loop = kernel_bench.make_loop(kernel_bench.BASELINE_OP, "reference", 1,
+                                fixed_count=False, rounds_per_iter=3)
+  states = (gen.state(2, jnp.float32),)
+  inputs = (gen.inputs(2, jnp.float32, False),)
+  params = testing.random_params(jax.random.PRNGKey(0), 2)
+  hlo = loop.lower(states, inputs, params, jnp.int32(1)).as_text()
+  assert hlo.count("optimization_barrier") >= 3
+
+
 def test_count_state_copies():
   hlo = "\n".join([
       "%fused_computation (p: f32[2,3]) -> f32[2,3] {",

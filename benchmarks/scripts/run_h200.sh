@@ -3,13 +3,14 @@
 # command limit; run from the repository root on the GPU machine with the
 # `wheels/` folder carried: it holds the ml_collections wheel).
 #
-#   (times are estimates from session 2 runs)
+#   (wall times measured on 2026-11-29, session 3)
 #   bash benchmarks/scripts/run_h200.sh sweep      # flush-route designs, b 256 + 1, L 16 (~6 min)
-#   bash benchmarks/scripts/run_h200.sh grid f16   # full kernel grid, one dtype
+#   bash benchmarks/scripts/run_h200.sh grid f16   # full kernel grid, one dtype (~4 min)
 #   bash benchmarks/scripts/run_h200.sh grid f32
-#   bash benchmarks/scripts/run_h200.sh grid both  # both dtypes, f16 first
-#   bash benchmarks/scripts/run_h200.sh decode     # hybrid_1b decode, b {64,256,512} x L {8,16,32} + split (~8 min)
-#   bash benchmarks/scripts/run_h200.sh specdec    # hybrid_1b spec decoding, b {64,256,512}, T 4 (~8 min)
+#   bash benchmarks/scripts/run_h200.sh grid both  # both dtypes, f16 first (8 min)
+#   bash benchmarks/scripts/run_h200.sh decode     # hybrid_1b decode, b {64,256,512} x L {8,16,32} + split at 256 (~5 min)
+#   bash benchmarks/scripts/run_h200.sh specdec    # hybrid_1b spec decoding, b {256,512}, T 4 (~4 min)
+#   bash benchmarks/scripts/run_h200.sh profile    # where a spec-decoding iteration's time goes, b 256 (~1.5 min)
 #
 # Results land under $OUT/<part> (config.json, metrics.jsonl, tables, PNGs).
 set -euo pipefail
@@ -37,7 +38,10 @@ case "$1" in
       --config.bench.repeats=2 ;;
   specdec)
     timeout 560 python -m experiments.specdec_bench --config=configs/specdec_bench.py \
-      --workdir="$OUT/specdec" --config.bench.batches='(64,256,512)' \
+      --workdir="$OUT/specdec" --config.bench.batches='(256,512)' \
       --config.bench.windows='(4,)' ;;
+  profile)
+    timeout 560 python benchmarks/scripts/specdec_profile.py --batch 256 \
+      --out "$OUT/specdec_profile.json" ;;
   *) echo "unknown part: $1" >&2; exit 2 ;;
 esac
