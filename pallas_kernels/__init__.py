@@ -1,8 +1,8 @@
 """Pallas GPU kernels for the Mamba-2 decode step (baseline and ReplaySSM).
 
 Importing this package registers implementation "pallas" for
-`replayssm_jax.selective_state_update`, `replayssm_jax.replay_state_update`
-and `replayssm_jax.replay_verify`
+`replayssm_jax.selective_state_update`, `replayssm_jax.replay_state_update`,
+`replayssm_jax.replay_verify` and `replayssm_jax.baseline_verify`
 (the dispatcher imports it lazily on first use). The kernels use the Pallas
 Triton backend on GPU and Pallas interpret mode elsewhere, so the same kernel
 code runs in CPU tests. A Mosaic GPU variant would register beside it under
@@ -114,6 +114,11 @@ def _verify_supports(rstate, x, **_):
   return problem
 
 
+def _snapshot_verify(*, config=None, **args):
+  return ssu_kernel.baseline_verify(
+      **args, config=config or SSUConfig(), interpret=not on_gpu())
+
+
 def _ssu(*, config=None, **args):
   return ssu_kernel.selective_state_update(
       **args, config=config or SSUConfig(), interpret=not on_gpu())
@@ -132,6 +137,10 @@ def _verify(*, config=None, **args):
 _ops.register_implementation(
     "replay_verify",
     _ops.Implementation("pallas", _verify, supports=_verify_supports,
+                        preferred=on_gpu, priority=10))
+_ops.register_implementation(
+    "baseline_verify",
+    _ops.Implementation("pallas", _snapshot_verify, supports=_ssu_supports,
                         preferred=on_gpu, priority=10))
 _ops.register_implementation(
     "selective_state_update",

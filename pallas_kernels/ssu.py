@@ -79,3 +79,72 @@ def selective_state_update(ssm_state, x, dt, A, B, C, D=None, z=None,
       name="replayssm_selective_state_update",
   )(*operands)
   return y, new_state
+
+
+def _window_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
+                   heads_per_group, block_p):
+  """Snapshot verify: T baseline steps on one state tile, every state
+  written to its window slot (the state is read once, written T times)."""
+  it = iter(refs)
+  state_ref, x_ref, dt_ref, a_ref, b_ref, c_ref = (next(it) for _ in range(6))
+  d_ref = next(it) if has_D else None
+  z_ref = next(it) if has_z else None
+  bias_ref = next(it) if has_bias else None
+  y_ref, snap_ref = next(it), next(it)
+
+  pblk, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  g = h // heads_per_group
+  ps = pl.ds(pblk * block_p, block_p)
+  a = a_ref[h].astype(F32)
+  s = plgpu.load(state_ref.at[b, h, ps],
+                 eviction_policy="evict_first").astype(F32)
+  for step in range(window):  # static: T is small
+    t = jnp.int32(step)  # a scalar array: ref indexers want one
+    d = process_dt(dt_ref[b, t, h], bias_ref[h] if has_bias else None,
+                   dt_softplus)
+    x = x_ref[b, t, h, ps].astype(F32)  # [block_p]
+    bv = b_ref[b, t, g, :].astype(F32)  # [N]
+    cv = c_ref[b, t, g, :].astype(F32)
+    s = s * jnp.exp(a * d) + (d * x)[:, None] * bv[None, :]
+    y = jnp.sum(s * cv[None, :], axis=1)  # from the f32 state, as a step
+    stored = s.astype(snap_ref.dtype)
+    plgpu.store(snap_ref.at[b, t, h, ps], stored)
+    s = stored.astype(F32)  # the next step reads the stored state
+    y = common.finish_output(y, x, d_ref[h] if has_D else None,
+                             z_ref[b, t, h, ps] if has_z else None)
+    y_ref[b, t, h, ps] = y.astype(y_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("dt_softplus", "config",
+                                             "interpret"))
+def baseline_verify(ssm_state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
+                    dt_softplus=False, *,
+                    config: common.SSUConfig = common.SSUConfig(),
+                    interpret: bool = False):
+  """`replayssm_jax.baseline_verify` in one kernel: same signature and
+  results as the reference (a scan of T baseline steps), but the state is
+  read once and each position's state is written straight into its
+  [batch, T, ...] snapshot slot (T state writes, no stacking or transpose
+  copies)."""
+  batch, nheads, headdim, _ = ssm_state.shape
+  window, ngroups = x.shape[1], B.shape[2]
+  block_p = common.resolve_block_p(config.block_p, headdim)
+  operands = [ssm_state, x, dt, A, B, C]
+  operands += [v for v in (D, z, dt_bias) if v is not None]
+  kernel = functools.partial(
+      _window_kernel, window=window, has_D=D is not None,
+      has_z=z is not None, has_bias=dt_bias is not None,
+      dt_softplus=dt_softplus, heads_per_group=nheads // ngroups,
+      block_p=block_p)
+  return pl.pallas_call(
+      kernel,
+      grid=(headdim // block_p, nheads, batch),
+      out_shape=(jax.ShapeDtypeStruct((batch, window, nheads, headdim),
+                                      x.dtype),
+                 jax.ShapeDtypeStruct((batch, window) + ssm_state.shape[1:],
+                                      ssm_state.dtype)),
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                           num_stages=config.num_stages),
+      interpret=interpret,
+      name="replayssm_baseline_verify",
+  )(*operands)

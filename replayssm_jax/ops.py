@@ -64,6 +64,10 @@ _REGISTRY: dict[str, dict[str, Implementation]] = {
     "replay_verify": {
         "reference": Implementation(
             "reference", speculative.replay_verify_reference, priority=-1)},
+    "baseline_verify": {
+        "reference": Implementation(
+            "reference", speculative.baseline_verify_reference,
+            priority=-1)},
 }
 
 

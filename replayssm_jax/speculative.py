@@ -194,7 +194,7 @@ def replay_commit(rstate: ReplayState, num_accepted, window: int):
 
 # ------------------------------------------------------------------ baseline
 def baseline_verify(ssm_state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
-                    dt_softplus=False, *, implementation=None):
+                    dt_softplus=False, *, implementation=None, config=None):
   """Snapshot-per-draft verify (what serving engines do without replay).
 
   Steps the full state through the window and keeps one full state per
@@ -204,8 +204,9 @@ def baseline_verify(ssm_state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     ssm_state: [batch, nheads, headdim, dstate] committed state.
     x, dt, B, C, z: the window, as in `replay_verify`; A, D, dt_bias,
       dt_softplus as in `selective_state_update`.
-    implementation: of the per-position `selective_state_update` steps
-      (dispatcher name; None: the fastest supported).
+    implementation, config: as in `selective_state_update` (the
+      dispatcher): "reference" is a scan of T reference steps; the Pallas
+      kernel reads the state once and writes each snapshot in place.
 
   Returns:
     (y [batch, T, nheads, headdim], snapshots [batch, T, nheads, headdim,
@@ -215,11 +216,20 @@ def baseline_verify(ssm_state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   V.check_floating("ssm_state", ssm_state, V.STATE_DTYPES)
   V.check_ndim("ssm_state", ssm_state, 4, "[batch, nheads, headdim, dstate]")
   V.check_ndim("x", x, 4, "[batch, T, nheads, headdim]")
+  args = dict(ssm_state=ssm_state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z,
+              dt_bias=dt_bias, dt_softplus=dt_softplus)
+  return ops.dispatch("baseline_verify", implementation, config, args)
+
+
+def baseline_verify_reference(ssm_state, x, dt, A, B, C, D=None, z=None,
+                              dt_bias=None, dt_softplus=False):
+  """The reference of `baseline_verify`: T reference baseline steps."""
+  from replayssm_jax import reference  # pylint: disable=g-import-not-at-top
 
   def step(state, tok):
-    y, state = ops.selective_state_update(
+    y, state = reference.selective_state_update(
         state, tok["x"], tok["dt"], A, tok["B"], tok["C"], D, tok["z"],
-        dt_bias, dt_softplus, implementation=implementation)
+        dt_bias, dt_softplus)
     return state, (y, state)
 
   win = dict(x=x, dt=dt, B=B, C=C, z=z)
