@@ -10,6 +10,12 @@ Smoke run (CPU, about 30 s on 2 cores; used by tests/test_experiments.py):
   python -m experiments.kernel_bench --config=configs/kernel_bench.py:smoke \
       --workdir=runs/kernel_bench_smoke
 
+Precision policies (issue 6; replay per policy preset vs the f16 baseline,
+batch 256, L 16):
+
+  python -m experiments.kernel_bench --config=configs/kernel_bench.py:policies \
+      --workdir=runs/kernel_policies
+
 Useful overrides: `--config.implementations='("pallas",)'` (one
 implementation only), `--config.exclude_replay_implementations='()'` (also
 time the XLA reference replay step: slow, and slow to compile at batch 1),
@@ -28,7 +34,7 @@ from configs import _args
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The benchmark configuration; `arg="smoke"` is a tiny CPU run."""
-  _args.check_arg(arg, "sweep")
+  _args.check_arg(arg, "sweep", "policies")
   config = ml_collections.ConfigDict()
   config.name = "kernel_bench"  # stem of the files copied to --results_dir
   config.seed = 0
@@ -76,6 +82,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # keyword arguments).
   config.ssu_variants = ml_collections.ConfigDict()
   config.replay_variants = ml_collections.ConfigDict()
+  # Precision-policy presets (replayssm_jax.precision.PrecisionPolicy): each
+  # replay implementation is also timed as "<impl>@<preset>" on states
+  # stored as the preset says, against the baseline of the row's
+  # checkpoint dtype.
+  config.policies = ()
 
   if arg == "sweep":
     # Flush-route designs side by side (benchmarks/README.md): batch 256
@@ -94,6 +105,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         # (256 / 16 rows x 128 heads): not yet measured.
         programs2048=dict(flush_programs=2048),
     ))
+
+  if arg == "policies":
+    # Issue 6: amortized replay step per precision policy at batch 256, L 16,
+    # against the f16 baseline kernel.
+    config.name = "kernel_policies"
+    config.batches = (256,)
+    config.buffer_lens = (16,)
+    config.checkpoint_dtypes = ("float16",)
+    config.exclude_implementations = ("reference",)
+    config.policies = ("f32", "f32+bf16", "f32+f16", "f32+fp8", "f32+int8",
+                       "f16+fp8", "f32+fp8+sr")
 
   if arg == "smoke":
     config.name = "kernel_bench_smoke"

@@ -73,6 +73,7 @@ import numpy as np
 
 from experiments import common
 import replayssm_jax
+from replayssm_jax import precision
 from replayssm_jax import testing
 from replayssm_jax import traffic
 
@@ -237,8 +238,17 @@ def _tree_bytes(tree) -> int:
 _VARIANTS: dict[str, dict[str, dict]] = {}
 
 
+def _split_policy(impl: str):
+  """"<impl>@<policy preset>" -> ("<impl>", PrecisionPolicy); else (impl,
+  None). A replay implementation with a policy runs states stored as the
+  policy says (master, read copy, buffers, stochastic rounding)."""
+  impl, _, name = impl.partition("@")
+  return impl, (precision.PrecisionPolicy.preset(name) if name else None)
+
+
 def _impl_and_config(op: str, impl: str):
   """"name" -> (name, None); "pallas:<variant>" -> ("pallas", its config)."""
+  impl, _ = _split_policy(impl)
   name, _, variant = impl.partition(":")
   if not variant:
     return name, None
@@ -251,11 +261,14 @@ def _impl_and_config(op: str, impl: str):
 def _step(op: str, state, inp, params, impl):
   """One decode step of `op` ("pallas:<variant>" runs that config)."""
   name, config = _impl_and_config(op, impl)
+  kw = {}
+  if op == REPLAY_OP:
+    kw["policy"] = _split_policy(impl)[1]
   fn = (replayssm_jax.selective_state_update if op == BASELINE_OP
         else replayssm_jax.replay_state_update)
   return fn(state, inp["x"], inp["dt"], params["A"], inp["B"], inp["C"],
             D=params["D"], z=inp["z"], dt_bias=params["dt_bias"],
-            dt_softplus=True, implementation=name, config=config)
+            dt_softplus=True, implementation=name, config=config, **kw)
 
 
 def _baseline_step(state, inp, params, impl):
@@ -527,18 +540,26 @@ def check_replay(impl, gen, *, batch, buffer_len, checkpoint_dtype,
   the (slow to compile) reference runs once.
   """
   L = buffer_len
-  key = (batch, L, checkpoint_dtype.name)
+  _, policy = _split_policy(impl)
+  ref_impl = "reference" + (f"@{policy.name}" if policy else "")
+  if policy is not None:  # the policy's dtypes replace the row's
+    checkpoint_dtype = jnp.dtype(policy.checkpoint_dtype)
+    buffer_dtype = jnp.dtype(policy.buffer_dtype)
+  key = (batch, L, checkpoint_dtype.name, ref_impl)
   cache = {} if cache is None else cache
   if key not in cache:
     counts = (L - 1 - np.arange(batch)) % L
     rs0 = gen.rstate(counts, True, L, checkpoint_dtype, buffer_dtype)
+    if policy is not None:
+      rs0 = rs0.with_policy(policy)
     xs = gen.inputs(batch, act_dtype, has_z, seqlen=L)  # [L, batch, ...]
-    ref = _replay_check_run(rs0, xs, params, "reference")  # kept on device
+    ref = _replay_check_run(rs0, xs, params, ref_impl)  # kept on device
     cache.clear()  # one shape at a time: the states may be large
     cache[key] = (rs0, xs, ref)
   rs0, xs, ref = cache[key]
   out = _replay_check_run(rs0, xs, params, impl)
-  tol = testing.tolerance(checkpoint_dtype, buffer_dtype, act_dtype)
+  read = (policy.read_dtype,) if policy and policy.read_dtype else ()
+  tol = testing.tolerance(checkpoint_dtype, buffer_dtype, act_dtype, *read)
   ey, oky = _errors_ok(out["ys"], ref["ys"], tol)
   es, oks = _errors_ok(out["state"], ref["state"], tol)
   ec, okc = _errors_ok(out["checkpoint"], ref["checkpoint"], tol)
@@ -602,6 +623,9 @@ class Bench:
       kept = chosen
     if "pallas" in registered:
       kept += tuple(f"pallas:{v}" for v in _VARIANTS.get(op, {}))
+    if op == REPLAY_OP:  # the same implementations under each policy
+      kept += tuple(f"{k}@{p}" for p in self.c.get("policies", ())
+                    for k in kept if "@" not in k)
     return kept
 
   def _model_kw(self):
@@ -680,18 +704,29 @@ class Bench:
 
   # --------------------------------------------------------------- replay
   def run_replay(self, impl, batch, sdt, L):
+    """Times `impl` at (batch, L); sdt: the checkpoint dtype, or with a
+    policy ("<impl>@<preset>") the dtype of the baseline it is compared
+    with (the policy sets its own dtypes)."""
     dims, c = self.dims, self.c
+    _, policy = _split_policy(impl)
     tag = dict(impl=impl, op="replay", batch=batch,
-               checkpoint_dtype=sdt.name, L=L)
+               checkpoint_dtype=sdt.name, L=L,
+               policy=policy.name if policy else None)
     if not self._checked(tag, check_replay, cache=self._check_cache,
                          batch=batch, buffer_len=L,
                          checkpoint_dtype=sdt, buffer_dtype=self.buf):
       return None
 
     state_shape = (batch, dims.nheads, dims.headdim, dims.dstate)
+    ck, buf, read = sdt, self.buf, None
+    if policy is not None:
+      ck = jnp.dtype(policy.checkpoint_dtype)
+      buf = jnp.dtype(policy.buffer_dtype)
+      read = policy.read_dtype
 
     def gen(counts):
-      return self.gen.rstate(counts, False, L, sdt, self.buf)
+      rs = self.gen.rstate(counts, False, L, ck, buf)
+      return rs if policy is None else rs.with_policy(policy)
     natural_counts = (np.arange(batch) % L).astype(np.int32)
     probe = gen(natural_counts)
     set_bytes = _tree_bytes(probe)
@@ -718,17 +753,19 @@ class Bench:
         loop = make_loop(REPLAY_OP, impl, K, fixed_count=False,
                          rounds_per_iter=nat_rpi)
         extra, rpi, cache = (), nat_rpi, {}
-        model = traffic.replay_amortized_bytes(dims, batch, L, sdt, self.buf,
-                                               self.act, **kw)
+        model = traffic.replay_amortized_bytes(dims, batch, L, ck, buf,
+                                               self.act, read_dtype=read,
+                                               **kw)
       else:
         loop, extra, rpi, cache = (
             fixed_loop, (jnp.asarray(counts),), fixed_rpi, fixed_cache)
-        model = traffic.replay_step_bytes(dims, batch, L, fill, sdt,
-                                          self.buf, self.act, **kw)
+        model = traffic.replay_step_bytes(dims, batch, L, fill, ck, buf,
+                                          self.act, read_dtype=read, **kw)
       try:
         stats, states = time_loop(
             loop, states, inputs, self.params, extra, num_sets=K,
-            rounds_per_iter=rpi, min_call_s=c.min_call_ms * 1e-3, warmup=c.warmup, iters=c.iters,
+            rounds_per_iter=rpi, min_call_s=c.min_call_ms * 1e-3,
+            warmup=c.warmup, iters=c.iters,
             state_shape=state_shape, cache=cache)
       except NotImplementedError as e:
         self._unsupported(dict(tag, phase=phase), e)
@@ -748,8 +785,9 @@ class Bench:
                 + out["flush"]["p90_us"]) / L)
     out["amortized"] = self._record_timing(dict(
         tag, phase="amortized", fill=None, num_sets=K, set_bytes=set_bytes,
-        model_bytes=traffic.replay_amortized_bytes(dims, batch, L, sdt,
-                                                   self.buf, self.act, **kw),
+        model_bytes=traffic.replay_amortized_bytes(dims, batch, L, ck, buf,
+                                                   self.act, read_dtype=read,
+                                                   **kw),
         derived="((L-1)*non_flush + flush)/L", **amort))
     logging.info("  %-9s replay   b=%-3d %-8s L=%-2d: non-flush %8.2f, "
                  "flush %8.2f, amortized %8.2f, natural %8.2f µs/step "
@@ -780,8 +818,17 @@ class Bench:
 
   def _summarize(self, impl, batch, sdt, L, base, rep, best_base):
     kw = self._model_kw()
-    pred = traffic.replay_breakdown(self.dims, batch, L, sdt, self.buf,
-                                    self.act, **kw)
+    _, policy = _split_policy(impl)
+    if policy is None:
+      pred = traffic.replay_breakdown(self.dims, batch, L, sdt, self.buf,
+                                      self.act, **kw).speedup
+    else:  # vs the baseline at sdt
+      pred = (traffic.baseline_step_bytes(self.dims, batch, sdt, self.act,
+                                          **kw)
+              / traffic.replay_amortized_bytes(
+                  self.dims, batch, L, policy.checkpoint_dtype,
+                  policy.buffer_dtype, self.act,
+                  read_dtype=policy.read_dtype, **kw))
     chk = [c for c in self.checks if c["impl"] == impl
            and c["batch"] == batch and c["checkpoint_dtype"] == sdt.name
            and c["L"] in (L, None) and c.get("passed") is not None]
@@ -798,7 +845,7 @@ class Bench:
                          if base else None),
         speedup_vs_best_baseline=(best_base / rep["amortized"]["median_us"]
                                   if best_base else None),
-        predicted_speedup=pred.speedup,
+        predicted_speedup=pred,
         baseline_frac_bw=base.get("frac_stream_bw") if base else None,
         natural_frac_bw=rep["natural"].get("frac_stream_bw"),
         checks_passed=(all(c["passed"] for c in chk) if chk else None),
@@ -827,7 +874,8 @@ class Bench:
         for impl in rep_impls:
           rep = self.run_replay(impl, batch, sdt, L)
           if rep:  # a kernel variant compares with its plain baseline
-            base = bases.get(impl) or bases.get(impl.partition(":")[0])
+            plain = _split_policy(impl)[0]
+            base = bases.get(plain) or bases.get(plain.partition(":")[0])
             self._summarize(impl, batch, sdt, L, base, rep, best_base)
 
 

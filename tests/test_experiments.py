@@ -202,6 +202,29 @@ def test_random_generators():
   assert out["DeviceGen"] == out["HostGen"]
 
 
+def test_kernel_bench_policies_smoke(tmp_path):
+  """Replay under a precision policy ("<impl>@<preset>") is checked against
+  the reference under the same policy, timed, and compared with the
+  baseline of the row's dtype; its bytes count the read copy."""
+  config = kernel_bench_config.get_config("smoke")
+  config.batches = (2,)
+  config.buffer_lens = (4,)
+  config.policies = ("f32+int8",)
+  results = kernel_bench.run(config, str(tmp_path / "kb"))
+  rows = {r["impl"]: r for r in results["summary"]}
+  assert set(rows) == {"pallas", "pallas@f32+int8"}, rows
+  for impl, row in rows.items():
+    assert row["checks_passed"] is True, row
+    assert row["baseline_us"] == rows["pallas"]["baseline_us"]
+  timing = {(r["impl"], r["phase"]): r["model_bytes"]
+            for r in results["timings"] if r["op"] == "replay"}
+  dims = traffic.LayerDims(config.nheads, config.headdim, config.dstate,
+                           config.ngroups)
+  assert timing[("pallas@f32+int8", "non_flush")] == traffic.replay_step_bytes(
+      dims, 2, 4, 1, jnp.float32, jnp.bfloat16, jnp.dtype(config.act_dtype),
+      read_dtype="int8", has_z=False, has_D=True, has_dt_bias=True)
+
+
 def test_device_check_matches_testing_helpers():
   """kernel_bench's on-device check agrees with testing's host helpers."""
   tol = testing.tolerance(jnp.float16)

@@ -11,6 +11,8 @@
 #   bash benchmarks/scripts/run_h200.sh decode     # hybrid_1b decode, b {64,256,512} x L {8,16,32} + split at 256 (~5 min)
 #   bash benchmarks/scripts/run_h200.sh specdec    # hybrid_1b spec decoding, b {256,512}, T 4 (~4 min)
 #   bash benchmarks/scripts/run_h200.sh profile    # where a spec-decoding iteration's time goes, b 256 (~1.5 min)
+#   bash benchmarks/scripts/run_h200.sh policies   # replay per precision policy vs the f16 baseline, b 256, L 16 (not yet run)
+#   bash benchmarks/scripts/run_h200.sh decode8b   # Nemotron-H-8B shapes (random bf16 weights), b {64,256}, L 16 (not yet run)
 #
 # Results land under $OUT/<part> (config.json, metrics.jsonl, tables, PNGs).
 set -euo pipefail
@@ -40,6 +42,15 @@ case "$1" in
     timeout 560 python -m experiments.specdec_bench --config=configs/specdec_bench.py \
       --workdir="$OUT/specdec" --config.bench.batches='(256,512)' \
       --config.bench.windows='(4,)' ;;
+  policies)
+    timeout 560 python -m experiments.kernel_bench \
+      --config=configs/kernel_bench.py:policies --workdir="$OUT/policies" \
+      --config.iters=10 ;;
+  decode8b)
+    timeout 560 python -m experiments.decode_bench --config=configs/nemotron_h_8b.py \
+      --workdir="$OUT/decode8b" --config.bench.batches='(64,256)' \
+      --config.bench.buffer_lens='(16,)' --config.bench.prompt_len=256 \
+      --config.bench.new_tokens=128 --config.bench.repeats=2 ;;
   profile)
     timeout 560 python benchmarks/scripts/specdec_profile.py --batch 256 \
       --out "$OUT/specdec_profile.json" ;;
