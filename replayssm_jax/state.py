@@ -174,14 +174,15 @@ class ReplayState:
         count=jnp.zeros((batch,), jnp.int32),
     )
 
-  def with_policy(self, policy, *, row_id=None, step=None, layer=0):
+  def with_policy(self, policy, *, row_id=None, step=None):
     """This state (checkpoint, buffers, counters kept) with the fields a
     `PrecisionPolicy` needs: the read copy of the checkpoint (rounded to
-    nearest or, with stochastic rounding, keyed by row_id / step / layer)
-    and the SR counters (row_id default arange(batch), step default 0)."""
+    nearest: the checkpoint is already stored) and, with stochastic
+    rounding, the counters that key its later stores (row_id default
+    arange(batch), step default 0)."""
     if policy is None:
       raise ValueError("policy must be a PrecisionPolicy, got None.")
-    return self._with_policy_fields(policy, None, row_id, step, layer)
+    return self._with_policy_fields(policy, None, row_id, step, 0)
 
   def _with_policy_fields(self, policy, source, row_id, step, layer):
     """Adds read copy / SR counters (and stores `source` as the master)."""

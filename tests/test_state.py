@@ -254,3 +254,23 @@ def test_inputs_are_not_mutated():
   rs.causal_conv1d_update(cv["x"][:, 0], cv["state"], cv["weight"],
                           cv["bias"])
   _assert_unchanged(before, inputs, "after every op")
+
+
+def test_with_policy_adds_read_copy_and_counters():
+  """with_policy keeps checkpoint, buffers and counts and adds the read copy
+  (== precision.store of the checkpoint, to nearest) and the SR
+  counters."""
+  from replayssm_jax import precision as P  # pylint: disable=g-import-not-at-top
+  params = testing.random_params(jax.random.PRNGKey(0), 4)
+  state, _ = testing.random_replay_state(jax.random.PRNGKey(1), 3, 4, 8, 8, 2,
+                                      4, np.array([0, 1, 3]), params["A"])
+  out = state.with_policy(P.PrecisionPolicy.preset("f32+int8+sr"))
+  for name in ("checkpoint", "x_buf", "b_buf", "dt_buf", "count"):
+    np.testing.assert_array_equal(getattr(out, name), getattr(state, name))
+  copy, scale = P.store(state.checkpoint.astype(jnp.float32), "int8")
+  np.testing.assert_array_equal(out.read_copy, copy)
+  np.testing.assert_array_equal(out.read_scale, scale)
+  np.testing.assert_array_equal(out.row_id, [0, 1, 2])
+  np.testing.assert_array_equal(out.step, [0, 0, 0])
+  with pytest.raises(ValueError, match="policy must be a PrecisionPolicy"):
+    state.with_policy(None)
