@@ -104,6 +104,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         # One program per flush item of a natural-cycle step at batch 256
         # (256 / 16 rows x 128 heads): not yet measured.
         programs2048=dict(flush_programs=2048),
+        # Both routes in one launch (flush folds overlap the output
+        # route's streaming; one launch at batch 1): not yet measured.
+        fused=dict(fused_launch=True),
+        fused2048=dict(fused_launch=True, flush_programs=2048),
     ))
 
   if arg == "policies":

@@ -99,6 +99,13 @@ class ReplayConfig(_LaunchConfig):
       (flush row, head, headdim block) items of the flush rows only.
     flush_programs: program count of the persistent flush grid (None: 4
       per SM; 8 in interpret mode).
+    fused_launch: one launch for both routes: the persistent flush programs
+      first, then one program per output-route item, so the flush rows'
+      latency-bound folds overlap the output route's streaming and a step
+      costs one launch instead of two (batch 1). The kernel's register
+      budget is the larger of the two routes'. Plain states only (no
+      precision policy), persistent flush grid, not with output_all_rows or
+      precompute_bc.
   """
   heads_per_program: int | None = None
   precompute_bc: bool = False
@@ -108,6 +115,7 @@ class ReplayConfig(_LaunchConfig):
   flush_fold: str | None = None
   flush_grid: str = "persistent"
   flush_programs: int | None = None
+  fused_launch: bool = False
 
   def __post_init__(self):
     super().__post_init__()

@@ -80,10 +80,15 @@ class _Program:
     self._softplus = dt_softplus
 
   @classmethod
-  def from_grid(cls, *refs, heads_per_program, heads_per_group, block_p,
-                headdim, **kw):
+  def from_grid(cls, *refs, **kw):
     """Grid (headdim blocks x head blocks of a group, ngroups, batch)."""
-    pid, g, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    return cls.from_ids(*refs, pid=pl.program_id(0), g=pl.program_id(1),
+                        b=pl.program_id(2), **kw)
+
+  @classmethod
+  def from_ids(cls, *refs, pid, g, b, heads_per_program, heads_per_group,
+               block_p, headdim, **kw):
+    """The item of program (pid, g, b) of the output route's grid."""
     nblk_p = headdim // block_p
     return cls(*refs, b=b, g=g, pblk=pid % nblk_p, block_p=block_p,
                head0=g * heads_per_group + (pid // nblk_p) * heads_per_program,
@@ -124,17 +129,26 @@ def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
   has one (then the master is not an input at all); `scaled`: an 8-bit copy
   whose per-row f32 scales follow the inputs (dequantized in f32).
   """
-  ins, (d_ref, z_ref, bias_ref), outs = _unpack(
+  ins, opt, outs = _unpack(
       refs, 10 + precomputed_bc + scaled, 5, has_D, has_z, has_bias)
-  ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, x_ref, dt_ref, a_ref, b_ref = (
-      ins[:9])
+  p = _Program.from_grid(ins[4], ins[6], ins[7], opt[2], **kw)
+  _output_route(p, ins, opt, outs, all_rows=all_rows,
+                precomputed_bc=precomputed_bc, scaled=scaled,
+                block_p=kw["block_p"],
+                heads_per_program=kw["heads_per_program"])
+
+
+def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
+                  block_p, heads_per_program):
+  """The output route of item p (see _output_kernel for the refs)."""
+  d_ref, z_ref, _ = opt
+  ck_ref, xb_ref, bb_ref, dtb_ref, _, x_ref, _, _, b_ref = ins[:9]
   c_ref = ins[9]
   scale_ref = ins[10 + precomputed_bc] if scaled else None
   # Buffers are aliased input->output (same HBM on GPU; copies of the inputs
   # in interpret mode): read the inputs, store to the outputs.
   y_ref, xb_out, bb_out, dtb_out, cnt_out = outs
-  p = _Program.from_grid(cnt_ref, dt_ref, a_ref, bias_ref, **kw)
-  b, g, ps, block_p = p.b, p.g, p.ps, kw["block_p"]
+  b, g, ps = p.b, p.g, p.ps
   appends = jnp.logical_not(p.flush) & p.valid
 
   @pl.when((g == 0) & (p.pid == 0))
@@ -188,7 +202,7 @@ def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
 
       return carry
 
-    lax.fori_loop(0, kw["heads_per_program"], one_head, 0)
+    lax.fori_loop(0, heads_per_program, one_head, 0)
 
     @pl.when(appends & (p.pid == 0))
     def _append_b():
@@ -392,12 +406,25 @@ def _flush_persistent_kernel(*refs, has_D, has_z, has_bias, writes_y,
   does 1/L of the work (no early-exit program per non-flush row).
   """
   nin, nout = _copy_counts(copy_spec)
-  ins, (d_ref, z_ref, bias_ref), outs = _unpack(
+  ins, opt, outs = _unpack(
       refs, 10 + writes_y + nin, 1 + writes_y + nout, has_D, has_z, has_bias)
+  y_out = outs[0] if writes_y else None
+  stores = _FlushStores(outs[writes_y:], ins[10 + writes_y:], copy_spec)
+  _flush_items(pl.program_id(0), ins[:10], opt, y_out,
+               stores, unroll=unroll, fold_dot=fold_dot,
+               num_programs=num_programs, nheads=nheads,
+               heads_per_group=heads_per_group, block_p=block_p,
+               headdim=headdim, **kw)
+
+
+def _flush_items(pid, ins, opt, y_out, stores, *, unroll, fold_dot,
+                 num_programs, nheads, heads_per_group, block_p, headdim,
+                 **kw):
+  """The items of persistent flush program `pid` (of num_programs)."""
   ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, x_ref, dt_ref, a_ref, b_ref = (
       ins[:9])
-  c_ref, y_out = ins[9], outs[0] if writes_y else None
-  stores = _FlushStores(outs[writes_y:], ins[10 + writes_y:], copy_spec)
+  c_ref = ins[9]
+  d_ref, z_ref, bias_ref = opt
   L = kw["buffer_len"]
   counts = cnt_ref[...]  # [batch] (padded to a power of two with -1)
   flush = (counts == L - 1).astype(jnp.int32)
@@ -405,7 +432,6 @@ def _flush_persistent_kernel(*refs, has_D, has_z, has_bias, writes_y,
   nblk = headdim // block_p
   per_row = nheads * nblk
   total = jnp.sum(flush) * per_row
-  pid = pl.program_id(0)
   mine = jnp.maximum(total - pid + num_programs - 1, 0) // num_programs
   fold_refs = (ck_ref, xb_ref, bb_ref, dtb_ref, x_ref, b_ref)
 
@@ -425,6 +451,46 @@ def _flush_persistent_kernel(*refs, has_D, has_z, has_bias, writes_y,
     return carry
 
   lax.fori_loop(0, mine, item, 0)
+
+
+def _fused_kernel(*refs, has_D, has_z, has_bias, num_programs,
+                  out_programs, ngroups, unroll, fold_dot, nheads,
+                  flush_block_p, **kw):
+  """Both routes in one launch (`ReplayConfig(fused_launch=True)`).
+
+  Programs [0, num_programs) run the persistent flush route (first, so
+  they start at once and their latency-bound folds overlap the output
+  route's streaming); program num_programs + q runs item q of the output
+  route's grid, flattened (headdim/head block, group, row). Inputs: those
+  of the output kernel, then the [batch] counters padded to a power of two
+  (the flush ranking's copy); outputs: y, buffers, counters, checkpoint
+  (aliased to the input checkpoint: only flush rows' tiles are stored).
+  """
+  ins, opt, outs = _unpack(refs, 11, 6, has_D, has_z, has_bias)
+  y_ref, ck_out = outs[0], outs[5]
+  pid = pl.program_id(0)
+
+  @pl.when(pid < num_programs)
+  def _flush():
+    flush_ins = list(ins[:10])
+    flush_ins[4] = ins[10]  # the padded counters
+    _flush_items(pid, flush_ins, opt, y_ref, _FlushStores([ck_out], [], None),
+                 unroll=unroll, fold_dot=fold_dot, num_programs=num_programs,
+                 nheads=nheads, heads_per_group=kw["heads_per_group"],
+                 block_p=flush_block_p, headdim=kw["headdim"],
+                 buffer_len=kw["buffer_len"],
+                 dt_softplus=kw["dt_softplus"])
+
+  @pl.when(pid >= num_programs)
+  def _output():
+    q = pid - num_programs
+    p = _Program.from_ids(ins[4], ins[6], ins[7], opt[2],
+                          pid=q % out_programs,
+                          g=(q // out_programs) % ngroups,
+                          b=q // (out_programs * ngroups), **kw)
+    _output_route(p, ins[:10], opt, outs[:5], all_rows=False,
+                  precomputed_bc=False, scaled=False, block_p=kw["block_p"],
+                  heads_per_program=kw["heads_per_program"])
 
 
 def _copy_counts(spec):
@@ -555,6 +621,43 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   params = plgpu.CompilerParams(num_warps=config.num_warps,
                                 num_stages=config.num_stages)
   sds = jax.ShapeDtypeStruct
+  count_pow2 = rstate.count
+  pad = (1 << (batch - 1).bit_length()) - batch  # Triton: pow2 vectors
+  if pad:
+    count_pow2 = jnp.pad(rstate.count, (0, pad), constant_values=-1)
+  nprog = config.flush_programs or _default_flush_programs(interpret)
+  fold_dot = _fold_precision(fold, interpret)
+  if config.fused_launch:
+    unsupported = [name for name, bad in (
+        ("a read copy or stochastic rounding (a precision policy)",
+         spec is not None),
+        ("flush_grid='rows'", config.flush_grid != "persistent"),
+        ("output_all_rows", config.output_all_rows),
+        ("precompute_bc", config.precompute_bc)) if bad]
+    if unsupported:
+      raise NotImplementedError(
+          f"config.fused_launch=True does not support "
+          f"{', '.join(unsupported)}; use fused_launch=False.")
+    n0 = grid(block_p)[0]
+    kernel = functools.partial(
+        _fused_kernel, num_programs=nprog, out_programs=n0,
+        ngroups=ngroups, unroll=config.flush_unroll, fold_dot=fold_dot,
+        nheads=nheads, flush_block_p=flush_block_p, **kw)
+    y, xb, bb, dtb, cnt, ck = pl.pallas_call(
+        kernel, grid=(nprog + n0 * ngroups * batch,),
+        out_shape=(sds((batch, nheads, headdim), x.dtype),
+                   sds(rstate.x_buf.shape, rstate.x_buf.dtype),
+                   sds(rstate.b_buf.shape, rstate.b_buf.dtype),
+                   sds(rstate.dt_buf.shape, rstate.dt_buf.dtype),
+                   sds(rstate.count.shape, rstate.count.dtype),
+                   sds(rstate.checkpoint.shape, rstate.checkpoint.dtype)),
+        input_output_aliases={0: 5, 1: 1, 2: 2, 3: 3},
+        compiler_params=params, interpret=interpret,
+        name="replayssm_replay_fused_routes",
+    )(rstate.checkpoint, rstate.x_buf, rstate.b_buf, rstate.dt_buf,
+      rstate.count, *token_in, count_pow2, *optional)
+    return y, ReplayState(checkpoint=ck, x_buf=xb, b_buf=bb, dt_buf=dtb,
+                          count=cnt)
   extra = []
   if config.precompute_bc:
     # bc[b, j, g] = B_j . C for every buffer slot (stale ones are masked in
@@ -584,17 +687,13 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   # stays live.
   writes_y = not config.output_all_rows
   flush_kw = dict(kw, block_p=flush_block_p, writes_y=writes_y,
-                  unroll=config.flush_unroll,
-                  fold_dot=_fold_precision(fold, interpret))
+                  unroll=config.flush_unroll, fold_dot=fold_dot)
   count = rstate.count
   if config.flush_grid == "persistent":
-    nprog = config.flush_programs or _default_flush_programs(interpret)
     kernel = functools.partial(_flush_persistent_kernel, nheads=nheads,
                                num_programs=nprog, **flush_kw)
     flush_grid = (nprog,)
-    pad = (1 << (batch - 1).bit_length()) - batch  # Triton: pow2 vectors
-    if pad:
-      count = jnp.pad(count, (0, pad), constant_values=-1)
+    count = count_pow2
   else:
     kernel = functools.partial(_flush_kernel, **flush_kw)
     flush_grid = grid(flush_block_p)

@@ -88,6 +88,9 @@ REPLAY_CONFIGS = [
     # Fewer programs than work items: each program loops over several.
     pk.ReplayConfig(block_p=4, flush_block_p=8, flush_grid="persistent",
                     flush_programs=3),
+    # Both routes in one launch (flush programs first, then output items).
+    pk.ReplayConfig(block_p=4, heads_per_program=2, flush_programs=3,
+                    fused_launch=True),
 ]
 
 
@@ -519,7 +522,8 @@ def test_kernel_quantize_rows_matches_precision_quantize():
 
 def test_replay_kernel_precision_refusals(monkeypatch):
   """What the kernels refuse names the field: output_all_rows with a read
-  copy (its flush rows' y would come from the copy); an fp8 copy on a GPU
+  copy (its flush rows' y would come from the copy); the fused launch with
+  a precision policy; an fp8 copy on a GPU
   below sm_89 (no Triton fp8 conversions); stochastic rounding without
   row_id/step (only reachable past the op's own check)."""
   pol = P.PrecisionPolicy.preset("f32+fp8")
@@ -529,6 +533,10 @@ def test_replay_kernel_precision_refusals(monkeypatch):
   with pytest.raises(NotImplementedError, match="output_all_rows"):
     rs.replay_state_update(rstate, **kw, implementation="pallas",
                            config=pk.ReplayConfig(output_all_rows=True))
+  with pytest.raises(NotImplementedError,
+                     match=r"fused_launch=True does not support a read copy"):
+    rs.replay_state_update(rstate, **kw, implementation="pallas",
+                           config=pk.ReplayConfig(fused_launch=True))
   monkeypatch.setattr(pk, "_compute_capability", lambda: (8, 0))
   with pytest.raises(NotImplementedError,
                      match=r"rstate.read_copy is float8_e4m3fn.*8\.0"):
@@ -563,6 +571,7 @@ LOWERING_REPLAY_CONFIGS = [
     pk.ReplayConfig(flush_fold="rank1", flush_unroll=True),
     pk.ReplayConfig(flush_grid="rows", heads_per_program=2,
                     precompute_bc=True, output_all_rows=True),
+    pk.ReplayConfig(fused_launch=True),
 ]
 
 
