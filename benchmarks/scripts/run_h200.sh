@@ -14,6 +14,13 @@
 #   bash benchmarks/scripts/run_h200.sh policies   # replay per precision policy vs the f16 baseline, b 256, L 16 (not yet run)
 #   bash benchmarks/scripts/run_h200.sh decode8b   # Nemotron-H-8B shapes (random bf16 weights), b {64,256}, L 16 (not yet run)
 #
+# To run exactly a commit (no uncommitted edits travel), export it into an
+# ignored folder and carry that:
+#   echo /.clean/ >> .git/info/exclude; rm -rf .clean; mkdir .clean
+#   git archive HEAD | tar -x -C .clean; cp -r wheels .clean/
+#   (device) carry [".clean"]; command: cd .clean && bash benchmarks/scripts/run_h200.sh <part>
+# At most 8 files come back from $OUT: tar a part's workdir when it has more.
+#
 # Results land under $OUT/<part> (config.json, metrics.jsonl, tables, PNGs).
 set -euo pipefail
 pip install --no-deps --no-index -q --target /tmp/mlc wheels/*.whl 2>/dev/null
