@@ -21,20 +21,27 @@ from replayssm_jax.reference import process_dt
 F32 = jnp.float32
 
 
+def _unpack(refs, has_D, has_z, has_bias, heads_per_group, block_p):
+  """(6 inputs, D/z/dt_bias refs or None, 2 outputs) and the program's tile:
+  row b, head h, group g, headdim slice ps (grid: headdim blocks, heads,
+  batch)."""
+  it = iter(refs)
+  ins = tuple(next(it) for _ in range(6))
+  opt = tuple(next(it) if flag else None for flag in (has_D, has_z,
+                                                      has_bias))
+  outs = (next(it), next(it))
+  pblk, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  return ins, opt, outs, (b, h, h // heads_per_group,
+                          pl.ds(pblk * block_p, block_p))
+
+
 def _ssu_kernel(*refs, has_D, has_z, has_bias, dt_softplus, heads_per_group,
                 block_p):
-  it = iter(refs)
-  state_ref, x_ref, dt_ref, a_ref, b_ref, c_ref = (next(it) for _ in range(6))
-  d_ref = next(it) if has_D else None
-  z_ref = next(it) if has_z else None
-  bias_ref = next(it) if has_bias else None
   # state_out_ref aliases state_ref (same HBM buffer on GPU; in interpret
   # mode it starts as a copy of the input): read one, write the other.
-  y_ref, state_out_ref = next(it), next(it)
-
-  pblk, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  g = h // heads_per_group
-  ps = pl.ds(pblk * block_p, block_p)
+  ((state_ref, x_ref, dt_ref, a_ref, b_ref, c_ref), (d_ref, z_ref, bias_ref),
+   (y_ref, state_out_ref), (b, h, g, ps)) = _unpack(
+       refs, has_D, has_z, has_bias, heads_per_group, block_p)
 
   d = process_dt(dt_ref[b, h], bias_ref[h] if has_bias else None,
                         dt_softplus)
@@ -85,16 +92,9 @@ def _window_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
                    heads_per_group, block_p):
   """Snapshot verify: T baseline steps on one state tile, every state
   written to its window slot (the state is read once, written T times)."""
-  it = iter(refs)
-  state_ref, x_ref, dt_ref, a_ref, b_ref, c_ref = (next(it) for _ in range(6))
-  d_ref = next(it) if has_D else None
-  z_ref = next(it) if has_z else None
-  bias_ref = next(it) if has_bias else None
-  y_ref, snap_ref = next(it), next(it)
-
-  pblk, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  g = h // heads_per_group
-  ps = pl.ds(pblk * block_p, block_p)
+  ((state_ref, x_ref, dt_ref, a_ref, b_ref, c_ref), (d_ref, z_ref, bias_ref),
+   (y_ref, snap_ref), (b, h, g, ps)) = _unpack(
+       refs, has_D, has_z, has_bias, heads_per_group, block_p)
   a = a_ref[h].astype(F32)
   s = plgpu.load(state_ref.at[b, h, ps],
                  eviction_policy="evict_first").astype(F32)

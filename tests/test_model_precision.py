@@ -17,9 +17,9 @@ from replayssm_jax import PrecisionPolicy, ReplayState, testing
 from replayssm_jax.models import (HybridLM, ModelConfig, commit,
                                   decode_step, generate,
                                   speculative_generate, verify)
-from replayssm_jax.models import model as M
 from replayssm_jax.models.speculative import NgramProposer
 from replayssm_jax.models.states import StoredSSMState
+from tests.test_models import _prefill_then_decode  # pylint: disable=g-bad-import-order
 
 CFG = dict(vocab_size=64, d_model=32, pattern="MM", ssm_heads=4, head_dim=8,
            d_state=8, n_groups=2, conv_kernel=4, chunk_size=8)
@@ -44,19 +44,6 @@ def random_tokens(seed, shape):
 
 PROMPTS = random_tokens(1, (B, T))
 CONT = random_tokens(2, (B, STEPS))
-
-
-@jax.jit
-def _prefill_then_decode(gp, prompts, lengths, cont, state):
-  model = nnx.merge(*gp)
-  last, state = M.prefill_fn(model, prompts, lengths, state)
-
-  def body(st, tok):
-    logits, st = model.step(tok, st)
-    return st, logits
-
-  state, logits = jax.lax.scan(body, state, cont.T)
-  return last, jnp.swapaxes(logits, 0, 1), state
 
 
 _RUNS = {}
