@@ -135,7 +135,25 @@ class VerifyConfig(_LaunchConfig):
   Attributes:
     block_p: headdim rows per program; None = replay.default_block_p.
     num_warps, num_stages: Triton launch parameters.
+    fold: how the early flush folds the history: "rank1", "dot_tf32x3" or
+      "dot_f32" (as ReplayConfig.flush_fold); None: "dot_tf32x3" where
+      buffer_len and block_p >= 16, else "rank1".
+    fold_grid: "persistent" (`fold_programs` programs share out the
+      folding rows' items) or "rows" (the window kernel's grid, programs of
+      rows that do not fold exit at once).
+    fold_programs: program count of the persistent fold grid (None: 4 per
+      SM; 8 in interpret mode).
   """
+  fold: str | None = None
+  fold_grid: str = "persistent"
+  fold_programs: int | None = None
+
+  def __post_init__(self):
+    super().__post_init__()
+    _check_choice("fold", self.fold, ("rank1", "dot_tf32x3", "dot_f32"),
+                  optional=True)
+    _check_choice("fold_grid", self.fold_grid, ("rows", "persistent"))
+    _check_count("fold_programs", self.fold_programs)
 
 
 def finish_output(y, x, D, z):

@@ -11,8 +11,12 @@ both launched every step, rows routed by data:
   one pass with no per-token state, then appends the window's inputs behind
   the history. The checkpoint is only read.
 
-Grid: (headdim blocks x heads of one group, ngroups, batch), one head per
-program. T, L, headdim and dstate must be powers of two (Triton blocks).
+Window-kernel grid: (headdim blocks x heads of one group, ngroups, batch),
+one head per program. The fold kernel runs by default on a small
+persistent grid that shares out the folding rows' (row, head, headdim
+block) items (as the replay step's flush route; `VerifyConfig.fold_grid`),
+folding with a 3xTF32 dot where L and block_p >= 16. T, L, headdim and
+dstate must be powers of two (Triton blocks).
 """
 
 from __future__ import annotations
@@ -26,42 +30,100 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
-from pallas_kernels.replay import _Program, _unpack, default_block_p
+from pallas_kernels.replay import (_Program, _default_flush_programs,
+                                   _fold_precision, _unpack, default_block_p)
 from replayssm_jax.reference import process_dt
 
 F32 = jnp.float32
 
 
-def _fold_kernel(*refs, window, has_D, has_z, has_bias, **kw):
-  """Early flush: checkpoint <- checkpoint advanced over the history."""
-  ins, _, (ck_out,) = _unpack(refs, 10, 1, has_D, has_z, has_bias)
-  ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, _, _, a_ref, _, _ = ins
-  p = _Program.from_grid(cnt_ref, None, a_ref, None, **kw)
+def _folds(c, window, L):
+  """Rows whose window does not fit behind their history fold it first."""
+  return (c >= 0) & (c < L) & (c + window >= L) & (c > 0)
+
+
+def _fold_history(p, refs, ck_out, *, block_p, fold_dot):
+  """checkpoint tile of head p.head0 <- advanced over the row's c buffered
+  tokens: decay * S_0 + sum_j s_j x_j B_j^T (j < c). fold_dot: None for
+  exact f32 rank-1 updates, else one [block_p, L] x [L, N] dot with this
+  precision (L, block_p >= 16)."""
+  ck_ref, xb_ref, bb_ref, dtb_ref, a_ref = refs
   b, g, ps, L, c, h = p.b, p.g, p.ps, p.L, p.c, p.head0
-  block_p = kw["block_p"]
-
-  @pl.when(p.valid & (c + window >= L) & (c > 0))
-  def _fold():
-    hist = p.j < c
-    d_hist = plgpu.load(dtb_ref.at[b, :, h], mask=hist, other=0.0)  # [L]
-    a = a_ref[h].astype(F32)
-    after = p.j[:, None] < p.j[None, :]
-    suffix = jnp.sum(jnp.where(after, d_hist[None, :], 0.0), axis=1)
-    s = d_hist * jnp.exp(a * suffix)
-
+  nstate = ck_ref.shape[-1]
+  hist = p.j < c
+  d_hist = plgpu.load(dtb_ref.at[b, :, h], mask=hist, other=0.0)  # [L]
+  a = a_ref[h].astype(F32)
+  after = p.j[:, None] < p.j[None, :]
+  suffix = jnp.sum(jnp.where(after, d_hist[None, :], 0.0), axis=1)
+  s = d_hist * jnp.exp(a * suffix)
+  s0 = plgpu.load(ck_ref.at[b, h, ps]).astype(F32)
+  decay = jnp.exp(a * jnp.sum(d_hist))
+  if fold_dot is None:
     def fold(jj, st):
       live = jj < c
       s_j = jnp.sum(jnp.where(p.j == jj, s, 0.0))
       x_j = plgpu.load(xb_ref.at[b, jj, h, ps],
                        mask=jnp.broadcast_to(live, (block_p,)), other=0.0)
       b_j = plgpu.load(bb_ref.at[b, jj, g, :],
-                       mask=jnp.broadcast_to(live, (ck_ref.shape[-1],)),
-                       other=0.0)
+                       mask=jnp.broadcast_to(live, (nstate,)), other=0.0)
       return st + (s_j * x_j.astype(F32))[:, None] * b_j.astype(F32)[None, :]
 
-    s0 = plgpu.load(ck_ref.at[b, h, ps]).astype(F32)
-    st = lax.fori_loop(0, L, fold, jnp.exp(a * jnp.sum(d_hist)) * s0)
-    plgpu.store(ck_out.at[b, h, ps], st.astype(ck_out.dtype))
+    st = lax.fori_loop(0, L, fold, decay * s0)
+  else:
+    x_hist = plgpu.load(xb_ref.at[b, :, h, ps],
+                        mask=jnp.broadcast_to(hist[:, None], (L, block_p)),
+                        other=0.0).astype(F32)  # [L, block_p]
+    b_hist = plgpu.load(bb_ref.at[b, :, g, :],
+                        mask=jnp.broadcast_to(hist[:, None], (L, nstate)),
+                        other=0.0).astype(F32)  # [L, N]
+    st = decay * s0 + lax.dot_general(
+        s[:, None] * x_hist, b_hist, (((0,), (0,)), ((), ())),
+        precision=fold_dot, preferred_element_type=F32)
+  plgpu.store(ck_out.at[b, h, ps], st.astype(ck_out.dtype))
+
+
+def _fold_kernel(*refs, window, has_D, has_z, has_bias, fold_dot, **kw):
+  """Early flush on the window kernel's grid: programs of rows that do not
+  fold exit at once."""
+  ins, _, (ck_out,) = _unpack(refs, 10, 1, has_D, has_z, has_bias)
+  ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, _, _, a_ref, _, _ = ins
+  p = _Program.from_grid(cnt_ref, None, a_ref, None, **kw)
+  pl.when(_folds(p.c, window, p.L))(functools.partial(
+      _fold_history, p, (ck_ref, xb_ref, bb_ref, dtb_ref, a_ref), ck_out,
+      block_p=kw["block_p"], fold_dot=fold_dot))
+
+
+def _fold_persistent_kernel(*refs, window, has_D, has_z, has_bias, fold_dot,
+                            num_programs, nheads, heads_per_group, block_p,
+                            headdim, buffer_len, **kw):
+  """Early flush on a fixed grid of num_programs programs sharing out the
+  (folding row, head, headdim block) items, as the replay step's persistent
+  flush route: rows that do not fold cost no program. The counters come
+  padded to a power of two with -1."""
+  ins, _, (ck_out,) = _unpack(refs, 10, 1, has_D, has_z, has_bias)
+  ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, _, _, a_ref, _, _ = ins
+  counts = cnt_ref[...]
+  ranks = jnp.cumsum(_folds(counts, window, buffer_len).astype(jnp.int32))
+  nblk = headdim // block_p
+  per_row = nheads * nblk
+  total = jnp.sum(_folds(counts, window, buffer_len).astype(jnp.int32)
+                  ) * per_row
+  pid = pl.program_id(0)
+  mine = jnp.maximum(total - pid + num_programs - 1, 0) // num_programs
+  refs = (ck_ref, xb_ref, bb_ref, dtb_ref, a_ref)
+
+  def item(i, carry):
+    w = pid + i * num_programs
+    r, rem = w // per_row, w % per_row
+    b = jnp.sum((ranks <= r).astype(jnp.int32))
+    h = rem // nblk
+    p = _Program(cnt_ref, None, a_ref, None, b=b, g=h // heads_per_group,
+                 pblk=rem % nblk, head0=h, block_p=block_p,
+                 buffer_len=buffer_len, **kw)
+    _fold_history(p, refs, ck_out, block_p=block_p, fold_dot=fold_dot)
+    return carry
+
+  lax.fori_loop(0, mine, item, 0)
 
 
 def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus, **kw):
@@ -171,15 +233,34 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   sds = jax.ShapeDtypeStruct
   token_in = [x, dt, A, B, C]
   optional = [v for v in (D, z, dt_bias) if v is not None]
-  # 1. Early flush of the committed history (in place, flush rows only).
+  # 1. Early flush of the committed history (in place, folding rows only).
+  L = rstate.buffer_len
+  fold = config.fold or ("dot_tf32x3" if min(L, block_p) >= 16 else "rank1")
+  if fold != "rank1" and min(L, block_p) < 16:
+    raise NotImplementedError(
+        f"config.fold={fold!r} needs buffer_len and block_p >= 16 (Triton "
+        f"dot tiles), got {L} and {block_p}.")
+  fold_kw = dict(kw, dt_softplus=dt_softplus,
+                 fold_dot=_fold_precision(fold, interpret))
+  count = rstate.count
+  if config.fold_grid == "persistent":
+    nprog = config.fold_programs or _default_flush_programs(interpret)
+    fold_kernel = functools.partial(_fold_persistent_kernel, nheads=nheads,
+                                    num_programs=nprog, **fold_kw)
+    fold_grid = (nprog,)
+    pad = (1 << (batch - 1).bit_length()) - batch  # Triton: pow2 vectors
+    if pad:
+      count = jnp.pad(count, (0, pad), constant_values=-1)
+  else:
+    fold_kernel = functools.partial(_fold_kernel, **fold_kw)
+    fold_grid = grid
   (ck,) = pl.pallas_call(
-      functools.partial(_fold_kernel, dt_softplus=dt_softplus, **kw),
-      grid=grid,
+      fold_kernel, grid=fold_grid,
       out_shape=(sds(rstate.checkpoint.shape, rstate.checkpoint.dtype),),
       input_output_aliases={0: 0}, compiler_params=params,
       interpret=interpret, name="replayssm_verify_fold",
   )(rstate.checkpoint, rstate.x_buf, rstate.b_buf, rstate.dt_buf,
-    rstate.count, *token_in, *optional)
+    count, *token_in, *optional)
   # 2. Window outputs and appends (reads the folded checkpoint).
   y, xb, bb, dtb, cnt = pl.pallas_call(
       functools.partial(_verify_kernel, dt_softplus=dt_softplus, **kw),

@@ -643,8 +643,10 @@ def test_kernels_lower_to_triton(config, batch, buffer_len, policy):
         state, tok)
     win = jax.tree.map(lambda v: jnp.stack([v, v], axis=1), tok)  # T = 2
     if buffer_len > 2:
-      _lower_for_cuda(
-          lambda r, t: verify_kernel.replay_verify(
-              r, t["x"], t["dt"], params["A"], t["B"], t["C"], z=t["z"],
-              **kw),
-          rstate, win)
+      for vconfig in (pk.VerifyConfig(),  # persistent fold (dot at L 16)
+                      pk.VerifyConfig(fold_grid="rows", fold="rank1")):
+        _lower_for_cuda(
+            lambda r, t, c=vconfig: verify_kernel.replay_verify(
+                r, t["x"], t["dt"], params["A"], t["B"], t["C"], z=t["z"],
+                **kw, config=c),
+            rstate, win)

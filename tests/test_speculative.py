@@ -227,6 +227,37 @@ def test_pallas_verify_matches_reference(L, T, buffer_dtype, block_p):
         harness.bits(r.x_buf[row, end:]), harness.bits(rstate.x_buf[row, end:]))
 
 
+@pytest.mark.parametrize("config", [
+    dict(fold="dot_tf32x3", fold_programs=3),  # exact f32 dot in interpret
+    dict(fold="rank1", fold_grid="rows")], ids=str)
+def test_pallas_verify_fold_modes(config):
+  """The early flush's dot fold on the persistent grid (5 rows: padded
+  counters; 3 programs: several items each) and the rows grid == the
+  reference."""
+  import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
+  b, h, p, n, g, L, T = 5, 4, 16, 16, 2, 16, 4
+  key = jax.random.PRNGKey(41)
+  params = testing.random_params(key, h)
+  counts = np.array([L - 1, 3, L - T, L - 2, 0])  # 3 rows fold
+  rstate, _ = testing.random_replay_state(
+      jax.random.fold_in(key, 1), b, h, p, n, g, L, counts, params["A"])
+  win = testing.random_step_inputs(jax.random.PRNGKey(42), b, h, p, n, g,
+                                   seqlen=T)
+  kw = dict(**win, **params, dt_softplus=True)
+  y_ref, r_ref = rs.replay_verify(rstate, **kw, implementation="reference")
+  y, r = rs.replay_verify(rstate, **kw, implementation="pallas",
+                          config=pk.VerifyConfig(block_p=16, **config))
+  testing.assert_close(y, y_ref, TOL, "y")
+  testing.assert_close(r.checkpoint, r_ref.checkpoint, TOL, "checkpoint")
+  np.testing.assert_array_equal(r.count, r_ref.count)
+  folds = (counts + T >= L) & (counts > 0)
+  same = ~np.asarray(harness.rows_changed(rstate.checkpoint, r.checkpoint))
+  np.testing.assert_array_equal(same, ~folds)
+  with pytest.raises(NotImplementedError, match="block_p >= 16"):
+    rs.replay_verify(rstate, **kw, implementation="pallas",
+                     config=pk.VerifyConfig(block_p=8, fold="dot_f32"))
+
+
 def test_pallas_verify_refuses_non_pow2_window():
   params, rstate, _ = _setup(8, 3, [0, 1, 2, 3])
   with pytest.raises(NotImplementedError, match="T = 3 is not a power"):
