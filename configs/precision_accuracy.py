@@ -19,8 +19,9 @@ then
   python -m experiments.precision_accuracy \
       --config=configs/precision_accuracy.py --workdir=runs/precision_accuracy
 
-`:medium` / `:large` evaluate the `<task>_medium_ssm` / `<task>_large_ssm`
-runs instead (same workdir layout). Smoke variant (CPU, about a minute;
+`:tiny` / `:medium` / `:large` evaluate the `<task>_<size>_ssm` runs
+instead (same workdir layout); `--config.train_missing=True` trains the
+missing ones first. Smoke variant (CPU, about a minute;
 trains a two-layer pure Mamba-2 model on the char smoke task first; used by
 tests/test_precision_accuracy.py):
 
@@ -64,10 +65,10 @@ def _model(name: str, eval_seq_len: int = 0) -> dict:
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  """The accuracy study; arg "smoke" (CPU test), "medium" or "large"
-  (model size; default small)."""
-  _args.check_arg(arg, "medium", "large")
-  size = arg if arg in ("medium", "large") else "small"
+  """The accuracy study; arg "smoke" (CPU test), "tiny", "medium" or
+  "large" (model size; default small)."""
+  _args.check_arg(arg, "tiny", "medium", "large")
+  size = arg if arg in ("tiny", "medium", "large") else "small"
   config = ml_collections.ConfigDict()
   config.seed = 0
   # MQAR at its trained length (255 decode steps: 63 / 15 / 3 flushes per

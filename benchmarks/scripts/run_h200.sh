@@ -12,6 +12,7 @@
 #   bash benchmarks/scripts/run_h200.sh specdec    # hybrid_1b spec decoding, b {256,512}, T 4 (~4 min)
 #   bash benchmarks/scripts/run_h200.sh profile    # where a spec-decoding iteration's time goes, b 256 (~1.5 min)
 #   bash benchmarks/scripts/run_h200.sh policies   # replay per precision policy vs the f16 baseline, b 256, L 16 (not yet run)
+#   bash benchmarks/scripts/run_h200.sh precision small  # train the <task>_small_ssm models if missing, then the accuracy study (not yet run; sizes tiny|small|medium|large)
 #   bash benchmarks/scripts/run_h200.sh decode8b   # Nemotron-H-8B shapes (random bf16 weights), b {64,256}, L 16 (not yet run)
 #
 # To run exactly a commit (no uncommitted edits travel), export it into an
@@ -53,6 +54,11 @@ case "$1" in
     timeout 560 python -m experiments.kernel_bench \
       --config=configs/kernel_bench.py:policies --workdir="$OUT/policies" \
       --config.iters=10 ;;
+  precision)
+    size=${2:?precision needs a size: tiny, small, medium or large}
+    timeout 560 python -m experiments.precision_accuracy \
+      --config=configs/precision_accuracy.py:"$size" \
+      --workdir="$OUT/precision_$size" --config.train_missing=True ;;
   decode8b)
     timeout 560 python -m experiments.decode_bench --config=configs/nemotron_h_8b.py \
       --workdir="$OUT/decode8b" --config.bench.batches='(64,256)' \
