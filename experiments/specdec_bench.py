@@ -1,11 +1,12 @@
 r"""Speculative-decoding throughput: replay rollback vs snapshot baseline.
 
 For each batch: random prompts, then
-  * plain: `generate` (greedy, replay state, one token per step);
+  * plain: `generate` (replay state, one token per step);
   * for each window T and ssm_mode ("baseline": one full SSM state per
     window position, rollback selects one; "replay": verify from checkpoint
-    + buffer, rollback moves the counter): `speculative_generate` (greedy)
-    with the same proposer.
+    + buffer, rollback moves the counter): `speculative_generate` with the
+    same proposer;
+all greedy, or all sampling at `bench.temperature` (see bench.proposer).
 The proposer sets the acceptance rate, so every mode sees the same
 (reported) acceptance length and the proposer itself costs nothing: the
 figures isolate the target's verify/commit cost. `bench.proposer`:
@@ -195,7 +196,8 @@ def bench_batch(model, config, batch: int, writer) -> list[dict]:
     return writer.write(rec)
 
   recs = [record(mode="plain", window=None, total_s=t_plain, times_s=times,
-                 mean_accepted_length=1.0, match_fraction=1.0)]
+                 mean_accepted_length=1.0,
+                 match_fraction=None if sampling else 1.0)]
   if b.proposer == "greedy_oracle":
     proposer = OracleProposer(ref, b.accept_prob, cfg.vocab_size)
   else:
