@@ -518,6 +518,14 @@ def _default_flush_programs(interpret: bool) -> int:
   return 4 * getattr(jax.devices()[0], "core_count", 132)
 
 
+def _pad_pow2(count):
+  """[batch] counters padded with -1 (no route) to a power of two: the
+  persistent kernels load them as one Triton vector."""
+  batch = count.shape[0]
+  pad = (1 << (batch - 1).bit_length()) - batch
+  return jnp.pad(count, (0, pad), constant_values=-1) if pad else count
+
+
 def default_block_p(batch: int, nheads: int, headdim: int) -> int:
   """Tuned on the H200 (benchmarks/kernel_sweep_h200.md): whole-headdim
   tiles once the grid has ~16 programs per SM, quarter tiles below (more
@@ -621,10 +629,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   params = plgpu.CompilerParams(num_warps=config.num_warps,
                                 num_stages=config.num_stages)
   sds = jax.ShapeDtypeStruct
-  count_pow2 = rstate.count
-  pad = (1 << (batch - 1).bit_length()) - batch  # Triton: pow2 vectors
-  if pad:
-    count_pow2 = jnp.pad(rstate.count, (0, pad), constant_values=-1)
+  count_pow2 = _pad_pow2(rstate.count)
   nprog = config.flush_programs or _default_flush_programs(interpret)
   fold_dot = _fold_precision(fold, interpret)
   if config.fused_launch:

@@ -31,7 +31,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
 from pallas_kernels.replay import (_Program, _default_flush_programs,
-                                   _fold_precision, _unpack, default_block_p)
+                                   _fold_precision, _pad_pow2, _unpack,
+                                   default_block_p)
 from replayssm_jax.reference import process_dt
 
 F32 = jnp.float32
@@ -102,12 +103,11 @@ def _fold_persistent_kernel(*refs, window, has_D, has_z, has_bias, fold_dot,
   padded to a power of two with -1."""
   ins, _, (ck_out,) = _unpack(refs, 10, 1, has_D, has_z, has_bias)
   ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, _, _, a_ref, _, _ = ins
-  counts = cnt_ref[...]
-  ranks = jnp.cumsum(_folds(counts, window, buffer_len).astype(jnp.int32))
+  folds = _folds(cnt_ref[...], window, buffer_len).astype(jnp.int32)
+  ranks = jnp.cumsum(folds)
   nblk = headdim // block_p
   per_row = nheads * nblk
-  total = jnp.sum(_folds(counts, window, buffer_len).astype(jnp.int32)
-                  ) * per_row
+  total = jnp.sum(folds) * per_row
   pid = pl.program_id(0)
   mine = jnp.maximum(total - pid + num_programs - 1, 0) // num_programs
   refs = (ck_ref, xb_ref, bb_ref, dtb_ref, a_ref)
@@ -248,9 +248,7 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     fold_kernel = functools.partial(_fold_persistent_kernel, nheads=nheads,
                                     num_programs=nprog, **fold_kw)
     fold_grid = (nprog,)
-    pad = (1 << (batch - 1).bit_length()) - batch  # Triton: pow2 vectors
-    if pad:
-      count = jnp.pad(count, (0, pad), constant_values=-1)
+    count = _pad_pow2(count)
   else:
     fold_kernel = functools.partial(_fold_kernel, **fold_kw)
     fold_grid = grid
