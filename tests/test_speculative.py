@@ -190,6 +190,23 @@ def test_snapshot_baseline_matches_replay_spec():
 
 
 # ------------------------------------------------------- Pallas verify kernel
+def _pallas_verify_vs_reference(rstate, kw, counts, L, tol, config):
+  """The verify kernels with `config` == the reference (outputs, folded
+  checkpoint, counts); exactly the folding rows' checkpoints change.
+  Returns (kernel state, reference state)."""
+  T = kw["x"].shape[1]
+  y_ref, r_ref = rs.replay_verify(rstate, **kw, implementation="reference")
+  y, r = rs.replay_verify(rstate, **kw, implementation="pallas",
+                          config=config)
+  testing.assert_close(y, y_ref, tol, "y")
+  testing.assert_close(r.checkpoint, r_ref.checkpoint, tol, "checkpoint")
+  np.testing.assert_array_equal(r.count, r_ref.count)
+  folds = (counts + T >= L) & (counts > 0)
+  same = ~np.asarray(harness.rows_changed(rstate.checkpoint, r.checkpoint))
+  np.testing.assert_array_equal(same, ~folds)
+  return r, r_ref
+
+
 @pytest.mark.parametrize("L,T,buffer_dtype,block_p",
                          [(8, 4, "float32", 8), (8, 2, "bfloat16", 4),
                           (4, 1, "float32", None), (16, 8, "bfloat16", 8)])
@@ -206,16 +223,9 @@ def test_pallas_verify_matches_reference(L, T, buffer_dtype, block_p):
       buffer_dtype=jnp.dtype(buffer_dtype))
   win = _window(L + T, T)
   kw = dict(**win, **params, dt_softplus=True)
-  y_ref, r_ref = rs.replay_verify(rstate, **kw, implementation="reference")
-  y, r = rs.replay_verify(rstate, **kw, implementation="pallas",
-                          config=pk.VerifyConfig(block_p=block_p))
   tol = testing.tolerance(buffer_dtype)
-  testing.assert_close(y, y_ref, tol, "y")
-  testing.assert_close(r.checkpoint, r_ref.checkpoint, tol, "checkpoint")
-  np.testing.assert_array_equal(r.count, r_ref.count)
-  flush = (counts + T >= L) & (counts > 0)
-  same = ~np.asarray(harness.rows_changed(rstate.checkpoint, r.checkpoint))
-  np.testing.assert_array_equal(same, ~flush)
+  r, r_ref = _pallas_verify_vs_reference(rstate, kw, counts, L, tol,
+                                         pk.VerifyConfig(block_p=block_p))
   n = jnp.full((B,), T, jnp.int32)  # accept all: the window is history
   testing.assert_close(
       rs.materialize(rs.replay_commit(r, n, T), params["A"]),
@@ -244,15 +254,8 @@ def test_pallas_verify_fold_modes(config):
   win = testing.random_step_inputs(jax.random.PRNGKey(42), b, h, p, n, g,
                                    seqlen=T)
   kw = dict(**win, **params, dt_softplus=True)
-  y_ref, r_ref = rs.replay_verify(rstate, **kw, implementation="reference")
-  y, r = rs.replay_verify(rstate, **kw, implementation="pallas",
-                          config=pk.VerifyConfig(block_p=16, **config))
-  testing.assert_close(y, y_ref, TOL, "y")
-  testing.assert_close(r.checkpoint, r_ref.checkpoint, TOL, "checkpoint")
-  np.testing.assert_array_equal(r.count, r_ref.count)
-  folds = (counts + T >= L) & (counts > 0)
-  same = ~np.asarray(harness.rows_changed(rstate.checkpoint, r.checkpoint))
-  np.testing.assert_array_equal(same, ~folds)
+  _pallas_verify_vs_reference(rstate, kw, counts, L, TOL,
+                              pk.VerifyConfig(block_p=16, **config))
   with pytest.raises(NotImplementedError, match="block_p >= 16"):
     rs.replay_verify(rstate, **kw, implementation="pallas",
                      config=pk.VerifyConfig(block_p=8, fold="dot_f32"))
