@@ -246,6 +246,16 @@ def _split_policy(impl: str):
   return impl, (precision.PrecisionPolicy.preset(name) if name else None)
 
 
+def _state_dtypes(impl: str, checkpoint_dtype, buffer_dtype):
+  """(policy, checkpoint dtype, buffer dtype, read-copy dtype) of the states
+  `impl` runs: a policy's own dtypes, else the given ones (no copy)."""
+  _, policy = _split_policy(impl)
+  if policy is None:
+    return None, checkpoint_dtype, buffer_dtype, None
+  return (policy, jnp.dtype(policy.checkpoint_dtype),
+          jnp.dtype(policy.buffer_dtype), policy.read_dtype)
+
+
 def _impl_and_config(op: str, impl: str):
   """"name" -> (name, None); "pallas:<variant>" -> ("pallas", its config)."""
   impl, _ = _split_policy(impl)
@@ -540,11 +550,9 @@ def check_replay(impl, gen, *, batch, buffer_len, checkpoint_dtype,
   the (slow to compile) reference runs once.
   """
   L = buffer_len
-  _, policy = _split_policy(impl)
+  policy, checkpoint_dtype, buffer_dtype, read_dtype = _state_dtypes(
+      impl, checkpoint_dtype, buffer_dtype)
   ref_impl = "reference" + (f"@{policy.name}" if policy else "")
-  if policy is not None:  # the policy's dtypes replace the row's
-    checkpoint_dtype = jnp.dtype(policy.checkpoint_dtype)
-    buffer_dtype = jnp.dtype(policy.buffer_dtype)
   key = (batch, L, checkpoint_dtype.name, ref_impl)
   cache = {} if cache is None else cache
   if key not in cache:
@@ -558,7 +566,7 @@ def check_replay(impl, gen, *, batch, buffer_len, checkpoint_dtype,
     cache[key] = (rs0, xs, ref)
   rs0, xs, ref = cache[key]
   out = _replay_check_run(rs0, xs, params, impl)
-  read = (policy.read_dtype,) if policy and policy.read_dtype else ()
+  read = (read_dtype,) if read_dtype else ()
   tol = testing.tolerance(checkpoint_dtype, buffer_dtype, act_dtype, *read)
   ey, oky = _errors_ok(out["ys"], ref["ys"], tol)
   es, oks = _errors_ok(out["state"], ref["state"], tol)
@@ -708,7 +716,7 @@ class Bench:
     policy ("<impl>@<preset>") the dtype of the baseline it is compared
     with (the policy sets its own dtypes)."""
     dims, c = self.dims, self.c
-    _, policy = _split_policy(impl)
+    policy, ck, buf, read = _state_dtypes(impl, sdt, self.buf)
     tag = dict(impl=impl, op="replay", batch=batch,
                checkpoint_dtype=sdt.name, L=L,
                policy=policy.name if policy else None)
@@ -718,11 +726,6 @@ class Bench:
       return None
 
     state_shape = (batch, dims.nheads, dims.headdim, dims.dstate)
-    ck, buf, read = sdt, self.buf, None
-    if policy is not None:
-      ck = jnp.dtype(policy.checkpoint_dtype)
-      buf = jnp.dtype(policy.buffer_dtype)
-      read = policy.read_dtype
 
     def gen(counts):
       rs = self.gen.rstate(counts, False, L, ck, buf)
@@ -734,6 +737,8 @@ class Bench:
     K = self._num_sets(set_bytes)
     inputs = self._inputs(batch, K)
     kw = self._model_kw()
+    amortized_bytes = traffic.replay_amortized_bytes(
+        dims, batch, L, ck, buf, self.act, read_dtype=read, **kw)
     out = {}
     nf_fill = max((L - 2) // 2, 0)
     fixed_rpi = math.ceil(c.min_steps / K)
@@ -753,9 +758,7 @@ class Bench:
         loop = make_loop(REPLAY_OP, impl, K, fixed_count=False,
                          rounds_per_iter=nat_rpi)
         extra, rpi, cache = (), nat_rpi, {}
-        model = traffic.replay_amortized_bytes(dims, batch, L, ck, buf,
-                                               self.act, read_dtype=read,
-                                               **kw)
+        model = amortized_bytes
       else:
         loop, extra, rpi, cache = (
             fixed_loop, (jnp.asarray(counts),), fixed_rpi, fixed_cache)
@@ -785,9 +788,7 @@ class Bench:
                 + out["flush"]["p90_us"]) / L)
     out["amortized"] = self._record_timing(dict(
         tag, phase="amortized", fill=None, num_sets=K, set_bytes=set_bytes,
-        model_bytes=traffic.replay_amortized_bytes(dims, batch, L, ck, buf,
-                                                   self.act, read_dtype=read,
-                                                   **kw),
+        model_bytes=amortized_bytes,
         derived="((L-1)*non_flush + flush)/L", **amort))
     logging.info("  %-9s replay   b=%-3d %-8s L=%-2d: non-flush %8.2f, "
                  "flush %8.2f, amortized %8.2f, natural %8.2f µs/step "
@@ -818,17 +819,16 @@ class Bench:
 
   def _summarize(self, impl, batch, sdt, L, base, rep, best_base):
     kw = self._model_kw()
-    _, policy = _split_policy(impl)
+    policy, ck, buf, read = _state_dtypes(impl, sdt, self.buf)
     if policy is None:
       pred = traffic.replay_breakdown(self.dims, batch, L, sdt, self.buf,
                                       self.act, **kw).speedup
     else:  # vs the baseline at sdt
       pred = (traffic.baseline_step_bytes(self.dims, batch, sdt, self.act,
                                           **kw)
-              / traffic.replay_amortized_bytes(
-                  self.dims, batch, L, policy.checkpoint_dtype,
-                  policy.buffer_dtype, self.act,
-                  read_dtype=policy.read_dtype, **kw))
+              / traffic.replay_amortized_bytes(self.dims, batch, L, ck, buf,
+                                               self.act, read_dtype=read,
+                                               **kw))
     chk = [c for c in self.checks if c["impl"] == impl
            and c["batch"] == batch and c["checkpoint_dtype"] == sdt.name
            and c["L"] in (L, None) and c.get("passed") is not None]
