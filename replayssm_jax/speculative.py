@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from replayssm_jax import _validation as V
+from replayssm_jax import reference
 from replayssm_jax.reference import (F32, HIGHEST, _finish_output,
                                      fold_window, heads_from_groups,
                                      process_dt)
@@ -224,8 +225,6 @@ def baseline_verify(ssm_state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
 def baseline_verify_reference(ssm_state, x, dt, A, B, C, D=None, z=None,
                               dt_bias=None, dt_softplus=False):
   """The reference of `baseline_verify`: T reference baseline steps."""
-  from replayssm_jax import reference  # pylint: disable=g-import-not-at-top
-
   def step(state, tok):
     y, state = reference.selective_state_update(
         state, tok["x"], tok["dt"], A, tok["B"], tok["C"], D, tok["z"],
