@@ -96,16 +96,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.batches = (256, 1)
     config.buffer_lens = (16,)
     config.exclude_implementations = ("reference",)
+    # Session 2 measured rows_dot=dict(flush_grid="rows",
+    # flush_fold="dot_tf32x3"), dotf32=dict(flush_fold="dot_f32"),
+    # flush32=dict(flush_block_p=32) and programs132=dict(flush_programs=132)
+    # (benchmarks/flush_sweep_h200.json); this sweep times the designs added
+    # since, beside the default.
     config.replay_variants = ml_collections.ConfigDict(dict(
-        rows_dot=dict(flush_grid="rows", flush_fold="dot_tf32x3"),
-        dotf32=dict(flush_fold="dot_f32"),
-        flush32=dict(flush_block_p=32),
-        programs132=dict(flush_programs=132),
         # One program per flush item of a natural-cycle step at batch 256
-        # (256 / 16 rows x 128 heads): not yet measured.
+        # (256 / 16 rows x 128 heads).
         programs2048=dict(flush_programs=2048),
-        # Both routes in one launch (flush folds overlap the output
-        # route's streaming; one launch at batch 1): not yet measured.
+        # Both routes in one launch (flush folds overlap the output route's
+        # streaming; one launch at batch 1).
         fused=dict(fused_launch=True),
         fused2048=dict(fused_launch=True, flush_programs=2048),
     ))

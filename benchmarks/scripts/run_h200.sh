@@ -4,7 +4,7 @@
 # `wheels/` folder carried: it holds the ml_collections wheel).
 #
 #   (wall times measured on 2026-11-29, session 3)
-#   bash benchmarks/scripts/run_h200.sh sweep      # flush-route designs, b 256 + 1, L 16 (~6 min)
+#   bash benchmarks/scripts/run_h200.sh sweep      # new flush-route designs vs the default, b 256 + 1, L 16
 #   bash benchmarks/scripts/run_h200.sh grid f16   # full kernel grid, one dtype (~4 min)
 #   bash benchmarks/scripts/run_h200.sh grid f32
 #   bash benchmarks/scripts/run_h200.sh grid both  # both dtypes, f16 first (8 min)
@@ -27,11 +27,13 @@ set -euo pipefail
 pip install --no-deps --no-index -q --target /tmp/mlc wheels/*.whl 2>/dev/null
 export PYTHONPATH=.:/tmp/mlc
 OUT=${OUT:-runs}
+# Per-part limit (s); lower it to run several parts in one 10-minute call.
+T=${PART_TIMEOUT:-560}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu_${1}.csv"
 case "$1" in
   sweep)
-    timeout 560 python -m experiments.kernel_bench \
+    timeout "$T" python -m experiments.kernel_bench \
       --config=configs/kernel_bench.py:sweep --workdir="$OUT/sweep" --config.iters=10 ;;
   grid)
     dtype=${2:?grid needs f16, f32 or both}
@@ -39,33 +41,33 @@ case "$1" in
       f16) d="'float16'," ;; f32) d="'float32'," ;; both) d="'float16','float32'" ;;
       *) echo "grid: unknown dtype $dtype" >&2; exit 2 ;;
     esac
-    timeout 560 python -m experiments.kernel_bench --config=configs/kernel_bench.py \
+    timeout "$T" python -m experiments.kernel_bench --config=configs/kernel_bench.py \
       --workdir="$OUT/grid_$dtype" --config.checkpoint_dtypes="($d)" \
       --config.iters=10 --config.name="kernel_bench_h200_$dtype" ;;
   decode)
-    timeout 560 python -m experiments.decode_bench --config=configs/hybrid_1b.py \
+    timeout "$T" python -m experiments.decode_bench --config=configs/hybrid_1b.py \
       --workdir="$OUT/decode" --config.bench.batches='(64,256,512)' \
       --config.bench.repeats=2 ;;
   specdec)
-    timeout 560 python -m experiments.specdec_bench --config=configs/specdec_bench.py \
+    timeout "$T" python -m experiments.specdec_bench --config=configs/specdec_bench.py \
       --workdir="$OUT/specdec" --config.bench.batches='(256,512)' \
       --config.bench.windows='(4,)' ;;
   policies)
-    timeout 560 python -m experiments.kernel_bench \
+    timeout "$T" python -m experiments.kernel_bench \
       --config=configs/kernel_bench.py:policies --workdir="$OUT/policies" \
       --config.iters=10 ;;
   precision)
     size=${2:?precision needs a size: tiny, small, medium or large}
-    timeout 560 python -m experiments.precision_accuracy \
+    timeout "$T" python -m experiments.precision_accuracy \
       --config=configs/precision_accuracy.py:"$size" \
       --workdir="$OUT/precision_$size" --config.train_missing=True ;;
   decode8b)
-    timeout 560 python -m experiments.decode_bench --config=configs/nemotron_h_8b.py \
+    timeout "$T" python -m experiments.decode_bench --config=configs/nemotron_h_8b.py \
       --workdir="$OUT/decode8b" --config.bench.batches='(64,256)' \
       --config.bench.buffer_lens='(16,)' --config.bench.prompt_len=256 \
       --config.bench.new_tokens=128 --config.bench.repeats=2 ;;
   profile)
-    timeout 560 python benchmarks/scripts/specdec_profile.py --batch 256 \
+    timeout "$T" python benchmarks/scripts/specdec_profile.py --batch 256 \
       --out "$OUT/specdec_profile.json" ;;
   *) echo "unknown part: $1" >&2; exit 2 ;;
 esac
