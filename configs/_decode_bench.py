@@ -47,6 +47,8 @@ def make_config(model: dict, arg: str | None, *, batches: tuple[int, ...],
   b.checkpoint_dtype = "float32"
   b.buffer_dtype = ""
   b.kv_dtype = ""
+  # Prefill this many rows at a time (0: the whole batch at once).
+  b.prefill_rows = 0
   b.repeats = 1 if smoke else 3  # timed runs after the warm-up
   # "" = dispatcher default (fastest supported kernel).
   b.implementation = "reference" if smoke else ""

@@ -10,6 +10,11 @@ Smoke run (CPU, about 30 s on 2 cores; used by tests/test_experiments.py):
   python -m experiments.kernel_bench --config=configs/kernel_bench.py:smoke \
       --workdir=runs/kernel_bench_smoke
 
+Fused vs separate route launches around the default's batch threshold:
+
+  python -m experiments.kernel_bench --config=configs/kernel_bench.py:launch \
+      --workdir=runs/kernel_launch
+
 Precision policies (issue 6; replay per policy preset vs the f16 baseline,
 batch 256, L 16):
 
@@ -34,7 +39,7 @@ from configs import _args
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The benchmark configuration; `arg="smoke"` is a tiny CPU run."""
-  _args.check_arg(arg, "sweep", "policies")
+  _args.check_arg(arg, "sweep", "launch", "policies")
   config = ml_collections.ConfigDict()
   config.name = "kernel_bench"  # stem of the files copied to --results_dir
   config.seed = 0
@@ -110,6 +115,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         fused=dict(fused_launch=True),
         fused2048=dict(fused_launch=True, flush_programs=2048),
     ))
+
+  if arg == "launch":
+    # Where the fused launch (ReplayConfig.fused_launch) stops paying:
+    # forced one launch vs two beside the default's choice
+    # (pallas_kernels.replay.default_fused_launch), L 16.
+    config.name = "kernel_launch"
+    config.batches = (16, 64)
+    config.buffer_lens = (16,)
+    config.exclude_implementations = ("reference",)
+    config.replay_variants = ml_collections.ConfigDict(dict(
+        fused=dict(fused_launch=True), separate=dict(fused_launch=False)))
 
   if arg == "policies":
     # Issue 6: amortized replay step per precision policy at batch 256, L 16,

@@ -85,14 +85,29 @@ class _Setup:
     self.impl = b.implementation or None
 
   def state(self, mode: str, buffer_len):
-    """(first token, decode state after the prompts)."""
+    """(first token, decode state after the prompts).
+
+    With `bench.prefill_rows` > 0 the prompts are prefilled that many rows
+    at a time and the row states concatenated (the 8B model's whole-batch
+    prefill at batch 256 needs more than the H200's memory).
+    """
     b = self.b
-    st = self.model.init_state(self.batch, b.prompt_len + b.new_tokens,
-                               ssm_mode=mode, buffer_len=buffer_len or 16,
-                               checkpoint_dtype=b.checkpoint_dtype,
-                               **self.kw)
-    logits, st = prefill(self.model, self.prompts, self.lengths, st)
-    return jnp.argmax(logits, -1).astype(jnp.int32), st
+    rows = b.get("prefill_rows", 0) or self.batch
+    tokens, states = [], []
+    for r0 in range(0, self.batch, rows):
+      n = min(rows, self.batch - r0)
+      st = self.model.init_state(n, b.prompt_len + b.new_tokens,
+                                 ssm_mode=mode, buffer_len=buffer_len or 16,
+                                 checkpoint_dtype=b.checkpoint_dtype,
+                                 **self.kw)
+      logits, st = prefill(self.model, self.prompts[r0:r0 + n],
+                           self.lengths[r0:r0 + n], st)
+      tokens.append(jnp.argmax(logits, -1).astype(jnp.int32))
+      states.append(st)
+    if len(states) == 1:
+      return tokens[0], states[0]
+    return (jnp.concatenate(tokens),
+            jax.tree.map(lambda *a: jnp.concatenate(a), *states))
 
 
 def bench_mode(setup: _Setup, mode: str, buffer_len) -> dict:

@@ -105,7 +105,10 @@ class ReplayConfig(_LaunchConfig):
       costs one launch instead of two (batch 1). The kernel's register
       budget is the larger of the two routes'. Plain states only (no
       precision policy), persistent flush grid, not with output_all_rows or
-      precompute_bc.
+      precompute_bc. None: fused where it applies and the batch is small
+      (`replay.default_fused_launch`: on the H200 it wins at batch 1 and
+      loses at batch 256, where the shared register budget halves the output
+      route's occupancy; benchmarks/README.md).
   """
   heads_per_program: int | None = None
   precompute_bc: bool = False
@@ -115,7 +118,7 @@ class ReplayConfig(_LaunchConfig):
   flush_fold: str | None = None
   flush_grid: str = "persistent"
   flush_programs: int | None = None
-  fused_launch: bool = False
+  fused_launch: bool | None = None
 
   def __post_init__(self):
     super().__post_init__()

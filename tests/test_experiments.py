@@ -291,11 +291,12 @@ def test_metrics_writer_and_tables(tmp_path):
   assert table.splitlines()[-1] == "| 1.23 | - |"
 
 
-def test_kernel_variants_resolve_to_configs():
+@pytest.mark.parametrize("arg", ["sweep", "launch"])
+def test_kernel_variants_resolve_to_configs(arg):
   """'pallas:<name>' runs the kernel with the named tuning config; every
-  variant of the sweep config is a valid config object."""
+  variant of the sweep / launch configs is a valid config object."""
   import pallas_kernels  # pylint: disable=g-import-not-at-top
-  sweep = kernel_bench_config.get_config("sweep")
+  sweep = kernel_bench_config.get_config(arg)
   variants = {kernel_bench.BASELINE_OP: sweep.ssu_variants.to_dict(),
               kernel_bench.REPLAY_OP: sweep.replay_variants.to_dict()}
   assert variants[kernel_bench.REPLAY_OP], "the sweep has replay variants"

@@ -77,8 +77,8 @@ DIMS = C.Dims(batch=5, nheads=8, headdim=16, dstate=16, ngroups=2)
 SSU_CONFIGS = [pk.SSUConfig(), pk.SSUConfig(block_p=4),
                pk.SSUConfig(block_p=None, num_warps=2)]
 REPLAY_CONFIGS = [
-    pk.ReplayConfig(),
-    pk.ReplayConfig(block_p=4, heads_per_program=2),
+    pk.ReplayConfig(),  # fused launch at this batch (default_fused_launch)
+    pk.ReplayConfig(block_p=4, heads_per_program=2, fused_launch=False),
     pk.ReplayConfig(block_p=8, heads_per_program=4, precompute_bc=True),
     pk.ReplayConfig(block_p=16, output_all_rows=True),
     pk.ReplayConfig(block_p=8, heads_per_program=2, precompute_bc=True,
@@ -87,7 +87,7 @@ REPLAY_CONFIGS = [
     pk.ReplayConfig(flush_grid="rows"),
     # Fewer programs than work items: each program loops over several.
     pk.ReplayConfig(block_p=4, flush_block_p=8, flush_grid="persistent",
-                    flush_programs=3),
+                    flush_programs=3, fused_launch=False),
     # Both routes in one launch (flush programs first, then output items).
     pk.ReplayConfig(block_p=4, heads_per_program=2, flush_programs=3,
                     fused_launch=True),
@@ -551,6 +551,31 @@ def test_replay_kernel_precision_refusals(monkeypatch):
   assert "rstate.row_id and rstate.step" in why, why
 
 
+@pytest.mark.parametrize("batch,fused", [(1, True), (265, False)])
+def test_default_fused_launch_by_batch(batch, fused):
+  """ReplayConfig(fused_launch=None) launches both routes as one kernel
+  at small batch (8 heads: batch * 8 < 16 * 132) and as two at large."""
+  from pallas_kernels import replay as replay_kernel  # pylint: disable=g-import-not-at-top
+  assert replay_kernel.default_fused_launch(batch, 8) == fused
+  h, p, n, g, L = 8, 16, 16, 2, 16
+  sds = jax.ShapeDtypeStruct
+  rstate = rs.ReplayState(
+      checkpoint=sds((batch, h, p, n), jnp.float32),
+      x_buf=sds((batch, L, h, p), jnp.bfloat16),
+      b_buf=sds((batch, L, g, n), jnp.bfloat16),
+      dt_buf=sds((batch, L, h), jnp.float32),
+      count=sds((batch,), jnp.int32))
+  jaxpr = str(jax.make_jaxpr(
+      lambda r, x, dt, A, B, C: replay_kernel.replay_state_update(
+          r, x, dt, A, B, C, interpret=True))(
+              rstate, sds((batch, h, p), jnp.bfloat16),
+              sds((batch, h), jnp.bfloat16), sds((h,), jnp.float32),
+              sds((batch, g, n), jnp.bfloat16),
+              sds((batch, g, n), jnp.bfloat16)))
+  assert ("replayssm_replay_fused_routes" in jaxpr) == fused
+  assert ("replayssm_replay_output_route" in jaxpr) == (not fused)
+
+
 # ------------------------------------------------- GPU lowering (no GPU here)
 def _lower_for_cuda(fn, *args):
   """Lowers fn for CUDA on this CPU machine (jax.export cross-lowering):
@@ -572,6 +597,7 @@ LOWERING_REPLAY_CONFIGS = [
     pk.ReplayConfig(flush_grid="rows", heads_per_program=2,
                     precompute_bc=True, output_all_rows=True),
     pk.ReplayConfig(fused_launch=True),
+    pk.ReplayConfig(fused_launch=False),
 ]
 
 

@@ -8,9 +8,11 @@
 #   bash benchmarks/scripts/run_h200.sh grid f16   # full kernel grid, one dtype (~4 min)
 #   bash benchmarks/scripts/run_h200.sh grid f32
 #   bash benchmarks/scripts/run_h200.sh grid both  # both dtypes, f16 first (8 min)
+#   bash benchmarks/scripts/run_h200.sh grid both 16  # L 16 only (third argument: buffer lengths, e.g. 8,16)
 #   bash benchmarks/scripts/run_h200.sh decode     # hybrid_1b decode, b {64,256,512} x L {8,16,32} + split at 256 (~5 min)
 #   bash benchmarks/scripts/run_h200.sh specdec    # hybrid_1b spec decoding, b {256,512}, T 4 (~4 min)
 #   bash benchmarks/scripts/run_h200.sh profile    # where a spec-decoding iteration's time goes, b 256 (~1.5 min)
+#   bash benchmarks/scripts/run_h200.sh launch     # fused vs separate route launches, b 16 + 64, L 16
 #   bash benchmarks/scripts/run_h200.sh policies   # replay per precision policy vs the f16 baseline, b 256, L 16 (not yet run)
 #   bash benchmarks/scripts/run_h200.sh precision small  # train the <task>_small_ssm models if missing, then the accuracy study (not yet run; sizes tiny|small|medium|large)
 #   bash benchmarks/scripts/run_h200.sh decode8b   # Nemotron-H-8B shapes (random bf16 weights), b {64,256}, L 16 (not yet run)
@@ -41,8 +43,10 @@ case "$1" in
       f16) d="'float16'," ;; f32) d="'float32'," ;; both) d="'float16','float32'" ;;
       *) echo "grid: unknown dtype $dtype" >&2; exit 2 ;;
     esac
+    lens=${3:-4,8,16,32}  # buffer lengths
     timeout "$T" python -m experiments.kernel_bench --config=configs/kernel_bench.py \
       --workdir="$OUT/grid_$dtype" --config.checkpoint_dtypes="($d)" \
+      --config.buffer_lens="($lens,)" \
       --config.iters=10 --config.name="kernel_bench_h200_$dtype" ;;
   decode)
     timeout "$T" python -m experiments.decode_bench --config=configs/hybrid_1b.py \
@@ -52,6 +56,10 @@ case "$1" in
     timeout "$T" python -m experiments.specdec_bench --config=configs/specdec_bench.py \
       --workdir="$OUT/specdec" --config.bench.batches='(256,512)' \
       --config.bench.windows='(4,)' ;;
+  launch)
+    timeout "$T" python -m experiments.kernel_bench \
+      --config=configs/kernel_bench.py:launch --workdir="$OUT/launch" \
+      --config.iters=10 ;;
   policies)
     timeout "$T" python -m experiments.kernel_bench \
       --config=configs/kernel_bench.py:policies --workdir="$OUT/policies" \
@@ -65,7 +73,8 @@ case "$1" in
     timeout "$T" python -m experiments.decode_bench --config=configs/nemotron_h_8b.py \
       --workdir="$OUT/decode8b" --config.bench.batches='(64,256)' \
       --config.bench.buffer_lens='(16,)' --config.bench.prompt_len=256 \
-      --config.bench.new_tokens=128 --config.bench.repeats=2 ;;
+      --config.bench.new_tokens=128 --config.bench.repeats=2 \
+      --config.bench.prefill_rows=64 ;;
   profile)
     timeout "$T" python benchmarks/scripts/specdec_profile.py --batch 256 \
       --out "$OUT/specdec_profile.json" ;;
