@@ -107,8 +107,8 @@ class ReplayConfig(_LaunchConfig):
       precision policy), persistent flush grid, not with output_all_rows or
       precompute_bc. None: fused where it applies and the batch is small
       (`replay.default_fused_launch`: on the H200 it wins at batch 1 and
-      loses at batch 256, where the shared register budget halves the output
-      route's occupancy; benchmarks/README.md).
+      loses from batch 16 up, where the shared register budget cuts the
+      output route's occupancy; benchmarks/README.md).
   """
   heads_per_program: int | None = None
   precompute_bc: bool = False

@@ -535,10 +535,13 @@ def default_block_p(batch: int, nheads: int, headdim: int) -> int:
 
 def default_fused_launch(batch: int, nheads: int) -> bool:
   """Whether `ReplayConfig(fused_launch=None)` fuses the two routes (where
-  fusing applies): below ~16 programs per SM of whole-headdim tiles, where a
-  step is launch- and latency-bound (H200 sweep: batch 1 f32 5.76 -> 4.23 µs
-  amortized; batch 256 f16 210 -> 387 µs)."""
-  return batch * nheads < 16 * 132
+  fusing applies): below ~4 (row, head) pairs per SM, where a step is
+  launch- and latency-bound. H200, 128 heads, L 16 (benchmarks/README.md):
+  fused wins at batch 1 (f32 5.76 -> 4.23 µs amortized) and loses from
+  batch 16 (f16 25.9 -> 30.5 µs) to 256 (f16 210 -> 387 µs), where the
+  shared register budget cuts the output route's occupancy; batches 2-8
+  are not measured."""
+  return batch * nheads < 4 * 132
 
 
 def _copy_spec(rstate, policy, interpret):
