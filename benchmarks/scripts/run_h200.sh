@@ -10,6 +10,7 @@
 #   bash benchmarks/scripts/run_h200.sh grid both  # both dtypes, f16 first (8 min)
 #   bash benchmarks/scripts/run_h200.sh grid both 16  # L 16 only (third argument: buffer lengths, e.g. 8,16)
 #   bash benchmarks/scripts/run_h200.sh decode     # hybrid_1b decode, b {64,256,512} x L {8,16,32} + split at 256 (~5 min)
+#   bash benchmarks/scripts/run_h200.sh decode_extra  # hybrid_1b batch 1 (kernels), XLA reference ops at b {1,64,256} L 16
 #   bash benchmarks/scripts/run_h200.sh specdec    # hybrid_1b spec decoding, b {256,512}, T 4 (~4 min)
 #   bash benchmarks/scripts/run_h200.sh profile    # where a spec-decoding iteration's time goes, b 256 (~1.5 min)
 #   bash benchmarks/scripts/run_h200.sh launch     # fused vs separate route launches, b 16 + 64, L 16
@@ -51,6 +52,17 @@ case "$1" in
   decode)
     timeout "$T" python -m experiments.decode_bench --config=configs/hybrid_1b.py \
       --workdir="$OUT/decode" --config.bench.batches='(64,256,512)' \
+      --config.bench.repeats=2 ;;
+  decode_extra)
+    # Batch 1 with the kernels (every L), then the XLA reference ops at
+    # batch {1, 64, 256}, L 16 (the Pallas figures at 64/256: `decode`).
+    timeout "$T" python -m experiments.decode_bench --config=configs/hybrid_1b.py \
+      --workdir="$OUT/decode_b1" --config.bench.batches='(1,)' \
+      --config.bench.repeats=2
+    timeout "$T" python -m experiments.decode_bench --config=configs/hybrid_1b.py \
+      --workdir="$OUT/decode_ref" --config.bench.batches='(1,64,256)' \
+      --config.bench.buffer_lens='(16,)' --config.bench.implementation=reference \
+      --config.bench.split_batches='()' \
       --config.bench.repeats=2 ;;
   specdec)
     timeout "$T" python -m experiments.specdec_bench --config=configs/specdec_bench.py \
