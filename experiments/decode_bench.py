@@ -92,7 +92,7 @@ class _Setup:
     prefill at batch 256 needs more than the H200's memory).
     """
     b = self.b
-    rows = b.get("prefill_rows", 0) or self.batch
+    rows = b.prefill_rows or self.batch
     tokens, states = [], []
     for r0 in range(0, self.batch, rows):
       n = min(rows, self.batch - r0)
