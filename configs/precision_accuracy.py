@@ -71,9 +71,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   size = arg if arg in ("tiny", "medium", "large") else "small"
   config = ml_collections.ConfigDict()
   config.seed = 0
-  # MQAR at its trained length (255 decode steps: 63 / 15 / 3 flushes per
-  # row at L = 4 / 16 / 64) and at 1024 tokens (same pairs, queries spread
-  # further; 255 / 63 / 15 flushes); char at 1024 tokens.
+  # MQAR at its trained length (64 tokens, 63 decode steps: 15 / 3 / 0
+  # flushes per row at L = 4 / 16 / 64; at L = 64 the outputs come from the
+  # prefill checkpoint + buffer alone) and at 1024 tokens (same pairs,
+  # queries spread further; 255 / 63 / 15 flushes); char at 1024 tokens.
   config.models = [_model(f"mqar_{size}_ssm"),
                    _model(f"mqar_{size}_ssm@1024", 1024),
                    _model(f"char_{size}_ssm", 1024)]
