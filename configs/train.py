@@ -59,10 +59,8 @@ TASKS = ("mqar", "char")
 SIZES = ("tiny", "small", "medium", "large")
 
 # One task per name for every size (the char vocab is tasks.CHARS: 77).
-# MQAR: vocab 64, 8 key-value pairs (all queried) in 64 tokens. The old
-# task (vocab 512, 32 pairs, 256 tokens) kept the SSM-only models at the
-# value-marginal plateau (chance accuracy) for their whole schedule; see
-# the module docstring.
+# MQAR: vocab 64, 8 key-value pairs (all queried) in 64 tokens (why: the
+# module docstring).
 _TASK = dict(
     mqar=dict(name="mqar", vocab_size=64, num_kv_pairs=8, num_queries=8,
               seq_len=64, seed=0),
