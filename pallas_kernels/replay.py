@@ -396,14 +396,10 @@ def _flush_persistent_kernel(*refs, has_D, has_z, has_bias, writes_y,
                              heads_per_group, block_p, headdim,
                              copy_spec=None, **kw):
   """Flush route on a fixed grid of num_programs programs that share out
-  the work items (flush row, head, headdim block) of the flush rows only.
-
-  Every program loads the [batch] counters, ranks the flush rows with a
-  cumulative sum and loops over its items w = pid, pid + P, ...; item w
-  belongs to the r-th flush row, r = w // items_per_row, whose index is the
-  number of rows whose inclusive flush count is <= r. So the launch costs
-  P programs whatever the batch, and a step where 1/L of the rows flush
-  does 1/L of the work (no early-exit program per non-flush row).
+  the work items (flush row, head, headdim block) of the flush rows only
+  (`persistent_items`). So the launch costs num_programs programs whatever
+  the batch, and a step where 1/L of the rows flush does 1/L of the work
+  (no early-exit program per non-flush row).
   """
   nin, nout = _copy_counts(copy_spec)
   ins, opt, outs = _unpack(
@@ -427,30 +423,43 @@ def _flush_items(pid, ins, opt, y_out, stores, *, unroll, fold_dot,
   d_ref, z_ref, bias_ref = opt
   L = kw["buffer_len"]
   counts = cnt_ref[...]  # [batch] (padded to a power of two with -1)
-  flush = (counts == L - 1).astype(jnp.int32)
-  ranks = jnp.cumsum(flush)  # inclusive
-  nblk = headdim // block_p
-  per_row = nheads * nblk
-  total = jnp.sum(flush) * per_row
-  mine = jnp.maximum(total - pid + num_programs - 1, 0) // num_programs
   fold_refs = (ck_ref, xb_ref, bb_ref, dtb_ref, x_ref, b_ref)
 
-  def item(i, carry):
-    w = pid + i * num_programs
-    r, rem = w // per_row, w % per_row
-    b = jnp.sum((ranks <= r).astype(jnp.int32))
-    h = rem // nblk
+  def item(b, h, pblk):
     # A flush row's counter is L-1: every load of the item depends only on
     # (b, h), so all of them issue at once.
     p = _Program(cnt_ref, dt_ref, a_ref, bias_ref, b=b,
-                 g=h // heads_per_group, pblk=rem % nblk, head0=h,
+                 g=h // heads_per_group, pblk=pblk, head0=h,
                  block_p=block_p, count=L - 1, **kw)
     st, x_cur = _fold_head(p, h, fold_refs, unroll=unroll,
                            fold_dot=fold_dot, block_p=block_p)
     _store_flush(p, h, st, x_cur, stores, y_out, c_ref, d_ref, z_ref)
+
+  persistent_items(pid, counts == L - 1, item, num_programs=num_programs,
+                   nheads=nheads, nblk=headdim // block_p)
+
+
+def persistent_items(pid, active, item, *, num_programs, nheads, nblk):
+  """Runs program `pid`'s share of the (active row, head, headdim block)
+  work items of a persistent grid of num_programs programs: items w = pid,
+  pid + num_programs, ...; item w belongs to the r-th active row, r = w //
+  (nheads * nblk), whose index is the number of rows whose inclusive active
+  count is <= r. Calls item(b, h, pblk) for each.
+
+  active: [batch] bool (padded rows False)."""
+  flags = active.astype(jnp.int32)
+  ranks = jnp.cumsum(flags)  # inclusive
+  per_row = nheads * nblk
+  total = jnp.sum(flags) * per_row  # (no ranks[-1]: Triton cannot slice)
+  mine = jnp.maximum(total - pid + num_programs - 1, 0) // num_programs
+
+  def body(i, carry):
+    w = pid + i * num_programs
+    r, rem = w // per_row, w % per_row
+    item(jnp.sum((ranks <= r).astype(jnp.int32)), rem // nblk, rem % nblk)
     return carry
 
-  lax.fori_loop(0, mine, item, 0)
+  lax.fori_loop(0, mine, body, 0)
 
 
 def _fused_kernel(*refs, has_D, has_z, has_bias, num_programs,
@@ -498,15 +507,24 @@ def _copy_counts(spec):
   return (0, 0) if spec is None else (spec.n_in, spec.n_out)
 
 
-def _fold_precision(flush_fold: str, interpret: bool):
-  """The dot precision of a flush fold mode (None: rank-1 updates).
+def _fold_dot(mode, buffer_len: int, block_p: int, interpret: bool, *,
+              field: str, tile: str):
+  """The dot precision of a fold mode (None: rank-1 updates). mode None:
+  "dot_tf32x3" where buffer_len and block_p >= 16 (Triton dot tiles), else
+  "rank1"; a dot mode below that is refused, naming `field` and `tile`.
 
   XLA:CPU has no TF32 algorithms, so interpret mode runs the dot modes in
   exact f32 (the kernel code is otherwise the same).
   """
-  if flush_fold == "rank1":
+  fits = min(buffer_len, block_p) >= 16
+  mode = mode or ("dot_tf32x3" if fits else "rank1")
+  if mode == "rank1":
     return None
-  if interpret or flush_fold == "dot_f32":
+  if not fits:
+    raise NotImplementedError(
+        f"{field}={mode!r} needs buffer_len and {tile} >= 16 (Triton dot "
+        f"tiles), got {buffer_len} and {block_p}.")
+  if interpret or mode == "dot_f32":
     return (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
   return lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
@@ -605,13 +623,8 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   flush_block_p = common.resolve_block_p(config.flush_block_p or block_p,
                                          headdim)
   hb = config.heads_per_program or 1
-  fold = config.flush_fold or ("dot_tf32x3" if min(
-      rstate.buffer_len, flush_block_p) >= 16 else "rank1")
-  if fold != "rank1" and min(rstate.buffer_len, flush_block_p) < 16:
-    raise NotImplementedError(
-        f"flush_fold={fold!r} needs buffer_len and the flush "
-        f"block_p >= 16 (Triton dot tiles), got {rstate.buffer_len} and "
-        f"{flush_block_p}.")
+  fold_dot = _fold_dot(config.flush_fold, rstate.buffer_len, flush_block_p,
+                       interpret, field="flush_fold", tile="the flush block_p")
   if per_group % hb:
     raise NotImplementedError(
         f"heads_per_program ({hb}) must divide nheads // ngroups "
@@ -642,7 +655,6 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   sds = jax.ShapeDtypeStruct
   count_pow2 = _pad_pow2(rstate.count)
   nprog = config.flush_programs or _default_flush_programs(interpret)
-  fold_dot = _fold_precision(fold, interpret)
   unsupported = [name for name, bad in (
       ("a read copy or stochastic rounding (a precision policy)",
        spec is not None),

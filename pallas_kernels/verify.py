@@ -31,8 +31,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
 from pallas_kernels.replay import (_Program, _default_flush_programs,
-                                   _fold_precision, _pad_pow2, _unpack,
-                                   default_block_p)
+                                   _fold_dot, _pad_pow2, _unpack,
+                                   default_block_p, persistent_items)
 from replayssm_jax.reference import process_dt
 
 F32 = jnp.float32
@@ -103,27 +103,18 @@ def _fold_persistent_kernel(*refs, window, has_D, has_z, has_bias, fold_dot,
   padded to a power of two with -1."""
   ins, _, (ck_out,) = _unpack(refs, 10, 1, has_D, has_z, has_bias)
   ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, _, _, a_ref, _, _ = ins
-  folds = _folds(cnt_ref[...], window, buffer_len).astype(jnp.int32)
-  ranks = jnp.cumsum(folds)
-  nblk = headdim // block_p
-  per_row = nheads * nblk
-  total = jnp.sum(folds) * per_row
-  pid = pl.program_id(0)
-  mine = jnp.maximum(total - pid + num_programs - 1, 0) // num_programs
   refs = (ck_ref, xb_ref, bb_ref, dtb_ref, a_ref)
 
-  def item(i, carry):
-    w = pid + i * num_programs
-    r, rem = w // per_row, w % per_row
-    b = jnp.sum((ranks <= r).astype(jnp.int32))
-    h = rem // nblk
+  def item(b, h, pblk):
     p = _Program(cnt_ref, None, a_ref, None, b=b, g=h // heads_per_group,
-                 pblk=rem % nblk, head0=h, block_p=block_p,
+                 pblk=pblk, head0=h, block_p=block_p,
                  buffer_len=buffer_len, **kw)
     _fold_history(p, refs, ck_out, block_p=block_p, fold_dot=fold_dot)
-    return carry
 
-  lax.fori_loop(0, mine, item, 0)
+  persistent_items(pl.program_id(0),
+                   _folds(cnt_ref[...], window, buffer_len), item,
+                   num_programs=num_programs, nheads=nheads,
+                   nblk=headdim // block_p)
 
 
 def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus, **kw):
@@ -234,14 +225,10 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   token_in = [x, dt, A, B, C]
   optional = [v for v in (D, z, dt_bias) if v is not None]
   # 1. Early flush of the committed history (in place, folding rows only).
-  L = rstate.buffer_len
-  fold = config.fold or ("dot_tf32x3" if min(L, block_p) >= 16 else "rank1")
-  if fold != "rank1" and min(L, block_p) < 16:
-    raise NotImplementedError(
-        f"config.fold={fold!r} needs buffer_len and block_p >= 16 (Triton "
-        f"dot tiles), got {L} and {block_p}.")
   fold_kw = dict(kw, dt_softplus=dt_softplus,
-                 fold_dot=_fold_precision(fold, interpret))
+                 fold_dot=_fold_dot(config.fold, rstate.buffer_len, block_p,
+                                    interpret, field="config.fold",
+                                    tile="block_p"))
   count = rstate.count
   if config.fold_grid == "persistent":
     nprog = config.fold_programs or _default_flush_programs(interpret)
