@@ -17,6 +17,8 @@
 #   bash benchmarks/scripts/run_h200.sh policies   # replay per precision policy vs the f16 baseline, b 256, L 16 (1.4 min)
 #   bash benchmarks/scripts/run_h200.sh precision small  # train the <task>_small_ssm models if missing, then the accuracy study (sizes tiny|small|medium|large; tiny took > 4.5 min with the old MQAR task, the full 12-policy study needs several calls or fewer policies)
 #   bash benchmarks/scripts/run_h200.sh decode8b   # Nemotron-H-8B shapes (random bf16 weights), b {64,256}, L 16 (3 min)
+#   bash benchmarks/scripts/run_h200.sh check      # kernel_bench smoke: every kernel vs the reference on the GPU
+#   bash benchmarks/scripts/run_h200.sh drift      # precision_drift: 12 policies x L {4,16,64} + 8 baselines, 100k steps
 #
 # To run exactly a commit (no uncommitted edits travel), export it into an
 # ignored folder and carry that:
@@ -87,6 +89,12 @@ case "$1" in
       --config.bench.buffer_lens='(16,)' --config.bench.prompt_len=256 \
       --config.bench.new_tokens=128 --config.bench.repeats=2 \
       --config.bench.prefill_rows=64 ;;
+  check)
+    timeout "$T" python -m experiments.kernel_bench \
+      --config=configs/kernel_bench.py:smoke --workdir="$OUT/check" ;;
+  drift)
+    timeout "$T" python -m experiments.precision_drift \
+      --config=configs/precision_drift.py --workdir="$OUT/drift" ;;
   profile)
     timeout "$T" python benchmarks/scripts/specdec_profile.py --batch 256 \
       --out "$OUT/specdec_profile.json" ;;
