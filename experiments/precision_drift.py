@@ -58,6 +58,19 @@ def layer_dims(config):
   return config.batch, h, config.headdim, config.dstate, g
 
 
+def drift_params(key, config):
+  """The layer's A, D, dt_bias (`testing.random_params`) with A scaled by
+  `config.a_scale`: 1 gives A in [-4, -0.5] (per-step decays 0.45-0.90 at
+  the typical dt ~0.2: the state forgets a rounding within a few steps);
+  0.01 gives long-memory heads (decays 0.992-0.999, hundreds of steps)."""
+  params = testing.random_params(key, layer_dims(config)[1],
+                                 with_D=config.with_D)
+  if not config.a_scale > 0:
+    raise ValueError(f"config.a_scale must be > 0, got {config.a_scale!r}.")
+  params["A"] = params["A"] * config.a_scale
+  return params
+
+
 def measure_points(steps: int, num: int) -> np.ndarray:
   """Log-spaced step counts in [1, steps], always ending at steps."""
   pts = np.unique(np.round(np.logspace(0, np.log10(steps), num)).astype(int))
@@ -183,7 +196,7 @@ def run_all(config, writer) -> list[dict]:
   ref_dt = jnp.dtype(config.reference_dtype)
   points = measure_points(config.steps, config.num_points)
   k_par, k_s0, k_in = jax.random.split(jax.random.PRNGKey(config.seed), 3)
-  params = testing.random_params(k_par, h, with_D=config.with_D)
+  params = drift_params(k_par, config)
   s0 = jax.random.normal(k_s0, (b, h, p, n), jnp.float32)
   records = []
 
@@ -258,7 +271,9 @@ def _report(config, workdir, records) -> str:
       "",
       f"{config.steps} decode steps, batch {b}, nheads {h}, headdim {p}, "
       f"dstate {n}, ngroups {g} (Nemotron-H 8B dims / {config.head_scale} "
-      f"in heads), buffers {config.buffer_dtype}, f32 activations, "
+      f"in heads), A scaled by {config.a_scale:g} (per-step decay "
+      f"{_decay_range(config)}), buffers {config.buffer_dtype}, f32 "
+      "activations, "
       f"reference {config.reference_dtype}. Errors are relative to the "
       "reference (max-norm unless noted); the state is the materialized "
       "master (checkpoint advanced over the buffer).",
@@ -273,6 +288,16 @@ def _report(config, workdir, records) -> str:
       "",
   ])
   return common.write_summary(workdir, text)
+
+
+def _decay_range(config) -> str:
+  """exp(A * softplus(mean dt + dt_bias)) over the heads, as 'lo-hi'."""
+  params = drift_params(jax.random.split(jax.random.PRNGKey(config.seed),
+                                         3)[0], config)
+  # mean raw dt of testing.random_step_inputs: -0.5
+  d = np.log1p(np.exp(-0.5 + np.asarray(params["dt_bias"], np.float64)))
+  decay = np.exp(d * np.asarray(params["A"], np.float64))
+  return f"{decay.min():.3f}-{decay.max():.3f}"
 
 
 def _plots(config, workdir, records):

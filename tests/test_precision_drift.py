@@ -70,3 +70,21 @@ def test_precision_drift_smoke(tmp_path):
   b16 = np.mean(base[("bfloat16", "rn")]["state_max_rel"][half:])
   r16 = np.mean(replay[("bf16", 16)]["state_max_rel"][half:])
   assert b16 > 1.5 * r16, (b16, r16)
+
+
+def test_a_scale_scales_A_only():
+  import jax  # pylint: disable=g-import-not-at-top
+  config = drift_config.get_config("smoke")
+  key = jax.random.PRNGKey(3)
+  base = precision_drift.drift_params(key, config)
+  config.a_scale = 0.01
+  slow = precision_drift.drift_params(key, config)
+  np.testing.assert_allclose(np.asarray(slow["A"]),
+                             0.01 * np.asarray(base["A"]), rtol=1e-6)
+  np.testing.assert_array_equal(np.asarray(slow["dt_bias"]),
+                                np.asarray(base["dt_bias"]))
+  lo, hi = map(float, precision_drift._decay_range(config).split("-"))
+  assert 0.99 < lo <= hi < 1.0
+  config.a_scale = 0.0
+  with pytest.raises(ValueError, match="a_scale"):
+    precision_drift.drift_params(key, config)
