@@ -98,22 +98,24 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # and 1, L 16, both checkpoint dtypes. The default is the persistent
     # flush grid with the 3xTF32 dot fold.
     config.name = "kernel_sweep"
-    config.batches = (256, 1)
+    config.batches = (256, 64)
     config.buffer_lens = (16,)
     config.exclude_implementations = ("reference",)
-    # Session 2 measured rows_dot=dict(flush_grid="rows",
-    # flush_fold="dot_tf32x3"), dotf32=dict(flush_fold="dot_f32"),
-    # flush32=dict(flush_block_p=32) and programs132=dict(flush_programs=132)
-    # (benchmarks/flush_sweep_h200.json); this sweep times the designs added
-    # since, beside the default.
+    # Measured before (benchmarks/flush_sweep_h200.json): session 2
+    # rows_dot=dict(flush_grid="rows", flush_fold="dot_tf32x3"),
+    # dotf32=dict(flush_fold="dot_f32"), flush32=dict(flush_block_p=32),
+    # programs132=dict(flush_programs=132); session 4
+    # programs2048=dict(flush_programs=2048), fused=dict(fused_launch=True),
+    # fused2048=dict(fused_launch=True, flush_programs=2048). This sweep
+    # times the flush loop's latency hiding (session 5), beside the default.
     config.replay_variants = ml_collections.ConfigDict(dict(
-        # One program per flush item of a natural-cycle step at batch 256
-        # (256 / 16 rows x 128 heads).
-        programs2048=dict(flush_programs=2048),
-        # Both routes in one launch (flush folds overlap the output route's
-        # streaming; one launch at batch 1).
-        fused=dict(fused_launch=True),
-        fused2048=dict(fused_launch=True, flush_programs=2048),
+        # The next item's loads issued before the current fold.
+        prefetch=dict(flush_prefetch=True),
+        prefetch32=dict(flush_prefetch=True, flush_block_p=32),
+        prefetch_w8=dict(flush_prefetch=True, flush_num_warps=8),
+        # Triton's own software pipelining of the persistent loop.
+        stages3=dict(flush_num_stages=3),
+        warps8=dict(flush_num_warps=8),
     ))
 
   if arg == "launch":
@@ -137,6 +139,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.exclude_implementations = ("reference",)
     config.policies = ("f32", "f32+bf16", "f32+f16", "f32+fp8", "f32+int8",
                        "f16+fp8", "f32+fp8+sr")
+    # The dual-precision flush is the larger cost (benchmarks/README.md):
+    # each policy also with the prefetching flush loop.
+    config.replay_variants = ml_collections.ConfigDict(dict(
+        prefetch=dict(flush_prefetch=True)))
 
   if arg == "smoke":
     config.name = "kernel_bench_smoke"

@@ -109,6 +109,14 @@ class ReplayConfig(_LaunchConfig):
       (`replay.default_fused_launch`: on the H200 it wins at batch 1 and
       loses from batch 16 up, where the shared register budget cuts the
       output route's occupancy; benchmarks/README.md).
+    flush_prefetch: the persistent flush programs issue the next item's
+      global loads (checkpoint tile, buffered x and B, dt window) before
+      folding the current one, so their latency overlaps the fold (manual
+      software pipelining; one more set of tiles in registers). Persistent
+      flush grid only; not yet timed on the H200.
+    flush_num_warps, flush_num_stages: Triton launch parameters of the
+      separate flush-route kernel (None: num_warps / num_stages; the fused
+      kernel uses those).
   """
   heads_per_program: int | None = None
   precompute_bc: bool = False
@@ -119,6 +127,9 @@ class ReplayConfig(_LaunchConfig):
   flush_grid: str = "persistent"
   flush_programs: int | None = None
   fused_launch: bool | None = None
+  flush_prefetch: bool = False
+  flush_num_warps: int | None = None
+  flush_num_stages: int | None = None
 
   def __post_init__(self):
     super().__post_init__()
@@ -129,6 +140,14 @@ class ReplayConfig(_LaunchConfig):
     _check_choice("flush_fold", self.flush_fold,
                   ("rank1", "dot_tf32x3", "dot_f32"), optional=True)
     _check_count("heads_per_program", self.heads_per_program)
+    if self.flush_num_warps is not None:
+      _check_pow2("flush_num_warps", self.flush_num_warps)
+    _check_count("flush_num_stages", self.flush_num_stages)
+    if self.flush_prefetch and self.flush_grid != "persistent":
+      raise ValueError(
+          "flush_prefetch=True needs flush_grid='persistent' (the rows grid "
+          "runs one item per program: nothing to prefetch), got "
+          f"flush_grid={self.flush_grid!r}.")
 
 
 @dataclasses.dataclass(frozen=True)

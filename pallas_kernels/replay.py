@@ -94,18 +94,31 @@ class _Program:
                head0=g * heads_per_group + (pid // nblk_p) * heads_per_program,
                pid=pid, **kw)
 
-  def window_weights(self, h, dtb_ref):
-    """dt' of the current token, the weights s_j and the decay of head h."""
-    d_cur = process_dt(
-        self._dt[self.b, h],
-        None if self._bias is None else self._bias[h], self._softplus)
-    d_hist = plgpu.load(dtb_ref.at[self.b, :, h], mask=self.hist, other=0.0)
-    dw = jnp.where(self.cur, d_cur, d_hist)  # zero past the current slot
-    a = self._a[h].astype(F32)
+  def window_loads(self, h, dtb_ref, valid=None):
+    """The global loads of window_from for head h (a dict, so a persistent
+    loop can issue them an item ahead); valid masks the vector load."""
+    mask = self.hist if valid is None else self.hist & valid
+    ld = dict(dt=self._dt[self.b, h], a=self._a[h],
+              d_hist=plgpu.load(dtb_ref.at[self.b, :, h], mask=mask,
+                                other=0.0))
+    if self._bias is not None:
+      ld["bias"] = self._bias[h]
+    return ld
+
+  def window_from(self, ld):
+    """dt' of the current token, the weights s_j and the decay, from
+    window_loads."""
+    d_cur = process_dt(ld["dt"], ld.get("bias"), self._softplus)
+    dw = jnp.where(self.cur, d_cur, ld["d_hist"])  # zero past the current slot
+    a = ld["a"].astype(F32)
     after = self.j[:, None] < self.j[None, :]  # [j, i]: i > j
     suffix = jnp.sum(jnp.where(after, dw[None, :], 0.0), axis=1)  # [L]
     s = dw * jnp.exp(a * suffix)  # s_j = d_j exp(A sum_{i>j} d_i)
     return d_cur, s, jnp.exp(a * jnp.sum(dw))
+
+  def window_weights(self, h, dtb_ref):
+    """dt' of the current token, the weights s_j and the decay of head h."""
+    return self.window_from(self.window_loads(h, dtb_ref))
 
 
 def _unpack(refs, n_in, n_out, has_D, has_z, has_bias):
@@ -127,7 +140,7 @@ def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
 
   The state read (ck_ref) is the checkpoint, or the state's read copy when it
   has one (then the master is not an input at all); `scaled`: an 8-bit copy
-  whose per-row f32 scales follow the inputs (dequantized in f32).
+  whose per-row f32 scales follow the inputs (applied to the readout).
   """
   ins, opt, outs = _unpack(
       refs, 10 + precomputed_bc + scaled, 5, has_D, has_z, has_bias)
@@ -182,10 +195,12 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
                                                 (p.L, block_p)),
                           other=0.0).astype(F32)  # [L, block_p]
       x_win = jnp.where(p.cur[:, None], x_cur[None, :], x_hist)
-      s0 = s0.astype(F32)
-      if scale is not None:  # precision.dequantize: q * scale in f32
-        s0 = s0 * scale[:, None]
-      readout = jnp.sum(s0 * cv[None, :], axis=1)  # [block_p]
+      readout = jnp.sum(s0.astype(F32) * cv[None, :], axis=1)  # [block_p]
+      if scale is not None:
+        # precision.dequantize is q * scale per (head, headdim row), so the
+        # scale factors out of the dstate sum: one multiply per row, not
+        # per element (the reference rounds (q * scale) * C instead).
+        readout = readout * scale
       y = decay * readout + jnp.sum((s * bc)[:, None] * x_win, axis=0)
       y = common.finish_output(y, x_cur, None if d_ref is None else d_ref[h],
                                None if z_ref is None else z_ref[b, h, ps])
@@ -214,6 +229,68 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
     pl.when(jnp.logical_not(p.flush))(route)
 
 
+def _fold_loads(p, h, refs, *, fold_dot, block_p, valid=None):
+  """The global loads of head h's fold outside its rank-1 loop (a dict):
+  the checkpoint tile first (the big read), the current token, the dt
+  window and, for a dot fold, the buffered x and B. valid (a traced bool)
+  masks the vector loads, so a prefetch past a program's last item reads
+  nothing."""
+  ck_ref, xb_ref, bb_ref, dtb_ref, x_ref, b_ref = refs
+  b, g, ps, L = p.b, p.g, p.ps, p.L
+
+  def mask(shape, m=None):  # m & valid, broadcast to shape (None: none)
+    if valid is not None:
+      m = jnp.broadcast_to(valid, shape) if m is None else m & valid
+    return None if m is None else jnp.broadcast_to(m, shape)
+
+  s0_shape = (block_p, ck_ref.shape[-1])
+  ld = dict(s0=plgpu.load(ck_ref.at[b, h, ps], mask=mask(s0_shape),
+                          other=None if valid is None else 0,
+                          eviction_policy="evict_first"))
+  ld.update(p.window_loads(h, dtb_ref, valid))
+  ld.update(x_cur=x_ref[b, h, ps], b_cur=b_ref[b, g, :])
+  if fold_dot is not None:
+    nstate = ck_ref.shape[-1]
+    ld["b_hist"] = plgpu.load(bb_ref.at[b, :, g, :], other=0.0, mask=mask(
+        (L, nstate), jnp.broadcast_to(p.hist[:, None], (L, nstate))))
+    ld["x_hist"] = plgpu.load(xb_ref.at[b, :, h, ps], other=0.0, mask=mask(
+        (L, block_p), jnp.broadcast_to(p.hist[:, None], (L, block_p))))
+  return ld
+
+
+def _fold_from(p, h, ld, refs, *, unroll, fold_dot):
+  """The new checkpoint tile of head h from its _fold_loads (the rank-1
+  fold still loads each buffered token in its loop) -> ([block_p, N] f32,
+  x_cur [block_p] f32)."""
+  _, xb_ref, bb_ref, _, _, _ = refs
+  b, g, ps, L = p.b, p.g, p.ps, p.L
+  _, s, decay = p.window_from(ld)
+  x_cur = ld["x_cur"].astype(F32)
+  b_cur = ld["b_cur"].astype(F32)
+  st = decay * ld["s0"].astype(F32)  # [block_p, N]
+  if fold_dot is None:
+    def fold(jj, st):
+      s_j = jnp.sum(jnp.where(p.j == jj, s, 0.0))
+      x_j = xb_ref[b, jj, h, ps].astype(F32)
+      b_j = bb_ref[b, jj, g, :].astype(F32)
+      return st + (s_j * x_j)[:, None] * b_j[None, :]
+
+    if unroll:  # a Python loop: Triton's scan lowering refuses unroll
+      for jj in range(L - 1):
+        st = fold(jj, st)
+    else:
+      st = lax.fori_loop(0, L - 1, fold, st)
+    s_last = jnp.sum(jnp.where(p.j == L - 1, s, 0.0))
+    return st + (s_last * x_cur)[:, None] * b_cur[None, :], x_cur
+  b_win = jnp.where(p.cur[:, None], b_cur[None, :],
+                    ld["b_hist"].astype(F32))  # [L, N]
+  xs = s[:, None] * jnp.where(p.cur[:, None], x_cur[None, :],
+                              ld["x_hist"].astype(F32))
+  return st + lax.dot_general(
+      xs, b_win, (((0,), (0,)), ((), ())), precision=fold_dot,
+      preferred_element_type=F32), x_cur
+
+
 def _fold_head(p, h, refs, *, unroll, fold_dot, block_p):
   """New checkpoint tile of head h of a flush row (count == L-1):
   decay * S_0 + sum_j s_j x_j B_j^T over the L tokens (L-1 buffered + the
@@ -223,40 +300,8 @@ def _fold_head(p, h, refs, *, unroll, fold_dot, block_p):
   weight s_j with a masked reduction); otherwise the fold is one
   [block_p, L] x [L, N] dot with this precision (needs L, block_p >= 16).
   """
-  ck_ref, xb_ref, bb_ref, dtb_ref, x_ref, b_ref = refs
-  b, g, ps, L = p.b, p.g, p.ps, p.L
-  s0 = plgpu.load(ck_ref.at[b, h, ps], eviction_policy="evict_first")
-  _, s, decay = p.window_weights(h, dtb_ref)
-  x_cur = x_ref[b, h, ps].astype(F32)
-  b_cur = b_ref[b, g, :].astype(F32)
-  if fold_dot is None:
-    def fold(jj, st):
-      s_j = jnp.sum(jnp.where(p.j == jj, s, 0.0))
-      x_j = xb_ref[b, jj, h, ps].astype(F32)
-      b_j = bb_ref[b, jj, g, :].astype(F32)
-      return st + (s_j * x_j)[:, None] * b_j[None, :]
-
-    st = decay * s0.astype(F32)  # [block_p, N]
-    if unroll:  # a Python loop: Triton's scan lowering refuses unroll
-      for jj in range(L - 1):
-        st = fold(jj, st)
-    else:
-      st = lax.fori_loop(0, L - 1, fold, st)
-    s_last = jnp.sum(jnp.where(p.j == L - 1, s, 0.0))
-    return st + (s_last * x_cur)[:, None] * b_cur[None, :], x_cur
-  nstate = ck_ref.shape[-1]
-  b_hist = plgpu.load(bb_ref.at[b, :, g, :],
-                      mask=jnp.broadcast_to(p.hist[:, None], (L, nstate)),
-                      other=0.0).astype(F32)
-  b_win = jnp.where(p.cur[:, None], b_cur[None, :], b_hist)  # [L, N]
-  x_hist = plgpu.load(xb_ref.at[b, :, h, ps],
-                      mask=jnp.broadcast_to(p.hist[:, None], (L, block_p)),
-                      other=0.0).astype(F32)
-  xs = s[:, None] * jnp.where(p.cur[:, None], x_cur[None, :], x_hist)
-  st = decay * s0.astype(F32) + lax.dot_general(
-      xs, b_win, (((0,), (0,)), ((), ())), precision=fold_dot,
-      preferred_element_type=F32)
-  return st, x_cur
+  ld = _fold_loads(p, h, refs, fold_dot=fold_dot, block_p=block_p)
+  return _fold_from(p, h, ld, refs, unroll=unroll, fold_dot=fold_dot)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,8 +460,9 @@ def _flush_persistent_kernel(*refs, has_D, has_z, has_bias, writes_y,
 
 def _flush_items(pid, ins, opt, y_out, stores, *, unroll, fold_dot,
                  num_programs, nheads, heads_per_group, block_p, headdim,
-                 **kw):
-  """The items of persistent flush program `pid` (of num_programs)."""
+                 prefetch=False, **kw):
+  """The items of persistent flush program `pid` (of num_programs); with
+  prefetch, each item's loads are issued while the previous one folds."""
   ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, x_ref, dt_ref, a_ref, b_ref = (
       ins[:9])
   c_ref = ins[9]
@@ -425,26 +471,45 @@ def _flush_items(pid, ins, opt, y_out, stores, *, unroll, fold_dot,
   counts = cnt_ref[...]  # [batch] (padded to a power of two with -1)
   fold_refs = (ck_ref, xb_ref, bb_ref, dtb_ref, x_ref, b_ref)
 
-  def item(b, h, pblk):
+  def program(b, h, pblk):
     # A flush row's counter is L-1: every load of the item depends only on
     # (b, h), so all of them issue at once.
-    p = _Program(cnt_ref, dt_ref, a_ref, bias_ref, b=b,
-                 g=h // heads_per_group, pblk=pblk, head0=h,
-                 block_p=block_p, count=L - 1, **kw)
-    st, x_cur = _fold_head(p, h, fold_refs, unroll=unroll,
-                           fold_dot=fold_dot, block_p=block_p)
+    return _Program(cnt_ref, dt_ref, a_ref, bias_ref, b=b,
+                    g=h // heads_per_group, pblk=pblk, head0=h,
+                    block_p=block_p, count=L - 1, **kw)
+
+  def item(b, h, pblk, loads=None):
+    p = program(b, h, pblk)
+    if loads is None:
+      loads = _fold_loads(p, h, fold_refs, fold_dot=fold_dot,
+                          block_p=block_p)
+    st, x_cur = _fold_from(p, h, loads, fold_refs, unroll=unroll,
+                           fold_dot=fold_dot)
     _store_flush(p, h, st, x_cur, stores, y_out, c_ref, d_ref, z_ref)
 
+  def load(b, h, pblk, valid):
+    p = program(b, h, pblk)
+    return _fold_loads(p, h, fold_refs, fold_dot=fold_dot, block_p=block_p,
+                       valid=valid)
+
   persistent_items(pid, counts == L - 1, item, num_programs=num_programs,
-                   nheads=nheads, nblk=headdim // block_p)
+                   nheads=nheads, nblk=headdim // block_p,
+                   load=load if prefetch else None, nrows=ck_ref.shape[0])
 
 
-def persistent_items(pid, active, item, *, num_programs, nheads, nblk):
+def persistent_items(pid, active, item, *, num_programs, nheads, nblk,
+                     load=None, nrows=None):
   """Runs program `pid`'s share of the (active row, head, headdim block)
   work items of a persistent grid of num_programs programs: items w = pid,
   pid + num_programs, ...; item w belongs to the r-th active row, r = w //
   (nheads * nblk), whose index is the number of rows whose inclusive active
   count is <= r. Calls item(b, h, pblk) for each.
+
+  With load (prefetch): item(b, h, pblk, loads) gets the result of
+  load(b, h, pblk, valid), issued one item ahead, so the next item's
+  global reads are in flight while this one computes (the program's first
+  load precedes its loop; the load after its last item is masked off by
+  valid, with the row index clamped below nrows).
 
   active: [batch] bool (padded rows False)."""
   flags = active.astype(jnp.int32)
@@ -453,18 +518,33 @@ def persistent_items(pid, active, item, *, num_programs, nheads, nblk):
   total = jnp.sum(flags) * per_row  # (no ranks[-1]: Triton cannot slice)
   mine = jnp.maximum(total - pid + num_programs - 1, 0) // num_programs
 
-  def body(i, carry):
+  def ids(i):
     w = pid + i * num_programs
     r, rem = w // per_row, w % per_row
-    item(jnp.sum((ranks <= r).astype(jnp.int32)), rem // nblk, rem % nblk)
-    return carry
+    b = jnp.sum((ranks <= r).astype(jnp.int32))
+    if nrows is not None:  # a prefetch past the last item: stay in bounds
+      b = jnp.minimum(b, nrows - 1)
+    return b, rem // nblk, rem % nblk
 
-  lax.fori_loop(0, mine, body, 0)
+  if load is None:
+    def body(i, carry):
+      item(*ids(i))
+      return carry
+
+    lax.fori_loop(0, mine, body, 0)
+    return
+
+  def body_prefetch(i, cur):
+    nxt = load(*ids(i + 1), i + 1 < mine)
+    item(*ids(i), cur)
+    return nxt
+
+  lax.fori_loop(0, mine, body_prefetch, load(*ids(0), mine > 0))
 
 
 def _fused_kernel(*refs, has_D, has_z, has_bias, num_programs,
                   out_programs, ngroups, unroll, fold_dot, nheads,
-                  flush_block_p, **kw):
+                  flush_block_p, prefetch=False, **kw):
   """Both routes in one launch (`ReplayConfig(fused_launch=True)`).
 
   Programs [0, num_programs) run the persistent flush route (first, so
@@ -488,7 +568,7 @@ def _fused_kernel(*refs, has_D, has_z, has_bias, num_programs,
                  nheads=nheads, heads_per_group=kw["heads_per_group"],
                  block_p=flush_block_p, headdim=kw["headdim"],
                  buffer_len=kw["buffer_len"],
-                 dt_softplus=kw["dt_softplus"])
+                 dt_softplus=kw["dt_softplus"], prefetch=prefetch)
 
   @pl.when(pid >= num_programs)
   def _output():
@@ -652,6 +732,9 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
 
   params = plgpu.CompilerParams(num_warps=config.num_warps,
                                 num_stages=config.num_stages)
+  flush_params = plgpu.CompilerParams(
+      num_warps=config.flush_num_warps or config.num_warps,
+      num_stages=config.flush_num_stages or config.num_stages)
   sds = jax.ShapeDtypeStruct
   count_pow2 = _pad_pow2(rstate.count)
   nprog = config.flush_programs or _default_flush_programs(interpret)
@@ -673,7 +756,8 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     kernel = functools.partial(
         _fused_kernel, num_programs=nprog, out_programs=n0,
         ngroups=ngroups, unroll=config.flush_unroll, fold_dot=fold_dot,
-        nheads=nheads, flush_block_p=flush_block_p, **kw)
+        nheads=nheads, flush_block_p=flush_block_p,
+        prefetch=config.flush_prefetch, **kw)
     y, xb, bb, dtb, cnt, ck = pl.pallas_call(
         kernel, grid=(nprog + n0 * ngroups * batch,),
         out_shape=(sds((batch, nheads, headdim), x.dtype),
@@ -722,7 +806,8 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   count = rstate.count
   if config.flush_grid == "persistent":
     kernel = functools.partial(_flush_persistent_kernel, nheads=nheads,
-                               num_programs=nprog, **flush_kw)
+                               num_programs=nprog,
+                               prefetch=config.flush_prefetch, **flush_kw)
     flush_grid = (nprog,)
     count = count_pow2
   else:
@@ -749,7 +834,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
       kernel, grid=flush_grid,
       out_shape=out_shape,
       input_output_aliases=aliases,
-      compiler_params=params, interpret=interpret,
+      compiler_params=flush_params, interpret=interpret,
       name="replayssm_replay_flush_route",
   )(rstate.checkpoint, xb, bb, dtb, count, *token_in,
     *([y] if writes_y else []), *copy_in, *optional)

@@ -138,12 +138,12 @@ def test_baseline_kernel_step(config, state_dtype, options):
   np.testing.assert_array_equal(np.asarray(state), state_before)  # no mutation
 
 
-def _mixed_state(ckpt_dtype, buffer_len, seed):
+def _mixed_state(ckpt_dtype, buffer_len, seed, flush_rows=(1,)):
   """A ragged state whose rows include both flush (count L-1) and
   non-flush rows."""
   d = DIMS
   counts = np.array(C.ragged_counts(d.batch, buffer_len))
-  counts[1] = buffer_len - 1  # a flush row
+  counts[list(flush_rows)] = buffer_len - 1
   params, tok = _step_inputs(seed)
   rstate, _ = testing.random_replay_state(
       jax.random.PRNGKey(seed + 1), d.batch, d.nheads, d.headdim, d.dstate,
@@ -301,6 +301,44 @@ def test_replay_kernel_dot_fold(fold, grid):
                                                   flush_fold=fold))
   with pytest.raises(ValueError, match="flush_fold must be one of"):
     pk.ReplayConfig(flush_fold="tf32")
+
+
+@pytest.mark.parametrize("buffer_len,fold", [(16, None), (4, "rank1")])
+@pytest.mark.parametrize("fused,programs", [(False, 3), (False, 64),
+                                            (True, 3)])
+def test_replay_kernel_flush_prefetch(buffer_len, fold, fused, programs):
+  """flush_prefetch only moves the persistent flush loop's loads one item
+  ahead: the results are bit-identical to the plain loop's and equal the
+  reference, with several items per program (3 programs), programs with
+  none (64 programs: the masked first load) and in the fused launch."""
+  params, tok, rstate, counts = _mixed_state("float16", buffer_len, 73,
+                                             flush_rows=(0, 1, 3))
+  assert (counts == buffer_len - 1).sum() == 3
+  kw = dict(**tok, **params, dt_softplus=True)
+  base = dict(block_p=16 if fold is None else 8, flush_fold=fold,
+              flush_programs=programs, fused_launch=fused)
+  y0, r0 = rs.replay_state_update(rstate, **kw, implementation="pallas",
+                                  config=pk.ReplayConfig(**base))
+  y1, r1 = rs.replay_state_update(
+      rstate, **kw, implementation="pallas",
+      config=pk.ReplayConfig(**base, flush_prefetch=True, flush_num_warps=8,
+                             flush_num_stages=2))
+  for a, b in zip(jax.tree.leaves((y0, r0)), jax.tree.leaves((y1, r1))):
+    np.testing.assert_array_equal(harness.bits(a), harness.bits(b))
+  y_ref, r_ref = rs.replay_state_update(rstate, **kw,
+                                        implementation="reference")
+  tol = testing.tolerance("bfloat16", "float16")
+  testing.assert_close(y1, y_ref, tol, "y")
+  testing.assert_close(r1.checkpoint, r_ref.checkpoint, tol, "checkpoint")
+
+
+def test_flush_launch_fields_are_checked():
+  with pytest.raises(ValueError, match="flush_prefetch=True needs"):
+    pk.ReplayConfig(flush_prefetch=True, flush_grid="rows")
+  with pytest.raises(ValueError, match="flush_num_warps"):
+    pk.ReplayConfig(flush_num_warps=3)
+  with pytest.raises(ValueError, match="flush_num_stages"):
+    pk.ReplayConfig(flush_num_stages=0)
 
 
 def test_config_for_the_reference_is_refused():
@@ -598,6 +636,9 @@ LOWERING_REPLAY_CONFIGS = [
                     precompute_bc=True, output_all_rows=True),
     pk.ReplayConfig(fused_launch=True),
     pk.ReplayConfig(fused_launch=False),
+    pk.ReplayConfig(fused_launch=False, flush_prefetch=True,
+                    flush_num_warps=8, flush_num_stages=3),
+    pk.ReplayConfig(fused_launch=True, flush_prefetch=True),
 ]
 
 
@@ -613,7 +654,8 @@ LOWERING_CASES = [(c, None) for c in LOWERING_REPLAY_CONFIGS] + [
     (LOWERING_REPLAY_CONFIGS[0], name) for name in (
         "f32+bf16", "f32+int8", "f16+fp8+sr", "f32+int8+sr", "bf16+sr")] + [
     (_ROWS_CONFIG, "f32+int8"), (_ROWS_CONFIG, "f16+fp8+sr"),
-    (LOWERING_REPLAY_CONFIGS[3], "f32+fp8")]
+    (LOWERING_REPLAY_CONFIGS[3], "f32+fp8"),
+    (LOWERING_REPLAY_CONFIGS[6], "f32+fp8+sr")]
 
 
 @pytest.mark.parametrize("config,policy", LOWERING_CASES, ids=str)
