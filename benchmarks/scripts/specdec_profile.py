@@ -6,7 +6,12 @@ prefill: the plain decode step (step + argmax), verify of a T-token window
 (+ commit of 2 tokens: the state advances as in decoding), and `accept` on
 [batch, T, vocab] logits (greedy and sampling), and lists the large copies
 in the optimized HLO of the verify + commit loop (a full-state copy per
-iteration would show there).
+iteration would show there). The verify is also split: the SSM verify op
+alone over every Mamba layer's state (`ssm_verify_ms`: replay_verify, or
+the snapshot baseline_verify, on random window inputs), and the model's
+full forward over the [batch, T] window without a decode state
+(`window_forward_ms`: the same projections, MLPs and LM head for T tokens,
+SSD over T tokens and attention within the window only).
 
   PYTHONPATH=. python benchmarks/scripts/specdec_profile.py --batch 256 \
       --out $OUT/specdec_profile.json
@@ -27,6 +32,7 @@ from experiments.decode_bench import build_model
 from replayssm_jax.models import ModelConfig, prefill
 from replayssm_jax.models.generate import sampling_settings
 from replayssm_jax.models.speculative import accept, commit_fn, verify_fn
+from replayssm_jax import speculative as spec
 
 _SHAPE = re.compile(r"= (\w+)\[([\d,]*)\]")
 _BYTES = dict(f32=4, bf16=2, f16=2, s32=4, pred=1, u32=4, s8=1)
@@ -106,6 +112,46 @@ def main():
     logits, pend = verify_fn(m, win, st, None)
     return logits, pend
 
+  @jax.jit
+  def forward_loop(params, win):
+    m = nnx.merge(graphdef, params)
+
+    def body(_, c):  # the next window depends on this one's logits
+      win, sink = c
+      logits = m(win)
+      return (jnp.argmax(logits, -1).astype(jnp.int32),
+              sink + logits[:1, 0, 0])
+    return jax.lax.fori_loop(0, steps, body,
+                             (win, jnp.zeros((1,), jnp.float32)))
+
+  mamba = [i for i, blk in enumerate(model.blocks) if blk.kind == "mamba"]
+  keys = jax.random.split(jax.random.PRNGKey(7), 4)
+  dtype = jnp.dtype(cfg.dtype)
+  wx = jax.random.normal(keys[0], (b, t, cfg.ssm_heads, cfg.head_dim), dtype)
+  wdt = jax.random.uniform(keys[1], (b, t, cfg.ssm_heads), dtype, -3.0, 0.0)
+  wB = jax.random.normal(keys[2], (b, t, cfg.n_groups, cfg.d_state), dtype)
+  wC = jax.random.normal(keys[3], (b, t, cfg.n_groups, cfg.d_state), dtype)
+
+  @jax.jit
+  def ssm_verify_loop(params, ssm_states):
+    m = nnx.merge(graphdef, params)
+
+    def body(_, sink):
+      for i, s in zip(mamba, ssm_states):
+        A, D, dt_bias = m.blocks[i].mixer._ssm_params()  # pylint: disable=protected-access
+        x = wx + sink.astype(dtype)  # loop-carried: not hoisted
+        f = (spec.baseline_verify if isinstance(s, jax.Array)
+             else spec.replay_verify)
+        y = f(s, x, wdt, A, wB, wC, D, None, dt_bias, True)[0]
+        sink = sink + 1e-30 * y[:1, 0, 0, 0].astype(jnp.float32)
+      return sink
+    return jax.lax.fori_loop(0, steps, body, jnp.zeros((1,), jnp.float32))
+
+  win0 = jax.random.randint(jax.random.PRNGKey(2), (b, t), 0,
+                            cfg.vocab_size, jnp.int32)
+  res["window_forward_ms"] = timed(forward_loop, params, win0, steps=steps)
+  print("window forward", res["window_forward_ms"], flush=True)
+
   for mode in ("replay", "baseline"):
     st = model.init_state(b, 128 + 4 * steps * t + 8, ssm_mode=mode,
                           buffer_len=16, checkpoint_dtype="float32")
@@ -116,7 +162,10 @@ def main():
     r = dict(plain_step_ms=timed(plain_loop, params, tok, st, steps=steps),
              verify_commit_ms=timed(verify_loop, params, win, st,
                                     steps=steps),
-             verify_only_ms=timed(verify_only, params, win, st, steps=1))
+             verify_only_ms=timed(verify_only, params, win, st, steps=1),
+             ssm_verify_ms=timed(ssm_verify_loop, params,
+                                 tuple(st.layers[i].ssm for i in mamba),
+                                 steps=steps))
     hlo = verify_loop.lower(params, win, st).compile().as_text()
     r["verify_loop_big_copies"] = big_copies(hlo)
     res["modes"][mode] = r
