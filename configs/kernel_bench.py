@@ -140,9 +140,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.policies = ("f32", "f32+bf16", "f32+f16", "f32+fp8", "f32+int8",
                        "f16+fp8", "f32+fp8+sr")
     # The dual-precision flush is the larger cost (benchmarks/README.md):
-    # each policy also with the prefetching flush loop.
+    # each policy also with the prefetching flush loop; the 8-bit output
+    # route (60% of the copy bandwidth) with 8 warps and with two heads per
+    # program (twice the bytes per program).
     config.replay_variants = ml_collections.ConfigDict(dict(
-        prefetch=dict(flush_prefetch=True)))
+        prefetch=dict(flush_prefetch=True),
+        warps8=dict(num_warps=8, flush_num_warps=4),
+        hb2=dict(heads_per_program=2)))
 
   if arg == "smoke":
     config.name = "kernel_bench_smoke"
