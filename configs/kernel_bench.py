@@ -116,6 +116,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         # Triton's own software pipelining of the persistent loop.
         stages3=dict(flush_num_stages=3),
         warps8=dict(flush_num_warps=8),
+        # The output route with two heads' tiles in flight per program.
+        out_hb2=dict(heads_per_program=2, output_prefetch=True),
     ))
 
   if arg == "launch":
@@ -142,11 +144,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # The dual-precision flush is the larger cost (benchmarks/README.md):
     # each policy also with the prefetching flush loop; the 8-bit output
     # route (60% of the copy bandwidth) with 8 warps and with two heads per
-    # program (twice the bytes per program).
+    # program whose tiles load together (twice the bytes in flight).
     config.replay_variants = ml_collections.ConfigDict(dict(
         prefetch=dict(flush_prefetch=True),
         warps8=dict(num_warps=8, flush_num_warps=4),
-        hb2=dict(heads_per_program=2)))
+        hb2=dict(heads_per_program=2, output_prefetch=True)))
 
   if arg == "smoke":
     config.name = "kernel_bench_smoke"

@@ -114,6 +114,10 @@ class ReplayConfig(_LaunchConfig):
       folding the current one, so their latency overlaps the fold (manual
       software pipelining; one more set of tiles in registers). Persistent
       flush grid only; not yet timed on the H200.
+    output_prefetch: the output route loads the checkpoint (or read copy)
+      tiles of all its heads_per_program heads before computing any, so
+      a program has that many tiles in flight (for 8-bit copies, whose
+      tiles are half the bytes). Separate launches only; not yet timed.
     flush_num_warps, flush_num_stages: Triton launch parameters of the
       separate flush-route kernel (None: num_warps / num_stages; the fused
       kernel uses those).
@@ -128,6 +132,7 @@ class ReplayConfig(_LaunchConfig):
   flush_programs: int | None = None
   fused_launch: bool | None = None
   flush_prefetch: bool = False
+  output_prefetch: bool = False
   flush_num_warps: int | None = None
   flush_num_stages: int | None = None
 

@@ -130,7 +130,7 @@ def _unpack(refs, n_in, n_out, has_D, has_z, has_bias):
 
 
 def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
-                   scaled=False, **kw):
+                   scaled=False, prefetch_heads=False, **kw):
   """Output route: y from checkpoint + buffer; non-flush rows append.
 
   With all_rows, flush rows take this route for y as well (the formula holds
@@ -148,12 +148,15 @@ def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
   _output_route(p, ins, opt, outs, all_rows=all_rows,
                 precomputed_bc=precomputed_bc, scaled=scaled,
                 block_p=kw["block_p"],
-                heads_per_program=kw["heads_per_program"])
+                heads_per_program=kw["heads_per_program"],
+                prefetch_heads=prefetch_heads)
 
 
 def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
-                  block_p, heads_per_program):
-  """The output route of item p (see _output_kernel for the refs)."""
+                  block_p, heads_per_program, prefetch_heads=False):
+  """The output route of item p (see _output_kernel for the refs);
+  prefetch_heads: load the checkpoint tiles of all the program's heads
+  before computing any (a Python loop over the heads)."""
   d_ref, z_ref, _ = opt
   ck_ref, xb_ref, bb_ref, dtb_ref, _, x_ref, _, _, b_ref = ins[:9]
   c_ref = ins[9]
@@ -183,10 +186,15 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
       bc_hist = jnp.sum(b_hist * cv[None, :], axis=1)
     bc = jnp.where(p.cur, bc_cur, bc_hist)  # [L]
 
-    def one_head(r, carry):
+    def load_tile(r):
+      return plgpu.load(ck_ref.at[b, p.head0 + r, ps],
+                        eviction_policy="evict_first")
+
+    def one_head(r, carry, s0=None):
       h = p.head0 + r
-      # Issue the big read first so its latency overlaps the small math.
-      s0 = plgpu.load(ck_ref.at[b, h, ps], eviction_policy="evict_first")
+      if s0 is None:
+        # Issue the big read first so its latency overlaps the small math.
+        s0 = load_tile(r)
       scale = None if scale_ref is None else scale_ref[b, h, ps]
       d_cur, s, decay = p.window_weights(h, dtb_ref)
       x_cur = x_ref[b, h, ps].astype(F32)  # [block_p]
@@ -217,7 +225,12 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
 
       return carry
 
-    lax.fori_loop(0, heads_per_program, one_head, 0)
+    if prefetch_heads:  # every head's tile in flight before any math
+      tiles = [load_tile(r) for r in range(heads_per_program)]
+      for r, tile in enumerate(tiles):
+        one_head(r, 0, tile)
+    else:
+      lax.fori_loop(0, heads_per_program, one_head, 0)
 
     @pl.when(appends & (p.pid == 0))
     def _append_b():
@@ -743,7 +756,8 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
        spec is not None),
       ("flush_grid='rows'", config.flush_grid != "persistent"),
       ("output_all_rows", config.output_all_rows),
-      ("precompute_bc", config.precompute_bc)) if bad]
+      ("precompute_bc", config.precompute_bc),
+      ("output_prefetch", config.output_prefetch)) if bad]
   if config.fused_launch and unsupported:
     raise NotImplementedError(
         f"config.fused_launch=True does not support "
@@ -786,7 +800,9 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   out_kw = dict(scaled=True) if scaled else {}
   y, xb, bb, dtb, cnt = pl.pallas_call(
       functools.partial(_output_kernel, all_rows=config.output_all_rows,
-                        precomputed_bc=config.precompute_bc, **out_kw, **kw),
+                        precomputed_bc=config.precompute_bc,
+                        prefetch_heads=config.output_prefetch, **out_kw,
+                        **kw),
       grid=grid(block_p),
       out_shape=(sds((batch, nheads, headdim), x.dtype),
                  sds(rstate.x_buf.shape, rstate.x_buf.dtype),

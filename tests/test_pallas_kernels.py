@@ -88,6 +88,8 @@ REPLAY_CONFIGS = [
     # Fewer programs than work items: each program loops over several.
     pk.ReplayConfig(block_p=4, flush_block_p=8, flush_grid="persistent",
                     flush_programs=3, fused_launch=False),
+    # All of a program's checkpoint tiles loaded before its math.
+    pk.ReplayConfig(block_p=8, heads_per_program=2, output_prefetch=True),
     # Both routes in one launch (flush programs first, then output items).
     pk.ReplayConfig(block_p=4, heads_per_program=2, flush_programs=3,
                     fused_launch=True),
@@ -339,6 +341,11 @@ def test_flush_launch_fields_are_checked():
     pk.ReplayConfig(flush_num_warps=3)
   with pytest.raises(ValueError, match="flush_num_stages"):
     pk.ReplayConfig(flush_num_stages=0)
+  params, tok, rstate, _ = _mixed_state("float32", 4, 77)
+  with pytest.raises(NotImplementedError, match="output_prefetch"):
+    rs.replay_state_update(rstate, **tok, **params, implementation="pallas",
+                           config=pk.ReplayConfig(fused_launch=True,
+                                                  output_prefetch=True))
 
 
 def test_config_for_the_reference_is_refused():
@@ -360,7 +367,8 @@ POLICY_CASES = [
     ("f32+fp8", pk.ReplayConfig(flush_grid="rows", precompute_bc=True)),
     ("f32+int8", pk.ReplayConfig(block_p=8, flush_block_p=4,
                                  flush_programs=3)),
-    ("f16+fp8", pk.ReplayConfig()),
+    ("f16+fp8", pk.ReplayConfig(heads_per_program=2, output_prefetch=True,
+                                flush_prefetch=True, flush_programs=3)),
     ("f32+int8+sr", pk.ReplayConfig(flush_grid="rows", heads_per_program=2)),
     ("f16+fp8+sr", pk.ReplayConfig(block_p=8, flush_programs=3)),
 ]
@@ -639,6 +647,7 @@ LOWERING_REPLAY_CONFIGS = [
     pk.ReplayConfig(fused_launch=False, flush_prefetch=True,
                     flush_num_warps=8, flush_num_stages=3),
     pk.ReplayConfig(fused_launch=True, flush_prefetch=True),
+    pk.ReplayConfig(heads_per_program=2, output_prefetch=True),
 ]
 
 
@@ -655,7 +664,8 @@ LOWERING_CASES = [(c, None) for c in LOWERING_REPLAY_CONFIGS] + [
         "f32+bf16", "f32+int8", "f16+fp8+sr", "f32+int8+sr", "bf16+sr")] + [
     (_ROWS_CONFIG, "f32+int8"), (_ROWS_CONFIG, "f16+fp8+sr"),
     (LOWERING_REPLAY_CONFIGS[3], "f32+fp8"),
-    (LOWERING_REPLAY_CONFIGS[6], "f32+fp8+sr")]
+    (LOWERING_REPLAY_CONFIGS[6], "f32+fp8+sr"),
+    (LOWERING_REPLAY_CONFIGS[8], "f32+fp8")]
 
 
 @pytest.mark.parametrize("config,policy", LOWERING_CASES, ids=str)
