@@ -16,6 +16,7 @@
 #   bash benchmarks/scripts/run_h200.sh launch     # fused vs separate route launches, b 16 + 64, L 16 (1.2 min)
 #   bash benchmarks/scripts/run_h200.sh policies   # replay per precision policy (default, prefetching flush, 8 warps, 2 heads per program) vs the f16 baseline, b 256, L 16 (1.4 min with the default alone)
 #   bash benchmarks/scripts/run_h200.sh precision small  # train the <task>_small_ssm models if missing, then the accuracy study (sizes tiny|small|medium|large; tiny took > 4.5 min with the old MQAR task, the full 12-policy study needs several calls or fewer policies)
+#   bash benchmarks/scripts/run_h200.sh precision_rest  # what session 5 left: trains mqar_large_ssm + char_large_ssm, evaluates mqar_large_ssm@1024 and char_large_ssm (12 policies; est. 8-10 min: mqar_large trained + 12 policies at 64 tokens took 5.8 min)
 #   bash benchmarks/scripts/run_h200.sh decode8b   # Nemotron-H-8B shapes (random bf16 weights), b {64,256}, L 16 (3 min)
 #   bash benchmarks/scripts/run_h200.sh check      # kernel_bench smoke: every kernel vs the reference on the GPU
 #   bash benchmarks/scripts/run_h200.sh drift      # precision_drift: 12 policies x L {4,16,64} + 8 baselines, 100k steps
@@ -83,6 +84,15 @@ case "$1" in
     timeout "$T" python -m experiments.precision_accuracy \
       --config=configs/precision_accuracy.py:"$size" \
       --workdir="$OUT/precision_$size" --config.train_missing=True ;;
+  precision_rest)
+    timeout "$T" python -c "import sys; from absl import logging
+logging.set_verbosity(logging.INFO)
+from configs import precision_accuracy as C
+from experiments import precision_accuracy as P
+c = C.get_config('large')
+c.models = [m for m in c.models if m['name'] != 'mqar_large_ssm']
+c.train_missing = True
+P.run(c, sys.argv[1])" "$OUT/precision_rest" ;;
   decode8b)
     timeout "$T" python -m experiments.decode_bench --config=configs/nemotron_h_8b.py \
       --workdir="$OUT/decode8b" --config.bench.batches='(64,256)' \
