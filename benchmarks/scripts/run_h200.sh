@@ -4,7 +4,7 @@
 # `wheels/` folder carried: it holds the ml_collections wheel).
 #
 #   (wall times measured on 2026-11-29, sessions 3-4)
-#   bash benchmarks/scripts/run_h200.sh sweep      # new flush-route designs vs the default, b 256 + 64, L 16 (session 4's sweep: 3.3 min)
+#   bash benchmarks/scripts/run_h200.sh sweep      # new flush-route designs vs the default, b 256 + 64, L 16 (est. 6-7 min: session 4's 3 variants at b 256 + 1 took 3.3 min)
 #   bash benchmarks/scripts/run_h200.sh grid f16   # full kernel grid, one dtype (~4 min)
 #   bash benchmarks/scripts/run_h200.sh grid f32
 #   bash benchmarks/scripts/run_h200.sh grid both  # both dtypes, f16 first (8 min)
@@ -14,7 +14,7 @@
 #   bash benchmarks/scripts/run_h200.sh specdec    # hybrid_1b spec decoding, b {256,512}, T 4 (~4 min)
 #   bash benchmarks/scripts/run_h200.sh profile    # where a spec-decoding iteration's time goes, b 256, with the verify split (~1.5 min before the split)
 #   bash benchmarks/scripts/run_h200.sh launch     # fused vs separate route launches, b 16 + 64, L 16 (1.2 min)
-#   bash benchmarks/scripts/run_h200.sh policies   # replay per precision policy (default, prefetching flush, 8 warps, 2 heads per program) vs the f16 baseline, b 256, L 16 (1.4 min with the default alone)
+#   bash benchmarks/scripts/run_h200.sh policies   # replay per precision policy (default, prefetching flush, 8 warps, 2 heads per program) vs the f16 baseline, b 256, L 16 (est. 5-6 min: 1.4 min with the default alone)
 #   bash benchmarks/scripts/run_h200.sh precision small  # train the <task>_small_ssm models if missing, then the accuracy study (sizes tiny|small|medium|large; tiny took > 4.5 min with the old MQAR task, the full 12-policy study needs several calls or fewer policies)
 #   bash benchmarks/scripts/run_h200.sh precision_rest  # what session 5 left: trains mqar_large_ssm + char_large_ssm, evaluates mqar_large_ssm@1024 and char_large_ssm (12 policies; est. 8-10 min: mqar_large trained + 12 policies at 64 tokens took 5.8 min)
 #   bash benchmarks/scripts/run_h200.sh decode8b   # Nemotron-H-8B shapes (random bf16 weights), b {64,256}, L 16 (3 min)
