@@ -37,6 +37,15 @@ import ml_collections
 from configs import _args
 
 
+def _kernel_study(config, name: str, batches: tuple[int, ...]) -> None:
+  """The setup the sweep / launch / policies studies share: L 16, the
+  Pallas kernels only (no XLA reference timings), these batches."""
+  config.name = name
+  config.batches = batches
+  config.buffer_lens = (16,)
+  config.exclude_implementations = ("reference",)
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The benchmark configuration; `arg="smoke"` is a tiny CPU run."""
   _args.check_arg(arg, "sweep", "launch", "policies")
@@ -95,12 +104,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   if arg == "sweep":
     # Flush-route designs side by side (benchmarks/README.md): batch 256
-    # and 1, L 16, both checkpoint dtypes. The default is the persistent
-    # flush grid with the 3xTF32 dot fold.
-    config.name = "kernel_sweep"
-    config.batches = (256, 64)
-    config.buffer_lens = (16,)
-    config.exclude_implementations = ("reference",)
+    # and 64, both checkpoint dtypes. The default is the persistent flush
+    # grid with the 3xTF32 dot fold.
+    _kernel_study(config, "kernel_sweep", (256, 64))
     # Measured before (benchmarks/flush_sweep_h200.json): session 2
     # rows_dot=dict(flush_grid="rows", flush_fold="dot_tf32x3"),
     # dotf32=dict(flush_fold="dot_f32"), flush32=dict(flush_block_p=32),
@@ -124,21 +130,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Where the fused launch (ReplayConfig.fused_launch) stops paying:
     # forced one launch vs two beside the default's choice
     # (pallas_kernels.replay.default_fused_launch), L 16.
-    config.name = "kernel_launch"
-    config.batches = (16, 64)
-    config.buffer_lens = (16,)
-    config.exclude_implementations = ("reference",)
+    _kernel_study(config, "kernel_launch", (16, 64))
     config.replay_variants = ml_collections.ConfigDict(dict(
         fused=dict(fused_launch=True), separate=dict(fused_launch=False)))
 
   if arg == "policies":
     # Issue 6: amortized replay step per precision policy at batch 256, L 16,
     # against the f16 baseline kernel.
-    config.name = "kernel_policies"
-    config.batches = (256,)
-    config.buffer_lens = (16,)
+    _kernel_study(config, "kernel_policies", (256,))
     config.checkpoint_dtypes = ("float16",)
-    config.exclude_implementations = ("reference",)
     config.policies = ("f32", "f32+bf16", "f32+f16", "f32+fp8", "f32+int8",
                        "f16+fp8", "f32+fp8+sr")
     # The dual-precision flush is the larger cost (benchmarks/README.md):
