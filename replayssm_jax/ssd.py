@@ -65,7 +65,9 @@ def ssd_chunked_scan(x, dt, A, B, C, chunk_size: int, D=None, z=None,
     A: [nheads].
     B, C: [batch, seqlen, ngroups, dstate].
     chunk_size: tokens per chunk (any positive int; seqlen need not be a
-      multiple).
+      multiple). A sequence shorter than chunk_size is one chunk of its own
+      length: no padding, so a short window (a speculative-decoding verify,
+      a short prompt) costs O(seqlen^2), not O(chunk_size^2), per row.
     D, z, dt_bias, dt_softplus: as in `selective_state_update`.
     initial_state: optional [batch, nheads, headdim, dstate] state before the
       first token (zeros if None).
@@ -85,7 +87,7 @@ def _ssd_chunked_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus,
                       initial_state):
   b, l, h, p = x.shape
   n = B.shape[-1]
-  q = chunk_size
+  q = max(1, min(chunk_size, l))  # a short sequence: one unpadded chunk
   nchunks = -(-l // q)
   pad = nchunks * q - l
 

@@ -84,3 +84,27 @@ def test_chunked_prefill_then_replay_decode(prefill_len, chunk, buffer_len,
   testing.assert_close(rs.materialize(final_r, params["A"]), final_ref, tol,
                        "final state")
   assert int(jax.device_get(final_r.count[0])) == ndec % buffer_len
+
+
+def test_short_sequence_is_not_padded_to_chunk_size():
+  """A 5-token sequence with chunk_size 256 runs as one 5-token chunk: no
+  intermediate of the traced computation has a 256-long axis (padding to
+  the chunk size made the model's forward over a speculative window 50x
+  slower on the H200: `benchmarks/specdec_bench_h200.json`, profile)."""
+  case = C.SsdCase(5, 256, seed=3000)
+  params, seq, init = harness.ssd_inputs(case)
+  jaxpr = jax.make_jaxpr(lambda s: rs.ssd_chunked_scan(
+      s["x"], s["dt"], params["A"], s["B"], s["C"], 256, D=params["D"],
+      z=s["z"], dt_bias=params["dt_bias"], dt_softplus=case.dt_softplus,
+      initial_state=init))(seq)
+  dims = {d for eqn in jaxpr.jaxpr.eqns for v in eqn.outvars
+          for d in getattr(v.aval, "shape", ())}
+  inner = {d for eqn in jaxpr.jaxpr.eqns if "jaxpr" in eqn.params
+           for e in eqn.params["jaxpr"].jaxpr.eqns for v in e.outvars
+           for d in getattr(v.aval, "shape", ())}
+  assert 5 in inner and 256 not in dims | inner, sorted(dims | inner)
+  y, final = harness.run_ssd(seq, params, 256, case.dt_softplus, init)
+  y_ref, final_ref = _baseline(seq, params, init, case.dims,
+                               case.dt_softplus)
+  testing.assert_close(y, y_ref, F32_TOL, "y")
+  testing.assert_close(final, final_ref, F32_TOL, "final state")
