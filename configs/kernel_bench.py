@@ -15,6 +15,11 @@ Fused vs separate route launches around the default's batch threshold:
   python -m experiments.kernel_bench --config=configs/kernel_bench.py:launch \
       --workdir=runs/kernel_launch
 
+The Mosaic GPU baseline kernel beside the Triton one (and XLA's step):
+
+  python -m experiments.kernel_bench --config=configs/kernel_bench.py:mosaic \
+      --workdir=runs/kernel_mosaic
+
 Precision policies (issue 6; replay per policy preset vs the f16 baseline,
 batch 256, L 16):
 
@@ -43,12 +48,12 @@ def _kernel_study(config, name: str, batches: tuple[int, ...]) -> None:
   config.name = name
   config.batches = batches
   config.buffer_lens = (16,)
-  config.exclude_implementations = ("reference",)
+  config.exclude_implementations = ("reference", "pallas_mosaic_gpu")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The benchmark configuration; `arg="smoke"` is a tiny CPU run."""
-  _args.check_arg(arg, "sweep", "launch", "policies")
+  _args.check_arg(arg, "sweep", "launch", "policies", "mosaic")
   config = ml_collections.ConfigDict()
   config.name = "kernel_bench"  # stem of the files copied to --results_dir
   config.seed = 0
@@ -76,8 +81,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # correctness oracle, not a kernel); the reference *baseline* is XLA's
   # fused version of the baseline step, kept as a yardstick for the Pallas
   # baseline ("x vs best" in the results).
-  config.exclude_implementations = ()
+  # The Mosaic GPU baseline kernel is timed by the `mosaic` study only
+  # until it has run on a GPU (pallas_kernels/mosaic_gpu.py).
+  config.exclude_implementations = ("pallas_mosaic_gpu",)
   config.exclude_replay_implementations = ("reference",)
+  # Implementations whose failure in their check against the reference
+  # (lowering, compilation, a run error) is recorded as "unsupported" with
+  # the error, while the run goes on with the others.
+  config.experimental_implementations = ("pallas_mosaic_gpu",)
 
   # Timing methodology (see experiments/kernel_bench.py).
   config.rotate_bytes = 256 * 2**20  # state sets rotated per call >= this
@@ -96,6 +107,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # keyword arguments).
   config.ssu_variants = ml_collections.ConfigDict()
   config.replay_variants = ml_collections.ConfigDict()
+  # "pallas_mosaic_gpu:<name>" -> pallas_kernels.MosaicSSUConfig kwargs.
+  config.mosaic_variants = ml_collections.ConfigDict()
   # Precision-policy presets (replayssm_jax.precision.PrecisionPolicy): each
   # replay implementation is also timed as "<impl>@<preset>" on states
   # stored as the preset says, against the baseline of the row's
@@ -150,6 +163,21 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         warps8=dict(num_warps=8, flush_num_warps=4),
         hb2=dict(heads_per_program=2, output_prefetch=True)))
 
+  if arg == "mosaic":
+    # Triton vs Mosaic GPU for the baseline step (the Mosaic kernel's first
+    # GPU run: each variant is checked against the reference first), with
+    # XLA's fused step as the yardstick; batch 256 + 64, f32 / f16.
+    _kernel_study(config, "kernel_mosaic", (256, 64))
+    config.exclude_implementations = ()
+    config.implementations = ("pallas", "pallas_mosaic_gpu", "reference")
+    config.mosaic_variants = ml_collections.ConfigDict(dict(
+        hpp1=dict(heads_per_program=1),
+        hpp16=dict(heads_per_program=16),
+        steps3=dict(max_concurrent_steps=3),
+        steps4_hpp16=dict(heads_per_program=16, max_concurrent_steps=4),
+        kernel=dict(entry="kernel"),
+        kernel_steps3=dict(entry="kernel", max_concurrent_steps=3)))
+
   if arg == "smoke":
     config.name = "kernel_bench_smoke"
     config.nheads = 4
@@ -161,7 +189,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.buffer_lens = (2, 4)
     # Time the kernels (checked against the reference); the reference only
     # when no kernel is registered.
-    config.exclude_implementations = ("reference",)
+    config.exclude_implementations = ("reference", "pallas_mosaic_gpu")
     config.rotate_bytes = 2**10
     config.min_sets = 1  # one state set: minimal compile time on CPU
     config.min_steps = 2

@@ -233,9 +233,11 @@ def _tree_bytes(tree) -> int:
 # ------------------------------------------------------------------ steps
 # Tuned variants of the Pallas kernels, timed as implementation
 # "pallas:<name>": name -> keyword arguments of pallas_kernels.SSUConfig
-# (baseline) / ReplayConfig (replay). Filled from config.ssu_variants and
-# config.replay_variants.
+# (baseline) / ReplayConfig (replay), and "pallas_mosaic_gpu:<name>":
+# MosaicSSUConfig (baseline). Filled from config.ssu_variants,
+# config.replay_variants and config.mosaic_variants.
 _VARIANTS: dict[str, dict[str, dict]] = {}
+MOSAIC = "pallas_mosaic_gpu"
 
 
 def _split_policy(impl: str):
@@ -263,6 +265,8 @@ def _impl_and_config(op: str, impl: str):
   if not variant:
     return name, None
   import pallas_kernels  # pylint: disable=g-import-not-at-top
+  if name == MOSAIC:
+    return name, pallas_kernels.MosaicSSUConfig(**_VARIANTS[MOSAIC][variant])
   cls = (pallas_kernels.SSUConfig if op == BASELINE_OP
          else pallas_kernels.ReplayConfig)
   return name, cls(**_VARIANTS[op][variant])
@@ -602,6 +606,7 @@ class Bench:
     _VARIANTS.clear()
     _VARIANTS[BASELINE_OP] = _plain_dict(config.get("ssu_variants", {}))
     _VARIANTS[REPLAY_OP] = _plain_dict(config.get("replay_variants", {}))
+    _VARIANTS[MOSAIC] = _plain_dict(config.get("mosaic_variants", {}))
     gen_cls = HostGen if jax.default_backend() == "cpu" else DeviceGen
     self.gen = gen_cls(config.seed + 1, self.dims)
 
@@ -631,6 +636,8 @@ class Bench:
       kept = chosen
     if "pallas" in registered:
       kept += tuple(f"pallas:{v}" for v in _VARIANTS.get(op, {}))
+    if MOSAIC in kept:
+      kept += tuple(f"{MOSAIC}:{v}" for v in _VARIANTS.get(MOSAIC, {}))
     if op == REPLAY_OP:  # the same implementations under each policy
       kept += tuple(f"{k}@{p}" for p in self.c.get("policies", ())
                     for k in kept if "@" not in k)
@@ -669,8 +676,8 @@ class Bench:
     try:
       chk = check_fn(tag["impl"], self.gen, act_dtype=self.act,
                      has_z=self.c.has_z, params=self.params, **kw)
-    except NotImplementedError as e:
-      self._unsupported(tag, e)
+    except Exception as e:  # pylint: disable=broad-except
+      self._unsupported_or_raise(tag, e)
       return False
     self._record_check(tag, chk)
     return True
@@ -695,8 +702,8 @@ class Bench:
                            num_sets=K, rounds_per_iter=rpi,
                            min_call_s=c.min_call_ms * 1e-3, warmup=c.warmup,
                            iters=c.iters, state_shape=state_shape)
-    except NotImplementedError as e:
-      self._unsupported(tag, e)
+    except Exception as e:  # pylint: disable=broad-except
+      self._unsupported_or_raise(tag, e)
       return None
     model = traffic.baseline_step_bytes(dims, batch, sdt, self.act,
                                         **self._model_kw())
@@ -770,8 +777,8 @@ class Bench:
             rounds_per_iter=rpi, min_call_s=c.min_call_ms * 1e-3,
             warmup=c.warmup, iters=c.iters,
             state_shape=state_shape, cache=cache)
-      except NotImplementedError as e:
-        self._unsupported(dict(tag, phase=phase), e)
+      except Exception as e:  # pylint: disable=broad-except
+        self._unsupported_or_raise(dict(tag, phase=phase), e)
         return None
       del states
       out[phase] = self._record_timing(dict(
@@ -809,6 +816,16 @@ class Bench:
     if not chk["passed"]:
       logging.error("implementation %s failed its check on %s", tag["impl"],
                     tag)
+
+  def _unsupported_or_raise(self, tag, err):
+    """Records a NotImplementedError (the kernel says why it cannot run),
+    or any error of an experimental implementation (a kernel's first GPU
+    run: the others are still timed); re-raises anything else."""
+    name = tag["impl"].partition("@")[0].partition(":")[0]
+    if not (isinstance(err, NotImplementedError) or name in tuple(
+        self.c.get("experimental_implementations", ()))):
+      raise err
+    self._unsupported(tag, err)
 
   def _unsupported(self, tag, err):
     reason = str(err) or "".join(  # NotImplementedError() from a lowering

@@ -5,8 +5,10 @@ Importing this package registers implementation "pallas" for
 `replayssm_jax.replay_verify` and `replayssm_jax.baseline_verify`
 (the dispatcher imports it lazily on first use). The kernels use the Pallas
 Triton backend on GPU and Pallas interpret mode elsewhere, so the same kernel
-code runs in CPU tests. A Mosaic GPU variant would register beside it under
-its own name (e.g. "pallas_mosaic_gpu") with the same signature.
+code runs in CPU tests. The Mosaic GPU baseline kernel
+(`pallas_kernels.mosaic_gpu`, Hopper and later) registers beside it as
+implementation "pallas_mosaic_gpu" of `selective_state_update`; until it is
+measured faster on the GPU, `implementation=None` does not pick it.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import common
+from pallas_kernels import mosaic_gpu as mosaic_kernel
 from pallas_kernels import replay as replay_kernel
 from pallas_kernels import ssu as ssu_kernel
 from pallas_kernels import verify as verify_kernel
 from pallas_kernels.common import ReplayConfig, SSUConfig, VerifyConfig
+from pallas_kernels.mosaic_gpu import MosaicSSUConfig
 from replayssm_jax import ops as _ops
 from replayssm_jax import precision as P
 
@@ -124,6 +128,20 @@ def _ssu(*, config=None, **args):
       **args, config=config or SSUConfig(), interpret=not on_gpu())
 
 
+def _mosaic_supports(ssm_state, **_):
+  cc = _compute_capability()
+  if cc is not None and cc < (9, 0):
+    return (f"the Mosaic GPU kernel needs compute capability >= 9.0 (TMA, "
+            f"Hopper; this GPU: {cc[0]}.{cc[1]}); use implementation="
+            f"'pallas'.")
+  return mosaic_kernel.shape_problem(ssm_state, on_gpu=on_gpu())
+
+
+def _mosaic_ssu(*, config=None, **args):
+  return mosaic_kernel.selective_state_update(
+      **args, config=config or MosaicSSUConfig(), interpret=not on_gpu())
+
+
 def _replay(*, config=None, **args):
   return replay_kernel.replay_state_update(
       **args, config=config or ReplayConfig(), interpret=not on_gpu())
@@ -147,8 +165,14 @@ _ops.register_implementation(
     _ops.Implementation("pallas", _ssu, supports=_ssu_supports,
                         preferred=on_gpu, priority=10))
 _ops.register_implementation(
+    "selective_state_update",
+    _ops.Implementation("pallas_mosaic_gpu", _mosaic_ssu,
+                        supports=_mosaic_supports,
+                        preferred=lambda: False, priority=5))
+_ops.register_implementation(
     "replay_state_update",
     _ops.Implementation("pallas", _replay, supports=_replay_supports,
                         preferred=on_gpu, priority=10))
 
-__all__ = ["ReplayConfig", "SSUConfig", "VerifyConfig", "common", "on_gpu"]
+__all__ = ["MosaicSSUConfig", "ReplayConfig", "SSUConfig", "VerifyConfig",
+           "common", "on_gpu"]

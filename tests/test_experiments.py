@@ -1,5 +1,6 @@
 """End-to-end runs of the experiment scripts' smoke configs (CPU)."""
 
+import dataclasses
 import json
 import math
 import os
@@ -223,6 +224,56 @@ def test_kernel_bench_policies_smoke(tmp_path):
   assert timing[("pallas@f32+int8", "non_flush")] == traffic.replay_step_bytes(
       dims, 2, 4, 1, jnp.float32, jnp.bfloat16, jnp.dtype(config.act_dtype),
       read_dtype="int8", has_z=False, has_D=True, has_dt_bias=True)
+
+
+def test_kernel_bench_mosaic_smoke(tmp_path):
+  """The `mosaic` study's implementations and variants at smoke size: the
+  Mosaic GPU baseline kernel (interpret mode here) and a variant of it are
+  checked against the reference and timed beside the Triton kernel."""
+  mosaic = kernel_bench_config.get_config("mosaic")
+  config = kernel_bench_config.get_config("smoke")
+  config.batches = (2,)
+  config.buffer_lens = (4,)
+  config.implementations = mosaic.implementations
+  config.exclude_implementations = ("reference",)
+  config.mosaic_variants = {"hpp1": mosaic.mosaic_variants.hpp1.to_dict()}
+  results = kernel_bench.run(config, str(tmp_path / "kb"))
+  base = {r["impl"] for r in results["timings"] if r["op"] == "baseline"}
+  assert base == {"pallas", "pallas_mosaic_gpu", "pallas_mosaic_gpu:hpp1"}
+  checks = {c["impl"]: c for c in results["checks"] if c["op"] == "baseline"}
+  assert set(checks) == base
+  assert all(c["passed"] is True for c in checks.values()), checks
+  # The replay op has no Mosaic kernel: the Triton one alone is timed.
+  assert {r["impl"] for r in results["summary"]} == {"pallas"}
+
+
+def test_kernel_bench_records_an_experimental_failure(tmp_path, monkeypatch):
+  """A failing experimental implementation is recorded with its error and
+  the run goes on; any other implementation's failure stops the run."""
+  def broken(**_):
+    raise ValueError("Mosaic GPU lowering failed (simulated)")
+
+  jax.clear_caches()  # no step jitted by an earlier test with the real fn
+
+  assert "pallas_mosaic_gpu" in replayssm_jax.implementations(
+      "selective_state_update")  # (loads the kernel package)
+  table = replayssm_jax.ops._REGISTRY["selective_state_update"]  # pylint: disable=protected-access
+  monkeypatch.setitem(table, "pallas_mosaic_gpu", dataclasses.replace(
+      table["pallas_mosaic_gpu"], fn=broken))
+  config = kernel_bench_config.get_config("smoke")
+  config.batches = (2,)
+  config.buffer_lens = (4,)
+  config.implementations = ("pallas", "pallas_mosaic_gpu")
+  config.exclude_implementations = ()
+  results = kernel_bench.run(config, str(tmp_path / "kb"))
+  failed = [c for c in results["checks"] if c["impl"] == "pallas_mosaic_gpu"]
+  assert failed and all(c["passed"] is None for c in failed)
+  assert "simulated" in failed[0]["reason"]
+  assert {r["impl"] for r in results["summary"]} == {"pallas"}
+  config.experimental_implementations = ()
+  jax.clear_caches()
+  with pytest.raises(ValueError, match="simulated"):
+    kernel_bench.run(config, str(tmp_path / "kb2"))
 
 
 def test_device_check_matches_testing_helpers():

@@ -25,6 +25,7 @@ import pytest
 
 import pallas_kernels as pk
 import replayssm_jax as rs
+from replayssm_jax import ops as rs_ops
 from replayssm_jax import precision as P
 from replayssm_jax import testing
 from tests import cases as C
@@ -213,6 +214,67 @@ def test_replay_kernel_jitted_in_a_loop_compiles_once():
     ys.append(y)
   assert len(traces) == 1
   assert all(np.isfinite(np.asarray(y)).all() for y in ys)
+
+
+# Mosaic GPU baseline kernel (implementation "pallas_mosaic_gpu"): every
+# state dtype, option set and tuning field, in interpret mode.
+MOSAIC_CASES = [
+    (pk.MosaicSSUConfig(), "float32", (True, True, True)),
+    (pk.MosaicSSUConfig(heads_per_program=1), "bfloat16", (False, False,
+                                                           False)),
+    (pk.MosaicSSUConfig(heads_per_program=4, max_concurrent_steps=3),
+     "float16", (True, True, True)),
+    (pk.MosaicSSUConfig(heads_per_program=2), "float32", (True, False,
+                                                          True)),
+]
+
+
+@pytest.mark.parametrize("config,state_dtype,options", MOSAIC_CASES, ids=str)
+def test_mosaic_baseline_kernel_step(config, state_dtype, options):
+  with_D, with_z, with_bias = options
+  params, tok = _step_inputs(8, with_D=with_D, with_z=with_z,
+                             with_dt_bias=with_bias)
+  state = harness.random_state(jax.random.PRNGKey(4), DIMS,
+                               jnp.dtype(state_dtype))
+  state_before = np.asarray(state)
+  kw = dict(**tok, **params, dt_softplus=with_bias)
+  y_ref, s_ref = rs.selective_state_update(state, **kw,
+                                           implementation="reference")
+  y, s = rs.selective_state_update(state, **kw,
+                                   implementation="pallas_mosaic_gpu",
+                                   config=config)
+  testing.assert_close(y, y_ref, testing.TOLERANCES["float32"], "y")
+  assert s.dtype == s_ref.dtype and y.dtype == y_ref.dtype
+  testing.assert_close(s, s_ref, testing.tolerance(state_dtype), "state")
+  np.testing.assert_array_equal(np.asarray(state), state_before)
+
+
+def test_mosaic_kernel_refusals():
+  state = jnp.zeros((2, 8, 16, 16), jnp.float32)
+  assert pk.mosaic_kernel.shape_problem(state, on_gpu=False) is None
+  assert "headdim = 16 is not a multiple of 64" in (
+      pk.mosaic_kernel.shape_problem(state))
+  narrow = jnp.zeros((2, 8, 64, 16), jnp.float16)  # 32-byte state rows
+  assert "not a multiple of 128" in pk.mosaic_kernel.shape_problem(narrow)
+  assert pk.mosaic_kernel.shape_problem(
+      jnp.zeros((2, 8, 64, 128), jnp.float16)) is None
+  with pytest.raises(ValueError, match="max_concurrent_steps must be"):
+    pk.MosaicSSUConfig(max_concurrent_steps=0)
+  params, tok = _step_inputs(9)
+  state = harness.random_state(jax.random.PRNGKey(5), DIMS)
+  with pytest.raises(NotImplementedError, match="does not divide nheads"):
+    rs.selective_state_update(state, **tok, **params,
+                              implementation="pallas_mosaic_gpu",
+                              config=pk.MosaicSSUConfig(heads_per_program=3))
+  with pytest.raises(NotImplementedError, match="runs on the GPU only"):
+    rs.selective_state_update(state, **tok, **params,
+                              implementation="pallas_mosaic_gpu",
+                              config=pk.MosaicSSUConfig(entry="kernel"))
+  with pytest.raises(ValueError, match="entry must be"):
+    pk.MosaicSSUConfig(entry="triton")
+  # Never picked by implementation=None until measured faster on a GPU.
+  table = rs_ops._REGISTRY["selective_state_update"]  # pylint: disable=protected-access
+  assert not table["pallas_mosaic_gpu"].preferred()
 
 
 # ------------------------------------------------------------- dispatcher
@@ -728,3 +790,33 @@ def test_kernels_lower_to_triton(config, batch, buffer_len, policy):
                 r, t["x"], t["dt"], params["A"], t["B"], t["C"], z=t["z"],
                 **kw, config=c),
             rstate, win)
+
+
+@pytest.mark.parametrize("state_dtype,config", [
+    ("float32", pk.MosaicSSUConfig()),
+    ("float16", pk.MosaicSSUConfig(heads_per_program=2,
+                                   max_concurrent_steps=3)),
+    ("bfloat16", pk.MosaicSSUConfig(heads_per_program=1)),
+    ("float32", pk.MosaicSSUConfig(entry="kernel")),
+    ("float16", pk.MosaicSSUConfig(entry="kernel", heads_per_program=4,
+                                   max_concurrent_steps=3))], ids=str)
+def test_mosaic_kernel_lowers_for_cuda(state_dtype, config):
+  """The Mosaic GPU kernel lowers for CUDA at the GPU shapes it accepts
+  (headdim 64, 128-byte state rows): register layouts, SMEM tiling and
+  swizzle, the pipelined grid; interpret mode checks none of these."""
+  from jax import export  # pylint: disable=g-import-not-at-top
+  b, h, p, n, g = 2, 4, 64, 128, 2
+  key = jax.random.PRNGKey(6)
+  params = testing.random_params(key, h, with_D=True, with_dt_bias=True)
+  tok = testing.random_step_inputs(key, b, h, p, n, g, jnp.bfloat16,
+                                   with_z=True)
+  state = jax.ShapeDtypeStruct((b, h, p, n), jnp.dtype(state_dtype))
+  assert pk.mosaic_kernel.shape_problem(state) is None
+
+  def step(state, tok, params):
+    return pk.mosaic_kernel.selective_state_update(
+        state, **tok, **params, dt_softplus=True, config=config)
+
+  text = export.export(jax.jit(step), platforms=["cuda"])(
+      state, tok, params).mlir_module()
+  assert "mosaic_gpu" in text  # the kernel was lowered, not skipped

@@ -4,7 +4,7 @@
 # `wheels/` folder carried: it holds the ml_collections wheel).
 #
 #   (wall times measured on 2026-11-29, sessions 3-4)
-#   bash benchmarks/scripts/run_h200.sh sweep      # new flush-route designs vs the default, b 256 + 64, L 16 (est. 6-7 min: session 4's 3 variants at b 256 + 1 took 3.3 min)
+#   bash benchmarks/scripts/run_h200.sh sweep      # flush-route designs vs the default, b 256 + 64, L 16 (2.7 min with 6 variants, session 6)
 #   bash benchmarks/scripts/run_h200.sh grid f16   # full kernel grid, one dtype (~4 min)
 #   bash benchmarks/scripts/run_h200.sh grid f32
 #   bash benchmarks/scripts/run_h200.sh grid both  # both dtypes, f16 first (8 min)
@@ -12,11 +12,12 @@
 #   bash benchmarks/scripts/run_h200.sh decode     # hybrid_1b decode, b {64,256,512} x L {8,16,32} + split at 256 (~5 min)
 #   bash benchmarks/scripts/run_h200.sh decode_extra  # hybrid_1b batch 1 (kernels), XLA reference ops at b {1,64,256} L 16 (> 4 min: the reference part needs ~3 min more than the 115 s it got)
 #   bash benchmarks/scripts/run_h200.sh specdec    # hybrid_1b spec decoding, b {256,512}, T 4 (~4 min)
-#   bash benchmarks/scripts/run_h200.sh profile    # where a spec-decoding iteration's time goes, b 256, with the verify split (~1.5 min before the split)
+#   bash benchmarks/scripts/run_h200.sh profile    # where a spec-decoding iteration's time goes, b 256, with the verify split (2.3 min, session 6)
 #   bash benchmarks/scripts/run_h200.sh launch     # fused vs separate route launches, b 16 + 64, L 16 (1.2 min)
-#   bash benchmarks/scripts/run_h200.sh policies   # replay per precision policy (default, prefetching flush, 8 warps, 2 heads per program) vs the f16 baseline, b 256, L 16 (est. 5-6 min: 1.4 min with the default alone)
+#   bash benchmarks/scripts/run_h200.sh mosaic     # the Mosaic GPU baseline kernel (7 configs) vs the Triton one and XLA, b 256 + 64, f32 / f16, each checked first; a Mosaic failure is recorded, not fatal (not yet run; est. 2-3 min)
+#   bash benchmarks/scripts/run_h200.sh policies   # replay per precision policy (default, prefetching flush, 8 warps, 2 heads per program) vs the f16 baseline, b 256, L 16 (4.8 min, session 6)
 #   bash benchmarks/scripts/run_h200.sh precision small  # train the <task>_small_ssm models if missing, then the accuracy study (sizes tiny|small|medium|large; tiny took > 4.5 min with the old MQAR task, the full 12-policy study needs several calls or fewer policies)
-#   bash benchmarks/scripts/run_h200.sh precision_rest  # what session 5 left: trains mqar_large_ssm + char_large_ssm, evaluates mqar_large_ssm@1024 and char_large_ssm (12 policies; est. 8-10 min: mqar_large trained + 12 policies at 64 tokens took 5.8 min)
+#   bash benchmarks/scripts/run_h200.sh precision_rest  # trains mqar_large_ssm + char_large_ssm, evaluates mqar_large_ssm@1024 and char_large_ssm (12 policies; > 9.6 min: session 6 ran it to its 575 s limit, inside char_large_ssm)
 #   bash benchmarks/scripts/run_h200.sh decode8b   # Nemotron-H-8B shapes (random bf16 weights), b {64,256}, L 16 (3 min)
 #   bash benchmarks/scripts/run_h200.sh check      # kernel_bench smoke: every kernel vs the reference on the GPU
 #   bash benchmarks/scripts/run_h200.sh drift      # precision_drift: 12 policies x L {4,16,64} + 8 baselines, 100k steps
@@ -74,6 +75,10 @@ case "$1" in
   launch)
     timeout "$T" python -m experiments.kernel_bench \
       --config=configs/kernel_bench.py:launch --workdir="$OUT/launch" \
+      --config.iters=10 ;;
+  mosaic)
+    timeout "$T" python -m experiments.kernel_bench \
+      --config=configs/kernel_bench.py:mosaic --workdir="$OUT/mosaic" \
       --config.iters=10 ;;
   policies)
     timeout "$T" python -m experiments.kernel_bench \

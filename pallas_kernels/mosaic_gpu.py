@@ -1,0 +1,203 @@
+"""Pallas Mosaic GPU kernel: baseline Mamba-2 selective state update.
+
+The Triton backend of Pallas is deprecated in favour of Mosaic GPU (jax
+0.11), and the replay kernels' flush fold is latency-bound in Triton
+(benchmarks/README.md): Mosaic GPU moves tiles with TMA and pipelines the
+grid's sequential axis (`max_concurrent_steps` tiles in flight per CTA),
+the latency hiding the Triton loop lacks. This module is the first Mosaic
+GPU kernel, the baseline step, registered as implementation
+"pallas_mosaic_gpu" beside the Triton one so the two can be timed in the
+same run; `implementation=None` does not pick it until it is measured
+faster.
+
+Design: a small XLA pre-pass turns the per-(row, head) scalars into [P]
+vectors (decay = exp(A dt') and dt' x), because a Mosaic GPU program
+reads its operands as TMA-copied tiles, not as scalars. One grid step per
+(row, head): read the [P, N] state tile, s = s * decay + (dt' x) B^T,
+y0 = s C, write the tile back in place (input/output aliasing). D x and the
+silu(z) gate are applied to y0 by XLA after the call. Extra traffic of the
+pre/post passes per (row, head): 3 [P] f32 vectors written and read
+(~1.5 KB against the 16-32 KB state tile's read + write).
+
+Shapes on the GPU: headdim a multiple of 64 (one warpgroup's WGMMA row
+tile) and dstate * itemsize(state) a multiple of 128 bytes (the swizzle);
+the kernel says so otherwise. Interpret mode (off-GPU) runs any shape, so
+CPU tests exercise the same kernel body; only the register layouts of the
+loads (which interpret mode cannot express) differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import common
+from replayssm_jax.reference import process_dt
+
+F32 = jnp.float32
+_SWIZZLE = 128  # bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicSSUConfig:
+  """Tuning of the Mosaic GPU baseline kernel.
+
+  Attributes:
+    heads_per_program: heads one CTA processes one after the other (the
+      sequential grid axis, pipelined); must divide nheads. None: the
+      largest divisor of nheads <= 8.
+    max_concurrent_steps: tiles in flight per CTA (TMA pipeline depth).
+    entry: "pallas_call" (grid pipelined by pallas_call; also runs in
+      interpret mode; deprecated for Mosaic GPU in jax 0.10) or "kernel"
+      (`plgpu.kernel` + `plgpu.emit_pipeline`, the entry jax recommends;
+      GPU only, no input/output aliasing).
+  """
+  heads_per_program: int | None = None
+  max_concurrent_steps: int = 2
+  entry: str = "pallas_call"
+
+  def __post_init__(self):
+    if self.entry not in ("pallas_call", "kernel"):
+      raise ValueError(f"MosaicSSUConfig.entry must be 'pallas_call' or "
+                       f"'kernel', got {self.entry!r}.")
+    for name in ("heads_per_program", "max_concurrent_steps"):
+      v = getattr(self, name)
+      if v is None and name == "heads_per_program":
+        continue
+      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"MosaicSSUConfig.{name} must be an int >= 1, got "
+                         f"{v!r}.")
+
+  def resolve_heads_per_program(self, nheads: int) -> int:
+    if self.heads_per_program is None:
+      return max(k for k in range(1, 9) if nheads % k == 0)
+    if nheads % self.heads_per_program:
+      raise NotImplementedError(
+          f"MosaicSSUConfig.heads_per_program = {self.heads_per_program} "
+          f"does not divide nheads = {nheads}.")
+    return self.heads_per_program
+
+
+def shape_problem(ssm_state, on_gpu: bool = True) -> str | None:
+  """Why the GPU kernel cannot take this state, or None (interpret mode,
+  on_gpu=False, takes any shape)."""
+  _, _, headdim, dstate = ssm_state.shape
+  if not on_gpu:
+    return None
+  if headdim % 64:
+    return (f"headdim = {headdim} is not a multiple of 64 (the Mosaic GPU "
+            f"kernel's WGMMA row tile); use implementation='pallas' or "
+            f"'reference'.")
+  row_bytes = dstate * jnp.dtype(ssm_state.dtype).itemsize
+  if row_bytes % _SWIZZLE or dstate % 8:
+    return (f"dstate = {dstate} x {jnp.dtype(ssm_state.dtype).name} is "
+            f"{row_bytes} bytes per state row, not a multiple of "
+            f"{_SWIZZLE} (the Mosaic GPU kernel's swizzle); use "
+            f"implementation='pallas' or 'reference'.")
+  return None
+
+
+def _tile_transforms(dtype):
+  """SMEM tiling + swizzle of a [P, N] tile, as WGMMA-layout loads need."""
+  cols = _SWIZZLE // jnp.dtype(dtype).itemsize
+  return (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(_SWIZZLE))
+
+
+def _kernel(s_ref, dec_ref, dtx_ref, b_ref, c_ref, y_ref, so_ref, *,
+            interpret):
+  # so_ref aliases s_ref in HBM; each has its own SMEM tile.
+  tile = plgpu.Layout.WGMMA
+  row, col = tile.reduce(1), tile.reduce(0)
+
+  def load(ref, layout):
+    # Interpret mode has no rule for plgpu.load (register layouts only
+    # exist on the GPU); a plain read there.
+    return ref[...] if interpret else plgpu.load(ref, (), layout=layout)
+
+  p, n = s_ref.shape
+  s = load(s_ref, tile).astype(F32)
+  dec = jax.lax.broadcast_in_dim(load(dec_ref, row), (p, n), (0,))
+  dtx = jax.lax.broadcast_in_dim(load(dtx_ref, row), (p, n), (0,))
+  bv = jax.lax.broadcast_in_dim(load(b_ref, col).astype(F32), (p, n), (1,))
+  cv = jax.lax.broadcast_in_dim(load(c_ref, col).astype(F32), (p, n), (1,))
+  s = s * dec + dtx * bv
+  y_ref[...] = jnp.sum(s * cv, axis=1)
+  so_ref[...] = s.astype(so_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("dt_softplus", "config",
+                                             "interpret"))
+def selective_state_update(ssm_state, x, dt, A, B, C, D=None, z=None,
+                           dt_bias=None, dt_softplus=False, *,
+                           config: MosaicSSUConfig = MosaicSSUConfig(),
+                           interpret: bool = False):
+  """Same signature and results as the reference, plus a tuning config."""
+  batch, nheads, headdim, dstate = ssm_state.shape
+  ngroups = B.shape[1]
+  hpg = nheads // ngroups
+  hpp = config.resolve_heads_per_program(nheads)
+  d = process_dt(dt, dt_bias, dt_softplus)  # [batch, nheads] f32
+  decay = jnp.broadcast_to(jnp.exp(A.astype(F32) * d)[..., None],
+                           x.shape).astype(F32)
+  dtx = d[..., None] * x.astype(F32)  # [batch, nheads, headdim]
+
+  if interpret and config.entry == "kernel":
+    raise NotImplementedError(
+        "MosaicSSUConfig(entry='kernel') runs on the GPU only: interpret "
+        "mode cannot run its pipeline's async copies; use entry="
+        "'pallas_call' off-GPU.")
+  sq = pl.Squeezed()
+  transforms = {} if interpret else dict(
+      transforms=_tile_transforms(ssm_state.dtype))
+  out_shape = [jax.ShapeDtypeStruct(x.shape, F32),
+               jax.ShapeDtypeStruct(ssm_state.shape, ssm_state.dtype)]
+  kernel = functools.partial(_kernel, interpret=interpret)
+  operands = (ssm_state, decay, dtx, B, C)
+
+  # Grid (batch, nheads / hpp, hpp): CTA (i, j) streams heads j*hpp + k,
+  # k = 0..hpp-1 (the sequential axis), max_concurrent_steps tiles in
+  # flight.
+  maps = dict(
+      tile=lambda i, j, k: (i, j * hpp + k, 0, 0),
+      vec=lambda i, j, k: (i, j * hpp + k, 0),
+      grp=lambda i, j, k: (i, (j * hpp + k) // hpg, 0))
+
+  def specs(bind):
+    """(input specs, output specs); bind(map) -> the entry's index map."""
+    tile = plgpu.BlockSpec((sq, sq, headdim, dstate), bind(maps["tile"]),
+                           **transforms)
+    vec = pl.BlockSpec((sq, sq, headdim), bind(maps["vec"]))
+    grp = pl.BlockSpec((sq, sq, dstate), bind(maps["grp"]))
+    return [tile, vec, vec, grp, grp], [vec, tile]
+
+  if config.entry == "kernel":  # plgpu.kernel + emit_pipeline (GPU only)
+    def body(*refs):
+      i, j = jax.lax.axis_index("row"), jax.lax.axis_index("block")
+      ins, outs = specs(lambda m: lambda k: m(i, j, k))
+      plgpu.emit_pipeline(
+          lambda _, *tiles: kernel(*tiles), grid=(hpp,), in_specs=ins,
+          out_specs=outs,
+          max_concurrent_steps=config.max_concurrent_steps)(*refs)
+
+    y0, new_state = plgpu.kernel(
+        body, out_shape=out_shape, grid=(batch, nheads // hpp),
+        grid_names=("row", "block"))(*operands)
+  else:  # pl.pallas_call: also runs in interpret mode
+    ins, outs = specs(lambda m: m)
+    y0, new_state = pl.pallas_call(
+        kernel, grid=(batch, nheads // hpp, hpp), in_specs=ins,
+        out_specs=outs, out_shape=out_shape, input_output_aliases={0: 1},
+        compiler_params=plgpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "sequential"),
+            max_concurrent_steps=config.max_concurrent_steps),
+        interpret=interpret,
+        name="replayssm_mosaic_selective_state_update",
+    )(*operands)
+  y = common.finish_output(y0, x.astype(F32),
+                           None if D is None else D[:, None], z)
+  return y.astype(x.dtype), new_state
