@@ -85,9 +85,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # until it has run on a GPU (pallas_kernels/mosaic_gpu.py).
   config.exclude_implementations = ("pallas_mosaic_gpu",)
   config.exclude_replay_implementations = ("reference",)
-  # Implementations whose failure in their check against the reference
-  # (lowering, compilation, a run error) is recorded as "unsupported" with
-  # the error, while the run goes on with the others.
+  # Implementations (or "name:variant"s) whose failure in their check
+  # against the reference or their timing (lowering, compilation, a run
+  # error) is recorded as "unsupported" with the error, while the run goes
+  # on with the others.
   config.experimental_implementations = ("pallas_mosaic_gpu",)
 
   # Timing methodology (see experiments/kernel_bench.py).
@@ -164,12 +165,20 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         hb2=dict(heads_per_program=2, output_prefetch=True)))
 
   if arg == "mosaic":
-    # Triton vs Mosaic GPU for the baseline step (the Mosaic kernel's first
-    # GPU run: each variant is checked against the reference first), with
-    # XLA's fused step as the yardstick; batch 256 + 64, f32 / f16.
+    # The Mosaic GPU kernels' first GPU run (each variant is checked against
+    # the reference first; a failure is recorded, not fatal), batch 256 +
+    # 64, f32 / f16 checkpoints: the baseline step, Triton vs Mosaic GPU,
+    # with XLA's fused step as the yardstick; and the replay step with the
+    # Mosaic readout as its output route (`mosaic_out`), also on the fp8
+    # read copies whose Triton output route reaches 62% of the bandwidth.
     _kernel_study(config, "kernel_mosaic", (256, 64))
     config.exclude_implementations = ()
     config.implementations = ("pallas", "pallas_mosaic_gpu", "reference")
+    config.replay_variants = ml_collections.ConfigDict(dict(
+        mosaic_out=dict(output_route="mosaic_gpu")))
+    config.experimental_implementations = ("pallas_mosaic_gpu",
+                                           "pallas:mosaic_out")
+    config.policies = ("f32+fp8", "f16+fp8")
     config.mosaic_variants = ml_collections.ConfigDict(dict(
         hpp1=dict(heads_per_program=1),
         hpp16=dict(heads_per_program=16),

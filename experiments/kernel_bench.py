@@ -821,9 +821,10 @@ class Bench:
     """Records a NotImplementedError (the kernel says why it cannot run),
     or any error of an experimental implementation (a kernel's first GPU
     run: the others are still timed); re-raises anything else."""
-    name = tag["impl"].partition("@")[0].partition(":")[0]
-    if not (isinstance(err, NotImplementedError) or name in tuple(
-        self.c.get("experimental_implementations", ()))):
+    impl = tag["impl"].partition("@")[0]  # "name" or "name:variant"
+    experimental = tuple(self.c.get("experimental_implementations", ()))
+    if not (isinstance(err, NotImplementedError) or impl in experimental
+            or impl.partition(":")[0] in experimental):
       raise err
     self._unsupported(tag, err)
 

@@ -113,11 +113,21 @@ class ReplayConfig(_LaunchConfig):
       global loads (checkpoint tile, buffered x and B, dt window) before
       folding the current one, so their latency overlaps the fold (manual
       software pipelining; one more set of tiles in registers). Persistent
-      flush grid only; not yet timed on the H200.
+      flush grid only. H200 (benchmarks/README.md, session 6): -3% to +4%
+      on the amortized step, -7% on a 16-bit dual-precision flush.
     output_prefetch: the output route loads the checkpoint (or read copy)
       tiles of all its heads_per_program heads before computing any, so
       a program has that many tiles in flight (for 8-bit copies, whose
-      tiles are half the bytes). Separate launches only; not yet timed.
+      tiles are half the bytes). Separate launches only. H200 (session
+      6): 15-23% slower with heads_per_program=2.
+    output_route: "triton" (the Triton output-route kernel) or
+      "mosaic_gpu": the output route's state read (y0 = S C, checkpoint or
+      read copy) by the Mosaic GPU readout kernel
+      (`pallas_kernels.mosaic_gpu.readout`, TMA-pipelined), the window
+      weights, buffer term and appends by XLA; the flush route stays in
+      Triton. Separate launches only (fused_launch None or False, no
+      output_all_rows / precompute_bc / output_prefetch). Not yet run on a
+      GPU.
     flush_num_warps, flush_num_stages: Triton launch parameters of the
       separate flush-route kernel (None: num_warps / num_stages; the fused
       kernel uses those).
@@ -135,10 +145,20 @@ class ReplayConfig(_LaunchConfig):
   output_prefetch: bool = False
   flush_num_warps: int | None = None
   flush_num_stages: int | None = None
+  output_route: str = "triton"
 
   def __post_init__(self):
     super().__post_init__()
     _check_choice("flush_grid", self.flush_grid, ("rows", "persistent"))
+    _check_choice("output_route", self.output_route,
+                  ("triton", "mosaic_gpu"))
+    clash = [name for name in ("output_all_rows", "precompute_bc",
+                               "output_prefetch", "fused_launch")
+             if getattr(self, name)]
+    if self.output_route == "mosaic_gpu" and clash:
+      raise ValueError(
+          f"output_route='mosaic_gpu' replaces the Triton output route, "
+          f"which {', '.join(clash)} configure(s); leave them unset.")
     _check_count("flush_programs", self.flush_programs)
     if self.flush_block_p is not None:
       _check_pow2("flush_block_p", self.flush_block_p)

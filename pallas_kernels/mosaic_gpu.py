@@ -1,4 +1,4 @@
-"""Pallas Mosaic GPU kernel: baseline Mamba-2 selective state update.
+"""Pallas Mosaic GPU kernels: baseline Mamba-2 step, replay readout.
 
 The Triton backend of Pallas is deprecated in favour of Mosaic GPU (jax
 0.11), and the replay kernels' flush fold is latency-bound in Triton
@@ -8,7 +8,10 @@ the latency hiding the Triton loop lacks. This module is the first Mosaic
 GPU kernel, the baseline step, registered as implementation
 "pallas_mosaic_gpu" beside the Triton one so the two can be timed in the
 same run; `implementation=None` does not pick it until it is measured
-faster.
+faster. `readout` (y0 = S C over every row and head, for any stored dtype,
+8-bit read copies included) is the replay output route's state read,
+used by the Triton replay kernel with `ReplayConfig(output_route=
+"mosaic_gpu")`.
 
 Design: a small XLA pre-pass turns the per-(row, head) scalars into [P]
 vectors (decay = exp(A dt') and dt' x), because a Mosaic GPU program
@@ -108,72 +111,75 @@ def _tile_transforms(dtype):
   return (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(_SWIZZLE))
 
 
-def _kernel(s_ref, dec_ref, dtx_ref, b_ref, c_ref, y_ref, so_ref, *,
-            interpret):
-  # so_ref aliases s_ref in HBM; each has its own SMEM tile.
-  tile = plgpu.Layout.WGMMA
-  row, col = tile.reduce(1), tile.reduce(0)
-
+def _loader(interpret):
+  """load(ref, layout): a register-layout load on the GPU; interpret mode
+  has no rule for plgpu.load (layouts only exist on the GPU): a plain
+  read there."""
   def load(ref, layout):
-    # Interpret mode has no rule for plgpu.load (register layouts only
-    # exist on the GPU); a plain read there.
     return ref[...] if interpret else plgpu.load(ref, (), layout=layout)
+  return load
 
-  p, n = s_ref.shape
+
+def _broadcast(v, shape, axis):
+  return jax.lax.broadcast_in_dim(v, shape, (axis,))
+
+
+def _ssu_kernel(s_ref, dec_ref, dtx_ref, b_ref, c_ref, y_ref, so_ref, *,
+                interpret):
+  # so_ref aliases s_ref in HBM; each has its own SMEM tile.
+  load, tile = _loader(interpret), plgpu.Layout.WGMMA
+  row, col = tile.reduce(1), tile.reduce(0)
+  shape = s_ref.shape
   s = load(s_ref, tile).astype(F32)
-  dec = jax.lax.broadcast_in_dim(load(dec_ref, row), (p, n), (0,))
-  dtx = jax.lax.broadcast_in_dim(load(dtx_ref, row), (p, n), (0,))
-  bv = jax.lax.broadcast_in_dim(load(b_ref, col).astype(F32), (p, n), (1,))
-  cv = jax.lax.broadcast_in_dim(load(c_ref, col).astype(F32), (p, n), (1,))
+  dec = _broadcast(load(dec_ref, row), shape, 0)
+  dtx = _broadcast(load(dtx_ref, row), shape, 0)
+  bv = _broadcast(load(b_ref, col).astype(F32), shape, 1)
+  cv = _broadcast(load(c_ref, col).astype(F32), shape, 1)
   s = s * dec + dtx * bv
   y_ref[...] = jnp.sum(s * cv, axis=1)
   so_ref[...] = s.astype(so_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("dt_softplus", "config",
-                                             "interpret"))
-def selective_state_update(ssm_state, x, dt, A, B, C, D=None, z=None,
-                           dt_bias=None, dt_softplus=False, *,
-                           config: MosaicSSUConfig = MosaicSSUConfig(),
-                           interpret: bool = False):
-  """Same signature and results as the reference, plus a tuning config."""
-  batch, nheads, headdim, dstate = ssm_state.shape
-  ngroups = B.shape[1]
+def _readout_kernel(s_ref, c_ref, y_ref, *, interpret):
+  load, tile = _loader(interpret), plgpu.Layout.WGMMA
+  s = load(s_ref, tile).astype(F32)
+  cv = _broadcast(load(c_ref, tile.reduce(0)).astype(F32), s_ref.shape, 1)
+  y_ref[...] = jnp.sum(s * cv, axis=1)
+
+
+def _launch(kernel, operands, in_kinds, out_kinds, out_shape, *, name,
+            state, ngroups, config, interpret, aliases=None):
+  """Runs kernel over the grid (batch, nheads / hpp, hpp): CTA (i, j)
+  streams heads j*hpp + k, k = 0..hpp-1 (the sequential axis), with
+  max_concurrent_steps tiles in flight. Operand kinds: "tile" a [P, N]
+  state tile of the head, "vec" its [P] vector, "grp" its group's [N]
+  vector."""
+  batch, nheads, headdim, dstate = state.shape
   hpg = nheads // ngroups
   hpp = config.resolve_heads_per_program(nheads)
-  d = process_dt(dt, dt_bias, dt_softplus)  # [batch, nheads] f32
-  decay = jnp.broadcast_to(jnp.exp(A.astype(F32) * d)[..., None],
-                           x.shape).astype(F32)
-  dtx = d[..., None] * x.astype(F32)  # [batch, nheads, headdim]
-
   if interpret and config.entry == "kernel":
     raise NotImplementedError(
         "MosaicSSUConfig(entry='kernel') runs on the GPU only: interpret "
         "mode cannot run its pipeline's async copies; use entry="
         "'pallas_call' off-GPU.")
   sq = pl.Squeezed()
-  transforms = {} if interpret else dict(
-      transforms=_tile_transforms(ssm_state.dtype))
-  out_shape = [jax.ShapeDtypeStruct(x.shape, F32),
-               jax.ShapeDtypeStruct(ssm_state.shape, ssm_state.dtype)]
-  kernel = functools.partial(_kernel, interpret=interpret)
-  operands = (ssm_state, decay, dtx, B, C)
-
-  # Grid (batch, nheads / hpp, hpp): CTA (i, j) streams heads j*hpp + k,
-  # k = 0..hpp-1 (the sequential axis), max_concurrent_steps tiles in
-  # flight.
   maps = dict(
       tile=lambda i, j, k: (i, j * hpp + k, 0, 0),
       vec=lambda i, j, k: (i, j * hpp + k, 0),
       grp=lambda i, j, k: (i, (j * hpp + k) // hpg, 0))
+  kernel = functools.partial(kernel, interpret=interpret)
 
   def specs(bind):
     """(input specs, output specs); bind(map) -> the entry's index map."""
-    tile = plgpu.BlockSpec((sq, sq, headdim, dstate), bind(maps["tile"]),
-                           **transforms)
-    vec = pl.BlockSpec((sq, sq, headdim), bind(maps["vec"]))
-    grp = pl.BlockSpec((sq, sq, dstate), bind(maps["grp"]))
-    return [tile, vec, vec, grp, grp], [vec, tile]
+    def spec(kind):
+      if kind == "tile":
+        return plgpu.BlockSpec(
+            (sq, sq, headdim, dstate), bind(maps["tile"]),
+            **({} if interpret else dict(
+                transforms=_tile_transforms(state.dtype))))
+      size = headdim if kind == "vec" else dstate
+      return pl.BlockSpec((sq, sq, size), bind(maps[kind]))
+    return [spec(k) for k in in_kinds], [spec(k) for k in out_kinds]
 
   if config.entry == "kernel":  # plgpu.kernel + emit_pipeline (GPU only)
     def body(*refs):
@@ -184,20 +190,54 @@ def selective_state_update(ssm_state, x, dt, A, B, C, D=None, z=None,
           out_specs=outs,
           max_concurrent_steps=config.max_concurrent_steps)(*refs)
 
-    y0, new_state = plgpu.kernel(
+    return plgpu.kernel(
         body, out_shape=out_shape, grid=(batch, nheads // hpp),
         grid_names=("row", "block"))(*operands)
-  else:  # pl.pallas_call: also runs in interpret mode
-    ins, outs = specs(lambda m: m)
-    y0, new_state = pl.pallas_call(
-        kernel, grid=(batch, nheads // hpp, hpp), in_specs=ins,
-        out_specs=outs, out_shape=out_shape, input_output_aliases={0: 1},
-        compiler_params=plgpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "sequential"),
-            max_concurrent_steps=config.max_concurrent_steps),
-        interpret=interpret,
-        name="replayssm_mosaic_selective_state_update",
-    )(*operands)
+  ins, outs = specs(lambda m: m)  # pl.pallas_call: also interpret mode
+  return pl.pallas_call(
+      kernel, grid=(batch, nheads // hpp, hpp), in_specs=ins,
+      out_specs=outs, out_shape=out_shape,
+      input_output_aliases=aliases or {},
+      compiler_params=plgpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "sequential"),
+          max_concurrent_steps=config.max_concurrent_steps),
+      interpret=interpret, name=name,
+  )(*operands)
+
+
+def readout(state, C, *, config: MosaicSSUConfig = MosaicSSUConfig(),
+            interpret: bool = False):
+  """y0[b, h, p] = sum_n state[b, h, p, n] C[b, g(h), n], f32 accumulation,
+  for a state stored in any dtype (f32, bf16, f16, fp8 e4m3, int8: the
+  caller applies 8-bit scales, which factor out of the sum)."""
+  problem = shape_problem(state, on_gpu=not interpret)
+  if problem is not None:
+    raise NotImplementedError(problem)
+  batch, nheads, headdim, _ = state.shape
+  return _launch(_readout_kernel, (state, C), ("tile", "grp"), ("vec",),
+                 [jax.ShapeDtypeStruct((batch, nheads, headdim), F32)],
+                 name="replayssm_mosaic_readout", state=state,
+                 ngroups=C.shape[1], config=config, interpret=interpret)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("dt_softplus", "config",
+                                             "interpret"))
+def selective_state_update(ssm_state, x, dt, A, B, C, D=None, z=None,
+                           dt_bias=None, dt_softplus=False, *,
+                           config: MosaicSSUConfig = MosaicSSUConfig(),
+                           interpret: bool = False):
+  """Same signature and results as the reference, plus a tuning config."""
+  d = process_dt(dt, dt_bias, dt_softplus)  # [batch, nheads] f32
+  decay = jnp.broadcast_to(jnp.exp(A.astype(F32) * d)[..., None],
+                           x.shape).astype(F32)
+  dtx = d[..., None] * x.astype(F32)  # [batch, nheads, headdim]
+  y0, new_state = _launch(
+      _ssu_kernel, (ssm_state, decay, dtx, B, C),
+      ("tile", "vec", "vec", "grp", "grp"), ("vec", "tile"),
+      [jax.ShapeDtypeStruct(x.shape, F32),
+       jax.ShapeDtypeStruct(ssm_state.shape, ssm_state.dtype)],
+      name="replayssm_mosaic_selective_state_update", state=ssm_state, ngroups=B.shape[1], config=config,
+      interpret=interpret, aliases={0: 1})
   y = common.finish_output(y0, x.astype(F32),
                            None if D is None else D[:, None], z)
   return y.astype(x.dtype), new_state

@@ -595,6 +595,64 @@ def _fused_kernel(*refs, has_D, has_z, has_bias, num_programs,
                   heads_per_program=kw["heads_per_program"])
 
 
+def _mosaic_output_route(rstate, read, x, dt, A, B, C, D, z, dt_bias,
+                         dt_softplus, interpret):
+  """The output route with output_route="mosaic_gpu": y of every row from
+  the Mosaic GPU readout of `read` (checkpoint or read copy) and XLA's
+  window terms; non-flush rows append (x, B, dt') to the buffers and
+  advance their counters. Returns (y, x_buf, b_buf, dt_buf, count); the
+  flush route then overwrites the flush rows' y.
+
+  XLA reads all L buffer slots (the Triton route loads only the filled
+  ones: ~L/2 on average), and the flush rows' state tiles are read here as
+  well as by the flush route."""
+  from pallas_kernels import mosaic_gpu  # pylint: disable=g-import-not-at-top
+  L, nheads = rstate.buffer_len, read.shape[1]
+  per_group = nheads // rstate.ngroups
+  c = rstate.count.astype(jnp.int32)
+  valid = (c >= 0) & (c < L)
+  flush = c == L - 1
+  appends = valid & jnp.logical_not(flush)
+  j = jnp.arange(L)
+  hist, cur = j[None, :] < c[:, None], j[None, :] == c[:, None]  # [b, L]
+
+  def window(now, buf):  # [b, ...] token, [b, L, ...] buffer -> [b, L, ...]
+    expand = (slice(None), slice(None)) + (None,) * (buf.ndim - 2)
+    return jnp.where(cur[expand], now.astype(F32)[:, None],
+                     jnp.where(hist[expand], buf.astype(F32), 0.0))
+
+  d_cur = process_dt(dt, dt_bias, dt_softplus)  # [b, h]
+  dw = window(d_cur, rstate.dt_buf)  # [b, L, h]; zero past the window
+  a = A.astype(F32)
+  total = jnp.sum(dw, axis=1)  # [b, h]
+  suffix = total[:, None] - jnp.cumsum(dw, axis=1)  # sum over i > j
+  weights = dw * jnp.exp(a * suffix)  # s_j = d_j exp(A sum_{i>j} d_i)
+  bc = jnp.einsum("blgn,bgn->blg", window(B, rstate.b_buf), C.astype(F32),
+                  precision=lax.Precision.HIGHEST)
+  bc = jnp.repeat(bc, per_group, axis=2)  # [b, L, h]
+  y_win = jnp.einsum("blh,blhp->bhp", weights * bc, window(x, rstate.x_buf),
+                     precision=lax.Precision.HIGHEST)
+  y0 = mosaic_gpu.readout(read, C, interpret=interpret)
+  if rstate.read_scale is not None:  # the 8-bit scales factor out of S C
+    y0 = y0 * rstate.read_scale
+  y = jnp.exp(a * total)[..., None] * y0 + y_win
+  y = common.finish_output(y, x.astype(F32),
+                           None if D is None else D[:, None], z)
+  y = jnp.where(valid[:, None, None], y, jnp.nan).astype(x.dtype)
+
+  rows, slot = jnp.arange(c.shape[0]), jnp.clip(c, 0, L - 1)
+
+  def append(buf, now):
+    old = buf[rows, slot]
+    keep = appends.reshape((-1,) + (1,) * (old.ndim - 1))
+    return buf.at[rows, slot].set(jnp.where(keep, now.astype(buf.dtype),
+                                            old))
+
+  count = jnp.where(valid, jnp.where(flush, 0, c + 1), c)
+  return (y, append(rstate.x_buf, x), append(rstate.b_buf, B),
+          append(rstate.dt_buf, d_cur), count.astype(rstate.count.dtype))
+
+
 def _copy_counts(spec):
   """(extra inputs, extra outputs) of the flush kernels for a _CopySpec."""
   return (0, 0) if spec is None else (spec.n_in, spec.n_out)
@@ -757,7 +815,9 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
       ("flush_grid='rows'", config.flush_grid != "persistent"),
       ("output_all_rows", config.output_all_rows),
       ("precompute_bc", config.precompute_bc),
-      ("output_prefetch", config.output_prefetch)) if bad]
+      ("output_prefetch", config.output_prefetch),
+      ("output_route='mosaic_gpu'", config.output_route != "triton"))
+                 if bad]
   if config.fused_launch and unsupported:
     raise NotImplementedError(
         f"config.fused_launch=True does not support "
@@ -798,21 +858,25 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   # Both routes always launch; each program exits at once on rows that are
   # not its route's (no host-side branch; every row's route is data).
   out_kw = dict(scaled=True) if scaled else {}
-  y, xb, bb, dtb, cnt = pl.pallas_call(
-      functools.partial(_output_kernel, all_rows=config.output_all_rows,
-                        precomputed_bc=config.precompute_bc,
-                        prefetch_heads=config.output_prefetch, **out_kw,
-                        **kw),
-      grid=grid(block_p),
-      out_shape=(sds((batch, nheads, headdim), x.dtype),
-                 sds(rstate.x_buf.shape, rstate.x_buf.dtype),
-                 sds(rstate.b_buf.shape, rstate.b_buf.dtype),
-                 sds(rstate.dt_buf.shape, rstate.dt_buf.dtype),
-                 sds(rstate.count.shape, rstate.count.dtype)),
-      input_output_aliases={1: 1, 2: 2, 3: 3},
-      compiler_params=params, interpret=interpret,
-      name="replayssm_replay_output_route",
-  )(*state_in, *token_in, *extra, *optional)
+  if config.output_route == "mosaic_gpu":
+    y, xb, bb, dtb, cnt = _mosaic_output_route(
+        rstate, read, x, dt, A, B, C, D, z, dt_bias, dt_softplus, interpret)
+  else:
+    y, xb, bb, dtb, cnt = pl.pallas_call(
+        functools.partial(_output_kernel, all_rows=config.output_all_rows,
+                          precomputed_bc=config.precompute_bc,
+                          prefetch_heads=config.output_prefetch, **out_kw,
+                          **kw),
+        grid=grid(block_p),
+        out_shape=(sds((batch, nheads, headdim), x.dtype),
+                   sds(rstate.x_buf.shape, rstate.x_buf.dtype),
+                   sds(rstate.b_buf.shape, rstate.b_buf.dtype),
+                   sds(rstate.dt_buf.shape, rstate.dt_buf.dtype),
+                   sds(rstate.count.shape, rstate.count.dtype)),
+        input_output_aliases={1: 1, 2: 2, 3: 3},
+        compiler_params=params, interpret=interpret,
+        name="replayssm_replay_output_route",
+    )(*state_in, *token_in, *extra, *optional)
   # The flush route reads the buffers after the output route: flush rows do
   # not append, so their slots are unchanged, and one copy of each buffer
   # stays live.

@@ -237,14 +237,21 @@ def test_kernel_bench_mosaic_smoke(tmp_path):
   config.implementations = mosaic.implementations
   config.exclude_implementations = ("reference",)
   config.mosaic_variants = {"hpp1": mosaic.mosaic_variants.hpp1.to_dict()}
+  config.replay_variants = mosaic.replay_variants.to_dict()
+  config.experimental_implementations = mosaic.experimental_implementations
+  config.policies = mosaic.policies[:1]
   results = kernel_bench.run(config, str(tmp_path / "kb"))
   base = {r["impl"] for r in results["timings"] if r["op"] == "baseline"}
   assert base == {"pallas", "pallas_mosaic_gpu", "pallas_mosaic_gpu:hpp1"}
-  checks = {c["impl"]: c for c in results["checks"] if c["op"] == "baseline"}
-  assert set(checks) == base
+  checks = {(c["impl"], c["op"]): c for c in results["checks"]}
+  assert {i for i, op in checks if op == "baseline"} == base
   assert all(c["passed"] is True for c in checks.values()), checks
-  # The replay op has no Mosaic kernel: the Triton one alone is timed.
-  assert {r["impl"] for r in results["summary"]} == {"pallas"}
+  # The replay step with the Mosaic readout as its output route, plain and
+  # on an fp8 read copy, checked and timed beside the Triton route.
+  replay = {"pallas", "pallas:mosaic_out", "pallas@f32+fp8",
+            "pallas:mosaic_out@f32+fp8"}
+  assert {i for i, op in checks if op == "replay"} == replay
+  assert {r["impl"] for r in results["summary"]} == replay
 
 
 def test_kernel_bench_records_an_experimental_failure(tmp_path, monkeypatch):

@@ -94,6 +94,8 @@ REPLAY_CONFIGS = [
     # Both routes in one launch (flush programs first, then output items).
     pk.ReplayConfig(block_p=4, heads_per_program=2, flush_programs=3,
                     fused_launch=True),
+    # The output route's state read by the Mosaic GPU readout kernel.
+    pk.ReplayConfig(output_route="mosaic_gpu", flush_programs=3),
 ]
 
 
@@ -247,6 +249,15 @@ def test_mosaic_baseline_kernel_step(config, state_dtype, options):
   assert s.dtype == s_ref.dtype and y.dtype == y_ref.dtype
   testing.assert_close(s, s_ref, testing.tolerance(state_dtype), "state")
   np.testing.assert_array_equal(np.asarray(state), state_before)
+
+
+def test_mosaic_output_route_config_is_checked():
+  with pytest.raises(ValueError, match="output_route must be one of"):
+    pk.ReplayConfig(output_route="cuda")
+  for clash in (dict(fused_launch=True), dict(output_all_rows=True),
+                dict(precompute_bc=True), dict(output_prefetch=True)):
+    with pytest.raises(ValueError, match=f"{next(iter(clash))}"):
+      pk.ReplayConfig(output_route="mosaic_gpu", **clash)
 
 
 def test_mosaic_kernel_refusals():
@@ -433,6 +444,9 @@ POLICY_CASES = [
                                 flush_prefetch=True, flush_programs=3)),
     ("f32+int8+sr", pk.ReplayConfig(flush_grid="rows", heads_per_program=2)),
     ("f16+fp8+sr", pk.ReplayConfig(block_p=8, flush_programs=3)),
+    ("f32+fp8", pk.ReplayConfig(output_route="mosaic_gpu")),
+    ("f32+int8", pk.ReplayConfig(output_route="mosaic_gpu",
+                                 flush_grid="rows")),
 ]
 POLICY_L = 4
 POLICY_STEPS = 2 * POLICY_L + 1  # every row flushes twice
@@ -730,16 +744,10 @@ LOWERING_CASES = [(c, None) for c in LOWERING_REPLAY_CONFIGS] + [
     (LOWERING_REPLAY_CONFIGS[8], "f32+fp8")]
 
 
-@pytest.mark.parametrize("config,policy", LOWERING_CASES, ids=str)
-@pytest.mark.parametrize("batch,buffer_len", [(6, 16), (1, 4)])
-def test_kernels_lower_to_triton(config, batch, buffer_len, policy):
-  """Every kernel, tuning option and precision policy lowers for the GPU
-  (found on the H200: a fully unrolled fori_loop and a vector slice have no
-  Triton lowering; fp8 converts lower for sm_89+)."""
-  from pallas_kernels import replay as replay_kernel  # pylint: disable=g-import-not-at-top
-  from pallas_kernels import ssu as ssu_kernel  # pylint: disable=g-import-not-at-top
-  from pallas_kernels import verify as verify_kernel  # pylint: disable=g-import-not-at-top
-  h, p, n, g = 4, 16, 16, 2
+def _lowering_state(batch, buffer_len, policy, dims):
+  """(params, token, ragged replay state of `policy` (None: f16 checkpoint)
+  with its read copy and SR counters, the policy) at dims (h, p, n, g)."""
+  h, p, n, g = dims
   key = jax.random.PRNGKey(5)
   params = testing.random_params(key, h, with_D=True, with_dt_bias=True)
   tok = testing.random_step_inputs(key, batch, h, p, n, g, jnp.bfloat16,
@@ -757,20 +765,38 @@ def test_kernels_lower_to_triton(config, batch, buffer_len, policy):
   if pol is not None and pol.stochastic_rounding:
     fields["row_id"] = jnp.arange(batch, dtype=jnp.int32)
     fields["step"] = jnp.zeros((batch,), jnp.int32)
-  rstate = rstate.replace(**fields)
+  return params, tok, rstate.replace(**fields), pol
+
+
+def _lower_replay(config, params, tok, rstate, pol):
+  from pallas_kernels import replay as replay_kernel  # pylint: disable=g-import-not-at-top
+  kw = dict(D=params["D"], dt_bias=params["dt_bias"], dt_softplus=True)
+  return _lower_for_cuda(
+      lambda r, t, layer: replay_kernel.replay_state_update(
+          r, t["x"], t["dt"], params["A"], t["B"], t["C"], z=t["z"], **kw,
+          policy=pol, layer=layer, config=config),
+      rstate, tok, jnp.int32(2))  # a traced layer (a scan over layers)
+
+
+@pytest.mark.parametrize("config,policy", LOWERING_CASES, ids=str)
+@pytest.mark.parametrize("batch,buffer_len", [(6, 16), (1, 4)])
+def test_kernels_lower_to_triton(config, batch, buffer_len, policy):
+  """Every kernel, tuning option and precision policy lowers for the GPU
+  (found on the H200: a fully unrolled fori_loop and a vector slice have no
+  Triton lowering; fp8 converts lower for sm_89+)."""
+  from pallas_kernels import ssu as ssu_kernel  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import verify as verify_kernel  # pylint: disable=g-import-not-at-top
+  params, tok, rstate, pol = _lowering_state(batch, buffer_len, policy,
+                                             (4, 16, 16, 2))
   kw = dict(D=params["D"], dt_bias=params["dt_bias"], dt_softplus=True)
 
   def replay():
-    _lower_for_cuda(
-        lambda r, t, layer: replay_kernel.replay_state_update(
-            r, t["x"], t["dt"], params["A"], t["B"], t["C"], z=t["z"], **kw,
-            policy=pol, layer=layer, config=config),
-        rstate, tok, jnp.int32(2))  # a traced layer (a scan over layers)
+    _lower_replay(config, params, tok, rstate, pol)
 
   if config.flush_fold in ("dot_f32", "dot_tf32x3") and buffer_len < 16:
     with pytest.raises(NotImplementedError, match="block_p >= 16"):
       replay()
-  elif config.output_all_rows and "read_copy" in fields:
+  elif config.output_all_rows and rstate.read_copy is not None:
     with pytest.raises(NotImplementedError, match="output_all_rows"):
       replay()
   else:
@@ -820,3 +846,15 @@ def test_mosaic_kernel_lowers_for_cuda(state_dtype, config):
   text = export.export(jax.jit(step), platforms=["cuda"])(
       state, tok, params).mlir_module()
   assert "mosaic_gpu" in text  # the kernel was lowered, not skipped
+
+
+@pytest.mark.parametrize("policy", [None, "f32+fp8", "f32+int8",
+                                    "f16+fp8+sr"])
+def test_mosaic_output_route_lowers_for_cuda(policy):
+  """ReplayConfig(output_route="mosaic_gpu") lowers for CUDA at GPU shapes:
+  the Mosaic readout of the checkpoint or 8-bit read copy, the Triton flush
+  route after it."""
+  params, tok, rstate, pol = _lowering_state(6, 16, policy, (4, 64, 128, 2))
+  text = _lower_replay(pk.ReplayConfig(output_route="mosaic_gpu"), params,
+                       tok, rstate, pol)
+  assert "mosaic_gpu" in text and "replayssm_replay_output_route" not in text
