@@ -123,8 +123,24 @@ SSU_CASES = [
 ]
 
 
-@pytest.mark.parametrize("config,state_dtype,options", SSU_CASES, ids=str)
-def test_baseline_kernel_step(config, state_dtype, options):
+# Mosaic GPU baseline kernel (implementation "pallas_mosaic_gpu"): every
+# state dtype, option set and tuning field, in interpret mode.
+MOSAIC_CASES = [
+    (pk.MosaicSSUConfig(), "float32", (True, True, True)),
+    (pk.MosaicSSUConfig(heads_per_program=1), "bfloat16", (False, False,
+                                                           False)),
+    (pk.MosaicSSUConfig(heads_per_program=4, max_concurrent_steps=3),
+     "float16", (True, True, True)),
+    (pk.MosaicSSUConfig(heads_per_program=2), "float32", (True, False,
+                                                          True)),
+]
+
+
+@pytest.mark.parametrize(
+    "impl,config,state_dtype,options",
+    [("pallas",) + c for c in SSU_CASES]
+    + [("pallas_mosaic_gpu",) + c for c in MOSAIC_CASES], ids=str)
+def test_baseline_kernel_step(impl, config, state_dtype, options):
   with_D, with_z, with_bias = options
   params, tok = _step_inputs(7, with_D=with_D, with_z=with_z,
                              with_dt_bias=with_bias)
@@ -134,9 +150,10 @@ def test_baseline_kernel_step(config, state_dtype, options):
   kw = dict(**tok, **params, dt_softplus=with_bias)
   y_ref, s_ref = rs.selective_state_update(state, **kw,
                                            implementation="reference")
-  y, s = rs.selective_state_update(state, **kw, implementation="pallas",
+  y, s = rs.selective_state_update(state, **kw, implementation=impl,
                                    config=config)
   tol = testing.tolerance(state_dtype)
+  assert y.dtype == y_ref.dtype
   testing.assert_close(y, y_ref, testing.TOLERANCES["float32"], "y")
   assert s.dtype == s_ref.dtype
   testing.assert_close(s, s_ref, tol, "state")
@@ -216,39 +233,6 @@ def test_replay_kernel_jitted_in_a_loop_compiles_once():
     ys.append(y)
   assert len(traces) == 1
   assert all(np.isfinite(np.asarray(y)).all() for y in ys)
-
-
-# Mosaic GPU baseline kernel (implementation "pallas_mosaic_gpu"): every
-# state dtype, option set and tuning field, in interpret mode.
-MOSAIC_CASES = [
-    (pk.MosaicSSUConfig(), "float32", (True, True, True)),
-    (pk.MosaicSSUConfig(heads_per_program=1), "bfloat16", (False, False,
-                                                           False)),
-    (pk.MosaicSSUConfig(heads_per_program=4, max_concurrent_steps=3),
-     "float16", (True, True, True)),
-    (pk.MosaicSSUConfig(heads_per_program=2), "float32", (True, False,
-                                                          True)),
-]
-
-
-@pytest.mark.parametrize("config,state_dtype,options", MOSAIC_CASES, ids=str)
-def test_mosaic_baseline_kernel_step(config, state_dtype, options):
-  with_D, with_z, with_bias = options
-  params, tok = _step_inputs(8, with_D=with_D, with_z=with_z,
-                             with_dt_bias=with_bias)
-  state = harness.random_state(jax.random.PRNGKey(4), DIMS,
-                               jnp.dtype(state_dtype))
-  state_before = np.asarray(state)
-  kw = dict(**tok, **params, dt_softplus=with_bias)
-  y_ref, s_ref = rs.selective_state_update(state, **kw,
-                                           implementation="reference")
-  y, s = rs.selective_state_update(state, **kw,
-                                   implementation="pallas_mosaic_gpu",
-                                   config=config)
-  testing.assert_close(y, y_ref, testing.TOLERANCES["float32"], "y")
-  assert s.dtype == s_ref.dtype and y.dtype == y_ref.dtype
-  testing.assert_close(s, s_ref, testing.tolerance(state_dtype), "state")
-  np.testing.assert_array_equal(np.asarray(state), state_before)
 
 
 def test_mosaic_output_route_config_is_checked():
