@@ -48,7 +48,7 @@ _SWIZZLE = 128  # bytes
 
 @dataclasses.dataclass(frozen=True)
 class MosaicSSUConfig:
-  """Tuning of the Mosaic GPU baseline kernel.
+  """Tuning of the Mosaic GPU kernels (baseline step, replay readout).
 
   Attributes:
     heads_per_program: heads one CTA processes one after the other (the

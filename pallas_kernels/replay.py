@@ -52,6 +52,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
+from pallas_kernels import mosaic_gpu
 from replayssm_jax import precision as P
 from replayssm_jax.reference import process_dt
 
@@ -606,7 +607,6 @@ def _mosaic_output_route(rstate, read, x, dt, A, B, C, D, z, dt_bias,
   XLA reads all L buffer slots (the Triton route loads only the filled
   ones: ~L/2 on average), and the flush rows' state tiles are read here as
   well as by the flush route."""
-  from pallas_kernels import mosaic_gpu  # pylint: disable=g-import-not-at-top
   L, nheads = rstate.buffer_len, read.shape[1]
   per_group = nheads // rstate.ngroups
   c = rstate.count.astype(jnp.int32)
@@ -816,8 +816,8 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
       ("output_all_rows", config.output_all_rows),
       ("precompute_bc", config.precompute_bc),
       ("output_prefetch", config.output_prefetch),
-      ("output_route='mosaic_gpu'", config.output_route != "triton"))
-                 if bad]
+      ("output_route='mosaic_gpu'", config.output_route != "triton"),
+  ) if bad]
   if config.fused_launch and unsupported:
     raise NotImplementedError(
         f"config.fused_launch=True does not support "
