@@ -15,7 +15,8 @@ Fused vs separate route launches around the default's batch threshold:
   python -m experiments.kernel_bench --config=configs/kernel_bench.py:launch \
       --workdir=runs/kernel_launch
 
-The Mosaic GPU baseline kernel beside the Triton one (and XLA's step):
+The Mosaic GPU kernels beside the Triton ones (baseline step and XLA's;
+replay with the Mosaic output route, also on fp8 read copies):
 
   python -m experiments.kernel_bench --config=configs/kernel_bench.py:mosaic \
       --workdir=runs/kernel_mosaic
