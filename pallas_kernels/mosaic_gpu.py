@@ -191,7 +191,7 @@ def _launch(kernel, operands, in_kinds, out_kinds, out_shape, *, name,
           max_concurrent_steps=config.max_concurrent_steps)(*refs)
 
     return plgpu.kernel(
-        body, out_shape=out_shape, grid=(batch, nheads // hpp),
+        body, out_type=out_shape, grid=(batch, nheads // hpp),
         grid_names=("row", "block"))(*operands)
   ins, outs = specs(lambda m: m)  # pl.pallas_call: also interpret mode
   return pl.pallas_call(
