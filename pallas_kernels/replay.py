@@ -54,6 +54,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import common
 from pallas_kernels import mosaic_gpu
 from replayssm_jax import precision as P
+from replayssm_jax import reference
 from replayssm_jax.reference import process_dt
 
 F32 = jnp.float32
@@ -607,35 +608,18 @@ def _mosaic_output_route(rstate, read, x, dt, A, B, C, D, z, dt_bias,
   XLA reads all L buffer slots (the Triton route loads only the filled
   ones: ~L/2 on average), and the flush rows' state tiles are read here as
   well as by the flush route."""
-  L, nheads = rstate.buffer_len, read.shape[1]
-  per_group = nheads // rstate.ngroups
+  L = rstate.buffer_len
   c = rstate.count.astype(jnp.int32)
   valid = (c >= 0) & (c < L)
   flush = c == L - 1
   appends = valid & jnp.logical_not(flush)
-  j = jnp.arange(L)
-  hist, cur = j[None, :] < c[:, None], j[None, :] == c[:, None]  # [b, L]
-
-  def window(now, buf):  # [b, ...] token, [b, L, ...] buffer -> [b, L, ...]
-    expand = (slice(None), slice(None)) + (None,) * (buf.ndim - 2)
-    return jnp.where(cur[expand], now.astype(F32)[:, None],
-                     jnp.where(hist[expand], buf.astype(F32), 0.0))
-
   d_cur = process_dt(dt, dt_bias, dt_softplus)  # [b, h]
-  dw = window(d_cur, rstate.dt_buf)  # [b, L, h]; zero past the window
-  a = A.astype(F32)
-  total = jnp.sum(dw, axis=1)  # [b, h]
-  suffix = total[:, None] - jnp.cumsum(dw, axis=1)  # sum over i > j
-  weights = dw * jnp.exp(a * suffix)  # s_j = d_j exp(A sum_{i>j} d_i)
-  bc = jnp.einsum("blgn,bgn->blg", window(B, rstate.b_buf), C.astype(F32),
-                  precision=lax.Precision.HIGHEST)
-  bc = jnp.repeat(bc, per_group, axis=2)  # [b, L, h]
-  y_win = jnp.einsum("blh,blhp->bhp", weights * bc, window(x, rstate.x_buf),
-                     precision=lax.Precision.HIGHEST)
+  xw, bw, dw = reference.replay_window(rstate, x, B, d_cur)
+  decay, weights = reference.window_weights(dw, A)
   y0 = mosaic_gpu.readout(read, C, interpret=interpret)
   if rstate.read_scale is not None:  # the 8-bit scales factor out of S C
     y0 = y0 * rstate.read_scale
-  y = jnp.exp(a * total)[..., None] * y0 + y_win
+  y = decay[..., None] * y0 + reference.window_output(xw, bw, weights, C)
   y = common.finish_output(y, x.astype(F32),
                            None if D is None else D[:, None], z)
   y = jnp.where(valid[:, None, None], y, jnp.nan).astype(x.dtype)

@@ -83,15 +83,46 @@ def fold_window(checkpoint, xw, bw, dw, A):
     (state [b, h, p, n] f32, decay exp(Lambda) [b, h], weights s [b, w, h]).
   """
   h = checkpoint.shape[1]
-  lam = jnp.cumsum(dw, axis=1) * A.astype(F32)  # [b, w, h]
-  lam_tot = lam[:, -1]  # masked (zero) steps add nothing to the sum
-  s = dw * jnp.exp(lam_tot[:, None] - lam)  # [b, w, h]
-  decay = jnp.exp(lam_tot)
+  decay, s = window_weights(dw, A)
   sx = s[..., None] * xw.astype(F32)  # [b, w, h, p]
   bh = heads_from_groups(bw.astype(F32), h, axis=2)  # [b, w, h, n]
   state = (decay[..., None, None] * checkpoint.astype(F32)
            + jnp.einsum("bwhp,bwhn->bhpn", sx, bh, precision=HIGHEST))
   return state, decay, s
+
+
+def window_weights(dw, A):
+  """(decay exp(Lambda) [b, h], weights s [b, w, h]) of a window: s_j =
+  dw_j exp(A sum_{i>j} dw_i); dw [b, w, h] is zero at masked positions."""
+  lam = jnp.cumsum(dw, axis=1) * A.astype(F32)  # [b, w, h]
+  lam_tot = lam[:, -1]  # masked (zero) steps add nothing to the sum
+  return jnp.exp(lam_tot), dw * jnp.exp(lam_tot[:, None] - lam)
+
+
+def replay_window(rstate: ReplayState, x, B, d_cur):
+  """The decode step's window of every row, f32: buffered slots [0, c) and
+  the current token (x, B, processed dt d_cur) at slot c, zero beyond ->
+  (xw [b, L, h, p], bw [b, L, g, n], dw [b, L, h])."""
+  c = rstate.count.astype(jnp.int32)
+  slot = jnp.arange(rstate.buffer_len)[None, :]
+  at_c = slot == c[:, None]  # [b, L]
+  valid = slot <= c[:, None]
+  xw = jnp.where(at_c[..., None, None], x.astype(F32)[:, None],
+                 rstate.x_buf.astype(F32))
+  bw = jnp.where(at_c[..., None, None], B.astype(F32)[:, None],
+                 rstate.b_buf.astype(F32))
+  dw = jnp.where(at_c[..., None], d_cur[:, None], rstate.dt_buf)
+  return (jnp.where(valid[..., None, None], xw, 0.0),
+          jnp.where(valid[..., None, None], bw, 0.0),
+          jnp.where(valid[..., None], dw, 0.0))
+
+
+def window_output(xw, bw, s, C):
+  """The window's part of the output, sum_j s_j (B_j . C) x_j -> [b, h, p]
+  (xw, bw from `replay_window`, s from `window_weights`)."""
+  bc = jnp.einsum("bwgn,bgn->bwg", bw, C.astype(F32), precision=HIGHEST)
+  bc = heads_from_groups(bc, xw.shape[2], axis=2)  # [b, w, h]
+  return jnp.einsum("bwh,bwhp->bhp", s * bc, xw, precision=HIGHEST)
 
 
 def _buffer_mask(count, length):
@@ -153,18 +184,7 @@ def replay_state_update(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
   d_cur = process_dt(dt, dt_bias, dt_softplus)  # [b, h]
 
   # Window = buffered slots [0, c) plus the current token logically at slot c.
-  slot = jnp.arange(L)[None, :]
-  at_c = slot == c[:, None]  # [b, L]
-  valid = slot <= c[:, None]
-  xw = jnp.where(at_c[..., None, None], x.astype(F32)[:, None],
-                 rstate.x_buf.astype(F32))
-  bw = jnp.where(at_c[..., None, None], B.astype(F32)[:, None],
-                 rstate.b_buf.astype(F32))
-  dw = jnp.where(at_c[..., None], d_cur[:, None], rstate.dt_buf)
-  xw = jnp.where(valid[..., None, None], xw, 0.0)
-  bw = jnp.where(valid[..., None, None], bw, 0.0)
-  dw = jnp.where(valid[..., None], dw, 0.0)
-
+  xw, bw, dw = replay_window(rstate, x, B, d_cur)
   new_state, decay, s = fold_window(rstate.checkpoint, xw, bw, dw, A)
   ch = heads_from_groups(C.astype(F32), h, axis=1)  # [b, h, n]
 
@@ -174,10 +194,7 @@ def replay_state_update(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
   else:
     read = P.load(rstate.read_copy, rstate.read_scale)
   readout = jnp.einsum("bhpn,bhn->bhp", read, ch, precision=HIGHEST)
-  bc = jnp.einsum("bwgn,bgn->bwg", bw, C.astype(F32), precision=HIGHEST)
-  bc = heads_from_groups(bc, h, axis=2)  # [b, w, h]
-  y_out = decay[..., None] * readout + jnp.einsum(
-      "bwh,bwhp->bhp", s * bc, xw, precision=HIGHEST)
+  y_out = decay[..., None] * readout + window_output(xw, bw, s, C)
   # Flush route: read the output from the rebuilt state.
   y_flush = jnp.einsum("bhpn,bhn->bhp", new_state, ch, precision=HIGHEST)
 

@@ -30,7 +30,8 @@ from replayssm_jax import _validation as V
 from replayssm_jax import reference
 from replayssm_jax.reference import (F32, HIGHEST, _finish_output,
                                      fold_window, heads_from_groups,
-                                     process_dt)
+                                     process_dt, window_output,
+                                     window_weights)
 from replayssm_jax.state import ReplayState
 
 
@@ -143,14 +144,9 @@ def replay_verify_reference(rstate, x, dt, A, B, C, D=None, z=None,
     xw = jnp.where(live[..., None, None], xw, 0.0)
     bw = jnp.where(live[..., None, None], bw, 0.0)
     dw = jnp.where(live[..., None], dt_buf, 0.0)
-    lam = jnp.cumsum(dw, axis=1) * A.astype(F32)
-    w = dw * jnp.exp(lam[:, -1:] - lam)  # [b, L, h]
+    decay, w = window_weights(dw, A)  # [b, h], [b, L, h]
     readout = jnp.einsum("bhpn,bhn->bhp", ckf, ch[:, s], precision=HIGHEST)
-    bc = jnp.einsum("blgn,bgn->blg", bw, C[:, s].astype(F32),
-                    precision=HIGHEST)
-    bc = heads_from_groups(bc, h, axis=2)
-    return jnp.exp(lam[:, -1])[..., None] * readout + jnp.einsum(
-        "blh,blhp->bhp", w * bc, xw, precision=HIGHEST)
+    return decay[..., None] * readout + window_output(xw, bw, w, C[:, s])
 
   y = jnp.stack([output(s) for s in range(T)], axis=1)  # [b, T, h, p]
   y = _finish_output(y, x, D, z)
