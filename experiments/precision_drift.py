@@ -71,6 +71,11 @@ def drift_params(key, config):
   return params
 
 
+def _keys(config):
+  """(params, initial state, inputs) keys of a run."""
+  return jax.random.split(jax.random.PRNGKey(config.seed), 3)
+
+
 def measure_points(steps: int, num: int) -> np.ndarray:
   """Log-spaced step counts in [1, steps], always ending at steps."""
   pts = np.unique(np.round(np.logspace(0, np.log10(steps), num)).astype(int))
@@ -195,7 +200,7 @@ def run_all(config, writer) -> list[dict]:
   b, h, p, n, g = dims
   ref_dt = jnp.dtype(config.reference_dtype)
   points = measure_points(config.steps, config.num_points)
-  k_par, k_s0, k_in = jax.random.split(jax.random.PRNGKey(config.seed), 3)
+  k_par, k_s0, k_in = _keys(config)
   params = drift_params(k_par, config)
   s0 = jax.random.normal(k_s0, (b, h, p, n), jnp.float32)
   records = []
@@ -292,8 +297,7 @@ def _report(config, workdir, records) -> str:
 
 def _decay_range(config) -> str:
   """exp(A * softplus(mean dt + dt_bias)) over the heads, as 'lo-hi'."""
-  params = drift_params(jax.random.split(jax.random.PRNGKey(config.seed),
-                                         3)[0], config)
+  params = drift_params(_keys(config)[0], config)  # run_all's params
   # mean raw dt of testing.random_step_inputs: -0.5
   d = np.log1p(np.exp(-0.5 + np.asarray(params["dt_bias"], np.float64)))
   decay = np.exp(d * np.asarray(params["A"], np.float64))

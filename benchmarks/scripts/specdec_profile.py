@@ -6,8 +6,8 @@ prefill: the plain decode step (step + argmax), verify of a T-token window
 (+ commit of 2 tokens: the state advances as in decoding), and `accept` on
 [batch, T, vocab] logits (greedy and sampling), and lists the large copies
 in the optimized HLO of the verify + commit loop (a full-state copy per
-iteration would show there; those of the SSM-verify loop too). The verify is also split: the SSM verify op
-alone over every Mamba layer's state (`ssm_verify_ms`: replay_verify, or
+iteration would show there) and of the SSM-verify loop. The verify is also
+split: the SSM verify op alone over every Mamba layer's state (`ssm_verify_ms`: replay_verify, or
 the snapshot baseline_verify, on random window inputs), and the model's
 full forward over the [batch, T] window without a decode state
 (`window_forward_ms`: the same projections, MLPs and LM head for T tokens,
