@@ -829,8 +829,11 @@ class Bench:
     self._unsupported(tag, err)
 
   def _unsupported(self, tag, err):
-    reason = str(err) or "".join(  # NotImplementedError() from a lowering
-        traceback.format_exception(err)[-3:])
+    reason = str(err)
+    if not isinstance(err, NotImplementedError) or not reason:
+      # A lowering's bare AssertionError says nothing: keep where it came
+      # from (the last 6000 characters of the traceback).
+      reason = "".join(traceback.format_exception(err))[-6000:]
     rec = self.writer.write(dict(kind="unsupported", **tag, reason=reason))
     self.checks.append(dict(rec, passed=None))
     logging.warning("  %s cannot run %s: %s", tag["impl"], tag, err)

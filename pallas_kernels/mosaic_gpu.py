@@ -55,19 +55,23 @@ class MosaicSSUConfig:
       sequential grid axis, pipelined); must divide nheads. None: the
       largest divisor of nheads <= 8.
     max_concurrent_steps: tiles in flight per CTA (TMA pipeline depth).
-    entry: "pallas_call" (grid pipelined by pallas_call; also runs in
-      interpret mode; deprecated for Mosaic GPU in jax 0.10) or "kernel"
-      (`plgpu.kernel` + `plgpu.emit_pipeline`, the entry jax recommends;
-      GPU only, no input/output aliasing).
+    entry: "kernel" (`plgpu.kernel` + `plgpu.emit_pipeline`, the entry
+      jax recommends; GPU only; no input/output aliasing, so the baseline
+      step writes its new state to a fresh buffer), "pallas_call" (grid
+      pipelined by pallas_call; also runs in interpret mode; deprecated
+      for Mosaic GPU since jax 0.10, and its lowering fails with an
+      AssertionError on the H200 with jax 0.11.2: benchmarks/README.md,
+      "Session 7"), or None: "kernel" on the GPU, "pallas_call" in
+      interpret mode.
   """
   heads_per_program: int | None = None
   max_concurrent_steps: int = 2
-  entry: str = "pallas_call"
+  entry: str | None = None
 
   def __post_init__(self):
-    if self.entry not in ("pallas_call", "kernel"):
-      raise ValueError(f"MosaicSSUConfig.entry must be 'pallas_call' or "
-                       f"'kernel', got {self.entry!r}.")
+    if self.entry not in (None, "pallas_call", "kernel"):
+      raise ValueError(f"MosaicSSUConfig.entry must be None, 'pallas_call' "
+                       f"or 'kernel', got {self.entry!r}.")
     for name in ("heads_per_program", "max_concurrent_steps"):
       v = getattr(self, name)
       if v is None and name == "heads_per_program":
@@ -84,6 +88,11 @@ class MosaicSSUConfig:
           f"MosaicSSUConfig.heads_per_program = {self.heads_per_program} "
           f"does not divide nheads = {nheads}.")
     return self.heads_per_program
+
+  def resolve_entry(self, interpret: bool) -> str:
+    if self.entry is None:
+      return "pallas_call" if interpret else "kernel"
+    return self.entry
 
 
 def shape_problem(ssm_state, on_gpu: bool = True) -> str | None:
@@ -157,7 +166,8 @@ def _launch(kernel, operands, in_kinds, out_kinds, out_shape, *, name,
   batch, nheads, headdim, dstate = state.shape
   hpg = nheads // ngroups
   hpp = config.resolve_heads_per_program(nheads)
-  if interpret and config.entry == "kernel":
+  entry = config.resolve_entry(interpret)
+  if interpret and entry == "kernel":
     raise NotImplementedError(
         "MosaicSSUConfig(entry='kernel') runs on the GPU only: interpret "
         "mode cannot run its pipeline's async copies; use entry="
@@ -181,7 +191,7 @@ def _launch(kernel, operands, in_kinds, out_kinds, out_shape, *, name,
       return pl.BlockSpec((sq, sq, size), bind(maps[kind]))
     return [spec(k) for k in in_kinds], [spec(k) for k in out_kinds]
 
-  if config.entry == "kernel":  # plgpu.kernel + emit_pipeline (GPU only)
+  if entry == "kernel":  # plgpu.kernel + emit_pipeline (GPU only)
     def body(*refs):
       i, j = jax.lax.axis_index("row"), jax.lax.axis_index("block")
       ins, outs = specs(lambda m: lambda k: m(i, j, k))

@@ -807,8 +807,8 @@ def test_kernels_lower_to_triton(config, batch, buffer_len, policy):
     ("float16", pk.MosaicSSUConfig(heads_per_program=2,
                                    max_concurrent_steps=3)),
     ("bfloat16", pk.MosaicSSUConfig(heads_per_program=1)),
-    ("float32", pk.MosaicSSUConfig(entry="kernel")),
-    ("float16", pk.MosaicSSUConfig(entry="kernel", heads_per_program=4,
+    ("float32", pk.MosaicSSUConfig(entry="pallas_call")),
+    ("float16", pk.MosaicSSUConfig(entry="pallas_call", heads_per_program=4,
                                    max_concurrent_steps=3))], ids=str)
 def test_mosaic_kernel_lowers_for_cuda(state_dtype, config):
   """The Mosaic GPU kernel lowers for CUDA at the GPU shapes it accepts
