@@ -6,7 +6,10 @@ prefill: the plain decode step (step + argmax), verify of a T-token window
 (+ commit of 2 tokens: the state advances as in decoding), and `accept` on
 [batch, T, vocab] logits (greedy and sampling), and lists the large copies
 in the optimized HLO of the verify + commit loop (a full-state copy per
-iteration would show there) and of the SSM-verify loop. The verify is also
+iteration would show there) and of the SSM-verify loop. The plain step,
+the verify + commit and the window forward are also split per kernel
+(`replayssm_jax.profiling.op_times`: GEMMs, Pallas kernels, copies, other
+XLA fusions; `*_ops` in the JSON, per step). The verify is also
 split: the SSM verify op alone over every Mamba layer's state (`ssm_verify_ms`: replay_verify, or
 the snapshot baseline_verify, on random window inputs), and the model's
 full forward over the [batch, T] window without a decode state
@@ -32,6 +35,7 @@ from experiments.decode_bench import build_model
 from replayssm_jax.models import ModelConfig, prefill
 from replayssm_jax.models.generate import sampling_settings
 from replayssm_jax.models.speculative import accept, commit_fn, verify_fn
+from replayssm_jax import profiling
 from replayssm_jax import speculative as spec
 
 _SHAPE = re.compile(r"= (\w+)\[([\d,]*)\]")
@@ -65,6 +69,13 @@ def timed(f, *args, steps):
     jax.block_until_ready(f(*args))
     best = min(best, time.perf_counter() - t)
   return 1e3 * best / steps
+
+
+def per_step(t: dict, steps: int, top: int = 15) -> dict:
+  """profiling.op_times of a loop of `steps` steps, per step."""
+  return dict(device_ms=t["device_ms"] / steps, wall_ms=t["wall_ms"] / steps,
+              by_category={k: v / steps for k, v in t["by_category"].items()},
+              top=[dict(o, ms=o["ms"] / steps) for o in t["top"][:top]])
 
 
 def main():
@@ -150,6 +161,8 @@ def main():
   win0 = jax.random.randint(jax.random.PRNGKey(2), (b, t), 0,
                             cfg.vocab_size, jnp.int32)
   res["window_forward_ms"] = timed(forward_loop, params, win0, steps=steps)
+  res["window_forward_ops"] = per_step(
+      profiling.op_times(forward_loop, params, win0, iters=3), steps)
   print("window forward", res["window_forward_ms"], flush=True)
 
   for mode in ("replay", "baseline"):
@@ -166,6 +179,12 @@ def main():
              ssm_verify_ms=timed(ssm_verify_loop, params,
                                  tuple(st.layers[i].ssm for i in mamba),
                                  steps=steps))
+    # Per-kernel split (jax.profiler trace), per step / per iteration.
+    for name, fn, args in (("plain_step", plain_loop, (params, tok, st)),
+                           ("verify_commit", verify_loop, (params, win, st))):
+      r[f"{name}_ops"] = per_step(profiling.op_times(fn, *args, iters=3),
+                                  steps)
+      print(mode, name, r[f"{name}_ops"]["by_category"], flush=True)
     hlo = verify_loop.lower(params, win, st).compile().as_text()
     r["verify_loop_big_copies"] = big_copies(hlo)
     # Its states are loop-invariant inputs: a copy per call in the loop
