@@ -10,6 +10,13 @@ answers "where does this decode step's time go" by kernel, not by guess:
   t["by_category"]  # {"gemm": ms, "pallas": ms, "copy": ms, "other": ms}
   t["top"][:10]     # the 10 longest ops: hlo_op, kernel, ms per call
 
+On a GPU, XLA runs loops as CUDA graphs ("command buffers") whose
+kernels the trace reports as one op named `command_buffer_*`; to split
+them, disable command buffers before jax starts:
+`XLA_FLAGS=--xla_gpu_enable_command_buffer=` (launches then cost a little
+more, so time the step without it). `command_buffer_ms` says how much of
+the time such ops hold; `op_times` warns when it is most of it.
+
 Times are per call of `fn` (summed over `iters` calls, divided by iters).
 Kernels overlap rarely on one stream, so the sum is close to the call's
 device time; `device_ms` is that sum and `wall_ms` the host time around
@@ -29,6 +36,7 @@ import re
 import tempfile
 import time
 
+from absl import logging
 import jax
 from jax import profiler
 
@@ -100,10 +108,20 @@ def op_times(fn, *args, iters: int = 5, top: int = 30) -> dict:
   for op, ns in by_op.items():
     by_category[category(op, kernels[op])] += per_call(ns)
   ranked = sorted(by_op.items(), key=lambda kv: -kv[1])
+  graphs = per_call(sum(ns for op, ns in by_op.items()
+                        if op.startswith("command_buffer")))
+  device_ms = sum(by_category.values())
+  if graphs > 0.5 * device_ms:
+    logging.warning(
+        "op_times: %.0f%% of the device time is in CUDA graphs (command "
+        "buffers), not split by kernel; set XLA_FLAGS="
+        "--xla_gpu_enable_command_buffer= before jax starts to split them.",
+        100 * graphs / device_ms)
   return dict(
       iters=iters,
       wall_ms=1e3 * wall / iters,
-      device_ms=sum(by_category.values()),
+      device_ms=device_ms,
+      command_buffer_ms=graphs,
       by_category=dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
       top=[dict(hlo_op=op, kernel=kernels[op][:120],
                 category=category(op, kernels[op]), ms=per_call(ns))

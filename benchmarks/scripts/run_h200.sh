@@ -12,7 +12,7 @@
 #   bash benchmarks/scripts/run_h200.sh decode     # hybrid_1b decode, b {64,256,512} x L {8,16,32} + split at 256 (~5 min)
 #   bash benchmarks/scripts/run_h200.sh decode_extra  # hybrid_1b batch 1 (kernels), XLA reference ops at b {1,64,256} L 16 (> 4 min: the reference part needs ~3 min more than the 115 s it got)
 #   bash benchmarks/scripts/run_h200.sh specdec    # hybrid_1b spec decoding, b {256,512}, T 4 (~4 min)
-#   bash benchmarks/scripts/run_h200.sh profile    # where a spec-decoding iteration's time goes, b 256, with the verify split and a per-kernel split of the plain step, verify + commit and window forward (2.3 min in session 6, before the kernel split)
+#   bash benchmarks/scripts/run_h200.sh profile    # where a spec-decoding iteration's time goes, b 256, with the verify split and a per-kernel split of the plain step, verify + commit and window forward (2 min; its per-kernel split needs `profile_kernels`, which runs it with XLA's CUDA graphs off)
 #   bash benchmarks/scripts/run_h200.sh launch     # fused vs separate route launches, b 16 + 64, L 16 (1.2 min)
 #   bash benchmarks/scripts/run_h200.sh mosaic     # first GPU run of the Mosaic GPU kernels: baseline (7 configs) vs Triton and XLA, replay with the Mosaic output route (plain, f32+fp8, f16+fp8), b 256 + 64, f32 / f16, each checked first; a Mosaic failure is recorded, not fatal (not yet run; est. 4-5 min)
 #   bash benchmarks/scripts/run_h200.sh policies   # replay per precision policy (default, prefetching flush, 8 warps, 2 heads per program) vs the f16 baseline, b 256, L 16 (4.8 min, session 6)
@@ -113,5 +113,11 @@ P.run(c, sys.argv[1])" "$OUT/precision_rest" ;;
   profile)
     timeout "$T" python benchmarks/scripts/specdec_profile.py --batch 256 \
       --out "$OUT/specdec_profile.json" ;;
+  profile_kernels)
+    # The same with XLA's CUDA graphs off, so the trace splits every loop
+    # by kernel (the `*_ops` entries; its step times pay the launches).
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout "$T" \
+      python benchmarks/scripts/specdec_profile.py --batch 256 \
+      --out "$OUT/specdec_profile_kernels.json" ;;
   *) echo "unknown part: $1" >&2; exit 2 ;;
 esac
