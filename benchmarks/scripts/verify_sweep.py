@@ -1,0 +1,129 @@
+"""Speculative verify kernel: VerifyConfig variants, checked and split.
+
+The per-kernel split of a spec-decoding iteration (`run_h200.sh
+profile_kernels`, session 7) put the verify window kernel at 0.45 ms per
+layer for hybrid_1b's Mamba layers at batch 256, T 4, where the replay
+step's output route reads the same checkpoint in 0.14 ms. This script
+times `pallas_kernels.VerifyConfig` variants on those shapes: each is first
+checked against `replay_verify_reference` (outputs and committed state,
+per-dtype tolerance), then a jitted loop of `--steps` verify + commit
+iterations (2 accepted per row: rows fold when their window stops
+fitting, as in decoding) is traced with `replayssm_jax.profiling.op_times`
+and each kernel's time per iteration is reported, with the loop's wall
+time. Run it with XLA's CUDA graphs off so the trace splits the loop:
+
+  XLA_FLAGS=--xla_gpu_enable_command_buffer= PYTHONPATH=. \\
+      python benchmarks/scripts/verify_sweep.py --out $OUT/verify_sweep.json
+
+`--tiny` runs small shapes in interpret mode (a CPU check of the script).
+"""
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels as pk
+from replayssm_jax import profiling
+from replayssm_jax import speculative as spec
+from replayssm_jax import testing
+
+# name -> VerifyConfig keyword arguments.
+VARIANTS = {
+    "default": {},
+    "bp32": dict(block_p=32),
+    "bp16": dict(block_p=16),
+    "bp64_w8": dict(num_warps=8),
+    "bp32_w8": dict(block_p=32, num_warps=8),
+    "bp16_w2": dict(block_p=16, num_warps=2),
+}
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--batch", type=int, default=256)
+  ap.add_argument("--nheads", type=int, default=64)
+  ap.add_argument("--headdim", type=int, default=64)
+  ap.add_argument("--dstate", type=int, default=128)
+  ap.add_argument("--ngroups", type=int, default=8)
+  ap.add_argument("--buffer_len", type=int, default=16)
+  ap.add_argument("--window", type=int, default=4)
+  ap.add_argument("--steps", type=int, default=16)
+  ap.add_argument("--variants", default=",".join(VARIANTS))
+  ap.add_argument("--out", default="verify_sweep.json")
+  ap.add_argument("--tiny", action="store_true", help="CPU check")
+  a = ap.parse_args()
+  if a.tiny:
+    a.batch, a.nheads, a.headdim, a.dstate, a.ngroups = 3, 4, 16, 16, 2
+    a.steps = 2
+  b, h, p, n, g, L, T = (a.batch, a.nheads, a.headdim, a.dstate, a.ngroups,
+                         a.buffer_len, a.window)
+  key = jax.random.PRNGKey(0)
+  params = testing.random_params(key, h)
+  counts = np.arange(b) % (L - T + 1)  # ragged histories, some fold
+  rstate, _ = testing.random_replay_state(
+      jax.random.PRNGKey(1), b, h, p, n, g, L, counts, params["A"],
+      checkpoint_dtype=jnp.float32, buffer_dtype=jnp.bfloat16)
+  win = testing.random_step_inputs(jax.random.PRNGKey(2), b, h, p, n, g,
+                                   jnp.bfloat16, with_z=False, seqlen=T)
+  del win["z"]
+  accepted = jnp.full((b,), 2, jnp.int32)
+  kw = dict(A=params["A"], D=params["D"], dt_bias=params["dt_bias"],
+            dt_softplus=True)
+  want_y, want_st = spec.replay_verify_reference(rstate, **win, **kw)
+  want_st = spec.replay_commit(want_st, accepted, T)
+  tol = testing.tolerance(jnp.bfloat16)
+  res = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+             shape=dict(batch=b, nheads=h, headdim=p, dstate=n, ngroups=g,
+                        buffer_len=L, window=T, checkpoint="float32",
+                        buffers="bfloat16", act="bfloat16"),
+             steps=a.steps, date=time.strftime("%Y-%m-%d"), variants={})
+
+  for name in a.variants.split(","):
+    config = pk.VerifyConfig(**VARIANTS[name])
+    r = dict(config=VARIANTS[name])
+    try:
+      y, st = spec.replay_verify(rstate, **win, **kw,
+                                 implementation="pallas", config=config)
+      st = spec.replay_commit(st, accepted, T)
+      r["max_rel_err_y"] = testing.max_rel_error(y, want_y)
+      r["max_rel_err_checkpoint"] = testing.max_rel_error(
+          st.checkpoint, want_st.checkpoint)
+      testing.assert_close(y, want_y, tol, f"{name} y")
+      testing.assert_close(st.checkpoint, want_st.checkpoint, tol,
+                           f"{name} checkpoint")
+      r["check"] = "PASS"
+
+      @jax.jit
+      def loop(rs, win, c=config):
+        def body(_, rs):
+          _, rs = spec.replay_verify(rs, **win, **kw, implementation="pallas",
+                                     config=c)
+          return spec.replay_commit(rs, accepted, T)
+        return jax.lax.fori_loop(0, a.steps, body, rs)
+
+      t = profiling.op_times(loop, rstate, win, iters=3)
+      r["loop_wall_ms_per_iter"] = t["wall_ms"] / a.steps
+      r["device_ms_per_iter"] = t["device_ms"] / a.steps
+      kernels = {}
+      for o in t["top"]:
+        if o["category"] == "pallas":
+          kernels.setdefault(o["kernel"], 0.0)
+          kernels[o["kernel"]] += o["ms"] / a.steps
+      r["pallas_ms_per_iter"] = kernels
+      r["top"] = [dict(o, ms=o["ms"] / a.steps) for o in t["top"][:8]]
+    except Exception as e:  # pylint: disable=broad-except
+      r["check"] = r.get("check", "FAIL")
+      r["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+    res["variants"][name] = r
+    print(name, {k: v for k, v in r.items() if k not in ("top", "config")},
+          flush=True)
+  with open(a.out, "w") as fh:
+    json.dump(res, fh, indent=1)
+
+
+if __name__ == "__main__":
+  main()
