@@ -190,15 +190,23 @@ class VerifyConfig(_LaunchConfig):
       rows that do not fold exit at once).
     fold_programs: program count of the persistent fold grid (None: 4 per
       SM; 8 in interpret mode).
+    window_outputs: how the window kernel forms the T outputs: "reduce"
+      (per position, reductions over dstate of the state tile, the history
+      and the window) or "dot_tf32x3" / "dot_f32" (six small dots over the
+      window padded to 16 positions; needs buffer_len and block_p >= 16);
+      None: "dot_tf32x3" where it fits, else "reduce".
   """
   fold: str | None = None
   fold_grid: str = "persistent"
   fold_programs: int | None = None
+  window_outputs: str | None = None
 
   def __post_init__(self):
     super().__post_init__()
     _check_choice("fold", self.fold, ("rank1", "dot_tf32x3", "dot_f32"),
                   optional=True)
+    _check_choice("window_outputs", self.window_outputs,
+                  ("reduce", "dot_tf32x3", "dot_f32"), optional=True)
     _check_choice("fold_grid", self.fold_grid, ("rows", "persistent"))
     _check_count("fold_programs", self.fold_programs)
 

@@ -117,14 +117,17 @@ def _fold_persistent_kernel(*refs, window, has_D, has_z, has_bias, fold_dot,
                    nblk=headdim // block_p)
 
 
-def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus, **kw):
-  """Window outputs from checkpoint + history + window; append the window."""
+def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
+                   window_dot, **kw):
+  """Window outputs from checkpoint + history + window; append the window.
+  window_dot: None (the T outputs as T reductions over the state tile) or
+  the precision of the dot formulation (`_window_outputs_dot`)."""
   ins, (d_ref, z_ref, bias_ref), outs = _unpack(refs, 10, 5, has_D, has_z,
                                                 has_bias)
   ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, x_ref, dt_ref, a_ref, b_ref = (
       ins[:9])
   c_ref = ins[9]
-  y_ref, xb_out, bb_out, dtb_out, cnt_out = outs
+  y_ref = outs[0]
   T = window
   p = _Program.from_grid(cnt_ref, None, a_ref, None,
                          dt_softplus=dt_softplus, **kw)
@@ -132,7 +135,6 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus, **kw):
   block_p, nstate = kw["block_p"], ck_ref.shape[-1]
   base = jnp.where(c + T >= L, 0, c)  # committed tokens left in the buffer
   hist = p.j < base
-  jw = jnp.arange(T)
   bias = None if bias_ref is None else bias_ref[h]
 
   s0 = plgpu.load(ck_ref.at[b, h, ps], eviction_policy="evict_first")
@@ -149,16 +151,45 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus, **kw):
       bb_ref.at[b, :, g, :], mask=jnp.broadcast_to(hist[:, None],
                                                    (L, nstate)),
       other=0.0).astype(F32)  # [L, N]
-  d_win = process_dt(dt_ref[b, :, h], bias, dt_softplus)  # [T]
-  x_win = x_ref[b, :, h, ps].astype(F32)  # [T, block_p]
-  b_win = b_ref[b, :, g, :].astype(F32)  # [T, N]
   # Earlier window tokens are read back from the buffer, so they carry its
   # rounding; the current position uses the caller's values (as the
   # reference and the decode step do).
-  x_win_st = x_win.astype(xb_ref.dtype).astype(F32)
-  b_win_st = b_win.astype(bb_ref.dtype).astype(F32)
-  after_w = jw[:, None] < jw[None, :]
+  rounded = dict(x=lambda v: v.astype(xb_ref.dtype).astype(F32),
+                 b=lambda v: v.astype(bb_ref.dtype).astype(F32))
+  hist_terms = (a, d_hist, suf_hist, x_hist, b_hist, s0)
+  win_refs = (x_ref, dt_ref, b_ref, c_ref)
+  if window_dot is None:
+    ys = _window_outputs_reduce(p, hist_terms, win_refs, rounded, bias,
+                                window=T, dt_softplus=dt_softplus)
+  else:
+    ys = _window_outputs_dot(p, hist_terms, win_refs, rounded, bias,
+                             window=T, dt_softplus=dt_softplus,
+                             precision=window_dot)
+  for s, y in enumerate(ys):
+    y = common.finish_output(y, x_ref[b, s, h, ps].astype(F32),
+                             None if d_ref is None else d_ref[h],
+                             None if z_ref is None else z_ref[b, s, h, ps])
+    y_ref[b, s, h, ps] = jnp.where(p.valid, y, jnp.nan).astype(y_ref.dtype)
 
+  _append_window(p, refs=(x_ref, dt_ref, b_ref, bias_ref), outs=outs[1:],
+                 window=T, base=base, dt_softplus=dt_softplus)
+
+
+def _window_outputs_reduce(p, hist_terms, win_refs, rounded, bias, *, window,
+                           dt_softplus):
+  """The T window outputs ([block_p] f32 each, before D and z), position by
+  position: three dstate reductions per position, the state tile's the
+  largest (T passes over [block_p, N])."""
+  a, d_hist, suf_hist, x_hist, b_hist, s0 = hist_terms
+  x_ref, dt_ref, b_ref, c_ref = win_refs
+  b, g, ps, h, T = p.b, p.g, p.ps, p.head0, window
+  jw = jnp.arange(T)
+  d_win = process_dt(dt_ref[b, :, h], bias, dt_softplus)  # [T]
+  x_win = x_ref[b, :, h, ps].astype(F32)  # [T, block_p]
+  b_win = b_ref[b, :, g, :].astype(F32)  # [T, N]
+  x_win_st, b_win_st = rounded["x"](x_win), rounded["b"](b_win)
+  after_w = jw[:, None] < jw[None, :]
+  ys = []
   for s in range(T):
     dws = jnp.where(jw <= s, d_win, 0.0)  # [T]
     tot_win = jnp.sum(dws)
@@ -170,15 +201,84 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus, **kw):
     cur = (jw == s)[:, None]
     xw = jnp.where(cur, x_win, x_win_st)
     bw = jnp.where(cur, b_win, b_win_st)
-    y = (decay * jnp.sum(s0 * cs[None, :], axis=1)
-         + jnp.sum((w_hist * jnp.sum(b_hist * cs[None, :], axis=1))[:, None]
-                   * x_hist, axis=0)
-         + jnp.sum((w_win * jnp.sum(bw * cs[None, :], axis=1))[:, None]
-                   * xw, axis=0))
-    y = common.finish_output(y, x_ref[b, s, h, ps].astype(F32),
-                             None if d_ref is None else d_ref[h],
-                             None if z_ref is None else z_ref[b, s, h, ps])
-    y_ref[b, s, h, ps] = jnp.where(p.valid, y, jnp.nan).astype(y_ref.dtype)
+    ys.append(
+        decay * jnp.sum(s0 * cs[None, :], axis=1)
+        + jnp.sum((w_hist * jnp.sum(b_hist * cs[None, :], axis=1))[:, None]
+                  * x_hist, axis=0)
+        + jnp.sum((w_win * jnp.sum(bw * cs[None, :], axis=1))[:, None]
+                  * xw, axis=0))
+  return ys
+
+
+def _rows(load_row, n: int, rows: int):
+  """[rows, width] f32 tile: row i < n is load_row(i) ([width]), the rest
+  zero (window tiles padded to a Triton dot's 16 rows without an
+  out-of-bounds load)."""
+  first = load_row(0).astype(F32)
+  r = jnp.arange(rows)[:, None]
+  out = jnp.where(r == 0, first[None, :], 0.0)
+  for i in range(1, n):
+    out = jnp.where(r == i, load_row(i).astype(F32)[None, :], out)
+  return out
+
+
+def _window_outputs_dot(p, hist_terms, win_refs, rounded, bias, *, window,
+                        dt_softplus, precision):
+  """The T window outputs as `_window_outputs_reduce`, from six small dots
+  instead of 3 T reductions: with the window padded to TP = max(16, T)
+  positions (zero rows) and C_w [TP, N] its C rows,
+
+    Y = S_0 C_w^T * decay + X_h^T (W_h * B_h C_w^T)
+        + X_w'^T (W_w * B_w' C_w^T) [earlier positions, buffer-rounded]
+        + X_w^T (W_w * B_w C_w^T) [the position itself]     -> [block_p, TP]
+
+  where W_h[j, s] and W_w[i, s] are the history's and the window's decay
+  weights at output position s. Needs buffer_len and block_p >= 16."""
+  a, d_hist, suf_hist, x_hist, b_hist, s0 = hist_terms
+  x_ref, dt_ref, b_ref, c_ref = win_refs
+  b, g, ps, h, T = p.b, p.g, p.ps, p.head0, window
+  TP = max(16, T)
+  jw = jnp.arange(TP)
+
+  def dot(u, v, contract):  # f32 accumulation at the configured precision
+    return lax.dot_general(u, v, ((contract, contract), ((), ())),
+                           precision=precision, preferred_element_type=F32)
+
+  d_win = jnp.zeros((TP,), F32)
+  for i in range(T):
+    d_win = jnp.where(jw == i, process_dt(dt_ref[b, i, h], bias,
+                                          dt_softplus), d_win)
+  c_win = _rows(lambda i: c_ref[b, i, g, :], T, TP)  # [TP, N]
+  b_win = _rows(lambda i: b_ref[b, i, g, :], T, TP)  # [TP, N]
+  x_win = _rows(lambda i: x_ref[b, i, h, ps], T, TP)  # [TP, block_p]
+  le = jw[:, None] <= jw[None, :]  # [i, s]: i at or before s
+  eye = jw[:, None] == jw[None, :]
+  tot_win = jnp.sum(jnp.where(le, d_win[:, None], 0.0), axis=0)  # [s]
+  # Window tokens after i up to s: tot_win[s] - tot_win[i] (i <= s).
+  suf_win = jnp.where(le, tot_win[None, :] - tot_win[:, None], 0.0)
+  w_win = jnp.where(le, d_win[:, None] * jnp.exp(a * suf_win), 0.0)
+  w_hist = d_hist[:, None] * jnp.exp(
+      a * (suf_hist[:, None] + tot_win[None, :]))  # [L, TP]
+  decay = jnp.exp(a * (jnp.sum(d_hist) + tot_win))  # [TP]
+  m_hist = w_hist * dot(b_hist, c_win, (1,))  # [L, TP]
+  m_early = jnp.where(eye, 0.0, w_win * dot(rounded["b"](b_win), c_win,
+                                            (1,)))  # [TP, TP]
+  m_self = jnp.where(eye, w_win * dot(b_win, c_win, (1,)), 0.0)
+  y = (decay[None, :] * dot(s0, c_win, (1,))
+       + dot(x_hist, m_hist, (0,))
+       + dot(rounded["x"](x_win), m_early, (0,))
+       + dot(x_win, m_self, (0,)))  # [block_p, TP]
+  return [jnp.sum(jnp.where(jw[None, :] == s, y, 0.0), axis=1)
+          for s in range(T)]
+
+
+def _append_window(p, refs, outs, *, window, base, dt_softplus):
+  """Appends the window's inputs behind the row's committed history and
+  stores the row's new count (the verify kernels' common tail)."""
+  x_ref, dt_ref, b_ref, bias_ref = refs
+  xb_out, bb_out, dtb_out, cnt_out = outs
+  b, g, ps, h, c, T = p.b, p.g, p.ps, p.head0, p.c, window
+  bias = None if bias_ref is None else bias_ref[h]
 
   @pl.when(p.valid)
   def _append():
@@ -199,6 +299,16 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus, **kw):
   @pl.when((g == 0) & (p.pid == 0))
   def _count():
     cnt_out[b] = jnp.where(p.valid, base, c).astype(cnt_out.dtype)
+
+
+def _window_dot(mode, buffer_len: int, block_p: int, interpret: bool):
+  """The dot precision of VerifyConfig.window_outputs (None: reductions)."""
+  if mode is None:
+    mode = "dot_tf32x3" if min(buffer_len, block_p) >= 16 else "reduce"
+  if mode == "reduce":
+    return None
+  return _fold_dot(mode, buffer_len, block_p, interpret,
+                   field="config.window_outputs", tile="block_p")
 
 
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "config",
@@ -247,8 +357,11 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   )(rstate.checkpoint, rstate.x_buf, rstate.b_buf, rstate.dt_buf,
     count, *token_in, *optional)
   # 2. Window outputs and appends (reads the folded checkpoint).
+  window_dot = _window_dot(config.window_outputs, rstate.buffer_len, block_p,
+                           interpret)
   y, xb, bb, dtb, cnt = pl.pallas_call(
-      functools.partial(_verify_kernel, dt_softplus=dt_softplus, **kw),
+      functools.partial(_verify_kernel, dt_softplus=dt_softplus,
+                        window_dot=window_dot, **kw),
       grid=grid,
       out_shape=(sds(x.shape, x.dtype),
                  sds(rstate.x_buf.shape, rstate.x_buf.dtype),

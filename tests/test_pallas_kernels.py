@@ -793,8 +793,11 @@ def test_kernels_lower_to_triton(config, batch, buffer_len, policy):
         state, tok)
     win = jax.tree.map(lambda v: jnp.stack([v, v], axis=1), tok)  # T = 2
     if buffer_len > 2:
-      for vconfig in (pk.VerifyConfig(),  # persistent fold (dot at L 16)
-                      pk.VerifyConfig(fold_grid="rows", fold="rank1")):
+      vconfigs = [pk.VerifyConfig(),  # persistent fold (dot at L 16)
+                  pk.VerifyConfig(fold_grid="rows", fold="rank1")]
+      if buffer_len >= 16:  # window outputs as dots (window padded to 16)
+        vconfigs.append(pk.VerifyConfig(window_outputs="dot_tf32x3"))
+      for vconfig in vconfigs:
         _lower_for_cuda(
             lambda r, t, c=vconfig: verify_kernel.replay_verify(
                 r, t["x"], t["dt"], params["A"], t["B"], t["C"], z=t["z"],

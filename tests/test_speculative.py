@@ -261,6 +261,40 @@ def test_pallas_verify_fold_modes(config):
                      config=pk.VerifyConfig(block_p=8, fold="dot_f32"))
 
 
+@pytest.mark.parametrize("L,T,buffer_dtype,mode", [
+    (16, 4, "bfloat16", "dot_tf32x3"), (32, 16, "float32", "dot_tf32x3"),
+    (16, 2, "float32", "dot_tf32x3"), (16, 4, "bfloat16", "reduce")])
+def test_pallas_verify_window_outputs(L, T, buffer_dtype, mode):
+  """The window outputs as dots over the window padded to 16 positions
+  (exact f32 dots in interpret mode; the default where L and block_p >= 16)
+  and as reductions == the reference, with rows that fold, rows that do
+  not, and buffer rounding of the earlier window tokens."""
+  import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
+  b, h, p, n, g = 5, 4, 16, 16, 2
+  key = jax.random.PRNGKey(43 + T)
+  params = testing.random_params(key, h)
+  counts = np.array([L - 1, 3, L - T, 0, L - T - 1])
+  rstate, _ = testing.random_replay_state(
+      jax.random.fold_in(key, 1), b, h, p, n, g, L, counts, params["A"],
+      buffer_dtype=jnp.dtype(buffer_dtype))
+  win = testing.random_step_inputs(jax.random.PRNGKey(44), b, h, p, n, g,
+                                   seqlen=T)
+  kw = dict(**win, **params, dt_softplus=True)
+  _pallas_verify_vs_reference(
+      rstate, kw, counts, L, testing.tolerance(buffer_dtype),
+      pk.VerifyConfig(block_p=16, window_outputs=mode))
+  with pytest.raises(NotImplementedError, match="window_outputs"):
+    rs.replay_verify(rstate, **kw, implementation="pallas",
+                     config=pk.VerifyConfig(block_p=8,
+                                            window_outputs="dot_f32"))
+  with pytest.raises(ValueError, match="window_outputs must be one of"):
+    pk.VerifyConfig(window_outputs="dot")
+  # The default picks the dot form only where its tiles fit.
+  _pallas_verify_vs_reference(rstate, kw, counts, L,
+                              testing.tolerance(buffer_dtype),
+                              pk.VerifyConfig(block_p=8))
+
+
 def test_pallas_verify_refuses_non_pow2_window():
   params, rstate, _ = _setup(8, 3, [0, 1, 2, 3])
   with pytest.raises(NotImplementedError, match="T = 3 is not a power"):

@@ -3,7 +3,8 @@
 The per-kernel split of a spec-decoding iteration (`run_h200.sh
 profile_kernels`, session 7) put the verify window kernel at 0.45 ms per
 layer for hybrid_1b's Mamba layers at batch 256, T 4, where the replay
-step's output route reads the same checkpoint in 0.14 ms. This script
+step's output route reads the same checkpoint in 0.14 ms (measured then:
+block_p 16 / 32 and 8 warps were all slower than the default). This script
 times `pallas_kernels.VerifyConfig` variants on those shapes: each is first
 checked against `replay_verify_reference` (outputs and committed state,
 per-dtype tolerance), then a jitted loop of `--steps` verify + commit
@@ -34,11 +35,10 @@ from replayssm_jax import testing
 # name -> VerifyConfig keyword arguments.
 VARIANTS = {
     "default": {},
-    "bp32": dict(block_p=32),
-    "bp16": dict(block_p=16),
-    "bp64_w8": dict(num_warps=8),
-    "bp32_w8": dict(block_p=32, num_warps=8),
-    "bp16_w2": dict(block_p=16, num_warps=2),
+    "reduce": dict(window_outputs="reduce"),  # the default until session 7
+    "dot_bp32": dict(window_outputs="dot_tf32x3", block_p=32),
+    "dot_w8": dict(window_outputs="dot_tf32x3", num_warps=8),
+    "dot_f32": dict(window_outputs="dot_f32"),
 }
 
 
