@@ -118,12 +118,14 @@ def _fold_persistent_kernel(*refs, window, has_D, has_z, has_bias, fold_dot,
 
 
 def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
-                   window_dot, **kw):
+                   window_dot, precomputed_bc, **kw):
   """Window outputs from checkpoint + history + window; append the window.
   window_dot: None (the T outputs as T reductions over the state tile) or
-  the precision of the dot formulation (`_window_outputs_dot`)."""
-  ins, (d_ref, z_ref, bias_ref), outs = _unpack(refs, 10, 5, has_D, has_z,
-                                                has_bias)
+  the precision of the dot formulation (`_window_outputs_dot`).
+  precomputed_bc: three more inputs after C, the B.C products of
+  `_precompute_bc` (reduction form only)."""
+  ins, (d_ref, z_ref, bias_ref), outs = _unpack(
+      refs, 10 + 3 * precomputed_bc, 5, has_D, has_z, has_bias)
   ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, x_ref, dt_ref, a_ref, b_ref = (
       ins[:9])
   c_ref = ins[9]
@@ -147,10 +149,15 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
       xb_ref.at[b, :, h, ps], mask=jnp.broadcast_to(hist[:, None],
                                                     (L, block_p)),
       other=0.0).astype(F32)  # [L, block_p]
-  b_hist = plgpu.load(
-      bb_ref.at[b, :, g, :], mask=jnp.broadcast_to(hist[:, None],
-                                                   (L, nstate)),
-      other=0.0).astype(F32)  # [L, N]
+  if precomputed_bc:  # [L, T] B_j . C_s of the group, history slots only
+    b_hist = None
+    bc = tuple(ins[10:13])
+  else:
+    bc = None
+    b_hist = plgpu.load(
+        bb_ref.at[b, :, g, :], mask=jnp.broadcast_to(hist[:, None],
+                                                     (L, nstate)),
+        other=0.0).astype(F32)  # [L, N]
   # Earlier window tokens are read back from the buffer, so they carry its
   # rounding; the current position uses the caller's values (as the
   # reference and the decode step do).
@@ -160,7 +167,8 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
   win_refs = (x_ref, dt_ref, b_ref, c_ref)
   if window_dot is None:
     ys = _window_outputs_reduce(p, hist_terms, win_refs, rounded, bias,
-                                window=T, dt_softplus=dt_softplus)
+                                window=T, dt_softplus=dt_softplus, bc=bc,
+                                hist=hist)
   else:
     ys = _window_outputs_dot(p, hist_terms, win_refs, rounded, bias,
                              window=T, dt_softplus=dt_softplus,
@@ -176,18 +184,32 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
 
 
 def _window_outputs_reduce(p, hist_terms, win_refs, rounded, bias, *, window,
-                           dt_softplus):
+                           dt_softplus, bc=None, hist=None):
   """The T window outputs ([block_p] f32 each, before D and z), position by
   position: three dstate reductions per position, the state tile's the
-  largest (T passes over [block_p, N])."""
+  largest (T passes over [block_p, N]). bc: the refs of `_precompute_bc`
+  (then the B.C products are loaded, not reduced: only the state tile's
+  reductions remain), with hist the row's history-slot mask."""
   a, d_hist, suf_hist, x_hist, b_hist, s0 = hist_terms
   x_ref, dt_ref, b_ref, c_ref = win_refs
   b, g, ps, h, T = p.b, p.g, p.ps, p.head0, window
   jw = jnp.arange(T)
   d_win = process_dt(dt_ref[b, :, h], bias, dt_softplus)  # [T]
   x_win = x_ref[b, :, h, ps].astype(F32)  # [T, block_p]
-  b_win = b_ref[b, :, g, :].astype(F32)  # [T, N]
-  x_win_st, b_win_st = rounded["x"](x_win), rounded["b"](b_win)
+  x_win_st = rounded["x"](x_win)
+  if bc is None:
+    b_win = b_ref[b, :, g, :].astype(F32)  # [T, N]
+    b_win_st = rounded["b"](b_win)
+  else:
+    hist_ref, win_ref, own_ref = bc
+    bc_hist_all = plgpu.load(  # [L, T]
+        hist_ref.at[b, g], mask=jnp.broadcast_to(hist[:, None],
+                                                 hist_ref.shape[2:]),
+        other=0.0)
+    bc_win_all = win_ref[b, g]  # [T, T]: earlier token i, position s
+    bc_own = own_ref[b, g]  # [T]
+  column = lambda tile, s: jnp.sum(jnp.where(jw[None, :] == s, tile, 0.0),
+                                   axis=1)
   after_w = jw[:, None] < jw[None, :]
   ys = []
   for s in range(T):
@@ -200,14 +222,34 @@ def _window_outputs_reduce(p, hist_terms, win_refs, rounded, bias, *, window,
     cs = c_ref[b, s, g, :].astype(F32)  # [N]
     cur = (jw == s)[:, None]
     xw = jnp.where(cur, x_win, x_win_st)
-    bw = jnp.where(cur, b_win, b_win_st)
+    if bc is None:
+      bc_hist = jnp.sum(b_hist * cs[None, :], axis=1)  # [L]
+      bc_win = jnp.sum(jnp.where(cur, b_win, b_win_st) * cs[None, :], axis=1)
+    else:
+      bc_hist = column(bc_hist_all, s)  # [L]
+      bc_win = jnp.where(jw == s, bc_own, column(bc_win_all, s))
     ys.append(
         decay * jnp.sum(s0 * cs[None, :], axis=1)
-        + jnp.sum((w_hist * jnp.sum(b_hist * cs[None, :], axis=1))[:, None]
-                  * x_hist, axis=0)
-        + jnp.sum((w_win * jnp.sum(bw * cs[None, :], axis=1))[:, None]
-                  * xw, axis=0))
+        + jnp.sum((w_hist * bc_hist)[:, None] * x_hist, axis=0)
+        + jnp.sum((w_win * bc_win)[:, None] * xw, axis=0))
   return ys
+
+
+def _precompute_bc(b_buf, B, C):
+  """The B.C products the window outputs need, per (row, group), in f32:
+  history [batch, ngroups, L, T] (B as stored in the buffer), earlier
+  window tokens [batch, ngroups, T, T] (B rounded to the buffer dtype, as
+  they are read back) and each position's own [batch, ngroups, T] (B as
+  given). A tiny XLA op (reads the B buffer once per row, not once per
+  head)."""
+  f = lambda v: v.astype(F32)
+  c = f(C)  # [batch, T, ngroups, N]
+  hi = lax.Precision.HIGHEST
+  hist = jnp.einsum("bjgn,bsgn->bgjs", f(b_buf), c, precision=hi)
+  win = jnp.einsum("bign,bsgn->bgis", f(B.astype(b_buf.dtype)), c,
+                   precision=hi)
+  own = jnp.einsum("bsgn,bsgn->bgs", f(B), c, precision=hi)
+  return hist, win, own
 
 
 def _rows(load_row, n: int, rows: int):
@@ -303,8 +345,6 @@ def _append_window(p, refs, outs, *, window, base, dt_softplus):
 
 def _window_dot(mode, buffer_len: int, block_p: int, interpret: bool):
   """The dot precision of VerifyConfig.window_outputs (None: reductions)."""
-  if mode is None:
-    mode = "dot_tf32x3" if min(buffer_len, block_p) >= 16 else "reduce"
   if mode == "reduce":
     return None
   return _fold_dot(mode, buffer_len, block_p, interpret,
@@ -359,9 +399,12 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   # 2. Window outputs and appends (reads the folded checkpoint).
   window_dot = _window_dot(config.window_outputs, rstate.buffer_len, block_p,
                            interpret)
+  bc = (_precompute_bc(rstate.b_buf, B, C) if config.precompute_bc
+        else ())
   y, xb, bb, dtb, cnt = pl.pallas_call(
       functools.partial(_verify_kernel, dt_softplus=dt_softplus,
-                        window_dot=window_dot, **kw),
+                        window_dot=window_dot,
+                        precomputed_bc=config.precompute_bc, **kw),
       grid=grid,
       out_shape=(sds(x.shape, x.dtype),
                  sds(rstate.x_buf.shape, rstate.x_buf.dtype),
@@ -371,6 +414,6 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
       input_output_aliases={1: 1, 2: 2, 3: 3}, compiler_params=params,
       interpret=interpret, name="replayssm_verify_window",
   )(ck, rstate.x_buf, rstate.b_buf, rstate.dt_buf, rstate.count, *token_in,
-    *optional)
+    *bc, *optional)
   return y, ReplayState(checkpoint=ck, x_buf=xb, b_buf=bb, dt_buf=dtb,
                         count=cnt)

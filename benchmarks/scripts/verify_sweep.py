@@ -3,8 +3,7 @@
 The per-kernel split of a spec-decoding iteration (`run_h200.sh
 profile_kernels`, session 7) put the verify window kernel at 0.45 ms per
 layer for hybrid_1b's Mamba layers at batch 256, T 4, where the replay
-step's output route reads the same checkpoint in 0.14 ms (measured then:
-block_p 16 / 32 and 8 warps were all slower than the default). This script
+step's output route reads the same checkpoint in 0.14 ms. This script
 times `pallas_kernels.VerifyConfig` variants on those shapes: each is first
 checked against `replay_verify_reference` (outputs and committed state,
 per-dtype tolerance), then a jitted loop of `--steps` verify + commit
@@ -32,12 +31,14 @@ from replayssm_jax import profiling
 from replayssm_jax import speculative as spec
 from replayssm_jax import testing
 
-# name -> VerifyConfig keyword arguments.
+# name -> VerifyConfig keyword arguments. Measured in session 7
+# (benchmarks/verify_sweep_h200.json): block_p 16 / 32 and 8 warps slower
+# than the default, the dot forms of the window outputs 2-6x slower.
 VARIANTS = {
     "default": {},
-    "reduce": dict(window_outputs="reduce"),  # the default until session 7
-    "dot_bp32": dict(window_outputs="dot_tf32x3", block_p=32),
-    "dot_w8": dict(window_outputs="dot_tf32x3", num_warps=8),
+    "bc": dict(precompute_bc=True),
+    "bc_bp32": dict(precompute_bc=True, block_p=32),
+    "bc_bp16": dict(precompute_bc=True, block_p=16),
     "dot_f32": dict(window_outputs="dot_f32"),
 }
 
