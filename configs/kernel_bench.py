@@ -83,7 +83,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # fused version of the baseline step, kept as a yardstick for the Pallas
   # baseline ("x vs best" in the results).
   # The Mosaic GPU baseline kernel is timed by the `mosaic` study only
-  # until it has run on a GPU (pallas_kernels/mosaic_gpu.py).
+  # (0-4% from the Triton kernel at batch >= 64, benchmarks/
+  # kernel_mosaic_h200.md; no in-place state update).
   config.exclude_implementations = ("pallas_mosaic_gpu",)
   config.exclude_replay_implementations = ("reference",)
   # Implementations (or "name:variant"s) whose failure in their check

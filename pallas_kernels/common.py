@@ -126,8 +126,10 @@ class ReplayConfig(_LaunchConfig):
       (`pallas_kernels.mosaic_gpu.readout`, TMA-pipelined), the window
       weights, buffer term and appends by XLA; the flush route stays in
       Triton. Separate launches only (fused_launch None or False, no
-      output_all_rows / precompute_bc / output_prefetch). Not yet run on a
-      GPU.
+      output_all_rows / precompute_bc / output_prefetch). H200 (session 7,
+      benchmarks/kernel_mosaic_h200.md): slower than "triton" on every
+      state tried (non-flush step at batch 256: f32 324 vs 284 µs, f16 203
+      vs 164, f32 master + fp8 copy 145 vs 132).
     flush_num_warps, flush_num_stages: Triton launch parameters of the
       separate flush-route kernel (None: num_warps / num_stages; the fused
       kernel uses those).

@@ -7,11 +7,22 @@ grid's sequential axis (`max_concurrent_steps` tiles in flight per CTA),
 the latency hiding the Triton loop lacks. This module is the first Mosaic
 GPU kernel, the baseline step, registered as implementation
 "pallas_mosaic_gpu" beside the Triton one so the two can be timed in the
-same run; `implementation=None` does not pick it until it is measured
-faster. `readout` (y0 = S C over every row and head, for any stored dtype,
-8-bit read copies included) is the replay output route's state read,
-used by the Triton replay kernel with `ReplayConfig(output_route=
+same run. `readout` (y0 = S C over every row and head, for any stored
+dtype, 8-bit read copies included) is the replay output route's state
+read, used by the Triton replay kernel with `ReplayConfig(output_route=
 "mosaic_gpu")`.
+
+Measured on the H200 (jax 0.11.2, benchmarks/kernel_mosaic_h200.md):
+the baseline step through `plgpu.kernel` matches or beats the Triton
+kernel by 0-4% at batch 64 and 256 (f16, 3 pipeline stages: 273 vs 283
+µs at batch 256), but that entry has no input/output aliasing, so the new
+state goes to a fresh buffer and XLA copies the state wherever it cannot
+alternate two buffers (batch 1 with rotating state sets: 16.6 vs 4.2 µs).
+`implementation=None` therefore keeps the Triton kernel. The Mosaic
+readout output route is 10-44% slower than the Triton one (its window
+terms and appends are separate XLA ops). `pallas_call` for Mosaic GPU has
+no lowering rule on jax 0.11.2 (an AssertionError in pallas_call's GPU
+lowering), hence the default entry.
 
 Design: a small XLA pre-pass turns the per-(row, head) scalars into [P]
 vectors (decay = exp(A dt') and dt' x), because a Mosaic GPU program
