@@ -71,11 +71,13 @@ def timed(f, *args, steps):
   return 1e3 * best / steps
 
 
-def per_step(t: dict, steps: int, top: int = 15) -> dict:
-  """profiling.op_times of a loop of `steps` steps, per step."""
+def split_per_step(fn, *args, steps: int) -> dict:
+  """profiling.op_times of a loop of `steps` steps (its 40 longest ops),
+  per step."""
+  t = profiling.op_times(fn, *args, iters=3, top=40)
   return dict(device_ms=t["device_ms"] / steps, wall_ms=t["wall_ms"] / steps,
               by_category={k: v / steps for k, v in t["by_category"].items()},
-              top=[dict(o, ms=o["ms"] / steps) for o in t["top"][:top]])
+              top=[dict(o, ms=o["ms"] / steps) for o in t["top"]])
 
 
 def main():
@@ -161,8 +163,8 @@ def main():
   win0 = jax.random.randint(jax.random.PRNGKey(2), (b, t), 0,
                             cfg.vocab_size, jnp.int32)
   res["window_forward_ms"] = timed(forward_loop, params, win0, steps=steps)
-  res["window_forward_ops"] = per_step(
-      profiling.op_times(forward_loop, params, win0, iters=3), steps)
+  res["window_forward_ops"] = split_per_step(forward_loop, params, win0,
+                                             steps=steps)
   print("window forward", res["window_forward_ms"], flush=True)
 
   for mode in ("replay", "baseline"):
@@ -182,8 +184,7 @@ def main():
     # Per-kernel split (jax.profiler trace), per step / per iteration.
     for name, fn, args in (("plain_step", plain_loop, (params, tok, st)),
                            ("verify_commit", verify_loop, (params, win, st))):
-      r[f"{name}_ops"] = per_step(profiling.op_times(fn, *args, iters=3),
-                                  steps)
+      r[f"{name}_ops"] = split_per_step(fn, *args, steps=steps)
       print(mode, name, r[f"{name}_ops"]["by_category"], flush=True)
     hlo = verify_loop.lower(params, win, st).compile().as_text()
     r["verify_loop_big_copies"] = big_copies(hlo)

@@ -1,0 +1,43 @@
+"""The GPU diagnostic scripts of benchmarks/scripts/ run end to end at tiny
+size on the CPU (interpret mode), so a device call is not the first run."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(script, *args):
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "scripts",
+                                               script), *args],
+                 check=True, cwd=ROOT, env=env, timeout=600,
+                 capture_output=True)
+
+
+def test_verify_sweep_tiny(tmp_path):
+  out = tmp_path / "verify_sweep.json"
+  _run("verify_sweep.py", "--tiny", "--variants", "default,bc",
+       "--out", str(out))
+  res = json.loads(out.read_text())
+  assert set(res["variants"]) == {"default", "bc"}
+  for name, r in res["variants"].items():
+    assert r["check"] == "PASS", (name, r.get("error"))
+    assert r["device_ms_per_iter"] > 0 and r["top"]
+
+
+def test_specdec_profile_tiny(tmp_path):
+  out = tmp_path / "specdec_profile.json"
+  _run("specdec_profile.py", "--tiny", "--batch", "2", "--steps", "2",
+       "--out", str(out))
+  res = json.loads(out.read_text())
+  assert res["window_forward_ms"] > 0
+  for mode in ("replay", "baseline"):
+    r = res["modes"][mode]
+    for key in ("plain_step_ops", "verify_commit_ops"):
+      split = r[key]
+      assert split["top"] and split["device_ms"] > 0
+      assert abs(sum(split["by_category"].values())
+                 - split["device_ms"]) < 1e-6 * max(1.0, split["device_ms"])
