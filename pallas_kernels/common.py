@@ -192,35 +192,21 @@ class VerifyConfig(_LaunchConfig):
       rows that do not fold exit at once).
     fold_programs: program count of the persistent fold grid (None: 4 per
       SM; 8 in interpret mode).
-    window_outputs: how the window kernel forms the T outputs: "reduce"
-      (per position, reductions over dstate of the state tile, the history
-      and the window) or "dot_tf32x3" / "dot_f32" (six small dots over the
-      window padded to 16 positions; needs buffer_len and block_p >= 16).
-      H200, hybrid_1b's layer at batch 256, T 4 (session 7,
-      benchmarks/verify_sweep_h200.json): "reduce" 0.54 ms per layer,
-      "dot_f32" 0.96, "dot_tf32x3" 3.26.
     precompute_bc: the window kernel loads the B.C products (history and
       window B against each position's C, per row and group) from a tiny
       XLA op instead of forming them in every program (one head each: the
       group's B buffer is otherwise read and reduced once per head and
-      headdim block). Reduction form only. Not yet run on a GPU.
+      headdim block). Not yet run on a GPU.
   """
   fold: str | None = None
   fold_grid: str = "persistent"
   fold_programs: int | None = None
-  window_outputs: str = "reduce"
   precompute_bc: bool = False
 
   def __post_init__(self):
     super().__post_init__()
-    if self.precompute_bc and self.window_outputs != "reduce":
-      raise ValueError(
-          f"VerifyConfig.precompute_bc applies to window_outputs='reduce' "
-          f"only, got window_outputs={self.window_outputs!r}.")
     _check_choice("fold", self.fold, ("rank1", "dot_tf32x3", "dot_f32"),
                   optional=True)
-    _check_choice("window_outputs", self.window_outputs,
-                  ("reduce", "dot_tf32x3", "dot_f32"))
     _check_choice("fold_grid", self.fold_grid, ("rows", "persistent"))
     _check_count("fold_programs", self.fold_programs)
 

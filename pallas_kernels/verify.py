@@ -118,12 +118,10 @@ def _fold_persistent_kernel(*refs, window, has_D, has_z, has_bias, fold_dot,
 
 
 def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
-                   window_dot, precomputed_bc, **kw):
+                   precomputed_bc, **kw):
   """Window outputs from checkpoint + history + window; append the window.
-  window_dot: None (the T outputs as T reductions over the state tile) or
-  the precision of the dot formulation (`_window_outputs_dot`).
   precomputed_bc: three more inputs after C, the B.C products of
-  `_precompute_bc` (reduction form only)."""
+  `_precompute_bc`."""
   ins, (d_ref, z_ref, bias_ref), outs = _unpack(
       refs, 10 + 3 * precomputed_bc, 5, has_D, has_z, has_bias)
   ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, x_ref, dt_ref, a_ref, b_ref = (
@@ -163,16 +161,9 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
   # reference and the decode step do).
   rounded = dict(x=lambda v: v.astype(xb_ref.dtype).astype(F32),
                  b=lambda v: v.astype(bb_ref.dtype).astype(F32))
-  hist_terms = (a, d_hist, suf_hist, x_hist, b_hist, s0)
-  win_refs = (x_ref, dt_ref, b_ref, c_ref)
-  if window_dot is None:
-    ys = _window_outputs_reduce(p, hist_terms, win_refs, rounded, bias,
-                                window=T, dt_softplus=dt_softplus, bc=bc,
-                                hist=hist)
-  else:
-    ys = _window_outputs_dot(p, hist_terms, win_refs, rounded, bias,
-                             window=T, dt_softplus=dt_softplus,
-                             precision=window_dot)
+  ys = _window_outputs(p, (a, d_hist, suf_hist, x_hist, b_hist, s0),
+                       (x_ref, dt_ref, b_ref, c_ref), rounded, bias,
+                       window=T, dt_softplus=dt_softplus, bc=bc, hist=hist)
   for s, y in enumerate(ys):
     y = common.finish_output(y, x_ref[b, s, h, ps].astype(F32),
                              None if d_ref is None else d_ref[h],
@@ -183,8 +174,8 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
                  window=T, base=base, dt_softplus=dt_softplus)
 
 
-def _window_outputs_reduce(p, hist_terms, win_refs, rounded, bias, *, window,
-                           dt_softplus, bc=None, hist=None):
+def _window_outputs(p, hist_terms, win_refs, rounded, bias, *, window,
+                    dt_softplus, bc=None, hist=None):
   """The T window outputs ([block_p] f32 each, before D and z), position by
   position: three dstate reductions per position, the state tile's the
   largest (T passes over [block_p, N]). bc: the refs of `_precompute_bc`
@@ -252,68 +243,6 @@ def _precompute_bc(b_buf, B, C):
   return hist, win, own
 
 
-def _rows(load_row, n: int, rows: int):
-  """[rows, width] f32 tile: row i < n is load_row(i) ([width]), the rest
-  zero (window tiles padded to a Triton dot's 16 rows without an
-  out-of-bounds load)."""
-  first = load_row(0).astype(F32)
-  r = jnp.arange(rows)[:, None]
-  out = jnp.where(r == 0, first[None, :], 0.0)
-  for i in range(1, n):
-    out = jnp.where(r == i, load_row(i).astype(F32)[None, :], out)
-  return out
-
-
-def _window_outputs_dot(p, hist_terms, win_refs, rounded, bias, *, window,
-                        dt_softplus, precision):
-  """The T window outputs as `_window_outputs_reduce`, from six small dots
-  instead of 3 T reductions: with the window padded to TP = max(16, T)
-  positions (zero rows) and C_w [TP, N] its C rows,
-
-    Y = S_0 C_w^T * decay + X_h^T (W_h * B_h C_w^T)
-        + X_w'^T (W_w * B_w' C_w^T) [earlier positions, buffer-rounded]
-        + X_w^T (W_w * B_w C_w^T) [the position itself]     -> [block_p, TP]
-
-  where W_h[j, s] and W_w[i, s] are the history's and the window's decay
-  weights at output position s. Needs buffer_len and block_p >= 16."""
-  a, d_hist, suf_hist, x_hist, b_hist, s0 = hist_terms
-  x_ref, dt_ref, b_ref, c_ref = win_refs
-  b, g, ps, h, T = p.b, p.g, p.ps, p.head0, window
-  TP = max(16, T)
-  jw = jnp.arange(TP)
-
-  def dot(u, v, contract):  # f32 accumulation at the configured precision
-    return lax.dot_general(u, v, ((contract, contract), ((), ())),
-                           precision=precision, preferred_element_type=F32)
-
-  d_win = jnp.zeros((TP,), F32)
-  for i in range(T):
-    d_win = jnp.where(jw == i, process_dt(dt_ref[b, i, h], bias,
-                                          dt_softplus), d_win)
-  c_win = _rows(lambda i: c_ref[b, i, g, :], T, TP)  # [TP, N]
-  b_win = _rows(lambda i: b_ref[b, i, g, :], T, TP)  # [TP, N]
-  x_win = _rows(lambda i: x_ref[b, i, h, ps], T, TP)  # [TP, block_p]
-  le = jw[:, None] <= jw[None, :]  # [i, s]: i at or before s
-  eye = jw[:, None] == jw[None, :]
-  tot_win = jnp.sum(jnp.where(le, d_win[:, None], 0.0), axis=0)  # [s]
-  # Window tokens after i up to s: tot_win[s] - tot_win[i] (i <= s).
-  suf_win = jnp.where(le, tot_win[None, :] - tot_win[:, None], 0.0)
-  w_win = jnp.where(le, d_win[:, None] * jnp.exp(a * suf_win), 0.0)
-  w_hist = d_hist[:, None] * jnp.exp(
-      a * (suf_hist[:, None] + tot_win[None, :]))  # [L, TP]
-  decay = jnp.exp(a * (jnp.sum(d_hist) + tot_win))  # [TP]
-  m_hist = w_hist * dot(b_hist, c_win, (1,))  # [L, TP]
-  m_early = jnp.where(eye, 0.0, w_win * dot(rounded["b"](b_win), c_win,
-                                            (1,)))  # [TP, TP]
-  m_self = jnp.where(eye, w_win * dot(b_win, c_win, (1,)), 0.0)
-  y = (decay[None, :] * dot(s0, c_win, (1,))
-       + dot(x_hist, m_hist, (0,))
-       + dot(rounded["x"](x_win), m_early, (0,))
-       + dot(x_win, m_self, (0,)))  # [block_p, TP]
-  return [jnp.sum(jnp.where(jw[None, :] == s, y, 0.0), axis=1)
-          for s in range(T)]
-
-
 def _append_window(p, refs, outs, *, window, base, dt_softplus):
   """Appends the window's inputs behind the row's committed history and
   stores the row's new count (the verify kernels' common tail)."""
@@ -341,14 +270,6 @@ def _append_window(p, refs, outs, *, window, base, dt_softplus):
   @pl.when((g == 0) & (p.pid == 0))
   def _count():
     cnt_out[b] = jnp.where(p.valid, base, c).astype(cnt_out.dtype)
-
-
-def _window_dot(mode, buffer_len: int, block_p: int, interpret: bool):
-  """The dot precision of VerifyConfig.window_outputs (None: reductions)."""
-  if mode == "reduce":
-    return None
-  return _fold_dot(mode, buffer_len, block_p, interpret,
-                   field="config.window_outputs", tile="block_p")
 
 
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "config",
@@ -397,13 +318,10 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   )(rstate.checkpoint, rstate.x_buf, rstate.b_buf, rstate.dt_buf,
     count, *token_in, *optional)
   # 2. Window outputs and appends (reads the folded checkpoint).
-  window_dot = _window_dot(config.window_outputs, rstate.buffer_len, block_p,
-                           interpret)
   bc = (_precompute_bc(rstate.b_buf, B, C) if config.precompute_bc
         else ())
   y, xb, bb, dtb, cnt = pl.pallas_call(
       functools.partial(_verify_kernel, dt_softplus=dt_softplus,
-                        window_dot=window_dot,
                         precomputed_bc=config.precompute_bc, **kw),
       grid=grid,
       out_shape=(sds(x.shape, x.dtype),

@@ -797,8 +797,6 @@ def test_kernels_lower_to_triton(config, batch, buffer_len, policy):
       vconfigs = [pk.VerifyConfig(),  # persistent fold (dot at L 16)
                   pk.VerifyConfig(fold_grid="rows", fold="rank1"),
                   pk.VerifyConfig(precompute_bc=True)]
-      if buffer_len >= 16:  # window outputs as dots (window padded to 16)
-        vconfigs.append(pk.VerifyConfig(window_outputs="dot_tf32x3"))
       for vconfig in vconfigs:
         _lower_for_cuda(
             lambda r, t, c=vconfig: verify_kernel.replay_verify(

@@ -33,13 +33,13 @@ from replayssm_jax import testing
 
 # name -> VerifyConfig keyword arguments. Measured in session 7
 # (benchmarks/verify_sweep_h200.json): block_p 16 / 32 and 8 warps slower
-# than the default, the dot forms of the window outputs 2-6x slower.
+# than the default; the window outputs as small dots (since removed) 2-6x
+# slower.
 VARIANTS = {
     "default": {},
     "bc": dict(precompute_bc=True),
     "bc_bp32": dict(precompute_bc=True, block_p=32),
     "bc_bp16": dict(precompute_bc=True, block_p=16),
-    "dot_f32": dict(window_outputs="dot_f32"),
 }
 
 
