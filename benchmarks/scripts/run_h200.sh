@@ -20,6 +20,7 @@
 #   bash benchmarks/scripts/run_h200.sh precision small  # train the <task>_small_ssm models if missing, then the accuracy study (sizes tiny|small|medium|large; tiny took > 4.5 min with the old MQAR task, the full 12-policy study needs several calls or fewer policies)
 #   bash benchmarks/scripts/run_h200.sh precision_rest  # trains mqar_large_ssm + char_large_ssm, evaluates mqar_large_ssm@1024 and char_large_ssm (12 policies; > 9.6 min: session 6 ran it to its 575 s limit, inside char_large_ssm)
 #   bash benchmarks/scripts/run_h200.sh decode8b   # Nemotron-H-8B shapes (random bf16 weights), b {64,256}, L 16 (3 min)
+#   bash benchmarks/scripts/run_h200.sh decode8b_split  # the same at b 256 only, with the per-part time split (not yet run)
 #   bash benchmarks/scripts/run_h200.sh check      # kernel_bench smoke: every kernel vs the reference on the GPU
 #   bash benchmarks/scripts/run_h200.sh drift      # precision_drift: 12 policies x L {4,16,64} + 8 baselines, 100k steps
 #
@@ -102,6 +103,13 @@ P.run(c, sys.argv[1])" "$OUT/precision_rest" ;;
   decode8b)
     timeout "$T" python -m experiments.decode_bench --config=configs/nemotron_h_8b.py \
       --workdir="$OUT/decode8b" --config.bench.batches='(64,256)' \
+      --config.bench.buffer_lens='(16,)' --config.bench.prompt_len=256 \
+      --config.bench.new_tokens=128 --config.bench.repeats=2 \
+      --config.bench.prefill_rows=64 ;;
+  decode8b_split)
+    timeout "$T" python -m experiments.decode_bench --config=configs/nemotron_h_8b.py \
+      --workdir="$OUT/decode8b_split" --config.bench.batches='(256,)' \
+      --config.bench.split_batches='(256,)' \
       --config.bench.buffer_lens='(16,)' --config.bench.prompt_len=256 \
       --config.bench.new_tokens=128 --config.bench.repeats=2 \
       --config.bench.prefill_rows=64 ;;
