@@ -16,6 +16,9 @@ time. Run it with XLA's CUDA graphs off so the trace splits the loop:
       python benchmarks/scripts/verify_sweep.py --out $OUT/verify_sweep.json
 
 `--tiny` runs small shapes in interpret mode (a CPU check of the script).
+`--check_only` runs each variant once (its check against the reference)
+and times nothing: the form to run under Nsight Compute
+(`run_h200.sh ncu_verify`).
 """
 
 import argparse
@@ -56,6 +59,8 @@ def main():
   ap.add_argument("--variants", default=",".join(VARIANTS))
   ap.add_argument("--out", default="verify_sweep.json")
   ap.add_argument("--tiny", action="store_true", help="CPU check")
+  ap.add_argument("--check_only", action="store_true",
+                  help="one checked call per variant, no timing (for ncu)")
   a = ap.parse_args()
   if a.tiny:
     a.batch, a.nheads, a.headdim, a.dstate, a.ngroups = 3, 4, 16, 16, 2
@@ -97,6 +102,10 @@ def main():
       testing.assert_close(st.checkpoint, want_st.checkpoint, tol,
                            f"{name} checkpoint")
       r["check"] = "PASS"
+      if a.check_only:
+        res["variants"][name] = r
+        print(name, r, flush=True)
+        continue
 
       @jax.jit
       def loop(rs, win, c=config):
