@@ -197,14 +197,27 @@ class VerifyConfig(_LaunchConfig):
       XLA op instead of forming them in every program (one head each: the
       group's B buffer is otherwise read and reduced once per head and
       headdim block). Not yet run on a GPU.
+    window_form: how the window kernel forms the T outputs: "weights" (from
+      the checkpoint tile and the decay weights of every history slot and
+      window token, per position: three dstate reductions each) or
+      "recurrent" (the history folded into the tile as the early flush
+      does, with `fold`, then per position one reduction and one rank-1
+      update: no per-position work over the history; not with
+      precompute_bc). Not yet run on a GPU.
   """
   fold: str | None = None
   fold_grid: str = "persistent"
   fold_programs: int | None = None
   precompute_bc: bool = False
+  window_form: str = "weights"
 
   def __post_init__(self):
     super().__post_init__()
+    _check_choice("window_form", self.window_form, ("weights", "recurrent"))
+    if self.precompute_bc and self.window_form == "recurrent":
+      raise ValueError("VerifyConfig.precompute_bc applies to window_form="
+                       "'weights' only (the recurrent form needs no B.C "
+                       "products).")
     _check_choice("fold", self.fold, ("rank1", "dot_tf32x3", "dot_f32"),
                   optional=True)
     _check_choice("fold_grid", self.fold_grid, ("rows", "persistent"))

@@ -45,19 +45,27 @@ def _folds(c, window, L):
 
 def _fold_history(p, refs, ck_out, *, block_p, fold_dot):
   """checkpoint tile of head p.head0 <- advanced over the row's c buffered
-  tokens: decay * S_0 + sum_j s_j x_j B_j^T (j < c). fold_dot: None for
-  exact f32 rank-1 updates, else one [block_p, L] x [L, N] dot with this
-  precision (L, block_p >= 16)."""
-  ck_ref, xb_ref, bb_ref, dtb_ref, a_ref = refs
-  b, g, ps, L, c, h = p.b, p.g, p.ps, p.L, p.c, p.head0
-  nstate = ck_ref.shape[-1]
+  tokens (`_fold_tile`), stored."""
+  ck_ref = refs[0]
+  s0 = plgpu.load(ck_ref.at[p.b, p.head0, p.ps]).astype(F32)
+  st = _fold_tile(p, refs[1:], s0, p.c, block_p=block_p, fold_dot=fold_dot)
+  plgpu.store(ck_out.at[p.b, p.head0, p.ps], st.astype(ck_out.dtype))
+
+
+def _fold_tile(p, refs, s0, c, *, block_p, fold_dot):
+  """The f32 state tile s0 of head p.head0 advanced over the row's first c
+  buffered tokens: decay * S_0 + sum_j s_j x_j B_j^T (j < c). fold_dot:
+  None for exact f32 rank-1 updates, else one [block_p, L] x [L, N] dot
+  with this precision (L, block_p >= 16)."""
+  xb_ref, bb_ref, dtb_ref, a_ref = refs
+  b, g, ps, L, h = p.b, p.g, p.ps, p.L, p.head0
+  nstate = s0.shape[-1]
   hist = p.j < c
   d_hist = plgpu.load(dtb_ref.at[b, :, h], mask=hist, other=0.0)  # [L]
   a = a_ref[h].astype(F32)
   after = p.j[:, None] < p.j[None, :]
   suffix = jnp.sum(jnp.where(after, d_hist[None, :], 0.0), axis=1)
   s = d_hist * jnp.exp(a * suffix)
-  s0 = plgpu.load(ck_ref.at[b, h, ps]).astype(F32)
   decay = jnp.exp(a * jnp.sum(d_hist))
   if fold_dot is None:
     def fold(jj, st):
@@ -80,7 +88,7 @@ def _fold_history(p, refs, ck_out, *, block_p, fold_dot):
     st = decay * s0 + lax.dot_general(
         s[:, None] * x_hist, b_hist, (((0,), (0,)), ((), ())),
         precision=fold_dot, preferred_element_type=F32)
-  plgpu.store(ck_out.at[b, h, ps], st.astype(ck_out.dtype))
+  return st
 
 
 def _fold_kernel(*refs, window, has_D, has_z, has_bias, fold_dot, **kw):
@@ -118,10 +126,11 @@ def _fold_persistent_kernel(*refs, window, has_D, has_z, has_bias, fold_dot,
 
 
 def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
-                   precomputed_bc, **kw):
+                   precomputed_bc, recurrent, fold_dot, **kw):
   """Window outputs from checkpoint + history + window; append the window.
   precomputed_bc: three more inputs after C, the B.C products of
-  `_precompute_bc`."""
+  `_precompute_bc`. recurrent: `_window_outputs_recurrent` (the history
+  folded into the tile with `fold_dot`, as the early flush does)."""
   ins, (d_ref, z_ref, bias_ref), outs = _unpack(
       refs, 10 + 3 * precomputed_bc, 5, has_D, has_z, has_bias)
   ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, x_ref, dt_ref, a_ref, b_ref = (
@@ -132,38 +141,30 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
   p = _Program.from_grid(cnt_ref, None, a_ref, None,
                          dt_softplus=dt_softplus, **kw)
   b, g, ps, L, c, h = p.b, p.g, p.ps, p.L, p.c, p.head0
-  block_p, nstate = kw["block_p"], ck_ref.shape[-1]
+  block_p = kw["block_p"]
   base = jnp.where(c + T >= L, 0, c)  # committed tokens left in the buffer
   hist = p.j < base
   bias = None if bias_ref is None else bias_ref[h]
 
   s0 = plgpu.load(ck_ref.at[b, h, ps], eviction_policy="evict_first")
   s0 = s0.astype(F32)  # [block_p, N]
-  a = a_ref[h].astype(F32)
-  d_hist = plgpu.load(dtb_ref.at[b, :, h], mask=hist, other=0.0)  # [L]
-  suf_hist = jnp.sum(jnp.where(p.j[:, None] < p.j[None, :], d_hist[None, :],
-                               0.0), axis=1)
-  x_hist = plgpu.load(
-      xb_ref.at[b, :, h, ps], mask=jnp.broadcast_to(hist[:, None],
-                                                    (L, block_p)),
-      other=0.0).astype(F32)  # [L, block_p]
-  if precomputed_bc:  # [L, T] B_j . C_s of the group, history slots only
-    b_hist = None
-    bc = tuple(ins[10:13])
-  else:
-    bc = None
-    b_hist = plgpu.load(
-        bb_ref.at[b, :, g, :], mask=jnp.broadcast_to(hist[:, None],
-                                                     (L, nstate)),
-        other=0.0).astype(F32)  # [L, N]
   # Earlier window tokens are read back from the buffer, so they carry its
   # rounding; the current position uses the caller's values (as the
   # reference and the decode step do).
   rounded = dict(x=lambda v: v.astype(xb_ref.dtype).astype(F32),
                  b=lambda v: v.astype(bb_ref.dtype).astype(F32))
-  ys = _window_outputs(p, (a, d_hist, suf_hist, x_hist, b_hist, s0),
-                       (x_ref, dt_ref, b_ref, c_ref), rounded, bias,
-                       window=T, dt_softplus=dt_softplus, bc=bc, hist=hist)
+  if recurrent:
+    st = _fold_tile(p, (xb_ref, bb_ref, dtb_ref, a_ref), s0, base,
+                    block_p=block_p, fold_dot=fold_dot)
+    ys = _window_outputs_recurrent(p, st, (x_ref, dt_ref, b_ref, c_ref),
+                                   a_ref, rounded, bias, window=T,
+                                   dt_softplus=dt_softplus)
+  else:
+    ys = _window_outputs_from_weights(
+        p, (ck_ref, xb_ref, bb_ref, dtb_ref, a_ref), s0,
+        (x_ref, dt_ref, b_ref, c_ref), rounded, bias, hist,
+        tuple(ins[10:13]) if precomputed_bc else None, window=T,
+        dt_softplus=dt_softplus, block_p=block_p)
   for s, y in enumerate(ys):
     y = common.finish_output(y, x_ref[b, s, h, ps].astype(F32),
                              None if d_ref is None else d_ref[h],
@@ -174,16 +175,57 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
                  window=T, base=base, dt_softplus=dt_softplus)
 
 
-def _window_outputs(p, hist_terms, win_refs, rounded, bias, *, window,
-                    dt_softplus, bc=None, hist=None):
-  """The T window outputs ([block_p] f32 each, before D and z), position by
-  position: three dstate reductions per position, the state tile's the
-  largest (T passes over [block_p, N]). bc: the refs of `_precompute_bc`
-  (then the B.C products are loaded, not reduced: only the state tile's
-  reductions remain), with hist the row's history-slot mask."""
-  a, d_hist, suf_hist, x_hist, b_hist, s0 = hist_terms
+def _window_outputs_recurrent(p, st, win_refs, a_ref, rounded, bias, *,
+                              window, dt_softplus):
+  """The T window outputs ([block_p] f32 each, before D and z) by the
+  recurrence itself, on the tile st already advanced over the history:
+  y_s = e_s (S C_s) + d_s (B_s . C_s) x_s with the position's own x_s, B_s,
+  then S <- e_s S + d_s x_s' B_s'^T with the buffer-rounded ones (e_s =
+  exp(A d_s)). One dstate reduction and one rank-1 update of the tile per
+  position; no per-position work over the history."""
   x_ref, dt_ref, b_ref, c_ref = win_refs
-  b, g, ps, h, T = p.b, p.g, p.ps, p.head0, window
+  b, g, ps, h = p.b, p.g, p.ps, p.head0
+  a = a_ref[h].astype(F32)
+  ys = []
+  for s in range(window):
+    d = process_dt(dt_ref[b, s, h], bias, dt_softplus)
+    e = jnp.exp(a * d)
+    cs = c_ref[b, s, g, :].astype(F32)  # [N]
+    x_s = x_ref[b, s, h, ps].astype(F32)  # [block_p]
+    b_s = b_ref[b, s, g, :].astype(F32)  # [N]
+    ys.append(e * jnp.sum(st * cs[None, :], axis=1)
+              + (d * jnp.sum(b_s * cs)) * x_s)
+    if s + 1 < window:
+      st = e * st + (d * rounded["x"](x_s))[:, None] * rounded["b"](b_s)[
+          None, :]
+  return ys
+
+
+def _window_outputs_from_weights(p, refs, s0, win_refs, rounded, bias, hist,
+                                 bc, *, window, dt_softplus, block_p):
+  """The T window outputs ([block_p] f32 each, before D and z) from the
+  checkpoint tile s0 and the decay weights of the history (slots `hist`)
+  and the window, position by position: three dstate reductions per
+  position, the state tile's the largest (T passes over [block_p, N]).
+  bc: the refs of `_precompute_bc` (then the B.C products are loaded, not
+  reduced: only the state tile's reductions remain)."""
+  _, xb_ref, bb_ref, dtb_ref, a_ref = refs
+  b, g, ps, L, h = p.b, p.g, p.ps, p.L, p.head0
+  nstate = s0.shape[-1]
+  a = a_ref[h].astype(F32)
+  d_hist = plgpu.load(dtb_ref.at[b, :, h], mask=hist, other=0.0)  # [L]
+  suf_hist = jnp.sum(jnp.where(p.j[:, None] < p.j[None, :], d_hist[None, :],
+                               0.0), axis=1)
+  x_hist = plgpu.load(
+      xb_ref.at[b, :, h, ps], mask=jnp.broadcast_to(hist[:, None],
+                                                    (L, block_p)),
+      other=0.0).astype(F32)  # [L, block_p]
+  b_hist = None if bc is not None else plgpu.load(
+      bb_ref.at[b, :, g, :], mask=jnp.broadcast_to(hist[:, None],
+                                                   (L, nstate)),
+      other=0.0).astype(F32)  # [L, N]
+  x_ref, dt_ref, b_ref, c_ref = win_refs
+  T = window
   jw = jnp.arange(T)
   d_win = process_dt(dt_ref[b, :, h], bias, dt_softplus)  # [T]
   x_win = x_ref[b, :, h, ps].astype(F32)  # [T, block_p]
@@ -322,7 +364,9 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
         else ())
   y, xb, bb, dtb, cnt = pl.pallas_call(
       functools.partial(_verify_kernel, dt_softplus=dt_softplus,
-                        precomputed_bc=config.precompute_bc, **kw),
+                        precomputed_bc=config.precompute_bc,
+                        recurrent=config.window_form == "recurrent",
+                        fold_dot=fold_kw["fold_dot"], **kw),
       grid=grid,
       out_shape=(sds(x.shape, x.dtype),
                  sds(rstate.x_buf.shape, rstate.x_buf.dtype),

@@ -796,7 +796,8 @@ def test_kernels_lower_to_triton(config, batch, buffer_len, policy):
     if buffer_len > 2:
       vconfigs = [pk.VerifyConfig(),  # persistent fold (dot at L 16)
                   pk.VerifyConfig(fold_grid="rows", fold="rank1"),
-                  pk.VerifyConfig(precompute_bc=True)]
+                  pk.VerifyConfig(precompute_bc=True),
+                  pk.VerifyConfig(window_form="recurrent")]
       for vconfig in vconfigs:
         _lower_for_cuda(
             lambda r, t, c=vconfig: verify_kernel.replay_verify(

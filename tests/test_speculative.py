@@ -261,12 +261,20 @@ def test_pallas_verify_fold_modes(config):
                      config=pk.VerifyConfig(block_p=8, fold="dot_f32"))
 
 
-@pytest.mark.parametrize("L,T,buffer_dtype", [
-    (16, 4, "bfloat16"), (32, 8, "float32"), (8, 2, "bfloat16")])
-def test_pallas_verify_precomputed_bc(L, T, buffer_dtype):
-  """The window kernel with the B.C products precomputed by XLA == the
-  reference, with rows that fold, rows that do not, and buffer rounding of
-  the earlier window tokens."""
+@pytest.mark.parametrize("L,T,buffer_dtype,config", [
+    (16, 4, "bfloat16", dict(precompute_bc=True)),
+    (32, 8, "float32", dict(precompute_bc=True)),
+    (8, 2, "bfloat16", dict(precompute_bc=True)),
+    (16, 4, "bfloat16", dict(window_form="recurrent")),  # dot history fold
+    (8, 4, "float32", dict(window_form="recurrent")),  # rank-1 fold
+    (32, 16, "bfloat16", dict(window_form="recurrent", fold="rank1"))],
+    ids=str)
+def test_pallas_verify_window_variants(L, T, buffer_dtype, config):
+  """The window kernel with the B.C products precomputed by XLA, and in
+  its recurrent form (history folded into the tile, then one reduction
+  and one rank-1 update per position) == the reference, with rows that
+  fold, rows that do not, and buffer rounding of the earlier window
+  tokens."""
   import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
   b, h, p, n, g = 5, 4, 16, 16, 2
   key = jax.random.PRNGKey(43 + T)
@@ -280,7 +288,11 @@ def test_pallas_verify_precomputed_bc(L, T, buffer_dtype):
   kw = dict(**win, **params, dt_softplus=True)
   _pallas_verify_vs_reference(rstate, kw, counts, L,
                               testing.tolerance(buffer_dtype),
-                              pk.VerifyConfig(precompute_bc=True))
+                              pk.VerifyConfig(**config))
+  with pytest.raises(ValueError, match="precompute_bc applies to"):
+    pk.VerifyConfig(precompute_bc=True, window_form="recurrent")
+  with pytest.raises(ValueError, match="window_form must be one of"):
+    pk.VerifyConfig(window_form="dot")
 
 
 def test_pallas_verify_refuses_non_pow2_window():

@@ -43,6 +43,9 @@ VARIANTS = {
     "bc": dict(precompute_bc=True),
     "bc_bp32": dict(precompute_bc=True, block_p=32),
     "bc_bp16": dict(precompute_bc=True, block_p=16),
+    "rec": dict(window_form="recurrent"),
+    "rec_bp32": dict(window_form="recurrent", block_p=32),
+    "rec_bp16": dict(window_form="recurrent", block_p=16),
 }
 
 
