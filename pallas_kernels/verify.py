@@ -52,6 +52,14 @@ def _fold_history(p, refs, ck_out, *, block_p, fold_dot):
   plgpu.store(ck_out.at[p.b, p.head0, p.ps], st.astype(ck_out.dtype))
 
 
+def _history_dt(p, dtb_ref, hist):
+  """(d_j [L], sum_{i>j} d_i [L]) of head p.head0's buffered history
+  slots `hist` (zero elsewhere)."""
+  d_hist = plgpu.load(dtb_ref.at[p.b, :, p.head0], mask=hist, other=0.0)
+  after = p.j[:, None] < p.j[None, :]
+  return d_hist, jnp.sum(jnp.where(after, d_hist[None, :], 0.0), axis=1)
+
+
 def _fold_tile(p, refs, s0, c, *, block_p, fold_dot):
   """The f32 state tile s0 of head p.head0 advanced over the row's first c
   buffered tokens: decay * S_0 + sum_j s_j x_j B_j^T (j < c). fold_dot:
@@ -61,10 +69,8 @@ def _fold_tile(p, refs, s0, c, *, block_p, fold_dot):
   b, g, ps, L, h = p.b, p.g, p.ps, p.L, p.head0
   nstate = s0.shape[-1]
   hist = p.j < c
-  d_hist = plgpu.load(dtb_ref.at[b, :, h], mask=hist, other=0.0)  # [L]
+  d_hist, suffix = _history_dt(p, dtb_ref, hist)
   a = a_ref[h].astype(F32)
-  after = p.j[:, None] < p.j[None, :]
-  suffix = jnp.sum(jnp.where(after, d_hist[None, :], 0.0), axis=1)
   s = d_hist * jnp.exp(a * suffix)
   decay = jnp.exp(a * jnp.sum(d_hist))
   if fold_dot is None:
@@ -161,7 +167,7 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
                                    dt_softplus=dt_softplus)
   else:
     ys = _window_outputs_from_weights(
-        p, (ck_ref, xb_ref, bb_ref, dtb_ref, a_ref), s0,
+        p, (xb_ref, bb_ref, dtb_ref, a_ref), s0,
         (x_ref, dt_ref, b_ref, c_ref), rounded, bias, hist,
         tuple(ins[10:13]) if precomputed_bc else None, window=T,
         dt_softplus=dt_softplus, block_p=block_p)
@@ -209,13 +215,11 @@ def _window_outputs_from_weights(p, refs, s0, win_refs, rounded, bias, hist,
   position, the state tile's the largest (T passes over [block_p, N]).
   bc: the refs of `_precompute_bc` (then the B.C products are loaded, not
   reduced: only the state tile's reductions remain)."""
-  _, xb_ref, bb_ref, dtb_ref, a_ref = refs
+  xb_ref, bb_ref, dtb_ref, a_ref = refs
   b, g, ps, L, h = p.b, p.g, p.ps, p.L, p.head0
   nstate = s0.shape[-1]
   a = a_ref[h].astype(F32)
-  d_hist = plgpu.load(dtb_ref.at[b, :, h], mask=hist, other=0.0)  # [L]
-  suf_hist = jnp.sum(jnp.where(p.j[:, None] < p.j[None, :], d_hist[None, :],
-                               0.0), axis=1)
+  d_hist, suf_hist = _history_dt(p, dtb_ref, hist)
   x_hist = plgpu.load(
       xb_ref.at[b, :, h, ps], mask=jnp.broadcast_to(hist[:, None],
                                                     (L, block_p)),
