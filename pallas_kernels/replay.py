@@ -624,14 +624,8 @@ def _mosaic_output_route(rstate, read, x, dt, A, B, C, D, z, dt_bias,
                            None if D is None else D[:, None], z)
   y = jnp.where(valid[:, None, None], y, jnp.nan).astype(x.dtype)
 
-  rows, slot = jnp.arange(c.shape[0]), jnp.clip(c, 0, L - 1)
-
-  def append(buf, now):
-    old = buf[rows, slot]
-    keep = appends.reshape((-1,) + (1,) * (old.ndim - 1))
-    return buf.at[rows, slot].set(jnp.where(keep, now.astype(buf.dtype),
-                                            old))
-
+  slot = jnp.clip(c, 0, L - 1)
+  append = functools.partial(reference.write_slot, idx=slot, where=appends)
   count = jnp.where(valid, jnp.where(flush, 0, c + 1), c)
   return (y, append(rstate.x_buf, x), append(rstate.b_buf, B),
           append(rstate.dt_buf, d_cur), count.astype(rstate.count.dtype))

@@ -145,11 +145,19 @@ def materialize(rstate: ReplayState, A, dtype=F32):
   return state.astype(dtype)
 
 
-def _write_slot(buf, value, idx):
-  """buf[r, idx[r]] = value[r] for every row r."""
-  def one(b, v, i):
-    return jax.lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), i, 0)
-  return jax.vmap(one)(buf, value, idx)
+def write_slot(buf, value, idx, where=None):
+  """buf[r, idx[r]] = value[r] for every row r (where given: only the rows
+  with where[r]; the others keep the slot's old value)."""
+  if where is None:
+    def one(b, v, i):
+      return jax.lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), i, 0)
+    return jax.vmap(one)(buf, value, idx)
+
+  def masked(b, v, i, w):
+    old = jax.lax.dynamic_index_in_dim(b, i, 0, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(
+        b, jnp.where(w, v.astype(b.dtype), old), i, 0)
+  return jax.vmap(masked)(buf, value, idx, where)
 
 
 def replay_state_update(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
@@ -232,9 +240,9 @@ def replay_state_update(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
   slot_idx = jnp.clip(c, 0, L - 1)
   new_rstate = ReplayState(
       checkpoint=checkpoint,
-      x_buf=_write_slot(rstate.x_buf, x, slot_idx),
-      b_buf=_write_slot(rstate.b_buf, B, slot_idx),
-      dt_buf=_write_slot(rstate.dt_buf, d_cur, slot_idx),
+      x_buf=write_slot(rstate.x_buf, x, slot_idx),
+      b_buf=write_slot(rstate.b_buf, B, slot_idx),
+      dt_buf=write_slot(rstate.dt_buf, d_cur, slot_idx),
       count=jnp.where(in_range, jnp.where(flush, 0, c + 1),
                       c).astype(jnp.int32),
       **extra,
