@@ -182,7 +182,8 @@ class VerifyConfig(_LaunchConfig):
   """Tuning of the speculative verify kernels (one head per program).
 
   Attributes:
-    block_p: headdim rows per program; None = replay.default_block_p.
+    block_p: headdim rows per program; None = `verify.default_block_p`
+      (at most 32).
     num_warps, num_stages: Triton launch parameters.
     fold: how the early flush folds the history: "rank1", "dot_tf32x3" or
       "dot_f32" (as ReplayConfig.flush_fold); None: "dot_tf32x3" where
@@ -196,28 +197,17 @@ class VerifyConfig(_LaunchConfig):
       window B against each position's C, per row and group) from a tiny
       XLA op instead of forming them in every program (one head each: the
       group's B buffer is otherwise read and reduced once per head and
-      headdim block). Not yet run on a GPU.
-    window_form: how the window kernel forms the T outputs: "weights" (from
-      the checkpoint tile and the decay weights of every history slot and
-      window token, per position: three dstate reductions each) or
-      "recurrent" (the history folded into the tile as the early flush
-      does, with `fold`, then per position one reduction and one rank-1
-      update: no per-position work over the history; not with
-      precompute_bc). Not yet run on a GPU.
+      headdim block). H200, hybrid_1b's layer at batch 256, T 4, L 16
+      (benchmarks/verify_sweep_h200.json, sweep 3): window kernel 0.434 vs
+      0.475 ms at block_p 64, 0.382 at block_p 32.
   """
   fold: str | None = None
   fold_grid: str = "persistent"
   fold_programs: int | None = None
-  precompute_bc: bool = False
-  window_form: str = "weights"
+  precompute_bc: bool = True
 
   def __post_init__(self):
     super().__post_init__()
-    _check_choice("window_form", self.window_form, ("weights", "recurrent"))
-    if self.precompute_bc and self.window_form == "recurrent":
-      raise ValueError("VerifyConfig.precompute_bc applies to window_form="
-                       "'weights' only (the recurrent form needs no B.C "
-                       "products).")
     _check_choice("fold", self.fold, ("rank1", "dot_tf32x3", "dot_f32"),
                   optional=True)
     _check_choice("fold_grid", self.fold_grid, ("rows", "persistent"))

@@ -32,24 +32,24 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import common
 from pallas_kernels.replay import (_Program, _default_flush_programs,
                                    _fold_dot, _pad_pow2, _unpack,
-                                   default_block_p, persistent_items)
+                                   persistent_items)
+from pallas_kernels.replay import default_block_p as _step_block_p
 from replayssm_jax.reference import process_dt
 
 F32 = jnp.float32
 
 
+def default_block_p(batch: int, nheads: int, headdim: int) -> int:
+  """The replay step's heuristic (`replay.default_block_p`) capped at 32.
+  H200, hybrid_1b's layer at batch 256, T 4, L 16 (verify_sweep_h200.json,
+  sweep 3, B.C precomputed): window kernel 0.382 ms at block_p 32, 0.403
+  at 16, 0.434 at 64."""
+  return min(32, _step_block_p(batch, nheads, headdim))
+
+
 def _folds(c, window, L):
   """Rows whose window does not fit behind their history fold it first."""
   return (c >= 0) & (c < L) & (c + window >= L) & (c > 0)
-
-
-def _fold_history(p, refs, ck_out, *, block_p, fold_dot):
-  """checkpoint tile of head p.head0 <- advanced over the row's c buffered
-  tokens (`_fold_tile`), stored."""
-  ck_ref = refs[0]
-  s0 = plgpu.load(ck_ref.at[p.b, p.head0, p.ps]).astype(F32)
-  st = _fold_tile(p, refs[1:], s0, p.c, block_p=block_p, fold_dot=fold_dot)
-  plgpu.store(ck_out.at[p.b, p.head0, p.ps], st.astype(ck_out.dtype))
 
 
 def _history_dt(p, dtb_ref, hist):
@@ -60,13 +60,14 @@ def _history_dt(p, dtb_ref, hist):
   return d_hist, jnp.sum(jnp.where(after, d_hist[None, :], 0.0), axis=1)
 
 
-def _fold_tile(p, refs, s0, c, *, block_p, fold_dot):
-  """The f32 state tile s0 of head p.head0 advanced over the row's first c
-  buffered tokens: decay * S_0 + sum_j s_j x_j B_j^T (j < c). fold_dot:
+def _fold_history(p, refs, ck_out, *, block_p, fold_dot):
+  """checkpoint tile of head p.head0 <- advanced over the row's c buffered
+  tokens: decay * S_0 + sum_j s_j x_j B_j^T (j < c), stored. fold_dot:
   None for exact f32 rank-1 updates, else one [block_p, L] x [L, N] dot
   with this precision (L, block_p >= 16)."""
-  xb_ref, bb_ref, dtb_ref, a_ref = refs
-  b, g, ps, L, h = p.b, p.g, p.ps, p.L, p.head0
+  ck_ref, xb_ref, bb_ref, dtb_ref, a_ref = refs
+  b, g, ps, L, h, c = p.b, p.g, p.ps, p.L, p.head0, p.c
+  s0 = plgpu.load(ck_ref.at[b, h, ps]).astype(F32)
   nstate = s0.shape[-1]
   hist = p.j < c
   d_hist, suffix = _history_dt(p, dtb_ref, hist)
@@ -94,7 +95,7 @@ def _fold_tile(p, refs, s0, c, *, block_p, fold_dot):
     st = decay * s0 + lax.dot_general(
         s[:, None] * x_hist, b_hist, (((0,), (0,)), ((), ())),
         precision=fold_dot, preferred_element_type=F32)
-  return st
+  plgpu.store(ck_out.at[b, h, ps], st.astype(ck_out.dtype))
 
 
 def _fold_kernel(*refs, window, has_D, has_z, has_bias, fold_dot, **kw):
@@ -132,11 +133,10 @@ def _fold_persistent_kernel(*refs, window, has_D, has_z, has_bias, fold_dot,
 
 
 def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
-                   precomputed_bc, recurrent, fold_dot, **kw):
+                   precomputed_bc, **kw):
   """Window outputs from checkpoint + history + window; append the window.
   precomputed_bc: three more inputs after C, the B.C products of
-  `_precompute_bc`. recurrent: `_window_outputs_recurrent` (the history
-  folded into the tile with `fold_dot`, as the early flush does)."""
+  `_precompute_bc`."""
   ins, (d_ref, z_ref, bias_ref), outs = _unpack(
       refs, 10 + 3 * precomputed_bc, 5, has_D, has_z, has_bias)
   ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, x_ref, dt_ref, a_ref, b_ref = (
@@ -147,7 +147,6 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
   p = _Program.from_grid(cnt_ref, None, a_ref, None,
                          dt_softplus=dt_softplus, **kw)
   b, g, ps, L, c, h = p.b, p.g, p.ps, p.L, p.c, p.head0
-  block_p = kw["block_p"]
   base = jnp.where(c + T >= L, 0, c)  # committed tokens left in the buffer
   hist = p.j < base
   bias = None if bias_ref is None else bias_ref[h]
@@ -159,18 +158,11 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
   # reference and the decode step do).
   rounded = dict(x=lambda v: v.astype(xb_ref.dtype).astype(F32),
                  b=lambda v: v.astype(bb_ref.dtype).astype(F32))
-  if recurrent:
-    st = _fold_tile(p, (xb_ref, bb_ref, dtb_ref, a_ref), s0, base,
-                    block_p=block_p, fold_dot=fold_dot)
-    ys = _window_outputs_recurrent(p, st, (x_ref, dt_ref, b_ref, c_ref),
-                                   a_ref, rounded, bias, window=T,
-                                   dt_softplus=dt_softplus)
-  else:
-    ys = _window_outputs_from_weights(
-        p, (xb_ref, bb_ref, dtb_ref, a_ref), s0,
-        (x_ref, dt_ref, b_ref, c_ref), rounded, bias, hist,
-        tuple(ins[10:13]) if precomputed_bc else None, window=T,
-        dt_softplus=dt_softplus, block_p=block_p)
+  ys = _window_outputs_from_weights(
+      p, (xb_ref, bb_ref, dtb_ref, a_ref), s0,
+      (x_ref, dt_ref, b_ref, c_ref), rounded, bias, hist,
+      tuple(ins[10:13]) if precomputed_bc else None, window=T,
+      dt_softplus=dt_softplus, block_p=kw["block_p"])
   for s, y in enumerate(ys):
     y = common.finish_output(y, x_ref[b, s, h, ps].astype(F32),
                              None if d_ref is None else d_ref[h],
@@ -179,32 +171,6 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
 
   _append_window(p, refs=(x_ref, dt_ref, b_ref, bias_ref), outs=outs[1:],
                  window=T, base=base, dt_softplus=dt_softplus)
-
-
-def _window_outputs_recurrent(p, st, win_refs, a_ref, rounded, bias, *,
-                              window, dt_softplus):
-  """The T window outputs ([block_p] f32 each, before D and z) by the
-  recurrence itself, on the tile st already advanced over the history:
-  y_s = e_s (S C_s) + d_s (B_s . C_s) x_s with the position's own x_s, B_s,
-  then S <- e_s S + d_s x_s' B_s'^T with the buffer-rounded ones (e_s =
-  exp(A d_s)). One dstate reduction and one rank-1 update of the tile per
-  position; no per-position work over the history."""
-  x_ref, dt_ref, b_ref, c_ref = win_refs
-  b, g, ps, h = p.b, p.g, p.ps, p.head0
-  a = a_ref[h].astype(F32)
-  ys = []
-  for s in range(window):
-    d = process_dt(dt_ref[b, s, h], bias, dt_softplus)
-    e = jnp.exp(a * d)
-    cs = c_ref[b, s, g, :].astype(F32)  # [N]
-    x_s = x_ref[b, s, h, ps].astype(F32)  # [block_p]
-    b_s = b_ref[b, s, g, :].astype(F32)  # [N]
-    ys.append(e * jnp.sum(st * cs[None, :], axis=1)
-              + (d * jnp.sum(b_s * cs)) * x_s)
-    if s + 1 < window:
-      st = e * st + (d * rounded["x"](x_s))[:, None] * rounded["b"](b_s)[
-          None, :]
-  return ys
 
 
 def _window_outputs_from_weights(p, refs, s0, win_refs, rounded, bias, hist,
@@ -368,9 +334,7 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
         else ())
   y, xb, bb, dtb, cnt = pl.pallas_call(
       functools.partial(_verify_kernel, dt_softplus=dt_softplus,
-                        precomputed_bc=config.precompute_bc,
-                        recurrent=config.window_form == "recurrent",
-                        fold_dot=fold_kw["fold_dot"], **kw),
+                        precomputed_bc=config.precompute_bc, **kw),
       grid=grid,
       out_shape=(sds(x.shape, x.dtype),
                  sds(rstate.x_buf.shape, rstate.x_buf.dtype),

@@ -794,10 +794,10 @@ def test_kernels_lower_to_triton(config, batch, buffer_len, policy):
         state, tok)
     win = jax.tree.map(lambda v: jnp.stack([v, v], axis=1), tok)  # T = 2
     if buffer_len > 2:
-      vconfigs = [pk.VerifyConfig(),  # persistent fold (dot at L 16)
+      # persistent fold (dot at L 16), B.C precomputed
+      vconfigs = [pk.VerifyConfig(),
                   pk.VerifyConfig(fold_grid="rows", fold="rank1"),
-                  pk.VerifyConfig(precompute_bc=True),
-                  pk.VerifyConfig(window_form="recurrent")]
+                  pk.VerifyConfig(precompute_bc=False)]
       for vconfig in vconfigs:
         _lower_for_cuda(
             lambda r, t, c=vconfig: verify_kernel.replay_verify(

@@ -265,14 +265,12 @@ def test_pallas_verify_fold_modes(config):
     (16, 4, "bfloat16", dict(precompute_bc=True)),
     (32, 8, "float32", dict(precompute_bc=True)),
     (8, 2, "bfloat16", dict(precompute_bc=True)),
-    (16, 4, "bfloat16", dict(window_form="recurrent")),  # dot history fold
-    (8, 4, "float32", dict(window_form="recurrent")),  # rank-1 fold
-    (32, 16, "bfloat16", dict(window_form="recurrent", fold="rank1"))],
+    (16, 4, "bfloat16", dict(precompute_bc=False)),
+    (32, 16, "float32", dict(precompute_bc=False, fold="rank1"))],
     ids=str)
 def test_pallas_verify_window_variants(L, T, buffer_dtype, config):
-  """The window kernel with the B.C products precomputed by XLA, and in
-  its recurrent form (history folded into the tile, then one reduction
-  and one rank-1 update per position) == the reference, with rows that
+  """The window kernel with the B.C products precomputed by XLA (the
+  default) and formed in every program == the reference, with rows that
   fold, rows that do not, and buffer rounding of the earlier window
   tokens."""
   import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
@@ -289,10 +287,8 @@ def test_pallas_verify_window_variants(L, T, buffer_dtype, config):
   _pallas_verify_vs_reference(rstate, kw, counts, L,
                               testing.tolerance(buffer_dtype),
                               pk.VerifyConfig(**config))
-  with pytest.raises(ValueError, match="precompute_bc applies to"):
-    pk.VerifyConfig(precompute_bc=True, window_form="recurrent")
-  with pytest.raises(ValueError, match="window_form must be one of"):
-    pk.VerifyConfig(window_form="dot")
+  with pytest.raises(ValueError, match="fold_grid must be one of"):
+    pk.VerifyConfig(fold_grid="dot")
 
 
 def test_pallas_verify_refuses_non_pow2_window():

@@ -16,7 +16,7 @@
 #   bash benchmarks/scripts/run_h200.sh launch     # fused vs separate route launches, b 16 + 64, L 16 (1.2 min)
 #   bash benchmarks/scripts/run_h200.sh mosaic     # the Mosaic GPU kernels: baseline (7 configs) vs Triton and XLA, replay with the Mosaic output route (plain, f32+fp8, f16+fp8), b 256 + 64, f32 / f16, each checked first; a Mosaic failure is recorded, not fatal (> 3 min: session 7 ran f32 in 185 s, f16 without policies in 90 s)
 #   bash benchmarks/scripts/run_h200.sh verify     # spec verify kernel: VerifyConfig variants on hybrid_1b's layer, b 256, T 4, checked, split per kernel (< 1 min)
-#   bash benchmarks/scripts/run_h200.sh ncu_verify # Nsight Compute on the verify window kernel (default, precompute_bc, recurrent; not yet run)
+#   bash benchmarks/scripts/run_h200.sh ncu_verify # Nsight Compute on the verify window kernel (default and the pre-session-8 default)
 #   bash benchmarks/scripts/run_h200.sh policies   # replay per precision policy (default, prefetching flush, 8 warps, 2 heads per program) vs the f16 baseline, b 256, L 16 (4.8 min, session 6)
 #   bash benchmarks/scripts/run_h200.sh precision small  # train the <task>_small_ssm models if missing, then the accuracy study (sizes tiny|small|medium|large; tiny took > 4.5 min with the old MQAR task, the full 12-policy study needs several calls or fewer policies)
 #   bash benchmarks/scripts/run_h200.sh precision_rest  # trains mqar_large_ssm + char_large_ssm, evaluates mqar_large_ssm@1024 and char_large_ssm (12 policies; > 9.6 min: session 6 ran it to its 575 s limit, inside char_large_ssm)
@@ -139,7 +139,7 @@ P.run(c, sys.argv[1])" "$OUT/precision_rest" ;;
       --section ComputeWorkloadAnalysis --section InstructionStats \
       --section MemoryWorkloadAnalysis \
       python benchmarks/scripts/verify_sweep.py --check_only \
-      --variants default,bc,rec --out "$OUT/verify_check.json" \
+      --variants default,nobc_bp64 --out "$OUT/verify_check.json" \
       > "$OUT/ncu_verify.txt" 2>&1 ;;
   *) echo "unknown part: $1" >&2; exit 2 ;;
 esac

@@ -34,18 +34,19 @@ from replayssm_jax import profiling
 from replayssm_jax import speculative as spec
 from replayssm_jax import testing
 
-# name -> VerifyConfig keyword arguments. Measured in session 7
-# (benchmarks/verify_sweep_h200.json): block_p 16 / 32 and 8 warps slower
-# than the default; the window outputs as small dots (since removed) 2-6x
-# slower.
+# name -> VerifyConfig keyword arguments. Sessions 7-8
+# (benchmarks/verify_sweep_h200.json): B.C precomputed at block_p 32 (now
+# the default) fastest; block_p 16 / 64 and 8 warps slower; the window
+# outputs as small dots and the recurrent window form (both since
+# removed) slower.
 VARIANTS = {
     "default": {},
-    "bc": dict(precompute_bc=True),
-    "bc_bp32": dict(precompute_bc=True, block_p=32),
-    "bc_bp16": dict(precompute_bc=True, block_p=16),
-    "rec": dict(window_form="recurrent"),
-    "rec_bp32": dict(window_form="recurrent", block_p=32),
-    "rec_bp16": dict(window_form="recurrent", block_p=16),
+    "bp64": dict(block_p=64),
+    "bp16": dict(block_p=16),
+    "w2": dict(num_warps=2),
+    "bp64_w8": dict(block_p=64, num_warps=8),
+    "nobc": dict(precompute_bc=False),
+    "nobc_bp64": dict(precompute_bc=False, block_p=64),
 }
 
 
@@ -65,6 +66,10 @@ def main():
   ap.add_argument("--check_only", action="store_true",
                   help="one checked call per variant, no timing (for ncu)")
   a = ap.parse_args()
+  unknown = set(a.variants.split(",")) - set(VARIANTS)
+  if unknown:
+    ap.error(f"--variants: unknown {sorted(unknown)}; known: "
+             f"{', '.join(VARIANTS)}")
   if a.tiny:
     a.batch, a.nheads, a.headdim, a.dstate, a.ngroups = 3, 4, 16, 16, 2
     a.steps = 2
