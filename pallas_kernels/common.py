@@ -193,21 +193,27 @@ class VerifyConfig(_LaunchConfig):
       rows that do not fold exit at once).
     fold_programs: program count of the persistent fold grid (None: 4 per
       SM; 8 in interpret mode).
-    precompute_bc: the window kernel loads the B.C products (history and
-      window B against each position's C, per row and group) from a tiny
-      XLA op instead of forming them in every program (one head each: the
-      group's B buffer is otherwise read and reduced once per head and
-      headdim block). H200, hybrid_1b's layer at batch 256, T 4, L 16
-      (benchmarks/verify_sweep_h200.json, sweep 3): window kernel 0.434 vs
-      0.475 ms at block_p 64, 0.382 at block_p 32.
+    precompute: what XLA computes for the window kernel before it runs.
+      "none": nothing; every program forms its head's decay weights and
+      the B.C products of the history and window against each position's
+      C (the group's B buffer is read and reduced once per head and
+      headdim block). "bc": the B.C products, per row and group. "terms":
+      everything but the checkpoint (`speculative.verify_terms`: decay
+      [b, T, h] and the history and window contributions [b, T, h, p]),
+      so the kernel reads the checkpoint tile out against the T positions'
+      C and appends the window. H200, hybrid_1b's layer at batch 256, T 4,
+      L 16 (benchmarks/verify_sweep_h200.json, sweeps 3-4): window kernel
+      "bc" 0.382 ms at block_p 32 (0.434 at 64), "none" 0.475 at 64;
+      "terms" not yet run on a GPU.
   """
   fold: str | None = None
   fold_grid: str = "persistent"
   fold_programs: int | None = None
-  precompute_bc: bool = True
+  precompute: str = "bc"
 
   def __post_init__(self):
     super().__post_init__()
+    _check_choice("precompute", self.precompute, ("none", "bc", "terms"))
     _check_choice("fold", self.fold, ("rank1", "dot_tf32x3", "dot_f32"),
                   optional=True)
     _check_choice("fold_grid", self.fold_grid, ("rows", "persistent"))

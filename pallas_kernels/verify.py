@@ -35,6 +35,7 @@ from pallas_kernels.replay import (_Program, _default_flush_programs,
                                    persistent_items)
 from pallas_kernels.replay import default_block_p as _step_block_p
 from replayssm_jax.reference import process_dt
+from replayssm_jax.speculative import verify_terms
 
 F32 = jnp.float32
 
@@ -133,12 +134,15 @@ def _fold_persistent_kernel(*refs, window, has_D, has_z, has_bias, fold_dot,
 
 
 def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
-                   precomputed_bc, **kw):
+                   precompute, **kw):
   """Window outputs from checkpoint + history + window; append the window.
-  precomputed_bc: three more inputs after C, the B.C products of
-  `_precompute_bc`."""
+  precompute (`VerifyConfig.precompute`): "bc" adds three inputs after C,
+  the B.C products of `_precompute_bc`; "terms" two, the decay and extra
+  terms of `speculative.verify_terms` (the kernel then only reads the
+  checkpoint tile out against each position's C)."""
+  n_pre = dict(none=0, bc=3, terms=2)[precompute]
   ins, (d_ref, z_ref, bias_ref), outs = _unpack(
-      refs, 10 + 3 * precomputed_bc, 5, has_D, has_z, has_bias)
+      refs, 10 + n_pre, 5, has_D, has_z, has_bias)
   ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, x_ref, dt_ref, a_ref, b_ref = (
       ins[:9])
   c_ref = ins[9]
@@ -153,16 +157,22 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
 
   s0 = plgpu.load(ck_ref.at[b, h, ps], eviction_policy="evict_first")
   s0 = s0.astype(F32)  # [block_p, N]
-  # Earlier window tokens are read back from the buffer, so they carry its
-  # rounding; the current position uses the caller's values (as the
-  # reference and the decode step do).
-  rounded = dict(x=lambda v: v.astype(xb_ref.dtype).astype(F32),
-                 b=lambda v: v.astype(bb_ref.dtype).astype(F32))
-  ys = _window_outputs_from_weights(
-      p, (xb_ref, bb_ref, dtb_ref, a_ref), s0,
-      (x_ref, dt_ref, b_ref, c_ref), rounded, bias, hist,
-      tuple(ins[10:13]) if precomputed_bc else None, window=T,
-      dt_softplus=dt_softplus, block_p=kw["block_p"])
+  if precompute == "terms":
+    decay_ref, extra_ref = ins[10:12]
+    ys = [decay_ref[b, s, h] * jnp.sum(
+        s0 * c_ref[b, s, g, :].astype(F32)[None, :], axis=1)
+          + extra_ref[b, s, h, ps] for s in range(T)]
+  else:
+    # Earlier window tokens are read back from the buffer, so they carry
+    # its rounding; the current position uses the caller's values (as the
+    # reference and the decode step do).
+    rounded = dict(x=lambda v: v.astype(xb_ref.dtype).astype(F32),
+                   b=lambda v: v.astype(bb_ref.dtype).astype(F32))
+    ys = _window_outputs_from_weights(
+        p, (xb_ref, bb_ref, dtb_ref, a_ref), s0,
+        (x_ref, dt_ref, b_ref, c_ref), rounded, bias, hist,
+        tuple(ins[10:13]) if precompute == "bc" else None, window=T,
+        dt_softplus=dt_softplus, block_p=kw["block_p"])
   for s, y in enumerate(ys):
     y = common.finish_output(y, x_ref[b, s, h, ps].astype(F32),
                              None if d_ref is None else d_ref[h],
@@ -330,11 +340,18 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   )(rstate.checkpoint, rstate.x_buf, rstate.b_buf, rstate.dt_buf,
     count, *token_in, *optional)
   # 2. Window outputs and appends (reads the folded checkpoint).
-  bc = (_precompute_bc(rstate.b_buf, B, C) if config.precompute_bc
-        else ())
+  if config.precompute == "bc":
+    pre = _precompute_bc(rstate.b_buf, B, C)
+  elif config.precompute == "terms":
+    c = rstate.count.astype(jnp.int32)
+    pre = verify_terms(rstate.x_buf, rstate.b_buf, rstate.dt_buf,
+                       jnp.where(c + T >= rstate.buffer_len, 0, c), x, B,
+                       process_dt(dt, dt_bias, dt_softplus), C, A)
+  else:
+    pre = ()
   y, xb, bb, dtb, cnt = pl.pallas_call(
       functools.partial(_verify_kernel, dt_softplus=dt_softplus,
-                        precomputed_bc=config.precompute_bc, **kw),
+                        precompute=config.precompute, **kw),
       grid=grid,
       out_shape=(sds(x.shape, x.dtype),
                  sds(rstate.x_buf.shape, rstate.x_buf.dtype),
@@ -344,6 +361,6 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
       input_output_aliases={1: 1, 2: 2, 3: 3}, compiler_params=params,
       interpret=interpret, name="replayssm_verify_window",
   )(ck, rstate.x_buf, rstate.b_buf, rstate.dt_buf, rstate.count, *token_in,
-    *bc, *optional)
+    *pre, *optional)
   return y, ReplayState(checkpoint=ck, x_buf=xb, b_buf=bb, dt_buf=dtb,
                         count=cnt)

@@ -30,8 +30,7 @@ from replayssm_jax import _validation as V
 from replayssm_jax import reference
 from replayssm_jax.reference import (F32, HIGHEST, _finish_output,
                                      fold_window, heads_from_groups,
-                                     process_dt, window_output,
-                                     window_weights)
+                                     process_dt)
 from replayssm_jax.state import ReplayState
 
 
@@ -128,27 +127,14 @@ def replay_verify_reference(rstate, x, dt, A, B, C, D=None, z=None,
   x_buf, b_buf, dt_buf = (put(rstate.x_buf, x), put(rstate.b_buf, B),
                           put(rstate.dt_buf, d_win))
 
-  # 3. Output of window position s: fold slots [0, base + s] (the current
-  # token from the caller's full-precision x/B, like the decode step).
-  ckf = checkpoint.astype(F32)
+  # 3. Output of window position s: the checkpoint's readout, decayed over
+  # the history and window tokens up to s, plus their own contributions.
+  decay, extra = verify_terms(rstate.x_buf, rstate.b_buf, rstate.dt_buf,
+                              base, x, B, d_win, C, A)
   ch = heads_from_groups(C.astype(F32), h, axis=2)  # [b, T, h, n]
-
-  def output(s):
-    last = base + s  # [b]
-    live = slot <= last[:, None]
-    cur = slot == last[:, None]
-    xw = jnp.where(cur[..., None, None], x[:, s].astype(F32)[:, None],
-                   x_buf.astype(F32))
-    bw = jnp.where(cur[..., None, None], B[:, s].astype(F32)[:, None],
-                   b_buf.astype(F32))
-    xw = jnp.where(live[..., None, None], xw, 0.0)
-    bw = jnp.where(live[..., None, None], bw, 0.0)
-    dw = jnp.where(live[..., None], dt_buf, 0.0)
-    decay, w = window_weights(dw, A)  # [b, h], [b, L, h]
-    readout = jnp.einsum("bhpn,bhn->bhp", ckf, ch[:, s], precision=HIGHEST)
-    return decay[..., None] * readout + window_output(xw, bw, w, C[:, s])
-
-  y = jnp.stack([output(s) for s in range(T)], axis=1)  # [b, T, h, p]
+  readout = jnp.einsum("bhpn,bshn->bshp", checkpoint.astype(F32), ch,
+                       precision=HIGHEST)
+  y = decay[..., None] * readout + extra  # [b, T, h, p]
   y = _finish_output(y, x, D, z)
   y = jnp.where(in_range[:, None, None, None], y, jnp.nan)
   new = ReplayState(checkpoint=jnp.where(in_range[:, None, None, None],
@@ -156,6 +142,55 @@ def replay_verify_reference(rstate, x, dt, A, B, C, D=None, z=None,
                     x_buf=x_buf, b_buf=b_buf, dt_buf=dt_buf,
                     count=jnp.where(in_range, base, c).astype(jnp.int32))
   return y.astype(x.dtype), new
+
+
+def verify_terms(x_buf, b_buf, dt_buf, base, x, B, d_win, C, A):
+  """Everything in the T window outputs but the checkpoint:
+  y_s = decay_s * (S C_s) + extra_s, with S the (folded) checkpoint.
+
+  Position s folds the row's committed history (buffer slots j < base) and
+  the window tokens i <= s; earlier window tokens carry the buffer dtype's
+  rounding (they are read back from it), the current one (i = s) is the
+  caller's (as in the decode step).
+
+  Args:
+    x_buf, b_buf, dt_buf: the buffers before the window is appended
+      ([b, L, h, p], [b, L, g, n], [b, L, h] processed dt).
+    base: [b] int, committed slots still in the buffer.
+    x: [b, T, h, p]; B, C: [b, T, g, n]; d_win: [b, T, h] processed dt.
+    A: [h].
+
+  Returns:
+    (decay [b, T, h], extra [b, T, h, p]), f32: sum_j w_sj (B_j . C_s) x_j
+    over those slots, w_sj = d_j exp(A sum_{j < i <= s} d_i).
+  """
+  L, T, h = x_buf.shape[1], x.shape[1], x.shape[2]
+  a = A.astype(F32)
+  hist = jnp.arange(L)[None, :] < base[:, None]  # [b, L]
+  dh = jnp.where(hist[..., None], dt_buf.astype(F32), 0.0)  # [b, L, h]
+  lam_h = jnp.cumsum(dh, axis=1) * a  # [b, L, h]
+  lam_w = jnp.cumsum(d_win.astype(F32), axis=1) * a  # [b, T, h]
+  lam = lam_h[:, -1:] + lam_w  # [b, T(s), h]: log-decay over slots <= s
+  w_hist = dh[:, None] * jnp.exp(lam[:, :, None] - lam_h[:, None])
+  causal = (jnp.arange(T)[:, None] >= jnp.arange(T)[None, :])[None, :, :,
+                                                             None]
+  w_win = jnp.where(  # [b, T(s), T(i), h]
+      causal, d_win.astype(F32)[:, None] * jnp.exp(jnp.where(
+          causal, lam_w[:, :, None] - lam_w[:, None], 0.0)), 0.0)
+  f = lambda v: v.astype(F32)  # noqa: E731
+  cf = f(C)
+  bc = lambda bv: heads_from_groups(  # noqa: E731
+      jnp.einsum("bjgn,bsgn->bsjg", f(bv), cf, precision=HIGHEST), h, axis=3)
+  own = jnp.eye(T, dtype=bool)[None, :, :, None]
+  bc_win = jnp.where(own, bc(B), bc(B.astype(b_buf.dtype)))
+  extra = (
+      jnp.einsum("bsjh,bjhp->bshp", w_hist * bc(b_buf), f(x_buf),
+                 precision=HIGHEST)
+      + jnp.einsum("bsih,bihp->bshp",
+                   jnp.where(own, 0.0, w_win * bc_win),
+                   f(x.astype(x_buf.dtype)), precision=HIGHEST)
+      + jnp.einsum("bssh->bsh", w_win * bc_win)[..., None] * f(x))
+  return jnp.exp(lam), extra
 
 
 def replay_commit(rstate: ReplayState, num_accepted, window: int):

@@ -797,7 +797,8 @@ def test_kernels_lower_to_triton(config, batch, buffer_len, policy):
       # persistent fold (dot at L 16), B.C precomputed
       vconfigs = [pk.VerifyConfig(),
                   pk.VerifyConfig(fold_grid="rows", fold="rank1"),
-                  pk.VerifyConfig(precompute_bc=False)]
+                  pk.VerifyConfig(precompute="none"),
+                  pk.VerifyConfig(precompute="terms")]
       for vconfig in vconfigs:
         _lower_for_cuda(
             lambda r, t, c=vconfig: verify_kernel.replay_verify(

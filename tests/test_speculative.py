@@ -262,17 +262,20 @@ def test_pallas_verify_fold_modes(config):
 
 
 @pytest.mark.parametrize("L,T,buffer_dtype,config", [
-    (16, 4, "bfloat16", dict(precompute_bc=True)),
-    (32, 8, "float32", dict(precompute_bc=True)),
-    (8, 2, "bfloat16", dict(precompute_bc=True)),
-    (16, 4, "bfloat16", dict(precompute_bc=False)),
-    (32, 16, "float32", dict(precompute_bc=False, fold="rank1"))],
+    (16, 4, "bfloat16", dict(precompute="bc")),
+    (32, 8, "float32", dict(precompute="bc")),
+    (8, 2, "bfloat16", dict(precompute="bc")),
+    (16, 4, "bfloat16", dict(precompute="none")),
+    (32, 16, "float32", dict(precompute="none", fold="rank1")),
+    (16, 4, "bfloat16", dict(precompute="terms")),
+    (32, 8, "float32", dict(precompute="terms")),
+    (8, 2, "bfloat16", dict(precompute="terms", fold="rank1"))],
     ids=str)
 def test_pallas_verify_window_variants(L, T, buffer_dtype, config):
-  """The window kernel with the B.C products precomputed by XLA (the
-  default) and formed in every program == the reference, with rows that
-  fold, rows that do not, and buffer rounding of the earlier window
-  tokens."""
+  """The window kernel with each `VerifyConfig.precompute` (nothing, the
+  B.C products, every term but the checkpoint's) == the reference, with
+  rows that fold, rows that do not, and buffer rounding of the earlier
+  window tokens."""
   import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
   b, h, p, n, g = 5, 4, 16, 16, 2
   key = jax.random.PRNGKey(43 + T)
@@ -287,8 +290,8 @@ def test_pallas_verify_window_variants(L, T, buffer_dtype, config):
   _pallas_verify_vs_reference(rstate, kw, counts, L,
                               testing.tolerance(buffer_dtype),
                               pk.VerifyConfig(**config))
-  with pytest.raises(ValueError, match="fold_grid must be one of"):
-    pk.VerifyConfig(fold_grid="dot")
+  with pytest.raises(ValueError, match="precompute must be one of"):
+    pk.VerifyConfig(precompute=True)
 
 
 def test_pallas_verify_refuses_non_pow2_window():

@@ -139,7 +139,7 @@ P.run(c, sys.argv[1])" "$OUT/precision_rest" ;;
       --section ComputeWorkloadAnalysis --section InstructionStats \
       --section MemoryWorkloadAnalysis \
       python benchmarks/scripts/verify_sweep.py --check_only \
-      --variants default,nobc_bp64 --out "$OUT/verify_check.json" \
+      --variants default,terms --out "$OUT/verify_check.json" \
       > "$OUT/ncu_verify.txt" 2>&1 ;;
   *) echo "unknown part: $1" >&2; exit 2 ;;
 esac

@@ -45,8 +45,11 @@ VARIANTS = {
     "bp16": dict(block_p=16),
     "w2": dict(num_warps=2),
     "bp64_w8": dict(block_p=64, num_warps=8),
-    "nobc": dict(precompute_bc=False),
-    "nobc_bp64": dict(precompute_bc=False, block_p=64),
+    "none": dict(precompute="none"),
+    "none_bp64": dict(precompute="none", block_p=64),
+    "terms": dict(precompute="terms"),
+    "terms_bp64": dict(precompute="terms", block_p=64),
+    "terms_bp16": dict(precompute="terms", block_p=16),
 }
 
 
