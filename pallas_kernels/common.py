@@ -202,18 +202,29 @@ class VerifyConfig(_LaunchConfig):
       [b, T, h] and the history and window contributions [b, T, h, p]),
       so the kernel reads the checkpoint tile out against the T positions'
       C and appends the window. H200, hybrid_1b's layer at batch 256, T 4,
-      L 16 (benchmarks/verify_sweep_h200.json, sweeps 3-4): window kernel
-      "bc" 0.382 ms at block_p 32 (0.434 at 64), "none" 0.475 at 64;
-      "terms" not yet run on a GPU.
+      L 16 (benchmarks/verify_sweep_h200.json, sweeps 3-5): window kernel
+      "bc" 0.380 ms at block_p 32 (0.431 at 64), "none" 0.47-0.49;
+      "terms" 0.32 at block_p 32, but its XLA ops add ~0.2 ms (verify
+      0.61 vs 0.52 ms for "bc" on the device).
+    readout: how the window kernel reads the checkpoint tile out against
+      the T positions' C: "reduce" (T dstate reductions) or one tile x C^T
+      dot over the positions padded to 16, "dot_tf32x3" (3xTF32, about f32
+      accuracy) or "dot_f32" (IEEE f32); the dots need block_p, dstate >=
+      16. With "terms" the readouts are all the kernel computes, and they
+      take 2.2x the replay step's single readout (sweep 5). The dots are
+      not yet run on a GPU.
   """
   fold: str | None = None
   fold_grid: str = "persistent"
   fold_programs: int | None = None
   precompute: str = "bc"
+  readout: str = "reduce"
 
   def __post_init__(self):
     super().__post_init__()
     _check_choice("precompute", self.precompute, ("none", "bc", "terms"))
+    _check_choice("readout", self.readout,
+                  ("reduce", "dot_tf32x3", "dot_f32"))
     _check_choice("fold", self.fold, ("rank1", "dot_tf32x3", "dot_f32"),
                   optional=True)
     _check_choice("fold_grid", self.fold_grid, ("rows", "persistent"))

@@ -653,6 +653,12 @@ def _fold_dot(mode, buffer_len: int, block_p: int, interpret: bool, *,
     raise NotImplementedError(
         f"{field}={mode!r} needs buffer_len and {tile} >= 16 (Triton dot "
         f"tiles), got {buffer_len} and {block_p}.")
+  return _dot_precision(mode, interpret)
+
+
+def _dot_precision(mode: str, interpret: bool):
+  """lax precision of "dot_f32" / "dot_tf32x3" (XLA:CPU has no TF32
+  algorithms: exact f32 in interpret mode)."""
   if interpret or mode == "dot_f32":
     return (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
   return lax.DotAlgorithmPreset.TF32_TF32_F32_X3

@@ -31,7 +31,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
 from pallas_kernels.replay import (_Program, _default_flush_programs,
-                                   _fold_dot, _pad_pow2, _unpack,
+                                   _dot_precision, _fold_dot, _pad_pow2,
+                                   _unpack,
                                    persistent_items)
 from pallas_kernels.replay import default_block_p as _step_block_p
 from replayssm_jax.reference import process_dt
@@ -134,15 +135,17 @@ def _fold_persistent_kernel(*refs, window, has_D, has_z, has_bias, fold_dot,
 
 
 def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
-                   precompute, **kw):
+                   precompute, readout_dot, **kw):
   """Window outputs from checkpoint + history + window; append the window.
   precompute (`VerifyConfig.precompute`): "bc" adds three inputs after C,
   the B.C products of `_precompute_bc`; "terms" two, the decay and extra
   terms of `speculative.verify_terms` (the kernel then only reads the
-  checkpoint tile out against each position's C)."""
+  checkpoint tile out against each position's C). readout_dot: see
+  `_readouts` (not None: one more input, C padded, last)."""
   n_pre = dict(none=0, bc=3, terms=2)[precompute]
   ins, (d_ref, z_ref, bias_ref), outs = _unpack(
-      refs, 10 + n_pre, 5, has_D, has_z, has_bias)
+      refs, 10 + n_pre + (readout_dot is not None), 5, has_D, has_z,
+      has_bias)
   ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, x_ref, dt_ref, a_ref, b_ref = (
       ins[:9])
   c_ref = ins[9]
@@ -156,12 +159,12 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
   bias = None if bias_ref is None else bias_ref[h]
 
   s0 = plgpu.load(ck_ref.at[b, h, ps], eviction_policy="evict_first")
-  s0 = s0.astype(F32)  # [block_p, N]
+  readouts = _readouts(s0.astype(F32), c_ref if readout_dot is None
+                       else ins[10 + n_pre], b, g, T, readout_dot)
   if precompute == "terms":
     decay_ref, extra_ref = ins[10:12]
-    ys = [decay_ref[b, s, h] * jnp.sum(
-        s0 * c_ref[b, s, g, :].astype(F32)[None, :], axis=1)
-          + extra_ref[b, s, h, ps] for s in range(T)]
+    ys = [decay_ref[b, s, h] * readouts[s] + extra_ref[b, s, h, ps]
+          for s in range(T)]
   else:
     # Earlier window tokens are read back from the buffer, so they carry
     # its rounding; the current position uses the caller's values (as the
@@ -169,7 +172,7 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
     rounded = dict(x=lambda v: v.astype(xb_ref.dtype).astype(F32),
                    b=lambda v: v.astype(bb_ref.dtype).astype(F32))
     ys = _window_outputs_from_weights(
-        p, (xb_ref, bb_ref, dtb_ref, a_ref), s0,
+        p, (xb_ref, bb_ref, dtb_ref, a_ref), readouts,
         (x_ref, dt_ref, b_ref, c_ref), rounded, bias, hist,
         tuple(ins[10:13]) if precompute == "bc" else None, window=T,
         dt_softplus=dt_softplus, block_p=kw["block_p"])
@@ -183,17 +186,32 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
                  window=T, base=base, dt_softplus=dt_softplus)
 
 
-def _window_outputs_from_weights(p, refs, s0, win_refs, rounded, bias, hist,
-                                 bc, *, window, dt_softplus, block_p):
+def _readouts(s0, c_ref, b, g, window, readout_dot):
+  """S C_s ([block_p] f32) of the checkpoint tile s0 [block_p, N] for the T
+  window positions: T dstate reductions (readout_dot None), or one
+  [block_p, N] x [N, TP] dot at that precision, c_ref then holding C padded
+  with zero rows to TP = 16 positions (Triton's smallest dot tile)."""
+  if readout_dot is None:
+    return [jnp.sum(s0 * c_ref[b, s, g, :].astype(F32)[None, :], axis=1)
+            for s in range(window)]
+  cw = c_ref[b, :, g, :].astype(F32)  # [TP, N]
+  y0 = lax.dot_general(s0, cw, (((1,), (1,)), ((), ())),
+                       precision=readout_dot, preferred_element_type=F32)
+  jw = jnp.arange(cw.shape[0])
+  return [jnp.sum(jnp.where(jw[None, :] == s, y0, 0.0), axis=1)
+          for s in range(window)]
+
+
+def _window_outputs_from_weights(p, refs, readouts, win_refs, rounded, bias,
+                                 hist, bc, *, window, dt_softplus, block_p):
   """The T window outputs ([block_p] f32 each, before D and z) from the
-  checkpoint tile s0 and the decay weights of the history (slots `hist`)
-  and the window, position by position: three dstate reductions per
-  position, the state tile's the largest (T passes over [block_p, N]).
-  bc: the refs of `_precompute_bc` (then the B.C products are loaded, not
-  reduced: only the state tile's reductions remain)."""
+  checkpoint's readouts (`_readouts`) and the decay weights of the history
+  (slots `hist`) and the window, position by position: two dstate
+  reductions per position. bc: the refs of `_precompute_bc` (then the B.C
+  products are loaded, not reduced)."""
   xb_ref, bb_ref, dtb_ref, a_ref = refs
   b, g, ps, L, h = p.b, p.g, p.ps, p.L, p.head0
-  nstate = s0.shape[-1]
+  nstate = bb_ref.shape[-1]
   a = a_ref[h].astype(F32)
   d_hist, suf_hist = _history_dt(p, dtb_ref, hist)
   x_hist = plgpu.load(
@@ -242,7 +260,7 @@ def _window_outputs_from_weights(p, refs, s0, win_refs, rounded, bias, hist,
       bc_hist = column(bc_hist_all, s)  # [L]
       bc_win = jnp.where(jw == s, bc_own, column(bc_win_all, s))
     ys.append(
-        decay * jnp.sum(s0 * cs[None, :], axis=1)
+        decay * readouts[s]
         + jnp.sum((w_hist * bc_hist)[:, None] * x_hist, axis=0)
         + jnp.sum((w_win * bc_win)[:, None] * xw, axis=0))
   return ys
@@ -349,9 +367,18 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                        process_dt(dt, dt_bias, dt_softplus), C, A)
   else:
     pre = ()
+  readout_dot = None
+  if config.readout != "reduce":
+    if min(block_p, rstate.dstate) < 16:
+      raise NotImplementedError(
+          f"config.readout={config.readout!r} needs block_p and dstate >= 16 "
+          f"(Triton dot tiles), got {block_p} and {rstate.dstate}.")
+    readout_dot = _dot_precision(config.readout, interpret)
+    pre = (*pre, jnp.pad(C, ((0, 0), (0, max(16, T) - T), (0, 0), (0, 0))))
   y, xb, bb, dtb, cnt = pl.pallas_call(
       functools.partial(_verify_kernel, dt_softplus=dt_softplus,
-                        precompute=config.precompute, **kw),
+                        precompute=config.precompute,
+                        readout_dot=readout_dot, **kw),
       grid=grid,
       out_shape=(sds(x.shape, x.dtype),
                  sds(rstate.x_buf.shape, rstate.x_buf.dtype),

@@ -269,13 +269,16 @@ def test_pallas_verify_fold_modes(config):
     (32, 16, "float32", dict(precompute="none", fold="rank1")),
     (16, 4, "bfloat16", dict(precompute="terms")),
     (32, 8, "float32", dict(precompute="terms")),
-    (8, 2, "bfloat16", dict(precompute="terms", fold="rank1"))],
+    (8, 2, "bfloat16", dict(precompute="terms", fold="rank1")),
+    (16, 4, "bfloat16", dict(readout="dot_tf32x3")),
+    (32, 8, "float32", dict(precompute="none", readout="dot_f32")),
+    (8, 2, "bfloat16", dict(precompute="terms", readout="dot_tf32x3"))],
     ids=str)
 def test_pallas_verify_window_variants(L, T, buffer_dtype, config):
   """The window kernel with each `VerifyConfig.precompute` (nothing, the
-  B.C products, every term but the checkpoint's) == the reference, with
-  rows that fold, rows that do not, and buffer rounding of the earlier
-  window tokens."""
+  B.C products, every term but the checkpoint's) and readout (reductions,
+  dots) == the reference, with rows that fold, rows that do not, and
+  buffer rounding of the earlier window tokens."""
   import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
   b, h, p, n, g = 5, 4, 16, 16, 2
   key = jax.random.PRNGKey(43 + T)
@@ -292,6 +295,10 @@ def test_pallas_verify_window_variants(L, T, buffer_dtype, config):
                               pk.VerifyConfig(**config))
   with pytest.raises(ValueError, match="precompute must be one of"):
     pk.VerifyConfig(precompute=True)
+  with pytest.raises(NotImplementedError, match="block_p and dstate >= 16"):
+    rs.replay_verify(rstate, **kw, implementation="pallas",
+                     config=pk.VerifyConfig(block_p=8, readout="dot_f32",
+                                            fold="rank1"))
 
 
 def test_pallas_verify_refuses_non_pow2_window():

@@ -50,6 +50,10 @@ VARIANTS = {
     "terms": dict(precompute="terms"),
     "terms_bp64": dict(precompute="terms", block_p=64),
     "terms_bp16": dict(precompute="terms", block_p=16),
+    "dot": dict(readout="dot_tf32x3"),
+    "dot_f32": dict(readout="dot_f32"),
+    "dot_bp64": dict(readout="dot_tf32x3", block_p=64),
+    "terms_dot": dict(precompute="terms", readout="dot_tf32x3"),
 }
 
 
