@@ -32,8 +32,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import common
 from pallas_kernels.replay import (_Program, _default_flush_programs,
                                    _dot_precision, _fold_dot, _pad_pow2,
-                                   _unpack,
-                                   persistent_items)
+                                   _unpack, persistent_items)
 from pallas_kernels.replay import default_block_p as _step_block_p
 from replayssm_jax.reference import process_dt
 from replayssm_jax.speculative import verify_terms
