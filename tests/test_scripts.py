@@ -41,3 +41,7 @@ def test_specdec_profile_tiny(tmp_path):
       assert split["top"] and split["device_ms"] > 0
       assert abs(sum(split["by_category"].values())
                  - split["device_ms"]) < 1e-6 * max(1.0, split["device_ms"])
+  for name in ("plain", "replay", "baseline"):
+    loop = res["loops"][name]
+    assert loop["iterations"] >= 1 and loop["loop_top"]
+    assert loop["prefill_ms"] > 0

@@ -12,7 +12,7 @@
 #   bash benchmarks/scripts/run_h200.sh decode     # hybrid_1b decode, b {64,256,512} x L {8,16,32} + split at 256 (~5 min)
 #   bash benchmarks/scripts/run_h200.sh decode_extra  # hybrid_1b batch 1 (kernels), XLA reference ops at b {1,64,256} L 16 (> 4 min: the reference part needs ~3 min more than the 115 s it got)
 #   bash benchmarks/scripts/run_h200.sh specdec    # hybrid_1b spec decoding, b {256,512}, T 4 (~4 min)
-#   bash benchmarks/scripts/run_h200.sh profile    # where a spec-decoding iteration's time goes, b 256, with the verify split and a per-kernel split of the plain step, verify + commit and window forward (2 min; its per-kernel split needs `profile_kernels`, which runs it with XLA's CUDA graphs off)
+#   bash benchmarks/scripts/run_h200.sh profile    # where a spec-decoding iteration's time goes, b 256, with the verify split and a per-kernel split of the plain step, verify + commit, window forward and (since session 8, untimed: + ~2 min) specdec_bench's own loops per iteration (2 min in session 7; its per-kernel split needs `profile_kernels`, which runs it with XLA's CUDA graphs off)
 #   bash benchmarks/scripts/run_h200.sh launch     # fused vs separate route launches, b 16 + 64, L 16 (1.2 min)
 #   bash benchmarks/scripts/run_h200.sh mosaic     # the Mosaic GPU kernels: baseline (7 configs) vs Triton and XLA, replay with the Mosaic output route (plain, f32+fp8, f16+fp8), b 256 + 64, f32 / f16, each checked first; a Mosaic failure is recorded, not fatal (> 3 min: session 7 ran f32 in 185 s, f16 without policies in 90 s)
 #   bash benchmarks/scripts/run_h200.sh verify     # spec verify kernel: VerifyConfig variants on hybrid_1b's layer, b 256, T 4, checked, split per kernel (< 1 min)

@@ -14,7 +14,9 @@ split: the SSM verify op alone over every Mamba layer's state (`ssm_verify_ms`: 
 the snapshot baseline_verify, on random window inputs), and the model's
 full forward over the [batch, T] window without a decode state
 (`window_forward_ms`: the same projections, MLPs and LM head for T tokens,
-SSD over T tokens and attention within the window only).
+SSD over T tokens and attention within the window only). `loops`: the
+same split of specdec_bench's own loops per iteration (`loop_splits`),
+which adds what the pieces leave out (proposer, acceptance, bookkeeping).
 
   PYTHONPATH=. python benchmarks/scripts/specdec_profile.py --batch 256 \
       --out $OUT/specdec_profile.json
@@ -32,7 +34,9 @@ from flax import nnx
 from configs import _decode_bench
 from configs import hybrid_1b
 from experiments.decode_bench import build_model
-from replayssm_jax.models import ModelConfig, prefill
+from experiments.specdec_bench import FlatOracleProposer
+from replayssm_jax.models import (ModelConfig, generate, prefill,
+                                  speculative_generate)
 from replayssm_jax.models.generate import sampling_settings
 from replayssm_jax.models.speculative import accept, commit_fn, verify_fn
 from replayssm_jax import profiling
@@ -78,6 +82,53 @@ def split_per_step(fn, *args, steps: int) -> dict:
   return dict(device_ms=t["device_ms"] / steps, wall_ms=t["wall_ms"] / steps,
               by_category={k: v / steps for k, v in t["by_category"].items()},
               top=[dict(o, ms=o["ms"] / steps) for o in t["top"]])
+
+
+def loop_splits(model, prompts, lengths, t: int, n_new: int) -> dict:
+  """Per-kernel split of the benchmark's own loops, per iteration:
+  `generate` (plain, replay state) and `speculative_generate` (replay and
+  baseline) with specdec_bench's flat-sampling proposer (accept_prob 0.7,
+  temperature 1000), each minus a prefill on a fresh state of its mode.
+  Compared with the verify + commit split above, it shows what a loop
+  iteration pays beyond verify + commit (proposer, acceptance, history
+  updates, copies)."""
+  b = prompts.shape[0]
+  kw = dict(buffer_len=16, checkpoint_dtype="float32", temperature=1000.0,
+            rng=jax.random.PRNGKey(8))
+  proposer = FlatOracleProposer(0.7, model.config.vocab_size)
+  out = {}
+  for name in ("plain", "replay", "baseline"):
+    mode = "replay" if name == "plain" else name
+
+    def pre(mode=mode):
+      st = model.init_state(b, prompts.shape[1] + n_new + t, ssm_mode=mode,
+                            buffer_len=16, checkpoint_dtype="float32")
+      return prefill(model, prompts, lengths, st)[0]
+
+    if name == "plain":
+      loop = lambda: generate(model, prompts, lengths, n_new,  # noqa: E731
+                              ssm_mode=mode, **kw)[0]
+      iters = n_new - 1  # the first token comes from the prefill
+    else:
+      loop = lambda mode=mode: speculative_generate(  # noqa: E731
+          model, proposer, prompts, lengths, n_new, t, ssm_mode=mode,
+          **kw)[2].iterations
+      iters = int(loop())
+    tl = profiling.op_times(loop, iters=2, top=40)
+    tp = profiling.op_times(pre, iters=2, top=40)
+    cats = set(tl["by_category"]) | set(tp["by_category"])
+    out[name] = dict(
+        iterations=iters,
+        device_ms=(tl["device_ms"] - tp["device_ms"]) / iters,
+        by_category={k: (tl["by_category"].get(k, 0.0)
+                         - tp["by_category"].get(k, 0.0)) / iters
+                     for k in cats},
+        loop_top=[dict(o, ms=o["ms"] / iters) for o in tl["top"]],
+        prefill_ms=tp["device_ms"])
+    print("loop", name, iters, "iterations",
+          {k: round(v, 3) for k, v in out[name]["by_category"].items()},
+          flush=True)
+  return out
 
 
 def main():
@@ -210,6 +261,7 @@ def main():
                                                   jax.random.PRNGKey(6)))
     res[f"accept_{name}_ms"] = timed(f, logits, qq, steps=1)
   print({k: v for k, v in res.items() if k.startswith("accept")})
+  res["loops"] = loop_splits(model, prompts, lengths, t, 16 if a.tiny else 128)
   with open(a.out, "w") as fh:
     json.dump(res, fh, indent=1)
 
