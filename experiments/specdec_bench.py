@@ -23,6 +23,12 @@ Each run is timed end to end (best of `repeats` after a
 compile + warm-up run). tokens_per_s counts decode only, batch *
 new_tokens / (total - prefill) with the prefill timed alone (None when the
 prefill is over 95% of the run); e2e_tokens_per_s includes the prefill.
+A batch of speculative runs lasts as long as its slowest row (rows accept
+different numbers of drafts; session 8 at batch 256: 63 iterations where
+the mean row needs 50), so steady_tokens_per_s also gives what every row
+staying busy (continuous batching) would sustain: batch *
+mean_accepted_length / (decode time per iteration); for plain decoding
+it equals tokens_per_s.
 
 Usage (see configs/specdec_bench.py):
   python -m experiments.specdec_bench --config=configs/specdec_bench.py \
@@ -189,6 +195,10 @@ def bench_batch(model, config, batch: int, writer) -> list[dict]:
     rec = dict(base, **fields, decode_s=decode_s,
                tokens_per_s=batch * n_new / decode_s if decode_s else None,
                e2e_tokens_per_s=batch * n_new / fields["total_s"])
+    if decode_s:
+      rec["steady_tokens_per_s"] = (
+          batch * fields["mean_accepted_length"] * fields["iterations"]
+          / decode_s if fields.get("iterations") else rec["tokens_per_s"])
     logging.info("batch %d %-8s T=%s: %s decode tokens/s, %.1f end to end "
                  "(accepted length %.2f, match %s)", batch, rec["mode"],
                  rec["window"], rec["tokens_per_s"], rec["e2e_tokens_per_s"],
@@ -250,6 +260,8 @@ def _summarize(records: list[dict]) -> list[dict]:
 
     rows.append(dict(
         r, vs_plain=ratio(r["tokens_per_s"], plain["tokens_per_s"]),
+        steady_vs_plain=ratio(r.get("steady_tokens_per_s"),
+                              plain.get("steady_tokens_per_s")),
         replay_vs_baseline=(ratio(r["tokens_per_s"], base["tokens_per_s"])
                             if base and r["mode"] == "replay" else None)))
   return rows
@@ -291,10 +303,12 @@ def run(config, workdir: str) -> dict:
           f"({env['device_kind']})\n\n" + common.markdown_table(
               rows, ["batch", "mode", "window", "tokens_per_s",
                      "e2e_tokens_per_s", "mean_accepted_length", "vs_plain",
-                     "replay_vs_baseline", "match_fraction"],
+                     "replay_vs_baseline", "steady_tokens_per_s",
+                     "steady_vs_plain", "match_fraction"],
               formats=dict(tokens_per_s=".1f", e2e_tokens_per_s=".1f",
                            mean_accepted_length=".2f",
                            vs_plain=".2f", replay_vs_baseline=".2f",
+                           steady_tokens_per_s=".1f", steady_vs_plain=".2f",
                            match_fraction=".3f")) + "\n")
   oom = [f"batch {r['batch']} {r['mode']} T={r['window']}" for r in records
          if r.get("out_of_memory")]

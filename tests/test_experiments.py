@@ -387,6 +387,11 @@ def test_specdec_bench_smoke(tmp_path):
   for r in recs:
     assert r["match_fraction"] == 1.0, r  # f32: exactly the plain tokens
     assert r["e2e_tokens_per_s"] > 0
+    if r["decode_s"] and r["mode"] == "plain":
+      assert r["steady_tokens_per_s"] == r["tokens_per_s"]
+    elif r["decode_s"]:  # the slowest row sets the run's length
+      n = r["new_tokens"]
+      assert r["steady_tokens_per_s"] >= r["tokens_per_s"] * (n - 1) / n, r
   for batch in b.batches:
     for w in b.windows:
       acc = {r["mode"]: r["mean_accepted_length"] for r in recs
