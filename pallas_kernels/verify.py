@@ -35,7 +35,7 @@ from pallas_kernels.replay import (_Program, _default_flush_programs,
                                    _unpack, persistent_items)
 from pallas_kernels.replay import default_block_p as _step_block_p
 from replayssm_jax.reference import process_dt
-from replayssm_jax.speculative import verify_terms
+from replayssm_jax.speculative import verify_bc, verify_terms
 
 F32 = jnp.float32
 
@@ -137,7 +137,7 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
                    precompute, readout_dot, **kw):
   """Window outputs from checkpoint + history + window; append the window.
   precompute (`VerifyConfig.precompute`): "bc" adds three inputs after C,
-  the B.C products of `_precompute_bc`; "terms" two, the decay and extra
+  the B.C products of `speculative.verify_bc`; "terms" two, the decay and extra
   terms of `speculative.verify_terms` (the kernel then only reads the
   checkpoint tile out against each position's C). readout_dot: see
   `_readouts` (not None: one more input, C padded, last)."""
@@ -165,14 +165,9 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
     ys = [decay_ref[b, s, h] * readouts[s] + extra_ref[b, s, h, ps]
           for s in range(T)]
   else:
-    # Earlier window tokens are read back from the buffer, so they carry
-    # its rounding; the current position uses the caller's values (as the
-    # reference and the decode step do).
-    rounded = dict(x=lambda v: v.astype(xb_ref.dtype).astype(F32),
-                   b=lambda v: v.astype(bb_ref.dtype).astype(F32))
     ys = _window_outputs_from_weights(
         p, (xb_ref, bb_ref, dtb_ref, a_ref), readouts,
-        (x_ref, dt_ref, b_ref, c_ref), rounded, bias, hist,
+        (x_ref, dt_ref, b_ref, c_ref), bias, hist,
         tuple(ins[10:13]) if precompute == "bc" else None, window=T,
         dt_softplus=dt_softplus, block_p=kw["block_p"])
   for s, y in enumerate(ys):
@@ -196,17 +191,21 @@ def _readouts(s0, c_ref, b, g, window, readout_dot):
   cw = c_ref[b, :, g, :].astype(F32)  # [TP, N]
   y0 = lax.dot_general(s0, cw, (((1,), (1,)), ((), ())),
                        precision=readout_dot, preferred_element_type=F32)
-  jw = jnp.arange(cw.shape[0])
-  return [jnp.sum(jnp.where(jw[None, :] == s, y0, 0.0), axis=1)
-          for s in range(window)]
+  return [_column(y0, s) for s in range(window)]
 
 
-def _window_outputs_from_weights(p, refs, readouts, win_refs, rounded, bias,
-                                 hist, bc, *, window, dt_softplus, block_p):
+def _column(tile, s):
+  """tile[:, s] of a 2-D tile (a static column, by a masked reduction)."""
+  cols = jnp.arange(tile.shape[1])
+  return jnp.sum(jnp.where(cols[None, :] == s, tile, 0.0), axis=1)
+
+
+def _window_outputs_from_weights(p, refs, readouts, win_refs, bias, hist, bc,
+                                 *, window, dt_softplus, block_p):
   """The T window outputs ([block_p] f32 each, before D and z) from the
   checkpoint's readouts (`_readouts`) and the decay weights of the history
   (slots `hist`) and the window, position by position: two dstate
-  reductions per position. bc: the refs of `_precompute_bc` (then the B.C
+  reductions per position. bc: the refs of `speculative.verify_bc` (then the B.C
   products are loaded, not reduced)."""
   xb_ref, bb_ref, dtb_ref, a_ref = refs
   b, g, ps, L, h = p.b, p.g, p.ps, p.L, p.head0
@@ -225,11 +224,14 @@ def _window_outputs_from_weights(p, refs, readouts, win_refs, rounded, bias,
   T = window
   jw = jnp.arange(T)
   d_win = process_dt(dt_ref[b, :, h], bias, dt_softplus)  # [T]
+  # Earlier window tokens are read back from the buffer, so they carry its
+  # rounding; the current position uses the caller's values (as the
+  # reference and the decode step do).
   x_win = x_ref[b, :, h, ps].astype(F32)  # [T, block_p]
-  x_win_st = rounded["x"](x_win)
+  x_win_st = x_win.astype(xb_ref.dtype).astype(F32)
   if bc is None:
     b_win = b_ref[b, :, g, :].astype(F32)  # [T, N]
-    b_win_st = rounded["b"](b_win)
+    b_win_st = b_win.astype(bb_ref.dtype).astype(F32)
   else:
     hist_ref, win_ref, own_ref = bc
     bc_hist_all = plgpu.load(  # [L, T]
@@ -238,8 +240,6 @@ def _window_outputs_from_weights(p, refs, readouts, win_refs, rounded, bias,
         other=0.0)
     bc_win_all = win_ref[b, g]  # [T, T]: earlier token i, position s
     bc_own = own_ref[b, g]  # [T]
-  column = lambda tile, s: jnp.sum(jnp.where(jw[None, :] == s, tile, 0.0),
-                                   axis=1)
   after_w = jw[:, None] < jw[None, :]
   ys = []
   for s in range(T):
@@ -256,30 +256,13 @@ def _window_outputs_from_weights(p, refs, readouts, win_refs, rounded, bias,
       bc_hist = jnp.sum(b_hist * cs[None, :], axis=1)  # [L]
       bc_win = jnp.sum(jnp.where(cur, b_win, b_win_st) * cs[None, :], axis=1)
     else:
-      bc_hist = column(bc_hist_all, s)  # [L]
-      bc_win = jnp.where(jw == s, bc_own, column(bc_win_all, s))
+      bc_hist = _column(bc_hist_all, s)  # [L]
+      bc_win = jnp.where(jw == s, bc_own, _column(bc_win_all, s))
     ys.append(
         decay * readouts[s]
         + jnp.sum((w_hist * bc_hist)[:, None] * x_hist, axis=0)
         + jnp.sum((w_win * bc_win)[:, None] * xw, axis=0))
   return ys
-
-
-def _precompute_bc(b_buf, B, C):
-  """The B.C products the window outputs need, per (row, group), in f32:
-  history [batch, ngroups, L, T] (B as stored in the buffer), earlier
-  window tokens [batch, ngroups, T, T] (B rounded to the buffer dtype, as
-  they are read back) and each position's own [batch, ngroups, T] (B as
-  given). A tiny XLA op (reads the B buffer once per row, not once per
-  head)."""
-  f = lambda v: v.astype(F32)
-  c = f(C)  # [batch, T, ngroups, N]
-  hi = lax.Precision.HIGHEST
-  hist = jnp.einsum("bjgn,bsgn->bgjs", f(b_buf), c, precision=hi)
-  win = jnp.einsum("bign,bsgn->bgis", f(B.astype(b_buf.dtype)), c,
-                   precision=hi)
-  own = jnp.einsum("bsgn,bsgn->bgs", f(B), c, precision=hi)
-  return hist, win, own
 
 
 def _append_window(p, refs, outs, *, window, base, dt_softplus):
@@ -358,7 +341,7 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     count, *token_in, *optional)
   # 2. Window outputs and appends (reads the folded checkpoint).
   if config.precompute == "bc":
-    pre = _precompute_bc(rstate.b_buf, B, C)
+    pre = verify_bc(rstate.b_buf, B, C)
   elif config.precompute == "terms":
     c = rstate.count.astype(jnp.int32)
     pre = verify_terms(rstate.x_buf, rstate.b_buf, rstate.dt_buf,

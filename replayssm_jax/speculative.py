@@ -177,20 +177,38 @@ def verify_terms(x_buf, b_buf, dt_buf, base, x, B, d_win, C, A):
   w_win = jnp.where(  # [b, T(s), T(i), h]
       causal, d_win.astype(F32)[:, None] * jnp.exp(jnp.where(
           causal, lam_w[:, :, None] - lam_w[:, None], 0.0)), 0.0)
+  # B.C products in [b, T(s), slot, h] (head h reads its group's).
+  to_heads = lambda v: heads_from_groups(  # noqa: E731
+      jnp.transpose(v, (0, 3, 2, 1)), h, axis=3)
+  bc_hist, bc_win, bc_own = verify_bc(b_buf, B, C)
+  own = jnp.eye(T, dtype=bool)
+  # The position's own token (i = s) with its B as given.
+  bc_win = jnp.where(own, bc_own[:, :, None, :], bc_win)
+  own = own[None, :, :, None]
+  k_win = w_win * to_heads(bc_win)  # [b, T(s), T(i), h]
   f = lambda v: v.astype(F32)  # noqa: E731
-  cf = f(C)
-  bc = lambda bv: heads_from_groups(  # noqa: E731
-      jnp.einsum("bjgn,bsgn->bsjg", f(bv), cf, precision=HIGHEST), h, axis=3)
-  own = jnp.eye(T, dtype=bool)[None, :, :, None]
-  bc_win = jnp.where(own, bc(B), bc(B.astype(b_buf.dtype)))
   extra = (
-      jnp.einsum("bsjh,bjhp->bshp", w_hist * bc(b_buf), f(x_buf),
+      jnp.einsum("bsjh,bjhp->bshp", w_hist * to_heads(bc_hist), f(x_buf),
                  precision=HIGHEST)
-      + jnp.einsum("bsih,bihp->bshp",
-                   jnp.where(own, 0.0, w_win * bc_win),
+      + jnp.einsum("bsih,bihp->bshp", jnp.where(own, 0.0, k_win),
                    f(x.astype(x_buf.dtype)), precision=HIGHEST)
-      + jnp.einsum("bssh->bsh", w_win * bc_win)[..., None] * f(x))
+      + jnp.einsum("bssh->bsh", k_win)[..., None] * f(x))
   return jnp.exp(lam), extra
+
+
+def verify_bc(b_buf, B, C):
+  """The B.C products of a verify window, per (row, group), in f32:
+  history [b, g, L, T] (B as stored in the buffer, against each position's
+  C), earlier window tokens [b, g, T(i), T(s)] (B rounded to the buffer
+  dtype, as they are read back) and each position's own [b, g, T] (B as
+  given). Reads the B buffer once per row, not once per head."""
+  f = lambda v: v.astype(F32)  # noqa: E731
+  c = f(C)  # [b, T, g, n]
+  hist = jnp.einsum("bjgn,bsgn->bgjs", f(b_buf), c, precision=HIGHEST)
+  win = jnp.einsum("bign,bsgn->bgis", f(B.astype(b_buf.dtype)), c,
+                   precision=HIGHEST)
+  own = jnp.einsum("bsgn,bsgn->bgs", f(B), c, precision=HIGHEST)
+  return hist, win, own
 
 
 def replay_commit(rstate: ReplayState, num_accepted, window: int):
