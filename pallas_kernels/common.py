@@ -204,8 +204,10 @@ class VerifyConfig(_LaunchConfig):
       C and appends the window. H200, hybrid_1b's layer at batch 256, T 4,
       L 16 (benchmarks/verify_sweep_h200.json, sweeps 3-5): window kernel
       "bc" 0.380 ms at block_p 32 (0.431 at 64), "none" 0.47-0.49;
-      "terms" 0.32 at block_p 32, but its XLA ops add ~0.2 ms (verify
-      0.61 vs 0.52 ms for "bc" on the device).
+      "terms" 0.32 at block_p 32, but its XLA ops added ~0.2 ms (verify
+      0.61 vs 0.52 ms for "bc" on the device; measured at commit 46b6093,
+      before `verify_terms` shared `verify_bc` and stopped forming the
+      raw-B products off the diagonal: not re-measured).
     readout: how the window kernel reads the checkpoint tile out against
       the T positions' C: "reduce" (T dstate reductions) or one tile x C^T
       dot over the positions padded to 16, "dot_tf32x3" (3xTF32, about f32
