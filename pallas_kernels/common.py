@@ -212,9 +212,13 @@ class VerifyConfig(_LaunchConfig):
       the T positions' C: "reduce" (T dstate reductions) or one tile x C^T
       dot over the positions padded to 16, "dot_tf32x3" (3xTF32, about f32
       accuracy) or "dot_f32" (IEEE f32); the dots need block_p, dstate >=
-      16. With "terms" the readouts are all the kernel computes, and they
-      take 2.2x the replay step's single readout (sweep 5). The dots are
-      not yet run on a GPU.
+      16. "xla": XLA reads the checkpoint out (`speculative.verify_readout`,
+      one f32 [h/g * p, n] x [n, T] product per row and group) and the
+      kernel does not read the checkpoint. With "terms" the readouts are
+      all the kernel computes, and they take 2.2x the replay step's single
+      readout (sweep 5). H200 (sweep 6, session 9): the dots are slower
+      than "reduce" (window kernel 0.70 ms for 3xTF32, 1.49 for f32, 0.56
+      at block_p 64, vs 0.35).
   """
   fold: str | None = None
   fold_grid: str = "persistent"
@@ -226,7 +230,7 @@ class VerifyConfig(_LaunchConfig):
     super().__post_init__()
     _check_choice("precompute", self.precompute, ("none", "bc", "terms"))
     _check_choice("readout", self.readout,
-                  ("reduce", "dot_tf32x3", "dot_f32"))
+                  ("reduce", "dot_tf32x3", "dot_f32", "xla"))
     _check_choice("fold", self.fold, ("rank1", "dot_tf32x3", "dot_f32"),
                   optional=True)
     _check_choice("fold_grid", self.fold_grid, ("rows", "persistent"))

@@ -35,7 +35,7 @@ from pallas_kernels.replay import (_Program, _default_flush_programs,
                                    _unpack, persistent_items)
 from pallas_kernels.replay import default_block_p as _step_block_p
 from replayssm_jax.reference import process_dt
-from replayssm_jax.speculative import verify_bc, verify_terms
+from replayssm_jax.speculative import verify_bc, verify_readout, verify_terms
 
 F32 = jnp.float32
 
@@ -134,17 +134,19 @@ def _fold_persistent_kernel(*refs, window, has_D, has_z, has_bias, fold_dot,
 
 
 def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
-                   precompute, readout_dot, **kw):
+                   precompute, readout_dot, xla_readout, **kw):
   """Window outputs from checkpoint + history + window; append the window.
   precompute (`VerifyConfig.precompute`): "bc" adds three inputs after C,
   the B.C products of `speculative.verify_bc`; "terms" two, the decay and extra
   terms of `speculative.verify_terms` (the kernel then only reads the
   checkpoint tile out against each position's C). readout_dot: see
-  `_readouts` (not None: one more input, C padded, last)."""
+  `_readouts` (not None: one more input, C padded, last). xla_readout: one
+  more input, last, the readouts of `speculative.verify_readout` [b, T, h,
+  p] (the checkpoint is then not read)."""
   n_pre = dict(none=0, bc=3, terms=2)[precompute]
   ins, (d_ref, z_ref, bias_ref), outs = _unpack(
-      refs, 10 + n_pre + (readout_dot is not None), 5, has_D, has_z,
-      has_bias)
+      refs, 10 + n_pre + (readout_dot is not None or xla_readout), 5,
+      has_D, has_z, has_bias)
   ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, x_ref, dt_ref, a_ref, b_ref = (
       ins[:9])
   c_ref = ins[9]
@@ -157,9 +159,12 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
   hist = p.j < base
   bias = None if bias_ref is None else bias_ref[h]
 
-  s0 = plgpu.load(ck_ref.at[b, h, ps], eviction_policy="evict_first")
-  readouts = _readouts(s0.astype(F32), c_ref if readout_dot is None
-                       else ins[10 + n_pre], b, g, T, readout_dot)
+  if xla_readout:
+    readouts = [ins[10 + n_pre][b, s, h, ps] for s in range(T)]
+  else:
+    s0 = plgpu.load(ck_ref.at[b, h, ps], eviction_policy="evict_first")
+    readouts = _readouts(s0.astype(F32), c_ref if readout_dot is None
+                         else ins[10 + n_pre], b, g, T, readout_dot)
   if precompute == "terms":
     decay_ref, extra_ref = ins[10:12]
     ys = [decay_ref[b, s, h] * readouts[s] + extra_ref[b, s, h, ps]
@@ -350,7 +355,9 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   else:
     pre = ()
   readout_dot = None
-  if config.readout != "reduce":
+  if config.readout == "xla":
+    pre = (*pre, verify_readout(ck, C))
+  elif config.readout != "reduce":
     if min(block_p, rstate.dstate) < 16:
       raise NotImplementedError(
           f"config.readout={config.readout!r} needs block_p and dstate >= 16 "
@@ -360,7 +367,8 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   y, xb, bb, dtb, cnt = pl.pallas_call(
       functools.partial(_verify_kernel, dt_softplus=dt_softplus,
                         precompute=config.precompute,
-                        readout_dot=readout_dot, **kw),
+                        readout_dot=readout_dot,
+                        xla_readout=config.readout == "xla", **kw),
       grid=grid,
       out_shape=(sds(x.shape, x.dtype),
                  sds(rstate.x_buf.shape, rstate.x_buf.dtype),

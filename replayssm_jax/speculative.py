@@ -131,10 +131,7 @@ def replay_verify_reference(rstate, x, dt, A, B, C, D=None, z=None,
   # the history and window tokens up to s, plus their own contributions.
   decay, extra = verify_terms(rstate.x_buf, rstate.b_buf, rstate.dt_buf,
                               base, x, B, d_win, C, A)
-  ch = heads_from_groups(C.astype(F32), h, axis=2)  # [b, T, h, n]
-  readout = jnp.einsum("bhpn,bshn->bshp", checkpoint.astype(F32), ch,
-                       precision=HIGHEST)
-  y = decay[..., None] * readout + extra  # [b, T, h, p]
+  y = decay[..., None] * verify_readout(checkpoint, C) + extra  # [b,T,h,p]
   y = _finish_output(y, x, D, z)
   y = jnp.where(in_range[:, None, None, None], y, jnp.nan)
   new = ReplayState(checkpoint=jnp.where(in_range[:, None, None, None],
@@ -194,6 +191,19 @@ def verify_terms(x_buf, b_buf, dt_buf, base, x, B, d_win, C, A):
                    f(x.astype(x_buf.dtype)), precision=HIGHEST)
       + jnp.einsum("bssh->bsh", k_win)[..., None] * f(x))
   return jnp.exp(lam), extra
+
+
+def verify_readout(checkpoint, C):
+  """The checkpoint read out against each window position's C: S C_s
+  [b, T, h, p] f32 (f32 products and accumulation). Heads share their
+  group's C, so the product runs per (row, group) over the group's heads'
+  rows (one [h/g * p, n] x [n, T] product each), without C repeated per
+  head."""
+  b, h, p, n = checkpoint.shape
+  T, g = C.shape[1], C.shape[2]
+  ck = checkpoint.reshape(b, g, h // g, p, n).astype(F32)
+  y = jnp.einsum("bgipn,bsgn->bsgip", ck, C.astype(F32), precision=HIGHEST)
+  return y.reshape(b, T, h, p)
 
 
 def verify_bc(b_buf, B, C):

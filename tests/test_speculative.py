@@ -272,12 +272,15 @@ def test_pallas_verify_fold_modes(config):
     (8, 2, "bfloat16", dict(precompute="terms", fold="rank1")),
     (16, 4, "bfloat16", dict(readout="dot_tf32x3")),
     (32, 8, "float32", dict(precompute="none", readout="dot_f32")),
-    (8, 2, "bfloat16", dict(precompute="terms", readout="dot_tf32x3"))],
+    (8, 2, "bfloat16", dict(precompute="terms", readout="dot_tf32x3")),
+    (16, 4, "bfloat16", dict(readout="xla")),
+    (32, 8, "float32", dict(precompute="none", readout="xla")),
+    (8, 2, "bfloat16", dict(precompute="terms", readout="xla"))],
     ids=str)
 def test_pallas_verify_window_variants(L, T, buffer_dtype, config):
   """The window kernel with each `VerifyConfig.precompute` (nothing, the
   B.C products, every term but the checkpoint's) and readout (reductions,
-  dots) == the reference, with rows that fold, rows that do not, and
+  dots, XLA's) == the reference, with rows that fold, rows that do not, and
   buffer rounding of the earlier window tokens."""
   import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
   b, h, p, n, g = 5, 4, 16, 16, 2

@@ -54,6 +54,11 @@ VARIANTS = {
     "dot_f32": dict(readout="dot_f32"),
     "dot_bp64": dict(readout="dot_tf32x3", block_p=64),
     "terms_dot": dict(precompute="terms", readout="dot_tf32x3"),
+    "xla": dict(readout="xla"),
+    "xla_bp64": dict(readout="xla", block_p=64),
+    "xla_w2": dict(readout="xla", num_warps=2),
+    "xla_terms": dict(precompute="terms", readout="xla"),
+    "reference": None,  # the XLA reference op (implementation="reference")
 }
 
 
@@ -104,11 +109,13 @@ def main():
              steps=a.steps, date=time.strftime("%Y-%m-%d"), variants={})
 
   for name in a.variants.split(","):
-    config = pk.VerifyConfig(**VARIANTS[name])
-    r = dict(config=VARIANTS[name])
+    config = (None if VARIANTS[name] is None
+              else pk.VerifyConfig(**VARIANTS[name]))
+    impl = "reference" if config is None else "pallas"
+    r = dict(config=VARIANTS[name], implementation=impl)
     try:
-      y, st = spec.replay_verify(rstate, **win, **kw,
-                                 implementation="pallas", config=config)
+      y, st = spec.replay_verify(rstate, **win, **kw, implementation=impl,
+                                 config=config)
       st = spec.replay_commit(st, accepted, T)
       r["max_rel_err_y"] = testing.max_rel_error(y, want_y)
       r["max_rel_err_checkpoint"] = testing.max_rel_error(
@@ -123,9 +130,9 @@ def main():
         continue
 
       @jax.jit
-      def loop(rs, win, c=config):
+      def loop(rs, win, c=config, i=impl):
         def body(_, rs):
-          _, rs = spec.replay_verify(rs, **win, **kw, implementation="pallas",
+          _, rs = spec.replay_verify(rs, **win, **kw, implementation=i,
                                      config=c)
           return spec.replay_commit(rs, accepted, T)
         return jax.lax.fori_loop(0, a.steps, body, rs)
