@@ -134,7 +134,8 @@ def _fold_persistent_kernel(*refs, window, has_D, has_z, has_bias, fold_dot,
 
 
 def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
-                   precompute, readout_dot, xla_readout, **kw):
+                   precompute, readout_dot, xla_readout, readout_chunk,
+                   **kw):
   """Window outputs from checkpoint + history + window; append the window.
   precompute (`VerifyConfig.precompute`): "bc" adds three inputs after C,
   the B.C products of `speculative.verify_bc`; "terms" two, the decay and extra
@@ -162,9 +163,9 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
   if xla_readout:
     readouts = [ins[10 + n_pre][b, s, h, ps] for s in range(T)]
   else:
-    s0 = plgpu.load(ck_ref.at[b, h, ps], eviction_policy="evict_first")
-    readouts = _readouts(s0.astype(F32), c_ref if readout_dot is None
-                         else ins[10 + n_pre], b, g, T, readout_dot)
+    readouts = _readouts(ck_ref.at[b, h, ps], c_ref if readout_dot is None
+                         else ins[10 + n_pre], b, g, T, readout_dot,
+                         readout_chunk)
   if precompute == "terms":
     decay_ref, extra_ref = ins[10:12]
     ys = [decay_ref[b, s, h] * readouts[s] + extra_ref[b, s, h, ps]
@@ -185,14 +186,26 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
                  window=T, base=base, dt_softplus=dt_softplus)
 
 
-def _readouts(s0, c_ref, b, g, window, readout_dot):
-  """S C_s ([block_p] f32) of the checkpoint tile s0 [block_p, N] for the T
-  window positions: T dstate reductions (readout_dot None), or one
-  [block_p, N] x [N, TP] dot at that precision, c_ref then holding C padded
-  with zero rows to TP = 16 positions (Triton's smallest dot tile)."""
+def _readouts(tile_ref, c_ref, b, g, window, readout_dot, chunk):
+  """S C_s ([block_p] f32) of the checkpoint tile (tile_ref: [block_p, N])
+  for the T window positions: T dstate reductions (readout_dot None) of
+  the products summed over [block_p, chunk] column blocks (chunk None: N),
+  or one [block_p, N] x [N, TP] dot at that precision, c_ref then holding
+  C padded with zero rows to TP = 16 positions (Triton's smallest dot
+  tile)."""
+  nstate = tile_ref.shape[-1]
   if readout_dot is None:
-    return [jnp.sum(s0 * c_ref[b, s, g, :].astype(F32)[None, :], axis=1)
-            for s in range(window)]
+    chunk = min(chunk or nstate, nstate)
+    acc = [None] * window
+    for k in range(nstate // chunk):
+      cols = pl.ds(k * chunk, chunk)
+      s0 = plgpu.load(tile_ref.at[:, cols],
+                      eviction_policy="evict_first").astype(F32)
+      for s in range(window):
+        prod = s0 * c_ref[b, s, g, cols].astype(F32)[None, :]
+        acc[s] = prod if acc[s] is None else acc[s] + prod
+    return [jnp.sum(a, axis=1) for a in acc]
+  s0 = plgpu.load(tile_ref, eviction_policy="evict_first").astype(F32)
   cw = c_ref[b, :, g, :].astype(F32)  # [TP, N]
   y0 = lax.dot_general(s0, cw, (((1,), (1,)), ((), ())),
                        precision=readout_dot, preferred_element_type=F32)
@@ -368,7 +381,8 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
       functools.partial(_verify_kernel, dt_softplus=dt_softplus,
                         precompute=config.precompute,
                         readout_dot=readout_dot,
-                        xla_readout=config.readout == "xla", **kw),
+                        xla_readout=config.readout == "xla",
+                        readout_chunk=config.readout_chunk, **kw),
       grid=grid,
       out_shape=(sds(x.shape, x.dtype),
                  sds(rstate.x_buf.shape, rstate.x_buf.dtype),

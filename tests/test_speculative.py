@@ -275,12 +275,15 @@ def test_pallas_verify_fold_modes(config):
     (8, 2, "bfloat16", dict(precompute="terms", readout="dot_tf32x3")),
     (16, 4, "bfloat16", dict(readout="xla")),
     (32, 8, "float32", dict(precompute="none", readout="xla")),
-    (8, 2, "bfloat16", dict(precompute="terms", readout="xla"))],
+    (8, 2, "bfloat16", dict(precompute="terms", readout="xla")),
+    (16, 4, "bfloat16", dict(readout_chunk=4)),
+    (32, 8, "float32", dict(precompute="none", readout_chunk=8)),
+    (8, 2, "bfloat16", dict(precompute="terms", readout_chunk=64))],
     ids=str)
 def test_pallas_verify_window_variants(L, T, buffer_dtype, config):
   """The window kernel with each `VerifyConfig.precompute` (nothing, the
   B.C products, every term but the checkpoint's) and readout (reductions,
-  dots, XLA's) == the reference, with rows that fold, rows that do not, and
+  in dstate column blocks, dots, XLA's) == the reference, with rows that fold, rows that do not, and
   buffer rounding of the earlier window tokens."""
   import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
   b, h, p, n, g = 5, 4, 16, 16, 2
@@ -298,6 +301,8 @@ def test_pallas_verify_window_variants(L, T, buffer_dtype, config):
                               pk.VerifyConfig(**config))
   with pytest.raises(ValueError, match="precompute must be one of"):
     pk.VerifyConfig(precompute=True)
+  with pytest.raises(ValueError, match="readout_chunk applies to"):
+    pk.VerifyConfig(readout="xla", readout_chunk=16)
   with pytest.raises(NotImplementedError, match="block_p and dstate >= 16"):
     rs.replay_verify(rstate, **kw, implementation="pallas",
                      config=pk.VerifyConfig(block_p=8, readout="dot_f32",
