@@ -163,7 +163,7 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
   if xla_readout:
     readouts = [ins[10 + n_pre][b, s, h, ps] for s in range(T)]
   else:
-    readouts = _readouts(ck_ref.at[b, h, ps], c_ref if readout_dot is None
+    readouts = _readouts(ck_ref, (b, h, ps), c_ref if readout_dot is None
                          else ins[10 + n_pre], b, g, T, readout_dot,
                          readout_chunk)
   if precompute == "terms":
@@ -186,26 +186,26 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
                  window=T, base=base, dt_softplus=dt_softplus)
 
 
-def _readouts(tile_ref, c_ref, b, g, window, readout_dot, chunk):
-  """S C_s ([block_p] f32) of the checkpoint tile (tile_ref: [block_p, N])
-  for the T window positions: T dstate reductions (readout_dot None) of
+def _readouts(ck_ref, tile, c_ref, b, g, window, readout_dot, chunk):
+  """S C_s ([block_p] f32) of the checkpoint tile (ck_ref[tile]:
+  [block_p, N]) for the T window positions: T dstate reductions (readout_dot None) of
   the products summed over [block_p, chunk] column blocks (chunk None: N),
   or one [block_p, N] x [N, TP] dot at that precision, c_ref then holding
   C padded with zero rows to TP = 16 positions (Triton's smallest dot
   tile)."""
-  nstate = tile_ref.shape[-1]
+  nstate = ck_ref.shape[-1]
   if readout_dot is None:
     chunk = min(chunk or nstate, nstate)
     acc = [None] * window
     for k in range(nstate // chunk):
       cols = pl.ds(k * chunk, chunk)
-      s0 = plgpu.load(tile_ref.at[:, cols],
+      s0 = plgpu.load(ck_ref.at[(*tile, cols)],
                       eviction_policy="evict_first").astype(F32)
       for s in range(window):
         prod = s0 * c_ref[b, s, g, cols].astype(F32)[None, :]
         acc[s] = prod if acc[s] is None else acc[s] + prod
     return [jnp.sum(a, axis=1) for a in acc]
-  s0 = plgpu.load(tile_ref, eviction_policy="evict_first").astype(F32)
+  s0 = plgpu.load(ck_ref.at[tile], eviction_policy="evict_first").astype(F32)
   cw = c_ref[b, :, g, :].astype(F32)  # [TP, N]
   y0 = lax.dot_general(s0, cw, (((1,), (1,)), ((), ())),
                        precision=readout_dot, preferred_element_type=F32)
