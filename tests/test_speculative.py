@@ -277,6 +277,7 @@ def test_pallas_verify_fold_modes(config):
     (32, 8, "float32", dict(precompute="none", readout="xla")),
     (8, 2, "bfloat16", dict(precompute="terms", readout="xla")),
     (16, 4, "bfloat16", dict(readout_chunk=4)),
+    (16, 4, "bfloat16", dict(readout_chunk=None)),
     (32, 8, "float32", dict(precompute="none", readout_chunk=8)),
     (8, 2, "bfloat16", dict(precompute="terms", readout_chunk=64))],
     ids=str)
@@ -301,8 +302,8 @@ def test_pallas_verify_window_variants(L, T, buffer_dtype, config):
                               pk.VerifyConfig(**config))
   with pytest.raises(ValueError, match="precompute must be one of"):
     pk.VerifyConfig(precompute=True)
-  with pytest.raises(ValueError, match="readout_chunk applies to"):
-    pk.VerifyConfig(readout="xla", readout_chunk=16)
+  with pytest.raises(ValueError, match="readout_chunk must be a power"):
+    pk.VerifyConfig(readout_chunk=24)
   with pytest.raises(NotImplementedError, match="block_p and dstate >= 16"):
     rs.replay_verify(rstate, **kw, implementation="pallas",
                      config=pk.VerifyConfig(block_p=8, readout="dot_f32",

@@ -58,8 +58,9 @@ VARIANTS = {
     "xla_bp64": dict(readout="xla", block_p=64),
     "xla_w2": dict(readout="xla", num_warps=2),
     "xla_terms": dict(precompute="terms", readout="xla"),
+    "whole": dict(readout_chunk=None),
     "chunk16": dict(readout_chunk=16),
-    "chunk32": dict(readout_chunk=32),
+    "chunk64": dict(readout_chunk=64),
     "chunk16_bp64": dict(readout_chunk=16, block_p=64),
     "chunk16_terms": dict(readout_chunk=16, precompute="terms"),
     "reference": None,  # the XLA reference op (implementation="reference")
