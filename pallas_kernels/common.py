@@ -9,6 +9,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 import numpy as np
 
 from replayssm_jax import precision as P
@@ -130,6 +132,9 @@ class ReplayConfig(_LaunchConfig):
       benchmarks/kernel_mosaic_h200.md): slower than "triton" on every
       state tried (non-flush step at batch 256: f32 324 vs 284 µs, f16 203
       vs 164, f32 master + fp8 copy 145 vs 132).
+    readout_chunk: the Triton output route loads and reads out its state
+      tile in [block_p, readout_chunk] column blocks (see
+      `VerifyConfig.readout_chunk`); None: the whole dstate at once.
     flush_num_warps, flush_num_stages: Triton launch parameters of the
       separate flush-route kernel (None: num_warps / num_stages; the fused
       kernel uses those).
@@ -148,14 +153,18 @@ class ReplayConfig(_LaunchConfig):
   flush_num_warps: int | None = None
   flush_num_stages: int | None = None
   output_route: str = "triton"
+  readout_chunk: int | None = None
 
   def __post_init__(self):
     super().__post_init__()
     _check_choice("flush_grid", self.flush_grid, ("rows", "persistent"))
     _check_choice("output_route", self.output_route,
                   ("triton", "mosaic_gpu"))
+    if self.readout_chunk is not None:
+      _check_pow2("readout_chunk", self.readout_chunk)
     clash = [name for name in ("output_all_rows", "precompute_bc",
-                               "output_prefetch", "fused_launch")
+                               "output_prefetch", "fused_launch",
+                               "readout_chunk")
              if getattr(self, name)]
     if self.output_route == "mosaic_gpu" and clash:
       raise ValueError(
@@ -247,6 +256,36 @@ class VerifyConfig(_LaunchConfig):
     _check_count("fold_programs", self.fold_programs)
     if self.readout_chunk is not None:
       _check_pow2("readout_chunk", self.readout_chunk)
+
+
+def load_tile_blocks(ref, tile, chunk):
+  """ref[tile] ([block_p, N]) as a list of [block_p, chunk] column blocks
+  (chunk None: one block), each loaded on its own (evict-first: a state
+  tile is read once). A narrower block spans fewer lanes of a warp along
+  N, so a reduction over N after `readouts` sums the blocks takes fewer
+  cross-lane shuffle rounds."""
+  nstate = ref.shape[-1]
+  chunk = min(chunk or nstate, nstate)
+  return [plgpu.load(ref.at[(*tile, pl.ds(k * chunk, chunk))],
+                     eviction_policy="evict_first")
+          for k in range(nstate // chunk)]
+
+
+def readouts(blocks, vectors):
+  """sum_n S[:, n] v[n] ([block_p] f32) of the tile S given as column
+  blocks (`load_tile_blocks`), for each v in vectors: callables taking the
+  block's column slice and returning v there ([chunk], any float dtype).
+  The products are summed over the blocks elementwise, then reduced once
+  per vector."""
+  chunk = blocks[0].shape[-1]
+  out = []
+  for v in vectors:
+    acc = None
+    for k, blk in enumerate(blocks):
+      prod = blk.astype(F32) * v(pl.ds(k * chunk, chunk)).astype(F32)[None, :]
+      acc = prod if acc is None else acc + prod
+    out.append(jnp.sum(acc, axis=1))
+  return out
 
 
 def finish_output(y, x, D, z):

@@ -132,7 +132,8 @@ def _unpack(refs, n_in, n_out, has_D, has_z, has_bias):
 
 
 def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
-                   scaled=False, prefetch_heads=False, **kw):
+                   scaled=False, prefetch_heads=False, readout_chunk=None,
+                   **kw):
   """Output route: y from checkpoint + buffer; non-flush rows append.
 
   With all_rows, flush rows take this route for y as well (the formula holds
@@ -151,14 +152,16 @@ def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
                 precomputed_bc=precomputed_bc, scaled=scaled,
                 block_p=kw["block_p"],
                 heads_per_program=kw["heads_per_program"],
-                prefetch_heads=prefetch_heads)
+                prefetch_heads=prefetch_heads, readout_chunk=readout_chunk)
 
 
 def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
-                  block_p, heads_per_program, prefetch_heads=False):
+                  block_p, heads_per_program, prefetch_heads=False,
+                  readout_chunk=None):
   """The output route of item p (see _output_kernel for the refs);
   prefetch_heads: load the checkpoint tiles of all the program's heads
-  before computing any (a Python loop over the heads)."""
+  before computing any (a Python loop over the heads); readout_chunk: the
+  tile's column blocks (`common.load_tile_blocks`)."""
   d_ref, z_ref, _ = opt
   ck_ref, xb_ref, bb_ref, dtb_ref, _, x_ref, _, _, b_ref = ins[:9]
   c_ref = ins[9]
@@ -189,8 +192,8 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
     bc = jnp.where(p.cur, bc_cur, bc_hist)  # [L]
 
     def load_tile(r):
-      return plgpu.load(ck_ref.at[b, p.head0 + r, ps],
-                        eviction_policy="evict_first")
+      return common.load_tile_blocks(ck_ref, (b, p.head0 + r, ps),
+                                     readout_chunk)
 
     def one_head(r, carry, s0=None):
       h = p.head0 + r
@@ -205,7 +208,8 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
                                                 (p.L, block_p)),
                           other=0.0).astype(F32)  # [L, block_p]
       x_win = jnp.where(p.cur[:, None], x_cur[None, :], x_hist)
-      readout = jnp.sum(s0.astype(F32) * cv[None, :], axis=1)  # [block_p]
+      (readout,) = common.readouts(  # [block_p]
+          s0, [lambda cols: c_ref[b, g, cols]])
       if scale is not None:
         # precision.dequantize is q * scale per (head, headdim row), so the
         # scale factors out of the dstate sum: one multiply per row, not
@@ -559,7 +563,7 @@ def persistent_items(pid, active, item, *, num_programs, nheads, nblk,
 
 def _fused_kernel(*refs, has_D, has_z, has_bias, num_programs,
                   out_programs, ngroups, unroll, fold_dot, nheads,
-                  flush_block_p, prefetch=False, **kw):
+                  flush_block_p, prefetch=False, readout_chunk=None, **kw):
   """Both routes in one launch (`ReplayConfig(fused_launch=True)`).
 
   Programs [0, num_programs) run the persistent flush route (first, so
@@ -594,7 +598,8 @@ def _fused_kernel(*refs, has_D, has_z, has_bias, num_programs,
                           b=q // (out_programs * ngroups), **kw)
     _output_route(p, ins[:10], opt, outs[:5], all_rows=False,
                   precomputed_bc=False, scaled=False, block_p=kw["block_p"],
-                  heads_per_program=kw["heads_per_program"])
+                  heads_per_program=kw["heads_per_program"],
+                  readout_chunk=readout_chunk)
 
 
 def _mosaic_output_route(rstate, read, x, dt, A, B, C, D, z, dt_bias,
@@ -815,7 +820,8 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
         _fused_kernel, num_programs=nprog, out_programs=n0,
         ngroups=ngroups, unroll=config.flush_unroll, fold_dot=fold_dot,
         nheads=nheads, flush_block_p=flush_block_p,
-        prefetch=config.flush_prefetch, **kw)
+        prefetch=config.flush_prefetch, readout_chunk=config.readout_chunk,
+        **kw)
     y, xb, bb, dtb, cnt, ck = pl.pallas_call(
         kernel, grid=(nprog + n0 * ngroups * batch,),
         out_shape=(sds((batch, nheads, headdim), x.dtype),
@@ -849,7 +855,8 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     y, xb, bb, dtb, cnt = pl.pallas_call(
         functools.partial(_output_kernel, all_rows=config.output_all_rows,
                           precomputed_bc=config.precompute_bc,
-                          prefetch_heads=config.output_prefetch, **out_kw,
+                          prefetch_heads=config.output_prefetch,
+                          readout_chunk=config.readout_chunk, **out_kw,
                           **kw),
         grid=grid(block_p),
         out_shape=(sds((batch, nheads, headdim), x.dtype),

@@ -188,23 +188,15 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
 
 def _readouts(ck_ref, tile, c_ref, b, g, window, readout_dot, chunk):
   """S C_s ([block_p] f32) of the checkpoint tile (ck_ref[tile]:
-  [block_p, N]) for the T window positions: T dstate reductions (readout_dot None) of
-  the products summed over [block_p, chunk] column blocks (chunk None: N),
-  or one [block_p, N] x [N, TP] dot at that precision, c_ref then holding
-  C padded with zero rows to TP = 16 positions (Triton's smallest dot
-  tile)."""
-  nstate = ck_ref.shape[-1]
+  [block_p, N]) for the T window positions: T dstate reductions
+  (readout_dot None) over [block_p, chunk] column blocks
+  (`common.readouts`), or one [block_p, N] x [N, TP] dot at that
+  precision, c_ref then holding C padded with zero rows to TP = 16
+  positions (Triton's smallest dot tile)."""
   if readout_dot is None:
-    chunk = min(chunk or nstate, nstate)
-    acc = [None] * window
-    for k in range(nstate // chunk):
-      cols = pl.ds(k * chunk, chunk)
-      s0 = plgpu.load(ck_ref.at[(*tile, cols)],
-                      eviction_policy="evict_first").astype(F32)
-      for s in range(window):
-        prod = s0 * c_ref[b, s, g, cols].astype(F32)[None, :]
-        acc[s] = prod if acc[s] is None else acc[s] + prod
-    return [jnp.sum(a, axis=1) for a in acc]
+    return common.readouts(
+        common.load_tile_blocks(ck_ref, tile, chunk),
+        [lambda cols, s=s: c_ref[b, s, g, cols] for s in range(window)])
   s0 = plgpu.load(ck_ref.at[tile], eviction_policy="evict_first").astype(F32)
   cw = c_ref[b, :, g, :].astype(F32)  # [TP, N]
   y0 = lax.dot_general(s0, cw, (((1,), (1,)), ((), ())),

@@ -96,6 +96,11 @@ REPLAY_CONFIGS = [
                     fused_launch=True),
     # The output route's state read by the Mosaic GPU readout kernel.
     pk.ReplayConfig(output_route="mosaic_gpu", flush_programs=3),
+    # The state tile read out in dstate column blocks (both launch forms).
+    pk.ReplayConfig(block_p=8, readout_chunk=4, fused_launch=False),
+    pk.ReplayConfig(readout_chunk=8, fused_launch=True),
+    pk.ReplayConfig(block_p=8, heads_per_program=2, output_prefetch=True,
+                    readout_chunk=4),
 ]
 
 
@@ -239,7 +244,8 @@ def test_mosaic_output_route_config_is_checked():
   with pytest.raises(ValueError, match="output_route must be one of"):
     pk.ReplayConfig(output_route="cuda")
   for clash in (dict(fused_launch=True), dict(output_all_rows=True),
-                dict(precompute_bc=True), dict(output_prefetch=True)):
+                dict(precompute_bc=True), dict(output_prefetch=True),
+                dict(readout_chunk=16)):
     with pytest.raises(ValueError, match=f"{next(iter(clash))}"):
       pk.ReplayConfig(output_route="mosaic_gpu", **clash)
 
@@ -432,6 +438,7 @@ POLICY_CASES = [
     ("f32+fp8", pk.ReplayConfig(output_route="mosaic_gpu")),
     ("f32+int8", pk.ReplayConfig(output_route="mosaic_gpu",
                                  flush_grid="rows")),
+    ("f16+fp8", pk.ReplayConfig(readout_chunk=4)),
 ]
 POLICY_L = 4
 POLICY_STEPS = 2 * POLICY_L + 1  # every row flushes twice
@@ -709,6 +716,8 @@ LOWERING_REPLAY_CONFIGS = [
                     flush_num_warps=8, flush_num_stages=3),
     pk.ReplayConfig(fused_launch=True, flush_prefetch=True),
     pk.ReplayConfig(heads_per_program=2, output_prefetch=True),
+    pk.ReplayConfig(readout_chunk=32, fused_launch=False),
+    pk.ReplayConfig(readout_chunk=16, fused_launch=True),
 ]
 
 
@@ -726,7 +735,8 @@ LOWERING_CASES = [(c, None) for c in LOWERING_REPLAY_CONFIGS] + [
     (_ROWS_CONFIG, "f32+int8"), (_ROWS_CONFIG, "f16+fp8+sr"),
     (LOWERING_REPLAY_CONFIGS[3], "f32+fp8"),
     (LOWERING_REPLAY_CONFIGS[6], "f32+fp8+sr"),
-    (LOWERING_REPLAY_CONFIGS[8], "f32+fp8")]
+    (LOWERING_REPLAY_CONFIGS[8], "f32+fp8"),
+    (LOWERING_REPLAY_CONFIGS[9], "f16+fp8")]
 
 
 def _lowering_state(batch, buffer_len, policy, dims):
