@@ -134,7 +134,11 @@ class ReplayConfig(_LaunchConfig):
       vs 164, f32 master + fp8 copy 145 vs 132).
     readout_chunk: the Triton output route loads and reads out its state
       tile in [block_p, readout_chunk] column blocks (see
-      `VerifyConfig.readout_chunk`); None: the whole dstate at once.
+      `VerifyConfig.readout_chunk`); None: the whole dstate at once. H200
+      (session 9, benchmarks/kernel_policies_h200_session9.md): the
+      non-flush step is 9-34% slower at 32 and 50-74% at 16 (f32, f16,
+      f32 + bf16 / fp8 copies): this single readout is memory-bound, not
+      shuffle-bound.
     flush_num_warps, flush_num_stages: Triton launch parameters of the
       separate flush-route kernel (None: num_warps / num_stages; the fused
       kernel uses those).
