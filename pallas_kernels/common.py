@@ -217,30 +217,28 @@ class VerifyConfig(_LaunchConfig):
       C and appends the window. H200, hybrid_1b's layer at batch 256, T 4,
       L 16 (benchmarks/verify_sweep_h200.json, sweeps 3-5): window kernel
       "bc" 0.380 ms at block_p 32 (0.431 at 64), "none" 0.47-0.49;
-      "terms" 0.32 at block_p 32, but its XLA ops added ~0.2 ms (verify
-      0.61 vs 0.52 ms for "bc" on the device; measured at commit 46b6093,
-      before `verify_terms` shared `verify_bc` and stopped forming the
-      raw-B products off the diagonal: not re-measured).
+      "terms" 0.32 at block_p 32, but its XLA ops add ~0.2 ms (verify
+      0.58-0.61 vs 0.49-0.52 ms for "bc" on the device; sweeps 5-7).
     readout: how the window kernel reads the checkpoint tile out against
       the T positions' C: "reduce" (T dstate reductions) or one tile x C^T
       dot over the positions padded to 16, "dot_tf32x3" (3xTF32, about f32
       accuracy) or "dot_f32" (IEEE f32); the dots need block_p, dstate >=
       16. "xla": XLA reads the checkpoint out (`speculative.verify_readout`,
       one f32 [h/g * p, n] x [n, T] product per row and group) and the
-      kernel does not read the checkpoint. With "terms" the readouts are
-      all the kernel computes, and they take 2.2x the replay step's single
-      readout (sweep 5). H200 (sweep 6, session 9): the dots are slower
-      than "reduce" (window kernel 0.70 ms for 3xTF32, 1.49 for f32, 0.56
-      at block_p 64, vs 0.35).
+      kernel does not read the checkpoint. H200 (sweeps 6-7, session 9),
+      against "reduce" over the whole dstate (window kernel 0.35 ms, 0.49
+      per verify): the dots are slower (0.70 ms for 3xTF32, 1.49 for f32,
+      0.56 at block_p 64); "xla" takes the kernel to 0.16 ms, but XLA's
+      product adds 0.19 (0.51 per verify).
     readout_chunk: with "reduce" (ignored otherwise), the checkpoint tile
       is loaded and multiplied in [block_p, readout_chunk] column blocks
       that are summed elementwise before one reduction per position; a
       narrower block spans fewer lanes of a warp along dstate, so each
       reduction takes fewer cross-lane shuffles (a [block_p, 128] f32 tile
       spans all 32 lanes: 5 shuffle rounds per row; 32 columns span 8
-      lanes: 3 rounds). None: the whole dstate at once. H200 (sweep 6):
-      window kernel 0.26 ms at 32 (the default), 0.28 at 16, 0.35-0.38
-      with the whole dstate.
+      lanes: 3 rounds). None: the whole dstate at once. H200 (sweeps
+      8-10): window kernel 0.26 ms at 32 (the default; 0.40 per verify),
+      0.28 at 16 and 64, 0.35-0.38 with the whole dstate.
   """
   fold: str | None = None
   fold_grid: str = "persistent"

@@ -34,11 +34,12 @@ from replayssm_jax import profiling
 from replayssm_jax import speculative as spec
 from replayssm_jax import testing
 
-# name -> VerifyConfig keyword arguments. Sessions 7-8
-# (benchmarks/verify_sweep_h200.json): B.C precomputed at block_p 32 (now
-# the default) fastest; block_p 16 / 64 and 8 warps slower; the window
-# outputs as small dots and the recurrent window form (both since
-# removed) slower.
+# name -> VerifyConfig keyword arguments (None: the XLA reference op).
+# Sessions 7-9 (benchmarks/verify_sweep_h200.json): B.C precomputed at
+# block_p 32 with the readouts over 32-column blocks (the default)
+# fastest; block_p 16 / 64, 2 and 8 warps, the readout dots, XLA's readout
+# and whole-dstate reductions slower; the window outputs as small dots and
+# the recurrent window form (both since removed) slower.
 VARIANTS = {
     "default": {},
     "bp64": dict(block_p=64),
