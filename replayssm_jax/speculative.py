@@ -98,7 +98,7 @@ def replay_verify(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
 def replay_verify_reference(rstate, x, dt, A, B, C, D=None, z=None,
                             dt_bias=None, dt_softplus=False):
   """Pure-JAX `replay_verify` (validated inputs; f32 accumulation)."""
-  L, T, h = rstate.buffer_len, x.shape[1], rstate.nheads
+  L, T = rstate.buffer_len, x.shape[1]
   c = rstate.count.astype(jnp.int32)
   in_range = (c >= 0) & (c < L)
   slot = jnp.arange(L)[None, :]  # [1, L]
