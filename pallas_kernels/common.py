@@ -210,7 +210,12 @@ class VerifyConfig(_LaunchConfig):
       "none": nothing; every program forms its head's decay weights and
       the B.C products of the history and window against each position's
       C (the group's B buffer is read and reduced once per head and
-      headdim block). "bc": the B.C products, per row and group. "terms":
+      headdim block). "bc": the B.C products, per row and group
+      (`speculative.verify_bc` as einsums; "bc_reduce": the same as
+      elementwise products summed over dstate, so that XLA emits
+      reduction fusions instead of a GEMM fusion, which took 30 of the
+      ~45 µs of XLA ops per verify in sweeps 6-10; not yet run on a GPU).
+      "terms":
       everything but the checkpoint (`speculative.verify_terms`: decay
       [b, T, h] and the history and window contributions [b, T, h, p]),
       so the kernel reads the checkpoint tile out against the T positions'
@@ -249,7 +254,8 @@ class VerifyConfig(_LaunchConfig):
 
   def __post_init__(self):
     super().__post_init__()
-    _check_choice("precompute", self.precompute, ("none", "bc", "terms"))
+    _check_choice("precompute", self.precompute,
+                  ("none", "bc", "bc_reduce", "terms"))
     _check_choice("readout", self.readout,
                   ("reduce", "dot_tf32x3", "dot_f32", "xla"))
     _check_choice("fold", self.fold, ("rank1", "dot_tf32x3", "dot_f32"),

@@ -206,17 +206,29 @@ def verify_readout(checkpoint, C):
   return y.reshape(b, T, h, p)
 
 
-def verify_bc(b_buf, B, C):
+def verify_bc(b_buf, B, C, form: str = "dot"):
   """The B.C products of a verify window, per (row, group), in f32:
   history [b, g, L, T] (B as stored in the buffer, against each position's
   C), earlier window tokens [b, g, T(i), T(s)] (B rounded to the buffer
   dtype, as they are read back) and each position's own [b, g, T] (B as
-  given). Reads the B buffer once per row, not once per head."""
+  given). Reads the B buffer once per row, not once per head.
+
+  form: "dot" (einsums; on the GPU XLA emits the history's as a GEMM
+  fusion) or "reduce" (elementwise products summed over dstate, which XLA
+  emits as reduction fusions). Both are f32 throughout."""
+  if form not in ("dot", "reduce"):
+    raise ValueError(f"form must be 'dot' or 'reduce', got {form!r}.")
   f = lambda v: v.astype(F32)  # noqa: E731
   c = f(C)  # [b, T, g, n]
+  b_win = f(B.astype(b_buf.dtype))
+  if form == "reduce":
+    def prod(u, v):  # [b, i, g, n] x [b, s, g, n] -> [b, g, i, s]
+      return jnp.transpose(jnp.sum(u[:, :, None] * v[:, None], axis=-1),
+                           (0, 3, 1, 2))
+    return (prod(f(b_buf), c), prod(b_win, c),
+            jnp.transpose(jnp.sum(f(B) * c, axis=-1), (0, 2, 1)))
   hist = jnp.einsum("bjgn,bsgn->bgjs", f(b_buf), c, precision=HIGHEST)
-  win = jnp.einsum("bign,bsgn->bgis", f(B.astype(b_buf.dtype)), c,
-                   precision=HIGHEST)
+  win = jnp.einsum("bign,bsgn->bgis", b_win, c, precision=HIGHEST)
   own = jnp.einsum("bsgn,bsgn->bgs", f(B), c, precision=HIGHEST)
   return hist, win, own
 

@@ -277,6 +277,8 @@ def test_pallas_verify_fold_modes(config):
     (32, 8, "float32", dict(precompute="none", readout="xla")),
     (8, 2, "bfloat16", dict(precompute="terms", readout="xla")),
     (16, 4, "bfloat16", dict(readout_chunk=4)),
+    (16, 4, "bfloat16", dict(precompute="bc_reduce")),
+    (32, 8, "float32", dict(precompute="bc_reduce", readout_chunk=None)),
     (16, 4, "bfloat16", dict(readout_chunk=None)),
     (32, 8, "float32", dict(precompute="none", readout_chunk=8)),
     (8, 2, "bfloat16", dict(precompute="terms", readout_chunk=64))],
@@ -308,6 +310,24 @@ def test_pallas_verify_window_variants(L, T, buffer_dtype, config):
     rs.replay_verify(rstate, **kw, implementation="pallas",
                      config=pk.VerifyConfig(block_p=8, readout="dot_f32",
                                             fold="rank1"))
+
+
+def test_verify_bc_forms_agree():
+  """speculative.verify_bc as einsums and as products summed over dstate:
+  the same B.C products (f32 either way), on fresh random inputs with a
+  bf16 buffer (the window tokens rounded to it)."""
+  from replayssm_jax import speculative as spec  # pylint: disable=g-import-not-at-top
+  k1, k2, k3 = jax.random.split(jax.random.PRNGKey(71), 3)
+  b_buf = jax.random.normal(k1, (3, 8, 2, 16), jnp.bfloat16)
+  B = jax.random.normal(k2, (3, 4, 2, 16), jnp.float32)
+  C = jax.random.normal(k3, (3, 4, 2, 16), jnp.float32)
+  dot = spec.verify_bc(b_buf, B, C)
+  red = spec.verify_bc(b_buf, B, C, form="reduce")
+  for name, d, r in zip(("hist", "win", "own"), dot, red):
+    assert d.shape == r.shape, (name, d.shape, r.shape)
+    testing.assert_close(r, d, testing.TOLERANCES["float32"], name)
+  with pytest.raises(ValueError, match="form must be"):
+    spec.verify_bc(b_buf, B, C, form="tf32")
 
 
 def test_pallas_verify_refuses_non_pow2_window():

@@ -64,6 +64,7 @@ VARIANTS = {
     "chunk64": dict(readout_chunk=64),
     "chunk16_bp64": dict(readout_chunk=16, block_p=64),
     "chunk16_terms": dict(readout_chunk=16, precompute="terms"),
+    "bc_reduce": dict(precompute="bc_reduce"),
     "reference": None,  # the XLA reference op (implementation="reference")
 }
 
