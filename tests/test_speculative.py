@@ -276,18 +276,19 @@ def test_pallas_verify_fold_modes(config):
     (16, 4, "bfloat16", dict(readout="xla")),
     (32, 8, "float32", dict(precompute="none", readout="xla")),
     (8, 2, "bfloat16", dict(precompute="terms", readout="xla")),
-    (16, 4, "bfloat16", dict(readout_chunk=4)),
     (16, 4, "bfloat16", dict(precompute="bc_reduce")),
     (32, 8, "float32", dict(precompute="bc_reduce", readout_chunk=None)),
+    (16, 4, "bfloat16", dict(readout_chunk=4)),
     (16, 4, "bfloat16", dict(readout_chunk=None)),
     (32, 8, "float32", dict(precompute="none", readout_chunk=8)),
     (8, 2, "bfloat16", dict(precompute="terms", readout_chunk=64))],
     ids=str)
 def test_pallas_verify_window_variants(L, T, buffer_dtype, config):
   """The window kernel with each `VerifyConfig.precompute` (nothing, the
-  B.C products, every term but the checkpoint's) and readout (reductions,
-  in dstate column blocks, dots, XLA's) == the reference, with rows that fold, rows that do not, and
-  buffer rounding of the earlier window tokens."""
+  B.C products as einsums or sums, every term but the checkpoint's) and
+  readout (reductions, over dstate column blocks or not, dots, XLA's) ==
+  the reference, with rows that fold, rows that do not, and buffer
+  rounding of the earlier window tokens."""
   import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
   b, h, p, n, g = 5, 4, 16, 16, 2
   key = jax.random.PRNGKey(43 + T)
