@@ -215,11 +215,10 @@ class VerifyConfig(_LaunchConfig):
       elementwise products summed over dstate, so that XLA emits
       reduction fusions instead of a GEMM fusion, which took 30 of the
       ~45 µs of XLA ops per verify in sweeps 6-10; not yet run on a GPU).
-      "terms":
-      everything but the checkpoint (`speculative.verify_terms`: decay
-      [b, T, h] and the history and window contributions [b, T, h, p]),
-      so the kernel reads the checkpoint tile out against the T positions'
-      C and appends the window. H200, hybrid_1b's layer at batch 256, T 4,
+      "terms": everything but the checkpoint (`speculative.verify_terms`:
+      decay [b, T, h] and the history and window contributions [b, T, h,
+      p]), so the kernel reads the checkpoint tile out against the T
+      positions' C and appends the window. H200, hybrid_1b's layer at batch 256, T 4,
       L 16 (benchmarks/verify_sweep_h200.json, sweeps 3-5): window kernel
       "bc" 0.380 ms at block_p 32 (0.431 at 64), "none" 0.47-0.49;
       "terms" 0.32 at block_p 32, but its XLA ops add ~0.2 ms (verify

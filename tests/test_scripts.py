@@ -19,10 +19,11 @@ def _run(script, *args):
 
 def test_verify_sweep_tiny(tmp_path):
   out = tmp_path / "verify_sweep.json"
-  _run("verify_sweep.py", "--tiny", "--variants", "default,terms",
+  _run("verify_sweep.py", "--tiny", "--variants", "default,terms,reference",
        "--out", str(out))
   res = json.loads(out.read_text())
-  assert set(res["variants"]) == {"default", "terms"}
+  assert set(res["variants"]) == {"default", "terms", "reference"}
+  assert res["variants"]["reference"]["implementation"] == "reference"
   for name, r in res["variants"].items():
     assert r["check"] == "PASS", (name, r.get("error"))
     assert r["device_ms_per_iter"] > 0 and r["top"]

@@ -93,8 +93,8 @@ def loop_splits(model, prompts, lengths, t: int, n_new: int) -> dict:
   iteration pays beyond verify + commit (proposer, acceptance, history
   updates, copies)."""
   b = prompts.shape[0]
-  kw = dict(buffer_len=16, checkpoint_dtype="float32", temperature=1000.0,
-            rng=jax.random.PRNGKey(8))
+  state_kw = dict(buffer_len=16, checkpoint_dtype="float32")
+  kw = dict(state_kw, temperature=1000.0, rng=jax.random.PRNGKey(8))
   proposer = FlatOracleProposer(0.7, model.config.vocab_size)
   out = {}
   for name in ("plain", "replay", "baseline"):
@@ -102,7 +102,7 @@ def loop_splits(model, prompts, lengths, t: int, n_new: int) -> dict:
 
     def pre(mode=mode):
       st = model.init_state(b, prompts.shape[1] + n_new + t, ssm_mode=mode,
-                            buffer_len=16, checkpoint_dtype="float32")
+                            **state_kw)
       return prefill(model, prompts, lengths, st)[0]
 
     if name == "plain":
