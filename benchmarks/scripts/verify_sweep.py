@@ -35,11 +35,12 @@ from replayssm_jax import speculative as spec
 from replayssm_jax import testing
 
 # name -> VerifyConfig keyword arguments (None: the XLA reference op).
-# Sessions 7-9 (benchmarks/verify_sweep_h200.json): B.C precomputed at
-# block_p 32 with the readouts over 32-column blocks (the default)
-# fastest; block_p 16 / 64, 2 and 8 warps, the readout dots, XLA's readout
-# and whole-dstate reductions slower; the window outputs as small dots and
-# the recurrent window form (both since removed) slower.
+# Sessions 7-10 (benchmarks/verify_sweep_h200.json): B.C precomputed by
+# XLA reductions at block_p 32 with the readouts over 32-column blocks
+# (the default) fastest; the B.C einsums ("bc", a GEMM fusion), block_p
+# 16 / 64, 2 and 8 warps, the readout dots, XLA's readout and
+# whole-dstate reductions slower; the window outputs as small dots and the
+# recurrent window form (both since removed) slower.
 VARIANTS = {
     "default": {},
     "bp64": dict(block_p=64),
@@ -64,7 +65,7 @@ VARIANTS = {
     "chunk64": dict(readout_chunk=64),
     "chunk16_bp64": dict(readout_chunk=16, block_p=64),
     "chunk16_terms": dict(readout_chunk=16, precompute="terms"),
-    "bc_reduce": dict(precompute="bc_reduce"),
+    "bc_einsum": dict(precompute="bc"),
     "reference": None,  # the XLA reference op (implementation="reference")
 }
 
