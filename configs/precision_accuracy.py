@@ -45,6 +45,9 @@ Fields (override any with --config.<field>=...):
   baseline_contrast: also decode with the baseline state stored every step
     in each policy's storage dtype (`states.baseline_storage_dtype`) and
     rounding.
+  baseline_policies: the presets whose every-step baselines run (None:
+    `policies`); e.g. policies=("f32",) with baseline_policies=POLICIES
+    runs the baselines without the replay rows of the other presets.
   eval_batches, eval_batch_size: validation batches per model.
   within_points: the accuracy band (percentage points) reported as "within".
 """
@@ -84,6 +87,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.buffer_dtype = "float32"
   config.sr_seed = 1234
   config.baseline_contrast = True
+  config.baseline_policies = None
   config.eval_batches = 4
   config.eval_batch_size = 32
   config.within_points = 1.0

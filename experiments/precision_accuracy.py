@@ -215,7 +215,7 @@ def evaluate_model(entry, model, task, config, writer) -> list[dict]:
 
   if config.baseline_contrast:
     done = {("float32", "rn")}  # the reference itself
-    for name in config.policies:
+    for name in _baseline_policies(config):
       policy = make_policy(name, config)
       key = baseline_key(policy)
       if key in done:
@@ -227,6 +227,18 @@ def evaluate_model(entry, model, task, config, writer) -> list[dict]:
                   label=f"{_SHORT[key[0]]}+{key[1]}", policy=name, L=None,
                   storage_dtype=key[0], rounding=key[1]), m, t0)
   return records
+
+
+def _baseline_policies(config) -> tuple:
+  """The presets whose every-step baselines run."""
+  names = config.get("baseline_policies")
+  return tuple(config.policies if names is None else names)
+
+
+def _table_policies(config) -> tuple:
+  """The report's rows: the replay presets, then any baseline-only ones."""
+  extra = [n for n in _baseline_policies(config) if n not in config.policies]
+  return tuple(config.policies) + tuple(dict.fromkeys(extra))
 
 
 # ---------------------------------------------------------------- reports
@@ -255,7 +267,7 @@ def _report(config, workdir, models, records) -> str:
     baselines = {(r["storage_dtype"], r["rounding"]): r for r in mine
                  if r["kind"] == "baseline"}
     rows = []
-    for pname in config.policies:
+    for pname in _table_policies(config):
       row = {"policy": pname}
       for r in mine:
         if r["kind"] == "replay" and r["policy"] == pname:
@@ -311,7 +323,7 @@ def _plot(config, workdir, models, records) -> str:
         ("delta_accuracy_points", "accuracy - f32 reference (points)"),
         ("disagreement_pct", "greedy predictions != f32 reference (%)"))):
       ax = axes[i][j]
-      for k, pname in enumerate(config.policies):
+      for k, pname in enumerate(_table_policies(config)):
         color = f"C{k % 10}"
         rs = sorted((r for r in mine if r["kind"] == "replay"
                      and r["policy"] == pname), key=lambda r: r["L"])
@@ -354,7 +366,7 @@ def _check_config(config):
   for L in config.buffer_lens:
     if isinstance(L, bool) or not isinstance(L, int) or L < 1:
       raise ValueError(f"config.buffer_lens must hold ints >= 1, got {L!r}.")
-  for name in config.policies:
+  for name in _table_policies(config):
     make_policy(name, config)  # raises naming the preset / field
 
 

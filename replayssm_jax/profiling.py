@@ -99,14 +99,19 @@ def op_times(fn, *args, iters: int = 5, top: int = 30) -> dict:
                          f"*.xplane.pb under {d}.")
     data = profiler.ProfileData.from_file(files[0])
     by_op = collections.defaultdict(float)
-    kernels = {}
+    # op -> kernel -> ns: one HLO op can launch several kernels (a cuBLAS
+    # GEMM custom call after a memset of its output), so an op is named by
+    # its longest kernel and categorized on all of them.
+    op_kernels = collections.defaultdict(lambda: collections.defaultdict(float))
     for op, kernel, ns in _events(data):
       by_op[op] += ns
-      kernels.setdefault(op, kernel)
+      op_kernels[op][kernel] += ns
+  kernels = {op: max(ks, key=ks.get) for op, ks in op_kernels.items()}
   per_call = lambda ns: ns / iters / 1e6  # ms
+  cats = {op: category(op, " ".join(ks)) for op, ks in op_kernels.items()}
   by_category = collections.defaultdict(float)
   for op, ns in by_op.items():
-    by_category[category(op, kernels[op])] += per_call(ns)
+    by_category[cats[op]] += per_call(ns)
   ranked = sorted(by_op.items(), key=lambda kv: -kv[1])
   graphs = per_call(sum(ns for op, ns in by_op.items()
                         if op.startswith("command_buffer")))
@@ -123,6 +128,6 @@ def op_times(fn, *args, iters: int = 5, top: int = 30) -> dict:
       device_ms=device_ms,
       command_buffer_ms=graphs,
       by_category=dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
-      top=[dict(hlo_op=op, kernel=kernels[op][:120],
-                category=category(op, kernels[op]), ms=per_call(ns))
+      top=[dict(hlo_op=op, kernel=kernels[op][:120], category=cats[op],
+                ms=per_call(ns))
            for op, ns in ranked[:top]])

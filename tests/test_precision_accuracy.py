@@ -102,10 +102,18 @@ def test_precision_accuracy_smoke(tmp_path):
   train_dir = out["models"][0]["train_workdir"]
   assert train_dir == os.path.join(workdir, "train", "char_smoke_ssm")
   mtime = os.path.getmtime(os.path.join(train_dir, "metrics.jsonl"))
+  # ... here running f32's replay rows and int8+sr's every-step baseline
+  # only (baseline_policies), the same figures as the first run.
   config.policies = ("f32",)
   config.buffer_lens = (4,)
-  config.baseline_contrast = False
+  config.baseline_policies = ("f32+int8+sr",)
   again = precision_accuracy.run(config, workdir)
   assert os.path.getmtime(os.path.join(train_dir, "metrics.jsonl")) == mtime
-  r2 = next(r for r in again["records"] if r["kind"] == "replay")
+  kinds = [(r["kind"], r["label"], r["L"]) for r in again["records"]]
+  assert kinds == [("reference", "f32 baseline", None),
+                   ("replay", "f32", 4), ("baseline", "int8+sr", None)]
+  r2, b2 = again["records"][1:]
   assert r2["accuracy"] == replay[("f32", 4)]["accuracy"]
+  assert b2["accuracy"] == base["int8+sr"]["accuracy"]
+  with open(os.path.join(workdir, "summary.md")) as f:
+    assert "| f32+int8+sr | - | int8+sr: " in f.read()
