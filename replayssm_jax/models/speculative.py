@@ -46,8 +46,8 @@ from replayssm_jax import _validation as V
 from replayssm_jax.models import model as M
 from replayssm_jax.models import states as S
 from replayssm_jax.models.generate import (check_prompts_and_eos,
-                                           sample_logits, sampling_probs,
-                                           sampling_settings)
+                                           filter_logits, sample_logits,
+                                           sampling_probs, sampling_settings)
 from replayssm_jax.models.layers import check_speculative_precision
 from replayssm_jax.speculative import baseline_commit, replay_commit
 from replayssm_jax.state import ReplayState
@@ -520,36 +520,48 @@ def accept(logits, drafts, num_drafts, q, sampling, rng):
   """
   b, t, vocab = logits.shape
   t1 = t - 1
-  greedy = sampling[0]
   valid = jnp.arange(t1)[None, :] < num_drafts[:, None]  # [b, T-1]
   rows = jnp.arange(b)
 
   def accepted(ok):
     return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
 
-  top = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [b, T]
-  a_greedy = accepted((drafts == top[:, :t1]) & valid)
-  next_greedy = top[rows, a_greedy]
+  def greedy_accept():
+    top = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [b, T]
+    a = accepted((drafts == top[:, :t1]) & valid)
+    return a, top[rows, a]
 
-  p = sampling_probs(logits, *sampling)  # [b, T, vocab]
-  k_u, k_s = jax.random.split(rng)
-  if t1:
-    qf = jax.nn.one_hot(drafts, vocab, dtype=F32) if q is None else q
-    pd = jnp.take_along_axis(p[:, :t1], drafts[..., None], -1)[..., 0]
-    qd = jnp.take_along_axis(qf, drafts[..., None], -1)[..., 0]
-    u = jax.random.uniform(k_u, (b, t1), F32)
-    a_samp = accepted((u * qd < pd) & valid)  # u < p/q, q > 0 for a draw
-    p_a = p[rows, a_samp]  # [b, vocab]
-    resid = jnp.maximum(p_a - qf[rows, jnp.minimum(a_samp, t1 - 1)], 0.0)
-    z = jnp.sum(resid, axis=-1, keepdims=True)
-    rejected = (a_samp < num_drafts)[:, None] & (z > 0)
-    dist = jnp.where(rejected, resid / jnp.where(z > 0, z, 1.0), p_a)
-  else:
-    a_samp = jnp.zeros((b,), jnp.int32)
-    dist = p[:, 0]
-  next_samp = jax.random.categorical(k_s, jnp.log(dist), axis=-1)
-  return (jnp.where(greedy, a_greedy, a_samp).astype(jnp.int32),
-          jnp.where(greedy, next_greedy, next_samp).astype(jnp.int32))
+  def sample_accept():
+    # p_s = softmax(masked_s) is never materialized over [b, T, vocab]: the
+    # acceptance needs p_s(d) (a gather minus the log-normalizer) and the
+    # residual needs p at one position per row.
+    masked = filter_logits(logits, *sampling)  # [b, T, vocab], -inf = out
+    lse = jax.nn.logsumexp(masked, axis=-1)  # [b, T]
+    k_u, k_s = jax.random.split(rng)
+
+    def probs_at(s):  # [b] positions -> p_s [b, vocab]
+      return jnp.exp(masked[rows, s] - lse[rows, s][:, None])
+
+    if t1:
+      qf = jax.nn.one_hot(drafts, vocab, dtype=F32) if q is None else q
+      md = jnp.take_along_axis(masked[:, :t1], drafts[..., None], -1)[..., 0]
+      pd = jnp.exp(md - lse[:, :t1])
+      qd = jnp.take_along_axis(qf, drafts[..., None], -1)[..., 0]
+      u = jax.random.uniform(k_u, (b, t1), F32)
+      a = accepted((u * qd < pd) & valid)  # u < p/q, q > 0 for a draw
+      p_a = probs_at(a)
+      resid = jnp.maximum(p_a - qf[rows, jnp.minimum(a, t1 - 1)], 0.0)
+      z = jnp.sum(resid, axis=-1, keepdims=True)
+      rejected = (a < num_drafts)[:, None] & (z > 0)
+      dist = jnp.where(rejected, resid / jnp.where(z > 0, z, 1.0), p_a)
+    else:
+      a = jnp.zeros((b,), jnp.int32)
+      dist = probs_at(a)
+    return a, jax.random.categorical(k_s, jnp.log(dist), axis=-1)
+
+  # Only the branch the settings pick runs (a select of both under vmap).
+  a, nxt = jax.lax.cond(sampling[0], greedy_accept, sample_accept)
+  return a.astype(jnp.int32), nxt.astype(jnp.int32)
 
 
 # ------------------------------------------------------------- decode loop
