@@ -11,7 +11,9 @@
 #   bash benchmarks/scripts/run_h200.sh grid both 16  # L 16 only (2.3 min; third argument: buffer lengths, e.g. 8,16)
 #   bash benchmarks/scripts/run_h200.sh decode     # hybrid_1b decode, b {64,256,512} x L {8,16,32} + split at 256 (~5 min)
 #   bash benchmarks/scripts/run_h200.sh decode_extra  # hybrid_1b batch 1 (kernels), XLA reference ops at b {1,64,256} L 16 (> 4 min: the reference part needs ~3 min more than the 115 s it got)
-#   bash benchmarks/scripts/run_h200.sh specdec    # hybrid_1b spec decoding, b {256,512}, T 4 (~4 min)
+#   bash benchmarks/scripts/run_h200.sh specdec    # hybrid_1b spec decoding, b {256,512}, T 4 (~4 min; 2.5 min in session 10)
+#   bash benchmarks/scripts/run_h200.sh specdec_small    # the same at b {1,64}, T {4,2,8} (issue 5's other batches and windows; not yet run)
+#   bash benchmarks/scripts/run_h200.sh specdec_windows  # b {256,512} at T {2,8} (not yet run)
 #   bash benchmarks/scripts/run_h200.sh profile    # where a spec-decoding iteration's time goes, b 256, with the verify split and a per-kernel split of the plain step, verify + commit, window forward and (since session 8, untimed: + ~2 min) specdec_bench's own loops per iteration (2 min in session 7; its per-kernel split needs `profile_kernels`, which runs it with XLA's CUDA graphs off)
 #   bash benchmarks/scripts/run_h200.sh launch     # fused vs separate route launches, b 16 + 64, L 16 (1.2 min)
 #   bash benchmarks/scripts/run_h200.sh mosaic     # the Mosaic GPU kernels: baseline (7 configs) vs Triton and XLA, replay with the Mosaic output route (plain, f32+fp8, f16+fp8), b 256 + 64, f32 / f16, each checked first; a Mosaic failure is recorded, not fatal (> 3 min: session 7 ran f32 in 185 s, f16 without policies in 90 s)
@@ -19,6 +21,7 @@
 #   bash benchmarks/scripts/run_h200.sh ncu_verify # Nsight Compute on the verify window kernel (default and the pre-session-8 default)
 #   bash benchmarks/scripts/run_h200.sh policies   # replay per precision policy (default and prefetching flush) vs the f16 baseline, b 256, L 16 (4.8 min with three variants in session 6; 2.5 min for 4 policies x 3 in session 9)
 #   bash benchmarks/scripts/run_h200.sh precision small  # train the <task>_small_ssm models if missing, then the accuracy study (sizes tiny|small|medium|large; tiny took > 4.5 min with the old MQAR task, the full 12-policy study needs several calls or fewer policies)
+#   bash benchmarks/scripts/run_h200.sh precision_mqar1024_rest  # retrains mqar_medium_ssm, then mqar_medium_ssm@1024's rows session 5 did not reach (f32, bf16+sr, f16+sr at every L; the 8 every-step baselines) (not yet run; session 5's whole medium study took > 9 min)
 #   bash benchmarks/scripts/run_h200.sh precision_rest  # trains mqar_large_ssm + char_large_ssm, evaluates mqar_large_ssm@1024 and char_large_ssm (12 policies; > 9.6 min: session 6 ran it to its 575 s limit, inside char_large_ssm)
 #   bash benchmarks/scripts/run_h200.sh decode8b   # Nemotron-H-8B shapes (random bf16 weights), b {64,256}, L 16 (3 min)
 #   bash benchmarks/scripts/run_h200.sh decode8b_split  # the same at b 256 only, with the per-part time split (not yet run)
@@ -75,6 +78,14 @@ case "$1" in
     timeout "$T" python -m experiments.specdec_bench --config=configs/specdec_bench.py \
       --workdir="$OUT/specdec" --config.bench.batches='(256,512)' \
       --config.bench.windows='(4,)' ;;
+  specdec_small)
+    timeout "$T" python -m experiments.specdec_bench --config=configs/specdec_bench.py \
+      --workdir="$OUT/specdec_small" --config.bench.batches='(1,64)' \
+      --config.bench.windows='(4,2,8)' ;;
+  specdec_windows)
+    timeout "$T" python -m experiments.specdec_bench --config=configs/specdec_bench.py \
+      --workdir="$OUT/specdec_windows" --config.bench.batches='(256,512)' \
+      --config.bench.windows='(2,8)' ;;
   launch)
     timeout "$T" python -m experiments.kernel_bench \
       --config=configs/kernel_bench.py:launch --workdir="$OUT/launch" \
@@ -101,6 +112,17 @@ c = C.get_config('large')
 c.models = [m for m in c.models if m['name'] != 'mqar_large_ssm']
 c.train_missing = True
 P.run(c, sys.argv[1])" "$OUT/precision_rest" ;;
+  precision_mqar1024_rest)
+    timeout "$T" python -c "import sys; from absl import logging
+logging.set_verbosity(logging.INFO)
+from configs import precision_accuracy as C
+from experiments import precision_accuracy as P
+c = C.get_config('medium')
+c.models = [m for m in c.models if m['name'] == 'mqar_medium_ssm@1024']
+c.policies = ('f32', 'bf16+sr', 'f16+sr')
+c.baseline_policies = C.POLICIES
+c.train_missing = True
+P.run(c, sys.argv[1])" "$OUT/precision_mqar1024_rest" ;;
   decode8b)
     timeout "$T" python -m experiments.decode_bench --config=configs/nemotron_h_8b.py \
       --workdir="$OUT/decode8b" --config.bench.batches='(64,256)' \
