@@ -10,6 +10,8 @@
   both SSM modes and both proposers, and with scripted drafts forcing 0
   accepted, all accepted, partial and no drafts (stats checked against a
   simulation of the script), eos handling, one compilation per shape;
+* `accept` makes the same decisions as its materialized form (the full
+  [batch, T, vocab] distribution) with the same rng;
 * speculative sampling reproduces the target's distribution (chi-square on
   a 4-token vocabulary, draft-model and deterministic drafts);
 * bad inputs raise clear errors.
@@ -402,6 +404,76 @@ def _chi_square(counts, probs, n):
     exp = np.append(exp, expected[~big].sum())
   chi2 = float(((obs - exp) ** 2 / exp).sum())
   return chi2, float(scipy_stats.chi2.ppf(1 - 1e-4, len(exp) - 1))
+
+
+def _accept_materialized(logits, drafts, num_drafts, q, sampling, rng):
+  """`accept` as first written: both acceptances computed, the target's
+  distribution p materialized over [batch, T, vocab] (the reference of the
+  leaner `accept`)."""
+  b, t, vocab = logits.shape
+  t1 = t - 1
+  valid = jnp.arange(t1)[None, :] < num_drafts[:, None]
+  rows = jnp.arange(b)
+  accepted = lambda ok: jnp.sum(jnp.cumprod(ok.astype(jnp.int32), 1), 1)
+  top = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  a_greedy = accepted((drafts == top[:, :t1]) & valid)
+  p = sampling_probs(logits, *sampling)
+  k_u, k_s = jax.random.split(rng)
+  qf = jax.nn.one_hot(drafts, vocab) if q is None else q
+  pd = jnp.take_along_axis(p[:, :t1], drafts[..., None], -1)[..., 0]
+  qd = jnp.take_along_axis(qf, drafts[..., None], -1)[..., 0]
+  u = jax.random.uniform(k_u, (b, t1), jnp.float32)
+  a_samp = accepted((u * qd < pd) & valid)
+  p_a = p[rows, a_samp]
+  resid = jnp.maximum(p_a - qf[rows, jnp.minimum(a_samp, t1 - 1)], 0.0)
+  z = jnp.sum(resid, axis=-1, keepdims=True)
+  rejected = (a_samp < num_drafts)[:, None] & (z > 0)
+  dist = jnp.where(rejected, resid / jnp.where(z > 0, z, 1.0), p_a)
+  next_samp = jax.random.categorical(k_s, jnp.log(dist), axis=-1)
+  greedy = sampling[0]
+  return (jnp.where(greedy, a_greedy, a_samp),
+          jnp.where(greedy, top[rows, a_greedy], next_samp))
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,with_q", [
+    (0.0, None, None, False),  # greedy
+    (0.8, None, None, True),
+    (1.5, None, None, False),  # one-hot drafts (q None)
+    (1.0, 5, None, True),
+    (1.0, None, 0.7, True),
+])
+def test_accept_equals_materialized_reference(temperature, top_k, top_p,
+                                              with_q):
+  """The leaner `accept` (one branch, no [batch, T, vocab] distribution)
+  makes the same decisions as the materialized form, row for row, with the
+  same rng: 512 rows of random logits, drafts biased towards the target's
+  likely tokens (so several accepted counts occur), ragged num_drafts with
+  0 and T-1."""
+  from replayssm_jax.models.generate import sampling_settings  # pylint: disable=g-import-not-at-top
+  from replayssm_jax.models.speculative import accept  # pylint: disable=g-import-not-at-top
+  b, t, vocab = 512, 4, 32
+  k = jax.random.split(jax.random.PRNGKey(11), 5)
+  logits = 2.0 * jax.random.normal(k[0], (b, t, vocab))
+  likely = jnp.argmax(logits[:, :t - 1] + jax.random.gumbel(
+      k[1], (b, t - 1, vocab)), axis=-1).astype(jnp.int32)
+  drafts = jnp.where(jax.random.uniform(k[2], (b, t - 1)) < 0.8, likely,
+                     jax.random.randint(k[3], (b, t - 1), 0, vocab))
+  num_drafts = jnp.arange(b, dtype=jnp.int32) % t  # 0 .. T-1
+  q = (jax.nn.softmax(jax.random.normal(k[4], (b, t - 1, vocab)), -1)
+       if with_q else None)
+  sampling = sampling_settings(temperature, top_k, top_p, None,
+                               jax.random.PRNGKey(5))
+  rng = jax.random.PRNGKey(7)
+  a, nxt = jax.jit(accept)(logits, drafts, num_drafts, q, sampling, rng)
+  a_ref, nxt_ref = jax.jit(_accept_materialized)(logits, drafts, num_drafts,
+                                                 q, sampling, rng)
+  np.testing.assert_array_equal(a, a_ref)
+  np.testing.assert_array_equal(nxt, nxt_ref)
+  assert a.dtype == nxt.dtype == jnp.int32
+  # Several accepted counts occur (with one-hot q at temperature 1.5 a
+  # draft is accepted with probability p(d) only, so T-1 may not).
+  assert len(np.unique(np.asarray(a))) >= t - 1
+  assert np.all(np.asarray(a) <= np.asarray(num_drafts))
 
 
 def test_sampling_matches_target_distribution(small_models):
