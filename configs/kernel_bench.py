@@ -27,6 +27,9 @@ batch 256, L 16):
   python -m experiments.kernel_bench --config=configs/kernel_bench.py:policies \
       --workdir=runs/kernel_policies
 
+The output route's launch shape on the 8-bit read copies and the f16
+checkpoint (`:output_launch`, same setup as `:policies`).
+
 Useful overrides: `--config.implementations='("pallas",)'` (one
 implementation only), `--config.exclude_replay_implementations='()'` (also
 time the XLA reference replay step: slow, and slow to compile at batch 1),
@@ -54,7 +57,8 @@ def _kernel_study(config, name: str, batches: tuple[int, ...]) -> None:
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The benchmark configuration; `arg="smoke"` is a tiny CPU run."""
-  _args.check_arg(arg, "sweep", "launch", "policies", "mosaic")
+  _args.check_arg(arg, "sweep", "launch", "policies", "mosaic",
+                  "output_launch")
   config = ml_collections.ConfigDict()
   config.name = "kernel_bench"  # stem of the files copied to --results_dir
   config.seed = 0
@@ -167,6 +171,25 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # 30%. The study keeps the prefetching flush loop beside the default.
     config.replay_variants = ml_collections.ConfigDict(dict(
         prefetch=dict(flush_prefetch=True)))
+
+  if arg == "output_launch":
+    # Is the non-flush step of the fp8 read copies latency- or
+    # instruction-bound? Their output route reads half the bytes of an f16
+    # checkpoint's but took 131-133 µs against 164 (session 9: 2.0-2.1 vs
+    # 3.3 TB/s). Launch shapes of the output route only: the flush route
+    # keeps its batch-256 defaults (flush_block_p, flush_num_warps and
+    # flush_num_stages pinned), so the non-flush column isolates the
+    # output route.
+    _kernel_study(config, "kernel_output_launch", (256,))
+    config.checkpoint_dtypes = ("float16",)
+    config.policies = ("f32+fp8", "f16+fp8")
+    pin = dict(flush_block_p=64, flush_num_warps=4, flush_num_stages=1)
+    config.replay_variants = ml_collections.ConfigDict(dict(
+        w8=dict(num_warps=8, **pin),
+        w2=dict(num_warps=2, **pin),
+        bp32=dict(block_p=32, **pin),
+        stages3=dict(num_stages=3, **pin),
+        hb2=dict(heads_per_program=2, output_prefetch=True, **pin)))
 
   if arg == "mosaic":
     # The Mosaic GPU kernels' first GPU run (each variant is checked against

@@ -349,7 +349,8 @@ def test_metrics_writer_and_tables(tmp_path):
   assert table.splitlines()[-1] == "| 1.23 | - |"
 
 
-@pytest.mark.parametrize("arg", ["sweep", "launch", "policies"])
+@pytest.mark.parametrize("arg", ["sweep", "launch", "policies",
+                                 "output_launch"])
 def test_kernel_variants_resolve_to_configs(arg):
   """'pallas:<name>' runs the kernel with the named tuning config; every
   variant of the sweep / launch configs is a valid config object."""

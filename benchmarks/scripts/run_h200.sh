@@ -20,6 +20,7 @@
 #   bash benchmarks/scripts/run_h200.sh verify     # spec verify kernel: VerifyConfig variants on hybrid_1b's layer, b 256, T 4, checked, split per kernel (14 variants: ~2 min in session 9; all 25 now, or pick with verify_sweep.py --variants)
 #   bash benchmarks/scripts/run_h200.sh ncu_verify # Nsight Compute on the verify window kernel (default and the pre-session-8 default)
 #   bash benchmarks/scripts/run_h200.sh policies   # replay per precision policy (default and prefetching flush) vs the f16 baseline, b 256, L 16 (4.8 min with three variants in session 6; 2.5 min for 4 policies x 3 in session 9)
+#   bash benchmarks/scripts/run_h200.sh output_launch  # the output route's launch shape (8 / 2 warps, block_p 32, 3 stages, 2 heads per program) on the f16 checkpoint and the fp8 read copies, b 256, L 16 (not yet run; ~4 min expected)
 #   bash benchmarks/scripts/run_h200.sh precision small  # train the <task>_small_ssm models if missing, then the accuracy study (sizes tiny|small|medium|large; tiny took > 4.5 min with the old MQAR task, the full 12-policy study needs several calls or fewer policies)
 #   bash benchmarks/scripts/run_h200.sh precision_mqar1024_rest  # retrains mqar_medium_ssm, then mqar_medium_ssm@1024's rows session 5 did not reach (f32, bf16+sr, f16+sr at every L; the 8 every-step baselines) (not yet run; session 5's whole medium study took > 9 min)
 #   bash benchmarks/scripts/run_h200.sh precision_rest  # trains mqar_large_ssm + char_large_ssm, evaluates mqar_large_ssm@1024 and char_large_ssm (12 policies; > 9.6 min: session 6 ran it to its 575 s limit, inside char_large_ssm)
@@ -90,6 +91,10 @@ case "$1" in
     timeout "$T" python -m experiments.kernel_bench \
       --config=configs/kernel_bench.py:launch --workdir="$OUT/launch" \
       --config.iters=10 ;;
+  output_launch)
+    timeout "$T" python -m experiments.kernel_bench \
+      --config=configs/kernel_bench.py:output_launch \
+      --workdir="$OUT/output_launch" --config.iters=10 ;;
   mosaic)
     timeout "$T" python -m experiments.kernel_bench \
       --config=configs/kernel_bench.py:mosaic --workdir="$OUT/mosaic" \
