@@ -45,6 +45,10 @@ def make_config(model: dict, arg: str | None, *, batches: tuple[int, ...],
   # Replay checkpoint / baseline state dtype; buffers and KV cache default
   # to the model dtype ("" = default).
   b.checkpoint_dtype = "float32"
+  # `PrecisionPolicy` presets also timed in replay mode at every L (e.g.
+  # ("f32+bf16",): an f32 master checkpoint whose non-flush steps read a
+  # bf16 copy), against the same baseline (plain checkpoint_dtype state).
+  b.replay_policies = ()
   b.buffer_dtype = ""
   b.kv_dtype = ""
   # Prefill this many rows at a time (0: the whole batch at once).

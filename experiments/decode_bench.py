@@ -2,7 +2,8 @@ r"""Decode throughput of a whole hybrid LM: baseline vs ReplaySSM states.
 
 Builds the model of `config.model` with random weights (one jitted init).
 For each batch of `bench.batches` and each state (baseline, and replay for
-each `bench.buffer_lens` L): prefills `bench.prompt_len` random tokens per
+each `bench.buffer_lens` L, also with each `bench.replay_policies`
+precision preset): prefills `bench.prompt_len` random tokens per
 row, then times `bench.new_tokens` greedy decode steps of the full model
 (embedding, every block, LM head, argmax) run as one jitted
 `lax.fori_loop` with the decode state donated. Reports tokens/s, ms/step
@@ -38,6 +39,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from experiments import common
+from replayssm_jax import precision as P
 from replayssm_jax.models import HybridLM, ModelConfig, prefill
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(
@@ -84,8 +86,10 @@ class _Setup:
                if getattr(b, k)}
     self.impl = b.implementation or None
 
-  def state(self, mode: str, buffer_len):
-    """(first token, decode state after the prompts).
+  def state(self, mode: str, buffer_len, policy: str = ""):
+    """(first token, decode state after the prompts); policy: a
+    `PrecisionPolicy` preset for the SSM states ("": plain
+    `bench.checkpoint_dtype`).
 
     With `bench.prefill_rows` > 0 the prompts are prefilled that many rows
     at a time and the row states concatenated (the 8B model's whole-batch
@@ -93,13 +97,14 @@ class _Setup:
     """
     b = self.b
     rows = b.prefill_rows or self.batch
+    kw = (dict(self.kw, precision=P.PrecisionPolicy.preset(policy)) if policy
+          else dict(self.kw, checkpoint_dtype=b.checkpoint_dtype))
     tokens, states = [], []
     for r0 in range(0, self.batch, rows):
       n = min(rows, self.batch - r0)
       st = self.model.init_state(n, b.prompt_len + b.new_tokens,
                                  ssm_mode=mode, buffer_len=buffer_len or 16,
-                                 checkpoint_dtype=b.checkpoint_dtype,
-                                 **self.kw)
+                                 **kw)
       logits, st = prefill(self.model, self.prompts[r0:r0 + n],
                            self.lengths[r0:r0 + n], st)
       tokens.append(jnp.argmax(logits, -1).astype(jnp.int32))
@@ -124,12 +129,13 @@ def _concat_rows(states: list):
   return jax.tree.unflatten(treedef, out)
 
 
-def bench_mode(setup: _Setup, mode: str, buffer_len) -> dict:
+def bench_mode(setup: _Setup, mode: str, buffer_len, policy: str = ""
+               ) -> dict:
   b = setup.b
   graphdef, params = nnx.split(setup.model)
 
   def make():
-    tok, st = setup.state(mode, buffer_len)
+    tok, st = setup.state(mode, buffer_len, policy)
     jax.block_until_ready((tok, st))
     make.state_bytes = _state_bytes(st)
     return lambda: decode_loop(graphdef, params, tok, st, b.new_tokens,
@@ -138,13 +144,14 @@ def bench_mode(setup: _Setup, mode: str, buffer_len) -> dict:
   _, best, times = common.best_of(make, b.repeats)
   rec = dict(kind="decode", ssm_mode=mode, batch=setup.batch,
              prompt_len=b.prompt_len, new_tokens=b.new_tokens,
-             buffer_len=buffer_len,
+             buffer_len=buffer_len, policy=policy,
              tokens_per_s=setup.batch * b.new_tokens / best,
              ms_per_step=1e3 * best / b.new_tokens, times_s=times,
              state_bytes=make.state_bytes)
-  logging.info("batch %d %s L=%s: %.1f tokens/s, %.3f ms/step, state %.1f "
-               "MB", setup.batch, mode, buffer_len, rec["tokens_per_s"],
-               rec["ms_per_step"], rec["state_bytes"] / 2**20)
+  logging.info("batch %d %s%s L=%s: %.1f tokens/s, %.3f ms/step, state "
+               "%.1f MB", setup.batch, mode, f" {policy}" if policy else "",
+               buffer_len, rec["tokens_per_s"], rec["ms_per_step"],
+               rec["state_bytes"] / 2**20)
   return rec
 
 
@@ -177,7 +184,8 @@ def part_loop(graphdef, params, inputs, layers, steps, implementation,
     for n, i in enumerate(idx):
       blk = model.blocks[i]
       if part == "ssm":  # opaque kernel on fixed inputs, stateful
-        y, layers[n] = _ssm_op(blk.mixer, inputs, layers[n], implementation)
+        y, layers[n] = _ssm_op(blk.mixer, inputs, layers[n], implementation,
+                               layer=n)
       else:
         y, layers[n] = blk(h, layers[n], implementation=implementation)
         yf = y.astype(jnp.float32)
@@ -198,15 +206,20 @@ def _part_layers(model, part: str) -> list[int]:
   return [i for i, blk in enumerate(model.blocks) if blk.kind == kind]
 
 
-def _ssm_op(mixer, inputs, ssm_state, implementation):
+def _ssm_op(mixer, inputs, state, implementation, layer: int):
+  """The SSM op of one Mamba layer's MambaState (its precision policy and
+  Mamba index passed as the mixer's step passes them)."""
   from replayssm_jax import ops  # pylint: disable=g-import-not-at-top
   A, D, dt_bias = mixer._ssm_params()  # pylint: disable=protected-access
   args = (inputs["x"], inputs["dt"], A, inputs["B"], inputs["C"])
   kw = dict(D=D, dt_bias=dt_bias, dt_softplus=True,
             implementation=implementation)
-  if isinstance(ssm_state, jax.Array):
-    return ops.selective_state_update(ssm_state, *args, **kw)
-  return ops.replay_state_update(ssm_state, *args, **kw)
+  if isinstance(state.ssm, jax.Array):
+    y, ssm = ops.selective_state_update(state.ssm, *args, **kw)
+  else:
+    y, ssm = ops.replay_state_update(state.ssm, *args, policy=state.precision,
+                                     layer=layer, **kw)
+  return y, state.replace(ssm=ssm)
 
 
 def _part_inputs(cfg, batch: int, seed: int) -> dict:
@@ -223,7 +236,8 @@ def _part_inputs(cfg, batch: int, seed: int) -> dict:
 
 
 def bench_parts(setup: _Setup, config, modes) -> list[dict]:
-  """Times every part at one batch; modes: [(ssm_mode, buffer_len)]."""
+  """Times every part at one batch; modes: [(ssm_mode, buffer_len,
+  policy)]."""
   b, model = setup.b, setup.model
   graphdef, params = nnx.split(model)
   inputs = _part_inputs(model.config, setup.batch, config.seed + 7)
@@ -233,29 +247,29 @@ def bench_parts(setup: _Setup, config, modes) -> list[dict]:
     if part != "embed_head" and not idx:
       continue
     # Only the Mamba parts depend on the SSM state.
-    for mode, L in (modes if part in ("mamba", "ssm") else [modes[0]]):
-      def make(mode=mode, L=L):
+    for mode, L, pol in (modes if part in ("mamba", "ssm") else [modes[0]]):
+      def make(mode=mode, L=L, pol=pol):
         if part in ("mlp", "embed_head"):  # stateless parts
           layers = tuple(None for _ in idx)
         else:
-          _, st = setup.state(mode, L)
+          _, st = setup.state(mode, L, pol)
           # Wait for the whole prefill, not only the part's layers.
           jax.block_until_ready(st)
           layers = tuple(st.layers[i] for i in idx)
-          if part == "ssm":
-            layers = tuple(s.ssm for s in layers)
         return lambda: part_loop(graphdef, params, inputs, layers,
                                  b.new_tokens, setup.impl, part)
 
       _, best, times = common.best_of(make, b.repeats)
+      stateful = part in ("mamba", "ssm")
       rec = dict(kind="part", part=part, layers=len(idx),
-                 ssm_mode=mode if part in ("mamba", "ssm") else None,
-                 buffer_len=L if part in ("mamba", "ssm") else None,
+                 ssm_mode=mode if stateful else None,
+                 buffer_len=L if stateful else None,
+                 policy=pol if stateful else None,
                  batch=setup.batch, ms_per_step=1e3 * best / b.new_tokens,
                  times_s=times)
-      logging.info("batch %d part %-10s %-8s L=%-4s: %.3f ms/step",
-                   setup.batch, part, rec["ssm_mode"] or "-", L,
-                   rec["ms_per_step"])
+      logging.info("batch %d part %-10s %-8s %s L=%-4s: %.3f ms/step",
+                   setup.batch, part, rec["ssm_mode"] or "-",
+                   rec["policy"] or "", L, rec["ms_per_step"])
       records.append(rec)
   return records
 
@@ -269,10 +283,12 @@ def _split_table(decode: list[dict], parts: list[dict]) -> str:
     mine = {p["part"]: p["ms_per_step"] for p in parts
             if p["batch"] == d["batch"] and p["ssm_mode"] in (None,
                                                               d["ssm_mode"])
-            and p["buffer_len"] in (None, d["buffer_len"])}
+            and p["buffer_len"] in (None, d["buffer_len"])
+            and p["policy"] in (None, d["policy"])}
     total = sum(v for k, v in mine.items() if k != "ssm")
     rows.append(dict(batch=d["batch"], ssm_mode=d["ssm_mode"],
-                     buffer_len=d["buffer_len"], step_ms=d["ms_per_step"],
+                     buffer_len=d["buffer_len"], policy=d["policy"] or "-",
+                     step_ms=d["ms_per_step"],
                      **{f"{k}_ms": v for k, v in mine.items()},
                      parts_sum_ms=total,
                      ssm_share=mine.get("ssm", 0.0) / d["ms_per_step"]))
@@ -287,11 +303,14 @@ def _split_table(decode: list[dict], parts: list[dict]) -> str:
 def _plot(rows: list[dict], path: str):
   fig, axes = common.new_figure()
   ax = axes[0][0]
-  for L in sorted({r["buffer_len"] for r in rows if r["buffer_len"]}):
+  for L, pol in sorted({(r["buffer_len"], r["policy"]) for r in rows
+                        if r["buffer_len"]}):
     pts = sorted((r["batch"], r["speedup"]) for r in rows
-                 if r["buffer_len"] == L and r["speedup"])
+                 if (r["buffer_len"], r["policy"]) == (L, pol)
+                 and r["speedup"])
     if pts:
-      ax.plot(*zip(*pts), "o-", label=f"replay L={L}")
+      ax.plot(*zip(*pts), "o-" if not pol else "s--",
+              label=f"replay L={L}" + (f" {pol}" if pol else ""))
   ax.axhline(1.0, color="k", lw=0.8)
   ax.set_xscale("log", base=2)
   ax.set_xlabel("batch")
@@ -307,29 +326,35 @@ def run(config, workdir: str) -> dict:
   model = build_model(cfg, config.seed)
   n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
   b = config.bench
-  modes = [(m, L) for m in b.ssm_modes
+  for name in b.replay_policies:
+    P.PrecisionPolicy.preset(name)  # raises naming the preset
+  modes = [(m, L, "") for m in b.ssm_modes
            for L in (b.buffer_lens if m == "replay" else (None,))]
+  modes += [("replay", L, pol) for pol in b.replay_policies
+            for L in b.buffer_lens]
   records, parts = [], []
   for i, batch in enumerate(b.batches):
     logging.info("[%d/%d] batch %d", i + 1, len(b.batches), batch)
     setup = _Setup(model, config, batch)
-    for mode, L in modes:
-      records.append(writer.write(bench_mode(setup, mode, L),
+    for mode, L, pol in modes:
+      records.append(writer.write(bench_mode(setup, mode, L, pol),
                                   n_params=n_params))
     if batch in b.split_batches:
       parts += [writer.write(p) for p in bench_parts(setup, config, modes)]
   rows = [dict(r) for r in records]
   for r in rows:
     base = next((q for q in rows if q["batch"] == r["batch"]
-                 and q["ssm_mode"] == "baseline"), None)
+                 and q["ssm_mode"] == "baseline" and not q["policy"]), None)
     r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if base else None
     r["state_MB"] = r["state_bytes"] / 2**20
+  table = [dict(r, policy=r["policy"] or "-") for r in rows]
   text = (f"# decode_bench\n\nmodel: {cfg.pattern} d_model {cfg.d_model}, "
           f"{n_params / 1e6:.1f}M params, {cfg.dtype}; backend "
           f"{env['backend']} ({env['device_kind']})\n\n" +
-          common.markdown_table(rows, ["batch", "ssm_mode", "buffer_len",
-                                       "tokens_per_s", "ms_per_step",
-                                       "speedup", "state_MB"],
+          common.markdown_table(table, ["batch", "ssm_mode", "buffer_len",
+                                        "policy", "tokens_per_s",
+                                        "ms_per_step", "speedup",
+                                        "state_MB"],
                                  formats=dict(tokens_per_s=".1f",
                                               ms_per_step=".3f",
                                               speedup=".2f",

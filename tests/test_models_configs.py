@@ -45,21 +45,27 @@ def test_published_shapes():
 
 def test_decode_bench_smoke(tmp_path):
   config = tiny.get_config("smoke")
+  config.bench.replay_policies = ("f32+bf16",)
   out = decode_bench.run(config, str(tmp_path / "bench"))
   records = common.read_metrics(os.path.join(out["workdir"],
                                              "metrics.jsonl"))
   assert records[0]["kind"] == "environment"
   decode = [r for r in records if r["kind"] == "decode"]
-  assert [(r["ssm_mode"], r["buffer_len"]) for r in decode] == [
-      ("baseline", None), ("replay", 4)]
+  assert [(r["ssm_mode"], r["buffer_len"], r["policy"]) for r in decode] == [
+      ("baseline", None, ""), ("replay", 4, ""), ("replay", 4, "f32+bf16")]
   for r in decode:
     assert r["tokens_per_s"] > 0 and r["state_bytes"] > 0
+  # The dual-precision state holds the bf16 read copy besides the master.
+  assert decode[2]["state_bytes"] > decode[1]["state_bytes"]
   # The time split: every part once, the Mamba parts once per state.
-  parts = [(r["part"], r["ssm_mode"]) for r in records if r["kind"] == "part"]
+  parts = [(r["part"], r["ssm_mode"], r["policy"]) for r in records
+           if r["kind"] == "part"]
   assert sorted(parts, key=str) == sorted(
-      [("mamba", "baseline"), ("mamba", "replay"), ("ssm", "baseline"),
-       ("ssm", "replay"), ("attention", None), ("mlp", None),
-       ("embed_head", None)], key=str)
+      [(part, mode, pol) for part in ("mamba", "ssm")
+       for mode, pol in (("baseline", ""), ("replay", ""),
+                         ("replay", "f32+bf16"))]
+      + [("attention", None, None), ("mlp", None, None),
+         ("embed_head", None, None)], key=str)
   assert all(r["ms_per_step"] > 0 for r in records if r["kind"] == "part")
   with open(os.path.join(out["workdir"], "summary.md")) as f:
     assert "Time split" in f.read()

@@ -10,6 +10,7 @@
 #   bash benchmarks/scripts/run_h200.sh grid both  # both dtypes, f16 first (8 min)
 #   bash benchmarks/scripts/run_h200.sh grid both 16  # L 16 only (2.3 min; third argument: buffer lengths, e.g. 8,16)
 #   bash benchmarks/scripts/run_h200.sh decode     # hybrid_1b decode, b {64,256,512} x L {8,16,32} + split at 256 (~5 min)
+#   bash benchmarks/scripts/run_h200.sh decode_policies  # hybrid_1b decode at b 256, L 16, also with dual-precision replay states (f32 master + bf16 / fp8 read copy), split per part (not yet run; ~3 min expected)
 #   bash benchmarks/scripts/run_h200.sh decode_extra  # hybrid_1b batch 1 (kernels), XLA reference ops at b {1,64,256} L 16 (> 4 min: the reference part needs ~3 min more than the 115 s it got)
 #   bash benchmarks/scripts/run_h200.sh specdec    # hybrid_1b spec decoding, b {256,512}, T 4 (~4 min; 2.5 min in session 10)
 #   bash benchmarks/scripts/run_h200.sh specdec_small    # the same at b {1,64}, T {4,2,8} (issue 5's other batches and windows; not yet run)
@@ -63,6 +64,12 @@ case "$1" in
   decode)
     timeout "$T" python -m experiments.decode_bench --config=configs/hybrid_1b.py \
       --workdir="$OUT/decode" --config.bench.batches='(64,256,512)' \
+      --config.bench.repeats=2 ;;
+  decode_policies)
+    timeout "$T" python -m experiments.decode_bench --config=configs/hybrid_1b.py \
+      --workdir="$OUT/decode_policies" --config.bench.batches='(256,)' \
+      --config.bench.buffer_lens='(16,)' --config.bench.split_batches='(256,)' \
+      --config.bench.replay_policies="('f32+bf16','f32+fp8')" \
       --config.bench.repeats=2 ;;
   decode_extra)
     # Batch 1 with the kernels (every L), then the XLA reference ops at
