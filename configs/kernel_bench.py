@@ -132,18 +132,22 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # dotf32=dict(flush_fold="dot_f32"), flush32=dict(flush_block_p=32),
     # programs132=dict(flush_programs=132); session 4
     # programs2048=dict(flush_programs=2048), fused=dict(fused_launch=True),
-    # fused2048=dict(fused_launch=True, flush_programs=2048). This sweep
-    # times the flush loop's latency hiding (session 5), beside the default.
+    # fused2048=dict(fused_launch=True, flush_programs=2048); session 6 the
+    # flush loop's latency hiding (flush_prefetch=True, alone and with
+    # flush_block_p=32 or flush_num_warps=8; flush_num_stages=3;
+    # flush_num_warps=8) and two heads per output program: none a clear
+    # win. More programs did not help either (2048 vs 528), so the fold
+    # looks instruction-bound at its 128-register occupancy. This sweep
+    # re-times the fold forms on today's kernel: IEEE f32 dot (faster than
+    # 3xTF32 on the f16 checkpoint in sessions 2-3: flush 525-553 vs
+    # 826-941 µs on the rows grid, 824 vs 961 on the persistent one), exact
+    # rank-1 updates, half tiles, and 2 warps per program.
     config.replay_variants = ml_collections.ConfigDict(dict(
-        # The next item's loads issued before the current fold.
-        prefetch=dict(flush_prefetch=True),
-        prefetch32=dict(flush_prefetch=True, flush_block_p=32),
-        prefetch_w8=dict(flush_prefetch=True, flush_num_warps=8),
-        # Triton's own software pipelining of the persistent loop.
-        stages3=dict(flush_num_stages=3),
-        warps8=dict(flush_num_warps=8),
-        # The output route with two heads' tiles in flight per program.
-        out_hb2=dict(heads_per_program=2, output_prefetch=True),
+        dotf32=dict(flush_fold="dot_f32"),
+        rank1=dict(flush_fold="rank1"),
+        bp32=dict(flush_block_p=32),
+        bp32_dotf32=dict(flush_block_p=32, flush_fold="dot_f32"),
+        w2=dict(flush_num_warps=2),
     ))
 
   if arg == "launch":

@@ -8,7 +8,7 @@ answers "where does this decode step's time go" by kernel, not by guess:
 
   t = profiling.op_times(step, params, tok, state, iters=5)
   t["by_category"]  # {"gemm": ms, "pallas": ms, "copy": ms, "other": ms}
-  t["top"][:10]     # the 10 longest ops: hlo_op, kernel, ms per call
+  t["top"][:10]     # the 10 longest ops: hlo_op, its longest kernel, ms
 
 On a GPU, XLA runs loops as CUDA graphs ("command buffers") whose
 kernels the trace reports as one op named `command_buffer_*`; to split

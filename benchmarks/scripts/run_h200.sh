@@ -4,7 +4,7 @@
 # `wheels/` folder carried: it holds the ml_collections wheel).
 #
 #   (wall times measured on 2026-11-29, sessions 3-4)
-#   bash benchmarks/scripts/run_h200.sh sweep      # flush-route designs vs the default, b 256 + 64, L 16 (2.7 min with 6 variants, session 6)
+#   bash benchmarks/scripts/run_h200.sh sweep      # flush-route designs vs the default, b 256 + 64, L 16 (2.7 min with 6 variants, session 6; since session 10 the fold forms: f32 dot, rank-1, half tiles, 2 warps)
 #   bash benchmarks/scripts/run_h200.sh grid f16   # full kernel grid, one dtype (~4 min)
 #   bash benchmarks/scripts/run_h200.sh grid f32
 #   bash benchmarks/scripts/run_h200.sh grid both  # both dtypes, f16 first (8 min)
