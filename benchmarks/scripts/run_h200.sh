@@ -13,6 +13,7 @@
 #   bash benchmarks/scripts/run_h200.sh decode_policies  # hybrid_1b decode at b 256, L 16, also with dual-precision replay states (f32 master + bf16 / fp8 read copy), split per part (not yet run; ~3 min expected)
 #   bash benchmarks/scripts/run_h200.sh decode_extra  # hybrid_1b batch 1 (kernels), XLA reference ops at b {1,64,256} L 16 (> 4 min: the reference part needs ~3 min more than the 115 s it got)
 #   bash benchmarks/scripts/run_h200.sh specdec    # hybrid_1b spec decoding, b {256,512}, T 4 (~4 min; 2.5 min in session 10)
+#   bash benchmarks/scripts/run_h200.sh specdec_L32  # the same with a 32-token replay buffer: a row folds its history every ~11 iterations instead of ~5 (the early-flush fold took 0.81 of the replay iteration's 8.16 ms at L 16, session 10; not yet run)
 #   bash benchmarks/scripts/run_h200.sh specdec_small    # the same at b {1,64}, T {4,2,8} (issue 5's other batches and windows; not yet run)
 #   bash benchmarks/scripts/run_h200.sh specdec_windows  # b {256,512} at T {2,8} (not yet run)
 #   bash benchmarks/scripts/run_h200.sh profile    # where a spec-decoding iteration's time goes, b 256, with the verify split and a per-kernel split of the plain step, verify + commit, window forward and (since session 8, untimed: + ~2 min) specdec_bench's own loops per iteration (2 min in session 7; its per-kernel split needs `profile_kernels`, which runs it with XLA's CUDA graphs off)
@@ -86,6 +87,10 @@ case "$1" in
     timeout "$T" python -m experiments.specdec_bench --config=configs/specdec_bench.py \
       --workdir="$OUT/specdec" --config.bench.batches='(256,512)' \
       --config.bench.windows='(4,)' ;;
+  specdec_L32)
+    timeout "$T" python -m experiments.specdec_bench --config=configs/specdec_bench.py \
+      --workdir="$OUT/specdec_L32" --config.bench.batches='(256,512)' \
+      --config.bench.windows='(4,)' --config.bench.buffer_len=32 ;;
   specdec_small)
     timeout "$T" python -m experiments.specdec_bench --config=configs/specdec_bench.py \
       --workdir="$OUT/specdec_small" --config.bench.batches='(1,64)' \
