@@ -46,6 +46,11 @@ OUT=${OUT:-runs}
 # Per-part limit (s); lower it to run several parts in one 10-minute call.
 T=${PART_TIMEOUT:-560}
 mkdir -p "$OUT"
+# specdec_bench on hybrid_1b into $OUT/<workdir name>, with extra overrides.
+specdec_bench() {
+  timeout "$T" python -m experiments.specdec_bench \
+    --config=configs/specdec_bench.py --workdir="$OUT/$1" "${@:2}"
+}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu_${1}.csv"
 case "$1" in
   sweep)
@@ -84,20 +89,16 @@ case "$1" in
       --config.bench.split_batches='()' \
       --config.bench.repeats=2 ;;
   specdec)
-    timeout "$T" python -m experiments.specdec_bench --config=configs/specdec_bench.py \
-      --workdir="$OUT/specdec" --config.bench.batches='(256,512)' \
+    specdec_bench specdec --config.bench.batches='(256,512)' \
       --config.bench.windows='(4,)' ;;
   specdec_L32)
-    timeout "$T" python -m experiments.specdec_bench --config=configs/specdec_bench.py \
-      --workdir="$OUT/specdec_L32" --config.bench.batches='(256,512)' \
+    specdec_bench specdec_L32 --config.bench.batches='(256,512)' \
       --config.bench.windows='(4,)' --config.bench.buffer_len=32 ;;
   specdec_small)
-    timeout "$T" python -m experiments.specdec_bench --config=configs/specdec_bench.py \
-      --workdir="$OUT/specdec_small" --config.bench.batches='(1,64)' \
+    specdec_bench specdec_small --config.bench.batches='(1,64)' \
       --config.bench.windows='(4,2,8)' ;;
   specdec_windows)
-    timeout "$T" python -m experiments.specdec_bench --config=configs/specdec_bench.py \
-      --workdir="$OUT/specdec_windows" --config.bench.batches='(256,512)' \
+    specdec_bench specdec_windows --config.bench.batches='(256,512)' \
       --config.bench.windows='(2,8)' ;;
   launch)
     timeout "$T" python -m experiments.kernel_bench \
