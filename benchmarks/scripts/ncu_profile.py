@@ -1,20 +1,63 @@
-import jax, jax.numpy as jnp, numpy as np
+"""A few decode steps for Nsight Compute (run under `ncu -k regex:...`).
+
+Nemotron-H 8B Mamba layer at batch 256 (`--batch`), L 16, bf16 inputs: one baseline
+step, then two replay steps whose counters are `--counts`: "natural"
+(row % L: 1/L of the rows flush, session 1's profile), "flush" (every row
+folds: the full-batch flush step of the amortized figure) or "nonflush"
+(no row folds).
+
+  ncu --clock-control none -k regex:replayssm_replay_flush -c 2 \
+      --section SpeedOfLight ... python benchmarks/scripts/ncu_profile.py \
+      --counts flush
+"""
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+
 import replayssm_jax as R
 from replayssm_jax import testing as T
 from replayssm_jax.state import ReplayState
-b,H,P,N,G,L=256,128,64,128,8,16
-prm=T.random_params(jax.random.PRNGKey(0),H)
-inp=T.random_step_inputs(jax.random.PRNGKey(1),b,H,P,N,G,jnp.bfloat16,with_z=False)
-kk=jax.random.split(jax.random.PRNGKey(2),5)
-S=jax.random.normal(kk[4],(b,H,P,N)).astype(jnp.float16)
-rs=ReplayState(checkpoint=jax.random.normal(kk[0],(b,H,P,N)).astype(jnp.float16),
-  x_buf=jax.random.normal(kk[1],(b,L,H,P)).astype(jnp.bfloat16),
-  b_buf=jax.random.normal(kk[2],(b,L,G,N)).astype(jnp.bfloat16),
-  dt_buf=jax.random.uniform(kk[3],(b,L,H),jnp.float32,0.01,0.2),
-  count=(jnp.arange(b)%L).astype(jnp.int32))
-fb=jax.jit(lambda s: R.selective_state_update(s,**inp,**prm,dt_softplus=True,implementation="pallas"),donate_argnums=0)
-fr=jax.jit(lambda r: R.replay_state_update(r,**inp,**prm,dt_softplus=True,implementation="pallas"),donate_argnums=0)
-y,S=fb(S); jax.block_until_ready(S)
-for _ in range(2):
-  y,rs=fr(rs); jax.block_until_ready(rs)
-print("done", rs.count[:4])
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--counts", choices=("natural", "flush", "nonflush"),
+                  default="natural")
+  ap.add_argument("--dtype", choices=("float16", "float32", "bfloat16"),
+                  default="float16", help="checkpoint / baseline state")
+  ap.add_argument("--batch", type=int, default=256)
+  a = ap.parse_args()
+  b, H, P, N, G, L = a.batch, 128, 64, 128, 8, 16
+  dt = jnp.dtype(a.dtype)
+  prm = T.random_params(jax.random.PRNGKey(0), H)
+  inp = T.random_step_inputs(jax.random.PRNGKey(1), b, H, P, N, G,
+                             jnp.bfloat16, with_z=False)
+  kk = jax.random.split(jax.random.PRNGKey(2), 5)
+  counts = dict(natural=jnp.arange(b) % L, flush=jnp.full((b,), L - 1),
+                nonflush=jnp.full((b,), (L - 2) // 2))[a.counts]
+  S = jax.random.normal(kk[4], (b, H, P, N)).astype(dt)
+  rs = ReplayState(
+      checkpoint=jax.random.normal(kk[0], (b, H, P, N)).astype(dt),
+      x_buf=jax.random.normal(kk[1], (b, L, H, P)).astype(jnp.bfloat16),
+      b_buf=jax.random.normal(kk[2], (b, L, G, N)).astype(jnp.bfloat16),
+      dt_buf=jax.random.uniform(kk[3], (b, L, H), jnp.float32, 0.01, 0.2),
+      count=counts.astype(jnp.int32))
+  kw = dict(**inp, **prm, dt_softplus=True, implementation="pallas")
+  fb = jax.jit(lambda s: R.selective_state_update(s, **kw),
+               donate_argnums=0)
+  fr = jax.jit(lambda r: R.replay_state_update(r, **kw), donate_argnums=0)
+  _, S = fb(S)
+  jax.block_until_ready(S)
+  for _ in range(2):
+    # The same counters each time (a flush resets them), so both steps
+    # take the route asked for.
+    _, out = fr(rs)
+    jax.block_until_ready(out)
+    rs = out.replace(count=counts.astype(jnp.int32))
+  print("done", a.counts, a.dtype)
+
+
+if __name__ == "__main__":
+  main()

@@ -21,6 +21,7 @@
 #   bash benchmarks/scripts/run_h200.sh mosaic     # the Mosaic GPU kernels: baseline (7 configs) vs Triton and XLA, replay with the Mosaic output route (plain, f32+fp8, f16+fp8), b 256 + 64, f32 / f16, each checked first; a Mosaic failure is recorded, not fatal (> 3 min: session 7 ran f32 in 185 s, f16 without policies in 90 s)
 #   bash benchmarks/scripts/run_h200.sh verify     # spec verify kernel: VerifyConfig variants on hybrid_1b's layer, b 256, T 4, checked, split per kernel (14 variants: ~2 min in session 9; all 25 now, or pick with verify_sweep.py --variants)
 #   bash benchmarks/scripts/run_h200.sh ncu_verify # Nsight Compute on the verify window kernel (default and the pre-session-8 default)
+#   bash benchmarks/scripts/run_h200.sh ncu_flush  # Nsight Compute on the flush route with every row folding (f16 checkpoint, b 256, L 16): stall reasons, instruction mix, source counters (not yet run; Nsight Compute segfaulted at start in session 9)
 #   bash benchmarks/scripts/run_h200.sh policies   # replay per precision policy (default and prefetching flush) vs the f16 baseline, b 256, L 16 (4.8 min with three variants in session 6; 2.5 min for 4 policies x 3 in session 9)
 #   bash benchmarks/scripts/run_h200.sh output_launch  # the output route's launch shape (8 / 2 warps, block_p 32, 3 stages, 2 heads per program) on the f16 checkpoint and the fp8 read copies, b 256, L 16 (not yet run; ~4 min expected)
 #   bash benchmarks/scripts/run_h200.sh precision small  # train the <task>_small_ssm models if missing, then the accuracy study (sizes tiny|small|medium|large; tiny took > 4.5 min with the old MQAR task, the full 12-policy study needs several calls or fewer policies)
@@ -181,5 +182,13 @@ P.run(c, sys.argv[1])" "$OUT/precision_mqar1024_rest" ;;
       python benchmarks/scripts/verify_sweep.py --check_only \
       --variants default,terms --out "$OUT/verify_check.json" \
       > "$OUT/ncu_verify.txt" 2>&1 ;;
+  ncu_flush)
+    timeout "$T" ncu --clock-control none -k regex:replayssm_replay_flush \
+      -c 2 --section SpeedOfLight --section Occupancy --section LaunchStats \
+      --section WarpStateStats --section SchedulerStats \
+      --section ComputeWorkloadAnalysis --section InstructionStats \
+      --section MemoryWorkloadAnalysis --section SourceCounters \
+      python benchmarks/scripts/ncu_profile.py --counts flush \
+      > "$OUT/ncu_flush.txt" 2>&1 ;;
   *) echo "unknown part: $1" >&2; exit 2 ;;
 esac
