@@ -559,9 +559,14 @@ def accept(logits, drafts, num_drafts, q, sampling, rng):
       dist = probs_at(a)
     return a, jax.random.categorical(k_s, jnp.log(dist), axis=-1)
 
-  # Only the branch the settings pick runs (a select of both under vmap).
-  a, nxt = jax.lax.cond(sampling[0], greedy_accept, sample_accept)
-  return a.astype(jnp.int32), nxt.astype(jnp.int32)
+  # Both forms run and the traced greedy flag selects (no lax.cond: an XLA
+  # GPU conditional outside a CUDA graph reads its predicate on the host,
+  # a sync in every iteration of the decode loop).
+  a_greedy, next_greedy = greedy_accept()
+  a_samp, next_samp = sample_accept()
+  greedy = sampling[0]
+  return (jnp.where(greedy, a_greedy, a_samp).astype(jnp.int32),
+          jnp.where(greedy, next_greedy, next_samp).astype(jnp.int32))
 
 
 # ------------------------------------------------------------- decode loop
