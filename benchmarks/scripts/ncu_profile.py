@@ -1,10 +1,10 @@
 """A few decode steps for Nsight Compute (run under `ncu -k regex:...`).
 
-Nemotron-H 8B Mamba layer at batch 256 (`--batch`), L 16, bf16 inputs: one baseline
-step, then two replay steps whose counters are `--counts`: "natural"
-(row % L: 1/L of the rows flush, session 1's profile), "flush" (every row
-folds: the full-batch flush step of the amortized figure) or "nonflush"
-(no row folds).
+Nemotron-H 8B Mamba layer at batch 256 (`--batch`), L 16, bf16 inputs:
+one baseline step, then two replay steps whose counters are `--counts`:
+"natural" (row % L: 1/L of the rows flush, session 1's profile), "flush"
+(every row folds: the full-batch flush step of the amortized figure) or
+"nonflush" (no row folds).
 
   ncu --clock-control none -k regex:replayssm_replay_flush -c 2 \
       --section SpeedOfLight ... python benchmarks/scripts/ncu_profile.py \
