@@ -14,8 +14,8 @@ from replayssm_jax import profiling
     ("dot.4", "dot.4", "gemm"),
     # op_times passes all of an op's kernels: a GEMM custom call that
     # memsets its output first is a GEMM.
-    ("custom-call.48", "Memset 3 nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_NNT",
-     "gemm"),
+    ("custom-call.48",
+     "Memset 3 nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_NNT", "gemm"),
     ("copy.482", "copy.482", "copy"),
     ("loop_add_fusion", "loop_add_fusion", "other"),
     ("input_reduce_fusion.2", "input_reduce_fusion.2", "other"),
