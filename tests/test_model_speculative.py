@@ -445,9 +445,10 @@ def _accept_materialized(logits, drafts, num_drafts, q, sampling, rng):
 def test_accept_equals_materialized_reference(temperature, top_k, top_p,
                                               with_q):
   """The leaner `accept` (no [batch, T, vocab] distribution) makes the
-  same decisions as the materialized form, row for row, with the same rng: 512 rows of random logits, drafts biased towards the target's
-  likely tokens (so several accepted counts occur), ragged num_drafts with
-  0 and T-1."""
+  same decisions as the materialized form, row for row, with the same rng:
+  512 rows of random logits, drafts biased towards the target's likely
+  tokens (so several accepted counts occur), ragged num_drafts with 0 and
+  T-1."""
   from replayssm_jax.models.generate import sampling_settings  # pylint: disable=g-import-not-at-top
   from replayssm_jax.models.speculative import accept  # pylint: disable=g-import-not-at-top
   b, t, vocab = 512, 4, 32
