@@ -321,13 +321,16 @@ def _plot(rows: list[dict], path: str):
 
 def run(config, workdir: str) -> dict:
   """Runs the benchmark into `workdir`; returns the records."""
+  for name in config.bench.replay_policies:
+    try:
+      P.PrecisionPolicy.preset(name)
+    except ValueError as e:
+      raise ValueError(f"config.bench.replay_policies: {e}") from None
   workdir, env, writer = common.start_run(workdir, config)
   cfg = ModelConfig(**config.model.to_dict())
   model = build_model(cfg, config.seed)
   n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
   b = config.bench
-  for name in b.replay_policies:
-    P.PrecisionPolicy.preset(name)  # raises naming the preset
   modes = [(m, L, "") for m in b.ssm_modes
            for L in (b.buffer_lens if m == "replay" else (None,))]
   modes += [("replay", L, pol) for pol in b.replay_policies

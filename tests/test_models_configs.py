@@ -73,6 +73,14 @@ def test_decode_bench_smoke(tmp_path):
                                       "decode_speedup.png")) > 5000
 
 
+def test_decode_bench_rejects_unknown_policy(tmp_path):
+  config = tiny.get_config("smoke")
+  config.bench.replay_policies = ("f32+fp4",)
+  with pytest.raises(ValueError, match=r"bench.replay_policies: .*f32\+fp4"):
+    decode_bench.run(config, str(tmp_path / "bench"))
+  assert not (tmp_path / "bench").exists()  # refused before any output
+
+
 @pytest.mark.parametrize("mode", ["baseline", "replay"])
 def test_decode_bench_prefill_rows(mode):
   """Prefilling a few rows at a time (bench.prefill_rows) gives the state
