@@ -220,8 +220,9 @@ class VerifyConfig(_LaunchConfig):
       "terms": everything but the checkpoint (`speculative.verify_terms`:
       decay [b, T, h] and the history and window contributions [b, T, h,
       p]), so the kernel reads the checkpoint tile out against the T
-      positions' C and appends the window. H200, hybrid_1b's layer at batch 256, T 4,
-      L 16 (benchmarks/verify_sweep_h200.json, sweeps 3-5): window kernel
+      positions' C and appends the window. H200, hybrid_1b's layer at
+      batch 256, T 4, L 16 (benchmarks/verify_sweep_h200.json, sweeps
+      3-5): window kernel
       "bc" 0.380 ms at block_p 32 (0.431 at 64), "none" 0.47-0.49;
       "terms" 0.32 at block_p 32, but its XLA ops add ~0.2 ms (verify
       0.58-0.61 vs 0.49-0.52 ms for "bc" on the device; sweeps 5-7).

@@ -350,11 +350,13 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   )(rstate.checkpoint, rstate.x_buf, rstate.b_buf, rstate.dt_buf,
     count, *token_in, *optional)
   # 2. Window outputs and appends (reads the folded checkpoint).
-  if config.precompute in ("bc", "bc_reduce"):
+  # The kernel's inputs: "bc_reduce" is "bc" formed by XLA reductions.
+  precompute = "bc" if config.precompute == "bc_reduce" else config.precompute
+  if precompute == "bc":
     pre = verify_bc(rstate.b_buf, B, C,
                     form="reduce" if config.precompute == "bc_reduce"
                     else "dot")
-  elif config.precompute == "terms":
+  elif precompute == "terms":
     c = rstate.count.astype(jnp.int32)
     pre = verify_terms(rstate.x_buf, rstate.b_buf, rstate.dt_buf,
                        jnp.where(c + T >= rstate.buffer_len, 0, c), x, B,
@@ -373,8 +375,7 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     pre = (*pre, jnp.pad(C, ((0, 0), (0, max(16, T) - T), (0, 0), (0, 0))))
   y, xb, bb, dtb, cnt = pl.pallas_call(
       functools.partial(_verify_kernel, dt_softplus=dt_softplus,
-                        precompute=("bc" if config.precompute == "bc_reduce"
-                                    else config.precompute),
+                        precompute=precompute,
                         readout_dot=readout_dot,
                         xla_readout=config.readout == "xla",
                         readout_chunk=config.readout_chunk, **kw),
