@@ -141,8 +141,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # re-times the fold forms on today's kernel: IEEE f32 dot (faster than
     # 3xTF32 on the f16 checkpoint in sessions 2-3: flush 525-553 vs
     # 826-941 µs on the rows grid, 824 vs 961 on the persistent one), exact
-    # rank-1 updates, half tiles, and 2 warps per program.
+    # rank-1 updates, half tiles, and 2 warps per program. Nsight Compute of
+    # the default (session 11, benchmarks/ncu_h200_flush_b256_f16_L16.txt):
+    # 192 registers/thread, so 2 programs per SM fit and the default 528
+    # programs run in 2 waves; programs264 is one wave.
     config.replay_variants = ml_collections.ConfigDict(dict(
+        programs264=dict(flush_programs=264),
         dotf32=dict(flush_fold="dot_f32"),
         rank1=dict(flush_fold="rank1"),
         bp32=dict(flush_block_p=32),
