@@ -41,11 +41,14 @@ class _LaunchConfig:
   block_p: int | None = None
   num_warps: int = 4
   num_stages: int = 1
+  # Whether num_warps=None means a per-call default (ReplayConfig).
+  _default_num_warps = False
 
   def __post_init__(self):
     if self.block_p is not None:
       _check_pow2("block_p", self.block_p)
-    _check_pow2("num_warps", self.num_warps)
+    if self.num_warps is not None or not self._default_num_warps:
+      _check_pow2("num_warps", self.num_warps)
     if self.num_stages < 1:
       raise ValueError(f"num_stages must be >= 1, got {self.num_stages}.")
 
@@ -75,7 +78,14 @@ class ReplayConfig(_LaunchConfig):
       for all its heads (so the B buffer is read once per group, not once per
       head, when heads_per_program == nheads // ngroups). None = 1, the
       fastest on the H200 sweep (more programs beat the saved B reads).
-    num_warps, num_stages: Triton launch parameters.
+    num_warps: Triton warps per program of the output route (and of the
+      fused kernel); None = `replay.default_num_warps`: 2 when the route
+      reads an 8-bit read copy, else 4. H200 (session 11,
+      benchmarks/kernel_output_launch_h200.md, batch 256, L 16): the
+      non-flush step of f32 / f16 master + fp8 copy 133 / 131 -> 115 / 113
+      µs with 2 warps (8 warps: 189 / 191); the f16 checkpoint's 165 ->
+      162, within the spread, so 16/32-bit states keep 4.
+    num_stages: Triton pipelining stages.
     precompute_bc: form bc_j = B_j . C for all buffer slots in a small XLA
       op before the kernel (reads the B buffer once per row) instead of in
       every program.
@@ -139,10 +149,19 @@ class ReplayConfig(_LaunchConfig):
       non-flush step is 9-34% slower at 32 and 50-74% at 16 (f32, f16,
       f32 + bf16 / fp8 copies): this single readout is memory-bound, not
       shuffle-bound.
-    flush_num_warps, flush_num_stages: Triton launch parameters of the
-      separate flush-route kernel (None: num_warps / num_stages; the fused
-      kernel uses those).
+    flush_num_warps: Triton warps per program of the separate flush-route
+      kernel; None = 2. H200 (session 11, benchmarks/flush_sweep_h200.json
+      run 7, batch 256 / 64, L 16): the all-rows flush step f16 822 -> 661
+      µs and f32 1122 -> 966 at batch 256 with 2 warps instead of 4, the
+      amortized step f16 205.4 -> 193.2 and f32 332.1 -> 321.1 (faster at
+      batch 64 too). Measured on plain checkpoints; the dual-precision
+      flushes (master + read copy) run the same fold but were not re-timed.
+      The fused kernel uses num_warps.
+    flush_num_stages: Triton pipelining stages of the separate flush-route
+      kernel (None: num_stages).
   """
+  _default_num_warps = True
+  num_warps: int | None = None
   heads_per_program: int | None = None
   precompute_bc: bool = False
   output_all_rows: bool = False
@@ -206,6 +225,9 @@ class VerifyConfig(_LaunchConfig):
       rows that do not fold exit at once).
     fold_programs: program count of the persistent fold grid (None: 4 per
       SM; 8 in interpret mode).
+    fold_num_warps: Triton warps per program of the early-flush fold
+      kernel (None: num_warps). Two warps sped the replay step's flush fold
+      up by 14-20% (`ReplayConfig.flush_num_warps`); not yet timed here.
     precompute: what XLA computes for the window kernel before it runs.
       "none": nothing; every program forms its head's decay weights and
       the B.C products of the history and window against each position's
@@ -250,6 +272,7 @@ class VerifyConfig(_LaunchConfig):
   fold: str | None = None
   fold_grid: str = "persistent"
   fold_programs: int | None = None
+  fold_num_warps: int | None = None
   precompute: str = "bc_reduce"
   readout: str = "reduce"
   readout_chunk: int | None = 32
@@ -264,6 +287,8 @@ class VerifyConfig(_LaunchConfig):
                   optional=True)
     _check_choice("fold_grid", self.fold_grid, ("rows", "persistent"))
     _check_count("fold_programs", self.fold_programs)
+    if self.fold_num_warps is not None:
+      _check_pow2("fold_num_warps", self.fold_num_warps)
     if self.readout_chunk is not None:
       _check_pow2("readout_chunk", self.readout_chunk)
 

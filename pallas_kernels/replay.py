@@ -691,6 +691,17 @@ def default_block_p(batch: int, nheads: int, headdim: int) -> int:
   return headdim if batch * nheads >= 16 * 132 else min(16, headdim)
 
 
+# `ReplayConfig(flush_num_warps=None)` (H200 sweep: see its docstring).
+DEFAULT_FLUSH_NUM_WARPS = 2
+
+
+def default_num_warps(read_dtype) -> int:
+  """Warps per output-route program for `ReplayConfig(num_warps=None)`:
+  2 for an 8-bit read copy (whose tiles are half the bytes of a 16-bit
+  state's), else 4 (H200, benchmarks/kernel_output_launch_h200.md)."""
+  return 2 if jnp.dtype(read_dtype).itemsize == 1 else 4
+
+
 def default_fused_launch(batch: int, nheads: int) -> bool:
   """Whether `ReplayConfig(fused_launch=None)` fuses the two routes (where
   fusing applies): below ~4 (row, head) pairs per SM, where a step is
@@ -790,10 +801,11 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   def grid(bp):
     return ((headdim // bp) * (per_group // hb), ngroups, batch)
 
-  params = plgpu.CompilerParams(num_warps=config.num_warps,
-                                num_stages=config.num_stages)
+  params = plgpu.CompilerParams(
+      num_warps=config.num_warps or default_num_warps(read.dtype),
+      num_stages=config.num_stages)
   flush_params = plgpu.CompilerParams(
-      num_warps=config.flush_num_warps or config.num_warps,
+      num_warps=config.flush_num_warps or DEFAULT_FLUSH_NUM_WARPS,
       num_stages=config.flush_num_stages or config.num_stages)
   sds = jax.ShapeDtypeStruct
   count_pow2 = _pad_pow2(rstate.count)

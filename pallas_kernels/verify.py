@@ -342,10 +342,13 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   else:
     fold_kernel = functools.partial(_fold_kernel, **fold_kw)
     fold_grid = grid
+  fold_params = plgpu.CompilerParams(
+      num_warps=config.fold_num_warps or config.num_warps,
+      num_stages=config.num_stages)
   (ck,) = pl.pallas_call(
       fold_kernel, grid=fold_grid,
       out_shape=(sds(rstate.checkpoint.shape, rstate.checkpoint.dtype),),
-      input_output_aliases={0: 0}, compiler_params=params,
+      input_output_aliases={0: 0}, compiler_params=fold_params,
       interpret=interpret, name="replayssm_verify_fold",
   )(rstate.checkpoint, rstate.x_buf, rstate.b_buf, rstate.dt_buf,
     count, *token_in, *optional)

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -403,6 +404,11 @@ def test_flush_launch_fields_are_checked():
     pk.ReplayConfig(flush_prefetch=True, flush_grid="rows")
   with pytest.raises(ValueError, match="flush_num_warps"):
     pk.ReplayConfig(flush_num_warps=3)
+  with pytest.raises(ValueError, match="num_warps must be a power of two"):
+    pk.ReplayConfig(num_warps=3)
+  # None (a per-call default) is ReplayConfig's; the other kernels need an int.
+  with pytest.raises(ValueError, match="num_warps must be a power of two"):
+    pk.SSUConfig(num_warps=None)
   with pytest.raises(ValueError, match="flush_num_stages"):
     pk.ReplayConfig(flush_num_stages=0)
   params, tok, rstate, _ = _mixed_state("float32", 4, 77)
@@ -848,6 +854,52 @@ def test_mosaic_kernel_lowers_for_cuda(state_dtype, config):
   text = export.export(jax.jit(step), platforms=["cuda"])(
       state, tok, params).mlir_module()
   assert "mosaic_gpu" in text  # the kernel was lowered, not skipped
+
+
+@pytest.mark.parametrize("policy,config,warps", [
+    (None, pk.ReplayConfig(fused_launch=False), (4, 2)),
+    ("f32+fp8", pk.ReplayConfig(), (2, 2)),
+    ("f32+int8", pk.ReplayConfig(), (2, 2)),
+    ("f32+bf16", pk.ReplayConfig(), (4, 2)),
+    ("f32+fp8", pk.ReplayConfig(num_warps=8, flush_num_warps=4), (8, 4)),
+])
+def test_replay_launch_warps(policy, config, warps):
+  """The warps each replay kernel is launched with, read from the Triton
+  custom calls: by default 2 for the output route over an 8-bit read copy
+  and 4 over a 16/32-bit state, 2 for the flush route (H200 sweeps, see
+  ReplayConfig); fields that are set are used as given."""
+  params, tok, rstate, pol = _lowering_state(6, 16, policy, (4, 64, 128, 2))
+  text = _lower_replay(config, params, tok, rstate, pol)
+  assert _launched_warps(text) == {
+      "replayssm_replay_output_route": warps[0],
+      "replayssm_replay_flush_route": warps[1]}
+
+
+def _launched_warps(text):
+  """{kernel name: num_warps} of the Triton custom calls in lowered text."""
+  return {name: int(w) for name, w in re.findall(
+      r'name = "(replayssm_\w+)", num_stages = \d+ : i32, '
+      r'num_warps = (\d+) : i32', text)}
+
+
+@pytest.mark.parametrize("config,warps", [
+    (pk.VerifyConfig(), (4, 4)),
+    (pk.VerifyConfig(fold_num_warps=2), (2, 4)),
+    (pk.VerifyConfig(num_warps=8, fold_num_warps=1), (1, 8))])
+def test_verify_launch_warps(config, warps):
+  """VerifyConfig.fold_num_warps sets the early-flush fold's warps only."""
+  from pallas_kernels import verify as verify_kernel  # pylint: disable=g-import-not-at-top
+  params, tok, rstate, _ = _lowering_state(6, 16, None, (4, 64, 128, 2))
+  win = jax.tree.map(lambda v: jnp.stack([v, v], axis=1), tok)  # T = 2
+  text = _lower_for_cuda(
+      lambda r, t: verify_kernel.replay_verify(
+          r, t["x"], t["dt"], params["A"], t["B"], t["C"], z=t["z"],
+          D=params["D"], dt_bias=params["dt_bias"], dt_softplus=True,
+          config=config), rstate, win)
+  assert _launched_warps(text) == {"replayssm_verify_fold": warps[0],
+                                   "replayssm_verify_window": warps[1]}
+  with pytest.raises(ValueError, match="fold_num_warps"):
+    pk.VerifyConfig(fold_num_warps=3)
 
 
 @pytest.mark.parametrize("policy", [None, "f32+fp8", "f32+int8",
