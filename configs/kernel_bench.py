@@ -125,7 +125,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if arg == "sweep":
     # Flush-route designs side by side (benchmarks/README.md): batch 256
     # and 64, both checkpoint dtypes. The default is the persistent flush
-    # grid with the 3xTF32 dot fold.
+    # grid (4 programs per SM) with the 3xTF32 dot fold, 2 warps.
     _kernel_study(config, "kernel_sweep", (256, 64))
     # Measured before (benchmarks/flush_sweep_h200.json): session 2
     # rows_dot=dict(flush_grid="rows", flush_fold="dot_tf32x3"),
@@ -136,22 +136,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # flush loop's latency hiding (flush_prefetch=True, alone and with
     # flush_block_p=32 or flush_num_warps=8; flush_num_stages=3;
     # flush_num_warps=8) and two heads per output program: none a clear
-    # win. More programs did not help either (2048 vs 528), so the fold
-    # looks instruction-bound at its 128-register occupancy. This sweep
-    # re-times the fold forms on today's kernel: IEEE f32 dot (faster than
-    # 3xTF32 on the f16 checkpoint in sessions 2-3: flush 525-553 vs
-    # 826-941 µs on the rows grid, 824 vs 961 on the persistent one), exact
-    # rank-1 updates, half tiles, and 2 warps per program. Nsight Compute of
-    # the default (session 11, benchmarks/ncu_h200_flush_b256_f16_L16.txt):
-    # 192 registers/thread, so 2 programs per SM fit and the default 528
-    # programs run in 2 waves; programs264 is one wave.
+    # win. Session 11 (run 7, at 4 warps): the fold forms (IEEE f32 dot,
+    # rank-1 updates, half tiles, both), one wave of 264 programs (Nsight
+    # Compute, benchmarks/ncu_h200_flush_b256_f16_L16.txt: 192
+    # registers/thread, 2 programs per SM, so 528 programs are 2 waves) and
+    # 2 warps, the only clear win at every batch and dtype (now the
+    # default). This sweep: the 4-warp reference, and on 2 warps the half
+    # tiles with the IEEE dot (the best f16 form at 4 warps), 1 warp, and 8
+    # programs per SM.
     config.replay_variants = ml_collections.ConfigDict(dict(
-        programs264=dict(flush_programs=264),
-        dotf32=dict(flush_fold="dot_f32"),
-        rank1=dict(flush_fold="rank1"),
-        bp32=dict(flush_block_p=32),
+        w4=dict(flush_num_warps=4),
         bp32_dotf32=dict(flush_block_p=32, flush_fold="dot_f32"),
-        w2=dict(flush_num_warps=2),
+        w1=dict(flush_num_warps=1),
+        programs1056=dict(flush_programs=1056),
     ))
 
   if arg == "launch":
@@ -181,23 +178,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         prefetch=dict(flush_prefetch=True)))
 
   if arg == "output_launch":
-    # Is the non-flush step of the fp8 read copies latency- or
-    # instruction-bound? Their output route reads half the bytes of an f16
-    # checkpoint's but took 131-133 µs against 164 (session 9: 2.0-2.1 vs
-    # 3.3 TB/s). Launch shapes of the output route only: the flush route
-    # keeps its batch-256 defaults (flush_block_p, flush_num_warps and
-    # flush_num_stages pinned), so the non-flush column isolates the
-    # output route.
+    # The output route's launch shape on the f16 checkpoint and the fp8
+    # read copies. Session 11 (kernel_output_launch_h200.md, flush route
+    # pinned at 4 warps): 2 warps took the fp8 copies' non-flush step from
+    # 133 / 131 to 115 / 113 µs (now their default, replay.
+    # default_num_warps); 8 warps, block_p 32 and two heads per program
+    # were slower, 3 stages the same. This study: 4 warps (the 16-bit
+    # default) and 1 warp beside the default.
     _kernel_study(config, "kernel_output_launch", (256,))
     config.checkpoint_dtypes = ("float16",)
     config.policies = ("f32+fp8", "f16+fp8")
-    pin = dict(flush_block_p=64, flush_num_warps=4, flush_num_stages=1)
     config.replay_variants = ml_collections.ConfigDict(dict(
-        w8=dict(num_warps=8, **pin),
-        w2=dict(num_warps=2, **pin),
-        bp32=dict(block_p=32, **pin),
-        stages3=dict(num_stages=3, **pin),
-        hb2=dict(heads_per_program=2, output_prefetch=True, **pin)))
+        w4=dict(num_warps=4), w1=dict(num_warps=1)))
 
   if arg == "mosaic":
     # The Mosaic GPU kernels' first GPU run (each variant is checked against
