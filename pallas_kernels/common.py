@@ -226,8 +226,12 @@ class VerifyConfig(_LaunchConfig):
     fold_programs: program count of the persistent fold grid (None: 4 per
       SM; 8 in interpret mode).
     fold_num_warps: Triton warps per program of the early-flush fold
-      kernel (None: num_warps). Two warps sped the replay step's flush fold
-      up by 14-20% (`ReplayConfig.flush_num_warps`); not yet timed here.
+      kernel; None = 2. H200, hybrid_1b's layer at batch 256, T 4
+      (benchmarks/verify_sweep_h200.json sweeps 4, 6, 7 and 9, variants
+      "w2" / "xla_w2", which ran both verify kernels at 2 warps): the fold
+      kernel took 0.062 ms at 2 warps against 0.079-0.080 at 4, where the
+      window kernel was slower at 2 (0.301 vs 0.261 ms in sweep 9), so the
+      window kernel keeps num_warps.
     precompute: what XLA computes for the window kernel before it runs.
       "none": nothing; every program forms its head's decay weights and
       the B.C products of the history and window against each position's

@@ -304,6 +304,10 @@ def _append_window(p, refs, outs, *, window, base, dt_softplus):
     cnt_out[b] = jnp.where(p.valid, base, c).astype(cnt_out.dtype)
 
 
+# `VerifyConfig(fold_num_warps=None)` (H200 sweeps: see its docstring).
+DEFAULT_FOLD_NUM_WARPS = 2
+
+
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "config",
                                              "interpret"))
 def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
@@ -343,7 +347,7 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     fold_kernel = functools.partial(_fold_kernel, **fold_kw)
     fold_grid = grid
   fold_params = plgpu.CompilerParams(
-      num_warps=config.fold_num_warps or config.num_warps,
+      num_warps=config.fold_num_warps or DEFAULT_FOLD_NUM_WARPS,
       num_stages=config.num_stages)
   (ck,) = pl.pallas_call(
       fold_kernel, grid=fold_grid,

@@ -883,11 +883,13 @@ def _launched_warps(text):
 
 
 @pytest.mark.parametrize("config,warps", [
-    (pk.VerifyConfig(), (4, 4)),
-    (pk.VerifyConfig(fold_num_warps=2), (2, 4)),
+    (pk.VerifyConfig(), (2, 4)),
+    (pk.VerifyConfig(fold_num_warps=4), (4, 4)),
     (pk.VerifyConfig(num_warps=8, fold_num_warps=1), (1, 8))])
 def test_verify_launch_warps(config, warps):
-  """VerifyConfig.fold_num_warps sets the early-flush fold's warps only."""
+  """The early-flush fold launches 2 warps by default (H200 verify
+  sweeps); VerifyConfig.fold_num_warps sets them, num_warps the window
+  kernel's."""
   from pallas_kernels import verify as verify_kernel  # pylint: disable=g-import-not-at-top
   params, tok, rstate, _ = _lowering_state(6, 16, None, (4, 64, 128, 2))
   win = jax.tree.map(lambda v: jnp.stack([v, v], axis=1), tok)  # T = 2

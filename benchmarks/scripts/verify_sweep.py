@@ -66,7 +66,7 @@ VARIANTS = {
     "chunk16_bp64": dict(readout_chunk=16, block_p=64),
     "chunk16_terms": dict(readout_chunk=16, precompute="terms"),
     "bc_einsum": dict(precompute="bc"),
-    "fold_w2": dict(fold_num_warps=2),
+    "fold_w4": dict(fold_num_warps=4),  # the fold's warps before session 11
     "reference": None,  # the XLA reference op (implementation="reference")
 }
 
