@@ -17,6 +17,7 @@
 #   bash benchmarks/scripts/run_h200.sh specdec_small    # the same at b {1,64}, T {4,2,8} (issue 5's other batches and windows; > 3.2 min: session 11 ran it to its 190 s limit inside batch 64)
 #   bash benchmarks/scripts/run_h200.sh specdec_windows  # b {256,512} at T {2,8} (> 3.2 min: session 11 ran it to its 190 s limit after batch 512's plain row)
 #   bash benchmarks/scripts/run_h200.sh profile    # where a spec-decoding iteration's time goes, b 256, with the verify split and a per-kernel split of the plain step, verify + commit, window forward and (since session 8, untimed: + ~2 min) specdec_bench's own loops per iteration (2 min in session 7; its per-kernel split needs `profile_kernels`, which runs it with XLA's CUDA graphs off)
+#   bash benchmarks/scripts/run_h200.sh profile_b1  # the same two profiles at batch 1, where replay spec decoding was 0.60-0.64x the baseline's (session 11; not yet run)
 #   bash benchmarks/scripts/run_h200.sh launch     # fused vs separate route launches, b 16 + 64, L 16 (1.2 min)
 #   bash benchmarks/scripts/run_h200.sh mosaic     # the Mosaic GPU kernels: baseline (7 configs) vs Triton and XLA, replay with the Mosaic output route (plain, f32+fp8, f16+fp8), b 256 + 64, f32 / f16, each checked first; a Mosaic failure is recorded, not fatal (> 3 min: session 7 ran f32 in 185 s, f16 without policies in 90 s)
 #   bash benchmarks/scripts/run_h200.sh verify     # spec verify kernel: VerifyConfig variants on hybrid_1b's layer, b 256, T 4, checked, split per kernel (14 variants: ~2 min in session 9; all 25 now, or pick with verify_sweep.py --variants)
@@ -178,6 +179,15 @@ P.run(c, sys.argv[1])" "$OUT/precision_mqar1024_rest" ;;
     XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout "$T" \
       python benchmarks/scripts/specdec_profile.py --batch 256 \
       --out "$OUT/specdec_profile_kernels.json" ;;
+  profile_b1)
+    # Batch 1, where replay spec decoding ran at 0.60-0.64x the baseline
+    # spec decoding (session 11): wall and device time per piece with
+    # CUDA graphs, then the per-kernel split without them.
+    timeout "$T" python benchmarks/scripts/specdec_profile.py --batch 1 \
+      --out "$OUT/specdec_profile_b1.json"
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout "$T" \
+      python benchmarks/scripts/specdec_profile.py --batch 1 \
+      --out "$OUT/specdec_profile_kernels_b1.json" ;;
   verify)
     XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout "$T" \
       python benchmarks/scripts/verify_sweep.py --out "$OUT/verify_sweep.json" ;;
