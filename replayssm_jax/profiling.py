@@ -98,14 +98,13 @@ def op_times(fn, *args, iters: int = 5, top: int = 30) -> dict:
       raise RuntimeError(f"op_times: jax.profiler.trace wrote no "
                          f"*.xplane.pb under {d}.")
     data = profiler.ProfileData.from_file(files[0])
-    by_op = collections.defaultdict(float)
     # op -> kernel -> ns: one HLO op can launch several kernels (a cuBLAS
     # GEMM custom call after a memset of its output), so an op is named by
     # its longest kernel and categorized on all of them.
     op_kernels = collections.defaultdict(lambda: collections.defaultdict(float))
     for op, kernel, ns in _events(data):
-      by_op[op] += ns
       op_kernels[op][kernel] += ns
+  by_op = {op: sum(ks.values()) for op, ks in op_kernels.items()}
   kernels = {op: max(ks, key=ks.get) for op, ks in op_kernels.items()}
   per_call = lambda ns: ns / iters / 1e6  # ms
   cats = {op: category(op, " ".join(ks)) for op, ks in op_kernels.items()}
