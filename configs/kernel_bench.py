@@ -141,14 +141,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Compute, benchmarks/ncu_h200_flush_b256_f16_L16.txt: 192
     # registers/thread, 2 programs per SM, so 528 programs are 2 waves) and
     # 2 warps, the only clear win at every batch and dtype (now the
-    # default). This sweep: the 4-warp reference, and on 2 warps the half
-    # tiles with the IEEE dot (the best f16 form at 4 warps), 1 warp, and 8
-    # programs per SM.
+    # default). Session 12: the rank-1 fold with scalar weights (no
+    # vector reduction per token, replay.rank1_fold), looped and unrolled,
+    # at 2 and 4 warps, and on half tiles; the half tiles with the IEEE dot
+    # (the best f16 form at 4 warps in run 7) on 2 warps.
     config.replay_variants = ml_collections.ConfigDict(dict(
-        w4=dict(flush_num_warps=4),
+        rank1=dict(flush_fold="rank1"),
+        rank1_unroll=dict(flush_fold="rank1", flush_unroll=True),
+        rank1_unroll_w4=dict(flush_fold="rank1", flush_unroll=True,
+                             flush_num_warps=4),
+        rank1_unroll_w4_bp32=dict(flush_fold="rank1", flush_unroll=True,
+                                  flush_num_warps=4, flush_block_p=32),
         bp32_dotf32=dict(flush_block_p=32, flush_fold="dot_f32"),
-        w1=dict(flush_num_warps=1),
-        programs1056=dict(flush_programs=1056),
     ))
 
   if arg == "launch":
@@ -169,13 +173,20 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Variants measured (benchmarks/README.md): session 6, the prefetching
     # flush loop (flush_prefetch=True; -3% to +4% amortized), 8 warps and
     # two heads per program (heads_per_program=2, output_prefetch=True):
-    # none a clear win. Session 9 (f32, f32+bf16, f32+fp8, f16+fp8): the
+    # none a clear win (session 12: the prefetching loop 3-76% slower on
+    # the flush). Session 9 (f32, f32+bf16, f32+fp8, f16+fp8): the
     # output route reading its tile out in dstate column blocks
     # (readout_chunk 32 / 16), 9-74% slower on the non-flush step of every
     # state, where it sped up the verify window kernel's four readouts by
-    # 30%. The study keeps the prefetching flush loop beside the default.
+    # 30%.
+    # Session 12: the flushes of states with a read copy were slower at the
+    # 2-warp default (f32 master + fp8 copy 1380 -> 1972 µs) than at 4;
+    # the 4-warp dot fold and the scalar-weight rank-1 fold beside it.
     config.replay_variants = ml_collections.ConfigDict(dict(
-        prefetch=dict(flush_prefetch=True)))
+        w4=dict(flush_num_warps=4),
+        rank1_unroll=dict(flush_fold="rank1", flush_unroll=True),
+        rank1_unroll_w4=dict(flush_fold="rank1", flush_unroll=True,
+                             flush_num_warps=4)))
 
   if arg == "output_launch":
     # The output route's launch shape on the f16 checkpoint and the fp8

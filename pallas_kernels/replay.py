@@ -277,30 +277,50 @@ def _fold_loads(p, h, refs, *, fold_dot, block_p, valid=None):
   return ld
 
 
+def rank1_fold(st, a, token, n, *, unroll, suffix0=0.0):
+  """st + sum_j s_j x_j B_j^T over tokens j = n-1, ..., 0 (newest first) by
+  exact f32 rank-1 updates, s_j = d_j exp(a (suffix0 + sum_{i>j} d_i)).
+
+  token(j) -> (d_j f32 scalar, x_j [block_p] f32, B_j [N] f32). Each weight
+  comes from a running scalar suffix sum of the scalar d_j, so the loop
+  holds no vector reduction (no cross-thread shuffles or barriers): its
+  body is one FMA per tile element. unroll: a Python loop (Triton's scan
+  lowering refuses unroll), else a fori_loop."""
+  def body(i, carry):
+    st, suffix = carry
+    d, x, b = token(n - 1 - i)
+    w = d * jnp.exp(a * suffix)
+    return st + (w * x)[:, None] * b[None, :], suffix + d
+
+  carry = (st, jnp.asarray(suffix0, F32))
+  if unroll:
+    for i in range(n):
+      carry = body(i, carry)
+  else:
+    carry = lax.fori_loop(0, n, body, carry)
+  return carry[0]
+
+
 def _fold_from(p, h, ld, refs, *, unroll, fold_dot):
   """The new checkpoint tile of head h from its _fold_loads (the rank-1
-  fold still loads each buffered token in its loop) -> ([block_p, N] f32,
+  fold loads each buffered token in its loop) -> ([block_p, N] f32,
   x_cur [block_p] f32)."""
-  _, xb_ref, bb_ref, _, _, _ = refs
+  _, xb_ref, bb_ref, dtb_ref, _, _ = refs
   b, g, ps, L = p.b, p.g, p.ps, p.L
-  _, s, decay = p.window_from(ld)
+  d_cur, s, decay = p.window_from(ld)
   x_cur = ld["x_cur"].astype(F32)
   b_cur = ld["b_cur"].astype(F32)
   st = decay * ld["s0"].astype(F32)  # [block_p, N]
   if fold_dot is None:
-    def fold(jj, st):
-      s_j = jnp.sum(jnp.where(p.j == jj, s, 0.0))
-      x_j = xb_ref[b, jj, h, ps].astype(F32)
-      b_j = bb_ref[b, jj, g, :].astype(F32)
-      return st + (s_j * x_j)[:, None] * b_j[None, :]
+    # The current token (weight d_cur), then the L-1 buffered ones.
+    st = st + (d_cur * x_cur)[:, None] * b_cur[None, :]
 
-    if unroll:  # a Python loop: Triton's scan lowering refuses unroll
-      for jj in range(L - 1):
-        st = fold(jj, st)
-    else:
-      st = lax.fori_loop(0, L - 1, fold, st)
-    s_last = jnp.sum(jnp.where(p.j == L - 1, s, 0.0))
-    return st + (s_last * x_cur)[:, None] * b_cur[None, :], x_cur
+    def token(j):
+      return (dtb_ref[b, j, h], xb_ref[b, j, h, ps].astype(F32),
+              bb_ref[b, j, g, :].astype(F32))
+
+    return rank1_fold(st, ld["a"].astype(F32), token, L - 1, unroll=unroll,
+                      suffix0=d_cur), x_cur
   b_win = jnp.where(p.cur[:, None], b_cur[None, :],
                     ld["b_hist"].astype(F32))  # [L, N]
   xs = s[:, None] * jnp.where(p.cur[:, None], x_cur[None, :],

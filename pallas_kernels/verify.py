@@ -32,7 +32,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import common
 from pallas_kernels.replay import (_Program, _default_flush_programs,
                                    _dot_precision, _fold_dot, _pad_pow2,
-                                   _unpack, persistent_items)
+                                   _unpack, persistent_items, rank1_fold)
 from pallas_kernels.replay import default_block_p as _step_block_p
 from replayssm_jax.reference import process_dt
 from replayssm_jax.speculative import verify_bc, verify_readout, verify_terms
@@ -76,16 +76,17 @@ def _fold_history(p, refs, ck_out, *, block_p, fold_dot):
   s = d_hist * jnp.exp(a * suffix)
   decay = jnp.exp(a * jnp.sum(d_hist))
   if fold_dot is None:
-    def fold(jj, st):
-      live = jj < c
-      s_j = jnp.sum(jnp.where(p.j == jj, s, 0.0))
-      x_j = plgpu.load(xb_ref.at[b, jj, h, ps],
-                       mask=jnp.broadcast_to(live, (block_p,)), other=0.0)
-      b_j = plgpu.load(bb_ref.at[b, jj, g, :],
-                       mask=jnp.broadcast_to(live, (nstate,)), other=0.0)
-      return st + (s_j * x_j.astype(F32))[:, None] * b_j.astype(F32)[None, :]
+    def token(j):  # slots j >= c hold no history: weight 0, loads masked
+      live = j < c
+      return (jnp.where(live, dtb_ref[b, j, h], 0.0),
+              plgpu.load(xb_ref.at[b, j, h, ps], other=0.0,
+                         mask=jnp.broadcast_to(live, (block_p,))
+                         ).astype(F32),
+              plgpu.load(bb_ref.at[b, j, g, :], other=0.0,
+                         mask=jnp.broadcast_to(live, (nstate,))
+                         ).astype(F32))
 
-    st = lax.fori_loop(0, L, fold, decay * s0)
+    st = rank1_fold(decay * s0, a, token, L, unroll=False)
   else:
     x_hist = plgpu.load(xb_ref.at[b, :, h, ps],
                         mask=jnp.broadcast_to(hist[:, None], (L, block_p)),

@@ -390,7 +390,20 @@ def test_replay_kernel_flush_prefetch(buffer_len, fold, fused, programs):
       rstate, **kw, implementation="pallas",
       config=pk.ReplayConfig(**base, flush_prefetch=True, flush_num_warps=8,
                              flush_num_stages=2))
-  for a, b in zip(jax.tree.leaves((y0, r0)), jax.tree.leaves((y1, r1))):
+  exact = [(y0, y1), (r0.checkpoint, r1.checkpoint)]
+  if fold == "rank1":
+    # Not bit for bit in interpret mode: XLA:CPU fuses the rank-1 loop's
+    # multiply-adds (and contracts them to FMAs) differently around the
+    # two loops' load placements, so the f32 tile may differ by an ulp or
+    # so (seen: y 2.4e-7 apart, one f16 checkpoint element 1 ulp apart);
+    # within 1 f16 ulp here, the buffers and counters bit for bit.
+    for a, b in exact:
+      np.testing.assert_allclose(np.asarray(b, np.float32),
+                                 np.asarray(a, np.float32), rtol=2**-10,
+                                 atol=1e-6)
+    exact = []
+  for a, b in exact + list(zip(jax.tree.leaves(r0.replace(checkpoint=None)),
+                               jax.tree.leaves(r1.replace(checkpoint=None)))):
     np.testing.assert_array_equal(harness.bits(a), harness.bits(b))
   y_ref, r_ref = rs.replay_state_update(rstate, **kw,
                                         implementation="reference")

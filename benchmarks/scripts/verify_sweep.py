@@ -67,6 +67,10 @@ VARIANTS = {
     "chunk16_terms": dict(readout_chunk=16, precompute="terms"),
     "bc_einsum": dict(precompute="bc"),
     "fold_w4": dict(fold_num_warps=4),  # the fold's warps before session 11
+    # The early flush as exact f32 rank-1 updates with scalar weights
+    # (session 12), at 2 and 4 warps.
+    "fold_rank1": dict(fold="rank1"),
+    "fold_rank1_w4": dict(fold="rank1", fold_num_warps=4),
     "reference": None,  # the XLA reference op (implementation="reference")
 }
 
