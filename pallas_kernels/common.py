@@ -150,12 +150,14 @@ class ReplayConfig(_LaunchConfig):
       f32 + bf16 / fp8 copies): this single readout is memory-bound, not
       shuffle-bound.
     flush_num_warps: Triton warps per program of the separate flush-route
-      kernel; None = 2. H200 (session 11, benchmarks/flush_sweep_h200.json
-      run 7, batch 256 / 64, L 16): the all-rows flush step f16 822 -> 661
-      µs and f32 1122 -> 966 at batch 256 with 2 warps instead of 4, the
-      amortized step f16 205.4 -> 193.2 and f32 332.1 -> 321.1 (faster at
-      batch 64 too). Measured on plain checkpoints; the dual-precision
-      flushes (master + read copy) run the same fold but were not re-timed.
+      kernel; None = `replay.default_flush_num_warps`: 2, or 4 when the
+      flush also stores a read copy. H200, batch 256, L 16: plain states
+      (session 11, benchmarks/flush_sweep_h200.json run 7) f16 822 -> 661
+      µs and f32 1122 -> 966 per all-rows flush step at 2 warps instead of
+      4 (faster at batch 64 too); states with a read copy (session 12,
+      benchmarks/kernel_policies_h200.md) slower at 2: f32 master + fp8
+      copy 1368 -> 1981, f16 + fp8 967 -> 1382, f32 + bf16 1354 -> 1400.
+      A stochastically rounded master without a copy is not measured (2).
       The fused kernel uses num_warps.
     flush_num_stages: Triton pipelining stages of the separate flush-route
       kernel (None: num_stages).

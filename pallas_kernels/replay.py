@@ -711,8 +711,12 @@ def default_block_p(batch: int, nheads: int, headdim: int) -> int:
   return headdim if batch * nheads >= 16 * 132 else min(16, headdim)
 
 
-# `ReplayConfig(flush_num_warps=None)` (H200 sweep: see its docstring).
-DEFAULT_FLUSH_NUM_WARPS = 2
+def default_flush_num_warps(copy: bool) -> int:
+  """Warps per flush-route program for `ReplayConfig(flush_num_warps=None)`:
+  2, or 4 when the flush also stores a read copy (H200 sweeps, see
+  ReplayConfig.flush_num_warps)."""
+  return 4 if copy else 2
+
 
 
 def default_num_warps(read_dtype) -> int:
@@ -825,7 +829,8 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
       num_warps=config.num_warps or default_num_warps(read.dtype),
       num_stages=config.num_stages)
   flush_params = plgpu.CompilerParams(
-      num_warps=config.flush_num_warps or DEFAULT_FLUSH_NUM_WARPS,
+      num_warps=config.flush_num_warps or default_flush_num_warps(
+          spec is not None and spec.copy),
       num_stages=config.flush_num_stages or config.num_stages)
   sds = jax.ShapeDtypeStruct
   count_pow2 = _pad_pow2(rstate.count)

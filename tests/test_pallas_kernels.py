@@ -871,16 +871,18 @@ def test_mosaic_kernel_lowers_for_cuda(state_dtype, config):
 
 @pytest.mark.parametrize("policy,config,warps", [
     (None, pk.ReplayConfig(fused_launch=False), (4, 2)),
-    ("f32+fp8", pk.ReplayConfig(), (2, 2)),
-    ("f32+int8", pk.ReplayConfig(), (2, 2)),
-    ("f32+bf16", pk.ReplayConfig(), (4, 2)),
-    ("f32+fp8", pk.ReplayConfig(num_warps=8, flush_num_warps=4), (8, 4)),
+    ("f32+fp8", pk.ReplayConfig(), (2, 4)),
+    ("f32+int8", pk.ReplayConfig(), (2, 4)),
+    ("f32+bf16", pk.ReplayConfig(), (4, 4)),
+    ("f16+sr", pk.ReplayConfig(), (4, 2)),
+    ("f32+fp8", pk.ReplayConfig(num_warps=8, flush_num_warps=2), (8, 2)),
 ])
 def test_replay_launch_warps(policy, config, warps):
   """The warps each replay kernel is launched with, read from the Triton
   custom calls: by default 2 for the output route over an 8-bit read copy
-  and 4 over a 16/32-bit state, 2 for the flush route (H200 sweeps, see
-  ReplayConfig); fields that are set are used as given."""
+  and 4 over a 16/32-bit state; 2 for the flush route, 4 when it also
+  stores a read copy (H200 sweeps, see ReplayConfig); fields that are set
+  are used as given."""
   params, tok, rstate, pol = _lowering_state(6, 16, policy, (4, 64, 128, 2))
   text = _lower_replay(config, params, tok, rstate, pol)
   assert _launched_warps(text) == {
