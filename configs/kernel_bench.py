@@ -141,18 +141,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Compute, benchmarks/ncu_h200_flush_b256_f16_L16.txt: 192
     # registers/thread, 2 programs per SM, so 528 programs are 2 waves) and
     # 2 warps, the only clear win at every batch and dtype (now the
-    # default). Session 12: the rank-1 fold with scalar weights (no
-    # vector reduction per token, replay.rank1_fold), looped and unrolled,
-    # at 2 and 4 warps, and on half tiles; the half tiles with the IEEE dot
-    # (the best f16 form at 4 warps in run 7) on 2 warps.
+    # default). Session 12 (run 8): the rank-1 fold with scalar weights
+    # (replay.rank1_fold: no vector reduction per token), looped or
+    # unrolled, at 2 or 4 warps, on whole or half tiles: 11-101% slower
+    # on the all-rows flush than the 2-warp dot; the half tiles with the
+    # IEEE dot on 2 warps: f16 3% faster on the flush, f32 17x slower.
+    # This sweep: the 4-warp reference, and on 2 warps the half tiles with
+    # the 3xTF32 dot, 1 warp, and 8 programs per SM.
     config.replay_variants = ml_collections.ConfigDict(dict(
-        rank1=dict(flush_fold="rank1"),
-        rank1_unroll=dict(flush_fold="rank1", flush_unroll=True),
-        rank1_unroll_w4=dict(flush_fold="rank1", flush_unroll=True,
-                             flush_num_warps=4),
-        rank1_unroll_w4_bp32=dict(flush_fold="rank1", flush_unroll=True,
-                                  flush_num_warps=4, flush_block_p=32),
-        bp32_dotf32=dict(flush_block_p=32, flush_fold="dot_f32"),
+        w4=dict(flush_num_warps=4),
+        bp32=dict(flush_block_p=32),
+        w1=dict(flush_num_warps=1),
+        programs1056=dict(flush_programs=1056),
     ))
 
   if arg == "launch":
@@ -173,20 +173,20 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Variants measured (benchmarks/README.md): session 6, the prefetching
     # flush loop (flush_prefetch=True; -3% to +4% amortized), 8 warps and
     # two heads per program (heads_per_program=2, output_prefetch=True):
-    # none a clear win (session 12: the prefetching loop 3-76% slower on
-    # the flush). Session 9 (f32, f32+bf16, f32+fp8, f16+fp8): the
+    # none a clear win (session 12, at the 2-warp flush: the prefetching
+    # loop's flush 35-404% slower, kernel_policies_h200_session12.json).
+    # Session 9 (f32, f32+bf16, f32+fp8, f16+fp8): the
     # output route reading its tile out in dstate column blocks
     # (readout_chunk 32 / 16), 9-74% slower on the non-flush step of every
     # state, where it sped up the verify window kernel's four readouts by
     # 30%.
-    # Session 12: the flushes of states with a read copy were slower at the
-    # 2-warp default (f32 master + fp8 copy 1380 -> 1972 µs) than at 4;
-    # the 4-warp dot fold and the scalar-weight rank-1 fold beside it.
+    # Session 12 (kernel_policies_h200_session12.md): the flushes of
+    # states with a read copy were 3-45% slower at 2 warps than at 4 (now
+    # their default, replay.default_flush_num_warps); the scalar-weight
+    # rank-1 fold slower than the 4-warp dot at 2 and 4 warps. The study
+    # keeps the 2-warp flush beside the default.
     config.replay_variants = ml_collections.ConfigDict(dict(
-        w4=dict(flush_num_warps=4),
-        rank1_unroll=dict(flush_fold="rank1", flush_unroll=True),
-        rank1_unroll_w4=dict(flush_fold="rank1", flush_unroll=True,
-                             flush_num_warps=4)))
+        w2=dict(flush_num_warps=2)))
 
   if arg == "output_launch":
     # The output route's launch shape on the f16 checkpoint and the fp8

@@ -103,7 +103,9 @@ class ReplayConfig(_LaunchConfig):
       tensor-core dot with 3xTF32 inputs, ~f32 accurate; exact f32 in
       interpret mode) or "dot_f32" (one dot with IEEE f32 inputs); the dot
       modes need buffer_len and the flush block_p >= 16. None: "dot_tf32x3"
-      where it applies, else "rank1".
+      where it applies, else "rank1" (H200, session 12, flush_sweep_h200
+      run 8: rank1 11-101% slower than the 3xTF32 dot on the all-rows
+      flush step; the IEEE dot 17x slower on an f32 checkpoint at 2 warps).
     flush_grid: "rows" launches the flush kernel on the output route's
       grid (programs of non-flush rows exit at once, but each costs a
       launch slot: ~30 µs per step at batch 256 on the H200);
