@@ -4,7 +4,7 @@
 # `wheels/` folder carried: it holds the ml_collections wheel).
 #
 #   (wall times measured on 2026-11-29, sessions 3-4)
-#   bash benchmarks/scripts/run_h200.sh sweep      # flush-route designs vs the default, b 256 + 64, L 16 (3.2 min with 7 variants, session 11; now 4 variants around the 2-warp default)
+#   bash benchmarks/scripts/run_h200.sh sweep      # flush-route designs vs the default, b 256 + 64, L 16 (3.2 min with 7 variants in session 11, 3.8 min with 5 in session 12; now 4 around the 2-warp default)
 #   bash benchmarks/scripts/run_h200.sh grid f16   # full kernel grid, one dtype (~4 min)
 #   bash benchmarks/scripts/run_h200.sh grid f32
 #   bash benchmarks/scripts/run_h200.sh grid both  # both dtypes, f16 first (8 min)
@@ -12,18 +12,19 @@
 #   bash benchmarks/scripts/run_h200.sh decode     # hybrid_1b decode, b {64,256,512} x L {8,16,32} + split at 256 (~5 min)
 #   bash benchmarks/scripts/run_h200.sh decode_policies  # hybrid_1b decode at b 256, L 16, also with dual-precision replay states (f32 master + bf16 / fp8 read copy), split per part (2.4 min, session 11)
 #   bash benchmarks/scripts/run_h200.sh decode_extra  # hybrid_1b batch 1 (kernels), XLA reference ops at b {1,64,256} L 16 (> 4 min: the reference part needs ~3 min more than the 115 s it got)
-#   bash benchmarks/scripts/run_h200.sh specdec    # hybrid_1b spec decoding, b {256,512}, T 4 (~4 min; 2.5 min in session 10)
+#   bash benchmarks/scripts/run_h200.sh specdec    # hybrid_1b spec decoding, b {256,512}, T 4 (2.5 min in session 10, 2.7 in session 12)
 #   bash benchmarks/scripts/run_h200.sh specdec_L32  # the same with a 32-token replay buffer: a row folds its history every ~11 iterations instead of ~5 (the early-flush fold took 0.81 of the replay iteration's 8.16 ms at L 16, session 10; not yet run)
 #   bash benchmarks/scripts/run_h200.sh specdec_small    # the same at b {1,64}, T {4,2,8} (issue 5's other batches and windows; > 3.2 min: session 11 ran it to its 190 s limit inside batch 64)
 #   bash benchmarks/scripts/run_h200.sh specdec_windows  # b {256,512} at T {2,8} (> 3.2 min: session 11 ran it to its 190 s limit after batch 512's plain row)
 #   bash benchmarks/scripts/run_h200.sh profile    # where a spec-decoding iteration's time goes, b 256, with the verify split and a per-kernel split of the plain step, verify + commit, window forward and (since session 8, untimed: + ~2 min) specdec_bench's own loops per iteration (2 min in session 7; its per-kernel split needs `profile_kernels`, which runs it with XLA's CUDA graphs off)
-#   bash benchmarks/scripts/run_h200.sh profile_b1  # the same two profiles at batch 1, where replay spec decoding was 0.60-0.64x the baseline's (session 11; not yet run)
+#   bash benchmarks/scripts/run_h200.sh profile_b1  # the same two profiles at batch 1, where replay spec decoding was 0.60-0.64x the baseline's (session 11); session 12 ran the first (2.4 min: device time per iteration within 4%), the per-kernel second is not yet run
+#   bash benchmarks/scripts/run_h200.sh profile_b1_kernels  # profile_b1's per-kernel half alone (not yet run)
 #   bash benchmarks/scripts/run_h200.sh launch     # fused vs separate route launches, b 16 + 64, L 16 (1.2 min)
 #   bash benchmarks/scripts/run_h200.sh mosaic     # the Mosaic GPU kernels: baseline (7 configs) vs Triton and XLA, replay with the Mosaic output route (plain, f32+fp8, f16+fp8), b 256 + 64, f32 / f16, each checked first; a Mosaic failure is recorded, not fatal (> 3 min: session 7 ran f32 in 185 s, f16 without policies in 90 s)
 #   bash benchmarks/scripts/run_h200.sh verify     # spec verify kernel: VerifyConfig variants on hybrid_1b's layer, b 256, T 4, checked, split per kernel (14 variants: ~2 min in session 9; all 25 now, or pick with verify_sweep.py --variants)
 #   bash benchmarks/scripts/run_h200.sh ncu_verify # Nsight Compute on the verify window kernel (default and the pre-session-8 default)
 #   bash benchmarks/scripts/run_h200.sh ncu_flush  # Nsight Compute on the flush route with every row folding (f16 checkpoint, b 256, L 16): stall reasons, instruction mix, source counters (1.5 min, session 11: it profiles one launch; with two, the second failed and the GPU stayed out of memory for the next part)
-#   bash benchmarks/scripts/run_h200.sh policies   # replay per precision policy (default and prefetching flush) vs the f16 baseline, b 256, L 16 (4.8 min with three variants in session 6; 2.5 min for 4 policies x 3 in session 9)
+#   bash benchmarks/scripts/run_h200.sh policies   # replay per precision policy (default and 2-warp flush) vs the f16 baseline, b 256, L 16 (2.5 min for 4 policies x 3 in session 9; > 4.8 min for all 7 x 2 in session 12, cut at its 290 s limit; 2.8 min for 3 x 4)
 #   bash benchmarks/scripts/run_h200.sh output_launch  # the output route's launch shape on the f16 checkpoint and the fp8 read copies, b 256, L 16 (5 variants: 1.8 min in session 11; now 4 and 1 warps beside the default)
 #   bash benchmarks/scripts/run_h200.sh precision small  # train the <task>_small_ssm models if missing, then the accuracy study (sizes tiny|small|medium|large; tiny took > 4.5 min with the old MQAR task, the full 12-policy study needs several calls or fewer policies)
 #   bash benchmarks/scripts/run_h200.sh precision_mqar1024_rest  # retrains mqar_medium_ssm, then mqar_medium_ssm@1024's rows session 5 did not reach (f32, bf16+sr, f16+sr at every L; the 8 every-step baselines) (not yet run; session 5's whole medium study took > 9 min)
@@ -185,6 +186,13 @@ P.run(c, sys.argv[1])" "$OUT/precision_mqar1024_rest" ;;
     # CUDA graphs, then the per-kernel split without them.
     timeout "$T" python benchmarks/scripts/specdec_profile.py --batch 1 \
       --out "$OUT/specdec_profile_b1.json"
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout "$T" \
+      python benchmarks/scripts/specdec_profile.py --batch 1 \
+      --out "$OUT/specdec_profile_kernels_b1.json" ;;
+  profile_b1_kernels)
+    # profile_b1's per-kernel half alone (session 12 ran the first half:
+    # device time per iteration replay 1.007 vs baseline 0.966 ms, while
+    # the benchmark's wall totals differ by ~20 ms over 49 iterations).
     XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout "$T" \
       python benchmarks/scripts/specdec_profile.py --batch 1 \
       --out "$OUT/specdec_profile_kernels_b1.json" ;;
