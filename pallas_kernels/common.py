@@ -157,8 +157,9 @@ class ReplayConfig(_LaunchConfig):
       (session 11, benchmarks/flush_sweep_h200.json run 7) f16 822 -> 661
       µs and f32 1122 -> 966 per all-rows flush step at 2 warps instead of
       4 (faster at batch 64 too); states with a read copy (session 12,
-      benchmarks/kernel_policies_h200.md) slower at 2: f32 master + fp8
-      copy 1368 -> 1981, f16 + fp8 967 -> 1382, f32 + bf16 1354 -> 1400.
+      benchmarks/kernel_policies_h200_session12.md) slower at 2: f32
+      master + fp8 copy 1368 -> 1981, f16 + fp8 967 -> 1382, f32 + bf16
+      1354 -> 1400.
       A stochastically rounded master without a copy is not measured (2).
       The fused kernel uses num_warps.
     flush_num_stages: Triton pipelining stages of the separate flush-route

@@ -718,7 +718,6 @@ def default_flush_num_warps(copy: bool) -> int:
   return 4 if copy else 2
 
 
-
 def default_num_warps(read_dtype) -> int:
   """Warps per output-route program for `ReplayConfig(num_warps=None)`:
   2 for an 8-bit read copy (whose tiles are half the bytes of a 16-bit
