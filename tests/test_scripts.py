@@ -46,3 +46,6 @@ def test_specdec_profile_tiny(tmp_path):
     loop = res["loops"][name]
     assert loop["iterations"] >= 1 and loop["loop_top"]
     assert loop["prefill_ms"] > 0
+    # Wall per iteration from two run lengths (16 and 8 new tokens).
+    full, half = loop["wall_iterations"]
+    assert full > half >= 1 and loop["wall_ms"] > 0
