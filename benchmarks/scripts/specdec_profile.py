@@ -133,7 +133,7 @@ def loop_splits(model, prompts, lengths, t: int, n_new: int) -> dict:
                         **kw)[0], n - 1
     else:
       def run(n, mode=mode):
-        out, _, stats, _ = speculative_generate(
+        out, _, stats = speculative_generate(
             model, proposer, prompts, lengths, n, t, ssm_mode=mode, **kw)
         return out, stats.iterations
     loop = lambda: run(n_new)[1]  # noqa: E731
