@@ -48,7 +48,4 @@ def test_specdec_profile_tiny(tmp_path):
     loop = res["loops"][name]
     assert loop["iterations"] >= 1 and loop["loop_top"]
     assert loop["prefill_ms"] > 0
-    # Wall per iteration from two run lengths (16 and 8 new tokens); on a
-    # CPU the ms-scale difference is noise, so only its form is checked.
-    full, half = loop["wall_iterations"]
-    assert full > half >= 1 and np.isfinite(loop["wall_ms"])
+    assert np.isfinite(loop["idle_ms"])  # its sign means nothing on a CPU

@@ -84,36 +84,17 @@ def split_per_step(fn, *args, steps: int) -> dict:
               top=[dict(o, ms=o["ms"] / steps) for o in t["top"]])
 
 
-def wall_per_iteration(run, n_new: int) -> dict:
-  """Wall ms per loop iteration, from the best of 3 runs at n_new and at
-  n_new // 2 new tokens: (t_n - t_half) / (iterations_n - iterations_half),
-  so the prefill and the jitted call's dispatch cancel out (a prefill
-  timed alone, as specdec_bench subtracts it, need not match the one
-  inside the call). run(n) -> (array to wait on, iterations)."""
-  res = []
-  for n in (n_new, n_new // 2):
-    jax.block_until_ready(run(n)[0])  # compile + warm-up
-    best = float("inf")
-    for _ in range(3):
-      t0 = time.perf_counter()
-      out, iters = run(n)
-      jax.block_until_ready(out)
-      best = min(best, time.perf_counter() - t0)
-    res.append((best, int(iters)))
-  (t1, i1), (t2, i2) = res
-  return dict(wall_ms=1e3 * (t1 - t2) / (i1 - i2) if i1 > i2 else None,
-              wall_iterations=[i1, i2])
-
-
 def loop_splits(model, prompts, lengths, t: int, n_new: int) -> dict:
   """Per-kernel split of the benchmark's own loops, per iteration:
   `generate` (plain, replay state) and `speculative_generate` (replay and
   baseline) with specdec_bench's flat-sampling proposer (accept_prob 0.7,
-  temperature 1000), each minus a prefill on a fresh state of its mode,
-  and the wall time per iteration (`wall_per_iteration`). Compared with
-  the verify + commit split above, it shows what a loop iteration pays
-  beyond verify + commit (proposer, acceptance, history updates, copies);
-  wall against device time shows the host's share (launches, syncs)."""
+  temperature 1000), each minus a prefill on a fresh state of its mode.
+  Compared with the verify + commit split above, it shows what a loop
+  iteration pays beyond verify + commit (proposer, acceptance, history
+  updates, copies). idle_ms: the loop call's wall time minus its device
+  time, per iteration (its prefill included): the time the device waits
+  on the host (launches, graph updates, the while loop's predicate
+  syncs)."""
   b = prompts.shape[0]
   state_kw = dict(buffer_len=16, checkpoint_dtype="float32")
   kw = dict(state_kw, temperature=1000.0, rng=jax.random.PRNGKey(8))
@@ -128,16 +109,14 @@ def loop_splits(model, prompts, lengths, t: int, n_new: int) -> dict:
       return prefill(model, prompts, lengths, st)[0]
 
     if name == "plain":
-      def run(n, mode=mode):  # the first token comes from the prefill
-        return generate(model, prompts, lengths, n, ssm_mode=mode,
-                        **kw)[0], n - 1
+      loop = lambda: generate(model, prompts, lengths, n_new,  # noqa: E731
+                              ssm_mode=mode, **kw)[0]
+      iters = n_new - 1  # the first token comes from the prefill
     else:
-      def run(n, mode=mode):
-        out, _, stats = speculative_generate(
-            model, proposer, prompts, lengths, n, t, ssm_mode=mode, **kw)
-        return out, stats.iterations
-    loop = lambda: run(n_new)[1]  # noqa: E731
-    iters = int(loop())
+      loop = lambda mode=mode: speculative_generate(  # noqa: E731
+          model, proposer, prompts, lengths, n_new, t, ssm_mode=mode,
+          **kw)[2].iterations
+      iters = int(loop())
     # Its 200 longest ops: the XLA ops ("other") of a replay iteration
     # (1.96 ms at batch 256 in session 10) are many small ones.
     tl = profiling.op_times(loop, iters=2, top=200)
@@ -150,11 +129,12 @@ def loop_splits(model, prompts, lengths, t: int, n_new: int) -> dict:
                          - tp["by_category"].get(k, 0.0)) / iters
                      for k in cats},
         loop_top=[dict(o, ms=o["ms"] / iters) for o in tl["top"]],
-        prefill_ms=tp["device_ms"], **wall_per_iteration(run, n_new))
+        prefill_ms=tp["device_ms"],
+        idle_ms=(tl["wall_ms"] - tl["device_ms"]) / iters)
     print("loop", name, iters, "iterations",
           {k: round(v, 3) for k, v in out[name]["by_category"].items()},
-          "device", round(out[name]["device_ms"], 3), "wall",
-          out[name]["wall_ms"], "ms per iteration", flush=True)
+          "device idle", round(out[name]["idle_ms"], 3), "ms per iteration",
+          flush=True)
   return out
 
 
