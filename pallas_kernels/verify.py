@@ -73,7 +73,6 @@ def _fold_history(p, refs, ck_out, *, block_p, fold_dot):
   hist = p.j < c
   d_hist, suffix = _history_dt(p, dtb_ref, hist)
   a = a_ref[h].astype(F32)
-  s = d_hist * jnp.exp(a * suffix)
   decay = jnp.exp(a * jnp.sum(d_hist))
   if fold_dot is None:
     def token(j):  # slots j >= c hold no history: weight 0, loads masked
@@ -94,6 +93,7 @@ def _fold_history(p, refs, ck_out, *, block_p, fold_dot):
     b_hist = plgpu.load(bb_ref.at[b, :, g, :],
                         mask=jnp.broadcast_to(hist[:, None], (L, nstate)),
                         other=0.0).astype(F32)  # [L, N]
+    s = d_hist * jnp.exp(a * suffix)  # the weights s_j
     st = decay * s0 + lax.dot_general(
         s[:, None] * x_hist, b_hist, (((0,), (0,)), ((), ())),
         precision=fold_dot, preferred_element_type=F32)
