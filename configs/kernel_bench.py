@@ -146,13 +146,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # unrolled, at 2 or 4 warps, on whole or half tiles: 11-101% slower
     # on the all-rows flush than the 2-warp dot; the half tiles with the
     # IEEE dot on 2 warps: f16 3% faster on the flush, f32 17x slower.
-    # This sweep: the 4-warp reference, and on 2 warps the half tiles with
-    # the 3xTF32 dot, 1 warp, and 8 programs per SM.
+    # Set up after session 12 but never run: half tiles with the 3xTF32
+    # dot at 2 warps, 1 warp, 8 programs per SM.
+    # This sweep (session 13): the fold as bf16 dots of x with the weighted
+    # B split into bf16 pieces (replay.fold_product; ncu had 63% of the
+    # 4-warp flush's shared-memory wavefronts as bank-conflict excess,
+    # and 3xTF32 stages 32-bit operand tiles), 3 and 2 pieces, at 2 and 4
+    # warps and on half tiles.
     config.replay_variants = ml_collections.ConfigDict(dict(
-        w4=dict(flush_num_warps=4),
-        bp32=dict(flush_block_p=32),
-        w1=dict(flush_num_warps=1),
-        programs1056=dict(flush_programs=1056),
+        bf16x3=dict(flush_fold="dot_bf16x3"),
+        bf16x2=dict(flush_fold="dot_bf16x2"),
+        bf16x3_w4=dict(flush_fold="dot_bf16x3", flush_num_warps=4),
+        bf16x3_bp32=dict(flush_fold="dot_bf16x3", flush_block_p=32),
     ))
 
   if arg == "launch":
@@ -184,9 +189,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # states with a read copy were 3-45% slower at 2 warps than at 4 (now
     # their default, replay.default_flush_num_warps); the scalar-weight
     # rank-1 fold slower than the 4-warp dot at 2 and 4 warps. The study
-    # keeps the 2-warp flush beside the default.
+    # keeps the 2-warp flush beside the default. Session 13: the bf16-split
+    # fold (replay.fold_product) at the default warps and at 2.
     config.replay_variants = ml_collections.ConfigDict(dict(
-        w2=dict(flush_num_warps=2)))
+        w2=dict(flush_num_warps=2),
+        bf16x3=dict(flush_fold="dot_bf16x3"),
+        bf16x3_w2=dict(flush_fold="dot_bf16x3", flush_num_warps=2)))
 
   if arg == "output_launch":
     # The output route's launch shape on the f16 checkpoint and the fp8

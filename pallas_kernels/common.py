@@ -23,6 +23,11 @@ def _check_pow2(name, v):
     raise ValueError(f"{name} must be a power of two >= 1, got {v!r}.")
 
 
+# How a fold sums its tokens' rank-1 terms (ReplayConfig.flush_fold,
+# VerifyConfig.fold).
+FOLD_MODES = ("rank1", "dot_tf32x3", "dot_f32", "dot_bf16x3", "dot_bf16x2")
+
+
 def _check_choice(name, v, choices, optional=False):
   if not (optional and v is None) and v not in choices:
     raise ValueError(f"{name} must be one of {choices}"
@@ -101,8 +106,11 @@ class ReplayConfig(_LaunchConfig):
       loop: fewer registers, no hoisted loads).
     flush_fold: "rank1" (exact f32 rank-1 updates), "dot_tf32x3" (one
       tensor-core dot with 3xTF32 inputs, ~f32 accurate; exact f32 in
-      interpret mode) or "dot_f32" (one dot with IEEE f32 inputs); the dot
-      modes need buffer_len and the flush block_p >= 16. None: "dot_tf32x3"
+      interpret mode), "dot_f32" (one dot with IEEE f32 inputs), or
+      "dot_bf16x3" / "dot_bf16x2" (bf16 x only: bf16 dots of x with the
+      weighted B split into 3 / 2 bf16 pieces, ~24 / ~16 mantissa bits,
+      `replay.fold_product`); the dot modes need buffer_len and the flush
+      block_p >= 16. None: "dot_tf32x3"
       where it applies, else "rank1" (H200, session 12, flush_sweep_h200
       run 8: rank1 11-101% slower than the 3xTF32 dot on the all-rows
       flush step; the IEEE dot 17x slower on an f32 checkpoint at 2 warps).
@@ -201,8 +209,7 @@ class ReplayConfig(_LaunchConfig):
     _check_count("flush_programs", self.flush_programs)
     if self.flush_block_p is not None:
       _check_pow2("flush_block_p", self.flush_block_p)
-    _check_choice("flush_fold", self.flush_fold,
-                  ("rank1", "dot_tf32x3", "dot_f32"), optional=True)
+    _check_choice("flush_fold", self.flush_fold, FOLD_MODES, optional=True)
     _check_count("heads_per_program", self.heads_per_program)
     if self.flush_num_warps is not None:
       _check_pow2("flush_num_warps", self.flush_num_warps)
@@ -222,8 +229,8 @@ class VerifyConfig(_LaunchConfig):
     block_p: headdim rows per program; None = `verify.default_block_p`
       (at most 32).
     num_warps, num_stages: Triton launch parameters.
-    fold: how the early flush folds the history: "rank1", "dot_tf32x3" or
-      "dot_f32" (as ReplayConfig.flush_fold); None: "dot_tf32x3" where
+    fold: how the early flush folds the history: one of FOLD_MODES (as
+      ReplayConfig.flush_fold); None: "dot_tf32x3" where
       buffer_len and block_p >= 16, else "rank1".
     fold_grid: "persistent" (`fold_programs` programs share out the
       folding rows' items) or "rows" (the window kernel's grid, programs of
@@ -292,8 +299,7 @@ class VerifyConfig(_LaunchConfig):
                   ("none", "bc", "bc_reduce", "terms"))
     _check_choice("readout", self.readout,
                   ("reduce", "dot_tf32x3", "dot_f32", "xla"))
-    _check_choice("fold", self.fold, ("rank1", "dot_tf32x3", "dot_f32"),
-                  optional=True)
+    _check_choice("fold", self.fold, FOLD_MODES, optional=True)
     _check_choice("fold_grid", self.fold_grid, ("rows", "persistent"))
     _check_count("fold_programs", self.fold_programs)
     if self.fold_num_warps is not None:

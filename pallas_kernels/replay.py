@@ -301,6 +301,36 @@ def rank1_fold(st, a, token, n, *, unroll, suffix0=0.0):
   return carry[0]
 
 
+def fold_product(x_win, s, b_win, fold_dot):
+  """sum_j s_j x_j B_j^T as one tensor-core product -> [block_p, N] f32.
+
+  x_win [L, block_p], b_win [L, N] in their stored dtypes, s [L] f32.
+  fold_dot: a lax precision (`_dot_precision`): the f32 dot of s x and B
+  at that precision; or "bf16xK": x must be bf16 (exact in bf16), and
+  W = s B (f32) is split into K bf16 pieces W = W_1 + ... + W_K (8 more
+  mantissa bits each: K 3 carries all 24 of f32), folded by K bf16 dots
+  with f32 accumulation (products of bf16 values are exact in f32),
+  smallest piece first. Unlike 3xTF32, neither operand needs 32-bit
+  shared-memory tiles or a split of x.
+  """
+  dims = (((0,), (0,)), ((), ()))
+  if not isinstance(fold_dot, str):
+    xs = s[:, None] * x_win.astype(F32)
+    return lax.dot_general(xs, b_win.astype(F32), dims, precision=fold_dot,
+                           preferred_element_type=F32)
+  rest = s[:, None] * b_win.astype(F32)  # [L, N]
+  pieces = []
+  for _ in range(int(fold_dot.removeprefix("bf16x"))):
+    piece = rest.astype(jnp.bfloat16)
+    pieces.append(piece)
+    rest = rest - piece.astype(F32)
+  acc = None
+  for piece in reversed(pieces):
+    d = lax.dot_general(x_win, piece, dims, preferred_element_type=F32)
+    acc = d if acc is None else acc + d
+  return acc
+
+
 def _fold_from(p, h, ld, refs, *, unroll, fold_dot):
   """The new checkpoint tile of head h from its _fold_loads (the rank-1
   fold loads each buffered token in its loop) -> ([block_p, N] f32,
@@ -321,13 +351,11 @@ def _fold_from(p, h, ld, refs, *, unroll, fold_dot):
 
     return rank1_fold(st, ld["a"].astype(F32), token, L - 1, unroll=unroll,
                       suffix0=d_cur), x_cur
-  b_win = jnp.where(p.cur[:, None], b_cur[None, :],
-                    ld["b_hist"].astype(F32))  # [L, N]
-  xs = s[:, None] * jnp.where(p.cur[:, None], x_cur[None, :],
-                              ld["x_hist"].astype(F32))
-  return st + lax.dot_general(
-      xs, b_win, (((0,), (0,)), ((), ())), precision=fold_dot,
-      preferred_element_type=F32), x_cur
+  b_win = jnp.where(p.cur[:, None], ld["b_cur"][None, :],
+                    ld["b_hist"])  # [L, N]
+  x_win = jnp.where(p.cur[:, None], ld["x_cur"][None, :],
+                    ld["x_hist"])  # [L, block_p]
+  return st + fold_product(x_win, s, b_win, fold_dot), x_cur
 
 
 def _fold_head(p, h, refs, *, unroll, fold_dot, block_p):
@@ -662,12 +690,15 @@ def _copy_counts(spec):
 
 
 def _fold_dot(mode, buffer_len: int, block_p: int, interpret: bool, *,
-              field: str, tile: str):
-  """The dot precision of a fold mode (None: rank-1 updates). mode None:
-  "dot_tf32x3" where buffer_len and block_p >= 16 (Triton dot tiles), else
-  "rank1"; a dot mode below that is refused, naming `field` and `tile`.
+              field: str, tile: str, x_dtypes=()):
+  """The dot form of a fold mode (None: rank-1 updates; a lax precision;
+  or "bf16x2" / "bf16x3", see `fold_product`). mode None: "dot_tf32x3"
+  where buffer_len and block_p >= 16 (Triton dot tiles), else "rank1"; a
+  dot mode below that is refused, naming `field` and `tile`, and a bf16
+  mode unless every folded x (x_dtypes: the buffer's, the current
+  token's) is bf16.
 
-  XLA:CPU has no TF32 algorithms, so interpret mode runs the dot modes in
+  XLA:CPU has no TF32 algorithms, so interpret mode runs "dot_tf32x3" in
   exact f32 (the kernel code is otherwise the same).
   """
   fits = min(buffer_len, block_p) >= 16
@@ -678,6 +709,13 @@ def _fold_dot(mode, buffer_len: int, block_p: int, interpret: bool, *,
     raise NotImplementedError(
         f"{field}={mode!r} needs buffer_len and {tile} >= 16 (Triton dot "
         f"tiles), got {buffer_len} and {block_p}.")
+  if mode.startswith("dot_bf16"):
+    bad = sorted({str(jnp.dtype(d)) for d in x_dtypes} - {"bfloat16"})
+    if bad:
+      raise NotImplementedError(
+          f"{field}={mode!r} needs bf16 x (exact in its bf16 dots), got x "
+          f"dtype(s) {bad}; use 'dot_tf32x3'.")
+    return mode.removeprefix("dot_")
   return _dot_precision(mode, interpret)
 
 
@@ -798,7 +836,8 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                                          headdim)
   hb = config.heads_per_program or 1
   fold_dot = _fold_dot(config.flush_fold, rstate.buffer_len, flush_block_p,
-                       interpret, field="flush_fold", tile="the flush block_p")
+                       interpret, field="flush_fold", tile="the flush block_p",
+                       x_dtypes=(rstate.x_buf.dtype, x.dtype))
   if per_group % hb:
     raise NotImplementedError(
         f"heads_per_program ({hb}) must divide nheads // ngroups "

@@ -32,7 +32,8 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import common
 from pallas_kernels.replay import (_Program, _default_flush_programs,
                                    _dot_precision, _fold_dot, _pad_pow2,
-                                   _unpack, persistent_items, rank1_fold)
+                                   _unpack, fold_product, persistent_items,
+                                   rank1_fold)
 from pallas_kernels.replay import default_block_p as _step_block_p
 from replayssm_jax.reference import process_dt
 from replayssm_jax.speculative import verify_bc, verify_readout, verify_terms
@@ -89,14 +90,12 @@ def _fold_history(p, refs, ck_out, *, block_p, fold_dot):
   else:
     x_hist = plgpu.load(xb_ref.at[b, :, h, ps],
                         mask=jnp.broadcast_to(hist[:, None], (L, block_p)),
-                        other=0.0).astype(F32)  # [L, block_p]
+                        other=0.0)  # [L, block_p]
     b_hist = plgpu.load(bb_ref.at[b, :, g, :],
                         mask=jnp.broadcast_to(hist[:, None], (L, nstate)),
-                        other=0.0).astype(F32)  # [L, N]
+                        other=0.0)  # [L, N]
     s = d_hist * jnp.exp(a * suffix)  # the weights s_j
-    st = decay * s0 + lax.dot_general(
-        s[:, None] * x_hist, b_hist, (((0,), (0,)), ((), ())),
-        precision=fold_dot, preferred_element_type=F32)
+    st = decay * s0 + fold_product(x_hist, s, b_hist, fold_dot)
   plgpu.store(ck_out.at[b, h, ps], st.astype(ck_out.dtype))
 
 
@@ -336,7 +335,8 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   fold_kw = dict(kw, dt_softplus=dt_softplus,
                  fold_dot=_fold_dot(config.fold, rstate.buffer_len, block_p,
                                     interpret, field="config.fold",
-                                    tile="block_p"))
+                                    tile="block_p",
+                                    x_dtypes=(rstate.x_buf.dtype,)))
   count = rstate.count
   if config.fold_grid == "persistent":
     nprog = config.fold_programs or _default_flush_programs(interpret)

@@ -370,6 +370,46 @@ def test_replay_kernel_dot_fold(fold, grid):
     pk.ReplayConfig(flush_fold="tf32")
 
 
+# Pieces of the bf16 split fold -> its error bound against the exact f32
+# dot on the f32 checkpoint, relative to the largest |element|. Interpret
+# mode runs the bf16 dots exactly, so this is the split's truncation (the
+# remainder of W after K 8-bit pieces, ~2^-8K of W) plus f32 rounding;
+# measured on this case: 5.8e-8 (x3), 2.5e-6 (x2).
+_BF16_FOLD_RTOL = {"dot_bf16x3": 5e-7, "dot_bf16x2": 2e-5}
+
+
+@pytest.mark.parametrize("fold", sorted(_BF16_FOLD_RTOL))
+def test_replay_kernel_bf16_fold(fold):
+  """The bf16-split fold (bf16 x, weighted B in 2 / 3 bf16 pieces) equals
+  the exact f32 dot fold to the split's precision and the reference to the
+  usual tolerance; it refuses x that bf16 does not hold exactly."""
+  params, tok, rstate, _ = _mixed_state("float32", 16, 71)
+  tok = jax.tree.map(lambda v: v.astype(jnp.bfloat16), tok)
+  kw = dict(**tok, **params, dt_softplus=True)
+  y_ref, r_ref = rs.replay_state_update(rstate, **kw,
+                                        implementation="reference")
+
+  def run(f):
+    return rs.replay_state_update(
+        rstate, **kw, implementation="pallas",
+        config=pk.ReplayConfig(block_p=16, flush_fold=f))
+
+  y, r = run(fold)
+  _, r32 = run("dot_f32")
+  scale = float(jnp.max(jnp.abs(r32.checkpoint)))
+  np.testing.assert_allclose(r.checkpoint, r32.checkpoint, rtol=0,
+                             atol=_BF16_FOLD_RTOL[fold] * scale)
+  tol = testing.tolerance("bfloat16")  # bf16 buffers and inputs
+  testing.assert_close(y, y_ref, tol, "y")
+  testing.assert_close(r.checkpoint, r_ref.checkpoint, tol, "checkpoint")
+  np.testing.assert_array_equal(r.count, r_ref.count)
+  kw["x"] = kw["x"].astype(jnp.float32)
+  with pytest.raises(NotImplementedError, match="needs bf16 x"):
+    rs.replay_state_update(rstate, **kw, implementation="pallas",
+                           config=pk.ReplayConfig(block_p=16,
+                                                  flush_fold=fold))
+
+
 @pytest.mark.parametrize("buffer_len,fold", [(16, None), (4, "rank1")])
 @pytest.mark.parametrize("fused,programs", [(False, 3), (False, 64),
                                             (True, 3)])
@@ -737,6 +777,7 @@ LOWERING_REPLAY_CONFIGS = [
     pk.ReplayConfig(heads_per_program=2, output_prefetch=True),
     pk.ReplayConfig(readout_chunk=32, fused_launch=False),
     pk.ReplayConfig(readout_chunk=16, fused_launch=True),
+    pk.ReplayConfig(flush_fold="dot_bf16x3"),
 ]
 
 
@@ -807,7 +848,7 @@ def test_kernels_lower_to_triton(config, batch, buffer_len, policy):
   def replay():
     _lower_replay(config, params, tok, rstate, pol)
 
-  if config.flush_fold in ("dot_f32", "dot_tf32x3") and buffer_len < 16:
+  if config.flush_fold not in (None, "rank1") and buffer_len < 16:
     with pytest.raises(NotImplementedError, match="block_p >= 16"):
       replay()
   elif config.output_all_rows and rstate.read_copy is not None:
@@ -830,7 +871,8 @@ def test_kernels_lower_to_triton(config, batch, buffer_len, policy):
                   pk.VerifyConfig(precompute="terms"),
                   pk.VerifyConfig(readout="dot_tf32x3"),
                   pk.VerifyConfig(readout="xla"),
-                  pk.VerifyConfig(readout_chunk=16)]
+                  pk.VerifyConfig(readout_chunk=16),
+                  pk.VerifyConfig(fold="dot_bf16x3")]
       for vconfig in vconfigs:
         _lower_for_cuda(
             lambda r, t, c=vconfig: verify_kernel.replay_verify(

@@ -239,6 +239,7 @@ def test_pallas_verify_matches_reference(L, T, buffer_dtype, block_p):
 
 @pytest.mark.parametrize("config", [
     dict(fold="dot_tf32x3", fold_programs=3),  # exact f32 dot in interpret
+    dict(fold="dot_bf16x3", fold_programs=3),  # bf16 x buffer
     dict(fold="rank1", fold_grid="rows")], ids=str)
 def test_pallas_verify_fold_modes(config):
   """The early flush's dot fold on the persistent grid (5 rows: padded
@@ -249,13 +250,22 @@ def test_pallas_verify_fold_modes(config):
   key = jax.random.PRNGKey(41)
   params = testing.random_params(key, h)
   counts = np.array([L - 1, 3, L - T, L - 2, 0])  # 3 rows fold
+  bf16 = config["fold"].startswith("dot_bf16")
   rstate, _ = testing.random_replay_state(
-      jax.random.fold_in(key, 1), b, h, p, n, g, L, counts, params["A"])
+      jax.random.fold_in(key, 1), b, h, p, n, g, L, counts, params["A"],
+      buffer_dtype=jnp.bfloat16 if bf16 else jnp.float32)
   win = testing.random_step_inputs(jax.random.PRNGKey(42), b, h, p, n, g,
                                    seqlen=T)
   kw = dict(**win, **params, dt_softplus=True)
-  _pallas_verify_vs_reference(rstate, kw, counts, L, TOL,
+  _pallas_verify_vs_reference(rstate, kw, counts, L,
+                              testing.tolerance("bfloat16") if bf16 else TOL,
                               pk.VerifyConfig(block_p=16, **config))
+  if bf16:  # an f32 buffer does not hold its x in bf16
+    with pytest.raises(NotImplementedError, match="needs bf16 x"):
+      rs.replay_verify(
+          rstate.replace(x_buf=rstate.x_buf.astype(jnp.float32)), **kw,
+          implementation="pallas", config=pk.VerifyConfig(block_p=16,
+                                                          **config))
   with pytest.raises(NotImplementedError, match="block_p >= 16"):
     rs.replay_verify(rstate, **kw, implementation="pallas",
                      config=pk.VerifyConfig(block_p=8, fold="dot_f32"))

@@ -71,6 +71,10 @@ VARIANTS = {
     # (session 12), at 2 and 4 warps.
     "fold_rank1": dict(fold="rank1"),
     "fold_rank1_w4": dict(fold="rank1", fold_num_warps=4),
+    # The early flush's dot as bf16 dots of x with the weighted B in 3
+    # bf16 pieces (session 13), at 2 and 4 warps.
+    "fold_bf16x3": dict(fold="dot_bf16x3"),
+    "fold_bf16x3_w4": dict(fold="dot_bf16x3", fold_num_warps=4),
     "reference": None,  # the XLA reference op (implementation="reference")
 }
 
