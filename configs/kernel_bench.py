@@ -148,16 +148,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # IEEE dot on 2 warps: f16 3% faster on the flush, f32 17x slower.
     # Set up after session 12 but never run: half tiles with the 3xTF32
     # dot at 2 warps, 1 warp, 8 programs per SM.
-    # This sweep (session 13): the fold as bf16 dots of x with the weighted
-    # B split into bf16 pieces (replay.fold_product; ncu had 63% of the
-    # 4-warp flush's shared-memory wavefronts as bank-conflict excess,
-    # and 3xTF32 stages 32-bit operand tiles), 3 and 2 pieces, at 2 and 4
-    # warps and on half tiles.
+    # Session 13 (run 9): the fold as bf16 dots of x with the weighted B
+    # split into bf16 pieces (replay.fold_product; ncu had 63% of the
+    # 4-warp flush's shared-memory wavefronts as bank-conflict excess, and
+    # 3xTF32 stages 32-bit operand tiles): 3 pieces 25-35% faster on the
+    # flush step than 3xTF32 (the new default for bf16 x), 2 pieces about
+    # the same as 3, 4 warps and half tiles slower. This sweep (run 10):
+    # the 3xTF32 fold for reference, 1 warp, 2 and 8 programs per SM.
     config.replay_variants = ml_collections.ConfigDict(dict(
-        bf16x3=dict(flush_fold="dot_bf16x3"),
-        bf16x2=dict(flush_fold="dot_bf16x2"),
-        bf16x3_w4=dict(flush_fold="dot_bf16x3", flush_num_warps=4),
-        bf16x3_bp32=dict(flush_fold="dot_bf16x3", flush_block_p=32),
+        tf32x3=dict(flush_fold="dot_tf32x3"),
+        w1=dict(flush_num_warps=1),
+        programs264=dict(flush_programs=264),
+        programs1056=dict(flush_programs=1056),
     ))
 
   if arg == "launch":
@@ -190,11 +192,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # their default, replay.default_flush_num_warps); the scalar-weight
     # rank-1 fold slower than the 4-warp dot at 2 and 4 warps. The study
     # keeps the 2-warp flush beside the default. Session 13: the bf16-split
-    # fold (replay.fold_product) at the default warps and at 2.
+    # fold (replay.fold_product, now the default) took the flush of every
+    # read-copy state down 11-27% (f16 + fp8 copy 970 -> 708 µs), at 2
+    # warps less.
     config.replay_variants = ml_collections.ConfigDict(dict(
-        w2=dict(flush_num_warps=2),
-        bf16x3=dict(flush_fold="dot_bf16x3"),
-        bf16x3_w2=dict(flush_fold="dot_bf16x3", flush_num_warps=2)))
+        w2=dict(flush_num_warps=2)))
 
   if arg == "output_launch":
     # The output route's launch shape on the f16 checkpoint and the fp8

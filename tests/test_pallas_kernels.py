@@ -403,6 +403,15 @@ def test_replay_kernel_bf16_fold(fold):
   testing.assert_close(y, y_ref, tol, "y")
   testing.assert_close(r.checkpoint, r_ref.checkpoint, tol, "checkpoint")
   np.testing.assert_array_equal(r.count, r_ref.count)
+  # The default: the bf16 split for bf16 x, 3xTF32 otherwise, rank-1
+  # below Triton's dot tiles.
+  from pallas_kernels import replay as rk  # pylint: disable=g-import-not-at-top
+  bf, f32 = jnp.bfloat16, jnp.float32
+  default = functools.partial(rk._fold_dot, None, field="f", tile="t")  # pylint: disable=protected-access
+  assert default(16, 16, False, x_dtypes=(bf, bf)) == "bf16x3"
+  assert (default(16, 16, False, x_dtypes=(bf, f32))
+          == jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
+  assert default(8, 16, False, x_dtypes=(bf, bf)) is None
   kw["x"] = kw["x"].astype(jnp.float32)
   with pytest.raises(NotImplementedError, match="needs bf16 x"):
     rs.replay_state_update(rstate, **kw, implementation="pallas",
