@@ -28,7 +28,8 @@ batch 256, L 16):
       --workdir=runs/kernel_policies
 
 The output route's launch shape on the 8-bit read copies and the f16
-checkpoint (`:output_launch`, same setup as `:policies`).
+checkpoint (`:output_launch`, same setup as `:policies`). The flush fold
+forms in the fused launch at batch 1 (`:batch1`).
 
 Useful overrides: `--config.implementations='("pallas",)'` (one
 implementation only), `--config.exclude_replay_implementations='()'` (also
@@ -58,7 +59,7 @@ def _kernel_study(config, name: str, batches: tuple[int, ...]) -> None:
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The benchmark configuration; `arg="smoke"` is a tiny CPU run."""
   _args.check_arg(arg, "sweep", "launch", "policies", "mosaic",
-                  "output_launch")
+                  "output_launch", "batch1")
   config = ml_collections.ConfigDict()
   config.name = "kernel_bench"  # stem of the files copied to --results_dir
   config.seed = 0
@@ -161,6 +162,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         programs264=dict(flush_programs=264),
         programs1056=dict(flush_programs=1056),
     ))
+
+  if arg == "batch1":
+    # Batch 1 (one launch for both routes, replay.default_fused_launch):
+    # the default fold there (3xTF32) beside the bf16-split fold, which is
+    # the default of the separate flush launch. Session 13's grid, with
+    # bf16x3 in the fused launch too, had the non-flush step slower than
+    # session 12's (f16 2.42 -> 3.24 µs).
+    _kernel_study(config, "kernel_batch1", (1,))
+    config.replay_variants = ml_collections.ConfigDict(dict(
+        bf16x3=dict(flush_fold="dot_bf16x3")))
 
   if arg == "launch":
     # Where the fused launch (ReplayConfig.fused_launch) stops paying:

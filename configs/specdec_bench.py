@@ -33,7 +33,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       dict(_decode_bench.TINY_MODEL if smoke else hybrid_1b.MODEL))
   b = config.bench = ml_collections.ConfigDict()
   b.batches = (2,) if smoke else (1, 64, 256, 512)
-  b.windows = (2, 4) if smoke else (4, 2, 8)  # T: last token + T-1 drafts
+  b.windows = (4,) if smoke else (4, 2, 8)  # T: last token + T-1 drafts
   b.ssm_modes = ("baseline", "replay")
   b.buffer_len = 8 if smoke else 16  # replay buffer (> every window)
   b.prompt_len = 8 if smoke else 128

@@ -690,16 +690,20 @@ def _copy_counts(spec):
 
 
 def _fold_dot(mode, buffer_len: int, block_p: int, interpret: bool, *,
-              field: str, tile: str, x_dtypes=()):
+              field: str, tile: str, x_dtypes=(), fused: bool = False):
   """The dot form of a fold mode (None: rank-1 updates; a lax precision;
   or "bf16x2" / "bf16x3", see `fold_product`). mode None: where buffer_len
   and block_p >= 16 (Triton dot tiles) "dot_bf16x3" if every folded x
-  (x_dtypes: the buffer's, the current token's) is bf16, else
-  "dot_tf32x3"; below that "rank1". A dot mode below that is refused,
-  naming `field` and `tile`, and a bf16 mode unless every folded x is
-  bf16. H200, session 13 (flush_sweep_h200.json run 9): the bf16x3 fold
-  took the all-rows flush step from 657 to 489 µs (f16 checkpoint) and
-  1011 to 754 µs (f32), batch 256, L 16.
+  (x_dtypes: the buffer's, the current token's) is bf16 and the flush is
+  its own launch (not `fused` with the output route), else "dot_tf32x3";
+  below that "rank1". A dot mode below that is refused, naming `field`
+  and `tile`, and a bf16 mode unless every folded x is bf16. H200, session
+  13: the bf16x3 fold took the all-rows flush step from 657 to 489 µs
+  (f16 checkpoint) and 1011 to 754 µs (f32), batch 256, L 16
+  (flush_sweep_h200.json run 9); in the fused launch (batch 1) the
+  non-flush step went from 2.42 to 3.24 µs (f16) and 3.64 to 3.96 (f32)
+  with it (kernel_bench_h200_L16.md against its session-12 grid): the two
+  routes share one register budget.
 
   XLA:CPU has no TF32 algorithms, so interpret mode runs "dot_tf32x3" in
   exact f32 (the kernel code is otherwise the same).
@@ -707,7 +711,8 @@ def _fold_dot(mode, buffer_len: int, block_p: int, interpret: bool, *,
   fits = min(buffer_len, block_p) >= 16
   bf16_x = all(jnp.dtype(d) == jnp.bfloat16 for d in x_dtypes)
   if mode is None:
-    mode = "rank1" if not fits else "dot_bf16x3" if bf16_x else "dot_tf32x3"
+    mode = ("rank1" if not fits else
+            "dot_bf16x3" if bf16_x and not fused else "dot_tf32x3")
   if mode == "rank1":
     return None
   if not fits:
@@ -840,9 +845,6 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   flush_block_p = common.resolve_block_p(config.flush_block_p or block_p,
                                          headdim)
   hb = config.heads_per_program or 1
-  fold_dot = _fold_dot(config.flush_fold, rstate.buffer_len, flush_block_p,
-                       interpret, field="flush_fold", tile="the flush block_p",
-                       x_dtypes=(rstate.x_buf.dtype, x.dtype))
   if per_group % hb:
     raise NotImplementedError(
         f"heads_per_program ({hb}) must divide nheads // ngroups "
@@ -894,6 +896,9 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   fused = config.fused_launch
   if fused is None:
     fused = not unsupported and default_fused_launch(batch, nheads)
+  fold_dot = _fold_dot(config.flush_fold, rstate.buffer_len, flush_block_p,
+                       interpret, field="flush_fold", tile="the flush block_p",
+                       x_dtypes=(rstate.x_buf.dtype, x.dtype), fused=fused)
   if fused:
     n0 = grid(block_p)[0]
     kernel = functools.partial(

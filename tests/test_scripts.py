@@ -21,10 +21,10 @@ def _run(script, *args):
 
 def test_verify_sweep_tiny(tmp_path):
   out = tmp_path / "verify_sweep.json"
-  _run("verify_sweep.py", "--tiny", "--variants", "default,terms,reference",
+  _run("verify_sweep.py", "--tiny", "--variants", "default,reference",
        "--out", str(out))
   res = json.loads(out.read_text())
-  assert set(res["variants"]) == {"default", "terms", "reference"}
+  assert set(res["variants"]) == {"default", "reference"}
   assert res["variants"]["reference"]["implementation"] == "reference"
   for name, r in res["variants"].items():
     assert r["check"] == "PASS", (name, r.get("error"))
@@ -33,8 +33,10 @@ def test_verify_sweep_tiny(tmp_path):
 
 def test_specdec_profile_tiny(tmp_path):
   out = tmp_path / "specdec_profile.json"
+  # One of the three loops: they share loop_splits' code (the others
+  # cost ~40 s more of CI).
   _run("specdec_profile.py", "--tiny", "--batch", "2", "--steps", "2",
-       "--out", str(out))
+       "--loops", "replay", "--out", str(out))
   res = json.loads(out.read_text())
   assert res["window_forward_ms"] > 0
   for mode in ("replay", "baseline"):
@@ -44,8 +46,8 @@ def test_specdec_profile_tiny(tmp_path):
       assert split["top"] and split["device_ms"] > 0
       assert abs(sum(split["by_category"].values())
                  - split["device_ms"]) < 1e-6 * max(1.0, split["device_ms"])
-  for name in ("plain", "replay", "baseline"):
-    loop = res["loops"][name]
-    assert loop["iterations"] >= 1 and loop["loop_top"]
-    assert loop["prefill_ms"] > 0
-    assert np.isfinite(loop["idle_ms"])  # its sign means nothing on a CPU
+  assert set(res["loops"]) == {"replay"}
+  loop = res["loops"]["replay"]
+  assert loop["iterations"] >= 1 and loop["loop_top"]
+  assert loop["prefill_ms"] > 0
+  assert np.isfinite(loop["idle_ms"])  # its sign means nothing on a CPU

@@ -84,7 +84,8 @@ def split_per_step(fn, *args, steps: int) -> dict:
               top=[dict(o, ms=o["ms"] / steps) for o in t["top"]])
 
 
-def loop_splits(model, prompts, lengths, t: int, n_new: int) -> dict:
+def loop_splits(model, prompts, lengths, t: int, n_new: int,
+                names=("plain", "replay", "baseline")) -> dict:
   """Per-kernel split of the benchmark's own loops, per iteration:
   `generate` (plain, replay state) and `speculative_generate` (replay and
   baseline) with specdec_bench's flat-sampling proposer (accept_prob 0.7,
@@ -100,7 +101,7 @@ def loop_splits(model, prompts, lengths, t: int, n_new: int) -> dict:
   kw = dict(state_kw, temperature=1000.0, rng=jax.random.PRNGKey(8))
   proposer = FlatOracleProposer(0.7, model.config.vocab_size)
   out = {}
-  for name in ("plain", "replay", "baseline"):
+  for name in names:
     mode = "replay" if name == "plain" else name
 
     def pre(mode=mode):
@@ -145,6 +146,8 @@ def main():
   ap.add_argument("--steps", type=int, default=16)
   ap.add_argument("--out", default="specdec_profile.json")
   ap.add_argument("--tiny", action="store_true", help="CPU check")
+  ap.add_argument("--loops", default="plain,replay,baseline",
+                  help="which of specdec_bench's loops to split")
   a = ap.parse_args()
   cfg = ModelConfig(**(_decode_bench.TINY_MODEL if a.tiny
                        else hybrid_1b.get_config().model.to_dict()))
@@ -268,7 +271,8 @@ def main():
                                                   jax.random.PRNGKey(6)))
     res[f"accept_{name}_ms"] = timed(f, logits, qq, steps=1)
   print({k: v for k, v in res.items() if k.startswith("accept")})
-  res["loops"] = loop_splits(model, prompts, lengths, t, 16 if a.tiny else 128)
+  res["loops"] = loop_splits(model, prompts, lengths, t, 16 if a.tiny else 128,
+                             a.loops.split(","))
   with open(a.out, "w") as fh:
     json.dump(res, fh, indent=1)
 
