@@ -165,10 +165,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   if arg == "batch1":
     # Batch 1 (one launch for both routes, replay.default_fused_launch):
-    # the default fold there (3xTF32) beside the bf16-split fold, which is
-    # the default of the separate flush launch. Session 13's grid, with
-    # bf16x3 in the fused launch too, had the non-flush step slower than
-    # session 12's (f16 2.42 -> 3.24 µs).
+    # the default fold there (3xTF32) beside the bf16-split fold, the
+    # default of the separate flush launch. Session 13 (two runs,
+    # benchmarks/kernel_batch1_h200.md): bf16x3 slowed the f16 non-flush
+    # step in both (3.16 vs 2.89 µs, 3.61 vs 1.46), f32 within 3%.
     _kernel_study(config, "kernel_batch1", (1,))
     config.replay_variants = ml_collections.ConfigDict(dict(
         bf16x3=dict(flush_fold="dot_bf16x3")))

@@ -700,10 +700,10 @@ def _fold_dot(mode, buffer_len: int, block_p: int, interpret: bool, *,
   and `tile`, and a bf16 mode unless every folded x is bf16. H200, session
   13: the bf16x3 fold took the all-rows flush step from 657 to 489 µs
   (f16 checkpoint) and 1011 to 754 µs (f32), batch 256, L 16
-  (flush_sweep_h200.json run 9); in the fused launch (batch 1) the
-  non-flush step went from 2.42 to 3.24 µs (f16) and 3.64 to 3.96 (f32)
-  with it (kernel_bench_h200_L16.md against its session-12 grid): the two
-  routes share one register budget.
+  (flush_sweep_h200.json run 9). The fused launch (batch 1) keeps
+  3xTF32: its two routes share one register budget, and with bf16x3 its
+  non-flush step was slower on an f16 checkpoint in both side-by-side runs
+  (kernel_batch1_h200.md: 3.16 vs 2.89 µs, 3.61 vs 1.46; f32 within 3%).
 
   XLA:CPU has no TF32 algorithms, so interpret mode runs "dot_tf32x3" in
   exact f32 (the kernel code is otherwise the same).

@@ -19,7 +19,7 @@
 #   bash benchmarks/scripts/run_h200.sh profile    # where a spec-decoding iteration's time goes, b 256, with the verify split and a per-kernel split of the plain step, verify + commit, window forward and (since session 8, untimed: + ~2 min) specdec_bench's own loops per iteration (2 min in session 7; its per-kernel split needs `profile_kernels`, which runs it with XLA's CUDA graphs off)
 #   bash benchmarks/scripts/run_h200.sh profile_b1  # the same two profiles at batch 1, where replay spec decoding was 0.60-0.64x the baseline's (session 11); session 12 ran the first (2.4 min: device time per iteration within 4%), the per-kernel second is not yet run
 #   bash benchmarks/scripts/run_h200.sh profile_b1_kernels  # profile_b1's per-kernel half alone (not yet run)
-#   bash benchmarks/scripts/run_h200.sh batch1     # batch 1, f32 / f16, L 16: the fused launch's default fold (3xTF32) vs the bf16-split fold (not yet run)
+#   bash benchmarks/scripts/run_h200.sh batch1     # batch 1, f32 / f16, L 16: the fused launch's default fold (3xTF32) vs the bf16-split fold (1.5 min in session 13)
 #   bash benchmarks/scripts/run_h200.sh launch     # fused vs separate route launches, b 16 + 64, L 16 (1.2 min)
 #   bash benchmarks/scripts/run_h200.sh mosaic     # the Mosaic GPU kernels: baseline (7 configs) vs Triton and XLA, replay with the Mosaic output route (plain, f32+fp8, f16+fp8), b 256 + 64, f32 / f16, each checked first; a Mosaic failure is recorded, not fatal (> 3 min: session 7 ran f32 in 185 s, f16 without policies in 90 s)
 #   bash benchmarks/scripts/run_h200.sh verify     # spec verify kernel: VerifyConfig variants on hybrid_1b's layer, b 256, T 4, checked, split per kernel (14 variants: ~2 min in session 9; all 25 now, or pick with verify_sweep.py --variants)
@@ -32,7 +32,7 @@
 #   bash benchmarks/scripts/run_h200.sh precision_rest  # trains mqar_large_ssm + char_large_ssm, evaluates mqar_large_ssm@1024 and char_large_ssm (12 policies; > 9.6 min: session 6 ran it to its 575 s limit, inside char_large_ssm)
 #   bash benchmarks/scripts/run_h200.sh decode8b   # Nemotron-H-8B shapes (random bf16 weights), b {64,256}, L 16 (3 min)
 #   bash benchmarks/scripts/run_h200.sh decode8b_split  # the same at b 256 only, with the per-part time split (not yet run)
-#   bash benchmarks/scripts/run_h200.sh decode8b_policies  # the 8B shapes at b 256, L 16, also with dual-precision replay states (f32 master + bf16 / fp8 read copy) (not yet run; ~4 min expected)
+#   bash benchmarks/scripts/run_h200.sh decode8b_policies  # the 8B shapes at b 256, L 16, also with dual-precision replay states (f32 master + bf16 / fp8 read copy) (3.7 min in session 13)
 #   bash benchmarks/scripts/run_h200.sh check      # kernel_bench smoke: every kernel vs the reference on the GPU
 #   bash benchmarks/scripts/run_h200.sh drift      # precision_drift: 12 policies x L {4,16,64} + 8 baselines, 100k steps
 #
