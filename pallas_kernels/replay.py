@@ -7,8 +7,9 @@ branch, one compile):
   + sum_j s_j (B_j . C) x_j + D x from the checkpoint S_0 and the buffer,
   then append (x, dt', B) at slot c. The checkpoint is only read.
 * flush route (rows with c == L-1): fold the L-1 buffered tokens and the
-  current one into a new checkpoint (one [block_p, L] x [L, N] dot, or exact
-  f32 rank-1 updates), store it, and read y from it.
+  current one into a new checkpoint ([block_p, L] x [L, N] tensor-core
+  dots, `fold_product`, or exact f32 rank-1 updates), store it, and read y
+  from it.
 
 Output-route grid: (headdim blocks x head blocks of one group, ngroups,
 batch). A program owns `block_p` headdim rows of `heads_per_program` heads

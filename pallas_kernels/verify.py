@@ -15,7 +15,9 @@ Window-kernel grid: (headdim blocks x heads of one group, ngroups, batch),
 one head per program. The fold kernel runs by default on a small
 persistent grid that shares out the folding rows' (row, head, headdim
 block) items (as the replay step's flush route; `VerifyConfig.fold_grid`),
-folding with a 3xTF32 dot where L and block_p >= 16. T, L, headdim and
+folding with tensor-core dots where L and block_p >= 16 (bf16 dots of
+the bf16 x with the weighted B split in three, else 3xTF32; see
+`replay.fold_product`). T, L, headdim and
 dstate must be powers of two (Triton blocks).
 """
 
