@@ -271,26 +271,22 @@ def test_pallas_verify_fold_modes(config):
                      config=pk.VerifyConfig(block_p=8, fold="dot_f32"))
 
 
+# Each option value at least once, on (L, T, buffer dtype) cases in turn
+# (not the full product: interpret mode compiles each case apart).
 @pytest.mark.parametrize("L,T,buffer_dtype,config", [
     (16, 4, "bfloat16", dict(precompute="bc")),
     (32, 8, "float32", dict(precompute="bc")),
-    (8, 2, "bfloat16", dict(precompute="bc")),
     (16, 4, "bfloat16", dict(precompute="none")),
     (32, 16, "float32", dict(precompute="none", fold="rank1")),
     (16, 4, "bfloat16", dict(precompute="terms")),
-    (32, 8, "float32", dict(precompute="terms")),
     (8, 2, "bfloat16", dict(precompute="terms", fold="rank1")),
     (16, 4, "bfloat16", dict(readout="dot_tf32x3")),
     (32, 8, "float32", dict(precompute="none", readout="dot_f32")),
-    (8, 2, "bfloat16", dict(precompute="terms", readout="dot_tf32x3")),
     (16, 4, "bfloat16", dict(readout="xla")),
     (32, 8, "float32", dict(precompute="none", readout="xla")),
-    (8, 2, "bfloat16", dict(precompute="terms", readout="xla")),
     (16, 4, "bfloat16", dict(precompute="bc_reduce")),
     (32, 8, "float32", dict(precompute="bc_reduce", readout_chunk=None)),
     (16, 4, "bfloat16", dict(readout_chunk=4)),
-    (16, 4, "bfloat16", dict(readout_chunk=None)),
-    (32, 8, "float32", dict(precompute="none", readout_chunk=8)),
     (8, 2, "bfloat16", dict(precompute="terms", readout_chunk=64))],
     ids=str)
 def test_pallas_verify_window_variants(L, T, buffer_dtype, config):
