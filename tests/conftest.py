@@ -1,5 +1,8 @@
 """pytest configuration shared by the whole test-suite."""
 
+import os
+import tempfile
+
 import jax
 
 # XLA:CPU compiles the "partitionable" threefry PRNG (the default since
@@ -7,9 +10,6 @@ import jax
 # on the 2-core CI machine versus ~0.3 s. Tests draw inputs of many shapes,
 # so use the classic, equally valid, bit stream. Sharding is irrelevant here.
 jax.config.update("jax_threefry_partitionable", False)
-
-import os  # noqa: E402
-import tempfile  # noqa: E402
 
 # The suite is bound by XLA:CPU compile time (interpret-mode kernels compile
 # each case apart), not by run time: skip most of XLA's and LLVM's
