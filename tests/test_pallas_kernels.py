@@ -182,7 +182,7 @@ def _mixed_state(ckpt_dtype, buffer_len, seed, flush_rows=(1,)):
 
 # Each config on two of the four (state dtype, L) pairs, in rotation: every
 # pair meets half the configs (interpret mode compiles each case apart;
-# the full product took ~4 min of the CI's 2 cores).
+# the full product took ~4 min of worker time, 2 of CI's wall time).
 _STEP_STATES = [("float32", 4), ("float16", 8), ("bfloat16", 2),
                 ("float32", 1)]
 
