@@ -340,11 +340,10 @@ def _fold_from(p, h, ld, refs, *, unroll, fold_dot):
   b, g, ps, L = p.b, p.g, p.ps, p.L
   d_cur, s, decay = p.window_from(ld)
   x_cur = ld["x_cur"].astype(F32)
-  b_cur = ld["b_cur"].astype(F32)
   st = decay * ld["s0"].astype(F32)  # [block_p, N]
   if fold_dot is None:
     # The current token (weight d_cur), then the L-1 buffered ones.
-    st = st + (d_cur * x_cur)[:, None] * b_cur[None, :]
+    st = st + (d_cur * x_cur)[:, None] * ld["b_cur"].astype(F32)[None, :]
 
     def token(j):
       return (dtb_ref[b, j, h], xb_ref[b, j, h, ps].astype(F32),
@@ -691,7 +690,7 @@ def _copy_counts(spec):
 
 
 def _fold_dot(mode, buffer_len: int, block_p: int, interpret: bool, *,
-              field: str, tile: str, x_dtypes=(), fused: bool = False):
+              field: str, tile: str, x_dtypes, fused: bool = False):
   """The dot form of a fold mode (None: rank-1 updates; a lax precision;
   or "bf16x2" / "bf16x3", see `fold_product`). mode None: where buffer_len
   and block_p >= 16 (Triton dot tiles) "dot_bf16x3" if every folded x
@@ -720,12 +719,12 @@ def _fold_dot(mode, buffer_len: int, block_p: int, interpret: bool, *,
     raise NotImplementedError(
         f"{field}={mode!r} needs buffer_len and {tile} >= 16 (Triton dot "
         f"tiles), got {buffer_len} and {block_p}.")
-  if mode.startswith("dot_bf16") and not bf16_x:
-    raise NotImplementedError(
-        f"{field}={mode!r} needs bf16 x (exact in its bf16 dots), got x "
-        f"dtype(s) {sorted({str(jnp.dtype(d)) for d in x_dtypes})}; use "
-        "'dot_tf32x3'.")
   if mode.startswith("dot_bf16"):
+    if not bf16_x:
+      raise NotImplementedError(
+          f"{field}={mode!r} needs bf16 x (exact in its bf16 dots), got x "
+          f"dtype(s) {sorted({str(jnp.dtype(d)) for d in x_dtypes})}; use "
+          "'dot_tf32x3'.")
     return mode.removeprefix("dot_")
   return _dot_precision(mode, interpret)
 
