@@ -154,13 +154,21 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # 4-warp flush's shared-memory wavefronts as bank-conflict excess, and
     # 3xTF32 stages 32-bit operand tiles): 3 pieces 25-35% faster on the
     # flush step than 3xTF32 (the new default for bf16 x), 2 pieces about
-    # the same as 3, 4 warps and half tiles slower. This sweep (run 10):
-    # the 3xTF32 fold for reference, 1 warp, 2 and 8 programs per SM.
+    # the same as 3, 4 warps and half tiles slower. Run 10: the 3xTF32
+    # fold for reference, 1 warp, 2 and 8 programs per SM: none faster.
+    # This sweep (run 11): the fold adding each dot into the tile as it
+    # comes (replay.fold_product) and smaller tiles at 4 warps, which ptxas
+    # (Triton 3.9, offline) puts at 128 (f16) / 168 (f32) registers per
+    # thread for [32, 128] tiles and 80 / 96 for [16, 128] (the default's
+    # [64, 128] at 2 warps: 255 with spills); 792 programs = 6 per SM, the
+    # most that 80 registers x 128 threads leave resident.
     config.replay_variants = ml_collections.ConfigDict(dict(
-        tf32x3=dict(flush_fold="dot_tf32x3"),
-        w1=dict(flush_num_warps=1),
-        programs264=dict(flush_programs=264),
-        programs1056=dict(flush_programs=1056),
+        bp32w4=dict(flush_block_p=32, flush_num_warps=4),
+        bp16w4=dict(flush_block_p=16, flush_num_warps=4),
+        bp16w4p792=dict(flush_block_p=16, flush_num_warps=4,
+                        flush_programs=792),
+        bp16w4pre=dict(flush_block_p=16, flush_num_warps=4,
+                       flush_prefetch=True),
     ))
 
   if arg == "batch1":

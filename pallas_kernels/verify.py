@@ -97,7 +97,7 @@ def _fold_history(p, refs, ck_out, *, block_p, fold_dot):
                         mask=jnp.broadcast_to(hist[:, None], (L, nstate)),
                         other=0.0)  # [L, N]
     s = d_hist * jnp.exp(a * suffix)  # the weights s_j
-    st = decay * s0 + fold_product(x_hist, s, b_hist, fold_dot)
+    st = fold_product(x_hist, s, b_hist, fold_dot, decay * s0)
   plgpu.store(ck_out.at[b, h, ps], st.astype(ck_out.dtype))
 
 
