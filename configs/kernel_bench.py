@@ -156,19 +156,24 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # flush step than 3xTF32 (the new default for bf16 x), 2 pieces about
     # the same as 3, 4 warps and half tiles slower. Run 10: the 3xTF32
     # fold for reference, 1 warp, 2 and 8 programs per SM: none faster.
-    # This sweep (run 11): the fold adding each dot into the tile as it
-    # comes (replay.fold_product) and smaller tiles at 4 warps, which ptxas
-    # (Triton 3.9, offline) puts at 128 (f16) / 168 (f32) registers per
-    # thread for [32, 128] tiles and 80 / 96 for [16, 128] (the default's
-    # [64, 128] at 2 warps: 255 with spills); 792 programs = 6 per SM, the
-    # most that 80 registers x 128 threads leave resident.
+    # Run 11: the fold adding each dot into the tile as it comes
+    # (replay.fold_product) took the f16 all-rows flush at batch 256 from
+    # 489 (run 9) to 472 µs, f32 754 µs as before; [32, 128] and [16, 128]
+    # tiles at 4 warps (with 6 programs per SM, with flush_prefetch) were
+    # 4-130% slower: per-item work, not occupancy, sets the flush time.
+    # This sweep (run 12): the fold split on the x side (half the elements
+    # to split, B staged once), 4 warps at 2 or 3 programs per SM (ptxas
+    # offline: 235 / 168 registers per thread for f16 / f32), and the
+    # prefetching loop (the next item's loads in flight during the fold)
+    # at 4 warps x 2 programs and 8 warps x 1 program per SM (255 / 183
+    # registers for f16).
     config.replay_variants = ml_collections.ConfigDict(dict(
-        bp32w4=dict(flush_block_p=32, flush_num_warps=4),
-        bp16w4=dict(flush_block_p=16, flush_num_warps=4),
-        bp16w4p792=dict(flush_block_p=16, flush_num_warps=4,
-                        flush_programs=792),
-        bp16w4pre=dict(flush_block_p=16, flush_num_warps=4,
-                       flush_prefetch=True),
+        w4p264=dict(flush_num_warps=4, flush_programs=264),
+        w4p396=dict(flush_num_warps=4, flush_programs=396),
+        w4pre264=dict(flush_num_warps=4, flush_programs=264,
+                      flush_prefetch=True),
+        w8pre132=dict(flush_num_warps=8, flush_programs=132,
+                      flush_prefetch=True),
     ))
 
   if arg == "batch1":

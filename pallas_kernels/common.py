@@ -107,11 +107,11 @@ class ReplayConfig(_LaunchConfig):
     flush_fold: "rank1" (exact f32 rank-1 updates), "dot_tf32x3" (one
       tensor-core dot with 3xTF32 inputs, ~f32 accurate; exact f32 in
       interpret mode), "dot_f32" (one dot with IEEE f32 inputs), or
-      "dot_bf16x3" / "dot_bf16x2" (bf16 x only: bf16 dots of x with the
-      weighted B split into 3 / 2 bf16 pieces, ~24 / ~16 mantissa bits,
+      "dot_bf16x3" / "dot_bf16x2" (bf16 B only: bf16 dots of B with the
+      weighted x split into 3 / 2 bf16 pieces, ~24 / ~16 mantissa bits,
       `replay.fold_product`); the dot modes need buffer_len and the flush
       block_p >= 16. None (`replay._fold_dot`): where a dot applies,
-      "dot_bf16x3" for bf16 x in a flush launch of its own and
+      "dot_bf16x3" for bf16 B in a flush launch of its own and
       "dot_tf32x3" otherwise (the fused launch keeps 3xTF32); elsewhere
       "rank1". H200, flush_sweep_h200 runs 8-9: on the all-rows flush step
       rank1 was 11-101% slower than the 3xTF32 dot, the IEEE dot 17x

@@ -16,7 +16,7 @@ one head per program. The fold kernel runs by default on a small
 persistent grid that shares out the folding rows' (row, head, headdim
 block) items (as the replay step's flush route; `VerifyConfig.fold_grid`),
 folding with tensor-core dots where L and block_p >= 16 (bf16 dots of
-the bf16 x with the weighted B split in three, else 3xTF32; see
+the bf16 B with the weighted x split in three, else 3xTF32; see
 `replay.fold_product`). T, L, headdim and
 dstate must be powers of two (Triton blocks).
 """
@@ -338,7 +338,7 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                  fold_dot=_fold_dot(config.fold, rstate.buffer_len, block_p,
                                     interpret, field="config.fold",
                                     tile="block_p",
-                                    x_dtypes=(rstate.x_buf.dtype,)))
+                                    b_dtypes=(rstate.b_buf.dtype,)))
   count = rstate.count
   if config.fold_grid == "persistent":
     nprog = config.fold_programs or _default_flush_programs(interpret)

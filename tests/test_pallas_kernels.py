@@ -379,15 +379,15 @@ def test_replay_kernel_dot_fold(fold, grid):
 # Pieces of the bf16 split fold -> its error bound against the exact f32
 # dot on the f32 checkpoint, relative to the largest |element|. Interpret
 # mode runs the bf16 dots exactly, so this is the split's truncation (the
-# remainder of W after K 8-bit pieces, ~2^-8K of W) plus f32 rounding;
-# measured on this case: 5.8e-8 (x3), 2.5e-6 (x2).
+# remainder of X = s x after K 8-bit pieces, ~2^-8K of X) plus f32 rounding;
+# measured on this case: 5.8e-8 (x3), 2.8e-6 (x2).
 _BF16_FOLD_RTOL = {"dot_bf16x3": 5e-7, "dot_bf16x2": 2e-5}
 
 
 def test_replay_kernel_bf16_fold():
-  """The bf16-split folds (bf16 x, weighted B in 3 / 2 bf16 pieces) equal
+  """The bf16-split folds (bf16 B, weighted x in 3 / 2 bf16 pieces) equal
   the exact f32 dot fold to the split's precision and the reference to the
-  usual tolerance; they refuse x that bf16 does not hold exactly."""
+  usual tolerance; they refuse B that bf16 does not hold exactly."""
   params, tok, rstate, _ = _mixed_state("float32", 16, 71)
   tok = jax.tree.map(lambda v: v.astype(jnp.bfloat16), tok)
   kw = dict(**tok, **params, dt_softplus=True)
@@ -410,19 +410,19 @@ def test_replay_kernel_bf16_fold():
     testing.assert_close(r.checkpoint, r_ref.checkpoint, tol,
                          f"{fold} checkpoint")
     np.testing.assert_array_equal(r.count, r_ref.count)
-  # The default: the bf16 split for bf16 x in a flush launch of its own,
+  # The default: the bf16 split for bf16 B in a flush launch of its own,
   # 3xTF32 otherwise, rank-1 below Triton's dot tiles.
   from pallas_kernels import replay as rk  # pylint: disable=g-import-not-at-top
   bf, f32 = jnp.bfloat16, jnp.float32
   default = functools.partial(rk._fold_dot, None, field="f", tile="t")  # pylint: disable=protected-access
-  assert default(16, 16, False, x_dtypes=(bf, bf)) == "bf16x3"
-  assert (default(16, 16, False, x_dtypes=(bf, f32))
+  assert default(16, 16, False, b_dtypes=(bf, bf)) == "bf16x3"
+  assert (default(16, 16, False, b_dtypes=(bf, f32))
           == jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
-  assert default(16, 16, False, x_dtypes=(bf, bf), fused=True) == (
+  assert default(16, 16, False, b_dtypes=(bf, bf), fused=True) == (
       jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3)  # shares its registers
-  assert default(8, 16, False, x_dtypes=(bf, bf)) is None
-  kw["x"] = kw["x"].astype(jnp.float32)
-  with pytest.raises(NotImplementedError, match="needs bf16 x"):
+  assert default(8, 16, False, b_dtypes=(bf, bf)) is None
+  kw["B"] = kw["B"].astype(jnp.float32)
+  with pytest.raises(NotImplementedError, match="needs bf16 B"):
     run("dot_bf16x3")
 
 

@@ -239,7 +239,7 @@ def test_pallas_verify_matches_reference(L, T, buffer_dtype, block_p):
 
 @pytest.mark.parametrize("config", [
     dict(fold="dot_tf32x3", fold_programs=3),  # exact f32 dot in interpret
-    dict(fold="dot_bf16x3", fold_programs=3),  # bf16 x buffer
+    dict(fold="dot_bf16x3", fold_programs=3),  # bf16 B buffer
     dict(fold="rank1", fold_grid="rows")], ids=str)
 def test_pallas_verify_fold_modes(config):
   """The early flush's dot fold on the persistent grid (5 rows: padded
@@ -260,10 +260,10 @@ def test_pallas_verify_fold_modes(config):
   _pallas_verify_vs_reference(rstate, kw, counts, L,
                               testing.tolerance("bfloat16") if bf16 else TOL,
                               pk.VerifyConfig(block_p=16, **config))
-  if bf16:  # an f32 buffer does not hold its x in bf16
-    with pytest.raises(NotImplementedError, match="needs bf16 x"):
+  if bf16:  # an f32 buffer does not hold its B in bf16
+    with pytest.raises(NotImplementedError, match="needs bf16 B"):
       rs.replay_verify(
-          rstate.replace(x_buf=rstate.x_buf.astype(jnp.float32)), **kw,
+          rstate.replace(b_buf=rstate.b_buf.astype(jnp.float32)), **kw,
           implementation="pallas", config=pk.VerifyConfig(block_p=16,
                                                           **config))
   with pytest.raises(NotImplementedError, match="block_p >= 16"):
