@@ -161,19 +161,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # 489 (run 9) to 472 µs, f32 754 µs as before; [32, 128] and [16, 128]
     # tiles at 4 warps (with 6 programs per SM, with flush_prefetch) were
     # 4-130% slower: per-item work, not occupancy, sets the flush time.
-    # This sweep (run 12): the fold split on the x side (half the elements
-    # to split, B staged once), 4 warps at 2 or 3 programs per SM (ptxas
-    # offline: 235 / 168 registers per thread for f16 / f32), and the
-    # prefetching loop (the next item's loads in flight during the fold)
-    # at 4 warps x 2 programs and 8 warps x 1 program per SM (255 / 183
-    # registers for f16).
+    # Run 12: the fold split on the x side (half the elements to split, B
+    # staged once) took the f16 all-rows flush at batch 256 to 453 µs, f32
+    # to 742 (Nsight Compute: 21% fewer instructions, no spills, DRAM
+    # 54%); 4 warps at 2 or 3 programs per SM the same or slower, the
+    # prefetching loop at 4 warps x 2 programs / 8 warps x 1 program per
+    # SM 19-98% slower. This sweep (run 13): the window weights by a scan
+    # (replay._Program.window_from) beside the run-12 code, two bf16
+    # pieces (enough for a 16-bit checkpoint), and Triton's pipelining of
+    # the fold's small loads one item ahead (flush_num_stages=2).
     config.replay_variants = ml_collections.ConfigDict(dict(
-        w4p264=dict(flush_num_warps=4, flush_programs=264),
-        w4p396=dict(flush_num_warps=4, flush_programs=396),
-        w4pre264=dict(flush_num_warps=4, flush_programs=264,
-                      flush_prefetch=True),
-        w8pre132=dict(flush_num_warps=8, flush_programs=132,
-                      flush_prefetch=True),
+        x2=dict(flush_fold="dot_bf16x2"),
+        ns2=dict(flush_num_stages=2),
     ))
 
   if arg == "batch1":

@@ -113,11 +113,12 @@ class _Program:
     window_loads."""
     d_cur = process_dt(ld["dt"], ld.get("bias"), self._softplus)
     dw = jnp.where(self.cur, d_cur, ld["d_hist"])  # zero past the current slot
-    a = ld["a"].astype(F32)
-    after = self.j[:, None] < self.j[None, :]  # [j, i]: i > j
-    suffix = jnp.sum(jnp.where(after, dw[None, :], 0.0), axis=1)  # [L]
-    s = dw * jnp.exp(a * suffix)  # s_j = d_j exp(A sum_{i>j} d_i)
-    return d_cur, s, jnp.exp(a * jnp.sum(dw))
+    # As reference.window_weights: lam_j = A sum_{i<=j} d_i, s_j = d_j
+    # exp(lam_{L-1} - lam_j) = d_j exp(A sum_{i>j} d_i) (a scan, not an
+    # [L, L] masked sum: ~12% fewer instructions in the flush kernel).
+    lam = jnp.cumsum(dw) * ld["a"].astype(F32)  # [L]
+    lam_tot = jnp.sum(jnp.where(self.j == self.L - 1, lam, 0.0))
+    return d_cur, dw * jnp.exp(lam_tot - lam), jnp.exp(lam_tot)
 
   def window_weights(self, h, dtb_ref):
     """dt' of the current token, the weights s_j and the decay of head h."""
