@@ -166,13 +166,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # to 742 (Nsight Compute: 21% fewer instructions, no spills, DRAM
     # 54%); 4 warps at 2 or 3 programs per SM the same or slower, the
     # prefetching loop at 4 warps x 2 programs / 8 warps x 1 program per
-    # SM 19-98% slower. This sweep (run 13): the window weights by a scan
-    # (replay._Program.window_from) beside the run-12 code, two bf16
-    # pieces (enough for a 16-bit checkpoint), and Triton's pipelining of
-    # the fold's small loads one item ahead (flush_num_stages=2).
+    # SM 19-98% slower. Run 13 (two sweeps alternating with two of the
+    # run-12 code): the window weights by a cumsum scan, 3-6% slower on
+    # both routes (dropped); two bf16 pieces 3-4% faster on the f16 flush
+    # (now the default for 16-bit checkpoints, replay._fold_dot), f32 the
+    # same; Triton's pipelining of the fold's small loads one item ahead
+    # (flush_num_stages=2) 1-6% slower. This sweep (run 14): 4 warps at 3
+    # programs per SM beside the default, and the flush kernel on the
+    # output route's grid at 4 warps (ptxas offline: 128 / 124 registers
+    # per thread for f16 / f32 there against 167 / 166 in the persistent
+    # loop, i.e. 4 programs x 4 warps per SM).
     config.replay_variants = ml_collections.ConfigDict(dict(
-        x2=dict(flush_fold="dot_bf16x2"),
-        ns2=dict(flush_num_stages=2),
+        w4p396=dict(flush_num_warps=4, flush_programs=396),
+        rows_w4=dict(flush_grid="rows", flush_num_warps=4),
     ))
 
   if arg == "batch1":

@@ -111,12 +111,13 @@ class ReplayConfig(_LaunchConfig):
       weighted x split into 3 / 2 bf16 pieces, ~24 / ~16 mantissa bits,
       `replay.fold_product`); the dot modes need buffer_len and the flush
       block_p >= 16. None (`replay._fold_dot`): where a dot applies,
-      "dot_bf16x3" for bf16 B in a flush launch of its own and
-      "dot_tf32x3" otherwise (the fused launch keeps 3xTF32); elsewhere
-      "rank1". H200, flush_sweep_h200 runs 8-9: on the all-rows flush step
-      rank1 was 11-101% slower than the 3xTF32 dot, the IEEE dot 17x
-      slower on an f32 checkpoint at 2 warps, bf16x3 25-35% faster than
-      3xTF32.
+      for bf16 B in a flush launch of its own "dot_bf16x2" on a 16-bit
+      checkpoint and "dot_bf16x3" on an f32 one, "dot_tf32x3" otherwise
+      (the fused launch keeps 3xTF32); elsewhere "rank1". H200,
+      flush_sweep_h200 runs 8-13: on the all-rows flush step rank1 was
+      11-101% slower than the 3xTF32 dot, the IEEE dot 17x slower on an
+      f32 checkpoint at 2 warps, bf16x3 25-35% faster than 3xTF32, bf16x2
+      a further 3-4% on f16.
     flush_grid: "rows" launches the flush kernel on the output route's
       grid (programs of non-flush rows exit at once, but each costs a
       launch slot: ~30 µs per step at batch 256 on the H200);

@@ -113,12 +113,14 @@ class _Program:
     window_loads."""
     d_cur = process_dt(ld["dt"], ld.get("bias"), self._softplus)
     dw = jnp.where(self.cur, d_cur, ld["d_hist"])  # zero past the current slot
-    # As reference.window_weights: lam_j = A sum_{i<=j} d_i, s_j = d_j
-    # exp(lam_{L-1} - lam_j) = d_j exp(A sum_{i>j} d_i) (a scan, not an
-    # [L, L] masked sum: ~12% fewer instructions in the flush kernel).
-    lam = jnp.cumsum(dw) * ld["a"].astype(F32)  # [L]
-    lam_tot = jnp.sum(jnp.where(self.j == self.L - 1, lam, 0.0))
-    return d_cur, dw * jnp.exp(lam_tot - lam), jnp.exp(lam_tot)
+    a = ld["a"].astype(F32)
+    # An [L, L] masked sum: a cumsum scan (reference.window_weights' form)
+    # compiles to fewer instructions but made both routes 3-6% slower on
+    # the H200 (flush_sweep_h200.json run 13).
+    after = self.j[:, None] < self.j[None, :]  # [j, i]: i > j
+    suffix = jnp.sum(jnp.where(after, dw[None, :], 0.0), axis=1)  # [L]
+    s = dw * jnp.exp(a * suffix)  # s_j = d_j exp(A sum_{i>j} d_i)
+    return d_cur, s, jnp.exp(a * jnp.sum(dw))
 
   def window_weights(self, h, dtb_ref):
     """dt' of the current token, the weights s_j and the decay of head h."""
@@ -703,20 +705,27 @@ def _copy_counts(spec):
 
 
 def _fold_dot(mode, buffer_len: int, block_p: int, interpret: bool, *,
-              field: str, tile: str, b_dtypes, fused: bool = False):
+              field: str, tile: str, b_dtypes, ck_dtype,
+              fused: bool = False):
   """The dot form of a fold mode (None: rank-1 updates; a lax precision;
-  or "bf16x2" / "bf16x3", see `fold_product`). mode None: where buffer_len
-  and block_p >= 16 (Triton dot tiles) "dot_bf16x3" if every folded B
-  (b_dtypes: the buffer's, the current token's) is bf16 and the flush is
-  its own launch (not `fused` with the output route), else "dot_tf32x3";
-  below that "rank1". A dot mode below that is refused, naming `field`
-  and `tile`, and a bf16 mode unless every folded B is bf16. H200, session
-  13: the bf16x3 fold took the all-rows flush step from 657 to 489 µs
-  (f16 checkpoint) and 1011 to 754 µs (f32), batch 256, L 16
-  (flush_sweep_h200.json run 9). The fused launch (batch 1) keeps
-  3xTF32: its two routes share one register budget, and with bf16x3 its
-  non-flush step was slower on an f16 checkpoint in both side-by-side runs
-  (kernel_batch1_h200.md: 3.16 vs 2.89 µs, 3.61 vs 1.46; f32 within 3%).
+  or "bf16x2" / "bf16x3", see `fold_product`).
+
+  mode None: where buffer_len and block_p >= 16 (Triton dot tiles), the
+  bf16 split if every folded B (b_dtypes: the buffer's, the current
+  token's) is bf16 and the flush is its own launch (not `fused` with the
+  output route): "dot_bf16x2" for a 16-bit checkpoint (ck_dtype: the
+  stored fold, which rounds to 11 / 8 mantissa bits, far above the two
+  pieces' ~2^-16), "dot_bf16x3" for an f32 one; else "dot_tf32x3"; below
+  the tiles "rank1". A dot mode below the tiles is refused, naming `field`
+  and `tile`, and a bf16 mode unless every folded B is bf16.
+
+  H200: the bf16x3 fold took the all-rows flush step from 657 to 489 µs
+  (f16 checkpoint) and 1011 to 754 µs (f32), batch 256, L 16 (session
+  13, flush_sweep_h200.json run 9); two pieces took f16's a further 3-4%
+  (run 13). The fused launch (batch 1) keeps 3xTF32: its two routes share
+  one register budget, and with bf16x3 its non-flush step was slower on an
+  f16 checkpoint in both side-by-side runs (kernel_batch1_h200.md: 3.16 vs
+  2.89 µs, 3.61 vs 1.46; f32 within 3%).
 
   XLA:CPU has no TF32 algorithms, so interpret mode runs "dot_tf32x3" in
   exact f32 (the kernel code is otherwise the same).
@@ -724,8 +733,9 @@ def _fold_dot(mode, buffer_len: int, block_p: int, interpret: bool, *,
   fits = min(buffer_len, block_p) >= 16
   bf16_b = all(jnp.dtype(d) == jnp.bfloat16 for d in b_dtypes)
   if mode is None:
+    pieces = 2 if jnp.dtype(ck_dtype).itemsize <= 2 else 3
     mode = ("rank1" if not fits else
-            "dot_bf16x3" if bf16_b and not fused else "dot_tf32x3")
+            f"dot_bf16x{pieces}" if bf16_b and not fused else "dot_tf32x3")
   if mode == "rank1":
     return None
   if not fits:
@@ -911,7 +921,8 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     fused = not unsupported and default_fused_launch(batch, nheads)
   fold_dot = _fold_dot(config.flush_fold, rstate.buffer_len, flush_block_p,
                        interpret, field="flush_fold", tile="the flush block_p",
-                       b_dtypes=(rstate.b_buf.dtype, B.dtype), fused=fused)
+                       b_dtypes=(rstate.b_buf.dtype, B.dtype),
+                       ck_dtype=rstate.checkpoint.dtype, fused=fused)
   if fused:
     n0 = grid(block_p)[0]
     kernel = functools.partial(

@@ -338,7 +338,8 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                  fold_dot=_fold_dot(config.fold, rstate.buffer_len, block_p,
                                     interpret, field="config.fold",
                                     tile="block_p",
-                                    b_dtypes=(rstate.b_buf.dtype,)))
+                                    b_dtypes=(rstate.b_buf.dtype,),
+                                    ck_dtype=rstate.checkpoint.dtype))
   count = rstate.count
   if config.fold_grid == "persistent":
     nprog = config.fold_programs or _default_flush_programs(interpret)

@@ -410,17 +410,21 @@ def test_replay_kernel_bf16_fold():
     testing.assert_close(r.checkpoint, r_ref.checkpoint, tol,
                          f"{fold} checkpoint")
     np.testing.assert_array_equal(r.count, r_ref.count)
-  # The default: the bf16 split for bf16 B in a flush launch of its own,
-  # 3xTF32 otherwise, rank-1 below Triton's dot tiles.
+  # The default: the bf16 split for bf16 B in a flush launch of its own
+  # (two pieces for a 16-bit checkpoint, three for f32), 3xTF32 otherwise,
+  # rank-1 below Triton's dot tiles.
   from pallas_kernels import replay as rk  # pylint: disable=g-import-not-at-top
   bf, f32 = jnp.bfloat16, jnp.float32
   default = functools.partial(rk._fold_dot, None, field="f", tile="t")  # pylint: disable=protected-access
-  assert default(16, 16, False, b_dtypes=(bf, bf)) == "bf16x3"
-  assert (default(16, 16, False, b_dtypes=(bf, f32))
+  assert default(16, 16, False, b_dtypes=(bf, bf), ck_dtype=f32) == "bf16x3"
+  for ck in (jnp.float16, bf):
+    assert default(16, 16, False, b_dtypes=(bf, bf), ck_dtype=ck) == "bf16x2"
+  assert (default(16, 16, False, b_dtypes=(bf, f32), ck_dtype=f32)
           == jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
-  assert default(16, 16, False, b_dtypes=(bf, bf), fused=True) == (
+  assert default(16, 16, False, b_dtypes=(bf, bf), ck_dtype=f32,
+                 fused=True) == (
       jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3)  # shares its registers
-  assert default(8, 16, False, b_dtypes=(bf, bf)) is None
+  assert default(8, 16, False, b_dtypes=(bf, bf), ck_dtype=f32) is None
   kw["B"] = kw["B"].astype(jnp.float32)
   with pytest.raises(NotImplementedError, match="needs bf16 B"):
     run("dot_bf16x3")
