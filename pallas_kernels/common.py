@@ -85,11 +85,12 @@ class ReplayConfig(_LaunchConfig):
       fastest on the H200 sweep (more programs beat the saved B reads).
     num_warps: Triton warps per program of the output route (and of the
       fused kernel); None = `replay.default_num_warps`: 2 when the route
-      reads an 8-bit read copy, else 4. H200 (session 11,
-      benchmarks/kernel_output_launch_h200.md, batch 256, L 16): the
+      reads a 16- or 8-bit tile, 4 for f32 and the fused launch. H200
+      (benchmarks/kernel_output_launch_h200.md, batch 256, L 16): the
       non-flush step of f32 / f16 master + fp8 copy 133 / 131 -> 115 / 113
-      µs with 2 warps (8 warps: 189 / 191); the f16 checkpoint's 165 ->
-      162, within the spread, so 16/32-bit states keep 4.
+      µs with 2 warps (8 warps: 189 / 191, session 11); the f16
+      checkpoint's 165 -> 162 (session 11) and 164.6 -> 160.6 µs (session
+      14, where a repeat of the 4-warp default gave 164.5).
     num_stages: Triton pipelining stages.
     precompute_bc: form bc_j = B_j . C for all buffer slots in a small XLA
       op before the kernel (reads the B buffer once per row) instead of in

@@ -789,11 +789,16 @@ def default_flush_num_warps(copy: bool) -> int:
   return 4 if copy else 2
 
 
-def default_num_warps(read_dtype) -> int:
+def default_num_warps(read_dtype, fused: bool = False) -> int:
   """Warps per output-route program for `ReplayConfig(num_warps=None)`:
-  2 for an 8-bit read copy (whose tiles are half the bytes of a 16-bit
-  state's), else 4 (H200, benchmarks/kernel_output_launch_h200.md)."""
-  return 2 if jnp.dtype(read_dtype).itemsize == 1 else 4
+  2 when the route reads a 16- or 8-bit tile (checkpoint or read copy),
+  4 for an f32 one and for the fused launch (batch 1, whose register
+  budget the flush route shares; not measured at 2). H200, batch 256, L
+  16 (benchmarks/kernel_output_launch_h200.md): the fp8 copies' non-flush
+  step 133 / 131 -> 115 / 113 µs at 2 warps (session 11); the f16
+  checkpoint's 165 -> 162 µs (session 11) and 164.6 / 164.5 (default and
+  a repeat) -> 160.6 µs (session 14)."""
+  return 4 if fused or jnp.dtype(read_dtype).itemsize == 4 else 2
 
 
 def default_fused_launch(batch: int, nheads: int) -> bool:
@@ -893,9 +898,6 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   def grid(bp):
     return ((headdim // bp) * (per_group // hb), ngroups, batch)
 
-  params = plgpu.CompilerParams(
-      num_warps=config.num_warps or default_num_warps(read.dtype),
-      num_stages=config.num_stages)
   flush_params = plgpu.CompilerParams(
       num_warps=config.flush_num_warps or default_flush_num_warps(
           spec is not None and spec.copy),
@@ -923,6 +925,9 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                        interpret, field="flush_fold", tile="the flush block_p",
                        b_dtypes=(rstate.b_buf.dtype, B.dtype),
                        ck_dtype=rstate.checkpoint.dtype, fused=fused)
+  params = plgpu.CompilerParams(
+      num_warps=config.num_warps or default_num_warps(read.dtype, fused),
+      num_stages=config.num_stages)
   if fused:
     n0 = grid(block_p)[0]
     kernel = functools.partial(

@@ -933,24 +933,35 @@ def test_mosaic_kernel_lowers_for_cuda(state_dtype, config):
 
 
 @pytest.mark.parametrize("policy,config,warps", [
-    (None, pk.ReplayConfig(fused_launch=False), (4, 2)),
+    (None, pk.ReplayConfig(fused_launch=False), (2, 2)),  # f16 checkpoint
+    ("f32", pk.ReplayConfig(fused_launch=False), (4, 2)),
     ("f32+fp8", pk.ReplayConfig(), (2, 4)),
     ("f32+int8", pk.ReplayConfig(), (2, 4)),
-    ("f32+bf16", pk.ReplayConfig(), (4, 4)),
-    ("f16+sr", pk.ReplayConfig(), (4, 2)),
+    ("f32+bf16", pk.ReplayConfig(), (2, 4)),
+    ("f16+sr", pk.ReplayConfig(), (2, 2)),
     ("f32+fp8", pk.ReplayConfig(num_warps=8, flush_num_warps=2), (8, 2)),
 ])
 def test_replay_launch_warps(policy, config, warps):
   """The warps each replay kernel is launched with, read from the Triton
-  custom calls: by default 2 for the output route over an 8-bit read copy
-  and 4 over a 16/32-bit state; 2 for the flush route, 4 when it also
-  stores a read copy (H200 sweeps, see ReplayConfig); fields that are set
-  are used as given."""
+  custom calls: by default 2 for the output route over a 16- or 8-bit
+  tile (checkpoint or read copy) and 4 over an f32 one; 2 for the flush
+  route, 4 when it also stores a read copy (H200 sweeps, see
+  ReplayConfig); fields that are set are used as given."""
   params, tok, rstate, pol = _lowering_state(6, 16, policy, (4, 64, 128, 2))
   text = _lower_replay(config, params, tok, rstate, pol)
   assert _launched_warps(text) == {
       "replayssm_replay_output_route": warps[0],
       "replayssm_replay_flush_route": warps[1]}
+
+
+def test_replay_fused_launch_warps():
+  """The fused launch (both routes in one kernel) keeps 4 warps on a
+  16-bit checkpoint by default: its flush route shares the register
+  budget, and 2 warps were never measured there."""
+  params, tok, rstate, pol = _lowering_state(1, 16, None, (4, 64, 128, 2))
+  text = _lower_replay(pk.ReplayConfig(fused_launch=True), params, tok,
+                       rstate, pol)
+  assert _launched_warps(text) == {"replayssm_replay_fused_routes": 4}
 
 
 def _launched_warps(text):
