@@ -171,11 +171,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # both routes (dropped); two bf16 pieces 3-4% faster on the f16 flush
     # (now the default for 16-bit checkpoints, replay._fold_dot), f32 the
     # same; Triton's pipelining of the fold's small loads one item ahead
-    # (flush_num_stages=2) 1-6% slower. This sweep (run 14): 4 warps at 3
-    # programs per SM beside the default, and the flush kernel on the
-    # output route's grid at 4 warps (ptxas offline: 128 / 124 registers
-    # per thread for f16 / f32 there against 167 / 166 in the persistent
-    # loop, i.e. 4 programs x 4 warps per SM).
+    # (flush_num_stages=2) 1-6% slower. Run 14 (these variants): 4 warps
+    # at 3 programs per SM 1-2% faster on the flush, within noise
+    # amortized; the flush kernel on the output route's grid at 4 warps
+    # (ptxas offline: 128 / 124 registers per thread for f16 / f32 there,
+    # against 167 / 166 in the persistent loop, which keeps ~40 registers
+    # of hoisted shared-memory offsets) 8-11% faster on the all-rows flush
+    # but 13-22 µs slower on the non-flush step at batch 256 (its 32768
+    # early-exit programs), 5% slower amortized.
     config.replay_variants = ml_collections.ConfigDict(dict(
         w4p396=dict(flush_num_warps=4, flush_programs=396),
         rows_w4=dict(flush_grid="rows", flush_num_warps=4),
@@ -229,17 +232,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   if arg == "output_launch":
     # The output route's launch shape on the f16 checkpoint and the fp8
-    # read copies. Session 11 (kernel_output_launch_h200.md, flush route
-    # pinned at 4 warps): 2 warps took the fp8 copies' non-flush step from
-    # 133 / 131 to 115 / 113 µs (now their default, replay.
-    # default_num_warps); 8 warps, block_p 32 and two heads per program
-    # were slower, 3 stages the same; on the f16 checkpoint 2 warps were
-    # 1.8% faster than 4 (162 vs 165 µs), within run-to-run noise. This
-    # study (session 14): 2 and 4 warps beside the default, so each state
-    # has one variant that repeats its default (a same-run noise figure):
-    # ptxas offline puts the f16 output route at 126 registers x 2 warps
-    # (8 programs per SM) with 2482 warp-instructions per program, against
-    # 64 x 4 warps (8 per SM) with 3424.
+    # read copies. Session 11 (kernel_output_launch_h200_session11.md,
+    # flush route pinned at 4 warps): 2 warps took the fp8 copies'
+    # non-flush step from 133 / 131 to 115 / 113 µs (their default since);
+    # 8 warps, block_p 32 and two heads per program were slower, 3 stages
+    # the same; on the f16 checkpoint 2 warps were 1.8% faster than 4 (162
+    # vs 165 µs), within run-to-run noise. This study (session 14,
+    # kernel_output_launch_h200.md): 2 and 4 warps, so each state has one
+    # variant that repeats its default (a same-run noise figure). The f16
+    # checkpoint at 2 warps: 160.6 µs against 164.6 / 164.5 at 4 (2 warps
+    # became its default, replay.default_num_warps); ptxas offline puts
+    # it at 126 registers x 2 warps (8 programs per SM, as 64 x 4) and
+    # 2482 warp-instructions per program against 3424.
     _kernel_study(config, "kernel_output_launch", (256,))
     config.checkpoint_dtypes = ("float16",)
     config.policies = ("f32+fp8", "f16+fp8")

@@ -86,7 +86,8 @@ class ReplayConfig(_LaunchConfig):
     num_warps: Triton warps per program of the output route (and of the
       fused kernel); None = `replay.default_num_warps`: 2 when the route
       reads a 16- or 8-bit tile, 4 for f32 and the fused launch. H200
-      (benchmarks/kernel_output_launch_h200.md, batch 256, L 16): the
+      (benchmarks/kernel_output_launch_h200_session11.md and
+      kernel_output_launch_h200.md (session 14), batch 256, L 16): the
       non-flush step of f32 / f16 master + fp8 copy 133 / 131 -> 115 / 113
       µs with 2 warps (8 warps: 189 / 191, session 11); the f16
       checkpoint's 165 -> 162 (session 11) and 164.6 -> 160.6 µs (session

@@ -794,10 +794,10 @@ def default_num_warps(read_dtype, fused: bool = False) -> int:
   2 when the route reads a 16- or 8-bit tile (checkpoint or read copy),
   4 for an f32 one and for the fused launch (batch 1, whose register
   budget the flush route shares; not measured at 2). H200, batch 256, L
-  16 (benchmarks/kernel_output_launch_h200.md): the fp8 copies' non-flush
-  step 133 / 131 -> 115 / 113 µs at 2 warps (session 11); the f16
-  checkpoint's 165 -> 162 µs (session 11) and 164.6 / 164.5 (default and
-  a repeat) -> 160.6 µs (session 14)."""
+  16: the fp8 copies' non-flush step 133 / 131 -> 115 / 113 µs at 2 warps
+  (session 11, benchmarks/kernel_output_launch_h200_session11.md); the
+  f16 checkpoint's 165 -> 162 µs (session 11) and 164.6 / 164.5 (default
+  and a repeat) -> 160.6 µs (session 14, kernel_output_launch_h200.md)."""
   return 4 if fused or jnp.dtype(read_dtype).itemsize == 4 else 2
 
 
