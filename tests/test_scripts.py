@@ -3,6 +3,7 @@ size on the CPU (interpret mode), so a device call is not the first run."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -51,3 +52,28 @@ def test_specdec_profile_tiny(tmp_path):
   assert loop["iterations"] >= 1 and loop["loop_top"]
   assert loop["prefill_ms"] > 0
   assert np.isfinite(loop["idle_ms"])  # its sign means nothing on a CPU
+
+
+def test_triton_offline_modules():
+  """triton_offline.py's CPU half: the replay step's two kernels lowered
+  for CUDA, captured as Triton modules (the flush fold as tensor-core
+  dots). Compiling them needs the pip triton package, which CI lacks."""
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks", "scripts"))
+  try:
+    import triton_offline  # pylint: disable=g-import-not-at-top
+  finally:
+    sys.path.pop(0)
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
+  mods = triton_offline.triton_modules(
+      batch=2, nheads=4, headdim=16, dstate=16, ngroups=2, buffer_len=16,
+      checkpoint_dtype=jnp.float16, config=pk.ReplayConfig(
+          fused_launch=False))
+  assert set(mods) == {"replayssm_replay_output_route",
+                       "replayssm_replay_flush_route"}
+  for text in mods.values():
+    assert "tt.func public @replayssm_replay" in text
+  # Two bf16 pieces on a 16-bit checkpoint: two dots of bf16 operands.
+  dots = re.findall(r"tt\.dot .*: tensor<\d+x\d+xbf16>",
+                    mods["replayssm_replay_flush_route"])
+  assert len(dots) == 2, dots
