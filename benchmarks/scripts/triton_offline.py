@@ -20,7 +20,7 @@ at 255 registers matched Nsight Compute; benchmarks/README.md, "Session
 
 Prints one line per (kernel, warps): registers, spill bytes, SASS
 instruction count and the most frequent opcodes. `--out DIR` keeps each
-kernel's TTIR, PTX and cubin there.
+kernel's TTIR, TTGIR, PTX and cubin there.
 """
 
 import argparse
@@ -134,6 +134,8 @@ def compile_module(text, *, num_warps, num_stages, workdir):
     f.write(str(module))
   kernel = triton.compile(opt, target=target, options=dict(
       num_warps=num_warps, num_stages=num_stages))
+  with open(os.path.join(workdir, f"kernel.w{num_warps}.ttgir"), "w") as f:
+    f.write(kernel.asm["ttgir"])  # the layouts and shared-memory copies
   ptx = os.path.join(workdir, f"kernel.w{num_warps}.ptx")
   with open(ptx, "w") as f:
     f.write(kernel.asm["ptx"])
