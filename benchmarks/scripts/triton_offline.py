@@ -179,7 +179,7 @@ def main():
       batch=a.batch, nheads=128, headdim=64, dstate=128, ngroups=8,
       buffer_len=a.buffer_len, checkpoint_dtype=jnp.dtype(a.dtype),
       config=pk.ReplayConfig(**fields))
-  keep = [k for k in filter(None, a.kernels.split(","))]
+  keep = list(filter(None, a.kernels.split(",")))
   for name, text in modules.items():
     if keep and not any(k in name for k in keep):
       continue
