@@ -179,9 +179,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # of hoisted shared-memory offsets) 8-11% faster on the all-rows flush
     # but 13-22 µs slower on the non-flush step at batch 256 (its 32768
     # early-exit programs), 5% slower amortized.
+    # Run 15 (these variants): the persistent loop at 4 warps with its
+    # registers capped (ReplayConfig.flush_max_registers, PTX .maxnreg;
+    # ptxas offline: 128 with no spills on f16, 12 B on f32, +2% / +6%
+    # instructions; 96 with 140 / 256 B spilled), so 4 or 5 programs fit
+    # per SM, and 8 warps capped at 80 (3 per SM).
     config.replay_variants = ml_collections.ConfigDict(dict(
         w4p396=dict(flush_num_warps=4, flush_programs=396),
-        rows_w4=dict(flush_grid="rows", flush_num_warps=4),
+        w4c128=dict(flush_num_warps=4, flush_max_registers=128),
+        w4c96p660=dict(flush_num_warps=4, flush_max_registers=96,
+                       flush_programs=660),
+        w8c80p396=dict(flush_num_warps=8, flush_max_registers=80,
+                       flush_programs=396),
     ))
 
   if arg == "batch1":
@@ -228,7 +237,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # read-copy state down 11-27% (f16 + fp8 copy 970 -> 708 µs), at 2
     # warps less.
     config.replay_variants = ml_collections.ConfigDict(dict(
-        w2=dict(flush_num_warps=2)))
+        w2=dict(flush_num_warps=2), c128=dict(flush_max_registers=128)))
 
   if arg == "output_launch":
     # The output route's launch shape on the f16 checkpoint and the fp8

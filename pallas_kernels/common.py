@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,72 @@ def _check_count(name, v):
   """None or a positive int."""
   if v is not None and (not isinstance(v, int) or v < 1):
     raise ValueError(f"{name} must be None or an int >= 1, got {v!r}.")
+
+
+# A per-kernel register cap (PTX `.maxnreg`): Pallas' Triton CompilerParams
+# has no field for it, but Triton reads a `ttg.maxnreg` attribute on the
+# module it compiles. `capped_name` tags a pallas_call's name with the cap,
+# and a wrapper of Pallas' Triton module lowering sets the attribute on the
+# modules so named. (A private jax hook, like
+# benchmarks/scripts/triton_offline.py's: if jax moves it, a cap is refused
+# by name instead of silently dropped.)
+_CAP_SUFFIX = re.compile(r"__maxnreg(\d+)$")
+_cap_hook_error = None
+
+
+def _install_cap_hook():
+  """Wraps Pallas' Triton lowering once (at import, so that tools wrapping
+  it later, such as triton_offline.py's capture, see the attribute)."""
+  global _cap_hook_error
+  try:
+    from jax._src.lib.mlir import ir  # pylint: disable=g-import-not-at-top
+    from jax._src.pallas.triton import lowering  # pylint: disable=g-import-not-at-top
+    original = lowering.lower_jaxpr_to_triton_module
+  except (ImportError, AttributeError) as e:  # pragma: no cover
+    _cap_hook_error = repr(e)
+    return
+  if getattr(original, "replayssm_register_cap", False):
+    return
+
+  def lower(*args, **kwargs):
+    result = original(*args, **kwargs)
+    op = result.module.operation
+    if "sym_name" in op.attributes:
+      cap = _CAP_SUFFIX.search(ir.StringAttr(op.attributes["sym_name"]).value)
+      if cap:
+        with result.module.context:
+          op.attributes["ttg.maxnreg"] = ir.IntegerAttr.get(
+              ir.IntegerType.get_signless(32), int(cap.group(1)))
+    return result
+
+  lower.replayssm_register_cap = True
+  lowering.lower_jaxpr_to_triton_module = lower
+
+
+_install_cap_hook()
+
+
+def capped_name(name: str, max_registers: int | None) -> str:
+  """A pallas_call name that makes Triton cap the kernel at max_registers
+  registers per thread (None: no cap, the name unchanged). ptxas then
+  rematerializes or spills instead of exceeding it: H200 flush route,
+  benchmarks/README.md (session 15)."""
+  if max_registers is None:
+    return name
+  if _cap_hook_error is not None:  # pragma: no cover
+    raise NotImplementedError(
+        f"a register cap ({max_registers}) needs the Pallas Triton lowering "
+        f"hook, which this jax version does not have ({_cap_hook_error}); "
+        "leave the max_registers fields None.")
+  return f"{name}__maxnreg{max_registers}"
+
+
+def _check_registers(name, v):
+  """None or a multiple of 8 in [24, 256] (PTX .maxnreg)."""
+  if v is not None and (not isinstance(v, int) or v % 8 or not 24 <= v
+                        <= 256):
+    raise ValueError(f"{name} must be None or a multiple of 8 in [24, 256] "
+                     f"(registers per thread), got {v!r}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +245,8 @@ class ReplayConfig(_LaunchConfig):
       The fused kernel uses num_warps.
     flush_num_stages: Triton pipelining stages of the separate flush-route
       kernel (None: num_stages).
+    flush_max_registers: cap on the registers per thread of the separate
+      flush-route kernel (PTX .maxnreg, `capped_name`); None: no cap.
   """
   _default_num_warps = True
   num_warps: int | None = None
@@ -194,6 +263,7 @@ class ReplayConfig(_LaunchConfig):
   output_prefetch: bool = False
   flush_num_warps: int | None = None
   flush_num_stages: int | None = None
+  flush_max_registers: int | None = None
   output_route: str = "triton"
   readout_chunk: int | None = None
 
@@ -220,6 +290,7 @@ class ReplayConfig(_LaunchConfig):
     if self.flush_num_warps is not None:
       _check_pow2("flush_num_warps", self.flush_num_warps)
     _check_count("flush_num_stages", self.flush_num_stages)
+    _check_registers("flush_max_registers", self.flush_max_registers)
     if self.flush_prefetch and self.flush_grid != "persistent":
       raise ValueError(
           "flush_prefetch=True needs flush_grid='persistent' (the rows grid "

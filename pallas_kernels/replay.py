@@ -1020,7 +1020,8 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
       out_shape=out_shape,
       input_output_aliases=aliases,
       compiler_params=flush_params, interpret=interpret,
-      name="replayssm_replay_flush_route",
+      name=common.capped_name("replayssm_replay_flush_route",
+                              config.flush_max_registers),
   )(rstate.checkpoint, xb, bb, dtb, count, *token_in,
     *([y] if writes_y else []), *copy_in, *optional)
   if writes_y:

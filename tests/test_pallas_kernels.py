@@ -449,7 +449,7 @@ def test_replay_kernel_flush_prefetch(buffer_len, fold, fused, programs):
   y1, r1 = rs.replay_state_update(
       rstate, **kw, implementation="pallas",
       config=pk.ReplayConfig(**base, flush_prefetch=True, flush_num_warps=8,
-                             flush_num_stages=2))
+                             flush_num_stages=2, flush_max_registers=128))
   exact = [(y0, y1), (r0.checkpoint, r1.checkpoint)]
   if fold == "rank1":
     # Not bit for bit in interpret mode: XLA:CPU fuses the rank-1 loop's
@@ -484,6 +484,10 @@ def test_flush_launch_fields_are_checked():
     pk.SSUConfig(num_warps=None)
   with pytest.raises(ValueError, match="flush_num_stages"):
     pk.ReplayConfig(flush_num_stages=0)
+  for bad in (100, 16, 264, 128.0):
+    with pytest.raises(ValueError, match="flush_max_registers must be None or"
+                       " a multiple of 8"):
+      pk.ReplayConfig(flush_max_registers=bad)
   params, tok, rstate, _ = _mixed_state("float32", 4, 77)
   with pytest.raises(NotImplementedError, match="output_prefetch"):
     rs.replay_state_update(rstate, **tok, **params, implementation="pallas",

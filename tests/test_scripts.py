@@ -77,3 +77,14 @@ def test_triton_offline_modules():
   dots = re.findall(r"tt\.dot .*: tensor<\d+x\d+xbf16>",
                     mods["replayssm_replay_flush_route"])
   assert len(dots) == 2, dots
+  # A register cap (ReplayConfig.flush_max_registers) reaches the flush
+  # module as Triton's ttg.maxnreg attribute, and only that module.
+  capped = triton_offline.triton_modules(
+      batch=2, nheads=4, headdim=16, dstate=16, ngroups=2, buffer_len=16,
+      checkpoint_dtype=jnp.float16, config=pk.ReplayConfig(
+          fused_launch=False, flush_max_registers=128))
+  assert set(capped) == {"replayssm_replay_output_route",
+                         "replayssm_replay_flush_route__maxnreg128"}
+  assert re.search(r"ttg\.maxnreg = 128 : i32",
+                   capped["replayssm_replay_flush_route__maxnreg128"])
+  assert "maxnreg" not in capped["replayssm_replay_output_route"]

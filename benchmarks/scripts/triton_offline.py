@@ -65,9 +65,10 @@ def _capture_triton_modules():
     pcr.lowering.lower_jaxpr_to_triton_module = original
 
 
-def triton_modules(*, batch, nheads, headdim, dstate, ngroups, buffer_len,
-                   checkpoint_dtype, config=None):
-  """{kernel name: Triton module text} of one replay step (shapes only)."""
+def replay_step(*, batch, nheads, headdim, dstate, ngroups, buffer_len,
+                checkpoint_dtype, config=None):
+  """(step, (rstate, tokens)): one replay step and ShapeDtypeStructs of
+  its arguments (the benchmarks' dtypes: bf16 activations and buffers)."""
   sds = jax.ShapeDtypeStruct
   bf16 = jnp.bfloat16
   params = testing.random_params(jax.random.PRNGKey(0), nheads)
@@ -87,8 +88,15 @@ def triton_modules(*, batch, nheads, headdim, dstate, ngroups, buffer_len,
     return replay.replay_state_update(rs, **tk, **params, dt_softplus=True,
                                       config=config)
 
+  return step, (rstate, tok)
+
+
+def triton_modules(**kw):
+  """{kernel name: Triton module text} of one replay step (shapes only;
+  keywords of replay_step)."""
+  step, args = replay_step(**kw)
   with _capture_triton_modules() as modules:
-    jax.jit(step).trace(rstate, tok).lower(lowering_platforms=("cuda",))
+    jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",))
   return dict(modules)
 
 
