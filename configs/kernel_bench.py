@@ -184,13 +184,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # ptxas offline: 128 with no spills on f16, 12 B on f32, +2% / +6%
     # instructions; 96 with 140 / 256 B spilled), so 4 or 5 programs fit
     # per SM, and 8 warps capped at 80 (3 per SM).
+    # Measured: w4p396=dict(flush_num_warps=4, flush_programs=396) (the
+    # uncapped 4 warps at 3 programs per SM), w4c128 (4 warps capped at
+    # 128, now the default: flush 3-11% faster than the 2-warp default
+    # of the time), w4c96p660 (capped at 96, 5 programs per SM: spills,
+    # 8-30% slower), w8c80p396 (8 warps at 80: spills, 3-4x slower).
+    # Run 16: the old 2-warp default beside the new one, which is
+    # repeated (a same-run noise figure).
     config.replay_variants = ml_collections.ConfigDict(dict(
-        w4p396=dict(flush_num_warps=4, flush_programs=396),
+        w2=dict(flush_num_warps=2),
         w4c128=dict(flush_num_warps=4, flush_max_registers=128),
-        w4c96p660=dict(flush_num_warps=4, flush_max_registers=96,
-                       flush_programs=660),
-        w8c80p396=dict(flush_num_warps=8, flush_max_registers=80,
-                       flush_programs=396),
     ))
 
   if arg == "batch1":
@@ -236,8 +239,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # fold (replay.fold_product, now the default) took the flush of every
     # read-copy state down 11-27% (f16 + fp8 copy 970 -> 708 µs), at 2
     # warps less.
+    # Session 15 (flush_sweep_h200.json run 15 beside it): the read-copy
+    # flushes' register caps. ptxas offline at 4 warps: uncapped f32 +
+    # fp8 216 registers, f16 + fp8 255, f32 + bf16 160 (2, 2 and 3
+    # programs per SM); capped at 168: 154 (no spills), 168 (72 B
+    # spilled), 160; at 128: 36 / 368 / 104 B spilled. Run 15: a cap of
+    # 128 took the f32 + fp8 flush 1140 -> 1022 µs and the f16 + fp8
+    # flush 677 -> 965.
     config.replay_variants = ml_collections.ConfigDict(dict(
-        w2=dict(flush_num_warps=2), c128=dict(flush_max_registers=128)))
+        c128=dict(flush_max_registers=128),
+        c168p396=dict(flush_max_registers=168, flush_programs=396)))
 
   if arg == "output_launch":
     # The output route's launch shape on the f16 checkpoint and the fp8

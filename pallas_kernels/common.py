@@ -233,20 +233,23 @@ class ReplayConfig(_LaunchConfig):
       f32 + bf16 / fp8 copies): this single readout is memory-bound, not
       shuffle-bound.
     flush_num_warps: Triton warps per program of the separate flush-route
-      kernel; None = `replay.default_flush_num_warps`: 2, or 4 when the
-      flush also stores a read copy. H200, batch 256, L 16: plain states
-      (session 11, benchmarks/flush_sweep_h200.json run 7) f16 822 -> 661
-      µs and f32 1122 -> 966 per all-rows flush step at 2 warps instead of
-      4 (faster at batch 64 too); states with a read copy (session 12,
-      benchmarks/kernel_policies_h200_session12.md) slower at 2: f32
-      master + fp8 copy 1368 -> 1981, f16 + fp8 967 -> 1382, f32 + bf16
-      1354 -> 1400.
-      A stochastically rounded master without a copy is not measured (2).
+      kernel; None = `replay.default_flush_launch`: 4 (2 for a
+      stochastically rounded master without a read copy). H200, batch 256, L
+      16: uncapped, 2 warps beat 4 on plain states (session 11,
+      benchmarks/flush_sweep_h200.json run 7: f16 822 -> 661 µs and f32
+      1122 -> 966 per all-rows flush step, with the 3xTF32 fold of the
+      time), but 4 warps with their registers capped at 128
+      (flush_max_registers) beat 2 (session 15, run 15); states with a
+      read copy were slower at 2 (session 12,
+      benchmarks/kernel_policies_h200_session12.md: f32 master + fp8 copy
+      1368 -> 1981, f16 + fp8 967 -> 1382, f32 + bf16 1354 -> 1400).
       The fused kernel uses num_warps.
     flush_num_stages: Triton pipelining stages of the separate flush-route
       kernel (None: num_stages).
     flush_max_registers: cap on the registers per thread of the separate
-      flush-route kernel (PTX .maxnreg, `capped_name`); None: no cap.
+      flush-route kernel (PTX .maxnreg, `capped_name`; 256: no cap); None
+      = `replay.default_flush_launch`: 128 for a plain state's flush at 4
+      warps, else no cap.
   """
   _default_num_warps = True
   num_warps: int | None = None

@@ -782,11 +782,32 @@ def default_block_p(batch: int, nheads: int, headdim: int) -> int:
   return headdim if batch * nheads >= 16 * 132 else min(16, headdim)
 
 
-def default_flush_num_warps(copy: bool) -> int:
-  """Warps per flush-route program for `ReplayConfig(flush_num_warps=None)`:
-  2, or 4 when the flush also stores a read copy (H200 sweeps, see
-  ReplayConfig.flush_num_warps)."""
-  return 4 if copy else 2
+def default_flush_launch(spec, num_warps: int | None = None,
+                         max_registers: int | None = None):
+  """(warps, register cap or None) of the flush-route kernel of a state
+  (spec: its _CopySpec, None for a plain state) for the `ReplayConfig`
+  fields flush_num_warps / flush_max_registers (None: the default).
+
+  A plain state's flush: 4 warps capped at 128 registers per thread, so
+  its 4 programs per SM fit (ptxas
+  would take ~167, ~40 of them shared-memory offsets hoisted out of the
+  persistent loop, leaving room for 3; capped, it rematerializes them
+  for +2% instructions and no spills on f16, 12 B spilled on f32).
+
+  H200, batch 256 / 64, L 16 (benchmarks/flush_sweep_h200.json run 15;
+  README "Session 15"): all-rows flush step f16 442 -> 414 / 117 -> 105
+  µs, f32 736 -> 712 / 186 -> 183 against the uncapped 2-warp flush (the
+  default before: 255 registers, 4 programs per SM, which session 11
+  found faster than 4 uncapped warps); the natural cycle 2-7% faster.
+  Read-copy flushes: 4 uncapped warps (2 were 3-45% slower, session 12);
+  a stochastically rounded master without a copy: 2 uncapped warps (the
+  plain default before, not measured)."""
+  if spec is not None:
+    return num_warps or (4 if spec.copy else 2), max_registers
+  warps = num_warps or 4
+  if max_registers is None and warps == 4:
+    max_registers = 128
+  return warps, max_registers
 
 
 def default_num_warps(read_dtype, fused: bool = False) -> int:
@@ -898,9 +919,10 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   def grid(bp):
     return ((headdim // bp) * (per_group // hb), ngroups, batch)
 
+  flush_warps, flush_cap = default_flush_launch(
+      spec, config.flush_num_warps, config.flush_max_registers)
   flush_params = plgpu.CompilerParams(
-      num_warps=config.flush_num_warps or default_flush_num_warps(
-          spec is not None and spec.copy),
+      num_warps=flush_warps,
       num_stages=config.flush_num_stages or config.num_stages)
   sds = jax.ShapeDtypeStruct
   count_pow2 = _pad_pow2(rstate.count)
@@ -1020,8 +1042,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
       out_shape=out_shape,
       input_output_aliases=aliases,
       compiler_params=flush_params, interpret=interpret,
-      name=common.capped_name("replayssm_replay_flush_route",
-                              config.flush_max_registers),
+      name=common.capped_name("replayssm_replay_flush_route", flush_cap),
   )(rstate.checkpoint, xb, bb, dtb, count, *token_in,
     *([y] if writes_y else []), *copy_in, *optional)
   if writes_y:

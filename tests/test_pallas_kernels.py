@@ -936,26 +936,35 @@ def test_mosaic_kernel_lowers_for_cuda(state_dtype, config):
   assert "mosaic_gpu" in text  # the kernel was lowered, not skipped
 
 
-@pytest.mark.parametrize("policy,config,warps", [
-    (None, pk.ReplayConfig(fused_launch=False), (2, 2)),  # f16 checkpoint
-    ("f32", pk.ReplayConfig(fused_launch=False), (4, 2)),
-    ("f32+fp8", pk.ReplayConfig(), (2, 4)),
-    ("f32+int8", pk.ReplayConfig(), (2, 4)),
-    ("f32+bf16", pk.ReplayConfig(), (2, 4)),
-    ("f16+sr", pk.ReplayConfig(), (2, 2)),
-    ("f32+fp8", pk.ReplayConfig(num_warps=8, flush_num_warps=2), (8, 2)),
+@pytest.mark.parametrize("policy,config,warps,cap", [
+    (None, pk.ReplayConfig(fused_launch=False), (2, 4), 128),  # f16 ckpt
+    ("f32", pk.ReplayConfig(fused_launch=False), (4, 4), 128),
+    ("f32+fp8", pk.ReplayConfig(), (2, 4), None),
+    ("f32+int8", pk.ReplayConfig(), (2, 4), None),
+    ("f32+bf16", pk.ReplayConfig(), (2, 4), None),
+    ("f16+sr", pk.ReplayConfig(), (2, 2), None),
+    ("f32+fp8", pk.ReplayConfig(num_warps=8, flush_num_warps=2), (8, 2),
+     None),
+    ("f32+fp8", pk.ReplayConfig(flush_max_registers=168), (2, 4), 168),
+    # A cap is the default at 4 flush warps only; set, it is kept.
+    ("f32", pk.ReplayConfig(fused_launch=False, flush_num_warps=2), (4, 2),
+     None),
+    ("f32", pk.ReplayConfig(fused_launch=False, flush_num_warps=8,
+                            flush_max_registers=96), (4, 8), 96),
 ])
-def test_replay_launch_warps(policy, config, warps):
+def test_replay_launch_warps(policy, config, warps, cap):
   """The warps each replay kernel is launched with, read from the Triton
-  custom calls: by default 2 for the output route over a 16- or 8-bit
-  tile (checkpoint or read copy) and 4 over an f32 one; 2 for the flush
-  route, 4 when it also stores a read copy (H200 sweeps, see
-  ReplayConfig); fields that are set are used as given."""
+  custom calls, and the flush route's register cap (its name's suffix,
+  common.capped_name): by default 2 warps for the output route over a 16-
+  or 8-bit tile (checkpoint or read copy) and 4 over an f32 one; 4 for
+  the flush route, capped at 128 registers on a plain state, 2 on a
+  stochastically rounded master without a copy (replay.
+  default_flush_launch); fields that are set are used as given."""
   params, tok, rstate, pol = _lowering_state(6, 16, policy, (4, 64, 128, 2))
   text = _lower_replay(config, params, tok, rstate, pol)
+  flush = "replayssm_replay_flush_route" + (f"__maxnreg{cap}" if cap else "")
   assert _launched_warps(text) == {
-      "replayssm_replay_output_route": warps[0],
-      "replayssm_replay_flush_route": warps[1]}
+      "replayssm_replay_output_route": warps[0], flush: warps[1]}
 
 
 def test_replay_fused_launch_warps():

@@ -65,26 +65,25 @@ def test_triton_offline_modules():
     sys.path.pop(0)
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
-  mods = triton_offline.triton_modules(
-      batch=2, nheads=4, headdim=16, dstate=16, ngroups=2, buffer_len=16,
-      checkpoint_dtype=jnp.float16, config=pk.ReplayConfig(
-          fused_launch=False))
-  assert set(mods) == {"replayssm_replay_output_route",
-                       "replayssm_replay_flush_route"}
+  def modules(**fields):
+    return triton_offline.triton_modules(
+        batch=2, nheads=4, headdim=16, dstate=16, ngroups=2, buffer_len=16,
+        checkpoint_dtype=jnp.float16,
+        config=pk.ReplayConfig(fused_launch=False, **fields))
+
+  # The default flush (4 warps) is capped at 128 registers per thread
+  # (replay.default_flush_launch): the cap reaches the flush module, and
+  # only it, as Triton's ttg.maxnreg attribute.
+  mods = modules()
+  flush = "replayssm_replay_flush_route__maxnreg128"
+  assert set(mods) == {"replayssm_replay_output_route", flush}
   for text in mods.values():
     assert "tt.func public @replayssm_replay" in text
+  assert re.search(r"ttg\.maxnreg = 128 : i32", mods[flush])
+  assert "maxnreg" not in mods["replayssm_replay_output_route"]
   # Two bf16 pieces on a 16-bit checkpoint: two dots of bf16 operands.
-  dots = re.findall(r"tt\.dot .*: tensor<\d+x\d+xbf16>",
-                    mods["replayssm_replay_flush_route"])
+  dots = re.findall(r"tt\.dot .*: tensor<\d+x\d+xbf16>", mods[flush])
   assert len(dots) == 2, dots
-  # A register cap (ReplayConfig.flush_max_registers) reaches the flush
-  # module as Triton's ttg.maxnreg attribute, and only that module.
-  capped = triton_offline.triton_modules(
-      batch=2, nheads=4, headdim=16, dstate=16, ngroups=2, buffer_len=16,
-      checkpoint_dtype=jnp.float16, config=pk.ReplayConfig(
-          fused_launch=False, flush_max_registers=128))
-  assert set(capped) == {"replayssm_replay_output_route",
-                         "replayssm_replay_flush_route__maxnreg128"}
-  assert re.search(r"ttg\.maxnreg = 128 : i32",
-                   capped["replayssm_replay_flush_route__maxnreg128"])
-  assert "maxnreg" not in capped["replayssm_replay_output_route"]
+  # 2 warps are not capped by default.
+  uncapped = modules(flush_num_warps=2)
+  assert "maxnreg" not in uncapped["replayssm_replay_flush_route"]

@@ -16,7 +16,7 @@ at 255 registers matched Nsight Compute; benchmarks/README.md, "Session
 
   pip install triton   # not a project dependency
   PYTHONPATH=. python benchmarks/scripts/triton_offline.py \\
-      --dtype float16 --warps 2,4 --config flush_block_p=32
+      --dtype float16 --warps 2,4 --config flush_max_registers=168
 
 Prints one line per (kernel, warps): registers, spill bytes, SASS
 instruction count and the most frequent opcodes. `--out DIR` keeps each
@@ -66,9 +66,10 @@ def _capture_triton_modules():
 
 
 def replay_step(*, batch, nheads, headdim, dstate, ngroups, buffer_len,
-                checkpoint_dtype, config=None):
+                checkpoint_dtype, config=None, read_dtype=None):
   """(step, (rstate, tokens)): one replay step and ShapeDtypeStructs of
-  its arguments (the benchmarks' dtypes: bf16 activations and buffers)."""
+  its arguments (the benchmarks' dtypes: bf16 activations and buffers);
+  read_dtype: a read copy of this dtype (8-bit ones with their scales)."""
   sds = jax.ShapeDtypeStruct
   bf16 = jnp.bfloat16
   params = testing.random_params(jax.random.PRNGKey(0), nheads)
@@ -82,6 +83,12 @@ def replay_step(*, batch, nheads, headdim, dstate, ngroups, buffer_len,
       b_buf=sds((batch, buffer_len, ngroups, dstate), bf16),
       dt_buf=sds((batch, buffer_len, nheads), jnp.float32),
       count=sds((batch,), jnp.int32))
+  if read_dtype is not None:
+    read_dtype = jnp.dtype(read_dtype)
+    rstate = rstate.replace(
+        read_copy=sds(rstate.checkpoint.shape, read_dtype),
+        read_scale=(sds((batch, nheads, headdim), jnp.float32)
+                    if read_dtype.itemsize == 1 else None))
   config = config or pk.ReplayConfig()
 
   def step(rs, tk):
@@ -176,6 +183,8 @@ def main():
   ap.add_argument("--config", default="",
                   help="ReplayConfig fields, e.g. flush_block_p=32,"
                   "flush_fold='dot_bf16x3'")
+  ap.add_argument("--read_dtype", default=None,
+                  help="a read copy of this dtype (e.g. float8_e4m3fn)")
   ap.add_argument("--kernels", default="", help="name substrings to keep")
   ap.add_argument("--out", default="", help="keep TTIR/PTX/cubin here")
   a = ap.parse_args()
@@ -186,7 +195,7 @@ def main():
   modules = triton_modules(
       batch=a.batch, nheads=128, headdim=64, dstate=128, ngroups=8,
       buffer_len=a.buffer_len, checkpoint_dtype=jnp.dtype(a.dtype),
-      config=pk.ReplayConfig(**fields))
+      config=pk.ReplayConfig(**fields), read_dtype=a.read_dtype)
   keep = list(filter(None, a.kernels.split(",")))
   for name, text in modules.items():
     if keep and not any(k in name for k in keep):

@@ -33,7 +33,10 @@ def main():
   dump = tempfile.mkdtemp()
   # Before jax is imported: XLA reads its flags once.
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + f" --xla_dump_to={dump}")
+                             + f" --xla_dump_to={dump}"
+                             " --xla_dump_hlo_as_text")
+  # A persistent-cache hit would skip the compile and its dump.
+  os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
@@ -49,9 +52,11 @@ def main():
       config=pk.ReplayConfig(**fields))
   jax.jit(step).lower(*args).compile()
   ptxas = shutil.which("ptxas")
-  files = sorted(glob.glob(os.path.join(dump, "*.ptx")))
+  files = sorted(glob.glob(os.path.join(dump, "**", "*.ptx"),
+                          recursive=True))
   if not files:
-    raise SystemExit(f"no PTX dumped under {dump}")
+    raise SystemExit(f"no PTX dumped under {dump}: "
+                     f"{sorted(os.listdir(dump))[:40]}")
   for path in files:
     text = open(path).read()
     for m in re.finditer(r"\.entry (replayssm\w*)\(.*?\)\s*((?:\.\w+[^\n{]*\n)*)",
