@@ -189,8 +189,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # 128, now the default: flush 3-11% faster than the 2-warp default
     # of the time), w4c96p660 (capped at 96, 5 programs per SM: spills,
     # 8-30% slower), w8c80p396 (8 warps at 80: spills, 3-4x slower).
-    # Run 16: the old 2-warp default beside the new one, which is
-    # repeated (a same-run noise figure).
+    # Run 16: the old 2-warp default beside the new one, repeated (a
+    # same-run noise figure): flush f16 404 / 403 against 444 µs (batch
+    # 256), 103 / 103 against 118 (64); f32 715 / 712 against 734, 183 /
+    # 179 against 186; amortized within the non-flush step's noise.
     config.replay_variants = ml_collections.ConfigDict(dict(
         w2=dict(flush_num_warps=2),
         w4c128=dict(flush_num_warps=4, flush_max_registers=128),
@@ -246,9 +248,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # spilled), 160; at 128: 36 / 368 / 104 B spilled. Run 15: a cap of
     # 128 took the f32 + fp8 flush 1140 -> 1022 µs and the f16 + fp8
     # flush 677 -> 965.
-    config.replay_variants = ml_collections.ConfigDict(dict(
-        c128=dict(flush_max_registers=128),
-        c168p396=dict(flush_max_registers=168, flush_programs=396)))
+    # Run B (kernel_policies_h200_session15.md): 168 at 3 programs per SM
+    # took the f16 + fp8 flush to 575 µs and f32 + bf16 to 942 (now their
+    # default), 128 the f32 + fp8 flush to 1017 (its default; 168: 1065).
+    # No variants now: every policy at its defaults.
+    config.replay_variants = ml_collections.ConfigDict()
 
   if arg == "output_launch":
     # The output route's launch shape on the f16 checkpoint and the fp8
@@ -267,8 +271,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     _kernel_study(config, "kernel_output_launch", (256,))
     config.checkpoint_dtypes = ("float16",)
     config.policies = ("f32+fp8", "f16+fp8")
+    # Session 15: register caps on the output route (ReplayConfig.
+    # max_registers, PTX .maxnreg; ptxas offline at 2 warps: the f16
+    # checkpoint's route holds 126 registers (8 programs per SM), 104
+    # without spills (9), 96 with 20 B spilled (10); the fp8 copy's 96
+    # (10 per SM), 80 with 8 B spilled (12), 64 with 48 B (16).
     config.replay_variants = ml_collections.ConfigDict(dict(
-        w2=dict(num_warps=2), w4=dict(num_warps=4)))
+        oc104=dict(max_registers=104), oc96=dict(max_registers=96),
+        oc80=dict(max_registers=80), oc64=dict(max_registers=64)))
 
   if arg == "mosaic":
     # The Mosaic GPU kernels' first GPU run (each variant is checked against

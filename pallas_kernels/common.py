@@ -192,8 +192,9 @@ class ReplayConfig(_LaunchConfig):
       launch slot: ~30 µs per step at batch 256 on the H200);
       "persistent" launches `flush_programs` programs that share out the
       (flush row, head, headdim block) items of the flush rows only.
-    flush_programs: program count of the persistent flush grid (None: 4
-      per SM; 8 in interpret mode).
+    flush_programs: program count of the persistent flush grid (None: as
+      many per SM as the register cap leaves room for, at most 4 (3 at
+      168 registers x 4 warps); 8 in interpret mode).
     fused_launch: one launch for both routes: the persistent flush programs
       first, then one program per output-route item, so the flush rows'
       latency-bound folds overlap the output route's streaming and a step
@@ -246,10 +247,13 @@ class ReplayConfig(_LaunchConfig):
       The fused kernel uses num_warps.
     flush_num_stages: Triton pipelining stages of the separate flush-route
       kernel (None: num_stages).
+    max_registers: cap on the registers per thread of the separate
+      output-route kernel (as flush_max_registers); None: no cap.
     flush_max_registers: cap on the registers per thread of the separate
       flush-route kernel (PTX .maxnreg, `capped_name`; 256: no cap); None
-      = `replay.default_flush_launch`: 128 for a plain state's flush at 4
-      warps, else no cap.
+      = `replay.default_flush_launch`: at 4 warps 128 on a plain state
+      and an f32 master with an 8-bit copy, 168 with other read copies,
+      no cap with stochastic rounding.
   """
   _default_num_warps = True
   num_warps: int | None = None
@@ -267,6 +271,7 @@ class ReplayConfig(_LaunchConfig):
   flush_num_warps: int | None = None
   flush_num_stages: int | None = None
   flush_max_registers: int | None = None
+  max_registers: int | None = None
   output_route: str = "triton"
   readout_chunk: int | None = None
 
@@ -294,6 +299,7 @@ class ReplayConfig(_LaunchConfig):
       _check_pow2("flush_num_warps", self.flush_num_warps)
     _check_count("flush_num_stages", self.flush_num_stages)
     _check_registers("flush_max_registers", self.flush_max_registers)
+    _check_registers("max_registers", self.max_registers)
     if self.flush_prefetch and self.flush_grid != "persistent":
       raise ValueError(
           "flush_prefetch=True needs flush_grid='persistent' (the rows grid "

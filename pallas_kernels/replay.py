@@ -782,32 +782,52 @@ def default_block_p(batch: int, nheads: int, headdim: int) -> int:
   return headdim if batch * nheads >= 16 * 132 else min(16, headdim)
 
 
-def default_flush_launch(spec, num_warps: int | None = None,
+def default_flush_launch(spec, master_dtype, num_warps: int | None = None,
                          max_registers: int | None = None):
   """(warps, register cap or None) of the flush-route kernel of a state
-  (spec: its _CopySpec, None for a plain state) for the `ReplayConfig`
-  fields flush_num_warps / flush_max_registers (None: the default).
+  (spec: its _CopySpec, None for a plain state; master_dtype: its
+  checkpoint's) for the `ReplayConfig` fields flush_num_warps /
+  flush_max_registers (None: the default). Warps: 4 (2 for a
+  stochastically rounded master without a read copy: the plain default
+  before session 15, not measured). Cap, at 4 warps (at other warps
+  none), where the persistent loop would hold more registers than 4 (or
+  3) programs per SM leave (ptxas puts ~40 of them on shared-memory
+  offsets hoisted out of the loop); capped, ptxas rematerializes or spills
+  a little (benchmarks/scripts/triton_offline.py):
 
-  A plain state's flush: 4 warps capped at 128 registers per thread, so
-  its 4 programs per SM fit (ptxas
-  would take ~167, ~40 of them shared-memory offsets hoisted out of the
-  persistent loop, leaving room for 3; capped, it rematerializes them
-  for +2% instructions and no spills on f16, 12 B spilled on f32).
+  * plain state: 128 (uncapped ~167; capped +2% instructions, no spills
+    on f16, 12 B spilled on f32), 4 programs per SM;
+  * f32 master + 8-bit copy: 128 (uncapped 216; 36 B spilled), 4 per SM;
+  * other read copies: 168 (f16 master + fp8 uncapped 255, 72 B spilled
+    at 168; f32 + bf16 160 either way), 3 per SM (`_flush_programs`);
+  * stochastic rounding: none (not measured).
 
-  H200, batch 256 / 64, L 16 (benchmarks/flush_sweep_h200.json run 15;
-  README "Session 15"): all-rows flush step f16 442 -> 414 / 117 -> 105
-  µs, f32 736 -> 712 / 186 -> 183 against the uncapped 2-warp flush (the
-  default before: 255 registers, 4 programs per SM, which session 11
-  found faster than 4 uncapped warps); the natural cycle 2-7% faster.
-  Read-copy flushes: 4 uncapped warps (2 were 3-45% slower, session 12);
-  a stochastically rounded master without a copy: 2 uncapped warps (the
-  plain default before, not measured)."""
-  if spec is not None:
-    return num_warps or (4 if spec.copy else 2), max_registers
-  warps = num_warps or 4
-  if max_registers is None and warps == 4:
-    max_registers = 128
+  H200, batch 256, L 16 (benchmarks/flush_sweep_h200.json runs 15-16,
+  kernel_policies_h200.md; README "Session 15"), all-rows flush step
+  against the uncapped default of the time: f16 442-444 -> 403-414 µs,
+  f32 734-736 -> 712-715 (2 warps uncapped, which session 11 found
+  faster than 4 uncapped); batch 64 f16 117-118 -> 103-105. f32 + fp8
+  copy 1139 -> 1017 (168: 1065), f16 + fp8 674 -> 575 at 168 (128: 965,
+  spilling), f32 + bf16 1097 -> 942 at 168 (128: 1001)."""
+  sr = spec is not None and (spec.sr_master or spec.sr_copy)
+  if spec is not None and not spec.copy:
+    warps = num_warps or 2
+  else:
+    warps = num_warps or 4
+  if max_registers is None and warps == 4 and not sr:
+    f32_8bit = (spec is not None and spec.scaled
+                and jnp.dtype(master_dtype) == jnp.dtype(F32))
+    max_registers = 128 if spec is None or f32_8bit else 168
   return warps, max_registers
+
+
+def _flush_programs(interpret: bool, warps: int, max_registers):
+  """Persistent flush programs: as many per SM as the register file holds
+  at the cap (at most 4), 4 per SM uncapped (2 warps x 255 registers)."""
+  if interpret or max_registers is None:
+    return _default_flush_programs(interpret)
+  per_sm = max(1, min(4, 65536 // (32 * warps * max_registers)))
+  return per_sm * getattr(jax.devices()[0], "core_count", 132)
 
 
 def default_num_warps(read_dtype, fused: bool = False) -> int:
@@ -920,13 +940,13 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     return ((headdim // bp) * (per_group // hb), ngroups, batch)
 
   flush_warps, flush_cap = default_flush_launch(
-      spec, config.flush_num_warps, config.flush_max_registers)
+      spec, rstate.checkpoint.dtype, config.flush_num_warps,
+      config.flush_max_registers)
   flush_params = plgpu.CompilerParams(
       num_warps=flush_warps,
       num_stages=config.flush_num_stages or config.num_stages)
   sds = jax.ShapeDtypeStruct
   count_pow2 = _pad_pow2(rstate.count)
-  nprog = config.flush_programs or _default_flush_programs(interpret)
   unsupported = [name for name, bad in (
       ("a read copy or stochastic rounding (a precision policy)",
        spec is not None),
@@ -943,6 +963,10 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   fused = config.fused_launch
   if fused is None:
     fused = not unsupported and default_fused_launch(batch, nheads)
+  # The fused kernel launches num_warps and no register cap.
+  nprog = config.flush_programs or (
+      _default_flush_programs(interpret) if fused
+      else _flush_programs(interpret, flush_warps, flush_cap))
   fold_dot = _fold_dot(config.flush_fold, rstate.buffer_len, flush_block_p,
                        interpret, field="flush_fold", tile="the flush block_p",
                        b_dtypes=(rstate.b_buf.dtype, B.dtype),
@@ -1002,7 +1026,8 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                    sds(rstate.count.shape, rstate.count.dtype)),
         input_output_aliases={1: 1, 2: 2, 3: 3},
         compiler_params=params, interpret=interpret,
-        name="replayssm_replay_output_route",
+        name=common.capped_name("replayssm_replay_output_route",
+                                config.max_registers),
     )(*state_in, *token_in, *extra, *optional)
   # The flush route reads the buffers after the output route: flush rows do
   # not append, so their slots are unchanged, and one copy of each buffer

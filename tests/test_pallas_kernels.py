@@ -939,9 +939,11 @@ def test_mosaic_kernel_lowers_for_cuda(state_dtype, config):
 @pytest.mark.parametrize("policy,config,warps,cap", [
     (None, pk.ReplayConfig(fused_launch=False), (2, 4), 128),  # f16 ckpt
     ("f32", pk.ReplayConfig(fused_launch=False), (4, 4), 128),
-    ("f32+fp8", pk.ReplayConfig(), (2, 4), None),
-    ("f32+int8", pk.ReplayConfig(), (2, 4), None),
-    ("f32+bf16", pk.ReplayConfig(), (2, 4), None),
+    ("f32+fp8", pk.ReplayConfig(), (2, 4), 128),
+    ("f32+int8", pk.ReplayConfig(), (2, 4), 128),
+    ("f32+bf16", pk.ReplayConfig(), (2, 4), 168),
+    ("f16+fp8", pk.ReplayConfig(), (2, 4), 168),
+    ("f32+fp8+sr", pk.ReplayConfig(), (2, 4), None),
     ("f16+sr", pk.ReplayConfig(), (2, 2), None),
     ("f32+fp8", pk.ReplayConfig(num_warps=8, flush_num_warps=2), (8, 2),
      None),
@@ -951,20 +953,36 @@ def test_mosaic_kernel_lowers_for_cuda(state_dtype, config):
      None),
     ("f32", pk.ReplayConfig(fused_launch=False, flush_num_warps=8,
                             flush_max_registers=96), (4, 8), 96),
+    (None, pk.ReplayConfig(fused_launch=False, max_registers=104), (2, 4),
+     128),
 ])
 def test_replay_launch_warps(policy, config, warps, cap):
   """The warps each replay kernel is launched with, read from the Triton
   custom calls, and the flush route's register cap (its name's suffix,
   common.capped_name): by default 2 warps for the output route over a 16-
   or 8-bit tile (checkpoint or read copy) and 4 over an f32 one; 4 for
-  the flush route, capped at 128 registers on a plain state, 2 on a
-  stochastically rounded master without a copy (replay.
-  default_flush_launch); fields that are set are used as given."""
+  the flush route (2 on a stochastically rounded master without a copy),
+  capped at 128 registers on a plain state and an f32 master with an
+  8-bit copy, 168 with other copies, none with stochastic rounding
+  (replay.default_flush_launch); fields that are set are used as
+  given."""
   params, tok, rstate, pol = _lowering_state(6, 16, policy, (4, 64, 128, 2))
   text = _lower_replay(config, params, tok, rstate, pol)
   flush = "replayssm_replay_flush_route" + (f"__maxnreg{cap}" if cap else "")
-  assert _launched_warps(text) == {
-      "replayssm_replay_output_route": warps[0], flush: warps[1]}
+  out = "replayssm_replay_output_route" + (
+      f"__maxnreg{config.max_registers}" if config.max_registers else "")
+  assert _launched_warps(text) == {out: warps[0], flush: warps[1]}
+
+
+def test_flush_programs_fit_the_register_file():
+  """Persistent flush programs per SM: as many as 64K registers hold at
+  the cap (at most 4), 4 uncapped; 8 in all in interpret mode."""
+  sms = 132  # the CPU device reports no core_count
+  assert pk.replay_kernel._flush_programs(False, 4, 128) == 4 * sms
+  assert pk.replay_kernel._flush_programs(False, 4, 168) == 3 * sms
+  assert pk.replay_kernel._flush_programs(False, 8, 256) == 1 * sms
+  assert pk.replay_kernel._flush_programs(False, 2, None) == 4 * sms
+  assert pk.replay_kernel._flush_programs(True, 4, 168) == 8
 
 
 def test_replay_fused_launch_warps():
