@@ -248,7 +248,11 @@ class ReplayConfig(_LaunchConfig):
     flush_num_stages: Triton pipelining stages of the separate flush-route
       kernel (None: num_stages).
     max_registers: cap on the registers per thread of the separate
-      output-route kernel (as flush_max_registers); None: no cap.
+      output-route kernel (as flush_max_registers); None: no cap. H200
+      (session 15, benchmarks/kernel_output_launch_h200.md, batch 256, L
+      16, 2 warps): caps of 104 / 96 / 80 / 64 were no faster than none
+      on the f16 checkpoint (non-flush 160-169 µs against 161) and 3-21%
+      slower on the fp8 read copies.
     flush_max_registers: cap on the registers per thread of the separate
       flush-route kernel (PTX .maxnreg, `capped_name`; 256: no cap); None
       = `replay.default_flush_launch`: at 4 warps 128 on a plain state
