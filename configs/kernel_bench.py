@@ -279,9 +279,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # (kernel_output_launch_h200.md): no cap faster than none beyond
     # noise (f16 non-flush 160.0-169.1 against 161.1 µs; fp8 copies
     # 118.6-138.9 against 114.2-114.9), so the route stays uncapped.
+    # Measured: oc104 / oc96 / oc80 / oc64 = dict(max_registers=...).
+    # Next: the B-buffer work per program, large beside an 8-bit tile (the
+    # B.C products over the buffer: [L, dstate] per program, each group's
+    # read by its 16 heads' programs): precomputed once per row by XLA
+    # (precompute_bc), shared by two heads per program, or both.
     config.replay_variants = ml_collections.ConfigDict(dict(
-        oc104=dict(max_registers=104), oc96=dict(max_registers=96),
-        oc80=dict(max_registers=80), oc64=dict(max_registers=64)))
+        pc=dict(precompute_bc=True), hp2=dict(heads_per_program=2),
+        pchp2=dict(precompute_bc=True, heads_per_program=2)))
 
   if arg == "mosaic":
     # The Mosaic GPU kernels' first GPU run (each variant is checked against
