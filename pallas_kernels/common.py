@@ -333,6 +333,8 @@ class VerifyConfig(_LaunchConfig):
       kernel took 0.062 ms at 2 warps against 0.079-0.080 at 4, where the
       window kernel was slower at 2 (0.301 vs 0.261 ms in sweep 9), so the
       window kernel keeps num_warps.
+    fold_max_registers: cap on the registers per thread of the early-flush
+      fold kernel (as ReplayConfig.flush_max_registers); None: no cap.
     precompute: what XLA computes for the window kernel before it runs.
       "none": nothing; every program forms its head's decay weights and
       the B.C products of the history and window against each position's
@@ -378,6 +380,7 @@ class VerifyConfig(_LaunchConfig):
   fold_grid: str = "persistent"
   fold_programs: int | None = None
   fold_num_warps: int | None = None
+  fold_max_registers: int | None = None
   precompute: str = "bc_reduce"
   readout: str = "reduce"
   readout_chunk: int | None = 32
@@ -393,6 +396,7 @@ class VerifyConfig(_LaunchConfig):
     _check_count("fold_programs", self.fold_programs)
     if self.fold_num_warps is not None:
       _check_pow2("fold_num_warps", self.fold_num_warps)
+    _check_registers("fold_max_registers", self.fold_max_registers)
     if self.readout_chunk is not None:
       _check_pow2("readout_chunk", self.readout_chunk)
 

@@ -357,7 +357,9 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
       fold_kernel, grid=fold_grid,
       out_shape=(sds(rstate.checkpoint.shape, rstate.checkpoint.dtype),),
       input_output_aliases={0: 0}, compiler_params=fold_params,
-      interpret=interpret, name="replayssm_verify_fold",
+      interpret=interpret,
+      name=common.capped_name("replayssm_verify_fold",
+                              config.fold_max_registers),
   )(rstate.checkpoint, rstate.x_buf, rstate.b_buf, rstate.dt_buf,
     count, *token_in, *optional)
   # 2. Window outputs and appends (reads the folded checkpoint).

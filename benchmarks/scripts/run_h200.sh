@@ -22,7 +22,7 @@
 #   bash benchmarks/scripts/run_h200.sh batch1     # batch 1, f32 / f16, L 16: the fused launch's default fold (3xTF32) vs the bf16-split fold (1.5 min in session 13)
 #   bash benchmarks/scripts/run_h200.sh launch     # fused vs separate route launches, b 16 + 64, L 16 (1.2 min)
 #   bash benchmarks/scripts/run_h200.sh mosaic     # the Mosaic GPU kernels: baseline (7 configs) vs Triton and XLA, replay with the Mosaic output route (plain, f32+fp8, f16+fp8), b 256 + 64, f32 / f16, each checked first; a Mosaic failure is recorded, not fatal (> 3 min: session 7 ran f32 in 185 s, f16 without policies in 90 s)
-#   bash benchmarks/scripts/run_h200.sh verify     # spec verify kernel: VerifyConfig variants on hybrid_1b's layer, b 256, T 4, checked, split per kernel (14 variants: ~2 min in session 9; all 25 now, or pick with verify_sweep.py --variants)
+#   bash benchmarks/scripts/run_h200.sh verify [--variants a,b]  # spec verify kernel: VerifyConfig variants on hybrid_1b's layer, b 256, T 4, checked, split per kernel (14 variants: ~2 min in session 9; all 25 now, or pick with verify_sweep.py --variants)
 #   bash benchmarks/scripts/run_h200.sh ncu_verify # Nsight Compute on the verify window kernel (default and the pre-session-8 default)
 #   bash benchmarks/scripts/run_h200.sh ncu_flush  # Nsight Compute on the flush route with every row folding (f16 checkpoint, b 256, L 16): stall reasons, instruction mix, source counters (1.5 min, session 11: it profiles one launch; with two, the second failed and the GPU stayed out of memory for the next part)
 #   bash benchmarks/scripts/run_h200.sh policies [overrides]  # replay per precision policy (default and 2-warp flush) vs the f16 baseline, b 256, L 16 (2.5 min for 4 policies x 3 in session 9; > 4.8 min for all 7 x 2 in session 12, cut at its 290 s limit; 2.8 min for 3 x 4)
@@ -203,7 +203,7 @@ P.run(c, sys.argv[1])" "$OUT/precision_mqar1024_rest" ;;
       --out "$OUT/specdec_profile_kernels_b1.json" ;;
   verify)
     XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout "$T" \
-      python benchmarks/scripts/verify_sweep.py --out "$OUT/verify_sweep.json" ;;
+      python benchmarks/scripts/verify_sweep.py --out "$OUT/verify_sweep.json" "${@:2}" ;;
   ncu_verify)
     timeout "$T" ncu --clock-control none -k regex:replayssm_verify_window \
       -c 3 --section SpeedOfLight --section Occupancy --section LaunchStats \

@@ -75,6 +75,10 @@ VARIANTS = {
     # bf16 pieces (session 13), at 2 and 4 warps.
     "fold_bf16x3": dict(fold="dot_bf16x3"),
     "fold_bf16x3_w4": dict(fold="dot_bf16x3", fold_num_warps=4),
+    # The early-flush fold at 4 warps with its registers capped (as the
+    # replay flush since session 15), and uncapped.
+    "fold_w4": dict(fold_num_warps=4),
+    "fold_w4c128": dict(fold_num_warps=4, fold_max_registers=128),
     "reference": None,  # the XLA reference op (implementation="reference")
 }
 
