@@ -284,9 +284,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # B.C products over the buffer: [L, dstate] per program, each group's
     # read by its 16 heads' programs): precomputed once per row by XLA
     # (precompute_bc), shared by two heads per program, or both.
+    # H200 (kernel_output_launch_h200.md, second run): all slower on every
+    # state (non-flush: f16 184.8 / 198.5 / 195.6 against 160.5 µs; fp8
+    # copies 120.0-150.7 against 113.2-113.7). Next: the buffer windows
+    # loaded unmasked (ReplayConfig.output_unmasked_buffers), so they do
+    # not wait on the counter load.
     config.replay_variants = ml_collections.ConfigDict(dict(
-        pc=dict(precompute_bc=True), hp2=dict(heads_per_program=2),
-        pchp2=dict(precompute_bc=True, heads_per_program=2)))
+        ub=dict(output_unmasked_buffers=True)))
 
   if arg == "mosaic":
     # The Mosaic GPU kernels' first GPU run (each variant is checked against

@@ -216,6 +216,11 @@ class ReplayConfig(_LaunchConfig):
       a program has that many tiles in flight (for 8-bit copies, whose
       tiles are half the bytes). Separate launches only. H200 (session
       6): 15-23% slower with heads_per_program=2.
+    output_unmasked_buffers: the Triton output route loads all L slots of
+      the x / B / dt buffers unmasked and zeroes the slots past the row's
+      counter afterwards, so these loads issue with the state tile's
+      instead of waiting for the counter (a dependent load) to form
+      their masks; it reads ~L/2 more slots per step on average.
     output_route: "triton" (the Triton output-route kernel) or
       "mosaic_gpu": the output route's state read (y0 = S C, checkpoint or
       read copy) by the Mosaic GPU readout kernel
@@ -272,6 +277,7 @@ class ReplayConfig(_LaunchConfig):
   fused_launch: bool | None = None
   flush_prefetch: bool = False
   output_prefetch: bool = False
+  output_unmasked_buffers: bool = False
   flush_num_warps: int | None = None
   flush_num_stages: int | None = None
   flush_max_registers: int | None = None
@@ -288,7 +294,7 @@ class ReplayConfig(_LaunchConfig):
       _check_pow2("readout_chunk", self.readout_chunk)
     clash = [name for name in ("output_all_rows", "precompute_bc",
                                "output_prefetch", "fused_launch",
-                               "readout_chunk")
+                               "readout_chunk", "output_unmasked_buffers")
              if getattr(self, name)]
     if self.output_route == "mosaic_gpu" and clash:
       raise ValueError(

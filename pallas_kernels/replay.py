@@ -97,13 +97,17 @@ class _Program:
                head0=g * heads_per_group + (pid // nblk_p) * heads_per_program,
                pid=pid, **kw)
 
-  def window_loads(self, h, dtb_ref, valid=None):
+  def window_loads(self, h, dtb_ref, valid=None, unmasked=False):
     """The global loads of window_from for head h (a dict, so a persistent
-    loop can issue them an item ahead); valid masks the vector load."""
-    mask = self.hist if valid is None else self.hist & valid
-    ld = dict(dt=self._dt[self.b, h], a=self._a[h],
-              d_hist=plgpu.load(dtb_ref.at[self.b, :, h], mask=mask,
-                                other=0.0))
+    loop can issue them an item ahead); valid masks the vector load;
+    unmasked: load every slot and zero the unfilled ones after (the load
+    does not wait on the counter)."""
+    if unmasked:
+      d_hist = jnp.where(self.hist, dtb_ref[self.b, :, h], 0.0)
+    else:
+      mask = self.hist if valid is None else self.hist & valid
+      d_hist = plgpu.load(dtb_ref.at[self.b, :, h], mask=mask, other=0.0)
+    ld = dict(dt=self._dt[self.b, h], a=self._a[h], d_hist=d_hist)
     if self._bias is not None:
       ld["bias"] = self._bias[h]
     return ld
@@ -122,9 +126,10 @@ class _Program:
     s = dw * jnp.exp(a * suffix)  # s_j = d_j exp(A sum_{i>j} d_i)
     return d_cur, s, jnp.exp(a * jnp.sum(dw))
 
-  def window_weights(self, h, dtb_ref):
+  def window_weights(self, h, dtb_ref, unmasked=False):
     """dt' of the current token, the weights s_j and the decay of head h."""
-    return self.window_from(self.window_loads(h, dtb_ref))
+    return self.window_from(self.window_loads(h, dtb_ref,
+                                              unmasked=unmasked))
 
 
 def _unpack(refs, n_in, n_out, has_D, has_z, has_bias):
@@ -137,7 +142,7 @@ def _unpack(refs, n_in, n_out, has_D, has_z, has_bias):
 
 def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
                    scaled=False, prefetch_heads=False, readout_chunk=None,
-                   **kw):
+                   unmasked=False, **kw):
   """Output route: y from checkpoint + buffer; non-flush rows append.
 
   With all_rows, flush rows take this route for y as well (the formula holds
@@ -156,16 +161,28 @@ def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
                 precomputed_bc=precomputed_bc, scaled=scaled,
                 block_p=kw["block_p"],
                 heads_per_program=kw["heads_per_program"],
-                prefetch_heads=prefetch_heads, readout_chunk=readout_chunk)
+                prefetch_heads=prefetch_heads, readout_chunk=readout_chunk,
+                unmasked=unmasked)
 
 
 def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
                   block_p, heads_per_program, prefetch_heads=False,
-                  readout_chunk=None):
+                  readout_chunk=None, unmasked=False):
   """The output route of item p (see _output_kernel for the refs);
   prefetch_heads: load the checkpoint tiles of all the program's heads
   before computing any (a Python loop over the heads); readout_chunk: the
-  tile's column blocks (`common.load_tile_blocks`)."""
+  tile's column blocks (`common.load_tile_blocks`); unmasked: load every
+  buffer slot and zero the unfilled ones after
+  (`ReplayConfig.output_unmasked_buffers`)."""
+
+  def hist_load(ref, shape):
+    """A buffer window [L, ...] f32: the filled slots, zeros past them."""
+    m = jnp.broadcast_to(p.hist.reshape((p.L,) + (1,) * (len(shape) - 1)),
+                         shape)
+    if unmasked:
+      return jnp.where(m, plgpu.load(ref).astype(F32), 0.0)
+    return plgpu.load(ref, mask=m, other=0.0).astype(F32)
+
   d_ref, z_ref, _ = opt
   ck_ref, xb_ref, bb_ref, dtb_ref, _, x_ref, _, _, b_ref = ins[:9]
   c_ref = ins[9]
@@ -186,12 +203,9 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
     b_cur = b_ref[b, g, :].astype(F32)
     bc_cur = jnp.sum(b_cur * cv)
     if precomputed_bc:  # bc_j = B_j . C precomputed per (row, slot, group)
-      bc_hist = plgpu.load(ins[10].at[b, :, g], mask=p.hist, other=0.0)
+      bc_hist = hist_load(ins[10].at[b, :, g], (p.L,))
     else:  # once per program, for all its heads
-      b_hist = plgpu.load(
-          bb_ref.at[b, :, g, :],
-          mask=jnp.broadcast_to(p.hist[:, None], (p.L, cv.shape[0])),
-          other=0.0).astype(F32)  # [L, N]
+      b_hist = hist_load(bb_ref.at[b, :, g, :], (p.L, cv.shape[0]))  # [L, N]
       bc_hist = jnp.sum(b_hist * cv[None, :], axis=1)
     bc = jnp.where(p.cur, bc_cur, bc_hist)  # [L]
 
@@ -205,12 +219,9 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
         # Issue the big read first so its latency overlaps the small math.
         s0 = load_tile(r)
       scale = None if scale_ref is None else scale_ref[b, h, ps]
-      d_cur, s, decay = p.window_weights(h, dtb_ref)
+      d_cur, s, decay = p.window_weights(h, dtb_ref, unmasked=unmasked)
       x_cur = x_ref[b, h, ps].astype(F32)  # [block_p]
-      x_hist = plgpu.load(xb_ref.at[b, :, h, ps],
-                          mask=jnp.broadcast_to(p.hist[:, None],
-                                                (p.L, block_p)),
-                          other=0.0).astype(F32)  # [L, block_p]
+      x_hist = hist_load(xb_ref.at[b, :, h, ps], (p.L, block_p))
       x_win = jnp.where(p.cur[:, None], x_cur[None, :], x_hist)
       (readout,) = common.readouts(  # [block_p]
           s0, [lambda cols: c_ref[b, g, cols]])
@@ -954,6 +965,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
       ("output_all_rows", config.output_all_rows),
       ("precompute_bc", config.precompute_bc),
       ("output_prefetch", config.output_prefetch),
+      ("output_unmasked_buffers", config.output_unmasked_buffers),
       ("output_route='mosaic_gpu'", config.output_route != "triton"),
   ) if bad]
   if config.fused_launch and unsupported:
@@ -1016,7 +1028,8 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
         functools.partial(_output_kernel, all_rows=config.output_all_rows,
                           precomputed_bc=config.precompute_bc,
                           prefetch_heads=config.output_prefetch,
-                          readout_chunk=config.readout_chunk, **out_kw,
+                          readout_chunk=config.readout_chunk,
+                          unmasked=config.output_unmasked_buffers, **out_kw,
                           **kw),
         grid=grid(block_p),
         out_shape=(sds((batch, nheads, headdim), x.dtype),

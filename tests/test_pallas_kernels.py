@@ -102,6 +102,11 @@ REPLAY_CONFIGS = [
     pk.ReplayConfig(readout_chunk=8, fused_launch=True),
     pk.ReplayConfig(block_p=8, heads_per_program=2, output_prefetch=True,
                     readout_chunk=4),
+    # Buffer windows loaded unmasked, the junk past each counter zeroed.
+    pk.ReplayConfig(block_p=8, output_unmasked_buffers=True,
+                    fused_launch=False),
+    pk.ReplayConfig(block_p=8, heads_per_program=2, precompute_bc=True,
+                    output_unmasked_buffers=True),
 ]
 
 
@@ -802,6 +807,8 @@ LOWERING_REPLAY_CONFIGS = [
     pk.ReplayConfig(readout_chunk=32, fused_launch=False),
     pk.ReplayConfig(readout_chunk=16, fused_launch=True),
     pk.ReplayConfig(flush_fold="dot_bf16x3"),
+    pk.ReplayConfig(output_unmasked_buffers=True, fused_launch=False,
+                    max_registers=96),
 ]
 
 
@@ -820,7 +827,8 @@ LOWERING_CASES = [(c, None) for c in LOWERING_REPLAY_CONFIGS] + [
     (LOWERING_REPLAY_CONFIGS[3], "f32+fp8"),
     (LOWERING_REPLAY_CONFIGS[6], "f32+fp8+sr"),
     (LOWERING_REPLAY_CONFIGS[8], "f32+fp8"),
-    (LOWERING_REPLAY_CONFIGS[9], "f16+fp8")]
+    (LOWERING_REPLAY_CONFIGS[9], "f16+fp8"),
+    (LOWERING_REPLAY_CONFIGS[12], "f16+fp8")]
 
 
 def _lowering_state(batch, buffer_len, policy, dims):
