@@ -286,9 +286,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # (precompute_bc), shared by two heads per program, or both.
     # H200 (kernel_output_launch_h200.md, second run): all slower on every
     # state (non-flush: f16 184.8 / 198.5 / 195.6 against 160.5 µs; fp8
-    # copies 120.0-150.7 against 113.2-113.7). Next: the buffer windows
-    # loaded unmasked (ReplayConfig.output_unmasked_buffers), so they do
-    # not wait on the counter load.
+    # copies 120.0-150.7 against 113.2-113.7). Third run
+    # (kernel_output_launch_h200_ub.md): the buffer windows loaded
+    # unmasked (ub=dict(output_unmasked_buffers=True)), so they do not
+    # wait on the counter load: 9-14% slower on every state (non-flush f16
+    # 178.1 against 164.0 µs, fp8 copies 121.1 / 123.1 against 111.2 /
+    # 113.2): the ~L/2 more slots read cost more than the latency saved.
     config.replay_variants = ml_collections.ConfigDict(dict(
         ub=dict(output_unmasked_buffers=True)))
 

@@ -220,7 +220,10 @@ class ReplayConfig(_LaunchConfig):
       the x / B / dt buffers unmasked and zeroes the slots past the row's
       counter afterwards, so these loads issue with the state tile's
       instead of waiting for the counter (a dependent load) to form
-      their masks; it reads ~L/2 more slots per step on average.
+      their masks; it reads ~L/2 more slots per step on average. H200
+      (session 15, benchmarks/kernel_output_launch_h200_ub.md, batch 256,
+      L 16): the non-flush step 9-14% slower (f16 checkpoint, f32 / f16
+      master + fp8 copy).
     output_route: "triton" (the Triton output-route kernel) or
       "mosaic_gpu": the output route's state read (y0 = S C, checkpoint or
       read copy) by the Mosaic GPU readout kernel
