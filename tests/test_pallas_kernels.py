@@ -1042,3 +1042,58 @@ def test_mosaic_output_route_lowers_for_cuda(policy):
   text = _lower_replay(pk.ReplayConfig(output_route="mosaic_gpu"), params,
                        tok, rstate, pol)
   assert "mosaic_gpu" in text and "replayssm_replay_output_route" not in text
+
+
+@pytest.mark.parametrize("ckpt_dtype", ["float32", "float16"])
+def test_replay_flush_col_chunks(ckpt_dtype):
+  """The flush folded in dstate column blocks (`flush_col_chunks`, each
+  block's loads one block ahead) equals the whole-tile fold: the stored
+  checkpoint bit for bit (each column's dots and decay are the same), y
+  up to the order of its dstate sum; and the reference within tolerance.
+  Configurations it does not cover are refused by name."""
+  b, h, p, n, g, L = 5, 4, 16, 64, 2, 16
+  key = jax.random.PRNGKey(91)
+  params = testing.random_params(key, h)
+  tok = testing.random_step_inputs(jax.random.fold_in(key, 1), b, h, p, n,
+                                   g, jnp.bfloat16)
+  counts = np.array([L - 1, 3, L - 1, 0, L - 1])
+  rstate, _ = testing.random_replay_state(
+      jax.random.fold_in(key, 2), b, h, p, n, g, L, counts, params["A"],
+      checkpoint_dtype=jnp.dtype(ckpt_dtype), buffer_dtype=jnp.bfloat16)
+  kw = dict(**tok, **params, dt_softplus=True)
+  base = dict(block_p=16, fused_launch=False, flush_programs=3)
+  y1, r1 = rs.replay_state_update(rstate, **kw, implementation="pallas",
+                                  config=pk.ReplayConfig(**base))
+  y_ref, r_ref = rs.replay_state_update(rstate, **kw,
+                                        implementation="reference")
+  tol = testing.tolerance("bfloat16", ckpt_dtype)
+  for chunks in (2, 4):
+    y, r = rs.replay_state_update(
+        rstate, **kw, implementation="pallas",
+        config=pk.ReplayConfig(**base, flush_col_chunks=chunks))
+    np.testing.assert_array_equal(harness.bits(r.checkpoint),
+                                  harness.bits(r1.checkpoint))
+    # y: the same terms summed over dstate in blocks; bf16 outputs.
+    testing.assert_close(y, y1, testing.tolerance("bfloat16"), "y")
+    testing.assert_close(y, y_ref, tol, "y vs reference")
+    testing.assert_close(r.checkpoint, r_ref.checkpoint, tol, "checkpoint")
+    for name in ("x_buf", "b_buf", "dt_buf", "count"):
+      np.testing.assert_array_equal(harness.bits(getattr(r, name)),
+                                    harness.bits(getattr(r1, name)))
+  with pytest.raises(NotImplementedError, match="flush_prefetch"):
+    rs.replay_state_update(rstate, **kw, implementation="pallas",
+                           config=pk.ReplayConfig(**base, flush_col_chunks=2,
+                                                  flush_prefetch=True))
+  with pytest.raises(NotImplementedError, match="blocks of >= 16"):
+    rs.replay_state_update(rstate, **kw, implementation="pallas",
+                           config=pk.ReplayConfig(**base,
+                                                  flush_col_chunks=8))
+  with pytest.raises(NotImplementedError, match="a precision policy"):
+    rs.replay_state_update(
+        rstate.with_policy(P.PrecisionPolicy.preset("f32+fp8")
+                           if ckpt_dtype == "float32" else
+                           P.PrecisionPolicy.preset("f16+fp8")),
+        **kw, implementation="pallas",
+        config=pk.ReplayConfig(**base, flush_col_chunks=2))
+  with pytest.raises(ValueError, match="flush_col_chunks"):
+    pk.ReplayConfig(flush_col_chunks=3)
