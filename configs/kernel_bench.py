@@ -193,14 +193,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # same-run noise figure): flush f16 404 / 403 against 444 µs (batch
     # 256), 103 / 103 against 118 (64); f32 715 / 712 against 734, 183 /
     # 179 against 186; amortized within the non-flush step's noise.
-    # Run 17: the fold in dstate column blocks, the next block's loads one
-    # block ahead (ReplayConfig.flush_col_chunks; ptxas offline at the
-    # 128 cap: f16 no spills, f32 20 B (4 blocks), +12-25% instructions),
-    # and 4 blocks capped at 96 with 5 programs per SM (f16 12 B spilled).
+    # Run 17 (commit 5188138): the fold in dstate column blocks, the next
+    # block's loads one block ahead (a flush_col_chunks option, removed
+    # after the run; ptxas offline at the 128 cap: f16 no spills, f32 20
+    # B with 4 blocks, +12-25% instructions): 2 blocks 4-8% slower on the
+    # batch-256 flush (f32 776 against 716 µs, f16 421 against 404), 4
+    # blocks 11-79% slower, 4 blocks at 96 registers x 5 programs per SM
+    # 24-36% slower. Next: the 4-warp capped default beside the 2-warp
+    # uncapped flush of session 14, the default repeated.
     config.replay_variants = ml_collections.ConfigDict(dict(
-        ch2=dict(flush_col_chunks=2), ch4=dict(flush_col_chunks=4),
-        ch4c96p660=dict(flush_col_chunks=4, flush_max_registers=96,
-                        flush_programs=660),
+        w2=dict(flush_num_warps=2),
+        w4c128=dict(flush_num_warps=4, flush_max_registers=128),
     ))
 
   if arg == "batch1":

@@ -255,12 +255,6 @@ class ReplayConfig(_LaunchConfig):
       The fused kernel uses num_warps.
     flush_num_stages: Triton pipelining stages of the separate flush-route
       kernel (None: num_stages).
-    flush_col_chunks: the persistent flush folds and stores each tile in
-      this many dstate column blocks, the next block's loads issued
-      before the current block folds (`replay._fold_store_chunked`), so
-      a program keeps one block in flight while it computes, in fewer
-      registers than a whole prefetched tile. Plain states and dot folds
-      on the persistent grid only (blocks of >= 16 columns).
     max_registers: cap on the registers per thread of the separate
       output-route kernel (as flush_max_registers); None: no cap. H200
       (session 15, benchmarks/kernel_output_launch_h200.md, batch 256, L
@@ -290,7 +284,6 @@ class ReplayConfig(_LaunchConfig):
   flush_num_warps: int | None = None
   flush_num_stages: int | None = None
   flush_max_registers: int | None = None
-  flush_col_chunks: int = 1
   max_registers: int | None = None
   output_route: str = "triton"
   readout_chunk: int | None = None
@@ -320,7 +313,6 @@ class ReplayConfig(_LaunchConfig):
     _check_count("flush_num_stages", self.flush_num_stages)
     _check_registers("flush_max_registers", self.flush_max_registers)
     _check_registers("max_registers", self.max_registers)
-    _check_pow2("flush_col_chunks", self.flush_col_chunks)
     if self.flush_prefetch and self.flush_grid != "persistent":
       raise ValueError(
           "flush_prefetch=True needs flush_grid='persistent' (the rows grid "

@@ -340,84 +340,22 @@ def fold_product(x_win, s, b_win, fold_dot, acc):
   (66.6k spill requests before), and with the x-side split 21% fewer
   instructions (benchmarks/ncu_h200_flush_b256_f16_L16_session14.txt).
   """
-  return fold_dots(fold_operands(x_win, s, fold_dot), b_win, fold_dot, acc)
-
-
-def fold_operands(x_win, s, fold_dot):
-  """The x-side dot operands of `fold_product`: [s x] (f32) for a lax
-  precision, else the bf16 pieces of s x, largest first."""
-  xs = s[:, None] * x_win.astype(F32)  # [L, block_p]
-  if not isinstance(fold_dot, str):
-    return [xs]
-  pieces = []
-  for _ in range(int(fold_dot.removeprefix("bf16x"))):
-    piece = xs.astype(jnp.bfloat16)
-    pieces.append(piece)
-    xs = xs - piece.astype(F32)
-  return pieces
-
-
-def fold_dots(operands, b_win, fold_dot, acc):
-  """acc + the fold's dots of `fold_operands` with b_win ([L, n] columns
-  of B), smallest piece first."""
   dims = (((0,), (0,)), ((), ()))
   if not isinstance(fold_dot, str):
-    return acc + lax.dot_general(operands[0], b_win.astype(F32), dims,
+    xs = s[:, None] * x_win.astype(F32)
+    return acc + lax.dot_general(xs, b_win.astype(F32), dims,
                                  precision=fold_dot,
                                  preferred_element_type=F32)
-  for piece in reversed(operands):
+  rest = s[:, None] * x_win.astype(F32)  # [L, block_p]
+  pieces = []
+  for _ in range(int(fold_dot.removeprefix("bf16x"))):
+    piece = rest.astype(jnp.bfloat16)
+    pieces.append(piece)
+    rest = rest - piece.astype(F32)
+  for piece in reversed(pieces):
     acc = acc + lax.dot_general(piece, b_win, dims,
                                 preferred_element_type=F32)
   return acc
-
-
-def _fold_store_chunked(p, h, refs, stores, y_out, c_ref, d_ref, z_ref, *,
-                        fold_dot, block_p, chunks):
-  """Folds and stores head h's new checkpoint tile of a flush row in
-  `chunks` dstate column blocks (a plain state, a dot fold): the window
-  weights and the x-side operands once, then per block the decayed
-  checkpoint block, its B columns, the dots, the store and its part of
-  y. Each block's loads are issued before the previous block folds (one
-  block ahead), so a program keeps a block in flight while it computes
-  (`ReplayConfig.flush_col_chunks`)."""
-  ck_ref, xb_ref, bb_ref, dtb_ref, x_ref, b_ref = refs
-  b, g, ps, L = p.b, p.g, p.ps, p.L
-  width = ck_ref.shape[-1] // chunks
-
-  def block_loads(c):
-    cols = pl.ds(c * width, width)
-    return dict(
-        s0=plgpu.load(ck_ref.at[b, h, ps, cols],
-                      eviction_policy="evict_first"),
-        b_hist=plgpu.load(bb_ref.at[b, :, g, cols], other=0.0,
-                          mask=jnp.broadcast_to(p.hist[:, None],
-                                                (L, width))),
-        b_cur=b_ref[b, g, cols], c=c_ref[b, g, cols])
-
-  nxt = block_loads(0)
-  x_cur = x_ref[b, h, ps]
-  x_hist = plgpu.load(xb_ref.at[b, :, h, ps], other=0.0, mask=(
-      jnp.broadcast_to(p.hist[:, None], (L, block_p))))
-  _, s, decay = p.window_weights(h, dtb_ref)
-  x_win = jnp.where(p.cur[:, None], x_cur[None, :], x_hist)
-  operands = fold_operands(x_win, s, fold_dot)
-  y = jnp.zeros((block_p,), F32)
-  for c in range(chunks):
-    ld = nxt
-    if c + 1 < chunks:
-      nxt = block_loads(c + 1)
-    b_win = jnp.where(p.cur[:, None], ld["b_cur"][None, :], ld["b_hist"])
-    st = fold_dots(operands, b_win, fold_dot,
-                   decay * ld["s0"].astype(F32))
-    ck_out = stores.ck_out
-    plgpu.store(ck_out.at[b, h, ps, pl.ds(c * width, width)],
-                st.astype(ck_out.dtype))
-    y = y + jnp.sum(st * ld["c"].astype(F32)[None, :], axis=1)
-  if y_out is not None:
-    y = common.finish_output(y, x_cur.astype(F32),
-                             None if d_ref is None else d_ref[h],
-                             None if z_ref is None else z_ref[b, h, ps])
-    y_out[b, h, ps] = y.astype(y_out.dtype)
 
 
 def _fold_from(p, h, ld, refs, *, unroll, fold_dot):
@@ -615,7 +553,7 @@ def _flush_persistent_kernel(*refs, has_D, has_z, has_bias, writes_y,
 
 def _flush_items(pid, ins, opt, y_out, stores, *, unroll, fold_dot,
                  num_programs, nheads, heads_per_group, block_p, headdim,
-                 prefetch=False, col_chunks=1, **kw):
+                 prefetch=False, **kw):
   """The items of persistent flush program `pid` (of num_programs); with
   prefetch, each item's loads are issued while the previous one folds."""
   ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, x_ref, dt_ref, a_ref, b_ref = (
@@ -635,11 +573,6 @@ def _flush_items(pid, ins, opt, y_out, stores, *, unroll, fold_dot,
 
   def item(b, h, pblk, loads=None):
     p = program(b, h, pblk)
-    if col_chunks > 1:
-      _fold_store_chunked(p, h, fold_refs, stores, y_out, c_ref, d_ref,
-                          z_ref, fold_dot=fold_dot, block_p=block_p,
-                          chunks=col_chunks)
-      return
     if loads is None:
       loads = _fold_loads(p, h, fold_refs, fold_dot=fold_dot,
                           block_p=block_p)
@@ -1050,23 +983,6 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                        interpret, field="flush_fold", tile="the flush block_p",
                        b_dtypes=(rstate.b_buf.dtype, B.dtype),
                        ck_dtype=rstate.checkpoint.dtype, fused=fused)
-  if config.flush_col_chunks > 1:
-    refused = [name for name, bad in (
-        ("a precision policy", spec is not None),
-        ("the rank-1 fold", fold_dot is None),
-        ("flush_grid='rows'", config.flush_grid != "persistent"),
-        ("flush_prefetch", config.flush_prefetch),
-        ("the fused launch", fused)) if bad]
-    if refused:
-      raise NotImplementedError(
-          f"config.flush_col_chunks={config.flush_col_chunks} (the plain "
-          f"state's persistent dot fold in column blocks) does not support "
-          f"{', '.join(refused)}; use flush_col_chunks=1.")
-    if rstate.checkpoint.shape[-1] % (16 * config.flush_col_chunks):
-      raise NotImplementedError(
-          f"config.flush_col_chunks={config.flush_col_chunks} needs dstate "
-          f"({rstate.checkpoint.shape[-1]}) to split into blocks of >= 16 "
-          "columns (Triton dot tiles).")
   params = plgpu.CompilerParams(
       num_warps=config.num_warps or default_num_warps(read.dtype, fused),
       num_stages=config.num_stages)
@@ -1136,9 +1052,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   if config.flush_grid == "persistent":
     kernel = functools.partial(_flush_persistent_kernel, nheads=nheads,
                                num_programs=nprog,
-                               prefetch=config.flush_prefetch,
-                               col_chunks=config.flush_col_chunks,
-                               **flush_kw)
+                               prefetch=config.flush_prefetch, **flush_kw)
     flush_grid = (nprog,)
     count = count_pow2
   else:
