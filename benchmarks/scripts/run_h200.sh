@@ -4,7 +4,7 @@
 # `wheels/` folder carried: it holds the ml_collections wheel).
 #
 #   (wall times measured on 2026-11-29, sessions 3-4)
-#   bash benchmarks/scripts/run_h200.sh sweep      # flush-route designs vs the default, b 256 + 64, L 16 (3.2 min with 7 variants in session 11, 3.8 min with 5 in session 12; now 4 around the 2-warp default)
+#   bash benchmarks/scripts/run_h200.sh sweep      # flush-route designs vs the default, b 256 + 64, L 16 (3.2 min with 7 variants in session 11, 3.8 min with 5 in session 12, 1.5 min with 3 in session 15; now the 2-warp flush and the default repeated)
 #   bash benchmarks/scripts/run_h200.sh grid f16   # full kernel grid, one dtype (~4 min)
 #   bash benchmarks/scripts/run_h200.sh grid f32
 #   bash benchmarks/scripts/run_h200.sh grid both  # both dtypes, f16 first (8 min)
@@ -25,8 +25,8 @@
 #   bash benchmarks/scripts/run_h200.sh verify [--variants a,b]  # spec verify kernel: VerifyConfig variants on hybrid_1b's layer, b 256, T 4, checked, split per kernel (14 variants: ~2 min in session 9; all 25 now, or pick with verify_sweep.py --variants)
 #   bash benchmarks/scripts/run_h200.sh ncu_verify # Nsight Compute on the verify window kernel (default and the pre-session-8 default)
 #   bash benchmarks/scripts/run_h200.sh ncu_flush  # Nsight Compute on the flush route with every row folding (f16 checkpoint, b 256, L 16): stall reasons, instruction mix, source counters (1.5 min, session 11: it profiles one launch; with two, the second failed and the GPU stayed out of memory for the next part)
-#   bash benchmarks/scripts/run_h200.sh policies [overrides]  # replay per precision policy (default and 2-warp flush) vs the f16 baseline, b 256, L 16 (2.5 min for 4 policies x 3 in session 9; > 4.8 min for all 7 x 2 in session 12, cut at its 290 s limit; 2.8 min for 3 x 4)
-#   bash benchmarks/scripts/run_h200.sh output_launch  # the output route's launch shape on the f16 checkpoint and the fp8 read copies, b 256, L 16 (5 variants: 1.8 min in session 11; now 4 and 1 warps beside the default)
+#   bash benchmarks/scripts/run_h200.sh policies [overrides]  # replay per precision policy (defaults only since session 15: 2.4 min for all 8) vs the f16 baseline, b 256, L 16 (2.5 min for 4 policies x 3 in session 9; > 4.8 min for all 7 x 2 in session 12, cut at its 290 s limit; 2.8 min for 3 x 4)
+#   bash benchmarks/scripts/run_h200.sh output_launch  # the output route's launch shape on the f16 checkpoint and the fp8 read copies, b 256, L 16 (5 variants: 1.8 min in session 11; session 15: 4 register caps 2 min, one variant 45 s)
 #   bash benchmarks/scripts/run_h200.sh precision small  # train the <task>_small_ssm models if missing, then the accuracy study (sizes tiny|small|medium|large; tiny took > 4.5 min with the old MQAR task, the full 12-policy study needs several calls or fewer policies)
 #   bash benchmarks/scripts/run_h200.sh precision_mqar1024_rest  # retrains mqar_medium_ssm, then mqar_medium_ssm@1024's rows session 5 did not reach (f32, bf16+sr, f16+sr at every L; the 8 every-step baselines) (not yet run; session 5's whole medium study took > 9 min)
 #   bash benchmarks/scripts/run_h200.sh precision_rest  # trains mqar_large_ssm + char_large_ssm, evaluates mqar_large_ssm@1024 and char_large_ssm (12 policies; > 9.6 min: session 6 ran it to its 575 s limit, inside char_large_ssm)
