@@ -814,7 +814,7 @@ def default_flush_launch(spec, master_dtype, num_warps: int | None = None,
   * stochastic rounding: none (not measured).
 
   H200, batch 256, L 16 (benchmarks/flush_sweep_h200.json runs 15-16,
-  kernel_policies_h200.md; README "Session 15"), all-rows flush step
+  kernel_policies_h200_session15.md; README "Session 15"), all-rows flush step
   against the uncapped default of the time: f16 442-444 -> 403-414 µs,
   f32 734-736 -> 712-715 (2 warps uncapped, which session 11 found
   faster than 4 uncapped); batch 64 f16 117-118 -> 103-105. f32 + fp8
