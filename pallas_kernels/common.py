@@ -60,7 +60,9 @@ def _install_cap_hook():
     from jax._src.lib.mlir import ir  # pylint: disable=g-import-not-at-top
     from jax._src.pallas.triton import lowering  # pylint: disable=g-import-not-at-top
     original = lowering.lower_jaxpr_to_triton_module
-  except (ImportError, AttributeError) as e:  # pragma: no cover
+  except Exception as e:  # pylint: disable=broad-except  # pragma: no cover
+    # Never fail the package import over this hook: without it the
+    # default launches are uncapped and a requested cap is refused.
     _cap_hook_error = repr(e)
     return
   if getattr(original, "replayssm_register_cap", False):
@@ -82,6 +84,11 @@ def _install_cap_hook():
 
 
 _install_cap_hook()
+
+
+def register_caps_supported() -> bool:
+  """Whether this jax lets `capped_name` cap a kernel's registers."""
+  return _cap_hook_error is None
 
 
 def capped_name(name: str, max_registers: int | None) -> str:

@@ -821,6 +821,11 @@ def default_flush_launch(spec, master_dtype, num_warps: int | None = None,
   copy 1139 -> 1017 (168: 1065), f16 + fp8 674 -> 575 at 168 (128: 965,
   spilling), f32 + bf16 1097 -> 942 at 168 (128: 1001)."""
   sr = spec is not None and (spec.sr_master or spec.sr_copy)
+  if max_registers is None and not common.register_caps_supported():
+    # No cap possible (see common.capped_name): the uncapped defaults of
+    # session 14, 2 warps on a plain state, 4 with a read copy.
+    copy = spec is not None and spec.copy
+    return num_warps or (4 if copy else 2), None
   if spec is not None and not spec.copy:
     warps = num_warps or 2
   else:

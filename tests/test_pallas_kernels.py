@@ -1042,3 +1042,18 @@ def test_mosaic_output_route_lowers_for_cuda(policy):
   text = _lower_replay(pk.ReplayConfig(output_route="mosaic_gpu"), params,
                        tok, rstate, pol)
   assert "mosaic_gpu" in text and "replayssm_replay_output_route" not in text
+
+
+def test_register_caps_without_the_lowering_hook(monkeypatch):
+  """Where jax lacks the lowering hook (common.capped_name), the default
+  flush launch falls back to the uncapped session-14 defaults and an
+  explicit cap is refused by name, not dropped."""
+  monkeypatch.setattr(pk.common, "_cap_hook_error", "AttributeError('x')")
+  assert not pk.common.register_caps_supported()
+  launch = pk.replay_kernel.default_flush_launch
+  assert launch(None, jnp.float16) == (2, None)
+  assert launch(None, jnp.float32, num_warps=4) == (4, None)
+  assert launch(None, jnp.float32, 4, 128) == (4, 128)
+  with pytest.raises(NotImplementedError, match="register cap"):
+    pk.common.capped_name("k", 128)
+  assert pk.common.capped_name("k", None) == "k"
