@@ -340,8 +340,9 @@ class VerifyConfig(_LaunchConfig):
     fold_grid: "persistent" (`fold_programs` programs share out the
       folding rows' items) or "rows" (the window kernel's grid, programs of
       rows that do not fold exit at once).
-    fold_programs: program count of the persistent fold grid (None: 4 per
-      SM; 8 in interpret mode).
+    fold_programs: program count of the persistent fold grid (None: as
+      ReplayConfig.flush_programs, from fold_num_warps and
+      fold_max_registers: 4 per SM uncapped; 8 in interpret mode).
     fold_num_warps: Triton warps per program of the early-flush fold
       kernel; None = 2. H200, hybrid_1b's layer at batch 256, T 4
       (benchmarks/verify_sweep_h200.json sweeps 4, 6, 7 and 9, variants

@@ -820,19 +820,14 @@ def default_flush_launch(spec, master_dtype, num_warps: int | None = None,
   faster than 4 uncapped); batch 64 f16 117-118 -> 103-105. f32 + fp8
   copy 1139 -> 1017 (168: 1065), f16 + fp8 674 -> 575 at 168 (128: 965,
   spilling), f32 + bf16 1097 -> 942 at 168 (128: 1001)."""
+  copy = spec is not None and spec.copy
   sr = spec is not None and (spec.sr_master or spec.sr_copy)
-  if max_registers is None and not common.register_caps_supported():
-    # No cap possible (see common.capped_name): the uncapped defaults of
-    # session 14, 2 warps on a plain state, 4 with a read copy.
-    copy = spec is not None and spec.copy
-    return num_warps or (4 if copy else 2), None
-  if spec is not None and not spec.copy:
-    warps = num_warps or 2
-  else:
-    warps = num_warps or 4
-  if max_registers is None and warps == 4 and not sr:
-    f32_8bit = (spec is not None and spec.scaled
-                and jnp.dtype(master_dtype) == jnp.dtype(F32))
+  # Without the lowering hook (common.capped_name) no default is capped,
+  # and a plain state keeps session 14's uncapped 2 warps.
+  can_cap = max_registers is not None or common.register_caps_supported()
+  warps = num_warps or (4 if copy or (spec is None and can_cap) else 2)
+  if max_registers is None and can_cap and warps == 4 and not sr:
+    f32_8bit = copy and spec.scaled and jnp.dtype(master_dtype) == F32
     max_registers = 128 if spec is None or f32_8bit else 168
   return warps, max_registers
 

@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
-from pallas_kernels.replay import (_Program, _default_flush_programs,
+from pallas_kernels.replay import (_Program, _flush_programs,
                                    _dot_precision, _fold_dot, _pad_pow2,
                                    _unpack, fold_product, persistent_items,
                                    rank1_fold)
@@ -341,8 +341,10 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                                     b_dtypes=(rstate.b_buf.dtype,),
                                     ck_dtype=rstate.checkpoint.dtype))
   count = rstate.count
+  fold_warps = config.fold_num_warps or DEFAULT_FOLD_NUM_WARPS
   if config.fold_grid == "persistent":
-    nprog = config.fold_programs or _default_flush_programs(interpret)
+    nprog = config.fold_programs or _flush_programs(
+        interpret, fold_warps, config.fold_max_registers)
     fold_kernel = functools.partial(_fold_persistent_kernel, nheads=nheads,
                                     num_programs=nprog, **fold_kw)
     fold_grid = (nprog,)
@@ -350,9 +352,8 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   else:
     fold_kernel = functools.partial(_fold_kernel, **fold_kw)
     fold_grid = grid
-  fold_params = plgpu.CompilerParams(
-      num_warps=config.fold_num_warps or DEFAULT_FOLD_NUM_WARPS,
-      num_stages=config.num_stages)
+  fold_params = plgpu.CompilerParams(num_warps=fold_warps,
+                                     num_stages=config.num_stages)
   (ck,) = pl.pallas_call(
       fold_kernel, grid=fold_grid,
       out_shape=(sds(rstate.checkpoint.shape, rstate.checkpoint.dtype),),
