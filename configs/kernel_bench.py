@@ -103,7 +103,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.min_sets = 2  # K >= 2: consecutive steps never reuse one set
   config.max_sets = 256  # cap on the number of rotating state sets
   config.min_steps = 32  # decode steps per timed call (at least)
-  config.min_call_ms = 5.0  # more steps per call until a call lasts this
+  config.min_call_ms = 5.0  # more steps per call until its steps last this
   config.warmup = 2  # untimed calls after compilation
   config.iters = 20  # timed calls; median / p10 / p90 reported
   config.copy_bytes = 2 * 2**30  # device copy-bandwidth buffer
@@ -199,12 +199,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # B with 4 blocks, +12-25% instructions): 2 blocks 4-8% slower on the
     # batch-256 flush (f32 776 against 716 µs, f16 421 against 404), 4
     # blocks 11-79% slower, 4 blocks at 96 registers x 5 programs per SM
-    # 24-36% slower. Next: the 4-warp capped default beside the 2-warp
-    # uncapped flush of session 14, the default repeated.
-    config.replay_variants = ml_collections.ConfigDict(dict(
-        w2=dict(flush_num_warps=2),
-        w4c128=dict(flush_num_warps=4, flush_max_registers=128),
-    ))
+    # 24-36% slower. Measured: w2=dict(flush_num_warps=2) (the old
+    # default), w4c128=dict(flush_num_warps=4, flush_max_registers=128)
+    # (the default, repeated).
+    # Run 18: the rows flush grid (no persistent loop, no per-item row
+    # search; 8-11% faster on the all-rows flush in run 14) with 1-16
+    # heads per flush program, so a non-flush step launches 32768 / h
+    # early-exit programs instead of 32768 (4 warps, capped at 128).
+    config.replay_variants = ml_collections.ConfigDict({
+        f"rows{h}": dict(flush_grid="rows", flush_heads_per_program=h)
+        for h in (1, 2, 4, 8, 16)})
 
   if arg == "batch1":
     # Batch 1 (one launch for both routes, replay.default_fused_launch):

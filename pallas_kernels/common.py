@@ -199,6 +199,10 @@ class ReplayConfig(_LaunchConfig):
       launch slot: ~30 µs per step at batch 256 on the H200);
       "persistent" launches `flush_programs` programs that share out the
       (flush row, head, headdim block) items of the flush rows only.
+    flush_heads_per_program: heads of one group per program of the rows
+      flush grid (None: heads_per_program); only with flush_grid="rows".
+      Fewer programs exit at once on a non-flush step, each flush program
+      folds its heads one after another.
     flush_programs: program count of the persistent flush grid (None: as
       many per SM as the register cap leaves room for, at most 4 (3 at
       168 registers x 4 warps); 8 in interpret mode).
@@ -283,6 +287,7 @@ class ReplayConfig(_LaunchConfig):
   flush_unroll: bool = False
   flush_fold: str | None = None
   flush_grid: str = "persistent"
+  flush_heads_per_program: int | None = None
   flush_programs: int | None = None
   fused_launch: bool | None = None
   flush_prefetch: bool = False
@@ -320,6 +325,12 @@ class ReplayConfig(_LaunchConfig):
     _check_count("flush_num_stages", self.flush_num_stages)
     _check_registers("flush_max_registers", self.flush_max_registers)
     _check_registers("max_registers", self.max_registers)
+    _check_count("flush_heads_per_program", self.flush_heads_per_program)
+    if self.flush_heads_per_program and self.flush_grid != "rows":
+      raise ValueError(
+          "flush_heads_per_program needs flush_grid='rows' (the persistent "
+          "grid shares out (row, head, block) items), got "
+          f"flush_grid={self.flush_grid!r}.")
     if self.flush_prefetch and self.flush_grid != "persistent":
       raise ValueError(
           "flush_prefetch=True needs flush_grid='persistent' (the rows grid "

@@ -925,10 +925,12 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   flush_block_p = common.resolve_block_p(config.flush_block_p or block_p,
                                          headdim)
   hb = config.heads_per_program or 1
-  if per_group % hb:
-    raise NotImplementedError(
-        f"heads_per_program ({hb}) must divide nheads // ngroups "
-        f"({per_group}).")
+  flush_hb = config.flush_heads_per_program or hb
+  for field, v in (("heads_per_program", hb),
+                   ("flush_heads_per_program", flush_hb)):
+    if per_group % v:
+      raise NotImplementedError(
+          f"{field} ({v}) must divide nheads // ngroups ({per_group}).")
   spec = _copy_spec(rstate, policy, interpret)
   if spec is not None and spec.copy and config.output_all_rows:
     raise NotImplementedError(
@@ -947,8 +949,8 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
             heads_per_group=per_group, block_p=block_p, headdim=headdim,
             has_D=D is not None, has_z=z is not None,
             has_bias=dt_bias is not None, dt_softplus=dt_softplus)
-  def grid(bp):
-    return ((headdim // bp) * (per_group // hb), ngroups, batch)
+  def grid(bp, heads=hb):
+    return ((headdim // bp) * (per_group // heads), ngroups, batch)
 
   flush_warps, flush_cap = default_flush_launch(
       spec, rstate.checkpoint.dtype, config.flush_num_warps,
@@ -1056,8 +1058,9 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     flush_grid = (nprog,)
     count = count_pow2
   else:
-    kernel = functools.partial(_flush_kernel, **flush_kw)
-    flush_grid = grid(flush_block_p)
+    kernel = functools.partial(_flush_kernel,
+                               **dict(flush_kw, heads_per_program=flush_hb))
+    flush_grid = grid(flush_block_p, flush_hb)
   out_shape = ((sds(y.shape, y.dtype),) if writes_y else ()) + (
       sds(rstate.checkpoint.shape, rstate.checkpoint.dtype),)
   aliases = {10: 0, 0: 1} if writes_y else {0: 0}

@@ -86,7 +86,8 @@ REPLAY_CONFIGS = [
     pk.ReplayConfig(block_p=8, heads_per_program=2, precompute_bc=True,
                     output_all_rows=True),
     pk.ReplayConfig(block_p=16, flush_block_p=4, flush_unroll=False),
-    pk.ReplayConfig(flush_grid="rows"),
+    # The rows flush grid with two heads per flush program.
+    pk.ReplayConfig(flush_grid="rows", flush_heads_per_program=2),
     # Fewer programs than work items: each program loops over several.
     pk.ReplayConfig(block_p=4, flush_block_p=8, flush_grid="persistent",
                     flush_programs=3, fused_launch=False),
@@ -480,6 +481,8 @@ def test_replay_kernel_flush_prefetch(buffer_len, fold, fused, programs):
 def test_flush_launch_fields_are_checked():
   with pytest.raises(ValueError, match="flush_prefetch=True needs"):
     pk.ReplayConfig(flush_prefetch=True, flush_grid="rows")
+  with pytest.raises(ValueError, match="flush_heads_per_program needs"):
+    pk.ReplayConfig(flush_heads_per_program=2)
   with pytest.raises(ValueError, match="flush_num_warps"):
     pk.ReplayConfig(flush_num_warps=3)
   with pytest.raises(ValueError, match="num_warps must be a power of two"):
@@ -494,6 +497,11 @@ def test_flush_launch_fields_are_checked():
                        " a multiple of 8"):
       pk.ReplayConfig(flush_max_registers=bad)
   params, tok, rstate, _ = _mixed_state("float32", 4, 77)
+  with pytest.raises(NotImplementedError, match=r"flush_heads_per_program "
+                     r"\(3\) must divide"):
+    rs.replay_state_update(rstate, **tok, **params, implementation="pallas",
+                           config=pk.ReplayConfig(flush_grid="rows",
+                                                  flush_heads_per_program=3))
   with pytest.raises(NotImplementedError, match="output_prefetch"):
     rs.replay_state_update(rstate, **tok, **params, implementation="pallas",
                            config=pk.ReplayConfig(fused_launch=True,
@@ -797,7 +805,8 @@ LOWERING_REPLAY_CONFIGS = [
     pk.ReplayConfig(flush_fold="dot_f32"),
     pk.ReplayConfig(flush_fold="rank1", flush_unroll=True),
     pk.ReplayConfig(flush_grid="rows", heads_per_program=2,
-                    precompute_bc=True, output_all_rows=True),
+                    flush_heads_per_program=2, precompute_bc=True,
+                    output_all_rows=True),
     pk.ReplayConfig(fused_launch=True),
     pk.ReplayConfig(fused_launch=False),
     pk.ReplayConfig(fused_launch=False, flush_prefetch=True,
