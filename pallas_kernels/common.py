@@ -235,6 +235,13 @@ class ReplayConfig(_LaunchConfig):
       (session 15, benchmarks/kernel_output_launch_h200_ub.md, batch 256,
       L 16): the non-flush step 9-14% slower (f16 checkpoint, f32 / f16
       master + fp8 copy).
+    output_eager: every row's output-route program computes, flush rows'
+      too, so its loads (state tile, buffers) do not wait on the row's
+      counter (a dependent load) to pick the route; a flush row's y is
+      dropped (the flush route stores it). With output_unmasked_buffers
+      no load of the route waits on the counter. For latency-bound steps
+      (batch 1); at large batch a step where every row flushes does the
+      output route's work on top of the flush.
     output_route: "triton" (the Triton output-route kernel) or
       "mosaic_gpu": the output route's state read (y0 = S C, checkpoint or
       read copy) by the Mosaic GPU readout kernel
@@ -293,6 +300,7 @@ class ReplayConfig(_LaunchConfig):
   flush_prefetch: bool = False
   output_prefetch: bool = False
   output_unmasked_buffers: bool = False
+  output_eager: bool = False
   flush_num_warps: int | None = None
   flush_num_stages: int | None = None
   flush_max_registers: int | None = None
@@ -309,7 +317,8 @@ class ReplayConfig(_LaunchConfig):
       _check_pow2("readout_chunk", self.readout_chunk)
     clash = [name for name in ("output_all_rows", "precompute_bc",
                                "output_prefetch", "fused_launch",
-                               "readout_chunk", "output_unmasked_buffers")
+                               "readout_chunk", "output_unmasked_buffers",
+                               "output_eager")
              if getattr(self, name)]
     if self.output_route == "mosaic_gpu" and clash:
       raise ValueError(

@@ -142,7 +142,7 @@ def _unpack(refs, n_in, n_out, has_D, has_z, has_bias):
 
 def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
                    scaled=False, prefetch_heads=False, readout_chunk=None,
-                   unmasked=False, **kw):
+                   unmasked=False, eager=False, **kw):
   """Output route: y from checkpoint + buffer; non-flush rows append.
 
   With all_rows, flush rows take this route for y as well (the formula holds
@@ -162,18 +162,20 @@ def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
                 block_p=kw["block_p"],
                 heads_per_program=kw["heads_per_program"],
                 prefetch_heads=prefetch_heads, readout_chunk=readout_chunk,
-                unmasked=unmasked)
+                unmasked=unmasked, eager=eager)
 
 
 def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
                   block_p, heads_per_program, prefetch_heads=False,
-                  readout_chunk=None, unmasked=False):
+                  readout_chunk=None, unmasked=False, eager=False):
   """The output route of item p (see _output_kernel for the refs);
   prefetch_heads: load the checkpoint tiles of all the program's heads
   before computing any (a Python loop over the heads); readout_chunk: the
   tile's column blocks (`common.load_tile_blocks`); unmasked: load every
   buffer slot and zero the unfilled ones after
-  (`ReplayConfig.output_unmasked_buffers`)."""
+  (`ReplayConfig.output_unmasked_buffers`); eager: every row's program
+  computes (its loads do not wait on the row's counter), a flush row's y
+  is not stored (the flush route stores it; `ReplayConfig.output_eager`)."""
 
   def hist_load(ref, shape):
     """A buffer window [L, ...] f32: the filled slots, zeros past them."""
@@ -234,7 +236,14 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
       y = common.finish_output(y, x_cur, None if d_ref is None else d_ref[h],
                                None if z_ref is None else z_ref[b, h, ps])
       y = jnp.where(p.valid, y, jnp.nan)
-      y_ref[b, h, ps] = y.astype(y_ref.dtype)
+      if eager and not all_rows:
+        # The tile a flush row read here may be the one its flush program
+        # is rewriting (fused launch): the result is dropped.
+        @pl.when(jnp.logical_not(p.flush))
+        def _store_y():
+          y_ref[b, h, ps] = y.astype(y_ref.dtype)
+      else:
+        y_ref[b, h, ps] = y.astype(y_ref.dtype)
 
       @pl.when(appends)
       def _append_x():
@@ -257,7 +266,7 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
     def _append_b():
       bb_out[b, p.c, g, :] = b_ref[b, g, :].astype(bb_out.dtype)
 
-  if all_rows:
+  if all_rows or eager:
     route()
   else:
     pl.when(jnp.logical_not(p.flush))(route)
@@ -637,7 +646,8 @@ def persistent_items(pid, active, item, *, num_programs, nheads, nblk,
 
 def _fused_kernel(*refs, has_D, has_z, has_bias, num_programs,
                   out_programs, ngroups, unroll, fold_dot, nheads,
-                  flush_block_p, prefetch=False, readout_chunk=None, **kw):
+                  flush_block_p, prefetch=False, readout_chunk=None,
+                  unmasked=False, eager=False, **kw):
   """Both routes in one launch (`ReplayConfig(fused_launch=True)`).
 
   Programs [0, num_programs) run the persistent flush route (first, so
@@ -673,7 +683,7 @@ def _fused_kernel(*refs, has_D, has_z, has_bias, num_programs,
     _output_route(p, ins[:10], opt, outs[:5], all_rows=False,
                   precomputed_bc=False, scaled=False, block_p=kw["block_p"],
                   heads_per_program=kw["heads_per_program"],
-                  readout_chunk=readout_chunk)
+                  readout_chunk=readout_chunk, unmasked=unmasked, eager=eager)
 
 
 def _mosaic_output_route(rstate, read, x, dt, A, B, C, D, z, dt_bias,
@@ -967,7 +977,6 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
       ("output_all_rows", config.output_all_rows),
       ("precompute_bc", config.precompute_bc),
       ("output_prefetch", config.output_prefetch),
-      ("output_unmasked_buffers", config.output_unmasked_buffers),
       ("output_route='mosaic_gpu'", config.output_route != "triton"),
   ) if bad]
   if config.fused_launch and unsupported:
@@ -995,6 +1004,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
         ngroups=ngroups, unroll=config.flush_unroll, fold_dot=fold_dot,
         nheads=nheads, flush_block_p=flush_block_p,
         prefetch=config.flush_prefetch, readout_chunk=config.readout_chunk,
+        unmasked=config.output_unmasked_buffers, eager=config.output_eager,
         **kw)
     y, xb, bb, dtb, cnt, ck = pl.pallas_call(
         kernel, grid=(nprog + n0 * ngroups * batch,),
@@ -1031,7 +1041,8 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                           precomputed_bc=config.precompute_bc,
                           prefetch_heads=config.output_prefetch,
                           readout_chunk=config.readout_chunk,
-                          unmasked=config.output_unmasked_buffers, **out_kw,
+                          unmasked=config.output_unmasked_buffers,
+                          eager=config.output_eager, **out_kw,
                           **kw),
         grid=grid(block_p),
         out_shape=(sds((batch, nheads, headdim), x.dtype),

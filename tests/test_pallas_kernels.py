@@ -108,6 +108,11 @@ REPLAY_CONFIGS = [
                     fused_launch=False),
     pk.ReplayConfig(block_p=8, heads_per_program=2, precompute_bc=True,
                     output_unmasked_buffers=True),
+    # Every row's output program computes (flush rows' y dropped), in one
+    # launch with the flush route and in its own.
+    pk.ReplayConfig(output_eager=True, output_unmasked_buffers=True,
+                    flush_programs=3, fused_launch=True),
+    pk.ReplayConfig(block_p=8, output_eager=True, fused_launch=False),
 ]
 
 
@@ -818,6 +823,8 @@ LOWERING_REPLAY_CONFIGS = [
     pk.ReplayConfig(flush_fold="dot_bf16x3"),
     pk.ReplayConfig(output_unmasked_buffers=True, fused_launch=False,
                     max_registers=96),
+    pk.ReplayConfig(output_eager=True, output_unmasked_buffers=True,
+                    fused_launch=True),
 ]
 
 
