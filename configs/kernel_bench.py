@@ -228,15 +228,22 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # costs a launch slot on a non-flush step), two launches, the default
     # repeated (same-run noise).
     _kernel_study(config, "kernel_batch1", (1,))
+    # Run 1 (commit b79c494, kernel_batch1_h200_session16.md): the
+    # default 3.46 / 3.47 µs non-flush (f16), eager 3.65, unmasked 3.93,
+    # both 3.92, 132 flush programs 3.45 (flush 14.9 against 7.6), two
+    # launches 5.67; f32 the same picture. Run 2: the fused launch's
+    # waves: ~3 programs per SM uncapped, so 528 flush + 512 output
+    # programs take several waves; capped at 128 registers (4 per SM),
+    # fewer and larger output programs (block_p 32 / 64), 2 or 8 warps.
     config.replay_variants = ml_collections.ConfigDict(dict(
         same=dict(fused_launch=True),
-        eager=dict(output_eager=True),
-        ub=dict(output_unmasked_buffers=True),
-        eager_ub=dict(output_eager=True, output_unmasked_buffers=True),
-        eager_ub_p132=dict(output_eager=True, output_unmasked_buffers=True,
-                           flush_programs=132),
-        p132=dict(flush_programs=132),
-        two=dict(fused_launch=False),
+        bp32=dict(block_p=32),
+        bp64=dict(block_p=64),
+        bp32_p132=dict(block_p=32, flush_programs=132),
+        c128=dict(max_registers=128),
+        c128_p132=dict(max_registers=128, flush_programs=132),
+        w2=dict(num_warps=2),
+        w8=dict(num_warps=8),
     ))
 
   if arg == "launch":

@@ -273,8 +273,9 @@ class ReplayConfig(_LaunchConfig):
       The fused kernel uses num_warps.
     flush_num_stages: Triton pipelining stages of the separate flush-route
       kernel (None: num_stages).
-    max_registers: cap on the registers per thread of the separate
-      output-route kernel (as flush_max_registers); None: no cap. H200
+    max_registers: cap on the registers per thread of the output-route
+      kernel, or of the fused kernel with fused_launch (as
+      flush_max_registers); None: no cap. H200
       (session 15, benchmarks/kernel_output_launch_h200.md, batch 256, L
       16, 2 warps): caps of 104 / 96 / 80 / 64 were no faster than none
       on the f16 checkpoint (non-flush 160-169 µs against 161) and 3-21%

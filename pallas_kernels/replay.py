@@ -986,7 +986,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   fused = config.fused_launch
   if fused is None:
     fused = not unsupported and default_fused_launch(batch, nheads)
-  # The fused kernel launches num_warps and no register cap.
+  # The fused kernel launches num_warps, capped at config.max_registers.
   nprog = config.flush_programs or (
       _default_flush_programs(interpret) if fused
       else _flush_programs(interpret, flush_warps, flush_cap))
@@ -1016,7 +1016,8 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                    sds(rstate.checkpoint.shape, rstate.checkpoint.dtype)),
         input_output_aliases={0: 5, 1: 1, 2: 2, 3: 3},
         compiler_params=params, interpret=interpret,
-        name="replayssm_replay_fused_routes",
+        name=common.capped_name("replayssm_replay_fused_routes",
+                                config.max_registers),
     )(rstate.checkpoint, rstate.x_buf, rstate.b_buf, rstate.dt_buf,
       rstate.count, *token_in, count_pow2, *optional)
     return y, ReplayState(checkpoint=ck, x_buf=xb, b_buf=bb, dt_buf=dtb,
