@@ -210,6 +210,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # search; 8-11% faster on the all-rows flush in run 14) with 1-16
     # heads per flush program, so a non-flush step launches 32768 / h
     # early-exit programs instead of 32768 (4 warps, capped at 128).
+    # Measured (README "Session 16"): h 1 the fastest f32 all-rows flush
+    # (655 against 712 µs) but +23 µs on the non-flush step; h 2-16 cut
+    # the exits' cost and lose the flush's gain; none faster amortized or
+    # in the natural cycle.
     config.replay_variants = ml_collections.ConfigDict({
         f"rows{h}": dict(flush_grid="rows", flush_heads_per_program=h)
         for h in (1, 2, 4, 8, 16)})
@@ -239,6 +243,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # waves: ~3 programs per SM uncapped, so 528 flush + 512 output
     # programs take several waves; capped at 128 registers (4 per SM),
     # fewer and larger output programs (block_p 32 / 64), 2 or 8 warps.
+    # Measured: none faster than the default on the f16 non-flush step
+    # (block_p 32 / 64 3.93 / 4.33 µs, capped 3.59, 2 warps 3.46, 8 warps
+    # 4.31, against 3.46-3.56).
     config.replay_variants = ml_collections.ConfigDict(dict(
         same=dict(fused_launch=True),
         bp32=dict(block_p=32),
