@@ -214,9 +214,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # (655 against 712 µs) but +23 µs on the non-flush step; h 2-16 cut
     # the exits' cost and lose the flush's gain; none faster amortized or
     # in the natural cycle.
-    config.replay_variants = ml_collections.ConfigDict({
-        f"rows{h}": dict(flush_grid="rows", flush_heads_per_program=h)
-        for h in (1, 2, 4, 8, 16)})
+    # Run 19: the persistent flush skipping its per-item row search when
+    # every row flushes (replay.persistent_items: item w's row is then
+    # w // items-per-row), beside the rows grid at one head per program
+    # (rows1), the fastest all-rows flush of run 18.
+    config.replay_variants = ml_collections.ConfigDict(dict(
+        rows1=dict(flush_grid="rows", flush_heads_per_program=1)))
 
   if arg == "batch1":
     # Batch 1 (one launch for both routes, replay.default_fused_launch):

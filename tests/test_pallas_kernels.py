@@ -240,6 +240,27 @@ def test_replay_kernel_step(config, ckpt_dtype, buffer_len):
               err_msg=f"{name}[{row}, {slot}] was written")
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_replay_kernel_step_every_row_flushes(fused):
+  """A step where every row flushes: the persistent flush programs map item
+  w to row w // (items per row) without the per-item row search
+  (`replay.persistent_items`), here with 3 programs looping over 80 items."""
+  params, tok, rstate, counts = _mixed_state("float32", 4, 23,
+                                             flush_rows=range(DIMS.batch))
+  assert (counts == 3).all()
+  kw = dict(**tok, **params, dt_softplus=True)
+  y_ref, r_ref = rs.replay_state_update(rstate, **kw,
+                                        implementation="reference")
+  y, r = rs.replay_state_update(
+      rstate, **kw, implementation="pallas",
+      config=pk.ReplayConfig(block_p=8, flush_programs=3,
+                             fused_launch=fused))
+  tol = testing.tolerance("bfloat16", "float32")
+  testing.assert_close(y, y_ref, tol, "y")
+  testing.assert_close(r.checkpoint, r_ref.checkpoint, tol, "checkpoint")
+  np.testing.assert_array_equal(r.count, r_ref.count)
+
+
 def test_replay_kernel_jitted_in_a_loop_compiles_once():
   params, tok, rstate, _ = _mixed_state("float32", 4, 21)
   traces = []
