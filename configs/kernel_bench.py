@@ -217,7 +217,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Run 19: the persistent flush skipping its per-item row search when
     # every row flushes (replay.persistent_items: item w's row is then
     # w // items-per-row), beside the rows grid at one head per program
-    # (rows1), the fastest all-rows flush of run 18.
+    # (rows1), the fastest all-rows flush of run 18. Measured: the skip
+    # (a lax.cond in the item loop; reverted) made the f32 flush slower
+    # (738.8 against 712-714 µs at batch 256, 188.6 against 181 at 64),
+    # f16 the same (398.5 against 402-409); rows1 again 645.4 (f32) but
+    # +18 µs on the non-flush step.
     config.replay_variants = ml_collections.ConfigDict(dict(
         rows1=dict(flush_grid="rows", flush_heads_per_program=1)))
 

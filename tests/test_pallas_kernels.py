@@ -242,9 +242,9 @@ def test_replay_kernel_step(config, ckpt_dtype, buffer_len):
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_replay_kernel_step_every_row_flushes(fused):
-  """A step where every row flushes: the persistent flush programs map item
-  w to row w // (items per row) without the per-item row search
-  (`replay.persistent_items`), here with 3 programs looping over 80 items."""
+  """A step where every row flushes: the persistent flush programs share out
+  every row's items (`replay.persistent_items`), here 3 programs looping
+  over 80 items."""
   params, tok, rstate, counts = _mixed_state("float32", 4, 23,
                                              flush_rows=range(DIMS.batch))
   assert (counts == 3).all()
