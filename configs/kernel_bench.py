@@ -106,7 +106,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # More steps per call until its steps, t(2n) - t(n), last this. At 5 ms
   # (sessions 1-15) batch 256 ran the 32-step minimum, and pairs spread
   # +-5% around the median (session 16: the f16 non-flush step 154.6 and
-  # 170.6 µs in two grids of the same code an hour apart).
+  # 170.6 µs in two grids of the same code 20 minutes apart).
   config.min_call_ms = 25.0
   config.warmup = 2  # untimed calls after compilation
   config.iters = 20  # timed calls; median / p10 / p90 reported

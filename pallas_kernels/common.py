@@ -241,7 +241,10 @@ class ReplayConfig(_LaunchConfig):
       dropped (the flush route stores it). With output_unmasked_buffers
       no load of the route waits on the counter. For latency-bound steps
       (batch 1); at large batch a step where every row flushes does the
-      output route's work on top of the flush.
+      output route's work on top of the flush. H200 (session 16,
+      benchmarks/kernel_batch1_h200_session16.md, batch 1, L 16, fused
+      launch): slower, the f16 non-flush step 3.65 µs against 3.46 (3.92
+      with unmasked buffers).
     output_route: "triton" (the Triton output-route kernel) or
       "mosaic_gpu": the output route's state read (y0 = S C, checkpoint or
       read copy) by the Mosaic GPU readout kernel

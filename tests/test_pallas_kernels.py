@@ -1019,6 +1019,16 @@ def test_replay_launch_warps(policy, config, warps, cap):
   assert _launched_warps(text) == {out: warps[0], flush: warps[1]}
 
 
+def test_fused_launch_takes_the_register_cap():
+  """ReplayConfig.max_registers caps the fused (one-launch) kernel too."""
+  params, tok, rstate, pol = _lowering_state(1, 16, None, (4, 64, 128, 2))
+  for cap, name in ((None, "replayssm_replay_fused_routes"),
+                    (128, "replayssm_replay_fused_routes__maxnreg128")):
+    text = _lower_replay(pk.ReplayConfig(fused_launch=True, max_registers=cap),
+                         params, tok, rstate, pol)
+    assert _launched_warps(text) == {name: 4}
+
+
 def test_flush_programs_fit_the_register_file():
   """Persistent flush programs per SM: as many as 64K registers hold at
   the cap (at most 4), 4 uncapped; 8 in all in interpret mode."""
