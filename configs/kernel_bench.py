@@ -253,15 +253,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Measured: none faster than the default on the f16 non-flush step
     # (block_p 32 / 64 3.93 / 4.33 µs, capped 3.59, 2 warps 3.46, 8 warps
     # 4.31, against 3.46-3.56).
+    # Run 3 (set up after session 16's device time, not yet run): y from
+    # the folded tile (ReplayConfig.output_fold; Nsight Compute had the
+    # fused step at 1.87x the baseline's instructions), with the fused
+    # launch's 3xTF32 fold and with the bf16 split (ptxas offline, f16:
+    # 1456 / 1064 SASS instructions against the default's 1264, 34 SHFL
+    # against 62 with the split), and the bf16 split alone.
     config.replay_variants = ml_collections.ConfigDict(dict(
         same=dict(fused_launch=True),
-        bp32=dict(block_p=32),
-        bp64=dict(block_p=64),
-        bp32_p132=dict(block_p=32, flush_programs=132),
-        c128=dict(max_registers=128),
-        c128_p132=dict(max_registers=128, flush_programs=132),
-        w2=dict(num_warps=2),
-        w8=dict(num_warps=8),
+        fold=dict(output_fold=True),
+        fold_bf16=dict(output_fold=True, flush_fold="dot_bf16x2"),
+        bf16=dict(flush_fold="dot_bf16x2"),
     ))
 
   if arg == "launch":

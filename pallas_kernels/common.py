@@ -245,6 +245,15 @@ class ReplayConfig(_LaunchConfig):
       benchmarks/kernel_batch1_h200_session16.md, batch 1, L 16, fused
       launch): slower, the f16 non-flush step 3.65 µs against 3.46 (3.92
       with unmasked buffers).
+    output_fold: the output route computes y from the folded tile, decay *
+      S + the window's [block_p, L] x [L, N] product (the flush's fold, at
+      the flush_fold precision), with one reduction over dstate, instead of
+      the B-window products B_j . C, the readout S C and the window sum
+      (Nsight Compute at batch 1, session 16: the replay step executes
+      1.87x the baseline's instructions). Needs the dot fold (buffer_len
+      and block_p >= 16); not with an 8-bit read copy, precompute_bc,
+      output_prefetch or readout_chunk. Built after session
+      16's device time: not yet measured on a GPU.
     output_route: "triton" (the Triton output-route kernel) or
       "mosaic_gpu": the output route's state read (y0 = S C, checkpoint or
       read copy) by the Mosaic GPU readout kernel
@@ -305,6 +314,7 @@ class ReplayConfig(_LaunchConfig):
   output_prefetch: bool = False
   output_unmasked_buffers: bool = False
   output_eager: bool = False
+  output_fold: bool = False
   flush_num_warps: int | None = None
   flush_num_stages: int | None = None
   flush_max_registers: int | None = None
@@ -322,8 +332,14 @@ class ReplayConfig(_LaunchConfig):
     clash = [name for name in ("output_all_rows", "precompute_bc",
                                "output_prefetch", "fused_launch",
                                "readout_chunk", "output_unmasked_buffers",
-                               "output_eager")
+                               "output_eager", "output_fold")
              if getattr(self, name)]
+    fold_clash = [name for name in ("precompute_bc", "output_prefetch",
+                                    "readout_chunk") if getattr(self, name)]
+    if self.output_fold and fold_clash:
+      raise ValueError(
+          f"output_fold=True computes y from the folded tile, which "
+          f"{', '.join(fold_clash)} would configure; leave them unset.")
     if self.output_route == "mosaic_gpu" and clash:
       raise ValueError(
           f"output_route='mosaic_gpu' replaces the Triton output route, "

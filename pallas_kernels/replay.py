@@ -142,7 +142,8 @@ def _unpack(refs, n_in, n_out, has_D, has_z, has_bias):
 
 def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
                    scaled=False, prefetch_heads=False, readout_chunk=None,
-                   unmasked=False, eager=False, **kw):
+                   unmasked=False, eager=False, fold=False, fold_dot=None,
+                   **kw):
   """Output route: y from checkpoint + buffer; non-flush rows append.
 
   With all_rows, flush rows take this route for y as well (the formula holds
@@ -162,12 +163,13 @@ def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
                 block_p=kw["block_p"],
                 heads_per_program=kw["heads_per_program"],
                 prefetch_heads=prefetch_heads, readout_chunk=readout_chunk,
-                unmasked=unmasked, eager=eager)
+                unmasked=unmasked, eager=eager, fold=fold, fold_dot=fold_dot)
 
 
 def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
                   block_p, heads_per_program, prefetch_heads=False,
-                  readout_chunk=None, unmasked=False, eager=False):
+                  readout_chunk=None, unmasked=False, eager=False,
+                  fold=False, fold_dot=None):
   """The output route of item p (see _output_kernel for the refs);
   prefetch_heads: load the checkpoint tiles of all the program's heads
   before computing any (a Python loop over the heads); readout_chunk: the
@@ -175,7 +177,9 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
   buffer slot and zero the unfilled ones after
   (`ReplayConfig.output_unmasked_buffers`); eager: every row's program
   computes (its loads do not wait on the row's counter), a flush row's y
-  is not stored (the flush route stores it; `ReplayConfig.output_eager`)."""
+  is not stored (the flush route stores it; `ReplayConfig.output_eager`);
+  fold: y from the folded tile (the flush's fold with fold_dot, then one
+  reduction over dstate; `ReplayConfig.output_fold`)."""
 
   def hist_load(ref, shape):
     """A buffer window [L, ...] f32: the filled slots, zeros past them."""
@@ -202,37 +206,28 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
 
   def route():
     cv = c_ref[b, g, :].astype(F32)  # [N]
-    b_cur = b_ref[b, g, :].astype(F32)
-    bc_cur = jnp.sum(b_cur * cv)
-    if precomputed_bc:  # bc_j = B_j . C precomputed per (row, slot, group)
-      bc_hist = hist_load(ins[10].at[b, :, g], (p.L,))
-    else:  # once per program, for all its heads
-      b_hist = hist_load(bb_ref.at[b, :, g, :], (p.L, cv.shape[0]))  # [L, N]
-      bc_hist = jnp.sum(b_hist * cv[None, :], axis=1)
-    bc = jnp.where(p.cur, bc_cur, bc_hist)  # [L]
+    if fold:
+      bc = None  # the window term is folded into the tile instead
+    else:
+      bc = _window_bc(cv)
 
     def load_tile(r):
       return common.load_tile_blocks(ck_ref, (b, p.head0 + r, ps),
                                      readout_chunk)
 
+    def fold_y(h):
+      """(y before D / z, x_cur, dt') of head h from its folded tile."""
+      refs = (ck_ref, xb_ref, bb_ref, dtb_ref, x_ref, b_ref)
+      ld = _fold_loads(p, h, refs, fold_dot=fold_dot, block_p=block_p)
+      st, x_cur = _fold_from(p, h, ld, refs, unroll=False, fold_dot=fold_dot)
+      return jnp.sum(st * cv[None, :], axis=1), x_cur, p.window_from(ld)[0]
+
     def one_head(r, carry, s0=None):
       h = p.head0 + r
-      if s0 is None:
-        # Issue the big read first so its latency overlaps the small math.
-        s0 = load_tile(r)
-      scale = None if scale_ref is None else scale_ref[b, h, ps]
-      d_cur, s, decay = p.window_weights(h, dtb_ref, unmasked=unmasked)
-      x_cur = x_ref[b, h, ps].astype(F32)  # [block_p]
-      x_hist = hist_load(xb_ref.at[b, :, h, ps], (p.L, block_p))
-      x_win = jnp.where(p.cur[:, None], x_cur[None, :], x_hist)
-      (readout,) = common.readouts(  # [block_p]
-          s0, [lambda cols: c_ref[b, g, cols]])
-      if scale is not None:
-        # precision.dequantize is q * scale per (head, headdim row), so the
-        # scale factors out of the dstate sum: one multiply per row, not
-        # per element (the reference rounds (q * scale) * C instead).
-        readout = readout * scale
-      y = decay * readout + jnp.sum((s * bc)[:, None] * x_win, axis=0)
+      if fold:
+        y, x_cur, d_cur = fold_y(h)
+      else:
+        y, x_cur, d_cur = window_y(h, r, bc, s0)
       y = common.finish_output(y, x_cur, None if d_ref is None else d_ref[h],
                                None if z_ref is None else z_ref[b, h, ps])
       y = jnp.where(p.valid, y, jnp.nan)
@@ -255,6 +250,27 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
 
       return carry
 
+    def window_y(h, r, bc, s0):
+      """(y before D / z, x_cur, dt') of head h: decay * S C + the window
+      term sum_j s_j (B_j . C) x_j."""
+      if s0 is None:
+        # Issue the big read first so its latency overlaps the small math.
+        s0 = load_tile(r)
+      scale = None if scale_ref is None else scale_ref[b, h, ps]
+      d_cur, s, decay = p.window_weights(h, dtb_ref, unmasked=unmasked)
+      x_cur = x_ref[b, h, ps].astype(F32)  # [block_p]
+      x_hist = hist_load(xb_ref.at[b, :, h, ps], (p.L, block_p))
+      x_win = jnp.where(p.cur[:, None], x_cur[None, :], x_hist)
+      (readout,) = common.readouts(  # [block_p]
+          s0, [lambda cols: c_ref[b, g, cols]])
+      if scale is not None:
+        # precision.dequantize is q * scale per (head, headdim row), so the
+        # scale factors out of the dstate sum: one multiply per row, not
+        # per element (the reference rounds (q * scale) * C instead).
+        readout = readout * scale
+      return (decay * readout + jnp.sum((s * bc)[:, None] * x_win, axis=0),
+              x_cur, d_cur)
+
     if prefetch_heads:  # every head's tile in flight before any math
       tiles = [load_tile(r) for r in range(heads_per_program)]
       for r, tile in enumerate(tiles):
@@ -265,6 +281,18 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
     @pl.when(appends & (p.pid == 0))
     def _append_b():
       bb_out[b, p.c, g, :] = b_ref[b, g, :].astype(bb_out.dtype)
+
+  def _window_bc(cv):
+    """bc_j = B_j . C over the window [L] (current token at its slot)."""
+    b_cur = b_ref[b, g, :].astype(F32)
+    bc_cur = jnp.sum(b_cur * cv)
+    if precomputed_bc:  # bc_j = B_j . C precomputed per (row, slot, group)
+      bc_hist = hist_load(ins[10].at[b, :, g], (p.L,))
+    else:  # once per program, for all its heads
+      b_hist = hist_load(bb_ref.at[b, :, g, :], (p.L, cv.shape[0]))  # [L, N]
+      bc_hist = jnp.sum(b_hist * cv[None, :], axis=1)
+    bc = jnp.where(p.cur, bc_cur, bc_hist)  # [L]
+    return bc
 
   if all_rows or eager:
     route()
@@ -649,7 +677,8 @@ def persistent_items(pid, active, item, *, num_programs, nheads, nblk,
 def _fused_kernel(*refs, has_D, has_z, has_bias, num_programs,
                   out_programs, ngroups, unroll, fold_dot, nheads,
                   flush_block_p, prefetch=False, readout_chunk=None,
-                  unmasked=False, eager=False, **kw):
+                  unmasked=False, eager=False, fold=False,
+                  out_fold_dot=None, **kw):
   """Both routes in one launch (`ReplayConfig(fused_launch=True)`).
 
   Programs [0, num_programs) run the persistent flush route (first, so
@@ -685,7 +714,8 @@ def _fused_kernel(*refs, has_D, has_z, has_bias, num_programs,
     _output_route(p, ins[:10], opt, outs[:5], all_rows=False,
                   precomputed_bc=False, scaled=False, block_p=kw["block_p"],
                   heads_per_program=kw["heads_per_program"],
-                  readout_chunk=readout_chunk, unmasked=unmasked, eager=eager)
+                  readout_chunk=readout_chunk, unmasked=unmasked, eager=eager,
+                  fold=fold, fold_dot=out_fold_dot)
 
 
 def _mosaic_output_route(rstate, read, x, dt, A, B, C, D, z, dt_bias,
@@ -996,6 +1026,24 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                        interpret, field="flush_fold", tile="the flush block_p",
                        b_dtypes=(rstate.b_buf.dtype, B.dtype),
                        ck_dtype=rstate.checkpoint.dtype, fused=fused)
+  out_fold_dot = None
+  if config.output_fold:
+    if scaled:
+      raise NotImplementedError(
+          "config.output_fold=True folds the read tile as stored; an 8-bit "
+          "read copy's scales are applied to its readout instead. Use "
+          "output_fold=False with an 8-bit read copy.")
+    out_fold_dot = _fold_dot(
+        config.flush_fold, rstate.buffer_len, block_p, interpret,
+        field="flush_fold (with output_fold)", tile="block_p",
+        b_dtypes=(rstate.b_buf.dtype, B.dtype), ck_dtype=read.dtype,
+        fused=fused)
+    if out_fold_dot is None:  # the rank-1 fold folds every slot
+      raise NotImplementedError(
+          f"config.output_fold=True needs the dot fold (its window masks "
+          f"rows that have not filled their buffer): buffer_len and "
+          f"block_p >= 16 and flush_fold not 'rank1', got "
+          f"{rstate.buffer_len}, {block_p} and {config.flush_fold!r}.")
   params = plgpu.CompilerParams(
       num_warps=config.num_warps or default_num_warps(read.dtype, fused),
       num_stages=config.num_stages)
@@ -1007,7 +1055,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
         nheads=nheads, flush_block_p=flush_block_p,
         prefetch=config.flush_prefetch, readout_chunk=config.readout_chunk,
         unmasked=config.output_unmasked_buffers, eager=config.output_eager,
-        **kw)
+        fold=config.output_fold, out_fold_dot=out_fold_dot, **kw)
     y, xb, bb, dtb, cnt, ck = pl.pallas_call(
         kernel, grid=(nprog + n0 * ngroups * batch,),
         out_shape=(sds((batch, nheads, headdim), x.dtype),
@@ -1045,7 +1093,8 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                           prefetch_heads=config.output_prefetch,
                           readout_chunk=config.readout_chunk,
                           unmasked=config.output_unmasked_buffers,
-                          eager=config.output_eager, **out_kw,
+                          eager=config.output_eager, fold=config.output_fold,
+                          fold_dot=out_fold_dot, **out_kw,
                           **kw),
         grid=grid(block_p),
         out_shape=(sds((batch, nheads, headdim), x.dtype),

@@ -261,6 +261,47 @@ def test_replay_kernel_step_every_row_flushes(fused):
   np.testing.assert_array_equal(r.count, r_ref.count)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_replay_kernel_output_fold_with_dots(fused):
+  """output_fold at L 16 and block_p 16, where the fold is a dot (the
+  bf16 split in its own launch, 3xTF32 fused): y of every row and the
+  flush rows' checkpoints against the reference; non-flush rows' checkpoint
+  untouched."""
+  params, tok, rstate, counts = _mixed_state("float16", 16, 31,
+                                             flush_rows=(1, 3))
+  kw = dict(**tok, **params, dt_softplus=True)
+  y_ref, r_ref = rs.replay_state_update(rstate, **kw,
+                                        implementation="reference")
+  y, r = rs.replay_state_update(
+      rstate, **kw, implementation="pallas",
+      config=pk.ReplayConfig(block_p=16, output_fold=True, flush_programs=3,
+                             fused_launch=fused))
+  tol = testing.tolerance("bfloat16", "float16")
+  testing.assert_close(y, y_ref, tol, "y")
+  flush = counts == 15
+  assert flush.any() and (~flush).any()
+  testing.assert_close(np.asarray(r.checkpoint, np.float32)[flush],
+                       np.asarray(r_ref.checkpoint, np.float32)[flush], tol,
+                       "flushed checkpoint")
+  np.testing.assert_array_equal(
+      harness.bits(np.asarray(r.checkpoint)[~flush]),
+      harness.bits(np.asarray(rstate.checkpoint)[~flush]))
+  np.testing.assert_array_equal(r.count, r_ref.count)
+
+
+def test_output_fold_fields_are_checked():
+  with pytest.raises(ValueError, match="output_fold=True computes y from "
+                     "the folded tile, which precompute_bc"):
+    pk.ReplayConfig(output_fold=True, precompute_bc=True)
+  with pytest.raises(ValueError, match="output_route='mosaic_gpu'"):
+    pk.ReplayConfig(output_fold=True, output_route="mosaic_gpu")
+  params, tok, rstate, _ = _mixed_state("float32", 4, 79)
+  with pytest.raises(NotImplementedError, match="output_fold=True needs the "
+                     "dot fold"):
+    rs.replay_state_update(rstate, **tok, **params, implementation="pallas",
+                           config=pk.ReplayConfig(output_fold=True))
+
+
 def test_replay_kernel_jitted_in_a_loop_compiles_once():
   params, tok, rstate, _ = _mixed_state("float32", 4, 21)
   traces = []
@@ -846,6 +887,8 @@ LOWERING_REPLAY_CONFIGS = [
                     max_registers=96),
     pk.ReplayConfig(output_eager=True, output_unmasked_buffers=True,
                     fused_launch=True),
+    pk.ReplayConfig(output_fold=True, fused_launch=True),
+    pk.ReplayConfig(output_fold=True, fused_launch=False),
 ]
 
 
@@ -917,7 +960,8 @@ def test_kernels_lower_to_triton(config, batch, buffer_len, policy):
   def replay():
     _lower_replay(config, params, tok, rstate, pol)
 
-  if config.flush_fold not in (None, "rank1") and buffer_len < 16:
+  if ((config.flush_fold not in (None, "rank1") or config.output_fold)
+      and buffer_len < 16):
     with pytest.raises(NotImplementedError, match="block_p >= 16"):
       replay()
   elif config.output_all_rows and rstate.read_copy is not None:
