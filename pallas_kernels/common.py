@@ -252,7 +252,7 @@ class ReplayConfig(_LaunchConfig):
       (Nsight Compute at batch 1, session 16: the replay step executes
       1.87x the baseline's instructions). Needs the dot fold (buffer_len
       and block_p >= 16); not with an 8-bit read copy, precompute_bc,
-      output_prefetch or readout_chunk. Built after session
+      output_prefetch, readout_chunk or output_unmasked_buffers. Built after session
       16's device time: not yet measured on a GPU.
     output_route: "triton" (the Triton output-route kernel) or
       "mosaic_gpu": the output route's state read (y0 = S C, checkpoint or
@@ -335,7 +335,8 @@ class ReplayConfig(_LaunchConfig):
                                "output_eager", "output_fold")
              if getattr(self, name)]
     fold_clash = [name for name in ("precompute_bc", "output_prefetch",
-                                    "readout_chunk") if getattr(self, name)]
+                                    "readout_chunk", "output_unmasked_buffers")
+                  if getattr(self, name)]
     if self.output_fold and fold_clash:
       raise ValueError(
           f"output_fold=True computes y from the folded tile, which "

@@ -293,6 +293,8 @@ def test_output_fold_fields_are_checked():
   with pytest.raises(ValueError, match="output_fold=True computes y from "
                      "the folded tile, which precompute_bc"):
     pk.ReplayConfig(output_fold=True, precompute_bc=True)
+  with pytest.raises(ValueError, match="output_unmasked_buffers would"):
+    pk.ReplayConfig(output_fold=True, output_unmasked_buffers=True)
   with pytest.raises(ValueError, match="output_route='mosaic_gpu'"):
     pk.ReplayConfig(output_fold=True, output_route="mosaic_gpu")
   params, tok, rstate, _ = _mixed_state("float32", 4, 79)
