@@ -252,8 +252,8 @@ class ReplayConfig(_LaunchConfig):
       (Nsight Compute at batch 1, session 16: the replay step executes
       1.87x the baseline's instructions). Needs the dot fold (buffer_len
       and block_p >= 16); not with an 8-bit read copy, precompute_bc,
-      output_prefetch, readout_chunk or output_unmasked_buffers. Built after session
-      16's device time: not yet measured on a GPU.
+      output_prefetch, readout_chunk or output_unmasked_buffers. Built
+      after session 16's device time: not yet measured on a GPU.
     output_route: "triton" (the Triton output-route kernel) or
       "mosaic_gpu": the output route's state read (y0 = S C, checkpoint or
       read copy) by the Mosaic GPU readout kernel
