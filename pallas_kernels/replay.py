@@ -142,8 +142,7 @@ def _unpack(refs, n_in, n_out, has_D, has_z, has_bias):
 
 def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
                    scaled=False, prefetch_heads=False, readout_chunk=None,
-                   unmasked=False, eager=False, fold=False, fold_dot=None,
-                   **kw):
+                   unmasked=False, eager=False, fold_dot=None, **kw):
   """Output route: y from checkpoint + buffer; non-flush rows append.
 
   With all_rows, flush rows take this route for y as well (the formula holds
@@ -163,13 +162,13 @@ def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
                 block_p=kw["block_p"],
                 heads_per_program=kw["heads_per_program"],
                 prefetch_heads=prefetch_heads, readout_chunk=readout_chunk,
-                unmasked=unmasked, eager=eager, fold=fold, fold_dot=fold_dot)
+                unmasked=unmasked, eager=eager, fold_dot=fold_dot)
 
 
 def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
                   block_p, heads_per_program, prefetch_heads=False,
                   readout_chunk=None, unmasked=False, eager=False,
-                  fold=False, fold_dot=None):
+                  fold_dot=None):
   """The output route of item p (see _output_kernel for the refs);
   prefetch_heads: load the checkpoint tiles of all the program's heads
   before computing any (a Python loop over the heads); readout_chunk: the
@@ -178,8 +177,8 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
   (`ReplayConfig.output_unmasked_buffers`); eager: every row's program
   computes (its loads do not wait on the row's counter), a flush row's y
   is not stored (the flush route stores it; `ReplayConfig.output_eager`);
-  fold: y from the folded tile (the flush's fold with fold_dot, then one
-  reduction over dstate; `ReplayConfig.output_fold`)."""
+  fold_dot: y from the tile folded with this dot fold, then one reduction
+  over dstate (`ReplayConfig.output_fold`; None: the window readout)."""
 
   def hist_load(ref, shape):
     """A buffer window [L, ...] f32: the filled slots, zeros past them."""
@@ -206,10 +205,8 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
 
   def route():
     cv = c_ref[b, g, :].astype(F32)  # [N]
-    if fold:
-      bc = None  # the window term is folded into the tile instead
-    else:
-      bc = _window_bc(cv)
+    # (With a fold the window term is folded into the tile instead.)
+    bc = None if fold_dot is not None else _window_bc(cv)
 
     def load_tile(r):
       return common.load_tile_blocks(ck_ref, (b, p.head0 + r, ps),
@@ -219,26 +216,28 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
       """(y before D / z, x_cur, dt') of head h from its folded tile."""
       refs = (ck_ref, xb_ref, bb_ref, dtb_ref, x_ref, b_ref)
       ld = _fold_loads(p, h, refs, fold_dot=fold_dot, block_p=block_p)
-      st, x_cur = _fold_from(p, h, ld, refs, unroll=False, fold_dot=fold_dot)
-      return jnp.sum(st * cv[None, :], axis=1), x_cur, p.window_from(ld)[0]
+      st, x_cur, d_cur = _fold_from(p, h, ld, refs, unroll=False,
+                                    fold_dot=fold_dot)
+      return jnp.sum(st * cv[None, :], axis=1), x_cur, d_cur
 
     def one_head(r, carry, s0=None):
       h = p.head0 + r
-      if fold:
+      if fold_dot is not None:
         y, x_cur, d_cur = fold_y(h)
       else:
         y, x_cur, d_cur = window_y(h, r, bc, s0)
       y = common.finish_output(y, x_cur, None if d_ref is None else d_ref[h],
                                None if z_ref is None else z_ref[b, h, ps])
       y = jnp.where(p.valid, y, jnp.nan)
+      def store_y():
+        y_ref[b, h, ps] = y.astype(y_ref.dtype)
+
       if eager and not all_rows:
         # The tile a flush row read here may be the one its flush program
         # is rewriting (fused launch): the result is dropped.
-        @pl.when(jnp.logical_not(p.flush))
-        def _store_y():
-          y_ref[b, h, ps] = y.astype(y_ref.dtype)
+        pl.when(jnp.logical_not(p.flush))(store_y)
       else:
-        y_ref[b, h, ps] = y.astype(y_ref.dtype)
+        store_y()
 
       @pl.when(appends)
       def _append_x():
@@ -291,8 +290,7 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
     else:  # once per program, for all its heads
       b_hist = hist_load(bb_ref.at[b, :, g, :], (p.L, cv.shape[0]))  # [L, N]
       bc_hist = jnp.sum(b_hist * cv[None, :], axis=1)
-    bc = jnp.where(p.cur, bc_cur, bc_hist)  # [L]
-    return bc
+    return jnp.where(p.cur, bc_cur, bc_hist)  # [L]
 
   if all_rows or eager:
     route()
@@ -398,7 +396,7 @@ def fold_product(x_win, s, b_win, fold_dot, acc):
 def _fold_from(p, h, ld, refs, *, unroll, fold_dot):
   """The new checkpoint tile of head h from its _fold_loads (the rank-1
   fold loads each buffered token in its loop) -> ([block_p, N] f32,
-  x_cur [block_p] f32)."""
+  x_cur [block_p] f32, the current token's dt')."""
   _, xb_ref, bb_ref, dtb_ref, _, _ = refs
   b, g, ps, L = p.b, p.g, p.ps, p.L
   d_cur, s, decay = p.window_from(ld)
@@ -413,18 +411,18 @@ def _fold_from(p, h, ld, refs, *, unroll, fold_dot):
               bb_ref[b, j, g, :].astype(F32))
 
     return rank1_fold(st, ld["a"].astype(F32), token, L - 1, unroll=unroll,
-                      suffix0=d_cur), x_cur
+                      suffix0=d_cur), x_cur, d_cur
   b_win = jnp.where(p.cur[:, None], ld["b_cur"][None, :],
                     ld["b_hist"])  # [L, N]
   x_win = jnp.where(p.cur[:, None], ld["x_cur"][None, :],
                     ld["x_hist"])  # [L, block_p]
-  return fold_product(x_win, s, b_win, fold_dot, st), x_cur
+  return fold_product(x_win, s, b_win, fold_dot, st), x_cur, d_cur
 
 
 def _fold_head(p, h, refs, *, unroll, fold_dot, block_p):
   """New checkpoint tile of head h of a flush row (count == L-1):
   decay * S_0 + sum_j s_j x_j B_j^T over the L tokens (L-1 buffered + the
-  current one) -> ([block_p, N] f32, x_cur [block_p] f32).
+  current one) -> ([block_p, N] f32, x_cur [block_p] f32, dt').
 
   fold_dot: None folds with L exact f32 rank-1 updates (each extracts its
   weight s_j with a masked reduction); otherwise the fold is one
@@ -558,8 +556,8 @@ def _flush_kernel(*refs, has_D, has_z, has_bias, writes_y, unroll, fold_dot,
   def _route():
     def one_head(r, carry):
       h = p.head0 + r
-      st, x_cur = _fold_head(p, h, fold_refs, unroll=unroll,
-                             fold_dot=fold_dot, block_p=kw["block_p"])
+      st, x_cur, _ = _fold_head(p, h, fold_refs, unroll=unroll,
+                                fold_dot=fold_dot, block_p=kw["block_p"])
       _store_flush(p, h, st, x_cur, stores, y_out, c_ref, d_ref, z_ref)
       return carry
 
@@ -613,8 +611,8 @@ def _flush_items(pid, ins, opt, y_out, stores, *, unroll, fold_dot,
     if loads is None:
       loads = _fold_loads(p, h, fold_refs, fold_dot=fold_dot,
                           block_p=block_p)
-    st, x_cur = _fold_from(p, h, loads, fold_refs, unroll=unroll,
-                           fold_dot=fold_dot)
+    st, x_cur, _ = _fold_from(p, h, loads, fold_refs, unroll=unroll,
+                              fold_dot=fold_dot)
     _store_flush(p, h, st, x_cur, stores, y_out, c_ref, d_ref, z_ref)
 
   def load(b, h, pblk, valid):
@@ -677,8 +675,7 @@ def persistent_items(pid, active, item, *, num_programs, nheads, nblk,
 def _fused_kernel(*refs, has_D, has_z, has_bias, num_programs,
                   out_programs, ngroups, unroll, fold_dot, nheads,
                   flush_block_p, prefetch=False, readout_chunk=None,
-                  unmasked=False, eager=False, fold=False,
-                  out_fold_dot=None, **kw):
+                  unmasked=False, eager=False, out_fold_dot=None, **kw):
   """Both routes in one launch (`ReplayConfig(fused_launch=True)`).
 
   Programs [0, num_programs) run the persistent flush route (first, so
@@ -715,7 +712,7 @@ def _fused_kernel(*refs, has_D, has_z, has_bias, num_programs,
                   precomputed_bc=False, scaled=False, block_p=kw["block_p"],
                   heads_per_program=kw["heads_per_program"],
                   readout_chunk=readout_chunk, unmasked=unmasked, eager=eager,
-                  fold=fold, fold_dot=out_fold_dot)
+                  fold_dot=out_fold_dot)
 
 
 def _mosaic_output_route(rstate, read, x, dt, A, B, C, D, z, dt_bias,
@@ -1055,7 +1052,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
         nheads=nheads, flush_block_p=flush_block_p,
         prefetch=config.flush_prefetch, readout_chunk=config.readout_chunk,
         unmasked=config.output_unmasked_buffers, eager=config.output_eager,
-        fold=config.output_fold, out_fold_dot=out_fold_dot, **kw)
+        out_fold_dot=out_fold_dot, **kw)
     y, xb, bb, dtb, cnt, ck = pl.pallas_call(
         kernel, grid=(nprog + n0 * ngroups * batch,),
         out_shape=(sds((batch, nheads, headdim), x.dtype),
@@ -1093,8 +1090,8 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                           prefetch_heads=config.output_prefetch,
                           readout_chunk=config.readout_chunk,
                           unmasked=config.output_unmasked_buffers,
-                          eager=config.output_eager, fold=config.output_fold,
-                          fold_dot=out_fold_dot, **out_kw,
+                          eager=config.output_eager, fold_dot=out_fold_dot,
+                          **out_kw,
                           **kw),
         grid=grid(block_p),
         out_shape=(sds((batch, nheads, headdim), x.dtype),
