@@ -259,11 +259,20 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # launch's 3xTF32 fold and with the bf16 split (ptxas offline, f16:
     # 1456 / 1064 SASS instructions against the default's 1264, 34 SHFL
     # against 62 with the split), and the bf16 split alone.
+    # Run 3 (session 17, kernel_batch1_h200_session17.md): y from the
+    # folded tile (ReplayConfig.output_fold, since removed) was slower
+    # everywhere (f16 non-flush 5.81 µs with 3xTF32, 4.07 with the bf16
+    # split, against 3.42); the bf16-split fold (dot_bf16x2) took the f16
+    # flush from 7.56 to 5.36 µs at the same non-flush step (3.39), the
+    # f32 flush 9.30 -> 7.49 but its non-flush 4.15 -> 4.37: two pieces
+    # became the fused launch's default on 16-bit checkpoints. Run 4: that
+    # default beside the old one (tf32), the window's B.C products by a
+    # dot (output_bc='dot'; offline, f16: 1208 SASS instructions against
+    # 1072), the default repeated.
     config.replay_variants = ml_collections.ConfigDict(dict(
         same=dict(fused_launch=True),
-        fold=dict(output_fold=True),
-        fold_bf16=dict(output_fold=True, flush_fold="dot_bf16x2"),
-        bf16=dict(flush_fold="dot_bf16x2"),
+        tf32=dict(flush_fold="dot_tf32x3"),
+        bcdot=dict(output_bc="dot"),
     ))
 
   if arg == "launch":
@@ -352,8 +361,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # wait on the counter load: 9-14% slower on every state (non-flush f16
     # 178.1 against 164.0 µs, fp8 copies 121.1 / 123.1 against 111.2 /
     # 113.2): the ~L/2 more slots read cost more than the latency saved.
+    # Measured: ub=dict(output_unmasked_buffers=True).
+    # Session 17: the window's B.C products by one tensor-core dot of the
+    # stored bf16 B window and C (output_bc='dot') in place of L x dstate
+    # f32 multiply-adds and a cross-lane reduction per program (ptxas
+    # offline, f16, 2 warps: 128 registers, 1280 SASS instructions against
+    # 126 / 1232; static counts, the dot's shared-memory staging included).
     config.replay_variants = ml_collections.ConfigDict(dict(
-        ub=dict(output_unmasked_buffers=True)))
+        bcdot=dict(output_bc="dot")))
 
   if arg == "mosaic":
     # The Mosaic GPU kernels' first GPU run (each variant is checked against

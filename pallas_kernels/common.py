@@ -187,9 +187,9 @@ class ReplayConfig(_LaunchConfig):
       weighted x split into 3 / 2 bf16 pieces, ~24 / ~16 mantissa bits,
       `replay.fold_product`); the dot modes need buffer_len and the flush
       block_p >= 16. None (`replay._fold_dot`): where a dot applies,
-      for bf16 B in a flush launch of its own "dot_bf16x2" on a 16-bit
-      checkpoint and "dot_bf16x3" on an f32 one, "dot_tf32x3" otherwise
-      (the fused launch keeps 3xTF32); elsewhere "rank1". H200,
+      for bf16 B "dot_bf16x2" on a 16-bit checkpoint and "dot_bf16x3" on
+      an f32 one (3xTF32 in the fused launch), "dot_tf32x3" otherwise;
+      elsewhere "rank1". H200,
       flush_sweep_h200 runs 8-13: on the all-rows flush step rank1 was
       11-101% slower than the 3xTF32 dot, the IEEE dot 17x slower on an
       f32 checkpoint at 2 warps, bf16x3 25-35% faster than 3xTF32, bf16x2
@@ -245,15 +245,6 @@ class ReplayConfig(_LaunchConfig):
       benchmarks/kernel_batch1_h200_session16.md, batch 1, L 16, fused
       launch): slower, the f16 non-flush step 3.65 µs against 3.46 (3.92
       with unmasked buffers).
-    output_fold: the output route computes y from the folded tile, decay *
-      S + the window's [block_p, L] x [L, N] product (the flush's fold, at
-      the flush_fold precision), with one reduction over dstate, instead of
-      the B-window products B_j . C, the readout S C and the window sum
-      (Nsight Compute at batch 1, session 16: the replay step executes
-      1.87x the baseline's instructions). Needs the dot fold (buffer_len
-      and block_p >= 16); not with an 8-bit read copy, precompute_bc,
-      output_prefetch, readout_chunk or output_unmasked_buffers. Built
-      after session 16's device time: not yet measured on a GPU.
     output_route: "triton" (the Triton output-route kernel) or
       "mosaic_gpu": the output route's state read (y0 = S C, checkpoint or
       read copy) by the Mosaic GPU readout kernel
@@ -292,6 +283,12 @@ class ReplayConfig(_LaunchConfig):
       16, 2 warps): caps of 104 / 96 / 80 / 64 were no faster than none
       on the f16 checkpoint (non-flush 160-169 µs against 161) and 3-21%
       slower on the fp8 read copies.
+    output_bc: how the Triton output route forms the window's products
+      bc_j = B_j . C: "fma" (f32 multiply-adds and a reduction over dstate
+      across lanes) or "dot" (one tensor-core dot of the stored B window
+      and C, exact products with f32 accumulation: needs buffer_len >= 16
+      and B, C and the B buffer all bf16 or all f16; not with
+      precompute_bc). None: "fma".
     flush_max_registers: cap on the registers per thread of the separate
       flush-route kernel (PTX .maxnreg, `capped_name`; 256: no cap); None
       = `replay.default_flush_launch`: at 4 warps 128 on a plain state
@@ -314,17 +311,22 @@ class ReplayConfig(_LaunchConfig):
   output_prefetch: bool = False
   output_unmasked_buffers: bool = False
   output_eager: bool = False
-  output_fold: bool = False
   flush_num_warps: int | None = None
   flush_num_stages: int | None = None
   flush_max_registers: int | None = None
   max_registers: int | None = None
   output_route: str = "triton"
   readout_chunk: int | None = None
+  output_bc: str | None = None
 
   def __post_init__(self):
     super().__post_init__()
     _check_choice("flush_grid", self.flush_grid, ("rows", "persistent"))
+    _check_choice("output_bc", self.output_bc, ("fma", "dot"), optional=True)
+    if self.output_bc == "dot" and self.precompute_bc:
+      raise ValueError(
+          "output_bc='dot' forms B_j . C in the kernel, which precompute_bc "
+          "moves to an XLA op before it; set one of them.")
     _check_choice("output_route", self.output_route,
                   ("triton", "mosaic_gpu"))
     if self.readout_chunk is not None:
@@ -332,15 +334,8 @@ class ReplayConfig(_LaunchConfig):
     clash = [name for name in ("output_all_rows", "precompute_bc",
                                "output_prefetch", "fused_launch",
                                "readout_chunk", "output_unmasked_buffers",
-                               "output_eager", "output_fold")
+                               "output_eager", "output_bc")
              if getattr(self, name)]
-    fold_clash = [name for name in ("precompute_bc", "output_prefetch",
-                                    "readout_chunk", "output_unmasked_buffers")
-                  if getattr(self, name)]
-    if self.output_fold and fold_clash:
-      raise ValueError(
-          f"output_fold=True computes y from the folded tile, which "
-          f"{', '.join(fold_clash)} would configure; leave them unset.")
     if self.output_route == "mosaic_gpu" and clash:
       raise ValueError(
           f"output_route='mosaic_gpu' replaces the Triton output route, "

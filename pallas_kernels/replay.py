@@ -142,7 +142,7 @@ def _unpack(refs, n_in, n_out, has_D, has_z, has_bias):
 
 def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
                    scaled=False, prefetch_heads=False, readout_chunk=None,
-                   unmasked=False, eager=False, fold_dot=None, **kw):
+                   unmasked=False, eager=False, bc_dot=False, **kw):
   """Output route: y from checkpoint + buffer; non-flush rows append.
 
   With all_rows, flush rows take this route for y as well (the formula holds
@@ -162,13 +162,13 @@ def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
                 block_p=kw["block_p"],
                 heads_per_program=kw["heads_per_program"],
                 prefetch_heads=prefetch_heads, readout_chunk=readout_chunk,
-                unmasked=unmasked, eager=eager, fold_dot=fold_dot)
+                unmasked=unmasked, eager=eager, bc_dot=bc_dot)
 
 
 def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
                   block_p, heads_per_program, prefetch_heads=False,
                   readout_chunk=None, unmasked=False, eager=False,
-                  fold_dot=None):
+                  bc_dot=False):
   """The output route of item p (see _output_kernel for the refs);
   prefetch_heads: load the checkpoint tiles of all the program's heads
   before computing any (a Python loop over the heads); readout_chunk: the
@@ -177,8 +177,7 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
   (`ReplayConfig.output_unmasked_buffers`); eager: every row's program
   computes (its loads do not wait on the row's counter), a flush row's y
   is not stored (the flush route stores it; `ReplayConfig.output_eager`);
-  fold_dot: y from the tile folded with this dot fold, then one reduction
-  over dstate (`ReplayConfig.output_fold`; None: the window readout)."""
+  bc_dot: the window's B . C by `_window_bc_dot`."""
 
   def hist_load(ref, shape):
     """A buffer window [L, ...] f32: the filled slots, zeros past them."""
@@ -204,54 +203,26 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
     cnt_out[b] = jnp.where(p.valid, new, p.c).astype(cnt_out.dtype)
 
   def route():
-    cv = c_ref[b, g, :].astype(F32)  # [N]
-    # (With a fold the window term is folded into the tile instead.)
-    bc = None if fold_dot is not None else _window_bc(cv)
+    if bc_dot:  # once per program, for all its heads
+      bc = _window_bc_dot(p, bb_ref.at[b, :, g, :], b_ref[b, g, :],
+                          c_ref[b, g, :], unmasked)
+    else:
+      cv = c_ref[b, g, :].astype(F32)  # [N]
+      b_cur = b_ref[b, g, :].astype(F32)
+      bc_cur = jnp.sum(b_cur * cv)
+      if precomputed_bc:  # bc_j = B_j . C precomputed per (row, slot, group)
+        bc_hist = hist_load(ins[10].at[b, :, g], (p.L,))
+      else:  # once per program, for all its heads
+        b_hist = hist_load(bb_ref.at[b, :, g, :], (p.L, cv.shape[0]))
+        bc_hist = jnp.sum(b_hist * cv[None, :], axis=1)
+      bc = jnp.where(p.cur, bc_cur, bc_hist)  # [L]
 
     def load_tile(r):
       return common.load_tile_blocks(ck_ref, (b, p.head0 + r, ps),
                                      readout_chunk)
 
-    def fold_y(h):
-      """(y before D / z, x_cur, dt') of head h from its folded tile."""
-      refs = (ck_ref, xb_ref, bb_ref, dtb_ref, x_ref, b_ref)
-      ld = _fold_loads(p, h, refs, fold_dot=fold_dot, block_p=block_p)
-      st, x_cur, d_cur = _fold_from(p, h, ld, refs, unroll=False,
-                                    fold_dot=fold_dot)
-      return jnp.sum(st * cv[None, :], axis=1), x_cur, d_cur
-
     def one_head(r, carry, s0=None):
       h = p.head0 + r
-      if fold_dot is not None:
-        y, x_cur, d_cur = fold_y(h)
-      else:
-        y, x_cur, d_cur = window_y(h, r, bc, s0)
-      y = common.finish_output(y, x_cur, None if d_ref is None else d_ref[h],
-                               None if z_ref is None else z_ref[b, h, ps])
-      y = jnp.where(p.valid, y, jnp.nan)
-      def store_y():
-        y_ref[b, h, ps] = y.astype(y_ref.dtype)
-
-      if eager and not all_rows:
-        # The tile a flush row read here may be the one its flush program
-        # is rewriting (fused launch): the result is dropped.
-        pl.when(jnp.logical_not(p.flush))(store_y)
-      else:
-        store_y()
-
-      @pl.when(appends)
-      def _append_x():
-        xb_out[b, p.c, h, ps] = x_ref[b, h, ps].astype(xb_out.dtype)
-
-      @pl.when(appends & (p.pblk == 0))
-      def _append_dt():
-        dtb_out[b, p.c, h] = d_cur
-
-      return carry
-
-    def window_y(h, r, bc, s0):
-      """(y before D / z, x_cur, dt') of head h: decay * S C + the window
-      term sum_j s_j (B_j . C) x_j."""
       if s0 is None:
         # Issue the big read first so its latency overlaps the small math.
         s0 = load_tile(r)
@@ -267,8 +238,28 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
         # scale factors out of the dstate sum: one multiply per row, not
         # per element (the reference rounds (q * scale) * C instead).
         readout = readout * scale
-      return (decay * readout + jnp.sum((s * bc)[:, None] * x_win, axis=0),
-              x_cur, d_cur)
+      y = decay * readout + jnp.sum((s * bc)[:, None] * x_win, axis=0)
+      y = common.finish_output(y, x_cur, None if d_ref is None else d_ref[h],
+                               None if z_ref is None else z_ref[b, h, ps])
+      y = jnp.where(p.valid, y, jnp.nan)
+      if eager and not all_rows:
+        # The tile a flush row read here may be the one its flush program
+        # is rewriting (fused launch): the result is dropped.
+        @pl.when(jnp.logical_not(p.flush))
+        def _store_y():
+          y_ref[b, h, ps] = y.astype(y_ref.dtype)
+      else:
+        y_ref[b, h, ps] = y.astype(y_ref.dtype)
+
+      @pl.when(appends)
+      def _append_x():
+        xb_out[b, p.c, h, ps] = x_ref[b, h, ps].astype(xb_out.dtype)
+
+      @pl.when(appends & (p.pblk == 0))
+      def _append_dt():
+        dtb_out[b, p.c, h] = d_cur
+
+      return carry
 
     if prefetch_heads:  # every head's tile in flight before any math
       tiles = [load_tile(r) for r in range(heads_per_program)]
@@ -281,21 +272,31 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
     def _append_b():
       bb_out[b, p.c, g, :] = b_ref[b, g, :].astype(bb_out.dtype)
 
-  def _window_bc(cv):
-    """bc_j = B_j . C over the window [L] (current token at its slot)."""
-    b_cur = b_ref[b, g, :].astype(F32)
-    bc_cur = jnp.sum(b_cur * cv)
-    if precomputed_bc:  # bc_j = B_j . C precomputed per (row, slot, group)
-      bc_hist = hist_load(ins[10].at[b, :, g], (p.L,))
-    else:  # once per program, for all its heads
-      b_hist = hist_load(bb_ref.at[b, :, g, :], (p.L, cv.shape[0]))  # [L, N]
-      bc_hist = jnp.sum(b_hist * cv[None, :], axis=1)
-    return jnp.where(p.cur, bc_cur, bc_hist)  # [L]
-
   if all_rows or eager:
     route()
   else:
     pl.when(jnp.logical_not(p.flush))(route)
+
+
+def _window_bc_dot(p, bwin_ref, b_cur, c, unmasked):
+  """bc_j = B_j . C of the window ([L] f32; B_c the current token, zeros
+  past it) as one tensor-core dot [L, N] x [N, 16] of the stored bf16
+  values (exact products, f32 accumulation) whose columns other than the
+  first are zeros, in place of L * N f32 multiply-adds and an L-wide
+  reduction over N across lanes."""
+  L, N = bwin_ref.shape
+  m = jnp.broadcast_to(p.hist[:, None], (L, N))
+  if unmasked:
+    b_hist = jnp.where(m, plgpu.load(bwin_ref), 0)
+  else:
+    b_hist = plgpu.load(bwin_ref, mask=m, other=0)
+  b_win = jnp.where(jnp.broadcast_to(p.cur[:, None], (L, N)),
+                    b_cur[None, :].astype(b_hist.dtype), b_hist)
+  col = lax.broadcasted_iota(jnp.int32, (N, 16), 1)
+  c_mat = jnp.where(col == 0, c[:, None].astype(b_win.dtype), 0)
+  bc = lax.dot_general(b_win, c_mat, (((1,), (0,)), ((), ())),
+                       preferred_element_type=F32)  # [L, 16]
+  return jnp.sum(bc, axis=1)  # exact: one nonzero column
 
 
 def _fold_loads(p, h, refs, *, fold_dot, block_p, valid=None):
@@ -396,7 +397,7 @@ def fold_product(x_win, s, b_win, fold_dot, acc):
 def _fold_from(p, h, ld, refs, *, unroll, fold_dot):
   """The new checkpoint tile of head h from its _fold_loads (the rank-1
   fold loads each buffered token in its loop) -> ([block_p, N] f32,
-  x_cur [block_p] f32, the current token's dt')."""
+  x_cur [block_p] f32)."""
   _, xb_ref, bb_ref, dtb_ref, _, _ = refs
   b, g, ps, L = p.b, p.g, p.ps, p.L
   d_cur, s, decay = p.window_from(ld)
@@ -411,18 +412,18 @@ def _fold_from(p, h, ld, refs, *, unroll, fold_dot):
               bb_ref[b, j, g, :].astype(F32))
 
     return rank1_fold(st, ld["a"].astype(F32), token, L - 1, unroll=unroll,
-                      suffix0=d_cur), x_cur, d_cur
+                      suffix0=d_cur), x_cur
   b_win = jnp.where(p.cur[:, None], ld["b_cur"][None, :],
                     ld["b_hist"])  # [L, N]
   x_win = jnp.where(p.cur[:, None], ld["x_cur"][None, :],
                     ld["x_hist"])  # [L, block_p]
-  return fold_product(x_win, s, b_win, fold_dot, st), x_cur, d_cur
+  return fold_product(x_win, s, b_win, fold_dot, st), x_cur
 
 
 def _fold_head(p, h, refs, *, unroll, fold_dot, block_p):
   """New checkpoint tile of head h of a flush row (count == L-1):
   decay * S_0 + sum_j s_j x_j B_j^T over the L tokens (L-1 buffered + the
-  current one) -> ([block_p, N] f32, x_cur [block_p] f32, dt').
+  current one) -> ([block_p, N] f32, x_cur [block_p] f32).
 
   fold_dot: None folds with L exact f32 rank-1 updates (each extracts its
   weight s_j with a masked reduction); otherwise the fold is one
@@ -556,8 +557,8 @@ def _flush_kernel(*refs, has_D, has_z, has_bias, writes_y, unroll, fold_dot,
   def _route():
     def one_head(r, carry):
       h = p.head0 + r
-      st, x_cur, _ = _fold_head(p, h, fold_refs, unroll=unroll,
-                                fold_dot=fold_dot, block_p=kw["block_p"])
+      st, x_cur = _fold_head(p, h, fold_refs, unroll=unroll,
+                             fold_dot=fold_dot, block_p=kw["block_p"])
       _store_flush(p, h, st, x_cur, stores, y_out, c_ref, d_ref, z_ref)
       return carry
 
@@ -611,8 +612,8 @@ def _flush_items(pid, ins, opt, y_out, stores, *, unroll, fold_dot,
     if loads is None:
       loads = _fold_loads(p, h, fold_refs, fold_dot=fold_dot,
                           block_p=block_p)
-    st, x_cur, _ = _fold_from(p, h, loads, fold_refs, unroll=unroll,
-                              fold_dot=fold_dot)
+    st, x_cur = _fold_from(p, h, loads, fold_refs, unroll=unroll,
+                           fold_dot=fold_dot)
     _store_flush(p, h, st, x_cur, stores, y_out, c_ref, d_ref, z_ref)
 
   def load(b, h, pblk, valid):
@@ -675,7 +676,7 @@ def persistent_items(pid, active, item, *, num_programs, nheads, nblk,
 def _fused_kernel(*refs, has_D, has_z, has_bias, num_programs,
                   out_programs, ngroups, unroll, fold_dot, nheads,
                   flush_block_p, prefetch=False, readout_chunk=None,
-                  unmasked=False, eager=False, out_fold_dot=None, **kw):
+                  unmasked=False, eager=False, bc_dot=False, **kw):
   """Both routes in one launch (`ReplayConfig(fused_launch=True)`).
 
   Programs [0, num_programs) run the persistent flush route (first, so
@@ -712,7 +713,7 @@ def _fused_kernel(*refs, has_D, has_z, has_bias, num_programs,
                   precomputed_bc=False, scaled=False, block_p=kw["block_p"],
                   heads_per_program=kw["heads_per_program"],
                   readout_chunk=readout_chunk, unmasked=unmasked, eager=eager,
-                  fold_dot=out_fold_dot)
+                  bc_dot=bc_dot)
 
 
 def _mosaic_output_route(rstate, read, x, dt, A, B, C, D, z, dt_bias,
@@ -762,20 +763,23 @@ def _fold_dot(mode, buffer_len: int, block_p: int, interpret: bool, *,
 
   mode None: where buffer_len and block_p >= 16 (Triton dot tiles), the
   bf16 split if every folded B (b_dtypes: the buffer's, the current
-  token's) is bf16 and the flush is its own launch (not `fused` with the
-  output route): "dot_bf16x2" for a 16-bit checkpoint (ck_dtype: the
+  token's) is bf16: "dot_bf16x2" for a 16-bit checkpoint (ck_dtype: the
   stored fold, which rounds to 11 / 8 mantissa bits, far above the two
-  pieces' ~2^-16), "dot_bf16x3" for an f32 one; else "dot_tf32x3"; below
-  the tiles "rank1". A dot mode below the tiles is refused, naming `field`
-  and `tile`, and a bf16 mode unless every folded B is bf16.
+  pieces' ~2^-16), "dot_bf16x3" for an f32 one unless the flush is
+  `fused` with the output route ("dot_tf32x3" there); else "dot_tf32x3";
+  below the tiles "rank1". A dot mode below the tiles is refused, naming
+  `field` and `tile`, and a bf16 mode unless every folded B is bf16.
 
   H200: the bf16x3 fold took the all-rows flush step from 657 to 489 µs
   (f16 checkpoint) and 1011 to 754 µs (f32), batch 256, L 16 (session
   13, flush_sweep_h200.json run 9); two pieces took f16's a further 3-4%
-  (run 13). The fused launch (batch 1) keeps 3xTF32: its two routes share
-  one register budget, and with bf16x3 its non-flush step was slower on an
-  f16 checkpoint in both side-by-side runs (kernel_batch1_h200.md: 3.16 vs
-  2.89 µs, 3.61 vs 1.46; f32 within 3%).
+  (run 13). The fused launch (batch 1), whose two routes share one
+  register budget: with bf16x3 its f16 non-flush step was slower in both
+  side-by-side runs of session 13 (kernel_batch1_h200.md: 3.16 vs 2.89
+  µs, 3.61 vs 1.46); with bf16x2 (session 17, kernel_batch1_h200_session17
+  .md) its f16 flush took 5.4 against 3xTF32's 7.5 µs at the same
+  non-flush step; on an f32 checkpoint the non-flush step was 5% slower
+  with it (4.37 vs 4.15 µs), so f32 keeps 3xTF32 there.
 
   XLA:CPU has no TF32 algorithms, so interpret mode runs "dot_tf32x3" in
   exact f32 (the kernel code is otherwise the same).
@@ -785,7 +789,8 @@ def _fold_dot(mode, buffer_len: int, block_p: int, interpret: bool, *,
   if mode is None:
     pieces = 2 if jnp.dtype(ck_dtype).itemsize <= 2 else 3
     mode = ("rank1" if not fits else
-            f"dot_bf16x{pieces}" if bf16_b and not fused else "dot_tf32x3")
+            f"dot_bf16x{pieces}" if bf16_b and not (fused and pieces == 3)
+            else "dot_tf32x3")
   if mode == "rank1":
     return None
   if not fits:
@@ -800,6 +805,21 @@ def _fold_dot(mode, buffer_len: int, block_p: int, interpret: bool, *,
           "'dot_tf32x3'.")
     return mode.removeprefix("dot_")
   return _dot_precision(mode, interpret)
+
+
+def _output_bc_dot(mode, buffer_len: int, dtypes) -> bool:
+  """Whether the output route forms B_j . C by a dot
+  (`ReplayConfig.output_bc`; dtypes: the B buffer's, B's, C's)."""
+  if mode != "dot":
+    return False
+  names = {jnp.dtype(d).name for d in dtypes}
+  if buffer_len < 16 or len(names) != 1 or names - {"bfloat16", "float16"}:
+    raise NotImplementedError(
+        f"config.output_bc='dot' needs buffer_len >= 16 (Triton dot tiles) "
+        f"and the B buffer, B and C all bfloat16 or all float16 (exact "
+        f"products), got buffer_len {buffer_len} and dtypes "
+        f"{[jnp.dtype(d).name for d in dtypes]}.")
+  return True
 
 
 def _dot_precision(mode: str, interpret: bool):
@@ -1023,24 +1043,8 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                        interpret, field="flush_fold", tile="the flush block_p",
                        b_dtypes=(rstate.b_buf.dtype, B.dtype),
                        ck_dtype=rstate.checkpoint.dtype, fused=fused)
-  out_fold_dot = None
-  if config.output_fold:
-    if scaled:
-      raise NotImplementedError(
-          "config.output_fold=True folds the read tile as stored; an 8-bit "
-          "read copy's scales are applied to its readout instead. Use "
-          "output_fold=False with an 8-bit read copy.")
-    out_fold_dot = _fold_dot(
-        config.flush_fold, rstate.buffer_len, block_p, interpret,
-        field="flush_fold (with output_fold)", tile="block_p",
-        b_dtypes=(rstate.b_buf.dtype, B.dtype), ck_dtype=read.dtype,
-        fused=fused)
-    if out_fold_dot is None:  # the rank-1 fold folds every slot
-      raise NotImplementedError(
-          f"config.output_fold=True needs the dot fold (its window masks "
-          f"rows that have not filled their buffer): buffer_len and "
-          f"block_p >= 16 and flush_fold not 'rank1', got "
-          f"{rstate.buffer_len}, {block_p} and {config.flush_fold!r}.")
+  bc_dot = _output_bc_dot(config.output_bc, rstate.buffer_len,
+                          (rstate.b_buf.dtype, B.dtype, C.dtype))
   params = plgpu.CompilerParams(
       num_warps=config.num_warps or default_num_warps(read.dtype, fused),
       num_stages=config.num_stages)
@@ -1052,7 +1056,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
         nheads=nheads, flush_block_p=flush_block_p,
         prefetch=config.flush_prefetch, readout_chunk=config.readout_chunk,
         unmasked=config.output_unmasked_buffers, eager=config.output_eager,
-        out_fold_dot=out_fold_dot, **kw)
+        bc_dot=bc_dot, **kw)
     y, xb, bb, dtb, cnt, ck = pl.pallas_call(
         kernel, grid=(nprog + n0 * ngroups * batch,),
         out_shape=(sds((batch, nheads, headdim), x.dtype),
@@ -1090,9 +1094,8 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                           prefetch_heads=config.output_prefetch,
                           readout_chunk=config.readout_chunk,
                           unmasked=config.output_unmasked_buffers,
-                          eager=config.output_eager, fold_dot=out_fold_dot,
-                          **out_kw,
-                          **kw),
+                          eager=config.output_eager, bc_dot=bc_dot,
+                          **out_kw, **kw),
         grid=grid(block_p),
         out_shape=(sds((batch, nheads, headdim), x.dtype),
                    sds(rstate.x_buf.shape, rstate.x_buf.dtype),

@@ -261,47 +261,46 @@ def test_replay_kernel_step_every_row_flushes(fused):
   np.testing.assert_array_equal(r.count, r_ref.count)
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_replay_kernel_output_fold_with_dots(fused):
-  """output_fold at L 16 and block_p 16, where the fold is a dot (the
-  bf16 split in its own launch, 3xTF32 fused): y of every row and the
-  flush rows' checkpoints against the reference; non-flush rows' checkpoint
-  untouched."""
-  params, tok, rstate, counts = _mixed_state("float16", 16, 31,
+@pytest.mark.parametrize("fused,unmasked", [(False, False), (True, True)])
+def test_replay_kernel_output_bc_dot(fused, unmasked):
+  """output_bc='dot' at L 16 (the dot's tiles), ragged counts with flush
+  rows: y of every row and the new state against the reference, bit-equal
+  to the multiply-add form's state (only y's B . C terms change)."""
+  params, tok, rstate, counts = _mixed_state("float16", 16, 37,
                                              flush_rows=(1, 3))
+  tok = dict(tok, B=tok["B"].astype(jnp.bfloat16),
+             C=tok["C"].astype(jnp.bfloat16))  # as the bf16 B buffer
   kw = dict(**tok, **params, dt_softplus=True)
   y_ref, r_ref = rs.replay_state_update(rstate, **kw,
                                         implementation="reference")
+  base = dict(block_p=16, flush_programs=3, fused_launch=fused,
+              output_unmasked_buffers=unmasked)
   y, r = rs.replay_state_update(
       rstate, **kw, implementation="pallas",
-      config=pk.ReplayConfig(block_p=16, output_fold=True, flush_programs=3,
-                             fused_launch=fused))
-  tol = testing.tolerance("bfloat16", "float16")
-  testing.assert_close(y, y_ref, tol, "y")
+      config=pk.ReplayConfig(output_bc="dot", **base))
+  _, r_fma = rs.replay_state_update(
+      rstate, **kw, implementation="pallas", config=pk.ReplayConfig(**base))
+  testing.assert_close(y, y_ref, testing.tolerance("bfloat16", "float16"),
+                       "y")
   flush = counts == 15
   assert flush.any() and (~flush).any()
-  testing.assert_close(np.asarray(r.checkpoint, np.float32)[flush],
-                       np.asarray(r_ref.checkpoint, np.float32)[flush], tol,
-                       "flushed checkpoint")
-  np.testing.assert_array_equal(
-      harness.bits(np.asarray(r.checkpoint)[~flush]),
-      harness.bits(np.asarray(rstate.checkpoint)[~flush]))
+  jax.tree.map(np.testing.assert_array_equal,
+               jax.tree.map(harness.bits, r), jax.tree.map(harness.bits, r_fma))
   np.testing.assert_array_equal(r.count, r_ref.count)
 
 
-def test_output_fold_fields_are_checked():
-  with pytest.raises(ValueError, match="output_fold=True computes y from "
-                     "the folded tile, which precompute_bc"):
-    pk.ReplayConfig(output_fold=True, precompute_bc=True)
-  with pytest.raises(ValueError, match="output_unmasked_buffers would"):
-    pk.ReplayConfig(output_fold=True, output_unmasked_buffers=True)
+def test_output_bc_fields_are_checked():
+  with pytest.raises(ValueError, match="output_bc='dot' forms B_j . C"):
+    pk.ReplayConfig(output_bc="dot", precompute_bc=True)
   with pytest.raises(ValueError, match="output_route='mosaic_gpu'"):
-    pk.ReplayConfig(output_fold=True, output_route="mosaic_gpu")
+    pk.ReplayConfig(output_bc="dot", output_route="mosaic_gpu")
+  with pytest.raises(ValueError, match="output_bc"):
+    pk.ReplayConfig(output_bc="mma")
   params, tok, rstate, _ = _mixed_state("float32", 4, 79)
-  with pytest.raises(NotImplementedError, match="output_fold=True needs the "
-                     "dot fold"):
+  with pytest.raises(NotImplementedError, match="output_bc='dot' needs "
+                     "buffer_len >= 16"):
     rs.replay_state_update(rstate, **tok, **params, implementation="pallas",
-                           config=pk.ReplayConfig(output_fold=True))
+                           config=pk.ReplayConfig(output_bc="dot"))
 
 
 def test_replay_kernel_jitted_in_a_loop_compiles_once():
@@ -485,9 +484,9 @@ def test_replay_kernel_bf16_fold():
     testing.assert_close(r.checkpoint, r_ref.checkpoint, tol,
                          f"{fold} checkpoint")
     np.testing.assert_array_equal(r.count, r_ref.count)
-  # The default: the bf16 split for bf16 B in a flush launch of its own
-  # (two pieces for a 16-bit checkpoint, three for f32), 3xTF32 otherwise,
-  # rank-1 below Triton's dot tiles.
+  # The default: the bf16 split for bf16 B (two pieces for a 16-bit
+  # checkpoint, three for f32 in a flush launch of its own), 3xTF32
+  # otherwise, rank-1 below Triton's dot tiles.
   from pallas_kernels import replay as rk  # pylint: disable=g-import-not-at-top
   bf, f32 = jnp.bfloat16, jnp.float32
   default = functools.partial(rk._fold_dot, None, field="f", tile="t")  # pylint: disable=protected-access
@@ -499,6 +498,8 @@ def test_replay_kernel_bf16_fold():
   assert default(16, 16, False, b_dtypes=(bf, bf), ck_dtype=f32,
                  fused=True) == (
       jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3)  # shares its registers
+  assert default(16, 16, False, b_dtypes=(bf, bf), ck_dtype=jnp.float16,
+                 fused=True) == "bf16x2"
   assert default(8, 16, False, b_dtypes=(bf, bf), ck_dtype=f32) is None
   kw["B"] = kw["B"].astype(jnp.float32)
   with pytest.raises(NotImplementedError, match="needs bf16 B"):
@@ -889,8 +890,6 @@ LOWERING_REPLAY_CONFIGS = [
                     max_registers=96),
     pk.ReplayConfig(output_eager=True, output_unmasked_buffers=True,
                     fused_launch=True),
-    pk.ReplayConfig(output_fold=True, fused_launch=True),
-    pk.ReplayConfig(output_fold=True, fused_launch=False),
 ]
 
 
@@ -962,8 +961,7 @@ def test_kernels_lower_to_triton(config, batch, buffer_len, policy):
   def replay():
     _lower_replay(config, params, tok, rstate, pol)
 
-  if ((config.flush_fold not in (None, "rank1") or config.output_fold)
-      and buffer_len < 16):
+  if config.flush_fold not in (None, "rank1") and buffer_len < 16:
     with pytest.raises(NotImplementedError, match="block_p >= 16"):
       replay()
   elif config.output_all_rows and rstate.read_copy is not None:
