@@ -253,26 +253,27 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Measured: none faster than the default on the f16 non-flush step
     # (block_p 32 / 64 3.93 / 4.33 µs, capped 3.59, 2 warps 3.46, 8 warps
     # 4.31, against 3.46-3.56).
-    # Run 3 (set up after session 16's device time, not yet run): y from
-    # the folded tile (ReplayConfig.output_fold; Nsight Compute had the
-    # fused step at 1.87x the baseline's instructions), with the fused
-    # launch's 3xTF32 fold and with the bf16 split (ptxas offline, f16:
-    # 1456 / 1064 SASS instructions against the default's 1264, 34 SHFL
-    # against 62 with the split), and the bf16 split alone.
     # Run 3 (session 17, kernel_batch1_h200_session17.md): y from the
     # folded tile (ReplayConfig.output_fold, since removed) was slower
     # everywhere (f16 non-flush 5.81 µs with 3xTF32, 4.07 with the bf16
     # split, against 3.42); the bf16-split fold (dot_bf16x2) took the f16
     # flush from 7.56 to 5.36 µs at the same non-flush step (3.39), the
     # f32 flush 9.30 -> 7.49 but its non-flush 4.15 -> 4.37: two pieces
-    # became the fused launch's default on 16-bit checkpoints. Run 4: that
-    # default beside the old one (tf32), the window's B.C products by a
-    # dot (output_bc='dot'; offline, f16: 1208 SASS instructions against
-    # 1072), the default repeated.
+    # became the fused launch's default on 16-bit checkpoints. Run 4: f16
+    # amortized 3.48 µs against the baseline's 3.12 (0.90x; repeat 3.51,
+    # 3xTF32 3.76); the window's B.C products by a tensor-core dot
+    # (output_bc='dot', since removed: its shared-memory staging) 4.73
+    # non-flush against 3.35.
+    # Run 5: the fold as rank-1 updates (no dot staging: the batch-1 flush
+    # is latency-bound), rolled or unrolled; 8-row output tiles (1024
+    # output programs; the flush then folds rank-1 unless its block_p
+    # stays 16); the default repeated.
     config.replay_variants = ml_collections.ConfigDict(dict(
         same=dict(fused_launch=True),
-        tf32=dict(flush_fold="dot_tf32x3"),
-        bcdot=dict(output_bc="dot"),
+        rank1=dict(flush_fold="rank1"),
+        rank1_unroll=dict(flush_fold="rank1", flush_unroll=True),
+        bp8=dict(block_p=8),
+        bp8_f16=dict(block_p=8, flush_block_p=16),
     ))
 
   if arg == "launch":
@@ -361,14 +362,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # wait on the counter load: 9-14% slower on every state (non-flush f16
     # 178.1 against 164.0 µs, fp8 copies 121.1 / 123.1 against 111.2 /
     # 113.2): the ~L/2 more slots read cost more than the latency saved.
-    # Measured: ub=dict(output_unmasked_buffers=True).
-    # Session 17: the window's B.C products by one tensor-core dot of the
-    # stored bf16 B window and C (output_bc='dot') in place of L x dstate
-    # f32 multiply-adds and a cross-lane reduction per program (ptxas
-    # offline, f16, 2 warps: 128 registers, 1280 SASS instructions against
-    # 126 / 1232; static counts, the dot's shared-memory staging included).
+    # Session 17 (kernel_output_launch_h200_session17.md): the window's
+    # B.C products by one tensor-core dot of the stored bf16 B window and
+    # C (output_bc='dot', since removed) in place of L x dstate f32
+    # multiply-adds and a cross-lane reduction per program: non-flush f16
+    # 201.9 against 160.8 µs, fp8 copies 141.7 / 142.9 against 114.1 /
+    # 114.9 (the dot's operands go through shared memory).
     config.replay_variants = ml_collections.ConfigDict(dict(
-        bcdot=dict(output_bc="dot")))
+        ub=dict(output_unmasked_buffers=True)))
 
   if arg == "mosaic":
     # The Mosaic GPU kernels' first GPU run (each variant is checked against

@@ -283,12 +283,6 @@ class ReplayConfig(_LaunchConfig):
       16, 2 warps): caps of 104 / 96 / 80 / 64 were no faster than none
       on the f16 checkpoint (non-flush 160-169 µs against 161) and 3-21%
       slower on the fp8 read copies.
-    output_bc: how the Triton output route forms the window's products
-      bc_j = B_j . C: "fma" (f32 multiply-adds and a reduction over dstate
-      across lanes) or "dot" (one tensor-core dot of the stored B window
-      and C, exact products with f32 accumulation: needs buffer_len >= 16
-      and B, C and the B buffer all bf16 or all f16; not with
-      precompute_bc). None: "fma".
     flush_max_registers: cap on the registers per thread of the separate
       flush-route kernel (PTX .maxnreg, `capped_name`; 256: no cap); None
       = `replay.default_flush_launch`: at 4 warps 128 on a plain state
@@ -317,16 +311,10 @@ class ReplayConfig(_LaunchConfig):
   max_registers: int | None = None
   output_route: str = "triton"
   readout_chunk: int | None = None
-  output_bc: str | None = None
 
   def __post_init__(self):
     super().__post_init__()
     _check_choice("flush_grid", self.flush_grid, ("rows", "persistent"))
-    _check_choice("output_bc", self.output_bc, ("fma", "dot"), optional=True)
-    if self.output_bc == "dot" and self.precompute_bc:
-      raise ValueError(
-          "output_bc='dot' forms B_j . C in the kernel, which precompute_bc "
-          "moves to an XLA op before it; set one of them.")
     _check_choice("output_route", self.output_route,
                   ("triton", "mosaic_gpu"))
     if self.readout_chunk is not None:
@@ -334,7 +322,7 @@ class ReplayConfig(_LaunchConfig):
     clash = [name for name in ("output_all_rows", "precompute_bc",
                                "output_prefetch", "fused_launch",
                                "readout_chunk", "output_unmasked_buffers",
-                               "output_eager", "output_bc")
+                               "output_eager")
              if getattr(self, name)]
     if self.output_route == "mosaic_gpu" and clash:
       raise ValueError(

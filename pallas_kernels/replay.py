@@ -142,7 +142,7 @@ def _unpack(refs, n_in, n_out, has_D, has_z, has_bias):
 
 def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
                    scaled=False, prefetch_heads=False, readout_chunk=None,
-                   unmasked=False, eager=False, bc_dot=False, **kw):
+                   unmasked=False, eager=False, **kw):
   """Output route: y from checkpoint + buffer; non-flush rows append.
 
   With all_rows, flush rows take this route for y as well (the formula holds
@@ -162,13 +162,12 @@ def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
                 block_p=kw["block_p"],
                 heads_per_program=kw["heads_per_program"],
                 prefetch_heads=prefetch_heads, readout_chunk=readout_chunk,
-                unmasked=unmasked, eager=eager, bc_dot=bc_dot)
+                unmasked=unmasked, eager=eager)
 
 
 def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
                   block_p, heads_per_program, prefetch_heads=False,
-                  readout_chunk=None, unmasked=False, eager=False,
-                  bc_dot=False):
+                  readout_chunk=None, unmasked=False, eager=False):
   """The output route of item p (see _output_kernel for the refs);
   prefetch_heads: load the checkpoint tiles of all the program's heads
   before computing any (a Python loop over the heads); readout_chunk: the
@@ -176,8 +175,7 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
   buffer slot and zero the unfilled ones after
   (`ReplayConfig.output_unmasked_buffers`); eager: every row's program
   computes (its loads do not wait on the row's counter), a flush row's y
-  is not stored (the flush route stores it; `ReplayConfig.output_eager`);
-  bc_dot: the window's B . C by `_window_bc_dot`."""
+  is not stored (the flush route stores it; `ReplayConfig.output_eager`)."""
 
   def hist_load(ref, shape):
     """A buffer window [L, ...] f32: the filled slots, zeros past them."""
@@ -203,19 +201,15 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
     cnt_out[b] = jnp.where(p.valid, new, p.c).astype(cnt_out.dtype)
 
   def route():
-    if bc_dot:  # once per program, for all its heads
-      bc = _window_bc_dot(p, bb_ref.at[b, :, g, :], b_ref[b, g, :],
-                          c_ref[b, g, :], unmasked)
-    else:
-      cv = c_ref[b, g, :].astype(F32)  # [N]
-      b_cur = b_ref[b, g, :].astype(F32)
-      bc_cur = jnp.sum(b_cur * cv)
-      if precomputed_bc:  # bc_j = B_j . C precomputed per (row, slot, group)
-        bc_hist = hist_load(ins[10].at[b, :, g], (p.L,))
-      else:  # once per program, for all its heads
-        b_hist = hist_load(bb_ref.at[b, :, g, :], (p.L, cv.shape[0]))
-        bc_hist = jnp.sum(b_hist * cv[None, :], axis=1)
-      bc = jnp.where(p.cur, bc_cur, bc_hist)  # [L]
+    cv = c_ref[b, g, :].astype(F32)  # [N]
+    b_cur = b_ref[b, g, :].astype(F32)
+    bc_cur = jnp.sum(b_cur * cv)
+    if precomputed_bc:  # bc_j = B_j . C precomputed per (row, slot, group)
+      bc_hist = hist_load(ins[10].at[b, :, g], (p.L,))
+    else:  # once per program, for all its heads
+      b_hist = hist_load(bb_ref.at[b, :, g, :], (p.L, cv.shape[0]))  # [L, N]
+      bc_hist = jnp.sum(b_hist * cv[None, :], axis=1)
+    bc = jnp.where(p.cur, bc_cur, bc_hist)  # [L]
 
     def load_tile(r):
       return common.load_tile_blocks(ck_ref, (b, p.head0 + r, ps),
@@ -276,27 +270,6 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
     route()
   else:
     pl.when(jnp.logical_not(p.flush))(route)
-
-
-def _window_bc_dot(p, bwin_ref, b_cur, c, unmasked):
-  """bc_j = B_j . C of the window ([L] f32; B_c the current token, zeros
-  past it) as one tensor-core dot [L, N] x [N, 16] of the stored bf16
-  values (exact products, f32 accumulation) whose columns other than the
-  first are zeros, in place of L * N f32 multiply-adds and an L-wide
-  reduction over N across lanes."""
-  L, N = bwin_ref.shape
-  m = jnp.broadcast_to(p.hist[:, None], (L, N))
-  if unmasked:
-    b_hist = jnp.where(m, plgpu.load(bwin_ref), 0)
-  else:
-    b_hist = plgpu.load(bwin_ref, mask=m, other=0)
-  b_win = jnp.where(jnp.broadcast_to(p.cur[:, None], (L, N)),
-                    b_cur[None, :].astype(b_hist.dtype), b_hist)
-  col = lax.broadcasted_iota(jnp.int32, (N, 16), 1)
-  c_mat = jnp.where(col == 0, c[:, None].astype(b_win.dtype), 0)
-  bc = lax.dot_general(b_win, c_mat, (((1,), (0,)), ((), ())),
-                       preferred_element_type=F32)  # [L, 16]
-  return jnp.sum(bc, axis=1)  # exact: one nonzero column
 
 
 def _fold_loads(p, h, refs, *, fold_dot, block_p, valid=None):
@@ -676,7 +649,7 @@ def persistent_items(pid, active, item, *, num_programs, nheads, nblk,
 def _fused_kernel(*refs, has_D, has_z, has_bias, num_programs,
                   out_programs, ngroups, unroll, fold_dot, nheads,
                   flush_block_p, prefetch=False, readout_chunk=None,
-                  unmasked=False, eager=False, bc_dot=False, **kw):
+                  unmasked=False, eager=False, **kw):
   """Both routes in one launch (`ReplayConfig(fused_launch=True)`).
 
   Programs [0, num_programs) run the persistent flush route (first, so
@@ -712,8 +685,7 @@ def _fused_kernel(*refs, has_D, has_z, has_bias, num_programs,
     _output_route(p, ins[:10], opt, outs[:5], all_rows=False,
                   precomputed_bc=False, scaled=False, block_p=kw["block_p"],
                   heads_per_program=kw["heads_per_program"],
-                  readout_chunk=readout_chunk, unmasked=unmasked, eager=eager,
-                  bc_dot=bc_dot)
+                  readout_chunk=readout_chunk, unmasked=unmasked, eager=eager)
 
 
 def _mosaic_output_route(rstate, read, x, dt, A, B, C, D, z, dt_bias,
@@ -805,21 +777,6 @@ def _fold_dot(mode, buffer_len: int, block_p: int, interpret: bool, *,
           "'dot_tf32x3'.")
     return mode.removeprefix("dot_")
   return _dot_precision(mode, interpret)
-
-
-def _output_bc_dot(mode, buffer_len: int, dtypes) -> bool:
-  """Whether the output route forms B_j . C by a dot
-  (`ReplayConfig.output_bc`; dtypes: the B buffer's, B's, C's)."""
-  if mode != "dot":
-    return False
-  names = {jnp.dtype(d).name for d in dtypes}
-  if buffer_len < 16 or len(names) != 1 or names - {"bfloat16", "float16"}:
-    raise NotImplementedError(
-        f"config.output_bc='dot' needs buffer_len >= 16 (Triton dot tiles) "
-        f"and the B buffer, B and C all bfloat16 or all float16 (exact "
-        f"products), got buffer_len {buffer_len} and dtypes "
-        f"{[jnp.dtype(d).name for d in dtypes]}.")
-  return True
 
 
 def _dot_precision(mode: str, interpret: bool):
@@ -1043,8 +1000,6 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                        interpret, field="flush_fold", tile="the flush block_p",
                        b_dtypes=(rstate.b_buf.dtype, B.dtype),
                        ck_dtype=rstate.checkpoint.dtype, fused=fused)
-  bc_dot = _output_bc_dot(config.output_bc, rstate.buffer_len,
-                          (rstate.b_buf.dtype, B.dtype, C.dtype))
   params = plgpu.CompilerParams(
       num_warps=config.num_warps or default_num_warps(read.dtype, fused),
       num_stages=config.num_stages)
@@ -1056,7 +1011,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
         nheads=nheads, flush_block_p=flush_block_p,
         prefetch=config.flush_prefetch, readout_chunk=config.readout_chunk,
         unmasked=config.output_unmasked_buffers, eager=config.output_eager,
-        bc_dot=bc_dot, **kw)
+        **kw)
     y, xb, bb, dtb, cnt, ck = pl.pallas_call(
         kernel, grid=(nprog + n0 * ngroups * batch,),
         out_shape=(sds((batch, nheads, headdim), x.dtype),
@@ -1094,8 +1049,8 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                           prefetch_heads=config.output_prefetch,
                           readout_chunk=config.readout_chunk,
                           unmasked=config.output_unmasked_buffers,
-                          eager=config.output_eager, bc_dot=bc_dot,
-                          **out_kw, **kw),
+                          eager=config.output_eager, **out_kw,
+                          **kw),
         grid=grid(block_p),
         out_shape=(sds((batch, nheads, headdim), x.dtype),
                    sds(rstate.x_buf.shape, rstate.x_buf.dtype),

@@ -261,48 +261,6 @@ def test_replay_kernel_step_every_row_flushes(fused):
   np.testing.assert_array_equal(r.count, r_ref.count)
 
 
-@pytest.mark.parametrize("fused,unmasked", [(False, False), (True, True)])
-def test_replay_kernel_output_bc_dot(fused, unmasked):
-  """output_bc='dot' at L 16 (the dot's tiles), ragged counts with flush
-  rows: y of every row and the new state against the reference, bit-equal
-  to the multiply-add form's state (only y's B . C terms change)."""
-  params, tok, rstate, counts = _mixed_state("float16", 16, 37,
-                                             flush_rows=(1, 3))
-  tok = dict(tok, B=tok["B"].astype(jnp.bfloat16),
-             C=tok["C"].astype(jnp.bfloat16))  # as the bf16 B buffer
-  kw = dict(**tok, **params, dt_softplus=True)
-  y_ref, r_ref = rs.replay_state_update(rstate, **kw,
-                                        implementation="reference")
-  base = dict(block_p=16, flush_programs=3, fused_launch=fused,
-              output_unmasked_buffers=unmasked)
-  y, r = rs.replay_state_update(
-      rstate, **kw, implementation="pallas",
-      config=pk.ReplayConfig(output_bc="dot", **base))
-  _, r_fma = rs.replay_state_update(
-      rstate, **kw, implementation="pallas", config=pk.ReplayConfig(**base))
-  testing.assert_close(y, y_ref, testing.tolerance("bfloat16", "float16"),
-                       "y")
-  flush = counts == 15
-  assert flush.any() and (~flush).any()
-  jax.tree.map(np.testing.assert_array_equal,
-               jax.tree.map(harness.bits, r), jax.tree.map(harness.bits, r_fma))
-  np.testing.assert_array_equal(r.count, r_ref.count)
-
-
-def test_output_bc_fields_are_checked():
-  with pytest.raises(ValueError, match="output_bc='dot' forms B_j . C"):
-    pk.ReplayConfig(output_bc="dot", precompute_bc=True)
-  with pytest.raises(ValueError, match="output_route='mosaic_gpu'"):
-    pk.ReplayConfig(output_bc="dot", output_route="mosaic_gpu")
-  with pytest.raises(ValueError, match="output_bc"):
-    pk.ReplayConfig(output_bc="mma")
-  params, tok, rstate, _ = _mixed_state("float32", 4, 79)
-  with pytest.raises(NotImplementedError, match="output_bc='dot' needs "
-                     "buffer_len >= 16"):
-    rs.replay_state_update(rstate, **tok, **params, implementation="pallas",
-                           config=pk.ReplayConfig(output_bc="dot"))
-
-
 def test_replay_kernel_jitted_in_a_loop_compiles_once():
   params, tok, rstate, _ = _mixed_state("float32", 4, 21)
   traces = []
