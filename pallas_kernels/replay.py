@@ -748,10 +748,11 @@ def _fold_dot(mode, buffer_len: int, block_p: int, interpret: bool, *,
   (run 13). The fused launch (batch 1), whose two routes share one
   register budget: with bf16x3 its f16 non-flush step was slower in both
   side-by-side runs of session 13 (kernel_batch1_h200.md: 3.16 vs 2.89
-  µs, 3.61 vs 1.46); with bf16x2 (session 17, kernel_batch1_h200_session17
-  .md) its f16 flush took 5.4 against 3xTF32's 7.5 µs at the same
-  non-flush step; on an f32 checkpoint the non-flush step was 5% slower
-  with it (4.37 vs 4.15 µs), so f32 keeps 3xTF32 there.
+  µs, 3.61 vs 1.46, timings since found unsound at batch 1); with bf16x2
+  (session 17, kernel_batch1_h200_session17.md) its f16 flush took 5.5
+  against 3xTF32's 7.5 µs at the same non-flush step; on an f32
+  checkpoint the non-flush step was 5% slower with it (4.37 vs 4.15 µs),
+  so f32 keeps 3xTF32 there.
 
   XLA:CPU has no TF32 algorithms, so interpret mode runs "dot_tf32x3" in
   exact f32 (the kernel code is otherwise the same).
