@@ -271,6 +271,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # 5.5, 8-row tiles 4.3-4.6 µs non-flush against 3.37.
     # Run 6: larger flush items (flush_block_p 32 / 64: 256 / 128 items
     # for the 528 flush programs), the output route's tiles unchanged.
+    # Measured: f16 flush 5.23 / 5.34 against 5.40-5.52 µs, non-flush 4.06
+    # / 3.66 against 3.33-3.45 (the one kernel's registers are the larger
+    # route's).
     config.replay_variants = ml_collections.ConfigDict(dict(
         same=dict(fused_launch=True),
         fbp32=dict(flush_block_p=32),
