@@ -10,7 +10,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import numpy as np
@@ -256,12 +255,6 @@ class ReplayConfig(_LaunchConfig):
       benchmarks/kernel_mosaic_h200.md): slower than "triton" on every
       state tried (non-flush step at batch 256: f32 324 vs 284 µs, f16 203
       vs 164, f32 master + fp8 copy 145 vs 132).
-    readout_math: "f32" or "f16": with an 8-bit read copy (fp8 e4m3 /
-      int8), the output route's readout S C in f16 (`readout_f16`: the
-      converted tile stays f16, C scaled by a power of two so no partial
-      sum overflows) instead of converting every element to f32; its
-      rounding (~2^-11) is far below the copy's own (2^-4 for e4m3).
-      Triton output route only, no readout_chunk.
     readout_chunk: the Triton output route loads and reads out its state
       tile in [block_p, readout_chunk] column blocks (see
       `VerifyConfig.readout_chunk`); None: the whole dstate at once. H200
@@ -318,16 +311,10 @@ class ReplayConfig(_LaunchConfig):
   max_registers: int | None = None
   output_route: str = "triton"
   readout_chunk: int | None = None
-  readout_math: str = "f32"
 
   def __post_init__(self):
     super().__post_init__()
     _check_choice("flush_grid", self.flush_grid, ("rows", "persistent"))
-    _check_choice("readout_math", self.readout_math, ("f32", "f16"))
-    if self.readout_math == "f16" and self.readout_chunk:
-      raise ValueError(
-          "readout_math='f16' reads the whole tile out at once; leave "
-          "readout_chunk unset.")
     _check_choice("output_route", self.output_route,
                   ("triton", "mosaic_gpu"))
     if self.readout_chunk is not None:
@@ -337,8 +324,6 @@ class ReplayConfig(_LaunchConfig):
                                "readout_chunk", "output_unmasked_buffers",
                                "output_eager")
              if getattr(self, name)]
-    if self.readout_math != "f32":
-      clash.append("readout_math")
     if self.output_route == "mosaic_gpu" and clash:
       raise ValueError(
           f"output_route='mosaic_gpu' replaces the Triton output route, "
@@ -488,32 +473,6 @@ def readouts(blocks, vectors):
       acc = prod if acc is None else acc + prod
     out.append(jnp.sum(acc, axis=1))
   return out
-
-
-def readout_f16(tile, c, qmax: float):
-  """sum_n S[:, n] c[n] ([block_p] f32) of an 8-bit tile [block_p, N]
-  (values within +-qmax) with the products and the dstate sum in f16.
-
-  c is scaled by the power of two p >= max|c| (exact), and by a further
-  static power of two when N * qmax would pass f16's range, so no partial
-  sum can overflow; the sum is rescaled by p in f32. The f16 rounding of
-  the products and partial sums (~2^-11 relative) is far finer than the
-  8-bit values' own (2^-4 for e4m3), and the converted tile stays f16
-  (no per-element conversion to f32).
-  """
-  n = tile.shape[-1]
-  headroom = 1.0
-  while n * qmax * headroom > 32768.0:  # half of f16's max, for rounding
-    headroom *= 0.5
-  c = c.astype(F32)
-  bits = (lax.bitcast_convert_type(jnp.max(jnp.abs(c)), jnp.int32)
-          & 0x7F800000)  # 2^floor(log2 max|c|); 0 if subnormal or zero
-  p = jnp.where(bits > 0, lax.bitcast_convert_type(bits, F32) * 2.0,
-                2.0 ** -125)
-  c16 = (c * (headroom / p)).astype(jnp.float16)
-  prod = tile.astype(jnp.float16) * c16[None, :]
-  total = lax.reduce_sum(prod, (1,))
-  return total.astype(F32) * (p / headroom)
 
 
 def finish_output(y, x, D, z):

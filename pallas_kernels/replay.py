@@ -142,7 +142,7 @@ def _unpack(refs, n_in, n_out, has_D, has_z, has_bias):
 
 def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
                    scaled=False, prefetch_heads=False, readout_chunk=None,
-                   unmasked=False, eager=False, qmax16=None, **kw):
+                   unmasked=False, eager=False, **kw):
   """Output route: y from checkpoint + buffer; non-flush rows append.
 
   With all_rows, flush rows take this route for y as well (the formula holds
@@ -162,13 +162,12 @@ def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
                 block_p=kw["block_p"],
                 heads_per_program=kw["heads_per_program"],
                 prefetch_heads=prefetch_heads, readout_chunk=readout_chunk,
-                unmasked=unmasked, eager=eager, qmax16=qmax16)
+                unmasked=unmasked, eager=eager)
 
 
 def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
                   block_p, heads_per_program, prefetch_heads=False,
-                  readout_chunk=None, unmasked=False, eager=False,
-                  qmax16=None):
+                  readout_chunk=None, unmasked=False, eager=False):
   """The output route of item p (see _output_kernel for the refs);
   prefetch_heads: load the checkpoint tiles of all the program's heads
   before computing any (a Python loop over the heads); readout_chunk: the
@@ -176,9 +175,7 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
   buffer slot and zero the unfilled ones after
   (`ReplayConfig.output_unmasked_buffers`); eager: every row's program
   computes (its loads do not wait on the row's counter), a flush row's y
-  is not stored (the flush route stores it; `ReplayConfig.output_eager`);
-  qmax16: the 8-bit copy's qmax, to read it out in f16
-  (`ReplayConfig.readout_math="f16"`; None: in f32)."""
+  is not stored (the flush route stores it; `ReplayConfig.output_eager`)."""
 
   def hist_load(ref, shape):
     """A buffer window [L, ...] f32: the filled slots, zeros past them."""
@@ -228,12 +225,8 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
       x_cur = x_ref[b, h, ps].astype(F32)  # [block_p]
       x_hist = hist_load(xb_ref.at[b, :, h, ps], (p.L, block_p))
       x_win = jnp.where(p.cur[:, None], x_cur[None, :], x_hist)
-      if qmax16 is not None:
-        (tile,) = s0
-        readout = common.readout_f16(tile, c_ref[b, g, :], qmax16)
-      else:
-        (readout,) = common.readouts(  # [block_p]
-            s0, [lambda cols: c_ref[b, g, cols]])
+      (readout,) = common.readouts(  # [block_p]
+          s0, [lambda cols: c_ref[b, g, cols]])
       if scale is not None:
         # precision.dequantize is q * scale per (head, headdim row), so the
         # scale factors out of the dstate sum: one multiply per row, not
@@ -966,13 +959,6 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   # one; otherwise the same inputs and kernel code as the plain state.
   read = rstate.checkpoint if rstate.read_copy is None else rstate.read_copy
   scaled = rstate.read_scale is not None
-  if config.readout_math == "f16" and not scaled:
-    raise NotImplementedError(
-        f"config.readout_math='f16' reads an 8-bit read copy "
-        f"(float8_e4m3fn / int8) out in f16; this state reads a "
-        f"{jnp.dtype(read.dtype).name} "
-        f"{'checkpoint' if rstate.read_copy is None else 'read copy'}: use "
-        f"readout_math='f32'.")
   state_in = [read, rstate.x_buf, rstate.b_buf, rstate.dt_buf, rstate.count]
   token_in = [x, dt, A, B, C]
   optional = [v for v in (D, z, dt_bias) if v is not None]
@@ -1054,8 +1040,6 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   # Both routes always launch; each program exits at once on rows that are
   # not its route's (no host-side branch; every row's route is data).
   out_kw = dict(scaled=True) if scaled else {}
-  if config.readout_math == "f16":
-    out_kw["qmax16"] = P.QMAX[jnp.dtype(read.dtype).name]
   if config.output_route == "mosaic_gpu":
     y, xb, bb, dtb, cnt = _mosaic_output_route(
         rstate, read, x, dt, A, B, C, D, z, dt_bias, dt_softplus, interpret)
