@@ -4,7 +4,9 @@ Nemotron-H 8B Mamba layer at batch 256 (`--batch`), L 16, bf16 inputs:
 one baseline step, then two replay steps whose counters are `--counts`:
 "natural" (row % L: 1/L of the rows flush, session 1's profile), "flush"
 (every row folds: the full-batch flush step of the amortized figure) or
-"nonflush" (no row folds).
+"nonflush" (no row folds). `--policy` (e.g. f16+fp8) gives the replay
+state a precision policy's master and read copy
+(`replayssm_jax.precision`); `--dtype` then only sets the baseline's.
 
   ncu --clock-control none -k regex:replayssm_replay_flush -c 2 \
       --section SpeedOfLight ... python benchmarks/scripts/ncu_profile.py \
@@ -17,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 import replayssm_jax as R
+from replayssm_jax import precision
 from replayssm_jax import testing as T
 from replayssm_jax.state import ReplayState
 
@@ -28,7 +31,11 @@ def main():
   ap.add_argument("--dtype", choices=("float16", "float32", "bfloat16"),
                   default="float16", help="checkpoint / baseline state")
   ap.add_argument("--batch", type=int, default=256)
+  ap.add_argument("--policy", default=None,
+                  help="a PrecisionPolicy preset for the replay state")
   a = ap.parse_args()
+  pol = (None if a.policy is None
+         else precision.PrecisionPolicy.preset(a.policy))
   b, H, P, N, G, L = a.batch, 128, 64, 128, 8, 16
   dt = jnp.dtype(a.dtype)
   prm = T.random_params(jax.random.PRNGKey(0), H)
@@ -38,16 +45,22 @@ def main():
   counts = dict(natural=jnp.arange(b) % L, flush=jnp.full((b,), L - 1),
                 nonflush=jnp.full((b,), (L - 2) // 2))[a.counts]
   S = jax.random.normal(kk[4], (b, H, P, N)).astype(dt)
+  master = jax.random.normal(kk[0], (b, H, P, N))
   rs = ReplayState(
-      checkpoint=jax.random.normal(kk[0], (b, H, P, N)).astype(dt),
+      checkpoint=master.astype(dt if pol is None else pol.checkpoint_dtype),
       x_buf=jax.random.normal(kk[1], (b, L, H, P)).astype(jnp.bfloat16),
       b_buf=jax.random.normal(kk[2], (b, L, G, N)).astype(jnp.bfloat16),
       dt_buf=jax.random.uniform(kk[3], (b, L, H), jnp.float32, 0.01, 0.2),
       count=counts.astype(jnp.int32))
+  if pol is not None and pol.read_dtype is not None:
+    copy, scale = precision.store(rs.checkpoint.astype(jnp.float32),
+                                  pol.read_dtype)
+    rs = rs.replace(read_copy=copy, read_scale=scale)
   kw = dict(**inp, **prm, dt_softplus=True, implementation="pallas")
   fb = jax.jit(lambda s: R.selective_state_update(s, **kw),
                donate_argnums=0)
-  fr = jax.jit(lambda r: R.replay_state_update(r, **kw), donate_argnums=0)
+  fr = jax.jit(lambda r: R.replay_state_update(r, **kw, policy=pol),
+               donate_argnums=0)
   _, S = fb(S)
   jax.block_until_ready(S)
   for _ in range(2):
@@ -56,7 +69,7 @@ def main():
     _, out = fr(rs)
     jax.block_until_ready(out)
     rs = out.replace(count=counts.astype(jnp.int32))
-  print("done", a.counts, a.dtype)
+  print("done", a.counts, a.dtype, a.policy)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@
 #   bash benchmarks/scripts/run_h200.sh ncu_verify # Nsight Compute on the verify window kernel (default and the pre-session-8 default)
 #   bash benchmarks/scripts/run_h200.sh ncu_flush  # Nsight Compute on the flush route with every row folding (f16 checkpoint, b 256, L 16): stall reasons, instruction mix, source counters (1.5 min, session 11: it profiles one launch; with two, the second failed and the GPU stayed out of memory for the next part)
 #   bash benchmarks/scripts/run_h200.sh ncu_b1     # Nsight Compute at batch 1 (f16, no row folding): the baseline step and the fused replay step
+#   bash benchmarks/scripts/run_h200.sh ncu_fp8    # Nsight Compute of the output route at batch 256 (no row folding): plain f16 checkpoint vs f16 master + fp8 copy (not yet run)
 #   bash benchmarks/scripts/run_h200.sh policies [overrides]  # replay per precision policy (session 15: defaults only, 2.4 min for all 8; now also the uncapped flush) vs the f16 baseline, b 256, L 16 (2.5 min for 4 policies x 3 in session 9; > 4.8 min for all 7 x 2 in session 12, cut at its 290 s limit; 2.8 min for 3 x 4)
 #   bash benchmarks/scripts/run_h200.sh output_launch  # the output route's launch shape on the f16 checkpoint and the fp8 read copies, b 256, L 16 (5 variants: 1.8 min in session 11; session 15: 4 register caps 2 min, one variant 45 s)
 #   bash benchmarks/scripts/run_h200.sh precision small  # train the <task>_small_ssm models if missing, then the accuracy study (sizes tiny|small|medium|large; tiny took > 4.5 min with the old MQAR task, the full 12-policy study needs several calls or fewer policies)
@@ -233,5 +234,22 @@ P.run(c, sys.argv[1])" "$OUT/precision_mqar1024_rest" ;;
       --section InstructionStats --section MemoryWorkloadAnalysis \
       python benchmarks/scripts/ncu_profile.py --counts nonflush --batch 1 \
       > "$OUT/ncu_b1.txt" 2>&1 ;;
+  ncu_fp8)
+    # Batch 256, no row folding: the output route on the plain f16
+    # checkpoint (~90% of the copy bandwidth) beside the f16 master + fp8
+    # copy (~70%; reading it out in f16 did not help, session 17): stalls,
+    # occupancy, memory throughput of one launch each.
+    for pol in none f16+fp8; do
+      args=(--counts nonflush)
+      [ "$pol" = none ] || args+=(--policy "$pol")
+      timeout "$T" ncu --clock-control none \
+        -k regex:replayssm_replay_output_route -c 1 \
+        --section SpeedOfLight --section Occupancy --section LaunchStats \
+        --section WarpStateStats --section SchedulerStats \
+        --section InstructionStats --section MemoryWorkloadAnalysis \
+        --section SourceCounters \
+        python benchmarks/scripts/ncu_profile.py "${args[@]}" \
+        > "$OUT/ncu_output_route_${pol/+/_}.txt" 2>&1
+    done ;;
   *) echo "unknown part: $1" >&2; exit 2 ;;
 esac
