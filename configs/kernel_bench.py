@@ -274,10 +274,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Measured: f16 flush 5.23 / 5.34 against 5.40-5.52 µs, non-flush 4.06
     # / 3.66 against 3.33-3.45 (the one kernel's registers are the larger
     # route's).
+    # Run 7 (set up after session 17's device time, not yet run): the
+    # readout and B-window products by explicit multiply-adds over dstate
+    # column blocks of 64 / 32 (ReplayConfig.output_fma; ptxas offline,
+    # f16, one launch: 992 / 1072 SASS instructions against 1072).
     config.replay_variants = ml_collections.ConfigDict(dict(
         same=dict(fused_launch=True),
-        fbp32=dict(flush_block_p=32),
-        fbp64=dict(flush_block_p=64),
+        fma64=dict(output_fma=True),
+        fma32=dict(output_fma=True, readout_chunk=32),
     ))
 
   if arg == "launch":
@@ -377,9 +381,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # HFMA2, ~1 instruction per element against ~3 with the conversion to
     # f32, C scaled by a power of two; ptxas offline 1104 SASS
     # instructions against 1208): non-flush 124.9 / 126.4 against 115.2 /
-    # 114.9 µs (f32 / f16 master): the route is not issue-bound.
+    # 114.9 µs (f32 / f16 master). Nsight Compute then
+    # (ncu_h200_output_route_b256_*_session17.txt): the fp8 route issues
+    # on 76% of its cycles, and 38% of its instructions are FP32
+    # multiplies and adds that XLA's Triton did not fuse.
+    # Next (set up after session 17's device time, not yet run): explicit
+    # multiply-adds over dstate column blocks of 64 / 32
+    # (ReplayConfig.output_fma).
     config.replay_variants = ml_collections.ConfigDict(dict(
-        ub=dict(output_unmasked_buffers=True)))
+        fma64=dict(output_fma=True),
+        fma32=dict(output_fma=True, readout_chunk=32)))
 
   if arg == "mosaic":
     # The Mosaic GPU kernels' first GPU run (each variant is checked against
