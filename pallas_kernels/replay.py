@@ -1016,7 +1016,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                        ck_dtype=rstate.checkpoint.dtype, fused=fused)
   # The output route's column blocks and multiply-adds (output_fma).
   out_fma = dict(readout_chunk=config.readout_chunk)
-  if config.output_fma:
+  if config.output_fma:  # (dstate is a power of two: the dispatcher's check)
     out_fma = dict(readout_chunk=min(config.readout_chunk or 64,
                                      rstate.checkpoint.shape[-1]),
                    fma_asm=not interpret)
