@@ -504,12 +504,8 @@ def readouts(blocks, vectors, fma_asm=False):
     acc = None
     for k, blk in enumerate(blocks):
       vk = v(pl.ds(k * chunk, chunk)).astype(F32)[None, :]
-      if acc is None:
-        acc = blk.astype(F32) * vk
-      elif fma_asm:
-        acc = fma(blk, vk, acc, True)
-      else:
-        acc = acc + blk.astype(F32) * vk
+      acc = (blk.astype(F32) * vk if acc is None
+             else fma(blk, vk, acc, fma_asm))
     out.append(jnp.sum(acc, axis=1))
   return out
 

@@ -211,13 +211,12 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
     if precomputed_bc:  # bc_j = B_j . C precomputed per (row, slot, group)
       bc_hist = hist_load(ins[10].at[b, :, g], (p.L,))
     elif fma_asm is not None:  # column blocks, multiply-adds across them
-      acc = None
-      for k in range(cv.shape[0] // readout_chunk):
-        cols = pl.ds(k * readout_chunk, readout_chunk)
-        blk = hist_load(bb_ref.at[b, :, g, cols], (p.L, readout_chunk))
-        ck = c_ref[b, g, cols].astype(F32)[None, :]
-        acc = blk * ck if acc is None else common.fma(blk, ck, acc, fma_asm)
-      bc_hist = jnp.sum(acc, axis=1)
+      blocks = [hist_load(bb_ref.at[b, :, g, pl.ds(k * readout_chunk,
+                                                   readout_chunk)],
+                          (p.L, readout_chunk))
+                for k in range(cv.shape[0] // readout_chunk)]
+      (bc_hist,) = common.readouts(blocks, [lambda cols: c_ref[b, g, cols]],
+                                   fma_asm=fma_asm)
     else:  # once per program, for all its heads
       b_hist = hist_load(bb_ref.at[b, :, g, :], (p.L, cv.shape[0]))  # [L, N]
       bc_hist = jnp.sum(b_hist * cv[None, :], axis=1)
