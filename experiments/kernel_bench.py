@@ -368,11 +368,11 @@ def time_loop(loop, states, inputs, params, extra, *, num_sets,
 
   The number of loop iterations per call starts at 1 and grows until the
   steps of one call, t(2n) - t(n) (the smaller of two such differences),
-  last >= min_call_s (not the whole call:
-  at batch 1 the call's fixed cost alone, ~2-7 ms of host dispatch for
-  60-128 donated state sets, outlasted min_call_s, so the timed difference
-  covered ~0.4 ms of steps and drowned in the dispatch jitter; session
-  15's f16 batch-1 baseline had a p10 of 0.04 µs per ~3 µs step). Then
+  last >= min_call_s (not the whole call: at batch 1 the call's fixed
+  cost alone, ~2-7 ms of host dispatch for 60-128 donated state sets,
+  outlasted min_call_s, so the timed difference covered ~0.4 ms of steps
+  and drowned in the dispatch jitter; session 15's f16 batch-1 baseline
+  had a p10 of 0.04 µs per ~3 µs step). Then
   `iters` interleaved pairs of calls with n and 2n iterations are timed:
   per-step time = (t(2n) - t(n)) / (steps of n iterations), which cancels
   the fixed cost of a call (host dispatch and argument handling, which

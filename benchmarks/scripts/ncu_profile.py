@@ -45,9 +45,9 @@ def main():
   counts = dict(natural=jnp.arange(b) % L, flush=jnp.full((b,), L - 1),
                 nonflush=jnp.full((b,), (L - 2) // 2))[a.counts]
   S = jax.random.normal(kk[4], (b, H, P, N)).astype(dt)
-  master = jax.random.normal(kk[0], (b, H, P, N))
   rs = ReplayState(
-      checkpoint=master.astype(dt if pol is None else pol.checkpoint_dtype),
+      checkpoint=jax.random.normal(kk[0], (b, H, P, N)).astype(
+          dt if pol is None else pol.checkpoint_dtype),
       x_buf=jax.random.normal(kk[1], (b, L, H, P)).astype(jnp.bfloat16),
       b_buf=jax.random.normal(kk[2], (b, L, G, N)).astype(jnp.bfloat16),
       dt_buf=jax.random.uniform(kk[3], (b, L, H), jnp.float32, 0.01, 0.2),

@@ -58,6 +58,11 @@ specdec_bench() {
   timeout "$T" python -m experiments.specdec_bench \
     --config=configs/specdec_bench.py --workdir="$OUT/$1" "${@:2}"
 }
+# Nsight Compute: clocks as they run and the sections every ncu part reads
+# (a part adds its own).
+NCU=(ncu --clock-control none --section SpeedOfLight --section Occupancy
+     --section LaunchStats --section WarpStateStats --section SchedulerStats
+     --section InstructionStats --section MemoryWorkloadAnalysis)
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu_${1}.csv"
 case "$1" in
   sweep)
@@ -207,31 +212,22 @@ P.run(c, sys.argv[1])" "$OUT/precision_mqar1024_rest" ;;
     XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout "$T" \
       python benchmarks/scripts/verify_sweep.py --out "$OUT/verify_sweep.json" "${@:2}" ;;
   ncu_verify)
-    timeout "$T" ncu --clock-control none -k regex:replayssm_verify_window \
-      -c 3 --section SpeedOfLight --section Occupancy --section LaunchStats \
-      --section WarpStateStats --section SchedulerStats \
-      --section ComputeWorkloadAnalysis --section InstructionStats \
-      --section MemoryWorkloadAnalysis \
+    timeout "$T" "${NCU[@]}" -k regex:replayssm_verify_window -c 3 \
+      --section ComputeWorkloadAnalysis \
       python benchmarks/scripts/verify_sweep.py --check_only \
       --variants default,terms --out "$OUT/verify_check.json" \
       > "$OUT/ncu_verify.txt" 2>&1 ;;
   ncu_flush)
-    timeout "$T" ncu --clock-control none -k regex:replayssm_replay_flush \
-      -c 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
-      --section WarpStateStats --section SchedulerStats \
-      --section ComputeWorkloadAnalysis --section InstructionStats \
-      --section MemoryWorkloadAnalysis --section SourceCounters \
+    timeout "$T" "${NCU[@]}" -k regex:replayssm_replay_flush -c 1 \
+      --section ComputeWorkloadAnalysis --section SourceCounters \
       python benchmarks/scripts/ncu_profile.py --counts flush \
       > "$OUT/ncu_flush.txt" 2>&1 ;;
   ncu_b1)
     # Batch 1, f16, no row folding: the baseline step beside the fused
     # replay step (two launches of it), each kernel's own time, stalls and
     # instruction counts (issue 3's f16 batch-1 gap, session 16).
-    timeout "$T" ncu --clock-control none \
+    timeout "$T" "${NCU[@]}" -c 3 \
       -k regex:"replayssm_selective_state_update|replayssm_replay_fused" \
-      -c 3 --section SpeedOfLight --section Occupancy --section LaunchStats \
-      --section WarpStateStats --section SchedulerStats \
-      --section InstructionStats --section MemoryWorkloadAnalysis \
       python benchmarks/scripts/ncu_profile.py --counts nonflush --batch 1 \
       > "$OUT/ncu_b1.txt" 2>&1 ;;
   ncu_fp8)
@@ -242,11 +238,7 @@ P.run(c, sys.argv[1])" "$OUT/precision_mqar1024_rest" ;;
     for pol in none f16+fp8; do
       args=(--counts nonflush)
       [ "$pol" = none ] || args+=(--policy "$pol")
-      timeout "$T" ncu --clock-control none \
-        -k regex:replayssm_replay_output_route -c 1 \
-        --section SpeedOfLight --section Occupancy --section LaunchStats \
-        --section WarpStateStats --section SchedulerStats \
-        --section InstructionStats --section MemoryWorkloadAnalysis \
+      timeout "$T" "${NCU[@]}" -k regex:replayssm_replay_output_route -c 1 \
         --section SourceCounters \
         python benchmarks/scripts/ncu_profile.py "${args[@]}" \
         > "$OUT/ncu_output_route_${pol/+/_}.txt" 2>&1
