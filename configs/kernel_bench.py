@@ -274,14 +274,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Measured: f16 flush 5.23 / 5.34 against 5.40-5.52 µs, non-flush 4.06
     # / 3.66 against 3.33-3.45 (the one kernel's registers are the larger
     # route's).
-    # Run 7 (set up after session 17's device time, not yet run): the
-    # readout and B-window products by explicit multiply-adds over dstate
-    # column blocks of 64 / 32 (ReplayConfig.output_fma; ptxas offline,
-    # f16, one launch: 992 / 1072 SASS instructions against 1072).
+    # Run 7 (session 18, kernel_batch1_h200_session18.md): the readout
+    # and B-window products by explicit PTX multiply-adds over dstate
+    # column blocks of 64 / 32 (ReplayConfig.output_fma, since removed;
+    # ptxas offline, f16, one launch: 992 / 1072 SASS instructions against
+    # 1072). Measured: f16 non-flush 3.53 / 3.48 µs against 3.41 / 3.47
+    # (the default twice), f32 4.17 / 4.00 against 4.17 / 4.10: no faster
+    # beyond the default's own spread.
     config.replay_variants = ml_collections.ConfigDict(dict(
         same=dict(fused_launch=True),
-        fma64=dict(output_fma=True),
-        fma32=dict(output_fma=True, readout_chunk=32),
     ))
 
   if arg == "launch":
@@ -385,12 +386,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # (ncu_h200_output_route_b256_*_session17.txt): the fp8 route issues
     # on 76% of its cycles, and 38% of its instructions are FP32
     # multiplies and adds that XLA's Triton did not fuse.
-    # Next (set up after session 17's device time, not yet run): explicit
+    # Session 18 (kernel_output_launch_h200_session18.md): explicit PTX
     # multiply-adds over dstate column blocks of 64 / 32
-    # (ReplayConfig.output_fma).
+    # (ReplayConfig.output_fma, since removed; ptxas offline 1128 SASS
+    # instructions against 1208 on the fp8 copy): non-flush f16 176.5 /
+    # 256.7 against 162.6 µs, fp8 copies 125.6-125.8 / 164.6-165.4
+    # against 114.9-115.0 (ptxas offline, f16: 164 registers per thread
+    # against 126).
     config.replay_variants = ml_collections.ConfigDict(dict(
-        fma64=dict(output_fma=True),
-        fma32=dict(output_fma=True, readout_chunk=32)))
+        same=dict()))
 
   if arg == "mosaic":
     # The Mosaic GPU kernels' first GPU run (each variant is checked against

@@ -255,18 +255,6 @@ class ReplayConfig(_LaunchConfig):
       benchmarks/kernel_mosaic_h200.md): slower than "triton" on every
       state tried (non-flush step at batch 256: f32 324 vs 284 µs, f16 203
       vs 164, f32 master + fp8 copy 145 vs 132).
-    output_fma: the Triton output route's readout S C and B-window
-      products B_j . C accumulate over dstate column blocks (readout_chunk,
-      None: 64) by explicit fused multiply-adds (`common.fma`: one PTX
-      fma.rn.f32 each; plain ops in interpret mode), then one reduction
-      over the block. H200 Nsight Compute (session 17): 38% of the
-      output route's instructions were unfused FP32 multiplies and adds,
-      and with an fp8 copy the route is issue-bound. ptxas offline (a
-      Triton that fuses some pairs itself), batch 256, 2 warps: f16 1072
-      SASS instructions against 1232 (164 registers against 126), f16 +
-      fp8 copy 1128 against 1208 (chunk 32: 1096 / 1272); batch 1, one
-      launch: 992 against 1072. Built after session 17's device time:
-      not yet measured on a GPU.
     readout_chunk: the Triton output route loads and reads out its state
       tile in [block_p, readout_chunk] column blocks (see
       `VerifyConfig.readout_chunk`); None: the whole dstate at once. H200
@@ -323,15 +311,10 @@ class ReplayConfig(_LaunchConfig):
   max_registers: int | None = None
   output_route: str = "triton"
   readout_chunk: int | None = None
-  output_fma: bool = False
 
   def __post_init__(self):
     super().__post_init__()
     _check_choice("flush_grid", self.flush_grid, ("rows", "persistent"))
-    if self.output_fma and self.precompute_bc:
-      raise ValueError(
-          "output_fma=True accumulates the B-window products in the "
-          "kernel, which precompute_bc moves to an XLA op; set one of them.")
     _check_choice("output_route", self.output_route,
                   ("triton", "mosaic_gpu"))
     if self.readout_chunk is not None:
@@ -339,7 +322,7 @@ class ReplayConfig(_LaunchConfig):
     clash = [name for name in ("output_all_rows", "precompute_bc",
                                "output_prefetch", "fused_launch",
                                "readout_chunk", "output_unmasked_buffers",
-                               "output_eager", "output_fma")
+                               "output_eager")
              if getattr(self, name)]
     if self.output_route == "mosaic_gpu" and clash:
       raise ValueError(
@@ -475,37 +458,19 @@ def load_tile_blocks(ref, tile, chunk):
           for k in range(nstate // chunk)]
 
 
-def fma(a, b, c, asm: bool):
-  """a * b + c in f32 (broadcast to one shape). asm: one PTX fma.rn.f32 per
-  element (`plgpu.elementwise_inline_asm`), for a Triton that emits the
-  multiply and the add as two instructions (XLA's bundled one on the H200
-  fused 2.4M of 34M such pairs in the output route, Nsight Compute,
-  session 17); otherwise (and in interpret mode, which cannot run PTX)
-  the plain product and sum."""
-  a, b, c = jnp.broadcast_arrays(a.astype(F32), b.astype(F32),
-                                 c.astype(F32))
-  if not asm:
-    return a * b + c
-  (out,) = plgpu.elementwise_inline_asm(
-      "fma.rn.f32 $0, $1, $2, $3;", args=[a, b, c], constraints="=f,f,f,f",
-      pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, F32)])
-  return out
-
-
-def readouts(blocks, vectors, fma_asm=False):
+def readouts(blocks, vectors):
   """sum_n S[:, n] v[n] ([block_p] f32) of the tile S given as column
   blocks (`load_tile_blocks`), for each v in vectors: callables taking the
   block's column slice and returning v there ([chunk], any float dtype).
-  The products are summed over the blocks elementwise (by `fma` with
-  fma_asm), then reduced once per vector."""
+  The products are summed over the blocks elementwise, then reduced once
+  per vector."""
   chunk = blocks[0].shape[-1]
   out = []
   for v in vectors:
     acc = None
     for k, blk in enumerate(blocks):
-      vk = v(pl.ds(k * chunk, chunk)).astype(F32)[None, :]
-      acc = (blk.astype(F32) * vk if acc is None
-             else fma(blk, vk, acc, fma_asm))
+      prod = blk.astype(F32) * v(pl.ds(k * chunk, chunk)).astype(F32)[None, :]
+      acc = prod if acc is None else acc + prod
     out.append(jnp.sum(acc, axis=1))
   return out
 

@@ -142,7 +142,7 @@ def _unpack(refs, n_in, n_out, has_D, has_z, has_bias):
 
 def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
                    scaled=False, prefetch_heads=False, readout_chunk=None,
-                   unmasked=False, eager=False, fma_asm=None, **kw):
+                   unmasked=False, eager=False, **kw):
   """Output route: y from checkpoint + buffer; non-flush rows append.
 
   With all_rows, flush rows take this route for y as well (the formula holds
@@ -162,13 +162,12 @@ def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
                 block_p=kw["block_p"],
                 heads_per_program=kw["heads_per_program"],
                 prefetch_heads=prefetch_heads, readout_chunk=readout_chunk,
-                unmasked=unmasked, eager=eager, fma_asm=fma_asm)
+                unmasked=unmasked, eager=eager)
 
 
 def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
                   block_p, heads_per_program, prefetch_heads=False,
-                  readout_chunk=None, unmasked=False, eager=False,
-                  fma_asm=None):
+                  readout_chunk=None, unmasked=False, eager=False):
   """The output route of item p (see _output_kernel for the refs);
   prefetch_heads: load the checkpoint tiles of all the program's heads
   before computing any (a Python loop over the heads); readout_chunk: the
@@ -176,10 +175,7 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
   buffer slot and zero the unfilled ones after
   (`ReplayConfig.output_unmasked_buffers`); eager: every row's program
   computes (its loads do not wait on the row's counter), a flush row's y
-  is not stored (the flush route stores it; `ReplayConfig.output_eager`);
-  fma_asm: not None accumulates the readout and the B-window products over
-  the readout_chunk column blocks by `common.fma` (asm: PTX fma;
-  `ReplayConfig.output_fma`)."""
+  is not stored (the flush route stores it; `ReplayConfig.output_eager`)."""
 
   def hist_load(ref, shape):
     """A buffer window [L, ...] f32: the filled slots, zeros past them."""
@@ -210,13 +206,6 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
     bc_cur = jnp.sum(b_cur * cv)
     if precomputed_bc:  # bc_j = B_j . C precomputed per (row, slot, group)
       bc_hist = hist_load(ins[10].at[b, :, g], (p.L,))
-    elif fma_asm is not None:  # column blocks, multiply-adds across them
-      blocks = [hist_load(bb_ref.at[b, :, g, pl.ds(k * readout_chunk,
-                                                   readout_chunk)],
-                          (p.L, readout_chunk))
-                for k in range(cv.shape[0] // readout_chunk)]
-      (bc_hist,) = common.readouts(blocks, [lambda cols: c_ref[b, g, cols]],
-                                   fma_asm=fma_asm)
     else:  # once per program, for all its heads
       b_hist = hist_load(bb_ref.at[b, :, g, :], (p.L, cv.shape[0]))  # [L, N]
       bc_hist = jnp.sum(b_hist * cv[None, :], axis=1)
@@ -237,7 +226,7 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
       x_hist = hist_load(xb_ref.at[b, :, h, ps], (p.L, block_p))
       x_win = jnp.where(p.cur[:, None], x_cur[None, :], x_hist)
       (readout,) = common.readouts(  # [block_p]
-          s0, [lambda cols: c_ref[b, g, cols]], fma_asm=bool(fma_asm))
+          s0, [lambda cols: c_ref[b, g, cols]])
       if scale is not None:
         # precision.dequantize is q * scale per (head, headdim row), so the
         # scale factors out of the dstate sum: one multiply per row, not
@@ -660,7 +649,7 @@ def persistent_items(pid, active, item, *, num_programs, nheads, nblk,
 def _fused_kernel(*refs, has_D, has_z, has_bias, num_programs,
                   out_programs, ngroups, unroll, fold_dot, nheads,
                   flush_block_p, prefetch=False, readout_chunk=None,
-                  unmasked=False, eager=False, fma_asm=None, **kw):
+                  unmasked=False, eager=False, **kw):
   """Both routes in one launch (`ReplayConfig(fused_launch=True)`).
 
   Programs [0, num_programs) run the persistent flush route (first, so
@@ -696,8 +685,7 @@ def _fused_kernel(*refs, has_D, has_z, has_bias, num_programs,
     _output_route(p, ins[:10], opt, outs[:5], all_rows=False,
                   precomputed_bc=False, scaled=False, block_p=kw["block_p"],
                   heads_per_program=kw["heads_per_program"],
-                  readout_chunk=readout_chunk, unmasked=unmasked, eager=eager,
-                  fma_asm=fma_asm)
+                  readout_chunk=readout_chunk, unmasked=unmasked, eager=eager)
 
 
 def _mosaic_output_route(rstate, read, x, dt, A, B, C, D, z, dt_bias,
@@ -1013,12 +1001,6 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                        interpret, field="flush_fold", tile="the flush block_p",
                        b_dtypes=(rstate.b_buf.dtype, B.dtype),
                        ck_dtype=rstate.checkpoint.dtype, fused=fused)
-  # The output route's column blocks and multiply-adds (output_fma).
-  out_fma = dict(readout_chunk=config.readout_chunk)
-  if config.output_fma:  # (dstate is a power of two: the dispatcher's check)
-    out_fma = dict(readout_chunk=min(config.readout_chunk or 64,
-                                     rstate.checkpoint.shape[-1]),
-                   fma_asm=not interpret)
   params = plgpu.CompilerParams(
       num_warps=config.num_warps or default_num_warps(read.dtype, fused),
       num_stages=config.num_stages)
@@ -1028,7 +1010,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
         _fused_kernel, num_programs=nprog, out_programs=n0,
         ngroups=ngroups, unroll=config.flush_unroll, fold_dot=fold_dot,
         nheads=nheads, flush_block_p=flush_block_p,
-        prefetch=config.flush_prefetch, **out_fma,
+        prefetch=config.flush_prefetch, readout_chunk=config.readout_chunk,
         unmasked=config.output_unmasked_buffers, eager=config.output_eager,
         **kw)
     y, xb, bb, dtb, cnt, ck = pl.pallas_call(
@@ -1066,7 +1048,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
         functools.partial(_output_kernel, all_rows=config.output_all_rows,
                           precomputed_bc=config.precompute_bc,
                           prefetch_heads=config.output_prefetch,
-                          **out_fma,
+                          readout_chunk=config.readout_chunk,
                           unmasked=config.output_unmasked_buffers,
                           eager=config.output_eager, **out_kw,
                           **kw),
