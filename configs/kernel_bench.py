@@ -222,8 +222,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # (738.8 against 712-714 µs at batch 256, 188.6 against 181 at 64),
     # f16 the same (398.5 against 402-409); rows1 again 645.4 (f32) but
     # +18 µs on the non-flush step.
+    # Run 20 (session 18): the flush launch picked per step on the device
+    # (ReplayConfig.flush_switch, a lax.switch on the number of flush
+    # rows): no launch on a step without flush rows, the rows grid at 1 /
+    # 2 heads per program when every row flushes, the persistent grid
+    # otherwise (the natural cycle).
     config.replay_variants = ml_collections.ConfigDict(dict(
-        rows1=dict(flush_grid="rows", flush_heads_per_program=1)))
+        switch1=dict(flush_switch=True, flush_heads_per_program=1),
+        switch2=dict(flush_switch=True, flush_heads_per_program=2)))
 
   if arg == "batch1":
     # Batch 1 (one launch for both routes, replay.default_fused_launch):
@@ -281,8 +287,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # 1072). Measured: f16 non-flush 3.53 / 3.48 µs against 3.41 / 3.47
     # (the default twice), f32 4.17 / 4.00 against 4.17 / 4.10: no faster
     # beyond the default's own spread.
+    # Run 8 (session 18): two launches with the flush launch skipped on
+    # steps without flush rows (ReplayConfig.flush_switch), so a
+    # non-flush step is the output route's launch alone.
     config.replay_variants = ml_collections.ConfigDict(dict(
         same=dict(fused_launch=True),
+        switch=dict(flush_switch=True, flush_heads_per_program=1),
     ))
 
   if arg == "launch":
