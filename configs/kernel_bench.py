@@ -224,12 +224,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # +18 µs on the non-flush step.
     # Run 20 (session 18): the flush launch picked per step on the device
     # (ReplayConfig.flush_switch, a lax.switch on the number of flush
-    # rows): no launch on a step without flush rows, the rows grid at 1 /
-    # 2 heads per program when every row flushes, the persistent grid
-    # otherwise (the natural cycle).
+    # rows; since removed): no launch on a step without flush rows, the
+    # rows grid at 1 / 2 heads per program when every row flushes, the
+    # persistent grid otherwise (the natural cycle). Measured: 3.3-3.7x
+    # slower (f32 amortized 1055 against 308 µs): XLA copied the state
+    # around the conditional (90 copies per timed loop), and at batch 1,
+    # without copies, each conditional cost ~11 µs (a device-to-host read
+    # of its branch index).
     config.replay_variants = ml_collections.ConfigDict(dict(
-        switch1=dict(flush_switch=True, flush_heads_per_program=1),
-        switch2=dict(flush_switch=True, flush_heads_per_program=2)))
+        rows1=dict(flush_grid="rows", flush_heads_per_program=1)))
 
   if arg == "batch1":
     # Batch 1 (one launch for both routes, replay.default_fused_launch):
@@ -288,11 +291,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # (the default twice), f32 4.17 / 4.00 against 4.17 / 4.10: no faster
     # beyond the default's own spread.
     # Run 8 (session 18): two launches with the flush launch skipped on
-    # steps without flush rows (ReplayConfig.flush_switch), so a
-    # non-flush step is the output route's launch alone.
+    # steps without flush rows (ReplayConfig.flush_switch, since removed),
+    # so a non-flush step is the output route's launch alone. Measured:
+    # non-flush 14.4 / 15.0 µs (f32 / f16) against 4.07 / 3.38: each
+    # XLA conditional waits on a device-to-host read.
     config.replay_variants = ml_collections.ConfigDict(dict(
         same=dict(fused_launch=True),
-        switch=dict(flush_switch=True, flush_heads_per_program=1),
     ))
 
   if arg == "launch":

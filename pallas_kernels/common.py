@@ -199,16 +199,6 @@ class ReplayConfig(_LaunchConfig):
       launch slot: ~30 µs per step at batch 256 on the H200);
       "persistent" launches `flush_programs` programs that share out the
       (flush row, head, headdim block) items of the flush rows only.
-    flush_switch: pick the flush launch per step on the device
-      (`lax.switch` on the number of flush rows): none -> no flush launch,
-      every row -> the rows grid (flush_heads_per_program), some -> the
-      persistent grid; flush_grid is then unused. Separate launches only
-      (fused_launch None or False). For batches whose rows flush together
-      (a decode started from one prefill keeps its counters aligned), so
-      that the (L-1)/L non-flush steps launch no flush programs and the
-      flush step takes the grid that was fastest with every row folding
-      (H200, session 16: rows grid f32 655 against 712 µs). Not yet
-      measured.
     flush_heads_per_program: heads of one group per program of the rows
       flush grid (None: heads_per_program); only with flush_grid="rows".
       Fewer programs exit at once on a non-flush step, each flush program
@@ -308,7 +298,6 @@ class ReplayConfig(_LaunchConfig):
   flush_unroll: bool = False
   flush_fold: str | None = None
   flush_grid: str = "persistent"
-  flush_switch: bool = False
   flush_heads_per_program: int | None = None
   flush_programs: int | None = None
   fused_launch: bool | None = None
@@ -350,12 +339,11 @@ class ReplayConfig(_LaunchConfig):
     _check_registers("flush_max_registers", self.flush_max_registers)
     _check_registers("max_registers", self.max_registers)
     _check_count("flush_heads_per_program", self.flush_heads_per_program)
-    if (self.flush_heads_per_program and self.flush_grid != "rows"
-        and not self.flush_switch):
+    if self.flush_heads_per_program and self.flush_grid != "rows":
       raise ValueError(
-          "flush_heads_per_program needs flush_grid='rows' or "
-          "flush_switch=True (the persistent grid shares out (row, head, "
-          f"block) items), got flush_grid={self.flush_grid!r}.")
+          "flush_heads_per_program needs flush_grid='rows' (the persistent "
+          "grid shares out (row, head, block) items), got "
+          f"flush_grid={self.flush_grid!r}.")
     if self.flush_prefetch and self.flush_grid != "persistent":
       raise ValueError(
           "flush_prefetch=True needs flush_grid='persistent' (the rows grid "

@@ -985,7 +985,6 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
       ("precompute_bc", config.precompute_bc),
       ("output_prefetch", config.output_prefetch),
       ("output_route='mosaic_gpu'", config.output_route != "triton"),
-      ("flush_switch", config.flush_switch),
   ) if bad]
   if config.fused_launch and unsupported:
     raise NotImplementedError(
@@ -1070,11 +1069,23 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   writes_y = not config.output_all_rows
   flush_kw = dict(kw, block_p=flush_block_p, writes_y=writes_y,
                   unroll=config.flush_unroll, fold_dot=fold_dot)
+  count = rstate.count
+  if config.flush_grid == "persistent":
+    kernel = functools.partial(_flush_persistent_kernel, nheads=nheads,
+                               num_programs=nprog,
+                               prefetch=config.flush_prefetch, **flush_kw)
+    flush_grid = (nprog,)
+    count = count_pow2
+  else:
+    kernel = functools.partial(_flush_kernel,
+                               **dict(flush_kw, heads_per_program=flush_hb))
+    flush_grid = grid(flush_block_p, flush_hb)
   out_shape = ((sds(y.shape, y.dtype),) if writes_y else ()) + (
       sds(rstate.checkpoint.shape, rstate.checkpoint.dtype),)
   aliases = {10: 0, 0: 1} if writes_y else {0: 0}
   copy_in = []
   if spec is not None:
+    kernel = functools.partial(kernel, copy_spec=spec)
     # Read copy and scales: aliased input -> output after the master, so
     # only flush rows' tiles are stored and the others keep their bits.
     first_in, first_out = 10 + writes_y, 1 + writes_y
@@ -1086,51 +1097,14 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     keys = _sr_keys(spec, policy, layer, rstate)
     if keys is not None:
       copy_in.append(keys)
-
-  def flush_launch(flush_grid, ck, xb, bb, dtb, y, copy_in):
-    """The flush route's launch on the "persistent" or "rows" grid."""
-    count = rstate.count
-    if flush_grid == "persistent":
-      kernel = functools.partial(_flush_persistent_kernel, nheads=nheads,
-                                 num_programs=nprog,
-                                 prefetch=config.flush_prefetch, **flush_kw)
-      launch_grid = (nprog,)
-      count = count_pow2
-    else:
-      kernel = functools.partial(_flush_kernel,
-                                 **dict(flush_kw, heads_per_program=flush_hb))
-      launch_grid = grid(flush_block_p, flush_hb)
-    if spec is not None:
-      kernel = functools.partial(kernel, copy_spec=spec)
-    return pl.pallas_call(
-        kernel, grid=launch_grid,
-        out_shape=out_shape,
-        input_output_aliases=aliases,
-        compiler_params=flush_params, interpret=interpret,
-        name=common.capped_name("replayssm_replay_flush_route", flush_cap),
-    )(ck, xb, bb, dtb, count, *token_in, *([y] if writes_y else []),
-      *copy_in, *optional)
-
-  if not config.flush_switch:
-    outs = flush_launch(config.flush_grid, rstate.checkpoint, xb, bb, dtb, y,
-                        copy_in)
-  else:
-    # Picked per step on the device by how many rows flush: none -> no
-    # launch (the aliased outputs are the inputs), every row -> the rows
-    # grid (no row search, no idle program), some -> the persistent grid.
-    nflush = jnp.sum((rstate.count == rstate.buffer_len - 1).astype(
-        jnp.int32))
-    branch = jnp.where(nflush == 0, 0, jnp.where(nflush == batch, 1, 2))
-
-    def skip(ck, xb, bb, dtb, y, copy_in):
-      del xb, bb, dtb  # (copy_in may end with the rounding keys: no output)
-      return tuple(([y] if writes_y else []) + [ck] + list(copy_in)
-                   )[:len(out_shape)]
-
-    outs = lax.switch(
-        branch, [skip, functools.partial(flush_launch, "rows"),
-                 functools.partial(flush_launch, "persistent")],
-        rstate.checkpoint, xb, bb, dtb, y, tuple(copy_in))
+  outs = pl.pallas_call(
+      kernel, grid=flush_grid,
+      out_shape=out_shape,
+      input_output_aliases=aliases,
+      compiler_params=flush_params, interpret=interpret,
+      name=common.capped_name("replayssm_replay_flush_route", flush_cap),
+  )(rstate.checkpoint, xb, bb, dtb, count, *token_in,
+    *([y] if writes_y else []), *copy_in, *optional)
   if writes_y:
     y, outs = outs[0], outs[1:]
   ck, outs = outs[0], outs[1:]

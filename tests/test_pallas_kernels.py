@@ -261,46 +261,6 @@ def test_replay_kernel_step_every_row_flushes(fused):
   np.testing.assert_array_equal(r.count, r_ref.count)
 
 
-@pytest.mark.parametrize("aligned", [True, False])
-def test_replay_kernel_flush_switch(aligned):
-  """ReplayConfig.flush_switch picks the flush launch per step by the number
-  of flush rows: with aligned counters (all 2, L 4) the 6 jitted steps take
-  no launch, every-row folds (the rows grid) and none again; ragged
-  counters take the persistent grid on every step with a flush row."""
-  L = 4
-  counts = (np.full((DIMS.batch,), 2) if aligned
-            else np.array(C.ragged_counts(DIMS.batch, L)))
-  params, tok = _step_inputs(31)
-  rstate, _ = testing.random_replay_state(
-      jax.random.PRNGKey(32), DIMS.batch, DIMS.nheads, DIMS.headdim,
-      DIMS.dstate, DIMS.ngroups, L, counts, params["A"],
-      checkpoint_dtype=jnp.float32, buffer_dtype=jnp.bfloat16)
-  config = pk.ReplayConfig(block_p=8, flush_switch=True, flush_programs=3,
-                           flush_heads_per_program=2)
-
-  def run(impl, **kw):
-    step = jax.jit(lambda r, t: rs.replay_state_update(
-        r, **t, **params, dt_softplus=True, implementation=impl, **kw))
-    r, ys = rstate, []
-    for i in range(6):
-      t = jax.tree.map(lambda a, i=i: jnp.roll(a, i, axis=0), tok)
-      y, r = step(r, t)
-      ys.append(y)
-    return ys, r
-
-  ys_ref, r_ref = run("reference")
-  ys, r = run("pallas", config=config)
-  tol = testing.tolerance("bfloat16", "float32")
-  for i, (y, y_ref) in enumerate(zip(ys, ys_ref)):
-    testing.assert_close(y, y_ref, tol, f"y of step {i}")
-  testing.assert_close(r.checkpoint, r_ref.checkpoint, tol, "checkpoint")
-  np.testing.assert_array_equal(r.count, r_ref.count)
-  with pytest.raises(NotImplementedError, match="flush_switch"):
-    rs.replay_state_update(rstate, **tok, **params, implementation="pallas",
-                           config=pk.ReplayConfig(flush_switch=True,
-                                                  fused_launch=True))
-
-
 def test_replay_kernel_jitted_in_a_loop_compiles_once():
   params, tok, rstate, _ = _mixed_state("float32", 4, 21)
   traces = []
@@ -603,7 +563,6 @@ POLICY_CASES = [
     ("f32+int8", pk.ReplayConfig(output_route="mosaic_gpu",
                                  flush_grid="rows")),
     ("f16+fp8", pk.ReplayConfig(readout_chunk=4)),
-    ("f16+fp8+sr", pk.ReplayConfig(flush_switch=True, flush_programs=3)),
 ]
 POLICY_L = 4
 POLICY_STEPS = 2 * POLICY_L + 1  # every row flushes twice
