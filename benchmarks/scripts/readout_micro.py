@@ -1,0 +1,180 @@
+"""The state readout y0 = S C alone, in three forms, on an 8-bit / 16-bit
+tile: is a tensor-core readout cheaper than the output route's
+elementwise one?
+
+The replay output route on an fp8 read copy is bound by instruction issue
+(Nsight Compute, benchmarks/README.md "Session 17"): per stored element a
+conversion, a multiply and an add. Forms timed here, each one Pallas Triton
+program per (row, head) tile [headdim, dstate]:
+
+* `elementwise`: the route's form, sum_n f32(S[p, n]) C[n].
+* `dot_fp8`: one fp8 tensor-core dot [P, N] x [N, 16] of the stored e4m3
+  tile with C cut into three e4m3 pieces (columns 0-2: C 2^s = c0 +
+  2^-4 c1 + 2^-8 c2 + r, |r| <= 2^-12 max|C 2^s|), so the tile is never
+  converted; y0 = 2^-s (d0 + 2^-4 d1 + 2^-8 d2).
+* `dot_f16`: the tile converted to f16 and one f16 dot with C in two f16
+  pieces (hi, lo).
+
+Each is checked against the f32 einsum, then timed as the median of
+t(2n) - t(n) over jitted loops (the tile set is larger than the L2).
+
+  PYTHONPATH=. python benchmarks/scripts/readout_micro.py --out /tmp/ro
+"""
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+F32 = jnp.float32
+E4M3 = jnp.float8_e4m3fn
+NCOL = 16  # the dots' N (Pallas Triton dots need every dim >= 16)
+
+
+def fp8_pieces(C):
+  """[..., N] -> ([..., N, NCOL] e4m3 pieces, [...] f32 2^-s)."""
+  C = C.astype(F32)
+  amax = jnp.max(jnp.abs(C), axis=-1, keepdims=True)
+  s = jnp.floor(jnp.log2(448.0 / jnp.maximum(amax, 1e-30)))
+  u = C * jnp.exp2(s)
+  cols = []
+  for _ in range(3):
+    p = u.astype(E4M3)
+    cols.append(p)
+    u = (u - p.astype(F32)) * 16.0
+  pad = jnp.zeros(C.shape + (NCOL - 3,), E4M3)
+  return (jnp.concatenate([jnp.stack(cols, -1), pad], -1),
+          jnp.exp2(-s)[..., 0])
+
+
+def f16_pieces(C):
+  C = C.astype(F32)
+  hi = C.astype(jnp.float16)
+  lo = (C - hi.astype(F32)).astype(jnp.float16)
+  pad = jnp.zeros(C.shape + (NCOL - 2,), jnp.float16)
+  return jnp.concatenate([jnp.stack([hi, lo], -1), pad], -1)
+
+
+def _specs(S, per_group, cshape):
+  P, N = S.shape[2:]
+  tile = pl.BlockSpec((None, None, P, N), lambda b, h: (b, h, 0, 0))
+  cvec = pl.BlockSpec((None, None) + cshape,
+                      lambda b, h: (b, h // per_group) + (0,) * len(cshape))
+  out = pl.BlockSpec((None, None, P), lambda b, h: (b, h, 0))
+  return [tile, cvec], out
+
+
+def readout(S, Cin, form, warps, interpret=False):
+  """y0 [batch, nheads, P] f32 of S [batch, nheads, P, N] and the C operand
+  of `form` ([batch, ngroups, N] f32, or its pieces)."""
+  batch, nheads, P, N = S.shape
+  per_group = nheads // Cin.shape[1]
+  cshape = Cin.shape[2:]
+  w = jnp.array([1.0, 2.0 ** -4, 2.0 ** -8] + [0.0] * (NCOL - 3), F32)
+  if form == "dot_f16":
+    w = jnp.array([1.0, 1.0] + [0.0] * (NCOL - 2), F32)
+
+  def kernel(s_ref, c_ref, w_ref, o_ref):
+    s = s_ref[...]
+    if form == "elementwise":
+      o_ref[...] = jnp.sum(s.astype(F32) * c_ref[...][None, :], axis=1)
+      return
+    if form == "dot_f16":
+      s = s.astype(jnp.float16)
+    acc = jnp.dot(s, c_ref[...], preferred_element_type=F32)  # [P, NCOL]
+    o_ref[...] = jnp.sum(acc * w_ref[...][None, :], axis=1)
+
+  in_specs, out_spec = _specs(S, per_group, cshape)
+  in_specs.append(pl.BlockSpec((NCOL,), lambda b, h: (0,)))
+  return pl.pallas_call(
+      kernel, grid=(batch, nheads), in_specs=in_specs, out_specs=out_spec,
+      out_shape=jax.ShapeDtypeStruct((batch, nheads, P), F32),
+      compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1),
+      interpret=interpret, name=f"readout_{form}")(S, Cin, w)
+
+
+def operands(form, C):
+  if form == "dot_fp8":
+    return fp8_pieces(C)
+  if form == "dot_f16":
+    return f16_pieces(C), None
+  return C.astype(F32), None
+
+
+def timed(fn, args, n0=8):
+  @jax.jit
+  def loop(n, *args):
+    def body(i, acc):
+      return acc + fn(*args)[0, 0, 0] * 1e-9
+    return jax.lax.fori_loop(0, n, body, jnp.zeros((), F32))
+
+  def t(n):
+    jax.block_until_ready(loop(n, *args))
+    t0 = time.perf_counter()
+    jax.block_until_ready(loop(n, *args))
+    return time.perf_counter() - t0
+
+  n = n0
+  while t(2 * n) - t(n) < 0.02:
+    n *= 2
+  ds = sorted((t(2 * n) - t(n)) / n for _ in range(7))
+  return ds[len(ds) // 2] * 1e6
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--batch", type=int, default=256)
+  ap.add_argument("--out", default=None)
+  ap.add_argument("--interpret", action="store_true")
+  a = ap.parse_args()
+  nheads, P, N, G = (128, 64, 128, 8) if not a.interpret else (4, 16, 32, 2)
+  key = jax.random.PRNGKey(0)
+  k1, k2 = jax.random.split(key)
+  S32 = jax.random.normal(k1, (a.batch, nheads, P, N), F32)
+  C = jax.random.normal(k2, (a.batch, G, N), F32).astype(jnp.bfloat16)
+  results = dict(device=str(jax.devices()[0].device_kind),
+                 jax=jax.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC",
+                                                         time.gmtime()),
+                 batch=a.batch, rows=[])
+  for sdt in (E4M3, jnp.float16):
+    S = S32.astype(sdt)
+    Cg = jnp.repeat(C.astype(F32), nheads // G, axis=1)
+    ref = jnp.einsum("bhpn,bhn->bhp", S.astype(F32), Cg,
+                     precision=jax.lax.Precision.HIGHEST)
+    nbytes = S.size * S.dtype.itemsize
+    for form in ("elementwise", "dot_fp8", "dot_f16"):
+      if form == "dot_fp8" and sdt != E4M3:
+        continue
+      cin, scale = operands(form, C)
+      for warps in (2, 4):
+        row = dict(state=jnp.dtype(sdt).name, form=form, warps=warps)
+        try:
+          fn = jax.jit(lambda S, cin, scale, form=form, warps=warps: (
+              readout(S, cin, form, warps, a.interpret)
+              * (1.0 if scale is None
+                 else jnp.repeat(scale, nheads // G, axis=1)[..., None])))
+          y = fn(S, cin, scale)
+          err = float(jnp.max(jnp.abs(y - ref)) /
+                      jnp.max(jnp.abs(ref)))
+          row["max_rel_err"] = err
+          if not a.interpret:
+            us = timed(fn, (S, cin, scale))
+            row.update(us=us, gbps=nbytes / us / 1e3)
+        except Exception as e:  # pylint: disable=broad-except
+          row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        print(json.dumps(row), flush=True)
+        results["rows"].append(row)
+  if a.out:
+    import os
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "readout_micro.json"), "w") as f:
+      json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
