@@ -60,18 +60,20 @@ def f16_pieces(C):
   return jnp.concatenate([jnp.stack([hi, lo], -1), pad], -1)
 
 
-def _specs(S, per_group, cshape):
+def _specs(S, per_group, cshape, hp):
   P, N = S.shape[2:]
-  tile = pl.BlockSpec((None, None, P, N), lambda b, h: (b, h, 0, 0))
+  tile = pl.BlockSpec((None, hp, P, N), lambda b, h: (b, h, 0, 0))
   cvec = pl.BlockSpec((None, None) + cshape,
-                      lambda b, h: (b, h // per_group) + (0,) * len(cshape))
-  out = pl.BlockSpec((None, None, P), lambda b, h: (b, h, 0))
+                      lambda b, h: (b, h * hp // per_group)
+                      + (0,) * len(cshape))
+  out = pl.BlockSpec((None, hp, P), lambda b, h: (b, h, 0))
   return [tile, cvec], out
 
 
-def readout(S, Cin, form, warps, interpret=False):
+def readout(S, Cin, form, warps, interpret=False, hp=1):
   """y0 [batch, nheads, P] f32 of S [batch, nheads, P, N] and the C operand
-  of `form` ([batch, ngroups, N] f32, or its pieces)."""
+  of `form` ([batch, ngroups, N] f32, or its pieces); hp heads (of one
+  group) per program, their tiles loaded together (elementwise only)."""
   batch, nheads, P, N = S.shape
   per_group = nheads // Cin.shape[1]
   cshape = Cin.shape[2:]
@@ -82,17 +84,19 @@ def readout(S, Cin, form, warps, interpret=False):
   def kernel(s_ref, c_ref, w_ref, o_ref):
     s = s_ref[...]
     if form == "elementwise":
-      o_ref[...] = jnp.sum(s.astype(F32) * c_ref[...][None, :], axis=1)
+      o_ref[...] = jnp.sum(s.astype(F32) * c_ref[...][None, None, :],
+                           axis=2)
       return
+    s = s[0]
     if form == "dot_f16":
       s = s.astype(jnp.float16)
     acc = jnp.dot(s, c_ref[...], preferred_element_type=F32)  # [P, NCOL]
-    o_ref[...] = jnp.sum(acc * w_ref[...][None, :], axis=1)
+    o_ref[...] = jnp.sum(acc * w_ref[...][None, :], axis=1)[None]
 
-  in_specs, out_spec = _specs(S, per_group, cshape)
+  in_specs, out_spec = _specs(S, per_group, cshape, hp)
   in_specs.append(pl.BlockSpec((NCOL,), lambda b, h: (0,)))
   return pl.pallas_call(
-      kernel, grid=(batch, nheads), in_specs=in_specs, out_specs=out_spec,
+      kernel, grid=(batch, nheads // hp), in_specs=in_specs, out_specs=out_spec,
       out_shape=jax.ShapeDtypeStruct((batch, nheads, P), F32),
       compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1),
       interpret=interpret, name=f"readout_{form}")(S, Cin, w)
@@ -147,17 +151,27 @@ def main():
     ref = jnp.einsum("bhpn,bhn->bhp", S.astype(F32), Cg,
                      precision=jax.lax.Precision.HIGHEST)
     nbytes = S.size * S.dtype.itemsize
-    for form in ("elementwise", "dot_fp8", "dot_f16"):
-      if form == "dot_fp8" and sdt != E4M3:
-        continue
+    variants = [("xla", 0, 1)] + [
+        (form, warps, hp) for form in ("elementwise", "dot_fp8", "dot_f16")
+        for warps in (2, 4) for hp in ((1, 2, 4) if form == "elementwise"
+                                       else (1,))
+        if not (form == "dot_fp8" and sdt != E4M3)]
+    for form, warps, hp in variants:
       cin, scale = operands(form, C)
-      for warps in (2, 4):
-        row = dict(state=jnp.dtype(sdt).name, form=form, warps=warps)
+      if True:
+        row = dict(state=jnp.dtype(sdt).name, form=form, warps=warps,
+                   heads_per_program=hp)
         try:
-          fn = jax.jit(lambda S, cin, scale, form=form, warps=warps: (
-              readout(S, cin, form, warps, a.interpret)
-              * (1.0 if scale is None
-                 else jnp.repeat(scale, nheads // G, axis=1)[..., None])))
+          if form == "xla":
+            fn = jax.jit(lambda S, cin, scale: jnp.einsum(
+                "bgkpn,bgn->bgkp",
+                S.reshape(S.shape[0], G, -1, *S.shape[2:]).astype(F32),
+                cin).reshape(S.shape[:3]))
+          else:
+            fn = jax.jit(lambda S, cin, scale, form=form, warps=warps, hp=hp: (
+                readout(S, cin, form, warps, a.interpret, hp)
+                * (1.0 if scale is None
+                   else jnp.repeat(scale, nheads // G, axis=1)[..., None])))
           y = fn(S, cin, scale)
           err = float(jnp.max(jnp.abs(y - ref)) /
                       jnp.max(jnp.abs(ref)))
