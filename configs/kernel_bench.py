@@ -295,8 +295,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # so a non-flush step is the output route's launch alone. Measured:
     # non-flush 14.4 / 15.0 µs (f32 / f16) against 4.07 / 3.38: each
     # XLA conditional waits on a device-to-host read.
+    # Run 9 (session 18): the output items before the flush programs in
+    # the one launch (ReplayConfig.fused_order="output_first"), with the
+    # default 528 flush programs and with 132.
     config.replay_variants = ml_collections.ConfigDict(dict(
         same=dict(fused_launch=True),
+        outfirst=dict(fused_order="output_first"),
+        outfirst132=dict(fused_order="output_first", flush_programs=132),
     ))
 
   if arg == "launch":
