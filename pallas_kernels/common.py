@@ -216,11 +216,6 @@ class ReplayConfig(_LaunchConfig):
       (`replay.default_fused_launch`: on the H200 it wins at batch 1 and
       loses from batch 16 up, where the shared register budget cuts the
       output route's occupancy; benchmarks/README.md).
-    fused_order: the fused launch's program order: "flush_first" (the
-      persistent flush programs, then the output items: a flush step's
-      folds start at once) or "output_first" (the output items first, so
-      on a non-flush step they do not queue behind the flush programs'
-      early exits). Not yet measured on a GPU.
     flush_prefetch: the persistent flush programs issue the next item's
       global loads (checkpoint tile, buffered x and B, dt window) before
       folding the current one, so their latency overlaps the fold (manual
@@ -306,7 +301,6 @@ class ReplayConfig(_LaunchConfig):
   flush_heads_per_program: int | None = None
   flush_programs: int | None = None
   fused_launch: bool | None = None
-  fused_order: str = "flush_first"
   flush_prefetch: bool = False
   output_prefetch: bool = False
   output_unmasked_buffers: bool = False
@@ -321,8 +315,6 @@ class ReplayConfig(_LaunchConfig):
   def __post_init__(self):
     super().__post_init__()
     _check_choice("flush_grid", self.flush_grid, ("rows", "persistent"))
-    _check_choice("fused_order", self.fused_order,
-                  ("flush_first", "output_first"))
     _check_choice("output_route", self.output_route,
                   ("triton", "mosaic_gpu"))
     if self.readout_chunk is not None:

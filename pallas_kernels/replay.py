@@ -649,15 +649,13 @@ def persistent_items(pid, active, item, *, num_programs, nheads, nblk,
 def _fused_kernel(*refs, has_D, has_z, has_bias, num_programs,
                   out_programs, ngroups, unroll, fold_dot, nheads,
                   flush_block_p, prefetch=False, readout_chunk=None,
-                  unmasked=False, eager=False, output_first=False, **kw):
+                  unmasked=False, eager=False, **kw):
   """Both routes in one launch (`ReplayConfig(fused_launch=True)`).
 
   Programs [0, num_programs) run the persistent flush route (first, so
   they start at once and their latency-bound folds overlap the output
   route's streaming); program num_programs + q runs item q of the output
-  route's grid, flattened (headdim/head block, group, row). With
-  output_first the output items come first (programs [0, n_out)) and the
-  flush programs after them (`ReplayConfig.fused_order`). Inputs: those
+  route's grid, flattened (headdim/head block, group, row). Inputs: those
   of the output kernel, then the [batch] counters padded to a power of two
   (the flush ranking's copy); outputs: y, buffers, counters, checkpoint
   (aliased to the input checkpoint: only flush rows' tiles are stored).
@@ -665,25 +663,21 @@ def _fused_kernel(*refs, has_D, has_z, has_bias, num_programs,
   ins, opt, outs = _unpack(refs, 11, 6, has_D, has_z, has_bias)
   y_ref, ck_out = outs[0], outs[5]
   pid = pl.program_id(0)
-  n_out = out_programs * ngroups * ins[4].shape[0]
-  # Flush programs are [f0, f0 + num_programs), output items [o0, o0 + n_out).
-  f0, o0 = (n_out, 0) if output_first else (0, num_programs)
 
-  @pl.when((pid >= f0) & (pid < f0 + num_programs))
+  @pl.when(pid < num_programs)
   def _flush():
     flush_ins = list(ins[:10])
     flush_ins[4] = ins[10]  # the padded counters
-    _flush_items(pid - f0, flush_ins, opt, y_ref,
-                 _FlushStores([ck_out], [], None),
+    _flush_items(pid, flush_ins, opt, y_ref, _FlushStores([ck_out], [], None),
                  unroll=unroll, fold_dot=fold_dot, num_programs=num_programs,
                  nheads=nheads, heads_per_group=kw["heads_per_group"],
                  block_p=flush_block_p, headdim=kw["headdim"],
                  buffer_len=kw["buffer_len"],
                  dt_softplus=kw["dt_softplus"], prefetch=prefetch)
 
-  @pl.when((pid >= o0) & (pid < o0 + n_out))
+  @pl.when(pid >= num_programs)
   def _output():
-    q = pid - o0
+    q = pid - num_programs
     p = _Program.from_ids(ins[4], ins[6], ins[7], opt[2],
                           pid=q % out_programs,
                           g=(q // out_programs) % ngroups,
@@ -1018,7 +1012,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
         nheads=nheads, flush_block_p=flush_block_p,
         prefetch=config.flush_prefetch, readout_chunk=config.readout_chunk,
         unmasked=config.output_unmasked_buffers, eager=config.output_eager,
-        output_first=config.fused_order == "output_first", **kw)
+        **kw)
     y, xb, bb, dtb, cnt, ck = pl.pallas_call(
         kernel, grid=(nprog + n0 * ngroups * batch,),
         out_shape=(sds((batch, nheads, headdim), x.dtype),

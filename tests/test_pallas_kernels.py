@@ -96,9 +96,6 @@ REPLAY_CONFIGS = [
     # Both routes in one launch (flush programs first, then output items).
     pk.ReplayConfig(block_p=4, heads_per_program=2, flush_programs=3,
                     fused_launch=True),
-    # ... with the output items before the flush programs.
-    pk.ReplayConfig(block_p=8, flush_programs=3, fused_launch=True,
-                    fused_order="output_first"),
     # The output route's state read by the Mosaic GPU readout kernel.
     pk.ReplayConfig(output_route="mosaic_gpu", flush_programs=3),
     # The state tile read out in dstate column blocks (both launch forms).
