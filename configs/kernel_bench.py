@@ -412,8 +412,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # 256.7 against 162.6 µs, fp8 copies 125.6-125.8 / 164.6-165.4
     # against 114.9-115.0 (ptxas offline, f16: 164 registers per thread
     # against 126).
+    # Second run (session 18): the B-window products shared by 2 / 4 heads
+    # per program (each head program of a group recomputes them; with an
+    # fp8 tile, whose route is issue-bound, that is ~1/4 of its
+    # instructions), the heads' tiles loaded together (output_prefetch),
+    # at 2 or 4 warps. Session 6 (4 warps, an older route) measured
+    # prefetching with 2 heads 15-23% slower; session 15 2 heads per
+    # program without it 6-33% slower.
     config.replay_variants = ml_collections.ConfigDict(dict(
-        same=dict()))
+        hp2pf=dict(heads_per_program=2, output_prefetch=True),
+        hp2pf4=dict(heads_per_program=2, output_prefetch=True, num_warps=4),
+        hp4pf4=dict(heads_per_program=4, output_prefetch=True, num_warps=4)))
 
   if arg == "mosaic":
     # The Mosaic GPU kernels' first GPU run (each variant is checked against
