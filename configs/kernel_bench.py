@@ -418,11 +418,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # instructions), the heads' tiles loaded together (output_prefetch),
     # at 2 or 4 warps. Session 6 (4 warps, an older route) measured
     # prefetching with 2 heads 15-23% slower; session 15 2 heads per
-    # program without it 6-33% slower.
+    # program without it 6-33% slower. Measured
+    # (kernel_output_launch_h200_session18_hp.md): non-flush f16 229.0 /
+    # 209.7 / 290.8 µs (hp2pf, hp2pf4 = 4 warps, hp4pf4) against 162.7, fp8
+    # copies 149.2-199.0 against 116.0-116.2: the route stays at one head
+    # per program.
+    # Measured: hp2pf=dict(heads_per_program=2, output_prefetch=True),
+    # hp2pf4 / hp4pf4 = dict(heads_per_program=2 / 4, output_prefetch=True,
+    # num_warps=4).
     config.replay_variants = ml_collections.ConfigDict(dict(
-        hp2pf=dict(heads_per_program=2, output_prefetch=True),
-        hp2pf4=dict(heads_per_program=2, output_prefetch=True, num_warps=4),
-        hp4pf4=dict(heads_per_program=4, output_prefetch=True, num_warps=4)))
+        same=dict()))
 
   if arg == "mosaic":
     # The Mosaic GPU kernels' first GPU run (each variant is checked against
