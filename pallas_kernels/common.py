@@ -226,7 +226,10 @@ class ReplayConfig(_LaunchConfig):
       tiles of all its heads_per_program heads before computing any, so
       a program has that many tiles in flight (for 8-bit copies, whose
       tiles are half the bytes). Separate launches only. H200 (session
-      6): 15-23% slower with heads_per_program=2.
+      6): 15-23% slower with heads_per_program=2; session 18
+      (benchmarks/kernel_output_launch_h200_session18_hp.md, batch 256, L
+      16): with 2 / 4 heads per program at 2 or 4 warps the non-flush
+      step 29-79% slower (f16 checkpoint, fp8 read copies).
     output_unmasked_buffers: the Triton output route loads all L slots of
       the x / B / dt buffers unmasked and zeroes the slots past the row's
       counter afterwards, so these loads issue with the state tile's
