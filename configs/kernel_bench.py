@@ -229,8 +229,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # persistent grid otherwise (the natural cycle). Measured: 3.3-3.7x
     # slower (f32 amortized 1055 against 308 µs): XLA copied the state
     # around the conditional (90 copies per timed loop), and at batch 1,
-    # without copies, each conditional cost ~11 µs (a device-to-host read
-    # of its branch index).
+    # without copies, each conditional cost ~11 µs (consistent with a
+    # device-to-host read of its branch index).
     config.replay_variants = ml_collections.ConfigDict(dict(
         rows1=dict(flush_grid="rows", flush_heads_per_program=1)))
 
@@ -293,8 +293,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Run 8 (session 18): two launches with the flush launch skipped on
     # steps without flush rows (ReplayConfig.flush_switch, since removed),
     # so a non-flush step is the output route's launch alone. Measured:
-    # non-flush 14.4 / 15.0 µs (f32 / f16) against 4.07 / 3.38: each
-    # XLA conditional waits on a device-to-host read.
+    # non-flush 14.4 / 15.0 µs (f32 / f16) against 4.07 / 3.38 (as if
+    # each XLA conditional waited on a device-to-host read).
     # Run 9 (session 18): the output items before the flush programs in
     # the one launch (ReplayConfig.fused_order="output_first", since
     # removed), with the default 528 flush programs and with 132.
