@@ -87,3 +87,28 @@ def test_triton_offline_modules():
   # 2 warps are not capped by default.
   uncapped = modules(flush_num_warps=2)
   assert "maxnreg" not in uncapped["replayssm_replay_flush_route"]
+
+
+def test_readout_micro_interpret(tmp_path):
+  _run("readout_micro.py", "--interpret", "--batch", "2", "--out",
+       str(tmp_path))
+  res = json.loads((tmp_path / "readout_micro.json").read_text())
+  forms = {r["form"] for r in res["rows"]}
+  assert {"xla", "xla_sum_u32", "elementwise", "dot_fp8", "dot_f16"} <= forms
+  for r in res["rows"]:
+    assert "error" not in r, r
+    if r["form"] != "xla_sum_u32":  # (a plain read: no result to check)
+      # Every readout form against the f32 einsum: the fp8 pieces of C
+      # carry its bf16 values whole, so only f32 summation order differs.
+      assert r["max_rel_err"] < 1e-5, r
+
+
+def test_spec_hlo_census_smoke(tmp_path):
+  _run("spec_hlo_census.py", "--config=configs/specdec_bench.py:smoke",
+       "--out", str(tmp_path))
+  res = json.loads((tmp_path / "census.json").read_text())
+  assert set(res["loops"]) == {"plain", "spec_replay", "spec_baseline"}
+  for name, loop in res["loops"].items():
+    assert "error" not in loop, (name, loop)
+    assert loop["launch_ops"] == sum(loop["by_opcode"].values()) > 0
+    assert loop["by_opcode"].get("fusion", 0) > 0
