@@ -104,10 +104,11 @@ def test_readout_micro_interpret(tmp_path):
 
 
 def test_spec_hlo_census_smoke(tmp_path):
+  # One loop of three (they share the census code; each costs a compile).
   _run("spec_hlo_census.py", "--config=configs/specdec_bench.py:smoke",
-       "--out", str(tmp_path))
+       "--loops", "spec_replay", "--out", str(tmp_path))
   res = json.loads((tmp_path / "census.json").read_text())
-  assert set(res["loops"]) == {"plain", "spec_replay", "spec_baseline"}
+  assert set(res["loops"]) == {"spec_replay"}
   for name, loop in res["loops"].items():
     assert "error" not in loop, (name, loop)
     assert loop["launch_ops"] == sum(loop["by_opcode"].values()) > 0
