@@ -427,7 +427,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # hp2pf4 / hp4pf4 = dict(heads_per_program=2 / 4, output_prefetch=True,
     # num_warps=4).
     config.replay_variants = ml_collections.ConfigDict(dict(
-        same=dict()))
+        same=dict()))  # the default repeated: the same run's noise
 
   if arg == "mosaic":
     # The Mosaic GPU kernels' first GPU run (each variant is checked against
