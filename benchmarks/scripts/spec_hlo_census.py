@@ -7,8 +7,9 @@ device waits on the host 4.02 ms per iteration against 1.93 in the
 baseline loop, CUDA graphs off; benchmarks/README.md). This script runs
 each loop once at a small size with XLA's dump on, finds the loop's
 `while` in the dumped module after optimizations, and counts the
-instructions of its body (recursing into nested whiles, conditionals and
-calls; fusions and custom calls count once: each is a launch) by opcode,
+instructions of one run of its body (recursing into nested whiles and
+calls, and into a conditional's largest branch: one branch runs; fusions
+and custom calls count once: each is a launch) by opcode,
 with the custom-call targets and the nested control flow listed (a
 conditional or a while inside the body makes the host read a predicate
 back every iteration).
@@ -86,6 +87,9 @@ def _called(line, key):
 
 
 def census(comps, comp, counts, targets, control, depth=0):
+  """Adds the launches of one run of computation `comp` to counts (by
+  opcode) and targets (custom calls); a conditional adds its largest
+  branch only (one branch runs), a nested while its body once."""
   for op, line in comps.get(comp, []):
     if op in _FREE:
       continue
@@ -98,9 +102,18 @@ def census(comps, comp, counts, targets, control, depth=0):
       branches = _called(line, "branch_computations") or (
           _called(line, "true_computation") + _called(line,
                                                       "false_computation"))
-      control.append(f"{'  ' * depth}conditional ({len(branches)} branches)")
+      runs = []
       for br in branches:
-        census(comps, br, counts, targets, control, depth + 1)
+        run = (collections.Counter(), collections.Counter(), [])
+        census(comps, br, *run, depth=depth + 1)
+        runs.append(run)
+      control.append(f"{'  ' * depth}conditional, launches per branch "
+                     f"{[sum(r[0].values()) for r in runs]}")
+      if runs:
+        big = max(runs, key=lambda r: sum(r[0].values()))
+        counts.update(big[0])
+        targets.update(big[1])
+        control.extend(big[2])
       continue
     if op == "call":
       for c in _called(line, "to_apply"):
@@ -109,10 +122,7 @@ def census(comps, comp, counts, targets, control, depth=0):
     counts[op] += 1
     if op == "custom-call":
       m = re.search(r'custom_call_target="([^"]+)"', line)
-      name = re.search(r'"name":"([^"]+)"', line) or re.search(
-          r"name=([\w.]+)", line)
-      targets[(m.group(1) if m else "?") +
-              (f" {name.group(1)}" if name else "")] += 1
+      targets[m.group(1) if m else "?"] += 1
 
 
 def loop_census(module_text):
