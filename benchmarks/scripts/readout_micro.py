@@ -39,6 +39,12 @@ E4M3 = jnp.float8_e4m3fn
 NCOL = 16  # the dots' N (Pallas Triton dots need every dim >= 16)
 
 
+_STEP = 16.0  # each fp8 piece holds the previous one's residual times this
+# The dots' column weights: y0 = sum_k w_k d_k over the pieces' columns.
+FP8_WEIGHTS = [1.0, 1 / _STEP, 1 / _STEP ** 2] + [0.0] * (NCOL - 3)
+F16_WEIGHTS = [1.0, 1.0] + [0.0] * (NCOL - 2)
+
+
 def fp8_pieces(C):
   """[..., N] -> ([..., N, NCOL] e4m3 pieces, [...] f32 2^-s)."""
   C = C.astype(F32)
@@ -49,7 +55,7 @@ def fp8_pieces(C):
   for _ in range(3):
     p = u.astype(E4M3)
     cols.append(p)
-    u = (u - p.astype(F32)) * 16.0
+    u = (u - p.astype(F32)) * _STEP
   pad = jnp.zeros(C.shape + (NCOL - 3,), E4M3)
   return (jnp.concatenate([jnp.stack(cols, -1), pad], -1),
           jnp.exp2(-s)[..., 0])
@@ -80,9 +86,7 @@ def readout(S, Cin, form, warps, interpret=False, hp=1):
   batch, nheads, P, N = S.shape
   per_group = nheads // Cin.shape[1]
   cshape = Cin.shape[2:]
-  w = jnp.array([1.0, 2.0 ** -4, 2.0 ** -8] + [0.0] * (NCOL - 3), F32)
-  if form == "dot_f16":
-    w = jnp.array([1.0, 1.0] + [0.0] * (NCOL - 2), F32)
+  w = jnp.array(F16_WEIGHTS if form == "dot_f16" else FP8_WEIGHTS, F32)
 
   def kernel(s_ref, c_ref, w_ref, o_ref):
     s = s_ref[...]
