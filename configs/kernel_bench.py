@@ -59,7 +59,7 @@ def _kernel_study(config, name: str, batches: tuple[int, ...]) -> None:
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The benchmark configuration; `arg="smoke"` is a tiny CPU run."""
   _args.check_arg(arg, "sweep", "launch", "policies", "mosaic",
-                  "output_launch", "batch1")
+                  "output_launch", "batch1", "rows_fused")
   config = ml_collections.ConfigDict()
   config.name = "kernel_bench"  # stem of the files copied to --results_dir
   config.seed = 0
@@ -300,9 +300,37 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # removed), with the default 528 flush programs and with 132.
     # Measured: f16 non-flush 3.62 / 3.30 µs against 3.40 / 3.49 (default,
     # repeat), flush 4.97 / 10.21 against 5.50: no amortized gain.
+    # Run 10 (session 19): one launch on the output route's grid alone
+    # (fused_launch=True, flush_grid="rows"): a flush row's program folds
+    # its own tile, so no step launches the 528 persistent flush programs
+    # (with 132 of them, run 9, the non-flush step was the fastest yet).
     config.replay_variants = ml_collections.ConfigDict(dict(
         same=dict(fused_launch=True),
+        rows=dict(fused_launch=True, flush_grid="rows"),
     ))
+
+  if arg == "rows_fused":
+    # Session 19: both routes in one launch on the output route's grid
+    # (fused_launch=True, flush_grid="rows") at batch 256. The separate
+    # rows flush grid at one head per program is the fastest all-rows f32
+    # flush measured (645-655 against 712 µs, runs 18-19) but its 32768
+    # early-exit programs cost the non-flush step 18-23 µs; here the
+    # output route's own programs fold, so a non-flush step launches
+    # nothing besides them (and saves the persistent flush launch), at the
+    # register budget of the larger route. Variants: the fused fold
+    # defaults (f32 3xTF32, f16 bf16 x2) at 4 warps; the f32 fold as bf16
+    # x3 (the separate flush's default), also capped at 128 registers (4
+    # programs per SM, the separate flush's cap); at 2 warps (the 16-bit
+    # output route's default); and the output route alone at 8 warps.
+    _kernel_study(config, "kernel_rows_fused", (256,))
+    rows = dict(fused_launch=True, flush_grid="rows")
+    config.replay_variants = ml_collections.ConfigDict(dict(
+        rows=rows,
+        rows_bf3=dict(rows, flush_fold="dot_bf16x3"),
+        rows_bf3c128=dict(rows, flush_fold="dot_bf16x3", max_registers=128),
+        rows_w2=dict(rows, num_warps=2),
+        w8=dict(num_warps=8),
+        same=dict()))
 
   if arg == "launch":
     # Where the fused launch (ReplayConfig.fused_launch) stops paying:

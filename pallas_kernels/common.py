@@ -210,9 +210,13 @@ class ReplayConfig(_LaunchConfig):
       first, then one program per output-route item, so the flush rows'
       latency-bound folds overlap the output route's streaming and a step
       costs one launch instead of two (batch 1). The kernel's register
-      budget is the larger of the two routes'. Plain states only (no
-      precision policy), persistent flush grid, not with output_all_rows or
-      precompute_bc. None: fused where it applies and the batch is small
+      budget is the larger of the two routes'. With flush_grid="rows" the
+      launch is the output route's grid alone: a flush row's program folds
+      its own heads' tiles (flush_block_p and flush_heads_per_program must
+      then be block_p and heads_per_program), so a step launches no flush
+      programs at all. Plain states only (no precision policy), not with
+      output_all_rows or precompute_bc. None: fused (on the persistent
+      flush grid only) where it applies and the batch is small
       (`replay.default_fused_launch`: on the H200 it wins at batch 1 and
       loses from batch 16 up, where the shared register budget cuts the
       output route's occupancy; benchmarks/README.md).

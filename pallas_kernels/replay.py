@@ -688,6 +688,44 @@ def _fused_kernel(*refs, has_D, has_z, has_bias, num_programs,
                   readout_chunk=readout_chunk, unmasked=unmasked, eager=eager)
 
 
+def _fused_rows_kernel(*refs, has_D, has_z, has_bias, unroll, fold_dot,
+                       readout_chunk=None, unmasked=False, eager=False,
+                       **kw):
+  """Both routes in one launch on the output route's grid
+  (`ReplayConfig(fused_launch=True, flush_grid="rows")`): each program takes
+  its row's route. A flush row's program folds its heads' tiles and stores
+  them with y (as `_flush_kernel`), any other row's program reads out and
+  appends (`_output_route`). So a step launches one program per output item
+  and no flush programs (the persistent fused kernel adds `num_programs`,
+  which exit at once on a non-flush step), at the register budget of the
+  larger route. Inputs and outputs: those of `_fused_kernel` without the
+  padded counters."""
+  ins, opt, outs = _unpack(refs, 10, 6, has_D, has_z, has_bias)
+  d_ref, z_ref, bias_ref = opt
+  ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, x_ref, dt_ref, a_ref, b_ref = (
+      ins[:9])
+  y_ref, ck_out = outs[0], outs[5]
+  p = _Program.from_grid(cnt_ref, dt_ref, a_ref, bias_ref, **kw)
+  fold_refs = (ck_ref, xb_ref, bb_ref, dtb_ref, x_ref, b_ref)
+  stores = _FlushStores([ck_out], [], None)
+
+  @pl.when(p.flush)
+  def _fold():
+    def one_head(r, carry):
+      h = p.head0 + r
+      st, x_cur = _fold_head(p, h, fold_refs, unroll=unroll,
+                             fold_dot=fold_dot, block_p=kw["block_p"])
+      _store_flush(p, h, st, x_cur, stores, y_ref, ins[9], d_ref, z_ref)
+      return carry
+
+    lax.fori_loop(0, kw["heads_per_program"], one_head, 0)
+
+  _output_route(p, ins, opt, outs[:5], all_rows=False,
+                precomputed_bc=False, scaled=False, block_p=kw["block_p"],
+                heads_per_program=kw["heads_per_program"],
+                readout_chunk=readout_chunk, unmasked=unmasked, eager=eager)
+
+
 def _mosaic_output_route(rstate, read, x, dt, A, B, C, D, z, dt_bias,
                          dt_softplus, interpret):
   """The output route with output_route="mosaic_gpu": y of every row from
@@ -980,7 +1018,6 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   unsupported = [name for name, bad in (
       ("a read copy or stochastic rounding (a precision policy)",
        spec is not None),
-      ("flush_grid='rows'", config.flush_grid != "persistent"),
       ("output_all_rows", config.output_all_rows),
       ("precompute_bc", config.precompute_bc),
       ("output_prefetch", config.output_prefetch),
@@ -992,7 +1029,15 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
         f"{', '.join(unsupported)}; use fused_launch=False or None.")
   fused = config.fused_launch
   if fused is None:
-    fused = not unsupported and default_fused_launch(batch, nheads)
+    fused = (not unsupported and config.flush_grid == "persistent"
+             and default_fused_launch(batch, nheads))
+  fused_rows = fused and config.flush_grid == "rows"
+  if fused_rows and (flush_block_p, flush_hb) != (block_p, hb):
+    raise NotImplementedError(
+        f"config.fused_launch=True with flush_grid='rows' folds on the "
+        f"output route's programs: flush_block_p ({flush_block_p}) and "
+        f"flush_heads_per_program ({flush_hb}) must equal block_p "
+        f"({block_p}) and heads_per_program ({hb}); leave them None.")
   # The fused kernel launches num_warps, capped at config.max_registers.
   nprog = config.flush_programs or (
       _default_flush_programs(interpret) if fused
@@ -1005,16 +1050,22 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
       num_warps=config.num_warps or default_num_warps(read.dtype, fused),
       num_stages=config.num_stages)
   if fused:
-    n0 = grid(block_p)[0]
-    kernel = functools.partial(
-        _fused_kernel, num_programs=nprog, out_programs=n0,
-        ngroups=ngroups, unroll=config.flush_unroll, fold_dot=fold_dot,
-        nheads=nheads, flush_block_p=flush_block_p,
-        prefetch=config.flush_prefetch, readout_chunk=config.readout_chunk,
-        unmasked=config.output_unmasked_buffers, eager=config.output_eager,
-        **kw)
+    route_kw = dict(unroll=config.flush_unroll, fold_dot=fold_dot,
+                    readout_chunk=config.readout_chunk,
+                    unmasked=config.output_unmasked_buffers,
+                    eager=config.output_eager, **kw)
+    if fused_rows:
+      kernel = functools.partial(_fused_rows_kernel, **route_kw)
+      fused_grid, counts_in = grid(block_p), []
+    else:
+      n0 = grid(block_p)[0]
+      kernel = functools.partial(
+          _fused_kernel, num_programs=nprog, out_programs=n0,
+          ngroups=ngroups, nheads=nheads, flush_block_p=flush_block_p,
+          prefetch=config.flush_prefetch, **route_kw)
+      fused_grid, counts_in = (nprog + n0 * ngroups * batch,), [count_pow2]
     y, xb, bb, dtb, cnt, ck = pl.pallas_call(
-        kernel, grid=(nprog + n0 * ngroups * batch,),
+        kernel, grid=fused_grid,
         out_shape=(sds((batch, nheads, headdim), x.dtype),
                    sds(rstate.x_buf.shape, rstate.x_buf.dtype),
                    sds(rstate.b_buf.shape, rstate.b_buf.dtype),
@@ -1026,7 +1077,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
         name=common.capped_name("replayssm_replay_fused_routes",
                                 config.max_registers),
     )(rstate.checkpoint, rstate.x_buf, rstate.b_buf, rstate.dt_buf,
-      rstate.count, *token_in, count_pow2, *optional)
+      rstate.count, *token_in, *counts_in, *optional)
     return y, ReplayState(checkpoint=ck, x_buf=xb, b_buf=bb, dt_buf=dtb,
                           count=cnt)
   extra = []

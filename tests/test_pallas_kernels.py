@@ -113,6 +113,10 @@ REPLAY_CONFIGS = [
     pk.ReplayConfig(output_eager=True, output_unmasked_buffers=True,
                     flush_programs=3, fused_launch=True),
     pk.ReplayConfig(block_p=8, output_eager=True, fused_launch=False),
+    # One launch on the output grid: flush rows' programs fold their tiles.
+    pk.ReplayConfig(flush_grid="rows", fused_launch=True),
+    pk.ReplayConfig(block_p=8, heads_per_program=2, flush_grid="rows",
+                    flush_fold="rank1", fused_launch=True),
 ]
 
 
@@ -383,11 +387,15 @@ def test_replay_kernel_out_of_range_count_under_jit():
         harness.bits(getattr(bad, name)[:2]), err_msg=name)
 
 
-@pytest.mark.parametrize("grid", ["rows", "persistent"])
+@pytest.mark.parametrize("grid,fused", [("rows", False),
+                                        ("persistent", False),
+                                        ("rows", True)])
 @pytest.mark.parametrize("fold", ["dot_tf32x3", "dot_f32"])
-def test_replay_kernel_dot_fold(fold, grid):
+def test_replay_kernel_dot_fold(fold, grid, fused):
   """The tensor-core fold variants (exact f32 in interpret mode) equal the
-  reference on flush rows and refuse tiles smaller than Triton's dot."""
+  reference on flush rows (in a flush launch of their own and, fused, on
+  the output route's programs) and refuse tiles smaller than Triton's
+  dot."""
   params, tok, rstate, counts = _mixed_state("float32", 16, 71)
   kw = dict(**tok, **params, dt_softplus=True)
   y_ref, r_ref = rs.replay_state_update(rstate, **kw,
@@ -395,7 +403,8 @@ def test_replay_kernel_dot_fold(fold, grid):
   y, r = rs.replay_state_update(rstate, **kw, implementation="pallas",
                                 config=pk.ReplayConfig(block_p=16,
                                                        flush_fold=fold,
-                                                       flush_grid=grid))
+                                                       flush_grid=grid,
+                                                       fused_launch=fused))
   tol = testing.tolerance("bfloat16")  # bf16 buffers
   testing.assert_close(y, y_ref, tol, "y")
   testing.assert_close(r.checkpoint, r_ref.checkpoint, tol, "checkpoint")
@@ -534,6 +543,13 @@ def test_flush_launch_fields_are_checked():
     rs.replay_state_update(rstate, **tok, **params, implementation="pallas",
                            config=pk.ReplayConfig(fused_launch=True,
                                                   output_prefetch=True))
+  for mismatch in (dict(flush_block_p=4), dict(flush_heads_per_program=2)):
+    with pytest.raises(NotImplementedError,
+                       match=r"folds on the output route's programs"):
+      rs.replay_state_update(
+          rstate, **tok, **params, implementation="pallas",
+          config=pk.ReplayConfig(fused_launch=True, flush_grid="rows",
+                                 **mismatch))
 
 
 def test_config_for_the_reference_is_refused():
@@ -848,6 +864,7 @@ LOWERING_REPLAY_CONFIGS = [
                     max_registers=96),
     pk.ReplayConfig(output_eager=True, output_unmasked_buffers=True,
                     fused_launch=True),
+    pk.ReplayConfig(flush_grid="rows", fused_launch=True),
 ]
 
 
