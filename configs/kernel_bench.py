@@ -231,8 +231,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # around the conditional (90 copies per timed loop), and at batch 1,
     # without copies, each conditional cost ~11 µs (consistent with a
     # device-to-host read of its branch index).
+    # Run 21 (session 19): the rows grid's fold in the one launch
+    # (`:rows_fused`, kernel_rows_fused_h200_session19.md) took the f32
+    # all-rows flush step to 631 µs (bf16 x3, 4 warps, capped at 128)
+    # against the persistent grid's 711-715: the persistent loop is ~9%
+    # slower per item than one item per program at the same residency (4
+    # programs per SM). Between the two: more persistent programs than fit
+    # at once (8 / 16 / 32 / 64 per SM, so 31 / 16 / 8 / 4 items each),
+    # each further wave still one launch slot on a non-flush step.
     config.replay_variants = ml_collections.ConfigDict(dict(
-        rows1=dict(flush_grid="rows", flush_heads_per_program=1)))
+        rows1=dict(flush_grid="rows", flush_heads_per_program=1),
+        p1056=dict(flush_programs=1056), p2112=dict(flush_programs=2112),
+        p4224=dict(flush_programs=4224), p8448=dict(flush_programs=8448),
+        same=dict()))
 
   if arg == "batch1":
     # Batch 1 (one launch for both routes, replay.default_fused_launch):
