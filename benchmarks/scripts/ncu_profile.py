@@ -7,6 +7,8 @@ one baseline step, then two replay steps whose counters are `--counts`:
 "nonflush" (no row folds). `--policy` (e.g. f16+fp8) gives the replay
 state a precision policy's master and read copy
 (`replayssm_jax.precision`); `--dtype` then only sets the baseline's.
+`--config` is a JSON object of `pallas_kernels.ReplayConfig` fields for the
+replay steps, e.g. '{"flush_grid": "rows"}' (default: the defaults).
 
   ncu --clock-control none -k regex:replayssm_replay_flush -c 2 \
       --section SpeedOfLight ... python benchmarks/scripts/ncu_profile.py \
@@ -14,10 +16,12 @@ state a precision policy's master and read copy
 """
 
 import argparse
+import json
 
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels as pk
 import replayssm_jax as R
 from replayssm_jax import precision
 from replayssm_jax import testing as T
@@ -33,6 +37,8 @@ def main():
   ap.add_argument("--batch", type=int, default=256)
   ap.add_argument("--policy", default=None,
                   help="a PrecisionPolicy preset for the replay state")
+  ap.add_argument("--config", default="{}",
+                  help="JSON ReplayConfig fields for the replay steps")
   a = ap.parse_args()
   pol = (None if a.policy is None
          else precision.PrecisionPolicy.preset(a.policy))
@@ -59,7 +65,9 @@ def main():
   kw = dict(**inp, **prm, dt_softplus=True, implementation="pallas")
   fb = jax.jit(lambda s: R.selective_state_update(s, **kw),
                donate_argnums=0)
-  fr = jax.jit(lambda r: R.replay_state_update(r, **kw, policy=pol),
+  config = pk.ReplayConfig(**json.loads(a.config))
+  fr = jax.jit(lambda r: R.replay_state_update(r, **kw, policy=pol,
+                                               config=config),
                donate_argnums=0)
   _, S = fb(S)
   jax.block_until_ready(S)
@@ -69,7 +77,7 @@ def main():
     _, out = fr(rs)
     jax.block_until_ready(out)
     rs = out.replace(count=counts.astype(jnp.int32))
-  print("done", a.counts, a.dtype, a.policy)
+  print("done", a.counts, a.dtype, a.policy, config)
 
 
 if __name__ == "__main__":

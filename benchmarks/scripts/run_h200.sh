@@ -26,6 +26,7 @@
 #   bash benchmarks/scripts/run_h200.sh verify [--variants a,b]  # spec verify kernel: VerifyConfig variants on hybrid_1b's layer, b 256, T 4, checked, split per kernel (14 variants: ~2 min in session 9; all 25 now, or pick with verify_sweep.py --variants)
 #   bash benchmarks/scripts/run_h200.sh ncu_verify # Nsight Compute on the verify window kernel (default and the pre-session-8 default)
 #   bash benchmarks/scripts/run_h200.sh ncu_flush  # Nsight Compute on the flush route with every row folding (f16 checkpoint, b 256, L 16): stall reasons, instruction mix, source counters (1.5 min, session 11: it profiles one launch; with two, the second failed and the GPU stayed out of memory for the next part)
+#   bash benchmarks/scripts/run_h200.sh ncu_flush_grids  # Nsight Compute of the f32 all-rows flush: persistent grid, rows grid, one launch on the output grid (not yet run)
 #   bash benchmarks/scripts/run_h200.sh ncu_b1     # Nsight Compute at batch 1 (f16, no row folding): the baseline step and the fused replay step
 #   bash benchmarks/scripts/run_h200.sh ncu_fp8    # Nsight Compute of the output route at batch 256 (no row folding): plain f16 checkpoint vs f16 master + fp8 copy (2.2 min in session 17)
 #   bash benchmarks/scripts/run_h200.sh policies [overrides]  # replay per precision policy (session 15: defaults only, 2.4 min for all 8; now also the uncapped flush) vs the f16 baseline, b 256, L 16 (2.5 min for 4 policies x 3 in session 9; > 4.8 min for all 7 x 2 in session 12, cut at its 290 s limit; 2.8 min for 3 x 4)
@@ -235,6 +236,22 @@ P.run(c, sys.argv[1])" "$OUT/precision_mqar1024_rest" ;;
       -k regex:"replayssm_selective_state_update|replayssm_replay_fused" \
       python benchmarks/scripts/ncu_profile.py --counts nonflush --batch 1 \
       > "$OUT/ncu_b1.txt" 2>&1 ;;
+  ncu_flush_grids)
+    # f32 checkpoint, batch 256, every row folding: the persistent flush
+    # (~690 µs) beside the rows grid (~630 µs, one item per program) and
+    # the one launch on the output grid (session 19): what the persistent
+    # loop's items wait on.
+    for cfg in default rows1 fusedrows; do
+      case "$cfg" in
+        default) json='{}' ;;
+        rows1) json='{"flush_grid": "rows", "flush_heads_per_program": 1}' ;;
+        fusedrows) json='{"fused_launch": true, "flush_grid": "rows", "flush_fold": "dot_bf16x3", "max_registers": 128}' ;;
+      esac
+      timeout "$T" "${NCU[@]}" -k regex:"replayssm_replay_(flush|fused)" -c 1 \
+        --section SourceCounters \
+        python benchmarks/scripts/ncu_profile.py --counts flush --dtype float32 \
+        --config "$json" > "$OUT/ncu_flush_f32_$cfg.txt" 2>&1
+    done ;;
   ncu_fp8)
     # Batch 256, no row folding: the output route on the plain f16
     # checkpoint (~90% of the copy bandwidth) beside the f16 master + fp8
