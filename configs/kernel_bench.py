@@ -239,10 +239,23 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # programs per SM). Between the two: more persistent programs than fit
     # at once (8 / 16 / 32 / 64 per SM, so 31 / 16 / 8 / 4 items each),
     # each further wave still one launch slot on a non-flush step.
+    # Measured (README "Session 19"): flush 708-723 µs at every program
+    # count (f16 406-412), so waves are not it; Nsight Compute
+    # (ncu_h200_flush_f32_*_session19.txt): the same occupancy (4 programs
+    # of 4 warps per SM, 127 registers, 43 KB of shared memory) and
+    # instructions, DRAM 66.5% (persistent) against 73.4% (rows): the
+    # loop's items run one after another, each waiting on its own loads.
+    # Run 22: the next item's loads issued before this one folds
+    # (flush_prefetch) on half tiles (block_p 32, so two half tiles hold
+    # the registers of one whole one) at the 128 cap, at a 168 cap (3 per
+    # SM), on whole tiles at 168, and at 8 warps capped at 96.
     config.replay_variants = ml_collections.ConfigDict(dict(
-        rows1=dict(flush_grid="rows", flush_heads_per_program=1),
-        p1056=dict(flush_programs=1056), p2112=dict(flush_programs=2112),
-        p4224=dict(flush_programs=4224), p8448=dict(flush_programs=8448),
+        pf32=dict(flush_prefetch=True, flush_block_p=32),
+        pf32c168=dict(flush_prefetch=True, flush_block_p=32,
+                      flush_max_registers=168),
+        pf64c168=dict(flush_prefetch=True, flush_max_registers=168),
+        pf32w8c96=dict(flush_prefetch=True, flush_block_p=32,
+                       flush_num_warps=8, flush_max_registers=96),
         same=dict()))
 
   if arg == "batch1":
