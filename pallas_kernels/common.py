@@ -196,9 +196,12 @@ class ReplayConfig(_LaunchConfig):
       a further 3-4% on f16.
     flush_grid: "rows" launches the flush kernel on the output route's
       grid (programs of non-flush rows exit at once, but each costs a
-      launch slot: ~30 µs per step at batch 256 on the H200);
+      launch slot: ~18-23 µs per step at batch 256 on the H200);
       "persistent" launches `flush_programs` programs that share out the
-      (flush row, head, headdim block) items of the flush rows only.
+      (flush row, head, headdim block) items of the flush rows only. None:
+      "rows" in the one launch (fused_launch) on an f32 checkpoint (where
+      it folded faster at batch 1, `replay.default_flush_grid`), else
+      "persistent".
     flush_heads_per_program: heads of one group per program of the rows
       flush grid (None: heads_per_program); only with flush_grid="rows".
       Fewer programs exit at once on a non-flush step, each flush program
@@ -215,8 +218,8 @@ class ReplayConfig(_LaunchConfig):
       its own heads' tiles (flush_block_p and flush_heads_per_program must
       then be block_p and heads_per_program), so a step launches no flush
       programs at all. Plain states only (no precision policy), not with
-      output_all_rows or precompute_bc. None: fused (on the persistent
-      flush grid only) where it applies and the batch is small
+      output_all_rows or precompute_bc. None: fused (unless flush_grid is
+      "rows") where it applies and the batch is small
       (`replay.default_fused_launch`: on the H200 it wins at batch 1 and
       loses from batch 16 up, where the shared register budget cuts the
       output route's occupancy; benchmarks/README.md).
@@ -304,7 +307,7 @@ class ReplayConfig(_LaunchConfig):
   flush_block_p: int | None = None
   flush_unroll: bool = False
   flush_fold: str | None = None
-  flush_grid: str = "persistent"
+  flush_grid: str | None = None
   flush_heads_per_program: int | None = None
   flush_programs: int | None = None
   fused_launch: bool | None = None
@@ -321,7 +324,8 @@ class ReplayConfig(_LaunchConfig):
 
   def __post_init__(self):
     super().__post_init__()
-    _check_choice("flush_grid", self.flush_grid, ("rows", "persistent"))
+    _check_choice("flush_grid", self.flush_grid, ("rows", "persistent"),
+                  optional=True)
     _check_choice("output_route", self.output_route,
                   ("triton", "mosaic_gpu"))
     if self.readout_chunk is not None:
@@ -351,10 +355,10 @@ class ReplayConfig(_LaunchConfig):
           "flush_heads_per_program needs flush_grid='rows' (the persistent "
           "grid shares out (row, head, block) items), got "
           f"flush_grid={self.flush_grid!r}.")
-    if self.flush_prefetch and self.flush_grid != "persistent":
+    if self.flush_prefetch and self.flush_grid == "rows":
       raise ValueError(
-          "flush_prefetch=True needs flush_grid='persistent' (the rows grid "
-          "runs one item per program: nothing to prefetch), got "
+          "flush_prefetch=True needs flush_grid='persistent' or None (the "
+          "rows grid runs one item per program: nothing to prefetch), got "
           f"flush_grid={self.flush_grid!r}.")
 
 

@@ -908,6 +908,28 @@ def default_num_warps(read_dtype, fused: bool = False) -> int:
   return 4 if fused or jnp.dtype(read_dtype).itemsize == 4 else 2
 
 
+def default_flush_grid(fused: bool, ck_dtype, prefetch: bool,
+                       same_tiles: bool) -> str:
+  """The flush grid of `ReplayConfig(flush_grid=None)`: "rows" for the one
+  launch (fused) on an f32 checkpoint, where a flush row's output-route
+  program folds its own tiles (needs the flush tiles to be the output
+  route's, `same_tiles`, and no flush_prefetch), else "persistent".
+
+  H200, batch 1, L 16 (session 19, benchmarks/kernel_batch1_h200_session19.md
+  run 10): on f32 the rows form folded in 7.57 against 9.20 / 9.29 µs at
+  the same non-flush step (4.05 against 4.09 / 4.11), 0.94x the baseline
+  amortized against 0.91x; on f16 its non-flush step was slower (3.62
+  against 3.32 / 3.39 µs), 0.81x against 0.85-0.87x. At batch 256
+  (`kernel_rows_fused_h200_session19.md`) the one launch is slower on
+  both (the fold's registers and 43 KB of shared memory per program hold
+  the output route's occupancy down), so separate launches stay the
+  default there."""
+  if (fused and jnp.dtype(ck_dtype).itemsize == 4 and not prefetch
+      and same_tiles):
+    return "rows"
+  return "persistent"
+
+
 def default_fused_launch(batch: int, nheads: int) -> bool:
   """Whether `ReplayConfig(fused_launch=None)` fuses the two routes (where
   fusing applies): below ~4 (row, head) pairs per SM, where a step is
@@ -1029,9 +1051,12 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
         f"{', '.join(unsupported)}; use fused_launch=False or None.")
   fused = config.fused_launch
   if fused is None:
-    fused = (not unsupported and config.flush_grid == "persistent"
+    fused = (not unsupported and config.flush_grid != "rows"
              and default_fused_launch(batch, nheads))
-  fused_rows = fused and config.flush_grid == "rows"
+  flush_grid_kind = config.flush_grid or default_flush_grid(
+      fused, rstate.checkpoint.dtype, config.flush_prefetch,
+      (flush_block_p, flush_hb) == (block_p, hb))
+  fused_rows = fused and flush_grid_kind == "rows"
   if fused_rows and (flush_block_p, flush_hb) != (block_p, hb):
     raise NotImplementedError(
         f"config.fused_launch=True with flush_grid='rows' folds on the "
@@ -1074,7 +1099,8 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                    sds(rstate.checkpoint.shape, rstate.checkpoint.dtype)),
         input_output_aliases={0: 5, 1: 1, 2: 2, 3: 3},
         compiler_params=params, interpret=interpret,
-        name=common.capped_name("replayssm_replay_fused_routes",
+        name=common.capped_name("replayssm_replay_fused_routes"
+                                + ("_rows" if fused_rows else ""),
                                 config.max_registers),
     )(rstate.checkpoint, rstate.x_buf, rstate.b_buf, rstate.dt_buf,
       rstate.count, *token_in, *counts_in, *optional)
@@ -1121,7 +1147,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   flush_kw = dict(kw, block_p=flush_block_p, writes_y=writes_y,
                   unroll=config.flush_unroll, fold_dot=fold_dot)
   count = rstate.count
-  if config.flush_grid == "persistent":
+  if flush_grid_kind == "persistent":
     kernel = functools.partial(_flush_persistent_kernel, nheads=nheads,
                                num_programs=nprog,
                                prefetch=config.flush_prefetch, **flush_kw)

@@ -805,16 +805,19 @@ def test_replay_kernel_precision_refusals(monkeypatch):
   assert "rstate.row_id and rstate.step" in why, why
 
 
+@pytest.mark.parametrize("ckpt", [jnp.float32, jnp.float16])
 @pytest.mark.parametrize("batch,fused", [(1, True), (66, False)])
-def test_default_fused_launch_by_batch(batch, fused):
+def test_default_fused_launch_by_batch(batch, fused, ckpt):
   """ReplayConfig(fused_launch=None) launches both routes as one kernel
-  at small batch (8 heads: batch * 8 < 4 * 132) and as two above."""
+  at small batch (8 heads: batch * 8 < 4 * 132) and as two above; the one
+  launch folds on the output route's programs on an f32 checkpoint
+  (flush_grid=None -> "rows"), on persistent flush programs otherwise."""
   from pallas_kernels import replay as replay_kernel  # pylint: disable=g-import-not-at-top
   assert replay_kernel.default_fused_launch(batch, 8) == fused
   h, p, n, g, L = 8, 16, 16, 2, 16
   sds = jax.ShapeDtypeStruct
   rstate = rs.ReplayState(
-      checkpoint=sds((batch, h, p, n), jnp.float32),
+      checkpoint=sds((batch, h, p, n), ckpt),
       x_buf=sds((batch, L, h, p), jnp.bfloat16),
       b_buf=sds((batch, L, g, n), jnp.bfloat16),
       dt_buf=sds((batch, L, h), jnp.float32),
@@ -828,6 +831,10 @@ def test_default_fused_launch_by_batch(batch, fused):
               sds((batch, g, n), jnp.bfloat16)))
   assert ("replayssm_replay_fused_routes" in jaxpr) == fused
   assert ("replayssm_replay_output_route" in jaxpr) == (not fused)
+  rows = fused and ckpt == jnp.float32
+  assert ("replayssm_replay_fused_routes_rows" in jaxpr) == rows
+  if not fused:  # separate launches: the persistent flush grid
+    assert "replayssm_replay_flush_route" in jaxpr
 
 
 # ------------------------------------------------- GPU lowering (no GPU here)
