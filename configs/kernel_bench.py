@@ -248,7 +248,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Run 22: the next item's loads issued before this one folds
     # (flush_prefetch) on half tiles (block_p 32, so two half tiles hold
     # the registers of one whole one) at the 128 cap, at a 168 cap (3 per
-    # SM), on whole tiles at 168, and at 8 warps capped at 96.
+    # SM), on whole tiles at 168, and at 8 warps capped at 96. Measured:
+    # f32 flush 862 / 784 / 978 / 1002 against 714 µs, f16 477-645
+    # against 402: slower in every form.
     config.replay_variants = ml_collections.ConfigDict(dict(
         pf32=dict(flush_prefetch=True, flush_block_p=32),
         pf32c168=dict(flush_prefetch=True, flush_block_p=32,
@@ -328,6 +330,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # (fused_launch=True, flush_grid="rows"): a flush row's program folds
     # its own tile, so no step launches the 528 persistent flush programs
     # (with 132 of them, run 9, the non-flush step was the fastest yet).
+    # Measured (kernel_batch1_h200_session19.md): f32 flush 7.57 against
+    # 9.20 / 9.29 µs at the same non-flush step, 0.94x against 0.91x
+    # amortized (the new default on f32: ReplayConfig.flush_grid=None);
+    # f16 flush 4.83 against 5.44 but non-flush 3.62 against 3.32 / 3.39.
+    # `rows` now repeats the f32 default.
     config.replay_variants = ml_collections.ConfigDict(dict(
         same=dict(fused_launch=True),
         rows=dict(fused_launch=True, flush_grid="rows"),
@@ -346,6 +353,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # x3 (the separate flush's default), also capped at 128 registers (4
     # programs per SM, the separate flush's cap); at 2 warps (the 16-bit
     # output route's default); and the output route alone at 8 warps.
+    # Measured (kernel_rows_fused_h200_session19.md): every form slower
+    # (non-flush f32 357-509 against 282-285 µs, f16 244-252 against 162:
+    # the fold's 127 registers and 43 KB of shared memory per program hold
+    # the output route's occupancy down), though its all-rows f32 flush
+    # with bf16 x3 (631 µs against 711-715) is the fastest measured; 8
+    # warps: non-flush f32 300.7, f16 193.7.
     _kernel_study(config, "kernel_rows_fused", (256,))
     rows = dict(fused_launch=True, flush_grid="rows")
     config.replay_variants = ml_collections.ConfigDict(dict(

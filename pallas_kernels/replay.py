@@ -20,7 +20,10 @@ programs share out the (flush row, head, headdim block) items of the flush
 rows only, so the ~(L-1)/L of rows that do not flush cost it nothing
 (`ReplayConfig.flush_grid="rows"` launches it on the output grid instead,
 with early exits). Keeping the fold in its own kernel keeps the output
-route's register footprint at one checkpoint tile.
+route's register footprint at one checkpoint tile. At small batch both
+routes share one launch (`ReplayConfig.fused_launch`): persistent flush
+programs beside the output items, or, on an f32 checkpoint, the output
+route's own programs folding their flush rows (`_fused_rows_kernel`).
 
 The checkpoint and the buffers are aliased input->output and only the
 elements named above are stored: a non-flush step never writes the

@@ -20,13 +20,13 @@
 #   bash benchmarks/scripts/run_h200.sh profile_b1  # the same two profiles at batch 1, where replay spec decoding was 0.60-0.64x the baseline's (session 11); session 12 ran the first (2.4 min: device time per iteration within 4%), the per-kernel second is not yet run
 #   bash benchmarks/scripts/run_h200.sh profile_b1_kernels  # profile_b1's per-kernel half alone (not yet run)
 #   bash benchmarks/scripts/run_h200.sh batch1     # batch 1, f32 / f16, L 16: the fused launch's default fold (3xTF32) vs the bf16-split fold (1.5 min in session 13)
-#   bash benchmarks/scripts/run_h200.sh rows_fused # both routes in one launch on the output grid (fused_launch + flush_grid rows) beside the default, b 256, f32 / f16, L 16 (not yet run)
+#   bash benchmarks/scripts/run_h200.sh rows_fused # both routes in one launch on the output grid (fused_launch + flush_grid rows) beside the default, b 256, f32 / f16, L 16 (with batch1: 4 min in session 19)
 #   bash benchmarks/scripts/run_h200.sh launch     # fused vs separate route launches, b 16 + 64, L 16 (1.2 min)
 #   bash benchmarks/scripts/run_h200.sh mosaic     # the Mosaic GPU kernels: baseline (7 configs) vs Triton and XLA, replay with the Mosaic output route (plain, f32+fp8, f16+fp8), b 256 + 64, f32 / f16, each checked first; a Mosaic failure is recorded, not fatal (> 3 min: session 7 ran f32 in 185 s, f16 without policies in 90 s)
 #   bash benchmarks/scripts/run_h200.sh verify [--variants a,b]  # spec verify kernel: VerifyConfig variants on hybrid_1b's layer, b 256, T 4, checked, split per kernel (14 variants: ~2 min in session 9; all 25 now, or pick with verify_sweep.py --variants)
 #   bash benchmarks/scripts/run_h200.sh ncu_verify # Nsight Compute on the verify window kernel (default and the pre-session-8 default)
 #   bash benchmarks/scripts/run_h200.sh ncu_flush  # Nsight Compute on the flush route with every row folding (f16 checkpoint, b 256, L 16): stall reasons, instruction mix, source counters (1.5 min, session 11: it profiles one launch; with two, the second failed and the GPU stayed out of memory for the next part)
-#   bash benchmarks/scripts/run_h200.sh ncu_flush_grids  # Nsight Compute of the f32 all-rows flush: persistent grid, rows grid, one launch on the output grid (not yet run)
+#   bash benchmarks/scripts/run_h200.sh ncu_flush_grids  # Nsight Compute of the f32 all-rows flush: persistent grid, rows grid, one launch on the output grid (3 min in session 19)
 #   bash benchmarks/scripts/run_h200.sh ncu_b1     # Nsight Compute at batch 1 (f16, no row folding): the baseline step and the fused replay step
 #   bash benchmarks/scripts/run_h200.sh ncu_fp8    # Nsight Compute of the output route at batch 256 (no row folding): plain f16 checkpoint vs f16 master + fp8 copy (2.2 min in session 17)
 #   bash benchmarks/scripts/run_h200.sh policies [overrides]  # replay per precision policy (session 15: defaults only, 2.4 min for all 8; now also the uncapped flush) vs the f16 baseline, b 256, L 16 (2.5 min for 4 policies x 3 in session 9; > 4.8 min for all 7 x 2 in session 12, cut at its 290 s limit; 2.8 min for 3 x 4)
