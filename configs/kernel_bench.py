@@ -251,13 +251,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # SM), on whole tiles at 168, and at 8 warps capped at 96. Measured:
     # f32 flush 862 / 784 / 978 / 1002 against 714 µs, f16 477-645
     # against 402: slower in every form.
+    # Measured: pf32=dict(flush_prefetch=True, flush_block_p=32),
+    # pf32c168 (the same with flush_max_registers=168), pf64c168 (whole
+    # tiles at 168), pf32w8c96 (8 warps capped at 96).
+    # Run 23: the next item's tile touched into L2 instead (flush_touch:
+    # one element per 128-byte line, two registers per thread; ptxas
+    # offline, f32 at the 128 cap: 1024 SASS instructions against 960, no
+    # spills against 12 B, the touch loads at the loop's head).
     config.replay_variants = ml_collections.ConfigDict(dict(
-        pf32=dict(flush_prefetch=True, flush_block_p=32),
-        pf32c168=dict(flush_prefetch=True, flush_block_p=32,
-                      flush_max_registers=168),
-        pf64c168=dict(flush_prefetch=True, flush_max_registers=168),
-        pf32w8c96=dict(flush_prefetch=True, flush_block_p=32,
-                       flush_num_warps=8, flush_max_registers=96),
+        touch=dict(flush_touch=True),
         same=dict()))
 
   if arg == "batch1":
