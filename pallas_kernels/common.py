@@ -229,14 +229,6 @@ class ReplayConfig(_LaunchConfig):
       software pipelining; one more set of tiles in registers). Persistent
       flush grid only. H200 (benchmarks/README.md, session 6): -3% to +4%
       on the amortized step, -7% on a 16-bit dual-precision flush.
-    flush_touch: the persistent flush programs load one element per
-      128-byte line of the next item's checkpoint tile (L2 evict_last) before
-      folding the current one, so that tile's lines are in L2 when its
-      own load comes (an L2 prefetch at two registers per thread, where
-      flush_prefetch holds the whole next tile in registers). The touched
-      values only guard a store of y that changes nothing, so the loads
-      stay live. Persistent flush grid only; not with flush_prefetch or
-      output_all_rows (y is what keeps them).
     output_prefetch: the output route loads the checkpoint (or read copy)
       tiles of all its heads_per_program heads before computing any, so
       a program has that many tiles in flight (for 8-bit copies, whose
@@ -320,7 +312,6 @@ class ReplayConfig(_LaunchConfig):
   flush_programs: int | None = None
   fused_launch: bool | None = None
   flush_prefetch: bool = False
-  flush_touch: bool = False
   output_prefetch: bool = False
   output_unmasked_buffers: bool = False
   output_eager: bool = False
@@ -364,14 +355,6 @@ class ReplayConfig(_LaunchConfig):
           "flush_heads_per_program needs flush_grid='rows' (the persistent "
           "grid shares out (row, head, block) items), got "
           f"flush_grid={self.flush_grid!r}.")
-    if self.flush_touch and (self.flush_grid == "rows" or self.flush_prefetch
-                             or self.output_all_rows):
-      raise ValueError(
-          "flush_touch=True needs the persistent flush grid (flush_grid "
-          "'persistent' or None) without flush_prefetch or output_all_rows, "
-          f"got flush_grid={self.flush_grid!r}, "
-          f"flush_prefetch={self.flush_prefetch}, "
-          f"output_all_rows={self.output_all_rows}.")
     if self.flush_prefetch and self.flush_grid == "rows":
       raise ValueError(
           "flush_prefetch=True needs flush_grid='persistent' or None (the "

@@ -510,35 +510,7 @@ def _store_flush(p, h, st, x_cur, stores, y_out, c_ref, d_ref, z_ref):
     y = jnp.sum(st * c_ref[b, p.g, :].astype(F32)[None, :], axis=1)
     y = common.finish_output(y, x_cur, None if d_ref is None else d_ref[h],
                              None if z_ref is None else z_ref[b, h, ps])
-    y = y.astype(y_out.dtype)
-    y_out[b, h, ps] = y
-    return y
-  return None
-
-
-def touch_lines(ref, index, valid, strided=True):
-  """One element per 128-byte line of the tile ref.at[index] ([rows, N]),
-  loaded with L2's evict_last policy so the lines are in L2 when the
-  tile's own load comes: -> [rows, lines per row] (masked off where valid
-  is False). (Pallas' `.cg` cache modifier, past L1, fails its lowering
-  in jax 0.10.2: a key error.)
-  strided=False (interpret mode, which has no strided loads) loads the
-  first `lines` elements of each row instead (the same code otherwise)."""
-  rows, n = ref.at[index].shape
-  step = max(1, 128 // jnp.dtype(ref.dtype).itemsize)
-  lines = max(1, n // step)
-  cols = pl.ds(0, lines, stride=step) if strided else pl.ds(0, lines)
-  return plgpu.load(ref.at[index + (cols,)],
-                    mask=jnp.broadcast_to(valid, (rows, lines)), other=0,
-                    eviction_policy="evict_last")
-
-
-def keep_touch(touched, y_ref, index, y):
-  """Makes the touch loads live (a compiler drops an unused load): y is
-  stored again, the same values, on rows whose touched elements hold
-  +inf (a store that changes nothing whenever it happens)."""
-  hit = jnp.max(touched.astype(F32), axis=1) > jnp.finfo(F32).max
-  plgpu.store(y_ref.at[index], y, mask=hit)
+    y_out[b, h, ps] = y.astype(y_out.dtype)
 
 
 def _flush_kernel(*refs, has_D, has_z, has_bias, writes_y, unroll, fold_dot,
@@ -593,12 +565,9 @@ def _flush_persistent_kernel(*refs, has_D, has_z, has_bias, writes_y,
 
 def _flush_items(pid, ins, opt, y_out, stores, *, unroll, fold_dot,
                  num_programs, nheads, heads_per_group, block_p, headdim,
-                 prefetch=False, touch=None, **kw):
+                 prefetch=False, **kw):
   """The items of persistent flush program `pid` (of num_programs); with
-  prefetch, each item's loads are issued while the previous one folds;
-  with touch ("strided", or "contiguous" in interpret mode), one element
-  per 128-byte line of the next item's checkpoint tile (`touch_lines`),
-  so its lines are in L2 by then."""
+  prefetch, each item's loads are issued while the previous one folds."""
   ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, x_ref, dt_ref, a_ref, b_ref = (
       ins[:9])
   c_ref = ins[9]
@@ -614,35 +583,27 @@ def _flush_items(pid, ins, opt, y_out, stores, *, unroll, fold_dot,
                     g=h // heads_per_group, pblk=pblk, head0=h,
                     block_p=block_p, count=L - 1, **kw)
 
-  def item(b, h, pblk, loads=None, touched=None):
+  def item(b, h, pblk, loads=None):
     p = program(b, h, pblk)
     if loads is None:
       loads = _fold_loads(p, h, fold_refs, fold_dot=fold_dot,
                           block_p=block_p)
     st, x_cur = _fold_from(p, h, loads, fold_refs, unroll=unroll,
                            fold_dot=fold_dot)
-    y = _store_flush(p, h, st, x_cur, stores, y_out, c_ref, d_ref, z_ref)
-    if touched is not None:
-      keep_touch(touched, y_out, (b, h, p.ps), y)
+    _store_flush(p, h, st, x_cur, stores, y_out, c_ref, d_ref, z_ref)
 
   def load(b, h, pblk, valid):
     p = program(b, h, pblk)
     return _fold_loads(p, h, fold_refs, fold_dot=fold_dot, block_p=block_p,
                        valid=valid)
 
-  def touch_next(b, h, pblk, valid):
-    return touch_lines(ck_ref, (b, h, pl.ds(pblk * block_p, block_p)),
-                       valid, strided=touch == "strided")
-
   persistent_items(pid, counts == L - 1, item, num_programs=num_programs,
                    nheads=nheads, nblk=headdim // block_p,
-                   load=load if prefetch else None,
-                   touch=touch_next if touch else None,
-                   nrows=ck_ref.shape[0])
+                   load=load if prefetch else None, nrows=ck_ref.shape[0])
 
 
 def persistent_items(pid, active, item, *, num_programs, nheads, nblk,
-                     load=None, touch=None, nrows=None):
+                     load=None, nrows=None):
   """Runs program `pid`'s share of the (active row, head, headdim block)
   work items of a persistent grid of num_programs programs: items w = pid,
   pid + num_programs, ...; item w belongs to the r-th active row, r = w //
@@ -654,10 +615,6 @@ def persistent_items(pid, active, item, *, num_programs, nheads, nblk,
   global reads are in flight while this one computes (the program's first
   load precedes its loop; the load after its last item is masked off by
   valid, with the row index clamped below nrows).
-
-  With touch (not with load): item(b, h, pblk, touched=...) gets
-  touch(b', h', pblk', valid) of the next item, issued before this item's
-  work (its ids carried from one iteration to the next).
 
   active: [batch] bool (padded rows False)."""
   flags = active.astype(jnp.int32)
@@ -675,16 +632,6 @@ def persistent_items(pid, active, item, *, num_programs, nheads, nblk,
     if nrows is not None:  # a prefetch past the last item: stay in bounds
       b = jnp.minimum(b, nrows - 1)
     return b, rem // nblk, rem % nblk
-
-  if touch is not None:
-    def body_touch(i, cur):
-      nxt = ids(i + 1)
-      touched = touch(*nxt, i + 1 < mine)
-      item(*cur, touched=touched)
-      return nxt
-
-    lax.fori_loop(0, mine, body_touch, ids(0))
-    return
 
   if load is None:
     def body(i, carry):
@@ -704,8 +651,7 @@ def persistent_items(pid, active, item, *, num_programs, nheads, nblk,
 
 def _fused_kernel(*refs, has_D, has_z, has_bias, num_programs,
                   out_programs, ngroups, unroll, fold_dot, nheads,
-                  flush_block_p, prefetch=False, touch=None,
-                  readout_chunk=None,
+                  flush_block_p, prefetch=False, readout_chunk=None,
                   unmasked=False, eager=False, **kw):
   """Both routes in one launch (`ReplayConfig(fused_launch=True)`).
 
@@ -730,8 +676,7 @@ def _fused_kernel(*refs, has_D, has_z, has_bias, num_programs,
                  nheads=nheads, heads_per_group=kw["heads_per_group"],
                  block_p=flush_block_p, headdim=kw["headdim"],
                  buffer_len=kw["buffer_len"],
-                 dt_softplus=kw["dt_softplus"], prefetch=prefetch,
-                 touch=touch)
+                 dt_softplus=kw["dt_softplus"], prefetch=prefetch)
 
   @pl.when(pid >= num_programs)
   def _output():
@@ -966,13 +911,12 @@ def default_num_warps(read_dtype, fused: bool = False) -> int:
   return 4 if fused or jnp.dtype(read_dtype).itemsize == 4 else 2
 
 
-def default_flush_grid(fused: bool, ck_dtype, persistent_only: bool,
+def default_flush_grid(fused: bool, ck_dtype, prefetch: bool,
                        same_tiles: bool) -> str:
   """The flush grid of `ReplayConfig(flush_grid=None)`: "rows" for the one
   launch (fused) on an f32 checkpoint, where a flush row's output-route
   program folds its own tiles (needs the flush tiles to be the output
-  route's, `same_tiles`, and no persistent-loop option, `persistent_only`:
-  flush_prefetch or flush_touch), else "persistent".
+  route's, `same_tiles`, and no flush_prefetch), else "persistent".
 
   H200, batch 1, L 16 (session 19, benchmarks/kernel_batch1_h200_session19.md
   run 10): on f32 the rows form folded in 7.57 against 9.20 / 9.29 µs at
@@ -983,7 +927,7 @@ def default_flush_grid(fused: bool, ck_dtype, persistent_only: bool,
   both (the fold's registers and 43 KB of shared memory per program hold
   the output route's occupancy down), so separate launches stay the
   default there."""
-  if (fused and jnp.dtype(ck_dtype).itemsize == 4 and not persistent_only
+  if (fused and jnp.dtype(ck_dtype).itemsize == 4 and not prefetch
       and same_tiles):
     return "rows"
   return "persistent"
@@ -1113,12 +1057,9 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     fused = (not unsupported and config.flush_grid != "rows"
              and default_fused_launch(batch, nheads))
   flush_grid_kind = config.flush_grid or default_flush_grid(
-      fused, rstate.checkpoint.dtype,
-      config.flush_prefetch or config.flush_touch,
+      fused, rstate.checkpoint.dtype, config.flush_prefetch,
       (flush_block_p, flush_hb) == (block_p, hb))
   fused_rows = fused and flush_grid_kind == "rows"
-  touch = (("contiguous" if interpret else "strided") if config.flush_touch
-           else None)
   if fused_rows and (flush_block_p, flush_hb) != (block_p, hb):
     raise NotImplementedError(
         f"config.fused_launch=True with flush_grid='rows' folds on the "
@@ -1149,8 +1090,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
       kernel = functools.partial(
           _fused_kernel, num_programs=nprog, out_programs=n0,
           ngroups=ngroups, nheads=nheads, flush_block_p=flush_block_p,
-          prefetch=config.flush_prefetch, touch=touch,
-          **route_kw)
+          prefetch=config.flush_prefetch, **route_kw)
       fused_grid, counts_in = (nprog + n0 * ngroups * batch,), [count_pow2]
     y, xb, bb, dtb, cnt, ck = pl.pallas_call(
         kernel, grid=fused_grid,
@@ -1213,8 +1153,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   if flush_grid_kind == "persistent":
     kernel = functools.partial(_flush_persistent_kernel, nheads=nheads,
                                num_programs=nprog,
-                               prefetch=config.flush_prefetch,
-                               touch=touch, **flush_kw)
+                               prefetch=config.flush_prefetch, **flush_kw)
     flush_grid = (nprog,)
     count = count_pow2
   else:

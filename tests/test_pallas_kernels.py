@@ -113,11 +113,6 @@ REPLAY_CONFIGS = [
     pk.ReplayConfig(output_eager=True, output_unmasked_buffers=True,
                     flush_programs=3, fused_launch=True),
     pk.ReplayConfig(block_p=8, output_eager=True, fused_launch=False),
-    # The next item's checkpoint lines touched into L2 (several items per
-    # persistent program; in a launch of its own and in the one launch).
-    pk.ReplayConfig(block_p=4, flush_block_p=8, flush_programs=3,
-                    flush_touch=True, fused_launch=False),
-    pk.ReplayConfig(flush_programs=3, flush_touch=True, fused_launch=True),
     # One launch on the output grid: flush rows' programs fold their tiles.
     pk.ReplayConfig(flush_grid="rows", fused_launch=True),
     pk.ReplayConfig(block_p=8, heads_per_program=2, flush_grid="rows",
@@ -478,39 +473,6 @@ def test_replay_kernel_bf16_fold():
     run("dot_bf16x3")
 
 
-@pytest.mark.parametrize("ckpt,fused", [("float16", False),
-                                       ("float32", True)])
-def test_replay_kernel_flush_touch(ckpt, fused):
-  """flush_touch only adds loads of the next item's lines and a store of y
-  that changes nothing: results bit for bit those of the plain persistent
-  loop, with several items per program (3 programs) in a launch of its
-  own and in the one launch; touched lines holding +inf (the guarded
-  store then runs) change nothing either."""
-  params, tok, rstate, counts = _mixed_state(ckpt, 16, 75,
-                                             flush_rows=(0, 1, 3))
-  kw = dict(**tok, **params, dt_softplus=True)
-  base = dict(block_p=16, flush_programs=3, fused_launch=fused,
-              flush_grid="persistent")
-  runs = []
-  for state in (rstate, rstate.replace(checkpoint=rstate.checkpoint.at[
-      :, :, :, 0].set(jnp.inf))):
-    y0, r0 = rs.replay_state_update(state, **kw, implementation="pallas",
-                                    config=pk.ReplayConfig(**base))
-    y1, r1 = rs.replay_state_update(
-        state, **kw, implementation="pallas",
-        config=pk.ReplayConfig(**base, flush_touch=True))
-    for a, b in [(y0, y1)] + list(zip(jax.tree.leaves(r0),
-                                      jax.tree.leaves(r1))):
-      np.testing.assert_array_equal(harness.bits(a), harness.bits(b))
-    runs.append((y1, r1))
-  y_ref, r_ref = rs.replay_state_update(rstate, **kw,
-                                        implementation="reference")
-  tol = testing.tolerance("bfloat16", ckpt)
-  testing.assert_close(runs[0][0], y_ref, tol, "y")
-  testing.assert_close(runs[0][1].checkpoint, r_ref.checkpoint, tol,
-                       "checkpoint")
-
-
 @pytest.mark.parametrize("buffer_len,fold", [(16, None), (4, "rank1")])
 @pytest.mark.parametrize("fused,programs", [(False, 3), (False, 64),
                                             (True, 3)])
@@ -556,10 +518,6 @@ def test_replay_kernel_flush_prefetch(buffer_len, fold, fused, programs):
 def test_flush_launch_fields_are_checked():
   with pytest.raises(ValueError, match="flush_prefetch=True needs"):
     pk.ReplayConfig(flush_prefetch=True, flush_grid="rows")
-  for clash in (dict(flush_grid="rows"), dict(flush_prefetch=True),
-                dict(output_all_rows=True)):
-    with pytest.raises(ValueError, match="flush_touch=True needs"):
-      pk.ReplayConfig(flush_touch=True, **clash)
   with pytest.raises(ValueError, match="flush_heads_per_program needs"):
     pk.ReplayConfig(flush_heads_per_program=2)
   with pytest.raises(ValueError, match="flush_num_warps"):
@@ -914,8 +872,6 @@ LOWERING_REPLAY_CONFIGS = [
     pk.ReplayConfig(output_eager=True, output_unmasked_buffers=True,
                     fused_launch=True),
     pk.ReplayConfig(flush_grid="rows", fused_launch=True),
-    pk.ReplayConfig(flush_touch=True, fused_launch=False),
-    pk.ReplayConfig(flush_touch=True, fused_launch=True),
 ]
 
 
