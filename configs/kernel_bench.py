@@ -339,10 +339,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # 9.20 / 9.29 µs at the same non-flush step, 0.94x against 0.91x
     # amortized (the new default on f32: ReplayConfig.flush_grid=None);
     # f16 flush 4.83 against 5.44 but non-flush 3.62 against 3.32 / 3.39.
-    # `rows` now repeats the f32 default.
+    # Run 11: the same again with the new default, and the persistent one
+    # launch beside it (`persistent`: the f32 default before; on f16 the
+    # default), so each dtype has both forms twice.
     config.replay_variants = ml_collections.ConfigDict(dict(
         same=dict(fused_launch=True),
         rows=dict(fused_launch=True, flush_grid="rows"),
+        persistent=dict(fused_launch=True, flush_grid="persistent"),
     ))
 
   if arg == "rows_fused":
