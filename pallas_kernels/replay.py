@@ -529,16 +529,24 @@ def _flush_kernel(*refs, has_D, has_z, has_bias, writes_y, unroll, fold_dot,
   p = _Program.from_grid(cnt_ref, dt_ref, a_ref, bias_ref, **kw)
   fold_refs = (ck_ref, xb_ref, bb_ref, dtb_ref, x_ref, b_ref)
 
-  @pl.when(p.flush)
-  def _route():
-    def one_head(r, carry):
-      h = p.head0 + r
-      st, x_cur = _fold_head(p, h, fold_refs, unroll=unroll,
-                             fold_dot=fold_dot, block_p=kw["block_p"])
-      _store_flush(p, h, st, x_cur, stores, y_out, c_ref, d_ref, z_ref)
-      return carry
+  pl.when(p.flush)(functools.partial(
+      _fold_heads, p, fold_refs, stores, y_out, c_ref, d_ref, z_ref,
+      unroll=unroll, fold_dot=fold_dot, block_p=kw["block_p"],
+      heads=kw["heads_per_program"]))
 
-    lax.fori_loop(0, kw["heads_per_program"], one_head, 0)
+
+def _fold_heads(p, fold_refs, stores, y_out, c_ref, d_ref, z_ref, *, unroll,
+                fold_dot, block_p, heads):
+  """Folds and stores the tiles of item p's `heads` heads (a flush row's
+  program on the output route's grid)."""
+  def one_head(r, carry):
+    h = p.head0 + r
+    st, x_cur = _fold_head(p, h, fold_refs, unroll=unroll,
+                           fold_dot=fold_dot, block_p=block_p)
+    _store_flush(p, h, st, x_cur, stores, y_out, c_ref, d_ref, z_ref)
+    return carry
+
+  lax.fori_loop(0, heads, one_head, 0)
 
 
 def _flush_persistent_kernel(*refs, has_D, has_z, has_bias, writes_y,
@@ -712,17 +720,10 @@ def _fused_rows_kernel(*refs, has_D, has_z, has_bias, unroll, fold_dot,
   fold_refs = (ck_ref, xb_ref, bb_ref, dtb_ref, x_ref, b_ref)
   stores = _FlushStores([ck_out], [], None)
 
-  @pl.when(p.flush)
-  def _fold():
-    def one_head(r, carry):
-      h = p.head0 + r
-      st, x_cur = _fold_head(p, h, fold_refs, unroll=unroll,
-                             fold_dot=fold_dot, block_p=kw["block_p"])
-      _store_flush(p, h, st, x_cur, stores, y_ref, ins[9], d_ref, z_ref)
-      return carry
-
-    lax.fori_loop(0, kw["heads_per_program"], one_head, 0)
-
+  pl.when(p.flush)(functools.partial(
+      _fold_heads, p, fold_refs, stores, y_ref, ins[9], d_ref, z_ref,
+      unroll=unroll, fold_dot=fold_dot, block_p=kw["block_p"],
+      heads=kw["heads_per_program"]))
   _output_route(p, ins, opt, outs[:5], all_rows=False,
                 precomputed_bc=False, scaled=False, block_p=kw["block_p"],
                 heads_per_program=kw["heads_per_program"],
