@@ -920,10 +920,11 @@ def default_flush_grid(fused: bool, ck_dtype, prefetch: bool,
   route's, `same_tiles`, and no flush_prefetch), else "persistent".
 
   H200, batch 1, L 16 (session 19, benchmarks/kernel_batch1_h200_session19.md
-  run 10): on f32 the rows form folded in 7.57 against 9.20 / 9.29 µs at
-  the same non-flush step (4.05 against 4.09 / 4.11), 0.94x the baseline
-  amortized against 0.91x; on f16 its non-flush step was slower (3.62
-  against 3.32 / 3.39 µs), 0.81x against 0.85-0.87x. At batch 256
+  runs 10-11): on f32 the rows form folded in 7.57-7.65 against 9.19-9.29
+  µs at the same non-flush step (4.05-4.16 against 4.09-4.18), 0.94-0.96x
+  the baseline amortized against 0.91-0.92x; on f16 its non-flush step was
+  slower (3.62-3.64 against 3.32-3.59 µs), 0.80-0.81x against 0.80-0.87x.
+  At batch 256
   (`kernel_rows_fused_h200_session19.md`) the one launch is slower on
   both (the fold's registers and 43 KB of shared memory per program hold
   the output route's occupancy down), so separate launches stay the
