@@ -833,8 +833,8 @@ def test_default_fused_launch_by_batch(batch, fused, ckpt):
   assert ("replayssm_replay_output_route" in jaxpr) == (not fused)
   rows = fused and ckpt == jnp.float32
   assert ("replayssm_replay_fused_routes_rows" in jaxpr) == rows
-  if not fused:  # separate launches: the persistent flush grid
-    assert "replayssm_replay_flush_route" in jaxpr
+  # Separate launches: the output route and the flush route's kernel.
+  assert ("replayssm_replay_flush_route" in jaxpr) == (not fused)
 
 
 # ------------------------------------------------- GPU lowering (no GPU here)
