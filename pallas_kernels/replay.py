@@ -520,33 +520,35 @@ def _flush_kernel(*refs, has_D, has_z, has_bias, writes_y, unroll, fold_dot,
   into a new checkpoint and store it, with writes_y also y (and with
   copy_spec the read copy, see _CopySpec)."""
   nin, nout = _copy_counts(copy_spec)
-  ins, (d_ref, z_ref, bias_ref), outs = _unpack(
+  ins, opt, outs = _unpack(
       refs, 10 + writes_y + nin, 1 + writes_y + nout, has_D, has_z, has_bias)
-  ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, x_ref, dt_ref, a_ref, b_ref = (
-      ins[:9])
-  c_ref, y_out = ins[9], outs[0] if writes_y else None
-  stores = _FlushStores(outs[writes_y:], ins[10 + writes_y:], copy_spec)
-  p = _Program.from_grid(cnt_ref, dt_ref, a_ref, bias_ref, **kw)
-  fold_refs = (ck_ref, xb_ref, bb_ref, dtb_ref, x_ref, b_ref)
-
-  pl.when(p.flush)(functools.partial(
-      _fold_heads, p, fold_refs, stores, y_out, c_ref, d_ref, z_ref,
-      unroll=unroll, fold_dot=fold_dot, block_p=kw["block_p"],
-      heads=kw["heads_per_program"]))
+  _fold_flush_row(ins, opt, outs[0] if writes_y else None,
+                  _FlushStores(outs[writes_y:], ins[10 + writes_y:],
+                               copy_spec),
+                  unroll=unroll, fold_dot=fold_dot, **kw)
 
 
-def _fold_heads(p, fold_refs, stores, y_out, c_ref, d_ref, z_ref, *, unroll,
-                fold_dot, block_p, heads):
-  """Folds and stores the tiles of item p's `heads` heads (a flush row's
-  program on the output route's grid)."""
-  def one_head(r, carry):
-    h = p.head0 + r
-    st, x_cur = _fold_head(p, h, fold_refs, unroll=unroll,
-                           fold_dot=fold_dot, block_p=block_p)
-    _store_flush(p, h, st, x_cur, stores, y_out, c_ref, d_ref, z_ref)
-    return carry
+def _fold_flush_row(ins, opt, y_out, stores, *, unroll, fold_dot, **kw):
+  """The item of a program on the output route's grid (ins in the kernels'
+  order: checkpoint, x / B / dt buffers, counters, x, dt, A, B, C): when
+  its row flushes, the tiles of its heads folded and stored (with y when
+  y_out is given) -> the item (`_Program`)."""
+  d_ref, z_ref, bias_ref = opt
+  p = _Program.from_grid(ins[4], ins[6], ins[7], bias_ref, **kw)
+  fold_refs = (ins[0], ins[1], ins[2], ins[3], ins[5], ins[8])
 
-  lax.fori_loop(0, heads, one_head, 0)
+  @pl.when(p.flush)
+  def _fold():
+    def one_head(r, carry):
+      h = p.head0 + r
+      st, x_cur = _fold_head(p, h, fold_refs, unroll=unroll,
+                             fold_dot=fold_dot, block_p=kw["block_p"])
+      _store_flush(p, h, st, x_cur, stores, y_out, ins[9], d_ref, z_ref)
+      return carry
+
+    lax.fori_loop(0, kw["heads_per_program"], one_head, 0)
+
+  return p
 
 
 def _flush_persistent_kernel(*refs, has_D, has_z, has_bias, writes_y,
@@ -712,18 +714,8 @@ def _fused_rows_kernel(*refs, has_D, has_z, has_bias, unroll, fold_dot,
   larger route. Inputs and outputs: those of `_fused_kernel` without the
   padded counters."""
   ins, opt, outs = _unpack(refs, 10, 6, has_D, has_z, has_bias)
-  d_ref, z_ref, bias_ref = opt
-  ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, x_ref, dt_ref, a_ref, b_ref = (
-      ins[:9])
-  y_ref, ck_out = outs[0], outs[5]
-  p = _Program.from_grid(cnt_ref, dt_ref, a_ref, bias_ref, **kw)
-  fold_refs = (ck_ref, xb_ref, bb_ref, dtb_ref, x_ref, b_ref)
-  stores = _FlushStores([ck_out], [], None)
-
-  pl.when(p.flush)(functools.partial(
-      _fold_heads, p, fold_refs, stores, y_ref, ins[9], d_ref, z_ref,
-      unroll=unroll, fold_dot=fold_dot, block_p=kw["block_p"],
-      heads=kw["heads_per_program"]))
+  p = _fold_flush_row(ins, opt, outs[0], _FlushStores([outs[5]], [], None),
+                      unroll=unroll, fold_dot=fold_dot, **kw)
   _output_route(p, ins, opt, outs[:5], all_rows=False,
                 precomputed_bc=False, scaled=False, block_p=kw["block_p"],
                 heads_per_program=kw["heads_per_program"],
@@ -924,11 +916,10 @@ def default_flush_grid(fused: bool, ck_dtype, prefetch: bool,
   µs at the same non-flush step (4.05-4.16 against 4.09-4.18), 0.94-0.96x
   the baseline amortized against 0.91-0.92x; on f16 its non-flush step was
   slower (3.62-3.64 against 3.32-3.59 µs), 0.80-0.81x against 0.80-0.87x.
-  At batch 256
-  (`kernel_rows_fused_h200_session19.md`) the one launch is slower on
-  both (the fold's registers and 43 KB of shared memory per program hold
-  the output route's occupancy down), so separate launches stay the
-  default there."""
+  At batch 256 (`kernel_rows_fused_h200_session19.md`) the one launch is
+  slower on both (the fold's registers and 43 KB of shared memory per
+  program hold the output route's occupancy down), so separate launches
+  stay the default there."""
   if (fused and jnp.dtype(ck_dtype).itemsize == 4 and not prefetch
       and same_tiles):
     return "rows"
@@ -1058,11 +1049,11 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   if fused is None:
     fused = (not unsupported and config.flush_grid != "rows"
              and default_fused_launch(batch, nheads))
+  same_tiles = (flush_block_p, flush_hb) == (block_p, hb)
   flush_grid_kind = config.flush_grid or default_flush_grid(
-      fused, rstate.checkpoint.dtype, config.flush_prefetch,
-      (flush_block_p, flush_hb) == (block_p, hb))
+      fused, rstate.checkpoint.dtype, config.flush_prefetch, same_tiles)
   fused_rows = fused and flush_grid_kind == "rows"
-  if fused_rows and (flush_block_p, flush_hb) != (block_p, hb):
+  if fused_rows and not same_tiles:
     raise NotImplementedError(
         f"config.fused_launch=True with flush_grid='rows' folds on the "
         f"output route's programs: flush_block_p ({flush_block_p}) and "
