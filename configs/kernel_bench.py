@@ -27,6 +27,13 @@ batch 256, L 16):
   python -m experiments.kernel_bench --config=configs/kernel_bench.py:policies \
       --workdir=runs/kernel_policies
 
+The flush rows folded by the Mosaic GPU kernel beside the Triton flush
+(batch 256, L 16):
+
+  python -m experiments.kernel_bench \
+      --config=configs/kernel_bench.py:mosaic_flush \
+      --workdir=runs/kernel_mosaic_flush
+
 The output route's launch shape on the 8-bit read copies and the f16
 checkpoint (`:output_launch`, same setup as `:policies`). The flush fold
 forms in the fused launch at batch 1 (`:batch1`).
@@ -59,7 +66,8 @@ def _kernel_study(config, name: str, batches: tuple[int, ...]) -> None:
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The benchmark configuration; `arg="smoke"` is a tiny CPU run."""
   _args.check_arg(arg, "sweep", "launch", "policies", "mosaic",
-                  "output_launch", "batch1", "rows_fused")
+                  "output_launch", "batch1", "rows_fused",
+                  "mosaic_flush")
   config = ml_collections.ConfigDict()
   config.name = "kernel_bench"  # stem of the files copied to --results_dir
   config.seed = 0
@@ -381,6 +389,26 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         rows_w2=dict(rows, num_warps=2),
         w8=dict(num_warps=8),
         same=dict()))
+
+  if arg == "mosaic_flush":
+    # Session 20: the flush rows folded by the Mosaic GPU kernel
+    # (ReplayConfig(flush_route="mosaic_gpu"), `mosaic_gpu.flush`): TMA
+    # moves each head's checkpoint tile in and out with flush_num_stages
+    # tiles in flight per CTA, the latency hiding the Triton flush's loop
+    # lacks (Nsight Compute, session 19: its items wait on their own
+    # loads), and the Mosaic baseline step reached 98-103% of the stream
+    # bandwidth (kernel_mosaic_h200.md). Variants: heads per CTA 8 (the
+    # default) / 4 / 16, 2 or 3 tiles in flight; the Triton default beside.
+    _kernel_study(config, "kernel_mosaic_flush", (256,))
+    m = dict(flush_route="mosaic_gpu")
+    config.replay_variants = ml_collections.ConfigDict(dict(
+        mflush=m,
+        mflush_s3=dict(m, flush_num_stages=3),
+        mflush_h4=dict(m, flush_heads_per_program=4),
+        mflush_h16=dict(m, flush_heads_per_program=16),
+        mflush_h4_s3=dict(m, flush_heads_per_program=4, flush_num_stages=3)))
+    config.experimental_implementations = tuple(
+        f"pallas:{k}" for k in config.replay_variants)
 
   if arg == "launch":
     # Where the fused launch (ReplayConfig.fused_launch) stops paying:

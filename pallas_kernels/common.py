@@ -265,6 +265,16 @@ class ReplayConfig(_LaunchConfig):
       benchmarks/kernel_mosaic_h200.md): slower than "triton" on every
       state tried (non-flush step at batch 256: f32 324 vs 284 µs, f16 203
       vs 164, f32 master + fp8 copy 145 vs 132).
+    flush_route: "triton" (the flush kernels above) or "mosaic_gpu": the
+      flush rows' fold by the Mosaic GPU kernel
+      (`pallas_kernels.mosaic_gpu.flush`: TMA-pipelined tiles, exact f32
+      rank-1 updates, checkpoint and y updated in place through
+      `pl.run_state`), one CTA per (row, flush_heads_per_program heads)
+      streaming its heads with flush_num_stages (default 2) tiles in
+      flight; CTAs of non-flush rows exit after reading the counter.
+      Separate launches and plain states only (no precision policy); the
+      Triton flush fields must be left unset. Needs headdim a multiple of
+      64 and 128-byte checkpoint rows on the GPU.
     readout_chunk: the Triton output route loads and reads out its state
       tile in [block_p, readout_chunk] column blocks (see
       `VerifyConfig.readout_chunk`); None: the whole dstate at once. H200
@@ -320,6 +330,7 @@ class ReplayConfig(_LaunchConfig):
   flush_max_registers: int | None = None
   max_registers: int | None = None
   output_route: str = "triton"
+  flush_route: str = "triton"
   readout_chunk: int | None = None
 
   def __post_init__(self):
@@ -328,6 +339,18 @@ class ReplayConfig(_LaunchConfig):
                   optional=True)
     _check_choice("output_route", self.output_route,
                   ("triton", "mosaic_gpu"))
+    _check_choice("flush_route", self.flush_route, ("triton", "mosaic_gpu"))
+    if self.flush_route == "mosaic_gpu":
+      clash = [name for name in ("output_all_rows", "fused_launch",
+                                 "flush_grid", "flush_prefetch",
+                                 "flush_block_p", "flush_unroll",
+                                 "flush_fold", "flush_programs",
+                                 "flush_num_warps", "flush_max_registers")
+               if getattr(self, name)]
+      if clash:
+        raise ValueError(
+            f"flush_route='mosaic_gpu' replaces the Triton flush route, "
+            f"which {', '.join(clash)} configure(s); leave them unset.")
     if self.readout_chunk is not None:
       _check_pow2("readout_chunk", self.readout_chunk)
     clash = [name for name in ("output_all_rows", "precompute_bc",
@@ -350,10 +373,12 @@ class ReplayConfig(_LaunchConfig):
     _check_registers("flush_max_registers", self.flush_max_registers)
     _check_registers("max_registers", self.max_registers)
     _check_count("flush_heads_per_program", self.flush_heads_per_program)
-    if self.flush_heads_per_program and self.flush_grid != "rows":
+    if (self.flush_heads_per_program and self.flush_grid != "rows"
+        and self.flush_route == "triton"):
       raise ValueError(
-          "flush_heads_per_program needs flush_grid='rows' (the persistent "
-          "grid shares out (row, head, block) items), got "
+          "flush_heads_per_program needs flush_grid='rows' or flush_route="
+          "'mosaic_gpu' (the persistent grid shares out (row, head, block) "
+          "items), got "
           f"flush_grid={self.flush_grid!r}.")
     if self.flush_prefetch and self.flush_grid == "rows":
       raise ValueError(

@@ -262,3 +262,180 @@ def selective_state_update(ssm_state, x, dt, A, B, C, D=None, z=None,
   y = common.finish_output(y0, x.astype(F32),
                            None if D is None else D[:, None], z)
   return y.astype(x.dtype), new_state
+
+
+def _softplus(d):
+  """softplus(d) = log1p(exp(d)) for d <= 20 (identity above), as
+  `reference.process_dt`, from exp and log alone (Mosaic GPU has no log1p):
+  log1p(e) = log(u) e / (u - 1) with u = 1 + e (exact to ~1 ulp; e where
+  u rounds to 1)."""
+  e = jnp.exp(jnp.minimum(d, 20.0))
+  u = 1.0 + e
+  small = u == 1.0
+  lp = jnp.where(small, e, jnp.log(u) * e / jnp.where(small, 1.0, u - 1.0))
+  return jnp.where(d <= 20.0, lp, d)
+
+
+def _flush_tile(i, h, tiles, scalars, *, buffer_len, has_D, has_z,
+                dt_softplus, interpret):
+  """Folds one flush row's head: the L-1 buffered tokens and the current
+  one into its checkpoint tile, y read from the new tile.
+
+  tiles: SMEM refs (checkpoint [P, N], x buffer [L, P], B buffer [L, N],
+  current x [P], B [N], C [N], z [P] if has_z; outputs checkpoint [P, N],
+  y [P]). scalars: the whole arrays (dt buffer [b, L, h], dt [b, h], A,
+  D, dt_bias [h]; None where absent), read one element at a time."""
+  load, tile = _loader(interpret), plgpu.Layout.WGMMA
+  row, col = tile.reduce(1), tile.reduce(0)
+  ck_ref, xb_ref, bb_ref, x_ref, b_ref, c_ref, *rest = tiles
+  z_ref = rest.pop(0) if has_z else None
+  ck_out, y_out = rest
+  dtb_ref, dt_ref, a_ref, d_ref, bias_ref = scalars
+  d_cur = dt_ref[i, h].astype(F32)
+  if bias_ref is not None:
+    d_cur = d_cur + bias_ref[h].astype(F32)
+  if dt_softplus:
+    d_cur = _softplus(d_cur)
+  a = a_ref[h].astype(F32)
+  L = buffer_len
+  dts = [dtb_ref[i, t, h] for t in range(L - 1)] + [d_cur]
+  # s_t = dt_t exp(A sum_{u>t} dt_u); the tile decays by exp(A sum_t dt_t).
+  weights, after = [None] * L, jnp.zeros((), F32)
+  for t in reversed(range(L)):
+    weights[t] = dts[t] * jnp.exp(a * after)
+    after = after + dts[t]
+  shape = ck_ref.shape
+  s = load(ck_ref, tile).astype(F32) * jnp.exp(a * after)
+  x_cur = load(x_ref, row).astype(F32)
+  for t in range(L):
+    xt = x_cur if t == L - 1 else load(xb_ref.at[t], row).astype(F32)
+    bt = load(b_ref if t == L - 1 else bb_ref.at[t], col).astype(F32)
+    s = s + _broadcast(xt * weights[t], shape, 0) * _broadcast(bt, shape, 1)
+  ck_out[...] = s.astype(ck_out.dtype)
+  cv = _broadcast(load(c_ref, col).astype(F32), shape, 1)
+  y = jnp.sum(s * cv, axis=1)
+  if d_ref is not None:
+    y = y + d_ref[h].astype(F32) * x_cur
+  if has_z:
+    zv = load(z_ref, row).astype(F32)
+    y = y * zv / (1.0 + jnp.exp(-zv))
+  y_out[...] = y.astype(y_out.dtype)
+
+
+def flush(checkpoint, y, x_buf, b_buf, dt_buf, count, x, dt, A, B, C, D=None,
+          z=None, dt_bias=None, dt_softplus=False, *,
+          config: MosaicSSUConfig = MosaicSSUConfig(),
+          interpret: bool = False):
+  """The replay flush route on Mosaic GPU: rows with count == L-1 fold
+  their L-1 buffered tokens and the current one into their checkpoint
+  (exact f32 rank-1 updates) and read y from it (+ D x, silu(z) gate).
+
+  Returns (y, checkpoint): `y` and `checkpoint` with the flush rows'
+  entries replaced, updated in place (the GPU entry writes them through
+  refs, `pl.run_state`, so XLA aliases both; programs of other rows exit
+  after reading the row's counter and store nothing). Matches the flush
+  rows of `reference.replay_state_update` (the buffers are read only: a
+  flush row does not append).
+  """
+  problem = shape_problem(checkpoint, on_gpu=not interpret)
+  if problem is not None:
+    raise NotImplementedError(problem)
+  batch, nheads, headdim, dstate = checkpoint.shape
+  L, ngroups = x_buf.shape[1], b_buf.shape[2]
+  hpg = nheads // ngroups
+  hpp = config.resolve_heads_per_program(nheads)
+  entry = config.resolve_entry(interpret)
+  if interpret and entry == "kernel":
+    raise NotImplementedError(
+        "MosaicSSUConfig(entry='kernel') runs on the GPU only; use entry="
+        "'pallas_call' off-GPU.")
+  sq = pl.Squeezed()
+  kw = dict(buffer_len=L, has_D=D is not None, has_z=z is not None,
+            dt_softplus=dt_softplus, interpret=interpret)
+  tile_kw = {} if interpret else dict(
+      transforms=_tile_transforms(checkpoint.dtype))
+
+  def specs(i, head):
+    """Block specs of (inputs, outputs); head(k) -> the head of step k."""
+    tile = plgpu.BlockSpec((sq, sq, headdim, dstate),
+                           lambda *k: (i(*k), head(*k), 0, 0), **tile_kw)
+    vec = pl.BlockSpec((sq, sq, headdim), lambda *k: (i(*k), head(*k), 0))
+    grp = pl.BlockSpec((sq, sq, dstate),
+                       lambda *k: (i(*k), head(*k) // hpg, 0))
+    ins = [tile,
+           pl.BlockSpec((sq, L, sq, headdim),
+                        lambda *k: (i(*k), 0, head(*k), 0)),
+           pl.BlockSpec((sq, L, sq, dstate),
+                        lambda *k: (i(*k), 0, head(*k) // hpg, 0)),
+           vec, grp, grp] + ([vec] if z is not None else [])
+    return ins, [tile, vec]
+
+  tiled = [checkpoint, x_buf, b_buf, x, B, C] + ([z] if z is not None else [])
+  scalars = [dt_buf, dt, A, D, dt_bias]
+  present = [v for v in scalars if v is not None]
+
+  def scalar_refs(refs):
+    it = iter(refs)
+    return [None if v is None else next(it) for v in scalars]
+
+  if entry == "kernel":
+    def body(ck_ref, y_ref, cnt_ref, *refs):
+      ins, scal = refs[:len(tiled) - 1], scalar_refs(refs[len(tiled) - 1:])
+      i, j = jax.lax.axis_index("row"), jax.lax.axis_index("block")
+      in_specs, out_specs = specs(lambda _: i, lambda k: j * hpp + k)
+
+      @pl.when(cnt_ref[i] == L - 1)
+      def _():
+        plgpu.emit_pipeline(
+            lambda idx, *t: _flush_tile(i, j * hpp + idx[0], t, scal, **kw),
+            grid=(hpp,), in_specs=in_specs, out_specs=out_specs,
+            max_concurrent_steps=config.max_concurrent_steps,
+        )(ck_ref, *ins, ck_ref, y_ref)
+
+    mesh = plgpu.Mesh(grid=(batch, nheads // hpp), grid_names=("row", "block"),
+                      kernel_name="replayssm_mosaic_replay_flush")
+
+    def stateful(refs):
+      ck_ref, y_ref = refs
+      pl.kernel(body, out_type=(), mesh=mesh)(
+          ck_ref, y_ref, count, *tiled[1:], *present)
+
+    ck, y = pl.run_state(stateful)((checkpoint, y))
+    return y, ck
+
+  # pl.pallas_call (interpret mode): grid (batch, nheads / hpp, hpp); the
+  # aliased blocks of other rows are copied through unchanged.
+  def kernel(cnt_ref, ck_in, y_in, *refs):
+    n = len(tiled) - 1
+    ins, scal = refs[:n], scalar_refs(refs[n:n + len(present)])
+    ck_out, y_out = refs[n + len(present):]
+    i = pl.program_id(0)
+    h = pl.program_id(1) * hpp + pl.program_id(2)
+    flush_row = cnt_ref[i] == L - 1
+
+    @pl.when(flush_row)
+    def _():
+      _flush_tile(i, h, (ck_in, *ins, ck_out, y_out), scal, **kw)
+
+    @pl.when(jnp.logical_not(flush_row))
+    def _():
+      ck_out[...] = ck_in[...]
+      y_out[...] = y_in[...]
+
+  in_specs, out_specs = specs(lambda i, j, k: i,
+                              lambda i, j, k: j * hpp + k)
+  whole = lambda v: pl.BlockSpec(v.shape, lambda *_: (0,) * v.ndim)
+  y_spec = out_specs[1]
+  return pl.pallas_call(
+      kernel, grid=(batch, nheads // hpp, hpp),
+      in_specs=[whole(count), in_specs[0], y_spec, *in_specs[1:],
+                *map(whole, present)],
+      out_specs=out_specs,
+      out_shape=[jax.ShapeDtypeStruct(checkpoint.shape, checkpoint.dtype),
+                 jax.ShapeDtypeStruct(y.shape, y.dtype)],
+      input_output_aliases={1: 0, 2: 1},
+      compiler_params=plgpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "sequential"),
+          max_concurrent_steps=config.max_concurrent_steps),
+      interpret=interpret, name="replayssm_mosaic_replay_flush",
+  )(count, checkpoint, y, *tiled[1:], *present)[::-1]

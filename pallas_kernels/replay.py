@@ -1040,6 +1040,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
       ("precompute_bc", config.precompute_bc),
       ("output_prefetch", config.output_prefetch),
       ("output_route='mosaic_gpu'", config.output_route != "triton"),
+      ("flush_route='mosaic_gpu'", config.flush_route != "triton"),
   ) if bad]
   if config.fused_launch and unsupported:
     raise NotImplementedError(
@@ -1139,6 +1140,20 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   # The flush route reads the buffers after the output route: flush rows do
   # not append, so their slots are unchanged, and one copy of each buffer
   # stays live.
+  if config.flush_route == "mosaic_gpu":
+    if spec is not None:
+      raise NotImplementedError(
+          "flush_route='mosaic_gpu' folds plain states only, not a read "
+          "copy or stochastic rounding (a precision policy); use "
+          "flush_route='triton'.")
+    y, ck = mosaic_gpu.flush(
+        rstate.checkpoint, y, xb, bb, dtb, rstate.count, x, dt, A, B, C, D,
+        z, dt_bias, dt_softplus, interpret=interpret,
+        config=mosaic_gpu.MosaicSSUConfig(
+            heads_per_program=config.flush_heads_per_program,
+            max_concurrent_steps=config.flush_num_stages or 2))
+    return y, ReplayState(checkpoint=ck, x_buf=xb, b_buf=bb, dt_buf=dtb,
+                          count=cnt, **_step_fields(rstate))
   writes_y = not config.output_all_rows
   flush_kw = dict(kw, block_p=flush_block_p, writes_y=writes_y,
                   unroll=config.flush_unroll, fold_dot=fold_dot)
@@ -1186,11 +1201,17 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     fields["read_copy"] = outs[0]
     if spec.scaled:
       fields["read_scale"] = outs[1]
-  if rstate.step is not None:  # as the reference: +1 per in-range row
-    c = rstate.count
-    in_range = (c >= 0) & (c < rstate.buffer_len)
-    fields["row_id"] = rstate.row_id
-    fields["step"] = jnp.where(in_range, rstate.step + 1,
-                               rstate.step).astype(jnp.int32)
   return y, ReplayState(checkpoint=ck, x_buf=xb, b_buf=bb, dt_buf=dtb,
-                        count=cnt, **fields)
+                        count=cnt, **fields, **_step_fields(rstate))
+
+
+def _step_fields(rstate):
+  """row_id / step of the new state: as the reference, step +1 per
+  in-range row (none without stochastic-rounding counters)."""
+  if rstate.step is None:
+    return {}
+  c = rstate.count
+  in_range = (c >= 0) & (c < rstate.buffer_len)
+  return dict(row_id=rstate.row_id,
+              step=jnp.where(in_range, rstate.step + 1,
+                             rstate.step).astype(jnp.int32))

@@ -117,6 +117,10 @@ REPLAY_CONFIGS = [
     pk.ReplayConfig(flush_grid="rows", fused_launch=True),
     pk.ReplayConfig(block_p=8, heads_per_program=2, flush_grid="rows",
                     flush_fold="rank1", fused_launch=True),
+    # The flush rows folded by the Mosaic GPU kernel (mosaic_gpu.flush).
+    pk.ReplayConfig(flush_route="mosaic_gpu"),
+    pk.ReplayConfig(block_p=8, flush_route="mosaic_gpu",
+                    flush_heads_per_program=2, flush_num_stages=3),
 ]
 
 
@@ -1115,6 +1119,48 @@ def test_mosaic_output_route_lowers_for_cuda(policy):
   text = _lower_replay(pk.ReplayConfig(output_route="mosaic_gpu"), params,
                        tok, rstate, pol)
   assert "mosaic_gpu" in text and "replayssm_replay_output_route" not in text
+
+
+@pytest.mark.parametrize("ckpt_dtype", ["float32", "float16"])
+def test_mosaic_flush_route_lowers_for_cuda_in_place(ckpt_dtype):
+  """ReplayConfig(flush_route="mosaic_gpu") lowers for CUDA at GPU shapes
+  (register layouts, swizzled tiles, the TMA pipeline: interpret mode
+  checks none of these), and the Mosaic call aliases the checkpoint and y
+  input -> output (`pl.run_state`), so the flush writes in place."""
+  params, tok, rstate, _ = _lowering_state(6, 16, None, (4, 64, 128, 2))
+  rstate = rstate.replace(
+      checkpoint=rstate.checkpoint.astype(jnp.dtype(ckpt_dtype)))
+  text = _lower_replay(pk.ReplayConfig(flush_route="mosaic_gpu"), params,
+                       tok, rstate, None)
+  assert "replayssm_replay_flush_route" not in text
+  calls = [ln for ln in text.splitlines() if "@mosaic_gpu" in ln]
+  assert len(calls) == 1
+  aliases = re.findall(r"output_tuple_indices = \[(\d)\], operand_index = "
+                       r"(\d+)", calls[0])
+  assert [o for o, _ in aliases] == ["0", "1"], aliases
+  # The aliased operands are the checkpoint and y (shapes in the signature).
+  sig = calls[0].rsplit(": (", 1)[1]
+  operand_types = re.findall(r"tensor<[^>]*>", sig)
+  assert operand_types[int(aliases[0][1])].startswith("tensor<6x4x64x128x")
+  assert operand_types[int(aliases[1][1])] == "tensor<6x4x64xbf16>"
+
+
+def test_mosaic_flush_route_config_is_checked():
+  with pytest.raises(ValueError, match="flush_route must be one of"):
+    pk.ReplayConfig(flush_route="cuda")
+  for clash in (dict(fused_launch=True), dict(output_all_rows=True),
+                dict(flush_grid="rows"), dict(flush_fold="rank1"),
+                dict(flush_programs=4), dict(flush_num_warps=2)):
+    with pytest.raises(ValueError, match="replaces the Triton flush route"):
+      pk.ReplayConfig(flush_route="mosaic_gpu", **clash)
+  with pytest.raises(ValueError, match="flush_heads_per_program needs"):
+    pk.ReplayConfig(flush_heads_per_program=2)
+  params, tok, rstate, pol = _lowering_state(2, 4, "f32+int8",
+                                             (4, 16, 16, 2))
+  with pytest.raises(NotImplementedError, match="plain states only"):
+    rs.replay_state_update(rstate, **tok, **params, dt_softplus=True,
+                           policy=pol, implementation="pallas",
+                           config=pk.ReplayConfig(flush_route="mosaic_gpu"))
 
 
 def test_register_caps_without_the_lowering_hook(monkeypatch):
