@@ -397,16 +397,22 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # tiles in flight per CTA, the latency hiding the Triton flush's loop
     # lacks (Nsight Compute, session 19: its items wait on their own
     # loads), and the Mosaic baseline step reached 98-103% of the stream
-    # bandwidth (kernel_mosaic_h200.md). Variants: heads per CTA 8 (the
-    # default) / 4 / 16, 2 or 3 tiles in flight; the Triton default beside.
+    # bandwidth (kernel_mosaic_h200.md). Run 1 (fold by f32 rank-1
+    # updates, 4096-8192 CTAs): the flush 1037-1085 µs f32 / 564-958 f16
+    # against Triton's 715 / 401, the non-flush step +2-22 µs (CTAs that
+    # exit still cost launch slots), y wrong on the GPU. Run 2: the fold as
+    # WGMMA products (bf16 pieces of the weighted x against the B buffer);
+    # heads per CTA 8 (the default) / 16 / 32 / 128 (256 CTAs: one per
+    # row), 2 or 3 tiles in flight.
     _kernel_study(config, "kernel_mosaic_flush", (256,))
     m = dict(flush_route="mosaic_gpu")
     config.replay_variants = ml_collections.ConfigDict(dict(
         mflush=m,
-        mflush_s3=dict(m, flush_num_stages=3),
-        mflush_h4=dict(m, flush_heads_per_program=4),
         mflush_h16=dict(m, flush_heads_per_program=16),
-        mflush_h4_s3=dict(m, flush_heads_per_program=4, flush_num_stages=3)))
+        mflush_h32=dict(m, flush_heads_per_program=32),
+        mflush_h128=dict(m, flush_heads_per_program=128),
+        mflush_h128_s3=dict(m, flush_heads_per_program=128,
+                            flush_num_stages=3)))
     config.experimental_implementations = tuple(
         f"pallas:{k}" for k in config.replay_variants)
 

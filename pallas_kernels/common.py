@@ -272,6 +272,11 @@ class ReplayConfig(_LaunchConfig):
       `pl.run_state`), one CTA per (row, flush_heads_per_program heads)
       streaming its heads with flush_num_stages (default 2) tiles in
       flight; CTAs of non-flush rows exit after reading the counter.
+      flush_fold picks its fold: "rank1" (f32 rank-1 updates), or
+      "dot_bf16x3" / "dot_bf16x2" (one WGMMA product per bf16 piece of the
+      weighted x against the bf16 B buffer; buffer_len a multiple of 16);
+      None: `mosaic_gpu.default_fold_pieces`. flush_heads_per_program
+      must divide nheads.
       Separate launches and plain states only (no precision policy); the
       Triton flush fields must be left unset. Needs headdim a multiple of
       64 and 128-byte checkpoint rows on the GPU.
@@ -344,13 +349,18 @@ class ReplayConfig(_LaunchConfig):
       clash = [name for name in ("output_all_rows", "fused_launch",
                                  "flush_grid", "flush_prefetch",
                                  "flush_block_p", "flush_unroll",
-                                 "flush_fold", "flush_programs",
+                                 "flush_programs",
                                  "flush_num_warps", "flush_max_registers")
                if getattr(self, name)]
       if clash:
         raise ValueError(
             f"flush_route='mosaic_gpu' replaces the Triton flush route, "
             f"which {', '.join(clash)} configure(s); leave them unset.")
+      if self.flush_fold not in (None, "rank1", "dot_bf16x2", "dot_bf16x3"):
+        raise ValueError(
+            f"flush_route='mosaic_gpu' folds by 'rank1', 'dot_bf16x2' or "
+            f"'dot_bf16x3' (or None: its default), got flush_fold="
+            f"{self.flush_fold!r}.")
     if self.readout_chunk is not None:
       _check_pow2("readout_chunk", self.readout_chunk)
     clash = [name for name in ("output_all_rows", "precompute_bc",

@@ -125,10 +125,11 @@ def shape_problem(ssm_state, on_gpu: bool = True) -> str | None:
   return None
 
 
-def _tile_transforms(dtype):
-  """SMEM tiling + swizzle of a [P, N] tile, as WGMMA-layout loads need."""
-  cols = _SWIZZLE // jnp.dtype(dtype).itemsize
-  return (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(_SWIZZLE))
+def _tile_transforms(dtype, swizzle=_SWIZZLE):
+  """SMEM tiling + swizzle of a [P, N] tile, as WGMMA-layout loads need (a
+  WGMMA operand's K steps are swizzle bytes wide)."""
+  cols = swizzle // jnp.dtype(dtype).itemsize
+  return (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(swizzle))
 
 
 def _loader(interpret):
@@ -276,15 +277,58 @@ def _softplus(d):
   return jnp.where(d <= 20.0, lp, d)
 
 
+def _fold_pieces(a, pieces):
+  """a (f32) as `pieces` bf16 arrays summing to it (~8 mantissa bits
+  each: 3 pieces ~ f32, 2 ~ 16 bits)."""
+  out = []
+  for _ in range(pieces):
+    hi = a.astype(jnp.bfloat16)
+    out.append(hi)
+    a = a - hi.astype(F32)
+  return out
+
+
+def _fold_dot(s, xb_ref, bb_ref, weights, pieces, interpret):
+  """s + sum_t weights[t] x_t B_t^T over the buffer slots t < L-1 as one
+  [P, L] x [L, N] tensor-core product (WGMMA): the weighted x^T is built
+  in registers (WGMMA layout; column t from the row-layout load of x_t),
+  split into bf16 pieces, against the B buffer tile in SMEM (bf16, exact).
+  Slot L-1 (stale in a flush row's buffer) gets weight 0."""
+  load, tile = _loader(interpret), plgpu.Layout.WGMMA
+  shape_a = (xb_ref.shape[1], xb_ref.shape[0])  # [P, L]
+  col = jax.lax.broadcasted_iota(jnp.int32, shape_a, 1)
+  if not interpret:
+    col = plgpu.layout_cast(col, tile)
+  a = jnp.zeros(shape_a, F32)
+  for t, wt in enumerate(weights[:-1]):
+    xt = load(xb_ref.at[t], tile.reduce(1)).astype(F32)
+    a = jnp.where(col == t, _broadcast(xt * wt, shape_a, 0), a)
+  parts = _fold_pieces(a, pieces)
+  if interpret:
+    b = bb_ref[...].astype(F32)
+    for part in parts:
+      s = s + jnp.dot(part.astype(F32), b, precision=jax.lax.Precision.HIGHEST)
+    return s
+
+  def product(acc_ref):
+    for part in parts:
+      plgpu.wgmma(acc_ref, part, bb_ref)
+
+  return pl.run_state(product)(plgpu.ACC.init(s))
+
+
 def _flush_tile(i, h, tiles, scalars, *, buffer_len, has_D, has_z,
-                dt_softplus, interpret):
+                dt_softplus, fold_pieces, interpret):
   """Folds one flush row's head: the L-1 buffered tokens and the current
   one into its checkpoint tile, y read from the new tile.
 
   tiles: SMEM refs (checkpoint [P, N], x buffer [L, P], B buffer [L, N],
   current x [P], B [N], C [N], z [P] if has_z; outputs checkpoint [P, N],
   y [P]). scalars: the whole arrays (dt buffer [b, L, h], dt [b, h], A,
-  D, dt_bias [h]; None where absent), read one element at a time."""
+  D, dt_bias [h]; None where absent), read one element at a time.
+  fold_pieces: 0 folds the buffer by exact f32 rank-1 updates, else as a
+  tensor-core product with the weighted x in that many bf16 pieces
+  (`_fold_dot`). The current token is one rank-1 update either way."""
   load, tile = _loader(interpret), plgpu.Layout.WGMMA
   row, col = tile.reduce(1), tile.reduce(0)
   ck_ref, xb_ref, bb_ref, x_ref, b_ref, c_ref, *rest = tiles
@@ -307,10 +351,16 @@ def _flush_tile(i, h, tiles, scalars, *, buffer_len, has_D, has_z,
   shape = ck_ref.shape
   s = load(ck_ref, tile).astype(F32) * jnp.exp(a * after)
   x_cur = load(x_ref, row).astype(F32)
-  for t in range(L):
-    xt = x_cur if t == L - 1 else load(xb_ref.at[t], row).astype(F32)
-    bt = load(b_ref if t == L - 1 else bb_ref.at[t], col).astype(F32)
-    s = s + _broadcast(xt * weights[t], shape, 0) * _broadcast(bt, shape, 1)
+  if fold_pieces:
+    s = _fold_dot(s, xb_ref, bb_ref, weights, fold_pieces, interpret)
+  else:
+    for t in range(L - 1):
+      xt = load(xb_ref.at[t], row).astype(F32)
+      bt = load(bb_ref.at[t], col).astype(F32)
+      s = s + (_broadcast(xt * weights[t], shape, 0)
+               * _broadcast(bt, shape, 1))
+  bv = _broadcast(load(b_ref, col).astype(F32), shape, 1)
+  s = s + _broadcast(x_cur * weights[L - 1], shape, 0) * bv
   ck_out[...] = s.astype(ck_out.dtype)
   cv = _broadcast(load(c_ref, col).astype(F32), shape, 1)
   y = jnp.sum(s * cv, axis=1)
@@ -322,10 +372,20 @@ def _flush_tile(i, h, tiles, scalars, *, buffer_len, has_D, has_z,
   y_out[...] = y.astype(y_out.dtype)
 
 
+def default_fold_pieces(checkpoint_dtype, buffer_len: int) -> int:
+  """The flush fold of `flush`: a tensor-core product where the buffer is
+  a whole number of 16-token WGMMA steps, with the weighted x in 3 bf16
+  pieces (~f32) for an f32 checkpoint and 2 for 16-bit ones; otherwise 0
+  (f32 rank-1 updates)."""
+  if buffer_len % 16:
+    return 0
+  return 3 if jnp.dtype(checkpoint_dtype).itemsize >= 4 else 2
+
+
 def flush(checkpoint, y, x_buf, b_buf, dt_buf, count, x, dt, A, B, C, D=None,
           z=None, dt_bias=None, dt_softplus=False, *,
           config: MosaicSSUConfig = MosaicSSUConfig(),
-          interpret: bool = False):
+          fold_pieces: int | None = None, interpret: bool = False):
   """The replay flush route on Mosaic GPU: rows with count == L-1 fold
   their L-1 buffered tokens and the current one into their checkpoint
   (exact f32 rank-1 updates) and read y from it (+ D x, silu(z) gate).
@@ -335,7 +395,7 @@ def flush(checkpoint, y, x_buf, b_buf, dt_buf, count, x, dt, A, B, C, D=None,
   refs, `pl.run_state`, so XLA aliases both; programs of other rows exit
   after reading the row's counter and store nothing). Matches the flush
   rows of `reference.replay_state_update` (the buffers are read only: a
-  flush row does not append).
+  flush row does not append). fold_pieces: None = `default_fold_pieces`.
   """
   problem = shape_problem(checkpoint, on_gpu=not interpret)
   if problem is not None:
@@ -350,10 +410,21 @@ def flush(checkpoint, y, x_buf, b_buf, dt_buf, count, x, dt, A, B, C, D=None,
         "MosaicSSUConfig(entry='kernel') runs on the GPU only; use entry="
         "'pallas_call' off-GPU.")
   sq = pl.Squeezed()
+  if fold_pieces is None:
+    fold_pieces = default_fold_pieces(checkpoint.dtype, L)
+  if fold_pieces and (L % 16 or b_buf.dtype != jnp.bfloat16
+                      or not 1 <= fold_pieces <= 3):
+    raise NotImplementedError(
+        f"fold_pieces = {fold_pieces} (a WGMMA fold) needs 1-3 pieces, "
+        f"buffer_len a multiple of 16 (got {L}) and a bfloat16 B buffer "
+        f"(got {b_buf.dtype}); use fold_pieces=0.")
   kw = dict(buffer_len=L, has_D=D is not None, has_z=z is not None,
-            dt_softplus=dt_softplus, interpret=interpret)
+            dt_softplus=dt_softplus, fold_pieces=fold_pieces,
+            interpret=interpret)
   tile_kw = {} if interpret else dict(
       transforms=_tile_transforms(checkpoint.dtype))
+  b_kw = {} if interpret or not fold_pieces else dict(
+      transforms=_tile_transforms(b_buf.dtype, swizzle=32))  # K = 16
 
   def specs(i, head):
     """Block specs of (inputs, outputs); head(k) -> the head of step k."""
@@ -365,8 +436,9 @@ def flush(checkpoint, y, x_buf, b_buf, dt_buf, count, x, dt, A, B, C, D=None,
     ins = [tile,
            pl.BlockSpec((sq, L, sq, headdim),
                         lambda *k: (i(*k), 0, head(*k), 0)),
-           pl.BlockSpec((sq, L, sq, dstate),
-                        lambda *k: (i(*k), 0, head(*k) // hpg, 0)),
+           plgpu.BlockSpec((sq, L, sq, dstate),
+                           lambda *k: (i(*k), 0, head(*k) // hpg, 0),
+                           **b_kw),
            vec, grp, grp] + ([vec] if z is not None else [])
     return ins, [tile, vec]
 
@@ -397,7 +469,8 @@ def flush(checkpoint, y, x_buf, b_buf, dt_buf, count, x, dt, A, B, C, D=None,
 
     def stateful(refs):
       ck_ref, y_ref = refs
-      pl.kernel(body, out_type=(), mesh=mesh)(
+      pl.kernel(body, out_type=(), mesh=mesh,
+                compiler_params=plgpu.CompilerParams())(
           ck_ref, y_ref, count, *tiled[1:], *present)
 
     ck, y = pl.run_state(stateful)((checkpoint, y))

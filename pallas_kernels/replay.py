@@ -999,9 +999,14 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                                          headdim)
   hb = config.heads_per_program or 1
   flush_hb = config.flush_heads_per_program or hb
+  mosaic_flush = config.flush_route == "mosaic_gpu"
   for field, v in (("heads_per_program", hb),
                    ("flush_heads_per_program", flush_hb)):
-    if per_group % v:
+    if mosaic_flush and field == "flush_heads_per_program":
+      if nheads % v:
+        raise NotImplementedError(
+            f"flush_heads_per_program ({v}) must divide nheads ({nheads}).")
+    elif per_group % v:
       raise NotImplementedError(
           f"{field} ({v}) must divide nheads // ngroups ({per_group}).")
   spec = _copy_spec(rstate, policy, interpret)
@@ -1064,10 +1069,11 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   nprog = config.flush_programs or (
       _default_flush_programs(interpret) if fused
       else _flush_programs(interpret, flush_warps, flush_cap))
-  fold_dot = _fold_dot(config.flush_fold, rstate.buffer_len, flush_block_p,
-                       interpret, field="flush_fold", tile="the flush block_p",
-                       b_dtypes=(rstate.b_buf.dtype, B.dtype),
-                       ck_dtype=rstate.checkpoint.dtype, fused=fused)
+  fold_dot = None if mosaic_flush else _fold_dot(
+      config.flush_fold, rstate.buffer_len, flush_block_p, interpret,
+      field="flush_fold", tile="the flush block_p",
+      b_dtypes=(rstate.b_buf.dtype, B.dtype),
+      ck_dtype=rstate.checkpoint.dtype, fused=fused)
   params = plgpu.CompilerParams(
       num_warps=config.num_warps or default_num_warps(read.dtype, fused),
       num_stages=config.num_stages)
@@ -1140,7 +1146,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   # The flush route reads the buffers after the output route: flush rows do
   # not append, so their slots are unchanged, and one copy of each buffer
   # stays live.
-  if config.flush_route == "mosaic_gpu":
+  if mosaic_flush:
     if spec is not None:
       raise NotImplementedError(
           "flush_route='mosaic_gpu' folds plain states only, not a read "
@@ -1149,6 +1155,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     y, ck = mosaic_gpu.flush(
         rstate.checkpoint, y, xb, bb, dtb, rstate.count, x, dt, A, B, C, D,
         z, dt_bias, dt_softplus, interpret=interpret,
+        fold_pieces=_MOSAIC_FOLDS.get(config.flush_fold),
         config=mosaic_gpu.MosaicSSUConfig(
             heads_per_program=config.flush_heads_per_program,
             max_concurrent_steps=config.flush_num_stages or 2))
@@ -1203,6 +1210,10 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
       fields["read_scale"] = outs[1]
   return y, ReplayState(checkpoint=ck, x_buf=xb, b_buf=bb, dt_buf=dtb,
                         count=cnt, **fields, **_step_fields(rstate))
+
+
+# ReplayConfig.flush_fold -> mosaic_gpu.flush(fold_pieces=...).
+_MOSAIC_FOLDS = {"rank1": 0, "dot_bf16x2": 2, "dot_bf16x3": 3}
 
 
 def _step_fields(rstate):

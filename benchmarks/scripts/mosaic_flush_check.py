@@ -1,0 +1,71 @@
+"""Checks the Mosaic GPU flush (`pallas_kernels.mosaic_gpu.flush`) against
+the reference element by element at GPU shapes and prints where they
+differ (which rows, heads, headdim rows; y and the checkpoint apart), for
+each checkpoint dtype and fold. A diagnostic for the GPU, where interpret
+mode's tests cannot see register layouts or the TMA pipeline:
+
+  python benchmarks/scripts/mosaic_flush_check.py
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import mosaic_gpu
+from replayssm_jax import reference, testing
+
+
+def main():
+  print("device", jax.devices()[0].device_kind, "jax", jax.__version__)
+  b, h, p, n, g, L = 4, 16, 64, 128, 2, 16
+  counts = np.array([L - 1, 3, L - 1, 0])
+  flush = counts == L - 1
+  ok = True
+  for ckdt in (jnp.float32, jnp.float16):
+    for with_z in (False, True):
+      for pieces in (0, None):
+        key = jax.random.PRNGKey(3)
+        params = testing.random_params(key, h, with_D=True,
+                                       with_dt_bias=True)
+        tok = testing.random_step_inputs(jax.random.PRNGKey(4), b, h, p, n,
+                                         g, jnp.bfloat16, with_z=with_z)
+        rs, _ = testing.random_replay_state(
+            key, b, h, p, n, g, L, counts, params["A"],
+            checkpoint_dtype=ckdt, buffer_dtype=jnp.bfloat16)
+        y_ref, r_ref = reference.replay_state_update(
+            rs, **tok, **params, dt_softplus=True)
+        y_in = jnp.where(flush[:, None, None], jnp.nan, y_ref).astype(
+            y_ref.dtype)
+        y, ck = jax.jit(lambda ck, y_in: mosaic_gpu.flush(
+            ck, y_in, rs.x_buf, rs.b_buf, rs.dt_buf, rs.count, tok["x"],
+            tok["dt"], params["A"], tok["B"], tok["C"], params["D"],
+            tok.get("z"), params["dt_bias"], True, fold_pieces=pieces,
+            interpret=jax.default_backend() != "gpu"))(
+                rs.checkpoint, y_in)
+        y, yr = np.asarray(y, np.float32), np.asarray(y_ref, np.float32)
+        c, cr = (np.asarray(v, np.float32) for v in (ck, r_ref.checkpoint))
+        c0 = np.asarray(rs.checkpoint, np.float32)
+        ey = np.abs(y - yr)[flush] / np.abs(yr[flush]).max()
+        ec = np.abs(c - cr)[flush] / np.abs(cr[flush]).max()
+        same_nonflush = bool((c[~flush] == c0[~flush]).all()
+                             and (y[~flush] == yr[~flush]).all())
+        name = (f"{jnp.dtype(ckdt).name} z={with_z} fold_pieces={pieces}")
+        good = ey.max() < 3e-2 and ec.max() < 3e-2 and same_nonflush
+        ok &= bool(good)
+        print(f"{name}: y err {ey.max():.2e} (nan {np.isnan(y[flush]).sum()},"
+              f" bad {(ey > 3e-2).sum()} of {ey.size}), state err "
+              f"{ec.max():.2e}, non-flush rows untouched {same_nonflush}: "
+              f"{'PASS' if good else 'FAIL'}")
+        if ey.max() >= 3e-2 or np.isnan(ey).any():
+          bad = np.argwhere(~(ey < 3e-2))
+          print("  first bad (flush row, head, p):", bad[:8].tolist())
+          rows = np.nonzero(flush)[0]
+          r0, h0 = rows[bad[0][0]], bad[0][1]
+          print("  y   ", np.round(y[r0, h0, :16], 4).tolist())
+          print("  ref ", np.round(yr[r0, h0, :16], 4).tolist())
+          print("  bad p per head:", sorted({int(v) for v in bad[:, 2]})[:64])
+  print("ALL PASS" if ok else "SOME FAILED")
+
+
+if __name__ == "__main__":
+  main()
