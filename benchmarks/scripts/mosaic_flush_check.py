@@ -7,6 +7,8 @@ mode's tests cannot see register layouts or the TMA pipeline:
   python benchmarks/scripts/mosaic_flush_check.py
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,12 +38,20 @@ def main():
             rs, **tok, **params, dt_softplus=True)
         y_in = jnp.where(flush[:, None, None], jnp.nan, y_ref).astype(
             y_ref.dtype)
-        y, ck = jax.jit(lambda ck, y_in: mosaic_gpu.flush(
+        fn = jax.jit(lambda ck, y_in: mosaic_gpu.flush(
             ck, y_in, rs.x_buf, rs.b_buf, rs.dt_buf, rs.count, tok["x"],
             tok["dt"], params["A"], tok["B"], tok["C"], params["D"],
             tok.get("z"), params["dt_bias"], True, fold_pieces=pieces,
-            interpret=jax.default_backend() != "gpu"))(
-                rs.checkpoint, y_in)
+            interpret=jax.default_backend() != "gpu"))
+        if ckdt == jnp.float32 and not with_z and pieces is None:
+          # How the call's outputs alias its inputs, as compiled here.
+          hlo = fn.lower(rs.checkpoint, y_in).compile().as_text()
+          for line in hlo.splitlines():
+            if "custom-call(" in line:
+              alias = re.search(r"output_to_operand_aliasing=\{[^}]*\}", line)
+              print("  hlo:", line.strip()[:160], "...",
+                    alias.group(0) if alias else "(no aliasing)")
+        y, ck = fn(rs.checkpoint, y_in)
         y, yr = np.asarray(y, np.float32), np.asarray(y_ref, np.float32)
         c, cr = (np.asarray(v, np.float32) for v in (ck, r_ref.checkpoint))
         c0 = np.asarray(rs.checkpoint, np.float32)
