@@ -401,18 +401,21 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # updates, 4096-8192 CTAs): the flush 1037-1085 µs f32 / 564-958 f16
     # against Triton's 715 / 401, the non-flush step +2-22 µs (CTAs that
     # exit still cost launch slots), y wrong on the GPU. Run 2: the fold as
-    # WGMMA products (bf16 pieces of the weighted x against the B buffer);
-    # heads per CTA 8 (the default) / 16 / 32 / 128 (256 CTAs: one per
-    # row), 2 or 3 tiles in flight.
+    # WGMMA products (bf16 pieces of the weighted x against the B buffer):
+    # all-rows flush f32 667-707 µs, f16 344-355 (h128: one CTA per row,
+    # 3 stages no better), amortized f32 307.4-318.6 against Triton's
+    # 310.9, f16 174.2-178.8 against 177.4; but the staggered ("natural")
+    # step 336-591 µs f32 against 323.5 (few CTAs busy, or many exiting),
+    # and y still wrong inside the check's lax.scan (right in one jitted
+    # step: benchmarks/scripts/mosaic_flush_check.py). Run 3: y read as
+    # well as written by the pipeline; heads per CTA 8 / 16 / 32 / 128.
     _kernel_study(config, "kernel_mosaic_flush", (256,))
     m = dict(flush_route="mosaic_gpu")
     config.replay_variants = ml_collections.ConfigDict(dict(
         mflush=m,
         mflush_h16=dict(m, flush_heads_per_program=16),
         mflush_h32=dict(m, flush_heads_per_program=32),
-        mflush_h128=dict(m, flush_heads_per_program=128),
-        mflush_h128_s3=dict(m, flush_heads_per_program=128,
-                            flush_num_stages=3)))
+        mflush_h128=dict(m, flush_heads_per_program=128)))
     config.experimental_implementations = tuple(
         f"pallas:{k}" for k in config.replay_variants)
 

@@ -333,7 +333,7 @@ def _flush_tile(i, h, tiles, scalars, *, buffer_len, has_D, has_z,
   row, col = tile.reduce(1), tile.reduce(0)
   ck_ref, xb_ref, bb_ref, x_ref, b_ref, c_ref, *rest = tiles
   z_ref = rest.pop(0) if has_z else None
-  ck_out, y_out = rest
+  ck_out, y_out = rest[-2:]  # (the GPU entry's y input tile is unused)
   dtb_ref, dt_ref, a_ref, d_ref, bias_ref = scalars
   d_cur = dt_ref[i, h].astype(F32)
   if bias_ref is not None:
@@ -458,11 +458,16 @@ def flush(checkpoint, y, x_buf, b_buf, dt_buf, count, x, dt, A, B, C, D=None,
 
       @pl.when(cnt_ref[i] == L - 1)
       def _():
+        # y is also an input (its tile read, unused) so that it is read
+        # and written like the checkpoint: as a write-only ref its in-place
+        # update came out as garbage inside a lax.scan on the H200 (jax
+        # 0.11.2; right in a single jitted step).
         plgpu.emit_pipeline(
             lambda idx, *t: _flush_tile(i, j * hpp + idx[0], t, scal, **kw),
-            grid=(hpp,), in_specs=in_specs, out_specs=out_specs,
+            grid=(hpp,), in_specs=in_specs + out_specs[1:],
+            out_specs=out_specs,
             max_concurrent_steps=config.max_concurrent_steps,
-        )(ck_ref, *ins, ck_ref, y_ref)
+        )(ck_ref, *ins, y_ref, ck_ref, y_ref)
 
     mesh = plgpu.Mesh(grid=(batch, nheads // hpp), grid_names=("row", "block"),
                       kernel_name="replayssm_mosaic_replay_flush")
