@@ -333,7 +333,7 @@ def _flush_tile(i, h, tiles, scalars, *, buffer_len, has_D, has_z,
   row, col = tile.reduce(1), tile.reduce(0)
   ck_ref, xb_ref, bb_ref, x_ref, b_ref, c_ref, *rest = tiles
   z_ref = rest.pop(0) if has_z else None
-  ck_out, y_out = rest[-2:]  # (the GPU entry's y input tile is unused)
+  ck_out, y_out = rest
   dtb_ref, dt_ref, a_ref, d_ref, bias_ref = scalars
   d_cur = dt_ref[i, h].astype(F32)
   if bias_ref is not None:
@@ -382,20 +382,24 @@ def default_fold_pieces(checkpoint_dtype, buffer_len: int) -> int:
   return 3 if jnp.dtype(checkpoint_dtype).itemsize >= 4 else 2
 
 
-def flush(checkpoint, y, x_buf, b_buf, dt_buf, count, x, dt, A, B, C, D=None,
+def flush(checkpoint, x_buf, b_buf, dt_buf, count, x, dt, A, B, C, D=None,
           z=None, dt_bias=None, dt_softplus=False, *,
           config: MosaicSSUConfig = MosaicSSUConfig(),
           fold_pieces: int | None = None, interpret: bool = False):
   """The replay flush route on Mosaic GPU: rows with count == L-1 fold
-  their L-1 buffered tokens and the current one into their checkpoint
-  (exact f32 rank-1 updates) and read y from it (+ D x, silu(z) gate).
+  their L-1 buffered tokens and the current one into their checkpoint and
+  read y from it (+ D x, silu(z) gate).
 
-  Returns (y, checkpoint): `y` and `checkpoint` with the flush rows'
-  entries replaced, updated in place (the GPU entry writes them through
-  refs, `pl.run_state`, so XLA aliases both; programs of other rows exit
-  after reading the row's counter and store nothing). Matches the flush
-  rows of `reference.replay_state_update` (the buffers are read only: a
-  flush row does not append). fold_pieces: None = `default_fold_pieces`.
+  Returns (y, checkpoint): y [batch, nheads, headdim] in x's dtype, a
+  fresh array whose flush rows are written (other rows: unspecified; zero
+  in interpret mode), and `checkpoint` with the flush rows' tiles
+  replaced, updated in place (the GPU entry writes it through a ref,
+  `pl.run_state`, so XLA aliases it; CTAs of other rows exit after reading
+  the row's counter and store nothing). Matches the flush rows of
+  `reference.replay_state_update` (the buffers are read only: a flush row
+  does not append). fold_pieces: 0 folds by f32 rank-1 updates, 1-3 by
+  WGMMA products of that many bf16 pieces of the weighted x with the B
+  buffer (`_fold_dot`); None = `default_fold_pieces`.
   """
   problem = shape_problem(checkpoint, on_gpu=not interpret)
   if problem is not None:
@@ -450,40 +454,41 @@ def flush(checkpoint, y, x_buf, b_buf, dt_buf, count, x, dt, A, B, C, D=None,
     it = iter(refs)
     return [None if v is None else next(it) for v in scalars]
 
+  y_type = jax.ShapeDtypeStruct(x.shape, x.dtype)
   if entry == "kernel":
-    def body(ck_ref, y_ref, cnt_ref, *refs):
-      ins, scal = refs[:len(tiled) - 1], scalar_refs(refs[len(tiled) - 1:])
+    def body(ck_ref, cnt_ref, *refs):
+      ins = refs[:len(tiled) - 1]
+      scal = scalar_refs(refs[len(tiled) - 1:-1])
+      y_ref = refs[-1]
       i, j = jax.lax.axis_index("row"), jax.lax.axis_index("block")
       in_specs, out_specs = specs(lambda _: i, lambda k: j * hpp + k)
 
       @pl.when(cnt_ref[i] == L - 1)
       def _():
-        # y is also an input (its tile read, unused) so that it is read
-        # and written like the checkpoint: as a write-only ref its in-place
-        # update came out as garbage inside a lax.scan on the H200 (jax
-        # 0.11.2; right in a single jitted step).
         plgpu.emit_pipeline(
             lambda idx, *t: _flush_tile(i, j * hpp + idx[0], t, scal, **kw),
-            grid=(hpp,), in_specs=in_specs + out_specs[1:],
-            out_specs=out_specs,
+            grid=(hpp,), in_specs=in_specs, out_specs=out_specs,
             max_concurrent_steps=config.max_concurrent_steps,
-        )(ck_ref, *ins, y_ref, ck_ref, y_ref)
+        )(ck_ref, *ins, ck_ref, y_ref)
 
     mesh = plgpu.Mesh(grid=(batch, nheads // hpp), grid_names=("row", "block"),
                       kernel_name="replayssm_mosaic_replay_flush")
 
     def stateful(refs):
+      # The checkpoint is a ref the kernel writes (aliased in place); y is
+      # the kernel's own output, stored into the second ref as a value.
       ck_ref, y_ref = refs
-      pl.kernel(body, out_type=(), mesh=mesh,
-                compiler_params=plgpu.CompilerParams())(
-          ck_ref, y_ref, count, *tiled[1:], *present)
+      y_ref[...] = pl.kernel(body, out_type=y_type, mesh=mesh,
+                             compiler_params=plgpu.CompilerParams())(
+          ck_ref, count, *tiled[1:], *present)
 
-    ck, y = pl.run_state(stateful)((checkpoint, y))
+    ck, y = pl.run_state(stateful)((checkpoint, jnp.zeros(x.shape, x.dtype)))
     return y, ck
 
   # pl.pallas_call (interpret mode): grid (batch, nheads / hpp, hpp); the
-  # aliased blocks of other rows are copied through unchanged.
-  def kernel(cnt_ref, ck_in, y_in, *refs):
+  # aliased checkpoint blocks of other rows are copied through unchanged,
+  # their y blocks zeroed.
+  def kernel(cnt_ref, ck_in, *refs):
     n = len(tiled) - 1
     ins, scal = refs[:n], scalar_refs(refs[n:n + len(present)])
     ck_out, y_out = refs[n + len(present):]
@@ -498,22 +503,20 @@ def flush(checkpoint, y, x_buf, b_buf, dt_buf, count, x, dt, A, B, C, D=None,
     @pl.when(jnp.logical_not(flush_row))
     def _():
       ck_out[...] = ck_in[...]
-      y_out[...] = y_in[...]
+      y_out[...] = jnp.zeros(y_out.shape, y_out.dtype)
 
   in_specs, out_specs = specs(lambda i, j, k: i,
                               lambda i, j, k: j * hpp + k)
   whole = lambda v: pl.BlockSpec(v.shape, lambda *_: (0,) * v.ndim)
-  y_spec = out_specs[1]
   return pl.pallas_call(
       kernel, grid=(batch, nheads // hpp, hpp),
-      in_specs=[whole(count), in_specs[0], y_spec, *in_specs[1:],
-                *map(whole, present)],
+      in_specs=[whole(count), *in_specs, *map(whole, present)],
       out_specs=out_specs,
       out_shape=[jax.ShapeDtypeStruct(checkpoint.shape, checkpoint.dtype),
-                 jax.ShapeDtypeStruct(y.shape, y.dtype)],
-      input_output_aliases={1: 0, 2: 1},
+                 y_type],
+      input_output_aliases={1: 0},
       compiler_params=plgpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "sequential"),
           max_concurrent_steps=config.max_concurrent_steps),
       interpret=interpret, name="replayssm_mosaic_replay_flush",
-  )(count, checkpoint, y, *tiled[1:], *present)[::-1]
+  )(count, checkpoint, *tiled[1:], *present)[::-1]

@@ -145,7 +145,7 @@ def _unpack(refs, n_in, n_out, has_D, has_z, has_bias):
 
 def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
                    scaled=False, prefetch_heads=False, readout_chunk=None,
-                   unmasked=False, eager=False, **kw):
+                   unmasked=False, eager=False, y_in=False, **kw):
   """Output route: y from checkpoint + buffer; non-flush rows append.
 
   With all_rows, flush rows take this route for y as well (the formula holds
@@ -156,9 +156,12 @@ def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
   The state read (ck_ref) is the checkpoint, or the state's read copy when it
   has one (then the master is not an input at all); `scaled`: an 8-bit copy
   whose per-row f32 scales follow the inputs (applied to the readout).
+  y_in: a y input after the optional ones, aliased to the y output (the
+  flush rows' y, already written by the Mosaic flush), never read.
   """
   ins, opt, outs = _unpack(
-      refs, 10 + precomputed_bc + scaled, 5, has_D, has_z, has_bias)
+      refs, 10 + precomputed_bc + scaled, 5 + y_in, has_D, has_z, has_bias)
+  outs = outs[y_in:]
   p = _Program.from_grid(ins[4], ins[6], ins[7], opt[2], **kw)
   _output_route(p, ins, opt, outs, all_rows=all_rows,
                 precomputed_bc=precomputed_bc, scaled=scaled,
@@ -1120,6 +1123,31 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   # Both routes always launch; each program exits at once on rows that are
   # not its route's (no host-side branch; every row's route is data).
   out_kw = dict(scaled=True) if scaled else {}
+  y_flush = []
+  if mosaic_flush:
+    # The Mosaic flush runs first: a flush row's buffer slots are the same
+    # before and after the output route (it does not append), and y comes
+    # back as a fresh array (flush rows written) that the output route then
+    # completes in place. (Updating the output route's y in place from the
+    # Mosaic kernel gave garbage inside a lax.scan on the H200, jax 0.11.2.)
+    if spec is not None:
+      raise NotImplementedError(
+          "flush_route='mosaic_gpu' folds plain states only, not a read "
+          "copy or stochastic rounding (a precision policy); use "
+          "flush_route='triton'.")
+    if config.output_route != "triton":
+      raise NotImplementedError(
+          "flush_route='mosaic_gpu' needs output_route='triton'.")
+    y_part, ck = mosaic_gpu.flush(
+        rstate.checkpoint, rstate.x_buf, rstate.b_buf, rstate.dt_buf,
+        rstate.count, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
+        interpret=interpret,
+        fold_pieces=_MOSAIC_FOLDS.get(config.flush_fold),
+        config=mosaic_gpu.MosaicSSUConfig(
+            heads_per_program=config.flush_heads_per_program,
+            max_concurrent_steps=config.flush_num_stages or 2))
+    y_flush = [y_part]
+    out_kw["y_in"] = True
   if config.output_route == "mosaic_gpu":
     y, xb, bb, dtb, cnt = _mosaic_output_route(
         rstate, read, x, dt, A, B, C, D, z, dt_bias, dt_softplus, interpret)
@@ -1138,29 +1166,20 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                    sds(rstate.b_buf.shape, rstate.b_buf.dtype),
                    sds(rstate.dt_buf.shape, rstate.dt_buf.dtype),
                    sds(rstate.count.shape, rstate.count.dtype)),
-        input_output_aliases={1: 1, 2: 2, 3: 3},
+        input_output_aliases={
+            1: 1, 2: 2, 3: 3,
+            **({len(state_in) + len(token_in) + len(extra) + len(optional):
+                0} if y_flush else {})},
         compiler_params=params, interpret=interpret,
         name=common.capped_name("replayssm_replay_output_route",
                                 config.max_registers),
-    )(*state_in, *token_in, *extra, *optional)
+    )(*state_in, *token_in, *extra, *optional, *y_flush)
+  if mosaic_flush:
+    return y, ReplayState(checkpoint=ck, x_buf=xb, b_buf=bb, dt_buf=dtb,
+                          count=cnt, **_step_fields(rstate))
   # The flush route reads the buffers after the output route: flush rows do
   # not append, so their slots are unchanged, and one copy of each buffer
   # stays live.
-  if mosaic_flush:
-    if spec is not None:
-      raise NotImplementedError(
-          "flush_route='mosaic_gpu' folds plain states only, not a read "
-          "copy or stochastic rounding (a precision policy); use "
-          "flush_route='triton'.")
-    y, ck = mosaic_gpu.flush(
-        rstate.checkpoint, y, xb, bb, dtb, rstate.count, x, dt, A, B, C, D,
-        z, dt_bias, dt_softplus, interpret=interpret,
-        fold_pieces=_MOSAIC_FOLDS.get(config.flush_fold),
-        config=mosaic_gpu.MosaicSSUConfig(
-            heads_per_program=config.flush_heads_per_program,
-            max_concurrent_steps=config.flush_num_stages or 2))
-    return y, ReplayState(checkpoint=ck, x_buf=xb, b_buf=bb, dt_buf=dtb,
-                          count=cnt, **_step_fields(rstate))
   writes_y = not config.output_all_rows
   flush_kw = dict(kw, block_p=flush_block_p, writes_y=writes_y,
                   unroll=config.flush_unroll, fold_dot=fold_dot)

@@ -1124,9 +1124,10 @@ def test_mosaic_output_route_lowers_for_cuda(policy):
 @pytest.mark.parametrize("ckpt_dtype", ["float32", "float16"])
 def test_mosaic_flush_route_lowers_for_cuda_in_place(ckpt_dtype):
   """ReplayConfig(flush_route="mosaic_gpu") lowers for CUDA at GPU shapes
-  (register layouts, swizzled tiles, the TMA pipeline: interpret mode
-  checks none of these), and the Mosaic call aliases the checkpoint and y
-  input -> output (`pl.run_state`), so the flush writes in place."""
+  (register layouts, swizzled tiles, the TMA pipeline, WGMMA: interpret
+  mode checks none of these), and the Mosaic call aliases the checkpoint
+  input -> output (`pl.run_state`), so the flush writes it in place; its y
+  is a fresh output (the output route completes it in place)."""
   params, tok, rstate, _ = _lowering_state(6, 16, None, (4, 64, 128, 2))
   rstate = rstate.replace(
       checkpoint=rstate.checkpoint.astype(jnp.dtype(ckpt_dtype)))
@@ -1137,22 +1138,58 @@ def test_mosaic_flush_route_lowers_for_cuda_in_place(ckpt_dtype):
   assert len(calls) == 1
   aliases = re.findall(r"output_tuple_indices = \[(\d)\], operand_index = "
                        r"(\d+)", calls[0])
-  assert [o for o, _ in aliases] == ["0", "1"], aliases
-  # The aliased operands are the checkpoint and y (shapes in the signature).
+  assert len(aliases) == 1, aliases
   sig = calls[0].rsplit(": (", 1)[1]
-  operand_types = re.findall(r"tensor<[^>]*>", sig)
-  assert operand_types[int(aliases[0][1])].startswith("tensor<6x4x64x128x")
-  assert operand_types[int(aliases[1][1])] == "tensor<6x4x64xbf16>"
+  operand_types = re.findall(r"tensor<[^>]*>", sig.split("->")[0])
+  result_types = re.findall(r"tensor<[^>]*>", sig.split("->")[1])
+  ck_type = f"tensor<6x4x64x128x{'f32' if ckpt_dtype == 'float32' else 'f16'}>"
+  assert operand_types[int(aliases[0][1])] == ck_type
+  assert result_types[int(aliases[0][0])] == ck_type
+  assert "tensor<6x4x64xbf16>" in result_types  # y
+
+
+@pytest.mark.parametrize("ckpt_dtype,fold", [
+    ("float32", None), ("float16", None), ("float32", "dot_bf16x2"),
+    ("bfloat16", "rank1")], ids=str)
+def test_mosaic_flush_folds_at_16_tokens(ckpt_dtype, fold):
+  """The Mosaic flush's WGMMA fold (buffer_len 16: bf16 pieces of the
+  weighted x against the B buffer; the default there) and its rank-1 fold
+  against the reference, interpret mode, flush and non-flush rows mixed."""
+  params, tok, rstate, counts = _mixed_state(ckpt_dtype, 16, 31,
+                                             flush_rows=(0, 3))
+  kw = dict(**tok, **params, dt_softplus=True)
+  y_ref, r_ref = rs.replay_state_update(rstate, **kw,
+                                        implementation="reference")
+  y, r = rs.replay_state_update(
+      rstate, **kw, implementation="pallas",
+      config=pk.ReplayConfig(flush_route="mosaic_gpu", flush_fold=fold,
+                             flush_heads_per_program=4))
+  tol = testing.tolerance("bfloat16", ckpt_dtype)
+  testing.assert_close(y, y_ref, tol, "y")
+  flush = counts == 15
+  testing.assert_close(np.asarray(r.checkpoint, np.float32)[flush],
+                       np.asarray(r_ref.checkpoint, np.float32)[flush], tol,
+                       "flushed checkpoint")
+  np.testing.assert_array_equal(harness.bits(np.asarray(r.checkpoint)[~flush]),
+                                harness.bits(np.asarray(rstate.checkpoint)
+                                             [~flush]))
+  np.testing.assert_array_equal(r.count, r_ref.count)
 
 
 def test_mosaic_flush_route_config_is_checked():
   with pytest.raises(ValueError, match="flush_route must be one of"):
     pk.ReplayConfig(flush_route="cuda")
   for clash in (dict(fused_launch=True), dict(output_all_rows=True),
-                dict(flush_grid="rows"), dict(flush_fold="rank1"),
-                dict(flush_programs=4), dict(flush_num_warps=2)):
+                dict(flush_grid="rows"), dict(flush_programs=4),
+                dict(flush_num_warps=2)):
     with pytest.raises(ValueError, match="replaces the Triton flush route"):
       pk.ReplayConfig(flush_route="mosaic_gpu", **clash)
+  with pytest.raises(ValueError, match="folds by 'rank1', 'dot_bf16x2'"):
+    pk.ReplayConfig(flush_route="mosaic_gpu", flush_fold="dot_tf32x3")
+  with pytest.raises(NotImplementedError, match="buffer_len a multiple of 16"):
+    _lower_replay(pk.ReplayConfig(flush_route="mosaic_gpu",
+                                  flush_fold="dot_bf16x3"),
+                  *_lowering_state(2, 4, None, (4, 64, 128, 2))[:3], None)
   with pytest.raises(ValueError, match="flush_heads_per_program needs"):
     pk.ReplayConfig(flush_heads_per_program=2)
   params, tok, rstate, pol = _lowering_state(2, 4, "f32+int8",

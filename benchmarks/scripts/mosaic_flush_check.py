@@ -36,35 +36,32 @@ def main():
             checkpoint_dtype=ckdt, buffer_dtype=jnp.bfloat16)
         y_ref, r_ref = reference.replay_state_update(
             rs, **tok, **params, dt_softplus=True)
-        y_in = jnp.where(flush[:, None, None], jnp.nan, y_ref).astype(
-            y_ref.dtype)
-        fn = jax.jit(lambda ck, y_in: mosaic_gpu.flush(
-            ck, y_in, rs.x_buf, rs.b_buf, rs.dt_buf, rs.count, tok["x"],
+        fn = jax.jit(lambda ck: mosaic_gpu.flush(
+            ck, rs.x_buf, rs.b_buf, rs.dt_buf, rs.count, tok["x"],
             tok["dt"], params["A"], tok["B"], tok["C"], params["D"],
             tok.get("z"), params["dt_bias"], True, fold_pieces=pieces,
             interpret=jax.default_backend() != "gpu"))
         if ckdt == jnp.float32 and not with_z and pieces is None:
           # How the call's outputs alias its inputs, as compiled here.
-          hlo = fn.lower(rs.checkpoint, y_in).compile().as_text()
+          hlo = fn.lower(rs.checkpoint).compile().as_text()
           for line in hlo.splitlines():
             if "custom-call(" in line:
               alias = re.search(r"output_to_operand_aliasing=\{[^}]*\}", line)
               print("  hlo:", line.strip()[:160], "...",
                     alias.group(0) if alias else "(no aliasing)")
-        y, ck = fn(rs.checkpoint, y_in)
+        y, ck = fn(rs.checkpoint)
         y, yr = np.asarray(y, np.float32), np.asarray(y_ref, np.float32)
         c, cr = (np.asarray(v, np.float32) for v in (ck, r_ref.checkpoint))
         c0 = np.asarray(rs.checkpoint, np.float32)
         ey = np.abs(y - yr)[flush] / np.abs(yr[flush]).max()
         ec = np.abs(c - cr)[flush] / np.abs(cr[flush]).max()
-        same_nonflush = bool((c[~flush] == c0[~flush]).all()
-                             and (y[~flush] == yr[~flush]).all())
+        same_nonflush = bool((c[~flush] == c0[~flush]).all())
         name = (f"{jnp.dtype(ckdt).name} z={with_z} fold_pieces={pieces}")
         good = ey.max() < 3e-2 and ec.max() < 3e-2 and same_nonflush
         ok &= bool(good)
         print(f"{name}: y err {ey.max():.2e} (nan {np.isnan(y[flush]).sum()},"
               f" bad {(ey > 3e-2).sum()} of {ey.size}), state err "
-              f"{ec.max():.2e}, non-flush rows untouched {same_nonflush}: "
+              f"{ec.max():.2e}, non-flush rows' checkpoint untouched {same_nonflush}: "
               f"{'PASS' if good else 'FAIL'}")
         if ey.max() >= 3e-2 or np.isnan(ey).any():
           bad = np.argwhere(~(ey < 3e-2))
