@@ -407,8 +407,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # 310.9, f16 174.2-178.8 against 177.4; but the staggered ("natural")
     # step 336-591 µs f32 against 323.5 (few CTAs busy, or many exiting),
     # and y still wrong inside the check's lax.scan (right in one jitted
-    # step: benchmarks/scripts/mosaic_flush_check.py). Run 3: y read as
-    # well as written by the pipeline; heads per CTA 8 / 16 / 32 / 128.
+    # step: benchmarks/scripts/mosaic_flush_check.py). Run 3: the Mosaic
+    # flush first, its y a fresh output the output route completes in
+    # place: every check passed, but the output route read the old
+    # checkpoint after the in-place flush, so XLA copied the checkpoint
+    # every step (non-flush 1080-1091 µs f32, 563-567 f16). Run 4: the
+    # output route reads the flushed checkpoint; heads per CTA 8 / 16 / 32
+    # / 128.
     _kernel_study(config, "kernel_mosaic_flush", (256,))
     m = dict(flush_route="mosaic_gpu")
     config.replay_variants = ml_collections.ConfigDict(dict(

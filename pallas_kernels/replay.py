@@ -1148,6 +1148,11 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
             max_concurrent_steps=config.flush_num_stages or 2))
     y_flush = [y_part]
     out_kw["y_in"] = True
+    # The output route reads the updated checkpoint (its non-flush rows are
+    # the old ones): reading the old array after the in-place update would
+    # make XLA copy the whole checkpoint first (1090 µs per f32 step at
+    # batch 256 on the H200 instead of 280).
+    state_in[0] = ck
   if config.output_route == "mosaic_gpu":
     y, xb, bb, dtb, cnt = _mosaic_output_route(
         rstate, read, x, dt, A, B, C, D, z, dt_bias, dt_softplus, interpret)

@@ -103,6 +103,16 @@ def check_replay_steps():
                                      implementation=impl, **kw)
       return r, y
 
+    if impl == "pallas" and jax.default_backend() == "gpu":
+      # Whole-checkpoint copies in the compiled step (interpret mode on the
+      # CPU copies blocks through its own loops: not counted there).
+      hlo = jax.jit(step, donate_argnums=0).lower(rs, toks[0]).compile()
+      shape = f"[{','.join(map(str, rs.checkpoint.shape))}]"
+      copies = [ln for ln in hlo.as_text().splitlines()
+                if " copy(" in ln and shape in ln.split("=")[1][:40]]
+      print(f"replay flush_route={cfg.flush_route}: {len(copies)} checkpoint "
+            f"copies in the compiled step")
+      ok &= not copies
     y1 = jax.jit(step)(rs, toks[0])[1]
     rL, ys = jax.jit(lambda r: jax.lax.scan(step, r, xs))(rs)
     if impl == "reference":
