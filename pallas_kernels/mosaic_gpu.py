@@ -1,4 +1,4 @@
-"""Pallas Mosaic GPU kernels: baseline Mamba-2 step, replay readout.
+"""Pallas Mosaic GPU kernels: baseline Mamba-2 step, replay readout, flush.
 
 The Triton backend of Pallas is deprecated in favour of Mosaic GPU (jax
 0.11), and the replay kernels' flush fold is latency-bound in Triton
@@ -10,7 +10,13 @@ GPU kernel, the baseline step, registered as implementation
 same run. `readout` (y0 = S C over every row and head, for any stored
 dtype, 8-bit read copies included) is the replay output route's state
 read, used by the Triton replay kernel with `ReplayConfig(output_route=
-"mosaic_gpu")`.
+"mosaic_gpu")`. `flush` is the replay flush route, used with
+`ReplayConfig(flush_route="mosaic_gpu")`. It updates the checkpoint in
+place through a ref in `pl.run_state` (the mesh discharge aliases a
+written input ref to its output). On the H200
+(benchmarks/kernel_mosaic_flush_h200.md) its all-rows flush is the fastest
+measured, but its launch shape costs either the non-flush step or the
+staggered-row step, so it is not a default.
 
 Measured on the H200 (jax 0.11.2, benchmarks/kernel_mosaic_h200.md):
 the baseline step through `plgpu.kernel` matches or beats the Triton
@@ -103,6 +109,11 @@ class MosaicSSUConfig:
   def resolve_entry(self, interpret: bool) -> str:
     if self.entry is None:
       return "pallas_call" if interpret else "kernel"
+    if interpret and self.entry == "kernel":
+      raise NotImplementedError(
+          "MosaicSSUConfig(entry='kernel') runs on the GPU only: interpret "
+          "mode cannot run its pipeline's async copies; use entry="
+          "'pallas_call' off-GPU.")
     return self.entry
 
 
@@ -179,11 +190,6 @@ def _launch(kernel, operands, in_kinds, out_kinds, out_shape, *, name,
   hpg = nheads // ngroups
   hpp = config.resolve_heads_per_program(nheads)
   entry = config.resolve_entry(interpret)
-  if interpret and entry == "kernel":
-    raise NotImplementedError(
-        "MosaicSSUConfig(entry='kernel') runs on the GPU only: interpret "
-        "mode cannot run its pipeline's async copies; use entry="
-        "'pallas_call' off-GPU.")
   sq = pl.Squeezed()
   maps = dict(
       tile=lambda i, j, k: (i, j * hpp + k, 0, 0),
@@ -409,10 +415,6 @@ def flush(checkpoint, x_buf, b_buf, dt_buf, count, x, dt, A, B, C, D=None,
   hpg = nheads // ngroups
   hpp = config.resolve_heads_per_program(nheads)
   entry = config.resolve_entry(interpret)
-  if interpret and entry == "kernel":
-    raise NotImplementedError(
-        "MosaicSSUConfig(entry='kernel') runs on the GPU only; use entry="
-        "'pallas_call' off-GPU.")
   sq = pl.Squeezed()
   if fold_pieces is None:
     fold_pieces = default_fold_pieces(checkpoint.dtype, L)
