@@ -267,19 +267,25 @@ class ReplayConfig(_LaunchConfig):
       vs 164, f32 master + fp8 copy 145 vs 132).
     flush_route: "triton" (the flush kernels above) or "mosaic_gpu": the
       flush rows' fold by the Mosaic GPU kernel
-      (`pallas_kernels.mosaic_gpu.flush`: TMA-pipelined tiles, exact f32
-      rank-1 updates, checkpoint and y updated in place through
-      `pl.run_state`), one CTA per (row, flush_heads_per_program heads)
-      streaming its heads with flush_num_stages (default 2) tiles in
-      flight; CTAs of non-flush rows exit after reading the counter.
+      (`pallas_kernels.mosaic_gpu.flush`: TMA-pipelined tiles, the
+      checkpoint updated in place through `pl.run_state`), launched
+      before the Triton output route, which completes its y in place. One
+      CTA per (row, flush_heads_per_program heads) streams its heads with
+      flush_num_stages (default 2) tiles in flight; CTAs of non-flush rows
+      exit after reading the counter. H200 (session 20,
+      benchmarks/kernel_mosaic_flush_h200.md, batch 256, L 16): the
+      fastest all-rows flush (f32 663 vs 711 µs, f16 344 vs 401), but
+      many CTAs cost the non-flush step and few starve the staggered-row
+      step (f32 587 vs 322 µs at one CTA per row), so not a default.
       flush_fold picks its fold: "rank1" (f32 rank-1 updates), or
       "dot_bf16x3" / "dot_bf16x2" (one WGMMA product per bf16 piece of the
       weighted x against the bf16 B buffer; buffer_len a multiple of 16);
       None: `mosaic_gpu.default_fold_pieces`. flush_heads_per_program
       must divide nheads.
-      Separate launches and plain states only (no precision policy); the
-      Triton flush fields must be left unset. Needs headdim a multiple of
-      64 and 128-byte checkpoint rows on the GPU.
+      Separate launches, the Triton output route and plain states only
+      (no precision policy); the Triton flush fields must be left unset.
+      Needs headdim a multiple of 64 and 128-byte checkpoint rows on the
+      GPU.
     readout_chunk: the Triton output route loads and reads out its state
       tile in [block_p, readout_chunk] column blocks (see
       `VerifyConfig.readout_chunk`); None: the whole dstate at once. H200
@@ -346,6 +352,9 @@ class ReplayConfig(_LaunchConfig):
                   ("triton", "mosaic_gpu"))
     _check_choice("flush_route", self.flush_route, ("triton", "mosaic_gpu"))
     if self.flush_route == "mosaic_gpu":
+      if self.output_route != "triton":
+        raise ValueError("flush_route='mosaic_gpu' needs output_route="
+                         "'triton' (it completes the flush's y in place).")
       clash = [name for name in ("output_all_rows", "fused_launch",
                                  "flush_grid", "flush_prefetch",
                                  "flush_block_p", "flush_unroll",

@@ -24,6 +24,8 @@ route's register footprint at one checkpoint tile. At small batch both
 routes share one launch (`ReplayConfig.fused_launch`): persistent flush
 programs beside the output items, or, on an f32 checkpoint, the output
 route's own programs folding their flush rows (`_fused_rows_kernel`).
+`ReplayConfig.flush_route="mosaic_gpu"` folds the flush rows with the
+Mosaic GPU kernel (`mosaic_gpu.flush`) before the output route instead.
 
 The checkpoint and the buffers are aliased input->output and only the
 elements named above are stored: a non-flush step never writes the
@@ -1135,9 +1137,6 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
           "flush_route='mosaic_gpu' folds plain states only, not a read "
           "copy or stochastic rounding (a precision policy); use "
           "flush_route='triton'.")
-    if config.output_route != "triton":
-      raise NotImplementedError(
-          "flush_route='mosaic_gpu' needs output_route='triton'.")
     y_part, ck = mosaic_gpu.flush(
         rstate.checkpoint, rstate.x_buf, rstate.b_buf, rstate.dt_buf,
         rstate.count, x, dt, A, B, C, D, z, dt_bias, dt_softplus,

@@ -1184,6 +1184,8 @@ def test_mosaic_flush_route_config_is_checked():
                 dict(flush_num_warps=2)):
     with pytest.raises(ValueError, match="replaces the Triton flush route"):
       pk.ReplayConfig(flush_route="mosaic_gpu", **clash)
+  with pytest.raises(ValueError, match="needs output_route='triton'"):
+    pk.ReplayConfig(flush_route="mosaic_gpu", output_route="mosaic_gpu")
   with pytest.raises(ValueError, match="folds by 'rank1', 'dot_bf16x2'"):
     pk.ReplayConfig(flush_route="mosaic_gpu", flush_fold="dot_tf32x3")
   with pytest.raises(NotImplementedError, match="buffer_len a multiple of 16"):
