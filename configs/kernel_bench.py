@@ -413,14 +413,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # checkpoint after the in-place flush, so XLA copied the checkpoint
     # every step (non-flush 1080-1091 µs f32, 563-567 f16). Run 4: the
     # output route reads the flushed checkpoint; heads per CTA 8 / 16 / 32
-    # / 128.
+    # / 128 (all-rows flush f32 663-707 µs, f16 343-354; the staggered step
+    # 343-587 f32). Session 21: the new tile stored from its input slot
+    # (flush_store_from_input: half the shared memory, two CTAs per SM).
     _kernel_study(config, "kernel_mosaic_flush", (256,))
     m = dict(flush_route="mosaic_gpu")
+    mi = dict(m, flush_store_from_input=True)
     config.replay_variants = ml_collections.ConfigDict(dict(
-        mflush=m,
-        mflush_h16=dict(m, flush_heads_per_program=16),
-        mflush_h32=dict(m, flush_heads_per_program=32),
-        mflush_h128=dict(m, flush_heads_per_program=128)))
+        mflush_h128=dict(m, flush_heads_per_program=128),
+        mflush_in=mi,
+        mflush_h32_in=dict(mi, flush_heads_per_program=32),
+        mflush_h128_in=dict(mi, flush_heads_per_program=128),
+        mflush_h128_in_s3=dict(mi, flush_heads_per_program=128,
+                               flush_num_stages=3)))
     config.experimental_implementations = tuple(
         f"pallas:{k}" for k in config.replay_variants)
 

@@ -286,6 +286,10 @@ class ReplayConfig(_LaunchConfig):
       (no precision policy); the Triton flush fields must be left unset.
       Needs headdim a multiple of 64 and 128-byte checkpoint rows on the
       GPU.
+    flush_store_from_input: with flush_route="mosaic_gpu", the new tile
+      overwrites its input tile in shared memory and is stored from there
+      (`mosaic_gpu.flush(store_from_input=True)`): half the shared memory
+      per CTA, so two CTAs share an SM.
     readout_chunk: the Triton output route loads and reads out its state
       tile in [block_p, readout_chunk] column blocks (see
       `VerifyConfig.readout_chunk`); None: the whole dstate at once. H200
@@ -342,6 +346,7 @@ class ReplayConfig(_LaunchConfig):
   max_registers: int | None = None
   output_route: str = "triton"
   flush_route: str = "triton"
+  flush_store_from_input: bool = False
   readout_chunk: int | None = None
 
   def __post_init__(self):
@@ -351,6 +356,9 @@ class ReplayConfig(_LaunchConfig):
     _check_choice("output_route", self.output_route,
                   ("triton", "mosaic_gpu"))
     _check_choice("flush_route", self.flush_route, ("triton", "mosaic_gpu"))
+    if self.flush_store_from_input and self.flush_route != "mosaic_gpu":
+      raise ValueError("flush_store_from_input=True needs flush_route="
+                       f"'mosaic_gpu', got {self.flush_route!r}.")
     if self.flush_route == "mosaic_gpu":
       if self.output_route != "triton":
         raise ValueError("flush_route='mosaic_gpu' needs output_route="

@@ -393,7 +393,8 @@ def default_fold_pieces(checkpoint_dtype, buffer_len: int) -> int:
 def flush(checkpoint, x_buf, b_buf, dt_buf, count, x, dt, A, B, C, D=None,
           z=None, dt_bias=None, dt_softplus=False, *,
           config: MosaicSSUConfig = MosaicSSUConfig(),
-          fold_pieces: int | None = None, interpret: bool = False):
+          fold_pieces: int | None = None, store_from_input: bool = False,
+          interpret: bool = False):
   """The replay flush route on Mosaic GPU: rows with count == L-1 fold
   their L-1 buffered tokens and the current one into their checkpoint and
   read y from it (+ D x, silu(z) gate).
@@ -408,10 +409,16 @@ def flush(checkpoint, x_buf, b_buf, dt_buf, count, x, dt, A, B, C, D=None,
   does not append). fold_pieces: 0 folds by f32 rank-1 updates, 1-3 by
   WGMMA products of that many bf16 pieces of the weighted x with the B
   buffer (`_fold_dot`); None = `default_fold_pieces`.
+  store_from_input (GPU entry): the new tile is written over its input
+  tile in SMEM and stored from there (one TMA store per tile, awaited
+  before the pipeline refills that slot) instead of through a separate
+  output buffer: half the shared memory per CTA, so two CTAs fit per SM.
   """
   problem = shape_problem(checkpoint, on_gpu=not interpret)
   if problem is not None:
     raise NotImplementedError(problem)
+  # (Interpret mode writes the tile through pallas_call's aliased output.)
+  store_from_input = store_from_input and not interpret
   batch, nheads, headdim, dstate = checkpoint.shape
   L, ngroups = x_buf.shape[1], b_buf.shape[2]
   hpg = nheads // ngroups
@@ -448,7 +455,7 @@ def flush(checkpoint, x_buf, b_buf, dt_buf, count, x, dt, A, B, C, D=None,
                            lambda *k: (i(*k), 0, head(*k) // hpg, 0),
                            **b_kw),
            vec, grp, grp] + ([vec] if z is not None else [])
-    return ins, [tile, vec]
+    return ins, ([vec] if store_from_input else [tile, vec])
 
   tiled = [checkpoint, x_buf, b_buf, x, B, C] + ([z] if z is not None else [])
   scalars = [dt_buf, dt, A, D, dt_bias]
@@ -467,13 +474,24 @@ def flush(checkpoint, x_buf, b_buf, dt_buf, count, x, dt, A, B, C, D=None,
       i, j = jax.lax.axis_index("row"), jax.lax.axis_index("block")
       in_specs, out_specs = specs(lambda _: i, lambda k: j * hpp + k)
 
+      def step(idx, *t):
+        h = j * hpp + idx[0]
+        if not store_from_input:
+          return _flush_tile(i, h, t, scal, **kw)
+        # The new tile overwrites its input slot and is stored from there;
+        # the pipeline refills this slot right after the step, so the
+        # store must have read it by then.
+        _flush_tile(i, h, (*t[:-1], t[0], t[-1]), scal, **kw)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(t[0], ck_ref.at[i, h])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
       @pl.when(cnt_ref[i] == L - 1)
       def _():
         plgpu.emit_pipeline(
-            lambda idx, *t: _flush_tile(i, j * hpp + idx[0], t, scal, **kw),
-            grid=(hpp,), in_specs=in_specs, out_specs=out_specs,
+            step, grid=(hpp,), in_specs=in_specs, out_specs=out_specs,
             max_concurrent_steps=config.max_concurrent_steps,
-        )(ck_ref, *ins, ck_ref, y_ref)
+        )(ck_ref, *ins, *([] if store_from_input else [ck_ref]), y_ref)
 
     mesh = plgpu.Mesh(grid=(batch, nheads // hpp), grid_names=("row", "block"),
                       kernel_name="replayssm_mosaic_replay_flush")

@@ -1142,6 +1142,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
         rstate.count, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
         interpret=interpret,
         fold_pieces=_MOSAIC_FOLDS.get(config.flush_fold),
+        store_from_input=config.flush_store_from_input,
         config=mosaic_gpu.MosaicSSUConfig(
             heads_per_program=config.flush_heads_per_program,
             max_concurrent_steps=config.flush_num_stages or 2))

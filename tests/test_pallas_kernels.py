@@ -1121,18 +1121,22 @@ def test_mosaic_output_route_lowers_for_cuda(policy):
   assert "mosaic_gpu" in text and "replayssm_replay_output_route" not in text
 
 
-@pytest.mark.parametrize("ckpt_dtype", ["float32", "float16"])
-def test_mosaic_flush_route_lowers_for_cuda_in_place(ckpt_dtype):
+@pytest.mark.parametrize("ckpt_dtype,from_input", [
+    ("float32", False), ("float16", False), ("float32", True)], ids=str)
+def test_mosaic_flush_route_lowers_for_cuda_in_place(ckpt_dtype, from_input):
   """ReplayConfig(flush_route="mosaic_gpu") lowers for CUDA at GPU shapes
   (register layouts, swizzled tiles, the TMA pipeline, WGMMA: interpret
-  mode checks none of these), and the Mosaic call aliases the checkpoint
-  input -> output (`pl.run_state`), so the flush writes it in place; its y
-  is a fresh output (the output route completes it in place)."""
+  mode checks none of these), also with the tile stored from its input
+  slot, and the Mosaic call aliases the checkpoint input -> output
+  (`pl.run_state`), so the flush writes it in place; its y is a fresh
+  output (the output route completes it in place)."""
   params, tok, rstate, _ = _lowering_state(6, 16, None, (4, 64, 128, 2))
   rstate = rstate.replace(
       checkpoint=rstate.checkpoint.astype(jnp.dtype(ckpt_dtype)))
-  text = _lower_replay(pk.ReplayConfig(flush_route="mosaic_gpu"), params,
-                       tok, rstate, None)
+  text = _lower_replay(
+      pk.ReplayConfig(flush_route="mosaic_gpu",
+                      flush_store_from_input=from_input),
+      params, tok, rstate, None)
   assert "replayssm_replay_flush_route" not in text
   calls = [ln for ln in text.splitlines() if "@mosaic_gpu" in ln]
   assert len(calls) == 1
@@ -1186,6 +1190,8 @@ def test_mosaic_flush_route_config_is_checked():
       pk.ReplayConfig(flush_route="mosaic_gpu", **clash)
   with pytest.raises(ValueError, match="needs output_route='triton'"):
     pk.ReplayConfig(flush_route="mosaic_gpu", output_route="mosaic_gpu")
+  with pytest.raises(ValueError, match="flush_store_from_input=True needs"):
+    pk.ReplayConfig(flush_store_from_input=True)
   with pytest.raises(ValueError, match="folds by 'rank1', 'dot_bf16x2'"):
     pk.ReplayConfig(flush_route="mosaic_gpu", flush_fold="dot_tf32x3")
   with pytest.raises(NotImplementedError, match="buffer_len a multiple of 16"):

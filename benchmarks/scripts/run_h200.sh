@@ -21,7 +21,7 @@
 #   bash benchmarks/scripts/run_h200.sh profile_b1_kernels  # profile_b1's per-kernel half alone (not yet run)
 #   bash benchmarks/scripts/run_h200.sh batch1     # batch 1, f32 / f16, L 16: the fused launch's default fold (3xTF32) vs the bf16-split fold (1.5 min in session 13)
 #   bash benchmarks/scripts/run_h200.sh rows_fused # both routes in one launch on the output grid (fused_launch + flush_grid rows) beside the default, b 256, f32 / f16, L 16 (with batch1: 4 min in session 19)
-#   bash benchmarks/scripts/run_h200.sh mosaic_flush  # the flush rows folded by the Mosaic GPU kernel (5 variants) beside the Triton default, b 256, f32 / f16, L 16
+#   bash benchmarks/scripts/run_h200.sh mosaic_flush  # the flush rows folded by the Mosaic GPU kernel (its variants) beside the Triton default, b 256, f32 / f16, L 16
 #   bash benchmarks/scripts/run_h200.sh launch     # fused vs separate route launches, b 16 + 64, L 16 (1.2 min)
 #   bash benchmarks/scripts/run_h200.sh mosaic     # the Mosaic GPU kernels: baseline (7 configs) vs Triton and XLA, replay with the Mosaic output route (plain, f32+fp8, f16+fp8), b 256 + 64, f32 / f16, each checked first; a Mosaic failure is recorded, not fatal (> 3 min: session 7 ran f32 in 185 s, f16 without policies in 90 s)
 #   bash benchmarks/scripts/run_h200.sh verify [--variants a,b]  # spec verify kernel: VerifyConfig variants on hybrid_1b's layer, b 256, T 4, checked, split per kernel (14 variants: ~2 min in session 9; all 25 now, or pick with verify_sweep.py --variants)
