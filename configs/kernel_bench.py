@@ -415,17 +415,20 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # output route reads the flushed checkpoint; heads per CTA 8 / 16 / 32
     # / 128 (all-rows flush f32 663-707 µs, f16 343-354; the staggered step
     # 343-587 f32). Session 21: the new tile stored from its input slot
-    # (flush_store_from_input: half the shared memory, two CTAs per SM).
+    # (flush_store_from_input: half the shared memory, two CTAs per SM):
+    # run 5, all-rows flush f32 604 µs at 8 heads per CTA (non-flush +8),
+    # 646 at 128. Run 6: the persistent grid (flush_grid="persistent").
     _kernel_study(config, "kernel_mosaic_flush", (256,))
     m = dict(flush_route="mosaic_gpu")
     mi = dict(m, flush_store_from_input=True)
+    mp = dict(m, flush_grid="persistent")
+    mpi = dict(mi, flush_grid="persistent")
     config.replay_variants = ml_collections.ConfigDict(dict(
-        mflush_h128=dict(m, flush_heads_per_program=128),
         mflush_in=mi,
-        mflush_h32_in=dict(mi, flush_heads_per_program=32),
-        mflush_h128_in=dict(mi, flush_heads_per_program=128),
-        mflush_h128_in_s3=dict(mi, flush_heads_per_program=128,
-                               flush_num_stages=3)))
+        mflush_p132=dict(mp, flush_programs=132),
+        mflush_p_in=mpi,
+        mflush_p_in_396=dict(mpi, flush_programs=396),
+        mflush_p_in_s3=dict(mpi, flush_num_stages=3)))
     config.experimental_implementations = tuple(
         f"pallas:{k}" for k in config.replay_variants)
 

@@ -286,6 +286,10 @@ class ReplayConfig(_LaunchConfig):
       (no precision policy); the Triton flush fields must be left unset.
       Needs headdim a multiple of 64 and 128-byte checkpoint rows on the
       GPU.
+      flush_grid (Mosaic): None or "rows" launch one CTA per (row,
+      flush_heads_per_program heads); "persistent" launches flush_programs
+      CTAs (None: 2 per SM), each folding a contiguous share of the flush
+      rows' tiles (`mosaic_gpu.cta_tiles`; batch a multiple of 32).
     flush_store_from_input: with flush_route="mosaic_gpu", the new tile
       overwrites its input tile in shared memory and is stored from there
       (`mosaic_gpu.flush(store_from_input=True)`): half the shared memory
@@ -364,9 +368,8 @@ class ReplayConfig(_LaunchConfig):
         raise ValueError("flush_route='mosaic_gpu' needs output_route="
                          "'triton' (it completes the flush's y in place).")
       clash = [name for name in ("output_all_rows", "fused_launch",
-                                 "flush_grid", "flush_prefetch",
+                                 "flush_prefetch",
                                  "flush_block_p", "flush_unroll",
-                                 "flush_programs",
                                  "flush_num_warps", "flush_max_registers")
                if getattr(self, name)]
       if clash:
@@ -378,6 +381,15 @@ class ReplayConfig(_LaunchConfig):
             f"flush_route='mosaic_gpu' folds by 'rank1', 'dot_bf16x2' or "
             f"'dot_bf16x3' (or None: its default), got flush_fold="
             f"{self.flush_fold!r}.")
+      if self.flush_grid == "persistent" and self.flush_heads_per_program:
+        raise ValueError(
+            "flush_route='mosaic_gpu' with flush_grid='persistent' folds one "
+            "head per pipeline step: leave flush_heads_per_program unset.")
+    if self.flush_programs and not (self.flush_grid == "persistent"
+                                    or self.flush_route == "triton"):
+      raise ValueError(
+          "flush_programs with flush_route='mosaic_gpu' needs flush_grid="
+          f"'persistent', got flush_grid={self.flush_grid!r}.")
     if self.readout_chunk is not None:
       _check_pow2("readout_chunk", self.readout_chunk)
     clash = [name for name in ("output_all_rows", "precompute_bc",

@@ -380,6 +380,44 @@ def _flush_tile(i, h, tiles, scalars, *, buffer_len, has_D, has_z,
   y_out[...] = y.astype(y_out.dtype)
 
 
+def cta_tiles(cnt, c, *, L: int, nheads: int, num_ctas: int):
+  """The tiles of CTA c of the persistent flush grid: the flush rows'
+  (row, head) tiles in order (the r-th flush row's heads are tiles r *
+  nheads ...) split into num_ctas contiguous ranges. Returns (lo, hi,
+  rows): CTA c folds tiles [lo, hi); rows() -> row(k), the row of its k-th
+  tile (its head is (lo + k) % nheads). cnt: the [batch] counters (an
+  array, or an SMEM ref in the kernel); a flush row has count L-1. A
+  range spans at most ceil(batch / num_ctas) + 1 flush rows, so two scans
+  of the counters find them (no per-row table in memory)."""
+  batch = cnt.shape[0]
+  i32 = lambda v: jnp.asarray(v, jnp.int32)
+  nflush = jax.lax.fori_loop(0, batch, lambda b, n: n + i32(cnt[b] == L - 1),
+                             i32(0), unroll=8)
+  lo = c * nflush * nheads // num_ctas
+  hi = (c + 1) * nflush * nheads // num_ctas
+  r0 = lo // nheads
+  span = -(-batch // num_ctas) + 1
+
+  def rows():
+    def find(b, carry):
+      n, *found = carry
+      f = cnt[b] == L - 1
+      found = [jnp.where(f & (n == r0 + q), b, r) for q, r in enumerate(found)]
+      return (n + i32(f), *found)
+
+    found = jax.lax.fori_loop(0, batch, find, (i32(0),) * (span + 1),
+                              unroll=8)[1:]
+
+    def row(k):
+      q, r = (lo + k) // nheads - r0, found[0]
+      for u in range(1, span):
+        r = jnp.where(q == u, found[u], r)
+      return r
+    return row
+
+  return lo, hi, rows
+
+
 def default_fold_pieces(checkpoint_dtype, buffer_len: int) -> int:
   """The flush fold of `flush`: a tensor-core product where the buffer is
   a whole number of 16-token WGMMA steps, with the weighted x in 3 bf16
@@ -394,7 +432,7 @@ def flush(checkpoint, x_buf, b_buf, dt_buf, count, x, dt, A, B, C, D=None,
           z=None, dt_bias=None, dt_softplus=False, *,
           config: MosaicSSUConfig = MosaicSSUConfig(),
           fold_pieces: int | None = None, store_from_input: bool = False,
-          interpret: bool = False):
+          num_ctas: int | None = None, interpret: bool = False):
   """The replay flush route on Mosaic GPU: rows with count == L-1 fold
   their L-1 buffered tokens and the current one into their checkpoint and
   read y from it (+ D x, silu(z) gate).
@@ -413,12 +451,26 @@ def flush(checkpoint, x_buf, b_buf, dt_buf, count, x, dt, A, B, C, D=None,
   tile in SMEM and stored from there (one TMA store per tile, awaited
   before the pipeline refills that slot) instead of through a separate
   output buffer: half the shared memory per CTA, so two CTAs fit per SM.
+  num_ctas (GPU entry): None launches one CTA per (row, heads_per_program
+  heads), a persistent grid of num_ctas CTAs otherwise, each folding a
+  contiguous share of the flush rows' tiles (`cta_tiles`; needs batch a
+  multiple of 32 for int32 counters: they reach SMEM by one TMA copy of
+  128-byte granules).
   """
   problem = shape_problem(checkpoint, on_gpu=not interpret)
   if problem is not None:
     raise NotImplementedError(problem)
   # (Interpret mode writes the tile through pallas_call's aliased output.)
   store_from_input = store_from_input and not interpret
+  if interpret:
+    num_ctas = None
+  elif num_ctas is not None and (
+      num_ctas < 1 or (checkpoint.shape[0] * count.dtype.itemsize) % 128):
+    raise NotImplementedError(
+        f"The persistent Mosaic flush needs num_ctas >= 1 (got {num_ctas}) "
+        f"and the counters a multiple of 128 bytes (batch "
+        f"{checkpoint.shape[0]} x {count.dtype}): they reach SMEM by one "
+        f"warpgroup TMA copy.")
   batch, nheads, headdim, dstate = checkpoint.shape
   L, ngroups = x_buf.shape[1], b_buf.shape[2]
   hpg = nheads // ngroups
@@ -467,15 +519,12 @@ def flush(checkpoint, x_buf, b_buf, dt_buf, count, x, dt, A, B, C, D=None,
 
   y_type = jax.ShapeDtypeStruct(x.shape, x.dtype)
   if entry == "kernel":
-    def body(ck_ref, cnt_ref, *refs):
-      ins = refs[:len(tiled) - 1]
-      scal = scalar_refs(refs[len(tiled) - 1:-1])
-      y_ref = refs[-1]
-      i, j = jax.lax.axis_index("row"), jax.lax.axis_index("block")
-      in_specs, out_specs = specs(lambda _: i, lambda k: j * hpp + k)
+    def pipeline(ck_ref, ins, scal, y_ref, row, head, steps):
+      """Folds `steps` tiles, step k: (row(k), head(k))."""
+      in_specs, out_specs = specs(row, head)
 
       def step(idx, *t):
-        h = j * hpp + idx[0]
+        i, h = row(idx[0]), head(idx[0])
         if not store_from_input:
           return _flush_tile(i, h, t, scal, **kw)
         # The new tile overwrites its input slot and is stored from there;
@@ -486,21 +535,57 @@ def flush(checkpoint, x_buf, b_buf, dt_buf, count, x, dt, A, B, C, D=None,
         plgpu.copy_smem_to_gmem(t[0], ck_ref.at[i, h])
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-      @pl.when(cnt_ref[i] == L - 1)
-      def _():
-        plgpu.emit_pipeline(
-            step, grid=(hpp,), in_specs=in_specs, out_specs=out_specs,
-            max_concurrent_steps=config.max_concurrent_steps,
-        )(ck_ref, *ins, *([] if store_from_input else [ck_ref]), y_ref)
+      plgpu.emit_pipeline(
+          step, grid=(steps,), in_specs=in_specs, out_specs=out_specs,
+          max_concurrent_steps=config.max_concurrent_steps,
+      )(ck_ref, *ins, *([] if store_from_input else [ck_ref]), y_ref)
 
-    mesh = plgpu.Mesh(grid=(batch, nheads // hpp), grid_names=("row", "block"),
-                      kernel_name="replayssm_mosaic_replay_flush")
+    def unpack(refs, extra):
+      n = len(tiled) - 1
+      return (refs[:n], scalar_refs(refs[n:n + len(present)]),
+              *refs[n + len(present):n + len(present) + 1 + extra])
+
+    scratch = []
+    if num_ctas is None:
+      def body(ck_ref, cnt_ref, *refs):
+        ins, scal, y_ref = unpack(refs, 0)
+        i, j = jax.lax.axis_index("row"), jax.lax.axis_index("block")
+
+        @pl.when(cnt_ref[i] == L - 1)
+        def _():
+          pipeline(ck_ref, ins, scal, y_ref, lambda _: i,
+                   lambda k: j * hpp + k, hpp)
+
+      mesh = plgpu.Mesh(grid=(batch, nheads // hpp),
+                        grid_names=("row", "block"),
+                        kernel_name="replayssm_mosaic_replay_flush")
+    else:
+      # Persistent: CTA c folds a contiguous share of the flush rows' tiles
+      # (`cta_tiles`), the counters read from SMEM.
+      scratch = [plgpu.SMEM((batch,), count.dtype),
+                 plgpu.Barrier(num_arrivals=1, num_barriers=1)]
+
+      def body(ck_ref, cnt_ref, *refs):
+        ins, scal, y_ref, cnt, bar = unpack(refs, 2)
+        plgpu.copy_gmem_to_smem(cnt_ref, cnt, bar.at[0])
+        plgpu.barrier_wait(bar.at[0])
+        lo, hi, rows = cta_tiles(cnt, jax.lax.axis_index("cta"), L=L,
+                                 nheads=nheads, num_ctas=num_ctas)
+
+        @pl.when(hi > lo)
+        def _():
+          pipeline(ck_ref, ins, scal, y_ref, rows(),
+                   lambda k: (lo + k) % nheads, hi - lo)
+
+      mesh = plgpu.Mesh(grid=(num_ctas,), grid_names=("cta",),
+                        kernel_name="replayssm_mosaic_replay_flush")
 
     def stateful(refs):
       # The checkpoint is a ref the kernel writes (aliased in place); y is
       # the kernel's own output, stored into the second ref as a value.
       ck_ref, y_ref = refs
       y_ref[...] = pl.kernel(body, out_type=y_type, mesh=mesh,
+                             scratch_types=scratch,
                              compiler_params=plgpu.CompilerParams())(
           ck_ref, count, *tiled[1:], *present)
 

@@ -1143,6 +1143,9 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
         interpret=interpret,
         fold_pieces=_MOSAIC_FOLDS.get(config.flush_fold),
         store_from_input=config.flush_store_from_input,
+        num_ctas=(config.flush_programs
+                  or 2 * getattr(jax.devices()[0], "core_count", 132)
+                  if config.flush_grid == "persistent" else None),
         config=mosaic_gpu.MosaicSSUConfig(
             heads_per_program=config.flush_heads_per_program,
             max_concurrent_steps=config.flush_num_stages or 2))

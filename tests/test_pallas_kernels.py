@@ -1121,21 +1121,25 @@ def test_mosaic_output_route_lowers_for_cuda(policy):
   assert "mosaic_gpu" in text and "replayssm_replay_output_route" not in text
 
 
-@pytest.mark.parametrize("ckpt_dtype,from_input", [
-    ("float32", False), ("float16", False), ("float32", True)], ids=str)
-def test_mosaic_flush_route_lowers_for_cuda_in_place(ckpt_dtype, from_input):
+@pytest.mark.parametrize("ckpt_dtype,variant", [
+    ("float32", {}), ("float16", {}),
+    ("float32", dict(flush_store_from_input=True)),
+    ("float32", dict(flush_grid="persistent", flush_programs=5)),
+    ("float16", dict(flush_grid="persistent", flush_store_from_input=True))],
+    ids=str)
+def test_mosaic_flush_route_lowers_for_cuda_in_place(ckpt_dtype, variant):
   """ReplayConfig(flush_route="mosaic_gpu") lowers for CUDA at GPU shapes
   (register layouts, swizzled tiles, the TMA pipeline, WGMMA: interpret
   mode checks none of these), also with the tile stored from its input
-  slot, and the Mosaic call aliases the checkpoint input -> output
-  (`pl.run_state`), so the flush writes it in place; its y is a fresh
-  output (the output route completes it in place)."""
-  params, tok, rstate, _ = _lowering_state(6, 16, None, (4, 64, 128, 2))
+  slot and on the persistent grid, and the Mosaic call aliases the
+  checkpoint input -> output (`pl.run_state`), so the flush writes it in
+  place; its y is a fresh output (the output route completes it in
+  place)."""
+  params, tok, rstate, _ = _lowering_state(32, 16, None, (4, 64, 128, 2))
   rstate = rstate.replace(
       checkpoint=rstate.checkpoint.astype(jnp.dtype(ckpt_dtype)))
   text = _lower_replay(
-      pk.ReplayConfig(flush_route="mosaic_gpu",
-                      flush_store_from_input=from_input),
+      pk.ReplayConfig(flush_route="mosaic_gpu", **variant),
       params, tok, rstate, None)
   assert "replayssm_replay_flush_route" not in text
   calls = [ln for ln in text.splitlines() if "@mosaic_gpu" in ln]
@@ -1146,10 +1150,10 @@ def test_mosaic_flush_route_lowers_for_cuda_in_place(ckpt_dtype, from_input):
   sig = calls[0].rsplit(": (", 1)[1]
   operand_types = re.findall(r"tensor<[^>]*>", sig.split("->")[0])
   result_types = re.findall(r"tensor<[^>]*>", sig.split("->")[1])
-  ck_type = f"tensor<6x4x64x128x{'f32' if ckpt_dtype == 'float32' else 'f16'}>"
+  ck_type = f"tensor<32x4x64x128x{'f32' if ckpt_dtype == 'float32' else 'f16'}>"
   assert operand_types[int(aliases[0][1])] == ck_type
   assert result_types[int(aliases[0][0])] == ck_type
-  assert "tensor<6x4x64xbf16>" in result_types  # y
+  assert "tensor<32x4x64xbf16>" in result_types  # y
 
 
 @pytest.mark.parametrize("ckpt_dtype,fold", [
@@ -1180,18 +1184,62 @@ def test_mosaic_flush_folds_at_16_tokens(ckpt_dtype, fold):
   np.testing.assert_array_equal(r.count, r_ref.count)
 
 
+@pytest.mark.parametrize("batch,num_ctas,pattern", [
+    (256, 264, "all"), (256, 264, "random"), (256, 264, "none"),
+    (8, 3, "random"), (12, 5, "one"), (4, 16, "all")], ids=str)
+def test_mosaic_persistent_flush_tiles_cover_the_flush_rows_once(
+    batch, num_ctas, pattern):
+  """The persistent Mosaic flush's work split (`mosaic_gpu.cta_tiles`, the
+  same code the kernel runs on its SMEM counters): over all CTAs, every
+  flush row's every head exactly once, each CTA a contiguous run of near
+  equal length, no other row."""
+  L, nheads = 16, 8
+  rng = np.random.default_rng(batch * 7 + num_ctas)
+  counts = rng.integers(0, L - 1, batch)
+  flush = {"all": np.ones(batch, bool), "none": np.zeros(batch, bool),
+           "one": np.arange(batch) == batch // 2,
+           "random": rng.random(batch) < 0.4}[pattern]
+  counts[flush] = L - 1
+  longest = -(-batch * nheads // num_ctas)
+
+  @jax.jit
+  @jax.vmap
+  def tiles(c):
+    lo, hi, rows = pk.mosaic_gpu.cta_tiles(jnp.asarray(counts, jnp.int32), c,
+                                           L=L, nheads=nheads,
+                                           num_ctas=num_ctas)
+    k = jnp.arange(longest)
+    return lo, hi, rows()(k), (lo + k) % nheads
+
+  los, his, rows, heads = map(np.asarray, tiles(jnp.arange(num_ctas)))
+  got = [(rows[c, k], heads[c, k]) for c in range(num_ctas)
+         for k in range(his[c] - los[c])]
+  sizes = his - los
+  want = [(b, h) for b in np.flatnonzero(flush) for h in range(nheads)]
+  assert got == want
+  assert max(sizes) - min(sizes) <= 1
+
+
 def test_mosaic_flush_route_config_is_checked():
   with pytest.raises(ValueError, match="flush_route must be one of"):
     pk.ReplayConfig(flush_route="cuda")
   for clash in (dict(fused_launch=True), dict(output_all_rows=True),
-                dict(flush_grid="rows"), dict(flush_programs=4),
-                dict(flush_num_warps=2)):
+                dict(flush_prefetch=True), dict(flush_num_warps=2)):
     with pytest.raises(ValueError, match="replaces the Triton flush route"):
       pk.ReplayConfig(flush_route="mosaic_gpu", **clash)
   with pytest.raises(ValueError, match="needs output_route='triton'"):
     pk.ReplayConfig(flush_route="mosaic_gpu", output_route="mosaic_gpu")
   with pytest.raises(ValueError, match="flush_store_from_input=True needs"):
     pk.ReplayConfig(flush_store_from_input=True)
+  with pytest.raises(ValueError, match="flush_programs with flush_route"):
+    pk.ReplayConfig(flush_route="mosaic_gpu", flush_programs=4)
+  with pytest.raises(ValueError, match="one head per pipeline step"):
+    pk.ReplayConfig(flush_route="mosaic_gpu", flush_grid="persistent",
+                    flush_heads_per_program=8)
+  with pytest.raises(NotImplementedError, match="multiple of 128 bytes"):
+    _lower_replay(pk.ReplayConfig(flush_route="mosaic_gpu",
+                                  flush_grid="persistent"),
+                  *_lowering_state(6, 16, None, (4, 64, 128, 2))[:3], None)
   with pytest.raises(ValueError, match="folds by 'rank1', 'dot_bf16x2'"):
     pk.ReplayConfig(flush_route="mosaic_gpu", flush_fold="dot_tf32x3")
   with pytest.raises(NotImplementedError, match="buffer_len a multiple of 16"):
