@@ -540,15 +540,13 @@ def flush(checkpoint, x_buf, b_buf, dt_buf, count, x, dt, A, B, C, D=None,
           max_concurrent_steps=config.max_concurrent_steps,
       )(ck_ref, *ins, *([] if store_from_input else [ck_ref]), y_ref)
 
-    def unpack(refs, extra):
+    def unpack(refs):
       n = len(tiled) - 1
-      return (refs[:n], scalar_refs(refs[n:n + len(present)]),
-              *refs[n + len(present):n + len(present) + 1 + extra])
+      return refs[:n], scalar_refs(refs[n:n + len(present)]), refs[-1]
 
-    scratch = []
     if num_ctas is None:
       def body(ck_ref, cnt_ref, *refs):
-        ins, scal, y_ref = unpack(refs, 0)
+        ins, scal, y_ref = unpack(refs)
         i, j = jax.lax.axis_index("row"), jax.lax.axis_index("block")
 
         @pl.when(cnt_ref[i] == L - 1)
@@ -562,20 +560,24 @@ def flush(checkpoint, x_buf, b_buf, dt_buf, count, x, dt, A, B, C, D=None,
     else:
       # Persistent: CTA c folds a contiguous share of the flush rows' tiles
       # (`cta_tiles`), the counters read from SMEM.
-      scratch = [plgpu.SMEM((batch,), count.dtype),
-                 plgpu.Barrier(num_arrivals=1, num_barriers=1)]
-
       def body(ck_ref, cnt_ref, *refs):
-        ins, scal, y_ref, cnt, bar = unpack(refs, 2)
-        plgpu.copy_gmem_to_smem(cnt_ref, cnt, bar.at[0])
-        plgpu.barrier_wait(bar.at[0])
-        lo, hi, rows = cta_tiles(cnt, jax.lax.axis_index("cta"), L=L,
-                                 nheads=nheads, num_ctas=num_ctas)
+        ins, scal, y_ref = unpack(refs)
 
-        @pl.when(hi > lo)
-        def _():
-          pipeline(ck_ref, ins, scal, y_ref, rows(),
-                   lambda k: (lo + k) % nheads, hi - lo)
+        def scoped(cnt, bar):
+          plgpu.copy_gmem_to_smem(cnt_ref, cnt, bar.at[0])
+          plgpu.barrier_wait(bar.at[0])
+          lo, hi, rows = cta_tiles(cnt, jax.lax.axis_index("cta"), L=L,
+                                   nheads=nheads, num_ctas=num_ctas)
+
+          @pl.when(hi > lo)
+          def _():
+            pipeline(ck_ref, ins, scal, y_ref, rows(),
+                     lambda k: (lo + k) % nheads, hi - lo)
+
+        # (pl.kernel's scratch_types: "not supported by the Mosaic GPU
+        # mpmd_map lowering" on the H200, jax 0.11.2.)
+        pl.run_scoped(scoped, plgpu.SMEM((batch,), count.dtype),
+                      plgpu.Barrier(num_arrivals=1, num_barriers=1))
 
       mesh = plgpu.Mesh(grid=(num_ctas,), grid_names=("cta",),
                         kernel_name="replayssm_mosaic_replay_flush")
@@ -585,7 +587,6 @@ def flush(checkpoint, x_buf, b_buf, dt_buf, count, x, dt, A, B, C, D=None,
       # the kernel's own output, stored into the second ref as a value.
       ck_ref, y_ref = refs
       y_ref[...] = pl.kernel(body, out_type=y_type, mesh=mesh,
-                             scratch_types=scratch,
                              compiler_params=plgpu.CompilerParams())(
           ck_ref, count, *tiled[1:], *present)
 
