@@ -417,18 +417,20 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # 343-587 f32). Session 21: the new tile stored from its input slot
     # (flush_store_from_input: half the shared memory, two CTAs per SM):
     # run 5, all-rows flush f32 604 µs at 8 heads per CTA (non-flush +8),
-    # 646 at 128. Run 6: the persistent grid (flush_grid="persistent").
+    # 646 at 128. Run 7: the persistent grid (flush_grid="persistent"),
+    # each CTA a contiguous share of the flush tiles: f32 flush 648 µs
+    # (in-slot store, 264 CTAs), 656 (132 CTAs), 739 (396), amortized 304.2
+    # against Triton's 306.2. Run 8: chunks of heads dealt round-robin.
     _kernel_study(config, "kernel_mosaic_flush", (256,))
     m = dict(flush_route="mosaic_gpu")
     mi = dict(m, flush_store_from_input=True)
-    mp = dict(m, flush_grid="persistent")
     mpi = dict(mi, flush_grid="persistent")
     config.replay_variants = ml_collections.ConfigDict(dict(
         mflush_in=mi,
-        mflush_p132=dict(mp, flush_programs=132),
         mflush_p_in=mpi,
-        mflush_p_in_396=dict(mpi, flush_programs=396),
-        mflush_p_in_s3=dict(mpi, flush_num_stages=3)))
+        mflush_p_in_c4=dict(mpi, flush_heads_per_program=4),
+        mflush_p_in_c16=dict(mpi, flush_heads_per_program=16),
+        mflush_p_in_132=dict(mpi, flush_programs=132)))
     config.experimental_implementations = tuple(
         f"pallas:{k}" for k in config.replay_variants)
 

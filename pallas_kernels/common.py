@@ -288,8 +288,9 @@ class ReplayConfig(_LaunchConfig):
       GPU.
       flush_grid (Mosaic): None or "rows" launch one CTA per (row,
       flush_heads_per_program heads); "persistent" launches flush_programs
-      CTAs (None: 2 per SM), each folding a contiguous share of the flush
-      rows' tiles (`mosaic_gpu.cta_tiles`; batch a multiple of 32).
+      CTAs (None: 2 per SM), dealt the flush rows' chunks of
+      flush_heads_per_program heads round-robin (`mosaic_gpu.cta_tiles`;
+      batch a multiple of 32).
     flush_store_from_input: with flush_route="mosaic_gpu", the new tile
       overwrites its input tile in shared memory and is stored from there
       (`mosaic_gpu.flush(store_from_input=True)`): half the shared memory
@@ -381,10 +382,6 @@ class ReplayConfig(_LaunchConfig):
             f"flush_route='mosaic_gpu' folds by 'rank1', 'dot_bf16x2' or "
             f"'dot_bf16x3' (or None: its default), got flush_fold="
             f"{self.flush_fold!r}.")
-      if self.flush_grid == "persistent" and self.flush_heads_per_program:
-        raise ValueError(
-            "flush_route='mosaic_gpu' with flush_grid='persistent' folds one "
-            "head per pipeline step: leave flush_heads_per_program unset.")
     if self.flush_programs and not (self.flush_grid == "persistent"
                                     or self.flush_route == "triton"):
       raise ValueError(

@@ -380,42 +380,61 @@ def _flush_tile(i, h, tiles, scalars, *, buffer_len, has_D, has_z,
   y_out[...] = y.astype(y_out.dtype)
 
 
-def cta_tiles(cnt, c, *, L: int, nheads: int, num_ctas: int):
-  """The tiles of CTA c of the persistent flush grid: the flush rows'
-  (row, head) tiles in order (the r-th flush row's heads are tiles r *
-  nheads ...) split into num_ctas contiguous ranges. Returns (lo, hi,
-  rows): CTA c folds tiles [lo, hi); rows() -> row(k), the row of its k-th
-  tile (its head is (lo + k) % nheads). cnt: the [batch] counters (an
-  array, or an SMEM ref in the kernel); a flush row has count L-1. A
-  range spans at most ceil(batch / num_ctas) + 1 flush rows, so two scans
-  of the counters find them (no per-row table in memory)."""
+def _popcount(x):
+  """Set bits of each uint32 (SWAR; Mosaic GPU has no population_count)."""
+  u = lambda v: jnp.asarray(v, jnp.uint32)
+  srl = jax.lax.shift_right_logical
+  x = x - (srl(x, u(1)) & u(0x55555555))
+  x = (x & u(0x33333333)) + (srl(x, u(2)) & u(0x33333333))
+  x = (x + srl(x, u(4))) & u(0x0F0F0F0F)
+  return srl(x * u(0x01010101), u(24))
+
+
+def cta_tiles(cnt, c, *, L: int, nheads: int, num_ctas: int, chunk: int):
+  """The tiles of CTA c of the persistent flush grid. The flush rows'
+  heads form chunks of `chunk` heads (the r-th flush row's chunks are r *
+  nheads / chunk ...), dealt out round-robin: CTA c folds chunks c, c +
+  num_ctas, ..., so the CTAs at work at any moment read neighbouring
+  tiles (a contiguous share per CTA was slower: benchmarks/README.md,
+  session 21). Returns (steps, tile): CTA c folds `steps` tiles, its k-th
+  is tile(k) = (row, head). cnt: the [batch] counters (an array, or an
+  SMEM ref in the kernel), batch a multiple of 32; a flush row has count
+  L-1. The flush rows are kept as a bit mask (batch / 32 words) and the
+  r-th one found by popcounts, so no table is written."""
   batch = cnt.shape[0]
-  i32 = lambda v: jnp.asarray(v, jnp.int32)
-  nflush = jax.lax.fori_loop(0, batch, lambda b, n: n + i32(cnt[b] == L - 1),
-                             i32(0), unroll=8)
-  lo = c * nflush * nheads // num_ctas
-  hi = (c + 1) * nflush * nheads // num_ctas
-  r0 = lo // nheads
-  span = -(-batch // num_ctas) + 1
+  u32 = lambda v: jnp.asarray(v, jnp.uint32)
+  masks = []
+  for w in range(batch // 32):
+    masks.append(jax.lax.fori_loop(
+        0, 32, lambda k, m, w=w: m | jax.lax.shift_left(
+            u32(cnt[32 * w + k] == L - 1), u32(k)), u32(0), unroll=8))
+  before, nflush = [], jnp.int32(0)  # flush rows in the words before w
+  for m in masks:
+    before.append(nflush)
+    nflush = nflush + _popcount(m).astype(jnp.int32)
+  per_row = nheads // chunk
+  total = nflush * per_row
+  mine = jnp.maximum(total - c + num_ctas - 1, 0) // num_ctas
 
-  def rows():
-    def find(b, carry):
-      n, *found = carry
-      f = cnt[b] == L - 1
-      found = [jnp.where(f & (n == r0 + q), b, r) for q, r in enumerate(found)]
-      return (n + i32(f), *found)
+  def tile(k):
+    u = c + (k // chunk) * num_ctas
+    rank, head = u // per_row, (u % per_row) * chunk + k % chunk
+    word, m, r = 0, masks[0], rank
+    for w in range(1, len(masks)):
+      here = rank >= before[w]
+      word = jnp.where(here, w, word)
+      m = jnp.where(here, masks[w], m)
+      r = jnp.where(here, rank - before[w], r)
+    pos = jnp.int32(0)  # the bit of m's r-th set bit
+    for width in (16, 8, 4, 2, 1):
+      low = _popcount(jax.lax.shift_right_logical(m, pos.astype(jnp.uint32))
+                      & u32((1 << width) - 1)).astype(jnp.int32)
+      up = r >= low
+      pos = jnp.where(up, pos + width, pos)
+      r = jnp.where(up, r - low, r)
+    return 32 * word + pos, head
 
-    found = jax.lax.fori_loop(0, batch, find, (i32(0),) * (span + 1),
-                              unroll=8)[1:]
-
-    def row(k):
-      q, r = (lo + k) // nheads - r0, found[0]
-      for u in range(1, span):
-        r = jnp.where(q == u, found[u], r)
-      return r
-    return row
-
-  return lo, hi, rows
+  return mine * chunk, tile
 
 
 def default_fold_pieces(checkpoint_dtype, buffer_len: int) -> int:
@@ -452,10 +471,10 @@ def flush(checkpoint, x_buf, b_buf, dt_buf, count, x, dt, A, B, C, D=None,
   before the pipeline refills that slot) instead of through a separate
   output buffer: half the shared memory per CTA, so two CTAs fit per SM.
   num_ctas (GPU entry): None launches one CTA per (row, heads_per_program
-  heads), a persistent grid of num_ctas CTAs otherwise, each folding a
-  contiguous share of the flush rows' tiles (`cta_tiles`; needs batch a
-  multiple of 32 for int32 counters: they reach SMEM by one TMA copy of
-  128-byte granules).
+  heads), a persistent grid of num_ctas CTAs otherwise, dealt the flush
+  rows' chunks of heads_per_program heads round-robin (`cta_tiles`; needs
+  batch a multiple of 32 for int32 counters: they reach SMEM by one TMA
+  copy of 128-byte granules).
   """
   problem = shape_problem(checkpoint, on_gpu=not interpret)
   if problem is not None:
@@ -558,21 +577,22 @@ def flush(checkpoint, x_buf, b_buf, dt_buf, count, x, dt, A, B, C, D=None,
                         grid_names=("row", "block"),
                         kernel_name="replayssm_mosaic_replay_flush")
     else:
-      # Persistent: CTA c folds a contiguous share of the flush rows' tiles
-      # (`cta_tiles`), the counters read from SMEM.
+      # Persistent: CTA c folds every num_ctas-th chunk of heads_per_program
+      # heads of the flush rows (`cta_tiles`), the counters read from SMEM.
       def body(ck_ref, cnt_ref, *refs):
         ins, scal, y_ref = unpack(refs)
 
         def scoped(cnt, bar):
           plgpu.copy_gmem_to_smem(cnt_ref, cnt, bar.at[0])
           plgpu.barrier_wait(bar.at[0])
-          lo, hi, rows = cta_tiles(cnt, jax.lax.axis_index("cta"), L=L,
-                                   nheads=nheads, num_ctas=num_ctas)
+          steps, tile = cta_tiles(cnt, jax.lax.axis_index("cta"), L=L,
+                                  nheads=nheads, num_ctas=num_ctas,
+                                  chunk=hpp)
 
-          @pl.when(hi > lo)
+          @pl.when(steps > 0)
           def _():
-            pipeline(ck_ref, ins, scal, y_ref, rows(),
-                     lambda k: (lo + k) % nheads, hi - lo)
+            pipeline(ck_ref, ins, scal, y_ref, lambda k: tile(k)[0],
+                     lambda k: tile(k)[1], steps)
 
         # (pl.kernel's scratch_types: "not supported by the Mosaic GPU
         # mpmd_map lowering" on the H200, jax 0.11.2.)

@@ -1184,40 +1184,39 @@ def test_mosaic_flush_folds_at_16_tokens(ckpt_dtype, fold):
   np.testing.assert_array_equal(r.count, r_ref.count)
 
 
-@pytest.mark.parametrize("batch,num_ctas,pattern", [
-    (256, 264, "all"), (256, 264, "random"), (256, 264, "none"),
-    (8, 3, "random"), (12, 5, "one"), (4, 16, "all")], ids=str)
+@pytest.mark.parametrize("batch,num_ctas,chunk,pattern", [
+    (256, 264, 8, "all"), (256, 264, 8, "random"), (256, 264, 8, "none"),
+    (64, 5, 4, "random"), (32, 40, 8, "one"), (96, 7, 2, "last")], ids=str)
 def test_mosaic_persistent_flush_tiles_cover_the_flush_rows_once(
-    batch, num_ctas, pattern):
+    batch, num_ctas, chunk, pattern):
   """The persistent Mosaic flush's work split (`mosaic_gpu.cta_tiles`, the
   same code the kernel runs on its SMEM counters): over all CTAs, every
-  flush row's every head exactly once, each CTA a contiguous run of near
-  equal length, no other row."""
+  flush row's every head exactly once and no other row, the CTAs' shares
+  within one chunk of each other."""
   L, nheads = 16, 8
   rng = np.random.default_rng(batch * 7 + num_ctas)
   counts = rng.integers(0, L - 1, batch)
   flush = {"all": np.ones(batch, bool), "none": np.zeros(batch, bool),
            "one": np.arange(batch) == batch // 2,
+           "last": np.arange(batch) >= batch - 33,  # across a mask word
            "random": rng.random(batch) < 0.4}[pattern]
   counts[flush] = L - 1
-  longest = -(-batch * nheads // num_ctas)
+  longest = -(-batch * nheads // num_ctas) + chunk
 
   @jax.jit
   @jax.vmap
   def tiles(c):
-    lo, hi, rows = pk.mosaic_gpu.cta_tiles(jnp.asarray(counts, jnp.int32), c,
-                                           L=L, nheads=nheads,
-                                           num_ctas=num_ctas)
-    k = jnp.arange(longest)
-    return lo, hi, rows()(k), (lo + k) % nheads
+    steps, tile = pk.mosaic_gpu.cta_tiles(jnp.asarray(counts, jnp.int32), c,
+                                          L=L, nheads=nheads,
+                                          num_ctas=num_ctas, chunk=chunk)
+    return steps, *tile(jnp.arange(longest))
 
-  los, his, rows, heads = map(np.asarray, tiles(jnp.arange(num_ctas)))
-  got = [(rows[c, k], heads[c, k]) for c in range(num_ctas)
-         for k in range(his[c] - los[c])]
-  sizes = his - los
+  steps, rows, heads = map(np.asarray, tiles(jnp.arange(num_ctas)))
+  got = sorted((rows[c, k], heads[c, k]) for c in range(num_ctas)
+               for k in range(steps[c]))
   want = [(b, h) for b in np.flatnonzero(flush) for h in range(nheads)]
   assert got == want
-  assert max(sizes) - min(sizes) <= 1
+  assert steps.max() - steps.min() <= chunk
 
 
 def test_mosaic_flush_route_config_is_checked():
@@ -1233,9 +1232,6 @@ def test_mosaic_flush_route_config_is_checked():
     pk.ReplayConfig(flush_store_from_input=True)
   with pytest.raises(ValueError, match="flush_programs with flush_route"):
     pk.ReplayConfig(flush_route="mosaic_gpu", flush_programs=4)
-  with pytest.raises(ValueError, match="one head per pipeline step"):
-    pk.ReplayConfig(flush_route="mosaic_gpu", flush_grid="persistent",
-                    flush_heads_per_program=8)
   with pytest.raises(NotImplementedError, match="multiple of 128 bytes"):
     _lower_replay(pk.ReplayConfig(flush_route="mosaic_gpu",
                                   flush_grid="persistent"),
