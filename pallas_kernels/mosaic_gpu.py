@@ -396,8 +396,8 @@ def cta_tiles(cnt, c, *, L: int, nheads: int, num_ctas: int, chunk: int):
   nheads / chunk ...), dealt out round-robin: CTA c folds chunks c, c +
   num_ctas, ..., so the CTAs at work at any moment read neighbouring
   tiles (a contiguous share per CTA was slower: benchmarks/README.md,
-  session 21). Returns (steps, tile): CTA c folds `steps` tiles, its k-th
-  is tile(k) = (row, head). cnt: the [batch] counters (an array, or an
+  session 21). Returns (steps, chunk_row, head): CTA c folds `steps`
+  tiles, its k-th at row chunk_row(k // chunk) and head head(k). cnt: the [batch] counters (an array, or an
   SMEM ref in the kernel), batch a multiple of 32; a flush row has count
   L-1. The flush rows are kept as a bit mask (batch / 32 words) and the
   r-th one found by popcounts, so no table is written."""
@@ -416,9 +416,8 @@ def cta_tiles(cnt, c, *, L: int, nheads: int, num_ctas: int, chunk: int):
   total = nflush * per_row
   mine = jnp.maximum(total - c + num_ctas - 1, 0) // num_ctas
 
-  def tile(k):
-    u = c + (k // chunk) * num_ctas
-    rank, head = u // per_row, (u % per_row) * chunk + k % chunk
+  def chunk_row(q):
+    rank = (c + q * num_ctas) // per_row
     word, m, r = 0, masks[0], rank
     for w in range(1, len(masks)):
       here = rank >= before[w]
@@ -432,9 +431,12 @@ def cta_tiles(cnt, c, *, L: int, nheads: int, num_ctas: int, chunk: int):
       up = r >= low
       pos = jnp.where(up, pos + width, pos)
       r = jnp.where(up, r - low, r)
-    return 32 * word + pos, head
+    return 32 * word + pos
 
-  return mine * chunk, tile
+  def head(k):
+    return ((c + (k // chunk) * num_ctas) % per_row) * chunk + k % chunk
+
+  return mine * chunk, chunk_row, head
 
 
 def default_fold_pieces(checkpoint_dtype, buffer_len: int) -> int:
@@ -585,14 +587,21 @@ def flush(checkpoint, x_buf, b_buf, dt_buf, count, x, dt, A, B, C, D=None,
         def scoped(cnt, bar):
           plgpu.copy_gmem_to_smem(cnt_ref, cnt, bar.at[0])
           plgpu.barrier_wait(bar.at[0])
-          steps, tile = cta_tiles(cnt, jax.lax.axis_index("cta"), L=L,
-                                  nheads=nheads, num_ctas=num_ctas,
-                                  chunk=hpp)
+          steps, chunk_row, head = cta_tiles(
+              cnt, jax.lax.axis_index("cta"), L=L, nheads=nheads,
+              num_ctas=num_ctas, chunk=hpp)
 
-          @pl.when(steps > 0)
-          def _():
-            pipeline(ck_ref, ins, scal, y_ref, lambda k: tile(k)[0],
-                     lambda k: tile(k)[1], steps)
+          def tabled(rows):
+            # Each chunk's row found once, not in every index map.
+            jax.lax.fori_loop(
+                0, steps // hpp,
+                lambda q, _: rows.__setitem__(q, chunk_row(q)), None)
+            pipeline(ck_ref, ins, scal, y_ref, lambda k: rows[k // hpp],
+                     head, steps)
+
+          pl.when(steps > 0)(lambda: pl.run_scoped(
+              tabled, plgpu.SMEM((-(-batch * nheads // hpp // num_ctas),),
+                                 jnp.int32)))
 
         # (pl.kernel's scratch_types: "not supported by the Mosaic GPU
         # mpmd_map lowering" on the H200, jax 0.11.2.)

@@ -1206,10 +1206,11 @@ def test_mosaic_persistent_flush_tiles_cover_the_flush_rows_once(
   @jax.jit
   @jax.vmap
   def tiles(c):
-    steps, tile = pk.mosaic_gpu.cta_tiles(jnp.asarray(counts, jnp.int32), c,
-                                          L=L, nheads=nheads,
-                                          num_ctas=num_ctas, chunk=chunk)
-    return steps, *tile(jnp.arange(longest))
+    steps, chunk_row, head = pk.mosaic_gpu.cta_tiles(
+        jnp.asarray(counts, jnp.int32), c, L=L, nheads=nheads,
+        num_ctas=num_ctas, chunk=chunk)
+    k = jnp.arange(longest)
+    return steps, chunk_row(k // chunk), head(k)
 
   steps, rows, heads = map(np.asarray, tiles(jnp.arange(num_ctas)))
   got = sorted((rows[c, k], heads[c, k]) for c in range(num_ctas)
