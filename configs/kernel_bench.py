@@ -424,16 +424,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # each tile's row found by popcounts in the index maps: f32 flush
     # 625-652 µs (chunks of 4-16 heads) against 605 for the 8-heads grid,
     # f16 396-409 against 328. Run 9: each chunk's row found once into an
-    # SMEM table.
+    # SMEM table: f32 flush 636-642 µs, amortized 301.8 (chunks of 4), 305.0
+    # (8), 304.8 (2) against Triton's 307.6; f16 370-416. Run 10: chunks of
+    # 4 twice beside the default, batch 128 and 256, f32
+    # (--config.batches='(128,256)' --config.checkpoint_dtypes='("float32",)').
     _kernel_study(config, "kernel_mosaic_flush", (256,))
     m = dict(flush_route="mosaic_gpu")
-    mi = dict(m, flush_store_from_input=True)
-    mpi = dict(mi, flush_grid="persistent")
+    mpi = dict(m, flush_store_from_input=True, flush_grid="persistent")
     config.replay_variants = ml_collections.ConfigDict(dict(
-        mflush_in=mi,
-        mflush_p_in=mpi,
         mflush_p_in_c4=dict(mpi, flush_heads_per_program=4),
-        mflush_p_in_c2=dict(mpi, flush_heads_per_program=2)))
+        mflush_p_in_c4_repeat=dict(mpi, flush_heads_per_program=4)))
     config.experimental_implementations = tuple(
         f"pallas:{k}" for k in config.replay_variants)
 
