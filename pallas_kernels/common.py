@@ -265,18 +265,22 @@ class ReplayConfig(_LaunchConfig):
       benchmarks/kernel_mosaic_h200.md): slower than "triton" on every
       state tried (non-flush step at batch 256: f32 324 vs 284 µs, f16 203
       vs 164, f32 master + fp8 copy 145 vs 132).
-    flush_route: "triton" (the flush kernels above) or "mosaic_gpu": the
+    flush_route: None (the default: `replay.default_flush_route`, the
+      persistent Mosaic flush below for plain f32 checkpoints at batch >=
+      128 on Hopper GPUs, else "triton"), "triton" (the flush kernels
+      above) or "mosaic_gpu": the
       flush rows' fold by the Mosaic GPU kernel
       (`pallas_kernels.mosaic_gpu.flush`: TMA-pipelined tiles, the
       checkpoint updated in place through `pl.run_state`), launched
       before the Triton output route, which completes its y in place. One
       CTA per (row, flush_heads_per_program heads) streams its heads with
       flush_num_stages (default 2) tiles in flight; CTAs of non-flush rows
-      exit after reading the counter. H200 (session 20,
-      benchmarks/kernel_mosaic_flush_h200.md, batch 256, L 16): the
-      fastest all-rows flush (f32 663 vs 711 µs, f16 344 vs 401), but
+      exit after reading the counter. H200, batch 256, L 16: on that grid
       many CTAs cost the non-flush step and few starve the staggered-row
-      step (f32 587 vs 322 µs at one CTA per row), so not a default.
+      step (session 20, f32 587 vs 322 µs at one CTA per row); the
+      persistent grid with the in-slot store (session 21,
+      benchmarks/kernel_mosaic_flush_h200_run{9,10}.md) flushes f32 in
+      632-636 µs against Triton's 721-723 at no cost to the other steps.
       flush_fold picks its fold: "rank1" (f32 rank-1 updates), or
       "dot_bf16x3" / "dot_bf16x2" (one WGMMA product per bf16 piece of the
       weighted x against the bf16 B buffer; buffer_len a multiple of 16);
@@ -350,7 +354,7 @@ class ReplayConfig(_LaunchConfig):
   flush_max_registers: int | None = None
   max_registers: int | None = None
   output_route: str = "triton"
-  flush_route: str = "triton"
+  flush_route: str | None = None
   flush_store_from_input: bool = False
   readout_chunk: int | None = None
 
@@ -360,7 +364,8 @@ class ReplayConfig(_LaunchConfig):
                   optional=True)
     _check_choice("output_route", self.output_route,
                   ("triton", "mosaic_gpu"))
-    _check_choice("flush_route", self.flush_route, ("triton", "mosaic_gpu"))
+    _check_choice("flush_route", self.flush_route, ("triton", "mosaic_gpu"),
+                  optional=True)
     if self.flush_store_from_input and self.flush_route != "mosaic_gpu":
       raise ValueError("flush_store_from_input=True needs flush_route="
                        f"'mosaic_gpu', got {self.flush_route!r}.")
@@ -382,8 +387,8 @@ class ReplayConfig(_LaunchConfig):
             f"flush_route='mosaic_gpu' folds by 'rank1', 'dot_bf16x2' or "
             f"'dot_bf16x3' (or None: its default), got flush_fold="
             f"{self.flush_fold!r}.")
-    if self.flush_programs and not (self.flush_grid == "persistent"
-                                    or self.flush_route == "triton"):
+    if self.flush_programs and self.flush_route == "mosaic_gpu" and (
+        self.flush_grid != "persistent"):
       raise ValueError(
           "flush_programs with flush_route='mosaic_gpu' needs flush_grid="
           f"'persistent', got flush_grid={self.flush_grid!r}.")
@@ -410,7 +415,7 @@ class ReplayConfig(_LaunchConfig):
     _check_registers("max_registers", self.max_registers)
     _check_count("flush_heads_per_program", self.flush_heads_per_program)
     if (self.flush_heads_per_program and self.flush_grid != "rows"
-        and self.flush_route == "triton"):
+        and self.flush_route != "mosaic_gpu"):
       raise ValueError(
           "flush_heads_per_program needs flush_grid='rows' or flush_route="
           "'mosaic_gpu' (the persistent grid shares out (row, head, block) "

@@ -942,6 +942,52 @@ def default_fused_launch(batch: int, nheads: int) -> bool:
   return batch * nheads < 4 * 132
 
 
+# The Mosaic flush that `default_flush_route` picks (H200, f32 checkpoint,
+# L 16, benchmarks/kernel_mosaic_flush_h200_run{9,10}.md): all-rows flush
+# 632-636 µs against Triton's 721-723 at batch 256, amortized 301.8-304.1
+# against 307.5-307.6; batch 128 143.2-143.5 against 145.8.
+MOSAIC_FLUSH_DEFAULT = dict(flush_route="mosaic_gpu", flush_grid="persistent",
+                            flush_store_from_input=True,
+                            flush_heads_per_program=4)
+# Fields that configure the Triton flush route: setting any keeps it.
+_TRITON_FLUSH_FIELDS = ("fused_launch", "output_all_rows", "flush_grid",
+                        "flush_programs", "flush_block_p", "flush_unroll",
+                        "flush_prefetch", "flush_num_warps",
+                        "flush_num_stages", "flush_max_registers",
+                        "flush_fold", "flush_heads_per_program")
+
+
+def default_flush_route(config, rstate, plain: bool, interpret: bool,
+                        compute_capability: float | None = None
+                        ) -> common.ReplayConfig:
+  """`config` with its flush route resolved (`ReplayConfig(flush_route=
+  None)`): the persistent Mosaic GPU flush (`MOSAIC_FLUSH_DEFAULT`) for a
+  plain f32 checkpoint at batch >= 128 (a multiple of 32) with a bf16 B
+  buffer of a multiple of 16 tokens on a Hopper-or-later GPU, where it was
+  measured faster, when no Triton flush field is set; else "triton".
+  f16 checkpoints stay on Triton (batch 256: amortized 174.1-178.8 µs
+  against 175.6-177.1, runs 5-9); at batch 128 the staggered-row step was
+  3% slower (166.5 against 161.6 µs), the amortized one 1.6% faster.
+  `compute_capability`: of the device (None: jax.devices()[0]'s)."""
+  if config.flush_route is not None:
+    return config
+  batch = rstate.checkpoint.shape[0]
+  cc = (float(getattr(jax.devices()[0], "compute_capability", "0"))
+        if compute_capability is None else compute_capability)
+  mosaic = (not interpret and plain and config.output_route == "triton"
+            and jnp.dtype(rstate.checkpoint.dtype) == F32
+            and batch >= 128 and batch % 32 == 0
+            and rstate.x_buf.shape[1] % 16 == 0
+            and rstate.b_buf.dtype == jnp.bfloat16
+            and jnp.dtype(rstate.count.dtype) == jnp.int32
+            and mosaic_gpu.shape_problem(rstate.checkpoint) is None
+            and cc >= 9.0
+            and not any(getattr(config, f) for f in _TRITON_FLUSH_FIELDS))
+  return dataclasses.replace(
+      config, **(MOSAIC_FLUSH_DEFAULT if mosaic
+                 else dict(flush_route="triton")))
+
+
 def _copy_spec(rstate, policy, interpret):
   """The _CopySpec of a state and policy (None: the plain state)."""
   sr = policy is not None and policy.stochastic_rounding
@@ -995,6 +1041,9 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   element index); `step` advances like the reference's.
   """
   from replayssm_jax.state import ReplayState  # pylint: disable=g-import-not-at-top
+  config = default_flush_route(
+      config, rstate, _copy_spec(rstate, policy, interpret) is None,
+      interpret)
   batch, nheads, headdim, _ = rstate.checkpoint.shape
   ngroups = rstate.ngroups
   per_group = nheads // ngroups

@@ -1266,3 +1266,47 @@ def test_register_caps_without_the_lowering_hook(monkeypatch):
   with pytest.raises(NotImplementedError, match="register cap"):
     pk.common.capped_name("k", 128)
   assert pk.common.capped_name("k", None) == "k"
+
+
+def test_default_flush_route_picks_mosaic_where_measured_faster():
+  """ReplayConfig(flush_route=None) resolves to the persistent Mosaic flush
+  only for a plain f32 checkpoint at batch >= 128 with a bf16 B buffer of a
+  multiple of 16 tokens on a Hopper-or-later GPU with no Triton flush field
+  set; everything else (and interpret mode) keeps the Triton flush."""
+  resolve = pk.replay_kernel.default_flush_route
+  sds = jax.ShapeDtypeStruct
+
+  def state(batch=256, ckpt=jnp.float32, L=16, b_dtype=jnp.bfloat16,
+            dims=(8, 64, 128, 2)):
+    h, p, n, g = dims
+    return rs.ReplayState(
+        checkpoint=sds((batch, h, p, n), ckpt),
+        x_buf=sds((batch, L, h, p), jnp.bfloat16),
+        b_buf=sds((batch, L, g, n), b_dtype),
+        dt_buf=sds((batch, L, h), jnp.float32),
+        count=sds((batch,), jnp.int32))
+
+  def route(config=pk.ReplayConfig(), rstate=None, plain=True,
+            interpret=False, cc=9.0):
+    return resolve(config, rstate or state(), plain, interpret, cc)
+
+  mosaic = route()
+  for field, value in pk.replay_kernel.MOSAIC_FLUSH_DEFAULT.items():
+    assert getattr(mosaic, field) == value, field
+  assert route(rstate=state(batch=128)).flush_route == "mosaic_gpu"
+  for kw in (dict(rstate=state(batch=64)), dict(rstate=state(batch=144)),
+             dict(rstate=state(ckpt=jnp.float16)),
+             dict(rstate=state(L=8)), dict(rstate=state(b_dtype=jnp.float32)),
+             dict(rstate=state(dims=(8, 32, 128, 2))),  # headdim not 64k
+             dict(plain=False), dict(interpret=True), dict(cc=8.0),
+             dict(config=pk.ReplayConfig(flush_num_warps=2)),
+             dict(config=pk.ReplayConfig(flush_grid="persistent")),
+             dict(config=pk.ReplayConfig(output_route="mosaic_gpu"))):
+    got = route(**kw)
+    assert got.flush_route == "triton", kw
+    assert not got.flush_store_from_input, kw
+  explicit = pk.ReplayConfig(flush_route="triton")
+  assert route(config=explicit) is explicit
+  # On this CPU (no compute capability) the device's own never picks Mosaic.
+  assert resolve(pk.ReplayConfig(), state(), True, False).flush_route == (
+      "triton")

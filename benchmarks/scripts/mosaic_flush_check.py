@@ -7,6 +7,7 @@ mode's tests cannot see register layouts or the TMA pipeline:
   python benchmarks/scripts/mosaic_flush_check.py
 """
 
+import dataclasses
 import re
 
 import jax
@@ -71,17 +72,73 @@ def main():
           print("  y   ", np.round(y[r0, h0, :16], 4).tolist())
           print("  ref ", np.round(yr[r0, h0, :16], 4).tolist())
           print("  bad p per head:", sorted({int(v) for v in bad[:, 2]})[:64])
-  ok &= check_replay_steps()
+  ok &= check_replay_steps(8)
+  ok &= check_replay_steps(128)
+  ok &= check_model_decode()
   print("ALL PASS" if ok else "SOME FAILED")
 
 
-def check_replay_steps():
+def check_model_decode(batch=128, steps=40):
+  """A bf16 hybrid model's teacher-forced decode steps (jitted, state
+  donated) with the default Pallas kernels (f32 checkpoint at batch 128:
+  the Mosaic flush) and with the flush route forced to Triton, each against
+  the XLA reference ops: the Mosaic flush's logits error must be no larger
+  than twice the Triton flush's (plus 1e-3)."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import replay as replay_kernel  # pylint: disable=g-import-not-at-top
+  from replayssm_jax import models  # pylint: disable=g-import-not-at-top
+  cfg = models.ModelConfig(vocab_size=256, d_model=256, pattern="M-M*M-",
+                           ssm_heads=8, head_dim=64, d_state=128, n_groups=2,
+                           chunk_size=16, num_heads=4, num_kv_heads=2,
+                           attn_head_dim=64, intermediate_size=512,
+                           dtype="bfloat16", param_dtype="bfloat16")
+  model = models.HybridLM(cfg, rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(0)
+  prompts = jnp.asarray(rng.integers(0, 256, (batch, 24)), jnp.int32)
+  lengths = jnp.asarray(rng.integers(5, 25, batch), jnp.int32)
+  tokens = jnp.asarray(rng.integers(0, 256, (steps, batch)), jnp.int32)
+
+  def run(implementation):
+    state = model.init_state(batch, 24 + steps, "replay", 16)
+    _, state = models.prefill(model, prompts, lengths, state)
+    out = []
+    for t in range(steps):
+      logits, state = models.decode_step(model, tokens[t], state,
+                                         implementation)
+      out.append(np.asarray(logits, np.float32))
+    return np.stack(out)
+
+  ref = run("reference")
+  mosaic = run(None)
+  resolve = replay_kernel.default_flush_route
+  replay_kernel.default_flush_route = (
+      lambda config, *a, **k: resolve(
+          config if config.flush_route else
+          dataclasses.replace(config, flush_route="triton"), *a, **k))
+  jax.clear_caches()  # _decode_jit would reuse the default's compilation
+  try:
+    triton = run(None)
+  finally:
+    replay_kernel.default_flush_route = resolve
+    jax.clear_caches()
+  scale = np.abs(ref).max()
+  e_m, e_t = (float(np.abs(v - ref).max() / scale) for v in (mosaic, triton))
+  good = e_m <= 2 * e_t + 1e-3
+  print(f"model decode, batch {batch}, {steps} steps: logits err vs the "
+        f"reference ops: default (Mosaic flush) {e_m:.2e}, Triton flush "
+        f"{e_t:.2e}: {'PASS' if good else 'FAIL'}")
+  return good
+
+
+def check_replay_steps(b=8):
   """replay_state_update with flush_route='mosaic_gpu' (the Triton output
-  route, then the Mosaic flush) against the reference: one step, and L
-  steps in a lax.scan from staggered counters (every row flushes once)."""
+  route, then the Mosaic flush) and with the default config (at batch >=
+  128 on an f32 checkpoint: the same Mosaic flush, on its persistent grid)
+  against the reference: one step, and L steps in a lax.scan from
+  staggered counters (every row flushes once)."""
   import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
   import replayssm_jax as rsj  # pylint: disable=g-import-not-at-top
-  b, h, p, n, g, L = 8, 16, 64, 128, 2, 16
+  h, p, n, g, L = 16, 64, 128, 2, 16
   counts = (L - 1 - np.arange(b)) % L
   key = jax.random.PRNGKey(5)
   params = testing.random_params(key, h, with_D=True, with_dt_bias=True)
@@ -93,6 +150,10 @@ def check_replay_steps():
           for t in range(L)]
   xs = jax.tree.map(lambda *v: jnp.stack(v), *toks)
   ok = True
+  if jax.default_backend() == "gpu":
+    print(f"batch {b}: ReplayConfig() resolves to flush_route="
+          + pk.replay_kernel.default_flush_route(
+              pk.ReplayConfig(), rs, True, False).flush_route)
   for impl, cfg in (("reference", None),
                     ("pallas", pk.ReplayConfig(flush_route="mosaic_gpu")),
                     ("pallas", pk.ReplayConfig())):
@@ -110,7 +171,7 @@ def check_replay_steps():
       shape = f"[{','.join(map(str, rs.checkpoint.shape))}]"
       copies = [ln for ln in hlo.as_text().splitlines()
                 if " copy(" in ln and shape in ln.split("=")[1][:40]]
-      print(f"replay flush_route={cfg.flush_route}: {len(copies)} checkpoint "
+      print(f"batch {b} flush_route={cfg.flush_route}: {len(copies)} checkpoint "
             f"copies in the compiled step")
       ok &= not copies
     y1 = jax.jit(step)(rs, toks[0])[1]
@@ -126,7 +187,7 @@ def check_replay_steps():
                  - np.asarray(ref_ck, np.float32)).max()
     good = e1.max() < 3e-2 and es.max() < 3e-2
     ok &= bool(good)
-    print(f"replay flush_route={cfg.flush_route}: one step y err per row {np.round(e1, 4).tolist()}"
+    print(f"batch {b} flush_route={cfg.flush_route}: one step y err per row {np.round(e1, 4).tolist()}"
           f" (flush row 0); scan max y err {es.max():.2e}, checkpoint abs "
           f"err {eck:.2e}: {'PASS' if good else 'FAIL'}")
     if not good:
