@@ -432,13 +432,23 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # survive in these comments and its commit messages only.) Session 22:
     # the persistent Mosaic flush with chunks of 4 is the default for f32
     # checkpoints at batch >= 128 (`replay.default_flush_route`); run 11
-    # times the Triton flush beside it, and the Mosaic one on f16.
+    # times the Triton flush beside it, and the Mosaic one on f16 (f32
+    # batch 256: flush 625 / 630 against Triton's 716 µs, amortized 306.4 /
+    # 309.8 against 311.8; f16 on Mosaic 182.3 against 177.2-177.5).
+    # Run 12 (f32, batch 256: --config.batches='(256,)'
+    # --config.checkpoint_dtypes='("float32",)'): the persistent grid's
+    # CTA count (256: 32 chunks each, no tail) and pipeline depth (3-4
+    # stages, one CTA per SM), chunks of 8.
     _kernel_study(config, "kernel_mosaic_flush", (128, 256))
+    mp = dict(flush_route="mosaic_gpu", flush_grid="persistent",
+              flush_store_from_input=True, flush_heads_per_program=4)
     config.replay_variants = ml_collections.ConfigDict(dict(
         triton=dict(flush_route="triton"),
-        mflush_p_in_c4=dict(flush_route="mosaic_gpu", flush_grid="persistent",
-                            flush_store_from_input=True,
-                            flush_heads_per_program=4)))
+        mflush_p_in_c4=mp,
+        ctas256=dict(mp, flush_programs=256),
+        stages3_ctas132=dict(mp, flush_programs=132, flush_num_stages=3),
+        stages4_ctas132=dict(mp, flush_programs=132, flush_num_stages=4),
+        c8_ctas256=dict(mp, flush_heads_per_program=8, flush_programs=256)))
     config.experimental_implementations = tuple(
         f"pallas:{k}" for k in config.replay_variants)
 
