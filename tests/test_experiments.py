@@ -178,6 +178,32 @@ def test_kernel_bench_smoke(tmp_path):
   kinds = {r["kind"] for r in records}
   assert {"environment", "stream_bandwidth", "timing", "summary"} <= kinds
 
+  # A run cut off before its last summary: benchmarks/scripts/
+  # kernel_bench_rebuild.py writes its results from metrics.jsonl, marked.
+  import sys  # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..",
+                                  "benchmarks", "scripts"))
+  try:
+    import kernel_bench_rebuild  # pylint: disable=g-import-not-at-top
+  finally:
+    sys.path.pop(0)
+  cut = str(tmp_path / "cut")
+  os.makedirs(cut)
+  last = max(i for i, r in enumerate(records) if r["kind"] == "summary")
+  with open(os.path.join(cut, "metrics.jsonl"), "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in records[:last])
+  os.link(os.path.join(workdir, "config.json"),
+          os.path.join(cut, "config.json"))
+  rebuilt = kernel_bench_rebuild.rebuild(cut, "a test")
+  assert rebuilt["summary"] == saved["summary"][:-1]
+  assert rebuilt["timings"] == [t for t in records[:last]
+                                if t["kind"] == "timing"]
+  with open(os.path.join(cut, "results.md")) as f:
+    text = f.read()
+  assert f"cut off after {len(saved['summary']) - 1} finished" in text
+  assert "a test." in text
+  _assert_png(os.path.join(cut, "speedup.png"))
+
 
 def test_random_generators():
   """DeviceGen (accelerators) and HostGen (CPU) draw the same structures."""
