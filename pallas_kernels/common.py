@@ -278,9 +278,9 @@ class ReplayConfig(_LaunchConfig):
       exit after reading the counter. H200, batch 256, L 16: on that grid
       many CTAs cost the non-flush step and few starve the staggered-row
       step (session 20, f32 587 vs 322 µs at one CTA per row); the
-      persistent grid with the in-slot store (session 21,
-      benchmarks/kernel_mosaic_flush_h200_run{9,10}.md) flushes f32 in
-      632-636 µs against Triton's 721-723 at no cost to the other steps.
+      persistent grid with the in-slot store (sessions 21-22,
+      benchmarks/kernel_mosaic_flush_h200_run{11,12}.md) flushes f32 in
+      625-637 µs against Triton's 716-723 at no cost to the other steps.
       flush_fold picks its fold: "rank1" (f32 rank-1 updates), or
       "dot_bf16x3" / "dot_bf16x2" (one WGMMA product per bf16 piece of the
       weighted x against the bf16 B buffer; buffer_len a multiple of 16);

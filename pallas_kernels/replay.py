@@ -943,9 +943,9 @@ def default_fused_launch(batch: int, nheads: int) -> bool:
 
 
 # The Mosaic flush that `default_flush_route` picks (H200, f32 checkpoint,
-# L 16, benchmarks/kernel_mosaic_flush_h200_run{9,10}.md): all-rows flush
-# 632-636 µs against Triton's 721-723 at batch 256, amortized 301.8-304.1
-# against 307.5-307.6; batch 128 143.2-143.5 against 145.8.
+# L 16, benchmarks/kernel_mosaic_flush_h200_run{11,12}.md): all-rows flush
+# 625-637 µs against Triton's 716-723 at batch 256, amortized 302.3-306.4
+# against 307.6-311.8; batch 128 146.9 against 148.7.
 MOSAIC_FLUSH_DEFAULT = dict(flush_route="mosaic_gpu", flush_grid="persistent",
                             flush_store_from_input=True,
                             flush_heads_per_program=4)
@@ -965,9 +965,9 @@ def default_flush_route(config, rstate, plain: bool, interpret: bool,
   plain f32 checkpoint at batch >= 128 (a multiple of 32) with a bf16 B
   buffer of a multiple of 16 tokens on a Hopper-or-later GPU, where it was
   measured faster, when no Triton flush field is set; else "triton".
-  f16 checkpoints stay on Triton (batch 256: amortized 174.1-178.8 µs
-  against 175.6-177.1, runs 5-9); at batch 128 the staggered-row step was
-  3% slower (166.5 against 161.6 µs), the amortized one 1.6% faster.
+  f16 checkpoints stay on Triton (batch 256, run 11: amortized 182.3 µs
+  against 177.2-177.5); at batch 128 the staggered-row step is 2-3%
+  slower (166.1-166.8 against 162.7 µs), the amortized one 1.2% faster.
   `compute_capability`: of the device (None: jax.devices()[0]'s)."""
   if config.flush_route is not None:
     return config
