@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -192,8 +193,8 @@ def test_kernel_bench_smoke(tmp_path):
   last = max(i for i, r in enumerate(records) if r["kind"] == "summary")
   with open(os.path.join(cut, "metrics.jsonl"), "w") as f:
     f.writelines(json.dumps(r) + "\n" for r in records[:last])
-  os.link(os.path.join(workdir, "config.json"),
-          os.path.join(cut, "config.json"))
+  shutil.copyfile(os.path.join(workdir, "config.json"),
+                  os.path.join(cut, "config.json"))
   rebuilt = kernel_bench_rebuild.rebuild(cut, "a test")
   assert rebuilt["summary"] == saved["summary"][:-1]
   assert rebuilt["timings"] == [t for t in records[:last]

@@ -12,12 +12,12 @@ import argparse
 import json
 import os
 
+from experiments import common
 from experiments import kernel_bench
 
 
 def rebuild(workdir: str, note: str = "") -> dict:
-  records = [json.loads(line) for line in
-             open(os.path.join(workdir, "metrics.jsonl"))]
+  records = common.read_metrics(os.path.join(workdir, "metrics.jsonl"))
   with open(os.path.join(workdir, "config.json")) as f:
     config = json.load(f)
   by_kind = {}
