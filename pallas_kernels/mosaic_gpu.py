@@ -61,6 +61,7 @@ from replayssm_jax.reference import process_dt
 
 F32 = jnp.float32
 _SWIZZLE = 128  # bytes
+_TMA_MAX_ELEMS = 256  # elements per dimension of one TMA copy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -581,12 +582,19 @@ def flush(checkpoint, x_buf, b_buf, dt_buf, count, x, dt, A, B, C, D=None,
     else:
       # Persistent: CTA c folds every num_ctas-th chunk of heads_per_program
       # heads of the flush rows (`cta_tiles`), the counters read from SMEM.
+      count_copies = -(-batch // _TMA_MAX_ELEMS)
+
       def body(ck_ref, cnt_ref, *refs):
         ins, scal, y_ref = unpack(refs)
 
         def scoped(cnt, bar):
-          plgpu.copy_gmem_to_smem(cnt_ref, cnt, bar.at[0])
-          plgpu.barrier_wait(bar.at[0])
+          # TMA copies at most _TMA_MAX_ELEMS elements per dimension.
+          for k, off in enumerate(range(0, batch, _TMA_MAX_ELEMS)):
+            part = pl.ds(off, min(_TMA_MAX_ELEMS, batch - off))
+            plgpu.copy_gmem_to_smem(cnt_ref.at[part], cnt.at[part],
+                                    bar.at[k])
+          for k in range(count_copies):
+            plgpu.barrier_wait(bar.at[k])
           steps, chunk_row, head = cta_tiles(
               cnt, jax.lax.axis_index("cta"), L=L, nheads=nheads,
               num_ctas=num_ctas, chunk=hpp)
@@ -606,7 +614,8 @@ def flush(checkpoint, x_buf, b_buf, dt_buf, count, x, dt, A, B, C, D=None,
         # (pl.kernel's scratch_types: "not supported by the Mosaic GPU
         # mpmd_map lowering" on the H200, jax 0.11.2.)
         pl.run_scoped(scoped, plgpu.SMEM((batch,), count.dtype),
-                      plgpu.Barrier(num_arrivals=1, num_barriers=1))
+                      plgpu.Barrier(num_arrivals=1,
+                                    num_barriers=count_copies))
 
       mesh = plgpu.Mesh(grid=(num_ctas,), grid_names=("cta",),
                         kernel_name="replayssm_mosaic_replay_flush")
