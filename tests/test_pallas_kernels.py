@@ -1121,13 +1121,19 @@ def test_mosaic_output_route_lowers_for_cuda(policy):
   assert "mosaic_gpu" in text and "replayssm_replay_output_route" not in text
 
 
-@pytest.mark.parametrize("ckpt_dtype,variant", [
-    ("float32", {}), ("float16", {}),
-    ("float32", dict(flush_store_from_input=True)),
-    ("float32", dict(flush_grid="persistent", flush_programs=5)),
-    ("float16", dict(flush_grid="persistent", flush_store_from_input=True))],
+@pytest.mark.parametrize("ckpt_dtype,variant,batch", [
+    ("float32", {}, 32), ("float16", {}, 32),
+    ("float32", dict(flush_store_from_input=True), 32),
+    ("float32", dict(flush_grid="persistent", flush_programs=5), 32),
+    ("float16", dict(flush_grid="persistent", flush_store_from_input=True),
+     32),
+    # The counters reach SMEM in TMA copies of <= 256 elements (one copy
+    # of 512 failed to lower on the H200, session 22).
+    ("float32", dict(flush_grid="persistent", flush_store_from_input=True,
+                     flush_heads_per_program=4), 512)],
     ids=str)
-def test_mosaic_flush_route_lowers_for_cuda_in_place(ckpt_dtype, variant):
+def test_mosaic_flush_route_lowers_for_cuda_in_place(ckpt_dtype, variant,
+                                                     batch):
   """ReplayConfig(flush_route="mosaic_gpu") lowers for CUDA at GPU shapes
   (register layouts, swizzled tiles, the TMA pipeline, WGMMA: interpret
   mode checks none of these), also with the tile stored from its input
@@ -1135,7 +1141,7 @@ def test_mosaic_flush_route_lowers_for_cuda_in_place(ckpt_dtype, variant):
   checkpoint input -> output (`pl.run_state`), so the flush writes it in
   place; its y is a fresh output (the output route completes it in
   place)."""
-  params, tok, rstate, _ = _lowering_state(32, 16, None, (4, 64, 128, 2))
+  params, tok, rstate, _ = _lowering_state(batch, 16, None, (4, 64, 128, 2))
   rstate = rstate.replace(
       checkpoint=rstate.checkpoint.astype(jnp.dtype(ckpt_dtype)))
   text = _lower_replay(
@@ -1150,10 +1156,11 @@ def test_mosaic_flush_route_lowers_for_cuda_in_place(ckpt_dtype, variant):
   sig = calls[0].rsplit(": (", 1)[1]
   operand_types = re.findall(r"tensor<[^>]*>", sig.split("->")[0])
   result_types = re.findall(r"tensor<[^>]*>", sig.split("->")[1])
-  ck_type = f"tensor<32x4x64x128x{'f32' if ckpt_dtype == 'float32' else 'f16'}>"
+  ck_type = (f"tensor<{batch}x4x64x128x"
+             f"{'f32' if ckpt_dtype == 'float32' else 'f16'}>")
   assert operand_types[int(aliases[0][1])] == ck_type
   assert result_types[int(aliases[0][0])] == ck_type
-  assert "tensor<32x4x64xbf16>" in result_types  # y
+  assert f"tensor<{batch}x4x64xbf16>" in result_types  # y
 
 
 @pytest.mark.parametrize("ckpt_dtype,fold", [
