@@ -14,7 +14,6 @@ on the H200, without an in-place state update: `mosaic_gpu.py`).
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from pallas_kernels import common
@@ -22,17 +21,11 @@ from pallas_kernels import mosaic_gpu as mosaic_kernel
 from pallas_kernels import replay as replay_kernel
 from pallas_kernels import ssu as ssu_kernel
 from pallas_kernels import verify as verify_kernel
-from pallas_kernels.common import ReplayConfig, SSUConfig, VerifyConfig
+from pallas_kernels.common import (ReplayConfig, SSUConfig, VerifyConfig,
+                                   on_gpu)
 from pallas_kernels.mosaic_gpu import MosaicSSUConfig
 from replayssm_jax import ops as _ops
 from replayssm_jax import precision as P
-
-
-def on_gpu() -> bool:
-  try:
-    return jax.default_backend() == "gpu"
-  except RuntimeError:
-    return False
 
 
 def _pow2(v: int) -> bool:
@@ -53,16 +46,7 @@ def _ssu_supports(ssm_state, **_):
   return _shape_problem(ssm_state.shape[2], ssm_state.shape[3])
 
 
-def _compute_capability():
-  """(major, minor) of the GPU, or None off-GPU or when unknown."""
-  if not on_gpu():
-    return None
-  cc = getattr(jax.devices()[0], "compute_capability", None)
-  try:
-    major, minor = (int(v) for v in str(cc).split(".")[:2])
-  except ValueError:
-    return None  # unknown: let the Triton compiler decide
-  return major, minor
+_compute_capability = common.compute_capability  # a name tests can patch
 
 
 def _fp8_capability_problem():

@@ -16,6 +16,25 @@ import numpy as np
 
 from replayssm_jax import precision as P
 
+
+def on_gpu() -> bool:
+  try:
+    return jax.default_backend() == "gpu"
+  except RuntimeError:
+    return False
+
+
+def compute_capability():
+  """(major, minor) of the GPU, or None off-GPU or when unknown."""
+  if not on_gpu():
+    return None
+  cc = getattr(jax.devices()[0], "compute_capability", None)
+  try:
+    major, minor = (int(v) for v in str(cc).split(".")[:2])
+  except ValueError:
+    return None  # unknown: let the Triton compiler decide
+  return major, minor
+
 F32 = jnp.float32
 
 

@@ -137,6 +137,12 @@ def shape_problem(ssm_state, on_gpu: bool = True) -> str | None:
   return None
 
 
+def counts_fit_tma(count) -> bool:
+  """Whether the persistent flush can copy the [batch] counters to SMEM:
+  TMA moves whole 128-byte granules."""
+  return (count.shape[0] * jnp.dtype(count.dtype).itemsize) % 128 == 0
+
+
 def _tile_transforms(dtype, swizzle=_SWIZZLE):
   """SMEM tiling + swizzle of a [P, N] tile, as WGMMA-layout loads need (a
   WGMMA operand's K steps are swizzle bytes wide)."""
@@ -486,8 +492,7 @@ def flush(checkpoint, x_buf, b_buf, dt_buf, count, x, dt, A, B, C, D=None,
   store_from_input = store_from_input and not interpret
   if interpret:
     num_ctas = None
-  elif num_ctas is not None and (
-      num_ctas < 1 or (checkpoint.shape[0] * count.dtype.itemsize) % 128):
+  elif num_ctas is not None and (num_ctas < 1 or not counts_fit_tma(count)):
     raise NotImplementedError(
         f"The persistent Mosaic flush needs num_ctas >= 1 (got {num_ctas}) "
         f"and the counters a multiple of 128 bytes (batch "
@@ -582,18 +587,18 @@ def flush(checkpoint, x_buf, b_buf, dt_buf, count, x, dt, A, B, C, D=None,
     else:
       # Persistent: CTA c folds every num_ctas-th chunk of heads_per_program
       # heads of the flush rows (`cta_tiles`), the counters read from SMEM.
-      count_copies = -(-batch // _TMA_MAX_ELEMS)
+      # TMA copies at most _TMA_MAX_ELEMS elements per dimension.
+      count_parts = [pl.ds(off, min(_TMA_MAX_ELEMS, batch - off))
+                     for off in range(0, batch, _TMA_MAX_ELEMS)]
 
       def body(ck_ref, cnt_ref, *refs):
         ins, scal, y_ref = unpack(refs)
 
         def scoped(cnt, bar):
-          # TMA copies at most _TMA_MAX_ELEMS elements per dimension.
-          for k, off in enumerate(range(0, batch, _TMA_MAX_ELEMS)):
-            part = pl.ds(off, min(_TMA_MAX_ELEMS, batch - off))
+          for k, part in enumerate(count_parts):
             plgpu.copy_gmem_to_smem(cnt_ref.at[part], cnt.at[part],
                                     bar.at[k])
-          for k in range(count_copies):
+          for k in range(len(count_parts)):
             plgpu.barrier_wait(bar.at[k])
           steps, chunk_row, head = cta_tiles(
               cnt, jax.lax.axis_index("cta"), L=L, nheads=nheads,
@@ -615,7 +620,7 @@ def flush(checkpoint, x_buf, b_buf, dt_buf, count, x, dt, A, B, C, D=None,
         # mpmd_map lowering" on the H200, jax 0.11.2.)
         pl.run_scoped(scoped, plgpu.SMEM((batch,), count.dtype),
                       plgpu.Barrier(num_arrivals=1,
-                                    num_barriers=count_copies))
+                                    num_barriers=len(count_parts)))
 
       mesh = plgpu.Mesh(grid=(num_ctas,), grid_names=("cta",),
                         kernel_name="replayssm_mosaic_replay_flush")

@@ -958,7 +958,7 @@ _TRITON_FLUSH_FIELDS = ("fused_launch", "output_all_rows", "flush_grid",
 
 
 def default_flush_route(config, rstate, plain: bool, interpret: bool,
-                        compute_capability: float | None = None
+                        compute_capability: tuple[int, int] | None = None
                         ) -> common.ReplayConfig:
   """`config` with its flush route resolved (`ReplayConfig(flush_route=
   None)`): the persistent Mosaic GPU flush (`MOSAIC_FLUSH_DEFAULT`) for a
@@ -968,20 +968,20 @@ def default_flush_route(config, rstate, plain: bool, interpret: bool,
   f16 checkpoints stay on Triton (batch 256, run 11: amortized 182.3 µs
   against 177.2-177.5); at batch 128 the staggered-row step is 2-3%
   slower (166.1-166.8 against 162.7 µs), the amortized one 1.2% faster.
-  `compute_capability`: of the device (None: jax.devices()[0]'s)."""
+  `compute_capability`: (major, minor) of the device (None:
+  `common.compute_capability()`'s)."""
   if config.flush_route is not None:
     return config
-  batch = rstate.checkpoint.shape[0]
-  cc = (float(getattr(jax.devices()[0], "compute_capability", "0"))
-        if compute_capability is None else compute_capability)
+  cc = compute_capability or common.compute_capability()
   mosaic = (not interpret and plain and config.output_route == "triton"
             and jnp.dtype(rstate.checkpoint.dtype) == F32
-            and batch >= 128 and batch % 32 == 0
+            and rstate.checkpoint.shape[0] >= 128
             and rstate.x_buf.shape[1] % 16 == 0
             and rstate.b_buf.dtype == jnp.bfloat16
             and jnp.dtype(rstate.count.dtype) == jnp.int32
+            and mosaic_gpu.counts_fit_tma(rstate.count)
             and mosaic_gpu.shape_problem(rstate.checkpoint) is None
-            and cc >= 9.0
+            and cc is not None and cc >= (9, 0)
             and not any(getattr(config, f) for f in _TRITON_FLUSH_FIELDS))
   return dataclasses.replace(
       config, **(MOSAIC_FLUSH_DEFAULT if mosaic
@@ -1041,9 +1041,8 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   element index); `step` advances like the reference's.
   """
   from replayssm_jax.state import ReplayState  # pylint: disable=g-import-not-at-top
-  config = default_flush_route(
-      config, rstate, _copy_spec(rstate, policy, interpret) is None,
-      interpret)
+  spec = _copy_spec(rstate, policy, interpret)
+  config = default_flush_route(config, rstate, spec is None, interpret)
   batch, nheads, headdim, _ = rstate.checkpoint.shape
   ngroups = rstate.ngroups
   per_group = nheads // ngroups
@@ -1063,7 +1062,6 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     elif per_group % v:
       raise NotImplementedError(
           f"{field} ({v}) must divide nheads // ngroups ({per_group}).")
-  spec = _copy_spec(rstate, policy, interpret)
   if spec is not None and spec.copy and config.output_all_rows:
     raise NotImplementedError(
         "config.output_all_rows=True computes the flush rows' y from the "

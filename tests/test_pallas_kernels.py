@@ -1294,7 +1294,7 @@ def test_default_flush_route_picks_mosaic_where_measured_faster():
         count=sds((batch,), jnp.int32))
 
   def route(config=pk.ReplayConfig(), rstate=None, plain=True,
-            interpret=False, cc=9.0):
+            interpret=False, cc=(9, 0)):
     return resolve(config, rstate or state(), plain, interpret, cc)
 
   mosaic = route()
@@ -1305,7 +1305,7 @@ def test_default_flush_route_picks_mosaic_where_measured_faster():
              dict(rstate=state(ckpt=jnp.float16)),
              dict(rstate=state(L=8)), dict(rstate=state(b_dtype=jnp.float32)),
              dict(rstate=state(dims=(8, 32, 128, 2))),  # headdim not 64k
-             dict(plain=False), dict(interpret=True), dict(cc=8.0),
+             dict(plain=False), dict(interpret=True), dict(cc=(8, 0)),
              dict(config=pk.ReplayConfig(flush_num_warps=2)),
              dict(config=pk.ReplayConfig(flush_grid="persistent")),
              dict(config=pk.ReplayConfig(output_route="mosaic_gpu"))):
