@@ -163,10 +163,13 @@ def test_stochastic_rounding_reproducible_and_batch_independent(model):
   * the same seed reproduces the run bit for bit; another seed differs;
   * the same rows in another order (same batch size) decode bit for bit
     as before: SR bits follow the row id, not the slot;
-  * a row alone (batch 1) matches its batched decode to the f32 tolerance
-    (XLA:CPU matmuls of another batch size may associate differently:
-    ~3e-7 relative observed, the same without a policy), while the same
-    row under another row id differs far more (other random bits)."""
+  * a row beside other rows (the same batch size) decodes bit for bit as
+    before, while the same row under another row id differs far more
+    (other random bits).
+  A row alone (batch 1) is not compared bit for bit: XLA:CPU matmuls of
+  another batch size may associate differently (~3e-7 relative), and such
+  a difference can flip an int8 rounding decision now and then (1e-4 of
+  the logits observed once the conv update was computed tap by tap)."""
   ids = np.array([5, 9, 2])
   pol = PrecisionPolicy.preset("f32+int8+sr").replace(seed=11)
   a = run(model, precision=pol, row_ids=ids)
@@ -179,11 +182,13 @@ def test_stochastic_rounding_reproducible_and_batch_independent(model):
   perm = np.array([2, 0, 1])
   permuted = run(model, rows=perm, precision=pol, row_ids=ids[perm])
   np.testing.assert_array_equal(permuted[1], a[1][perm])
+  others = np.array([0, 1, 0])  # row 1 beside other companions
+  beside = run(model, rows=others, precision=pol, row_ids=np.array([7, 9, 3]))
+  np.testing.assert_array_equal(beside[1][1], a[1][1])
+  renamed = run(model, rows=others, precision=pol,
+                row_ids=np.array([7, 4, 3]))
   f32 = testing.tolerance(jnp.float32)
-  alone = run(model, rows=[1], precision=pol, row_ids=ids[1:2])
-  testing.assert_close(alone[1][0], a[1][1], f32, "row 1 alone vs batch")
-  renamed = run(model, rows=[1], precision=pol, row_ids=np.array([4]))
-  assert testing.max_rel_error(renamed[1][0], a[1][1]) > 30 * f32.rtol
+  assert testing.max_rel_error(renamed[1][1], a[1][1]) > 30 * f32.rtol
 
 
 def test_baseline_round_every_step_stays_expressible(model):

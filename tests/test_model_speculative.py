@@ -84,9 +84,9 @@ def _assert_states_close(actual, expected, model, what):
     elif isinstance(sa, AttentionState):
       np.testing.assert_array_equal(sa.length, se.length, err_msg=what)
       for r, n in enumerate(np.asarray(se.length)):
-        testing.assert_close(sa.k[r, :n], se.k[r, :n], TOL,
+        testing.assert_close(sa.k[r, :, :n], se.k[r, :, :n], TOL,
                              f"{what}: keys layer {i} row {r}")
-        testing.assert_close(sa.v[r, :n], se.v[r, :n], TOL,
+        testing.assert_close(sa.v[r, :, :n], se.v[r, :, :n], TOL,
                              f"{what}: values layer {i} row {r}")
 
 

@@ -9,7 +9,6 @@ and donated.
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -117,9 +116,8 @@ def sample_logits(logits, rng, greedy, temperature, top_k, top_p):
       greedy, lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32), sample)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=(4,))
-def _generate_jit(graphdef, params, tokens, lengths, state, max_new_tokens,
-                  implementation, sampling, eos_id, rng):
+def _generate_body(graphdef, params, tokens, lengths, state, max_new_tokens,
+                   implementation, sampling, eos_id, rng):
   M.TRACE_COUNTS["generate"] += 1
   model = nnx.merge(graphdef, params)
   b = tokens.shape[0]
@@ -146,6 +144,11 @@ def _generate_jit(graphdef, params, tokens, lengths, state, max_new_tokens,
            jnp.zeros((b,), jnp.int32), rng)
   _, _, state, out, _, n, _ = jax.lax.while_loop(cond, body, carry)
   return out, n, state
+
+
+# As model.DECODE_JIT_OPTIONS: a test jits the body under chex.
+GENERATE_JIT_OPTIONS = dict(static_argnums=(0, 5, 6), donate_argnums=(4,))
+_generate_jit = jax.jit(_generate_body, **GENERATE_JIT_OPTIONS)
 
 
 def generate(model: M.HybridLM, prompt_tokens, prompt_lengths,

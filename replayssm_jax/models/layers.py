@@ -209,14 +209,26 @@ class Mamba2Mixer(nnx.Module):
     (the Mamba index keying stochastic rounding)."""
     c = self.cfg
     bsz = h.shape[0]
-    z, xbc, dt = self._split(self.in_proj(h))
-    xbc, conv = causal_conv1d_update(xbc, state.conv, self.conv_weight[...],
-                                     self.conv_bias[...], activation="silu")
+    with jax.named_scope("in_proj"):
+      z, xbc, dt = self._split(self.in_proj(h))
+    with jax.named_scope("conv"):
+      xbc, conv = causal_conv1d_update(xbc, state.conv, self.conv_weight[...],
+                                       self.conv_bias[...], activation="silu")
     x, b, cc = self._split_xbc(xbc)  # [b, H, P], [b, G, N] x2
     A, D, dt_bias = self._ssm_params()
     kw = dict(D=D, dt_bias=dt_bias, dt_softplus=True,
               implementation=implementation)
-    policy = state.precision
+    with jax.named_scope("ssm"):
+      y, ssm = self._ssm_step(state, x, dt, A, b, cc, kw, layer)
+    with jax.named_scope("gated_norm"):
+      y = self.norm(y.reshape(bsz, c.d_inner), z)
+    with jax.named_scope("out_proj"):
+      out = self.out_proj(y)
+    return out, state.replace(conv=conv, ssm=ssm)
+
+  def _ssm_step(self, state: MambaState, x, dt, A, b, cc, kw, layer):
+    """The SSM op of one step on state.ssm -> (y [b, H, P], new ssm)."""
+    policy, implementation = state.precision, kw["implementation"]
     if isinstance(state.ssm, ReplayState):
       y, ssm = ops.replay_state_update(state.ssm, x, dt, A, b, cc,
                                        policy=policy, layer=layer, **kw)
@@ -230,14 +242,14 @@ class Mamba2Mixer(nnx.Module):
       st = state.ssm
       step = None if st.step is None else st.step + 1
       y, stored, scale = ops.selective_state_update_stored(
-          st.state, x, dt, A, b, cc, D=D, dt_bias=dt_bias, dt_softplus=True,
+          st.state, x, dt, A, b, cc, D=kw["D"], dt_bias=kw["dt_bias"],
+          dt_softplus=True,
           state_scale=st.scale, stochastic_rounding=step is not None,
           seed=policy.seed, layer=layer, row_id=st.row_id, step=step)
       ssm = st.replace(state=stored, scale=scale, step=step)
     else:
       y, ssm = ops.selective_state_update(state.ssm, x, dt, A, b, cc, **kw)
-    y = self.norm(y.reshape(bsz, c.d_inner), z)
-    return self.out_proj(y), state.replace(conv=conv, ssm=ssm)
+    return y, ssm
 
   def verify(self, h, state: MambaState, implementation: str | None = None):
     """A window of T tokens per row from the committed state.
@@ -310,7 +322,8 @@ class Attention(nnx.Module):
     self.o_proj = Linear(cfg.num_heads * hd, cfg.d_model, cfg, rngs=rngs)
 
   def _qkv(self, h, positions):
-    """h [b, T, d], positions [b, T] -> q [b, T, Hq, D], k, v [b, T, Hk, D]."""
+    """h [b, T, d], positions [b, T] -> q [b, T, Hq, D], k, v [b, Hk, T, D]
+    (head-major, as the KV cache)."""
     c = self.cfg
     lead = h.shape[:-1]
     q = self.q_proj(h).reshape(lead + (c.num_heads, c.attn_head_dim))
@@ -319,19 +332,25 @@ class Attention(nnx.Module):
     if c.rope_theta is not None:
       q = _rope(q, positions, c.rope_theta)
       k = _rope(k, positions, c.rope_theta)
-    return q, k, v
+    return q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
 
   def _attend(self, q, k, v, mask):
-    """q [b, Tq, Hq, D], k/v [b, S, Hk, D], mask [b, Tq, S] -> [b, Tq, Hq*D]."""
+    """q [b, Tq, Hq, D], k/v [b, Hk, S, D], mask [b, Tq, S] -> [b, Tq, Hq*D].
+
+    With k/v head-major the products' batch dimensions (row, KV head) lead,
+    as XLA's GEMMs need them: with the [b, S, Hk, D] layout XLA transposed
+    the whole cache every decode step (decode attention at ~0.9 TB/s on the
+    H200, benchmarks/attend_micro_h200.json).
+    """
     c = self.cfg
     b, tq = q.shape[:2]
     rep = c.num_heads // c.num_kv_heads
     qg = q.reshape(b, tq, c.num_kv_heads, rep, c.attn_head_dim)
-    s = jnp.einsum("bqkrd,bskd->bkrqs", qg.astype(F32), k.astype(F32))
+    s = jnp.einsum("bqkrd,bksd->bkrqs", qg.astype(F32), k.astype(F32))
     s = s * (c.attn_head_dim ** -0.5)
     s = jnp.where(mask[:, None, None], s, -1e30)
     p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("bkrqs,bskd->bqkrd", p, v.astype(F32))
+    o = jnp.einsum("bkrqs,bksd->bqkrd", p, v.astype(F32))
     return o.reshape(b, tq, c.num_heads * c.attn_head_dim).astype(c.jnp_dtype)
 
   def prefill(self, h, lengths, state: AttentionState | None):
@@ -348,9 +367,9 @@ class Attention(nnx.Module):
                        f"{state.max_len}.")
     new = AttentionState(
         k=jax.lax.dynamic_update_slice_in_dim(state.k, k.astype(state.k.dtype),
-                                              0, axis=1),
+                                              0, axis=2),
         v=jax.lax.dynamic_update_slice_in_dim(state.v, v.astype(state.v.dtype),
-                                              0, axis=1),
+                                              0, axis=2),
         length=lengths.astype(jnp.int32))
     return out, new
 
@@ -361,12 +380,19 @@ class Attention(nnx.Module):
     """
     b = h.shape[0]
     pos = state.length  # [b]
-    q, k, v = self._qkv(h[:, None], pos[:, None])  # [b, 1, heads, D]
-    rows = jnp.arange(b)
-    kc = state.k.at[rows, pos].set(k[:, 0].astype(state.k.dtype), mode="drop")
-    vc = state.v.at[rows, pos].set(v[:, 0].astype(state.v.dtype), mode="drop")
+    with jax.named_scope("qkv"):
+      q, k, v = self._qkv(h[:, None], pos[:, None])  # k, v [b, Hk, 1, D]
+    with jax.named_scope("kv_write"):
+      rows = jnp.arange(b)
+      kc = state.k.at[rows, :, pos].set(k[:, :, 0].astype(state.k.dtype),
+                                        mode="drop")
+      vc = state.v.at[rows, :, pos].set(v[:, :, 0].astype(state.v.dtype),
+                                        mode="drop")
     mask = jnp.arange(state.max_len)[None, None, :] <= pos[:, None, None]
-    out = self.o_proj(self._attend(q, kc, vc, mask))[:, 0]
+    with jax.named_scope("attend"):
+      o = self._attend(q, kc, vc, mask)
+    with jax.named_scope("o_proj"):
+      out = self.o_proj(o)[:, 0]
     return out, AttentionState(k=kc, v=vc, length=pos + 1)
 
   def verify(self, h, state: AttentionState):
@@ -381,10 +407,12 @@ class Attention(nnx.Module):
     """
     b, t, _ = h.shape
     pos = state.length[:, None] + jnp.arange(t)[None, :]  # [b, T]
-    q, k, v = self._qkv(h, pos)
+    q, k, v = self._qkv(h, pos)  # k, v [b, Hk, T, D]
     rows = jnp.arange(b)[:, None]
-    kc = state.k.at[rows, pos].set(k.astype(state.k.dtype), mode="drop")
-    vc = state.v.at[rows, pos].set(v.astype(state.v.dtype), mode="drop")
+    kc = state.k.at[rows, :, pos].set(jnp.swapaxes(k, 1, 2).astype(
+        state.k.dtype), mode="drop")
+    vc = state.v.at[rows, :, pos].set(jnp.swapaxes(v, 1, 2).astype(
+        state.v.dtype), mode="drop")
     mask = jnp.arange(state.max_len)[None, None, :] <= pos[:, :, None]
     out = self.o_proj(self._attend(q, kc, vc, mask))
     return out, AttentionState(k=kc, v=vc, length=state.length)
@@ -437,15 +465,16 @@ class Block(nnx.Module):
     """x [b, T, d] (with lengths [b]) or [b, d] -> (x', new_state); `layer`:
     a Mamba block's index among the Mamba blocks (keys stochastic
     rounding)."""
-    h = self.norm(x)
-    if self.kind != "mamba":
-      y, state = (self.mixer.prefill(h, lengths, state) if x.ndim == 3
-                  else self.mixer.step(h, state))
-    elif x.ndim == 3:
-      y, state = self.mixer.prefill(h, lengths, state, layer)
-    else:
-      y, state = self.mixer.step(h, state, implementation, layer)
-    return x.astype(F32) + y.astype(F32), state
+    with jax.named_scope(self.kind):  # names the ops in profiles
+      h = self.norm(x)
+      if self.kind != "mamba":
+        y, state = (self.mixer.prefill(h, lengths, state) if x.ndim == 3
+                    else self.mixer.step(h, state))
+      elif x.ndim == 3:
+        y, state = self.mixer.prefill(h, lengths, state, layer)
+      else:
+        y, state = self.mixer.step(h, state, implementation, layer)
+      return x.astype(F32) + y.astype(F32), state
 
   def verify(self, x, state, implementation=None):
     """x [b, T, d] speculative window -> (x', the mixer's pending state)."""

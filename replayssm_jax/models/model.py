@@ -100,8 +100,10 @@ class HybridLM(nnx.Module):
                                self.mamba_indices()):
       x, s = block(x, s, implementation=implementation, layer=layer)
       new_layers.append(s)
-    return self.logits(x), S.ModelState(layers=tuple(new_layers),
-                                        positions=state.positions + 1)
+    with jax.named_scope("lm_head"):
+      logits = self.logits(x)
+    return logits, S.ModelState(layers=tuple(new_layers),
+                                positions=state.positions + 1)
 
   def init_state(self, batch: int, max_len: int, ssm_mode: str = "replay",
                  buffer_len: int = 16, checkpoint_dtype=None,
@@ -276,11 +278,16 @@ def prefill_fn(model, tokens, lengths, state):
   return model.logits(last), state
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=(3,))
-def _decode_jit(graphdef, params, token, state, implementation):
+def _decode_body(graphdef, params, token, state, implementation):
   TRACE_COUNTS["decode_step"] += 1
   model = nnx.merge(graphdef, params)
   return model.step(token, state, implementation)
+
+
+# Kept apart so that a test can jit the body the same way under
+# chex.assert_max_traces (tests/test_models.py::test_decode_compiles_once).
+DECODE_JIT_OPTIONS = dict(static_argnums=(0, 4), donate_argnums=(3,))
+_decode_jit = jax.jit(_decode_body, **DECODE_JIT_OPTIONS)
 
 
 def prefill(model: HybridLM, tokens, lengths, state: S.ModelState):

@@ -9,7 +9,7 @@ The modules hold parameters only; these states are passed in and returned.
                         with stochastic rounding, see below)
                   precision: the PrecisionPolicy the state was built with
                         (static; None: no policy)
-  AttentionState  k, v: [batch, max_len, num_kv_heads, attn_head_dim]
+  AttentionState  k, v: [batch, num_kv_heads, max_len, attn_head_dim]
                   length: [batch] int32, valid cache entries per row
   MLP blocks      None (stateless)
   ModelState      layers: tuple in layer order; positions: [batch] int32,
@@ -106,13 +106,13 @@ class MambaState:
 @dataclasses.dataclass(frozen=True)
 class AttentionState:
   """KV cache of one attention layer with per-row lengths."""
-  k: jax.Array  # [batch, max_len, num_kv_heads, attn_head_dim]
-  v: jax.Array  # [batch, max_len, num_kv_heads, attn_head_dim]
+  k: jax.Array  # [batch, num_kv_heads, max_len, attn_head_dim]
+  v: jax.Array  # [batch, num_kv_heads, max_len, attn_head_dim]
   length: jax.Array  # [batch] int32
 
   @property
   def max_len(self) -> int:
-    return self.k.shape[1]
+    return self.k.shape[2]
 
   def replace(self, **kwargs) -> "AttentionState":
     return dataclasses.replace(self, **kwargs)
@@ -192,7 +192,7 @@ def init_mamba_state(cfg, batch: int, ssm_mode: str, buffer_len: int,
 
 def init_attention_state(cfg, batch: int, max_len: int,
                          kv_dtype) -> AttentionState:
-  shape = (batch, max_len, cfg.num_kv_heads, cfg.attn_head_dim)
+  shape = (batch, cfg.num_kv_heads, max_len, cfg.attn_head_dim)
   return AttentionState(k=jnp.zeros(shape, kv_dtype),
                         v=jnp.zeros(shape, kv_dtype),
                         length=jnp.zeros((batch,), jnp.int32))

@@ -1,0 +1,151 @@
+"""Where the full decode step's time goes, kernel by kernel (GPU diagnostic).
+
+Profiles a jitted loop of `steps` greedy decode steps of a random-weight
+model after a prefill (as experiments/decode_bench.py times it), per SSM
+mode, with `replayssm_jax.profiling.op_times`, and names every traced op by
+the source of the jax operation it came from (the `op_name` / source line
+metadata of the optimized HLO). `by_source` sums the ops per source line, so
+the time of e.g. the conv update or the attention softmax over all layers is
+one row. XLA's CUDA graphs are turned off so that their kernels can be split
+(see profiling.py): the loop's wall time is then a little longer than
+decode_bench's.
+
+  XLA_FLAGS=--xla_gpu_enable_command_buffer= PYTHONPATH=. python \
+      benchmarks/scripts/decode_step_profile.py --config configs/hybrid_1b.py \
+      --batch 256 --out $OUT/decode_step_profile.json
+"""
+
+import argparse
+import collections
+import datetime
+import importlib.util
+import json
+import os
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from experiments.decode_bench import build_model
+from replayssm_jax import profiling
+from replayssm_jax.models import ModelConfig, prefill
+
+_BLOCKS = ("mamba", "attention", "mlp", "lm_head")
+_PIECES = ("in_proj", "conv", "ssm", "gated_norm", "out_proj", "qkv",
+           "kv_write", "attend", "o_proj")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{([^}]*)\}")
+_FIELD = re.compile(r'(\w+)=("[^"]*"|\S+)')
+
+
+def op_sources(hlo_text: str) -> dict:
+  """instruction name -> "op_name @ file:line" from the HLO metadata."""
+  out = {}
+  for line in hlo_text.splitlines():
+    m = _INSTR.match(line)
+    if not m:
+      continue
+    meta = {k: v.strip('"') for k, v in _FIELD.findall(m.group(2))}
+    op = meta.get("op_name", "")
+    op = re.sub(r"^jit\([^)]*\)/", "", op)
+    src = os.path.basename(meta.get("source_file", ""))
+    where = f"{src}:{meta['source_line']}" if "source_line" in meta else ""
+    out[m.group(1)] = f"{op} @ {where}" if where else op
+  return out
+
+
+def scope(source: str) -> str:
+  """The model's named scope of an op ("mamba/conv", "attention", ...; see
+  models/layers.py), or "(outside blocks)"."""
+  parts = source.split(" @ ")[0].split("/")
+  for i, p in enumerate(parts):
+    if p in _BLOCKS:
+      nxt = parts[i + 1] if i + 1 < len(parts) else ""
+      return f"{p}/{nxt}" if nxt in _PIECES else f"{p} (rest)"
+  return "(outside blocks)"
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__)
+  ap.add_argument("--config", default="configs/hybrid_1b.py")
+  ap.add_argument("--batch", type=int, default=256)
+  ap.add_argument("--prompt_len", type=int, default=256)
+  ap.add_argument("--steps", type=int, default=16)
+  ap.add_argument("--buffer_len", type=int, default=16)
+  ap.add_argument("--modes", default="baseline,replay")
+  ap.add_argument("--iters", type=int, default=3)
+  ap.add_argument("--top", type=int, default=60)
+  ap.add_argument("--out", required=True)
+  a = ap.parse_args()
+
+  spec = importlib.util.spec_from_file_location("cfgmod", a.config)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  cfg = ModelConfig(**mod.get_config().model.to_dict())
+  model = build_model(cfg, 0)
+  graphdef, params = nnx.split(model)
+  prompts = jax.random.randint(jax.random.PRNGKey(1), (a.batch, a.prompt_len),
+                               0, cfg.vocab_size, jnp.int32)
+  lengths = jnp.full((a.batch,), a.prompt_len, jnp.int32)
+
+  @jax.jit
+  def loop(params, tok, st):
+    m = nnx.merge(graphdef, params)
+
+    def body(_, c):
+      t, s = c
+      logits, s = m.step(t, s)
+      return jnp.argmax(logits, -1).astype(jnp.int32), s
+
+    return jax.lax.fori_loop(0, a.steps, body, (tok, st))
+
+  result = dict(
+      command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+      date=datetime.datetime.now(datetime.timezone.utc).isoformat(
+          timespec="seconds"),
+      device=jax.devices()[0].device_kind, jax=jax.__version__,
+      xla_flags=os.environ.get("XLA_FLAGS", ""), config=a.config,
+      batch=a.batch, prompt_len=a.prompt_len, steps=a.steps, modes={})
+  for mode in a.modes.split(","):
+    st = model.init_state(a.batch, a.prompt_len + a.steps + 1, ssm_mode=mode,
+                          buffer_len=a.buffer_len,
+                          checkpoint_dtype=jnp.float32)
+    logits, st = prefill(model, prompts, lengths, st)
+    tok = jnp.argmax(logits, -1).astype(jnp.int32)
+    sources = op_sources(loop.lower(params, tok, st).compile().as_text())
+    t = profiling.op_times(loop, params, tok, st, iters=a.iters, top=10**6)
+    per_step = lambda ms: ms / a.steps  # noqa: E731
+    by_source = collections.defaultdict(lambda: [0.0, 0, set()])
+    by_scope = collections.defaultdict(float)
+    for row in t["top"]:
+      row["source"] = sources.get(row["hlo_op"], f"? {row['kernel']}")
+      row["ms"] = per_step(row["ms"])
+      agg = by_source[row["source"]]
+      agg[0] += row["ms"]
+      agg[1] += 1
+      agg[2].add(row["category"])
+      by_scope[scope(row["source"])] += row["ms"]
+    ranked = sorted(by_source.items(), key=lambda kv: -kv[1][0])
+    result["modes"][mode] = dict(
+        ms_per_step=per_step(t["device_ms"]),
+        wall_ms_per_step=per_step(t["wall_ms"]),
+        by_category={k: per_step(v) for k, v in t["by_category"].items()},
+        by_scope=dict(sorted(by_scope.items(), key=lambda kv: -kv[1])),
+        by_source=[dict(source=s, ms=v[0], ops=v[1],
+                        categories=sorted(v[2])) for s, v in ranked[:a.top]],
+        top_ops=t["top"][:a.top])
+    print(f"== {mode}: {per_step(t['device_ms']):.3f} ms/step on the device",
+          {k: round(per_step(v), 3) for k, v in t["by_category"].items()})
+    for s, ms in sorted(by_scope.items(), key=lambda kv: -kv[1]):
+      print(f"  scope {s:28s} {ms:8.4f} ms")
+    for s, v in ranked[:a.top]:
+      print(f"  {v[0]:8.4f} ms  {v[1]:4d} ops  {'/'.join(sorted(v[2])):6s}"
+            f"  {s[:150]}")
+    del st, logits
+  with open(a.out, "w") as f:
+    json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
