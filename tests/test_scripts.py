@@ -113,3 +113,29 @@ def test_spec_hlo_census_smoke(tmp_path):
     assert "error" not in loop, (name, loop)
     assert loop["launch_ops"] == sum(loop["by_opcode"].values()) > 0
     assert loop["by_opcode"].get("fusion", 0) > 0
+
+
+def test_decode_step_profile_and_attend_micro_tiny(tmp_path):
+  """The decode step split by named scope (the scopes of models/layers.py
+  reach the profile), and the attention forms agree with the f32 form."""
+  out = tmp_path / "dsp.json"
+  _run("decode_step_profile.py", "--config", "configs/tiny.py", "--batch",
+       "2", "--prompt_len", "8", "--steps", "2", "--iters", "1", "--out",
+       str(out))
+  res = json.loads(out.read_text())
+  for mode in ("baseline", "replay"):
+    r = res["modes"][mode]
+    assert r["ms_per_step"] > 0
+    assert {"mamba/ssm", "mamba/conv", "attention/attend"} <= set(
+        r["by_scope"]), sorted(r["by_scope"])
+    assert abs(sum(r["by_scope"].values()) - r["ms_per_step"]) < 1e-6 * max(
+        1.0, r["ms_per_step"])
+  out = tmp_path / "am.json"
+  _run("attend_micro.py", "--batch", "2", "--max_len", "16", "--sets", "1",
+       "--iters", "1", "--config", "configs/tiny.py", "--out", str(out))
+  forms = json.loads(out.read_text())["forms"]
+  assert len(forms) == 6
+  for name, f in forms.items():
+    # bf16 output rounding (2^-8 relative); "bf16" also rounds p to bf16.
+    assert f["max_err_rel_to_max"] < (2e-2 if name.startswith("bf16/")
+                                      else 8e-3), (name, f)
