@@ -83,11 +83,15 @@ def test_verify_matches_baseline_and_commit_rolls_back(L, T):
 def test_random_acceptance_equals_fresh_run_on_accepted_prefix():
   """Property test: 24 windows with random acceptance (1..T tokens, i.e. 0
   to all drafts accepted), then standard decode steps; outputs and state
-  always equal a baseline run over the accepted token stream only."""
+  always equal a baseline run over the accepted token stream only. The
+  checkpoint is written in exactly the windows the flush policy names
+  (count + T >= L before the window: at most once per window), and the
+  count follows the accepted tokens without ever reaching L."""
   L, T, windows = 8, 3, 24
   rng = np.random.default_rng(0)
   params, rstate, full = _setup(L, 7, [0, 3, 5, 7])
   writes = np.zeros(B, int)
+  count = np.asarray(rstate.count).copy()
   for w in range(windows):
     win = _window(1000 + w, T)
     n = rng.integers(1, T + 1, size=B).astype(np.int32)
@@ -100,13 +104,21 @@ def test_random_acceptance_equals_fresh_run_on_accepted_prefix():
     for r in range(B):  # accepted outputs match
       testing.assert_close(y[r, :n[r]], y_base[r, :n[r]], TOL,
                            f"window {w} row {r}")
-    writes += np.asarray(harness.rows_changed(rstate.checkpoint,
+    changed = np.asarray(harness.rows_changed(rstate.checkpoint,
                                               committed.checkpoint))
+    flush = count + T >= L
+    np.testing.assert_array_equal(changed, flush, f"writes in window {w}")
+    count = np.where(flush, 0, count) + n
+    np.testing.assert_array_equal(committed.count, count, f"window {w}")
+    assert np.all(count < L)
+    writes += changed
     full = jnp.stack([states[k - 1, r] for r, k in enumerate(n)])
     rstate = committed
     testing.assert_close(rs.materialize(rstate, params["A"]), full, TOL,
                          f"state after window {w}")
-  assert np.all(writes <= windows) and np.all(writes >= 1)
+  # The count grows by >= 1 per window and flushes at >= L - T = 5: at
+  # least one write per 5 windows.
+  assert np.all(writes >= windows // 5), writes
   # Standard decode continues from the committed state.
   step = jax.jit(lambda r, s, tok: (
       rs.replay_state_update(r, **tok, **params, dt_softplus=True),
