@@ -57,7 +57,8 @@ import ml_collections
 from configs import _args
 
 POLICIES = ("f32", "bf16", "f16", "bf16+sr", "f16+sr", "f32+bf16", "f32+f16",
-            "f32+fp8", "f32+int8", "f32+fp8+sr", "f32+int8+sr", "f16+fp8+sr")
+            "f32+fp8", "f32+int8", "f32+fp8+sr", "f32+int8+sr", "f16+fp8",
+            "f16+fp8+sr")
 
 
 def _model(name: str, eval_seq_len: int = 0) -> dict:

@@ -46,7 +46,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.reference_dtype = "float64"
   config.policies = ("f32", "bf16", "f16", "bf16+sr", "f16+sr", "f32+bf16",
                      "f32+f16", "f32+fp8", "f32+int8", "f32+fp8+sr",
-                     "f32+int8+sr", "f16+fp8+sr")
+                     "f32+int8+sr", "f16+fp8", "f16+fp8+sr")
   config.buffer_lens = (4, 16, 64)
   # Baselines storing the state in these dtypes every step (rn and sr).
   config.baseline_dtypes = ("bfloat16", "float16", "float8_e4m3fn", "int8")

@@ -117,3 +117,14 @@ def test_precision_accuracy_smoke(tmp_path):
   assert b2["accuracy"] == base["int8+sr"]["accuracy"]
   with open(os.path.join(workdir, "summary.md")) as f:
     assert "| f32+int8+sr | - | int8+sr: " in f.read()
+
+
+def test_studies_cover_every_preset():
+  """The accuracy and drift studies run every PrecisionPolicy preset (the
+  f16+fp8 read copy was missing from both before session 23)."""
+  from configs import precision_drift  # pylint: disable=g-import-not-at-top
+  from replayssm_jax import precision  # pylint: disable=g-import-not-at-top
+  presets = set(precision._PRESETS)  # pylint: disable=protected-access
+  assert set(pa_config.POLICIES) == presets
+  assert set(pa_config.get_config().policies) == presets
+  assert set(precision_drift.get_config().policies) == presets

@@ -32,14 +32,14 @@
 #   bash benchmarks/scripts/run_h200.sh ncu_fp8    # Nsight Compute of the output route at batch 256 (no row folding): plain f16 checkpoint vs f16 master + fp8 copy (2.2 min in session 17)
 #   bash benchmarks/scripts/run_h200.sh policies [overrides]  # replay per precision policy (session 15: defaults only, 2.4 min for all 8; now also the uncapped flush) vs the f16 baseline, b 256, L 16 (2.5 min for 4 policies x 3 in session 9; > 4.8 min for all 7 x 2 in session 12, cut at its 290 s limit; 2.8 min for 3 x 4)
 #   bash benchmarks/scripts/run_h200.sh output_launch  # the output route's launch shape on the f16 checkpoint and the fp8 read copies, b 256, L 16 (5 variants: 1.8 min in session 11; session 15: 4 register caps 2 min, one variant 45 s)
-#   bash benchmarks/scripts/run_h200.sh precision small  # train the <task>_small_ssm models if missing, then the accuracy study (sizes tiny|small|medium|large; tiny took > 4.5 min with the old MQAR task, the full 12-policy study needs several calls or fewer policies)
+#   bash benchmarks/scripts/run_h200.sh precision small  # train the <task>_small_ssm models if missing, then the accuracy study (sizes tiny|small|medium|large; tiny took > 4.5 min with the old MQAR task, the full 13-policy study needs several calls or fewer policies; f16+fp8 joined in session 23, not yet run)
 #   bash benchmarks/scripts/run_h200.sh precision_mqar1024_rest  # retrains mqar_medium_ssm, then mqar_medium_ssm@1024's rows session 5 did not reach (f32, bf16+sr, f16+sr at every L; the 8 every-step baselines) (not yet run; session 5's whole medium study took > 9 min)
-#   bash benchmarks/scripts/run_h200.sh precision_rest  # trains mqar_large_ssm + char_large_ssm, evaluates mqar_large_ssm@1024 and char_large_ssm (12 policies; > 9.6 min: session 6 ran it to its 575 s limit, inside char_large_ssm)
+#   bash benchmarks/scripts/run_h200.sh precision_rest  # trains mqar_large_ssm + char_large_ssm, evaluates mqar_large_ssm@1024 and char_large_ssm (13 policies since session 23, 12 then; > 9.6 min: session 6 ran it to its 575 s limit, inside char_large_ssm)
 #   bash benchmarks/scripts/run_h200.sh decode8b   # Nemotron-H-8B shapes (random bf16 weights), b {64,256}, L 16 (3 min)
 #   bash benchmarks/scripts/run_h200.sh decode8b_split  # the same at b 256 only, with the per-part time split (not yet run)
 #   bash benchmarks/scripts/run_h200.sh decode8b_policies  # the 8B shapes at b 256, L 16, also with dual-precision replay states (f32 master + bf16 / fp8 read copy) (3.7 min in session 13)
 #   bash benchmarks/scripts/run_h200.sh check      # kernel_bench smoke: every kernel vs the reference on the GPU
-#   bash benchmarks/scripts/run_h200.sh drift      # precision_drift: 12 policies x L {4,16,64} + 8 baselines, 100k steps
+#   bash benchmarks/scripts/run_h200.sh drift      # precision_drift: 13 policies (f16+fp8 since session 23, not yet run) x L {4,16,64} + 8 baselines, 100k steps
 #
 # To run exactly a commit (no uncommitted edits travel), export it into an
 # ignored folder and carry that:
