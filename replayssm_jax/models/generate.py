@@ -9,7 +9,6 @@ and donated.
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 from flax import nnx

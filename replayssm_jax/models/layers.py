@@ -243,8 +243,8 @@ class Mamba2Mixer(nnx.Module):
       step = None if st.step is None else st.step + 1
       y, stored, scale = ops.selective_state_update_stored(
           st.state, x, dt, A, b, cc, D=kw["D"], dt_bias=kw["dt_bias"],
-          dt_softplus=True,
-          state_scale=st.scale, stochastic_rounding=step is not None,
+          dt_softplus=True, state_scale=st.scale,
+          stochastic_rounding=step is not None,
           seed=policy.seed, layer=layer, row_id=st.row_id, step=step)
       ssm = st.replace(state=stored, scale=scale, step=step)
     else:
