@@ -24,9 +24,7 @@ experiments/decode_bench.py's decode loop on the given config.
 
 import argparse
 import datetime
-import importlib.util
 import json
-import re
 import statistics
 import sys
 import time
@@ -70,14 +68,12 @@ def timed(fn, sets, iters):
   return 1e6 * statistics.median(ts)
 
 
-def copies(config_path: str, batch: int) -> list[str]:
+def copies(config_path: str, batch: int) -> dict:
+  """mode -> the copies of >= 1 MiB in the decode loop's optimized HLO."""
+  from decode_step_profile import load_model_config
   from experiments.decode_bench import build_model, decode_loop
-  from replayssm_jax.models import ModelConfig
-  spec = importlib.util.spec_from_file_location("cfgmod", config_path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  cfg = ModelConfig(**mod.get_config().model.to_dict())
-  model = build_model(cfg, 0)
+  from specdec_profile import big_copies
+  model = build_model(load_model_config(config_path), 0)
   graphdef, params = nnx.split(model)
   out = {}
   for mode in ("baseline", "replay"):
@@ -86,21 +82,7 @@ def copies(config_path: str, batch: int) -> list[str]:
     tok = jax.ShapeDtypeStruct((batch,), jnp.int32)
     hlo = decode_loop.lower(graphdef, params, tok, st, 8, None).compile(
         ).as_text()
-    rows = []
-    for line in hlo.splitlines():
-      if not re.search(r"= \S+ copy(-start)?\(", line):
-        continue
-      m = re.search(r"= (\w+)\[([\d,]*)\]", line)
-      n = 1
-      for dim in filter(None, m.group(2).split(",")):
-        n *= int(dim)
-      nbytes = n * {"f32": 4, "bf16": 2, "s32": 4, "f16": 2}.get(
-          m.group(1), 1)
-      if nbytes >= 2**20:
-        name = re.search(r'op_name="([^"]*)"', line)
-        rows.append(f"{nbytes / 2**20:8.1f} MiB {m.group(1)}[{m.group(2)}] "
-                    f"{name.group(1) if name else line.strip()[:120]}")
-    out[mode] = rows
+    out[mode] = big_copies(hlo, min_bytes=2**20)
   return out
 
 

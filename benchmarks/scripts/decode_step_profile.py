@@ -55,6 +55,14 @@ def op_sources(hlo_text: str) -> dict:
   return out
 
 
+def load_model_config(path: str) -> ModelConfig:
+  """The ModelConfig of a configs/*.py file (its get_config().model)."""
+  spec = importlib.util.spec_from_file_location("cfgmod", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return ModelConfig(**mod.get_config().model.to_dict())
+
+
 def scope(source: str) -> str:
   """The model's named scope of an op ("mamba/conv", "attention", ...; see
   models/layers.py), or "(outside blocks)"."""
@@ -79,10 +87,7 @@ def main():
   ap.add_argument("--out", required=True)
   a = ap.parse_args()
 
-  spec = importlib.util.spec_from_file_location("cfgmod", a.config)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  cfg = ModelConfig(**mod.get_config().model.to_dict())
+  cfg = load_model_config(a.config)
   model = build_model(cfg, 0)
   graphdef, params = nnx.split(model)
   prompts = jax.random.randint(jax.random.PRNGKey(1), (a.batch, a.prompt_len),
