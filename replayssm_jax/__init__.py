@@ -14,13 +14,15 @@ Public API:
                               by counter (baseline_verify/_commit: one
                               snapshot per draft, for comparison).
   ssd_chunked_scan            chunked SSD prefill.
-  causal_conv1d(_update)      Mamba-2's short conv, prefill and decode step.
+  causal_conv1d(_update)      Mamba-2's short conv, prefill and decode step
+                              (_update_ring: on a ring-buffer conv state).
   traffic                     bytes-per-step model (baseline vs replay).
 """
 
 from replayssm_jax import precision
 from replayssm_jax import traffic
-from replayssm_jax.conv import causal_conv1d, causal_conv1d_update
+from replayssm_jax.conv import (causal_conv1d, causal_conv1d_update,
+                                causal_conv1d_update_ring, conv_ring_ordered)
 from replayssm_jax.ops import (Implementation, implementations, materialize,
                                register_implementation, replay_state_update,
                                selective_state_update,
@@ -41,6 +43,8 @@ __all__ = [
     "baseline_verify",
     "causal_conv1d",
     "causal_conv1d_update",
+    "causal_conv1d_update_ring",
+    "conv_ring_ordered",
     "implementations",
     "materialize",
     "precision",

@@ -15,6 +15,9 @@ from replayssm_jax import _validation as V
 from replayssm_jax.reference import F32
 
 _ACTIVATIONS = (None, "silu", "swish")
+# EXPERIMENT (to be settled on the H200, then removed): how the ring step
+# writes its slot: "scatter" / "select", each optionally "+barrier".
+_RING_WRITE = "scatter+barrier"
 
 
 def _activate(y, activation):
@@ -111,3 +114,95 @@ def causal_conv1d_update(x, conv_state, weight, bias=None,
   new_state = jnp.concatenate(
       [conv_state, x.astype(conv_state.dtype)[:, None]], axis=1)[:, 1:]
   return y.astype(x.dtype), new_state
+
+
+def conv_ring_ordered(conv_state, start):
+  """A ring-buffer conv state laid out oldest first.
+
+  Args:
+    conv_state: [batch, kernel_size - 1, dim] ring buffer (see
+      `causal_conv1d_update_ring`).
+    start: [batch] int slot of each row's oldest input (taken modulo
+      kernel_size - 1).
+
+  Returns:
+    [batch, kernel_size - 1, dim]: the same inputs oldest first, the layout
+    `causal_conv1d` and `causal_conv1d_update` use.
+  """
+  V.check_ndim("conv_state", conv_state, 3, "[batch, kernel_size - 1, dim]")
+  _check_start(start, conv_state.shape[0])
+  b, k1, _ = conv_state.shape
+  if k1 == 0:
+    return conv_state
+  idx = (start.astype(jnp.int32)[:, None] + jnp.arange(k1)[None, :]) % k1
+  return jnp.take_along_axis(conv_state, idx[..., None], axis=1)
+
+
+def _check_start(start, batch):
+  if not jnp.issubdtype(jnp.asarray(start).dtype, jnp.integer):
+    raise TypeError(f"start must be an integer [batch] array (the slot of "
+                    f"each row's oldest input), got dtype "
+                    f"{jnp.asarray(start).dtype}.")
+  V.check_shape("start", start, (batch,), "[batch]")
+
+
+def causal_conv1d_update_ring(x, conv_state, start, weight, bias=None,
+                              activation: str | None = "silu"):
+  """One decode step of the causal conv on a ring-buffer conv state.
+
+  The conv state holds the last `kernel_size - 1` inputs in a ring: row
+  r's oldest input sits in slot start[r], the next in start[r] + 1 (modulo
+  kernel_size - 1), and so on. The step writes the new input over the
+  oldest one (one [batch, dim] slot; XLA updates the buffer in place) and
+  moves `start` on by one, instead of shifting the whole window as
+  `causal_conv1d_update` does (a new [batch, k-1, dim] array each step,
+  which a decode loop then copies into its carry). The outputs equal
+  `causal_conv1d_update`'s on `conv_ring_ordered(conv_state, start)` bit
+  for bit (same taps, same f32 sum order).
+
+  Args:
+    x: [batch, dim] the new token's pre-conv input.
+    conv_state: [batch, kernel_size - 1, dim] the ring of previous inputs.
+    start: [batch] int slot of each row's oldest input (taken modulo
+      kernel_size - 1; zeros for a state laid out oldest first).
+    weight, bias, activation: as in `causal_conv1d`.
+
+  Returns:
+    (y [batch, dim] in x.dtype, new conv state (same shape and dtype), new
+     start [batch] int32).
+  """
+  V.check_floating("x", x)
+  V.check_ndim("x", x, 2, "[batch, dim]")
+  b, dim = x.shape
+  k = _check_conv_params(weight, bias, dim, activation)
+  V.check_floating("conv_state", conv_state)
+  V.check_shape("conv_state", conv_state, (b, k - 1, dim),
+                "[batch, kernel_size - 1, dim]")
+  _check_start(start, b)
+  k1 = k - 1
+  w = weight.astype(F32)
+  y = x.astype(F32) * w[:, k1]
+  if k1 == 0:
+    new_state, new_start = conv_state, jnp.zeros((b,), jnp.int32)
+  else:
+    s = start.astype(jnp.int32) % k1
+    for age in range(k1):  # oldest first, as causal_conv1d_update sums
+      slot = ((s + age) % k1)[:, None]
+      v = conv_state[:, 0]
+      for j in range(1, k1):  # a select chain: one elementwise fusion
+        v = jnp.where(slot == j, conv_state[:, j], v)
+      y = y + v.astype(F32) * w[:, age]
+    if "barrier" in _RING_WRITE:
+      y, conv_state = jax.lax.optimization_barrier((y, conv_state))
+    if _RING_WRITE.startswith("scatter"):
+      new_state = conv_state.at[jnp.arange(b), s].set(
+          x.astype(conv_state.dtype))
+    else:
+      new_state = jnp.where(
+          jnp.arange(k1)[None, :, None] == s[:, None, None],
+          x.astype(conv_state.dtype)[:, None], conv_state)
+    new_start = (s + 1) % k1
+  if bias is not None:
+    y = y + bias.astype(F32)
+  y = _activate(y, activation)
+  return y.astype(x.dtype), new_state, new_start

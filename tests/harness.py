@@ -233,6 +233,24 @@ def conv_steps(x, conv_state, weight, bias, *, activation):
   return jnp.swapaxes(ys, 0, 1), st
 
 
+@functools.partial(jax.jit, static_argnames=("activation",),
+                   compiler_options=FAST_COMPILE)
+def conv_steps_ring(x, conv_state, start, weight, bias, *, activation):
+  """causal_conv1d_update_ring token by token over x [batch, seqlen, dim].
+
+  Returns:
+    (y [batch, seqlen, dim], final ring conv state, final start).
+  """
+  def body(carry, xt):
+    y, st, sp = rs.causal_conv1d_update_ring(xt, *carry, weight, bias,
+                                             activation=activation)
+    return (st, sp), y
+
+  (st, sp), ys = jax.lax.scan(body, (conv_state, start),
+                              jnp.swapaxes(x, 0, 1))
+  return jnp.swapaxes(ys, 0, 1), st, sp
+
+
 def conv_inputs(case: C.ConvCase, seqlen: int | None = None):
   """(x [batch, seqlen, dim], weight [dim, k], bias or None, initial conv
   state [batch, k-1, dim] or None), random."""

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import replayssm_jax as rs
 from replayssm_jax import testing
 from tests import cases as C
 from tests import harness
@@ -72,3 +74,50 @@ def test_conv_split_sequence_with_carried_state(seqlen, split, kernel_size):
   testing.assert_close(jnp.concatenate([y1, y2], axis=1), y,
                        testing.TOLERANCES["float32"], "split y")
   np.testing.assert_array_equal(np.asarray(st2), np.asarray(st))
+
+
+def _to_ring(ordered, start):
+  """The ring buffer whose row r holds `ordered` [b, k-1, dim] (oldest
+  first) starting at slot start[r]."""
+  k1 = ordered.shape[1]
+  ring = np.zeros_like(np.asarray(ordered, np.float32))
+  for r, s in enumerate(np.asarray(start)):
+    for age in range(k1):
+      ring[r, (s + age) % k1] = np.asarray(ordered[r, age], np.float32)
+  return jnp.asarray(ring, ordered.dtype)
+
+
+@pytest.mark.parametrize("case", C.CONV_CASES, ids=C.case_id)
+def test_conv_ring_steps_equal_shifting_steps_bit_for_bit(case):
+  """The ring-buffer decode step (per-row start slots, ragged) gives the
+  shifting step's outputs and final window exactly."""
+  x, w, bias, init = harness.conv_inputs(case)
+  init = _zero_state_if_none(init, x, case.kernel_size)
+  k1 = case.kernel_size - 1
+  start = (jnp.arange(case.batch, dtype=jnp.int32) * 2 + case.seed) % max(
+      k1, 1)
+  ring = _to_ring(init, start)
+  np.testing.assert_array_equal(rs.conv_ring_ordered(ring, start), init)
+  y, st = harness.conv_steps(x, init, w, bias, activation=case.activation)
+  y_r, st_r, start_r = harness.conv_steps_ring(
+      x, ring, start, w, bias, activation=case.activation)
+  assert y_r.dtype == x.dtype and st_r.dtype == init.dtype
+  np.testing.assert_array_equal(np.asarray(y_r, np.float32),
+                                np.asarray(y, np.float32))
+  np.testing.assert_array_equal(
+      np.asarray(rs.conv_ring_ordered(st_r, start_r), np.float32),
+      np.asarray(st, np.float32))
+  if k1:
+    np.testing.assert_array_equal(start_r, (start + case.seqlen) % k1)
+
+
+def test_conv_ring_rejects_bad_start():
+  x = jax.random.normal(jax.random.PRNGKey(0), (3, 8))
+  w = jax.random.normal(jax.random.PRNGKey(1), (8, 4))
+  st = jax.random.normal(jax.random.PRNGKey(2), (3, 3, 8))
+  with pytest.raises(ValueError, match=r"start.*\[batch\]"):
+    rs.causal_conv1d_update_ring(x, st, jnp.zeros((2,), jnp.int32), w)
+  with pytest.raises(TypeError, match="start must be an integer"):
+    rs.causal_conv1d_update_ring(x, st, jnp.zeros((3,)), w)
+  with pytest.raises(ValueError, match="conv_state"):
+    rs.conv_ring_ordered(st[0], jnp.zeros((3,), jnp.int32))

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from replayssm_jax import ops
-from replayssm_jax.conv import causal_conv1d, causal_conv1d_update
+from replayssm_jax.conv import (causal_conv1d, causal_conv1d_update,
+                                causal_conv1d_update_ring)
 from replayssm_jax.models.config import ModelConfig
 from replayssm_jax.models.states import (AttentionState, MambaState,
                                          StoredSSMState, store_baseline)
@@ -201,7 +202,7 @@ class Mamba2Mixer(nnx.Module):
                            layer)
     else:
       ssm = final.astype(state.ssm.dtype)
-    return out, state.replace(conv=conv, ssm=ssm)
+    return out, state.with_ordered_conv(conv).replace(ssm=ssm)
 
   def step(self, h, state: MambaState, implementation: str | None = None,
            layer: int = 0):
@@ -212,8 +213,16 @@ class Mamba2Mixer(nnx.Module):
     with jax.named_scope("in_proj"):
       z, xbc, dt = self._split(self.in_proj(h))
     with jax.named_scope("conv"):
-      xbc, conv = causal_conv1d_update(xbc, state.conv, self.conv_weight[...],
-                                       self.conv_bias[...], activation="silu")
+      conv_w, conv_b = self.conv_weight[...], self.conv_bias[...]
+      if state.conv_start is None:
+        xbc, conv = causal_conv1d_update(xbc, state.conv, conv_w, conv_b,
+                                         activation="silu")
+        state = state.replace(conv=conv)
+      else:  # one slot written in place (no shifted copy per step)
+        xbc, conv, start = causal_conv1d_update_ring(
+            xbc, state.conv, state.conv_start, conv_w, conv_b,
+            activation="silu")
+        state = state.replace(conv=conv, conv_start=start)
     x, b, cc = self._split_xbc(xbc)  # [b, H, P], [b, G, N] x2
     A, D, dt_bias = self._ssm_params()
     kw = dict(D=D, dt_bias=dt_bias, dt_softplus=True,
@@ -224,7 +233,7 @@ class Mamba2Mixer(nnx.Module):
       y = self.norm(y.reshape(bsz, c.d_inner), z)
     with jax.named_scope("out_proj"):
       out = self.out_proj(y)
-    return out, state.replace(conv=conv, ssm=ssm)
+    return out, state.replace(ssm=ssm)
 
   def _ssm_step(self, state: MambaState, x, dt, A, b, cc, kw, layer):
     """The SSM op of one step on state.ssm -> (y [b, H, P], new ssm)."""
@@ -279,7 +288,8 @@ class Mamba2Mixer(nnx.Module):
     bsz, t, _ = h.shape
     z, xbc, dt = self._split(self.in_proj(h))
     xbc_act, _ = causal_conv1d(xbc, self.conv_weight[...], self.conv_bias[...],
-                               initial_state=state.conv, activation="silu")
+                               initial_state=state.ordered_conv(),
+                               activation="silu")
     x, b, cc = self._split_xbc(xbc_act)  # [b, T, H, P], [b, T, G, N] x2
     A, D, dt_bias = self._ssm_params()
     if isinstance(state.ssm, ReplayState):

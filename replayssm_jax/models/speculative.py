@@ -128,7 +128,8 @@ def commit_fn(pending: PendingState, num_accepted, active=None):
                           pending.snapshots):
     if isinstance(s, S.MambaState):
       k1 = s.conv.shape[1]
-      cat = jnp.concatenate([s.conv, win], axis=1)  # [b, k-1+T, conv_dim]
+      # [b, k-1+T, conv_dim], oldest first
+      cat = jnp.concatenate([s.ordered_conv(), win], axis=1)
       idx = moved[:, None] + jnp.arange(k1)[None, :]  # [b, k-1]
       conv = jnp.take_along_axis(cat, idx[..., None], axis=1)
       if isinstance(s.ssm, ReplayState):
@@ -140,7 +141,7 @@ def commit_fn(pending: PendingState, num_accepted, active=None):
         ssm = baseline_commit(snap, n)
         if active is not None:
           ssm = jnp.where(active[:, None, None, None], ssm, s.ssm)
-      layers.append(s.replace(conv=conv, ssm=ssm))
+      layers.append(s.with_ordered_conv(conv).replace(ssm=ssm))
     elif isinstance(s, S.AttentionState):
       layers.append(s.replace(length=s.length + moved))
     else:

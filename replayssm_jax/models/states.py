@@ -2,7 +2,10 @@
 
 The modules hold parameters only; these states are passed in and returned.
 
-  MambaState      conv: [batch, conv_kernel - 1, conv_dim] rolling conv input
+  MambaState      conv: [batch, conv_kernel - 1, conv_dim] the last conv
+                        inputs, a ring buffer: the oldest in slot
+                  conv_start: [batch] int32 (decode writes one slot per
+                        step; `ordered_conv()` gives them oldest first)
                   ssm:  ReplayState (ssm_mode="replay") or
                         [batch, H, P, N] array (ssm_mode="baseline") or
                         StoredSSMState (baseline stored in 8 bits or
@@ -36,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from replayssm_jax import precision as P
+from replayssm_jax.conv import conv_ring_ordered
 from replayssm_jax.state import ReplayState
 
 SSM_MODES = ("replay", "baseline")
@@ -92,11 +96,32 @@ def store_baseline(state, policy: P.PrecisionPolicy, dtype, row_id, step,
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class MambaState:
-  """Conv window + SSM state of one Mamba-2 layer (+ its static policy)."""
+  """Conv window + SSM state of one Mamba-2 layer (+ its static policy).
+
+  `conv` is a ring buffer of the last conv_kernel - 1 inputs: row r's
+  oldest sits in slot conv_start[r] (`conv.causal_conv1d_update_ring`), so
+  a decode step writes one slot instead of shifting the window. Prefill
+  and speculative commits lay it out oldest first (conv_start 0). With
+  conv_start None the window is always oldest first and each step shifts
+  it (`conv.causal_conv1d_update`).
+  """
   conv: jax.Array  # [batch, conv_kernel - 1, conv_dim]
   ssm: Any  # ReplayState | jax.Array [batch, H, P, N] | StoredSSMState
   precision: P.PrecisionPolicy | None = dataclasses.field(
       default=None, metadata=dict(static=True))
+  conv_start: jax.Array | None = None  # [batch] int32 (None: oldest first)
+
+  def ordered_conv(self) -> jax.Array:
+    """The conv inputs oldest first: [batch, conv_kernel - 1, conv_dim]."""
+    if self.conv_start is None:
+      return self.conv
+    return conv_ring_ordered(self.conv, self.conv_start)
+
+  def with_ordered_conv(self, conv) -> "MambaState":
+    """This state with `conv` (oldest first) as its conv window."""
+    start = (None if self.conv_start is None
+             else jnp.zeros_like(self.conv_start))
+    return self.replace(conv=conv, conv_start=start)
 
   def replace(self, **kwargs) -> "MambaState":
     return dataclasses.replace(self, **kwargs)
@@ -187,7 +212,8 @@ def init_mamba_state(cfg, batch: int, ssm_mode: str, buffer_len: int,
         ssm = StoredSSMState(state=ssm)
       ssm = ssm.replace(row_id=row_ids,
                         step=jnp.zeros((batch,), jnp.int32))
-  return MambaState(conv=conv, ssm=ssm, precision=precision)
+  return MambaState(conv=conv, ssm=ssm, precision=precision,
+                    conv_start=jnp.zeros((batch,), jnp.int32))
 
 
 def init_attention_state(cfg, batch: int, max_len: int,

@@ -1,0 +1,109 @@
+"""The conv state's decode write, form by form (GPU diagnostic).
+
+For each form of the conv-state update (`shift`: the oldest-first window
+shifted every step, as before the ring buffer; `scatter`, `select`, each
+also `+barrier`: the ring buffer's one-slot write, see
+`replayssm_jax.conv.causal_conv1d_update_ring`), per SSM mode: the copies of
+>= 1 MiB in the optimized HLO of decode_bench's decode loop, the decode
+step's time (decode_bench's `bench_mode`: prefill, then the best of
+`--repeats` timed loops of `--new_tokens` greedy steps) and a check that
+the form's greedy tokens equal the shift form's.
+
+  PYTHONPATH=. python benchmarks/scripts/conv_ring_check.py \
+      --config configs/hybrid_1b.py --batch 256 --out $OUT/conv_ring.json
+"""
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode_step_profile import load_model_config  # noqa: E402
+from specdec_profile import big_copies  # noqa: E402
+
+from experiments import decode_bench as DB  # noqa: E402
+from replayssm_jax import conv as CV  # noqa: E402
+from replayssm_jax.models import MambaState  # noqa: E402
+
+
+def _shifting(state):
+  """The state with conv_start None: the shifting conv update."""
+  return state.replace(layers=tuple(
+      s.replace(conv_start=None) if isinstance(s, MambaState) else s
+      for s in state.layers))
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__)
+  ap.add_argument("--config", default="configs/hybrid_1b.py")
+  ap.add_argument("--batch", type=int, default=256)
+  ap.add_argument("--new_tokens", type=int, default=128)
+  ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--forms",
+                  default="shift,scatter,scatter+barrier,select,"
+                          "select+barrier")
+  ap.add_argument("--modes", default="replay,baseline")
+  ap.add_argument("--out", required=True)
+  a = ap.parse_args()
+
+  spec = importlib.util.spec_from_file_location("cfgmod", a.config)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  config = mod.get_config()
+  config.bench.new_tokens = a.new_tokens
+  config.bench.repeats = a.repeats
+  model = DB.build_model(load_model_config(a.config), config.seed)
+  setup = DB._Setup(model, config, a.batch)  # pylint: disable=protected-access
+  graphdef, params = nnx.split(model)
+  res = dict(command=" ".join(["python"] + sys.argv),
+             date=datetime.datetime.now(datetime.timezone.utc).isoformat(
+                 timespec="seconds"),
+             device=jax.devices()[0].device_kind, jax=jax.__version__,
+             config=a.config, batch=a.batch, new_tokens=a.new_tokens,
+             rows=[])
+  tokens = {}
+  for mode in a.modes.split(","):
+    for form in a.forms.split(","):
+      if form != "shift":
+        CV._RING_WRITE = form  # pylint: disable=protected-access
+      DB.decode_loop.clear_cache()
+      orig = setup.state
+
+      def state(m, L, pol="", form=form, orig=orig):
+        tok, st = orig(m, L, pol)
+        return tok, (_shifting(st) if form == "shift" else st)
+
+      setup.state = state
+      tok, st = setup.state(mode, 16)
+      shapes = jax.eval_shape(lambda s: s, st)
+      hlo = DB.decode_loop.lower(graphdef, params, tok, shapes,
+                                 a.new_tokens, setup.impl).compile().as_text()
+      copies = big_copies(hlo, min_bytes=2**20)
+      out_tok, _ = DB.decode_loop(graphdef, params, tok, st, a.new_tokens,
+                                  setup.impl)
+      tokens[(mode, form)] = np.asarray(out_tok)
+      del st
+      rec = DB.bench_mode(setup, mode, 16)
+      setup.state = orig
+      same = bool((tokens[(mode, form)] == tokens[(mode, "shift")]).all()
+                  ) if (mode, "shift") in tokens else None
+      row = dict(mode=mode, form=form, ms_per_step=rec["ms_per_step"],
+                 times_s=rec["times_s"], copies_ge_1mib=len(copies),
+                 copies=copies[:16], last_tokens_equal_shift=same)
+      print(json.dumps({k: v for k, v in row.items() if k != "copies"}),
+            flush=True)
+      res["rows"].append(row)
+      with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
