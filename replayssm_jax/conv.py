@@ -15,9 +15,6 @@ from replayssm_jax import _validation as V
 from replayssm_jax.reference import F32
 
 _ACTIVATIONS = (None, "silu", "swish")
-# EXPERIMENT (to be settled on the H200, then removed): how the ring step
-# writes its slot: "scatter" / "select", each optionally "+barrier".
-_RING_WRITE = "scatter+barrier"
 
 
 def _activate(y, activation):
@@ -153,7 +150,7 @@ def causal_conv1d_update_ring(x, conv_state, start, weight, bias=None,
   The conv state holds the last `kernel_size - 1` inputs in a ring: row
   r's oldest input sits in slot start[r], the next in start[r] + 1 (modulo
   kernel_size - 1), and so on. The step writes the new input over the
-  oldest one (one [batch, dim] slot; XLA updates the buffer in place) and
+  oldest one (XLA updates the buffer in place) and
   moves `start` on by one, instead of shifting the whole window as
   `causal_conv1d_update` does (a new [batch, k-1, dim] array each step,
   which a decode loop then copies into its carry). The outputs equal
@@ -192,15 +189,14 @@ def causal_conv1d_update_ring(x, conv_state, start, weight, bias=None,
       for j in range(1, k1):  # a select chain: one elementwise fusion
         v = jnp.where(slot == j, conv_state[:, j], v)
       y = y + v.astype(F32) * w[:, age]
-    if "barrier" in _RING_WRITE:
-      y, conv_state = jax.lax.optimization_barrier((y, conv_state))
-    if _RING_WRITE.startswith("scatter"):
-      new_state = conv_state.at[jnp.arange(b), s].set(
-          x.astype(conv_state.dtype))
-    else:
-      new_state = jnp.where(
-          jnp.arange(k1)[None, :, None] == s[:, None, None],
-          x.astype(conv_state.dtype)[:, None], conv_state)
+    # The slot is written by an elementwise select, which XLA updates in
+    # place. H200, hybrid_1b, batch 256 (benchmarks/conv_ring_h200.json):
+    # replay / baseline decode step 3.363 / 4.622 ms against 3.432 / 4.679
+    # with the shifting window (11 copies of 9 MiB per step in its loop);
+    # a scatter into the slot 3.422 / 4.702, behind an optimization
+    # barrier 3.475 / 4.747 (no copies either way).
+    new_state = jnp.where(jnp.arange(k1)[None, :, None] == s[:, None, None],
+                          x.astype(conv_state.dtype)[:, None], conv_state)
     new_start = (s + 1) % k1
   if bias is not None:
     y = y + bias.astype(F32)

@@ -1,13 +1,14 @@
-"""The conv state's decode write, form by form (GPU diagnostic).
+"""The conv state's decode write: shifting window vs ring buffer (GPU).
 
-For each form of the conv-state update (`shift`: the oldest-first window
-shifted every step, as before the ring buffer; `scatter`, `select`, each
-also `+barrier`: the ring buffer's one-slot write, see
-`replayssm_jax.conv.causal_conv1d_update_ring`), per SSM mode: the copies of
->= 1 MiB in the optimized HLO of decode_bench's decode loop, the decode
-step's time (decode_bench's `bench_mode`: prefill, then the best of
-`--repeats` timed loops of `--new_tokens` greedy steps) and a check that
-the form's greedy tokens equal the shift form's.
+Per SSM mode and conv form (`shift`: the oldest-first window shifted every
+step, `MambaState.conv_start=None`; `ring`: the ring buffer's one-slot
+write, `replayssm_jax.conv.causal_conv1d_update_ring`): the copies of >= 1
+MiB in the optimized HLO of decode_bench's decode loop, the decode step's
+time (decode_bench's `bench_mode`: prefill, then the best of `--repeats`
+timed loops of `--new_tokens` greedy steps) and whether the loop's last
+greedy tokens equal the shift form's. (Commit f801ea8 of this script also
+timed the ring's slot written by a scatter, with and without an
+optimization barrier: benchmarks/conv_ring_h200.json.)
 
   PYTHONPATH=. python benchmarks/scripts/conv_ring_check.py \
       --config configs/hybrid_1b.py --batch 256 --out $OUT/conv_ring.json
@@ -30,7 +31,6 @@ from decode_step_profile import load_model_config  # noqa: E402
 from specdec_profile import big_copies  # noqa: E402
 
 from experiments import decode_bench as DB  # noqa: E402
-from replayssm_jax import conv as CV  # noqa: E402
 from replayssm_jax.models import MambaState  # noqa: E402
 
 
@@ -47,9 +47,7 @@ def main():
   ap.add_argument("--batch", type=int, default=256)
   ap.add_argument("--new_tokens", type=int, default=128)
   ap.add_argument("--repeats", type=int, default=3)
-  ap.add_argument("--forms",
-                  default="shift,scatter,scatter+barrier,select,"
-                          "select+barrier")
+  ap.add_argument("--forms", default="shift,ring")
   ap.add_argument("--modes", default="replay,baseline")
   ap.add_argument("--out", required=True)
   a = ap.parse_args()
@@ -72,8 +70,6 @@ def main():
   tokens = {}
   for mode in a.modes.split(","):
     for form in a.forms.split(","):
-      if form != "shift":
-        CV._RING_WRITE = form  # pylint: disable=protected-access
       DB.decode_loop.clear_cache()
       orig = setup.state
 
