@@ -134,6 +134,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # stored as the preset says, against the baseline of the row's
   # checkpoint dtype.
   config.policies = ()
+  # Diagnostics, timed beside the phases above (Every timing table only):
+  # the non-flush step at these fills too (the amortized step assumes a
+  # cost linear in the fill), and the synced cycle: the counters advancing
+  # with every row at the same count, so all rows flush in the same step
+  # (a decode loop over equal-length prompts).
+  config.extra_fills = ()
+  config.synced_cycle = False
 
   if arg == "sweep":
     # Flush-route designs side by side (benchmarks/README.md): batch 256

@@ -20,6 +20,10 @@ buffer length L in the config, this script
    * the natural cycle: consecutive steps with the counters advancing and the
      rows staggered (count = row % L), so about 1/L of the rows flush at
      every step; each timed call covers a whole number of L-step cycles;
+   * optionally (`extra_fills`, `synced_cycle`) the non-flush step at other
+     fills, and the synced cycle: the counters advancing from 0 in every
+     row, so all rows flush in the same step (a decode loop over prompts of
+     one length, as experiments/decode_bench.py runs);
 3. relates every time to the traffic model (`replayssm_jax.traffic`): the
    achieved bandwidth model_bytes / time, and its fraction of the device's
    measured stream bandwidth (8 chained `x + 1` passes over `copy_bytes`
@@ -770,17 +774,24 @@ class Bench:
     fixed_rpi = math.ceil(c.min_steps / K)
     # Natural cycle: each loop iteration advances every set by whole cycles.
     nat_rpi = L * math.ceil(fixed_rpi / L)
-    phases = [("non_flush", nf_fill), ("flush", L - 1), ("natural", None)]
+    # (phase, counts, advancing): the fixed-count phases reset the counters
+    # before every step; the advancing ones run whole L-step cycles.
+    phases = [("non_flush", np.full((batch,), nf_fill, np.int32), False),
+              ("flush", np.full((batch,), L - 1, np.int32), False),
+              ("natural", natural_counts, True)]
+    phases += [(f"non_flush_fill{f}", np.full((batch,), f, np.int32), False)
+               for f in c.get("extra_fills", ()) if 0 <= f < L - 1]
+    if c.get("synced_cycle", False):  # every row at the same count
+      phases.append(("synced", np.zeros((batch,), np.int32), True))
     fixed_loop = make_loop(REPLAY_OP, impl, K, fixed_count=True,
                            rounds_per_iter=fixed_rpi)
     fixed_cache = {}  # non_flush and flush share one executable
-    for phase, fill in phases:
+    for phase, counts, advancing in phases:
       if phase == "non_flush" and L < 2:
         continue
-      counts = (natural_counts if fill is None
-                else np.full((batch,), fill, np.int32))
+      fill = None if advancing else int(counts[0])
       states = tuple(gen(counts) for _ in range(K))
-      if fill is None:
+      if advancing:
         loop = make_loop(REPLAY_OP, impl, K, fixed_count=False,
                          rounds_per_iter=nat_rpi)
         extra, rpi, cache = (), nat_rpi, {}

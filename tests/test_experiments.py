@@ -238,7 +238,20 @@ def test_kernel_bench_policies_smoke(tmp_path):
   config.batches = (2,)
   config.buffer_lens = (4,)
   config.policies = ("f32+int8",)
+  config.extra_fills = (0, 9)  # 9 >= L - 1: not a non-flush fill, skipped
+  config.synced_cycle = True
   results = kernel_bench.run(config, str(tmp_path / "kb"))
+  # The diagnostic phases: the non-flush step at fill 0, and the synced
+  # cycle (every row from count 0, whole L-step cycles per call).
+  for impl in ("pallas", "pallas@f32+int8"):
+    phases = {r["phase"]: r for r in results["timings"]
+              if r["op"] == "replay" and r["impl"] == impl}
+    assert set(phases) == {"non_flush", "flush", "natural", "amortized",
+                           "non_flush_fill0", "synced"}, phases
+    assert phases["non_flush_fill0"]["fill"] == 0
+    synced = phases["synced"]
+    assert synced["fill"] is None and synced["median_us"] > 0
+    assert synced["steps_per_call"] % (4 * synced["num_sets"]) == 0
   rows = {r["impl"]: r for r in results["summary"]}
   assert set(rows) == {"pallas", "pallas@f32+int8"}, rows
   for impl, row in rows.items():
