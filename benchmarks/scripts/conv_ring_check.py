@@ -47,6 +47,10 @@ def main():
   ap.add_argument("--batch", type=int, default=256)
   ap.add_argument("--new_tokens", type=int, default=128)
   ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--prompt_len", type=int, default=0,
+                  help="0: the config's bench.prompt_len")
+  ap.add_argument("--prefill_rows", type=int, default=0,
+                  help="0: the config's bench.prefill_rows")
   ap.add_argument("--forms", default="shift,ring")
   ap.add_argument("--modes", default="replay,baseline")
   ap.add_argument("--out", required=True)
@@ -58,6 +62,9 @@ def main():
   config = mod.get_config()
   config.bench.new_tokens = a.new_tokens
   config.bench.repeats = a.repeats
+  for k in ("prompt_len", "prefill_rows"):
+    if getattr(a, k):
+      config.bench[k] = getattr(a, k)
   model = DB.build_model(load_model_config(a.config), config.seed)
   setup = DB._Setup(model, config, a.batch)  # pylint: disable=protected-access
   graphdef, params = nnx.split(model)
@@ -83,10 +90,12 @@ def main():
       hlo = DB.decode_loop.lower(graphdef, params, tok, shapes,
                                  a.new_tokens, setup.impl).compile().as_text()
       copies = big_copies(hlo, min_bytes=2**20)
-      out_tok, _ = DB.decode_loop(graphdef, params, tok, st, a.new_tokens,
-                                  setup.impl)
+      out_tok, out_st = DB.decode_loop(graphdef, params, tok, st,
+                                       a.new_tokens, setup.impl)
       tokens[(mode, form)] = np.asarray(out_tok)
-      del st
+      # Only one state alive at a time (8B at batch 256: 28 GB each; keeping
+      # the loop's output ran the H200 out of memory in session 24).
+      del st, out_st
       rec = DB.bench_mode(setup, mode, 16)
       setup.state = orig
       same = bool((tokens[(mode, form)] == tokens[(mode, "shift")]).all()
