@@ -3,7 +3,9 @@
 Weight layout is [dim, kernel_size] (the Hugging Face `conv1d.weight`
 [dim, 1, k] with the middle axis dropped); the last tap multiplies the
 current token. The rolling conv state holds the last `kernel_size - 1`
-inputs, time-major: [batch, kernel_size - 1, dim] (oldest first).
+inputs, time-major: [batch, kernel_size - 1, dim] (oldest first), or as
+a ring buffer with a per-row start slot (`causal_conv1d_update_ring`,
+`conv_ring_ordered`), which a decode step updates in place.
 """
 
 from __future__ import annotations
@@ -78,6 +80,18 @@ def causal_conv1d(x, weight, bias=None, initial_state=None,
   return y.astype(x.dtype), final_state
 
 
+def _check_step_args(x, conv_state, weight, bias, activation):
+  """Validates a decode step's arguments -> (batch, kernel_size)."""
+  V.check_floating("x", x)
+  V.check_ndim("x", x, 2, "[batch, dim]")
+  b, dim = x.shape
+  k = _check_conv_params(weight, bias, dim, activation)
+  V.check_floating("conv_state", conv_state)
+  V.check_shape("conv_state", conv_state, (b, k - 1, dim),
+                "[batch, kernel_size - 1, dim]")
+  return b, k
+
+
 def causal_conv1d_update(x, conv_state, weight, bias=None,
                          activation: str | None = "silu"):
   """One decode step of the causal conv.
@@ -90,13 +104,7 @@ def causal_conv1d_update(x, conv_state, weight, bias=None,
   Returns:
     (y [batch, dim] in x.dtype, new conv state (same shape and dtype)).
   """
-  V.check_floating("x", x)
-  V.check_ndim("x", x, 2, "[batch, dim]")
-  b, dim = x.shape
-  k = _check_conv_params(weight, bias, dim, activation)
-  V.check_floating("conv_state", conv_state)
-  V.check_shape("conv_state", conv_state, (b, k - 1, dim),
-                "[batch, kernel_size - 1, dim]")
+  b, k = _check_step_args(x, conv_state, weight, bias, activation)
   # Tap by tap in float32 (as causal_conv1d): one elementwise fusion. An
   # einsum over a materialized f32 [b, k, dim] window ran as a separate
   # concatenate fusion, ~10x the bytes it needs (24 us per layer of
@@ -168,13 +176,7 @@ def causal_conv1d_update_ring(x, conv_state, start, weight, bias=None,
     (y [batch, dim] in x.dtype, new conv state (same shape and dtype), new
      start [batch] int32).
   """
-  V.check_floating("x", x)
-  V.check_ndim("x", x, 2, "[batch, dim]")
-  b, dim = x.shape
-  k = _check_conv_params(weight, bias, dim, activation)
-  V.check_floating("conv_state", conv_state)
-  V.check_shape("conv_state", conv_state, (b, k - 1, dim),
-                "[batch, kernel_size - 1, dim]")
+  b, k = _check_step_args(x, conv_state, weight, bias, activation)
   _check_start(start, b)
   k1 = k - 1
   w = weight.astype(F32)

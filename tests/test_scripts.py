@@ -139,3 +139,17 @@ def test_decode_step_profile_and_attend_micro_tiny(tmp_path):
     # bf16 output rounding (2^-8 relative); "bf16" also rounds p to bf16.
     assert f["max_err_rel_to_max"] < (2e-2 if name.startswith("bf16/")
                                       else 8e-3), (name, f)
+
+
+def test_conv_ring_check_tiny(tmp_path):
+  """The script times both conv forms, and they decode the same greedy
+  tokens (the copy census is a GPU figure: at this size every array is
+  under its 1 MiB threshold)."""
+  out = tmp_path / "conv_ring.json"
+  _run("conv_ring_check.py", "--config", "configs/tiny.py", "--batch", "4",
+       "--new_tokens", "2", "--repeats", "1", "--prompt_len", "8",
+       "--modes", "replay", "--out", str(out))
+  rows = json.loads(out.read_text())["rows"]
+  assert [r["form"] for r in rows] == ["shift", "ring"]
+  for r in rows:
+    assert r["ms_per_step"] > 0 and r["last_tokens_equal_shift"] is True, r

@@ -16,7 +16,6 @@ optimization barrier: benchmarks/conv_ring_h200.json.)
 
 import argparse
 import datetime
-import importlib.util
 import json
 import os
 import sys
@@ -27,11 +26,11 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode_step_profile import load_model_config  # noqa: E402
+from decode_step_profile import load_config  # noqa: E402
 from specdec_profile import big_copies  # noqa: E402
 
 from experiments import decode_bench as DB  # noqa: E402
-from replayssm_jax.models import MambaState  # noqa: E402
+from replayssm_jax.models import MambaState, ModelConfig  # noqa: E402
 
 
 def _shifting(state):
@@ -56,16 +55,14 @@ def main():
   ap.add_argument("--out", required=True)
   a = ap.parse_args()
 
-  spec = importlib.util.spec_from_file_location("cfgmod", a.config)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  config = mod.get_config()
+  config = load_config(a.config)
   config.bench.new_tokens = a.new_tokens
   config.bench.repeats = a.repeats
   for k in ("prompt_len", "prefill_rows"):
     if getattr(a, k):
       config.bench[k] = getattr(a, k)
-  model = DB.build_model(load_model_config(a.config), config.seed)
+  model = DB.build_model(ModelConfig(**config.model.to_dict()),
+                        config.seed)
   setup = DB._Setup(model, config, a.batch)  # pylint: disable=protected-access
   graphdef, params = nnx.split(model)
   res = dict(command=" ".join(["python"] + sys.argv),

@@ -55,12 +55,17 @@ def op_sources(hlo_text: str) -> dict:
   return out
 
 
-def load_model_config(path: str) -> ModelConfig:
-  """The ModelConfig of a configs/*.py file (its get_config().model)."""
+def load_config(path: str):
+  """get_config() of a configs/*.py file (its default ConfigDict)."""
   spec = importlib.util.spec_from_file_location("cfgmod", path)
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
-  return ModelConfig(**mod.get_config().model.to_dict())
+  return mod.get_config()
+
+
+def load_model_config(path: str) -> ModelConfig:
+  """The ModelConfig of a configs/*.py file (its get_config().model)."""
+  return ModelConfig(**load_config(path).model.to_dict())
 
 
 def scope(source: str) -> str:
