@@ -210,6 +210,33 @@ def test_ragged_prefill_state_equals_alone(model):
       assert int(sp.length[1]) == n
 
 
+def test_ring_conv_state_decodes_as_the_shifting_window(model):
+  """The ring-buffer conv state (init_state's default) and the shifting
+  window (conv_start None) give bit-identical decode logits and the same
+  conv inputs after 13 ragged steps (13 is not a multiple of the ring's 3
+  slots, so the rings end rotated)."""
+  prompts = random_tokens(11, (B, T))
+  cont = random_tokens(12, (B, 13))
+  state = model.init_state(B, MAX_LEN, ssm_mode="replay",
+                           buffer_len=BUFFER_LEN)
+  shifting = state.replace(layers=tuple(
+      s.replace(conv_start=None) if isinstance(s, MambaState) else s
+      for s in state.layers))
+  gp, lengths = nnx.split(model), jnp.asarray(LENGTHS, jnp.int32)
+  _, ring_logits, ring = _prefill_then_decode(gp, prompts, lengths, cont,
+                                              state)
+  _, shift_logits, shift = _prefill_then_decode(gp, prompts, lengths, cont,
+                                                shifting)
+  np.testing.assert_array_equal(ring_logits, shift_logits)
+  mamba = [(r, s) for r, s in zip(ring.layers, shift.layers)
+           if isinstance(r, MambaState)]
+  assert mamba
+  for r, s in mamba:
+    assert s.conv_start is None
+    np.testing.assert_array_equal(r.conv_start, 13 % 3)
+    np.testing.assert_array_equal(r.ordered_conv(), s.conv)
+
+
 # ------------------------------------------------------ replay vs baseline
 def test_replay_equals_baseline_greedy_256_f32(model):
   prompts = random_tokens(5, (B, T))

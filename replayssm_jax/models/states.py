@@ -3,9 +3,10 @@
 The modules hold parameters only; these states are passed in and returned.
 
   MambaState      conv: [batch, conv_kernel - 1, conv_dim] the last conv
-                        inputs, a ring buffer: the oldest in slot
-                  conv_start: [batch] int32 (decode writes one slot per
-                        step; `ordered_conv()` gives them oldest first)
+                        inputs as a ring buffer (oldest in slot conv_start;
+                        a decode step writes one slot)
+                  conv_start: [batch] int32; `ordered_conv()` gives the
+                        inputs oldest first
                   ssm:  ReplayState (ssm_mode="replay") or
                         [batch, H, P, N] array (ssm_mode="baseline") or
                         StoredSSMState (baseline stored in 8 bits or
