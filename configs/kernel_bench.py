@@ -34,6 +34,9 @@ The flush rows folded by the Mosaic GPU kernel beside the Triton flush
       --config=configs/kernel_bench.py:mosaic_flush \
       --workdir=runs/kernel_mosaic_flush
 
+The replay step by buffer fill at hybrid_1b's layer, with the output
+route's buffer-read variants (`:fills`, see get_config).
+
 The output route's launch shape on the 8-bit read copies and the f16
 checkpoint (`:output_launch`, same setup as `:policies`). The flush fold
 forms in the fused launch at batch 1 (`:batch1`).
@@ -67,7 +70,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The benchmark configuration; `arg="smoke"` is a tiny CPU run."""
   _args.check_arg(arg, "sweep", "launch", "policies", "mosaic",
                   "output_launch", "batch1", "rows_fused",
-                  "mosaic_flush")
+                  "mosaic_flush", "fills")
   config = ml_collections.ConfigDict()
   config.name = "kernel_bench"  # stem of the files copied to --results_dir
   config.seed = 0
@@ -458,6 +461,24 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c8_ctas256=dict(mp, flush_heads_per_program=8, flush_programs=256)))
     config.experimental_implementations = tuple(
         f"pallas:{k}" for k in config.replay_variants)
+
+  if arg == "fills":
+    # The replay step by buffer fill at hybrid_1b's Mamba layer (64 heads),
+    # f32, batch 256, L 16. Session 24 (kernel_bench_h200_hybrid_layer_
+    # fills.md): non-flush 135.3 / 134.7 / 138.2 / 151.0 / 155.9 µs at fill
+    # 0 / 3 / 7 / 11 / 14 (the buffer bytes grow ~6% from fill 3 to 14,
+    # the time 16%); synced cycle 155.6 against amortized 149.6. Beside
+    # the default: the variants that change the output route's buffer
+    # reads, every slot loaded unmasked, and B . C of every slot formed
+    # once per row by XLA.
+    _kernel_study(config, "kernel_fills", (256,))
+    config.nheads = 64
+    config.checkpoint_dtypes = ("float32",)
+    config.extra_fills = (3, 11, 14)
+    config.synced_cycle = True
+    config.replay_variants = ml_collections.ConfigDict(dict(
+        unmasked=dict(output_unmasked_buffers=True),
+        bc=dict(precompute_bc=True)))
 
   if arg == "launch":
     # Where the fused launch (ReplayConfig.fused_launch) stops paying:

@@ -392,7 +392,7 @@ def test_metrics_writer_and_tables(tmp_path):
 
 
 @pytest.mark.parametrize("arg", ["sweep", "launch", "policies",
-                                 "output_launch"])
+                                 "output_launch", "fills"])
 def test_kernel_variants_resolve_to_configs(arg):
   """'pallas:<name>' runs the kernel with the named tuning config; every
   variant of the sweep / launch configs is a valid config object."""
