@@ -21,7 +21,6 @@ import os
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
