@@ -38,6 +38,10 @@
 #   bash benchmarks/scripts/run_h200.sh decode8b   # Nemotron-H-8B shapes (random bf16 weights), b {64,256}, L 16 (3 min)
 #   bash benchmarks/scripts/run_h200.sh decode8b_split  # the same at b 256 only, with the per-part time split (not yet run)
 #   bash benchmarks/scripts/run_h200.sh decode8b_policies  # the 8B shapes at b 256, L 16, also with dual-precision replay states (f32 master + bf16 / fp8 read copy) (3.7 min in session 13)
+#   bash benchmarks/scripts/run_h200.sh fills      # the replay step by buffer fill at hybrid_1b's layer (f32, b 256, L 16) with the output route's buffer-read variants (configs/kernel_bench.py:fills; not yet run; the default alone took 54 s in session 24)
+#   bash benchmarks/scripts/run_h200.sh conv_ring8b  # the 8B shapes' decode step at b 256, L 16, shifting vs ring conv state on one machine (replay, then baseline; session 24's run of the shift row took ~110 s)
+#   bash benchmarks/scripts/run_h200.sh decode8b_512  # the 8B shapes at b 512, L 16 (not yet run; 2 x ~59 GB states built one at a time)
+#   bash benchmarks/scripts/run_h200.sh policies_sr  # the presets session 24 did not reach (f16+sr, f32+int8+sr, f16+fp8+sr), f16 baseline, b 256, L 16
 #   bash benchmarks/scripts/run_h200.sh check      # kernel_bench smoke: every kernel vs the reference on the GPU
 #   bash benchmarks/scripts/run_h200.sh drift      # precision_drift: 13 policies (f16+fp8 since session 23, not yet run) x L {4,16,64} + 8 baselines, 100k steps
 #
@@ -139,6 +143,24 @@ case "$1" in
     timeout "$T" python -m experiments.kernel_bench \
       --config=configs/kernel_bench.py:mosaic --workdir="$OUT/mosaic" \
       --config.iters=10 ;;
+  fills)
+    timeout "$T" python -m experiments.kernel_bench \
+      --config=configs/kernel_bench.py:fills --workdir="$OUT/fills" ;;
+  conv_ring8b)
+    timeout "$T" python benchmarks/scripts/conv_ring_check.py \
+      --config configs/nemotron_h_8b.py --batch 256 --new_tokens 128 \
+      --repeats 2 --prompt_len 256 --prefill_rows 64 \
+      --out "$OUT/conv_ring_8b.json" ;;
+  decode8b_512)
+    timeout "$T" python -m experiments.decode_bench --config=configs/nemotron_h_8b.py \
+      --workdir="$OUT/decode8b_512" --config.bench.batches='(512,)' \
+      --config.bench.buffer_lens='(16,)' --config.bench.prompt_len=256 \
+      --config.bench.new_tokens=128 --config.bench.repeats=2 \
+      --config.bench.prefill_rows=64 --config.bench.split_batches='()' ;;
+  policies_sr)
+    timeout "$T" python -m experiments.kernel_bench \
+      --config=configs/kernel_bench.py:policies --workdir="$OUT/policies_sr" \
+      --config.policies="('f16+sr','f32+int8+sr','f16+fp8+sr')" ;;
   policies)
     timeout "$T" python -m experiments.kernel_bench \
       --config=configs/kernel_bench.py:policies --workdir="$OUT/policies" \
