@@ -2,8 +2,9 @@
 
 Importing this package registers implementation "pallas" for
 `replayssm_jax.selective_state_update`, `replayssm_jax.replay_state_update`,
-`replayssm_jax.replay_verify` and `replayssm_jax.baseline_verify`
-(the dispatcher imports it lazily on first use). The kernels use the Pallas
+`replayssm_jax.replay_verify`, `replayssm_jax.baseline_verify` and
+`replayssm_jax.ops.decode_attention` (the dispatcher imports it lazily on
+first use). The kernels use the Pallas
 Triton backend on GPU and Pallas interpret mode elsewhere, so the same kernel
 code runs in CPU tests. The Mosaic GPU baseline kernel
 (`pallas_kernels.mosaic_gpu`, Hopper and later) registers beside it as
@@ -16,13 +17,14 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_kernels import attention as attention_kernel
 from pallas_kernels import common
 from pallas_kernels import mosaic_gpu as mosaic_kernel
 from pallas_kernels import replay as replay_kernel
 from pallas_kernels import ssu as ssu_kernel
 from pallas_kernels import verify as verify_kernel
-from pallas_kernels.common import (ReplayConfig, SSUConfig, VerifyConfig,
-                                   on_gpu)
+from pallas_kernels.common import (AttentionConfig, ReplayConfig, SSUConfig,
+                                   VerifyConfig, on_gpu)
 from pallas_kernels.mosaic_gpu import MosaicSSUConfig
 from replayssm_jax import ops as _ops
 from replayssm_jax import precision as P
@@ -132,6 +134,19 @@ def _replay(*, config=None, **args):
       **args, config=config or ReplayConfig(), interpret=not on_gpu())
 
 
+def _attention_supports(q, **_):
+  d = q.shape[-1]
+  if not _pow2(d):
+    return (f"head_dim = {d} is not a power of two (Triton block shapes "
+            f"must be); use implementation='reference'.")
+  return None
+
+
+def _attention(*, config=None, **args):
+  return attention_kernel.decode_attention(
+      **args, config=config or AttentionConfig(), interpret=not on_gpu())
+
+
 def _verify(*, config=None, **args):
   return verify_kernel.replay_verify(
       **args, config=config or VerifyConfig(), interpret=not on_gpu())
@@ -158,6 +173,10 @@ _ops.register_implementation(
     "replay_state_update",
     _ops.Implementation("pallas", _replay, supports=_replay_supports,
                         preferred=on_gpu, priority=10))
+_ops.register_implementation(
+    "decode_attention",
+    _ops.Implementation("pallas", _attention, supports=_attention_supports,
+                        preferred=on_gpu, priority=10))
 
-__all__ = ["MosaicSSUConfig", "ReplayConfig", "SSUConfig", "VerifyConfig",
+__all__ = ["AttentionConfig", "MosaicSSUConfig", "ReplayConfig", "SSUConfig", "VerifyConfig",
            "common", "on_gpu"]

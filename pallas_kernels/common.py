@@ -448,6 +448,28 @@ class ReplayConfig(_LaunchConfig):
 
 
 @dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+  """Tuning of the decode attention kernel (`pallas_kernels.attention`).
+
+  Attributes:
+    block_s: cache entries per loop iteration (a power of two); a cache
+      whose max_len it does not divide uses gcd(max_len, block_s).
+    num_warps: Triton warps per program (one program per row and KV head).
+    prefetch: issue the next block's loads before this block's math (the
+      loaded tiles ride in the loop carry: twice the registers).
+  """
+  block_s: int = 64
+  num_warps: int = 4
+  prefetch: bool = False
+
+  def __post_init__(self):
+    _check_pow2("block_s", self.block_s)
+    _check_pow2("num_warps", self.num_warps)
+    if not isinstance(self.prefetch, bool):
+      raise ValueError(f"prefetch must be a bool, got {self.prefetch!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
 class VerifyConfig(_LaunchConfig):
   """Tuning of the speculative verify kernels (one head per program).
 

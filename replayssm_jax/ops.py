@@ -1,8 +1,9 @@
 """Public, validated decode-step ops with an implementation dispatcher.
 
-`selective_state_update` (baseline) and `replay_state_update` (ReplaySSM)
-check their arguments once at trace time (shape/dtype errors name the
-argument), then run an implementation:
+`selective_state_update` (baseline), `replay_state_update` (ReplaySSM) and
+`decode_attention` (one query per row against its KV cache) check their
+arguments once at trace time (shape/dtype errors name the argument), then
+run an implementation:
 
   implementation=None         the fastest registered implementation that
                               supports the device and shapes (the reference
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from replayssm_jax import _validation as V
+from replayssm_jax import attention
 from replayssm_jax import precision as P
 from replayssm_jax import reference
 from replayssm_jax import speculative
@@ -67,6 +69,10 @@ _REGISTRY: dict[str, dict[str, Implementation]] = {
     "baseline_verify": {
         "reference": Implementation(
             "reference", speculative.baseline_verify_reference,
+            priority=-1)},
+    "decode_attention": {
+        "reference": Implementation(
+            "reference", attention.decode_attention_reference,
             priority=-1)},
 }
 
@@ -165,6 +171,30 @@ def selective_state_update(ssm_state, x, dt, A, B, C, D=None, z=None,
   args = dict(ssm_state=ssm_state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z,
               dt_bias=dt_bias, dt_softplus=bool(dt_softplus))
   return dispatch("selective_state_update", implementation, config, args)
+
+
+def decode_attention(q, k_cache, v_cache, lengths, scale=None, *,
+                     implementation: str | None = None, config=None):
+  """One query per row and head against the row's KV cache (decode step).
+
+  Args:
+    q: [batch, q_heads, head_dim] queries (one token per row).
+    k_cache, v_cache: [batch, kv_heads, max_len, head_dim] head-major caches;
+      q_heads % kv_heads == 0 (query head h reads KV head
+      h // (q_heads // kv_heads)).
+    lengths: [batch] integers in [0, max_len]: row r attends to its cache
+      entries 0 .. lengths[r] - 1 (a row with length 0 returns zeros).
+      Checked when concrete; a kernel reads only these entries.
+    scale: the score scale, a Python float; None = head_dim ** -0.5.
+    implementation, config: see the module docstring.
+
+  Returns:
+    [batch, q_heads, head_dim] in q.dtype (float32 scores, softmax and sums).
+  """
+  attention.validate_decode_attention(q, k_cache, v_cache, lengths, scale)
+  args = dict(q=q, k_cache=k_cache, v_cache=v_cache, lengths=lengths,
+              scale=scale)
+  return dispatch("decode_attention", implementation, config, args)
 
 
 def replay_state_update(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,

@@ -1,23 +1,26 @@
-"""Forms of the one-query decode attention, checked and timed (GPU diagnostic).
+"""Forms of the one-query decode attention, checked and timed (GPU).
 
-The model's decode step attends one query per row to its KV cache
-([batch, max_len, kv_heads, head_dim], per-row lengths). This times forms of
-that product at hybrid_1b's shapes (16 query / 4 KV heads of 128, bf16
-cache) over rotating caches (more bytes than the L2), each checked against
-the float32 form the model used before (`f32`, the reference):
+The model's decode step attends one query per row to the valid entries of
+its head-major KV cache ([batch, kv_heads, max_len, head_dim], per-row
+lengths). This times, at hybrid_1b's shapes (16 query / 4 KV heads of 128,
+bf16 cache; --q_heads / --kv_heads for others) over rotating caches (more
+bytes than the L2):
 
-  f32      q, k, v converted to float32, both products in float32
-  bf16_qk  q.k^T on the bf16 operands with float32 accumulation (exact: a
-           product of two bf16 values is exact in float32), p.v in float32
-  bf16     both products on bf16 operands, p rounded to bf16 (as flash
-           attention kernels do), float32 accumulation
+  xla_f32     q, k, v converted to float32, both products in float32 over
+              the whole cache, masked (the model's form until session 25)
+  reference   `ops.decode_attention(implementation="reference")` (XLA, the
+              whole cache, masked)
+  pallas:<v>  `ops.decode_attention(implementation="pallas")` with the
+              AttentionConfig variant v (VARIANTS; --variants picks): reads
+              only each row's valid entries
 
-each in two cache layouts: [batch, max_len, kv_heads, head_dim] (`bskd`, the
-model's before session 23) and head-major [batch, kv_heads, max_len,
-head_dim] (`bksd`, the model's since).
+each with ragged lengths (uniform in [max_len / 2, max_len], as in a decode
+loop's cache) and with every row full. Each form is checked against the
+op's reference on float32 copies of the inputs; `tb_per_s` counts the valid
+entries' bytes (k and v, read once).
 
-It also lists the copies (>= 1 MiB) in the optimized HLO of
-experiments/decode_bench.py's decode loop on the given config.
+Until session 24 it also timed the [batch, max_len, kv_heads, head_dim]
+layout and bf16 products (benchmarks/attend_micro_h200.json).
 
   PYTHONPATH=. python benchmarks/scripts/attend_micro.py --out $OUT/am.json
 """
@@ -33,27 +36,44 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import pallas_kernels as pk
+from replayssm_jax import ops
+
 F32 = jnp.float32
 
+VARIANTS = {
+    "default": pk.AttentionConfig(),
+    "b32": pk.AttentionConfig(block_s=32),
+    "b128w8": pk.AttentionConfig(block_s=128, num_warps=8),
+    "b64w8": pk.AttentionConfig(block_s=64, num_warps=8),
+    "b64w2": pk.AttentionConfig(block_s=64, num_warps=2),
+    "b32p": pk.AttentionConfig(block_s=32, prefetch=True),
+    "b64p": pk.AttentionConfig(block_s=64, prefetch=True),
+}
 
-def attend(form, layout, q, k, v, mask):
-  """q [b, Hq, D] (one query), k/v [b, S, Hk, D] (layout "bskd") or
-  [b, Hk, S, D] ("bksd"), mask [b, S] -> [b, Hq*D]."""
+
+def xla_f32(q, k, v, lengths):
+  """The model's decode attention until session 25 (head-major cache)."""
   b, hq, d = q.shape
-  hk = k.shape[2 if layout == "bskd" else 1]
+  hk, s = k.shape[1], k.shape[2]
   qg = q.reshape(b, hk, hq // hk, d)
-  if form == "f32":
-    s = jnp.einsum(f"bkrd,{layout}->bkrs", qg.astype(F32), k.astype(F32))
-  else:
-    s = jnp.einsum(f"bkrd,{layout}->bkrs", qg, k, preferred_element_type=F32)
-  s = jnp.where(mask[:, None, None], s * d ** -0.5, -1e30)
-  p = jax.nn.softmax(s, axis=-1)
-  if form == "bf16":
-    o = jnp.einsum(f"bkrs,{layout}->bkrd", p.astype(v.dtype), v,
-                   preferred_element_type=F32)
-  else:
-    o = jnp.einsum(f"bkrs,{layout}->bkrd", p, v.astype(F32))
-  return o.reshape(b, hq * d).astype(q.dtype)
+  sc = jnp.einsum("bkrd,bksd->bkrs", qg.astype(F32), k.astype(F32))
+  mask = jnp.arange(s)[None] < lengths[:, None]
+  sc = jnp.where(mask[:, None, None], sc * d ** -0.5, -1e30)
+  p = jax.nn.softmax(sc, axis=-1)
+  o = jnp.einsum("bkrs,bksd->bkrd", p, v.astype(F32))
+  return o.reshape(b, hq, d).astype(q.dtype)
+
+
+def form_fn(name):
+  if name == "xla_f32":
+    return jax.jit(xla_f32)
+  if name == "reference":
+    return jax.jit(lambda *a: ops.decode_attention(
+        *a, implementation="reference"))
+  config = VARIANTS[name.split(":", 1)[1]]
+  return jax.jit(lambda *a: ops.decode_attention(
+      *a, implementation="pallas", config=config))
 
 
 def timed(fn, sets, iters):
@@ -90,47 +110,65 @@ def main():
   ap = argparse.ArgumentParser(description=__doc__)
   ap.add_argument("--batch", type=int, default=256)
   ap.add_argument("--max_len", type=int, default=384)
+  ap.add_argument("--q_heads", type=int, default=16)
+  ap.add_argument("--kv_heads", type=int, default=4)
+  ap.add_argument("--head_dim", type=int, default=128)
   ap.add_argument("--sets", type=int, default=6)
   ap.add_argument("--iters", type=int, default=50)
+  ap.add_argument("--variants", default=",".join(VARIANTS))
   ap.add_argument("--config", default="configs/hybrid_1b.py")
+  ap.add_argument("--copies", action="store_true",
+                  help="also list the decode loop's HLO copies of >= 1 MiB")
   ap.add_argument("--out", required=True)
   a = ap.parse_args()
-  b, S, hq, hk, d = a.batch, a.max_len, 16, 4, 128
+  b, S, hq, hk, d = a.batch, a.max_len, a.q_heads, a.kv_heads, a.head_dim
   keys = jax.random.split(jax.random.PRNGKey(0), 4 * a.sets)
   sets = []
   for i in range(a.sets):
     q = jax.random.normal(keys[4 * i], (b, hq, d), jnp.bfloat16)
-    k = jax.random.normal(keys[4 * i + 1], (b, S, hk, d), jnp.bfloat16)
-    v = jax.random.normal(keys[4 * i + 2], (b, S, hk, d), jnp.bfloat16)
+    k = jax.random.normal(keys[4 * i + 1], (b, hk, S, d), jnp.bfloat16)
+    v = jax.random.normal(keys[4 * i + 2], (b, hk, S, d), jnp.bfloat16)
     lengths = jax.random.randint(keys[4 * i + 3], (b,), S // 2, S + 1)
-    mask = jnp.arange(S)[None] < lengths[:, None]
-    sets.append((q, k, v, mask))
+    sets.append((q, k, v, lengths.astype(jnp.int32)))
+  regimes = {"ragged": sets,
+             "full": [(q, k, v, jnp.full((b,), S, jnp.int32))
+                      for q, k, v, _ in sets]}
   res = dict(command=" ".join(["python"] + sys.argv),
              date=datetime.datetime.now(datetime.timezone.utc).isoformat(
                  timespec="seconds"),
              device=jax.devices()[0].device_kind, jax=jax.__version__,
              shapes=dict(batch=b, max_len=S, q_heads=hq, kv_heads=hk,
                          head_dim=d), cache_mib=2 * b * S * hk * d * 2 / 2**20,
+             variants={n: repr(VARIANTS[n]) for n in a.variants.split(",")},
              forms={})
-  ref = jax.jit(lambda *x: attend("f32", "bskd", *x).astype(F32))(*sets[0])
-  hm_sets = [(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), m)
-             for q, k, v, m in sets]
-  for layout, data in (("bskd", sets), ("bksd", hm_sets)):
-    for form in ("f32", "bf16_qk", "bf16"):
-      fn = jax.jit(lambda *x, f=form, lay=layout: attend(f, lay, *x))
-      err = float(jnp.max(jnp.abs(fn(*data[0]).astype(F32) - ref)) /
-                  jnp.max(jnp.abs(ref)))
-      us = timed(fn, data, a.iters)
-      name = f"{form}/{layout}"
-      res["forms"][name] = dict(us=us, max_err_rel_to_max=err,
-                                tb_per_s=res["cache_mib"] * 2**20 / us / 1e6)
-      print(f"{name:14s} {us:8.1f} us  {res['forms'][name]['tb_per_s']:.2f} "
-            f"TB/s  err {err:.2e}", flush=True)
-  res["decode_loop_copies"] = copies(a.config, b)
-  for mode, rows in res["decode_loop_copies"].items():
-    print(f"== copies >= 1 MiB in the {mode} decode loop: {len(rows)}")
-    for r in rows:
-      print("  ", r)
+  names = ["xla_f32", "reference"] + [f"pallas:{n}"
+                                      for n in a.variants.split(",")]
+  for regime, data in regimes.items():
+    q, k, v, n = data[0]
+    ref = ops.decode_attention(q.astype(F32), k.astype(F32), v.astype(F32),
+                               n, implementation="reference")
+    valid_bytes = [2 * hk * d * 2 * float(jnp.sum(s[3])) for s in data]
+    for name in names:
+      fn = form_fn(name)
+      try:
+        err = float(jnp.max(jnp.abs(fn(*data[0]).astype(F32) - ref)) /
+                    jnp.max(jnp.abs(ref)))
+        us = timed(fn, data, a.iters)
+      except Exception as e:  # pylint: disable=broad-except
+        res["forms"][f"{name}/{regime}"] = dict(error=repr(e)[:2000])
+        print(f"{name}/{regime}: FAILED {e!r}"[:400], flush=True)
+        continue
+      tb = statistics.mean(valid_bytes) / us / 1e6
+      res["forms"][f"{name}/{regime}"] = dict(
+          us=us, max_err_rel_to_max=err, tb_per_s=tb)
+      print(f"{name + '/' + regime:24s} {us:8.1f} us  {tb:.2f} TB/s  "
+            f"err {err:.2e}", flush=True)
+  if a.copies:
+    res["decode_loop_copies"] = copies(a.config, b)
+    for mode, rows in res["decode_loop_copies"].items():
+      print(f"== copies >= 1 MiB in the {mode} decode loop: {len(rows)}")
+      for r in rows:
+        print("  ", r)
   with open(a.out, "w") as f:
     json.dump(res, f, indent=1)
 

@@ -42,6 +42,7 @@
 #   bash benchmarks/scripts/run_h200.sh conv_ring8b  # the 8B shapes' decode step at b 256, L 16, shifting vs ring conv state on one machine (replay, then baseline; session 24's run of the shift row took ~110 s)
 #   bash benchmarks/scripts/run_h200.sh decode8b_512  # the 8B shapes at b 512, L 16 (not yet run; 2 x ~59 GB states built one at a time)
 #   bash benchmarks/scripts/run_h200.sh policies_sr  # the presets session 24 did not reach (f16+sr, f32+int8+sr, f16+fp8+sr), f16 baseline, b 256, L 16
+#   bash benchmarks/scripts/run_h200.sh attention  # the decode attention forms (XLA whole cache vs the Pallas kernel's variants) at hybrid_1b's and the 8B's attention shapes, b 256, then hybrid_1b decode at b {256,512}, L 16, split at 256 (session 25)
 #   bash benchmarks/scripts/run_h200.sh check      # kernel_bench smoke: every kernel vs the reference on the GPU
 #   bash benchmarks/scripts/run_h200.sh drift      # precision_drift: 13 policies (f16+fp8 since session 23, not yet run) x L {4,16,64} + 8 baselines, 100k steps
 #
@@ -210,6 +211,14 @@ P.run(c, sys.argv[1])" "$OUT/precision_mqar1024_rest" ;;
       --config.bench.new_tokens=128 --config.bench.repeats=2 \
       --config.bench.prefill_rows=64 --config.bench.split_batches='()' \
       --config.bench.replay_policies="('f32+bf16','f32+fp8')" ;;
+  attention)
+    timeout "$T" python benchmarks/scripts/attend_micro.py \
+      --out "$OUT/attend_micro.json"
+    timeout "$T" python benchmarks/scripts/attend_micro.py --q_heads 32 \
+      --kv_heads 8 --variants default,b32,b64w8 --out "$OUT/attend_micro_8b.json"
+    timeout "$T" python -m experiments.decode_bench --config=configs/hybrid_1b.py \
+      --workdir="$OUT/decode" --config.bench.batches='(256,512)' \
+      --config.bench.buffer_lens='(16,)' --config.bench.repeats=2 ;;
   check)
     timeout "$T" python -m experiments.kernel_bench \
       --config=configs/kernel_bench.py:smoke --workdir="$OUT/check" ;;

@@ -173,7 +173,8 @@ def generate(model: M.HybridLM, prompt_tokens, prompt_lengths,
     greedy: force greedy (True) or sampling (False); default temperature==0.
     rng: PRNG key (required when sampling).
     eos_id: a row stops after emitting it; later slots hold eos_id.
-    implementation: SSM decode op implementation (dispatcher name).
+    implementation: implementation of the SSM decode op and the decode
+      attention (dispatcher name, see `decode_step`).
     return_state: also return the final decode state.
 
   Returns:

@@ -383,8 +383,10 @@ class Attention(nnx.Module):
         length=lengths.astype(jnp.int32))
     return out, new
 
-  def step(self, h, state: AttentionState):
-    """One query per row against its cache (masked by length; no recompute).
+  def step(self, h, state: AttentionState, implementation: str | None = None):
+    """One query per row against its cache (no recompute): the cache's
+    first length + 1 entries, through `ops.decode_attention` (a kernel
+    reads only those; `implementation` picks it).
 
     A row whose cache is full (length == max_len) drops its new key/value.
     """
@@ -398,11 +400,12 @@ class Attention(nnx.Module):
                                         mode="drop")
       vc = state.v.at[rows, :, pos].set(v[:, :, 0].astype(state.v.dtype),
                                         mode="drop")
-    mask = jnp.arange(state.max_len)[None, None, :] <= pos[:, None, None]
     with jax.named_scope("attend"):
-      o = self._attend(q, kc, vc, mask)
+      o = ops.decode_attention(q[:, 0], kc, vc,
+                               jnp.minimum(pos + 1, state.max_len),
+                               implementation=implementation)
     with jax.named_scope("o_proj"):
-      out = self.o_proj(o)[:, 0]
+      out = self.o_proj(o.reshape(b, -1))
     return out, AttentionState(k=kc, v=vc, length=pos + 1)
 
   def verify(self, h, state: AttentionState):
@@ -449,13 +452,6 @@ class MLP(nnx.Module):
       a = jnp.square(jax.nn.relu(u))
     return self.down_proj(a)
 
-  def prefill(self, h, lengths, state):
-    del lengths
-    return self(h), state
-
-  def step(self, h, state):
-    return self(h), state
-
   def verify(self, h, state):
     return self(h), state
 
@@ -477,9 +473,11 @@ class Block(nnx.Module):
     rounding)."""
     with jax.named_scope(self.kind):  # names the ops in profiles
       h = self.norm(x)
-      if self.kind != "mamba":
+      if self.kind == "mlp":
+        y, state = self.mixer(h), state
+      elif self.kind == "attention":
         y, state = (self.mixer.prefill(h, lengths, state) if x.ndim == 3
-                    else self.mixer.step(h, state))
+                    else self.mixer.step(h, state, implementation))
       elif x.ndim == 3:
         y, state = self.mixer.prefill(h, lengths, state, layer)
       else:

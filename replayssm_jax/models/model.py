@@ -321,7 +321,9 @@ def decode_step(model: HybridLM, token, state: S.ModelState,
   """One decode step of every row: token [batch] int -> (logits [batch,
   vocab] float32, new state). The state is donated.
 
-  `implementation` is passed to the SSM decode op's dispatcher.
+  `implementation` is passed to the dispatcher of the step's kernel ops
+  (the SSM decode op and `ops.decode_attention`): None picks the fastest
+  of each, "reference" / "pallas" names one for both.
   """
   _check_tokens("token", token, 1, "[batch]", model.config)
   _check_state(state, token.shape[0], model.config)

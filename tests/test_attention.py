@@ -1,0 +1,198 @@
+"""ops.decode_attention: the reference against float64 numpy, the Pallas
+kernel (interpret mode) against the reference, argument checks, and the
+model's decode step through both implementations.
+
+Outputs of the kernel start as NaN in interpret mode (Pallas' uninitialized
+value), so a head or row the kernel forgets to write fails the comparison.
+"""
+
+from __future__ import annotations
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import _decode_bench
+import pallas_kernels as pk
+from replayssm_jax import models
+from replayssm_jax import ops
+from replayssm_jax import testing
+
+
+def _inputs(key, batch, q_heads, kv_heads, max_len, head_dim, dtype,
+            lengths=None):
+  kq, kk, kv, kl = jax.random.split(key, 4)
+  q = jax.random.normal(kq, (batch, q_heads, head_dim), jnp.float32)
+  k = jax.random.normal(kk, (batch, kv_heads, max_len, head_dim), jnp.float32)
+  v = jax.random.normal(kv, (batch, kv_heads, max_len, head_dim), jnp.float32)
+  if lengths is None:  # ragged, with an empty and a full row
+    lengths = jax.random.randint(kl, (batch,), 1, max_len + 1)
+    lengths = lengths.at[0].set(0).at[-1].set(max_len)
+  return (q.astype(dtype), k.astype(dtype), v.astype(dtype),
+          jnp.asarray(lengths, jnp.int32))
+
+
+def _numpy_attention(q, k, v, lengths, scale):
+  """float64, row by row and head by head."""
+  q, k, v = (np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+             for a in (q, k, v))
+  b, hq, d = q.shape
+  rep = hq // k.shape[1]
+  out = np.zeros((b, hq, d))
+  for r in range(b):
+    n = int(lengths[r])
+    if n == 0:
+      continue
+    for h in range(hq):
+      s = scale * (k[r, h // rep, :n] @ q[r, h])
+      p = np.exp(s - s.max())
+      out[r, h] = (p / p.sum()) @ v[r, h // rep, :n]
+  return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("q_heads,kv_heads", [(4, 4), (4, 2), (8, 2), (6, 2)])
+def test_reference_matches_numpy(dtype, q_heads, kv_heads):
+  args = _inputs(jax.random.PRNGKey(q_heads * 7 + kv_heads), 5, q_heads,
+                 kv_heads, 24, 16, dtype)
+  got = ops.decode_attention(*args, implementation="reference")
+  assert got.dtype == jnp.dtype(dtype)
+  want = _numpy_attention(*args, 16 ** -0.5)
+  testing.assert_close(got, want, testing.tolerance(dtype), "reference")
+  assert not np.any(np.asarray(got[0], np.float32)), "length-0 row not zero"
+
+
+KERNEL_CONFIGS = {
+    "default": None,
+    "block8": pk.AttentionConfig(block_s=8),
+    "block8_prefetch": pk.AttentionConfig(block_s=8, prefetch=True),
+    "block16_2warps": pk.AttentionConfig(block_s=16, num_warps=2),
+}
+
+
+@pytest.mark.parametrize("config", KERNEL_CONFIGS, ids=str)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("q_heads,kv_heads,max_len", [
+    (4, 1, 32), (4, 2, 40), (2, 2, 16), (6, 2, 24)])
+def test_kernel_matches_reference(config, dtype, q_heads, kv_heads, max_len):
+  """Ragged lengths (0 and max_len included); max_len 40 and 24 are not
+  multiples of the default block (gcd blocks of 8); 6 / 2 heads: a group of
+  3 query heads per KV head."""
+  args = _inputs(jax.random.PRNGKey(max_len + q_heads), 6, q_heads, kv_heads,
+                 max_len, 16, dtype)
+  want = ops.decode_attention(*args, implementation="reference")
+  got = ops.decode_attention(*args, implementation="pallas",
+                             config=KERNEL_CONFIGS[config])
+  assert got.dtype == want.dtype and got.shape == want.shape
+  # Both accumulate in float32 and round the output to dtype once; the
+  # online softmax only reorders the sums.
+  testing.assert_close(got, want, testing.tolerance(dtype), config)
+
+
+def test_kernel_scale_and_block_len():
+  args = _inputs(jax.random.PRNGKey(3), 3, 4, 2, 48, 32, "float32")
+  for scale in (None, 0.05):
+    want = ops.decode_attention(*args, scale=scale, implementation="reference")
+    got = ops.decode_attention(*args, scale=scale, implementation="pallas")
+    testing.assert_close(got, want, testing.TOLERANCES["float32"],
+                         f"scale {scale}")
+  assert pk.attention.block_len(48, pk.AttentionConfig()) == 16
+  assert pk.attention.block_len(384, pk.AttentionConfig()) == 64
+
+
+def test_out_of_range_lengths_under_jit_agree():
+  """Traced lengths cannot be checked: both implementations treat a length
+  above max_len as max_len and a negative one as 0."""
+  q, k, v, _ = _inputs(jax.random.PRNGKey(4), 3, 4, 2, 16, 16, "float32")
+  bad = jnp.array([-3, 40, 7], jnp.int32)
+  clamped = jnp.array([0, 16, 7], jnp.int32)
+  for impl in ("reference", "pallas"):
+    got = jax.jit(lambda n, i=impl: ops.decode_attention(
+        q, k, v, n, implementation=i))(bad)
+    want = ops.decode_attention(q, k, v, clamped, implementation="reference")
+    testing.assert_close(got, want, testing.TOLERANCES["float32"], impl)
+
+
+def test_inputs_are_not_mutated():
+  args = _inputs(jax.random.PRNGKey(5), 2, 4, 2, 16, 16, "float32")
+  copies = [np.array(a) for a in args]
+  ops.decode_attention(*args, implementation="pallas")
+  for a, c in zip(args, copies):
+    np.testing.assert_array_equal(np.asarray(a), c)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(q=jnp.zeros((2, 4, 16, 1))), r"q must be 3-D \[batch, q_heads"),
+    (dict(q=jnp.zeros((2, 4, 16), jnp.int32)), r"q must have a floating"),
+    (dict(k_cache=jnp.zeros((2, 2, 16, 8))),
+     r"k_cache must have shape \[batch, kv_heads, max_len, head_dim\] = "
+     r"\(2, 2, 16, 16\)"),
+    (dict(v_cache=jnp.zeros((2, 2, 12, 16))), r"v_cache must have shape"),
+    (dict(q=jnp.ones((2, 3, 16))), r"q_heads \(3, read from q\) must be a "
+     r"multiple of kv_heads \(2"),
+    (dict(lengths=jnp.ones((3,), jnp.int32)), r"lengths must have shape"),
+    (dict(lengths=jnp.ones((2,), jnp.float32)), r"lengths must have an "
+     r"integer dtype"),
+    (dict(lengths=jnp.array([3, 17], jnp.int32)), r"lengths must lie in "
+     r"\[0, max_len\] = \[0, 16\] for every row; rows \[1\] hold \[17\]"),
+    (dict(scale=jnp.float32(0.1)), r"scale must be a Python float"),
+])
+def test_bad_arguments_are_named(change, match):
+  q, k, v, n = _inputs(jax.random.PRNGKey(6), 2, 4, 2, 16, 16, "float32")
+  args = dict(q=q, k_cache=k, v_cache=v, lengths=n)
+  args.update(change)
+  with pytest.raises((TypeError, ValueError), match=match):
+    ops.decode_attention(**args)
+
+
+def test_dispatcher():
+  args = _inputs(jax.random.PRNGKey(7), 2, 4, 2, 16, 12, "float32")
+  assert ops.implementations("decode_attention") == ("pallas", "reference")
+  with pytest.raises(NotImplementedError, match="head_dim = 12 is not a "
+                     "power of two"):
+    ops.decode_attention(*args, implementation="pallas")
+  # None runs the reference here (off-GPU the kernel would interpret).
+  testing.assert_close(ops.decode_attention(*args),
+                       ops.decode_attention(*args, implementation="reference"),
+                       testing.TOLERANCES["float32"], "default")
+  with pytest.raises(ValueError, match="config can only be given"):
+    ops.decode_attention(*args, config=pk.AttentionConfig())
+  with pytest.raises(ValueError, match="implementation must be None or one "
+                     "of"):
+    ops.decode_attention(*args, implementation="pallas_mosaic_gpu")
+
+
+def test_model_decode_with_the_kernel_matches_the_reference():
+  """The decode step with implementation="pallas" (attention kernel and SSM
+  kernels) against "reference", over ragged prompts and 6 steps."""
+  cfg = models.ModelConfig(**_decode_bench.TINY_MODEL)
+  model = models.HybridLM(cfg, rngs=nnx.Rngs(0))
+  prompts = jax.random.randint(jax.random.PRNGKey(8), (3, 7), 0,
+                               cfg.vocab_size)
+  lengths = jnp.array([7, 3, 5], jnp.int32)
+  outs = {}
+  for impl in ("reference", "pallas"):
+    st = model.init_state(3, 16, ssm_mode="replay", buffer_len=4)
+    logits, st = models.prefill(model, prompts, lengths, st)
+    seq = []
+    for _ in range(6):
+      tok = jnp.argmax(logits, -1).astype(jnp.int32)
+      logits, st = models.decode_step(model, tok, st, implementation=impl)
+      seq.append(logits)
+    outs[impl] = jnp.stack(seq, 1)
+  testing.assert_close(outs["pallas"], outs["reference"],
+                       testing.TOLERANCES["float32"], "decode logits")
+
+
+@pytest.mark.parametrize("config", KERNEL_CONFIGS, ids=str)
+def test_kernel_lowers_to_triton(config):
+  """The kernel lowers for the GPU (Triton IR, cross-lowered on this CPU):
+  the dynamic trip count, the masked loads and the -inf constants."""
+  from tests.test_pallas_kernels import _lower_for_cuda  # pylint: disable=g-import-not-at-top
+  args = _inputs(jax.random.PRNGKey(9), 2, 8, 2, 64, 32, "bfloat16")
+  text = _lower_for_cuda(
+      lambda *a: pk.attention.decode_attention(
+          *a, config=KERNEL_CONFIGS[config] or pk.AttentionConfig()), *args)
+  assert "replayssm_decode_attention" in text
