@@ -134,12 +134,9 @@ def _replay(*, config=None, **args):
       **args, config=config or ReplayConfig(), interpret=not on_gpu())
 
 
-def _attention_supports(q, **_):
-  d = q.shape[-1]
-  if not _pow2(d):
-    return (f"head_dim = {d} is not a power of two (Triton block shapes "
-            f"must be); use implementation='reference'.")
-  return None
+def _attention_supports(q, k_cache, **_):
+  return attention_kernel.shape_problem(q.shape[-1], k_cache.shape[2],
+                                        AttentionConfig())
 
 
 def _attention(*, config=None, **args):

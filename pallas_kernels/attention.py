@@ -1,18 +1,20 @@
 """Pallas (Triton backend) kernel: one-query decode attention.
 
-One program per (KV head, row) reads only the row's valid cache entries,
-`lengths[row]` of them, in blocks of `block_s`, and keeps an online softmax
-(running max, sum and weighted value sum in float32) for each of the
-q_heads // kv_heads query heads that share the KV head, so every key and
-value is read once for all of them. Matches
-`replayssm_jax.attention.decode_attention_reference` (float32 scores and
-sums; only the summation order differs).
-
-XLA's decode attention over the same cache reads all max_len entries of
-every row and ran at 1.85 TB/s on the H200 (benchmarks/attend_micro_h200.json);
-this kernel's bytes are the valid entries only. It has no split over the
-cache length (flash-decoding): one program per (row, KV head) fills the GPU
-at serving batches, not at batch 1 with a long cache.
+A program handles one (row, KV head) and a span of the cache (all of it by
+default; `AttentionConfig.split_s` splits it, flash-decoding style). It
+reads only the row's valid entries, `lengths[row]` of them (the loads of
+later entries are masked off, and a split that starts past the row's length
+exits at once), in blocks of `block_s`, and keeps an online softmax (running
+max, sum and weighted value sum in float32) for the q_heads // kv_heads
+query heads that share the KV head, so each key and value is read once for
+all of them. Both products run on the tensor cores: the query heads are
+zero-padded to 16 rows (a dot's smallest M), the scores are a dot of the
+16-bit q and K with float32 accumulation (exact products, as the reference's
+float32 math), and p . V is two dots of p split into a 16-bit high and low
+part (p to ~2^-17 relative, not rounded to 16 bits). With float32 operands
+both are IEEE float32 dots. Matches
+`replayssm_jax.attention.decode_attention_reference` within the per-dtype
+tolerances (the sums are reordered; p's split).
 """
 
 from __future__ import annotations
@@ -30,56 +32,110 @@ from pallas_kernels import common
 from replayssm_jax.attention import resolve_scale
 
 F32 = jnp.float32
+_MIN_DOT = 16  # smallest dot operand side (M, N, K) Triton takes
+_HIGHEST = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
 
 
 def block_len(max_len: int, config: common.AttentionConfig) -> int:
   """Cache entries per iteration: config.block_s, or the largest power of
-  two dividing max_len below it (a block never runs past the cache)."""
+  two dividing max_len below it (a block never straddles the cache's end)."""
   return math.gcd(max_len, config.block_s)
 
 
-def _kernel(q_ref, k_ref, v_ref, len_ref, o_ref, *, rep, block_s, scale,
-            max_len, prefetch):
-  kh, b = pl.program_id(0), pl.program_id(1)
-  n = jnp.clip(len_ref[b], 0, max_len)  # out-of-range lengths: clamped
-  d = q_ref.shape[-1]
-  qs = [q_ref[b, kh * rep + r, :].astype(F32) * scale for r in range(rep)]
+def shape_problem(head_dim: int, max_len: int,
+                  config: common.AttentionConfig) -> str | None:
+  """Why the kernel cannot take these shapes, or None."""
+  if head_dim < _MIN_DOT or head_dim & (head_dim - 1):
+    return (f"head_dim = {head_dim} is not a power of two >= {_MIN_DOT} (a "
+            f"dot operand); use implementation='reference'.")
+  if block_len(max_len, config) < _MIN_DOT:
+    return (f"max_len = {max_len} is not a multiple of {_MIN_DOT} (the "
+            f"kernel's smallest cache block); use implementation="
+            f"'reference'.")
+  return None
 
-  def load(i):
-    pos = i * block_s + jnp.arange(block_s)
-    valid = pos < n
-    rows = pl.ds(i * block_s, block_s)
-    tiles = [plgpu.load(ref.at[b, kh, rows, :], mask=valid[:, None],
-                        other=0.0, eviction_policy="evict_first")
-             for ref in (k_ref, v_ref)]
-    return tiles[0], tiles[1], valid
 
-  def update(stats, k, v, valid):
-    k, v = k.astype(F32), v.astype(F32)
-    out = []
-    for qr, (m, l, acc) in zip(qs, stats):
-      s = jnp.where(valid, jnp.sum(k * qr[None, :], axis=1), -jnp.inf)
-      m_new = jnp.maximum(m, jnp.max(s))  # finite: a block has a valid key
-      alpha = jnp.exp(m - m_new)
-      p = jnp.exp(s - m_new)  # 0 at masked keys
-      out.append((m_new, l * alpha + jnp.sum(p),
-                  acc * alpha + jnp.sum(p[:, None] * v, axis=0)))
-    return tuple(out)
-
-  stats = tuple((jnp.float32(-jnp.inf), jnp.float32(0.0),
-                 jnp.zeros((d,), F32)) for _ in range(rep))
-  nblk = (n + block_s - 1) // block_s
-  if prefetch:
-    def body(i, carry):
-      tiles, st = carry
-      nxt = load(i + 1)  # masked off past the row's length
-      return nxt, update(st, *tiles)
-    _, stats = lax.fori_loop(0, nblk, body, (load(0), stats))
+def _dot(a, b, contract_b: int):
+  """a [M, K] . b (contracting b's axis contract_b), float32 accumulation;
+  IEEE float32 when either operand is float32."""
+  if a.dtype != b.dtype or a.dtype == F32:
+    a, b, precision = a.astype(F32), b.astype(F32), _HIGHEST
   else:
-    stats = lax.fori_loop(0, nblk, lambda i, st: update(st, *load(i)), stats)
-  for r, (_, l, acc) in enumerate(stats):
-    o = jnp.where(l > 0, acc / jnp.where(l > 0, l, 1.0), 0.0)
-    o_ref[b, kh * rep + r, :] = o.astype(o_ref.dtype)
+    precision = None
+  return lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())),
+                         precision=precision, preferred_element_type=F32)
+
+
+def _kernel(q_ref, k_ref, v_ref, len_ref, *out_refs, rep, block_s, chunk,
+            scale, max_len, split):
+  sid, kh, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  n = jnp.clip(len_ref[b], 0, max_len)  # out-of-range lengths: clamped
+  start0 = sid * chunk
+  rows = q_ref.shape[2]  # query heads padded to a dot's M
+  d = q_ref.shape[3]
+  row_mask = (jnp.arange(rows) < rep)[:, None]
+
+  def attend():
+    q = q_ref[b, kh]  # [rows, D]
+
+    def body(i, carry):
+      m, l, acc = carry
+      start = start0 + i * block_s
+      valid = start + jnp.arange(block_s) < n
+      k, v = (plgpu.load(ref.at[b, kh, pl.ds(start, block_s), :],
+                         mask=valid[:, None], other=0.0,
+                         eviction_policy="evict_first")
+              for ref in (k_ref, v_ref))
+      s = jnp.where(valid[None, :], _dot(q, k, 1) * scale, -jnp.inf)
+      m_new = jnp.maximum(m, jnp.max(s, axis=1))  # [rows]
+      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no key yet
+      alpha = jnp.exp(m - m_safe)
+      p = jnp.exp(s - m_safe[:, None])  # 0 at masked keys
+      if v.dtype == F32:
+        pv = _dot(p, v, 0)
+      else:  # p to ~2^-17: a high and a low 16-bit part, two tensor-core dots
+        hi = p.astype(v.dtype)
+        lo = (p - hi.astype(F32)).astype(v.dtype)
+        pv = _dot(hi, v, 0) + _dot(lo, v, 0)
+      return (m_new, l * alpha + jnp.sum(p, axis=1),
+              acc * alpha[:, None] + pv)
+
+    init = (jnp.full((rows,), -jnp.inf, F32), jnp.zeros((rows,), F32),
+            jnp.zeros((rows, d), F32))
+    return lax.fori_loop(0, chunk // block_s, body, init)
+
+  if split == 1:
+    (o_ref,) = out_refs
+    _, l, acc = attend()
+    o = jnp.where((l > 0)[:, None], acc / jnp.where(l > 0, l, 1.0)[:, None],
+                  0.0)
+    plgpu.store(o_ref.at[b, kh], o.astype(o_ref.dtype), mask=row_mask)
+  else:
+    m_ref, l_ref, acc_ref = out_refs
+
+    @pl.when(start0 < n)
+    def _partial():
+      m, l, acc = attend()
+      m_ref[b, kh, sid] = m
+      l_ref[b, kh, sid] = l
+      plgpu.store(acc_ref.at[b, kh, sid], acc, mask=row_mask)
+
+
+def _combine(m, l, acc, lengths, chunk, rep):
+  """The splits' partial softmax sums -> [b, Hk, rep, D] (splits starting
+  past a row's length were not written: masked here)."""
+  nsplit = m.shape[2]
+  valid = (jnp.arange(nsplit)[None, :] * chunk
+           < lengths[:, None])[:, None, :, None]  # [b, 1, split, 1]
+  m = jnp.where(valid, m[..., :rep], -jnp.inf)
+  top = jnp.max(m, axis=2, keepdims=True)
+  top = jnp.where(jnp.isfinite(top), top, 0.0)
+  w = jnp.where(valid, jnp.exp(m - top), 0.0)  # [b, Hk, split, rep]
+  denom = jnp.sum(w * jnp.where(valid, l[..., :rep], 0.0), axis=2)
+  num = jnp.sum(w[..., None] * jnp.where(valid[..., None],
+                                         acc[..., :rep, :], 0.0), axis=2)
+  return jnp.where((denom > 0)[..., None],
+                   num / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
@@ -89,16 +145,33 @@ def decode_attention(q, k_cache, v_cache, lengths, scale=None, *,
   """Same signature and results as the reference, plus a tuning config."""
   batch, hq, d = q.shape
   hk, max_len = k_cache.shape[1], k_cache.shape[2]
-  kernel = functools.partial(
-      _kernel, rep=hq // hk, block_s=block_len(max_len, config),
-      scale=resolve_scale(scale, d), max_len=max_len,
-      prefetch=config.prefetch)
-  return pl.pallas_call(
-      kernel,
-      grid=(hk, batch),
-      out_shape=jax.ShapeDtypeStruct((batch, hq, d), q.dtype),
+  problem = shape_problem(d, max_len, config)
+  if problem is not None:
+    raise NotImplementedError(problem)
+  rep = hq // hk
+  rows = max(_MIN_DOT, 1 << (rep - 1).bit_length())
+  qg = jnp.pad(q.reshape(batch, hk, rep, d),
+               ((0, 0), (0, 0), (0, rows - rep), (0, 0)))
+  chunk = max_len if config.split_s is None else min(config.split_s, max_len)
+  nsplit = -(-max_len // chunk)
+  lengths = jnp.clip(lengths.astype(jnp.int32), 0, max_len)
+  if nsplit == 1:
+    out_shape = jax.ShapeDtypeStruct((batch, hk, rows, d), q.dtype)
+  else:
+    part = (batch, hk, nsplit, rows)
+    out_shape = (jax.ShapeDtypeStruct(part, F32),
+                 jax.ShapeDtypeStruct(part, F32),
+                 jax.ShapeDtypeStruct(part + (d,), F32))
+  out = pl.pallas_call(
+      functools.partial(_kernel, rep=rep, block_s=block_len(max_len, config),
+                        chunk=chunk, scale=resolve_scale(scale, d),
+                        max_len=max_len, split=nsplit),
+      grid=(nsplit, hk, batch),
+      out_shape=out_shape,
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
-                                           num_stages=1),
+                                           num_stages=config.num_stages),
       interpret=interpret,
       name="replayssm_decode_attention",
-  )(q, k_cache, v_cache, lengths.astype(jnp.int32))
+  )(qg, k_cache, v_cache, lengths)
+  o = out[:, :, :rep] if nsplit == 1 else _combine(*out, lengths, chunk, rep)
+  return o.reshape(batch, hq, d).astype(q.dtype)

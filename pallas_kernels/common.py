@@ -452,21 +452,34 @@ class AttentionConfig:
   """Tuning of the decode attention kernel (`pallas_kernels.attention`).
 
   Attributes:
-    block_s: cache entries per loop iteration (a power of two); a cache
-      whose max_len it does not divide uses gcd(max_len, block_s).
-    num_warps: Triton warps per program (one program per row and KV head).
-    prefetch: issue the next block's loads before this block's math (the
-      loaded tiles ride in the loop carry: twice the registers).
+    block_s: cache entries per loop iteration (a power of two >= 16: the
+      scores are a tensor-core dot).
+    split_s: cache entries per program (a multiple of block_s); None = the
+      whole cache, so one program per (row, KV head) and no combine. With a
+      split, programs of (row, KV head, split) write partial softmax sums
+      that XLA combines (flash-decoding), and a split past the row's length
+      exits at once.
+    num_warps, num_stages: Triton launch parameters (num_stages > 1
+      pipelines the block loop's loads).
   """
   block_s: int = 64
+  split_s: int | None = None
   num_warps: int = 4
-  prefetch: bool = False
+  num_stages: int = 1
 
   def __post_init__(self):
     _check_pow2("block_s", self.block_s)
+    if self.block_s < 16:
+      raise ValueError(f"block_s must be >= 16 (a dot operand), got "
+                       f"{self.block_s}.")
+    if self.split_s is not None and (
+        not isinstance(self.split_s, int) or self.split_s < self.block_s
+        or self.split_s % self.block_s):
+      raise ValueError(f"split_s must be None or a multiple of block_s "
+                       f"({self.block_s}), got {self.split_s!r}.")
     _check_pow2("num_warps", self.num_warps)
-    if not isinstance(self.prefetch, bool):
-      raise ValueError(f"prefetch must be a bool, got {self.prefetch!r}.")
+    if self.num_stages < 1:
+      raise ValueError(f"num_stages must be >= 1, got {self.num_stages}.")
 
 
 @dataclasses.dataclass(frozen=True)

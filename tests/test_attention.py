@@ -66,20 +66,21 @@ def test_reference_matches_numpy(dtype, q_heads, kv_heads):
 
 KERNEL_CONFIGS = {
     "default": None,
-    "block8": pk.AttentionConfig(block_s=8),
-    "block8_prefetch": pk.AttentionConfig(block_s=8, prefetch=True),
-    "block16_2warps": pk.AttentionConfig(block_s=16, num_warps=2),
+    "block16": pk.AttentionConfig(block_s=16),
+    "split32": pk.AttentionConfig(block_s=16, split_s=32),
+    "split64_stages2": pk.AttentionConfig(split_s=64, num_stages=2),
 }
 
 
 @pytest.mark.parametrize("config", KERNEL_CONFIGS, ids=str)
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("q_heads,kv_heads,max_len", [
-    (4, 1, 32), (4, 2, 40), (2, 2, 16), (6, 2, 24)])
+    (4, 1, 32), (4, 2, 48), (2, 2, 16), (6, 2, 96), (32, 2, 64)])
 def test_kernel_matches_reference(config, dtype, q_heads, kv_heads, max_len):
-  """Ragged lengths (0 and max_len included); max_len 40 and 24 are not
-  multiples of the default block (gcd blocks of 8); 6 / 2 heads: a group of
-  3 query heads per KV head."""
+  """Ragged lengths (0 and max_len included); max_len 48 and 96 are not
+  multiples of the default block (gcd blocks of 16 and 32), and split32 /
+  split64 leave a split that runs past 48 / 96; 6 / 2 heads: 3 query heads
+  per KV head (padded to 16 rows), 32 / 2: 16 (no padding)."""
   args = _inputs(jax.random.PRNGKey(max_len + q_heads), 6, q_heads, kv_heads,
                  max_len, 16, dtype)
   want = ops.decode_attention(*args, implementation="reference")
@@ -87,7 +88,8 @@ def test_kernel_matches_reference(config, dtype, q_heads, kv_heads, max_len):
                              config=KERNEL_CONFIGS[config])
   assert got.dtype == want.dtype and got.shape == want.shape
   # Both accumulate in float32 and round the output to dtype once; the
-  # online softmax only reorders the sums.
+  # online softmax reorders the sums, and p . V takes p to ~2^-17 relative
+  # (high + low 16-bit parts), far inside the output's own rounding.
   testing.assert_close(got, want, testing.tolerance(dtype), config)
 
 
@@ -150,9 +152,13 @@ def test_bad_arguments_are_named(change, match):
 def test_dispatcher():
   args = _inputs(jax.random.PRNGKey(7), 2, 4, 2, 16, 12, "float32")
   assert ops.implementations("decode_attention") == ("pallas", "reference")
-  with pytest.raises(NotImplementedError, match="head_dim = 12 is not a "
-                     "power of two"):
+  with pytest.raises(NotImplementedError, match=r"head_dim = 12 is not a "
+                     r"power of two >= 16"):
     ops.decode_attention(*args, implementation="pallas")
+  short = _inputs(jax.random.PRNGKey(7), 2, 4, 2, 40, 16, "float32")
+  with pytest.raises(NotImplementedError, match="max_len = 40 is not a "
+                     "multiple of 16"):
+    ops.decode_attention(*short, implementation="pallas")
   # None runs the reference here (off-GPU the kernel would interpret).
   testing.assert_close(ops.decode_attention(*args),
                        ops.decode_attention(*args, implementation="reference"),
@@ -167,7 +173,8 @@ def test_dispatcher():
 def test_model_decode_with_the_kernel_matches_the_reference():
   """The decode step with implementation="pallas" (attention kernel and SSM
   kernels) against "reference", over ragged prompts and 6 steps."""
-  cfg = models.ModelConfig(**_decode_bench.TINY_MODEL)
+  cfg = models.ModelConfig(**{**_decode_bench.TINY_MODEL,
+                              "attn_head_dim": 16})  # a dot operand >= 16
   model = models.HybridLM(cfg, rngs=nnx.Rngs(0))
   prompts = jax.random.randint(jax.random.PRNGKey(8), (3, 7), 0,
                                cfg.vocab_size)

@@ -132,11 +132,11 @@ def test_decode_step_profile_and_attend_micro_tiny(tmp_path):
         1.0, r["ms_per_step"])
   out = tmp_path / "am.json"
   _run("attend_micro.py", "--batch", "2", "--max_len", "16", "--sets", "1",
-       "--iters", "1", "--variants", "default,b32p", "--out", str(out))
+       "--iters", "1", "--variants", "default,split64", "--out", str(out))
   forms = json.loads(out.read_text())["forms"]
   assert sorted(forms) == sorted(
       f"{f}/{r}" for f in ("xla_f32", "reference", "pallas:default",
-                           "pallas:b32p") for r in ("ragged", "full"))
+                           "pallas:split64") for r in ("ragged", "full"))
   for name, f in forms.items():
     # bf16 output rounding (2^-8 relative).
     assert f["max_err_rel_to_max"] < 8e-3, (name, f)

@@ -43,12 +43,15 @@ F32 = jnp.float32
 
 VARIANTS = {
     "default": pk.AttentionConfig(),
-    "b32": pk.AttentionConfig(block_s=32),
+    "s2": pk.AttentionConfig(num_stages=2),
+    "s3": pk.AttentionConfig(num_stages=3),
+    "w8": pk.AttentionConfig(num_warps=8),
     "b128w8": pk.AttentionConfig(block_s=128, num_warps=8),
-    "b64w8": pk.AttentionConfig(block_s=64, num_warps=8),
-    "b64w2": pk.AttentionConfig(block_s=64, num_warps=2),
-    "b32p": pk.AttentionConfig(block_s=32, prefetch=True),
-    "b64p": pk.AttentionConfig(block_s=64, prefetch=True),
+    "b32": pk.AttentionConfig(block_s=32),
+    "split128": pk.AttentionConfig(split_s=128),
+    "split128s2": pk.AttentionConfig(split_s=128, num_stages=2),
+    "split64": pk.AttentionConfig(split_s=64),
+    "b32split64": pk.AttentionConfig(block_s=32, split_s=64),
 }
 
 

@@ -42,7 +42,9 @@
 #   bash benchmarks/scripts/run_h200.sh conv_ring8b  # the 8B shapes' decode step at b 256, L 16, shifting vs ring conv state on one machine (replay, then baseline; session 24's run of the shift row took ~110 s)
 #   bash benchmarks/scripts/run_h200.sh decode8b_512  # the 8B shapes at b 512, L 16 (not yet run; 2 x ~59 GB states built one at a time)
 #   bash benchmarks/scripts/run_h200.sh policies_sr  # the presets session 24 did not reach (f16+sr, f32+int8+sr, f16+fp8+sr), f16 baseline, b 256, L 16
-#   bash benchmarks/scripts/run_h200.sh attention  # the decode attention forms (XLA whole cache vs the Pallas kernel's variants) at hybrid_1b's and the 8B's attention shapes, b 256, then hybrid_1b decode at b {256,512}, L 16, split at 256 (session 25)
+#   bash benchmarks/scripts/run_h200.sh attention  # the decode attention forms (XLA whole cache vs the Pallas kernel's variants) at hybrid_1b's and the 8B's attention shapes, b 256 (session 25)
+#   bash benchmarks/scripts/run_h200.sh decode_profile  # hybrid_1b's decode step at b 256 by named scope, replay and baseline (decode_step_profile.py, XLA's CUDA graphs off)
+#   bash benchmarks/scripts/run_h200.sh decode256  # hybrid_1b decode at b {256,512}, L 16, split at 256 (2.5 min in session 25)
 #   bash benchmarks/scripts/run_h200.sh check      # kernel_bench smoke: every kernel vs the reference on the GPU
 #   bash benchmarks/scripts/run_h200.sh drift      # precision_drift: 13 policies (f16+fp8 since session 23, not yet run) x L {4,16,64} + 8 baselines, 100k steps
 #
@@ -215,9 +217,16 @@ P.run(c, sys.argv[1])" "$OUT/precision_mqar1024_rest" ;;
     timeout "$T" python benchmarks/scripts/attend_micro.py \
       --out "$OUT/attend_micro.json"
     timeout "$T" python benchmarks/scripts/attend_micro.py --q_heads 32 \
-      --kv_heads 8 --variants default,b32,b64w8 --out "$OUT/attend_micro_8b.json"
+      --kv_heads 8 --variants default,s2,split128,split64 \
+      --out "$OUT/attend_micro_8b.json" ;;
+  decode_profile)
+    # hybrid_1b's decode step by named scope (replay and baseline, b 256)
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout "$T" \
+      python benchmarks/scripts/decode_step_profile.py \
+      --out "$OUT/decode_step_profile.json" ;;
+  decode256)
     timeout "$T" python -m experiments.decode_bench --config=configs/hybrid_1b.py \
-      --workdir="$OUT/decode" --config.bench.batches='(256,512)' \
+      --workdir="$OUT/decode256" --config.bench.batches='(256,512)' \
       --config.bench.buffer_lens='(16,)' --config.bench.repeats=2 ;;
   check)
     timeout "$T" python -m experiments.kernel_bench \
