@@ -476,9 +476,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.checkpoint_dtypes = ("float32",)
     config.extra_fills = (3, 11, 14)
     config.synced_cycle = True
+    # Session 25 (kernel_bench_h200_hybrid_layer_fills_session25.md):
+    # fills 3 / 7 / 11 / 14 at 130.5 / 135.5 / 147.1 / 152.8 µs; unmasked
+    # flat at ~155 (154.2 at fill 7), bc 152.9-172.6: both slower at every
+    # fill. Now: the checkpoint tile loaded before the B buffer (whose B . C
+    # products it waited on), inside the non-flush branch (tilefirst) and
+    # with every row computing, so no load waits on the counter (eager).
     config.replay_variants = ml_collections.ConfigDict(dict(
-        unmasked=dict(output_unmasked_buffers=True),
-        bc=dict(precompute_bc=True)))
+        tilefirst=dict(output_prefetch=True),
+        eager=dict(output_eager=True),
+        eager_tilefirst=dict(output_eager=True, output_prefetch=True)))
 
   if arg == "launch":
     # Where the fused launch (ReplayConfig.fused_launch) stops paying:

@@ -249,10 +249,12 @@ class ReplayConfig(_LaunchConfig):
       flush grid only. H200 (benchmarks/README.md, session 6): -3% to +4%
       on the amortized step, -7% on a 16-bit dual-precision flush.
     output_prefetch: the output route loads the checkpoint (or read copy)
-      tiles of all its heads_per_program heads before computing any, so
-      a program has that many tiles in flight (for 8-bit copies, whose
-      tiles are half the bytes). Separate launches only. H200 (session
-      6): 15-23% slower with heads_per_program=2; session 18
+      tiles of all its heads_per_program heads first, before its buffer
+      loads (whose B . C products the tiles' loads otherwise wait on) and
+      any math, so a program has that many tiles in flight (for 8-bit
+      copies, whose tiles are half the bytes). Separate launches only.
+      Until session 25 the tiles were loaded after the B . C products.
+      H200 (session 6): 15-23% slower with heads_per_program=2; session 18
       (benchmarks/kernel_output_launch_h200_session18_hp.md, batch 256, L
       16): with 2 / 4 heads per program at 2 or 4 warps the non-flush
       step 29-79% slower (f16 checkpoint, fp8 read copies).
@@ -461,11 +463,18 @@ class AttentionConfig:
       exits at once.
     num_warps, num_stages: Triton launch parameters (num_stages > 1
       pipelines the block loop's loads).
+
+  Defaults: H200, batch 256, 384-entry bf16 caches with ragged lengths in
+  [192, 384] (benchmarks/attend_micro_h200_session25.json): 74.3 µs at
+  hybrid_1b's 16 / 4 heads of 128 (XLA's whole-cache attention 81.0), one
+  stage 78.5, three 87.2, 8 warps 94.3, 32- / 128-entry blocks 100.2 /
+  88.3, splits of 64 / 128 entries 82.1 / 81.3; at the 8B's 32 / 8 heads
+  121.1 µs (XLA 150.6, one stage 131.2, split 128 143.5).
   """
   block_s: int = 64
   split_s: int | None = None
   num_warps: int = 4
-  num_stages: int = 1
+  num_stages: int = 2
 
   def __post_init__(self):
     _check_pow2("block_s", self.block_s)

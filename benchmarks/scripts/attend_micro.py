@@ -42,8 +42,8 @@ from replayssm_jax import ops
 F32 = jnp.float32
 
 VARIANTS = {
-    "default": pk.AttentionConfig(),
-    "s2": pk.AttentionConfig(num_stages=2),
+    "default": pk.AttentionConfig(),  # 2 stages since session 25
+    "s1": pk.AttentionConfig(num_stages=1),
     "s3": pk.AttentionConfig(num_stages=3),
     "w8": pk.AttentionConfig(num_warps=8),
     "b128w8": pk.AttentionConfig(block_s=128, num_warps=8),

@@ -217,7 +217,7 @@ P.run(c, sys.argv[1])" "$OUT/precision_mqar1024_rest" ;;
     timeout "$T" python benchmarks/scripts/attend_micro.py \
       --out "$OUT/attend_micro.json"
     timeout "$T" python benchmarks/scripts/attend_micro.py --q_heads 32 \
-      --kv_heads 8 --variants default,s2,split128,split64 \
+      --kv_heads 8 --variants default,s1,split128,split64 \
       --out "$OUT/attend_micro_8b.json" ;;
   decode_profile)
     # hybrid_1b's decode step by named scope (replay and baseline, b 256)
