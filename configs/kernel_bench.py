@@ -477,15 +477,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.extra_fills = (3, 11, 14)
     config.synced_cycle = True
     # Session 25 (kernel_bench_h200_hybrid_layer_fills_session25.md):
-    # fills 3 / 7 / 11 / 14 at 130.5 / 135.5 / 147.1 / 152.8 µs; unmasked
-    # flat at ~155 (154.2 at fill 7), bc 152.9-172.6: both slower at every
-    # fill. Now: the checkpoint tile loaded before the B buffer (whose B . C
-    # products it waited on), inside the non-flush branch (tilefirst) and
-    # with every row computing, so no load waits on the counter (eager).
-    config.replay_variants = ml_collections.ConfigDict(dict(
-        tilefirst=dict(output_prefetch=True),
-        eager=dict(output_eager=True),
-        eager_tilefirst=dict(output_eager=True, output_prefetch=True)))
+    # fills 3 / 7 / 11 / 14 at 130.5 / 135.5 / 147.1 / 152.8 µs; every slot
+    # loaded unmasked (output_unmasked_buffers) flat at ~155 (154.2 at fill
+    # 7), B . C by XLA (precompute_bc) 152.9-172.6: both slower at every
+    # fill. Second run (_session25b.md; the default at 135.9 / 138.8 /
+    # 150.4 / 155.5): every row computing so no load waits on the counter
+    # (output_eager) the same at every fill but its flush 470 against 322
+    # µs; the checkpoint tile loaded before the B buffer (a one-head
+    # output_prefetch loading the tiles first, alone and with output_eager;
+    # reverted) 16-19% slower at every fill.
 
   if arg == "launch":
     # Where the fused launch (ReplayConfig.fused_launch) stops paying:

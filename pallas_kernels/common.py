@@ -249,12 +249,13 @@ class ReplayConfig(_LaunchConfig):
       flush grid only. H200 (benchmarks/README.md, session 6): -3% to +4%
       on the amortized step, -7% on a 16-bit dual-precision flush.
     output_prefetch: the output route loads the checkpoint (or read copy)
-      tiles of all its heads_per_program heads first, before its buffer
-      loads (whose B . C products the tiles' loads otherwise wait on) and
-      any math, so a program has that many tiles in flight (for 8-bit
-      copies, whose tiles are half the bytes). Separate launches only.
-      Until session 25 the tiles were loaded after the B . C products.
-      H200 (session 6): 15-23% slower with heads_per_program=2; session 18
+      tiles of all its heads_per_program heads before computing any, so
+      a program has that many tiles in flight (for 8-bit copies, whose
+      tiles are half the bytes). Separate launches only. H200 (session
+      6): 15-23% slower with heads_per_program=2; session 25 (one head,
+      the tile loaded before the B buffer, whose B . C products it waits
+      on otherwise; kernel_bench_h200_hybrid_layer_fills_session25b.md):
+      16-19% slower on the f32 non-flush step at every fill; session 18
       (benchmarks/kernel_output_launch_h200_session18_hp.md, batch 256, L
       16): with 2 / 4 heads per program at 2 or 4 warps the non-flush
       step 29-79% slower (f16 checkpoint, fp8 read copies).

@@ -178,8 +178,7 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
                   readout_chunk=None, unmasked=False, eager=False):
   """The output route of item p (see _output_kernel for the refs);
   prefetch_heads: load the checkpoint tiles of all the program's heads
-  first, before the buffer loads and any math (a Python loop over the
-  heads); readout_chunk: the
+  before computing any (a Python loop over the heads); readout_chunk: the
   tile's column blocks (`common.load_tile_blocks`); unmasked: load every
   buffer slot and zero the unfilled ones after
   (`ReplayConfig.output_unmasked_buffers`); eager: every row's program
@@ -209,15 +208,7 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
     new = jnp.where(p.flush, 0, p.c + 1)
     cnt_out[b] = jnp.where(p.valid, new, p.c).astype(cnt_out.dtype)
 
-  def load_tile(r):
-    return common.load_tile_blocks(ck_ref, (b, p.head0 + r, ps),
-                                   readout_chunk)
-
   def route():
-    # prefetch_heads: every head's tile in flight before any other load or
-    # math (the B . C products below wait on the B buffer's load).
-    tiles = ([load_tile(r) for r in range(heads_per_program)]
-             if prefetch_heads else None)
     cv = c_ref[b, g, :].astype(F32)  # [N]
     b_cur = b_ref[b, g, :].astype(F32)
     bc_cur = jnp.sum(b_cur * cv)
@@ -227,6 +218,10 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
       b_hist = hist_load(bb_ref.at[b, :, g, :], (p.L, cv.shape[0]))  # [L, N]
       bc_hist = jnp.sum(b_hist * cv[None, :], axis=1)
     bc = jnp.where(p.cur, bc_cur, bc_hist)  # [L]
+
+    def load_tile(r):
+      return common.load_tile_blocks(ck_ref, (b, p.head0 + r, ps),
+                                     readout_chunk)
 
     def one_head(r, carry, s0=None):
       h = p.head0 + r
@@ -268,7 +263,8 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
 
       return carry
 
-    if prefetch_heads:
+    if prefetch_heads:  # every head's tile in flight before any math
+      tiles = [load_tile(r) for r in range(heads_per_program)]
       for r, tile in enumerate(tiles):
         one_head(r, 0, tile)
     else:

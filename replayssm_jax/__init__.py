@@ -16,6 +16,8 @@ Public API:
   ssd_chunked_scan            chunked SSD prefill.
   causal_conv1d(_update)      Mamba-2's short conv, prefill and decode step
                               (_update_ring: on a ring-buffer conv state).
+  decode_attention            one query per row against the valid entries
+                              of its KV cache (the model's decode step).
   traffic                     bytes-per-step model (baseline vs replay).
 """
 
@@ -23,7 +25,8 @@ from replayssm_jax import precision
 from replayssm_jax import traffic
 from replayssm_jax.conv import (causal_conv1d, causal_conv1d_update,
                                 causal_conv1d_update_ring, conv_ring_ordered)
-from replayssm_jax.ops import (Implementation, implementations, materialize,
+from replayssm_jax.ops import (Implementation, decode_attention,
+                               implementations, materialize,
                                register_implementation, replay_state_update,
                                selective_state_update,
                                selective_state_update_stored)
@@ -45,6 +48,7 @@ __all__ = [
     "causal_conv1d_update",
     "causal_conv1d_update_ring",
     "conv_ring_ordered",
+    "decode_attention",
     "implementations",
     "materialize",
     "precision",

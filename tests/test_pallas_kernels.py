@@ -113,8 +113,6 @@ REPLAY_CONFIGS = [
     pk.ReplayConfig(output_eager=True, output_unmasked_buffers=True,
                     flush_programs=3, fused_launch=True),
     pk.ReplayConfig(block_p=8, output_eager=True, fused_launch=False),
-    # ... with its checkpoint tile loaded before any other load (one head).
-    pk.ReplayConfig(block_p=8, output_eager=True, output_prefetch=True),
     # One launch on the output grid: flush rows' programs fold their tiles.
     pk.ReplayConfig(flush_grid="rows", fused_launch=True),
     pk.ReplayConfig(block_p=8, heads_per_program=2, flush_grid="rows",
@@ -870,7 +868,6 @@ LOWERING_REPLAY_CONFIGS = [
                     flush_num_warps=8, flush_num_stages=3),
     pk.ReplayConfig(fused_launch=True, flush_prefetch=True),
     pk.ReplayConfig(heads_per_program=2, output_prefetch=True),
-    pk.ReplayConfig(output_eager=True, output_prefetch=True),
     pk.ReplayConfig(readout_chunk=32, fused_launch=False),
     pk.ReplayConfig(readout_chunk=16, fused_launch=True),
     pk.ReplayConfig(flush_fold="dot_bf16x3"),
