@@ -1,18 +1,20 @@
-"""Pallas (Triton backend) kernel: one-query decode attention.
+"""Pallas (Triton backend) kernel: decode attention (one query per row, or
+a speculative window of T queries per row).
 
 A program handles one (row, KV head) and a span of the cache (all of it by
 default; `AttentionConfig.split_s` splits it, flash-decoding style). It
-reads only the row's valid entries, `lengths[row]` of them (the loads of
-later entries are masked off, and a split that starts past the row's length
-exits at once), in blocks of `block_s`, and keeps an online softmax (running
-max, sum and weighted value sum in float32) for the q_heads // kv_heads
-query heads that share the KV head, so each key and value is read once for
-all of them. Both products run on the tensor cores: the query heads are
-zero-padded to 16 rows (a dot's smallest M), the scores are a dot of the
-16-bit q and K with float32 accumulation (exact products, as the reference's
-float32 math), and p . V is two dots of p split into a 16-bit high and low
-part (p to ~2^-17 relative, not rounded to 16 bits). With float32 operands
-both are IEEE float32 dots. Matches
+reads only the entries the row's queries see (the loads of later entries
+are masked off, and a split that starts past them exits at once), in
+blocks of `block_s`, and keeps an online softmax (running max, sum and
+weighted value sum in float32) for every query of the row that reads the KV
+head: T windows positions x q_heads // kv_heads query heads, one row of the
+program's tiles each, so each key and value is read once for all of them.
+Both products run on the tensor cores: the query rows are zero-padded to a
+power of two >= 16 (a dot's smallest M), the scores are a dot of the
+16-bit q and K with float32 accumulation (exact products, as the
+reference's float32 math), and p . V is two dots of p split into a 16-bit
+high and low part (p to ~2^-17 relative, not rounded to 16 bits). With
+float32 operands both are IEEE float32 dots. Matches
 `replayssm_jax.attention.decode_attention_reference` within the per-dtype
 tolerances (the sums are reordered; p's split).
 """
@@ -66,14 +68,18 @@ def _dot(a, b, contract_b: int):
                          precision=precision, preferred_element_type=F32)
 
 
-def _kernel(q_ref, k_ref, v_ref, len_ref, *out_refs, rep, block_s, chunk,
-            scale, max_len, split):
+def _kernel(q_ref, k_ref, v_ref, len_ref, *out_refs, rep, window, block_s,
+            chunk, scale, max_len, split):
   sid, kh, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   n = jnp.clip(len_ref[b], 0, max_len)  # out-of-range lengths: clamped
   start0 = sid * chunk
-  rows = q_ref.shape[2]  # query heads padded to a dot's M
+  rows = q_ref.shape[2]  # window x query heads, padded to a dot's M
   d = q_ref.shape[3]
-  row_mask = (jnp.arange(rows) < rep)[:, None]
+  row = jnp.arange(rows)
+  row_mask = (row < window * rep)[:, None]
+  # Query row t * rep + r (window position t) sees `limit` entries.
+  limit = jnp.minimum(n + row // rep, max_len)  # [rows]
+  seen = jnp.minimum(n + window - 1, max_len)  # the most any row sees
 
   def attend():
     q = q_ref[b, kh]  # [rows, D]
@@ -81,12 +87,13 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *out_refs, rep, block_s, chunk,
     def body(i, carry):
       m, l, acc = carry
       start = start0 + i * block_s
-      valid = start + jnp.arange(block_s) < n
+      pos = start + jnp.arange(block_s)
       k, v = (plgpu.load(ref.at[b, kh, pl.ds(start, block_s), :],
-                         mask=valid[:, None], other=0.0,
+                         mask=(pos < seen)[:, None], other=0.0,
                          eviction_policy="evict_first")
               for ref in (k_ref, v_ref))
-      s = jnp.where(valid[None, :], _dot(q, k, 1) * scale, -jnp.inf)
+      s = jnp.where(pos[None, :] < limit[:, None], _dot(q, k, 1) * scale,
+                    -jnp.inf)
       m_new = jnp.maximum(m, jnp.max(s, axis=1))  # [rows]
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no key yet
       alpha = jnp.exp(m - m_safe)
@@ -113,7 +120,7 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *out_refs, rep, block_s, chunk,
   else:
     m_ref, l_ref, acc_ref = out_refs
 
-    @pl.when(start0 < n)
+    @pl.when(start0 < seen)
     def _partial():
       m, l, acc = attend()
       m_ref[b, kh, sid] = m
@@ -121,19 +128,20 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *out_refs, rep, block_s, chunk,
       plgpu.store(acc_ref.at[b, kh, sid], acc, mask=row_mask)
 
 
-def _combine(m, l, acc, lengths, chunk, rep):
-  """The splits' partial softmax sums -> [b, Hk, rep, D] (splits starting
-  past a row's length were not written: masked here)."""
+def _combine(m, l, acc, seen, chunk, used):
+  """The splits' partial softmax sums -> [b, Hk, used, D] (the first `used`
+  query rows; splits starting past `seen[row]`, the most entries any query
+  of the row sees, were not written: masked here)."""
   nsplit = m.shape[2]
   valid = (jnp.arange(nsplit)[None, :] * chunk
-           < lengths[:, None])[:, None, :, None]  # [b, 1, split, 1]
-  m = jnp.where(valid, m[..., :rep], -jnp.inf)
+           < seen[:, None])[:, None, :, None]  # [b, 1, split, 1]
+  m = jnp.where(valid, m[..., :used], -jnp.inf)
   top = jnp.max(m, axis=2, keepdims=True)
   top = jnp.where(jnp.isfinite(top), top, 0.0)
-  w = jnp.where(valid, jnp.exp(m - top), 0.0)  # [b, Hk, split, rep]
-  denom = jnp.sum(w * jnp.where(valid, l[..., :rep], 0.0), axis=2)
+  w = jnp.where(valid, jnp.exp(m - top), 0.0)  # [b, Hk, split, used]
+  denom = jnp.sum(w * jnp.where(valid, l[..., :used], 0.0), axis=2)
   num = jnp.sum(w[..., None] * jnp.where(valid[..., None],
-                                         acc[..., :rep, :], 0.0), axis=2)
+                                         acc[..., :used, :], 0.0), axis=2)
   return jnp.where((denom > 0)[..., None],
                    num / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
 
@@ -143,15 +151,18 @@ def decode_attention(q, k_cache, v_cache, lengths, scale=None, *,
                      config: common.AttentionConfig = common.AttentionConfig(),
                      interpret: bool = False):
   """Same signature and results as the reference, plus a tuning config."""
-  batch, hq, d = q.shape
+  qw = q if q.ndim == 4 else q[:, None]  # [b, T, Hq, D]
+  batch, window, hq, d = qw.shape
   hk, max_len = k_cache.shape[1], k_cache.shape[2]
   problem = shape_problem(d, max_len, config)
   if problem is not None:
     raise NotImplementedError(problem)
   rep = hq // hk
-  rows = max(_MIN_DOT, 1 << (rep - 1).bit_length())
-  qg = jnp.pad(q.reshape(batch, hk, rep, d),
-               ((0, 0), (0, 0), (0, rows - rep), (0, 0)))
+  used = window * rep  # query rows per (row, KV head): (t, r), t major
+  rows = max(_MIN_DOT, 1 << (used - 1).bit_length())
+  qg = jnp.swapaxes(qw.reshape(batch, window, hk, rep, d), 1, 2)
+  qg = jnp.pad(qg.reshape(batch, hk, used, d),
+               ((0, 0), (0, 0), (0, rows - used), (0, 0)))
   chunk = max_len if config.split_s is None else min(config.split_s, max_len)
   nsplit = -(-max_len // chunk)
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, max_len)
@@ -163,9 +174,10 @@ def decode_attention(q, k_cache, v_cache, lengths, scale=None, *,
                  jax.ShapeDtypeStruct(part, F32),
                  jax.ShapeDtypeStruct(part + (d,), F32))
   out = pl.pallas_call(
-      functools.partial(_kernel, rep=rep, block_s=block_len(max_len, config),
-                        chunk=chunk, scale=resolve_scale(scale, d),
-                        max_len=max_len, split=nsplit),
+      functools.partial(_kernel, rep=rep, window=window,
+                        block_s=block_len(max_len, config), chunk=chunk,
+                        scale=resolve_scale(scale, d), max_len=max_len,
+                        split=nsplit),
       grid=(nsplit, hk, batch),
       out_shape=out_shape,
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
@@ -173,5 +185,11 @@ def decode_attention(q, k_cache, v_cache, lengths, scale=None, *,
       interpret=interpret,
       name="replayssm_decode_attention",
   )(qg, k_cache, v_cache, lengths)
-  o = out[:, :, :rep] if nsplit == 1 else _combine(*out, lengths, chunk, rep)
-  return o.reshape(batch, hq, d).astype(q.dtype)
+  if nsplit == 1:
+    o = out[:, :, :used]
+  else:
+    seen = jnp.minimum(lengths + window - 1, max_len)
+    o = _combine(*out, seen, chunk, used)
+  o = jnp.swapaxes(o.reshape(batch, hk, window, rep, d), 1, 2)
+  o = o.reshape(batch, window, hq, d).astype(q.dtype)
+  return o if q.ndim == 4 else o[:, 0]

@@ -1,15 +1,24 @@
-"""One-query decode attention over a head-major KV cache (reference).
+"""Decode attention over a head-major KV cache (reference).
 
 `decode_attention_reference(q, k_cache, v_cache, lengths, scale)`: each row
-attends one query per head to the first `lengths[row]` entries of its cache,
-with grouped-query heads (query head h reads KV head h // (Hq // Hk)). It is
-the decode step's attention in `models.layers.Attention.step`; the public,
-validated op with the kernel dispatcher is `replayssm_jax.ops.
-decode_attention`, and the Pallas kernel is `pallas_kernels.attention`.
+attends its queries to its cache, with grouped-query heads (query head h
+reads KV head h // (Hq // Hk)):
+
+  q [batch, Hq, D]      one query per row (a decode step) sees the first
+                        lengths[row] cache entries;
+  q [batch, T, Hq, D]   a window of T queries per row (speculative verify,
+                        the window's keys already written behind the
+                        prefix) whose query t sees the first
+                        min(lengths[row] + t, max_len) entries.
+
+It is the decode step's and the verify window's attention in
+`models.layers.Attention`; the public, validated op with the kernel
+dispatcher is `replayssm_jax.ops.decode_attention`, and the Pallas kernel is
+`pallas_kernels.attention`.
 
 Math (float32 throughout, whatever the input dtypes):
-  s_j = scale * q . k_j  for j < length, p = softmax(s), o = sum_j p_j v_j;
-a row with length 0 attends to nothing and returns zeros.
+  s_j = scale * q . k_j  for the visible j, p = softmax(s), o = sum_j p_j v_j;
+a query that sees no entry returns zeros.
 """
 
 from __future__ import annotations
@@ -25,10 +34,14 @@ F32 = jnp.float32
 def validate_decode_attention(q, k_cache, v_cache, lengths, scale) -> None:
   """Static checks of the op's arguments (shapes and dtypes; each error names
   the argument). lengths values must lie in [0, max_len]; they are checked
-  when concrete (outside jit), and a kernel clamps them under jit."""
+  when concrete (outside jit), and both implementations clamp them under
+  jit."""
   V.check_floating("q", q)
-  V.check_ndim("q", q, 3, "[batch, q_heads, head_dim]")
-  b, hq, d = q.shape
+  if q.ndim not in (3, 4):
+    raise ValueError(f"q must be 3-D [batch, q_heads, head_dim] (one query "
+                     f"per row) or 4-D [batch, T, q_heads, head_dim] (a "
+                     f"window), got shape {tuple(q.shape)}.")
+  b, hq, d = q.shape[0], q.shape[-2], q.shape[-1]
   V.check_floating("k_cache", k_cache)
   V.check_ndim("k_cache", k_cache, 4,
                "[batch, kv_heads, max_len, head_dim]")
@@ -62,19 +75,24 @@ def resolve_scale(scale, head_dim: int) -> float:
 
 
 def decode_attention_reference(q, k_cache, v_cache, lengths, scale=None):
-  """q [batch, Hq, D], k_cache/v_cache [batch, Hk, S, D], lengths [batch]
-  -> [batch, Hq, D] in q.dtype (see the module docstring)."""
-  b, hq, d = q.shape
+  """q [batch, Hq, D] or [batch, T, Hq, D], k_cache/v_cache [batch, Hk, S,
+  D], lengths [batch] -> q's shape in q.dtype (see the module docstring)."""
+  window = q.ndim == 4
+  qw = q if window else q[:, None]  # [b, T, Hq, D]
+  b, t, hq, d = qw.shape
   hk, s = k_cache.shape[1], k_cache.shape[2]
-  qg = q.reshape(b, hk, hq // hk, d).astype(F32)
-  sc = jnp.einsum("bkrd,bksd->bkrs", qg, k_cache.astype(F32))
+  qg = qw.reshape(b, t, hk, hq // hk, d).astype(F32)
+  sc = jnp.einsum("btkrd,bksd->bktrs", qg, k_cache.astype(F32))
   sc = sc * resolve_scale(scale, d)
-  valid = (jnp.arange(s)[None, :] < lengths[:, None])[:, None, None]
+  limit = jnp.clip(lengths, 0, s)[:, None] + jnp.arange(t)[None, :]  # [b, T]
+  valid = (jnp.arange(s)[None, None, :] < limit[:, :, None])[:, None, :, None]
   sc = jnp.where(valid, sc, -jnp.inf)
   m = jnp.max(sc, axis=-1, keepdims=True)
-  m = jnp.where(jnp.isfinite(m), m, 0.0)  # a row with no keys
+  m = jnp.where(jnp.isfinite(m), m, 0.0)  # a query that sees no entry
   p = jnp.where(valid, jnp.exp(sc - m), 0.0)
-  denom = jnp.sum(p, axis=-1)[..., None]  # [b, Hk, r, 1]
-  o = jnp.einsum("bkrs,bksd->bkrd", p, v_cache.astype(F32))
+  denom = jnp.sum(p, axis=-1)[..., None]  # [b, Hk, T, r, 1]
+  o = jnp.einsum("bktrs,bksd->btkrd", p, v_cache.astype(F32))
+  denom = jnp.moveaxis(denom, 1, 2)  # [b, T, Hk, r, 1]
   o = jnp.where(denom > 0, o / jnp.where(denom > 0, denom, 1.0), 0.0)
-  return o.reshape(b, hq, d).astype(q.dtype)
+  o = o.reshape(b, t, hq, d).astype(q.dtype)
+  return o if window else o[:, 0]

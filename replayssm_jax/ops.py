@@ -175,21 +175,25 @@ def selective_state_update(ssm_state, x, dt, A, B, C, D=None, z=None,
 
 def decode_attention(q, k_cache, v_cache, lengths, scale=None, *,
                      implementation: str | None = None, config=None):
-  """One query per row and head against the row's KV cache (decode step).
+  """Queries of each row against the row's KV cache (a decode step, or a
+  speculative window whose keys are already in the cache).
 
   Args:
-    q: [batch, q_heads, head_dim] queries (one token per row).
+    q: [batch, q_heads, head_dim] (one query per row) or [batch, T, q_heads,
+      head_dim] (a window of T queries per row).
     k_cache, v_cache: [batch, kv_heads, max_len, head_dim] head-major caches;
       q_heads % kv_heads == 0 (query head h reads KV head
       h // (q_heads // kv_heads)).
-    lengths: [batch] integers in [0, max_len]: row r attends to its cache
-      entries 0 .. lengths[r] - 1 (a row with length 0 returns zeros).
-      Checked when concrete; a kernel reads only these entries.
+    lengths: [batch] integers in [0, max_len]: row r's (first) query attends
+      to its cache entries 0 .. lengths[r] - 1, window query t to the first
+      min(lengths[r] + t, max_len) (causal within the window). A query that
+      sees no entry returns zeros. Checked when concrete, clamped to
+      [0, max_len] under jit; a kernel reads only the entries it needs.
     scale: the score scale, a Python float; None = head_dim ** -0.5.
     implementation, config: see the module docstring.
 
   Returns:
-    [batch, q_heads, head_dim] in q.dtype (float32 scores, softmax and sums).
+    q's shape in q.dtype (float32 scores, softmax and sums).
   """
   attention.validate_decode_attention(q, k_cache, v_cache, lengths, scale)
   args = dict(q=q, k_cache=k_cache, v_cache=v_cache, lengths=lengths,

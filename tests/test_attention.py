@@ -22,9 +22,11 @@ from replayssm_jax import testing
 
 
 def _inputs(key, batch, q_heads, kv_heads, max_len, head_dim, dtype,
-            lengths=None):
+            lengths=None, window=None):
+  """window: T queries per row (q [batch, T, q_heads, head_dim])."""
   kq, kk, kv, kl = jax.random.split(key, 4)
-  q = jax.random.normal(kq, (batch, q_heads, head_dim), jnp.float32)
+  q = jax.random.normal(kq, (batch,) + (() if window is None else (window,))
+                        + (q_heads, head_dim), jnp.float32)
   k = jax.random.normal(kk, (batch, kv_heads, max_len, head_dim), jnp.float32)
   v = jax.random.normal(kv, (batch, kv_heads, max_len, head_dim), jnp.float32)
   if lengths is None:  # ragged, with an empty and a full row
@@ -35,33 +37,38 @@ def _inputs(key, batch, q_heads, kv_heads, max_len, head_dim, dtype,
 
 
 def _numpy_attention(q, k, v, lengths, scale):
-  """float64, row by row and head by head."""
+  """float64, row by row, query by query and head by head (window query t
+  sees min(lengths + t, max_len) entries)."""
   q, k, v = (np.asarray(jnp.asarray(a, jnp.float32), np.float64)
              for a in (q, k, v))
-  b, hq, d = q.shape
+  qw = q if q.ndim == 4 else q[:, None]
+  b, t, hq, d = qw.shape
   rep = hq // k.shape[1]
-  out = np.zeros((b, hq, d))
+  out = np.zeros((b, t, hq, d))
   for r in range(b):
-    n = int(lengths[r])
-    if n == 0:
-      continue
-    for h in range(hq):
-      s = scale * (k[r, h // rep, :n] @ q[r, h])
-      p = np.exp(s - s.max())
-      out[r, h] = (p / p.sum()) @ v[r, h // rep, :n]
-  return out
+    for pos in range(t):
+      n = min(int(lengths[r]) + pos, k.shape[2])
+      if n == 0:
+        continue
+      for h in range(hq):
+        s = scale * (k[r, h // rep, :n] @ qw[r, pos, h])
+        p = np.exp(s - s.max())
+        out[r, pos, h] = (p / p.sum()) @ v[r, h // rep, :n]
+  return out if q.ndim == 4 else out[:, 0]
 
 
+@pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("q_heads,kv_heads", [(4, 4), (4, 2), (8, 2), (6, 2)])
-def test_reference_matches_numpy(dtype, q_heads, kv_heads):
+def test_reference_matches_numpy(dtype, q_heads, kv_heads, window):
   args = _inputs(jax.random.PRNGKey(q_heads * 7 + kv_heads), 5, q_heads,
-                 kv_heads, 24, 16, dtype)
+                 kv_heads, 24, 16, dtype, window=window)
   got = ops.decode_attention(*args, implementation="reference")
-  assert got.dtype == jnp.dtype(dtype)
+  assert got.dtype == jnp.dtype(dtype) and got.shape == args[0].shape
   want = _numpy_attention(*args, 16 ** -0.5)
   testing.assert_close(got, want, testing.tolerance(dtype), "reference")
-  assert not np.any(np.asarray(got[0], np.float32)), "length-0 row not zero"
+  first = got[0] if window is None else got[0, 0]
+  assert not np.any(np.asarray(first, np.float32)), "a query saw nothing"
 
 
 KERNEL_CONFIGS = {
@@ -74,15 +81,19 @@ KERNEL_CONFIGS = {
 
 @pytest.mark.parametrize("config", KERNEL_CONFIGS, ids=str)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("q_heads,kv_heads,max_len", [
-    (4, 1, 32), (4, 2, 48), (2, 2, 16), (6, 2, 96), (32, 2, 64)])
-def test_kernel_matches_reference(config, dtype, q_heads, kv_heads, max_len):
+@pytest.mark.parametrize("q_heads,kv_heads,max_len,window", [
+    (4, 1, 32, None), (4, 2, 48, None), (2, 2, 16, None), (6, 2, 96, None),
+    (32, 2, 64, None), (4, 1, 48, 4), (6, 2, 32, 3), (16, 2, 64, 4)])
+def test_kernel_matches_reference(config, dtype, q_heads, kv_heads, max_len,
+                                  window):
   """Ragged lengths (0 and max_len included); max_len 48 and 96 are not
   multiples of the default block (gcd blocks of 16 and 32), and split32 /
   split64 leave a split that runs past 48 / 96; 6 / 2 heads: 3 query heads
-  per KV head (padded to 16 rows), 32 / 2: 16 (no padding)."""
+  per KV head (padded to 16 rows), 32 / 2: 16 (no padding). Windows: 4
+  positions x 4 heads (16 rows), 3 x 3 (9, padded to 16), 4 x 8 (32), with
+  rows whose later positions reach past max_len."""
   args = _inputs(jax.random.PRNGKey(max_len + q_heads), 6, q_heads, kv_heads,
-                 max_len, 16, dtype)
+                 max_len, 16, dtype, window=window)
   want = ops.decode_attention(*args, implementation="reference")
   got = ops.decode_attention(*args, implementation="pallas",
                              config=KERNEL_CONFIGS[config])
@@ -126,7 +137,9 @@ def test_inputs_are_not_mutated():
 
 
 @pytest.mark.parametrize("change,match", [
-    (dict(q=jnp.zeros((2, 4, 16, 1))), r"q must be 3-D \[batch, q_heads"),
+    (dict(q=jnp.zeros((2, 1, 4, 16, 1))), r"q must be 3-D \[batch, "
+     r"q_heads, head_dim\] \(one query per row\) or 4-D"),
+    (dict(q=jnp.zeros((2, 3, 4, 8))), r"k_cache must have shape"),
     (dict(q=jnp.zeros((2, 4, 16), jnp.int32)), r"q must have a floating"),
     (dict(k_cache=jnp.zeros((2, 2, 16, 8))),
      r"k_cache must have shape \[batch, kv_heads, max_len, head_dim\] = "
@@ -172,7 +185,8 @@ def test_dispatcher():
 
 def test_model_decode_with_the_kernel_matches_the_reference():
   """The decode step with implementation="pallas" (attention kernel and SSM
-  kernels) against "reference", over ragged prompts and 6 steps."""
+  kernels) against "reference", over ragged prompts and 6 steps, then a
+  speculative verify window of 4 tokens."""
   cfg = models.ModelConfig(**{**_decode_bench.TINY_MODEL,
                               "attn_head_dim": 16})  # a dot operand >= 16
   model = models.HybridLM(cfg, rngs=nnx.Rngs(0))
@@ -181,24 +195,30 @@ def test_model_decode_with_the_kernel_matches_the_reference():
   lengths = jnp.array([7, 3, 5], jnp.int32)
   outs = {}
   for impl in ("reference", "pallas"):
-    st = model.init_state(3, 16, ssm_mode="replay", buffer_len=4)
+    st = model.init_state(3, 32, ssm_mode="replay", buffer_len=8)
     logits, st = models.prefill(model, prompts, lengths, st)
     seq = []
     for _ in range(6):
       tok = jnp.argmax(logits, -1).astype(jnp.int32)
       logits, st = models.decode_step(model, tok, st, implementation=impl)
       seq.append(logits)
-    outs[impl] = jnp.stack(seq, 1)
-  testing.assert_close(outs["pallas"], outs["reference"],
-                       testing.TOLERANCES["float32"], "decode logits")
+    win = jax.random.randint(jax.random.PRNGKey(9), (3, 4), 0,
+                             cfg.vocab_size)
+    win_logits, _ = models.verify(model, win, st, implementation=impl)
+    outs[impl] = (jnp.stack(seq, 1), win_logits)
+  for i, what in enumerate(("decode logits", "verify logits")):
+    testing.assert_close(outs["pallas"][i], outs["reference"][i],
+                         testing.TOLERANCES["float32"], what)
 
 
+@pytest.mark.parametrize("window", [None, 4])
 @pytest.mark.parametrize("config", KERNEL_CONFIGS, ids=str)
-def test_kernel_lowers_to_triton(config):
+def test_kernel_lowers_to_triton(config, window):
   """The kernel lowers for the GPU (Triton IR, cross-lowered on this CPU):
-  the dynamic trip count, the masked loads and the -inf constants."""
+  the dots, the masked loads and stores, the -inf constants."""
   from tests.test_pallas_kernels import _lower_for_cuda  # pylint: disable=g-import-not-at-top
-  args = _inputs(jax.random.PRNGKey(9), 2, 8, 2, 64, 32, "bfloat16")
+  args = _inputs(jax.random.PRNGKey(9), 2, 8, 2, 64, 32, "bfloat16",
+                 window=window)
   text = _lower_for_cuda(
       lambda *a: pk.attention.decode_attention(
           *a, config=KERNEL_CONFIGS[config] or pk.AttentionConfig()), *args)

@@ -140,6 +140,13 @@ def test_decode_step_profile_and_attend_micro_tiny(tmp_path):
   for name, f in forms.items():
     # bf16 output rounding (2^-8 relative).
     assert f["max_err_rel_to_max"] < 8e-3, (name, f)
+  _run("attend_micro.py", "--batch", "2", "--max_len", "16", "--sets", "1",
+       "--iters", "1", "--window", "4", "--variants", "default", "--out",
+       str(out))
+  res = json.loads(out.read_text())
+  assert res["shapes"]["window"] == 4 and len(res["forms"]) == 6
+  for name, f in res["forms"].items():
+    assert f["max_err_rel_to_max"] < 8e-3, (name, f)
 
 
 def test_conv_ring_check_tiny(tmp_path):

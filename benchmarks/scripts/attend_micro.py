@@ -15,9 +15,11 @@ bytes than the L2):
               only each row's valid entries
 
 each with ragged lengths (uniform in [max_len / 2, max_len], as in a decode
-loop's cache) and with every row full. Each form is checked against the
-op's reference on float32 copies of the inputs; `tb_per_s` counts the valid
-entries' bytes (k and v, read once).
+loop's cache) and with every row full. `--window T` times a speculative
+verify window of T queries per row instead (query t sees lengths + t
+entries). Each form is checked against the op's reference on float32
+copies of the inputs; `tb_per_s` counts the bytes of the entries the
+row's last query sees (k and v, read once).
 
 Until session 24 it also timed the [batch, max_len, kv_heads, head_dim]
 layout and bf16 products (benchmarks/attend_micro_h200.json).
@@ -56,16 +58,20 @@ VARIANTS = {
 
 
 def xla_f32(q, k, v, lengths):
-  """The model's decode attention until session 25 (head-major cache)."""
-  b, hq, d = q.shape
+  """The model's decode-step and verify-window attention until session 25
+  (head-major cache; q [b, Hq, D] or a window [b, T, Hq, D])."""
+  qw = q if q.ndim == 4 else q[:, None]
+  b, t, hq, d = qw.shape
   hk, s = k.shape[1], k.shape[2]
-  qg = q.reshape(b, hk, hq // hk, d)
-  sc = jnp.einsum("bkrd,bksd->bkrs", qg.astype(F32), k.astype(F32))
-  mask = jnp.arange(s)[None] < lengths[:, None]
+  qg = qw.reshape(b, t, hk, hq // hk, d)
+  sc = jnp.einsum("btkrd,bksd->bkrts", qg.astype(F32), k.astype(F32))
+  limit = lengths[:, None] + jnp.arange(t)[None]  # [b, T]
+  mask = jnp.arange(s)[None, None] < limit[:, :, None]
   sc = jnp.where(mask[:, None, None], sc * d ** -0.5, -1e30)
   p = jax.nn.softmax(sc, axis=-1)
-  o = jnp.einsum("bkrs,bksd->bkrd", p, v.astype(F32))
-  return o.reshape(b, hq, d).astype(q.dtype)
+  o = jnp.einsum("bkrts,bksd->btkrd", p, v.astype(F32))
+  o = o.reshape(b, t, hq, d).astype(q.dtype)
+  return o if q.ndim == 4 else o[:, 0]
 
 
 def form_fn(name):
@@ -116,6 +122,8 @@ def main():
   ap.add_argument("--q_heads", type=int, default=16)
   ap.add_argument("--kv_heads", type=int, default=4)
   ap.add_argument("--head_dim", type=int, default=128)
+  ap.add_argument("--window", type=int, default=0,
+                  help="T > 0: a verify window of T queries per row")
   ap.add_argument("--sets", type=int, default=6)
   ap.add_argument("--iters", type=int, default=50)
   ap.add_argument("--variants", default=",".join(VARIANTS))
@@ -127,21 +135,23 @@ def main():
   b, S, hq, hk, d = a.batch, a.max_len, a.q_heads, a.kv_heads, a.head_dim
   keys = jax.random.split(jax.random.PRNGKey(0), 4 * a.sets)
   sets = []
+  t = max(a.window, 1)  # the first query sees lengths, the last + t - 1
+  qshape = (b, a.window, hq, d) if a.window else (b, hq, d)
   for i in range(a.sets):
-    q = jax.random.normal(keys[4 * i], (b, hq, d), jnp.bfloat16)
+    q = jax.random.normal(keys[4 * i], qshape, jnp.bfloat16)
     k = jax.random.normal(keys[4 * i + 1], (b, hk, S, d), jnp.bfloat16)
     v = jax.random.normal(keys[4 * i + 2], (b, hk, S, d), jnp.bfloat16)
-    lengths = jax.random.randint(keys[4 * i + 3], (b,), S // 2, S + 1)
+    lengths = jax.random.randint(keys[4 * i + 3], (b,), S // 2, S - t + 2)
     sets.append((q, k, v, lengths.astype(jnp.int32)))
   regimes = {"ragged": sets,
-             "full": [(q, k, v, jnp.full((b,), S, jnp.int32))
+             "full": [(q, k, v, jnp.full((b,), S - t + 1, jnp.int32))
                       for q, k, v, _ in sets]}
   res = dict(command=" ".join(["python"] + sys.argv),
              date=datetime.datetime.now(datetime.timezone.utc).isoformat(
                  timespec="seconds"),
              device=jax.devices()[0].device_kind, jax=jax.__version__,
              shapes=dict(batch=b, max_len=S, q_heads=hq, kv_heads=hk,
-                         head_dim=d), cache_mib=2 * b * S * hk * d * 2 / 2**20,
+                         head_dim=d, window=a.window), cache_mib=2 * b * S * hk * d * 2 / 2**20,
              variants={n: repr(VARIANTS[n]) for n in a.variants.split(",")},
              forms={})
   names = ["xla_f32", "reference"] + [f"pallas:{n}"
@@ -150,7 +160,8 @@ def main():
     q, k, v, n = data[0]
     ref = ops.decode_attention(q.astype(F32), k.astype(F32), v.astype(F32),
                                n, implementation="reference")
-    valid_bytes = [2 * hk * d * 2 * float(jnp.sum(s[3])) for s in data]
+    valid_bytes = [2 * hk * d * 2 * float(jnp.sum(s[3] + t - 1))
+                   for s in data]
     for name in names:
       fn = form_fn(name)
       try:

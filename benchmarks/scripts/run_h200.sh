@@ -42,7 +42,7 @@
 #   bash benchmarks/scripts/run_h200.sh conv_ring8b  # the 8B shapes' decode step at b 256, L 16, shifting vs ring conv state on one machine (replay, then baseline; session 24's run of the shift row took ~110 s)
 #   bash benchmarks/scripts/run_h200.sh decode8b_512  # the 8B shapes at b 512, L 16 (not yet run; 2 x ~59 GB states built one at a time)
 #   bash benchmarks/scripts/run_h200.sh policies_sr  # the presets session 24 did not reach (f16+sr, f32+int8+sr, f16+fp8+sr), f16 baseline, b 256, L 16
-#   bash benchmarks/scripts/run_h200.sh attention  # the decode attention forms (XLA whole cache vs the Pallas kernel's variants) at hybrid_1b's and the 8B's attention shapes, b 256 (session 25)
+#   bash benchmarks/scripts/run_h200.sh attention  # the decode attention forms (XLA whole cache vs the Pallas kernel's variants) at hybrid_1b's and the 8B's attention shapes, b 256, and hybrid_1b's verify window of 4 (session 25 ran all but the window, ~1 min)
 #   bash benchmarks/scripts/run_h200.sh decode_profile  # hybrid_1b's decode step at b 256 by named scope, replay and baseline (decode_step_profile.py, XLA's CUDA graphs off)
 #   bash benchmarks/scripts/run_h200.sh decode256  # hybrid_1b decode at b {256,512}, L 16, split at 256 (2.5 min in session 25)
 #   bash benchmarks/scripts/run_h200.sh check      # kernel_bench smoke: every kernel vs the reference on the GPU
@@ -218,7 +218,9 @@ P.run(c, sys.argv[1])" "$OUT/precision_mqar1024_rest" ;;
       --out "$OUT/attend_micro.json"
     timeout "$T" python benchmarks/scripts/attend_micro.py --q_heads 32 \
       --kv_heads 8 --variants default,s1,split128,split64 \
-      --out "$OUT/attend_micro_8b.json" ;;
+      --out "$OUT/attend_micro_8b.json"
+    timeout "$T" python benchmarks/scripts/attend_micro.py --window 4 \
+      --variants default,s1,split128 --out "$OUT/attend_micro_window4.json" ;;
   decode_profile)
     # hybrid_1b's decode step by named scope (replay and baseline, b 256)
     XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout "$T" \

@@ -345,7 +345,8 @@ class Attention(nnx.Module):
     return q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
 
   def _attend(self, q, k, v, mask):
-    """q [b, Tq, Hq, D], k/v [b, Hk, S, D], mask [b, Tq, S] -> [b, Tq, Hq*D].
+    """q [b, Tq, Hq, D], k/v [b, Hk, S, D], mask [b, Tq, S] -> [b, Tq, Hq*D]
+    (prefill; decode steps and verify windows use ops.decode_attention).
 
     With k/v head-major the products' batch dimensions (row, KV head) lead,
     as XLA's GEMMs need them: with the [b, S, Hk, D] layout XLA transposed
@@ -408,10 +409,11 @@ class Attention(nnx.Module):
       out = self.o_proj(o.reshape(b, -1))
     return out, AttentionState(k=kc, v=vc, length=pos + 1)
 
-  def verify(self, h, state: AttentionState):
+  def verify(self, h, state: AttentionState,
+             implementation: str | None = None):
     """A window of T queries per row: writes the T new keys/values at
     positions length .. length + T - 1 and attends causally (the cache
-    prefix plus the window up to each query).
+    prefix plus the window up to each query) through `ops.decode_attention`.
 
     Returns (y [b, T, d], the cache with the window written and `length`
     unchanged: committing n tokens sets length += n, and the rest is
@@ -426,8 +428,10 @@ class Attention(nnx.Module):
         state.k.dtype), mode="drop")
     vc = state.v.at[rows, :, pos].set(jnp.swapaxes(v, 1, 2).astype(
         state.v.dtype), mode="drop")
-    mask = jnp.arange(state.max_len)[None, None, :] <= pos[:, :, None]
-    out = self.o_proj(self._attend(q, kc, vc, mask))
+    o = ops.decode_attention(q, kc, vc,
+                             jnp.minimum(state.length + 1, state.max_len),
+                             implementation=implementation)
+    out = self.o_proj(o.reshape(b, t, -1))
     return out, AttentionState(k=kc, v=vc, length=state.length)
 
 
@@ -452,8 +456,6 @@ class MLP(nnx.Module):
       a = jnp.square(jax.nn.relu(u))
     return self.down_proj(a)
 
-  def verify(self, h, state):
-    return self(h), state
 
 
 MIXERS = {"mamba": Mamba2Mixer, "attention": Attention, "mlp": MLP}
@@ -487,8 +489,8 @@ class Block(nnx.Module):
   def verify(self, x, state, implementation=None):
     """x [b, T, d] speculative window -> (x', the mixer's pending state)."""
     h = self.norm(x)
-    if self.kind == "mamba":
-      y, pending = self.mixer.verify(h, state, implementation)
+    if self.kind == "mlp":
+      y, pending = self.mixer(h), state
     else:
-      y, pending = self.mixer.verify(h, state)
+      y, pending = self.mixer.verify(h, state, implementation)
     return x.astype(F32) + y.astype(F32), pending

@@ -201,8 +201,9 @@ def verify(model: M.HybridLM, tokens, state: S.ModelState,
       `init_state(precision=policy)` is supported for plain policies only
       (no read copy, round to nearest); others raise a ValueError naming
       `precision`.
-    implementation: SSM op implementation: of `replay_verify` (replay
-      mode) or of the per-position steps of `baseline_verify`.
+    implementation: implementation of the window's kernel ops: the SSM op
+      (`replay_verify` in replay mode, `baseline_verify` in baseline mode)
+      and `ops.decode_attention`.
 
   Returns:
     (logits [batch, T, vocab] float32: logits[:, s] predicts the token after
@@ -397,7 +398,8 @@ class DraftModelProposer(Proposer):
   Args:
     draft_model: any HybridLM with the target's vocab_size.
     ssm_mode, buffer_len: the draft's decode state (None: the target's).
-    implementation: SSM op implementation of the draft's steps / verify.
+    implementation: implementation of the kernel ops (SSM op and decode
+      attention) of the draft's steps / verify.
   """
 
   def __init__(self, draft_model: M.HybridLM, *, ssm_mode: str | None = None,
@@ -709,7 +711,8 @@ def speculative_generate(target: M.HybridLM, proposer: Proposer,
       precision: plain policies only, see `verify`) via **state_kwargs.
     temperature, top_k, top_p, greedy, rng: sampling, as in `generate`.
     eos_id: a row stops after emitting it; later slots hold eos_id.
-    implementation: SSM op implementation of the target (dispatcher name).
+    implementation: implementation of the target's kernel ops (SSM op and
+      decode attention; dispatcher name).
     return_state: also return the target's final ModelState: it holds the
       prompt and every generated token but each row's last (positions =
       prompt_lengths + num_generated - 1; feed that token to `decode_step`
