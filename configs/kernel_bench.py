@@ -485,7 +485,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # (output_eager) the same at every fill but its flush 470 against 322
     # µs; the checkpoint tile loaded before the B buffer (a one-head
     # output_prefetch loading the tiles first, alone and with output_eager;
-    # reverted) 16-19% slower at every fill.
+    # reverted) 16-19% slower at every fill. Kept beside the default: every
+    # slot loaded (flat in the fill), the contrast of the masked loads.
+    config.replay_variants = ml_collections.ConfigDict(dict(
+        unmasked=dict(output_unmasked_buffers=True)))
 
   if arg == "launch":
     # Where the fused launch (ReplayConfig.fused_launch) stops paying:

@@ -175,5 +175,5 @@ _ops.register_implementation(
     _ops.Implementation("pallas", _attention, supports=_attention_supports,
                         preferred=on_gpu, priority=10))
 
-__all__ = ["AttentionConfig", "MosaicSSUConfig", "ReplayConfig", "SSUConfig", "VerifyConfig",
-           "common", "on_gpu"]
+__all__ = ["AttentionConfig", "MosaicSSUConfig", "ReplayConfig", "SSUConfig",
+           "VerifyConfig", "common", "on_gpu"]

@@ -7,7 +7,7 @@ reads only the entries the row's queries see (the loads of later entries
 are masked off, and a split that starts past them exits at once), in
 blocks of `block_s`, and keeps an online softmax (running max, sum and
 weighted value sum in float32) for every query of the row that reads the KV
-head: T windows positions x q_heads // kv_heads query heads, one row of the
+head: T window positions x q_heads // kv_heads query heads, one row of the
 program's tiles each, so each key and value is read once for all of them.
 Both products run on the tensor cores: the query rows are zero-padded to a
 power of two >= 16 (a dot's smallest M), the scores are a dot of the

@@ -16,8 +16,9 @@ Public API:
   ssd_chunked_scan            chunked SSD prefill.
   causal_conv1d(_update)      Mamba-2's short conv, prefill and decode step
                               (_update_ring: on a ring-buffer conv state).
-  decode_attention            one query per row against the valid entries
-                              of its KV cache (the model's decode step).
+  decode_attention            one query (or a verify window of T) per row
+                              against the entries of its KV cache it sees
+                              (the model's decode step and verify).
   traffic                     bytes-per-step model (baseline vs replay).
 """
 

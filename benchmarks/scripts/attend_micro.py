@@ -1,4 +1,5 @@
-"""Forms of the one-query decode attention, checked and timed (GPU).
+"""Forms of the decode attention (one query or a verify window per row),
+checked and timed (GPU).
 
 The model's decode step attends one query per row to the valid entries of
 its head-major KV cache ([batch, kv_heads, max_len, head_dim], per-row
@@ -51,7 +52,6 @@ VARIANTS = {
     "b128w8": pk.AttentionConfig(block_s=128, num_warps=8),
     "b32": pk.AttentionConfig(block_s=32),
     "split128": pk.AttentionConfig(split_s=128),
-    "split128s2": pk.AttentionConfig(split_s=128, num_stages=2),
     "split64": pk.AttentionConfig(split_s=64),
     "b32split64": pk.AttentionConfig(block_s=32, split_s=64),
 }
@@ -151,7 +151,8 @@ def main():
                  timespec="seconds"),
              device=jax.devices()[0].device_kind, jax=jax.__version__,
              shapes=dict(batch=b, max_len=S, q_heads=hq, kv_heads=hk,
-                         head_dim=d, window=a.window), cache_mib=2 * b * S * hk * d * 2 / 2**20,
+                         head_dim=d, window=a.window),
+             cache_mib=2 * b * S * hk * d * 2 / 2**20,
              variants={n: repr(VARIANTS[n]) for n in a.variants.split(",")},
              forms={})
   names = ["xla_f32", "reference"] + [f"pallas:{n}"
