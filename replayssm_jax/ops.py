@@ -1,9 +1,9 @@
 """Public, validated decode-step ops with an implementation dispatcher.
 
 `selective_state_update` (baseline), `replay_state_update` (ReplaySSM) and
-`decode_attention` (one query per row against its KV cache) check their
-arguments once at trace time (shape/dtype errors name the argument), then
-run an implementation:
+`decode_attention` (one query or a verify window per row against its KV
+cache) check their arguments once at trace time (shape/dtype errors name
+the argument), then run an implementation:
 
   implementation=None         the fastest registered implementation that
                               supports the device and shapes (the reference

@@ -1,6 +1,7 @@
 """ops.decode_attention: the reference against float64 numpy, the Pallas
-kernel (interpret mode) against the reference, argument checks, and the
-model's decode step through both implementations.
+kernel (interpret mode) against the reference (one query per row and
+verify windows), argument checks, Triton lowering, and the model's decode
+step and verify through both implementations.
 
 Outputs of the kernel start as NaN in interpret mode (Pallas' uninitialized
 value), so a head or row the kernel forgets to write fails the comparison.
@@ -22,18 +23,18 @@ from replayssm_jax import testing
 
 
 def _inputs(key, batch, q_heads, kv_heads, max_len, head_dim, dtype,
-            lengths=None, window=None):
-  """window: T queries per row (q [batch, T, q_heads, head_dim])."""
+            window=None):
+  """Ragged lengths, with an empty and a full row; window: T queries per
+  row (q [batch, T, q_heads, head_dim])."""
   kq, kk, kv, kl = jax.random.split(key, 4)
   q = jax.random.normal(kq, (batch,) + (() if window is None else (window,))
                         + (q_heads, head_dim), jnp.float32)
   k = jax.random.normal(kk, (batch, kv_heads, max_len, head_dim), jnp.float32)
   v = jax.random.normal(kv, (batch, kv_heads, max_len, head_dim), jnp.float32)
-  if lengths is None:  # ragged, with an empty and a full row
-    lengths = jax.random.randint(kl, (batch,), 1, max_len + 1)
-    lengths = lengths.at[0].set(0).at[-1].set(max_len)
+  lengths = jax.random.randint(kl, (batch,), 1, max_len + 1)
+  lengths = lengths.at[0].set(0).at[-1].set(max_len)
   return (q.astype(dtype), k.astype(dtype), v.astype(dtype),
-          jnp.asarray(lengths, jnp.int32))
+          lengths.astype(jnp.int32))
 
 
 def _numpy_attention(q, k, v, lengths, scale):
