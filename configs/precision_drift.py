@@ -13,6 +13,12 @@ Smoke variant (CPU, about a minute; used by tests/test_precision_drift.py):
 Any field can be overridden, e.g. `--config.steps=20000`; long-memory
 heads (per-step decays 0.9917-0.9992 instead of 0.43-0.93):
 `--config.a_scale=0.01`.
+
+The two per-element hashes of stochastic rounding side by side (threefry
+vs hash32, long-memory heads, 1 head: a few minutes on a CPU):
+
+  python -m experiments.precision_drift \
+      --config=configs/precision_drift.py:sr_rngs --workdir=runs/drift_sr_rngs
 """
 
 import ml_collections
@@ -22,7 +28,7 @@ from configs import _args
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The drift configuration; `arg="smoke"` shrinks it for CPU tests."""
-  _args.check_arg(arg)
+  _args.check_arg(arg, "sr_rngs")
   config = ml_collections.ConfigDict()
   config.seed = 0
   # Nemotron-H 8B Mamba layer: nheads 128, headdim 64, dstate 128, ngroups 8;
@@ -48,7 +54,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                      "f32+f16", "f32+fp8", "f32+int8", "f32+fp8+sr",
                      "f32+int8+sr", "f16+fp8", "f16+fp8+sr")
   config.buffer_lens = (4, 16, 64)
-  # Baselines storing the state in these dtypes every step (rn and sr).
+  # Baselines storing the state in these dtypes every step: "rn", "sr" or
+  # "sr:<hash>" (precision.SR_RNGS; so can a policy: "f16+sr:hash32").
   config.baseline_dtypes = ("bfloat16", "float16", "float8_e4m3fn", "int8")
   config.baseline_roundings = ("rn", "sr")
   config.sr_seed = 1234
@@ -67,4 +74,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.buffer_lens = (4, 16)
     config.baseline_dtypes = ("bfloat16",)
     config.baseline_roundings = ("rn",)
+  if arg == "sr_rngs":
+    # The reduced long-memory layer of benchmarks/precision_drift_longmem_
+    # cpu.md, every stochastic preset with each hash.
+    config.a_scale = 0.01
+    config.head_scale = 128
+    config.batch = 4
+    config.buffer_lens = (16,)
+    config.policies = tuple(f"{p}{rng}" for p in (
+        "bf16+sr", "f16+sr", "f32+fp8+sr", "f32+int8+sr", "f16+fp8+sr")
+                            for rng in ("", ":hash32"))
+    config.baseline_dtypes = ("bfloat16", "float16", "float8_e4m3fn")
+    config.baseline_roundings = ("sr", "sr:hash32")
   return config

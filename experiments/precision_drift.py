@@ -157,8 +157,10 @@ def advance_replay(carry, t0, n, key, params, *, dims, policy, layer):
                         state_fro=st_fro)
 
 
-@functools.partial(jax.jit, static_argnames=("dims", "sr", "seed", "layer"))
-def advance_baseline(carry, t0, n, key, params, *, dims, sr, seed, layer):
+@functools.partial(jax.jit, static_argnames=("dims", "sr", "seed", "layer",
+                                             "sr_rng"))
+def advance_baseline(carry, t0, n, key, params, *, dims, sr, seed, layer,
+                     sr_rng):
   """n steps of the stored-state baseline (rounded every step)."""
   b = dims[0]
   row_id = jnp.arange(b, dtype=jnp.int32)
@@ -171,7 +173,7 @@ def advance_baseline(carry, t0, n, key, params, *, dims, sr, seed, layer):
         stored, tok["x"], tok["dt"], params["A"], tok["B"], tok["C"],
         params.get("D"), None, params["dt_bias"], True, state_scale=scale,
         stochastic_rounding=sr, seed=seed, layer=layer, row_id=row_id,
-        step=jnp.full((b,), t, jnp.int32))
+        step=jnp.full((b,), t, jnp.int32), sr_rng=sr_rng)
     e = _out_err(y, y_ref)
     return S, stored, scale, jnp.maximum(mx, e), sm + e
 
@@ -196,6 +198,14 @@ def _drive(advance, carry, points, **kw):
 
 def run_all(config, writer) -> list[dict]:
   """Every policy x L run and every baseline; one metrics line each."""
+  for rnd in config.baseline_roundings:
+    kind, colon, sr_rng = rnd.partition(":")
+    if kind not in ("rn", "sr") or colon and (
+        kind != "sr" or sr_rng not in P.SR_RNGS):
+      raise ValueError(f"config.baseline_roundings entries must be 'rn', "
+                       f"'sr' or 'sr:<sr_rng>' (sr_rng one of "
+                       f"{P.SR_RNGS}), got {rnd!r}.")
+  policies = [P.PrecisionPolicy.preset(name) for name in config.policies]
   dims = layer_dims(config)
   b, h, p, n, g = dims
   ref_dt = jnp.dtype(config.reference_dtype)
@@ -217,9 +227,9 @@ def run_all(config, writer) -> list[dict]:
                  rec["L"] or "-", rec["final_state_max_rel"],
                  rec["max_out_rel"], wall)
 
-  for name in config.policies:
-    policy = P.PrecisionPolicy.preset(name).replace(
-        buffer_dtype=config.buffer_dtype, seed=config.sr_seed)
+  for name, policy in zip(config.policies, policies):
+    policy = policy.replace(buffer_dtype=config.buffer_dtype,
+                            seed=config.sr_seed)
     for L in config.buffer_lens:
       t0 = time.perf_counter()
       rst = rs.ReplayState.from_ssm_state(s0, g, L, policy=policy)
@@ -234,17 +244,21 @@ def run_all(config, writer) -> list[dict]:
       finish(dict(kind="replay", label=name, policy=name, L=L,
                   checkpoint_dtype=policy.checkpoint_dtype,
                   read_dtype=policy.read_dtype,
-                  rounding="sr" if policy.stochastic_rounding else "rn"),
+                  rounding=("sr" if policy.stochastic_rounding else "rn")
+                  + (f":{policy.sr_rng}" if policy.stochastic_rounding
+                     and policy.sr_rng != "threefry" else "")),
              stats, time.perf_counter() - t0)
 
   for dtype in config.baseline_dtypes:
     for rnd in config.baseline_roundings:
+      kind, _, sr_rng = rnd.partition(":")  # "rn", "sr" or "sr:<sr_rng>"
       t0 = time.perf_counter()
       stored, scale = P.store(s0, dtype)
       carry = (s0.astype(ref_dt), stored, scale)
       _, stats = _drive(advance_baseline, carry, points, key=k_in,
-                        params=params, dims=dims, sr=(rnd == "sr"),
-                        seed=config.sr_seed, layer=config.layer)
+                        params=params, dims=dims, sr=(kind == "sr"),
+                        seed=config.sr_seed, layer=config.layer,
+                        sr_rng=sr_rng or "threefry")
       short = P.PrecisionPolicy(read_dtype=dtype).name.split("+")[1] if (
           dtype != "float32") else "f32"
       finish(dict(kind="baseline", label=f"{short}+{rnd}", policy=None,

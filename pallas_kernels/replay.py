@@ -41,8 +41,9 @@ reads the master + buffer, folds in f32, stores the master in its dtype and
 the copy re-stored from the stored master (`precision.store`, scales from
 the row amax over dstate), both aliased input->output so non-flush rows'
 master, copy and scales keep their bits. Stochastic rounding of the flush
-stores recomputes the reference's threefry bits per element in-kernel
-(`precision.element_bits`, keys per row from `precision.row_keys`). A plain
+stores recomputes the reference's random bits per element in-kernel (the
+policy's hash, `precision.element_bits`; keys per row from
+`precision.row_keys`). A plain
 state runs exactly the kernels above (same inputs, same code).
 """
 
@@ -428,6 +429,7 @@ class _CopySpec:
       uint32 input (master first), see `precision.row_keys`.
     nheads, headdim, dstate: row shape (element indices of the random
       bits).
+    rng: the per-element hash of the random bits (`precision.SR_RNGS`).
     reload: interpret mode: derive the copy from the master tile read back
       after its store. XLA:CPU recomputes the fold's last update (an
       elementwise a + b * c) inside each fusion that consumes it and
@@ -444,6 +446,7 @@ class _CopySpec:
   headdim: int
   dstate: int
   reload: bool = False
+  rng: str = "threefry"
 
   @property
   def n_in(self) -> int:
@@ -471,7 +474,7 @@ class _FlushStores:
     k0, k1 = self.keys_ref[b, site, 0], self.keys_ref[b, site, 1]
     spec = self.spec
     return P.element_bits(k0, k1, index,
-                          spec.nheads * spec.headdim * spec.dstate)
+                          spec.nheads * spec.headdim * spec.dstate, spec.rng)
 
   def store(self, p, h, st):
     """Stores the master tile rounded to its dtype (maybe stochastically)
@@ -1010,7 +1013,7 @@ def _copy_spec(rstate, policy, interpret):
       copy=copy, scaled=scaled,
       sr_master=sr and jnp.dtype(rstate.checkpoint.dtype) != jnp.dtype(F32),
       sr_copy=sr and copy, nheads=nheads, headdim=headdim, dstate=dstate,
-      reload=interpret and copy)
+      reload=interpret and copy, rng=policy.sr_rng if sr else "threefry")
 
 
 def _sr_keys(spec, policy, layer, rstate):

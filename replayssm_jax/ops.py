@@ -296,7 +296,7 @@ def selective_state_update_stored(ssm_state, x, dt, A, B, C, D=None, z=None,
                                   state_scale=None,
                                   stochastic_rounding: bool = False,
                                   seed: int = 0, layer=0, row_id=None,
-                                  step=None):
+                                  step=None, sr_rng: str = "threefry"):
   """Baseline decode step with the state stored (rounded) every step.
 
   The contrast of the precision study (reference implementation only).
@@ -309,6 +309,7 @@ def selective_state_update_stored(ssm_state, x, dt, A, B, C, D=None, z=None,
     stochastic_rounding: round the store stochastically (needs row_id and
       step, [batch] int32; the caller advances step).
     seed, layer: key the stochastic rounding.
+    sr_rng: its per-element hash (`precision.SR_RNGS`).
     Others: as in `selective_state_update`.
 
   Returns:
@@ -342,12 +343,12 @@ def selective_state_update_stored(ssm_state, x, dt, A, B, C, D=None, z=None,
                          f"stochastic_rounding=True.")
       V.check_integer(name, v)
       V.check_shape(name, v, (b,), "[batch]")
-    P.PrecisionPolicy(seed=seed)  # validates the seed
+    P.PrecisionPolicy(seed=seed, sr_rng=sr_rng)  # validates both
   _check_layer(layer)
   return reference.selective_state_update_stored(
       ssm_state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus),
       state_scale=state_scale, stochastic_rounding=bool(stochastic_rounding),
-      seed=seed, layer=layer, row_id=row_id, step=step)
+      seed=seed, layer=layer, row_id=row_id, step=step, sr_rng=sr_rng)
 
 
 def materialize(rstate: ReplayState, A, dtype=None):

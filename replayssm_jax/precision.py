@@ -16,6 +16,11 @@ A `PrecisionPolicy` says how the decode state is stored:
   stores it into a narrower dtype (the master if bf16/f16, the read copy);
   False = round to nearest even. Buffers are always rounded to nearest.
 * `seed`: of the counter-based RNG of stochastic rounding (`random_bits`).
+* `sr_rng`: the per-element hash that turns a row key and an element index
+  into random bits: "threefry" (jax's threefry2x32, 20 rounds, the
+  default) or "hash32" (two rounds of a 32-bit integer mixer, about a
+  sixth of threefry's integer operations; see `hash32_bits`). A preset
+  name takes it as a suffix: "f16+sr:hash32".
 
 Presets (`PrecisionPolicy.preset(name)`; buffers bfloat16 in all of them,
 override with `.replace(buffer_dtype=...)`):
@@ -78,6 +83,9 @@ SITE_INIT_MASTER = 2
 SITE_INIT_READ_COPY = 3
 SITE_BASELINE = 4
 
+# Per-element hashes of stochastic rounding (`element_bits`).
+SR_RNGS = ("threefry", "hash32")
+
 
 def _dtype_name(name: str, dtype: Any, allowed, optional=False):
   if dtype is None and optional:
@@ -128,12 +136,15 @@ class PrecisionPolicy:
     stochastic_rounding: round flush stores into narrower-than-f32 dtypes
       stochastically (needs a bf16/f16 master or a read copy).
     seed: RNG seed of stochastic rounding, an int in [0, 2^31).
+    sr_rng: the per-element hash of stochastic rounding, one of SR_RNGS
+      (`element_bits`); no effect without stochastic rounding.
   """
   checkpoint_dtype: Any = "float32"
   read_dtype: Any = None
   buffer_dtype: Any = "bfloat16"
   stochastic_rounding: bool = False
   seed: int = 0
+  sr_rng: str = "threefry"
 
   def __post_init__(self):
     ck = _dtype_name("checkpoint_dtype", self.checkpoint_dtype,
@@ -165,15 +176,23 @@ class PrecisionPolicy:
       raise ValueError(f"seed must be an int in [0, 2**31), got "
                        f"{self.seed!r}.")
     object.__setattr__(self, "seed", int(self.seed))
+    if self.sr_rng not in SR_RNGS:
+      raise ValueError(f"sr_rng must be one of {SR_RNGS}, got "
+                       f"{self.sr_rng!r}.")
 
   # ------------------------------------------------------------- helpers
   @classmethod
   def preset(cls, name: str) -> "PrecisionPolicy":
-    """A named policy (see the module docstring table)."""
-    if name not in _PRESETS:
-      raise ValueError(f"name must be one of {sorted(_PRESETS)}, got "
-                       f"{name!r}.")
-    return cls(**_PRESETS[name])
+    """A named policy (see the module docstring table); a stochastic
+    preset may name its hash after a colon, e.g. "f16+sr:hash32"."""
+    base, colon, rng = name.partition(":")
+    if base not in _PRESETS or colon and (
+        rng not in SR_RNGS or not _PRESETS[base].get("stochastic_rounding")):
+      raise ValueError(
+          f"name must be one of {sorted(_PRESETS)}, a stochastic one "
+          f"optionally followed by ':<sr_rng>' (one of {SR_RNGS}), got "
+          f"{name!r}.")
+    return cls(**_PRESETS[base], **(dict(sr_rng=rng) if rng else {}))
 
   @staticmethod
   def preset_names() -> tuple[str, ...]:
@@ -202,6 +221,8 @@ class PrecisionPolicy:
       s += "+" + short[self.read_dtype]
     if self.stochastic_rounding:
       s += "+sr"
+      if self.sr_rng != "threefry":
+        s += ":" + self.sr_rng
     return s
 
 
@@ -221,15 +242,18 @@ def row_keys(seed: int, layer, row_id, step, site: int):
                        jnp.asarray(step, jnp.int32))
 
 
-def random_bits(seed: int, layer, row_id, step, shape, site: int):
+def random_bits(seed: int, layer, row_id, step, shape, site: int,
+                rng: str = "threefry"):
   """uint32 random bits [batch, *shape] for the stores of one step.
 
-  Row r's bits are threefry2x32(k_r, element index) with the key
+  Row r's bits are hash(k_r, element index) with the key
   k_r = fold_in(fold_in(fold_in(fold_in(key(seed), layer), site),
   row_id[r]), step[r]) (`row_keys`): a pure function of (seed, layer, site,
   row id, step, element index), independent of the batch composition and of
-  jax's `jax_threefry_partitionable` flag. `element_bits` computes the bits
-  of any element from k_r alone (what a kernel does).
+  jax's `jax_threefry_partitionable` flag. The hash is `rng`: "threefry"
+  (jax's threefry2x32 of the element indices) or "hash32" (`hash32_bits`).
+  `element_bits` computes the bits of any element from k_r alone (what a
+  kernel does).
 
   Args:
     seed: policy seed (int).
@@ -238,12 +262,22 @@ def random_bits(seed: int, layer, row_id, step, shape, site: int):
     step: [batch] int32 step numbers.
     shape: per-row shape, e.g. (nheads, headdim, dstate).
     site: a store-site tag (SITE_*).
+    rng: one of SR_RNGS.
   """
+  _check_rng(rng)
   size = int(np.prod(shape))
   counter = jnp.arange(size, dtype=jnp.uint32)
   keys = row_keys(seed, layer, row_id, step, site)
-  bits = jax.vmap(lambda k: _threefry_2x32(k, counter))(keys)
+  if rng == "hash32":
+    bits = hash32_bits(keys[:, :1], keys[:, 1:], counter[None])
+  else:
+    bits = jax.vmap(lambda k: _threefry_2x32(k, counter))(keys)
   return bits.reshape((bits.shape[0],) + tuple(shape))
+
+
+def _check_rng(rng):
+  if rng not in SR_RNGS:
+    raise ValueError(f"rng must be one of {SR_RNGS}, got {rng!r}.")
 
 
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
@@ -275,16 +309,48 @@ def threefry2x32_hash(key0, key1, x0, x1):
   return x[0], x[1]
 
 
-def element_bits(key0, key1, index, size: int):
-  """random_bits of the elements `index` (uint32 flat indices into a row of
-  `size` elements) of the row with key data (key0, key1) (`row_keys`).
+def _lowbias32(x):
+  """A bijective 32-bit integer mixer (two xorshift-multiply rounds; the
+  "lowbias32" constants of C. Wellons' hash-prospector)."""
+  x = x ^ (x >> np.uint32(16))
+  x = x * np.uint32(0x7FEB352D)
+  x = x ^ (x >> np.uint32(15))
+  x = x * np.uint32(0x846CA68B)
+  return x ^ (x >> np.uint32(16))
 
+
+def hash32_bits(key0, key1, index):
+  """The "hash32" random bits of flat element indices `index` under the row
+  key (key0, key1): lowbias32(lowbias32(index + key0) ^ key1), all uint32.
+
+  About 20 integer operations per element, against about 120 for the
+  threefry stream (20 rounds, and half of each 64-bit block discarded):
+  what makes a stochastically rounded flush cheap enough on a GPU. For a
+  fixed key it is a bijection of the index (no two elements of a row share
+  their bits); rows, steps and sites differ through their threefry-derived
+  keys (`row_keys`). Its uniformity and independence are checked
+  statistically in tests/test_precision.py.
+  """
+  u32 = jnp.uint32
+  x = jnp.asarray(index, u32) + jnp.asarray(key0, u32)
+  return _lowbias32(_lowbias32(x) ^ jnp.asarray(key1, u32))
+
+
+def element_bits(key0, key1, index, size: int, rng: str = "threefry"):
+  """random_bits of the elements `index` (uint32 flat indices into a row of
+  `size` elements) of the row with key data (key0, key1) (`row_keys`),
+  for the hash `rng` (one of SR_RNGS).
+
+  "hash32" hashes each index alone (`hash32_bits`). For "threefry",
   jax's threefry_2x32(k, arange(size)) hashes the counter pairs
   (i, i + half), half = ceil(size / 2) (a pad 0 past the end for odd
   sizes), and returns word 0 of pair i at index i and word 1 at i + half;
   this recomputes that for any subset of the indices (e.g. one kernel
   tile), so it equals `random_bits` element for element.
   """
+  _check_rng(rng)
+  if rng == "hash32":
+    return hash32_bits(key0, key1, index)
   size = int(size)
   half = (size + 1) // 2
   i = jnp.asarray(index, jnp.uint32)
@@ -425,7 +491,8 @@ def quantization_step(dtype) -> float:
 
 __all__ = [
     "BUFFER_DTYPES", "CHECKPOINT_DTYPES", "PrecisionPolicy", "QMAX",
-    "QUANTIZED_DTYPES", "READ_DTYPES", "dequantize", "load", "quantize",
-    "element_bits", "quantization_step", "random_bits", "round_to",
+    "QUANTIZED_DTYPES", "READ_DTYPES", "SR_RNGS", "dequantize", "load",
+    "quantize", "element_bits", "hash32_bits", "quantization_step",
+    "random_bits", "round_to",
     "row_keys", "stochastic_round", "store", "threefry2x32_hash",
 ]

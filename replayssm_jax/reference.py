@@ -217,7 +217,7 @@ def replay_state_update(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
 
   def sr_bits(site):
     return P.random_bits(policy.seed, layer, rstate.row_id, rstate.step,
-                         shape, site)
+                         shape, site, policy.sr_rng)
 
   ck_dtype = rstate.checkpoint.dtype
   master = P.round_to(new_state, ck_dtype,
@@ -254,14 +254,15 @@ def selective_state_update_stored(ssm_state, x, dt, A, B, C, D=None, z=None,
                                   dt_bias=None, dt_softplus=False, *,
                                   state_scale=None,
                                   stochastic_rounding=False, seed=0,
-                                  layer=0, row_id=None, step=None):
+                                  layer=0, row_id=None, step=None,
+                                  sr_rng="threefry"):
   """Baseline decode step whose state is *stored* in a low precision.
 
   The stored state (ssm_state in its dtype: f32/bf16/f16, or fp8 e4m3 /
   int8 with `state_scale` [b, h, p]) is loaded to f32, advanced one token
   in f32 and stored back in its dtype every step: round to nearest, or
   stochastic rounding keyed by (seed, layer, row_id, step, element) like a
-  ReplayState flush (store site `precision.SITE_BASELINE`). This is the
+  ReplayState flush (store site `precision.SITE_BASELINE`, hash `sr_rng`). This is the
   contrast of the precision study: the baseline rounds the state every
   step, replay once per L steps.
 
@@ -275,6 +276,6 @@ def selective_state_update_stored(ssm_state, x, dt, A, B, C, D=None, z=None,
   bits = None
   if stochastic_rounding and jnp.dtype(ssm_state.dtype) != jnp.dtype(F32):
     bits = P.random_bits(seed, layer, row_id, step, ssm_state.shape[1:],
-                         P.SITE_BASELINE)
+                         P.SITE_BASELINE, sr_rng)
   stored, scale = P.store(new, ssm_state.dtype, bits)
   return y, stored, scale

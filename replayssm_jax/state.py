@@ -208,7 +208,7 @@ class ReplayState:
       bits = None
       if policy.stochastic_rounding and policy.checkpoint_dtype != "float32":
         bits = P.random_bits(policy.seed, layer, row_id, step, shape,
-                             P.SITE_INIT_MASTER)
+                             P.SITE_INIT_MASTER, policy.sr_rng)
       checkpoint = P.round_to(source.astype(jnp.float32),
                               policy.checkpoint_dtype, bits)
     read_copy = read_scale = None
@@ -216,7 +216,7 @@ class ReplayState:
       bits = None
       if policy.stochastic_rounding and source is not None:
         bits = P.random_bits(policy.seed, layer, row_id, step, shape,
-                             P.SITE_INIT_READ_COPY)
+                             P.SITE_INIT_READ_COPY, policy.sr_rng)
       read_copy, read_scale = P.store(checkpoint.astype(jnp.float32),
                                       policy.read_dtype, bits)
     return self.replace(checkpoint=checkpoint, read_copy=read_copy,

@@ -1,9 +1,11 @@
 """pytest configuration shared by the whole test-suite."""
 
+import gc
 import os
 import tempfile
 
 import jax
+import pytest
 
 # XLA:CPU compiles the "partitionable" threefry PRNG (the default since
 # jax 0.5) about 10x slower than the classic one: ~3 s per new random shape
@@ -32,3 +34,15 @@ if _CACHE != "0":
   jax.config.update("jax_compilation_cache_dir", _CACHE)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+  """Drops jax's in-memory caches of compiled programs after each test
+  module. A worker runs hundreds of modules' programs; kept, they grew each
+  of the two xdist workers to ~7 GB of the CI machine's 24 GiB by the end
+  of the suite. A later module that needs a program again reads it back
+  from the persistent cache above."""
+  yield
+  jax.clear_caches()
+  gc.collect()

@@ -566,8 +566,8 @@ def test_config_for_the_reference_is_refused():
 
 # ------------------------------------------ dual precision (issue 6, kernels)
 # Every read dtype with an f32 master, an f16 master with an fp8 copy, and
-# stochastic rounding (int8 copy; f16 master + fp8 copy: both stores), each
-# with another tuning config. (SR of a master without a copy, "bf16+sr", is
+# stochastic rounding (int8 copy; f16 master + fp8 copy: both stores, with
+# each per-element hash), each with another tuning config. (SR of a master without a copy, "bf16+sr", is
 # the f16+fp8+sr master path without the copy; it is lowered below.)
 POLICY_CASES = [
     ("f32+bf16", pk.ReplayConfig()),
@@ -579,6 +579,7 @@ POLICY_CASES = [
                                 flush_prefetch=True, flush_programs=3)),
     ("f32+int8+sr", pk.ReplayConfig(flush_grid="rows", heads_per_program=2)),
     ("f16+fp8+sr", pk.ReplayConfig(block_p=8, flush_programs=3)),
+    ("f16+fp8+sr:hash32", pk.ReplayConfig()),
     ("f32+fp8", pk.ReplayConfig(output_route="mosaic_gpu")),
     ("f32+int8", pk.ReplayConfig(output_route="mosaic_gpu",
                                  flush_grid="rows")),
@@ -662,7 +663,7 @@ def _np_bits(a):
 
 
 _store = jax.jit(P.store, static_argnums=(1,))
-_random_bits = jax.jit(P.random_bits, static_argnums=(0, 4, 5))
+_random_bits = jax.jit(P.random_bits, static_argnums=(0, 4, 5, 6))
 
 
 @pytest.mark.parametrize("name,config", POLICY_CASES,
@@ -717,7 +718,7 @@ def test_replay_kernel_read_copy_decode(name, config):
       bits = None
       if pol.stochastic_rounding:
         bits = _random_bits(pol.seed, POLICY_LAYER, kin.row_id, kin.step,
-                            shape, P.SITE_READ_COPY)
+                            shape, P.SITE_READ_COPY, pol.sr_rng)
       copy, scale = _store(master, pol.read_dtype, bits)
       np.testing.assert_array_equal(
           _np_bits(kout.read_copy[flush]), _np_bits(copy)[flush],
@@ -889,7 +890,8 @@ _ROWS_CONFIG = pk.ReplayConfig(flush_grid="rows", heads_per_program=2,
                                flush_unroll=True)
 LOWERING_CASES = [(c, None) for c in LOWERING_REPLAY_CONFIGS] + [
     (LOWERING_REPLAY_CONFIGS[0], name) for name in (
-        "f32+bf16", "f32+int8", "f16+fp8+sr", "f32+int8+sr", "bf16+sr")] + [
+        "f32+bf16", "f32+int8", "f16+fp8+sr", "f32+int8+sr", "bf16+sr",
+        "f16+sr:hash32")] + [
     (_ROWS_CONFIG, "f32+int8"), (_ROWS_CONFIG, "f16+fp8+sr"),
     (LOWERING_REPLAY_CONFIGS[3], "f32+fp8"),
     (LOWERING_REPLAY_CONFIGS[6], "f32+fp8+sr"),

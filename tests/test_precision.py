@@ -126,6 +126,19 @@ def test_presets_validate_and_are_static_jit_args():
   assert len(traces) == 1  # equal policies hash equal: one compile
 
 
+def test_preset_names_take_the_sr_hash():
+  pol = P.PrecisionPolicy.preset("f16+sr:hash32")
+  assert pol == P.PrecisionPolicy.preset("f16+sr").replace(sr_rng="hash32")
+  assert pol.name == "f16+sr:hash32" and pol != P.PrecisionPolicy.preset(
+      "f16+sr")
+  assert P.PrecisionPolicy.preset("f16+sr:threefry").name == "f16+sr"
+  assert "f16+sr:hash32" in P.__doc__
+  for bad in ("f16:hash32", "f16+sr:philox", "f16+sr:"):
+    with pytest.raises(ValueError, match=r"a stochastic one optionally "
+                       r"followed by ':<sr_rng>'"):
+      P.PrecisionPolicy.preset(bad)
+
+
 @pytest.mark.parametrize("kwargs, exc, match", [
     (dict(checkpoint_dtype="int8"), ValueError, r"checkpoint_dtype must be"),
     (dict(checkpoint_dtype="float64"), ValueError, r"checkpoint_dtype"),
@@ -141,6 +154,9 @@ def test_presets_validate_and_are_static_jit_args():
     (dict(seed=2**31), ValueError, r"seed must be an int"),
     (dict(seed=1.5), ValueError, r"seed must be an int"),
     (dict(seed=True), ValueError, r"seed must be an int"),
+    (dict(checkpoint_dtype="float16", stochastic_rounding=True,
+          sr_rng="philox"), ValueError,
+     r"sr_rng must be one of \('threefry', 'hash32'\), got 'philox'"),
 ])
 def test_policy_validation(kwargs, exc, match):
   with pytest.raises(exc, match=match):
@@ -287,7 +303,7 @@ def test_sr_nonfinite_and_out_of_range_use_nearest():
   _same_bits(r, x.astype(jnp.float16), "f16 RN outside the range")
 
 
-_random_bits = jax.jit(P.random_bits, static_argnums=(4, 5))
+_random_bits = jax.jit(P.random_bits, static_argnums=(4, 5, 6))
 
 
 def test_random_bits_depend_only_on_the_key():
@@ -311,25 +327,90 @@ def test_random_bits_depend_only_on_the_key():
   np.testing.assert_array_equal(a[1].reshape(-1), want)
 
 
+@pytest.mark.parametrize("rng", P.SR_RNGS)
 @pytest.mark.parametrize("shape", [(2, 3), (3, 5, 7), (1,)])
-def test_element_bits_equal_random_bits(shape):
-  """What a kernel computes per element (row keys + threefry of one flat
+def test_element_bits_equal_random_bits(shape, rng):
+  """What a kernel computes per element (row keys + the hash of one flat
   index, in plain uint32 ops) equals random_bits, for even and odd row
   sizes and for any subset of the indices."""
   size = int(np.prod(shape))
   rid = jnp.asarray([5, 9, 2**30], jnp.int32)
   stp = jnp.asarray([3, 0, 2**31 - 1], jnp.int32)
   for site in (P.SITE_MASTER, P.SITE_READ_COPY):
-    want = np.asarray(_random_bits(7, 2, rid, stp, shape, site))
+    want = np.asarray(_random_bits(7, 2, rid, stp, shape, site, rng))
     keys = P.row_keys(7, 2, rid, stp, site)
     idx = jnp.arange(size, dtype=jnp.uint32)[::-1]  # any order
-    got = jax.vmap(lambda k, i=idx: P.element_bits(k[0], k[1], i, size))(keys)
+    got = jax.vmap(lambda k, i=idx: P.element_bits(k[0], k[1], i, size,
+                                                   rng))(keys)
     np.testing.assert_array_equal(np.asarray(got)[:, ::-1],
                                   want.reshape(3, -1))
 
 
+def _np_lowbias32(x):
+  x = x ^ (x >> np.uint32(16))
+  x = x * np.uint32(0x7FEB352D)
+  x = x ^ (x >> np.uint32(15))
+  x = x * np.uint32(0x846CA68B)
+  return x ^ (x >> np.uint32(16))
+
+
+def test_hash32_bits_follow_the_documented_formula():
+  """random_bits(..., "hash32") == lowbias32(lowbias32(i + k0) ^ k1) with
+  the row keys of `row_keys`, recomputed in numpy's wrapping uint32."""
+  rid = jnp.asarray([5, 9], jnp.int32)
+  stp = jnp.asarray([3, 2**31 - 1], jnp.int32)
+  got = np.asarray(_random_bits(7, 2, rid, stp, (4, 6), P.SITE_MASTER,
+                                "hash32")).reshape(2, -1)
+  keys = np.asarray(P.row_keys(7, 2, rid, stp, P.SITE_MASTER))
+  i = np.arange(24, dtype=np.uint32)
+  with np.errstate(over="ignore"):
+    want = np.stack([_np_lowbias32(_np_lowbias32(i + k0) ^ k1)
+                     for k0, k1 in keys])
+  np.testing.assert_array_equal(got, want)
+  assert not np.array_equal(got, np.asarray(_random_bits(
+      7, 2, rid, stp, (4, 6), P.SITE_MASTER, "threefry")).reshape(2, -1))
+
+
+@pytest.mark.parametrize("rng", P.SR_RNGS)
+def test_sr_bits_are_uniform_and_independent(rng):
+  """The bits of 8 rows (ids x steps) x 2^14 elements: every bit is set
+  with frequency 1/2 within 5 binomial sigmas; the top 4 bits of
+  neighbouring elements, of the same element in neighbouring rows and in
+  consecutive steps pass a chi-square test of independence (225 degrees of
+  freedom, threshold p ~ 1e-6); SR of a constant through them is unbiased
+  (the mean over a row is x within 5 sigmas)."""
+  n = 2**14
+  rid = jnp.asarray([0, 1, 0, 1, 2, 3, 2, 3], jnp.int32)
+  stp = jnp.asarray([0, 0, 1, 1, 0, 0, 1, 1], jnp.int32)
+  bits = np.asarray(_random_bits(5, 0, rid, stp, (n,), P.SITE_MASTER, rng))
+  ones = (bits[..., None] >> np.arange(32, dtype=np.uint32)) & 1
+  freq = ones.mean(axis=(0, 1))
+  assert np.all(np.abs(freq - 0.5) < 5 * np.sqrt(0.25 / bits.size)), freq
+
+  def chi2(a, b):
+    a, b = (a >> 28).ravel(), (b >> 28).ravel()
+    obs = np.bincount(a * 16 + b, minlength=256).reshape(16, 16)
+    exp = np.outer(np.bincount(a, minlength=16),
+                   np.bincount(b, minlength=16)) / a.size
+    return float(((obs - exp) ** 2 / exp).sum())
+
+  # chi-square(225 dof: 15 x 15) exceeds 340 with p ~ 1e-6.
+  for what, a, b in (("neighbour elements", bits[:, :-1], bits[:, 1:]),
+                     ("neighbour rows", bits[0::2], bits[1::2]),
+                     ("consecutive steps", bits[[0, 1, 4, 5]],
+                      bits[[2, 3, 6, 7]])):
+    assert chi2(a, b) < 340, (rng, what)
+  x = np.float32(1.0 + 1 / 3)
+  lo, hi = _neighbours(np.asarray([x]), "float16")
+  r = np.asarray(P.stochastic_round(jnp.full(bits.shape, x), "float16",
+                                    bits).astype(jnp.float32), np.float64)
+  p = (x - lo[0]) / (hi[0] - lo[0])
+  assert abs(np.mean(r == hi[0]) - p) < 5 * np.sqrt(p * (1 - p) / r.size)
+
+
 # ---------------------------------------------------------- reproducibility
-@pytest.mark.parametrize("name", ["f16+fp8+sr", "f32+int8+sr"])
+@pytest.mark.parametrize("name", ["f16+fp8+sr", "f32+int8+sr",
+                                  "f16+fp8+sr:hash32"])
 def test_sr_decode_is_bit_reproducible_across_runs_and_batches(name):
   """A row decodes to identical bits alone (batch 1) and embedded at index
   3 of a batch of 5 (other rows: other ids, steps and inputs); two runs give
@@ -513,6 +594,14 @@ def test_stored_baseline_int8_and_sr():
       for k, v in kw.items()}, stochastic_rounding=True, seed=3,
                                        row_id=rid[::-1], step=stp)[1]
   _same_bits(a, b[::-1], "SR baseline independent of row order")
+  h = rs.selective_state_update_stored(sb, **kw, stochastic_rounding=True,
+                                       seed=3, row_id=rid, step=stp,
+                                       sr_rng="hash32")[1]
+  _, new = rs.selective_state_update(sb.astype(jnp.float32), **kw)
+  _same_bits(h, P.round_to(new, jnp.float16, P.random_bits(
+      3, 0, rid, stp, sb.shape[1:], P.SITE_BASELINE, "hash32")),
+             "SR baseline with the hash32 bits")
+  assert not np.array_equal(_bits(h), _bits(a))
   _, exact = rs.selective_state_update(sb, **kw)
   lo_hi = [np.nextafter(np.asarray(exact, np.float16), d) for d in
            (np.float16(-np.inf), np.float16(np.inf))]
@@ -523,6 +612,9 @@ def test_stored_baseline_int8_and_sr():
   with pytest.raises(ValueError, match=r"row_id \(\[batch\] int32\) is "
                      r"required"):
     rs.selective_state_update_stored(sb, **kw, stochastic_rounding=True)
+  with pytest.raises(ValueError, match=r"sr_rng must be one of"):
+    rs.selective_state_update_stored(sb, **kw, stochastic_rounding=True,
+                                     row_id=rid, step=stp, sr_rng="x")
   with pytest.raises(ValueError, match=r"state_scale .* is required"):
     rs.selective_state_update_stored(q, **kw)
 

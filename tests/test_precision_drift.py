@@ -11,6 +11,7 @@ pytest.importorskip("matplotlib")
 from configs import precision_drift as drift_config  # noqa: E402
 from experiments import common  # noqa: E402
 from experiments import precision_drift  # noqa: E402
+from replayssm_jax import precision as P  # noqa: E402
 from replayssm_jax import testing  # noqa: E402
 
 
@@ -21,6 +22,29 @@ def test_config_args():
   with pytest.raises(ValueError, match="smoke"):
     drift_config.get_config("bogus")
   assert "python -m experiments.precision_drift" in drift_config.__doc__
+
+
+def test_sr_rngs_config_pairs_every_stochastic_preset_with_both_hashes():
+  config = drift_config.get_config("sr_rngs")
+  pols = {n: P.PrecisionPolicy.preset(n) for n in config.policies}
+  assert {p.sr_rng for p in pols.values()} == set(P.SR_RNGS)
+  for name, pol in pols.items():
+    assert pol.stochastic_rounding and pol.name == name
+    assert f"{name.partition(':')[0]}:hash32" in pols
+  assert config.baseline_roundings == ("sr", "sr:hash32")
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("baseline_roundings", ("rn", "sr:philox"), "baseline_roundings"),
+    ("baseline_roundings", ("rn:hash32",), "baseline_roundings"),
+    ("policies", ("f32", "f16:hash32"), "name must be one of"),
+])
+def test_bad_rounding_or_policy_names_fail_before_any_run(field, value,
+                                                          match):
+  config = drift_config.get_config("smoke")
+  setattr(config, field, value)
+  with pytest.raises(ValueError, match=match):
+    precision_drift.run_all(config, writer=None)
 
 
 def test_measure_points():

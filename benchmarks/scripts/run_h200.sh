@@ -41,7 +41,7 @@
 #   bash benchmarks/scripts/run_h200.sh fills      # the replay step by buffer fill at hybrid_1b's layer (f32, b 256, L 16) with the output route's buffer-read variants (configs/kernel_bench.py:fills; not yet run; the default alone took 54 s in session 24)
 #   bash benchmarks/scripts/run_h200.sh conv_ring8b  # the 8B shapes' decode step at b 256, L 16, shifting vs ring conv state on one machine (replay, then baseline; session 24's run of the shift row took ~110 s)
 #   bash benchmarks/scripts/run_h200.sh decode8b_512  # the 8B shapes at b 512, L 16 (not yet run; 2 x ~59 GB states built one at a time)
-#   bash benchmarks/scripts/run_h200.sh policies_sr  # the presets session 24 did not reach (f16+sr, f32+int8+sr, f16+fp8+sr), f16 baseline, b 256, L 16
+#   bash benchmarks/scripts/run_h200.sh policies_sr  # the stochastic presets with the cheap hash32 bits (f16+sr, f32+int8+sr, f16+fp8+sr, each ":hash32"; session 26, not yet run), then the threefry ones sessions 24-25 did not reach (f32+int8+sr, f16+fp8+sr), f16 baseline, b 256, L 16 (session 25: f16+sr alone took most of 110 s)
 #   bash benchmarks/scripts/run_h200.sh attention  # the decode attention forms (XLA whole cache vs the Pallas kernel's variants) at hybrid_1b's and the 8B's attention shapes, b 256, and hybrid_1b's verify window of 4 (session 25 ran all but the window, ~1 min)
 #   bash benchmarks/scripts/run_h200.sh decode_profile  # hybrid_1b's decode step at b 256 by named scope, replay and baseline (decode_step_profile.py, XLA's CUDA graphs off)
 #   bash benchmarks/scripts/run_h200.sh decode256  # hybrid_1b decode at b {256,512}, L 16, split at 256 (2.5 min in session 25)
@@ -163,7 +163,7 @@ case "$1" in
   policies_sr)
     timeout "$T" python -m experiments.kernel_bench \
       --config=configs/kernel_bench.py:policies --workdir="$OUT/policies_sr" \
-      --config.policies="('f16+sr','f32+int8+sr','f16+fp8+sr')" ;;
+      --config.policies="('f16+sr:hash32','f32+int8+sr:hash32','f16+fp8+sr:hash32','f32+int8+sr','f16+fp8+sr')" ;;
   policies)
     timeout "$T" python -m experiments.kernel_bench \
       --config=configs/kernel_bench.py:policies --workdir="$OUT/policies" \

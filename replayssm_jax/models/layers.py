@@ -254,7 +254,8 @@ class Mamba2Mixer(nnx.Module):
           st.state, x, dt, A, b, cc, D=kw["D"], dt_bias=kw["dt_bias"],
           dt_softplus=True, state_scale=st.scale,
           stochastic_rounding=step is not None,
-          seed=policy.seed, layer=layer, row_id=st.row_id, step=step)
+          seed=policy.seed, layer=layer, row_id=st.row_id, step=step,
+          sr_rng=policy.sr_rng)
       ssm = st.replace(state=stored, scale=scale, step=step)
     else:
       y, ssm = ops.selective_state_update(state.ssm, x, dt, A, b, cc, **kw)

@@ -87,7 +87,7 @@ def store_baseline(state, policy: P.PrecisionPolicy, dtype, row_id, step,
   bits = None
   if sr:
     bits = P.random_bits(policy.seed, layer, row_id, step, state.shape[1:],
-                         P.SITE_BASELINE)
+                         P.SITE_BASELINE, policy.sr_rng)
   stored, scale = P.store(state.astype(jnp.float32), dtype, bits)
   return StoredSSMState(state=stored, scale=scale,
                         row_id=row_id if sr else None,
