@@ -117,10 +117,10 @@ def make_policy(name: str, config) -> PrecisionPolicy:
 
 
 def baseline_key(policy: PrecisionPolicy) -> tuple[str, str]:
-  """(storage dtype, rounding) of the every-step baseline of `policy`."""
+  """(storage dtype, rounding) of the every-step baseline of `policy`;
+  rounding "rn", "sr", or "sr:<sr_rng>" for a non-default hash."""
   dtype = S.baseline_storage_dtype(policy)
-  sr = policy.stochastic_rounding and dtype != "float32"
-  return dtype, "sr" if sr else "rn"
+  return dtype, "rn" if dtype == "float32" else policy.rounding
 
 
 # -------------------------------------------------------------- evaluation
@@ -210,7 +210,7 @@ def evaluate_model(entry, model, task, config, writer) -> list[dict]:
                   checkpoint_dtype=policy.checkpoint_dtype,
                   read_dtype=policy.read_dtype,
                   buffer_dtype=policy.buffer_dtype,
-                  rounding="sr" if policy.stochastic_rounding else "rn",
+                  rounding=policy.rounding,
                   flushes_per_row=steps // L), m, t0)
 
   if config.baseline_contrast:

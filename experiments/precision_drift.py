@@ -244,9 +244,7 @@ def run_all(config, writer) -> list[dict]:
       finish(dict(kind="replay", label=name, policy=name, L=L,
                   checkpoint_dtype=policy.checkpoint_dtype,
                   read_dtype=policy.read_dtype,
-                  rounding=("sr" if policy.stochastic_rounding else "rn")
-                  + (f":{policy.sr_rng}" if policy.stochastic_rounding
-                     and policy.sr_rng != "threefry" else "")),
+                  rounding=policy.rounding),
              stats, time.perf_counter() - t0)
 
   for dtype in config.baseline_dtypes:

@@ -212,6 +212,14 @@ class PrecisionPolicy:
     return self.read_dtype is None and not self.stochastic_rounding
 
   @property
+  def rounding(self) -> str:
+    """How flush stores round: "rn" (nearest), "sr" (stochastic, threefry
+    bits) or "sr:<sr_rng>" (another hash)."""
+    if not self.stochastic_rounding:
+      return "rn"
+    return "sr" if self.sr_rng == "threefry" else f"sr:{self.sr_rng}"
+
+  @property
   def name(self) -> str:
     """A short label, e.g. 'f32+int8+sr' (also for non-preset policies)."""
     short = {"float32": "f32", "bfloat16": "bf16", "float16": "f16",
@@ -219,11 +227,7 @@ class PrecisionPolicy:
     s = short[self.checkpoint_dtype]
     if self.read_dtype is not None:
       s += "+" + short[self.read_dtype]
-    if self.stochastic_rounding:
-      s += "+sr"
-      if self.sr_rng != "threefry":
-        s += ":" + self.sr_rng
-    return s
+    return s + ("" if self.rounding == "rn" else "+" + self.rounding)
 
 
 # ------------------------------------------------------------------ RNG

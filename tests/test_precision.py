@@ -131,6 +131,9 @@ def test_preset_names_take_the_sr_hash():
   assert pol == P.PrecisionPolicy.preset("f16+sr").replace(sr_rng="hash32")
   assert pol.name == "f16+sr:hash32" and pol != P.PrecisionPolicy.preset(
       "f16+sr")
+  assert (pol.rounding, P.PrecisionPolicy.preset("f16+sr").rounding,
+          P.PrecisionPolicy.preset("f16").rounding) == ("sr:hash32", "sr",
+                                                          "rn")
   assert P.PrecisionPolicy.preset("f16+sr:threefry").name == "f16+sr"
   assert "f16+sr:hash32" in P.__doc__
   for bad in ("f16:hash32", "f16+sr:philox", "f16+sr:"):
