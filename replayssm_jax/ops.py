@@ -240,7 +240,7 @@ def replay_state_update(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
                       rstate.dstate, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z,
                       dt_bias=dt_bias, ngroups=rstate.ngroups)
   policy = resolve_policy(rstate, policy)
-  _check_layer(layer)
+  check_layer(layer)
   args = dict(rstate=rstate, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z,
               dt_bias=dt_bias, dt_softplus=bool(dt_softplus))
   if not policy.plain or rstate.step is not None:
@@ -278,7 +278,9 @@ def resolve_policy(rstate: ReplayState,
   return policy
 
 
-def _check_layer(layer):
+def check_layer(layer):
+  """`layer` (keys stochastic rounding): an int >= 0 or an integer scalar
+  array (e.g. traced under a scan over layers)."""
   if isinstance(layer, (bool, np.bool_)):
     raise TypeError(f"layer must be an int >= 0, got {layer!r}.")
   if isinstance(layer, (int, np.integer)):
@@ -344,7 +346,7 @@ def selective_state_update_stored(ssm_state, x, dt, A, B, C, D=None, z=None,
       V.check_integer(name, v)
       V.check_shape(name, v, (b,), "[batch]")
     P.PrecisionPolicy(seed=seed, sr_rng=sr_rng)  # validates both
-  _check_layer(layer)
+  check_layer(layer)
   return reference.selective_state_update_stored(
       ssm_state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus),
       state_scale=state_scale, stochastic_rounding=bool(stochastic_rounding),

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from replayssm_jax import _validation as V
+from replayssm_jax import precision as P
 from replayssm_jax import reference
 from replayssm_jax.reference import (F32, HIGHEST, _finish_output,
                                      fold_window, heads_from_groups,
@@ -61,7 +62,7 @@ def _check_window(rstate: ReplayState, x, dt, A, B, C, D, z, dt_bias):
 
 
 def replay_verify(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
-                  dt_bias=None, dt_softplus=False, *,
+                  dt_bias=None, dt_softplus=False, *, policy=None, layer=0,
                   implementation: str | None = None, config=None):
   """Outputs of a T-token window from checkpoint + buffer, in one pass.
 
@@ -71,7 +72,15 @@ def replay_verify(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
     dt: [batch, T, nheads]; B, C: [batch, T, ngroups, dstate];
     z: optional [batch, T, nheads, headdim]; A, D, dt_bias, dt_softplus: as
       in `replay_state_update`.
-    implementation, config: as in `replay_state_update` (the dispatcher).
+    policy, layer: the state's `precision.PrecisionPolicy` and the layer
+      index keying stochastic rounding, as in `replay_state_update`. With a
+      read copy, rows that do not flush early read only the (dequantized)
+      copy; early-flushing rows fold the history from the master + buffer,
+      store the master in its dtype (stochastically with stochastic
+      rounding, keyed by the row's current `step`), read the window out
+      from the stored master and re-store the copy from it.
+    implementation, config: as in `replay_state_update` (the dispatcher;
+      the Pallas verify kernels take plain states only).
 
   Returns:
     (y [batch, T, nheads, headdim] in x.dtype: y[:, s] is the output of
@@ -83,20 +92,20 @@ def replay_verify(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
     raise TypeError(f"rstate must be a ReplayState, got "
                     f"{type(rstate).__name__}.")
   rstate.validate("rstate")
-  if rstate.read_copy is not None or rstate.step is not None:
-    raise NotImplementedError(
-        "replay_verify does not support a state with a read copy or "
-        "stochastic-rounding counters (a PrecisionPolicy with read_dtype or "
-        "stochastic_rounding) yet; decode it with replay_state_update.")
   _check_window(rstate, x, dt, A, B, C, D, z, dt_bias)
   from replayssm_jax import ops  # pylint: disable=g-import-not-at-top
+  policy = ops.resolve_policy(rstate, policy)
+  ops.check_layer(layer)
   args = dict(rstate=rstate, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z,
               dt_bias=dt_bias, dt_softplus=bool(dt_softplus))
+  if not policy.plain or rstate.step is not None:
+    args.update(policy=policy, layer=layer)
   return ops.dispatch("replay_verify", implementation, config, args)
 
 
 def replay_verify_reference(rstate, x, dt, A, B, C, D=None, z=None,
-                            dt_bias=None, dt_softplus=False):
+                            dt_bias=None, dt_softplus=False, policy=None,
+                            layer=0):
   """Pure-JAX `replay_verify` (validated inputs; f32 accumulation)."""
   L, T = rstate.buffer_len, x.shape[1]
   c = rstate.count.astype(jnp.int32)
@@ -111,9 +120,30 @@ def replay_verify_reference(rstate, x, dt, A, B, C, D=None, z=None,
       jnp.where(hist[..., None, None], rstate.x_buf.astype(F32), 0.0),
       jnp.where(hist[..., None, None], rstate.b_buf.astype(F32), 0.0),
       jnp.where(hist[..., None], rstate.dt_buf, 0.0), A)
-  checkpoint = jnp.where(flush[:, None, None, None],
-                         folded.astype(rstate.checkpoint.dtype),
-                         rstate.checkpoint)
+  # The stores of the early flush, as a decode step's flush stores them.
+  sr = policy is not None and policy.stochastic_rounding
+  shape = rstate.checkpoint.shape[1:]
+
+  def sr_bits(site):
+    return P.random_bits(policy.seed, layer, rstate.row_id, rstate.step,
+                         shape, site, policy.sr_rng) if sr else None
+
+  ck_dtype = rstate.checkpoint.dtype
+  master = P.round_to(folded, ck_dtype, sr_bits(P.SITE_MASTER)
+                      if ck_dtype != jnp.dtype(F32) else None)
+  fl4 = (flush & in_range)[:, None, None, None]
+  checkpoint = jnp.where(fl4, master, rstate.checkpoint)
+  extra, read = {}, checkpoint
+  if rstate.read_copy is not None:  # flushing rows: the stored master
+    copy, scale = P.store(master.astype(F32), rstate.read_copy.dtype,
+                          sr_bits(P.SITE_READ_COPY))
+    extra["read_copy"] = jnp.where(fl4, copy, rstate.read_copy)
+    if scale is not None:
+      extra["read_scale"] = jnp.where(fl4[..., 0], scale, rstate.read_scale)
+    read = jnp.where(fl4, master.astype(F32),
+                     P.load(rstate.read_copy, rstate.read_scale))
+  if rstate.step is not None:
+    extra.update(row_id=rstate.row_id, step=rstate.step)
   base = jnp.where(flush, 0, c)  # committed tokens still in the buffer
 
   # 2. Window inputs into slots [base, base + T).
@@ -129,15 +159,15 @@ def replay_verify_reference(rstate, x, dt, A, B, C, D=None, z=None,
 
   # 3. Output of window position s: the checkpoint's readout, decayed over
   # the history and window tokens up to s, plus their own contributions.
-  decay, extra = verify_terms(rstate.x_buf, rstate.b_buf, rstate.dt_buf,
-                              base, x, B, d_win, C, A)
-  y = decay[..., None] * verify_readout(checkpoint, C) + extra  # [b,T,h,p]
+  decay, own = verify_terms(rstate.x_buf, rstate.b_buf, rstate.dt_buf,
+                            base, x, B, d_win, C, A)
+  y = decay[..., None] * verify_readout(read, C) + own  # [b, T, h, p]
   y = _finish_output(y, x, D, z)
   y = jnp.where(in_range[:, None, None, None], y, jnp.nan)
-  new = ReplayState(checkpoint=jnp.where(in_range[:, None, None, None],
-                                         checkpoint, rstate.checkpoint),
-                    x_buf=x_buf, b_buf=b_buf, dt_buf=dt_buf,
-                    count=jnp.where(in_range, base, c).astype(jnp.int32))
+  new = ReplayState(checkpoint=checkpoint, x_buf=x_buf, b_buf=b_buf,
+                    dt_buf=dt_buf,
+                    count=jnp.where(in_range, base, c).astype(jnp.int32),
+                    **extra)
   return y.astype(x.dtype), new
 
 
@@ -245,7 +275,8 @@ def replay_commit(rstate: ReplayState, num_accepted, window: int):
 
   Returns:
     The state with count advanced (rollback of the rest is implicit: their
-    slots are overwritten by the next window). Under jit an out-of-range
+    slots are overwritten by the next window), and with stochastic-rounding
+    counters, `step` advanced by num_accepted (as many decode steps). Under jit an out-of-range
     num_accepted sets the row's count to -1, which makes every later output
     of the row NaN instead of silently wrong.
   """
@@ -260,8 +291,10 @@ def replay_commit(rstate: ReplayState, num_accepted, window: int):
   V.check_num_accepted(num_accepted, rstate.batch, window)
   n = jnp.asarray(num_accepted, jnp.int32)
   ok = (n >= 1) & (n <= window)
+  extra = {} if rstate.step is None else dict(
+      step=jnp.where(ok, rstate.step + n, rstate.step).astype(jnp.int32))
   return rstate.replace(
-      count=jnp.where(ok, rstate.count + n, -1).astype(jnp.int32))
+      count=jnp.where(ok, rstate.count + n, -1).astype(jnp.int32), **extra)
 
 
 # ------------------------------------------------------------------ baseline

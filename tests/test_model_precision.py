@@ -15,7 +15,7 @@ from flax import nnx
 
 from replayssm_jax import PrecisionPolicy, ReplayState, testing
 from replayssm_jax.models import (HybridLM, ModelConfig, commit,
-                                  decode_step, generate,
+                                  decode_step, generate, prefill,
                                   speculative_generate, verify)
 from replayssm_jax.models.speculative import NgramProposer
 from replayssm_jax.models.states import StoredSSMState
@@ -231,21 +231,67 @@ def test_generate_carries_the_policy(model):
 
 
 # ----------------------------------------------------------- speculative
-def test_speculative_path_refuses_non_plain_policies(model):
-  pol = PrecisionPolicy.preset("f32+int8")
+def test_speculative_path_refuses_non_plain_baseline_policies(model):
   lengths = jnp.asarray(LENGTHS)
-  state = model.init_state(B, MAX_LEN, buffer_len=8, precision=pol)
-  with pytest.raises(ValueError, match="precision 'f32\\+int8'"):
+  state = model.init_state(B, MAX_LEN, ssm_mode="baseline", buffer_len=8,
+                           precision=PrecisionPolicy.preset("f32+fp8+sr"))
+  with pytest.raises(ValueError, match="precision 'f32\\+fp8\\+sr'.* "
+                     "baseline state"):
     verify(model, PROMPTS[:, :3], state)
   with pytest.raises(ValueError, match="precision 'bf16\\+sr'"):
     speculative_generate(model, NgramProposer(), PROMPTS, lengths, 8, 3,
-                         buffer_len=8,
+                         ssm_mode="baseline", buffer_len=8,
                          precision=PrecisionPolicy.preset("bf16+sr"))
-  for mode in ("replay", "baseline"):
-    state = model.init_state(B, MAX_LEN, ssm_mode=mode, buffer_len=8,
-                             precision=PrecisionPolicy.preset("f32+fp8+sr"))
-    with pytest.raises(ValueError, match="precision"):
-      verify(model, PROMPTS[:, :3], state)
+
+
+def test_speculative_path_takes_replay_policies(model):
+  """Replay states verify and commit under any policy: after the same
+  prefill, the window logits are within the policy's lowest storage
+  tolerance of the f32 ones (and differ: the copy is read); commit keeps
+  the policy and advances the SR steps by the accepted tokens."""
+  lengths = jnp.asarray(LENGTHS)
+  win = CONT[:, :3]
+
+  def prefilled(pol):
+    st = model.init_state(B, MAX_LEN, buffer_len=8, precision=pol)
+    return prefill(model, PROMPTS, lengths, st)[1]
+
+  ref, _ = verify(model, win, prefilled(PrecisionPolicy.preset("f32")))
+  for name in ("f32+int8", "f16+fp8+sr"):
+    pol = PrecisionPolicy.preset(name)
+    logits, pending = verify(model, win, prefilled(pol))
+    testing.assert_close(logits, ref, testing.tolerance(
+        pol.checkpoint_dtype, pol.read_dtype), name)
+    assert testing.max_rel_error(logits, ref) > 0, name
+    steps = np.asarray(pending.state.layers[0].ssm.step)  # commit donates
+    committed = commit(pending, jnp.array([3, 1, 2]))
+    assert committed.precision == pol
+    ssm = committed.layers[1].ssm
+    assert ssm.read_copy.dtype == jnp.dtype(pol.read_dtype)
+    if pol.stochastic_rounding:
+      np.testing.assert_array_equal(ssm.step, steps + [3, 1, 2])
+
+
+def test_speculative_generate_with_stochastic_rounding(model):
+  """speculative_generate under f32+int8+sr: reproducible token for token;
+  its final SR steps count the tokens in the state (positions: prompt +
+  generated but the last), as generate's do."""
+  pol = PrecisionPolicy.preset("f32+int8+sr").replace(seed=4)
+  lengths = jnp.asarray(LENGTHS)
+  kw = dict(buffer_len=8, precision=pol, return_state=True)
+  a = speculative_generate(model, NgramProposer(), PROMPTS, lengths, 8, 3,
+                           **kw)
+  b = speculative_generate(model, NgramProposer(), PROMPTS, lengths, 8, 3,
+                           **kw)
+  np.testing.assert_array_equal(a[0], b[0])
+  np.testing.assert_array_equal(a[1], 8)
+  _, _, g_state = generate(model, PROMPTS, lengths, 8, **kw)
+  np.testing.assert_array_equal(a[3].positions, np.array(LENGTHS) + 7)
+  for i in (0, 1):
+    np.testing.assert_array_equal(a[3].layers[i].ssm.step, a[3].positions)
+    np.testing.assert_array_equal(g_state.layers[i].ssm.step,
+                                  g_state.positions)
+    assert a[3].layers[i].ssm.read_copy.dtype == jnp.int8
 
 
 def test_speculative_path_keeps_a_plain_policy(model):

@@ -99,14 +99,17 @@ class GatedRMSNorm(nnx.Module):
 
 
 def check_speculative_precision(state: MambaState, what: str) -> None:
-  """The speculative verify/commit path supports states without a policy
-  or with a plain one (no read copy, round to nearest)."""
+  """The speculative verify/commit path takes every precision policy of a
+  replay state; a baseline state only without a policy or with a plain one
+  (its snapshots are not stored per policy)."""
   policy = state.precision
-  if policy is not None and not policy.plain:
+  if (policy is not None and not policy.plain
+      and not isinstance(state.ssm, ReplayState)):
     raise ValueError(
-        f"{what}: precision {policy.name!r} (a read copy or stochastic "
-        f"rounding) is not supported by the speculative verify/commit path; "
-        f"build the state with init_state(precision=None) or a plain policy "
+        f"{what}: precision {policy.name!r} (an 8-bit store or stochastic "
+        f"rounding) of a baseline state is not supported by the speculative "
+        f"verify/commit path (replay states take every policy); use "
+        f"ssm_mode='replay', init_state(precision=None) or a plain policy "
         f"(read_dtype=None, stochastic_rounding=False, e.g. "
         f"PrecisionPolicy.preset('bf16')).")
 
@@ -261,7 +264,8 @@ class Mamba2Mixer(nnx.Module):
       y, ssm = ops.selective_state_update(state.ssm, x, dt, A, b, cc, **kw)
     return y, ssm
 
-  def verify(self, h, state: MambaState, implementation: str | None = None):
+  def verify(self, h, state: MambaState, implementation: str | None = None,
+             layer=0):
     """A window of T tokens per row from the committed state.
 
     in_proj and the causal conv (starting from the conv state) run over the
@@ -275,6 +279,8 @@ class Mamba2Mixer(nnx.Module):
       state: the committed MambaState.
       implementation: SSM op implementation (replay_verify in replay mode,
         the per-position selective_state_update steps in baseline mode).
+      layer: this block's index among the Mamba blocks (keys stochastic
+        rounding of an early flush).
 
     Returns:
       (y [b, T, d], (ssm, window_conv_inputs, snapshots)): ssm is the
@@ -295,7 +301,8 @@ class Mamba2Mixer(nnx.Module):
     A, D, dt_bias = self._ssm_params()
     if isinstance(state.ssm, ReplayState):
       y, ssm = replay_verify(state.ssm, x, dt, A, b, cc, D=D, dt_bias=dt_bias,
-                             dt_softplus=True, implementation=implementation)
+                             dt_softplus=True, policy=state.precision,
+                             layer=layer, implementation=implementation)
       snapshots = None
     else:
       y, snapshots = baseline_verify(state.ssm, x, dt, A, b, cc, D=D,
@@ -487,11 +494,14 @@ class Block(nnx.Module):
         y, state = self.mixer.step(h, state, implementation, layer)
       return x.astype(F32) + y.astype(F32), state
 
-  def verify(self, x, state, implementation=None):
-    """x [b, T, d] speculative window -> (x', the mixer's pending state)."""
+  def verify(self, x, state, implementation=None, layer=0):
+    """x [b, T, d] speculative window -> (x', the mixer's pending state);
+    `layer` as in `__call__`."""
     h = self.norm(x)
     if self.kind == "mlp":
       y, pending = self.mixer(h), state
+    elif self.kind == "mamba":
+      y, pending = self.mixer.verify(h, state, implementation, layer)
     else:
       y, pending = self.mixer.verify(h, state, implementation)
     return x.astype(F32) + y.astype(F32), pending

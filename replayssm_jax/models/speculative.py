@@ -95,8 +95,9 @@ def verify_fn(model: M.HybridLM, tokens, state: S.ModelState,
   x = model.embeddings(tokens)  # [b, T, d]
   layers, convs, snaps = [], [], []
   room = jnp.ones((tokens.shape[0],), bool)
-  for block, s in zip(model.blocks, state.layers):
-    x, pend = block.verify(x, s, implementation)
+  for block, s, layer in zip(model.blocks, state.layers,
+                            model.mamba_indices()):
+    x, pend = block.verify(x, s, implementation, layer)
     if block.kind == "mamba":
       ssm, win, snap = pend
       layers.append(s.replace(ssm=ssm))
@@ -136,7 +137,9 @@ def commit_fn(pending: PendingState, num_accepted, active=None):
         ssm = replay_commit(s.ssm, n if active is None
                             else jnp.where(active, n, 1), t)
         if active is not None:  # inactive: the committed history only
-          ssm = ssm.replace(count=jnp.where(active, ssm.count, s.ssm.count))
+          ssm = jax.tree.map(lambda new, old: jnp.where(
+              active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old),
+                             ssm, s.ssm)
       else:
         ssm = baseline_commit(snap, n)
         if active is not None:
@@ -167,7 +170,8 @@ def _commit_jit(state, window_data, num_accepted, window):
 
 def _check_window_room(state: S.ModelState, t: int, what: str) -> None:
   """Replay buffers must exceed T; KV caches need T free slots per row;
-  precision policies must be plain (`check_speculative_precision`)."""
+  baseline states' precision policies must be plain
+  (`check_speculative_precision`)."""
   for i, s in enumerate(state.layers):
     if isinstance(s, S.MambaState):
       check_speculative_precision(s, what)
@@ -197,10 +201,10 @@ def verify(model: M.HybridLM, tokens, state: S.ModelState,
     model: the HybridLM.
     tokens: [batch, T] int window (position 0: the last sampled token, not
       yet in `state`; then the drafts).
-    state: the committed ModelState (donated). A state built with
-      `init_state(precision=policy)` is supported for plain policies only
-      (no read copy, round to nearest); others raise a ValueError naming
-      `precision`.
+    state: the committed ModelState (donated). A replay state takes any
+      `init_state(precision=policy)` (read copies and stochastic rounding:
+      see `replayssm_jax.replay_verify`); a baseline state plain policies
+      only (others raise a ValueError naming `precision`).
     implementation: implementation of the window's kernel ops: the SSM op
       (`replay_verify` in replay mode, `baseline_verify` in baseline mode)
       and `ops.decode_attention`.
@@ -708,7 +712,7 @@ def speculative_generate(target: M.HybridLM, proposer: Proposer,
     ssm_mode: "replay" or "baseline" (snapshot per window position) target
       state; buffer_len: the replay buffer length (> window); further
       `init_state` keywords (checkpoint_dtype, buffer_dtype, kv_dtype,
-      precision: plain policies only, see `verify`) via **state_kwargs.
+      precision and row_ids: see `verify`) via **state_kwargs.
     temperature, top_k, top_p, greedy, rng: sampling, as in `generate`.
     eos_id: a row stops after emitting it; later slots hold eos_id.
     implementation: implementation of the target's kernel ops (SSM op and
