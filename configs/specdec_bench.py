@@ -47,6 +47,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   b.temperature = 1000.0
   b.accept_prob = 0.7
   b.checkpoint_dtype = "float32"  # SSM state / replay checkpoint
+  # A precision preset (replayssm_jax.precision, e.g. "f32+fp8") for every
+  # replay state (plain decoding and replay speculative decoding; the
+  # snapshot baseline keeps checkpoint_dtype), or "" for none.
+  b.precision = ""
   b.repeats = 1 if smoke else 2  # timed runs after the compile + warm-up
   b.implementation = ""  # "" = dispatcher default (fastest supported)
   return config

@@ -53,6 +53,7 @@ from experiments import common
 from experiments.decode_bench import build_model
 from replayssm_jax.models import ModelConfig, Proposal, Proposer
 from replayssm_jax.models import generate, prefill, speculative_generate
+from replayssm_jax.precision import PrecisionPolicy
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))), "configs", "specdec_bench.py")
@@ -162,6 +163,13 @@ def bench_batch(model, config, batch: int, writer) -> list[dict]:
                                jnp.int32)
   lengths = jnp.full((batch,), b.prompt_len, jnp.int32)
   state_kw = dict(checkpoint_dtype=b.checkpoint_dtype)
+  # Replay states (plain decoding and replay spec decoding) may carry a
+  # precision policy; the snapshot baseline keeps checkpoint_dtype.
+  replay_kw = dict(state_kw)
+  if b.precision:
+    policy = PrecisionPolicy.preset(b.precision)
+    replay_kw = dict(precision=policy,
+                     checkpoint_dtype=policy.checkpoint_dtype)
   n_new = b.new_tokens
   if b.proposer not in ("greedy_oracle", "flat_sampling"):
     raise ValueError(f"bench.proposer must be 'greedy_oracle' or "
@@ -174,18 +182,19 @@ def bench_batch(model, config, batch: int, writer) -> list[dict]:
   def run_prefill():
     st = model.init_state(batch, b.prompt_len + n_new + max(b.windows),
                           ssm_mode="replay", buffer_len=b.buffer_len,
-                          **state_kw)
+                          **replay_kw)
     return prefill(model, prompts, lengths, st)[0]
 
   _, t_prefill, _ = common.best_of(lambda: run_prefill, b.repeats)
   (ref, _), t_plain, times = common.best_of(
       lambda: lambda: generate(model, prompts, lengths, n_new,
                                ssm_mode="replay", buffer_len=b.buffer_len,
-                               implementation=impl, **sampling, **state_kw),
+                               implementation=impl, **sampling, **replay_kw),
       b.repeats)
   ref = jnp.asarray(ref)
   base = dict(kind="specdec", batch=batch, prompt_len=b.prompt_len,
-              new_tokens=n_new, prefill_s=t_prefill)
+              new_tokens=n_new, prefill_s=t_prefill,
+              precision=b.precision or None)
 
   def record(**fields):
     # Decode-only time; None when the run is too short to tell it from the
@@ -220,7 +229,8 @@ def bench_batch(model, config, batch: int, writer) -> list[dict]:
                 model, proposer, prompts, lengths, n_new, window,
                 ssm_mode=mode, buffer_len=b.buffer_len,
                 implementation=impl, **(sampling or dict(
-                    rng=jax.random.PRNGKey(1))), **state_kw),
+                    rng=jax.random.PRNGKey(1))),
+                **(replay_kw if mode == "replay" else state_kw)),
             b.repeats)
       except Exception as e:  # pylint: disable=broad-except
         if "RESOURCE_EXHAUSTED" not in str(e):

@@ -97,11 +97,9 @@ def _replay_supports(rstate, policy=None, **_):
 
 
 def _verify_supports(rstate, x, policy=None, **_):
-  if policy is not None and not policy.plain or rstate.step is not None:
-    return ("the verify kernels take plain states only (no read copy, no "
-            "stochastic rounding or its row_id/step counters); use "
-            "implementation='reference' (or None) for this state.")
-  problem = _shape_problem(rstate.headdim, rstate.dstate, rstate.buffer_len)
+  problem = (_precision_problem(rstate, policy)
+             or _shape_problem(rstate.headdim, rstate.dstate,
+                               rstate.buffer_len))
   if problem is None and not _pow2(x.shape[1]):
     problem = (f"the window length T = {x.shape[1]} is not a power of two "
                f"(Triton block shapes must be); use "

@@ -586,16 +586,23 @@ class VerifyConfig(_LaunchConfig):
       _check_pow2("readout_chunk", self.readout_chunk)
 
 
-def load_tile_blocks(ref, tile, chunk):
+def load_tile_blocks(ref, tile, chunk, when=None, rows=None):
   """ref[tile] ([block_p, N]) as a list of [block_p, chunk] column blocks
   (chunk None: one block), each loaded on its own (evict-first: a state
   tile is read once). A narrower block spans fewer lanes of a warp along
   N, so a reduction over N after `readouts` sums the blocks takes fewer
-  cross-lane shuffle rounds."""
+  cross-lane shuffle rounds. when: None, or a scalar bool: the blocks are
+  loaded only where it holds (masked loads, no traffic otherwise), zeros
+  elsewhere; rows: block_p then."""
   nstate = ref.shape[-1]
   chunk = min(chunk or nstate, nstate)
+  mask = other = None
+  if when is not None:
+    mask = jnp.broadcast_to(when, (rows, chunk))
+    # (an int 0 does not cast to fp8 in the Triton lowering; 0.0 does)
+    other = 0 if jnp.issubdtype(ref.dtype, jnp.integer) else 0.0
   return [plgpu.load(ref.at[(*tile, pl.ds(k * chunk, chunk))],
-                     eviction_policy="evict_first")
+                     mask=mask, other=other, eviction_policy="evict_first")
           for k in range(nstate // chunk)]
 
 

@@ -19,6 +19,11 @@ folding with tensor-core dots where L and block_p >= 16 (bf16 dots of
 the bf16 B with the weighted x split in three, else 3xTF32; see
 `replay.fold_product`). T, L, headdim and
 dstate must be powers of two (Triton blocks).
+
+A precision policy (read copy, stochastic rounding): the fold kernel also
+stores the folding rows' re-quantized copy (`replay._FlushStores`, the
+decode step's flush stores), and the window kernel reads each row's tile
+from the master if the row folded, else from the copy.
 """
 
 from __future__ import annotations
@@ -32,10 +37,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
-from pallas_kernels.replay import (_Program, _flush_programs,
-                                   _dot_precision, _fold_dot, _pad_pow2,
-                                   _unpack, fold_product, persistent_items,
-                                   rank1_fold)
+from pallas_kernels.replay import (_FlushStores, _Program, _copy_counts,
+                                   _copy_spec, _dot_precision, _flush_programs,
+                                   _fold_dot, _pad_pow2, _sr_keys, _unpack,
+                                   fold_product, persistent_items, rank1_fold)
 from pallas_kernels.replay import default_block_p as _step_block_p
 from replayssm_jax.reference import process_dt
 from replayssm_jax.speculative import verify_bc, verify_readout, verify_terms
@@ -64,11 +69,12 @@ def _history_dt(p, dtb_ref, hist):
   return d_hist, jnp.sum(jnp.where(after, d_hist[None, :], 0.0), axis=1)
 
 
-def _fold_history(p, refs, ck_out, *, block_p, fold_dot):
+def _fold_history(p, refs, stores, *, block_p, fold_dot):
   """checkpoint tile of head p.head0 <- advanced over the row's c buffered
-  tokens: decay * S_0 + sum_j s_j x_j B_j^T (j < c), stored. fold_dot:
-  None for exact f32 rank-1 updates, else one [block_p, L] x [L, N] dot
-  with this precision (L, block_p >= 16)."""
+  tokens: decay * S_0 + sum_j s_j x_j B_j^T (j < c), stored (`stores`, a
+  replay._FlushStores: with a copy spec also the re-stored read copy).
+  fold_dot: None for exact f32 rank-1 updates, else one [block_p, L] x
+  [L, N] dot with this precision (L, block_p >= 16)."""
   ck_ref, xb_ref, bb_ref, dtb_ref, a_ref = refs
   b, g, ps, L, h, c = p.b, p.g, p.ps, p.L, p.head0, p.c
   s0 = plgpu.load(ck_ref.at[b, h, ps]).astype(F32)
@@ -98,28 +104,41 @@ def _fold_history(p, refs, ck_out, *, block_p, fold_dot):
                         other=0.0)  # [L, N]
     s = d_hist * jnp.exp(a * suffix)  # the weights s_j
     st = fold_product(x_hist, s, b_hist, fold_dot, decay * s0)
-  plgpu.store(ck_out.at[b, h, ps], st.astype(ck_out.dtype))
+  if stores.spec is None:
+    plgpu.store(stores.ck_out.at[b, h, ps], st.astype(stores.ck_out.dtype))
+  else:
+    stores.store(p, h, st)
 
 
-def _fold_kernel(*refs, window, has_D, has_z, has_bias, fold_dot, **kw):
+def _fold_stores(refs, has_D, has_z, has_bias, copy_spec):
+  """(the 10 inputs, _FlushStores) of a fold kernel's refs: inputs, the
+  copy spec's extra inputs (read copy, scales, SR keys), D / z / dt_bias,
+  then the outputs (master, read copy, scales)."""
+  nin, nout = _copy_counts(copy_spec)
+  ins, _, outs = _unpack(refs, 10 + nin, 1 + nout, has_D, has_z, has_bias)
+  return ins[:10], _FlushStores(outs, ins[10:], copy_spec)
+
+
+def _fold_kernel(*refs, window, has_D, has_z, has_bias, fold_dot,
+                 copy_spec=None, **kw):
   """Early flush on the window kernel's grid: programs of rows that do not
   fold exit at once."""
-  ins, _, (ck_out,) = _unpack(refs, 10, 1, has_D, has_z, has_bias)
+  ins, stores = _fold_stores(refs, has_D, has_z, has_bias, copy_spec)
   ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, _, _, a_ref, _, _ = ins
   p = _Program.from_grid(cnt_ref, None, a_ref, None, **kw)
   pl.when(_folds(p.c, window, p.L))(functools.partial(
-      _fold_history, p, (ck_ref, xb_ref, bb_ref, dtb_ref, a_ref), ck_out,
+      _fold_history, p, (ck_ref, xb_ref, bb_ref, dtb_ref, a_ref), stores,
       block_p=kw["block_p"], fold_dot=fold_dot))
 
 
 def _fold_persistent_kernel(*refs, window, has_D, has_z, has_bias, fold_dot,
                             num_programs, nheads, heads_per_group, block_p,
-                            headdim, buffer_len, **kw):
+                            headdim, buffer_len, copy_spec=None, **kw):
   """Early flush on a fixed grid of num_programs programs sharing out the
   (folding row, head, headdim block) items, as the replay step's persistent
   flush route: rows that do not fold cost no program. The counters come
   padded to a power of two with -1."""
-  ins, _, (ck_out,) = _unpack(refs, 10, 1, has_D, has_z, has_bias)
+  ins, stores = _fold_stores(refs, has_D, has_z, has_bias, copy_spec)
   ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, _, _, a_ref, _, _ = ins
   refs = (ck_ref, xb_ref, bb_ref, dtb_ref, a_ref)
 
@@ -127,7 +146,7 @@ def _fold_persistent_kernel(*refs, window, has_D, has_z, has_bias, fold_dot,
     p = _Program(cnt_ref, None, a_ref, None, b=b, g=h // heads_per_group,
                  pblk=pblk, head0=h, block_p=block_p,
                  buffer_len=buffer_len, **kw)
-    _fold_history(p, refs, ck_out, block_p=block_p, fold_dot=fold_dot)
+    _fold_history(p, refs, stores, block_p=block_p, fold_dot=fold_dot)
 
   persistent_items(pl.program_id(0),
                    _folds(cnt_ref[...], window, buffer_len), item,
@@ -137,7 +156,7 @@ def _fold_persistent_kernel(*refs, window, has_D, has_z, has_bias, fold_dot,
 
 def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
                    precompute, readout_dot, xla_readout, readout_chunk,
-                   **kw):
+                   copy=False, scaled=False, **kw):
   """Window outputs from checkpoint + history + window; append the window.
   precompute (`VerifyConfig.precompute`): "bc" adds three inputs after C,
   the B.C products of `speculative.verify_bc`; "terms" two, the decay and extra
@@ -145,11 +164,14 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
   checkpoint tile out against each position's C). readout_dot: see
   `_readouts` (not None: one more input, C padded, last). xla_readout: one
   more input, last, the readouts of `speculative.verify_readout` [b, T, h,
-  p] (the checkpoint is then not read)."""
+  p] (the checkpoint is then not read). copy (with readout "reduce"): the
+  read copy, then with `scaled` its scales, come last: rows that folded read
+  the checkpoint (the stored master), the others the copy (`_copy_readouts`).
+  """
   n_pre = dict(none=0, bc=3, terms=2)[precompute]
+  n_read = 10 + n_pre + (readout_dot is not None or xla_readout)
   ins, (d_ref, z_ref, bias_ref), outs = _unpack(
-      refs, 10 + n_pre + (readout_dot is not None or xla_readout), 5,
-      has_D, has_z, has_bias)
+      refs, n_read + copy + scaled, 5, has_D, has_z, has_bias)
   ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, x_ref, dt_ref, a_ref, b_ref = (
       ins[:9])
   c_ref = ins[9]
@@ -164,6 +186,11 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
 
   if xla_readout:
     readouts = [ins[10 + n_pre][b, s, h, ps] for s in range(T)]
+  elif copy:
+    readouts = _copy_readouts(
+        ck_ref, ins[n_read], ins[n_read + 1] if scaled else None, (b, h, ps),
+        [lambda cols, s=s: c_ref[b, s, g, cols] for s in range(T)],
+        _folds(c, T, L), readout_chunk, kw["block_p"])
   else:
     readouts = _readouts(ck_ref, (b, h, ps), c_ref if readout_dot is None
                          else ins[10 + n_pre], b, g, T, readout_dot,
@@ -204,6 +231,23 @@ def _readouts(ck_ref, tile, c_ref, b, g, window, readout_dot, chunk):
   y0 = lax.dot_general(s0, cw, (((1,), (1,)), ((), ())),
                        precision=readout_dot, preferred_element_type=F32)
   return [_column(y0, s) for s in range(window)]
+
+
+def _copy_readouts(ck_ref, rc_ref, rs_ref, tile, vectors, folded, chunk,
+                   block_p):
+  """The readouts (`common.readouts`) of a state with a read copy: the
+  stored master's tile if the row folded its history in this verify (as
+  the reference reads it), else the read copy's (dequantized: its per-row
+  scales factor out of the dstate sums, as in the decode step's output
+  route). Each source is a masked load, so a program reads one of them."""
+  master = common.load_tile_blocks(ck_ref, tile, chunk, folded, block_p)
+  q = common.load_tile_blocks(rc_ref, tile, chunk, ~folded, block_p)
+  outs = common.readouts([m.astype(F32) + v.astype(F32)
+                          for m, v in zip(master, q)], vectors)
+  if rs_ref is not None:
+    scale = jnp.where(folded, 1.0, rs_ref[tile])  # [block_p]
+    outs = [o * scale for o in outs]
+  return outs
 
 
 def _column(tile, s):
@@ -310,14 +354,28 @@ def _append_window(p, refs, outs, *, window, base, dt_softplus):
 DEFAULT_FOLD_NUM_WARPS = 2
 
 
-@functools.partial(jax.jit, static_argnames=("dt_softplus", "config",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("dt_softplus", "policy",
+                                             "config", "interpret"))
 def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
-                  dt_softplus=False, *,
+                  dt_softplus=False, policy=None, layer=0, *,
                   config: common.VerifyConfig = common.VerifyConfig(),
                   interpret: bool = False):
-  """Same signature and results as the reference, plus a tuning config."""
+  """Same signature and results as the reference, plus a tuning config.
+
+  A state with a read copy or stochastic rounding (`policy`): the fold
+  kernel stores the folding rows' master and re-stored copy (aliased, as
+  the decode step's flush: `replay._FlushStores`); the window kernel reads
+  each row's tile from the master if it folded, else from the copy (config
+  .readout "reduce" only).
+  """
   from replayssm_jax.state import ReplayState  # pylint: disable=g-import-not-at-top
+  spec = _copy_spec(rstate, policy, interpret)
+  copy = rstate.read_copy is not None
+  if copy and config.readout != "reduce":
+    raise NotImplementedError(
+        f"config.readout={config.readout!r} reads the checkpoint of every "
+        f"row; a state with a read copy needs readout='reduce' (rows that "
+        f"fold nothing read the copy).")
   batch, nheads, headdim, _ = rstate.checkpoint.shape
   T, ngroups = x.shape[1], rstate.ngroups
   per_group = nheads // ngroups
@@ -354,15 +412,26 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     fold_grid = grid
   fold_params = plgpu.CompilerParams(num_warps=fold_warps,
                                      num_stages=config.num_stages)
-  (ck,) = pl.pallas_call(
-      fold_kernel, grid=fold_grid,
-      out_shape=(sds(rstate.checkpoint.shape, rstate.checkpoint.dtype),),
-      input_output_aliases={0: 0}, compiler_params=fold_params,
+  fold_out = (sds(rstate.checkpoint.shape, rstate.checkpoint.dtype),)
+  aliases, copy_in = {0: 0}, []
+  if spec is not None:  # read copy and scales aliased after the master
+    fold_kernel = functools.partial(fold_kernel, copy_spec=spec)
+    for v in (rstate.read_copy, rstate.read_scale):
+      if v is not None:
+        aliases[10 + len(copy_in)] = 1 + len(copy_in)
+        fold_out += (sds(v.shape, v.dtype),)
+        copy_in.append(v)
+    keys = _sr_keys(spec, policy, layer, rstate)
+    if keys is not None:
+      copy_in.append(keys)
+  ck, *copy_out = pl.pallas_call(
+      fold_kernel, grid=fold_grid, out_shape=fold_out,
+      input_output_aliases=aliases, compiler_params=fold_params,
       interpret=interpret,
       name=common.capped_name("replayssm_verify_fold",
                               config.fold_max_registers),
   )(rstate.checkpoint, rstate.x_buf, rstate.b_buf, rstate.dt_buf,
-    count, *token_in, *optional)
+    count, *token_in, *copy_in, *optional)
   # 2. Window outputs and appends (reads the folded checkpoint).
   # The kernel's inputs: "bc_reduce" is "bc" formed by XLA reductions.
   precompute = "bc" if config.precompute == "bc_reduce" else config.precompute
@@ -392,7 +461,8 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                         precompute=precompute,
                         readout_dot=readout_dot,
                         xla_readout=config.readout == "xla",
-                        readout_chunk=config.readout_chunk, **kw),
+                        readout_chunk=config.readout_chunk, copy=copy,
+                        scaled=rstate.read_scale is not None, **kw),
       grid=grid,
       out_shape=(sds(x.shape, x.dtype),
                  sds(rstate.x_buf.shape, rstate.x_buf.dtype),
@@ -402,6 +472,13 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
       input_output_aliases={1: 1, 2: 2, 3: 3}, compiler_params=params,
       interpret=interpret, name="replayssm_verify_window",
   )(ck, rstate.x_buf, rstate.b_buf, rstate.dt_buf, rstate.count, *token_in,
-    *pre, *optional)
+    *pre, *copy_out, *optional)
+  fields = {}
+  if copy:
+    fields["read_copy"] = copy_out[0]
+    if rstate.read_scale is not None:
+      fields["read_scale"] = copy_out[1]
+  if rstate.step is not None:  # commit advances step
+    fields.update(row_id=rstate.row_id, step=rstate.step)
   return y, ReplayState(checkpoint=ck, x_buf=xb, b_buf=bb, dt_buf=dtb,
-                        count=cnt)
+                        count=cnt, **fields)

@@ -80,7 +80,8 @@ def replay_verify(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
       rounding, keyed by the row's current `step`), read the window out
       from the stored master and re-store the copy from it.
     implementation, config: as in `replay_state_update` (the dispatcher;
-      the Pallas verify kernels take plain states only).
+      the Pallas verify kernels take every policy with
+      `VerifyConfig(readout="reduce")`, the default).
 
   Returns:
     (y [batch, T, nheads, headdim] in x.dtype: y[:, s] is the output of
@@ -131,7 +132,9 @@ def replay_verify_reference(rstate, x, dt, A, B, C, D=None, z=None,
   ck_dtype = rstate.checkpoint.dtype
   master = P.round_to(folded, ck_dtype, sr_bits(P.SITE_MASTER)
                       if ck_dtype != jnp.dtype(F32) else None)
-  fl4 = (flush & in_range)[:, None, None, None]
+  # Rows with no history fold nothing: they store nothing and, with a read
+  # copy, read it like the rows that need no flush.
+  fl4 = (flush & in_range & (c > 0))[:, None, None, None]
   checkpoint = jnp.where(fl4, master, rstate.checkpoint)
   extra, read = {}, checkpoint
   if rstate.read_copy is not None:  # flushing rows: the stored master

@@ -447,6 +447,24 @@ def test_specdec_bench_smoke(tmp_path):
   _assert_png(os.path.join(out["workdir"], "throughput.png"))
 
 
+def test_specdec_bench_with_a_precision_policy(tmp_path):
+  """bench.precision: plain and replay speculative decoding run states of
+  that policy (here an f32 master with an int8 read copy) and say so."""
+  from configs import specdec_bench as specdec_config  # pylint: disable=g-import-not-at-top
+  from experiments import specdec_bench  # pylint: disable=g-import-not-at-top
+  config = specdec_config.get_config("smoke")
+  config.bench.ssm_modes = ("replay",)
+  config.bench.precision = "f32+int8"
+  recs = specdec_bench.run(config, str(tmp_path))["records"]
+  assert [r["mode"] for r in recs] == ["plain", "replay"]
+  for r in recs:
+    assert r["precision"] == "f32+int8" and r["e2e_tokens_per_s"] > 0
+    assert 0.0 <= r["match_fraction"] <= 1.0
+  config.bench.precision = "f8"
+  with pytest.raises(ValueError, match="name must be one of"):
+    specdec_bench.run(config, str(tmp_path / "bad"))
+
+
 def test_oracle_proposer_acceptance_rate():
   """accept_prob 1 drafts the reference exactly; 0 never does."""
   from experiments.specdec_bench import OracleProposer  # pylint: disable=g-import-not-at-top

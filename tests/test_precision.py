@@ -660,7 +660,7 @@ def test_create_and_validate_policy_fields():
     st.replace(step=st.step.astype(jnp.int16)).validate()
 
 
-def test_step_checks_policy_against_state_and_refuses_verify():
+def test_step_and_verify_check_policy_against_state():
   params, steps = _params(), _steps()
   kw = harness.step_kwargs(_tok(steps, 0), params, True)
   q8 = P.PrecisionPolicy.preset("f32+int8")
@@ -679,5 +679,10 @@ def test_step_checks_policy_against_state_and_refuses_verify():
   _same_bits(y_none, y_pol, "policy None == the state's policy")
   win = testing.random_step_inputs(jax.random.PRNGKey(0), B, H, PD, N, G,
                                    seqlen=2)
-  with pytest.raises(NotImplementedError, match=r"replay_verify does not"):
-    rs.replay_verify(st, **win, **params)
+  with pytest.raises(ValueError, match=r"rstate does not match policy "
+                     r"'bf16': its checkpoint dtype is float32"):
+    rs.replay_verify(st, **win, **params,
+                     policy=P.PrecisionPolicy.preset("bf16"))
+  with pytest.raises(ValueError, match=r"needs rstate.row_id and rstate.step"):
+    rs.replay_verify(st, **win, **params,
+                     policy=q8.replace(stochastic_rounding=True))

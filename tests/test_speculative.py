@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_kernels as pk
 import replayssm_jax as rs
 from replayssm_jax import precision as prec
 from replayssm_jax import testing
@@ -227,7 +228,6 @@ def test_pallas_verify_matches_reference(L, T, buffer_dtype, block_p):
   """The verify kernels (interpret mode) == the reference: outputs, folded
   checkpoint, appended window, counts; non-flush rows' checkpoint and stale
   slots are bit-identical."""
-  import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
   key = jax.random.PRNGKey(L * 10 + T)
   params = testing.random_params(key, H)
   counts = np.array([0, L - 1, L - T, max(0, L - T - 1)])
@@ -258,7 +258,6 @@ def test_pallas_verify_fold_modes(config):
   """The early flush's dot fold on the persistent grid (5 rows: padded
   counters; 3 programs: several items each) and the rows grid == the
   reference."""
-  import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
   b, h, p, n, g, L, T = 5, 4, 16, 16, 2, 16, 4
   key = jax.random.PRNGKey(41)
   params = testing.random_params(key, h)
@@ -308,7 +307,6 @@ def test_pallas_verify_window_variants(L, T, buffer_dtype, config):
   readout (reductions, over dstate column blocks or not, dots, XLA's) ==
   the reference, with rows that fold, rows that do not, and buffer
   rounding of the earlier window tokens."""
-  import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
   b, h, p, n, g = 5, 4, 16, 16, 2
   key = jax.random.PRNGKey(43 + T)
   params = testing.random_params(key, h)
@@ -365,7 +363,6 @@ def test_pallas_snapshot_verify_matches_reference(state_dtype, T, with_z,
                                                   with_optional, block_p):
   """The one-pass snapshot kernel (interpret mode) == T reference steps:
   outputs and every snapshot; the input state is left as it was."""
-  import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
   key = jax.random.PRNGKey(T + 7 * with_z)
   k1, k2, k3 = jax.random.split(key, 3)
   params = testing.random_params(k1, H, with_D=with_optional,
@@ -554,7 +551,7 @@ def test_random_acceptance_with_a_read_copy_keeps_the_f32_master_exact():
     np.testing.assert_array_equal(_np_bits(st.read_scale), _np_bits(scale))
 
 
-def test_verify_policy_errors_and_the_kernel_fallback():
+def test_verify_policy_errors():
   L, T = 8, 2
   pol, params, st, _ = _policy_setup(L, 3, [0, 1, 2, 3], "f32+int8")
   win = _window(4, T)
@@ -562,13 +559,73 @@ def test_verify_policy_errors_and_the_kernel_fallback():
   with pytest.raises(ValueError, match="rstate does not match policy "
                      "'f32\\+bf16'"):
     rs.replay_verify(st, **kw, policy=prec.PrecisionPolicy.preset("f32+bf16"))
-  with pytest.raises(NotImplementedError, match="implementation 'pallas' "
-                     ".*plain states only"):
-    rs.replay_verify(st, **kw, policy=pol, implementation="pallas")
   with pytest.raises(TypeError, match="layer must be"):
     rs.replay_verify(st, **kw, policy=pol, layer=1.5)
-  # None picks the reference for a state the kernels do not take.
-  y, _ = rs.replay_verify(st, **kw, policy=pol)
-  y_ref, _ = rs.replay_verify(st, **kw, policy=pol,
-                              implementation="reference")
-  np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref))
+  with pytest.raises(NotImplementedError, match="readout='reduce'"):
+    rs.replay_verify(st, **kw, policy=pol, implementation="pallas",
+                     config=pk.VerifyConfig(readout="xla"))
+
+
+# A copy with each scale form, SR of both stores, and the persistent and
+# rows fold grids.
+KERNEL_POLICY_CASES = [
+    ("f32+int8", pk.VerifyConfig()),
+    ("f32+bf16", pk.VerifyConfig(fold_grid="rows")),
+    ("f16+fp8+sr", pk.VerifyConfig()),
+    ("f32+fp8+sr:hash32", pk.VerifyConfig(fold_grid="rows", block_p=4)),
+]
+
+
+@functools.partial(jax.jit, static_argnames=("policy", "config"),
+                   compiler_options=harness.FAST_COMPILE)
+def _kernel_and_reference_verify(rstate, win, params, *, policy, config):
+  kw = dict(**win, **params, dt_softplus=True, policy=policy, layer=2)
+  return (rs.replay_verify(rstate, **kw, implementation="pallas",
+                           config=config),
+          rs.replay_verify(rstate, **kw, implementation="reference"))
+
+
+@pytest.mark.parametrize("name,config", KERNEL_POLICY_CASES,
+                         ids=[n for n, _ in KERNEL_POLICY_CASES])
+def test_pallas_verify_with_policies_matches_reference(name, config):
+  """The verify kernels (interpret mode) under a precision policy: y within
+  f32 tolerance of the reference; folding rows' master within the master
+  dtype's tolerance and their copy exactly the store of the kernel's
+  master (with SR: with the reference's bits); the other rows' master,
+  copy and scales untouched (bit for bit); counters equal."""
+  L, T = 16, 4
+  counts = [0, 13, 15, 5]  # rows 1 and 2 fold their history first
+  pol, params, st, _ = _policy_setup(L, 41, counts, name)
+  st = st.replace(x_buf=st.x_buf.astype(jnp.bfloat16),
+                  b_buf=st.b_buf.astype(jnp.bfloat16))
+  pol = pol.replace(buffer_dtype="bfloat16")
+  win = _window(42, T)
+  (y_k, k), (y_r, r) = _kernel_and_reference_verify(st, win, params,
+                                                     policy=pol,
+                                                     config=config)
+  testing.assert_close(y_k, y_r, TOL, f"{name}: y")
+  folds = (np.array(counts) + T >= L) & (np.array(counts) > 0)
+  for field in ("checkpoint", "read_copy", "read_scale"):
+    if getattr(st, field) is not None:
+      np.testing.assert_array_equal(
+          _np_bits(getattr(k, field))[~folds],
+          _np_bits(getattr(st, field))[~folds],
+          err_msg=f"{name}: a row that did not fold had its {field} written")
+  testing.assert_close(k.checkpoint[folds], r.checkpoint[folds],
+                       testing.tolerance(pol.checkpoint_dtype),
+                       f"{name}: folded master")
+  bits = (prec.random_bits(pol.seed, 2, st.row_id, st.step,
+                           st.checkpoint.shape[1:], prec.SITE_READ_COPY,
+                           pol.sr_rng) if pol.stochastic_rounding else None)
+  copy, scale = prec.store(k.checkpoint.astype(jnp.float32), pol.read_dtype,
+                           bits)
+  np.testing.assert_array_equal(_np_bits(k.read_copy)[folds],
+                                _np_bits(copy)[folds])
+  if scale is not None:
+    np.testing.assert_array_equal(_np_bits(k.read_scale)[folds],
+                                  _np_bits(scale)[folds])
+  for field in ("count", "row_id", "step", "x_buf", "b_buf", "dt_buf"):
+    a, b = getattr(k, field), getattr(r, field)
+    assert (a is None) == (b is None), field
+    if a is not None:
+      np.testing.assert_array_equal(_np_bits(a), _np_bits(b), err_msg=field)
