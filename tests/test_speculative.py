@@ -435,6 +435,23 @@ def _verify_commit_policy(rstate, win, params, n, *, T, policy):
   return y, pending, rs.replay_commit(pending, n, T)
 
 
+def _assert_copy_restored(before, after, pol, rows):
+  """after's read copy (and scales) of `rows` == the store of after's
+  master, with the bits of before's steps at the read-copy site (SR)."""
+  bits = None
+  if pol.stochastic_rounding:
+    bits = prec.random_bits(pol.seed, 2, before.row_id, before.step,
+                            before.checkpoint.shape[1:],
+                            prec.SITE_READ_COPY, pol.sr_rng)
+  copy, scale = prec.store(after.checkpoint.astype(jnp.float32),
+                           pol.read_dtype, bits)
+  np.testing.assert_array_equal(_np_bits(after.read_copy)[rows],
+                                _np_bits(copy)[rows])
+  if scale is not None:
+    np.testing.assert_array_equal(_np_bits(after.read_scale)[rows],
+                                  _np_bits(scale)[rows])
+
+
 def _np_bits(a):
   a = np.asarray(a)
   return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
@@ -485,15 +502,7 @@ def test_verify_with_a_read_copy_reads_the_copy_and_restores_it(name):
   if not pol.stochastic_rounding:
     testing.assert_close(pend.checkpoint[flush], pend_m.checkpoint[flush],
                          master_tol, "flushed master")
-  bits = (prec.random_bits(pol.seed, 2, st.row_id, st.step,
-                        st.checkpoint.shape[1:], prec.SITE_READ_COPY,
-                        pol.sr_rng) if pol.stochastic_rounding else None)
-  copy, scale = prec.store(pend.checkpoint.astype(jnp.float32), pol.read_dtype,
-                        bits)
-  np.testing.assert_array_equal(_np_bits(pend.read_copy)[flush],
-                                _np_bits(copy)[flush])
-  np.testing.assert_array_equal(_np_bits(pend.read_scale)[flush],
-                                _np_bits(scale)[flush])
+  _assert_copy_restored(st, pend, pol, flush)
   np.testing.assert_array_equal(comm.count, np.where(flush, 0, counts) + n)
   if pol.stochastic_rounding:
     np.testing.assert_array_equal(pend.step, st.step)
@@ -614,16 +623,7 @@ def test_pallas_verify_with_policies_matches_reference(name, config):
   testing.assert_close(k.checkpoint[folds], r.checkpoint[folds],
                        testing.tolerance(pol.checkpoint_dtype),
                        f"{name}: folded master")
-  bits = (prec.random_bits(pol.seed, 2, st.row_id, st.step,
-                           st.checkpoint.shape[1:], prec.SITE_READ_COPY,
-                           pol.sr_rng) if pol.stochastic_rounding else None)
-  copy, scale = prec.store(k.checkpoint.astype(jnp.float32), pol.read_dtype,
-                           bits)
-  np.testing.assert_array_equal(_np_bits(k.read_copy)[folds],
-                                _np_bits(copy)[folds])
-  if scale is not None:
-    np.testing.assert_array_equal(_np_bits(k.read_scale)[folds],
-                                  _np_bits(scale)[folds])
+  _assert_copy_restored(st, k, pol, folds)
   for field in ("count", "row_id", "step", "x_buf", "b_buf", "dt_buf"):
     a, b = getattr(k, field), getattr(r, field)
     assert (a is None) == (b is None), field
