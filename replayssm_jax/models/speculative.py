@@ -137,9 +137,9 @@ def commit_fn(pending: PendingState, num_accepted, active=None):
         ssm = replay_commit(s.ssm, n if active is None
                             else jnp.where(active, n, 1), t)
         if active is not None:  # inactive: the committed history only
-          ssm = jax.tree.map(lambda new, old: jnp.where(
-              active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old),
-                             ssm, s.ssm)
+          keep = {f: jnp.where(active, getattr(ssm, f), getattr(s.ssm, f))
+                  for f in ("count", "step") if getattr(ssm, f) is not None}
+          ssm = ssm.replace(**keep)
       else:
         ssm = baseline_commit(snap, n)
         if active is not None:
