@@ -74,8 +74,9 @@ def replay_verify(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
       in `replay_state_update`.
     policy, layer: the state's `precision.PrecisionPolicy` and the layer
       index keying stochastic rounding, as in `replay_state_update`. With a
-      read copy, rows that do not flush early read only the (dequantized)
-      copy; early-flushing rows fold the history from the master + buffer,
+      read copy, rows that fold nothing (no early flush, or no history)
+      read only the (dequantized) copy; early-flushing rows with a history
+      fold it from the master + buffer,
       store the master in its dtype (stochastically with stochastic
       rounding, keyed by the row's current `step`), read the window out
       from the stored master and re-store the copy from it.
@@ -279,9 +280,9 @@ def replay_commit(rstate: ReplayState, num_accepted, window: int):
   Returns:
     The state with count advanced (rollback of the rest is implicit: their
     slots are overwritten by the next window), and with stochastic-rounding
-    counters, `step` advanced by num_accepted (as many decode steps). Under jit an out-of-range
-    num_accepted sets the row's count to -1, which makes every later output
-    of the row NaN instead of silently wrong.
+    counters, `step` advanced by num_accepted (as many decode steps). Under
+    jit an out-of-range num_accepted sets the row's count to -1, which makes
+    every later output of the row NaN instead of silently wrong.
   """
   if not isinstance(rstate, ReplayState):
     raise TypeError(f"rstate must be a ReplayState, got "
