@@ -148,6 +148,7 @@ def log_environment() -> dict:
       device_kind=devices[0].device_kind,
       devices=[str(d) for d in devices],
       device_count=len(devices),
+      xla_flags=os.environ.get("XLA_FLAGS", ""),
   )
   logging.info("jax %s, jaxlib %s, flax %s, python %s", env["jax"],
                env["jaxlib"], env["flax"], env["python"])

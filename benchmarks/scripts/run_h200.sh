@@ -45,6 +45,7 @@
 #   bash benchmarks/scripts/run_h200.sh policies_sr  # the stochastic presets with the cheap hash32 bits (f16+sr, f32+int8+sr, f16+fp8+sr, each ":hash32"; session 26, not yet run), then the threefry ones sessions 24-25 did not reach (f32+int8+sr, f16+fp8+sr), f16 baseline, b 256, L 16 (session 25: f16+sr alone took most of 110 s)
 #   bash benchmarks/scripts/run_h200.sh attention  # the decode attention forms (XLA whole cache vs the Pallas kernel's variants) at hybrid_1b's and the 8B's attention shapes, b 256, and hybrid_1b's verify window of 4 (session 25 ran all but the window, ~1 min)
 #   bash benchmarks/scripts/run_h200.sh decode_profile  # hybrid_1b's decode step at b 256 by named scope, replay and baseline (decode_step_profile.py, XLA's CUDA graphs off)
+#   bash benchmarks/scripts/run_h200.sh decode256_flags  # hybrid_1b decode at b 256, L 16 under XLA flag sets that may fold the step's small elementwise kernels (norms, converts, the relu2 square) into its GEMMs: none, then --xla_gpu_triton_gemm_any=true (issue 4's shared part; session 26, not yet run; a flag this XLA does not know fails its run only)
 #   bash benchmarks/scripts/run_h200.sh decode256  # hybrid_1b decode at b {256,512}, L 16, split at 256 (2.5 min in session 25)
 #   bash benchmarks/scripts/run_h200.sh check      # kernel_bench smoke: every kernel vs the reference on the GPU
 #   bash benchmarks/scripts/run_h200.sh drift      # precision_drift: 13 policies (f16+fp8 since session 23, not yet run) x L {4,16,64} + 8 baselines, 100k steps
@@ -230,6 +231,14 @@ P.run(c, sys.argv[1])" "$OUT/precision_mqar1024_rest" ;;
     XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout "$T" \
       python benchmarks/scripts/decode_step_profile.py \
       --out "$OUT/decode_step_profile.json" ;;
+  decode256_flags)
+    for flags in "" "--xla_gpu_triton_gemm_any=true"; do
+      name=$(printf '%s' "${flags:-none}" | tr -c 'a-z0-9' '_' | cut -c1-40)
+      XLA_FLAGS="$flags" timeout "$T" python -m experiments.decode_bench \
+        --config=configs/hybrid_1b.py --workdir="$OUT/decode256_flags_$name" \
+        --config.bench.batches='(256,)' --config.bench.buffer_lens='(16,)' \
+        --config.bench.repeats=2 || echo "decode256_flags: '$flags' failed"
+    done ;;
   decode256)
     timeout "$T" python -m experiments.decode_bench --config=configs/hybrid_1b.py \
       --workdir="$OUT/decode256" --config.bench.batches='(256,512)' \
