@@ -160,6 +160,39 @@ def write_slot(buf, value, idx, where=None):
   return jax.vmap(masked)(buf, value, idx, where)
 
 
+def flush_stores(rstate: ReplayState, new_state, flush, policy=None,
+                 layer=0):
+  """The stores of the flushing rows (`flush` [b] bool) of new_state
+  (f32 [b, h, p, n]), as a flush makes them: the master in its dtype and,
+  with a read copy, the copy (and scales) re-stored from the stored master;
+  with stochastic rounding both rounded with the bits of (policy.seed,
+  layer, row_id, step) at their store sites. Other rows keep theirs.
+
+  Returns (the stored master of every row, dict of the new checkpoint,
+  read_copy and read_scale fields).
+  """
+  sr = policy is not None and policy.stochastic_rounding
+  shape = rstate.checkpoint.shape[1:]
+
+  def sr_bits(site):
+    return P.random_bits(policy.seed, layer, rstate.row_id, rstate.step,
+                         shape, site, policy.sr_rng) if sr else None
+
+  ck_dtype = rstate.checkpoint.dtype
+  master = P.round_to(new_state, ck_dtype, sr_bits(P.SITE_MASTER)
+                      if ck_dtype != jnp.dtype(F32) else None)
+  flush4 = flush[:, None, None, None]
+  fields = dict(checkpoint=jnp.where(flush4, master, rstate.checkpoint))
+  if rstate.read_copy is not None:
+    copy, scale = P.store(master.astype(F32), rstate.read_copy.dtype,
+                          sr_bits(P.SITE_READ_COPY))
+    fields["read_copy"] = jnp.where(flush4, copy, rstate.read_copy)
+    if scale is not None:
+      fields["read_scale"] = jnp.where(flush[:, None, None], scale,
+                                       rstate.read_scale)
+  return master, fields
+
+
 def replay_state_update(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
                         dt_bias=None, dt_softplus=False, policy=None,
                         layer=0):
@@ -212,34 +245,13 @@ def replay_state_update(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
   in_range = (c >= 0) & (c < L)
   y = jnp.where(in_range[:, None, None], y, jnp.nan)
 
-  sr = policy is not None and policy.stochastic_rounding
-  shape = rstate.checkpoint.shape[1:]
-
-  def sr_bits(site):
-    return P.random_bits(policy.seed, layer, rstate.row_id, rstate.step,
-                         shape, site, policy.sr_rng)
-
-  ck_dtype = rstate.checkpoint.dtype
-  master = P.round_to(new_state, ck_dtype,
-                      sr_bits(P.SITE_MASTER)
-                      if sr and ck_dtype != jnp.dtype(F32) else None)
-  flush4 = flush[:, None, None, None]
-  checkpoint = jnp.where(flush4, master, rstate.checkpoint)
-  extra = {}
-  if rstate.read_copy is not None:
-    copy, scale = P.store(master.astype(F32), rstate.read_copy.dtype,
-                          sr_bits(P.SITE_READ_COPY) if sr else None)
-    extra["read_copy"] = jnp.where(flush4, copy, rstate.read_copy)
-    if scale is not None:
-      extra["read_scale"] = jnp.where(flush[:, None, None], scale,
-                                      rstate.read_scale)
+  _, extra = flush_stores(rstate, new_state, flush, policy, layer)
   if rstate.step is not None:
     extra["row_id"] = rstate.row_id
     extra["step"] = jnp.where(in_range, rstate.step + 1,
                               rstate.step).astype(jnp.int32)
   slot_idx = jnp.clip(c, 0, L - 1)
   new_rstate = ReplayState(
-      checkpoint=checkpoint,
       x_buf=write_slot(rstate.x_buf, x, slot_idx),
       b_buf=write_slot(rstate.b_buf, B, slot_idx),
       dt_buf=write_slot(rstate.dt_buf, d_cur, slot_idx),

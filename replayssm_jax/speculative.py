@@ -122,29 +122,15 @@ def replay_verify_reference(rstate, x, dt, A, B, C, D=None, z=None,
       jnp.where(hist[..., None, None], rstate.x_buf.astype(F32), 0.0),
       jnp.where(hist[..., None, None], rstate.b_buf.astype(F32), 0.0),
       jnp.where(hist[..., None], rstate.dt_buf, 0.0), A)
-  # The stores of the early flush, as a decode step's flush stores them.
-  sr = policy is not None and policy.stochastic_rounding
-  shape = rstate.checkpoint.shape[1:]
-
-  def sr_bits(site):
-    return P.random_bits(policy.seed, layer, rstate.row_id, rstate.step,
-                         shape, site, policy.sr_rng) if sr else None
-
-  ck_dtype = rstate.checkpoint.dtype
-  master = P.round_to(folded, ck_dtype, sr_bits(P.SITE_MASTER)
-                      if ck_dtype != jnp.dtype(F32) else None)
-  # Rows with no history fold nothing: they store nothing and, with a read
-  # copy, read it like the rows that need no flush.
-  fl4 = (flush & in_range & (c > 0))[:, None, None, None]
-  checkpoint = jnp.where(fl4, master, rstate.checkpoint)
-  extra, read = {}, checkpoint
-  if rstate.read_copy is not None:  # flushing rows: the stored master
-    copy, scale = P.store(master.astype(F32), rstate.read_copy.dtype,
-                          sr_bits(P.SITE_READ_COPY))
-    extra["read_copy"] = jnp.where(fl4, copy, rstate.read_copy)
-    if scale is not None:
-      extra["read_scale"] = jnp.where(fl4[..., 0], scale, rstate.read_scale)
-    read = jnp.where(fl4, master.astype(F32),
+  # The early flush stores as a decode step's flush does. Rows with no
+  # history fold nothing: they store nothing and, with a read copy, read it
+  # like the rows that need no flush.
+  folds = flush & in_range & (c > 0)
+  master, extra = reference.flush_stores(rstate, folded, folds, policy,
+                                         layer)
+  read = extra["checkpoint"]
+  if rstate.read_copy is not None:  # folding rows: the stored master
+    read = jnp.where(folds[:, None, None, None], master.astype(F32),
                      P.load(rstate.read_copy, rstate.read_scale))
   if rstate.step is not None:
     extra.update(row_id=rstate.row_id, step=rstate.step)
@@ -168,8 +154,7 @@ def replay_verify_reference(rstate, x, dt, A, B, C, D=None, z=None,
   y = decay[..., None] * verify_readout(read, C) + own  # [b, T, h, p]
   y = _finish_output(y, x, D, z)
   y = jnp.where(in_range[:, None, None, None], y, jnp.nan)
-  new = ReplayState(checkpoint=checkpoint, x_buf=x_buf, b_buf=b_buf,
-                    dt_buf=dt_buf,
+  new = ReplayState(x_buf=x_buf, b_buf=b_buf, dt_buf=dt_buf,
                     count=jnp.where(in_range, base, c).astype(jnp.int32),
                     **extra)
   return y.astype(x.dtype), new
