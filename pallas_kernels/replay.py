@@ -1016,6 +1016,27 @@ def _copy_spec(rstate, policy, interpret):
       reload=interpret and copy, rng=policy.sr_rng if sr else "threefry")
 
 
+def copy_operands(spec, policy, layer, rstate, first_in: int,
+                  first_out: int):
+  """The extra operands of a flush kernel for a _CopySpec (none without):
+  (inputs: the read copy, its scales, the SR keys; {input: output} aliases
+  of the copy and scales, numbered from first_in / first_out, so only the
+  flushing rows' tiles are stored and the others keep their bits; their
+  output shapes)."""
+  ins, aliases, shapes = [], {}, ()
+  if spec is None:
+    return ins, aliases, shapes
+  for v in (rstate.read_copy, rstate.read_scale):
+    if v is not None:
+      aliases[first_in + len(ins)] = first_out + len(ins)
+      shapes += (jax.ShapeDtypeStruct(v.shape, v.dtype),)
+      ins.append(v)
+  keys = _sr_keys(spec, policy, layer, rstate)
+  if keys is not None:
+    ins.append(keys)
+  return ins, aliases, shapes
+
+
 def _sr_keys(spec, policy, layer, rstate):
   """[batch, sites, 2] uint32 key data of the stochastic stores (master
   first, then the read copy), or None."""
@@ -1255,20 +1276,12 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   out_shape = ((sds(y.shape, y.dtype),) if writes_y else ()) + (
       sds(rstate.checkpoint.shape, rstate.checkpoint.dtype),)
   aliases = {10: 0, 0: 1} if writes_y else {0: 0}
-  copy_in = []
+  copy_in, copy_aliases, copy_shapes = copy_operands(
+      spec, policy, layer, rstate, 10 + writes_y, 1 + writes_y)
   if spec is not None:
     kernel = functools.partial(kernel, copy_spec=spec)
-    # Read copy and scales: aliased input -> output after the master, so
-    # only flush rows' tiles are stored and the others keep their bits.
-    first_in, first_out = 10 + writes_y, 1 + writes_y
-    for v in (rstate.read_copy, rstate.read_scale):
-      if v is not None:
-        aliases[first_in + len(copy_in)] = first_out + len(copy_in)
-        out_shape += (sds(v.shape, v.dtype),)
-        copy_in.append(v)
-    keys = _sr_keys(spec, policy, layer, rstate)
-    if keys is not None:
-      copy_in.append(keys)
+  aliases.update(copy_aliases)
+  out_shape += copy_shapes
   outs = pl.pallas_call(
       kernel, grid=flush_grid,
       out_shape=out_shape,

@@ -39,8 +39,9 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import common
 from pallas_kernels.replay import (_FlushStores, _Program, _copy_counts,
                                    _copy_spec, _dot_precision, _flush_programs,
-                                   _fold_dot, _pad_pow2, _sr_keys, _unpack,
-                                   fold_product, persistent_items, rank1_fold)
+                                   _fold_dot, _pad_pow2, _unpack,
+                                   copy_operands, fold_product,
+                                   persistent_items, rank1_fold)
 from pallas_kernels.replay import default_block_p as _step_block_p
 from replayssm_jax.reference import process_dt
 from replayssm_jax.speculative import verify_bc, verify_readout, verify_terms
@@ -412,21 +413,15 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     fold_grid = grid
   fold_params = plgpu.CompilerParams(num_warps=fold_warps,
                                      num_stages=config.num_stages)
-  fold_out = (sds(rstate.checkpoint.shape, rstate.checkpoint.dtype),)
-  aliases, copy_in = {0: 0}, []
-  if spec is not None:  # read copy and scales aliased after the master
+  copy_in, aliases, copy_shapes = copy_operands(spec, policy, layer, rstate,
+                                                10, 1)
+  if spec is not None:
     fold_kernel = functools.partial(fold_kernel, copy_spec=spec)
-    for v in (rstate.read_copy, rstate.read_scale):
-      if v is not None:
-        aliases[10 + len(copy_in)] = 1 + len(copy_in)
-        fold_out += (sds(v.shape, v.dtype),)
-        copy_in.append(v)
-    keys = _sr_keys(spec, policy, layer, rstate)
-    if keys is not None:
-      copy_in.append(keys)
   ck, *copy_out = pl.pallas_call(
-      fold_kernel, grid=fold_grid, out_shape=fold_out,
-      input_output_aliases=aliases, compiler_params=fold_params,
+      fold_kernel, grid=fold_grid,
+      out_shape=(sds(rstate.checkpoint.shape, rstate.checkpoint.dtype),
+                 *copy_shapes),
+      input_output_aliases={0: 0, **aliases}, compiler_params=fold_params,
       interpret=interpret,
       name=common.capped_name("replayssm_verify_fold",
                               config.fold_max_registers),
