@@ -176,6 +176,20 @@ ssd_scan = jax.jit(rs.ssd_chunked_scan,
                    compiler_options=FAST_COMPILE)
 
 
+def with_policy_fields(rstate, policy, row_id, step):
+  """rstate with the fields of `policy` (None: none): a read copy (and
+  scales) stored from its master, and with stochastic rounding the given
+  row ids and steps."""
+  fields = {}
+  if policy is not None and policy.read_dtype is not None:
+    fields["read_copy"], fields["read_scale"] = rs.precision.store(
+        rstate.checkpoint.astype(jnp.float32), policy.read_dtype)
+  if policy is not None and policy.stochastic_rounding:
+    fields["row_id"] = jnp.asarray(row_id, jnp.int32)
+    fields["step"] = jnp.asarray(step, jnp.int32)
+  return rstate.replace(**fields)
+
+
 def random_state(key, dims: C.Dims, dtype=jnp.float32):
   """A random full SSM state [batch, nheads, headdim, dstate]."""
   return jax.random.normal(

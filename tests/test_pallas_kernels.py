@@ -604,17 +604,12 @@ def _policy_state(policy, seed):
       d.ngroups, POLICY_L, counts, params["A"],
       checkpoint_dtype=policy.checkpoint_dtype,
       buffer_dtype=policy.buffer_dtype)
-  fields = {}
-  if policy.read_dtype is not None:
-    fields["read_copy"], fields["read_scale"] = P.store(
-        rstate.checkpoint.astype(jnp.float32), policy.read_dtype)
-  if policy.stochastic_rounding:
-    fields["row_id"] = jnp.asarray([17, 3, 40, 8, 25], jnp.int32)
-    fields["step"] = jnp.asarray([5, 0, 12, 7, 30], jnp.int32)
+  rstate = harness.with_policy_fields(rstate, policy, [17, 3, 40, 8, 25],
+                                      [5, 0, 12, 7, 30])
   steps = harness.time_major(testing.random_step_inputs(
       jax.random.fold_in(key, 2), d.batch, d.nheads, d.headdim, d.dstate,
       d.ngroups, seqlen=POLICY_STEPS))
-  return params, rstate.replace(**fields), steps
+  return params, rstate, steps
 
 
 @functools.partial(jax.jit, static_argnames=("policy", "config"),
@@ -914,14 +909,8 @@ def _lowering_state(batch, buffer_len, policy, dims):
       key, batch, h, p, n, g, buffer_len, counts, params["A"],
       checkpoint_dtype=jnp.float16 if pol is None else pol.checkpoint_dtype,
       buffer_dtype=jnp.bfloat16)
-  fields = {}
-  if pol is not None and pol.read_dtype is not None:
-    fields["read_copy"], fields["read_scale"] = P.store(
-        rstate.checkpoint.astype(jnp.float32), pol.read_dtype)
-  if pol is not None and pol.stochastic_rounding:
-    fields["row_id"] = jnp.arange(batch, dtype=jnp.int32)
-    fields["step"] = jnp.zeros((batch,), jnp.int32)
-  return params, tok, rstate.replace(**fields), pol
+  return params, tok, harness.with_policy_fields(
+      rstate, pol, np.arange(batch), np.zeros(batch)), pol
 
 
 def _lower_replay(config, params, tok, rstate, pol):

@@ -417,14 +417,8 @@ def _policy_setup(L, seed, counts, name):
   rstate, full = testing.random_replay_state(
       jax.random.fold_in(key, 1), B, H, P, N, G, L, counts, params["A"],
       checkpoint_dtype=pol.checkpoint_dtype)
-  fields = {}
-  if pol.read_dtype is not None:
-    fields["read_copy"], fields["read_scale"] = prec.store(
-        rstate.checkpoint.astype(jnp.float32), pol.read_dtype)
-  if pol.stochastic_rounding:
-    fields["row_id"] = jnp.asarray([11, 3, 7, 20][:B], jnp.int32)
-    fields["step"] = jnp.asarray([40, 0, 9, 13][:B], jnp.int32)
-  return pol, params, rstate.replace(**fields), full
+  return pol, params, harness.with_policy_fields(
+      rstate, pol, [11, 3, 7, 20], [40, 0, 9, 13]), full
 
 
 @functools.partial(jax.jit, static_argnames=("T", "policy"),
