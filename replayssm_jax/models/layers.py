@@ -465,7 +465,6 @@ class MLP(nnx.Module):
     return self.down_proj(a)
 
 
-
 MIXERS = {"mamba": Mamba2Mixer, "attention": Attention, "mlp": MLP}
 
 
