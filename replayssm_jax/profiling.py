@@ -102,8 +102,10 @@ def op_times(fn, *args, iters: int = 5, top: int = 30) -> dict:
     # GEMM custom call after a memset of its output), so an op is named by
     # its longest kernel and categorized on all of them.
     op_kernels = collections.defaultdict(lambda: collections.defaultdict(float))
+    op_events = collections.defaultdict(list)  # op -> every event's ns
     for op, kernel, ns in _events(data):
       op_kernels[op][kernel] += ns
+      op_events[op].append(ns)
   by_op = {op: sum(ks.values()) for op, ks in op_kernels.items()}
   kernels = {op: max(ks, key=ks.get) for op, ks in op_kernels.items()}
   per_call = lambda ns: ns / iters / 1e6  # ms
@@ -128,5 +130,14 @@ def op_times(fn, *args, iters: int = 5, top: int = 30) -> dict:
       command_buffer_ms=graphs,
       by_category=dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
       top=[dict(hlo_op=op, kernel=kernels[op][:120], category=cats[op],
-                ms=per_call(ns))
+                ms=per_call(ns), **_spread(op_events[op], iters))
            for op, ns in ranked[:top]])
+
+
+def _spread(events_ns, iters: int) -> dict:
+  """Kernel events per call and their min / median / max duration (µs):
+  tells apart an op whose launches all cost the same from one that is
+  cheap on most steps (e.g. a flush launch with no row due)."""
+  us = sorted(ns / 1e3 for ns in events_ns)
+  return dict(events_per_call=len(us) / iters, min_us=us[0],
+              median_us=us[len(us) // 2], max_us=us[-1])

@@ -42,6 +42,11 @@ def test_op_times_splits_a_traced_call():
   assert ms == sorted(ms, reverse=True) and ms[0] > 0
   assert not any(o["hlo_op"].startswith("while") for o in t["top"])
   assert set(t["by_category"]) <= {"pallas", "gemm", "copy", "other"}
+  for o in t["top"]:  # each op's launches: count per call and spread
+    assert o["events_per_call"] > 0
+    assert 0 <= o["min_us"] <= o["median_us"] <= o["max_us"]
+    # the spread's events are the op's time: n events of at most max_us
+    assert o["ms"] * 1e3 <= o["events_per_call"] * o["max_us"] * (1 + 1e-9)
 
 
 def test_op_times_rejects_bad_iters():

@@ -166,6 +166,11 @@ def main():
     for s, v in ranked[:a.top]:
       print(f"  {v[0]:8.4f} ms  {v[1]:4d} ops  {'/'.join(sorted(v[2])):6s}"
             f"  {s[:150]}")
+    for row in t["top"][:20]:  # launches' spread: e.g. flush launches with
+      # no row due (most steps) vs the step where every row flushes
+      print(f"  op {row['hlo_op'][:40]:40s} {row['events_per_call']:5.1f} "
+            f"launches/call, µs min {row['min_us']:.1f} median "
+            f"{row['median_us']:.1f} max {row['max_us']:.1f}")
     del st, logits, carry
   with open(a.out, "w") as f:
     json.dump(result, f, indent=1)

@@ -44,11 +44,14 @@
 #   bash benchmarks/scripts/run_h200.sh decode8b_512  # the 8B shapes at b 512, L 16 (not yet run; 2 x ~59 GB states built one at a time)
 #   bash benchmarks/scripts/run_h200.sh policies_sr  # the stochastic presets with the cheap hash32 bits (f16+sr, f32+int8+sr, f16+fp8+sr, each ":hash32"; session 26, not yet run), then the threefry ones sessions 24-25 did not reach (f32+int8+sr, f16+fp8+sr), f16 baseline, b 256, L 16 (session 25: f16+sr alone took most of 110 s)
 #   bash benchmarks/scripts/run_h200.sh attention  # the decode attention forms (XLA whole cache vs the Pallas kernel's variants) at hybrid_1b's and the 8B's attention shapes, b 256, and hybrid_1b's verify window of 4 (session 25 ran all but the window, ~1 min)
+#   bash benchmarks/scripts/run_h200.sh attention_window  # its verify window of 4 alone
 #   bash benchmarks/scripts/run_h200.sh decode_profile  # hybrid_1b's decode step at b 256 by named scope, replay and baseline (decode_step_profile.py, XLA's CUDA graphs off)
 #   bash benchmarks/scripts/run_h200.sh decode256_flags  # hybrid_1b decode at b 256, L 16 under XLA flag sets that may fold the step's small elementwise kernels (norms, converts, the relu2 square) into its GEMMs: none, then --xla_gpu_triton_gemm_any=true (issue 4's shared part; session 26, not yet run; a flag this XLA does not know fails its run only)
 #   bash benchmarks/scripts/run_h200.sh decode256  # hybrid_1b decode at b {256,512}, L 16, split at 256 (2.5 min in session 25)
 #   bash benchmarks/scripts/run_h200.sh check      # kernel_bench smoke: every kernel vs the reference on the GPU
 #   bash benchmarks/scripts/run_h200.sh drift      # precision_drift: 13 policies (f16+fp8 since session 23, not yet run) x L {4,16,64} + 8 baselines, 100k steps
+#
+# Several parts in one call within a total budget: run_h200_chain.sh.
 #
 # To run exactly a commit (no uncommitted edits travel), export it into an
 # ignored folder and carry that:
@@ -223,7 +226,8 @@ P.run(c, sys.argv[1])" "$OUT/precision_mqar1024_rest" ;;
       --out "$OUT/attend_micro.json"
     timeout "$T" python benchmarks/scripts/attend_micro.py --q_heads 32 \
       --kv_heads 8 --variants default,s1,split128,split64 \
-      --out "$OUT/attend_micro_8b.json"
+      --out "$OUT/attend_micro_8b.json" ;&  # then the window of 4
+  attention_window)
     timeout "$T" python benchmarks/scripts/attend_micro.py --window 4 \
       --variants default,s1,split128 --out "$OUT/attend_micro_window4.json" ;;
   decode_profile)

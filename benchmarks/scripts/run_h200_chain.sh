@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Several run_h200.sh parts in one device call, inside a total budget (s):
+# each part runs with PART_TIMEOUT = min(its own limit, what is left), and a
+# part with under 45 s left is skipped (noted in the log). Arguments are
+# `part[:limit]`, a part's own arguments joined by commas, e.g.
+#   bash benchmarks/scripts/run_h200_chain.sh 560 decode256_flags:150 \
+#       decode_profile:120 grid,f32,16:200
+# (decode256_flags runs two benchmarks, each under the limit).
+set -uo pipefail
+total=${1:?usage: run_h200_chain.sh TOTAL_S part[:limit] ...}
+shift
+start=$SECONDS
+for spec in "$@"; do
+  part=${spec%%:*}
+  limit=${spec#"$part"}
+  limit=${limit#:}
+  left=$(( total - (SECONDS - start) ))
+  limit=${limit:-$left}
+  if [ "$left" -lt 45 ]; then
+    echo "chain: ${part//,/ } skipped ($left s left)"
+    continue
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  echo "chain: ${part//,/ } (limit $limit s) at $((SECONDS - start)) s"
+  # shellcheck disable=SC2086  # the part's words
+  PART_TIMEOUT=$limit bash benchmarks/scripts/run_h200.sh ${part//,/ } \
+    || echo "chain: ${part//,/ } exited $?"
+done
+echo "chain: done at $((SECONDS - start)) s"
