@@ -2,8 +2,9 @@
 
 Importing this package registers implementation "pallas" for
 `replayssm_jax.selective_state_update`, `replayssm_jax.replay_state_update`,
-`replayssm_jax.replay_verify`, `replayssm_jax.baseline_verify` and
-`replayssm_jax.ops.decode_attention` (the dispatcher imports it lazily on
+`replayssm_jax.replay_verify`, `replayssm_jax.baseline_verify`,
+`replayssm_jax.ops.decode_attention` and `replayssm_jax.ops.causal_conv1d_step`
+(the dispatcher imports it lazily on
 first use). The kernels use the Pallas
 Triton backend on GPU and Pallas interpret mode elsewhere, so the same kernel
 code runs in CPU tests. The Mosaic GPU baseline kernel
@@ -19,12 +20,13 @@ import jax.numpy as jnp
 
 from pallas_kernels import attention as attention_kernel
 from pallas_kernels import common
+from pallas_kernels import conv as conv_kernel
 from pallas_kernels import mosaic_gpu as mosaic_kernel
 from pallas_kernels import replay as replay_kernel
 from pallas_kernels import ssu as ssu_kernel
 from pallas_kernels import verify as verify_kernel
-from pallas_kernels.common import (AttentionConfig, ReplayConfig, SSUConfig,
-                                   VerifyConfig, on_gpu)
+from pallas_kernels.common import (AttentionConfig, ConvConfig, ReplayConfig,
+                                   SSUConfig, VerifyConfig, on_gpu)
 from pallas_kernels.mosaic_gpu import MosaicSSUConfig
 from replayssm_jax import ops as _ops
 from replayssm_jax import precision as P
@@ -146,6 +148,16 @@ def _attention(*, config=None, **args):
       **args, config=config or AttentionConfig(), interpret=not on_gpu())
 
 
+def _conv_supports(x, weight, split=None, **_):
+  sizes = (x.shape[-1],) if split is None else tuple(split)
+  return conv_kernel.shape_problem(sizes, weight.shape[1], ConvConfig())
+
+
+def _conv(*, config=None, **args):
+  return conv_kernel.causal_conv1d_step(
+      **args, config=config or ConvConfig(), interpret=not on_gpu())
+
+
 def _verify(*, config=None, **args):
   return verify_kernel.replay_verify(
       **args, config=config or VerifyConfig(), interpret=not on_gpu())
@@ -176,6 +188,10 @@ _ops.register_implementation(
     "decode_attention",
     _ops.Implementation("pallas", _attention, supports=_attention_supports,
                         preferred=on_gpu, priority=10))
+_ops.register_implementation(
+    "causal_conv1d_step",
+    _ops.Implementation("pallas", _conv, supports=_conv_supports,
+                        preferred=on_gpu, priority=10))
 
-__all__ = ["AttentionConfig", "MosaicSSUConfig", "ReplayConfig", "SSUConfig",
+__all__ = ["AttentionConfig", "ConvConfig", "MosaicSSUConfig", "ReplayConfig", "SSUConfig",
            "VerifyConfig", "common", "on_gpu"]

@@ -451,6 +451,30 @@ class ReplayConfig(_LaunchConfig):
 
 
 @dataclasses.dataclass(frozen=True)
+class ConvConfig:
+  """Tuning of the conv decode-step kernel (`pallas_kernels.conv`).
+
+  Attributes:
+    block_rows: rows per program (at most; the largest power of two <= it
+      that divides the batch).
+    block_channels: channels per program (at most; the largest power of
+      two <= it that divides every output piece, >= 16).
+    num_warps: Triton launch parameter.
+  """
+  block_rows: int = 16
+  block_channels: int = 256
+  num_warps: int = 4
+
+  def __post_init__(self):
+    _check_pow2("block_rows", self.block_rows)
+    _check_pow2("block_channels", self.block_channels)
+    _check_pow2("num_warps", self.num_warps)
+    if self.block_channels < 16:
+      raise ValueError(f"block_channels must be >= 16, got "
+                       f"{self.block_channels}.")
+
+
+@dataclasses.dataclass(frozen=True)
 class AttentionConfig:
   """Tuning of the decode attention kernel (`pallas_kernels.attention`).
 

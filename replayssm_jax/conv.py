@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from replayssm_jax import _validation as V
 from replayssm_jax.reference import F32
@@ -80,7 +81,7 @@ def causal_conv1d(x, weight, bias=None, initial_state=None,
   return y.astype(x.dtype), final_state
 
 
-def _check_step_args(x, conv_state, weight, bias, activation):
+def check_step_args(x, conv_state, weight, bias, activation):
   """Validates a decode step's arguments -> (batch, kernel_size)."""
   V.check_floating("x", x)
   V.check_ndim("x", x, 2, "[batch, dim]")
@@ -104,7 +105,7 @@ def causal_conv1d_update(x, conv_state, weight, bias=None,
   Returns:
     (y [batch, dim] in x.dtype, new conv state (same shape and dtype)).
   """
-  b, k = _check_step_args(x, conv_state, weight, bias, activation)
+  b, k = check_step_args(x, conv_state, weight, bias, activation)
   # Tap by tap in float32 (as causal_conv1d): one elementwise fusion. An
   # einsum over a materialized f32 [b, k, dim] window ran as a separate
   # concatenate fusion, ~10x the bytes it needs (24 us per layer of
@@ -135,7 +136,7 @@ def conv_ring_ordered(conv_state, start):
     `causal_conv1d` and `causal_conv1d_update` use.
   """
   V.check_ndim("conv_state", conv_state, 3, "[batch, kernel_size - 1, dim]")
-  _check_start(start, conv_state.shape[0])
+  check_start(start, conv_state.shape[0])
   b, k1, _ = conv_state.shape
   if k1 == 0:
     return conv_state
@@ -143,7 +144,7 @@ def conv_ring_ordered(conv_state, start):
   return jnp.take_along_axis(conv_state, idx[..., None], axis=1)
 
 
-def _check_start(start, batch):
+def check_start(start, batch):
   if not jnp.issubdtype(jnp.asarray(start).dtype, jnp.integer):
     raise TypeError(f"start must be an integer [batch] array (the slot of "
                     f"each row's oldest input), got dtype "
@@ -176,8 +177,8 @@ def causal_conv1d_update_ring(x, conv_state, start, weight, bias=None,
     (y [batch, dim] in x.dtype, new conv state (same shape and dtype), new
      start [batch] int32).
   """
-  b, k = _check_step_args(x, conv_state, weight, bias, activation)
-  _check_start(start, b)
+  b, k = check_step_args(x, conv_state, weight, bias, activation)
+  check_start(start, b)
   k1 = k - 1
   w = weight.astype(F32)
   y = x.astype(F32) * w[:, k1]
@@ -204,3 +205,38 @@ def causal_conv1d_update_ring(x, conv_state, start, weight, bias=None,
     y = y + bias.astype(F32)
   y = _activate(y, activation)
   return y.astype(x.dtype), new_state, new_start
+
+
+def check_split(split, dim: int) -> tuple[int, ...]:
+  """`split` (channel counts summing to dim, or None for one piece) ->
+  the counts."""
+  if split is None:
+    return (dim,)
+  sizes = tuple(split)
+  if (not sizes or any(not isinstance(n, int) or n < 1 for n in sizes)
+      or sum(sizes) != dim):
+    raise ValueError(f"split must be positive ints summing to dim = {dim} "
+                     f"(the channel counts of the pieces, e.g. Mamba-2's "
+                     f"(d_inner, ngroups * dstate, ngroups * dstate)), got "
+                     f"{split!r}.")
+  return sizes
+
+
+def causal_conv1d_step_reference(x, conv_state, start, weight, bias=None,
+                                 activation: str | None = "silu",
+                                 split=None):
+  """`causal_conv1d_update_ring` with its output cut into channel pieces.
+
+  Args:
+    x, conv_state, start, weight, bias, activation: as in
+      `causal_conv1d_update_ring`.
+    split: channel counts of the output pieces (summing to dim), or None.
+
+  Returns:
+    (tuple of y pieces [batch, n] in x.dtype, new conv state, new start).
+  """
+  sizes = check_split(split, x.shape[-1])
+  y, new_state, new_start = causal_conv1d_update_ring(
+      x, conv_state, start, weight, bias, activation)
+  cuts = np.cumsum(sizes)[:-1].tolist()
+  return tuple(jnp.split(y, cuts, axis=-1)), new_state, new_start

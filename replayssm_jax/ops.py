@@ -29,6 +29,7 @@ import numpy as np
 
 from replayssm_jax import _validation as V
 from replayssm_jax import attention
+from replayssm_jax import conv
 from replayssm_jax import precision as P
 from replayssm_jax import reference
 from replayssm_jax import speculative
@@ -74,6 +75,9 @@ _REGISTRY: dict[str, dict[str, Implementation]] = {
         "reference": Implementation(
             "reference", attention.decode_attention_reference,
             priority=-1)},
+    "causal_conv1d_step": {
+        "reference": Implementation(
+            "reference", conv.causal_conv1d_step_reference, priority=-1)},
 }
 
 
@@ -199,6 +203,42 @@ def decode_attention(q, k_cache, v_cache, lengths, scale=None, *,
   args = dict(q=q, k_cache=k_cache, v_cache=v_cache, lengths=lengths,
               scale=scale)
   return dispatch("decode_attention", implementation, config, args)
+
+
+def causal_conv1d_step(x, conv_state, start, weight, bias=None, *,
+                       activation: str | None = "silu", split=None,
+                       implementation: str | None = None, config=None):
+  """One decode step of the causal depthwise conv on a ring-buffer conv
+  state, its output cut into channel pieces (Mamba-2's x, B, C).
+
+  Args:
+    x: [batch, dim] the new token's pre-conv input.
+    conv_state: [batch, kernel_size - 1, dim] ring of the previous inputs
+      (kernel_size >= 2), row r's oldest in slot start[r] (see
+      `conv.causal_conv1d_update_ring`).
+    start: [batch] int slot of each row's oldest input.
+    weight: [dim, kernel_size]; bias: optional [dim]; activation: "silu"
+      or None.
+    split: channel counts of the output pieces (summing to dim), or None
+      for one piece. A kernel writes each piece as its own array, so a
+      consumer of one piece (a kernel's operand) needs no slice copy.
+    implementation, config: see the module docstring.
+
+  Returns:
+    (tuple of pieces [batch, n] in x.dtype, new conv state (the new input
+     written over the oldest; updated in place where XLA can), new start
+     [batch] int32).
+  """
+  conv.check_step_args(x, conv_state, weight, bias, activation)
+  conv.check_start(start, x.shape[0])
+  if weight.shape[1] < 2:
+    raise ValueError(f"weight must have kernel_size >= 2 (a ring of "
+                     f"kernel_size - 1 >= 1 inputs), got {weight.shape[1]}; "
+                     f"use conv.causal_conv1d_update_ring.")
+  conv.check_split(split, x.shape[-1])
+  args = dict(x=x, conv_state=conv_state, start=start, weight=weight,
+              bias=bias, activation=activation, split=split)
+  return dispatch("causal_conv1d_step", implementation, config, args)
 
 
 def replay_state_update(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,

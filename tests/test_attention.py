@@ -185,7 +185,7 @@ def test_dispatcher():
 
 
 def test_model_decode_with_the_kernel_matches_the_reference():
-  """The decode step with implementation="pallas" (attention kernel and SSM
+  """The decode step with implementation="pallas" (attention, conv and SSM
   kernels) against "reference", over ragged prompts and 6 steps, then a
   speculative verify window of 4 tokens."""
   cfg = models.ModelConfig(**{**_decode_bench.TINY_MODEL,

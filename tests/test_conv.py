@@ -1,4 +1,6 @@
-"""causal_conv1d (prefill) == causal_conv1d_update (steps) == numpy."""
+"""causal_conv1d (prefill) == causal_conv1d_update (steps) == numpy; the
+ring-buffer step; ops.causal_conv1d_step's kernel (interpret mode) against
+its reference, its checks and its Triton lowering."""
 
 from __future__ import annotations
 
@@ -7,7 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_kernels as pk
 import replayssm_jax as rs
+from replayssm_jax import conv
+from replayssm_jax import ops
 from replayssm_jax import testing
 from tests import cases as C
 from tests import harness
@@ -121,3 +126,108 @@ def test_conv_ring_rejects_bad_start():
     rs.causal_conv1d_update_ring(x, st, jnp.zeros((3,)), w)
   with pytest.raises(ValueError, match="conv_state"):
     rs.conv_ring_ordered(st[0], jnp.zeros((3,), jnp.int32))
+
+
+# ops.causal_conv1d_step: (batch, dim, split, kernel_size, bias, activation,
+# dtype). Batches 3 / 6 / 8 give 1- / 2- / 8-row programs; dims whose pieces
+# share a power-of-two divisor >= 16 (the kernel's channel block).
+CONV_STEP_CASES = [
+    (3, 64, (32, 16, 16), 4, True, "silu", "float32"),
+    (6, 48, None, 3, False, None, "float32"),
+    (8, 96, (64, 16, 16), 2, True, "silu", "bfloat16"),
+    (6, 64, (32, 16, 16), 4, True, "silu", "bfloat16"),
+]
+
+
+def _conv_step_inputs(batch, dim, kernel_size, bias, dtype, seed=0):
+  kx, ks, kw, kb, kt = jax.random.split(jax.random.PRNGKey(seed), 5)
+  x = jax.random.normal(kx, (5, batch, dim)).astype(dtype)  # 5 steps
+  state = jax.random.normal(ks, (batch, kernel_size - 1, dim)).astype(dtype)
+  w = (jax.random.normal(kw, (dim, kernel_size)) / np.sqrt(kernel_size)
+       ).astype(dtype)
+  b = jax.random.normal(kb, (dim,)).astype(dtype) if bias else None
+  start = jax.random.randint(kt, (batch,), 0, 7, jnp.int32)  # any ints
+  return x, state, start, w, b
+
+
+def _conv_step_scan(impl, x, state, start, w, b, activation, split):
+  def body(carry, xt):
+    pieces, st, sp = ops.causal_conv1d_step(
+        xt, *carry, w, b, activation=activation, split=split,
+        implementation=impl)
+    return (st, sp), pieces
+
+  return jax.lax.scan(body, (state, start), x)
+
+
+@pytest.mark.parametrize("case", CONV_STEP_CASES, ids=str)
+def test_conv_step_kernel_matches_reference(case):
+  """Five ring steps with ragged start slots: the kernel's pieces within the
+  dtype's tolerance of the reference's, its ring and start bit for bit (the
+  new input copied into each row's oldest slot), the arguments untouched."""
+  batch, dim, split, k, bias, activation, dtype = case
+  x, state, start, w, b = _conv_step_inputs(batch, dim, k, bias, dtype)
+  before = np.asarray(state, np.float32).copy()
+  outs = {impl: _conv_step_scan(impl, x, state, start, w, b, activation,
+                                split)
+          for impl in ("reference", "pallas")}
+  (st_r, sp_r), pieces_r = outs["reference"]
+  (st_k, sp_k), pieces_k = outs["pallas"]
+  sizes = split or (dim,)
+  assert len(pieces_k) == len(sizes)
+  for i, (pk_, pr) in enumerate(zip(pieces_k, pieces_r)):
+    assert pk_.shape == (5, batch, sizes[i]) and pk_.dtype == x.dtype
+    testing.assert_close(pk_, pr, testing.tolerance(dtype), f"piece {i}")
+  np.testing.assert_array_equal(np.asarray(st_k, np.float32),
+                                np.asarray(st_r, np.float32))
+  np.testing.assert_array_equal(sp_k, sp_r)
+  np.testing.assert_array_equal(np.asarray(state, np.float32), before)
+
+
+def test_conv_step_reference_is_the_ring_step_cut():
+  """The reference's pieces are the ring step's output, cut at split."""
+  x, state, start, w, b = _conv_step_inputs(3, 64, 4, True, "float32")
+  pieces, st, sp = conv.causal_conv1d_step_reference(
+      x[0], state, start, w, b, split=(32, 16, 16))
+  y, st_ring, sp_ring = rs.causal_conv1d_update_ring(x[0], state, start, w,
+                                                     b)
+  np.testing.assert_array_equal(jnp.concatenate(pieces, -1), y)
+  np.testing.assert_array_equal(st, st_ring)
+  np.testing.assert_array_equal(sp, sp_ring)
+
+
+def test_conv_step_rejects_bad_arguments():
+  x, state, start, w, b = _conv_step_inputs(3, 64, 4, True, "float32")
+  x = x[0]
+  with pytest.raises(ValueError, match="split must be positive ints summing "
+                     "to dim = 64"):
+    ops.causal_conv1d_step(x, state, start, w, b, split=(32, 16))
+  with pytest.raises(ValueError, match="kernel_size >= 2"):
+    ops.causal_conv1d_step(x, state[:, :0], start, w[:, :1], b)
+  with pytest.raises(ValueError, match="conv_state"):
+    ops.causal_conv1d_step(x, state[:, :2], start, w, b)
+  with pytest.raises(TypeError, match="start must be an integer"):
+    ops.causal_conv1d_step(x, state, start.astype(jnp.float32), w, b)
+  # Pieces with no common power-of-two divisor >= 16: the kernel says so
+  # and names the reference, which takes them.
+  with pytest.raises(NotImplementedError, match="implementation='reference'"):
+    ops.causal_conv1d_step(x, state, start, w, b, split=(40, 12, 12),
+                           implementation="pallas")
+  pieces, _, _ = ops.causal_conv1d_step(x, state, start, w, b,
+                                        split=(40, 12, 12))
+  assert [p.shape[1] for p in pieces] == [40, 12, 12]
+
+
+@pytest.mark.parametrize("kernel_size,bias,activation",
+                         [(4, True, "silu"), (3, False, None)])
+def test_conv_step_kernel_lowers_to_triton(kernel_size, bias, activation):
+  """The kernel lowers for the GPU (Triton IR, cross-lowered on this CPU) at
+  hybrid_1b's Mamba shapes: the masked ring stores and the piece stores."""
+  from tests.test_pallas_kernels import _lower_for_cuda  # pylint: disable=g-import-not-at-top
+  x, state, start, w, b = _conv_step_inputs(32, 6144, kernel_size, bias,
+                                            "bfloat16")
+  text = _lower_for_cuda(
+      lambda *a: pk.conv.causal_conv1d_step(
+          *a, activation=activation, split=(4096, 1024, 1024)),
+      x[0], state, start, w, b)
+  assert "replayssm_conv_step" in text

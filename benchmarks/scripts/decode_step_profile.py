@@ -19,6 +19,7 @@ import argparse
 import collections
 import datetime
 import functools
+import gzip
 import importlib.util
 import json
 import os
@@ -91,6 +92,8 @@ def main():
   ap.add_argument("--iters", type=int, default=3)
   ap.add_argument("--top", type=int, default=60)
   ap.add_argument("--out", required=True)
+  ap.add_argument("--hlo_dir", default="",
+                  help="also write each mode's optimized HLO (gzipped) here")
   a = ap.parse_args()
 
   cfg = load_model_config(a.config)
@@ -131,7 +134,13 @@ def main():
                           checkpoint_dtype=jnp.float32)
     logits, st = prefill(model, prompts, lengths, st)
     tok = jnp.argmax(logits, -1).astype(jnp.int32)
-    sources = op_sources(loop.lower(params, tok, st).compile().as_text())
+    hlo = loop.lower(params, tok, st).compile().as_text()
+    sources = op_sources(hlo)
+    if a.hlo_dir:
+      os.makedirs(a.hlo_dir, exist_ok=True)
+      with gzip.open(os.path.join(a.hlo_dir, f"decode_loop_{mode}.hlo.gz"),
+                     "wt") as f:
+        f.write(hlo)
     carry = [tok, st]
 
     def call():
@@ -140,7 +149,7 @@ def main():
 
     t = profiling.op_times(call, iters=a.iters, top=10**6)
     per_step = lambda ms: ms / a.steps  # noqa: E731
-    by_source = collections.defaultdict(lambda: [0.0, 0, set()])
+    by_source = collections.defaultdict(lambda: [0.0, 0, set(), 0.0])
     by_scope = collections.defaultdict(float)
     for row in t["top"]:
       row["source"] = sources.get(row["hlo_op"], f"? {row['kernel']}")
@@ -149,6 +158,7 @@ def main():
       agg[0] += row["ms"]
       agg[1] += 1
       agg[2].add(row["category"])
+      agg[3] += row["events_per_call"] / a.steps
       by_scope[scope(row["source"])] += row["ms"]
     ranked = sorted(by_source.items(), key=lambda kv: -kv[1][0])
     result["modes"][mode] = dict(
@@ -157,15 +167,16 @@ def main():
         by_category={k: per_step(v) for k, v in t["by_category"].items()},
         by_scope=dict(sorted(by_scope.items(), key=lambda kv: -kv[1])),
         by_source=[dict(source=s, ms=v[0], ops=v[1],
-                        categories=sorted(v[2])) for s, v in ranked[:a.top]],
+                        launches_per_step=v[3], categories=sorted(v[2]))
+                   for s, v in ranked[:a.top]],
         top_ops=t["top"][:a.top])
     print(f"== {mode}: {per_step(t['device_ms']):.3f} ms/step on the device",
           {k: round(per_step(v), 3) for k, v in t["by_category"].items()})
     for s, ms in sorted(by_scope.items(), key=lambda kv: -kv[1]):
       print(f"  scope {s:28s} {ms:8.4f} ms")
     for s, v in ranked[:a.top]:
-      print(f"  {v[0]:8.4f} ms  {v[1]:4d} ops  {'/'.join(sorted(v[2])):6s}"
-            f"  {s[:150]}")
+      print(f"  {v[0]:8.4f} ms  {v[1]:4d} ops {v[3]:6.1f} launches/step "
+            f"{'/'.join(sorted(v[2])):6s}  {s[:150]}")
     for row in t["top"][:20]:  # launches' spread: e.g. flush launches with
       # no row due (most steps) vs the step where every row flushes
       print(f"  op {row['hlo_op'][:40]:40s} {row['events_per_call']:5.1f} "

@@ -48,6 +48,7 @@
 #   bash benchmarks/scripts/run_h200.sh decode_profile  # hybrid_1b's decode step at b 256 by named scope, replay and baseline (decode_step_profile.py, XLA's CUDA graphs off)
 #   bash benchmarks/scripts/run_h200.sh decode256_flags  # hybrid_1b decode at b 256, L 16 under XLA flag sets that may fold the step's small elementwise kernels (norms, converts, the relu2 square) into its GEMMs: none, then --xla_gpu_triton_gemm_any=true (issue 4's shared part; session 26, not yet run; a flag this XLA does not know fails its run only)
 #   bash benchmarks/scripts/run_h200.sh decode256  # hybrid_1b decode at b {256,512}, L 16, split at 256 (2.5 min in session 25)
+#   bash benchmarks/scripts/run_h200.sh gpu_tests  # the conv-step kernel and the model's decode step / verify through every kernel vs the reference, on the GPU (pytest)
 #   bash benchmarks/scripts/run_h200.sh check      # kernel_bench smoke: every kernel vs the reference on the GPU
 #   bash benchmarks/scripts/run_h200.sh drift      # precision_drift: 13 policies (f16+fp8 since session 23, not yet run) x L {4,16,64} + 8 baselines, 100k steps
 #
@@ -171,7 +172,8 @@ case "$1" in
   policies_sr)
     timeout "$T" python -m experiments.kernel_bench \
       --config=configs/kernel_bench.py:policies --workdir="$OUT/policies_sr" \
-      --config.policies="('f16+sr:hash32','f32+int8+sr:hash32','f16+fp8+sr:hash32','f32+int8+sr','f16+fp8+sr')" ;;
+      --config.policies="('f16+sr:hash32','f32+int8+sr:hash32','f16+fp8+sr:hash32','f32+int8+sr','f16+fp8+sr')" \
+      --config.iters=10 ;;
   policies)
     timeout "$T" python -m experiments.kernel_bench \
       --config=configs/kernel_bench.py:policies --workdir="$OUT/policies" \
@@ -233,20 +235,32 @@ P.run(c, sys.argv[1])" "$OUT/precision_mqar1024_rest" ;;
   decode_profile)
     # hybrid_1b's decode step by named scope (replay and baseline, b 256)
     XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout "$T" \
-      python benchmarks/scripts/decode_step_profile.py \
-      --out "$OUT/decode_step_profile.json" ;;
+      python benchmarks/scripts/decode_step_profile.py --top 400 \
+      --hlo_dir "$OUT/decode_step_hlo" --out "$OUT/decode_step_profile.json" ;;
   decode256_flags)
+    # The first (no flags) with the per-part split at batch 256.
+    split='(256,)'
     for flags in "" "--xla_gpu_triton_gemm_any=true"; do
       name=$(printf '%s' "${flags:-none}" | tr -c 'a-z0-9' '_' | cut -c1-40)
       XLA_FLAGS="$flags" timeout "$T" python -m experiments.decode_bench \
         --config=configs/hybrid_1b.py --workdir="$OUT/decode256_flags_$name" \
         --config.bench.batches='(256,)' --config.bench.buffer_lens='(16,)' \
+        --config.bench.split_batches="$split" \
         --config.bench.repeats=2 || echo "decode256_flags: '$flags' failed"
+      split='()'
     done ;;
   decode256)
     timeout "$T" python -m experiments.decode_bench --config=configs/hybrid_1b.py \
       --workdir="$OUT/decode256" --config.bench.batches='(256,512)' \
       --config.bench.buffer_lens='(16,)' --config.bench.repeats=2 ;;
+  gpu_tests)
+    # Kernel-vs-reference tests that run the real kernels on the GPU (the
+    # conv step, and the model's decode step and verify through every
+    # kernel), with pytest's output kept.
+    REPLAYSSM_TEST_CACHE=0 timeout "$T" python -m pytest -q -p no:cacheprovider \
+      tests/test_conv.py tests/test_attention.py \
+      -k "kernel_matches or with_the_kernel" > "$OUT/gpu_tests.txt" 2>&1 \
+      || echo "gpu_tests: failures (see $OUT/gpu_tests.txt)" ;;
   check)
     timeout "$T" python -m experiments.kernel_bench \
       --config=configs/kernel_bench.py:smoke --workdir="$OUT/check" ;;

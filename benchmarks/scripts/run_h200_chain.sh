@@ -5,7 +5,9 @@
 # `part[:limit]`, a part's own arguments joined by commas, e.g.
 #   bash benchmarks/scripts/run_h200_chain.sh 560 decode256_flags:150 \
 #       decode_profile:120 grid,f32,16:200
-# (decode256_flags runs two benchmarks, each under the limit).
+# (decode256_flags runs two benchmarks, each under the limit). At the end
+# everything under $OUT is packed into $OUT/runs.tgz (a device call brings
+# back at most 8 files; session 27 lost two workdirs to that).
 set -uo pipefail
 total=${1:?usage: run_h200_chain.sh TOTAL_S part[:limit] ...}
 shift
@@ -27,3 +29,6 @@ for spec in "$@"; do
     || echo "chain: ${part//,/ } exited $?"
 done
 echo "chain: done at $((SECONDS - start)) s"
+OUT=${OUT:-runs}
+tar czf /tmp/runs.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete \
+  && mv /tmp/runs.tgz "$OUT/runs.tgz"

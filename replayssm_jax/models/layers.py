@@ -23,8 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from replayssm_jax import ops
-from replayssm_jax.conv import (causal_conv1d, causal_conv1d_update,
-                                causal_conv1d_update_ring)
+from replayssm_jax.conv import causal_conv1d, causal_conv1d_update
 from replayssm_jax.models.config import ModelConfig
 from replayssm_jax.models.states import (AttentionState, MambaState,
                                          StoredSSMState, store_baseline)
@@ -221,12 +220,17 @@ class Mamba2Mixer(nnx.Module):
         xbc, conv = causal_conv1d_update(xbc, state.conv, conv_w, conv_b,
                                          activation="silu")
         state = state.replace(conv=conv)
-      else:  # one slot written in place (no shifted copy per step)
-        xbc, conv, start = causal_conv1d_update_ring(
+        x, b, cc = self._split_xbc(xbc)  # [b, H, P], [b, G, N] x2
+      else:  # one slot written in place (no shifted copy per step), the
+        # output as x, B, C pieces (a kernel writes each: no slice copies)
+        gn = c.n_groups * c.d_state
+        (x, b, cc), conv, start = ops.causal_conv1d_step(
             xbc, state.conv, state.conv_start, conv_w, conv_b,
-            activation="silu")
+            activation="silu", split=(c.d_inner, gn, gn),
+            implementation=implementation)
+        x = x.reshape(bsz, c.ssm_heads, c.head_dim)
+        b, cc = (v.reshape(bsz, c.n_groups, c.d_state) for v in (b, cc))
         state = state.replace(conv=conv, conv_start=start)
-    x, b, cc = self._split_xbc(xbc)  # [b, H, P], [b, G, N] x2
     A, D, dt_bias = self._ssm_params()
     kw = dict(D=D, dt_bias=dt_bias, dt_softplus=True,
               implementation=implementation)

@@ -1,0 +1,132 @@
+"""Pallas (Triton backend) kernel: one decode step of the causal depthwise
+conv on a ring-buffer conv state, its output written as channel pieces.
+
+XLA runs this step (`conv.causal_conv1d_update_ring`, then Mamba-2's slices
+of the output into x, B and C, which a kernel operand needs materialized)
+as three small fusions: the ring write as a select over the whole state
+and the two slices, each recomputing its part of the conv. Here one launch
+reads the ring and the new input once, writes the new input into each
+row's oldest slot only (masked stores: a third of the state's bytes), and
+writes each output piece as its own array. The state is updated in place
+(`input_output_aliases`).
+
+A program handles `block_rows` rows x `block_channels` channels (powers of
+two; the channel block divides every piece, so a block lies in one piece).
+The taps are summed in float32 in the reference's order (newest tap first,
+then oldest to newest), so results match it to float32 rounding (Triton may
+contract a multiply-add).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import common
+
+F32 = jnp.float32
+_MIN_CHANNELS = 16  # smallest channel block the kernel takes
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+  """The largest power of two <= cap that divides n."""
+  p = 1
+  while p * 2 <= cap and n % (p * 2) == 0:
+    p *= 2
+  return p
+
+
+def block_channels(sizes, config: common.ConvConfig) -> int:
+  """Channels per program: the largest power of two <= config's that
+  divides every piece."""
+  return min(_pow2_divisor(n, config.block_channels) for n in sizes)
+
+
+def shape_problem(sizes, kernel_size: int,
+                  config: common.ConvConfig) -> str | None:
+  """Why the kernel cannot take these shapes, or None."""
+  if kernel_size < 2:
+    return (f"kernel_size = {kernel_size} leaves no ring (the kernel needs "
+            f">= 2); use implementation='reference'.")
+  bc = block_channels(sizes, config)
+  if bc < _MIN_CHANNELS:
+    return (f"the pieces' channel counts {tuple(sizes)} have no common "
+            f"power-of-two divisor >= {_MIN_CHANNELS} (the kernel's channel "
+            f"block); use implementation='reference'.")
+  return None
+
+
+def _kernel(x_ref, state_ref, slot_ref, w_ref, *refs, k1, has_bias, silu,
+            block_rows, block_channels, piece_blocks):
+  bias_ref = refs[0] if has_bias else None
+  out_refs = refs[1:-1] if has_bias else refs[:-1]
+  state_out = refs[-1]
+  i, c = pl.program_id(0), pl.program_id(1)
+  rows = pl.ds(i * block_rows, block_rows)
+  cols = pl.ds(c * block_channels, block_channels)
+  x = x_ref[rows, cols]  # [R, Cb]
+  slot = slot_ref[rows]  # [R] each row's oldest slot
+  ring = [state_ref[rows, j, cols] for j in range(k1)]
+  w = [w_ref[cols, j].astype(F32) for j in range(k1 + 1)]  # taps, [Cb]
+  y = x.astype(F32) * w[k1][None, :]
+  for age in range(k1):  # oldest first, as the reference sums
+    at = (slot + age) % k1
+    v = ring[0]
+    for j in range(1, k1):
+      v = jnp.where((at == j)[:, None], ring[j], v)
+    y = y + v.astype(F32) * w[age][None, :]
+  if has_bias:
+    y = y + bias_ref[cols].astype(F32)[None, :]
+  if silu:
+    y = y * jax.nn.sigmoid(y)
+  first = 0
+  for out_ref, n in zip(out_refs, piece_blocks):
+    @pl.when((c >= first) & (c < first + n))
+    def _store(out_ref=out_ref, first=first):
+      out_ref[rows, pl.ds((c - first) * block_channels, block_channels)] = (
+          y.astype(out_ref.dtype))
+    first += n
+  for j in range(k1):  # the new input over each row's oldest slot only
+    plgpu.store(state_out.at[rows, jnp.int32(j), cols], x.astype(state_out.dtype),
+                mask=(slot == j)[:, None])
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "split", "config",
+                                             "interpret"))
+def causal_conv1d_step(x, conv_state, start, weight, bias=None,
+                       activation: str | None = "silu", split=None, *,
+                       config: common.ConvConfig = common.ConvConfig(),
+                       interpret: bool = False):
+  """Same signature and results as the reference
+  (`conv.causal_conv1d_step_reference`), plus a tuning config."""
+  b, dim = x.shape
+  k = weight.shape[1]
+  sizes = (dim,) if split is None else tuple(split)
+  problem = shape_problem(sizes, k, config)
+  if problem is not None:
+    raise NotImplementedError(problem)
+  k1 = k - 1
+  bc = block_channels(sizes, config)
+  br = _pow2_divisor(b, config.block_rows)
+  slot = start.astype(jnp.int32) % k1
+  operands = [x, conv_state, slot, weight] + ([bias] if bias is not None
+                                               else [])
+  out_shape = tuple(jax.ShapeDtypeStruct((b, n), x.dtype) for n in sizes) + (
+      jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),)
+  *pieces, new_state = pl.pallas_call(
+      functools.partial(_kernel, k1=k1, has_bias=bias is not None,
+                        silu=activation in ("silu", "swish"), block_rows=br,
+                        block_channels=bc,
+                        piece_blocks=tuple(n // bc for n in sizes)),
+      grid=(b // br, dim // bc),
+      out_shape=out_shape,
+      input_output_aliases={1: len(sizes)},
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps),
+      interpret=interpret,
+      name="replayssm_conv_step",
+  )(*operands)
+  return tuple(pieces), new_state, (slot + 1) % k1
