@@ -148,8 +148,8 @@ def _attention(*, config=None, **args):
       **args, config=config or AttentionConfig(), interpret=not on_gpu())
 
 
-def _conv_supports(x, weight, split=None, **_):
-  sizes = (x.shape[-1],) if split is None else tuple(split)
+def _conv_supports(conv_state, weight, split=None, **_):
+  sizes = (conv_state.shape[-1],) if split is None else tuple(split)
   return conv_kernel.shape_problem(sizes, weight.shape[1], ConvConfig())
 
 

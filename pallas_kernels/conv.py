@@ -7,7 +7,9 @@ as three small fusions: the ring write as a select over the whole state
 and the two slices, each recomputing its part of the conv. Here one launch
 reads the ring and the new input once, writes the new input into each
 row's oldest slot only (masked stores: a third of the state's bytes), and
-writes each output piece as its own array. The state is updated in place
+writes each output piece as its own array. The input is read in place
+from a wider array at a column offset (Mamba-2's in_proj output), so XLA
+need not copy it out either. The state is updated in place
 (`input_output_aliases`).
 
 A program handles `block_rows` rows x `block_channels` channels (powers of
@@ -61,14 +63,14 @@ def shape_problem(sizes, kernel_size: int,
 
 
 def _kernel(x_ref, state_ref, slot_ref, w_ref, *refs, k1, has_bias, silu,
-            block_rows, block_channels, piece_blocks):
+            block_rows, block_channels, piece_blocks, x_offset):
   bias_ref = refs[0] if has_bias else None
   out_refs = refs[1:-1] if has_bias else refs[:-1]
   state_out = refs[-1]
   i, c = pl.program_id(0), pl.program_id(1)
   rows = pl.ds(i * block_rows, block_rows)
   cols = pl.ds(c * block_channels, block_channels)
-  x = x_ref[rows, cols]  # [R, Cb]
+  x = x_ref[rows, pl.ds(x_offset + c * block_channels, block_channels)]
   slot = slot_ref[rows]  # [R] each row's oldest slot
   ring = [state_ref[rows, j, cols] for j in range(k1)]
   w = [w_ref[cols, j].astype(F32) for j in range(k1 + 1)]  # taps, [Cb]
@@ -91,19 +93,21 @@ def _kernel(x_ref, state_ref, slot_ref, w_ref, *refs, k1, has_bias, silu,
           y.astype(out_ref.dtype))
     first += n
   for j in range(k1):  # the new input over each row's oldest slot only
-    plgpu.store(state_out.at[rows, jnp.int32(j), cols], x.astype(state_out.dtype),
-                mask=(slot == j)[:, None])
+    plgpu.store(state_out.at[rows, jnp.int32(j), cols],
+                x.astype(state_out.dtype), mask=(slot == j)[:, None])
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "split", "config",
+@functools.partial(jax.jit, static_argnames=("activation", "split",
+                                             "x_offset", "config",
                                              "interpret"))
 def causal_conv1d_step(x, conv_state, start, weight, bias=None,
-                       activation: str | None = "silu", split=None, *,
+                       activation: str | None = "silu", split=None,
+                       x_offset: int = 0, *,
                        config: common.ConvConfig = common.ConvConfig(),
                        interpret: bool = False):
   """Same signature and results as the reference
   (`conv.causal_conv1d_step_reference`), plus a tuning config."""
-  b, dim = x.shape
+  b, dim = x.shape[0], conv_state.shape[-1]
   k = weight.shape[1]
   sizes = (dim,) if split is None else tuple(split)
   problem = shape_problem(sizes, k, config)
@@ -121,7 +125,8 @@ def causal_conv1d_step(x, conv_state, start, weight, bias=None,
       functools.partial(_kernel, k1=k1, has_bias=bias is not None,
                         silu=activation in ("silu", "swish"), block_rows=br,
                         block_channels=bc,
-                        piece_blocks=tuple(n // bc for n in sizes)),
+                        piece_blocks=tuple(n // bc for n in sizes),
+                        x_offset=x_offset),
       grid=(b // br, dim // bc),
       out_shape=out_shape,
       input_output_aliases={1: len(sizes)},

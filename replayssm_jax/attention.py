@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from replayssm_jax import _validation as V
 
 F32 = jnp.float32
+HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def validate_decode_attention(q, k_cache, v_cache, lengths, scale) -> None:
@@ -82,7 +83,10 @@ def decode_attention_reference(q, k_cache, v_cache, lengths, scale=None):
   b, t, hq, d = qw.shape
   hk, s = k_cache.shape[1], k_cache.shape[2]
   qg = qw.reshape(b, t, hk, hq // hk, d).astype(F32)
-  sc = jnp.einsum("btkrd,bksd->bktrs", qg, k_cache.astype(F32))
+  # IEEE float32 dots on every platform (XLA's default on the GPU is TF32,
+  # ~1e-3 relative: the H200 run of the kernel tests, session 27).
+  sc = jnp.einsum("btkrd,bksd->bktrs", qg, k_cache.astype(F32),
+                  precision=HIGHEST)
   sc = sc * resolve_scale(scale, d)
   limit = jnp.clip(lengths, 0, s)[:, None] + jnp.arange(t)[None, :]  # [b, T]
   valid = (jnp.arange(s)[None, None, :] < limit[:, :, None])[:, None, :, None]
@@ -91,7 +95,8 @@ def decode_attention_reference(q, k_cache, v_cache, lengths, scale=None):
   m = jnp.where(jnp.isfinite(m), m, 0.0)  # a query that sees no entry
   p = jnp.where(valid, jnp.exp(sc - m), 0.0)
   denom = jnp.sum(p, axis=-1)[..., None]  # [b, Hk, T, r, 1]
-  o = jnp.einsum("bktrs,bksd->btkrd", p, v_cache.astype(F32))
+  o = jnp.einsum("bktrs,bksd->btkrd", p, v_cache.astype(F32),
+                 precision=HIGHEST)
   denom = jnp.moveaxis(denom, 1, 2)  # [b, T, Hk, r, 1]
   o = jnp.where(denom > 0, o / jnp.where(denom > 0, denom, 1.0), 0.0)
   o = o.reshape(b, t, hq, d).astype(q.dtype)

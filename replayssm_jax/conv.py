@@ -224,19 +224,24 @@ def check_split(split, dim: int) -> tuple[int, ...]:
 
 def causal_conv1d_step_reference(x, conv_state, start, weight, bias=None,
                                  activation: str | None = "silu",
-                                 split=None):
+                                 split=None, x_offset: int = 0):
   """`causal_conv1d_update_ring` with its output cut into channel pieces.
 
   Args:
-    x, conv_state, start, weight, bias, activation: as in
+    x: [batch, width]: the conv's input is columns x_offset .. x_offset +
+      dim - 1.
+    conv_state, start, weight, bias, activation: as in
       `causal_conv1d_update_ring`.
     split: channel counts of the output pieces (summing to dim), or None.
+    x_offset: the first column of the conv's input in x.
 
   Returns:
     (tuple of y pieces [batch, n] in x.dtype, new conv state, new start).
   """
-  sizes = check_split(split, x.shape[-1])
+  dim = conv_state.shape[-1]
+  sizes = check_split(split, dim)
   y, new_state, new_start = causal_conv1d_update_ring(
-      x, conv_state, start, weight, bias, activation)
+      x[:, x_offset:x_offset + dim], conv_state, start, weight, bias,
+      activation)
   cuts = np.cumsum(sizes)[:-1].tolist()
   return tuple(jnp.split(y, cuts, axis=-1)), new_state, new_start

@@ -24,6 +24,7 @@ import inspect
 from typing import Callable
 
 from absl import logging
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -207,12 +208,15 @@ def decode_attention(q, k_cache, v_cache, lengths, scale=None, *,
 
 def causal_conv1d_step(x, conv_state, start, weight, bias=None, *,
                        activation: str | None = "silu", split=None,
-                       implementation: str | None = None, config=None):
+                       x_offset: int = 0, implementation: str | None = None,
+                       config=None):
   """One decode step of the causal depthwise conv on a ring-buffer conv
   state, its output cut into channel pieces (Mamba-2's x, B, C).
 
   Args:
-    x: [batch, dim] the new token's pre-conv input.
+    x: [batch, width] holding the new token's pre-conv input in columns
+      x_offset .. x_offset + dim - 1 (e.g. Mamba-2's in_proj output, whose
+      xBC columns a kernel reads in place: no slice copy).
     conv_state: [batch, kernel_size - 1, dim] ring of the previous inputs
       (kernel_size >= 2), row r's oldest in slot start[r] (see
       `conv.causal_conv1d_update_ring`).
@@ -222,6 +226,7 @@ def causal_conv1d_step(x, conv_state, start, weight, bias=None, *,
     split: channel counts of the output pieces (summing to dim), or None
       for one piece. A kernel writes each piece as its own array, so a
       consumer of one piece (a kernel's operand) needs no slice copy.
+    x_offset: the first column of the conv's input in x (a Python int).
     implementation, config: see the module docstring.
 
   Returns:
@@ -229,15 +234,26 @@ def causal_conv1d_step(x, conv_state, start, weight, bias=None, *,
      written over the oldest; updated in place where XLA can), new start
      [batch] int32).
   """
-  conv.check_step_args(x, conv_state, weight, bias, activation)
+  V.check_ndim("x", x, 2, "[batch, width]")
+  V.check_ndim("conv_state", conv_state, 3, "[batch, kernel_size - 1, dim]")
+  dim = conv_state.shape[-1]
+  if (isinstance(x_offset, bool) or not isinstance(x_offset, int)
+      or x_offset < 0 or x_offset + dim > x.shape[-1]):
+    raise ValueError(f"x_offset must be an int with 0 <= x_offset and "
+                     f"x_offset + dim <= x.shape[-1] (the conv's {dim} input "
+                     f"columns inside x of width {x.shape[-1]}), got "
+                     f"{x_offset!r}.")
+  conv.check_step_args(jax.ShapeDtypeStruct((x.shape[0], dim), x.dtype),
+                       conv_state, weight, bias, activation)
   conv.check_start(start, x.shape[0])
   if weight.shape[1] < 2:
     raise ValueError(f"weight must have kernel_size >= 2 (a ring of "
                      f"kernel_size - 1 >= 1 inputs), got {weight.shape[1]}; "
                      f"use conv.causal_conv1d_update_ring.")
-  conv.check_split(split, x.shape[-1])
+  conv.check_split(split, dim)
   args = dict(x=x, conv_state=conv_state, start=start, weight=weight,
-              bias=bias, activation=activation, split=split)
+              bias=bias, activation=activation, split=split,
+              x_offset=x_offset)
   return dispatch("causal_conv1d_step", implementation, config, args)
 
 

@@ -129,19 +129,23 @@ def test_conv_ring_rejects_bad_start():
 
 
 # ops.causal_conv1d_step: (batch, dim, split, kernel_size, bias, activation,
-# dtype). Batches 3 / 6 / 8 give 1- / 2- / 8-row programs; dims whose pieces
-# share a power-of-two divisor >= 16 (the kernel's channel block).
+# dtype, x_offset). Batches 3 / 6 / 8 give 1- / 2- / 8-row programs; dims
+# whose pieces share a power-of-two divisor >= 16 (the kernel's channel
+# block); the input inside a wider array at a column offset (unaligned too).
 CONV_STEP_CASES = [
-    (3, 64, (32, 16, 16), 4, True, "silu", "float32"),
-    (6, 48, None, 3, False, None, "float32"),
-    (8, 96, (64, 16, 16), 2, True, "silu", "bfloat16"),
-    (6, 64, (32, 16, 16), 4, True, "silu", "bfloat16"),
+    (3, 64, (32, 16, 16), 4, True, "silu", "float32", 0),
+    (6, 48, None, 3, False, None, "float32", 5),
+    (8, 96, (64, 16, 16), 2, True, "silu", "bfloat16", 32),
+    (6, 64, (32, 16, 16), 4, True, "silu", "bfloat16", 0),
 ]
 
 
-def _conv_step_inputs(batch, dim, kernel_size, bias, dtype, seed=0):
+def _conv_step_inputs(batch, dim, kernel_size, bias, dtype, seed=0,
+                      x_offset=0):
+  """5 steps' inputs x [5, batch, x_offset + dim + 3] (the conv's in
+  columns x_offset ..), a ring, ragged start slots, weight, bias."""
   kx, ks, kw, kb, kt = jax.random.split(jax.random.PRNGKey(seed), 5)
-  x = jax.random.normal(kx, (5, batch, dim)).astype(dtype)  # 5 steps
+  x = jax.random.normal(kx, (5, batch, x_offset + dim + 3)).astype(dtype)
   state = jax.random.normal(ks, (batch, kernel_size - 1, dim)).astype(dtype)
   w = (jax.random.normal(kw, (dim, kernel_size)) / np.sqrt(kernel_size)
        ).astype(dtype)
@@ -150,11 +154,12 @@ def _conv_step_inputs(batch, dim, kernel_size, bias, dtype, seed=0):
   return x, state, start, w, b
 
 
-def _conv_step_scan(impl, x, state, start, w, b, activation, split):
+def _conv_step_scan(impl, x, state, start, w, b, activation, split,
+                    x_offset):
   def body(carry, xt):
     pieces, st, sp = ops.causal_conv1d_step(
         xt, *carry, w, b, activation=activation, split=split,
-        implementation=impl)
+        x_offset=x_offset, implementation=impl)
     return (st, sp), pieces
 
   return jax.lax.scan(body, (state, start), x)
@@ -165,11 +170,12 @@ def test_conv_step_kernel_matches_reference(case):
   """Five ring steps with ragged start slots: the kernel's pieces within the
   dtype's tolerance of the reference's, its ring and start bit for bit (the
   new input copied into each row's oldest slot), the arguments untouched."""
-  batch, dim, split, k, bias, activation, dtype = case
-  x, state, start, w, b = _conv_step_inputs(batch, dim, k, bias, dtype)
+  batch, dim, split, k, bias, activation, dtype, off = case
+  x, state, start, w, b = _conv_step_inputs(batch, dim, k, bias, dtype,
+                                            x_offset=off)
   before = np.asarray(state, np.float32).copy()
   outs = {impl: _conv_step_scan(impl, x, state, start, w, b, activation,
-                                split)
+                                split, off)
           for impl in ("reference", "pallas")}
   (st_r, sp_r), pieces_r = outs["reference"]
   (st_k, sp_k), pieces_k = outs["pallas"]
@@ -186,11 +192,12 @@ def test_conv_step_kernel_matches_reference(case):
 
 def test_conv_step_reference_is_the_ring_step_cut():
   """The reference's pieces are the ring step's output, cut at split."""
-  x, state, start, w, b = _conv_step_inputs(3, 64, 4, True, "float32")
+  x, state, start, w, b = _conv_step_inputs(3, 64, 4, True, "float32",
+                                            x_offset=7)
   pieces, st, sp = conv.causal_conv1d_step_reference(
-      x[0], state, start, w, b, split=(32, 16, 16))
-  y, st_ring, sp_ring = rs.causal_conv1d_update_ring(x[0], state, start, w,
-                                                     b)
+      x[0], state, start, w, b, split=(32, 16, 16), x_offset=7)
+  y, st_ring, sp_ring = rs.causal_conv1d_update_ring(x[0, :, 7:71], state,
+                                                     start, w, b)
   np.testing.assert_array_equal(jnp.concatenate(pieces, -1), y)
   np.testing.assert_array_equal(st, st_ring)
   np.testing.assert_array_equal(sp, sp_ring)
@@ -198,7 +205,10 @@ def test_conv_step_reference_is_the_ring_step_cut():
 
 def test_conv_step_rejects_bad_arguments():
   x, state, start, w, b = _conv_step_inputs(3, 64, 4, True, "float32")
-  x = x[0]
+  x = x[0]  # [3, 67]
+  for off in (4, -1, 1.0):
+    with pytest.raises(ValueError, match="x_offset must be an int"):
+      ops.causal_conv1d_step(x, state, start, w, b, x_offset=off)
   with pytest.raises(ValueError, match="split must be positive ints summing "
                      "to dim = 64"):
     ops.causal_conv1d_step(x, state, start, w, b, split=(32, 16))
@@ -222,12 +232,14 @@ def test_conv_step_rejects_bad_arguments():
                          [(4, True, "silu"), (3, False, None)])
 def test_conv_step_kernel_lowers_to_triton(kernel_size, bias, activation):
   """The kernel lowers for the GPU (Triton IR, cross-lowered on this CPU) at
-  hybrid_1b's Mamba shapes: the masked ring stores and the piece stores."""
+  hybrid_1b's Mamba shapes (the input inside the in_proj output): the
+  masked ring stores and the piece stores."""
   from tests.test_pallas_kernels import _lower_for_cuda  # pylint: disable=g-import-not-at-top
   x, state, start, w, b = _conv_step_inputs(32, 6144, kernel_size, bias,
-                                            "bfloat16")
+                                            "bfloat16", x_offset=4096)
   text = _lower_for_cuda(
       lambda *a: pk.conv.causal_conv1d_step(
-          *a, activation=activation, split=(4096, 1024, 1024)),
+          *a, activation=activation, split=(4096, 1024, 1024),
+          x_offset=4096),
       x[0], state, start, w, b)
   assert "replayssm_conv_step" in text

@@ -257,7 +257,10 @@ P.run(c, sys.argv[1])" "$OUT/precision_mqar1024_rest" ;;
     # Kernel-vs-reference tests that run the real kernels on the GPU (the
     # conv step, and the model's decode step and verify through every
     # kernel), with pytest's output kept.
-    REPLAYSSM_TEST_CACHE=0 timeout "$T" python -m pytest -q -p no:cacheprovider \
+    # The tests' f32 tolerances assume IEEE f32 matmuls (the model's
+    # Linear layers use XLA's default precision, TF32 on the GPU).
+    JAX_DEFAULT_MATMUL_PRECISION=highest REPLAYSSM_TEST_CACHE=0 \
+      timeout "$T" python -m pytest -q -p no:cacheprovider \
       tests/test_conv.py tests/test_attention.py \
       -k "kernel_matches or with_the_kernel" > "$OUT/gpu_tests.txt" 2>&1 \
       || echo "gpu_tests: failures (see $OUT/gpu_tests.txt)" ;;

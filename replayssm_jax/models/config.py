@@ -44,7 +44,9 @@ class ModelConfig:
     norm_eps: RMSNorm epsilon (all norms).
     tie_embeddings: LM head = embedding matrix transposed.
     dtype: activation / matmul dtype name.
-    param_dtype: parameter storage dtype name.
+    param_dtype: parameter storage dtype name (the Mamba mixers' A_log, D
+      and dt_bias stay float32, as in Hugging Face's Mamba2: the SSM ops
+      take them in float32).
   """
   vocab_size: int
   d_model: int
