@@ -3,8 +3,8 @@
 Importing this package registers implementation "pallas" for
 `replayssm_jax.selective_state_update`, `replayssm_jax.replay_state_update`,
 `replayssm_jax.replay_verify`, `replayssm_jax.baseline_verify`,
-`replayssm_jax.ops.decode_attention` and `replayssm_jax.ops.causal_conv1d_step`
-(the dispatcher imports it lazily on
+`replayssm_jax.ops.decode_attention`, `replayssm_jax.ops.causal_conv1d_step`
+and `replayssm_jax.ops.gated_rms_norm` (the dispatcher imports it lazily on
 first use). The kernels use the Pallas
 Triton backend on GPU and Pallas interpret mode elsewhere, so the same kernel
 code runs in CPU tests. The Mosaic GPU baseline kernel
@@ -22,11 +22,13 @@ from pallas_kernels import attention as attention_kernel
 from pallas_kernels import common
 from pallas_kernels import conv as conv_kernel
 from pallas_kernels import mosaic_gpu as mosaic_kernel
+from pallas_kernels import norm as norm_kernel
 from pallas_kernels import replay as replay_kernel
 from pallas_kernels import ssu as ssu_kernel
 from pallas_kernels import verify as verify_kernel
-from pallas_kernels.common import (AttentionConfig, ConvConfig, ReplayConfig,
-                                   SSUConfig, VerifyConfig, on_gpu)
+from pallas_kernels.common import (AttentionConfig, ConvConfig, NormConfig,
+                                   ReplayConfig, SSUConfig, VerifyConfig,
+                                   on_gpu)
 from pallas_kernels.mosaic_gpu import MosaicSSUConfig
 from replayssm_jax import ops as _ops
 from replayssm_jax import precision as P
@@ -158,6 +160,15 @@ def _conv(*, config=None, **args):
       **args, config=config or ConvConfig(), interpret=not on_gpu())
 
 
+def _norm_supports(group_size, **_):
+  return norm_kernel.shape_problem(group_size)
+
+
+def _norm(*, config=None, **args):
+  return norm_kernel.gated_rms_norm(
+      **args, config=config or NormConfig(), interpret=not on_gpu())
+
+
 def _verify(*, config=None, **args):
   return verify_kernel.replay_verify(
       **args, config=config or VerifyConfig(), interpret=not on_gpu())
@@ -189,9 +200,13 @@ _ops.register_implementation(
     _ops.Implementation("pallas", _attention, supports=_attention_supports,
                         preferred=on_gpu, priority=10))
 _ops.register_implementation(
+    "gated_rms_norm",
+    _ops.Implementation("pallas", _norm, supports=_norm_supports,
+                        preferred=on_gpu, priority=10))
+_ops.register_implementation(
     "causal_conv1d_step",
     _ops.Implementation("pallas", _conv, supports=_conv_supports,
                         preferred=on_gpu, priority=10))
 
-__all__ = ["AttentionConfig", "ConvConfig", "MosaicSSUConfig", "ReplayConfig", "SSUConfig",
+__all__ = ["AttentionConfig", "ConvConfig", "MosaicSSUConfig", "NormConfig", "ReplayConfig", "SSUConfig",
            "VerifyConfig", "common", "on_gpu"]

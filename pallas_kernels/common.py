@@ -475,6 +475,23 @@ class ConvConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class NormConfig:
+  """Tuning of the gated RMSNorm kernel (`pallas_kernels.norm`).
+
+  Attributes:
+    block_rows: rows per program (at most; the largest power of two <= it
+      that divides the rows).
+    num_warps: Triton launch parameter.
+  """
+  block_rows: int = 4
+  num_warps: int = 4
+
+  def __post_init__(self):
+    _check_pow2("block_rows", self.block_rows)
+    _check_pow2("num_warps", self.num_warps)
+
+
+@dataclasses.dataclass(frozen=True)
 class AttentionConfig:
   """Tuning of the decode attention kernel (`pallas_kernels.attention`).
 

@@ -31,6 +31,7 @@ import numpy as np
 from replayssm_jax import _validation as V
 from replayssm_jax import attention
 from replayssm_jax import conv
+from replayssm_jax import norm
 from replayssm_jax import precision as P
 from replayssm_jax import reference
 from replayssm_jax import speculative
@@ -79,6 +80,9 @@ _REGISTRY: dict[str, dict[str, Implementation]] = {
     "causal_conv1d_step": {
         "reference": Implementation(
             "reference", conv.causal_conv1d_step_reference, priority=-1)},
+    "gated_rms_norm": {
+        "reference": Implementation(
+            "reference", norm.gated_rms_norm_reference, priority=-1)},
 }
 
 
@@ -255,6 +259,32 @@ def causal_conv1d_step(x, conv_state, start, weight, bias=None, *,
               bias=bias, activation=activation, split=split,
               x_offset=x_offset)
   return dispatch("causal_conv1d_step", implementation, config, args)
+
+
+def gated_rms_norm(y, z, weight, *, group_size: int, eps: float,
+                   z_offset: int = 0, out_dtype=None,
+                   implementation: str | None = None, config=None):
+  """Mamba-2's gated grouped RMSNorm: weight * h / rms(h) per group of
+  `group_size` channels, h = y * silu(z), float32 math.
+
+  Args:
+    y: [..., dim].
+    z: [..., width] holding the gate in columns z_offset .. z_offset + dim
+      - 1 (e.g. the in_proj output, which a kernel reads in place).
+    weight: [dim].
+    group_size: channels per group (divides dim).
+    eps: a positive Python float.
+    z_offset: the gate's first column in z.
+    out_dtype: the result's dtype (y's if None).
+    implementation, config: see the module docstring.
+
+  Returns:
+    [..., dim] in out_dtype.
+  """
+  norm.validate_gated_rms_norm(y, z, weight, group_size, eps, z_offset)
+  args = dict(y=y, z=z, weight=weight, group_size=group_size, eps=eps,
+              z_offset=z_offset, out_dtype=out_dtype)
+  return dispatch("gated_rms_norm", implementation, config, args)
 
 
 def replay_state_update(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,

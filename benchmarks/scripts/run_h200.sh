@@ -47,8 +47,9 @@
 #   bash benchmarks/scripts/run_h200.sh attention_window  # its verify window of 4 alone
 #   bash benchmarks/scripts/run_h200.sh decode_profile  # hybrid_1b's decode step at b 256 by named scope, replay and baseline (decode_step_profile.py, XLA's CUDA graphs off)
 #   bash benchmarks/scripts/run_h200.sh decode256_flags  # hybrid_1b decode at b 256, L 16 under XLA flag sets that may fold the step's small elementwise kernels (norms, converts, the relu2 square) into its GEMMs: none, then --xla_gpu_triton_gemm_any=true (issue 4's shared part; session 26, not yet run; a flag this XLA does not know fails its run only)
+#   bash benchmarks/scripts/run_h200.sh decode_b256  # hybrid_1b decode at b 256, L 16 only, no split (70 s in session 27)
 #   bash benchmarks/scripts/run_h200.sh decode256  # hybrid_1b decode at b {256,512}, L 16, split at 256 (2.5 min in session 25)
-#   bash benchmarks/scripts/run_h200.sh gpu_tests  # the conv-step kernel and the model's decode step / verify through every kernel vs the reference, on the GPU (pytest)
+#   bash benchmarks/scripts/run_h200.sh gpu_tests  # the conv-step, gated-norm and attention kernels and the model's decode step / verify through every kernel vs the reference, on the GPU (pytest; 80 s in session 27)
 #   bash benchmarks/scripts/run_h200.sh check      # kernel_bench smoke: every kernel vs the reference on the GPU
 #   bash benchmarks/scripts/run_h200.sh drift      # precision_drift: 13 policies (f16+fp8 since session 23, not yet run) x L {4,16,64} + 8 baselines, 100k steps
 #
@@ -249,20 +250,26 @@ P.run(c, sys.argv[1])" "$OUT/precision_mqar1024_rest" ;;
         --config.bench.repeats=2 || echo "decode256_flags: '$flags' failed"
       split='()'
     done ;;
+  decode_b256)
+    timeout "$T" python -m experiments.decode_bench --config=configs/hybrid_1b.py \
+      --workdir="$OUT/decode_b256" --config.bench.batches='(256,)' \
+      --config.bench.buffer_lens='(16,)' --config.bench.split_batches='()' \
+      --config.bench.repeats=2 ;;
   decode256)
     timeout "$T" python -m experiments.decode_bench --config=configs/hybrid_1b.py \
       --workdir="$OUT/decode256" --config.bench.batches='(256,512)' \
       --config.bench.buffer_lens='(16,)' --config.bench.repeats=2 ;;
   gpu_tests)
     # Kernel-vs-reference tests that run the real kernels on the GPU (the
-    # conv step, and the model's decode step and verify through every
-    # kernel), with pytest's output kept.
+    # conv step, the gated norm, the decode attention, and the model's
+    # decode step and verify through every kernel), pytest's output kept.
     # The tests' f32 tolerances assume IEEE f32 matmuls (the model's
     # Linear layers use XLA's default precision, TF32 on the GPU).
     JAX_DEFAULT_MATMUL_PRECISION=highest REPLAYSSM_TEST_CACHE=0 \
       timeout "$T" python -m pytest -q -p no:cacheprovider \
-      tests/test_conv.py tests/test_attention.py \
-      -k "kernel_matches or with_the_kernel" > "$OUT/gpu_tests.txt" 2>&1 \
+      tests/test_conv.py tests/test_norm.py tests/test_attention.py \
+      -k "kernel_matches or with_the_kernel or kernel_and_reference" \
+      > "$OUT/gpu_tests.txt" 2>&1 \
       || echo "gpu_tests: failures (see $OUT/gpu_tests.txt)" ;;
   check)
     timeout "$T" python -m experiments.kernel_bench \

@@ -89,12 +89,14 @@ class GatedRMSNorm(nnx.Module):
     self.group_size = group_size
     self.weight = nnx.Param(jnp.ones((dim,), cfg.jnp_param_dtype))
 
-  def __call__(self, y, z):
-    h = y.astype(F32) * jax.nn.silu(z.astype(F32))  # [..., dim]
-    g = h.reshape(h.shape[:-1] + (-1, self.group_size))
-    g = g * jax.lax.rsqrt(jnp.mean(g * g, -1, keepdims=True) + self.eps)
-    h = g.reshape(h.shape)
-    return (self.weight[...].astype(F32) * h).astype(self.dtype)
+  def __call__(self, y, z, z_offset: int = 0,
+               implementation: str | None = "reference"):
+    """y [..., dim], the gate in z's columns z_offset ..; through
+    `ops.gated_rms_norm` (the decode step passes its `implementation`)."""
+    return ops.gated_rms_norm(y, z, self.weight[...],
+                              group_size=self.group_size, eps=self.eps,
+                              z_offset=z_offset, out_dtype=self.dtype,
+                              implementation=implementation)
 
 
 def check_speculative_precision(state: MambaState, what: str) -> None:
@@ -243,8 +245,8 @@ class Mamba2Mixer(nnx.Module):
               implementation=implementation)
     with jax.named_scope("ssm"):
       y, ssm = self._ssm_step(state, x, dt, A, b, cc, kw, layer)
-    with jax.named_scope("gated_norm"):
-      y = self.norm(y.reshape(bsz, c.d_inner), z)
+    with jax.named_scope("gated_norm"):  # the gate read in place
+      y = self.norm(y.reshape(bsz, c.d_inner), zxbcdt, 0, implementation)
     with jax.named_scope("out_proj"):
       out = self.out_proj(y)
     return out, state.replace(ssm=ssm)

@@ -1,0 +1,77 @@
+"""Pallas (Triton backend) kernel: Mamba-2's gated grouped RMSNorm of a
+decode step (`replayssm_jax.norm.gated_rms_norm_reference`).
+
+XLA runs the decode step's norm as two fusions (a convert of the SSM
+output to float32, then the grouped reduction and scale). Here one launch
+reads y, the gate (in place inside the in_proj output, at a column offset)
+and the weight once and writes the normalized output. A program handles
+`block_rows` rows x one group (a power of two >= 16 channels), in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import common
+
+F32 = jnp.float32
+_MIN_GROUP = 16
+
+
+def shape_problem(group_size: int) -> str | None:
+  """Why the kernel cannot take this group size, or None."""
+  if group_size < _MIN_GROUP or group_size & (group_size - 1):
+    return (f"group_size = {group_size} is not a power of two >= "
+            f"{_MIN_GROUP} (a Triton block); use implementation="
+            f"'reference'.")
+  return None
+
+
+def _kernel(y_ref, z_ref, w_ref, o_ref, *, block_rows, group_size, z_offset,
+            eps):
+  i, g = pl.program_id(0), pl.program_id(1)
+  rows = pl.ds(i * block_rows, block_rows)
+  y = y_ref[rows, pl.ds(g * group_size, group_size)].astype(F32)
+  z = z_ref[rows, pl.ds(z_offset + g * group_size, group_size)].astype(F32)
+  h = y * (z * jax.nn.sigmoid(z))
+  ms = jnp.sum(h * h, axis=1) / group_size  # [R]
+  h = h * jax.lax.rsqrt(ms + eps)[:, None]
+  w = w_ref[pl.ds(g * group_size, group_size)].astype(F32)
+  o_ref[rows, pl.ds(g * group_size, group_size)] = (
+      h * w[None, :]).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "eps", "z_offset",
+                                             "out_dtype", "config",
+                                             "interpret"))
+def gated_rms_norm(y, z, weight, *, group_size: int, eps: float,
+                   z_offset: int = 0, out_dtype=None,
+                   config: common.NormConfig = common.NormConfig(),
+                   interpret: bool = False):
+  """Same signature and results as the reference, plus a tuning config;
+  y [..., dim] (leading axes flattened into rows)."""
+  problem = shape_problem(group_size)
+  if problem is not None:
+    raise NotImplementedError(problem)
+  lead, dim = y.shape[:-1], y.shape[-1]
+  y2, z2 = y.reshape(-1, dim), z.reshape(-1, z.shape[-1])
+  rows = y2.shape[0]
+  br = 1
+  while br * 2 <= config.block_rows and rows % (br * 2) == 0:
+    br *= 2
+  out = pl.pallas_call(
+      functools.partial(_kernel, block_rows=br, group_size=group_size,
+                        z_offset=z_offset, eps=eps),
+      grid=(rows // br, dim // group_size),
+      out_shape=jax.ShapeDtypeStruct(
+          (rows, dim), y.dtype if out_dtype is None else out_dtype),
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps),
+      interpret=interpret,
+      name="replayssm_gated_rms_norm",
+  )(y2, z2, weight)
+  return out.reshape(lead + (dim,))
