@@ -221,7 +221,7 @@ class Mamba2Mixer(nnx.Module):
     bsz = h.shape[0]
     with jax.named_scope("in_proj"):
       zxbcdt = self.in_proj(h)
-      z, xbc, dt = self._split(zxbcdt)
+      _, xbc, dt = self._split(zxbcdt)  # z: read by the norm in place
     with jax.named_scope("conv"):
       conv_w, conv_b = self.conv_weight[...], self.conv_bias[...]
       if state.conv_start is None:
@@ -290,8 +290,8 @@ class Mamba2Mixer(nnx.Module):
     Args:
       h: [b, T, d] normed window activations.
       state: the committed MambaState.
-      implementation: SSM op implementation (replay_verify in replay mode,
-        the per-position selective_state_update steps in baseline mode).
+      implementation: implementation of the SSM op (replay_verify in
+        replay mode, baseline_verify in baseline mode) and the gated norm.
       layer: this block's index among the Mamba blocks (keys stochastic
         rounding of an early flush).
 
@@ -306,7 +306,8 @@ class Mamba2Mixer(nnx.Module):
     c = self.cfg
     check_speculative_precision(state, "verify")
     bsz, t, _ = h.shape
-    z, xbc, dt = self._split(self.in_proj(h))
+    zxbcdt = self.in_proj(h)
+    _, xbc, dt = self._split(zxbcdt)
     xbc_act, _ = causal_conv1d(xbc, self.conv_weight[...], self.conv_bias[...],
                                initial_state=state.ordered_conv(),
                                activation="silu")
@@ -322,7 +323,7 @@ class Mamba2Mixer(nnx.Module):
                                      dt_bias=dt_bias, dt_softplus=True,
                                      implementation=implementation)
       ssm = state.ssm
-    y = self.norm(y.reshape(bsz, t, c.d_inner), z)
+    y = self.norm(y.reshape(bsz, t, c.d_inner), zxbcdt, 0, implementation)
     return self.out_proj(y), (ssm, xbc.astype(state.conv.dtype), snapshots)
 
 
