@@ -3,8 +3,9 @@
 Importing this package registers implementation "pallas" for
 `replayssm_jax.selective_state_update`, `replayssm_jax.replay_state_update`,
 `replayssm_jax.replay_verify`, `replayssm_jax.baseline_verify`,
-`replayssm_jax.ops.decode_attention`, `replayssm_jax.ops.causal_conv1d_step`
-and `replayssm_jax.ops.gated_rms_norm` (the dispatcher imports it lazily on
+`replayssm_jax.ops.decode_attention`, `replayssm_jax.ops.causal_conv1d_step`,
+`replayssm_jax.ops.gated_rms_norm` and `replayssm_jax.ops.add_rms_norm` (the
+dispatcher imports it lazily on
 first use). The kernels use the Pallas
 Triton backend on GPU and Pallas interpret mode elsewhere, so the same kernel
 code runs in CPU tests. The Mosaic GPU baseline kernel
@@ -169,6 +170,15 @@ def _norm(*, config=None, **args):
       **args, config=config or NormConfig(), interpret=not on_gpu())
 
 
+def _add_norm_supports(x, **_):
+  return norm_kernel.add_shape_problem(x.shape[-1])
+
+
+def _add_norm(*, config=None, **args):
+  return norm_kernel.add_rms_norm(
+      **args, config=config or NormConfig(), interpret=not on_gpu())
+
+
 def _verify(*, config=None, **args):
   return verify_kernel.replay_verify(
       **args, config=config or VerifyConfig(), interpret=not on_gpu())
@@ -202,6 +212,10 @@ _ops.register_implementation(
 _ops.register_implementation(
     "gated_rms_norm",
     _ops.Implementation("pallas", _norm, supports=_norm_supports,
+                        preferred=on_gpu, priority=10))
+_ops.register_implementation(
+    "add_rms_norm",
+    _ops.Implementation("pallas", _add_norm, supports=_add_norm_supports,
                         preferred=on_gpu, priority=10))
 _ops.register_implementation(
     "causal_conv1d_step",

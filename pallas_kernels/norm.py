@@ -1,11 +1,16 @@
-"""Pallas (Triton backend) kernel: Mamba-2's gated grouped RMSNorm of a
-decode step (`replayssm_jax.norm.gated_rms_norm_reference`).
+"""Pallas (Triton backend) kernels: Mamba-2's gated grouped RMSNorm of a
+decode step (`replayssm_jax.norm.gated_rms_norm_reference`), and the
+residual add + RMSNorm between two blocks (`add_rms_norm_reference`).
 
 XLA runs the decode step's norm as two fusions (a convert of the SSM
 output to float32, then the grouped reduction and scale). Here one launch
 reads y, the gate (in place inside the in_proj output, at a column offset)
 and the weight once and writes the normalized output. A program handles
 `block_rows` rows x one group (a power of two >= 16 channels), in float32.
+
+Between two pre-norm blocks XLA computes the residual sum x + y as one
+fusion and the next block's norm as another (which recomputes the sum);
+`add_rms_norm` reads x, y and the weight once and writes both.
 """
 
 from __future__ import annotations
@@ -75,3 +80,49 @@ def gated_rms_norm(y, z, weight, *, group_size: int, eps: float,
       name="replayssm_gated_rms_norm",
   )(y2, z2, weight)
   return out.reshape(lead + (dim,))
+
+
+def add_shape_problem(d: int) -> str | None:
+  """Why the add + norm kernel cannot take rows of d channels, or None."""
+  if d < _MIN_GROUP or d & (d - 1):
+    return (f"d = {d} is not a power of two >= {_MIN_GROUP} (one Triton "
+            f"block per row); use implementation='reference'.")
+  return None
+
+
+def _add_kernel(x_ref, y_ref, w_ref, s_ref, h_ref, *, block_rows, eps):
+  rows = pl.ds(pl.program_id(0) * block_rows, block_rows)
+  s = x_ref[rows, :].astype(F32) + y_ref[rows, :].astype(F32)
+  s_ref[rows, :] = s
+  ms = jnp.sum(s * s, axis=1) / s.shape[1]
+  h = s * jax.lax.rsqrt(ms + eps)[:, None]
+  h_ref[rows, :] = (w_ref[...].astype(F32)[None, :] * h).astype(h_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "out_dtype", "config",
+                                             "interpret"))
+def add_rms_norm(x, y, weight, *, eps: float, out_dtype=None,
+                 config: common.NormConfig = common.NormConfig(),
+                 interpret: bool = False):
+  """Same signature and results as the reference, plus a tuning config;
+  x, y [..., d] (leading axes flattened into rows)."""
+  lead, d = x.shape[:-1], x.shape[-1]
+  problem = add_shape_problem(d)
+  if problem is not None:
+    raise NotImplementedError(problem)
+  x2, y2 = x.reshape(-1, d), y.reshape(-1, d)
+  rows = x2.shape[0]
+  br = 1
+  while br * 2 <= config.block_rows and rows % (br * 2) == 0:
+    br *= 2
+  s, h = pl.pallas_call(
+      functools.partial(_add_kernel, block_rows=br, eps=eps),
+      grid=(rows // br,),
+      out_shape=(jax.ShapeDtypeStruct((rows, d), F32),
+                 jax.ShapeDtypeStruct(
+                     (rows, d), x.dtype if out_dtype is None else out_dtype)),
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps),
+      interpret=interpret,
+      name="replayssm_add_rms_norm",
+  )(x2, y2, weight)
+  return s.reshape(lead + (d,)), h.reshape(lead + (d,))

@@ -1,4 +1,5 @@
-"""Mamba-2's gated grouped RMSNorm (reference).
+"""Mamba-2's gated grouped RMSNorm and the residual add + RMSNorm of a
+pre-norm block (references).
 
 `gated_rms_norm_reference(y, z, weight, group_size, eps)`:
 
@@ -11,6 +12,10 @@ with the kernel dispatcher is `replayssm_jax.ops.gated_rms_norm`, and the
 Pallas kernel is `pallas_kernels.norm`. z may be a wider array holding the
 gate in columns z_offset .. z_offset + dim - 1 (Mamba-2's in_proj output),
 which a kernel reads in place.
+
+`add_rms_norm_reference(x, y, weight, eps)`: the residual stream's next
+value s = x + y (float32) and the next block's input weight * s / rms(s)
+(in `out_dtype`), the pair a decode step computes between two blocks.
 """
 
 from __future__ import annotations
@@ -59,3 +64,26 @@ def validate_gated_rms_norm(y, z, weight, group_size, eps, z_offset):
                      f"z_offset + dim <= z.shape[-1] (the gate's {dim} "
                      f"columns inside z of width {z.shape[-1]}), got "
                      f"{z_offset!r}.")
+
+
+def add_rms_norm_reference(x, y, weight, *, eps: float, out_dtype=None):
+  """(s = x + y in float32, weight * s / sqrt(mean(s^2) + eps) in
+  out_dtype (x's if None)); x, y [..., d], weight [d]. The same float32
+  expressions as `models.layers.RMSNorm` on the sum."""
+  s = x.astype(F32) + y.astype(F32)
+  h = s * jax.lax.rsqrt(jnp.mean(s * s, -1, keepdims=True) + eps)
+  h = weight.astype(F32) * h
+  return s, h.astype(x.dtype if out_dtype is None else out_dtype)
+
+
+def validate_add_rms_norm(x, y, weight, eps):
+  """Clear errors for the op's arguments (shapes, dtypes, ranges)."""
+  V.check_floating("x", x)
+  V.check_floating("y", y)
+  V.check_floating("weight", weight)
+  if x.ndim < 1 or y.shape != x.shape:
+    raise ValueError(f"x and y must have the same shape [..., d], got "
+                     f"{tuple(x.shape)} and {tuple(y.shape)}.")
+  V.check_shape("weight", weight, (x.shape[-1],), "[d]")
+  if not isinstance(eps, float) or not eps > 0:
+    raise ValueError(f"eps must be a positive Python float, got {eps!r}.")

@@ -83,6 +83,9 @@ _REGISTRY: dict[str, dict[str, Implementation]] = {
     "gated_rms_norm": {
         "reference": Implementation(
             "reference", norm.gated_rms_norm_reference, priority=-1)},
+    "add_rms_norm": {
+        "reference": Implementation(
+            "reference", norm.add_rms_norm_reference, priority=-1)},
 }
 
 
@@ -285,6 +288,26 @@ def gated_rms_norm(y, z, weight, *, group_size: int, eps: float,
   args = dict(y=y, z=z, weight=weight, group_size=group_size, eps=eps,
               z_offset=z_offset, out_dtype=out_dtype)
   return dispatch("gated_rms_norm", implementation, config, args)
+
+
+def add_rms_norm(x, y, weight, *, eps: float, out_dtype=None,
+                 implementation: str | None = None, config=None):
+  """The residual add and RMSNorm between two pre-norm blocks.
+
+  Args:
+    x: [..., d] the residual stream; y: [..., d] a block's output.
+    weight: [d] the next norm's weight.
+    eps: a positive Python float.
+    out_dtype: the normed output's dtype (x's if None).
+    implementation, config: see the module docstring.
+
+  Returns:
+    (s = x + y [..., d] float32, weight * s / rms(s) [..., d] in
+     out_dtype).
+  """
+  norm.validate_add_rms_norm(x, y, weight, eps)
+  args = dict(x=x, y=y, weight=weight, eps=eps, out_dtype=out_dtype)
+  return dispatch("add_rms_norm", implementation, config, args)
 
 
 def replay_state_update(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,

@@ -1,6 +1,6 @@
-"""ops.gated_rms_norm: the reference against float64 numpy, the Pallas
-kernel (interpret mode) against the reference, argument checks and the
-Triton lowering."""
+"""ops.gated_rms_norm and ops.add_rms_norm: the references against float64
+numpy, the Pallas kernels (interpret mode) against the references, argument
+checks and the Triton lowering."""
 
 from __future__ import annotations
 
@@ -88,3 +88,64 @@ def test_kernel_lowers_to_triton():
       lambda *a: pk.norm.gated_rms_norm(*a, group_size=512, eps=1e-5),
       y, z, w)
   assert "replayssm_gated_rms_norm" in text
+
+
+# ops.add_rms_norm: (leading shape, d, x dtype, y dtype, out_dtype)
+ADD_CASES = [
+    ((6,), 64, "float32", "bfloat16", "bfloat16"),
+    ((3,), 32, "float32", "float32", None),
+    ((2, 5), 128, "bfloat16", "bfloat16", "float32"),
+]
+
+
+@pytest.mark.parametrize("case", ADD_CASES, ids=str)
+def test_add_norm_kernel_and_reference_match_numpy(case):
+  """The sum exactly as float32 adds; the normed output within the output
+  dtype's tolerance of float64 numpy, the kernel's within it of the
+  reference's."""
+  lead, d, xdt, ydt, out_dtype = case
+  kx, ky, kw = jax.random.split(jax.random.PRNGKey(3), 3)
+  x = (3.0 * jax.random.normal(kx, lead + (d,))).astype(xdt)
+  y = jax.random.normal(ky, lead + (d,)).astype(ydt)
+  w = (1.0 + 0.3 * jax.random.normal(kw, (d,))).astype(xdt)
+  f = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)  # noqa: E731
+  s64 = f(x) + f(y)
+  want = f(w) * s64 / np.sqrt(np.mean(s64 * s64, -1, keepdims=True) + 1e-5)
+  outs = {impl: ops.add_rms_norm(x, y, w, eps=1e-5, out_dtype=out_dtype,
+                                 implementation=impl)
+          for impl in ("reference", "pallas")}
+  out = jnp.dtype(out_dtype or xdt)
+  tol = testing.tolerance(out)
+  for impl, (s, h) in outs.items():
+    assert s.dtype == jnp.float32 and h.dtype == out and h.shape == x.shape
+    np.testing.assert_array_equal(
+        s, x.astype(jnp.float32) + y.astype(jnp.float32))
+    testing.assert_close(h, want, tol, f"{impl} vs numpy")
+  testing.assert_close(outs["pallas"][1], outs["reference"][1], tol,
+                       "kernel vs reference")
+
+
+def test_add_norm_rejects_bad_arguments():
+  x = jax.random.normal(jax.random.PRNGKey(0), (4, 32))
+  w = jnp.ones((32,))
+  with pytest.raises(ValueError, match="same shape"):
+    ops.add_rms_norm(x, x[:, :16], w, eps=1e-5)
+  with pytest.raises(ValueError, match="weight"):
+    ops.add_rms_norm(x, x, w[:16], eps=1e-5)
+  with pytest.raises(ValueError, match="eps must be a positive"):
+    ops.add_rms_norm(x, x, w, eps=1)
+  with pytest.raises(NotImplementedError, match="implementation='reference'"):
+    ops.add_rms_norm(x[:, :24], x[:, :24], w[:24], eps=1e-5,
+                     implementation="pallas")
+
+
+def test_add_norm_kernel_lowers_to_triton():
+  """hybrid_1b's residual rows (d 2048, f32 stream, bf16 block output)
+  lower for the GPU (Triton IR, cross-lowered on this CPU)."""
+  from tests.test_pallas_kernels import _lower_for_cuda  # pylint: disable=g-import-not-at-top
+  x = jnp.ones((32, 2048), jnp.float32)
+  y = jnp.ones((32, 2048), jnp.bfloat16)
+  text = _lower_for_cuda(
+      lambda *a: pk.norm.add_rms_norm(*a, eps=1e-5, out_dtype=jnp.bfloat16),
+      x, y, jnp.ones((2048,), jnp.bfloat16))
+  assert "replayssm_add_rms_norm" in text

@@ -495,17 +495,21 @@ class Block(nnx.Module):
     a Mamba block's index among the Mamba blocks (keys stochastic
     rounding)."""
     with jax.named_scope(self.kind):  # names the ops in profiles
-      h = self.norm(x)
-      if self.kind == "mlp":
-        y, state = self.mixer(h), state
-      elif self.kind == "attention":
-        y, state = (self.mixer.prefill(h, lengths, state) if x.ndim == 3
-                    else self.mixer.step(h, state, implementation))
-      elif x.ndim == 3:
-        y, state = self.mixer.prefill(h, lengths, state, layer)
-      else:
-        y, state = self.mixer.step(h, state, implementation, layer)
+      y, state = self.mix(self.norm(x), state, lengths, implementation,
+                          layer)
       return x.astype(F32) + y.astype(F32), state
+
+  def mix(self, h, state, lengths=None, implementation=None, layer=0):
+    """The mixer on the normed input h [b, T, d] (prefill, with lengths)
+    or [b, d] (a decode step) -> (y, new_state), without the residual."""
+    if self.kind == "mlp":
+      return self.mixer(h), state
+    if self.kind == "attention":
+      return (self.mixer.prefill(h, lengths, state) if h.ndim == 3
+              else self.mixer.step(h, state, implementation))
+    if h.ndim == 3:
+      return self.mixer.prefill(h, lengths, state, layer)
+    return self.mixer.step(h, state, implementation, layer)
 
   def verify(self, x, state, implementation=None, layer=0):
     """x [b, T, d] speculative window -> (x', the mixer's pending state);

@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from replayssm_jax import _validation as V
+from replayssm_jax import ops
 from replayssm_jax import precision as P
 from replayssm_jax.models import states as S
 from replayssm_jax.models.config import ModelConfig
@@ -60,10 +61,13 @@ class HybridLM(nnx.Module):
 
   def logits(self, h):
     """h [..., d] -> [..., vocab] float32."""
-    h = self.norm_f(h)
+    return self._head(self.norm_f(h))
+
+  def _head(self, hn):
+    """The LM head on the final norm's output."""
     if self.config.tie_embeddings:
-      return self.embeddings.attend(h)
-    return self.lm_head(h).astype(F32)
+      return self.embeddings.attend(hn)
+    return self.lm_head(hn).astype(F32)
 
   def forward(self, tokens, lengths=None, state: S.ModelState | None = None):
     """Runs a right-padded sequence. tokens [b, T] int, lengths [b].
@@ -93,17 +97,35 @@ class HybridLM(nnx.Module):
     return self.logits(x)
 
   def step(self, token, state: S.ModelState, implementation=None):
-    """One decode token per row: token [b] -> (logits [b, vocab], state)."""
-    x = self.embeddings(token)  # [b, d]
-    new_layers = []
+    """One decode token per row: token [b] -> (logits [b, vocab], state).
+
+    The blocks as in `forward`, with each residual add and the next norm
+    as one `ops.add_rms_norm` (`implementation` picks it, the mixers' ops
+    and the attention's): XLA ran them as two fusions per block, the second
+    recomputing the sum."""
+    x = self.embeddings(token).astype(F32)  # [b, d] residual stream
+    y, new_layers = None, []
     for block, s, layer in zip(self.blocks, state.layers,
                                self.mamba_indices()):
-      x, s = block(x, s, implementation=implementation, layer=layer)
+      with jax.named_scope(block.kind):
+        x, h = self._add_norm(x, y, block.norm, implementation)
+        y, s = block.mix(h, s, implementation=implementation, layer=layer)
       new_layers.append(s)
     with jax.named_scope("lm_head"):
-      logits = self.logits(x)
+      _, h = self._add_norm(x, y, self.norm_f, implementation)
+      logits = self._head(h)
     return logits, S.ModelState(layers=tuple(new_layers),
                                 positions=state.positions + 1)
+
+  @staticmethod
+  def _add_norm(x, y, norm, implementation):
+    """(x + y, norm(x + y)) in float32 / norm's dtype; (x, norm(x))
+    before the first block."""
+    if y is None:
+      return x, norm(x)
+    return ops.add_rms_norm(x, y, norm.weight[...], eps=norm.eps,
+                            out_dtype=norm.dtype,
+                            implementation=implementation)
 
   def init_state(self, batch: int, max_len: int, ssm_mode: str = "replay",
                  buffer_len: int = 16, checkpoint_dtype=None,
