@@ -9,8 +9,10 @@ Every mixer has two entry points:
   verify(h [b, T, d], state) -> (y [b, T, d], pending)
       a speculative window of T tokens per row, in one parallel pass from
       the committed state (see replayssm_jax.models.speculative).
-`Block` (pre-norm residual) dispatches on h.ndim (`Block.verify` for
-windows). Linear kernels are stored
+`Block` (pre-norm residual) dispatches on h.ndim; `Block.mix` and
+`Block.verify` run its mixer on a normed input (a decode step and a window:
+the model adds the residual, fused with the next norm). Linear kernels are
+stored
 [in, out]; matmuls run in `config.dtype`, norms/softmax in float32.
 """
 
@@ -511,14 +513,12 @@ class Block(nnx.Module):
       return self.mixer.prefill(h, lengths, state, layer)
     return self.mixer.step(h, state, implementation, layer)
 
-  def verify(self, x, state, implementation=None, layer=0):
-    """x [b, T, d] speculative window -> (x', the mixer's pending state);
-    `layer` as in `__call__`."""
-    h = self.norm(x)
+  def verify(self, h, state, implementation=None, layer=0):
+    """The mixer on a speculative window's normed input h [b, T, d] ->
+    (y, the mixer's pending state), without the residual; `layer` as in
+    `__call__`."""
     if self.kind == "mlp":
-      y, pending = self.mixer(h), state
-    elif self.kind == "mamba":
-      y, pending = self.mixer.verify(h, state, implementation, layer)
-    else:
-      y, pending = self.mixer.verify(h, state, implementation)
-    return x.astype(F32) + y.astype(F32), pending
+      return self.mixer(h), state
+    if self.kind == "mamba":
+      return self.mixer.verify(h, state, implementation, layer)
+    return self.mixer.verify(h, state, implementation)

@@ -61,10 +61,11 @@ class HybridLM(nnx.Module):
 
   def logits(self, h):
     """h [..., d] -> [..., vocab] float32."""
-    return self._head(self.norm_f(h))
+    return self.head(self.norm_f(h))
 
-  def _head(self, hn):
-    """The LM head on the final norm's output."""
+  def head(self, hn):
+    """The LM head on the final norm's output hn [..., d] -> [..., vocab]
+    float32."""
     if self.config.tie_embeddings:
       return self.embeddings.attend(hn)
     return self.lm_head(hn).astype(F32)
@@ -108,17 +109,17 @@ class HybridLM(nnx.Module):
     for block, s, layer in zip(self.blocks, state.layers,
                                self.mamba_indices()):
       with jax.named_scope(block.kind):
-        x, h = self._add_norm(x, y, block.norm, implementation)
+        x, h = self.add_norm(x, y, block.norm, implementation)
         y, s = block.mix(h, s, implementation=implementation, layer=layer)
       new_layers.append(s)
     with jax.named_scope("lm_head"):
-      _, h = self._add_norm(x, y, self.norm_f, implementation)
-      logits = self._head(h)
+      _, h = self.add_norm(x, y, self.norm_f, implementation)
+      logits = self.head(h)
     return logits, S.ModelState(layers=tuple(new_layers),
                                 positions=state.positions + 1)
 
   @staticmethod
-  def _add_norm(x, y, norm, implementation):
+  def add_norm(x, y, norm, implementation):
     """(x + y, norm(x + y)) in float32 / norm's dtype; (x, norm(x))
     before the first block."""
     if y is None:

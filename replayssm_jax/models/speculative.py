@@ -92,12 +92,14 @@ def verify_fn(model: M.HybridLM, tokens, state: S.ModelState,
   NaN logits instead of silently wrong ones.
   """
   t = tokens.shape[1]
-  x = model.embeddings(tokens)  # [b, T, d]
-  layers, convs, snaps = [], [], []
+  x = model.embeddings(tokens).astype(jnp.float32)  # [b, T, d] residual
+  y, layers, convs, snaps = None, [], [], []
   room = jnp.ones((tokens.shape[0],), bool)
   for block, s, layer in zip(model.blocks, state.layers,
                             model.mamba_indices()):
-    x, pend = block.verify(x, s, implementation, layer)
+    # As the decode step: each residual add and the next norm as one op.
+    x, h = model.add_norm(x, y, block.norm, implementation)
+    y, pend = block.verify(h, s, implementation, layer)
     if block.kind == "mamba":
       ssm, win, snap = pend
       layers.append(s.replace(ssm=ssm))
@@ -109,7 +111,8 @@ def verify_fn(model: M.HybridLM, tokens, state: S.ModelState,
       layers.append(pend)
       convs.append(None)
       snaps.append(None)
-  logits = model.logits(x)  # [b, T, vocab] f32
+  _, h = model.add_norm(x, y, model.norm_f, implementation)
+  logits = model.head(h)  # [b, T, vocab] f32
   logits = jnp.where(room[:, None, None], logits, jnp.nan)
   pending = PendingState(
       state=S.ModelState(layers=tuple(layers), positions=state.positions),
