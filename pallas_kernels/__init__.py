@@ -5,8 +5,7 @@ Importing this package registers implementation "pallas" for
 `replayssm_jax.replay_verify`, `replayssm_jax.baseline_verify`,
 `replayssm_jax.ops.decode_attention`, `replayssm_jax.ops.causal_conv1d_step`,
 `replayssm_jax.ops.gated_rms_norm` and `replayssm_jax.ops.add_rms_norm` (the
-dispatcher imports it lazily on
-first use). The kernels use the Pallas
+dispatcher imports it lazily on first use). The kernels use the Pallas
 Triton backend on GPU and Pallas interpret mode elsewhere, so the same kernel
 code runs in CPU tests. The Mosaic GPU baseline kernel
 (`pallas_kernels.mosaic_gpu`, Hopper and later) registers beside it as

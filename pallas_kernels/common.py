@@ -38,6 +38,15 @@ def compute_capability():
 F32 = jnp.float32
 
 
+def pow2_divisor(n: int, cap: int) -> int:
+  """The largest power of two <= cap that divides n (a block size that
+  tiles n)."""
+  p = 1
+  while p * 2 <= cap and n % (p * 2) == 0:
+    p *= 2
+  return p
+
+
 def _check_pow2(name, v):
   if not isinstance(v, int) or v < 1 or v & (v - 1):
     raise ValueError(f"{name} must be a power of two >= 1, got {v!r}.")
@@ -483,7 +492,8 @@ class ConvConfig:
 
 @dataclasses.dataclass(frozen=True)
 class NormConfig:
-  """Tuning of the gated RMSNorm kernel (`pallas_kernels.norm`).
+  """Tuning of the norm kernels (`pallas_kernels.norm`: the gated RMSNorm
+  and the residual add + RMSNorm).
 
   Attributes:
     block_rows: rows per program (at most; the largest power of two <= it

@@ -34,18 +34,10 @@ F32 = jnp.float32
 _MIN_CHANNELS = 16  # smallest channel block the kernel takes
 
 
-def _pow2_divisor(n: int, cap: int) -> int:
-  """The largest power of two <= cap that divides n."""
-  p = 1
-  while p * 2 <= cap and n % (p * 2) == 0:
-    p *= 2
-  return p
-
-
 def block_channels(sizes, config: common.ConvConfig) -> int:
   """Channels per program: the largest power of two <= config's that
   divides every piece."""
-  return min(_pow2_divisor(n, config.block_channels) for n in sizes)
+  return min(common.pow2_divisor(n, config.block_channels) for n in sizes)
 
 
 def shape_problem(sizes, kernel_size: int,
@@ -115,7 +107,7 @@ def causal_conv1d_step(x, conv_state, start, weight, bias=None,
     raise NotImplementedError(problem)
   k1 = k - 1
   bc = block_channels(sizes, config)
-  br = _pow2_divisor(b, config.block_rows)
+  br = common.pow2_divisor(b, config.block_rows)
   slot = start.astype(jnp.int32) % k1
   operands = [x, conv_state, slot, weight] + ([bias] if bias is not None
                                                else [])

@@ -66,9 +66,7 @@ def gated_rms_norm(y, z, weight, *, group_size: int, eps: float,
   lead, dim = y.shape[:-1], y.shape[-1]
   y2, z2 = y.reshape(-1, dim), z.reshape(-1, z.shape[-1])
   rows = y2.shape[0]
-  br = 1
-  while br * 2 <= config.block_rows and rows % (br * 2) == 0:
-    br *= 2
+  br = common.pow2_divisor(rows, config.block_rows)
   out = pl.pallas_call(
       functools.partial(_kernel, block_rows=br, group_size=group_size,
                         z_offset=z_offset, eps=eps),
@@ -112,9 +110,7 @@ def add_rms_norm(x, y, weight, *, eps: float, out_dtype=None,
     raise NotImplementedError(problem)
   x2, y2 = x.reshape(-1, d), y.reshape(-1, d)
   rows = x2.shape[0]
-  br = 1
-  while br * 2 <= config.block_rows and rows % (br * 2) == 0:
-    br *= 2
+  br = common.pow2_divisor(rows, config.block_rows)
   s, h = pl.pallas_call(
       functools.partial(_add_kernel, block_rows=br, eps=eps),
       grid=(rows // br,),

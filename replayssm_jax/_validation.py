@@ -151,3 +151,14 @@ def check_num_accepted(num_accepted: Any, batch: int, window: int) -> None:
       raise ValueError(f"num_accepted must lie in [1, T] = [1, {window}] "
                        f"for every row; rows {rows} hold "
                        f"{n[rows].tolist()}.")
+
+
+def check_column_offset(name: str, offset, dim: int, width: int,
+                        what: str) -> None:
+  """An int offset with 0 <= offset and offset + dim <= width: `what` (dim
+  columns) lies inside an array of `width` columns."""
+  if (isinstance(offset, bool) or not isinstance(offset, int) or offset < 0
+      or offset + dim > width):
+    raise ValueError(f"{name} must be an int with 0 <= {name} and {name} + "
+                     f"{dim} <= {width} ({what}: {dim} columns inside an "
+                     f"array of width {width}), got {offset!r}.")

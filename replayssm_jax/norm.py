@@ -56,24 +56,30 @@ def validate_gated_rms_norm(y, z, weight, group_size, eps, z_offset):
       or group_size < 1 or dim % group_size):
     raise ValueError(f"group_size must be a positive int dividing dim = "
                      f"{dim}, got {group_size!r}.")
+  _check_eps(eps)
+  V.check_column_offset("z_offset", z_offset, dim, z.shape[-1],
+                        "the gate inside z")
+
+
+def _check_eps(eps):
   if not isinstance(eps, float) or not eps > 0:
     raise ValueError(f"eps must be a positive Python float, got {eps!r}.")
-  if (isinstance(z_offset, bool) or not isinstance(z_offset, int)
-      or z_offset < 0 or z_offset + dim > z.shape[-1]):
-    raise ValueError(f"z_offset must be an int with 0 <= z_offset and "
-                     f"z_offset + dim <= z.shape[-1] (the gate's {dim} "
-                     f"columns inside z of width {z.shape[-1]}), got "
-                     f"{z_offset!r}.")
+
+
+def rms_norm(x, weight, eps: float, out_dtype):
+  """weight * x / sqrt(mean(x^2) + eps) over the last axis, in float32,
+  returned in out_dtype (`models.layers.RMSNorm`)."""
+  xf = x.astype(F32)
+  xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + eps)
+  return (weight.astype(F32) * xf).astype(out_dtype)
 
 
 def add_rms_norm_reference(x, y, weight, *, eps: float, out_dtype=None):
-  """(s = x + y in float32, weight * s / sqrt(mean(s^2) + eps) in
-  out_dtype (x's if None)); x, y [..., d], weight [d]. The same float32
-  expressions as `models.layers.RMSNorm` on the sum."""
+  """(s = x + y in float32, rms_norm(s) in out_dtype (x's if None)); x, y
+  [..., d], weight [d]."""
   s = x.astype(F32) + y.astype(F32)
-  h = s * jax.lax.rsqrt(jnp.mean(s * s, -1, keepdims=True) + eps)
-  h = weight.astype(F32) * h
-  return s, h.astype(x.dtype if out_dtype is None else out_dtype)
+  return s, rms_norm(s, weight, eps, x.dtype if out_dtype is None
+                     else out_dtype)
 
 
 def validate_add_rms_norm(x, y, weight, eps):
@@ -85,5 +91,4 @@ def validate_add_rms_norm(x, y, weight, eps):
     raise ValueError(f"x and y must have the same shape [..., d], got "
                      f"{tuple(x.shape)} and {tuple(y.shape)}.")
   V.check_shape("weight", weight, (x.shape[-1],), "[d]")
-  if not isinstance(eps, float) or not eps > 0:
-    raise ValueError(f"eps must be a positive Python float, got {eps!r}.")
+  _check_eps(eps)

@@ -244,12 +244,8 @@ def causal_conv1d_step(x, conv_state, start, weight, bias=None, *,
   V.check_ndim("x", x, 2, "[batch, width]")
   V.check_ndim("conv_state", conv_state, 3, "[batch, kernel_size - 1, dim]")
   dim = conv_state.shape[-1]
-  if (isinstance(x_offset, bool) or not isinstance(x_offset, int)
-      or x_offset < 0 or x_offset + dim > x.shape[-1]):
-    raise ValueError(f"x_offset must be an int with 0 <= x_offset and "
-                     f"x_offset + dim <= x.shape[-1] (the conv's {dim} input "
-                     f"columns inside x of width {x.shape[-1]}), got "
-                     f"{x_offset!r}.")
+  V.check_column_offset("x_offset", x_offset, dim, x.shape[-1],
+                        "the conv's input inside x")
   conv.check_step_args(jax.ShapeDtypeStruct((x.shape[0], dim), x.dtype),
                        conv_state, weight, bias, activation)
   conv.check_start(start, x.shape[0])

@@ -12,8 +12,7 @@ Every mixer has two entry points:
 `Block` (pre-norm residual) dispatches on h.ndim; `Block.mix` and
 `Block.verify` run its mixer on a normed input (a decode step and a window:
 the model adds the residual, fused with the next norm). Linear kernels are
-stored
-[in, out]; matmuls run in `config.dtype`, norms/softmax in float32.
+stored [in, out]; matmuls run in `config.dtype`, norms/softmax in float32.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from replayssm_jax.conv import causal_conv1d, causal_conv1d_update
 from replayssm_jax.models.config import ModelConfig
 from replayssm_jax.models.states import (AttentionState, MambaState,
                                          StoredSSMState, store_baseline)
+from replayssm_jax.norm import rms_norm
 from replayssm_jax.reference import process_dt
 from replayssm_jax.speculative import baseline_verify, replay_verify
 from replayssm_jax.ssd import ssd_chunked_scan
@@ -77,9 +77,7 @@ class RMSNorm(nnx.Module):
     self.weight = nnx.Param(jnp.ones((dim,), cfg.jnp_param_dtype))
 
   def __call__(self, x):
-    xf = x.astype(F32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + self.eps)
-    return (self.weight[...].astype(F32) * xf).astype(self.dtype)
+    return rms_norm(x, self.weight[...], self.eps, self.dtype)
 
 
 class GatedRMSNorm(nnx.Module):
@@ -133,7 +131,7 @@ class Mamba2Mixer(nnx.Module):
     # A_log, D, dt_bias in float32 whatever param_dtype (as Hugging Face's
     # Mamba2 keeps them): the SSM ops take them in float32, and a decode
     # loop would otherwise convert them every step, three tiny kernels per
-    # layer that XLA does not hoist out of the loop (0.05 of hybrid_1b's
+    # layer that XLA does not hoist out of the loop (0.05 ms of hybrid_1b's
     # 3.3 ms step at batch 256 on the H200, session 27).
     self.A_log = nnx.Param(jnp.log(jax.random.uniform(
         rngs.params(), (h,), F32, 1.0, 16.0)))  # [H]
