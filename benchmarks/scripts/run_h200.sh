@@ -49,7 +49,7 @@
 #   bash benchmarks/scripts/run_h200.sh decode256_flags  # hybrid_1b decode at b 256, L 16 under XLA flag sets that may fold the step's small elementwise kernels (norms, converts, the relu2 square) into its GEMMs: none, then --xla_gpu_triton_gemm_any=true (issue 4's shared part; session 26, not yet run; a flag this XLA does not know fails its run only)
 #   bash benchmarks/scripts/run_h200.sh decode_b256  # hybrid_1b decode at b 256, L 16 only, no split (70 s in session 27)
 #   bash benchmarks/scripts/run_h200.sh decode256  # hybrid_1b decode at b {256,512}, L 16, split at 256 (2.5 min in session 25)
-#   bash benchmarks/scripts/run_h200.sh gpu_tests  # the conv-step, gated-norm and attention kernels and the model's decode step / verify through every kernel vs the reference, on the GPU (pytest; 80 s in session 27)
+#   bash benchmarks/scripts/run_h200.sh gpu_tests  # the conv-step, gated-norm and attention kernels and the model's decode step / verify through every kernel vs the reference, on the GPU (pytest: 105 tests, over 70 s; session 27 reached 93 in 70 s, give it 120)
 #   bash benchmarks/scripts/run_h200.sh check      # kernel_bench smoke: every kernel vs the reference on the GPU
 #   bash benchmarks/scripts/run_h200.sh drift      # precision_drift: 13 policies (f16+fp8 since session 23, not yet run) x L {4,16,64} + 8 baselines, 100k steps
 #
