@@ -478,8 +478,12 @@ class _FlushStores:
 
   def store(self, p, h, st):
     """Stores the master tile rounded to its dtype (maybe stochastically)
-    and the read copy re-stored from it, like the reference's flush."""
+    and the read copy re-stored from it, like the reference's flush (a
+    plain state: the checkpoint tile alone)."""
     b, ps, spec = p.b, p.ps, self.spec
+    if spec is None:
+      plgpu.store(self.ck_out.at[b, h, ps], st.astype(self.ck_out.dtype))
+      return
     index = None
     if spec.sr_master or spec.sr_copy:
       # Flat element indices (h, p, n) of the tile within the row.
@@ -509,11 +513,7 @@ class _FlushStores:
 def _store_flush(p, h, st, x_cur, stores, y_out, c_ref, d_ref, z_ref):
   """Stores the new checkpoint tile (and y read from it, with y_out)."""
   b, ps = p.b, p.ps
-  if stores.spec is None:
-    ck_out = stores.ck_out
-    plgpu.store(ck_out.at[b, h, ps], st.astype(ck_out.dtype))
-  else:
-    stores.store(p, h, st)
+  stores.store(p, h, st)
   if y_out is not None:
     y = jnp.sum(st * c_ref[b, p.g, :].astype(F32)[None, :], axis=1)
     y = common.finish_output(y, x_cur, None if d_ref is None else d_ref[h],

@@ -105,10 +105,7 @@ def _fold_history(p, refs, stores, *, block_p, fold_dot):
                         other=0.0)  # [L, N]
     s = d_hist * jnp.exp(a * suffix)  # the weights s_j
     st = fold_product(x_hist, s, b_hist, fold_dot, decay * s0)
-  if stores.spec is None:
-    plgpu.store(stores.ck_out.at[b, h, ps], st.astype(stores.ck_out.dtype))
-  else:
-    stores.store(p, h, st)
+  stores.store(p, h, st)
 
 
 def _fold_stores(refs, has_D, has_z, has_bias, copy_spec):

@@ -344,13 +344,21 @@ def replay_state_update(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
   V.check_step_inputs(rstate.batch, rstate.nheads, rstate.headdim,
                       rstate.dstate, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z,
                       dt_bias=dt_bias, ngroups=rstate.ngroups)
-  policy = resolve_policy(rstate, policy)
-  check_layer(layer)
   args = dict(rstate=rstate, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z,
-              dt_bias=dt_bias, dt_softplus=bool(dt_softplus))
-  if not policy.plain or rstate.step is not None:
-    args.update(policy=policy, layer=layer)
+              dt_bias=dt_bias, dt_softplus=bool(dt_softplus),
+              **policy_args(rstate, policy, layer))
   return dispatch("replay_state_update", implementation, config, args)
+
+
+def policy_args(rstate: ReplayState, policy, layer) -> dict:
+  """The policy and layer arguments of a replay op's implementation
+  (validated): none for a plain state without counters, so implementations
+  that take no policy still run it."""
+  policy = resolve_policy(rstate, policy)
+  _check_layer(layer)
+  if policy.plain and rstate.step is None:
+    return {}
+  return dict(policy=policy, layer=layer)
 
 
 def resolve_policy(rstate: ReplayState,
@@ -383,7 +391,7 @@ def resolve_policy(rstate: ReplayState,
   return policy
 
 
-def check_layer(layer):
+def _check_layer(layer):
   """`layer` (keys stochastic rounding): an int >= 0 or an integer scalar
   array (e.g. traced under a scan over layers)."""
   if isinstance(layer, (bool, np.bool_)):
@@ -451,7 +459,7 @@ def selective_state_update_stored(ssm_state, x, dt, A, B, C, D=None, z=None,
       V.check_integer(name, v)
       V.check_shape(name, v, (b,), "[batch]")
     P.PrecisionPolicy(seed=seed, sr_rng=sr_rng)  # validates both
-  check_layer(layer)
+  _check_layer(layer)
   return reference.selective_state_update_stored(
       ssm_state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus),
       state_scale=state_scale, stochastic_rounding=bool(stochastic_rounding),

@@ -274,9 +274,9 @@ def selective_state_update_stored(ssm_state, x, dt, A, B, C, D=None, z=None,
   int8 with `state_scale` [b, h, p]) is loaded to f32, advanced one token
   in f32 and stored back in its dtype every step: round to nearest, or
   stochastic rounding keyed by (seed, layer, row_id, step, element) like a
-  ReplayState flush (store site `precision.SITE_BASELINE`, hash `sr_rng`). This is the
-  contrast of the precision study: the baseline rounds the state every
-  step, replay once per L steps.
+  ReplayState flush (store site `precision.SITE_BASELINE`, hash `sr_rng`).
+  This is the contrast of the precision study: the baseline rounds the
+  state every step, replay once per L steps.
 
   Returns:
     (y [b, h, p] in x.dtype, new state in ssm_state.dtype, new scale

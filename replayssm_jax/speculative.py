@@ -96,12 +96,9 @@ def replay_verify(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
   rstate.validate("rstate")
   _check_window(rstate, x, dt, A, B, C, D, z, dt_bias)
   from replayssm_jax import ops  # pylint: disable=g-import-not-at-top
-  policy = ops.resolve_policy(rstate, policy)
-  ops.check_layer(layer)
   args = dict(rstate=rstate, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z,
-              dt_bias=dt_bias, dt_softplus=bool(dt_softplus))
-  if not policy.plain or rstate.step is not None:
-    args.update(policy=policy, layer=layer)
+              dt_bias=dt_bias, dt_softplus=bool(dt_softplus),
+              **ops.policy_args(rstate, policy, layer))
   return ops.dispatch("replay_verify", implementation, config, args)
 
 
