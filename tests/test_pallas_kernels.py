@@ -567,8 +567,9 @@ def test_config_for_the_reference_is_refused():
 # ------------------------------------------ dual precision (issue 6, kernels)
 # Every read dtype with an f32 master, an f16 master with an fp8 copy, and
 # stochastic rounding (int8 copy; f16 master + fp8 copy: both stores, with
-# each per-element hash), each with another tuning config. (SR of a master without a copy, "bf16+sr", is
-# the f16+fp8+sr master path without the copy; it is lowered below.)
+# each per-element hash), each with another tuning config. (SR of a master
+# without a copy, "bf16+sr", is the f16+fp8+sr master path without the
+# copy; it is lowered below.)
 POLICY_CASES = [
     ("f32+bf16", pk.ReplayConfig()),
     ("f32+f16", pk.ReplayConfig(block_p=4, heads_per_program=2)),
