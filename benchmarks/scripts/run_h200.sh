@@ -14,6 +14,7 @@
 #   bash benchmarks/scripts/run_h200.sh decode_extra  # hybrid_1b batch 1 (kernels), XLA reference ops at b {1,64,256} L 16 (> 4 min: the reference part needs ~3 min more than the 115 s it got)
 #   bash benchmarks/scripts/run_h200.sh specdec    # hybrid_1b spec decoding, b {256,512}, T 4 (2.5 min in session 10, 2.7 in session 12)
 #   bash benchmarks/scripts/run_h200.sh specdec_fp8  # the same with the plain and replay states under f32+fp8 (f32 master, fp8 read copy; the verify kernels' policy support, session 26, not yet run); the snapshot baseline stays f32
+#   bash benchmarks/scripts/run_h200.sh specdec_accept  # b {256,512}, T 4, plain and replay spec only, proposer acceptance 0.8 and 0.9 (not yet run)
 #   bash benchmarks/scripts/run_h200.sh specdec_L32  # the same with a 32-token replay buffer: a row folds its history every ~11 iterations instead of ~5 (the early-flush fold took 0.81 of the replay iteration's 8.16 ms at L 16, session 10; not yet run)
 #   bash benchmarks/scripts/run_h200.sh specdec_small    # the same at b {1,64}, T {4,2,8} (issue 5's other batches and windows; > 3.2 min: session 11 ran it to its 190 s limit inside batch 64)
 #   bash benchmarks/scripts/run_h200.sh specdec_windows  # b {256,512} at T {2,8} (> 3.2 min: session 11 ran it to its 190 s limit after batch 512's plain row)
@@ -128,6 +129,16 @@ case "$1" in
   specdec_fp8)
     specdec_bench specdec_fp8 --config.bench.batches='(256,512)' \
       --config.bench.windows='(4,)' --config.bench.precision=f32+fp8 ;;
+  specdec_accept)
+    # Window 4 at higher acceptance (the proposer's per-draft probability;
+    # 0.7, the benchmark's default, gives 2.55 accepted tokens per verify),
+    # plain decoding and replay spec decoding only: where replay spec
+    # decoding overtakes plain decoding in a static batch.
+    for a in 0.8 0.9; do
+      specdec_bench "specdec_accept$a" --config.bench.batches='(256,512)' \
+        --config.bench.windows='(4,)' --config.bench.accept_prob=$a \
+        --config.bench.ssm_modes="('replay',)" || echo "specdec_accept: $a failed"
+    done ;;
   specdec_L32)
     specdec_bench specdec_L32 --config.bench.batches='(256,512)' \
       --config.bench.windows='(4,)' --config.bench.buffer_len=32 ;;
