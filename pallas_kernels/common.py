@@ -564,6 +564,14 @@ class VerifyConfig(_LaunchConfig):
     num_warps, num_stages: Triton launch parameters.
     fold: how the early flush folds the history: one of FOLD_MODES (as
       ReplayConfig.flush_fold, and the same default).
+    copy_readout: how the window kernel reads a state with a read copy
+      (rows that folded read the master, the others the copy): "masked"
+      (a masked load of each, summed: one source's bytes, both sources'
+      loads, converts and adds) or "branch" (a `lax.cond` per program on
+      the row's fold: one source's loads and readouts). The replay
+      speculative loop with an f32 master + fp8 copy ran slower than with
+      plain f32 states on the H200 (session 28: 57.4k against 66.2k
+      tokens/s at batch 256, "masked"); "branch" is not yet timed.
     fold_grid: "persistent" (`fold_programs` programs share out the
       folding rows' items) or "rows" (the window kernel's grid, programs of
       rows that do not fold exit at once).
@@ -624,6 +632,7 @@ class VerifyConfig(_LaunchConfig):
       0.28 at 16 and 64, 0.35-0.38 with the whole dstate.
   """
   fold: str | None = None
+  copy_readout: str = "masked"
   fold_grid: str = "persistent"
   fold_programs: int | None = None
   fold_num_warps: int | None = None
@@ -639,6 +648,7 @@ class VerifyConfig(_LaunchConfig):
     _check_choice("readout", self.readout,
                   ("reduce", "dot_tf32x3", "dot_f32", "xla"))
     _check_choice("fold", self.fold, FOLD_MODES, optional=True)
+    _check_choice("copy_readout", self.copy_readout, ("masked", "branch"))
     _check_choice("fold_grid", self.fold_grid, ("rows", "persistent"))
     _check_count("fold_programs", self.fold_programs)
     if self.fold_num_warps is not None:

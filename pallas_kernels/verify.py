@@ -154,7 +154,7 @@ def _fold_persistent_kernel(*refs, window, has_D, has_z, has_bias, fold_dot,
 
 def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
                    precompute, readout_dot, xla_readout, readout_chunk,
-                   copy=False, scaled=False, **kw):
+                   copy=False, scaled=False, copy_readout="masked", **kw):
   """Window outputs from checkpoint + history + window; append the window.
   precompute (`VerifyConfig.precompute`): "bc" adds three inputs after C,
   the B.C products of `speculative.verify_bc`; "terms" two, the decay and extra
@@ -164,7 +164,8 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
   more input, last, the readouts of `speculative.verify_readout` [b, T, h,
   p] (the checkpoint is then not read). copy (with readout "reduce"): the
   read copy, then with `scaled` its scales, come last: rows that folded read
-  the checkpoint (the stored master), the others the copy (`_copy_readouts`).
+  the checkpoint (the stored master), the others the copy (`_copy_readouts`,
+  as `copy_readout` says).
   """
   n_pre = dict(none=0, bc=3, terms=2)[precompute]
   n_read = 10 + n_pre + (readout_dot is not None or xla_readout)
@@ -188,7 +189,8 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
     readouts = _copy_readouts(
         ck_ref, ins[n_read], ins[n_read + 1] if scaled else None, (b, h, ps),
         [lambda cols, s=s: c_ref[b, s, g, cols] for s in range(T)],
-        _folds(c, T, L), readout_chunk, kw["block_p"])
+        _folds(c, T, L), readout_chunk, kw["block_p"],
+        copy_readout == "branch")
   else:
     readouts = _readouts(ck_ref, (b, h, ps), c_ref if readout_dot is None
                          else ins[10 + n_pre], b, g, T, readout_dot,
@@ -232,12 +234,27 @@ def _readouts(ck_ref, tile, c_ref, b, g, window, readout_dot, chunk):
 
 
 def _copy_readouts(ck_ref, rc_ref, rs_ref, tile, vectors, folded, chunk,
-                   block_p):
+                   block_p, branch=False):
   """The readouts (`common.readouts`) of a state with a read copy: the
   stored master's tile if the row folded its history in this verify (as
   the reference reads it), else the read copy's (dequantized: its per-row
   scales factor out of the dstate sums, as in the decode step's output
-  route). Each source is a masked load, so a program reads one of them."""
+  route). branch False (`VerifyConfig.copy_readout` "masked"): each source
+  is a masked load, so a program reads the bytes of one of them but issues
+  the loads, converts and sum of both; True ("branch"): a `lax.cond` on the
+  row's fold, so a program runs one source's loads and readouts."""
+  if branch:
+    def from_master():
+      return tuple(common.readouts(
+          common.load_tile_blocks(ck_ref, tile, chunk), vectors))
+
+    def from_copy():
+      outs = common.readouts(common.load_tile_blocks(rc_ref, tile, chunk),
+                             vectors)
+      if rs_ref is not None:
+        outs = [o * rs_ref[tile] for o in outs]
+      return tuple(outs)
+    return list(lax.cond(folded, from_master, from_copy))
   master = common.load_tile_blocks(ck_ref, tile, chunk, folded, block_p)
   q = common.load_tile_blocks(rc_ref, tile, chunk, ~folded, block_p)
   outs = common.readouts([m.astype(F32) + v.astype(F32)
@@ -454,6 +471,7 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                         readout_dot=readout_dot,
                         xla_readout=config.readout == "xla",
                         readout_chunk=config.readout_chunk, copy=copy,
+                        copy_readout=config.copy_readout,
                         scaled=rstate.read_scale is not None, **kw),
       grid=grid,
       out_shape=(sds(x.shape, x.dtype),

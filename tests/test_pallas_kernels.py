@@ -974,13 +974,14 @@ def test_kernels_lower_to_triton(config, batch, buffer_len, policy):
   if (config == LOWERING_REPLAY_CONFIGS[0] and policy is not None
       and buffer_len >= 16):
     # The verify kernels under the policy: copy stores in the fold, the
-    # window kernel's masked master / copy loads.
+    # window kernel's masked master / copy loads, or its branch on the fold.
     win = jax.tree.map(lambda v: jnp.stack([v, v], axis=1), tok)  # T = 2
-    _lower_for_cuda(
-        lambda r, t, layer: verify_kernel.replay_verify(
-            r, t["x"], t["dt"], params["A"], t["B"], t["C"], z=t["z"], **kw,
-            policy=pol, layer=layer),
-        rstate, win, jnp.int32(2))
+    for vconfig in (pk.VerifyConfig(), pk.VerifyConfig(copy_readout="branch")):
+      _lower_for_cuda(
+          lambda r, t, layer, c=vconfig: verify_kernel.replay_verify(
+              r, t["x"], t["dt"], params["A"], t["B"], t["C"], z=t["z"], **kw,
+              policy=pol, layer=layer, config=c),
+          rstate, win, jnp.int32(2))
 
 
 @pytest.mark.parametrize("state_dtype,config", [

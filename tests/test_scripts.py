@@ -21,11 +21,14 @@ def _run(script, *args):
 
 
 def test_verify_sweep_tiny(tmp_path):
+  """With an f32 master + fp8 copy state (--policy), the window kernel's
+  masked and branching copy readouts checked against the reference."""
   out = tmp_path / "verify_sweep.json"
-  _run("verify_sweep.py", "--tiny", "--variants", "default,reference",
-       "--out", str(out))
+  _run("verify_sweep.py", "--tiny", "--policy", "f32+fp8", "--variants",
+       "default,copy_branch,reference", "--out", str(out))
   res = json.loads(out.read_text())
-  assert set(res["variants"]) == {"default", "reference"}
+  assert res["shape"]["policy"] == "f32+fp8"
+  assert set(res["variants"]) == {"default", "copy_branch", "reference"}
   assert res["variants"]["reference"]["implementation"] == "reference"
   for name, r in res["variants"].items():
     assert r["check"] == "PASS", (name, r.get("error"))
@@ -35,10 +38,11 @@ def test_verify_sweep_tiny(tmp_path):
 def test_specdec_profile_tiny(tmp_path):
   out = tmp_path / "specdec_profile.json"
   # One of the three loops: they share loop_splits' code (the others
-  # cost ~40 s more of CI).
+  # cost ~40 s more of CI). The replay states with an fp8 read copy.
   _run("specdec_profile.py", "--tiny", "--batch", "2", "--steps", "2",
-       "--loops", "replay", "--out", str(out))
+       "--loops", "replay", "--precision", "f32+fp8", "--out", str(out))
   res = json.loads(out.read_text())
+  assert res["precision"] == "f32+fp8"
   assert res["window_forward_ms"] > 0
   for mode in ("replay", "baseline"):
     r = res["modes"][mode]

@@ -569,13 +569,16 @@ def test_verify_policy_errors():
                      config=pk.VerifyConfig(readout="xla"))
 
 
-# A copy with each scale form, SR of both stores, and the persistent and
-# rows fold grids.
+# A copy with each scale form, SR of both stores, the persistent and rows
+# fold grids, and the window kernel's branching copy readout (scaled and
+# unscaled copies).
 KERNEL_POLICY_CASES = [
     ("f32+int8", pk.VerifyConfig()),
     ("f32+bf16", pk.VerifyConfig(fold_grid="rows")),
     ("f16+fp8+sr", pk.VerifyConfig()),
     ("f32+fp8+sr:hash32", pk.VerifyConfig(fold_grid="rows", block_p=4)),
+    ("f32+fp8", pk.VerifyConfig(copy_readout="branch")),
+    ("f32+bf16", pk.VerifyConfig(copy_readout="branch", block_p=4)),
 ]
 
 
@@ -589,7 +592,8 @@ def _kernel_and_reference_verify(rstate, win, params, *, policy, config):
 
 
 @pytest.mark.parametrize("name,config", KERNEL_POLICY_CASES,
-                         ids=[n for n, _ in KERNEL_POLICY_CASES])
+                         ids=[f"{n}-{c.copy_readout}"
+                              for n, c in KERNEL_POLICY_CASES])
 def test_pallas_verify_with_policies_matches_reference(name, config):
   """The verify kernels (interpret mode) under a precision policy: y within
   f32 tolerance of the reference; folding rows' master within the master

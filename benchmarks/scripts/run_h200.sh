@@ -21,12 +21,14 @@
 #   bash benchmarks/scripts/run_h200.sh profile    # where a spec-decoding iteration's time goes, b 256, with the verify split and a per-kernel split of the plain step, verify + commit, window forward and (since session 8, untimed: + ~2 min) specdec_bench's own loops per iteration (2 min in session 7; its per-kernel split needs `profile_kernels`, which runs it with XLA's CUDA graphs off)
 #   bash benchmarks/scripts/run_h200.sh profile_b1  # the same two profiles at batch 1, where replay spec decoding was 0.60-0.64x the baseline's (session 11); session 12 ran the first (2.4 min: device time per iteration within 4%), the per-kernel second is not yet run
 #   bash benchmarks/scripts/run_h200.sh profile_b1_kernels  # profile_b1's per-kernel half alone (not yet run)
+#   bash benchmarks/scripts/run_h200.sh profile_kernels_fp8  # profile_kernels with f32 + fp8 copy replay states, plain and replay loops only (not yet run)
 #   bash benchmarks/scripts/run_h200.sh batch1     # batch 1, f32 / f16, L 16: the fused launch's default fold (3xTF32) vs the bf16-split fold (1.5 min in session 13)
 #   bash benchmarks/scripts/run_h200.sh rows_fused # both routes in one launch on the output grid (fused_launch + flush_grid rows) beside the default, b 256, f32 / f16, L 16 (with batch1: 4 min in session 19)
 #   bash benchmarks/scripts/run_h200.sh mosaic_flush  # the flush rows folded by the Mosaic GPU kernel (its variants) beside the Triton default, b 256, f32 / f16, L 16
 #   bash benchmarks/scripts/run_h200.sh launch     # fused vs separate route launches, b 16 + 64, L 16 (1.2 min)
 #   bash benchmarks/scripts/run_h200.sh mosaic     # the Mosaic GPU kernels: baseline (7 configs) vs Triton and XLA, replay with the Mosaic output route (plain, f32+fp8, f16+fp8), b 256 + 64, f32 / f16, each checked first; a Mosaic failure is recorded, not fatal (> 3 min: session 7 ran f32 in 185 s, f16 without policies in 90 s)
 #   bash benchmarks/scripts/run_h200.sh verify [--variants a,b]  # spec verify kernel: VerifyConfig variants on hybrid_1b's layer, b 256, T 4, checked, split per kernel (14 variants: ~2 min in session 9; all 25 now, or pick with verify_sweep.py --variants)
+#   bash benchmarks/scripts/run_h200.sh verify_copy  # the verify kernels on f32 and on f32 + fp8 copy states: masked vs branching copy readout, capped fold (not yet run)
 #   bash benchmarks/scripts/run_h200.sh ncu_verify # Nsight Compute on the verify window kernel (default and the pre-session-8 default)
 #   bash benchmarks/scripts/run_h200.sh ncu_flush  # Nsight Compute on the flush route with every row folding (f16 checkpoint, b 256, L 16): stall reasons, instruction mix, source counters (1.5 min, session 11: it profiles one launch; with two, the second failed and the GPU stayed out of memory for the next part)
 #   bash benchmarks/scripts/run_h200.sh ncu_flush_grids  # Nsight Compute of the f32 all-rows flush: persistent grid, rows grid, one launch on the output grid (3 min in session 19)
@@ -303,6 +305,13 @@ P.run(c, sys.argv[1])" "$OUT/precision_mqar1024_rest" ;;
   profile)
     timeout "$T" python benchmarks/scripts/specdec_profile.py --batch 256 \
       --out "$OUT/specdec_profile.json" ;;
+  profile_kernels_fp8)
+    # profile_kernels with f32 master + fp8 copy replay states (the replay
+    # spec loop was slower with them than with f32 ones, session 28).
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout "$T" \
+      python benchmarks/scripts/specdec_profile.py --batch 256 \
+      --precision f32+fp8 --loops plain,replay \
+      --out "$OUT/specdec_profile_kernels_fp8.json" ;;
   profile_kernels)
     # The same with XLA's CUDA graphs off, so the trace splits every loop
     # by kernel (the `*_ops` entries; its step times pay the launches).
@@ -328,6 +337,17 @@ P.run(c, sys.argv[1])" "$OUT/precision_mqar1024_rest" ;;
   verify)
     XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout "$T" \
       python benchmarks/scripts/verify_sweep.py --out "$OUT/verify_sweep.json" "${@:2}" ;;
+  verify_copy)
+    # The verify kernels on an f32 state and on f32 master + fp8 copy states
+    # (the replay spec loop was slower with the copy, session 28): the
+    # window kernel's masked and branching copy readouts, the fold capped.
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout "$T" \
+      python benchmarks/scripts/verify_sweep.py --variants default \
+      --out "$OUT/verify_sweep_f32.json"
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout "$T" \
+      python benchmarks/scripts/verify_sweep.py --policy f32+fp8 \
+      --variants default,copy_branch,fold_w4c128 \
+      --out "$OUT/verify_sweep_f32_fp8.json" ;;
   ncu_verify)
     timeout "$T" "${NCU[@]}" -k regex:replayssm_verify_window -c 3 \
       --section ComputeWorkloadAnalysis \

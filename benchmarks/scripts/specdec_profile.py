@@ -40,6 +40,7 @@ from replayssm_jax.models import (ModelConfig, generate, prefill,
 from replayssm_jax.models.generate import sampling_settings
 from replayssm_jax.models.speculative import accept, commit_fn, verify_fn
 from replayssm_jax import profiling
+from replayssm_jax.precision import PrecisionPolicy
 from replayssm_jax import speculative as spec
 
 _SHAPE = re.compile(r"= (\w+)\[([\d,]*)\]")
@@ -84,8 +85,18 @@ def split_per_step(fn, *args, steps: int) -> dict:
               top=[dict(o, ms=o["ms"] / steps) for o in t["top"]])
 
 
+def _state_kw(mode: str, policy: PrecisionPolicy | None) -> dict:
+  """init_state keywords: L 16, f32 states; replay states under `policy`
+  if given."""
+  if policy is not None and mode == "replay":
+    return dict(buffer_len=16, checkpoint_dtype=policy.checkpoint_dtype,
+                precision=policy)
+  return dict(buffer_len=16, checkpoint_dtype="float32")
+
+
 def loop_splits(model, prompts, lengths, t: int, n_new: int,
-                names=("plain", "replay", "baseline")) -> dict:
+                names=("plain", "replay", "baseline"),
+                policy: PrecisionPolicy | None = None) -> dict:
   """Per-kernel split of the benchmark's own loops, per iteration:
   `generate` (plain, replay state) and `speculative_generate` (replay and
   baseline) with specdec_bench's flat-sampling proposer (accept_prob 0.7,
@@ -95,14 +106,15 @@ def loop_splits(model, prompts, lengths, t: int, n_new: int,
   updates, copies). idle_ms: the loop call's wall time minus its device
   time, per iteration (its prefill included): the time the device waits
   on the host (launches, graph updates, the while loop's predicate
-  syncs)."""
+  syncs). policy: the replay states' precision policy (plain and replay
+  loops; the snapshot baseline stays f32)."""
   b = prompts.shape[0]
-  state_kw = dict(buffer_len=16, checkpoint_dtype="float32")
-  kw = dict(state_kw, temperature=1000.0, rng=jax.random.PRNGKey(8))
   proposer = FlatOracleProposer(0.7, model.config.vocab_size)
   out = {}
   for name in names:
     mode = "replay" if name == "plain" else name
+    state_kw = _state_kw(mode, policy)
+    kw = dict(state_kw, temperature=1000.0, rng=jax.random.PRNGKey(8))
 
     def pre(mode=mode):
       st = model.init_state(b, prompts.shape[1] + n_new + t, ssm_mode=mode,
@@ -145,6 +157,9 @@ def main():
   ap.add_argument("--window", type=int, default=4)
   ap.add_argument("--steps", type=int, default=16)
   ap.add_argument("--out", default="specdec_profile.json")
+  ap.add_argument("--precision", default="",
+                  help="precision preset of the replay states, e.g. f32+fp8 "
+                  "(the snapshot baseline stays f32)")
   ap.add_argument("--tiny", action="store_true", help="CPU check")
   ap.add_argument("--loops", default="plain,replay,baseline",
                   help="which of specdec_bench's loops to split")
@@ -157,8 +172,10 @@ def main():
   prompts = jax.random.randint(jax.random.PRNGKey(1), (b, 128), 0,
                                cfg.vocab_size, jnp.int32)
   lengths = jnp.full((b,), 128, jnp.int32)
+  policy = PrecisionPolicy.preset(a.precision) if a.precision else None
   res = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
-             batch=b, window=t, steps=steps, modes={})
+             batch=b, window=t, steps=steps, precision=a.precision or None,
+             modes={})
 
   @jax.jit
   def plain_loop(params, tok, st):
@@ -211,12 +228,15 @@ def main():
     m = nnx.merge(graphdef, params)
 
     def body(_, sink):
-      for i, s in zip(mamba, ssm_states):
+      for layer, (i, s) in enumerate(zip(mamba, ssm_states)):
         A, D, dt_bias = m.blocks[i].mixer._ssm_params()  # pylint: disable=protected-access
         x = wx + sink.astype(dtype)  # loop-carried: not hoisted
-        f = (spec.baseline_verify if isinstance(s, jax.Array)
-             else spec.replay_verify)
-        y = f(s, x, wdt, A, wB, wC, D, None, dt_bias, True)[0]
+        if isinstance(s, jax.Array):
+          y = spec.baseline_verify(s, x, wdt, A, wB, wC, D, None, dt_bias,
+                                   True)[0]
+        else:
+          y = spec.replay_verify(s, x, wdt, A, wB, wC, D, None, dt_bias,
+                                 True, policy=policy, layer=layer)[0]
         sink = sink + 1e-30 * y[:1, 0, 0, 0].astype(jnp.float32)
       return sink
     return jax.lax.fori_loop(0, steps, body, jnp.zeros((1,), jnp.float32))
@@ -230,7 +250,7 @@ def main():
 
   for mode in ("replay", "baseline"):
     st = model.init_state(b, 128 + 4 * steps * t + 8, ssm_mode=mode,
-                          buffer_len=16, checkpoint_dtype="float32")
+                          **_state_kw(mode, policy))
     logits, st = prefill(model, prompts, lengths, st)
     tok = jnp.argmax(logits, -1).astype(jnp.int32)
     win = jax.random.randint(jax.random.PRNGKey(2), (b, t), 0,
@@ -272,7 +292,7 @@ def main():
     res[f"accept_{name}_ms"] = timed(f, logits, qq, steps=1)
   print({k: v for k, v in res.items() if k.startswith("accept")})
   res["loops"] = loop_splits(model, prompts, lengths, t, 16 if a.tiny else 128,
-                             a.loops.split(","))
+                             a.loops.split(","), policy)
   with open(a.out, "w") as fh:
     json.dump(res, fh, indent=1)
 

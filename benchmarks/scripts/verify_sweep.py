@@ -15,6 +15,11 @@ time. Run it with XLA's CUDA graphs off so the trace splits the loop:
   XLA_FLAGS=--xla_gpu_enable_command_buffer= PYTHONPATH=. \\
       python benchmarks/scripts/verify_sweep.py --out $OUT/verify_sweep.json
 
+`--policy` (a precision preset, e.g. f32+fp8) gives the state a read copy
+(stored from its master; row ids and steps with stochastic rounding) and
+runs every variant under it, checked against the reference under the same
+policy: the form that times `VerifyConfig.copy_readout`.
+
 `--tiny` runs small shapes in interpret mode (a CPU check of the script).
 `--check_only` runs each variant once (its check against the reference)
 and times nothing: the form to run under Nsight Compute
@@ -30,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
+from replayssm_jax import precision as prec
 from replayssm_jax import profiling
 from replayssm_jax import speculative as spec
 from replayssm_jax import testing
@@ -79,6 +85,9 @@ VARIANTS = {
     # replay flush since session 15), and uncapped.
     "fold_w4": dict(fold_num_warps=4),
     "fold_w4c128": dict(fold_num_warps=4, fold_max_registers=128),
+    # A read-copy state's window readout as one branch per program on the
+    # row's fold instead of two masked loads (with --policy; session 28).
+    "copy_branch": dict(copy_readout="branch"),
     "reference": None,  # the XLA reference op (implementation="reference")
 }
 
@@ -95,6 +104,8 @@ def main():
   ap.add_argument("--steps", type=int, default=16)
   ap.add_argument("--variants", default=",".join(VARIANTS))
   ap.add_argument("--out", default="verify_sweep.json")
+  ap.add_argument("--policy", default="",
+                  help="precision preset of the state (default: none)")
   ap.add_argument("--tiny", action="store_true", help="CPU check")
   ap.add_argument("--check_only", action="store_true",
                   help="one checked call per variant, no timing (for ncu)")
@@ -111,21 +122,34 @@ def main():
   key = jax.random.PRNGKey(0)
   params = testing.random_params(key, h)
   counts = np.arange(b) % (L - T + 1)  # ragged histories, some fold
+  policy = (prec.PrecisionPolicy.preset(a.policy).replace(
+      buffer_dtype="bfloat16") if a.policy else None)
   rstate, _ = testing.random_replay_state(
       jax.random.PRNGKey(1), b, h, p, n, g, L, counts, params["A"],
-      checkpoint_dtype=jnp.float32, buffer_dtype=jnp.bfloat16)
+      checkpoint_dtype=policy.checkpoint_dtype if policy else jnp.float32,
+      buffer_dtype=jnp.bfloat16)
+  if policy is not None and policy.read_dtype is not None:
+    rstate = rstate.replace(**dict(zip(
+        ("read_copy", "read_scale"),
+        prec.store(rstate.checkpoint.astype(jnp.float32),
+                   policy.read_dtype))))
+  if policy is not None and policy.stochastic_rounding:
+    rstate = rstate.replace(row_id=jnp.arange(b, dtype=jnp.int32),
+                            step=jnp.asarray(counts, jnp.int32))
   win = testing.random_step_inputs(jax.random.PRNGKey(2), b, h, p, n, g,
                                    jnp.bfloat16, with_z=False, seqlen=T)
   del win["z"]
   accepted = jnp.full((b,), 2, jnp.int32)
   kw = dict(A=params["A"], D=params["D"], dt_bias=params["dt_bias"],
-            dt_softplus=True)
+            dt_softplus=True, policy=policy)
   want_y, want_st = spec.replay_verify_reference(rstate, **win, **kw)
   want_st = spec.replay_commit(want_st, accepted, T)
   tol = testing.tolerance(jnp.bfloat16)
   res = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
              shape=dict(batch=b, nheads=h, headdim=p, dstate=n, ngroups=g,
-                        buffer_len=L, window=T, checkpoint="float32",
+                        buffer_len=L, window=T,
+                        checkpoint=str(rstate.checkpoint.dtype),
+                        policy=a.policy or None,
                         buffers="bfloat16", act="bfloat16"),
              steps=a.steps, date=time.strftime("%Y-%m-%d"), variants={})
 
