@@ -72,7 +72,6 @@ VARIANTS = {
     "chunk16_bp64": dict(readout_chunk=16, block_p=64),
     "chunk16_terms": dict(readout_chunk=16, precompute="terms"),
     "bc_einsum": dict(precompute="bc"),
-    "fold_w4": dict(fold_num_warps=4),  # the fold's warps before session 11
     # The early flush as exact f32 rank-1 updates with scalar weights
     # (session 12), at 2 and 4 warps.
     "fold_rank1": dict(fold="rank1"),
@@ -81,8 +80,9 @@ VARIANTS = {
     # bf16 pieces (session 13), at 2 and 4 warps.
     "fold_bf16x3": dict(fold="dot_bf16x3"),
     "fold_bf16x3_w4": dict(fold="dot_bf16x3", fold_num_warps=4),
-    # The early-flush fold at 4 warps with its registers capped (as the
-    # replay flush since session 15), and uncapped.
+    # The early-flush fold at 4 warps (its warps before session 11) with
+    # its registers capped (as the replay flush since session 15), and
+    # uncapped.
     "fold_w4": dict(fold_num_warps=4),
     "fold_w4c128": dict(fold_num_warps=4, fold_max_registers=128),
     # A read-copy state's window readout as one branch per program on the
