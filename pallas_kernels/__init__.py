@@ -161,7 +161,7 @@ def _conv(*, config=None, **args):
 
 
 def _norm_supports(group_size, **_):
-  return norm_kernel.shape_problem(group_size)
+  return norm_kernel.shape_problem("group_size", group_size)
 
 
 def _norm(*, config=None, **args):
@@ -170,7 +170,8 @@ def _norm(*, config=None, **args):
 
 
 def _add_norm_supports(x, **_):
-  return norm_kernel.add_shape_problem(x.shape[-1])
+  return norm_kernel.shape_problem("d", x.shape[-1],
+                                   "one Triton block per row")
 
 
 def _add_norm(*, config=None, **args):
@@ -183,43 +184,26 @@ def _verify(*, config=None, **args):
       **args, config=config or VerifyConfig(), interpret=not on_gpu())
 
 
-_ops.register_implementation(
-    "replay_verify",
-    _ops.Implementation("pallas", _verify, supports=_verify_supports,
-                        preferred=on_gpu, priority=10))
-_ops.register_implementation(
-    "baseline_verify",
-    _ops.Implementation("pallas", _snapshot_verify, supports=_ssu_supports,
-                        preferred=on_gpu, priority=10))
-_ops.register_implementation(
-    "selective_state_update",
-    _ops.Implementation("pallas", _ssu, supports=_ssu_supports,
-                        preferred=on_gpu, priority=10))
+# The Pallas kernels: the dispatcher's default on a GPU (priority 10).
+for _op, _fn, _supports in (
+    ("replay_verify", _verify, _verify_supports),
+    ("baseline_verify", _snapshot_verify, _ssu_supports),
+    ("selective_state_update", _ssu, _ssu_supports),
+    ("replay_state_update", _replay, _replay_supports),
+    ("decode_attention", _attention, _attention_supports),
+    ("gated_rms_norm", _norm, _norm_supports),
+    ("add_rms_norm", _add_norm, _add_norm_supports),
+    ("causal_conv1d_step", _conv, _conv_supports)):
+  _ops.register_implementation(
+      _op, _ops.Implementation("pallas", _fn, supports=_supports,
+                               preferred=on_gpu, priority=10))
+del _op, _fn, _supports
+# The Mosaic GPU baseline kernel: only on request.
 _ops.register_implementation(
     "selective_state_update",
     _ops.Implementation("pallas_mosaic_gpu", _mosaic_ssu,
                         supports=_mosaic_supports,
                         preferred=lambda: False, priority=5))
-_ops.register_implementation(
-    "replay_state_update",
-    _ops.Implementation("pallas", _replay, supports=_replay_supports,
-                        preferred=on_gpu, priority=10))
-_ops.register_implementation(
-    "decode_attention",
-    _ops.Implementation("pallas", _attention, supports=_attention_supports,
-                        preferred=on_gpu, priority=10))
-_ops.register_implementation(
-    "gated_rms_norm",
-    _ops.Implementation("pallas", _norm, supports=_norm_supports,
-                        preferred=on_gpu, priority=10))
-_ops.register_implementation(
-    "add_rms_norm",
-    _ops.Implementation("pallas", _add_norm, supports=_add_norm_supports,
-                        preferred=on_gpu, priority=10))
-_ops.register_implementation(
-    "causal_conv1d_step",
-    _ops.Implementation("pallas", _conv, supports=_conv_supports,
-                        preferred=on_gpu, priority=10))
 
 __all__ = ["AttentionConfig", "ConvConfig", "MosaicSSUConfig", "NormConfig", "ReplayConfig", "SSUConfig",
            "VerifyConfig", "common", "on_gpu"]

@@ -28,12 +28,13 @@ F32 = jnp.float32
 _MIN_GROUP = 16
 
 
-def shape_problem(group_size: int) -> str | None:
-  """Why the kernel cannot take this group size, or None."""
-  if group_size < _MIN_GROUP or group_size & (group_size - 1):
-    return (f"group_size = {group_size} is not a power of two >= "
-            f"{_MIN_GROUP} (a Triton block); use implementation="
-            f"'reference'.")
+def shape_problem(name: str, n: int, block: str = "a Triton block"
+                  ) -> str | None:
+  """Why a kernel cannot take n channels per block (`name`: the argument
+  that sets n), or None."""
+  if n < _MIN_GROUP or n & (n - 1):
+    return (f"{name} = {n} is not a power of two >= {_MIN_GROUP} ({block}); "
+            f"use implementation='reference'.")
   return None
 
 
@@ -60,7 +61,7 @@ def gated_rms_norm(y, z, weight, *, group_size: int, eps: float,
                    interpret: bool = False):
   """Same signature and results as the reference, plus a tuning config;
   y [..., dim] (leading axes flattened into rows)."""
-  problem = shape_problem(group_size)
+  problem = shape_problem("group_size", group_size)
   if problem is not None:
     raise NotImplementedError(problem)
   lead, dim = y.shape[:-1], y.shape[-1]
@@ -80,14 +81,6 @@ def gated_rms_norm(y, z, weight, *, group_size: int, eps: float,
   return out.reshape(lead + (dim,))
 
 
-def add_shape_problem(d: int) -> str | None:
-  """Why the add + norm kernel cannot take rows of d channels, or None."""
-  if d < _MIN_GROUP or d & (d - 1):
-    return (f"d = {d} is not a power of two >= {_MIN_GROUP} (one Triton "
-            f"block per row); use implementation='reference'.")
-  return None
-
-
 def _add_kernel(x_ref, y_ref, w_ref, s_ref, h_ref, *, block_rows, eps):
   rows = pl.ds(pl.program_id(0) * block_rows, block_rows)
   s = x_ref[rows, :].astype(F32) + y_ref[rows, :].astype(F32)
@@ -105,7 +98,7 @@ def add_rms_norm(x, y, weight, *, eps: float, out_dtype=None,
   """Same signature and results as the reference, plus a tuning config;
   x, y [..., d] (leading axes flattened into rows)."""
   lead, d = x.shape[:-1], x.shape[-1]
-  problem = add_shape_problem(d)
+  problem = shape_problem("d", d, "one Triton block per row")
   if problem is not None:
     raise NotImplementedError(problem)
   x2, y2 = x.reshape(-1, d), y.reshape(-1, d)

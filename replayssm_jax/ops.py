@@ -60,33 +60,16 @@ class Implementation:
 
 
 _REGISTRY: dict[str, dict[str, Implementation]] = {
-    "selective_state_update": {
-        "reference": Implementation(
-            "reference", reference.selective_state_update, priority=-1)},
-    "replay_state_update": {
-        "reference": Implementation(
-            "reference", reference.replay_state_update, priority=-1)},
-    "replay_verify": {
-        "reference": Implementation(
-            "reference", speculative.replay_verify_reference, priority=-1)},
-    "baseline_verify": {
-        "reference": Implementation(
-            "reference", speculative.baseline_verify_reference,
-            priority=-1)},
-    "decode_attention": {
-        "reference": Implementation(
-            "reference", attention.decode_attention_reference,
-            priority=-1)},
-    "causal_conv1d_step": {
-        "reference": Implementation(
-            "reference", conv.causal_conv1d_step_reference, priority=-1)},
-    "gated_rms_norm": {
-        "reference": Implementation(
-            "reference", norm.gated_rms_norm_reference, priority=-1)},
-    "add_rms_norm": {
-        "reference": Implementation(
-            "reference", norm.add_rms_norm_reference, priority=-1)},
-}
+    op: {"reference": Implementation("reference", fn, priority=-1)}
+    for op, fn in (
+        ("selective_state_update", reference.selective_state_update),
+        ("replay_state_update", reference.replay_state_update),
+        ("replay_verify", speculative.replay_verify_reference),
+        ("baseline_verify", speculative.baseline_verify_reference),
+        ("decode_attention", attention.decode_attention_reference),
+        ("causal_conv1d_step", conv.causal_conv1d_step_reference),
+        ("gated_rms_norm", norm.gated_rms_norm_reference),
+        ("add_rms_norm", norm.add_rms_norm_reference))}
 
 
 def register_implementation(op: str, impl: Implementation) -> None:
