@@ -40,7 +40,7 @@ from flax import nnx
 
 from experiments import common
 from replayssm_jax import precision as P
-from replayssm_jax.models import HybridLM, ModelConfig, prefill
+from replayssm_jax.models import HybridLM, ModelConfig, kv_cache_len, prefill
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))), "configs", "tiny.py")
@@ -102,7 +102,7 @@ class _Setup:
     tokens, states = [], []
     for r0 in range(0, self.batch, rows):
       n = min(rows, self.batch - r0)
-      st = self.model.init_state(n, b.prompt_len + b.new_tokens,
+      st = self.model.init_state(n, kv_cache_len(b.prompt_len + b.new_tokens),
                                  ssm_mode=mode, buffer_len=buffer_len or 16,
                                  **kw)
       logits, st = prefill(self.model, self.prompts[r0:r0 + n],

@@ -52,7 +52,8 @@ import numpy as np
 from experiments import common
 from experiments.decode_bench import build_model
 from replayssm_jax.models import ModelConfig, Proposal, Proposer
-from replayssm_jax.models import generate, prefill, speculative_generate
+from replayssm_jax.models import (generate, kv_cache_len, prefill,
+                                  speculative_generate)
 from replayssm_jax.precision import PrecisionPolicy
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(
@@ -180,7 +181,8 @@ def bench_batch(model, config, batch: int, writer) -> list[dict]:
               if b.proposer == "flat_sampling" else {})
 
   def run_prefill():
-    st = model.init_state(batch, b.prompt_len + n_new + max(b.windows),
+    st = model.init_state(batch,
+                          kv_cache_len(b.prompt_len + n_new + max(b.windows)),
                           ssm_mode="replay", buffer_len=b.buffer_len,
                           **replay_kw)
     return prefill(model, prompts, lengths, st)[0]

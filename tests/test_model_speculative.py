@@ -38,7 +38,7 @@ from replayssm_jax.models import (DraftModelProposer, MambaState,
                                   verify)
 from replayssm_jax.models import model as M
 from replayssm_jax.models.generate import generate, sampling_probs
-from replayssm_jax.models.states import AttentionState
+from replayssm_jax.models.states import AttentionState, kv_cache_len
 from tests.test_models import make_model, random_tokens
 
 TOL = testing.TOLERANCES["float32"]
@@ -199,6 +199,10 @@ def test_greedy_equals_generate(model, draft, prompts, reference, ssm_mode,
   # The final state holds everything but each row's last token.
   np.testing.assert_array_equal(state.positions,
                                 np.array(LENGTHS) + MAX_NEW - 1)
+  # The KV cache holds prompt + new tokens + window, rounded up so the
+  # attention kernel tiles it (an untiled length sent verify to XLA).
+  assert state.max_len == kv_cache_len(P + MAX_NEW + WINDOW)
+  assert state.max_len % 64 == 0
   steps = np.asarray(stats.verify_steps)
   acc = np.asarray(stats.accepted_drafts)
   # Every verify step emits accepted drafts + 1 tokens (capped at the end).

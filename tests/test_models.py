@@ -26,7 +26,10 @@ from replayssm_jax.models import (HybridLM, MambaState, ModelConfig,
                                   decode_step, prefill)
 from replayssm_jax.models import hf
 from replayssm_jax.models import model as M
+from replayssm_jax.models import states as S
 from replayssm_jax.models.generate import generate
+from pallas_kernels import attention as attention_kernel
+from pallas_kernels import common as kernel_common
 # The module (the package re-exports its function under the same name).
 G = importlib.import_module("replayssm_jax.models.generate")
 
@@ -476,3 +479,13 @@ def test_from_pretrained_lists_bad_tensors(tmp_path):
     json.dump({"architectures": ["LlamaForCausalLM"], "hidden_size": 8}, f)
   with pytest.raises(ValueError, match="architecture"):
     hf.from_pretrained(str(tmp_path))
+
+
+@pytest.mark.parametrize("entries,expected", [(1, 64), (64, 64), (65, 128),
+                                              (388, 448)])
+def test_kv_cache_len_rounds_up_to_the_attention_block(entries, expected):
+  assert S.kv_cache_len(entries) == expected
+  # Such a cache is one the attention kernel takes (blocks of >= 16).
+  config = kernel_common.AttentionConfig()
+  assert attention_kernel.shape_problem(128, expected, config) is None
+  assert attention_kernel.shape_problem(128, 388, config) is not None

@@ -35,7 +35,7 @@ from configs import _decode_bench
 from configs import hybrid_1b
 from experiments.decode_bench import build_model
 from experiments.specdec_bench import FlatOracleProposer
-from replayssm_jax.models import (ModelConfig, generate, prefill,
+from replayssm_jax.models import (ModelConfig, generate, kv_cache_len, prefill,
                                   speculative_generate)
 from replayssm_jax.models.generate import sampling_settings
 from replayssm_jax.models.speculative import accept, commit_fn, verify_fn
@@ -117,8 +117,8 @@ def loop_splits(model, prompts, lengths, t: int, n_new: int,
     kw = dict(state_kw, temperature=1000.0, rng=jax.random.PRNGKey(8))
 
     def pre(mode=mode):
-      st = model.init_state(b, prompts.shape[1] + n_new + t, ssm_mode=mode,
-                            **state_kw)
+      st = model.init_state(b, kv_cache_len(prompts.shape[1] + n_new + t),
+                            ssm_mode=mode, **state_kw)
       return prefill(model, prompts, lengths, st)[0]
 
     if name == "plain":
@@ -249,7 +249,8 @@ def main():
   print("window forward", res["window_forward_ms"], flush=True)
 
   for mode in ("replay", "baseline"):
-    st = model.init_state(b, 128 + 4 * steps * t + 8, ssm_mode=mode,
+    st = model.init_state(b, kv_cache_len(128 + 4 * steps * t + 8),
+                          ssm_mode=mode,
                           **_state_kw(mode, policy))
     logits, st = prefill(model, prompts, lengths, st)
     tok = jnp.argmax(logits, -1).astype(jnp.int32)

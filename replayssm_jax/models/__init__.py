@@ -13,6 +13,8 @@
                     (replay: counter move; baseline: snapshot per position).
   speculative_generate  jit-compiled speculative decoding loop with a
                     Proposer (DraftModelProposer, NgramProposer).
+  kv_cache_len      a KV-cache length the attention kernel tiles (the
+                    loops' own caches use it; so should a caller's).
   from_pretrained   Hugging Face Mamba2 / NemotronH checkpoint directory.
 """
 
@@ -26,7 +28,8 @@ from replayssm_jax.models.speculative import (DraftModelProposer,
                                               Proposer, SpecStats, commit,
                                               speculative_generate, verify)
 from replayssm_jax.models.states import (AttentionState, MambaState,
-                                         ModelState, StoredSSMState)
+                                         ModelState, StoredSSMState,
+                                         kv_cache_len)
 
 __all__ = [
     "AttentionState",
@@ -46,6 +49,7 @@ __all__ = [
     "decode_step",
     "from_pretrained",
     "generate",
+    "kv_cache_len",
     "prefill",
     "speculative_generate",
     "verify",

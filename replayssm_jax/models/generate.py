@@ -15,6 +15,7 @@ from flax import nnx
 
 from replayssm_jax import _validation as V
 from replayssm_jax.models import model as M
+from replayssm_jax.models import states as S
 
 F32 = jnp.float32
 
@@ -187,7 +188,8 @@ def generate(model: M.HybridLM, prompt_tokens, prompt_lengths,
                      f"{max_new_tokens!r}.")
   sampling = sampling_settings(temperature, top_k, top_p, greedy, rng)
   b, t = check_prompts_and_eos(model, prompt_tokens, eos_id)
-  state = model.init_state(b, t + max_new_tokens, ssm_mode=ssm_mode,
+  state = model.init_state(b, S.kv_cache_len(t + max_new_tokens),
+                           ssm_mode=ssm_mode,
                            buffer_len=buffer_len, **state_kwargs)
   lengths = jnp.asarray(prompt_lengths, jnp.int32)
   M.check_prefill_inputs(model, prompt_tokens, lengths, state)

@@ -751,7 +751,7 @@ def speculative_generate(target: M.HybridLM, proposer: Proposer,
   sampling = sampling_settings(temperature, top_k, top_p, greedy, rng)
   b, p_len = check_prompts_and_eos(target, prompt_tokens, eos_id)
   # Room: verify writes up to position P + max_new_tokens + window - 3.
-  max_len = p_len + max_new_tokens + window
+  max_len = S.kv_cache_len(p_len + max_new_tokens + window)
   state = target.init_state(b, max_len, ssm_mode=ssm_mode,
                             buffer_len=buffer_len, **state_kwargs)
   for s in state.layers:

@@ -217,6 +217,21 @@ def init_mamba_state(cfg, batch: int, ssm_mode: str, buffer_len: int,
                     conv_start=jnp.zeros((batch,), jnp.int32))
 
 
+KV_BLOCK = 64  # pallas_kernels.common.AttentionConfig.block_s's default
+
+
+def kv_cache_len(entries: int) -> int:
+  """KV-cache length for `entries` positions, rounded up to a multiple of
+  KV_BLOCK. The decode attention kernel walks the cache in blocks that
+  divide its length (and falls back to XLA's attention below 16-entry
+  blocks); it reads only the entries each row sees, so the padding costs
+  memory only. The decode loops allocate their caches with it: the
+  speculative loop's prompt + new tokens + window (388 for hybrid_1b's
+  benchmark) had sent every verify window to XLA's attention (~200 µs per
+  layer against ~87 for the kernel at batch 256, session 29's profile)."""
+  return -(-entries // KV_BLOCK) * KV_BLOCK
+
+
 def init_attention_state(cfg, batch: int, max_len: int,
                          kv_dtype) -> AttentionState:
   shape = (batch, cfg.num_kv_heads, max_len, cfg.attn_head_dim)
