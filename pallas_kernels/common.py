@@ -630,6 +630,14 @@ class VerifyConfig(_LaunchConfig):
       lanes: 3 rounds). None: the whole dstate at once. H200 (sweeps
       8-10): window kernel 0.26 ms at 32 (the default; 0.40 per verify),
       0.28 at 16 and 64, 0.35-0.38 with the whole dstate.
+    window_form: how the window kernel forms the T positions' outputs:
+      "positions" (one readout and two term reductions per position) or
+      "stacked" (the positions as a tile axis: one reduction each for the
+      readout, the history and the window terms; needs readout "reduce",
+      precompute "bc" / "bc_reduce" and no read copy). Session 29's
+      profile: the window kernel took 0.264 ms per verify at batch 256
+      (11 of them, 2.9 of the 8.1 ms iteration), the decode step's output
+      route 0.142 on the same checkpoint.
   """
   fold: str | None = None
   copy_readout: str = "masked"
@@ -640,9 +648,11 @@ class VerifyConfig(_LaunchConfig):
   precompute: str = "bc_reduce"
   readout: str = "reduce"
   readout_chunk: int | None = 32
+  window_form: str = "positions"
 
   def __post_init__(self):
     super().__post_init__()
+    _check_choice("window_form", self.window_form, ("positions", "stacked"))
     _check_choice("precompute", self.precompute,
                   ("none", "bc", "bc_reduce", "terms"))
     _check_choice("readout", self.readout,

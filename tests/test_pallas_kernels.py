@@ -962,7 +962,8 @@ def test_kernels_lower_to_triton(config, batch, buffer_len, policy):
                   pk.VerifyConfig(precompute="terms"),
                   pk.VerifyConfig(readout="dot_tf32x3"),
                   pk.VerifyConfig(readout="xla"),
-                  pk.VerifyConfig(readout_chunk=16)]
+                  pk.VerifyConfig(readout_chunk=16),
+                  pk.VerifyConfig(window_form="stacked")]
       if buffer_len >= 16:  # a dot fold needs L >= 16
         vconfigs.append(pk.VerifyConfig(fold="dot_bf16x3"))
       for vconfig in vconfigs:

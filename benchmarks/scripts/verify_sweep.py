@@ -88,6 +88,15 @@ VARIANTS = {
     # A read-copy state's window readout as one branch per program on the
     # row's fold instead of two masked loads (with --policy; session 28).
     "copy_branch": dict(copy_readout="branch"),
+    # The window's positions as a tile axis: one reduction each for the
+    # readout, history and window terms (session 29).
+    "stacked": dict(window_form="stacked"),
+    "stacked_bp64": dict(window_form="stacked", block_p=64),
+    "stacked_bp16": dict(window_form="stacked", block_p=16),
+    "stacked_chunk16": dict(window_form="stacked", readout_chunk=16),
+    "stacked_chunk64": dict(window_form="stacked", readout_chunk=64),
+    "stacked_w8": dict(window_form="stacked", num_warps=8),
+    "stacked_w2": dict(window_form="stacked", num_warps=2),
     "reference": None,  # the XLA reference op (implementation="reference")
 }
 
