@@ -4,7 +4,8 @@ Importing this package registers implementation "pallas" for
 `replayssm_jax.selective_state_update`, `replayssm_jax.replay_state_update`,
 `replayssm_jax.replay_verify`, `replayssm_jax.baseline_verify`,
 `replayssm_jax.ops.decode_attention`, `replayssm_jax.ops.causal_conv1d_step`,
-`replayssm_jax.ops.gated_rms_norm` and `replayssm_jax.ops.add_rms_norm` (the
+`replayssm_jax.ops.causal_conv1d_window`, `replayssm_jax.ops.gated_rms_norm`
+and `replayssm_jax.ops.add_rms_norm` (the
 dispatcher imports it lazily on first use). The kernels use the Pallas
 Triton backend on GPU and Pallas interpret mode elsewhere, so the same kernel
 code runs in CPU tests. The Mosaic GPU baseline kernel
@@ -160,6 +161,11 @@ def _conv(*, config=None, **args):
       **args, config=config or ConvConfig(), interpret=not on_gpu())
 
 
+def _conv_window(*, config=None, **args):
+  return conv_kernel.causal_conv1d_window(
+      **args, config=config or ConvConfig(), interpret=not on_gpu())
+
+
 def _norm_supports(group_size, **_):
   return norm_kernel.shape_problem("group_size", group_size)
 
@@ -193,7 +199,8 @@ for _op, _fn, _supports in (
     ("decode_attention", _attention, _attention_supports),
     ("gated_rms_norm", _norm, _norm_supports),
     ("add_rms_norm", _add_norm, _add_norm_supports),
-    ("causal_conv1d_step", _conv, _conv_supports)):
+    ("causal_conv1d_step", _conv, _conv_supports),
+    ("causal_conv1d_window", _conv_window, _conv_supports)):
   _ops.register_implementation(
       _op, _ops.Implementation("pallas", _fn, supports=_supports,
                                preferred=on_gpu, priority=10))

@@ -245,3 +245,32 @@ def causal_conv1d_step_reference(x, conv_state, start, weight, bias=None,
       activation)
   cuts = np.cumsum(sizes)[:-1].tolist()
   return tuple(jnp.split(y, cuts, axis=-1)), new_state, new_start
+
+
+def causal_conv1d_window_reference(x, conv_state, start, weight, bias=None,
+                                   activation: str | None = "silu",
+                                   split=None, x_offset: int = 0):
+  """The causal conv over a window of T new inputs per row from a
+  ring-buffer conv state, which is left as it is (a speculative verify:
+  the accepted prefix rolls the state forward at commit), the output cut
+  into channel pieces.
+
+  Args:
+    x: [batch, T, width]: the conv's input is columns x_offset .. x_offset
+      + dim - 1.
+    conv_state, start, weight, bias, activation: as in
+      `causal_conv1d_update_ring`.
+    split: channel counts of the output pieces (summing to dim), or None.
+    x_offset: the first column of the conv's input in x.
+
+  Returns:
+    tuple of y pieces [batch, T, n] in x.dtype: `causal_conv1d` of the
+    window after `conv_ring_ordered(conv_state, start)`.
+  """
+  dim = conv_state.shape[-1]
+  sizes = check_split(split, dim)
+  y, _ = causal_conv1d(x[..., x_offset:x_offset + dim], weight, bias,
+                       initial_state=conv_ring_ordered(conv_state, start),
+                       activation=activation)
+  cuts = np.cumsum(sizes)[:-1].tolist()
+  return tuple(jnp.split(y, cuts, axis=-1))

@@ -68,6 +68,7 @@ _REGISTRY: dict[str, dict[str, Implementation]] = {
         ("baseline_verify", speculative.baseline_verify_reference),
         ("decode_attention", attention.decode_attention_reference),
         ("causal_conv1d_step", conv.causal_conv1d_step_reference),
+        ("causal_conv1d_window", conv.causal_conv1d_window_reference),
         ("gated_rms_norm", norm.gated_rms_norm_reference),
         ("add_rms_norm", norm.add_rms_norm_reference))}
 
@@ -241,6 +242,39 @@ def causal_conv1d_step(x, conv_state, start, weight, bias=None, *,
               bias=bias, activation=activation, split=split,
               x_offset=x_offset)
   return dispatch("causal_conv1d_step", implementation, config, args)
+
+
+def causal_conv1d_window(x, conv_state, start, weight, bias=None, *,
+                         activation: str | None = "silu", split=None,
+                         x_offset: int = 0, implementation: str | None = None,
+                         config=None):
+  """The causal depthwise conv over a speculative window of T inputs per
+  row, from a ring-buffer conv state that it does not change, its output
+  cut into channel pieces (Mamba-2's x, B, C).
+
+  Args:
+    x: [batch, T, width] holding the window's pre-conv inputs in columns
+      x_offset .. x_offset + dim - 1 (read in place by a kernel).
+    conv_state, start, weight, bias, activation, split, implementation,
+      config: as in `causal_conv1d_step`.
+    x_offset: the first column of the conv's input in x (a Python int).
+
+  Returns:
+    tuple of pieces [batch, T, n] in x.dtype.
+  """
+  V.check_ndim("x", x, 3, "[batch, T, width]")
+  V.check_ndim("conv_state", conv_state, 3, "[batch, kernel_size - 1, dim]")
+  dim = conv_state.shape[-1]
+  V.check_column_offset("x_offset", x_offset, dim, x.shape[-1],
+                        "the conv's input inside x")
+  conv.check_step_args(jax.ShapeDtypeStruct((x.shape[0], dim), x.dtype),
+                       conv_state, weight, bias, activation)
+  conv.check_start(start, x.shape[0])
+  conv.check_split(split, dim)
+  args = dict(x=x, conv_state=conv_state, start=start, weight=weight,
+              bias=bias, activation=activation, split=split,
+              x_offset=x_offset)
+  return dispatch("causal_conv1d_window", implementation, config, args)
 
 
 def gated_rms_norm(y, z, weight, *, group_size: int, eps: float,

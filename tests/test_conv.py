@@ -243,3 +243,62 @@ def test_conv_step_kernel_lowers_to_triton(kernel_size, bias, activation):
           x_offset=4096),
       x[0], state, start, w, b)
   assert "replayssm_conv_step" in text
+
+
+# ops.causal_conv1d_window: the step cases with windows of 1-5 tokens.
+@pytest.mark.parametrize("case,window", zip(CONV_STEP_CASES, (4, 1, 5, 2)),
+                         ids=str)
+def test_conv_window_kernel_matches_reference(case, window):
+  """A window of T inputs from a ring with ragged start slots: the kernel's
+  pieces within the dtype's tolerance of the reference's, the ring and the
+  inputs untouched; the reference equals T ring steps (the window's
+  outputs do not depend on how the state would be advanced)."""
+  batch, dim, split, k, bias, activation, dtype, off = case
+  x, state, start, w, b = _conv_step_inputs(batch, dim, k, bias, dtype,
+                                            seed=3, x_offset=off)
+  xw = jnp.swapaxes(x[:window], 0, 1)  # [batch, T, width]
+  before = np.asarray(state, np.float32).copy()
+  kw = dict(activation=activation, split=split, x_offset=off)
+  pieces = {impl: ops.causal_conv1d_window(xw, state, start, w, b, **kw,
+                                           implementation=impl)
+            for impl in ("reference", "pallas")}
+  _, steps = _conv_step_scan("reference", x[:window], state, start, w, b,
+                             activation, split, off)
+  sizes = split or (dim,)
+  tol = testing.tolerance(dtype)
+  for i, n in enumerate(sizes):
+    got, ref = pieces["pallas"][i], pieces["reference"][i]
+    assert got.shape == (batch, window, n) and got.dtype == x.dtype
+    testing.assert_close(got, ref, tol, f"piece {i}")
+    testing.assert_close(ref, jnp.swapaxes(steps[i], 0, 1), tol,
+                         f"piece {i} vs steps")
+  np.testing.assert_array_equal(np.asarray(state, np.float32), before)
+
+
+def test_conv_window_rejects_bad_arguments():
+  x, state, start, w, b = _conv_step_inputs(3, 64, 4, True, "float32")
+  xw = jnp.swapaxes(x[:2], 0, 1)  # [3, 2, 67]
+  with pytest.raises(ValueError, match=r"x must be 3-D \[batch, T, width\]"):
+    ops.causal_conv1d_window(x[0], state, start, w, b)
+  with pytest.raises(ValueError, match="x_offset must be an int"):
+    ops.causal_conv1d_window(xw, state, start, w, b, x_offset=4)
+  with pytest.raises(ValueError, match="split must be positive ints"):
+    ops.causal_conv1d_window(xw, state, start, w, b, split=(32, 16))
+  with pytest.raises(TypeError, match="start must be an integer"):
+    ops.causal_conv1d_window(xw, state, start.astype(jnp.float32), w, b)
+  with pytest.raises(NotImplementedError, match="implementation='reference'"):
+    ops.causal_conv1d_window(xw, state, start, w, b, split=(40, 12, 12),
+                             implementation="pallas")
+
+
+def test_conv_window_kernel_lowers_to_triton():
+  """The window kernel lowers for the GPU at hybrid_1b's Mamba shapes (a
+  verify window of 4 inside the in_proj output)."""
+  from tests.test_pallas_kernels import _lower_for_cuda  # pylint: disable=g-import-not-at-top
+  x, state, start, w, b = _conv_step_inputs(32, 6144, 4, True, "bfloat16",
+                                            x_offset=4096)
+  text = _lower_for_cuda(
+      lambda *a: pk.conv.causal_conv1d_window(
+          *a, split=(4096, 1024, 1024), x_offset=4096),
+      jnp.swapaxes(x[:4], 0, 1), state, start, w, b)
+  assert "replayssm_conv_window" in text

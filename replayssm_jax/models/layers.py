@@ -281,8 +281,8 @@ class Mamba2Mixer(nnx.Module):
              layer=0):
     """A window of T tokens per row from the committed state.
 
-    in_proj and the causal conv (starting from the conv state) run over the
-    whole window; the SSM outputs come from `replay_verify` (replay state:
+    in_proj and the causal conv (starting from the conv state:
+    `ops.causal_conv1d_window`) run over the whole window; the SSM outputs come from `replay_verify` (replay state:
     one parallel pass from checkpoint + buffer, `implementation` goes to its
     dispatcher) or `baseline_verify` (full state: one snapshot per window
     position).
@@ -291,7 +291,8 @@ class Mamba2Mixer(nnx.Module):
       h: [b, T, d] normed window activations.
       state: the committed MambaState.
       implementation: implementation of the SSM op (replay_verify in
-        replay mode, baseline_verify in baseline mode) and the gated norm.
+        replay mode, baseline_verify in baseline mode), the window conv and
+        the gated norm.
       layer: this block's index among the Mamba blocks (keys stochastic
         rounding of an early flush).
 
@@ -308,10 +309,17 @@ class Mamba2Mixer(nnx.Module):
     bsz, t, _ = h.shape
     zxbcdt = self.in_proj(h)
     _, xbc, dt = self._split(zxbcdt)
-    xbc_act, _ = causal_conv1d(xbc, self.conv_weight[...], self.conv_bias[...],
-                               initial_state=state.ordered_conv(),
-                               activation="silu")
-    x, b, cc = self._split_xbc(xbc_act)  # [b, T, H, P], [b, T, G, N] x2
+    # The window's conv from the (ring) conv state, read in place from the
+    # in_proj output and written as x, B, C pieces (as the decode step's).
+    gn = c.n_groups * c.d_state
+    start = (jnp.zeros((bsz,), jnp.int32) if state.conv_start is None
+             else state.conv_start)
+    x, b, cc = ops.causal_conv1d_window(
+        zxbcdt, state.conv, start, self.conv_weight[...],
+        self.conv_bias[...], activation="silu", split=(c.d_inner, gn, gn),
+        x_offset=c.d_inner, implementation=implementation)
+    x = x.reshape(bsz, t, c.ssm_heads, c.head_dim)
+    b, cc = (v.reshape(bsz, t, c.n_groups, c.d_state) for v in (b, cc))
     A, D, dt_bias = self._ssm_params()
     if isinstance(state.ssm, ReplayState):
       y, ssm = replay_verify(state.ssm, x, dt, A, b, cc, D=D, dt_bias=dt_bias,
