@@ -290,12 +290,14 @@ P.run(c, sys.argv[1])" "$OUT/precision_mqar1024_rest" ;;
     # decode step and verify through every kernel), pytest's output kept.
     # The tests' f32 tolerances assume IEEE f32 matmuls (the model's
     # Linear layers use XLA's default precision, TF32 on the GPU).
-    # Argument 2: another pytest -k expression (e.g. "window_kernel_matches
-    # or with_the_kernel": the conv window kernel and the model-level test).
+    # Argument 2 "window": only the conv window kernel's tests and the
+    # model-level test.
+    k="kernel_matches or with_the_kernel or kernel_and_reference"
+    [ "${2:-}" = window ] && k="window_kernel_matches or with_the_kernel"
     JAX_DEFAULT_MATMUL_PRECISION=highest REPLAYSSM_TEST_CACHE=0 \
       timeout "$T" python -m pytest -q -p no:cacheprovider \
       tests/test_conv.py tests/test_norm.py tests/test_attention.py \
-      -k "${2:-kernel_matches or with_the_kernel or kernel_and_reference}" \
+      -k "$k" \
       > "$OUT/gpu_tests.txt" 2>&1 \
       || echo "gpu_tests: failures (see $OUT/gpu_tests.txt)" ;;
   check)
