@@ -143,7 +143,8 @@ case "$1" in
     done ;;
   specdec_L32)
     specdec_bench specdec_L32 --config.bench.batches='(256,512)' \
-      --config.bench.windows='(4,)' --config.bench.buffer_len=32 ;;
+      --config.bench.windows='(4,)' --config.bench.buffer_len=32 \
+      --config.bench.ssm_modes="('replay',)" ;;
   specdec_small)
     specdec_bench specdec_small --config.bench.batches='(1,64)' \
       --config.bench.windows='(4,2,8)' ;;
