@@ -571,7 +571,10 @@ class VerifyConfig(_LaunchConfig):
       the row's fold: one source's loads and readouts). The replay
       speculative loop with an f32 master + fp8 copy ran slower than with
       plain f32 states on the H200 (session 28: 57.4k against 66.2k
-      tokens/s at batch 256, "masked"); "branch" is not yet timed.
+      tokens/s at batch 256, "masked"). H200, hybrid_1b's layer, f32
+      master + fp8 copy (session 29, benchmarks/verify_sweep_h200.json
+      sweep 15): window kernel 0.272 ms masked, 0.288 branch (0.264 on a
+      plain f32 state).
     fold_grid: "persistent" (`fold_programs` programs share out the
       folding rows' items) or "rows" (the window kernel's grid, programs of
       rows that do not fold exit at once).
@@ -634,10 +637,14 @@ class VerifyConfig(_LaunchConfig):
       "positions" (one readout and two term reductions per position) or
       "stacked" (the positions as a tile axis: one reduction each for the
       readout, the history and the window terms; needs readout "reduce",
-      precompute "bc" / "bc_reduce" and no read copy). Session 29's
-      profile: the window kernel took 0.264 ms per verify at batch 256
-      (11 of them, 2.9 of the 8.1 ms iteration), the decode step's output
-      route 0.142 on the same checkpoint.
+      precompute "bc" / "bc_reduce" and no read copy). H200, hybrid_1b's
+      layer at batch 256, T 4, L 16 (session 29,
+      benchmarks/verify_sweep_h200.json sweep 16): the window kernel took
+      0.307 ms stacked against 0.262 per position (0.267 with 16-column
+      readout blocks; 0.327 / 0.352 at block_p 64 / 16, 0.382 / 0.337 at
+      8 / 2 warps, 0.511 with 64-column blocks), so "positions" stays.
+    max_registers: cap on the registers per thread of the window kernel
+      (as `ReplayConfig.max_registers`); None: no cap.
   """
   fold: str | None = None
   copy_readout: str = "masked"
@@ -649,10 +656,12 @@ class VerifyConfig(_LaunchConfig):
   readout: str = "reduce"
   readout_chunk: int | None = 32
   window_form: str = "positions"
+  max_registers: int | None = None
 
   def __post_init__(self):
     super().__post_init__()
     _check_choice("window_form", self.window_form, ("positions", "stacked"))
+    _check_registers("max_registers", self.max_registers)
     _check_choice("precompute", self.precompute,
                   ("none", "bc", "bc_reduce", "terms"))
     _check_choice("readout", self.readout,

@@ -558,7 +558,9 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                  sds(rstate.dt_buf.shape, rstate.dt_buf.dtype),
                  sds(rstate.count.shape, rstate.count.dtype)),
       input_output_aliases={1: 1, 2: 2, 3: 3}, compiler_params=params,
-      interpret=interpret, name="replayssm_verify_window",
+      interpret=interpret,
+      name=common.capped_name("replayssm_verify_window",
+                              config.max_registers),
   )(ck, rstate.x_buf, rstate.b_buf, rstate.dt_buf, rstate.count, *token_in,
     *pre, *copy_out, *optional)
   fields = {}

@@ -360,6 +360,12 @@ P.run(c, sys.argv[1])" "$OUT/precision_mqar1024_rest" ;;
       python benchmarks/scripts/verify_sweep.py \
       --variants default,stacked,stacked_bp64,stacked_bp16,stacked_chunk16,stacked_chunk64,stacked_w8,stacked_w2 \
       --out "$OUT/verify_sweep_stacked.json" ;;
+  verify_caps)
+    # The window kernel's registers capped (session 29).
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout "$T" \
+      python benchmarks/scripts/verify_sweep.py \
+      --variants default,cap64,cap80,cap96 \
+      --out "$OUT/verify_sweep_caps.json" ;;
   ncu_verify)
     # The window kernel of each variant (argument 2, comma-separated).
     timeout "$T" "${NCU[@]}" -k regex:replayssm_verify_window -c 3 \

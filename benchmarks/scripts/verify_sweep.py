@@ -97,6 +97,10 @@ VARIANTS = {
     "stacked_chunk64": dict(window_form="stacked", readout_chunk=64),
     "stacked_w8": dict(window_form="stacked", num_warps=8),
     "stacked_w2": dict(window_form="stacked", num_warps=2),
+    # The window kernel's registers capped (session 29).
+    "cap64": dict(max_registers=64),
+    "cap80": dict(max_registers=80),
+    "cap96": dict(max_registers=96),
     "reference": None,  # the XLA reference op (implementation="reference")
 }
 
