@@ -246,7 +246,8 @@ def test_conv_step_kernel_lowers_to_triton(kernel_size, bias, activation):
 
 
 # ops.causal_conv1d_window: the step cases with windows of 1-5 tokens.
-@pytest.mark.parametrize("case,window", zip(CONV_STEP_CASES, (4, 1, 5, 2)),
+@pytest.mark.parametrize("case,window",
+                         list(zip(CONV_STEP_CASES, (4, 1, 5, 2))),
                          ids=str)
 def test_conv_window_kernel_matches_reference(case, window):
   """A window of T inputs from a ring with ragged start slots: the kernel's
