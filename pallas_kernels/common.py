@@ -633,18 +633,18 @@ class VerifyConfig(_LaunchConfig):
       lanes: 3 rounds). None: the whole dstate at once. H200 (sweeps
       8-10): window kernel 0.26 ms at 32 (the default; 0.40 per verify),
       0.28 at 16 and 64, 0.35-0.38 with the whole dstate.
-    window_form: how the window kernel forms the T positions' outputs:
-      "positions" (one readout and two term reductions per position) or
-      "stacked" (the positions as a tile axis: one reduction each for the
-      readout, the history and the window terms; needs readout "reduce",
-      precompute "bc" / "bc_reduce" and no read copy). H200, hybrid_1b's
-      layer at batch 256, T 4, L 16 (session 29,
-      benchmarks/verify_sweep_h200.json sweep 16): the window kernel took
-      0.307 ms stacked against 0.262 per position (0.267 with 16-column
-      readout blocks; 0.327 / 0.352 at block_p 64 / 16, 0.382 / 0.337 at
-      8 / 2 warps, 0.511 with 64-column blocks), so "positions" stays.
     max_registers: cap on the registers per thread of the window kernel
-      (as `ReplayConfig.max_registers`); None: no cap.
+      (as `ReplayConfig.max_registers`); None: no cap. H200, hybrid_1b's
+      layer at batch 256, T 4, L 16 (session 29,
+      benchmarks/verify_sweep_h200.json sweep 17): 0.265 ms at 64, 0.301
+      at 80, 0.313 at 96, against 0.264 uncapped.
+
+  The window kernel forms the T positions' outputs one position at a time
+  (a readout and two term reductions each). With the positions as a tile
+  axis instead (one reduction each over [T, block_p, chunk], [L, T,
+  block_p] and [T, T, block_p] products; session 29, sweep 16, since
+  removed) it took 0.307 ms against 0.262 (0.267-0.511 at other blocks
+  and warps).
   """
   fold: str | None = None
   copy_readout: str = "masked"
@@ -655,12 +655,10 @@ class VerifyConfig(_LaunchConfig):
   precompute: str = "bc_reduce"
   readout: str = "reduce"
   readout_chunk: int | None = 32
-  window_form: str = "positions"
   max_registers: int | None = None
 
   def __post_init__(self):
     super().__post_init__()
-    _check_choice("window_form", self.window_form, ("positions", "stacked"))
     _check_registers("max_registers", self.max_registers)
     _check_choice("precompute", self.precompute,
                   ("none", "bc", "bc_reduce", "terms"))

@@ -101,34 +101,44 @@ def causal_conv1d_step(x, conv_state, start, weight, bias=None,
                        interpret: bool = False):
   """Same signature and results as the reference
   (`conv.causal_conv1d_step_reference`), plus a tuning config."""
-  b, dim = x.shape[0], conv_state.shape[-1]
-  k = weight.shape[1]
-  sizes = (dim,) if split is None else tuple(split)
-  problem = shape_problem(sizes, k, config)
-  if problem is not None:
-    raise NotImplementedError(problem)
-  k1 = k - 1
-  bc = block_channels(sizes, config)
-  br = common.pow2_divisor(b, config.block_rows)
-  slot = start.astype(jnp.int32) % k1
-  operands = [x, conv_state, slot, weight] + ([bias] if bias is not None
-                                               else [])
+  b = x.shape[0]
+  sizes, grid, operands, kw = _launch(x, conv_state, start, weight, bias,
+                                      activation, split, x_offset, config)
   out_shape = tuple(jax.ShapeDtypeStruct((b, n), x.dtype) for n in sizes) + (
       jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),)
   *pieces, new_state = pl.pallas_call(
-      functools.partial(_kernel, k1=k1, has_bias=bias is not None,
-                        silu=activation in ("silu", "swish"), block_rows=br,
-                        block_channels=bc,
-                        piece_blocks=tuple(n // bc for n in sizes),
-                        x_offset=x_offset),
-      grid=(b // br, dim // bc),
+      functools.partial(_kernel, **kw),
+      grid=grid,
       out_shape=out_shape,
       input_output_aliases={1: len(sizes)},
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps),
       interpret=interpret,
       name="replayssm_conv_step",
   )(*operands)
-  return tuple(pieces), new_state, (slot + 1) % k1
+  slot = operands[2]  # each row's oldest slot, now the new input's
+  return tuple(pieces), new_state, (slot + 1) % kw["k1"]
+
+
+def _launch(x, conv_state, start, weight, bias, activation, split, x_offset,
+            config):
+  """(piece sizes, grid, operands, kernel keywords) of either kernel: the
+  shapes checked, the blocks chosen, the ring's oldest slots."""
+  b, dim = x.shape[0], conv_state.shape[-1]
+  k = weight.shape[1]
+  sizes = (dim,) if split is None else tuple(split)
+  problem = shape_problem(sizes, k, config)
+  if problem is not None:
+    raise NotImplementedError(problem)
+  bc = block_channels(sizes, config)
+  br = common.pow2_divisor(b, config.block_rows)
+  slot = start.astype(jnp.int32) % (k - 1)
+  operands = [x, conv_state, slot, weight] + ([bias] if bias is not None
+                                               else [])
+  kw = dict(k1=k - 1, has_bias=bias is not None,
+            silu=activation in ("silu", "swish"), block_rows=br,
+            block_channels=bc, piece_blocks=tuple(n // bc for n in sizes),
+            x_offset=x_offset)
+  return sizes, (b // br, dim // bc), operands, kw
 
 
 def _window_kernel(x_ref, state_ref, slot_ref, w_ref, *refs, k1, window,
@@ -188,26 +198,11 @@ def causal_conv1d_window(x, conv_state, start, weight, bias=None,
   session 29's profile); here one launch reads the ring and the window
   once and writes the pieces."""
   b, window = x.shape[:2]
-  dim = conv_state.shape[-1]
-  k = weight.shape[1]
-  sizes = (dim,) if split is None else tuple(split)
-  problem = shape_problem(sizes, k, config)
-  if problem is not None:
-    raise NotImplementedError(problem)
-  k1 = k - 1
-  bc = block_channels(sizes, config)
-  br = common.pow2_divisor(b, config.block_rows)
-  slot = start.astype(jnp.int32) % k1
-  operands = [x, conv_state, slot, weight] + ([bias] if bias is not None
-                                               else [])
+  sizes, grid, operands, kw = _launch(x, conv_state, start, weight, bias,
+                                      activation, split, x_offset, config)
   return tuple(pl.pallas_call(
-      functools.partial(_window_kernel, k1=k1, window=window,
-                        has_bias=bias is not None,
-                        silu=activation in ("silu", "swish"), block_rows=br,
-                        block_channels=bc,
-                        piece_blocks=tuple(n // bc for n in sizes),
-                        x_offset=x_offset),
-      grid=(b // br, dim // bc),
+      functools.partial(_window_kernel, window=window, **kw),
+      grid=grid,
       out_shape=tuple(jax.ShapeDtypeStruct((b, window, n), x.dtype)
                       for n in sizes),
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps),

@@ -154,8 +154,7 @@ def _fold_persistent_kernel(*refs, window, has_D, has_z, has_bias, fold_dot,
 
 def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
                    precompute, readout_dot, xla_readout, readout_chunk,
-                   copy=False, scaled=False, copy_readout="masked",
-                   stacked=False, **kw):
+                   copy=False, scaled=False, copy_readout="masked", **kw):
   """Window outputs from checkpoint + history + window; append the window.
   precompute (`VerifyConfig.precompute`): "bc" adds three inputs after C,
   the B.C products of `speculative.verify_bc`; "terms" two, the decay and extra
@@ -166,9 +165,7 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
   p] (the checkpoint is then not read). copy (with readout "reduce"): the
   read copy, then with `scaled` its scales, come last: rows that folded read
   the checkpoint (the stored master), the others the copy (`_copy_readouts`,
-  as `copy_readout` says). stacked (`VerifyConfig.window_form`
-  "stacked", with precompute "bc" and readout "reduce"): the T positions'
-  outputs as one [T, block_p] tile (`_stacked_outputs`).
+  as `copy_readout` says).
   """
   n_pre = dict(none=0, bc=3, terms=2)[precompute]
   n_read = 10 + n_pre + (readout_dot is not None or xla_readout)
@@ -186,18 +183,6 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
   hist = p.j < base
   bias = None if bias_ref is None else bias_ref[h]
 
-  if stacked:
-    y = _stacked_outputs(p, (xb_ref, bb_ref, dtb_ref, a_ref, ck_ref),
-                         (x_ref, dt_ref, c_ref), bias, hist,
-                         tuple(ins[10:13]), window=T, dt_softplus=dt_softplus,
-                         block_p=kw["block_p"], chunk=readout_chunk)
-    y = common.finish_output(y, x_ref[b, :, h, ps].astype(F32),
-                             None if d_ref is None else d_ref[h],
-                             None if z_ref is None else z_ref[b, :, h, ps])
-    y_ref[b, :, h, ps] = jnp.where(p.valid, y, jnp.nan).astype(y_ref.dtype)
-    _append_window(p, refs=(x_ref, dt_ref, b_ref, bias_ref), outs=outs[1:],
-                   window=T, base=base, dt_softplus=dt_softplus)
-    return
   if xla_readout:
     readouts = [ins[10 + n_pre][b, s, h, ps] for s in range(T)]
   elif copy:
@@ -351,60 +336,6 @@ def _window_outputs_from_weights(p, refs, readouts, win_refs, bias, hist, bc,
   return ys
 
 
-def _stacked_outputs(p, refs, win_refs, bias, hist, bc, *, window,
-                     dt_softplus, block_p, chunk):
-  """The T window outputs as one [T, block_p] f32 tile (before D and z):
-  what `_readouts` and `_window_outputs_from_weights` (precompute "bc")
-  give position by position, with the positions as a tile axis, so the
-  checkpoint readout, the history and the window terms are one reduction
-  each over [T, block_p, chunk], [L, T, block_p] and [T, T, block_p]
-  products instead of one per position."""
-  xb_ref, _, dtb_ref, a_ref, ck_ref = refs
-  x_ref, dt_ref, c_ref = win_refs
-  hist_ref, win_ref, own_ref = bc
-  b, g, ps, L, h = p.b, p.g, p.ps, p.L, p.head0
-  T = window
-  a = a_ref[h].astype(F32)
-  d_hist, suf_hist = _history_dt(p, dtb_ref, hist)  # [L] each
-  x_hist = plgpu.load(
-      xb_ref.at[b, :, h, ps], mask=jnp.broadcast_to(hist[:, None],
-                                                    (L, block_p)),
-      other=0.0).astype(F32)  # [L, block_p]
-  bc_hist = plgpu.load(  # [L, T]
-      hist_ref.at[b, g], mask=jnp.broadcast_to(hist[:, None], (L, T)),
-      other=0.0)
-  d_win = process_dt(dt_ref[b, :, h], bias, dt_softplus)  # [T]
-  jw = jnp.arange(T)
-  i_, s_ = jw[:, None], jw[None, :]  # [T, T]: earlier token i, position s
-  tot_win = jnp.sum(jnp.where(i_ <= s_, d_win[:, None], 0.0), axis=0)  # [s]
-  k_ = jw[:, None, None]  # suf_win[i, s] = sum_{i < k <= s} d_k
-  suf_win = jnp.sum(jnp.where((i_[None] < k_) & (k_ <= s_[None]),
-                              d_win[:, None, None], 0.0), axis=0)
-  # Position-major weights: [L, T] for the history, [T, T] for the window.
-  w_hist = (d_hist[:, None] * jnp.exp(a * (suf_hist[:, None]
-                                          + tot_win[None, :])) * bc_hist)
-  bc_win = jnp.where(i_ == s_, own_ref[b, g][None, :], win_ref[b, g])
-  w_win = jnp.where(i_ <= s_, d_win[:, None] * jnp.exp(a * suf_win),
-                    0.0) * bc_win
-  decay = jnp.exp(a * (jnp.sum(d_hist) + tot_win))  # [T]
-  # Earlier window tokens carry the buffer's rounding, the current position
-  # the caller's values (as `_window_outputs_from_weights`).
-  x_win = x_ref[b, :, h, ps].astype(F32)  # [T, block_p]
-  x_win_st = x_win.astype(xb_ref.dtype).astype(F32)
-  xw = jnp.where((i_ == s_)[:, :, None], x_win[:, None, :],
-                 x_win_st[:, None, :])  # [i, s, block_p]
-  terms = (jnp.sum(w_hist[:, :, None] * x_hist[:, None, :], axis=0)
-           + jnp.sum(w_win[:, :, None] * xw, axis=0))  # [T, block_p]
-  acc = None
-  for k, blk in enumerate(common.load_tile_blocks(ck_ref, (b, h, ps),
-                                                  chunk)):
-    cols = pl.ds(k * blk.shape[-1], blk.shape[-1])
-    cw = c_ref[b, :, g, cols].astype(F32)  # [T, chunk]
-    prod = blk.astype(F32)[None, :, :] * cw[:, None, :]
-    acc = prod if acc is None else acc + prod
-  return decay[:, None] * jnp.sum(acc, axis=2) + terms
-
-
 def _append_window(p, refs, outs, *, window, base, dt_softplus):
   """Appends the window's inputs behind the row's committed history and
   stores the row's new count (the verify kernels' common tail)."""
@@ -460,14 +391,6 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
         f"config.readout={config.readout!r} reads the checkpoint of every "
         f"row; a state with a read copy needs readout='reduce' (rows that "
         f"fold nothing read the copy).")
-  if config.window_form == "stacked" and (
-      copy or config.readout != "reduce"
-      or config.precompute not in ("bc", "bc_reduce")):
-    raise NotImplementedError(
-        f"config.window_form='stacked' needs readout='reduce', precompute "
-        f"'bc' or 'bc_reduce' and a state without a read copy; got readout="
-        f"{config.readout!r}, precompute={config.precompute!r}"
-        f"{', a read copy' if copy else ''}.")
   batch, nheads, headdim, _ = rstate.checkpoint.shape
   T, ngroups = x.shape[1], rstate.ngroups
   per_group = nheads // ngroups
@@ -548,7 +471,6 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                         readout_dot=readout_dot,
                         xla_readout=config.readout == "xla",
                         readout_chunk=config.readout_chunk, copy=copy,
-                        stacked=config.window_form == "stacked",
                         copy_readout=config.copy_readout,
                         scaled=rstate.read_scale is not None, **kw),
       grid=grid,

@@ -225,7 +225,20 @@ def causal_conv1d_step(x, conv_state, start, weight, bias=None, *,
      written over the oldest; updated in place where XLA can), new start
      [batch] int32).
   """
-  V.check_ndim("x", x, 2, "[batch, width]")
+  args = _ring_conv_args(x, "[batch, width]", conv_state, start, weight,
+                         bias, activation, split, x_offset)
+  if weight.shape[1] < 2:
+    raise ValueError(f"weight must have kernel_size >= 2 (a ring of "
+                     f"kernel_size - 1 >= 1 inputs), got {weight.shape[1]}; "
+                     f"use conv.causal_conv1d_update_ring.")
+  return dispatch("causal_conv1d_step", implementation, config, args)
+
+
+def _ring_conv_args(x, x_layout, conv_state, start, weight, bias,
+                    activation, split, x_offset) -> dict:
+  """The checked arguments of a conv op on a ring conv state (x: one
+  token [batch, width] or a window [batch, T, width])."""
+  V.check_ndim("x", x, len(x_layout.split(",")), x_layout)
   V.check_ndim("conv_state", conv_state, 3, "[batch, kernel_size - 1, dim]")
   dim = conv_state.shape[-1]
   V.check_column_offset("x_offset", x_offset, dim, x.shape[-1],
@@ -233,15 +246,10 @@ def causal_conv1d_step(x, conv_state, start, weight, bias=None, *,
   conv.check_step_args(jax.ShapeDtypeStruct((x.shape[0], dim), x.dtype),
                        conv_state, weight, bias, activation)
   conv.check_start(start, x.shape[0])
-  if weight.shape[1] < 2:
-    raise ValueError(f"weight must have kernel_size >= 2 (a ring of "
-                     f"kernel_size - 1 >= 1 inputs), got {weight.shape[1]}; "
-                     f"use conv.causal_conv1d_update_ring.")
   conv.check_split(split, dim)
-  args = dict(x=x, conv_state=conv_state, start=start, weight=weight,
+  return dict(x=x, conv_state=conv_state, start=start, weight=weight,
               bias=bias, activation=activation, split=split,
               x_offset=x_offset)
-  return dispatch("causal_conv1d_step", implementation, config, args)
 
 
 def causal_conv1d_window(x, conv_state, start, weight, bias=None, *,
@@ -262,18 +270,8 @@ def causal_conv1d_window(x, conv_state, start, weight, bias=None, *,
   Returns:
     tuple of pieces [batch, T, n] in x.dtype.
   """
-  V.check_ndim("x", x, 3, "[batch, T, width]")
-  V.check_ndim("conv_state", conv_state, 3, "[batch, kernel_size - 1, dim]")
-  dim = conv_state.shape[-1]
-  V.check_column_offset("x_offset", x_offset, dim, x.shape[-1],
-                        "the conv's input inside x")
-  conv.check_step_args(jax.ShapeDtypeStruct((x.shape[0], dim), x.dtype),
-                       conv_state, weight, bias, activation)
-  conv.check_start(start, x.shape[0])
-  conv.check_split(split, dim)
-  args = dict(x=x, conv_state=conv_state, start=start, weight=weight,
-              bias=bias, activation=activation, split=split,
-              x_offset=x_offset)
+  args = _ring_conv_args(x, "[batch, T, width]", conv_state, start, weight,
+                         bias, activation, split, x_offset)
   return dispatch("causal_conv1d_window", implementation, config, args)
 
 

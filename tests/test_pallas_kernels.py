@@ -963,7 +963,6 @@ def test_kernels_lower_to_triton(config, batch, buffer_len, policy):
                   pk.VerifyConfig(readout="dot_tf32x3"),
                   pk.VerifyConfig(readout="xla"),
                   pk.VerifyConfig(readout_chunk=16),
-                  pk.VerifyConfig(window_form="stacked"),
                   pk.VerifyConfig(max_registers=64)]
       if buffer_len >= 16:  # a dot fold needs L >= 16
         vconfigs.append(pk.VerifyConfig(fold="dot_bf16x3"))

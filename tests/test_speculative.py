@@ -299,17 +299,12 @@ def test_pallas_verify_fold_modes(config):
     (16, 4, "bfloat16", dict(precompute="bc_reduce")),
     (32, 8, "float32", dict(precompute="bc_reduce", readout_chunk=None)),
     (16, 4, "bfloat16", dict(readout_chunk=4)),
-    (8, 2, "bfloat16", dict(precompute="terms", readout_chunk=64)),
-    (16, 4, "bfloat16", dict(window_form="stacked")),
-    (32, 8, "float32", dict(window_form="stacked", precompute="bc",
-                            readout_chunk=None)),
-    (8, 2, "bfloat16", dict(window_form="stacked", readout_chunk=4))],
+    (8, 2, "bfloat16", dict(precompute="terms", readout_chunk=64))],
     ids=str)
 def test_pallas_verify_window_variants(L, T, buffer_dtype, config):
   """The window kernel with each `VerifyConfig.precompute` (nothing, the
-  B.C products as einsums or sums, every term but the checkpoint's),
-  readout (reductions, over dstate column blocks or not, dots, XLA's) and
-  window_form (per position, stacked) ==
+  B.C products as einsums or sums, every term but the checkpoint's) and
+  readout (reductions, over dstate column blocks or not, dots, XLA's) ==
   the reference, with rows that fold, rows that do not, and buffer
   rounding of the earlier window tokens."""
   b, h, p, n, g = 5, 4, 16, 16, 2
@@ -333,12 +328,6 @@ def test_pallas_verify_window_variants(L, T, buffer_dtype, config):
     rs.replay_verify(rstate, **kw, implementation="pallas",
                      config=pk.VerifyConfig(block_p=8, readout="dot_f32",
                                             fold="rank1"))
-  with pytest.raises(NotImplementedError, match="window_form='stacked'"):
-    rs.replay_verify(rstate, **kw, implementation="pallas",
-                     config=pk.VerifyConfig(window_form="stacked",
-                                            readout="xla"))
-  with pytest.raises(ValueError, match="window_form must be one of"):
-    pk.VerifyConfig(window_form="stack")
 
 
 def test_verify_bc_forms_agree():

@@ -353,13 +353,6 @@ P.run(c, sys.argv[1])" "$OUT/precision_mqar1024_rest" ;;
       python benchmarks/scripts/verify_sweep.py --policy f32+fp8 \
       --variants default,copy_branch,fold_w4c128 \
       --out "$OUT/verify_sweep_f32_fp8.json" ;;
-  verify_stacked)
-    # The window kernel's positions as a tile axis (session 29) beside the
-    # default, at other tiles, chunks and warps.
-    XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout "$T" \
-      python benchmarks/scripts/verify_sweep.py \
-      --variants default,stacked,stacked_bp64,stacked_bp16,stacked_chunk16,stacked_chunk64,stacked_w8,stacked_w2 \
-      --out "$OUT/verify_sweep_stacked.json" ;;
   verify_caps)
     # The window kernel's registers capped (session 29).
     XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout "$T" \
@@ -371,7 +364,7 @@ P.run(c, sys.argv[1])" "$OUT/precision_mqar1024_rest" ;;
     timeout "$T" "${NCU[@]}" -k regex:replayssm_verify_window -c 3 \
       --section ComputeWorkloadAnalysis \
       python benchmarks/scripts/verify_sweep.py --check_only \
-      --variants "${2:-default,stacked}" --out "$OUT/verify_check.json" \
+      --variants "${2:-default}" --out "$OUT/verify_check.json" \
       > "$OUT/ncu_verify.txt" 2>&1 ;;
   ncu_flush)
     timeout "$T" "${NCU[@]}" -k regex:replayssm_replay_flush -c 1 \

@@ -46,7 +46,8 @@ from replayssm_jax import testing
 # (the default) fastest; the B.C einsums ("bc", a GEMM fusion), block_p
 # 16 / 64, 2 and 8 warps, the readout dots, XLA's readout and
 # whole-dstate reductions slower; the window outputs as small dots and the
-# recurrent window form (both since removed) slower.
+# recurrent window form (both since removed) slower; session 29: the
+# positions as a tile axis (removed) slower.
 VARIANTS = {
     "default": {},
     "bp64": dict(block_p=64),
@@ -88,15 +89,6 @@ VARIANTS = {
     # A read-copy state's window readout as one branch per program on the
     # row's fold instead of two masked loads (with --policy; session 28).
     "copy_branch": dict(copy_readout="branch"),
-    # The window's positions as a tile axis: one reduction each for the
-    # readout, history and window terms (session 29).
-    "stacked": dict(window_form="stacked"),
-    "stacked_bp64": dict(window_form="stacked", block_p=64),
-    "stacked_bp16": dict(window_form="stacked", block_p=16),
-    "stacked_chunk16": dict(window_form="stacked", readout_chunk=16),
-    "stacked_chunk64": dict(window_form="stacked", readout_chunk=64),
-    "stacked_w8": dict(window_form="stacked", num_warps=8),
-    "stacked_w2": dict(window_form="stacked", num_warps=2),
     # The window kernel's registers capped (session 29).
     "cap64": dict(max_registers=64),
     "cap80": dict(max_registers=80),

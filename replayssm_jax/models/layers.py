@@ -282,10 +282,10 @@ class Mamba2Mixer(nnx.Module):
     """A window of T tokens per row from the committed state.
 
     in_proj and the causal conv (starting from the conv state:
-    `ops.causal_conv1d_window`) run over the whole window; the SSM outputs come from `replay_verify` (replay state:
-    one parallel pass from checkpoint + buffer, `implementation` goes to its
-    dispatcher) or `baseline_verify` (full state: one snapshot per window
-    position).
+    `ops.causal_conv1d_window`) run over the whole window; the SSM outputs
+    come from `replay_verify` (replay state: one parallel pass from
+    checkpoint + buffer, `implementation` goes to its dispatcher) or
+    `baseline_verify` (full state: one snapshot per window position).
 
     Args:
       h: [b, T, d] normed window activations.
