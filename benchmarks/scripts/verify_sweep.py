@@ -89,6 +89,12 @@ VARIANTS = {
     # A read-copy state's window readout as one branch per program on the
     # row's fold instead of two masked loads (with --policy; session 28).
     "copy_branch": dict(copy_readout="branch"),
+    # The terms' weights precomputed by XLA, the inputs weighed in the
+    # kernel (session 29, not yet timed).
+    "weights": dict(precompute="weights"),
+    "weights_bp64": dict(precompute="weights", block_p=64),
+    "weights_w2": dict(precompute="weights", num_warps=2),
+    "weights_chunk16": dict(precompute="weights", readout_chunk=16),
     # The window kernel's registers capped (session 29).
     "cap64": dict(max_registers=64),
     "cap80": dict(max_registers=80),
