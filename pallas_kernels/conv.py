@@ -56,6 +56,32 @@ def shape_problem(sizes, kernel_size: int,
   return None
 
 
+def _ordered_ring(state_ref, slot, rows, cols, k1):
+  """The ring's k1 inputs of a block, oldest first (each row's oldest in
+  its slot `slot`), as selects over the k1 loaded slots."""
+  ring = [state_ref[rows, j, cols] for j in range(k1)]
+  ordered = []
+  for age in range(k1):
+    at = (slot + age) % k1
+    v = ring[0]
+    for j in range(1, k1):
+      v = jnp.where((at == j)[:, None], ring[j], v)
+    ordered.append(v)
+  return ordered
+
+
+def _store_pieces(out_refs, piece_blocks, c, block_channels, index, y):
+  """y (a block of channel block c) into the output piece holding it, at
+  out_ref[index + (its columns,)]."""
+  first = 0
+  for out_ref, n in zip(out_refs, piece_blocks):
+    @pl.when((c >= first) & (c < first + n))
+    def _store(out_ref=out_ref, first=first):
+      out_ref[(*index, pl.ds((c - first) * block_channels,
+                             block_channels))] = y.astype(out_ref.dtype)
+    first += n
+
+
 def _kernel(x_ref, state_ref, slot_ref, w_ref, *refs, k1, has_bias, silu,
             block_rows, block_channels, piece_blocks, x_offset):
   bias_ref = refs[0] if has_bias else None
@@ -66,26 +92,16 @@ def _kernel(x_ref, state_ref, slot_ref, w_ref, *refs, k1, has_bias, silu,
   cols = pl.ds(c * block_channels, block_channels)
   x = x_ref[rows, pl.ds(x_offset + c * block_channels, block_channels)]
   slot = slot_ref[rows]  # [R] each row's oldest slot
-  ring = [state_ref[rows, j, cols] for j in range(k1)]
   w = [w_ref[cols, j].astype(F32) for j in range(k1 + 1)]  # taps, [Cb]
   y = x.astype(F32) * w[k1][None, :]
-  for age in range(k1):  # oldest first, as the reference sums
-    at = (slot + age) % k1
-    v = ring[0]
-    for j in range(1, k1):
-      v = jnp.where((at == j)[:, None], ring[j], v)
+  # oldest first, as the reference sums
+  for age, v in enumerate(_ordered_ring(state_ref, slot, rows, cols, k1)):
     y = y + v.astype(F32) * w[age][None, :]
   if has_bias:
     y = y + bias_ref[cols].astype(F32)[None, :]
   if silu:
     y = y * jax.nn.sigmoid(y)
-  first = 0
-  for out_ref, n in zip(out_refs, piece_blocks):
-    @pl.when((c >= first) & (c < first + n))
-    def _store(out_ref=out_ref, first=first):
-      out_ref[rows, pl.ds((c - first) * block_channels, block_channels)] = (
-          y.astype(out_ref.dtype))
-    first += n
+  _store_pieces(out_refs, piece_blocks, c, block_channels, (rows,), y)
   for j in range(k1):  # the new input over each row's oldest slot only
     plgpu.store(state_out.at[rows, jnp.int32(j), cols],
                 x.astype(state_out.dtype), mask=(slot == j)[:, None])
@@ -152,15 +168,9 @@ def _window_kernel(x_ref, state_ref, slot_ref, w_ref, *refs, k1, window,
   i, c = pl.program_id(0), pl.program_id(1)
   rows = pl.ds(i * block_rows, block_rows)
   cols = pl.ds(c * block_channels, block_channels)
-  slot = slot_ref[rows]  # [R] each row's oldest slot
-  ring = [state_ref[rows, j, cols] for j in range(k1)]
-  src = []  # the inputs oldest first: the ring's k1, then the window's T
-  for age in range(k1):
-    at = (slot + age) % k1
-    v = ring[0]
-    for j in range(1, k1):
-      v = jnp.where((at == j)[:, None], ring[j], v)
-    src.append(v.astype(F32))
+  # The inputs oldest first: the ring's k1, then the window's T.
+  src = [v.astype(F32) for v in _ordered_ring(state_ref, slot_ref[rows],
+                                              rows, cols, k1)]
   src += [x_ref[rows, t, pl.ds(x_offset + c * block_channels,
                                block_channels)].astype(F32)
           for t in range(window)]
@@ -173,13 +183,7 @@ def _window_kernel(x_ref, state_ref, slot_ref, w_ref, *refs, k1, window,
       y = y + bias_ref[cols].astype(F32)[None, :]
     if silu:
       y = y * jax.nn.sigmoid(y)
-    first = 0
-    for out_ref, n in zip(out_refs, piece_blocks):
-      @pl.when((c >= first) & (c < first + n))
-      def _store(out_ref=out_ref, first=first, y=y, t=t):
-        out_ref[rows, t, pl.ds((c - first) * block_channels,
-                               block_channels)] = y.astype(out_ref.dtype)
-      first += n
+    _store_pieces(out_refs, piece_blocks, c, block_channels, (rows, t), y)
 
 
 @functools.partial(jax.jit, static_argnames=("activation", "split",

@@ -71,6 +71,14 @@ def _history_dt(p, dtb_ref, hist):
   return d_hist, jnp.sum(jnp.where(after, d_hist[None, :], 0.0), axis=1)
 
 
+def _history_x(p, xb_ref, hist, block_p):
+  """x of head p.head0's buffered history slots `hist` ([L, block_p] in
+  the buffer dtype; zeros elsewhere, those loads masked off)."""
+  return plgpu.load(xb_ref.at[p.b, :, p.head0, p.ps],
+                    mask=jnp.broadcast_to(hist[:, None], (p.L, block_p)),
+                    other=0.0)
+
+
 def _fold_history(p, refs, stores, *, block_p, fold_dot):
   """checkpoint tile of head p.head0 <- advanced over the row's c buffered
   tokens: decay * S_0 + sum_j s_j x_j B_j^T (j < c), stored (`stores`, a
@@ -98,9 +106,7 @@ def _fold_history(p, refs, stores, *, block_p, fold_dot):
 
     st = rank1_fold(decay * s0, a, token, L, unroll=False)
   else:
-    x_hist = plgpu.load(xb_ref.at[b, :, h, ps],
-                        mask=jnp.broadcast_to(hist[:, None], (L, block_p)),
-                        other=0.0)  # [L, block_p]
+    x_hist = _history_x(p, xb_ref, hist, block_p)
     b_hist = plgpu.load(bb_ref.at[b, :, g, :],
                         mask=jnp.broadcast_to(hist[:, None], (L, nstate)),
                         other=0.0)  # [L, N]
@@ -288,10 +294,7 @@ def _window_outputs_from_weights(p, refs, readouts, win_refs, bias, hist, bc,
   nstate = bb_ref.shape[-1]
   a = a_ref[h].astype(F32)
   d_hist, suf_hist = _history_dt(p, dtb_ref, hist)
-  x_hist = plgpu.load(
-      xb_ref.at[b, :, h, ps], mask=jnp.broadcast_to(hist[:, None],
-                                                    (L, block_p)),
-      other=0.0).astype(F32)  # [L, block_p]
+  x_hist = _history_x(p, xb_ref, hist, block_p).astype(F32)
   b_hist = None if bc is not None else plgpu.load(
       bb_ref.at[b, :, g, :], mask=jnp.broadcast_to(hist[:, None],
                                                    (L, nstate)),
@@ -348,11 +351,8 @@ def _window_outputs_from_precomputed(p, xb_ref, x_ref, readouts, weights,
   (precompute "weights"): per position two weighted sums over the history
   and the earlier window tokens, no exponentials or B.C products here."""
   decay_ref, hist_ref, win_ref, own_ref = weights
-  b, ps, L, h = p.b, p.ps, p.L, p.head0
-  x_hist = plgpu.load(
-      xb_ref.at[b, :, h, ps], mask=jnp.broadcast_to(hist[:, None],
-                                                    (L, block_p)),
-      other=0.0).astype(F32)  # [L, block_p]
+  b, ps, h = p.b, p.ps, p.head0
+  x_hist = _history_x(p, xb_ref, hist, block_p).astype(F32)
   # Earlier window tokens are read back from the buffer, so they carry its
   # rounding; the current position uses the caller's values.
   x_win_st = x_ref[b, :, h, ps].astype(xb_ref.dtype).astype(F32)

@@ -151,14 +151,21 @@ class Mamba2Mixer(nnx.Module):
 
   def _split_xbc(self, xbc):
     """[..., conv_dim] -> x [..., H, P], B, C [..., G, N]."""
+    d, gn, _ = self._xbc_split()
+    return self._to_heads(xbc[..., :d], xbc[..., d:d + gn], xbc[..., d + gn:])
+
+  def _xbc_split(self) -> tuple[int, int, int]:
+    """Channel counts of the conv output's x, B and C pieces."""
+    gn = self.cfg.n_groups * self.cfg.d_state
+    return (self.cfg.d_inner, gn, gn)
+
+  def _to_heads(self, x, b, cc):
+    """x, B, C pieces [..., n] -> x [..., H, P], B, C [..., G, N]."""
     c = self.cfg
-    gn = c.n_groups * c.d_state
-    lead = xbc.shape[:-1]
-    x = xbc[..., :c.d_inner].reshape(lead + (c.ssm_heads, c.head_dim))
-    b = xbc[..., c.d_inner:c.d_inner + gn].reshape(
-        lead + (c.n_groups, c.d_state))
-    cc = xbc[..., c.d_inner + gn:].reshape(lead + (c.n_groups, c.d_state))
-    return x, b, cc
+    lead = x.shape[:-1]
+    return (x.reshape(lead + (c.ssm_heads, c.head_dim)),
+            b.reshape(lead + (c.n_groups, c.d_state)),
+            cc.reshape(lead + (c.n_groups, c.d_state)))
 
   def _ssm_params(self):
     A = -jnp.exp(self.A_log[...].astype(F32))  # [H]
@@ -232,13 +239,11 @@ class Mamba2Mixer(nnx.Module):
       else:  # one slot written in place (no shifted copy per step), the
         # input read inside the in_proj output and the output written as
         # x, B, C pieces (a kernel does both: no slice copies)
-        gn = c.n_groups * c.d_state
-        (x, b, cc), conv, start = ops.causal_conv1d_step(
+        pieces, conv, start = ops.causal_conv1d_step(
             zxbcdt, state.conv, state.conv_start, conv_w, conv_b,
-            activation="silu", split=(c.d_inner, gn, gn),
-            x_offset=c.d_inner, implementation=implementation)
-        x = x.reshape(bsz, c.ssm_heads, c.head_dim)
-        b, cc = (v.reshape(bsz, c.n_groups, c.d_state) for v in (b, cc))
+            activation="silu", split=self._xbc_split(), x_offset=c.d_inner,
+            implementation=implementation)
+        x, b, cc = self._to_heads(*pieces)
         state = state.replace(conv=conv, conv_start=start)
     A, D, dt_bias = self._ssm_params()
     kw = dict(D=D, dt_bias=dt_bias, dt_softplus=True,
@@ -311,15 +316,12 @@ class Mamba2Mixer(nnx.Module):
     _, xbc, dt = self._split(zxbcdt)
     # The window's conv from the (ring) conv state, read in place from the
     # in_proj output and written as x, B, C pieces (as the decode step's).
-    gn = c.n_groups * c.d_state
     start = (jnp.zeros((bsz,), jnp.int32) if state.conv_start is None
              else state.conv_start)
-    x, b, cc = ops.causal_conv1d_window(
+    x, b, cc = self._to_heads(*ops.causal_conv1d_window(
         zxbcdt, state.conv, start, self.conv_weight[...],
-        self.conv_bias[...], activation="silu", split=(c.d_inner, gn, gn),
-        x_offset=c.d_inner, implementation=implementation)
-    x = x.reshape(bsz, t, c.ssm_heads, c.head_dim)
-    b, cc = (v.reshape(bsz, t, c.n_groups, c.d_state) for v in (b, cc))
+        self.conv_bias[...], activation="silu", split=self._xbc_split(),
+        x_offset=c.d_inner, implementation=implementation))
     A, D, dt_bias = self._ssm_params()
     if isinstance(state.ssm, ReplayState):
       y, ssm = replay_verify(state.ssm, x, dt, A, b, cc, D=D, dt_bias=dt_bias,
