@@ -13,6 +13,8 @@
 #   bash benchmarks/scripts/run_h200.sh decode_policies  # hybrid_1b decode at b 256, L 16, also with dual-precision replay states (f32 master + bf16 / fp8 read copy), split per part (2.4 min, session 11)
 #   bash benchmarks/scripts/run_h200.sh decode_extra  # hybrid_1b batch 1 (kernels), XLA reference ops at b {1,64,256} L 16 (> 4 min: the reference part needs ~3 min more than the 115 s it got)
 #   bash benchmarks/scripts/run_h200.sh specdec    # hybrid_1b spec decoding, b {256,512}, T 4 (2.5 min in session 10, 2.7 in session 12)
+#   bash benchmarks/scripts/run_h200.sh specdec256  # b 256 only, plain and replay spec (session 30)
+#   bash benchmarks/scripts/run_h200.sh specdec256_graphs  # the same with XLA command buffers for conditionals and while loops (session 30)
 #   bash benchmarks/scripts/run_h200.sh specdec_fp8  # the same with the plain and replay states under f32+fp8 (f32 master, fp8 read copy; the verify kernels' policy support, session 26, not yet run); the snapshot baseline stays f32
 #   bash benchmarks/scripts/run_h200.sh specdec_accept  # b {256,512}, T 4, plain and replay spec only, proposer acceptance 0.8 and 0.9 (not yet run)
 #   bash benchmarks/scripts/run_h200.sh specdec_L32  # the same with a 32-token replay buffer: a row folds its history every ~11 iterations instead of ~5 (the early-flush fold took 0.81 of the replay iteration's 8.16 ms at L 16, session 10; not yet run)
@@ -131,6 +133,17 @@ case "$1" in
   specdec_fp8)
     specdec_bench specdec_fp8 --config.bench.batches='(256,512)' \
       --config.bench.windows='(4,)' --config.bench.precision=f32+fp8 ;;
+  specdec256)
+    # Batch 256 only, plain decoding and replay spec decoding.
+    specdec_bench specdec256 --config.bench.batches='(256,)' \
+      --config.bench.windows='(4,)' --config.bench.ssm_modes="('replay',)" ;;
+  specdec256_graphs)
+    # The same with XLA's command buffers also taking conditionals and
+    # while loops (CUDA graph conditional nodes: the decode loops' while
+    # would run as one graph, without a host sync per iteration).
+    XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE \
+      specdec_bench specdec256_graphs --config.bench.batches='(256,)' \
+      --config.bench.windows='(4,)' --config.bench.ssm_modes="('replay',)" ;;
   specdec_accept)
     # Window 4 at higher acceptance (the proposer's per-draft probability;
     # 0.7, the benchmark's default, gives 2.55 accepted tokens per verify),
@@ -368,11 +381,17 @@ P.run(c, sys.argv[1])" "$OUT/precision_mqar1024_rest" ;;
       --out "$OUT/verify_sweep_caps.json" ;;
   ncu_verify)
     # The window kernel of each variant (argument 2, comma-separated).
-    timeout "$T" "${NCU[@]}" -k regex:replayssm_verify_window -c 3 \
-      --section ComputeWorkloadAnalysis \
+    timeout "$T" "${NCU[@]}" -k regex:replayssm_verify_window -c 1 \
+      --section ComputeWorkloadAnalysis --section SourceCounters \
       python benchmarks/scripts/verify_sweep.py --check_only \
       --variants "${2:-default}" --out "$OUT/verify_check.json" \
       > "$OUT/ncu_verify.txt" 2>&1 ;;
+  hlo_dump)
+    # XLA's optimized HLO of the plain and replay spec loops (fusion names
+    # of a profile_kernels trace), packed.
+    XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*(generate|spec).*" \
+      timeout "$T" python benchmarks/scripts/dump_loop_hlo.py
+    tar czf "$OUT/hlo_dump.tgz" -C /tmp/hlo . ;;
   ncu_flush)
     timeout "$T" "${NCU[@]}" -k regex:replayssm_replay_flush -c 1 \
       --section ComputeWorkloadAnalysis --section SourceCounters \

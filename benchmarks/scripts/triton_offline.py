@@ -38,6 +38,7 @@ import jax.numpy as jnp
 
 import pallas_kernels as pk
 from pallas_kernels import replay
+from pallas_kernels import verify as verify_kernel
 from replayssm_jax import testing
 from replayssm_jax.state import ReplayState
 
@@ -104,6 +105,37 @@ def triton_modules(**kw):
   step, args = replay_step(**kw)
   with _capture_triton_modules() as modules:
     jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",))
+  return dict(modules)
+
+
+def verify_modules(*, batch, nheads, headdim, dstate, ngroups, buffer_len,
+                   checkpoint_dtype, window=4, config=None, **unused):
+  """{kernel name: Triton module text} of one speculative verify
+  (`pallas_kernels.replay_verify`, shapes only) at the benchmarks' dtypes:
+  bf16 window inputs and buffers, no z (as verify_sweep.py)."""
+  del unused
+  sds = jax.ShapeDtypeStruct
+  bf16 = jnp.bfloat16
+  params = testing.random_params(jax.random.PRNGKey(0), nheads)
+  win = dict(x=sds((batch, window, nheads, headdim), bf16),
+             dt=sds((batch, window, nheads), bf16),
+             B=sds((batch, window, ngroups, dstate), bf16),
+             C=sds((batch, window, ngroups, dstate), bf16))
+  rstate = ReplayState(
+      checkpoint=sds((batch, nheads, headdim, dstate), checkpoint_dtype),
+      x_buf=sds((batch, buffer_len, nheads, headdim), bf16),
+      b_buf=sds((batch, buffer_len, ngroups, dstate), bf16),
+      dt_buf=sds((batch, buffer_len, nheads), jnp.float32),
+      count=sds((batch,), jnp.int32))
+  config = config or pk.VerifyConfig()
+
+  def verify(rs, w):
+    return verify_kernel.replay_verify(
+        rs, **w, A=params["A"], D=params["D"], dt_bias=params["dt_bias"],
+        dt_softplus=True, config=config)
+
+  with _capture_triton_modules() as modules:
+    jax.jit(verify).trace(rstate, win).lower(lowering_platforms=("cuda",))
   return dict(modules)
 
 
@@ -186,16 +218,26 @@ def main():
   ap.add_argument("--read_dtype", default=None,
                   help="a read copy of this dtype (e.g. float8_e4m3fn)")
   ap.add_argument("--kernels", default="", help="name substrings to keep")
+  ap.add_argument("--op", default="step", choices=("step", "verify"),
+                  help="the replay step's kernels (ReplayConfig fields in "
+                  "--config) or the speculative verify's at hybrid_1b's "
+                  "layer, window 4 (VerifyConfig fields)")
   ap.add_argument("--out", default="", help="keep TTIR/PTX/cubin here")
   a = ap.parse_args()
   fields = {}
   for item in filter(None, a.config.split(",")):
     key, value = item.split("=", 1)
     fields[key.strip()] = ast.literal_eval(value.strip())
-  modules = triton_modules(
-      batch=a.batch, nheads=128, headdim=64, dstate=128, ngroups=8,
-      buffer_len=a.buffer_len, checkpoint_dtype=jnp.dtype(a.dtype),
-      config=pk.ReplayConfig(**fields), read_dtype=a.read_dtype)
+  if a.op == "verify":
+    modules = verify_modules(
+        batch=a.batch, nheads=64, headdim=64, dstate=128, ngroups=8,
+        buffer_len=a.buffer_len, checkpoint_dtype=jnp.dtype(a.dtype),
+        config=pk.VerifyConfig(**fields))
+  else:
+    modules = triton_modules(
+        batch=a.batch, nheads=128, headdim=64, dstate=128, ngroups=8,
+        buffer_len=a.buffer_len, checkpoint_dtype=jnp.dtype(a.dtype),
+        config=pk.ReplayConfig(**fields), read_dtype=a.read_dtype)
   keep = list(filter(None, a.kernels.split(",")))
   for name, text in modules.items():
     if keep and not any(k in name for k in keep):

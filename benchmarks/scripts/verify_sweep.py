@@ -99,6 +99,13 @@ VARIANTS = {
     "cap64": dict(max_registers=64),
     "cap80": dict(max_registers=80),
     "cap96": dict(max_registers=96),
+    # One warp per program (session 30: half the default's instructions
+    # per tile offline, 255 registers uncapped), capped, and at block_p 16.
+    "w1": dict(num_warps=1),
+    "w1_cap168": dict(num_warps=1, max_registers=168),
+    "terms_w1": dict(precompute="terms", num_warps=1),
+    "w1_bp16": dict(num_warps=1, block_p=16),
+    "weights_w1": dict(precompute="weights", num_warps=1),
     "reference": None,  # the XLA reference op (implementation="reference")
 }
 

@@ -2,15 +2,17 @@
 
 As in the Flax gemma sampler, the NNX model is split once into graphdef +
 params; the jitted function (graphdef static) merges them inside, so
-`generate` compiles once per shape (sampling settings and eos_id are traced
-values) and never retraces the model. The decode state is created outside
-and donated.
+`generate` compiles once per shape and sampling mode (greedy or not, which
+filters are on: `SamplingSettings`; the values of temperature, top_k, top_p
+and eos_id are traced) and never retraces the model. The decode state is
+created outside and donated.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from replayssm_jax import _validation as V
@@ -31,12 +33,46 @@ def check_sampling(temperature, top_k, top_p) -> None:
     raise ValueError(f"top_p must be None or in (0, 1], got {top_p!r}.")
 
 
-def sampling_settings(temperature, top_k, top_p, greedy, rng):
-  """Validated sampling settings as the traced tuple (greedy, temperature,
-  top_k, top_p) that `sample_logits` / `sampling_probs` take.
+@jax.tree_util.register_pytree_node_class
+class SamplingSettings:
+  """Sampling settings of a decode loop, unpacked as the tuple (greedy,
+  temperature, top_k, top_p) that `sample_logits` / `sampling_probs` /
+  `filter_logits` take.
 
-  greedy None means temperature == 0; rng is required when sampling.
+  greedy (a Python bool) and which filters are on (top_k / top_p None when
+  off) are static: a jitted loop compiles once per combination and holds no
+  conditional on them (an XLA GPU conditional outside a CUDA graph reads its
+  predicate on the host, a sync in every iteration of a decode loop; the
+  speculative loop also ran both acceptances per iteration before). The
+  values of temperature, top_k and top_p are traced: changing them does not
+  recompile.
   """
+
+  def __init__(self, greedy: bool, temperature, top_k=None, top_p=None):
+    self.greedy = bool(greedy)
+    self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+
+  def __iter__(self):
+    return iter((self.greedy, self.temperature, self.top_k, self.top_p))
+
+  def __getitem__(self, i):
+    return tuple(self)[i]
+
+  def __repr__(self):
+    return (f"SamplingSettings(greedy={self.greedy}, temperature="
+            f"{self.temperature}, top_k={self.top_k}, top_p={self.top_p})")
+
+  def tree_flatten(self):
+    return (self.temperature, self.top_k, self.top_p), (self.greedy,)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    return cls(aux[0], *children)
+
+
+def sampling_settings(temperature, top_k, top_p, greedy, rng):
+  """Validated `SamplingSettings`: greedy None means temperature == 0; rng
+  is required when sampling; top_k / top_p None leave that filter off."""
   check_sampling(temperature, top_k, top_p)
   greedy = (temperature == 0) if greedy is None else bool(greedy)
   if not greedy and temperature <= 0:
@@ -44,20 +80,35 @@ def sampling_settings(temperature, top_k, top_p, greedy, rng):
                      f"{temperature!r}.")
   if not greedy and rng is None:
     raise ValueError("rng is required when sampling (temperature > 0).")
-  return (jnp.asarray(greedy), jnp.float32(temperature),
-          jnp.int32(top_k or 0), jnp.float32(1.0 if top_p is None
-                                             else top_p))
+  return SamplingSettings(
+      greedy, jnp.float32(temperature),
+      None if top_k is None else jnp.int32(top_k),
+      None if top_p is None else jnp.float32(top_p))
+
+
+def _is_static(flag) -> bool:
+  """A Python / NumPy bool (a `SamplingSettings` flag), not a traced one."""
+  return isinstance(flag, (bool, np.bool_))
 
 
 def filter_logits(logits, greedy, temperature, top_k, top_p):
   """The logits that sampling draws from: [..., vocab] f32 -> [..., vocab].
 
-  logits / temperature (1 when greedy), restricted to the top_k (int32, 0:
-  off) most likely tokens, then to the smallest set of mass >= top_p (float,
-  1: off); excluded tokens are -inf. All settings are traced scalars.
+  logits / temperature (1 when greedy), restricted to the top_k (int32; 0
+  or None: off) most likely tokens, then to the smallest set of mass >=
+  top_p (float; 1 or None: off); excluded tokens are -inf. Settings of a
+  `SamplingSettings` (greedy static) sort the vocabulary only if top_k or
+  top_p is given; with a traced greedy, a `lax.cond` skips the sort when
+  both are off.
   """
   vocab = logits.shape[-1]
-  scaled = logits.astype(F32) / jnp.where(greedy, 1.0, temperature)
+  scaled = logits.astype(F32) / (
+      (1.0 if greedy else temperature) if _is_static(greedy)
+      else jnp.where(greedy, 1.0, temperature))
+  if top_k is None and top_p is None:
+    return scaled
+  top_k = jnp.int32(0) if top_k is None else top_k
+  top_p = jnp.float32(1.0) if top_p is None else top_p
 
   def truncate(scaled):
     srt = jnp.flip(jnp.sort(scaled, axis=-1), axis=-1)  # descending
@@ -70,6 +121,8 @@ def filter_logits(logits, greedy, temperature, top_k, top_p):
     thresh = jnp.maximum(jnp.take_along_axis(srt, n_keep - 1, axis=-1), kth)
     return jnp.where(scaled < thresh, -jnp.inf, scaled)
 
+  if _is_static(greedy):  # SamplingSettings: a filter given is on
+    return truncate(scaled)
   # The vocabulary sort costs milliseconds per step on a GPU at batch 256:
   # skip it when neither top-k nor top-p is on.
   return jax.lax.cond((top_k > 0) | (top_p < 1.0), truncate, lambda s: s,
@@ -82,11 +135,33 @@ def sampling_probs(logits, greedy, temperature, top_k, top_p):
   Greedy: one-hot at the argmax; otherwise softmax of `filter_logits`.
   """
   vocab = logits.shape[-1]
-  return jax.lax.cond(
-      greedy,
-      lambda: jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=F32),
-      lambda: jax.nn.softmax(filter_logits(logits, greedy, temperature,
-                                           top_k, top_p), axis=-1))
+  one_hot = lambda: jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab,  # noqa: E731
+                                   dtype=F32)
+  soft = lambda: jax.nn.softmax(filter_logits(  # noqa: E731
+      logits, greedy, temperature, top_k, top_p), axis=-1)
+  if _is_static(greedy):
+    return one_hot() if greedy else soft()
+  return jax.lax.cond(greedy, one_hot, soft)
+
+
+def sample_logits(logits, rng, greedy, temperature, top_k, top_p):
+  """logits [b, vocab] f32 -> tokens [b] int32.
+
+  greedy picks the argmax; otherwise `filter_logits` (temperature, top_k,
+  top_p) is sampled. A static greedy (`SamplingSettings`) traces one form;
+  a traced one a `lax.cond` (under vmap both branches run, same results).
+  """
+  def argmax():
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+  def sample():
+    masked = filter_logits(logits, greedy, temperature, top_k, top_p)
+    return jax.random.categorical(rng, masked, axis=-1).astype(jnp.int32)
+
+  if _is_static(greedy):
+    return argmax() if greedy else sample()
+  # Greedy decoding skips the sampling work (filtering, Gumbel noise).
+  return jax.lax.cond(greedy, argmax, sample)
 
 
 def check_prompts_and_eos(model: M.HybridLM, prompt_tokens,
@@ -97,23 +172,6 @@ def check_prompts_and_eos(model: M.HybridLM, prompt_tokens,
   V.check_array("prompt_tokens", prompt_tokens)
   V.check_ndim("prompt_tokens", prompt_tokens, 2, "[batch, seqlen]")
   return prompt_tokens.shape
-
-
-def sample_logits(logits, rng, greedy, temperature, top_k, top_p):
-  """logits [b, vocab] f32 -> tokens [b] int32.
-
-  All settings are traced scalars (changing them does not recompile):
-  greedy (bool) picks the argmax; otherwise `filter_logits` (temperature,
-  top_k, top_p) is sampled. Under vmap the conditionals turn into selects
-  (both branches run, same results).
-  """
-  def sample():
-    masked = filter_logits(logits, greedy, temperature, top_k, top_p)
-    return jax.random.categorical(rng, masked, axis=-1).astype(jnp.int32)
-
-  # Greedy decoding skips the sampling work (filtering, Gumbel noise).
-  return jax.lax.cond(
-      greedy, lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32), sample)
 
 
 def _generate_body(graphdef, params, tokens, lengths, state, max_new_tokens,
@@ -170,7 +228,8 @@ def generate(model: M.HybridLM, prompt_tokens, prompt_lengths,
       buffer_dtype, kv_dtype, precision, row_ids) go through
       **state_kwargs.
     temperature, top_k, top_p: sampling; temperature 0 (default) is greedy.
-      Traced: changing them does not recompile.
+      Their values are traced: changing them does not recompile; switching
+      between greedy and sampling, or a filter on or off, does once.
     greedy: force greedy (True) or sampling (False); default temperature==0.
     rng: PRNG key (required when sampling).
     eos_id: a row stops after emitting it; later slots hold eos_id.

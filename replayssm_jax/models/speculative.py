@@ -318,7 +318,8 @@ class Proposer:
   def propose(self, pstate, ctx: ProposalContext, window: int, rng,
               sampling) -> tuple[Proposal, Any]:
     """Up to window - 1 drafts per row following ctx.last; `sampling` is the
-    (greedy, temperature, top_k, top_p) tuple of `generate.sample_logits`.
+    loop's `generate.SamplingSettings` (unpacks as the (greedy, temperature,
+    top_k, top_p) of `generate.sample_logits`; greedy a Python bool).
     Returns (Proposal, new pstate)."""
     raise NotImplementedError
 
@@ -514,7 +515,8 @@ def accept(logits, drafts, num_drafts, q, sampling, rng):
     drafts: [batch, T-1] draft tokens (window positions 1..T-1).
     num_drafts: [batch] valid drafts per row (the rest are never accepted).
     q: [batch, T-1, vocab] draft distributions or None (one-hot drafts).
-    sampling: (greedy, temperature, top_k, top_p) traced settings.
+    sampling: `generate.SamplingSettings` (or a tuple (greedy, temperature,
+      top_k, top_p) of traced values: then both acceptances run).
     rng: PRNG key (unused when greedy).
 
   Returns:
@@ -569,12 +571,15 @@ def accept(logits, drafts, num_drafts, q, sampling, rng):
       dist = probs_at(a)
     return a, jax.random.categorical(k_s, jnp.log(dist), axis=-1)
 
-  # Both forms run and the traced greedy flag selects (no lax.cond: an XLA
-  # GPU conditional outside a CUDA graph reads its predicate on the host,
-  # a sync in every iteration of the decode loop).
+  greedy = sampling[0]
+  if isinstance(greedy, (bool, np.bool_)):  # SamplingSettings: one form
+    a, nxt = greedy_accept() if greedy else sample_accept()
+    return a.astype(jnp.int32), nxt.astype(jnp.int32)
+  # A traced greedy flag: both forms run and it selects (no lax.cond: an
+  # XLA GPU conditional outside a CUDA graph reads its predicate on the
+  # host, a sync in every iteration of the decode loop).
   a_greedy, next_greedy = greedy_accept()
   a_samp, next_samp = sample_accept()
-  greedy = sampling[0]
   return (jnp.where(greedy, a_greedy, a_samp).astype(jnp.int32),
           jnp.where(greedy, next_greedy, next_samp).astype(jnp.int32))
 
@@ -693,8 +698,8 @@ def speculative_generate(target: M.HybridLM, proposer: Proposer,
 
   Prefill, then the target's first token is sampled as in `generate`; each
   iteration of one jit-compiled `lax.while_loop` (compiled once per shape,
-  proposer structure and static setting; sampling settings and eos_id are
-  traced) then: the proposer gives up to window - 1 drafts per row; the
+  proposer structure, static setting and sampling mode, as `generate`; the
+  values of the sampling settings and eos_id are traced) then: the proposer gives up to window - 1 drafts per row; the
   target verifies [last token, drafts] in one parallel pass (`verify`; rows
   with fewer drafts pad and cannot accept the padding); acceptance
   (`accept`) emits the accepted drafts and one target token; target and
