@@ -35,6 +35,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   b.batches = (2,) if smoke else (1, 64, 256, 512)
   b.windows = (4,) if smoke else (4, 2, 8)  # T: last token + T-1 drafts
   b.ssm_modes = ("baseline", "replay")
+  # speculative_generate(compaction=...) values to run each mode with (how
+  # many times the loop may halve its batch as rows finish; 0: a static
+  # batch to the end).
+  b.compactions = (0, 1) if smoke else (0, 2)
   b.buffer_len = 8 if smoke else 16  # replay buffer (> every window)
   b.prompt_len = 8 if smoke else 128
   b.new_tokens = 16 if smoke else 128

@@ -42,6 +42,7 @@ per run), summary.md, throughput.png.
 
 from __future__ import annotations
 
+import itertools
 import os
 
 from absl import logging
@@ -88,15 +89,18 @@ class OracleProposer(Proposer):
     return cls(children[0], *aux)
 
   def init(self, prompt_tokens, prompt_lengths, **unused):
-    return ()
+    # Per-row data lives in the proposer state, whose rows follow theirs
+    # when the loop compacts its batch.
+    return self.reference
 
   def propose(self, pstate, ctx, window, rng, sampling):
     del sampling
-    b, n = self.reference.shape
+    reference = pstate
+    n = reference.shape[1]
     t1 = window - 1
     # Reference position of the token after `last`: num_generated.
     idx = ctx.num_generated[:, None] + jnp.arange(t1)[None, :]
-    drafts = jnp.take_along_axis(self.reference, jnp.clip(idx, 0, n - 1),
+    drafts = jnp.take_along_axis(reference, jnp.clip(idx, 0, n - 1),
                                  axis=1)
     k1, k2 = jax.random.split(rng)
     bad = jax.random.uniform(k1, drafts.shape) >= self.accept_prob
@@ -206,7 +210,11 @@ def bench_batch(model, config, batch: int, writer) -> list[dict]:
     rec = dict(base, **fields, decode_s=decode_s,
                tokens_per_s=batch * n_new / decode_s if decode_s else None,
                e2e_tokens_per_s=batch * n_new / fields["total_s"])
-    if decode_s:
+    # Steady: as if every row stayed busy to the end (continuous batching
+    # refills finished rows): tokens per row-iteration x full-batch
+    # iterations per second. Not for a compacting loop, whose later
+    # iterations run a smaller batch.
+    if decode_s and not fields.get("compaction"):
       rec["steady_tokens_per_s"] = (
           batch * fields["mean_accepted_length"] * fields["iterations"]
           / decode_s if fields.get("iterations") else rec["tokens_per_s"])
@@ -223,39 +231,41 @@ def bench_batch(model, config, batch: int, writer) -> list[dict]:
     proposer = OracleProposer(ref, b.accept_prob, cfg.vocab_size)
   else:
     proposer = FlatOracleProposer(b.accept_prob, cfg.vocab_size)
-  for window in b.windows:
-    for mode in b.ssm_modes:
-      try:
-        (out, _, stats), t, times = common.best_of(
-            lambda: lambda: speculative_generate(  # pylint: disable=cell-var-from-loop
-                model, proposer, prompts, lengths, n_new, window,
-                ssm_mode=mode, buffer_len=b.buffer_len,
-                implementation=impl, **(sampling or dict(
-                    rng=jax.random.PRNGKey(1))),
-                **(replay_kw if mode == "replay" else state_kw)),
-            b.repeats)
-      except Exception as e:  # pylint: disable=broad-except
-        if "RESOURCE_EXHAUSTED" not in str(e):
-          raise
-        # The baseline keeps T full SSM states per Mamba layer: at large
-        # batch x window it may not fit; that is a result, not a crash.
-        logging.warning("batch %d %s T=%d does not fit in device memory",
-                        batch, mode, window)
-        recs.append(writer.write(dict(base, mode=mode, window=window,
-                                      out_of_memory=True)))
-        continue
-      # Greedy speculative decoding must reproduce the plain greedy run (up
-      # to low-precision rounding differences between a parallel verify and
-      # single steps, which is why this is reported, not asserted).
-      # (Sampling: the tokens are random draws, nothing to compare.)
-      match = (float(np.mean(np.asarray(out) == np.asarray(ref)))
-               if not sampling else None)
-      recs.append(record(
-          mode=mode, window=window, total_s=t, times_s=times,
-          mean_accepted_length=float(stats.mean_accepted_length),
-          expected_accepted_length=float(sum(
-              b.accept_prob ** k for k in range(window))),
-          iterations=int(stats.iterations), match_fraction=match))
+  for window, compaction, mode in itertools.product(
+      b.windows, b.compactions, b.ssm_modes):
+    try:
+      (out, _, stats), t, times = common.best_of(
+          lambda: lambda: speculative_generate(  # pylint: disable=cell-var-from-loop
+              model, proposer, prompts, lengths, n_new, window,
+              ssm_mode=mode, buffer_len=b.buffer_len,
+              implementation=impl, compaction=compaction,
+              **(sampling or dict(rng=jax.random.PRNGKey(1))),
+              **(replay_kw if mode == "replay" else state_kw)),
+          b.repeats)
+    except Exception as e:  # pylint: disable=broad-except
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      # The baseline keeps T full SSM states per Mamba layer: at large
+      # batch x window it may not fit; that is a result, not a crash.
+      logging.warning("batch %d %s T=%d does not fit in device memory",
+                      batch, mode, window)
+      recs.append(writer.write(dict(base, mode=mode, window=window,
+                                    compaction=compaction,
+                                    out_of_memory=True)))
+      continue
+    # Greedy speculative decoding must reproduce the plain greedy run (up
+    # to low-precision rounding differences between a parallel verify and
+    # single steps, which is why this is reported, not asserted).
+    # (Sampling: the tokens are random draws, nothing to compare.)
+    match = (float(np.mean(np.asarray(out) == np.asarray(ref)))
+             if not sampling else None)
+    recs.append(record(
+        mode=mode, window=window, compaction=compaction, total_s=t,
+        times_s=times,
+        mean_accepted_length=float(stats.mean_accepted_length),
+        expected_accepted_length=float(sum(
+            b.accept_prob ** k for k in range(window))),
+        iterations=int(stats.iterations), match_fraction=match))
   return recs
 
 
@@ -266,7 +276,8 @@ def _summarize(records: list[dict]) -> list[dict]:
     same = [q for q in records if q["batch"] == r["batch"]]
     plain = next(q for q in same if q["mode"] == "plain")
     base = next((q for q in same if q["mode"] == "baseline"
-                 and q["window"] == r["window"]), None)
+                 and q["window"] == r["window"]
+                 and q.get("compaction") == r.get("compaction")), None)
     def ratio(a, b):
       return a / b if a and b else None
 
@@ -286,11 +297,15 @@ def _plot(rows: list[dict], path: str):
   for ax, w in zip(axes[0], windows):
     for mode, style in (("plain", "k--"), ("baseline", "o-"),
                         ("replay", "s-")):
-      pts = sorted((r["batch"], r["e2e_tokens_per_s"]) for r in rows
-                   if r["mode"] == mode and r["window"] in (w, None)
-                   and (mode == "plain") == (r["window"] is None))
-      if pts:
-        ax.plot(*zip(*pts), style, label=mode)
+      for c in sorted({r.get("compaction") or 0 for r in rows
+                       if r["mode"] == mode}):
+        pts = sorted((r["batch"], r["e2e_tokens_per_s"]) for r in rows
+                     if r["mode"] == mode and r["window"] in (w, None)
+                     and (mode == "plain") == (r["window"] is None)
+                     and (r.get("compaction") or 0) == c)
+        if pts:
+          ax.plot(*zip(*pts), style if c == 0 else style.replace("-", ":"),
+                  label=mode if not c else f"{mode}, compaction {c}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch")
     ax.set_ylabel("generated tokens/s (end to end)")
@@ -313,7 +328,7 @@ def run(config, workdir: str) -> dict:
           f"{cfg.dtype}; proposer {config.bench.proposer}, accept_prob "
           f"{config.bench.accept_prob}; backend {env['backend']} "
           f"({env['device_kind']})\n\n" + common.markdown_table(
-              rows, ["batch", "mode", "window", "tokens_per_s",
+              rows, ["batch", "mode", "window", "compaction", "tokens_per_s",
                      "e2e_tokens_per_s", "mean_accepted_length", "vs_plain",
                      "replay_vs_baseline", "steady_tokens_per_s",
                      "steady_vs_plain", "match_fraction"],

@@ -426,21 +426,28 @@ def test_specdec_bench_smoke(tmp_path):
   out = specdec_bench.run(config, str(tmp_path))
   recs = out["records"]
   b = config.bench
-  assert len(recs) == len(b.batches) * (1 + len(b.windows) * len(b.ssm_modes))
+  assert len(recs) == len(b.batches) * (
+      1 + len(b.windows) * len(b.compactions) * len(b.ssm_modes))
+  assert set(b.compactions) == {0, 1}
   for r in recs:
     assert r["match_fraction"] == 1.0, r  # f32: exactly the plain tokens
     assert r["e2e_tokens_per_s"] > 0
     if r["decode_s"] and r["mode"] == "plain":
       assert r["steady_tokens_per_s"] == r["tokens_per_s"]
-    elif r["decode_s"]:  # the slowest row sets the run's length
+    elif r["decode_s"] and not r["compaction"]:
+      # The slowest row sets the run's length.
       n = r["new_tokens"]
       assert r["steady_tokens_per_s"] >= r["tokens_per_s"] * (n - 1) / n, r
+    elif r["decode_s"]:  # a compacting loop has no steady figure
+      assert "steady_tokens_per_s" not in r
   for batch in b.batches:
     for w in b.windows:
-      acc = {r["mode"]: r["mean_accepted_length"] for r in recs
-             if r["batch"] == batch and r["window"] == w}
-      assert acc["baseline"] == acc["replay"]  # same proposer, same drafts
-      assert 1.0 <= acc["replay"] <= w
+      for c in b.compactions:
+        acc = {r["mode"]: r["mean_accepted_length"] for r in recs
+               if r["batch"] == batch and r["window"] == w
+               and r["compaction"] == c}
+        assert acc["baseline"] == acc["replay"]  # same proposer and drafts
+        assert 1.0 <= acc["replay"] <= w
   _assert_config_json(out["workdir"], config)
   lines = common.read_metrics(os.path.join(out["workdir"], "metrics.jsonl"))
   assert lines[0]["kind"] == "environment" and len(lines) == 1 + len(recs)
@@ -454,6 +461,7 @@ def test_specdec_bench_with_a_precision_policy(tmp_path):
   from experiments import specdec_bench  # pylint: disable=g-import-not-at-top
   config = specdec_config.get_config("smoke")
   config.bench.ssm_modes = ("replay",)
+  config.bench.compactions = (0,)
   config.bench.precision = "f32+int8"
   recs = specdec_bench.run(config, str(tmp_path))["records"]
   assert [r["mode"] for r in recs] == ["plain", "replay"]

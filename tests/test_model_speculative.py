@@ -229,6 +229,54 @@ def test_greedy_equals_generate(model, draft, prompts, reference, ssm_mode,
   assert traces == [1, 1, 1]
 
 
+@pytest.mark.parametrize("ssm_mode,kind", [("replay", "draft"),
+                                           ("baseline", "ngram")])
+def test_compaction_keeps_output_and_state(model, draft, ssm_mode, kind):
+  """A compacting loop (the batch of 5 halved to 3, 2, 1 as rows finish:
+  ragged prompts, an eos that stops some rows early) gives the tokens,
+  counts and stats of the plain loop, and final states that continue
+  decoding alike (logits of 3 more steps; positions). Slots past each
+  row's history are scratch (verify writes every row's window there), so
+  the states are compared by what they decode, not leaf by leaf."""
+  from replayssm_jax.models.speculative import compaction_sizes  # pylint: disable=g-import-not-at-top
+  assert compaction_sizes(5, 3) == (5, 3, 2, 1)
+  assert compaction_sizes(256, 2) == (256, 128, 64)
+  assert compaction_sizes(1, 2) == (1,)
+  proposer = (DraftModelProposer(draft) if kind == "draft"
+              else NgramProposer(n=2))
+  prompts = random_tokens(41, (5, P))
+  lengths = jnp.asarray([8, 3, 6, 5, 8], jnp.int32)
+  runs = [speculative_generate(model, proposer, prompts, lengths, MAX_NEW,
+                               WINDOW, ssm_mode=ssm_mode,
+                               buffer_len=BUFFER_LEN, eos_id=5,
+                               return_state=True, compaction=c)
+          for c in (0, 3)]
+  (out, n, stats, state), (out_c, n_c, stats_c, state_c) = runs
+  np.testing.assert_array_equal(out_c, out)
+  np.testing.assert_array_equal(n_c, n)
+  assert len(set(np.asarray(stats.verify_steps).tolist())) > 1  # ragged
+  for f in ("verify_steps", "accepted_drafts", "iterations",
+            "mean_accepted_length"):
+    np.testing.assert_array_equal(getattr(stats_c, f), getattr(stats, f))
+  np.testing.assert_array_equal(state_c.positions, state.positions)
+  last = jnp.asarray(out)[jnp.arange(5), jnp.asarray(n) - 1]
+  for _ in range(3):
+    lg, state = decode_step(model, last, state)
+    lg_c, state_c = decode_step(model, last, state_c)
+    np.testing.assert_array_equal(lg_c, lg)
+    last = jnp.argmax(lg, -1).astype(jnp.int32)
+  # Without return_state, the same tokens.
+  out_n, _, _ = speculative_generate(model, proposer, prompts, lengths,
+                                     MAX_NEW, WINDOW, ssm_mode=ssm_mode,
+                                     buffer_len=BUFFER_LEN, eos_id=5,
+                                     compaction=1)
+  np.testing.assert_array_equal(out_n, out)
+  for bad in (-1, 1.5, True):
+    with pytest.raises(ValueError, match="compaction"):
+      speculative_generate(model, proposer, prompts, lengths, MAX_NEW,
+                           WINDOW, compaction=bad)
+
+
 @jax.tree_util.register_pytree_node_class
 class ScriptedProposer(Proposer):
   """Test proposer: at iteration i row r proposes schedule[i, r] = (nd, k):

@@ -298,8 +298,9 @@ class Proposer:
   `jax.tree_util.register_pytree_node_class`): its arrays are leaves, its
   settings static (hashable) aux data, so it can be passed into the jitted
   loop; the loop compiles once per proposer structure and shapes. Its
-  per-run state (`pstate`, any pytree) lives in the loop carry. All methods
-  but `validate` are traced.
+  per-run state (`pstate`: a pytree whose array leaves all have the batch
+  as their leading axis, as a compacting loop gathers its rows) lives in
+  the loop carry. All methods but `validate` are traced.
   """
 
   def validate(self, target: M.HybridLM, *, window: int, ssm_mode: str,
@@ -604,11 +605,39 @@ class SpecStats:
   mean_accepted_length: jax.Array
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6, 7, 8, 9),
+def compaction_sizes(batch: int, compaction: int) -> tuple[int, ...]:
+  """The loop's batch per phase: batch, then halved (rounded up) up to
+  `compaction` times while that shrinks it."""
+  sizes = [batch]
+  for _ in range(compaction):
+    if sizes[-1] == 1:
+      break
+    sizes.append(-(-sizes[-1] // 2))
+  return tuple(sizes)
+
+
+def _take_rows(tree, idx):
+  """Rows idx of every array leaf (all batch-leading)."""
+  return jax.tree.map(lambda x: jnp.take(x, idx, axis=0), tree)
+
+
+def _put_rows(full, part, idx):
+  """full with rows idx replaced by part's, leaf by leaf."""
+  return jax.tree.map(lambda f, p: f.at[idx].set(p), full, part)
+
+
+# Carry fields of the decode loop (see `_spec_jit`'s body): the per-row ones
+# a compaction gathers, and those of them the results need from every row.
+_ROW_FIELDS = (1, 2, 3, 4, 5, 6, 7, 9, 10)
+_RESULT_FIELDS = (2, 3, 4, 9, 10)  # hist, hlen, gen, acc, steps
+_STATE_FIELD = 6
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5, 6, 7, 8, 9, 14, 15),
                    donate_argnums=(4,))
 def _spec_jit(graphdef, params, tokens, lengths, state, max_new_tokens,
               window, implementation, ssm_mode, buffer_len, proposer,
-              sampling, eos_id, rng):
+              sampling, eos_id, rng, compaction=0, keep_state=True):
   M.TRACE_COUNTS["speculative_generate"] += 1
   target = nnx.merge(graphdef, params)
   b, p_len = tokens.shape
@@ -638,6 +667,7 @@ def _spec_jit(graphdef, params, tokens, lengths, state, max_new_tokens,
   def body(c):
     (it, last, hist, hlen, gen, done, state, pstate, rng, acc,
      steps) = c
+    rows = jnp.arange(last.shape[0])  # this phase's batch
     active = ~done
     rng, k_prop, k_acc = jax.random.split(rng, 3)
     ctx = ProposalContext(history=hist, length=hlen, last=last,
@@ -673,8 +703,35 @@ def _spec_jit(graphdef, params, tokens, lengths, state, max_new_tokens,
     return (it + 1, last, hist, hlen + count, gen, done, state, pstate, rng,
             acc, steps)
 
-  it, _, hist, hlen, gen, _, state, _, _, acc, steps = jax.lax.while_loop(
-      cond, body, carry)
+  # Phases of halving batch (`compaction`): a phase ends when its active
+  # rows fit the next one's batch, which takes them (done rows fill it up)
+  # and leaves the finished rows' results (and final states) behind.
+  sizes = compaction_sizes(b, compaction)
+  fields = _RESULT_FIELDS + ((_STATE_FIELD,) if keep_state else ())
+  full, home = None, rows  # home: each carried row's index in the batch
+  for k in range(len(sizes)):
+    nxt = sizes[k + 1] if k + 1 < len(sizes) else 0
+
+    def phase_cond(c, nxt=nxt):
+      go = cond(c)
+      return go & (jnp.sum(~c[5]) > nxt) if nxt else go
+
+    carry = jax.lax.while_loop(phase_cond, body, carry)
+    if nxt:
+      part = tuple(carry[i] for i in fields)
+      full = part if full is None else _put_rows(full, part, home)
+      keep = jnp.argsort(carry[5], stable=True)[:nxt]  # active rows first
+      home = home[keep]
+      carry = tuple(_take_rows(x, keep) if i in _ROW_FIELDS else x
+                    for i, x in enumerate(carry))
+  if full is not None:
+    full = _put_rows(full, tuple(carry[i] for i in fields), home)
+    carry = list(carry)
+    for i, x in zip(fields, full):
+      carry[i] = x
+  it, _, hist, hlen, gen, _, state, _, _, acc, steps = carry
+  if not keep_state:
+    state = None  # (after a compaction it would hold only some rows)
   idx = lengths[:, None] + jnp.arange(max_new_tokens)[None, :]
   out = jnp.take_along_axis(hist, jnp.clip(idx, 0, w - 1), axis=1)
   out = jnp.where(idx < hlen[:, None], out, pad).astype(jnp.int32)
@@ -693,7 +750,8 @@ def speculative_generate(target: M.HybridLM, proposer: Proposer,
                          greedy: bool | None = None, rng=None,
                          eos_id: int | None = None,
                          implementation: str | None = None,
-                         return_state: bool = False, **state_kwargs):
+                         return_state: bool = False, compaction: int = 0,
+                         **state_kwargs):
   """Speculative decoding of `max_new_tokens` per row after the prompts.
 
   Prefill, then the target's first token is sampled as in `generate`; each
@@ -729,6 +787,18 @@ def speculative_generate(target: M.HybridLM, proposer: Proposer,
       prompt and every generated token but each row's last (positions =
       prompt_lengths + num_generated - 1; feed that token to `decode_step`
       to continue).
+    compaction: how many times the loop may halve its batch (static; 0:
+      never). Rows finish after different numbers of verify steps, and a
+      static batch keeps paying for its finished rows until the last one is
+      done; with compaction k, once the active rows fit in half the batch
+      (rounded up), they move to a loop over that half (their states, the
+      proposer state and the bookkeeping gathered; the finished rows'
+      results, and with return_state their states, kept aside), up to k
+      times. Costs one gather of the active rows' states per halving (and
+      with return_state, the full state's memory until the end) and one
+      more compiled loop body per halving. Greedy output is unchanged;
+      sampled output keeps its distribution but draws other random numbers
+      (the draws depend on the batch size).
 
   Returns:
     (tokens [batch, max_new_tokens] int32 (after a row's end: eos_id, or 0
@@ -749,6 +819,10 @@ def speculative_generate(target: M.HybridLM, proposer: Proposer,
                      f"{ssm_mode!r}.")
   if isinstance(buffer_len, bool) or not isinstance(buffer_len, int):
     raise ValueError(f"buffer_len must be an int, got {buffer_len!r}.")
+  if isinstance(compaction, bool) or not isinstance(
+      compaction, int) or compaction < 0:
+    raise ValueError(f"compaction must be an int >= 0 (how many times the "
+                     f"loop may halve its batch), got {compaction!r}.")
   if ssm_mode == "replay" and buffer_len <= window:
     raise ValueError(f"buffer_len ({buffer_len}) must exceed window "
                      f"({window}) in replay mode: a window is placed behind "
@@ -771,5 +845,6 @@ def speculative_generate(target: M.HybridLM, proposer: Proposer,
   out, n, stats, state = _spec_jit(
       graphdef, params, jnp.asarray(prompt_tokens, jnp.int32), lengths, state,
       max_new_tokens, window, implementation, ssm_mode, buffer_len, proposer,
-      sampling, jnp.int32(-1 if eos_id is None else eos_id), rng)
+      sampling, jnp.int32(-1 if eos_id is None else eos_id), rng, compaction,
+      bool(return_state))
   return (out, n, stats, state) if return_state else (out, n, stats)
