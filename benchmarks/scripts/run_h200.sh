@@ -12,8 +12,9 @@
 #   bash benchmarks/scripts/run_h200.sh decode     # hybrid_1b decode, b {64,256,512} x L {8,16,32} + split at 256 (~5 min)
 #   bash benchmarks/scripts/run_h200.sh decode_policies  # hybrid_1b decode at b 256, L 16, also with dual-precision replay states (f32 master + bf16 / fp8 read copy), split per part (2.4 min, session 11)
 #   bash benchmarks/scripts/run_h200.sh decode_extra  # hybrid_1b batch 1 (kernels), XLA reference ops at b {1,64,256} L 16 (> 4 min: the reference part needs ~3 min more than the 115 s it got)
-#   bash benchmarks/scripts/run_h200.sh specdec    # hybrid_1b spec decoding, b {256,512}, T 4 (2.5 min in session 10, 2.7 in session 12)
+#   bash benchmarks/scripts/run_h200.sh specdec    # hybrid_1b spec decoding, b {256,512}, T 4 (2.5 min in session 10, 2.7 in session 12; 4.1 min in session 30 with compaction 0 and 2)
 #   bash benchmarks/scripts/run_h200.sh specdec256  # b 256 only, plain and replay spec (session 30)
+#   bash benchmarks/scripts/run_h200.sh specdec_compaction  # b {256,512}, plain and replay spec at compaction 2 and 3 (session 30)
 #   bash benchmarks/scripts/run_h200.sh specdec256_graphs  # the same with XLA command buffers for conditionals and while loops (session 30)
 #   bash benchmarks/scripts/run_h200.sh specdec_fp8  # the same with the plain and replay states under f32+fp8 (f32 master, fp8 read copy; the verify kernels' policy support, session 26, not yet run); the snapshot baseline stays f32
 #   bash benchmarks/scripts/run_h200.sh specdec_accept  # b {256,512}, T 4, plain and replay spec only, proposer acceptance 0.8 and 0.9 (not yet run)
@@ -144,6 +145,12 @@ case "$1" in
     XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE \
       specdec_bench specdec256_graphs --config.bench.batches='(256,)' \
       --config.bench.windows='(4,)' --config.bench.ssm_modes="('replay',)" ;;
+  specdec_compaction)
+    # Plain decoding and replay spec decoding compacting 2 or 3 times
+    # (b 512 -> 256 -> 128 [-> 64]), b {256,512} (session 30).
+    specdec_bench specdec_compaction --config.bench.batches='(256,512)' \
+      --config.bench.windows='(4,)' --config.bench.ssm_modes="('replay',)" \
+      --config.bench.compactions='(2,3)' ;;
   specdec_accept)
     # Window 4 at higher acceptance (the proposer's per-draft probability;
     # 0.7, the benchmark's default, gives 2.55 accepted tokens per verify),
