@@ -613,15 +613,10 @@ class VerifyConfig(_LaunchConfig):
       "bc" 0.380 ms at block_p 32 (0.431 at 64), "none" 0.47-0.49;
       "terms" 0.32 at block_p 32, but its XLA ops add ~0.2 ms (verify
       0.58-0.61 vs 0.49-0.52 ms for "bc" on the device; sweeps 5-7).
-      "weights": the weights of those sums without the inputs they weigh
-      (`speculative.verify_weights`: decay [b, h, T], history [b, h, T, L],
-      window [b, h, T, T] and own [b, h, T] weights, ~1.4 MB at that
-      shape), so a program forms no exponentials, suffix sums or B.C
-      columns, only two weighted sums per position beside the readout.
-      Session 29 put most of the default window kernel's 0.264 ms outside
-      its readout (the decode step's output route reads the same
-      checkpoint in 0.142); built after that session's device time, not
-      yet timed.
+      Session 30 (sweeps 18-19): "terms" 0.228 against 0.264 for the
+      default, so the T readouts, not the history and window terms, are
+      most of the kernel; a "weights" form (XLA forming the terms'
+      weights, the kernel weighing the inputs) took 0.267 and was removed.
     readout: how the window kernel reads the checkpoint tile out against
       the T positions' C: "reduce" (T dstate reductions) or one tile x C^T
       dot over the positions padded to 16, "dot_tf32x3" (3xTF32, about f32
@@ -648,6 +643,10 @@ class VerifyConfig(_LaunchConfig):
       benchmarks/verify_sweep_h200.json sweep 17): 0.265 ms at 64, 0.301
       at 80, 0.313 at 96, against 0.264 uncapped.
 
+  One warp per program (half the default's instructions per tile) took
+  0.35-0.42 ms (session 30, sweep 19: 255 registers, or spills when
+  capped), so num_warps stays 4.
+
   The window kernel forms the T positions' outputs one position at a time
   (a readout and two term reductions each). With the positions as a tile
   axis instead (one reduction each over [T, block_p, chunk], [L, T,
@@ -670,7 +669,7 @@ class VerifyConfig(_LaunchConfig):
     super().__post_init__()
     _check_registers("max_registers", self.max_registers)
     _check_choice("precompute", self.precompute,
-                  ("none", "bc", "bc_reduce", "terms", "weights"))
+                  ("none", "bc", "bc_reduce", "terms"))
     _check_choice("readout", self.readout,
                   ("reduce", "dot_tf32x3", "dot_f32", "xla"))
     _check_choice("fold", self.fold, FOLD_MODES, optional=True)

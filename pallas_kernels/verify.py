@@ -44,8 +44,7 @@ from pallas_kernels.replay import (_FlushStores, _Program, _copy_counts,
                                    persistent_items, rank1_fold)
 from pallas_kernels.replay import default_block_p as _step_block_p
 from replayssm_jax.reference import process_dt
-from replayssm_jax.speculative import (verify_bc, verify_readout,
-                                       verify_terms, verify_weights)
+from replayssm_jax.speculative import verify_bc, verify_readout, verify_terms
 
 F32 = jnp.float32
 
@@ -174,7 +173,7 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
   the checkpoint (the stored master), the others the copy (`_copy_readouts`,
   as `copy_readout` says).
   """
-  n_pre = dict(none=0, bc=3, terms=2, weights=4)[precompute]
+  n_pre = dict(none=0, bc=3, terms=2)[precompute]
   n_read = 10 + n_pre + (readout_dot is not None or xla_readout)
   ins, (d_ref, z_ref, bias_ref), outs = _unpack(
       refs, n_read + copy + scaled, 5, has_D, has_z, has_bias)
@@ -206,10 +205,6 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
     decay_ref, extra_ref = ins[10:12]
     ys = [decay_ref[b, s, h] * readouts[s] + extra_ref[b, s, h, ps]
           for s in range(T)]
-  elif precompute == "weights":
-    ys = _window_outputs_from_precomputed(
-        p, xb_ref, x_ref, readouts, tuple(ins[10:14]), hist, window=T,
-        block_p=kw["block_p"])
   else:
     ys = _window_outputs_from_weights(
         p, (xb_ref, bb_ref, dtb_ref, a_ref), readouts,
@@ -344,29 +339,6 @@ def _window_outputs_from_weights(p, refs, readouts, win_refs, bias, hist, bc,
   return ys
 
 
-def _window_outputs_from_precomputed(p, xb_ref, x_ref, readouts, weights,
-                                     hist, *, window, block_p):
-  """The T window outputs ([block_p] f32 each, before D and z) from the
-  checkpoint's readouts and the weights of `speculative.verify_weights`
-  (precompute "weights"): per position two weighted sums over the history
-  and the earlier window tokens, no exponentials or B.C products here."""
-  decay_ref, hist_ref, win_ref, own_ref = weights
-  b, ps, h = p.b, p.ps, p.head0
-  x_hist = _history_x(p, xb_ref, hist, block_p).astype(F32)
-  # Earlier window tokens are read back from the buffer, so they carry its
-  # rounding; the current position uses the caller's values.
-  x_win_st = x_ref[b, :, h, ps].astype(xb_ref.dtype).astype(F32)
-  ys = []
-  for s in range(window):
-    w_hist = hist_ref[b, h, s, :]  # [L], zero past the history
-    w_win = win_ref[b, h, s, :]  # [T], zero from position s on
-    ys.append(decay_ref[b, h, s] * readouts[s]
-              + jnp.sum(w_hist[:, None] * x_hist, axis=0)
-              + jnp.sum(w_win[:, None] * x_win_st, axis=0)
-              + own_ref[b, h, s] * x_ref[b, s, h, ps].astype(F32))
-  return ys
-
-
 def _append_window(p, refs, outs, *, window, base, dt_softplus):
   """Appends the window's inputs behind the row's committed history and
   stores the row's new count (the verify kernels' common tail)."""
@@ -479,13 +451,11 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     pre = verify_bc(rstate.b_buf, B, C,
                     form="reduce" if config.precompute == "bc_reduce"
                     else "dot")
-  elif precompute in ("terms", "weights"):
+  elif precompute == "terms":
     c = rstate.count.astype(jnp.int32)
-    base = jnp.where(c + T >= rstate.buffer_len, 0, c)
-    d_win = process_dt(dt, dt_bias, dt_softplus)
-    pre = (verify_terms(rstate.x_buf, rstate.b_buf, rstate.dt_buf, base, x,
-                        B, d_win, C, A) if precompute == "terms" else
-           verify_weights(rstate.b_buf, rstate.dt_buf, base, B, d_win, C, A))
+    pre = verify_terms(rstate.x_buf, rstate.b_buf, rstate.dt_buf,
+                       jnp.where(c + T >= rstate.buffer_len, 0, c), x, B,
+                       process_dt(dt, dt_bias, dt_softplus), C, A)
   else:
     pre = ()
   readout_dot = None

@@ -157,32 +157,6 @@ def replay_verify_reference(rstate, x, dt, A, B, C, D=None, z=None,
   return y.astype(x.dtype), new
 
 
-def _window_weights(b_buf, dt_buf, base, B, d_win, C, A, bc_form="dot"):
-  """(lam [b, T, h]: the log-decay over the slots up to each position s,
-  history weights [b, T(s), L, h], window weights [b, T(s), T(i), h]):
-  the weights times the B.C products of `verify_terms`' sums."""
-  L, T, h = b_buf.shape[1], B.shape[1], dt_buf.shape[2]
-  a = A.astype(F32)
-  hist = jnp.arange(L)[None, :] < base[:, None]  # [b, L]
-  dh = jnp.where(hist[..., None], dt_buf.astype(F32), 0.0)  # [b, L, h]
-  lam_h = jnp.cumsum(dh, axis=1) * a  # [b, L, h]
-  lam_w = jnp.cumsum(d_win.astype(F32), axis=1) * a  # [b, T, h]
-  lam = lam_h[:, -1:] + lam_w  # [b, T(s), h]: log-decay over slots <= s
-  w_hist = dh[:, None] * jnp.exp(lam[:, :, None] - lam_h[:, None])
-  causal = (jnp.arange(T)[:, None] >= jnp.arange(T)[None, :])[None, :, :,
-                                                             None]
-  w_win = jnp.where(  # [b, T(s), T(i), h]
-      causal, d_win.astype(F32)[:, None] * jnp.exp(jnp.where(
-          causal, lam_w[:, :, None] - lam_w[:, None], 0.0)), 0.0)
-  # B.C products in [b, T(s), slot, h] (head h reads its group's).
-  to_heads = lambda v: heads_from_groups(  # noqa: E731
-      jnp.transpose(v, (0, 3, 2, 1)), h, axis=3)
-  bc_hist, bc_win, bc_own = verify_bc(b_buf, B, C, form=bc_form)
-  # The position's own token (i = s) with its B as given.
-  bc_win = jnp.where(jnp.eye(T, dtype=bool), bc_own[:, :, None, :], bc_win)
-  return lam, w_hist * to_heads(bc_hist), w_win * to_heads(bc_win)
-
-
 def verify_terms(x_buf, b_buf, dt_buf, base, x, B, d_win, C, A):
   """Everything in the T window outputs but the checkpoint:
   y_s = decay_s * (S C_s) + extra_s, with S the (folded) checkpoint.
@@ -203,40 +177,36 @@ def verify_terms(x_buf, b_buf, dt_buf, base, x, B, d_win, C, A):
     (decay [b, T, h], extra [b, T, h, p]), f32: sum_j w_sj (B_j . C_s) x_j
     over those slots, w_sj = d_j exp(A sum_{j < i <= s} d_i).
   """
-  T = x.shape[1]
-  lam, k_hist, k_win = _window_weights(b_buf, dt_buf, base, B, d_win, C, A)
-  own = jnp.eye(T, dtype=bool)[None, :, :, None]
+  L, T, h = x_buf.shape[1], x.shape[1], x.shape[2]
+  a = A.astype(F32)
+  hist = jnp.arange(L)[None, :] < base[:, None]  # [b, L]
+  dh = jnp.where(hist[..., None], dt_buf.astype(F32), 0.0)  # [b, L, h]
+  lam_h = jnp.cumsum(dh, axis=1) * a  # [b, L, h]
+  lam_w = jnp.cumsum(d_win.astype(F32), axis=1) * a  # [b, T, h]
+  lam = lam_h[:, -1:] + lam_w  # [b, T(s), h]: log-decay over slots <= s
+  w_hist = dh[:, None] * jnp.exp(lam[:, :, None] - lam_h[:, None])
+  causal = (jnp.arange(T)[:, None] >= jnp.arange(T)[None, :])[None, :, :,
+                                                             None]
+  w_win = jnp.where(  # [b, T(s), T(i), h]
+      causal, d_win.astype(F32)[:, None] * jnp.exp(jnp.where(
+          causal, lam_w[:, :, None] - lam_w[:, None], 0.0)), 0.0)
+  # B.C products in [b, T(s), slot, h] (head h reads its group's).
+  to_heads = lambda v: heads_from_groups(  # noqa: E731
+      jnp.transpose(v, (0, 3, 2, 1)), h, axis=3)
+  bc_hist, bc_win, bc_own = verify_bc(b_buf, B, C)
+  own = jnp.eye(T, dtype=bool)
+  # The position's own token (i = s) with its B as given.
+  bc_win = jnp.where(own, bc_own[:, :, None, :], bc_win)
+  own = own[None, :, :, None]
+  k_win = w_win * to_heads(bc_win)  # [b, T(s), T(i), h]
   f = lambda v: v.astype(F32)  # noqa: E731
   extra = (
-      jnp.einsum("bsjh,bjhp->bshp", k_hist, f(x_buf), precision=HIGHEST)
+      jnp.einsum("bsjh,bjhp->bshp", w_hist * to_heads(bc_hist), f(x_buf),
+                 precision=HIGHEST)
       + jnp.einsum("bsih,bihp->bshp", jnp.where(own, 0.0, k_win),
                    f(x.astype(x_buf.dtype)), precision=HIGHEST)
       + jnp.einsum("bssh->bsh", k_win)[..., None] * f(x))
   return jnp.exp(lam), extra
-
-
-def verify_weights(b_buf, dt_buf, base, B, d_win, C, A):
-  """`verify_terms`' weights without the inputs they weigh, head-major
-  for a kernel's per-head loads (B.C products as sums over dstate):
-
-    y_s = decay_s (S C_s) + sum_j hist_sj x_j + sum_{i<s} win_si x~_i
-          + own_s x_s
-
-  with x_j the buffer's history slots (j < base), x~_i the earlier window
-  tokens rounded to the buffer dtype and x_s the position's own input.
-
-  Returns:
-    (decay [b, h, T], hist [b, h, T, L], win [b, h, T(s), T(i)] (zero for
-    i >= s), own [b, h, T]), f32.
-  """
-  T = B.shape[1]
-  lam, k_hist, k_win = _window_weights(b_buf, dt_buf, base, B, d_win, C, A,
-                                       bc_form="reduce")
-  own = jnp.eye(T, dtype=bool)[None, :, :, None]
-  heads_second = lambda v: jnp.moveaxis(v, -1, 1)  # noqa: E731
-  return (heads_second(jnp.exp(lam)), heads_second(k_hist),
-          heads_second(jnp.where(own, 0.0, k_win)),
-          heads_second(jnp.einsum("bssh->bsh", k_win)))
 
 
 def verify_readout(checkpoint, C):

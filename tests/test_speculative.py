@@ -299,15 +299,11 @@ def test_pallas_verify_fold_modes(config):
     (16, 4, "bfloat16", dict(precompute="bc_reduce")),
     (32, 8, "float32", dict(precompute="bc_reduce", readout_chunk=None)),
     (16, 4, "bfloat16", dict(readout_chunk=4)),
-    (8, 2, "bfloat16", dict(precompute="terms", readout_chunk=64)),
-    (16, 4, "bfloat16", dict(precompute="weights")),
-    (32, 8, "float32", dict(precompute="weights", readout_chunk=None)),
-    (8, 2, "bfloat16", dict(precompute="weights", fold="rank1"))],
+    (8, 2, "bfloat16", dict(precompute="terms", readout_chunk=64))],
     ids=str)
 def test_pallas_verify_window_variants(L, T, buffer_dtype, config):
   """The window kernel with each `VerifyConfig.precompute` (nothing, the
-  B.C products as einsums or sums, every term but the checkpoint's, the
-  terms' weights) and
+  B.C products as einsums or sums, every term but the checkpoint's) and
   readout (reductions, over dstate column blocks or not, dots, XLA's) ==
   the reference, with rows that fold, rows that do not, and buffer
   rounding of the earlier window tokens."""
@@ -350,41 +346,6 @@ def test_verify_bc_forms_agree():
     testing.assert_close(r, d, testing.TOLERANCES["float32"], name)
   with pytest.raises(ValueError, match="form must be"):
     spec.verify_bc(b_buf, B, C, form="tf32")
-
-
-def test_verify_weights_rebuild_the_terms():
-  """speculative.verify_weights (the kernel's precompute "weights") weighs
-  the history slots, the earlier window tokens rounded to the buffer dtype
-  and each position's own input into verify_terms' extra term and decay,
-  on ragged bases (0, partial, full history) with a bf16 buffer."""
-  from replayssm_jax import speculative as spec  # pylint: disable=g-import-not-at-top
-  b, L, T, h, p, g, n = 3, 8, 4, 4, 16, 2, 16
-  ks = jax.random.split(jax.random.PRNGKey(73), 7)
-  x_buf = jax.random.normal(ks[0], (b, L, h, p), jnp.bfloat16)
-  b_buf = jax.random.normal(ks[1], (b, L, g, n), jnp.bfloat16)
-  dt_buf = jax.random.uniform(ks[2], (b, L, h), minval=0.01, maxval=0.2)
-  x = jax.random.normal(ks[3], (b, T, h, p), jnp.float32)
-  B, C = (jax.random.normal(k, (b, T, g, n), jnp.float32) for k in ks[4:6])
-  d_win = jax.random.uniform(ks[6], (b, T, h), minval=0.01, maxval=0.2)
-  A = -jnp.linspace(0.5, 2.0, h)
-  base = jnp.array([0, 5, L])
-  decay, extra = spec.verify_terms(x_buf, b_buf, dt_buf, base, x, B, d_win,
-                                   C, A)
-  w_decay, w_hist, w_win, w_own = spec.verify_weights(b_buf, dt_buf, base, B,
-                                                      d_win, C, A)
-  assert w_hist.shape == (b, h, T, L) and w_win.shape == (b, h, T, T)
-  np.testing.assert_array_equal(np.triu(np.asarray(w_win)[0, 0]), 0.0)
-  f32 = lambda v: v.astype(jnp.float32)  # noqa: E731
-  rebuilt = (jnp.einsum("bhsj,bjhp->bshp", w_hist, f32(x_buf))
-             + jnp.einsum("bhsi,bihp->bshp", w_win,
-                          f32(x.astype(x_buf.dtype)))
-             + jnp.swapaxes(w_own, 1, 2)[..., None] * x)
-  tol = testing.TOLERANCES["float32"]
-  testing.assert_close(rebuilt, extra, tol, "extra")
-  testing.assert_close(jnp.swapaxes(w_decay, 1, 2), decay, tol, "decay")
-  # No history weight past each row's base.
-  np.testing.assert_array_equal(np.asarray(w_hist)[0], 0.0)
-  np.testing.assert_array_equal(np.asarray(w_hist)[1, ..., 5:], 0.0)
 
 
 def test_pallas_verify_refuses_non_pow2_window():

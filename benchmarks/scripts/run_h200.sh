@@ -373,13 +373,6 @@ P.run(c, sys.argv[1])" "$OUT/precision_mqar1024_rest" ;;
       python benchmarks/scripts/verify_sweep.py --policy f32+fp8 \
       --variants default,copy_branch,fold_w4c128 \
       --out "$OUT/verify_sweep_f32_fp8.json" ;;
-  verify_weights)
-    # The terms' weights precomputed by XLA (session 29, not yet timed):
-    # the window kernel's per-program work outside the readout.
-    XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout "$T" \
-      python benchmarks/scripts/verify_sweep.py \
-      --variants default,weights,weights_bp64,weights_w2,weights_chunk16 \
-      --out "$OUT/verify_sweep_weights.json" ;;
   verify_caps)
     # The window kernel's registers capped (session 29).
     XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout "$T" \

@@ -89,12 +89,6 @@ VARIANTS = {
     # A read-copy state's window readout as one branch per program on the
     # row's fold instead of two masked loads (with --policy; session 28).
     "copy_branch": dict(copy_readout="branch"),
-    # The terms' weights precomputed by XLA, the inputs weighed in the
-    # kernel (session 29, not yet timed).
-    "weights": dict(precompute="weights"),
-    "weights_bp64": dict(precompute="weights", block_p=64),
-    "weights_w2": dict(precompute="weights", num_warps=2),
-    "weights_chunk16": dict(precompute="weights", readout_chunk=16),
     # The window kernel's registers capped (session 29).
     "cap64": dict(max_registers=64),
     "cap80": dict(max_registers=80),
@@ -105,7 +99,6 @@ VARIANTS = {
     "w1_cap168": dict(num_warps=1, max_registers=168),
     "terms_w1": dict(precompute="terms", num_warps=1),
     "w1_bp16": dict(num_warps=1, block_p=16),
-    "weights_w1": dict(precompute="weights", num_warps=1),
     "reference": None,  # the XLA reference op (implementation="reference")
 }
 
