@@ -717,6 +717,11 @@ def _spec_jit(graphdef, params, tokens, lengths, state, max_new_tokens,
       return go & (jnp.sum(~c[5]) > nxt) if nxt else go
 
     carry = jax.lax.while_loop(phase_cond, body, carry)
+    if k == 0:
+      # The whole batch's state after the first phase: the output when the
+      # caller does not want the final state (it aliases the donated input
+      # state, which then is neither copied nor left unused).
+      first_state = carry[_STATE_FIELD]
     if nxt:
       part = tuple(carry[i] for i in fields)
       full = part if full is None else _put_rows(full, part, home)
@@ -731,7 +736,7 @@ def _spec_jit(graphdef, params, tokens, lengths, state, max_new_tokens,
       carry[i] = x
   it, _, hist, hlen, gen, _, state, _, _, acc, steps = carry
   if not keep_state:
-    state = None  # (after a compaction it would hold only some rows)
+    state = first_state  # discarded by speculative_generate
   idx = lengths[:, None] + jnp.arange(max_new_tokens)[None, :]
   out = jnp.take_along_axis(hist, jnp.clip(idx, 0, w - 1), axis=1)
   out = jnp.where(idx < hlen[:, None], out, pad).astype(jnp.int32)
