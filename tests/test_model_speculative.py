@@ -22,6 +22,7 @@ The tiny config of tests/test_models.py; f32; ragged prompts throughout.
 from __future__ import annotations
 
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -275,6 +276,41 @@ def test_compaction_keeps_output_and_state(model, draft, ssm_mode, kind):
     with pytest.raises(ValueError, match="compaction"):
       speculative_generate(model, proposer, prompts, lengths, MAX_NEW,
                            WINDOW, compaction=bad)
+
+
+@pytest.mark.parametrize("setting", [dict(temperature=0.0),
+                                     dict(temperature=0.8),
+                                     dict(temperature=0.8, top_p=0.9)])
+def test_decode_loops_hold_no_conditional(model, setting):
+  """With `SamplingSettings` (greedy and the filters static) neither the
+  plain nor the speculative loop lowers to a conditional (an XLA GPU
+  conditional outside a CUDA graph syncs the host every iteration), and
+  the speculative loop's acceptance traces one form."""
+  from tests.test_models import G  # pylint: disable=g-import-not-at-top
+  SP = importlib.import_module("replayssm_jax.models.speculative")
+  sampling = sampling_settings(setting["temperature"], None,
+                               setting.get("top_p"), None,
+                               jax.random.PRNGKey(0))
+  assert sampling.greedy == (setting["temperature"] == 0)
+  tokens, lengths = random_tokens(3, (B, P)), jnp.asarray(LENGTHS, jnp.int32)
+  graphdef, params = nnx.split(model)
+  eos, rng = jnp.int32(-1), jax.random.PRNGKey(1)
+  state = model.init_state(B, kv_cache_len(P + 8 + WINDOW),
+                           buffer_len=BUFFER_LEN)
+  plain = G._generate_jit.lower(graphdef, params, tokens, lengths, state, 8,  # pylint: disable=protected-access
+                                None, sampling, eos, rng).as_text()
+  spec = SP._spec_jit.lower(  # pylint: disable=protected-access
+      graphdef, params, tokens, lengths, state, 8, WINDOW, None, "replay",
+      BUFFER_LEN, NgramProposer(n=2), sampling, eos, rng, 1,
+      False).as_text()
+  for text in (plain, spec):
+    assert "stablehlo.while" in text
+    assert "stablehlo.case" not in text and "stablehlo.if" not in text
+  # A traced greedy flag (a plain tuple) keeps the conditional.
+  traced = (jnp.asarray(False),) + tuple(sampling)[1:]
+  text = G._generate_jit.lower(graphdef, params, tokens, lengths, state, 8,  # pylint: disable=protected-access
+                               None, traced, eos, rng).as_text()
+  assert "stablehlo.case" in text
 
 
 @jax.tree_util.register_pytree_node_class
