@@ -134,11 +134,14 @@ def sampling_probs(logits, greedy, temperature, top_k, top_p):
 
   Greedy: one-hot at the argmax; otherwise softmax of `filter_logits`.
   """
-  vocab = logits.shape[-1]
-  one_hot = lambda: jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab,  # noqa: E731
-                                   dtype=F32)
-  soft = lambda: jax.nn.softmax(filter_logits(  # noqa: E731
-      logits, greedy, temperature, top_k, top_p), axis=-1)
+  def one_hot():
+    return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1],
+                          dtype=F32)
+
+  def soft():
+    return jax.nn.softmax(filter_logits(logits, greedy, temperature, top_k,
+                                        top_p), axis=-1)
+
   if _is_static(greedy):
     return one_hot() if greedy else soft()
   return jax.lax.cond(greedy, one_hot, soft)

@@ -762,12 +762,13 @@ def speculative_generate(target: M.HybridLM, proposer: Proposer,
   Prefill, then the target's first token is sampled as in `generate`; each
   iteration of one jit-compiled `lax.while_loop` (compiled once per shape,
   proposer structure, static setting and sampling mode, as `generate`; the
-  values of the sampling settings and eos_id are traced) then: the proposer gives up to window - 1 drafts per row; the
-  target verifies [last token, drafts] in one parallel pass (`verify`; rows
-  with fewer drafts pad and cannot accept the padding); acceptance
-  (`accept`) emits the accepted drafts and one target token; target and
-  proposer commit the accepted prefix (rollback of the rest). Rows that are
-  done (max_new_tokens reached or eos emitted) keep their state.
+  values of the sampling settings and eos_id are traced) then: the
+  proposer gives up to window - 1 drafts per row; the target verifies
+  [last token, drafts] in one parallel pass (`verify`; rows with fewer
+  drafts pad and cannot accept the padding); acceptance (`accept`) emits
+  the accepted drafts and one target token; target and proposer commit the
+  accepted prefix (rollback of the rest). Rows that are done
+  (max_new_tokens reached or eos emitted) keep their state.
 
   Greedy output equals `generate`'s token for token (up to argmax ties
   under float association order); sampled output is distributed as
@@ -799,9 +800,9 @@ def speculative_generate(target: M.HybridLM, proposer: Proposer,
       (rounded up), they move to a loop over that half (their states, the
       proposer state and the bookkeeping gathered; the finished rows'
       results, and with return_state their states, kept aside), up to k
-      times. Costs one gather of the active rows' states per halving (and
-      with return_state, the full state's memory until the end) and one
-      more compiled loop body per halving. Greedy output is unchanged;
+      times. Costs one gather of the active rows' states per halving (the
+      full batch's state stays allocated to the end) and one more compiled
+      loop body per halving. Greedy output is unchanged;
       sampled output keeps its distribution but draws other random numbers
       (the draws depend on the batch size).
 
