@@ -91,6 +91,15 @@ def test_triton_offline_modules():
   # 2 warps are not capped by default.
   uncapped = modules(flush_num_warps=2)
   assert "maxnreg" not in uncapped["replayssm_replay_flush_route"]
+  # --op verify: the speculative verify's fold and window kernels.
+  verify = triton_offline.verify_modules(
+      batch=2, nheads=4, headdim=16, dstate=16, ngroups=2, buffer_len=8,
+      checkpoint_dtype=jnp.float32, window=4,
+      config=pk.VerifyConfig(max_registers=96))
+  assert set(verify) == {"replayssm_verify_fold",
+                         "replayssm_verify_window__maxnreg96"}
+  for text in verify.values():
+    assert "tt.func public @replayssm_verify" in text
 
 
 def test_readout_micro_interpret(tmp_path):

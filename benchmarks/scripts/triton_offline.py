@@ -66,29 +66,41 @@ def _capture_triton_modules():
     pcr.lowering.lower_jaxpr_to_triton_module = original
 
 
-def replay_step(*, batch, nheads, headdim, dstate, ngroups, buffer_len,
-                checkpoint_dtype, config=None, read_dtype=None):
-  """(step, (rstate, tokens)): one replay step and ShapeDtypeStructs of
-  its arguments (the benchmarks' dtypes: bf16 activations and buffers);
-  read_dtype: a read copy of this dtype (8-bit ones with their scales)."""
+def _shapes(batch, nheads, headdim, dstate, ngroups, buffer_len,
+            checkpoint_dtype, window=None):
+  """ShapeDtypeStructs of a ReplayState and of a token's (window None) or
+  a window's inputs, at the benchmarks' dtypes (bf16 activations and
+  buffers, f32 dt buffer)."""
   sds = jax.ShapeDtypeStruct
   bf16 = jnp.bfloat16
-  params = testing.random_params(jax.random.PRNGKey(0), nheads)
-  tok = dict(x=sds((batch, nheads, headdim), bf16),
-             dt=sds((batch, nheads), bf16),
-             B=sds((batch, ngroups, dstate), bf16),
-             C=sds((batch, ngroups, dstate), bf16))
+  t = () if window is None else (window,)
+  inputs = dict(x=sds((batch, *t, nheads, headdim), bf16),
+                dt=sds((batch, *t, nheads), bf16),
+                B=sds((batch, *t, ngroups, dstate), bf16),
+                C=sds((batch, *t, ngroups, dstate), bf16))
   rstate = ReplayState(
       checkpoint=sds((batch, nheads, headdim, dstate), checkpoint_dtype),
       x_buf=sds((batch, buffer_len, nheads, headdim), bf16),
       b_buf=sds((batch, buffer_len, ngroups, dstate), bf16),
       dt_buf=sds((batch, buffer_len, nheads), jnp.float32),
       count=sds((batch,), jnp.int32))
+  return rstate, inputs
+
+
+def replay_step(*, batch, nheads, headdim, dstate, ngroups, buffer_len,
+                checkpoint_dtype, config=None, read_dtype=None):
+  """(step, (rstate, tokens)): one replay step and ShapeDtypeStructs of
+  its arguments (`_shapes`); read_dtype: a read copy of this dtype (8-bit
+  ones with their scales)."""
+  params = testing.random_params(jax.random.PRNGKey(0), nheads)
+  rstate, tok = _shapes(batch, nheads, headdim, dstate, ngroups, buffer_len,
+                        checkpoint_dtype)
   if read_dtype is not None:
     read_dtype = jnp.dtype(read_dtype)
     rstate = rstate.replace(
-        read_copy=sds(rstate.checkpoint.shape, read_dtype),
-        read_scale=(sds((batch, nheads, headdim), jnp.float32)
+        read_copy=jax.ShapeDtypeStruct(rstate.checkpoint.shape, read_dtype),
+        read_scale=(jax.ShapeDtypeStruct((batch, nheads, headdim),
+                                         jnp.float32)
                     if read_dtype.itemsize == 1 else None))
   config = config or pk.ReplayConfig()
 
@@ -99,34 +111,28 @@ def replay_step(*, batch, nheads, headdim, dstate, ngroups, buffer_len,
   return step, (rstate, tok)
 
 
-def triton_modules(**kw):
-  """{kernel name: Triton module text} of one replay step (shapes only;
-  keywords of replay_step)."""
-  step, args = replay_step(**kw)
+def _modules(fn, *args):
+  """{kernel name: Triton module text} of fn's pallas_calls (shapes only)."""
   with _capture_triton_modules() as modules:
-    jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",))
+    jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
   return dict(modules)
+
+
+def triton_modules(**kw):
+  """The Triton modules of one replay step (keywords of replay_step)."""
+  step, args = replay_step(**kw)
+  return _modules(step, *args)
 
 
 def verify_modules(*, batch, nheads, headdim, dstate, ngroups, buffer_len,
                    checkpoint_dtype, window=4, config=None, **unused):
-  """{kernel name: Triton module text} of one speculative verify
-  (`pallas_kernels.replay_verify`, shapes only) at the benchmarks' dtypes:
-  bf16 window inputs and buffers, no z (as verify_sweep.py)."""
+  """The Triton modules of one speculative verify
+  (`pallas_kernels.replay_verify`) at `_shapes`' dtypes, no z (as
+  verify_sweep.py)."""
   del unused
-  sds = jax.ShapeDtypeStruct
-  bf16 = jnp.bfloat16
   params = testing.random_params(jax.random.PRNGKey(0), nheads)
-  win = dict(x=sds((batch, window, nheads, headdim), bf16),
-             dt=sds((batch, window, nheads), bf16),
-             B=sds((batch, window, ngroups, dstate), bf16),
-             C=sds((batch, window, ngroups, dstate), bf16))
-  rstate = ReplayState(
-      checkpoint=sds((batch, nheads, headdim, dstate), checkpoint_dtype),
-      x_buf=sds((batch, buffer_len, nheads, headdim), bf16),
-      b_buf=sds((batch, buffer_len, ngroups, dstate), bf16),
-      dt_buf=sds((batch, buffer_len, nheads), jnp.float32),
-      count=sds((batch,), jnp.int32))
+  rstate, win = _shapes(batch, nheads, headdim, dstate, ngroups, buffer_len,
+                        checkpoint_dtype, window)
   config = config or pk.VerifyConfig()
 
   def verify(rs, w):
@@ -134,9 +140,7 @@ def verify_modules(*, batch, nheads, headdim, dstate, ngroups, buffer_len,
         rs, **w, A=params["A"], D=params["D"], dt_bias=params["dt_bias"],
         dt_softplus=True, config=config)
 
-  with _capture_triton_modules() as modules:
-    jax.jit(verify).trace(rstate, win).lower(lowering_platforms=("cuda",))
-  return dict(modules)
+  return _modules(verify, rstate, win)
 
 
 def _tool(name):
