@@ -482,8 +482,9 @@ def test_oracle_proposer_acceptance_rate():
                         num_generated=jnp.full((64,), 3, jnp.int32),
                         active=None, iteration=None)
   for p, check in ((1.0, np.equal), (0.0, np.not_equal)):
-    prop, _ = OracleProposer(ref, p, 50).propose(
-        (), ctx, 5, jax.random.PRNGKey(1), None)
+    proposer = OracleProposer(ref, p, 50)
+    pstate = proposer.init(None, None)  # the reference, row by row
+    prop, _ = proposer.propose(pstate, ctx, 5, jax.random.PRNGKey(1), None)
     assert check(np.asarray(prop.drafts), np.asarray(ref[:, 3:7])).all()
     np.testing.assert_array_equal(prop.num_drafts, 4)
   with pytest.raises(ValueError, match="accept_prob"):
