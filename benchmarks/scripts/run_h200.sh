@@ -15,7 +15,7 @@
 #   bash benchmarks/scripts/run_h200.sh specdec    # hybrid_1b spec decoding, b {256,512}, T 4 (2.5 min in session 10, 2.7 in session 12; 4.1 min in session 30 with compaction 0 and 2)
 #   bash benchmarks/scripts/run_h200.sh specdec256  # b 256 only, plain and replay spec (session 30)
 #   bash benchmarks/scripts/run_h200.sh specdec_compaction  # b {256,512}, plain and replay spec at compaction 2 and 3 (session 30)
-#   bash benchmarks/scripts/run_h200.sh specdec256_graphs  # the same with XLA command buffers for conditionals and while loops (session 30)
+#   bash benchmarks/scripts/run_h200.sh specdec256_graphs  # the same with XLA command buffers for conditionals and while loops (session 30: no gain)
 #   bash benchmarks/scripts/run_h200.sh specdec_fp8  # the same with the plain and replay states under f32+fp8 (f32 master, fp8 read copy; the verify kernels' policy support, session 26, not yet run); the snapshot baseline stays f32
 #   bash benchmarks/scripts/run_h200.sh specdec_accept  # b {256,512}, T 4, plain and replay spec only, proposer acceptance 0.8 and 0.9 (not yet run)
 #   bash benchmarks/scripts/run_h200.sh specdec_L32  # the same with a 32-token replay buffer: a row folds its history every ~11 iterations instead of ~5 (the early-flush fold took 0.81 of the replay iteration's 8.16 ms at L 16, session 10; not yet run)
@@ -31,6 +31,7 @@
 #   bash benchmarks/scripts/run_h200.sh launch     # fused vs separate route launches, b 16 + 64, L 16 (1.2 min)
 #   bash benchmarks/scripts/run_h200.sh mosaic     # the Mosaic GPU kernels: baseline (7 configs) vs Triton and XLA, replay with the Mosaic output route (plain, f32+fp8, f16+fp8), b 256 + 64, f32 / f16, each checked first; a Mosaic failure is recorded, not fatal (> 3 min: session 7 ran f32 in 185 s, f16 without policies in 90 s)
 #   bash benchmarks/scripts/run_h200.sh verify [--variants a,b]  # spec verify kernel: VerifyConfig variants on hybrid_1b's layer, b 256, T 4, checked, split per kernel (14 variants: ~2 min in session 9; all 25 now, or pick with verify_sweep.py --variants)
+#   bash benchmarks/scripts/run_h200.sh hlo_dump   # XLA's optimized HLO of the plain and replay spec loops at b 256, packed (session 30: ~70 s)
 #   bash benchmarks/scripts/run_h200.sh verify_copy  # the verify kernels on f32 and on f32 + fp8 copy states: masked vs branching copy readout, capped fold (not yet run)
 #   bash benchmarks/scripts/run_h200.sh ncu_verify # Nsight Compute on the verify window kernel (default and the pre-session-8 default)
 #   bash benchmarks/scripts/run_h200.sh ncu_flush  # Nsight Compute on the flush route with every row folding (f16 checkpoint, b 256, L 16): stall reasons, instruction mix, source counters (1.5 min, session 11: it profiles one launch; with two, the second failed and the GPU stayed out of memory for the next part)

@@ -93,8 +93,9 @@ VARIANTS = {
     "cap64": dict(max_registers=64),
     "cap80": dict(max_registers=80),
     "cap96": dict(max_registers=96),
-    # One warp per program (session 30: half the default's instructions
-    # per tile offline, 255 registers uncapped), capped, and at block_p 16.
+    # One warp per program (half the default's instructions per tile
+    # offline, 255 registers uncapped), capped, and at block_p 16: 0.35-0.42
+    # ms against 0.264 (session 30, sweep 19).
     "w1": dict(num_warps=1),
     "w1_cap168": dict(num_warps=1, max_registers=168),
     "terms_w1": dict(precompute="terms", num_warps=1),
