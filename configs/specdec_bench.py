@@ -12,7 +12,8 @@ Smoke run (CPU, about a minute; used by tests/test_experiments.py):
       --workdir=runs/specdec_bench_smoke
 
 Useful overrides: --config.bench.batches='(256,512)',
---config.bench.windows='(4,)', --config.bench.accept_prob=0.5.
+--config.bench.windows='(4,)', --config.bench.accept_prob=0.5,
+--config.bench.compactions='(0,2)'.
 """
 
 import ml_collections

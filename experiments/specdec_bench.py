@@ -2,10 +2,11 @@ r"""Speculative-decoding throughput: replay rollback vs snapshot baseline.
 
 For each batch: random prompts, then
   * plain: `generate` (replay state, one token per step);
-  * for each window T and ssm_mode ("baseline": one full SSM state per
-    window position, rollback selects one; "replay": verify from checkpoint
-    + buffer, rollback moves the counter): `speculative_generate` with the
-    same proposer;
+  * for each window T, compaction (`bench.compactions`: how many times the
+    loop may halve its batch as rows finish) and ssm_mode ("baseline": one
+    full SSM state per window position, rollback selects one; "replay":
+    verify from checkpoint + buffer, rollback moves the counter):
+    `speculative_generate` with the same proposer;
 all greedy, or all sampling at `bench.temperature` (see bench.proposer).
 The proposer sets the acceptance rate, so every mode sees the same
 (reported) acceptance length and the proposer itself costs nothing: the
@@ -28,7 +29,8 @@ different numbers of drafts; session 8 at batch 256: 63 iterations where
 the mean row needs 50), so steady_tokens_per_s also gives what every row
 staying busy (continuous batching) would sustain: batch *
 mean_accepted_length / (decode time per iteration); for plain decoding
-it equals tokens_per_s.
+it equals tokens_per_s, and a compacting run (compaction > 0, whose later
+iterations run a smaller batch) has none.
 
 Usage (see configs/specdec_bench.py):
   python -m experiments.specdec_bench --config=configs/specdec_bench.py \
