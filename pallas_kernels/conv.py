@@ -70,6 +70,14 @@ def _ordered_ring(state_ref, slot, rows, cols, k1):
   return ordered
 
 
+def _bias_act(y, bias_ref, cols, silu):
+  """The conv block y [rows, channels] (f32) plus the bias's columns (if
+  any), then SiLU (if on): the two kernels' epilogue."""
+  if bias_ref is not None:
+    y = y + bias_ref[cols].astype(F32)[None, :]
+  return y * jax.nn.sigmoid(y) if silu else y
+
+
 def _store_pieces(out_refs, piece_blocks, c, block_channels, index, y):
   """y (a block of channel block c) into the output piece holding it, at
   out_ref[index + (its columns,)]."""
@@ -97,10 +105,7 @@ def _kernel(x_ref, state_ref, slot_ref, w_ref, *refs, k1, has_bias, silu,
   # oldest first, as the reference sums
   for age, v in enumerate(_ordered_ring(state_ref, slot, rows, cols, k1)):
     y = y + v.astype(F32) * w[age][None, :]
-  if has_bias:
-    y = y + bias_ref[cols].astype(F32)[None, :]
-  if silu:
-    y = y * jax.nn.sigmoid(y)
+  y = _bias_act(y, bias_ref, cols, silu)
   _store_pieces(out_refs, piece_blocks, c, block_channels, (rows,), y)
   for j in range(k1):  # the new input over each row's oldest slot only
     plgpu.store(state_out.at[rows, jnp.int32(j), cols],
@@ -179,10 +184,7 @@ def _window_kernel(x_ref, state_ref, slot_ref, w_ref, *refs, k1, window,
     y = src[t] * w[0]
     for j in range(1, k1 + 1):
       y = y + src[t + j] * w[j]
-    if has_bias:
-      y = y + bias_ref[cols].astype(F32)[None, :]
-    if silu:
-      y = y * jax.nn.sigmoid(y)
+    y = _bias_act(y, bias_ref, cols, silu)
     _store_pieces(out_refs, piece_blocks, c, block_channels, (rows, t), y)
 
 

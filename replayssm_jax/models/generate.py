@@ -86,7 +86,7 @@ def sampling_settings(temperature, top_k, top_p, greedy, rng):
       None if top_p is None else jnp.float32(top_p))
 
 
-def _is_static(flag) -> bool:
+def is_static_flag(flag) -> bool:
   """A Python / NumPy bool (a `SamplingSettings` flag), not a traced one."""
   return isinstance(flag, (bool, np.bool_))
 
@@ -103,7 +103,7 @@ def filter_logits(logits, greedy, temperature, top_k, top_p):
   """
   vocab = logits.shape[-1]
   scaled = logits.astype(F32) / (
-      (1.0 if greedy else temperature) if _is_static(greedy)
+      (1.0 if greedy else temperature) if is_static_flag(greedy)
       else jnp.where(greedy, 1.0, temperature))
   if top_k is None and top_p is None:
     return scaled
@@ -121,7 +121,7 @@ def filter_logits(logits, greedy, temperature, top_k, top_p):
     thresh = jnp.maximum(jnp.take_along_axis(srt, n_keep - 1, axis=-1), kth)
     return jnp.where(scaled < thresh, -jnp.inf, scaled)
 
-  if _is_static(greedy):  # SamplingSettings: a filter given is on
+  if is_static_flag(greedy):  # SamplingSettings: a filter given is on
     return truncate(scaled)
   # The vocabulary sort costs milliseconds per step on a GPU at batch 256:
   # skip it when neither top-k nor top-p is on.
@@ -142,7 +142,7 @@ def sampling_probs(logits, greedy, temperature, top_k, top_p):
     return jax.nn.softmax(filter_logits(logits, greedy, temperature, top_k,
                                         top_p), axis=-1)
 
-  if _is_static(greedy):
+  if is_static_flag(greedy):
     return one_hot() if greedy else soft()
   return jax.lax.cond(greedy, one_hot, soft)
 
@@ -161,7 +161,7 @@ def sample_logits(logits, rng, greedy, temperature, top_k, top_p):
     masked = filter_logits(logits, greedy, temperature, top_k, top_p)
     return jax.random.categorical(rng, masked, axis=-1).astype(jnp.int32)
 
-  if _is_static(greedy):
+  if is_static_flag(greedy):
     return argmax() if greedy else sample()
   # Greedy decoding skips the sampling work (filtering, Gumbel noise).
   return jax.lax.cond(greedy, argmax, sample)

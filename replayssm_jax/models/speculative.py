@@ -46,8 +46,9 @@ from replayssm_jax import _validation as V
 from replayssm_jax.models import model as M
 from replayssm_jax.models import states as S
 from replayssm_jax.models.generate import (check_prompts_and_eos,
-                                           filter_logits, sample_logits,
-                                           sampling_probs, sampling_settings)
+                                           filter_logits, is_static_flag,
+                                           sample_logits, sampling_probs,
+                                           sampling_settings)
 from replayssm_jax.models.layers import check_speculative_precision
 from replayssm_jax.speculative import baseline_commit, replay_commit
 from replayssm_jax.state import ReplayState
@@ -573,7 +574,7 @@ def accept(logits, drafts, num_drafts, q, sampling, rng):
     return a, jax.random.categorical(k_s, jnp.log(dist), axis=-1)
 
   greedy = sampling[0]
-  if isinstance(greedy, (bool, np.bool_)):  # SamplingSettings: one form
+  if is_static_flag(greedy):  # SamplingSettings: one form
     a, nxt = greedy_accept() if greedy else sample_accept()
     return a.astype(jnp.int32), nxt.astype(jnp.int32)
   # A traced greedy flag: both forms run and it selects (no lax.cond: an
