@@ -664,12 +664,13 @@ class VerifyConfig(_LaunchConfig):
   readout: str = "reduce"
   readout_chunk: int | None = 32
   max_registers: int | None = None
+  c_float32: bool = False
 
   def __post_init__(self):
     super().__post_init__()
     _check_registers("max_registers", self.max_registers)
     _check_choice("precompute", self.precompute,
-                  ("none", "bc", "bc_reduce", "terms"))
+                  ("none", "bc", "bc_reduce", "terms", "terms_reduce"))
     _check_choice("readout", self.readout,
                   ("reduce", "dot_tf32x3", "dot_f32", "xla"))
     _check_choice("fold", self.fold, FOLD_MODES, optional=True)

@@ -451,11 +451,14 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     pre = verify_bc(rstate.b_buf, B, C,
                     form="reduce" if config.precompute == "bc_reduce"
                     else "dot")
-  elif precompute == "terms":
+  elif precompute in ("terms", "terms_reduce"):
     c = rstate.count.astype(jnp.int32)
     pre = verify_terms(rstate.x_buf, rstate.b_buf, rstate.dt_buf,
                        jnp.where(c + T >= rstate.buffer_len, 0, c), x, B,
-                       process_dt(dt, dt_bias, dt_softplus), C, A)
+                       process_dt(dt, dt_bias, dt_softplus), C, A,
+                       form="reduce" if precompute == "terms_reduce"
+                       else "dot")
+    precompute = "terms"
   else:
     pre = ()
   readout_dot = None
@@ -486,8 +489,9 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
       interpret=interpret,
       name=common.capped_name("replayssm_verify_window",
                               config.max_registers),
-  )(ck, rstate.x_buf, rstate.b_buf, rstate.dt_buf, rstate.count, *token_in,
-    *pre, *copy_out, *optional)
+  )(ck, rstate.x_buf, rstate.b_buf, rstate.dt_buf, rstate.count, x, dt, A,
+    B, C.astype(F32) if config.c_float32 else C, *pre, *copy_out,
+    *optional)
   fields = {}
   if copy:
     fields["read_copy"] = copy_out[0]

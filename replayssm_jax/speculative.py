@@ -157,7 +157,8 @@ def replay_verify_reference(rstate, x, dt, A, B, C, D=None, z=None,
   return y.astype(x.dtype), new
 
 
-def verify_terms(x_buf, b_buf, dt_buf, base, x, B, d_win, C, A):
+def verify_terms(x_buf, b_buf, dt_buf, base, x, B, d_win, C, A,
+                 form: str = "dot"):
   """Everything in the T window outputs but the checkpoint:
   y_s = decay_s * (S C_s) + extra_s, with S the (folded) checkpoint.
 
@@ -172,6 +173,10 @@ def verify_terms(x_buf, b_buf, dt_buf, base, x, B, d_win, C, A):
     base: [b] int, committed slots still in the buffer.
     x: [b, T, h, p]; B, C: [b, T, g, n]; d_win: [b, T, h] processed dt.
     A: [h].
+
+    form: "dot" (einsums over the slots) or "reduce" (elementwise products
+      summed over the slots, which XLA emits as reduction fusions; the B.C
+      products as `verify_bc`'s "reduce"). Both are f32 throughout.
 
   Returns:
     (decay [b, T, h], extra [b, T, h, p]), f32: sum_j w_sj (B_j . C_s) x_j
@@ -193,19 +198,24 @@ def verify_terms(x_buf, b_buf, dt_buf, base, x, B, d_win, C, A):
   # B.C products in [b, T(s), slot, h] (head h reads its group's).
   to_heads = lambda v: heads_from_groups(  # noqa: E731
       jnp.transpose(v, (0, 3, 2, 1)), h, axis=3)
-  bc_hist, bc_win, bc_own = verify_bc(b_buf, B, C)
+  bc_hist, bc_win, bc_own = verify_bc(b_buf, B, C, form=form)
   own = jnp.eye(T, dtype=bool)
   # The position's own token (i = s) with its B as given.
   bc_win = jnp.where(own, bc_own[:, :, None, :], bc_win)
   own = own[None, :, :, None]
   k_win = w_win * to_heads(bc_win)  # [b, T(s), T(i), h]
   f = lambda v: v.astype(F32)  # noqa: E731
-  extra = (
-      jnp.einsum("bsjh,bjhp->bshp", w_hist * to_heads(bc_hist), f(x_buf),
-                 precision=HIGHEST)
-      + jnp.einsum("bsih,bihp->bshp", jnp.where(own, 0.0, k_win),
-                   f(x.astype(x_buf.dtype)), precision=HIGHEST)
-      + jnp.einsum("bssh->bsh", k_win)[..., None] * f(x))
+  k_hist = w_hist * to_heads(bc_hist)  # [b, T(s), L, h]
+  k_prev = jnp.where(own, 0.0, k_win)
+  x_prev = f(x.astype(x_buf.dtype))
+  if form == "reduce":
+    def weigh(k, v):  # [b, s, j, h] x [b, j, h, p] -> [b, s, h, p]
+      return jnp.sum(k[..., None] * v[:, None], axis=2)
+  else:
+    def weigh(k, v):
+      return jnp.einsum("bsjh,bjhp->bshp", k, v, precision=HIGHEST)
+  extra = (weigh(k_hist, f(x_buf)) + weigh(k_prev, x_prev)
+           + jnp.einsum("bssh->bsh", k_win)[..., None] * f(x))
   return jnp.exp(lam), extra
 
 
