@@ -617,6 +617,17 @@ class VerifyConfig(_LaunchConfig):
       default, so the T readouts, not the history and window terms, are
       most of the kernel; a "weights" form (XLA forming the terms'
       weights, the kernel weighing the inputs) took 0.267 and was removed.
+      "terms_reduce" (the default since session 31): "terms" with XLA's
+      weighted sums over the slots as elementwise products summed
+      (reduction fusions) instead of einsums. H200, session 31
+      (benchmarks/verify_sweep_h200.json sweep 20): verify device time
+      0.348 ms against 0.358 for "bc_reduce" (window kernel 0.224 against
+      0.262; XLA ops ~0.07 against ~0.04) and 0.478 for "terms"; replay
+      spec decoding at batch 512 +4% (specdec_bench_h200.json run 35).
+      C converted to f32 by XLA before the kernel (fewer SASS instructions
+      offline, 1424 against 1520) made the window kernel slower, 0.303 ms
+      with either precompute (78-100 registers against 64; 0.276-0.329
+      capped at 64 or 80), so C stays in its dtype.
     readout: how the window kernel reads the checkpoint tile out against
       the T positions' C: "reduce" (T dstate reductions) or one tile x C^T
       dot over the positions padded to 16, "dot_tf32x3" (3xTF32, about f32
@@ -660,11 +671,10 @@ class VerifyConfig(_LaunchConfig):
   fold_programs: int | None = None
   fold_num_warps: int | None = None
   fold_max_registers: int | None = None
-  precompute: str = "bc_reduce"
+  precompute: str = "terms_reduce"
   readout: str = "reduce"
   readout_chunk: int | None = 32
   max_registers: int | None = None
-  c_float32: bool = False
 
   def __post_init__(self):
     super().__post_init__()

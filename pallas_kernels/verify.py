@@ -489,9 +489,8 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
       interpret=interpret,
       name=common.capped_name("replayssm_verify_window",
                               config.max_registers),
-  )(ck, rstate.x_buf, rstate.b_buf, rstate.dt_buf, rstate.count, x, dt, A,
-    B, C.astype(F32) if config.c_float32 else C, *pre, *copy_out,
-    *optional)
+  )(ck, rstate.x_buf, rstate.b_buf, rstate.dt_buf, rstate.count, *token_in,
+    *pre, *copy_out, *optional)
   fields = {}
   if copy:
     fields["read_copy"] = copy_out[0]

@@ -960,7 +960,7 @@ def test_kernels_lower_to_triton(config, batch, buffer_len, policy):
                   pk.VerifyConfig(fold_grid="rows", fold="rank1"),
                   pk.VerifyConfig(precompute="none"),
                   pk.VerifyConfig(precompute="terms"),
-                  pk.VerifyConfig(precompute="terms_reduce", c_float32=True),
+                  pk.VerifyConfig(precompute="bc_reduce"),
                   pk.VerifyConfig(readout="dot_tf32x3"),
                   pk.VerifyConfig(readout="xla"),
                   pk.VerifyConfig(readout_chunk=16),

@@ -300,9 +300,8 @@ def test_pallas_verify_fold_modes(config):
     (32, 8, "float32", dict(precompute="bc_reduce", readout_chunk=None)),
     (16, 4, "bfloat16", dict(readout_chunk=4)),
     (8, 2, "bfloat16", dict(precompute="terms", readout_chunk=64)),
-    (16, 4, "bfloat16", dict(precompute="terms_reduce", c_float32=True)),
-    (32, 8, "float32", dict(precompute="terms_reduce", fold="rank1")),
-    (16, 4, "bfloat16", dict(c_float32=True))],
+    (16, 4, "bfloat16", dict(precompute="terms_reduce")),
+    (32, 8, "float32", dict(precompute="terms_reduce", fold="rank1"))],
     ids=str)
 def test_pallas_verify_window_variants(L, T, buffer_dtype, config):
   """The window kernel with each `VerifyConfig.precompute` (nothing, the

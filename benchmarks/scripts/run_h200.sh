@@ -32,7 +32,7 @@
 #   bash benchmarks/scripts/run_h200.sh mosaic     # the Mosaic GPU kernels: baseline (7 configs) vs Triton and XLA, replay with the Mosaic output route (plain, f32+fp8, f16+fp8), b 256 + 64, f32 / f16, each checked first; a Mosaic failure is recorded, not fatal (> 3 min: session 7 ran f32 in 185 s, f16 without policies in 90 s)
 #   bash benchmarks/scripts/run_h200.sh verify [--variants a,b]  # spec verify kernel: VerifyConfig variants on hybrid_1b's layer, b 256, T 4, checked, split per kernel (14 variants: ~2 min in session 9; all 25 now, or pick with verify_sweep.py --variants)
 #   bash benchmarks/scripts/run_h200.sh hlo_dump   # XLA's optimized HLO of the plain and replay spec loops at b 256, packed (session 30: ~70 s)
-#   bash benchmarks/scripts/run_h200.sh verify_ab  # window-kernel candidates (f32 C, XLA-reduced terms) swept, then spec decoding at b {256,512} with the fastest as the default, then b 512 at the code's default (session 31; ~8 min)
+#   bash benchmarks/scripts/run_h200.sh verify_ab VARIANTS [MODES] [ab]  # window-kernel candidates swept, then spec decoding at b {256,512} with the fastest as the default (and with "ab" b 512 at the code's default; session 31: 5.2 min)
 #   bash benchmarks/scripts/run_h200.sh verify_copy  # the verify kernels on f32 and on f32 + fp8 copy states: masked vs branching copy readout, capped fold (not yet run)
 #   bash benchmarks/scripts/run_h200.sh ncu_verify # Nsight Compute on the verify window kernel (default and the pre-session-8 default)
 #   bash benchmarks/scripts/run_h200.sh ncu_flush  # Nsight Compute on the flush route with every row folding (f16 checkpoint, b 256, L 16): stall reasons, instruction mix, source counters (1.5 min, session 11: it profiles one launch; with two, the second failed and the GPU stayed out of memory for the next part)
@@ -365,24 +365,28 @@ P.run(c, sys.argv[1])" "$OUT/precision_mqar1024_rest" ;;
     XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout "$T" \
       python benchmarks/scripts/verify_sweep.py --out "$OUT/verify_sweep.json" "${@:2}" ;;
   verify_ab)
-    # Session 31: the window kernel's candidates (C as f32, the terms by XLA
-    # reductions) checked and timed, then replay spec decoding (and plain)
-    # at b {256,512}, compaction 0 and 3, with the fastest passing candidate
-    # as the dispatcher's VerifyConfig (with_config.py), then b 512 at the
-    # code's own default: an A/B on one machine.
+    # Window-kernel candidates checked and timed (argument 2: verify_sweep
+    # variants), then spec decoding at b {256,512}, compaction 0 and 3,
+    # with the fastest passing candidate as the dispatcher's VerifyConfig
+    # (with_config.py); argument 3: the ssm modes (default replay only; the
+    # snapshot baseline does not run the verify kernels). Argument 4 "ab":
+    # then b 512 again at the code's own default (an A/B on one machine).
+    # Session 31: ~5 min with 9 variants and "ab", replay only.
     XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 170 \
       python benchmarks/scripts/verify_sweep.py --out "$OUT/verify_sweep.json" \
-      --variants default,c32,c32_cap64,terms,terms_reduce,terms_c32,terms_reduce_c32,terms_reduce_c32_cap64,terms_reduce_c32_cap80
+      --variants "${2:-default,bc_reduce}"
     best=$(python benchmarks/scripts/verify_pick.py "$OUT/verify_sweep.json")
     echo "verify_ab: candidate $best"
-    timeout 250 python benchmarks/scripts/with_config.py VerifyConfig "$best" \
+    timeout 300 python benchmarks/scripts/with_config.py VerifyConfig "$best" \
       experiments.specdec_bench --config=configs/specdec_bench.py \
       --workdir="$OUT/specdec_candidate" --config.bench.batches='(256,512)' \
-      --config.bench.windows='(4,)' --config.bench.ssm_modes="('replay',)" \
+      --config.bench.windows='(4,)' --config.bench.ssm_modes="${3:-('replay',)}" \
       --config.bench.compactions='(0,3)' || echo "verify_ab: candidate run exited $?"
-    T=150 specdec_bench specdec_default --config.bench.batches='(512,)' \
-      --config.bench.windows='(4,)' --config.bench.ssm_modes="('replay',)" \
-      --config.bench.compactions='(0,3)' ;;
+    if [ "${4:-}" = ab ]; then
+      T=150 specdec_bench specdec_default --config.bench.batches='(512,)' \
+        --config.bench.windows='(4,)' --config.bench.ssm_modes="('replay',)" \
+        --config.bench.compactions='(0,3)'
+    fi ;;
   verify_copy)
     # The verify kernels on an f32 state and on f32 master + fp8 copy states
     # (the replay spec loop was slower with the copy, session 28): the

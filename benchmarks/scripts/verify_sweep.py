@@ -100,19 +100,11 @@ VARIANTS = {
     "w1_cap168": dict(num_warps=1, max_registers=168),
     "terms_w1": dict(precompute="terms", num_warps=1),
     "w1_bp16": dict(num_warps=1, block_p=16),
-    # C converted to f32 by XLA before the window kernel (no per-thread
-    # bf16 converts of C: 1424 against 1520 SASS instructions offline), and
-    # the terms by XLA reductions instead of einsums, with f32 C (744
-    # instructions offline; session 31), capped or not.
-    "c32": dict(c_float32=True),
-    "c32_cap64": dict(c_float32=True, max_registers=64),
-    "terms_reduce": dict(precompute="terms_reduce"),
-    "terms_c32": dict(precompute="terms", c_float32=True),
-    "terms_reduce_c32": dict(precompute="terms_reduce", c_float32=True),
-    "terms_reduce_c32_cap64": dict(precompute="terms_reduce", c_float32=True,
-                                   max_registers=64),
-    "terms_reduce_c32_cap80": dict(precompute="terms_reduce", c_float32=True,
-                                   max_registers=80),
+    # Session 31 (sweep 20): the terms by XLA reductions ("terms_reduce",
+    # now the default) against the B.C products by XLA reductions (the
+    # default before); C converted to f32 by XLA (since removed) was slower.
+    "bc_reduce": dict(precompute="bc_reduce"),
+    "terms_reduce_cap80": dict(max_registers=80),
     "reference": None,  # the XLA reference op (implementation="reference")
 }
 
