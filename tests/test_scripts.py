@@ -12,12 +12,12 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(script, *args):
-  env = dict(os.environ, PYTHONPATH=ROOT)
-  subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "scripts",
-                                               script), *args],
-                 check=True, cwd=ROOT, env=env, timeout=600,
-                 capture_output=True)
+def _run(script, *args, path=ROOT, check=True):
+  env = dict(os.environ, PYTHONPATH=path)
+  return subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "scripts", script),
+       *args], check=check, cwd=ROOT, env=env, timeout=600,
+      capture_output=True, text=True)
 
 
 def test_verify_sweep_tiny(tmp_path):
@@ -25,14 +25,42 @@ def test_verify_sweep_tiny(tmp_path):
   masked and branching copy readouts checked against the reference."""
   out = tmp_path / "verify_sweep.json"
   _run("verify_sweep.py", "--tiny", "--policy", "f32+fp8", "--variants",
-       "default,copy_branch,reference", "--out", str(out))
+       "default,copy_branch,bc_reduce,reference", "--out", str(out))
   res = json.loads(out.read_text())
   assert res["shape"]["policy"] == "f32+fp8"
-  assert set(res["variants"]) == {"default", "copy_branch", "reference"}
+  assert set(res["variants"]) == {"default", "copy_branch", "bc_reduce",
+                                  "reference"}
   assert res["variants"]["reference"]["implementation"] == "reference"
   for name, r in res["variants"].items():
     assert r["check"] == "PASS", (name, r.get("error"))
     assert r["device_ms_per_iter"] > 0 and r["top"]
+  # verify_pick: the fields of the fastest passing kernel variant (the
+  # reference op is no candidate).
+  kernels = {n: r for n, r in res["variants"].items() if n != "reference"}
+  fastest = min(kernels, key=lambda n: kernels[n]["device_ms_per_iter"])
+  picked = _run("verify_pick.py", str(out)).stdout
+  assert json.loads(picked) == kernels[fastest]["config"]
+
+
+def test_with_config(tmp_path):
+  """with_config.py runs a module with the dispatcher's VerifyConfig
+  defaults replaced (its arguments passed on), and refuses a bad field or
+  class before running anything."""
+  (tmp_path / "report_config.py").write_text(
+      "import sys\nimport pallas_kernels as pk\n"
+      "c = pk.VerifyConfig()\n"
+      "open(sys.argv[1], 'w').write(f'{c.readout_chunk} {c.precompute}')\n")
+  path = os.pathsep.join([ROOT, str(tmp_path)])
+  out = tmp_path / "seen.txt"
+  _run("with_config.py", "VerifyConfig", '{"readout_chunk": 64}',
+       "report_config", str(out), path=path)
+  assert out.read_text() == "64 terms_reduce"
+  bad = _run("with_config.py", "VerifyConfig", '{"readout_chunk": 24}',
+             "report_config", str(out), path=path, check=False)
+  assert bad.returncode != 0 and "readout_chunk must be a power" in bad.stderr
+  bad = _run("with_config.py", "NoConfig", "{}", "report_config", str(out),
+             path=path, check=False)
+  assert bad.returncode != 0 and "no config class 'NoConfig'" in bad.stderr
 
 
 def test_specdec_profile_tiny(tmp_path):
