@@ -598,12 +598,12 @@ class VerifyConfig(_LaunchConfig):
       the B.C products of the history and window against each position's
       C (the group's B buffer is read and reduced once per head and
       headdim block). "bc": the B.C products, per row and group
-      (`speculative.verify_bc` as einsums; "bc_reduce", the default: the
-      same as elementwise products summed over dstate, so that XLA emits
-      reduction fusions instead of a GEMM fusion, which took 30 of the
-      ~45 µs of XLA ops per verify in sweeps 6-10; H200 sweep 11, session
-      10: 0.380 vs 0.405 ms per verify on the device, the window kernel
-      unchanged at 0.262).
+      (`speculative.verify_bc` as einsums; "bc_reduce", the default until
+      session 31: the same as elementwise products summed over dstate, so
+      that XLA emits reduction fusions instead of a GEMM fusion, which took
+      30 of the ~45 µs of XLA ops per verify in sweeps 6-10; H200 sweep 11,
+      session 10: 0.380 vs 0.405 ms per verify on the device, the window
+      kernel unchanged at 0.262).
       "terms": everything but the checkpoint (`speculative.verify_terms`:
       decay [b, T, h] and the history and window contributions [b, T, h,
       p]), so the kernel reads the checkpoint tile out against the T

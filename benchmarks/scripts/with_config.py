@@ -8,11 +8,13 @@ dispatcher, which builds the config class with no arguments
 call in this process gets.
 
   PYTHONPATH=. python benchmarks/scripts/with_config.py VerifyConfig \\
-      '{"precompute": "terms_reduce", "c_float32": true}' \\
+      '{"readout_chunk": 64}' \\
       experiments.specdec_bench --config=configs/specdec_bench.py ...
 
-The fields are checked by the class itself (a bad one fails at the first
-kernel call). Experiment tooling only: nothing in the library uses it.
+The fields are checked by the class itself before the module runs.
+Experiment tooling only: nothing in the library uses it. Session 31 ran
+replay spec decoding this way (benchmarks/specdec_bench_h200.json runs
+35-37).
 """
 
 import functools
