@@ -445,20 +445,17 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   )(rstate.checkpoint, rstate.x_buf, rstate.b_buf, rstate.dt_buf,
     count, *token_in, *copy_in, *optional)
   # 2. Window outputs and appends (reads the folded checkpoint).
-  # The kernel's inputs: "bc_reduce" is "bc" formed by XLA reductions.
-  precompute = "bc" if config.precompute == "bc_reduce" else config.precompute
+  # The kernel's inputs: "<x>_reduce" is <x> formed by XLA reductions
+  # instead of einsums.
+  precompute = config.precompute.removesuffix("_reduce")
+  form = "dot" if precompute == config.precompute else "reduce"
   if precompute == "bc":
-    pre = verify_bc(rstate.b_buf, B, C,
-                    form="reduce" if config.precompute == "bc_reduce"
-                    else "dot")
-  elif precompute in ("terms", "terms_reduce"):
+    pre = verify_bc(rstate.b_buf, B, C, form=form)
+  elif precompute == "terms":
     c = rstate.count.astype(jnp.int32)
     pre = verify_terms(rstate.x_buf, rstate.b_buf, rstate.dt_buf,
                        jnp.where(c + T >= rstate.buffer_len, 0, c), x, B,
-                       process_dt(dt, dt_bias, dt_softplus), C, A,
-                       form="reduce" if precompute == "terms_reduce"
-                       else "dot")
-    precompute = "terms"
+                       process_dt(dt, dt_bias, dt_softplus), C, A, form=form)
   else:
     pre = ()
   readout_dot = None
