@@ -648,6 +648,12 @@ class VerifyConfig(_LaunchConfig):
       lanes: 3 rounds). None: the whole dstate at once. H200 (sweeps
       8-10): window kernel 0.26 ms at 32 (the default; 0.40 per verify),
       0.28 at 16 and 64, 0.35-0.38 with the whole dstate.
+    readout_fma: with "reduce", the products of the column blocks are
+      accumulated by explicit PTX multiply-adds (`common.fma`; plain ops in
+      interpret mode): XLA's Triton on the H200 emits most multiply + add
+      pairs of the kernel as two instructions (Nsight Compute, session 30:
+      68.6M unfused against 14.7M fused f32 pairs per launch). Not yet
+      measured on the device (session 32).
     max_registers: cap on the registers per thread of the window kernel
       (as `ReplayConfig.max_registers`); None: no cap. H200, hybrid_1b's
       layer at batch 256, T 4, L 16 (session 29,
@@ -674,6 +680,7 @@ class VerifyConfig(_LaunchConfig):
   precompute: str = "terms_reduce"
   readout: str = "reduce"
   readout_chunk: int | None = 32
+  readout_fma: bool = False
   max_registers: int | None = None
 
   def __post_init__(self):
@@ -683,6 +690,10 @@ class VerifyConfig(_LaunchConfig):
                   ("none", "bc", "bc_reduce", "terms", "terms_reduce"))
     _check_choice("readout", self.readout,
                   ("reduce", "dot_tf32x3", "dot_f32", "xla"))
+    if self.readout_fma and self.readout != "reduce":
+      raise ValueError(
+          f"readout_fma=True accumulates the column blocks of "
+          f"readout='reduce'; got readout={self.readout!r}.")
     _check_choice("fold", self.fold, FOLD_MODES, optional=True)
     _check_choice("copy_readout", self.copy_readout, ("masked", "branch"))
     _check_choice("fold_grid", self.fold_grid, ("rows", "persistent"))
@@ -714,19 +725,37 @@ def load_tile_blocks(ref, tile, chunk, when=None, rows=None):
           for k in range(nstate // chunk)]
 
 
-def readouts(blocks, vectors):
+def fma(a, b, c, asm: bool):
+  """a * b + c in f32 (broadcast to one shape). asm: one PTX fma.rn.f32 per
+  element (`plgpu.elementwise_inline_asm`), for a Triton that emits the
+  multiply and the add as two instructions (XLA's bundled one on the H200
+  leaves most such pairs unfused: Nsight Compute, sessions 17 and 30);
+  otherwise (and in interpret mode, which cannot run PTX) the plain
+  product and sum, rounded twice."""
+  a, b, c = jnp.broadcast_arrays(a.astype(F32), b.astype(F32),
+                                 c.astype(F32))
+  if not asm:
+    return a * b + c
+  (out,) = plgpu.elementwise_inline_asm(
+      "fma.rn.f32 $0, $1, $2, $3;", args=[a, b, c], constraints="=f,f,f,f",
+      pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, F32)])
+  return out
+
+
+def readouts(blocks, vectors, fma_asm=False):
   """sum_n S[:, n] v[n] ([block_p] f32) of the tile S given as column
   blocks (`load_tile_blocks`), for each v in vectors: callables taking the
   block's column slice and returning v there ([chunk], any float dtype).
-  The products are summed over the blocks elementwise, then reduced once
-  per vector."""
+  The products are summed over the blocks elementwise (by `fma` with
+  fma_asm), then reduced once per vector."""
   chunk = blocks[0].shape[-1]
   out = []
   for v in vectors:
     acc = None
     for k, blk in enumerate(blocks):
-      prod = blk.astype(F32) * v(pl.ds(k * chunk, chunk)).astype(F32)[None, :]
-      acc = prod if acc is None else acc + prod
+      vk = v(pl.ds(k * chunk, chunk)).astype(F32)[None, :]
+      acc = (blk.astype(F32) * vk if acc is None
+             else fma(blk, vk, acc, fma_asm))
     out.append(jnp.sum(acc, axis=1))
   return out
 

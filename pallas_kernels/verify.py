@@ -160,7 +160,8 @@ def _fold_persistent_kernel(*refs, window, has_D, has_z, has_bias, fold_dot,
 
 def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
                    precompute, readout_dot, xla_readout, readout_chunk,
-                   copy=False, scaled=False, copy_readout="masked", **kw):
+                   readout_fma=False, copy=False, scaled=False,
+                   copy_readout="masked", **kw):
   """Window outputs from checkpoint + history + window; append the window.
   precompute (`VerifyConfig.precompute`): "bc" adds three inputs after C,
   the B.C products of `speculative.verify_bc`; "terms" two, the decay and extra
@@ -171,7 +172,8 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
   p] (the checkpoint is then not read). copy (with readout "reduce"): the
   read copy, then with `scaled` its scales, come last: rows that folded read
   the checkpoint (the stored master), the others the copy (`_copy_readouts`,
-  as `copy_readout` says).
+  as `copy_readout` says). readout_fma: the column blocks' products summed
+  by PTX multiply-adds (`common.fma`).
   """
   n_pre = dict(none=0, bc=3, terms=2)[precompute]
   n_read = 10 + n_pre + (readout_dot is not None or xla_readout)
@@ -196,11 +198,11 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
         ck_ref, ins[n_read], ins[n_read + 1] if scaled else None, (b, h, ps),
         [lambda cols, s=s: c_ref[b, s, g, cols] for s in range(T)],
         _folds(c, T, L), readout_chunk, kw["block_p"],
-        copy_readout == "branch")
+        copy_readout == "branch", readout_fma)
   else:
     readouts = _readouts(ck_ref, (b, h, ps), c_ref if readout_dot is None
                          else ins[10 + n_pre], b, g, T, readout_dot,
-                         readout_chunk)
+                         readout_chunk, readout_fma)
   if precompute == "terms":
     decay_ref, extra_ref = ins[10:12]
     ys = [decay_ref[b, s, h] * readouts[s] + extra_ref[b, s, h, ps]
@@ -221,7 +223,8 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
                  window=T, base=base, dt_softplus=dt_softplus)
 
 
-def _readouts(ck_ref, tile, c_ref, b, g, window, readout_dot, chunk):
+def _readouts(ck_ref, tile, c_ref, b, g, window, readout_dot, chunk,
+              fma_asm=False):
   """S C_s ([block_p] f32) of the checkpoint tile (ck_ref[tile]:
   [block_p, N]) for the T window positions: T dstate reductions
   (readout_dot None) over [block_p, chunk] column blocks
@@ -231,7 +234,8 @@ def _readouts(ck_ref, tile, c_ref, b, g, window, readout_dot, chunk):
   if readout_dot is None:
     return common.readouts(
         common.load_tile_blocks(ck_ref, tile, chunk),
-        [lambda cols, s=s: c_ref[b, s, g, cols] for s in range(window)])
+        [lambda cols, s=s: c_ref[b, s, g, cols] for s in range(window)],
+        fma_asm)
   s0 = plgpu.load(ck_ref.at[tile], eviction_policy="evict_first").astype(F32)
   cw = c_ref[b, :, g, :].astype(F32)  # [TP, N]
   y0 = lax.dot_general(s0, cw, (((1,), (1,)), ((), ())),
@@ -240,7 +244,7 @@ def _readouts(ck_ref, tile, c_ref, b, g, window, readout_dot, chunk):
 
 
 def _copy_readouts(ck_ref, rc_ref, rs_ref, tile, vectors, folded, chunk,
-                   block_p, branch=False):
+                   block_p, branch=False, fma_asm=False):
   """The readouts (`common.readouts`) of a state with a read copy: the
   stored master's tile if the row folded its history in this verify (as
   the reference reads it), else the read copy's (dequantized: its per-row
@@ -252,11 +256,11 @@ def _copy_readouts(ck_ref, rc_ref, rs_ref, tile, vectors, folded, chunk,
   if branch:
     def from_master():
       return tuple(common.readouts(
-          common.load_tile_blocks(ck_ref, tile, chunk), vectors))
+          common.load_tile_blocks(ck_ref, tile, chunk), vectors, fma_asm))
 
     def from_copy():
       outs = common.readouts(common.load_tile_blocks(rc_ref, tile, chunk),
-                             vectors)
+                             vectors, fma_asm)
       if rs_ref is not None:
         outs = [o * rs_ref[tile] for o in outs]
       return tuple(outs)
@@ -264,7 +268,7 @@ def _copy_readouts(ck_ref, rc_ref, rs_ref, tile, vectors, folded, chunk,
   master = common.load_tile_blocks(ck_ref, tile, chunk, folded, block_p)
   q = common.load_tile_blocks(rc_ref, tile, chunk, ~folded, block_p)
   outs = common.readouts([m.astype(F32) + v.astype(F32)
-                          for m, v in zip(master, q)], vectors)
+                          for m, v in zip(master, q)], vectors, fma_asm)
   if rs_ref is not None:
     scale = jnp.where(folded, 1.0, rs_ref[tile])  # [block_p]
     outs = [o * scale for o in outs]
@@ -473,7 +477,9 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                         precompute=precompute,
                         readout_dot=readout_dot,
                         xla_readout=config.readout == "xla",
-                        readout_chunk=config.readout_chunk, copy=copy,
+                        readout_chunk=config.readout_chunk,
+                        readout_fma=config.readout_fma and not interpret,
+                        copy=copy,
                         copy_readout=config.copy_readout,
                         scaled=rstate.read_scale is not None, **kw),
       grid=grid,

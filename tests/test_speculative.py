@@ -301,7 +301,11 @@ def test_pallas_verify_fold_modes(config):
     (16, 4, "bfloat16", dict(readout_chunk=4)),
     (8, 2, "bfloat16", dict(precompute="terms", readout_chunk=64)),
     (16, 4, "bfloat16", dict(precompute="terms_reduce")),
-    (32, 8, "float32", dict(precompute="terms_reduce", fold="rank1"))],
+    (32, 8, "float32", dict(precompute="terms_reduce", fold="rank1")),
+    # readout_fma: PTX multiply-adds on the GPU, plain ops in interpret mode
+    # (the PTX is checked in test_kernels_lower_to_triton)
+    (32, 8, "float32", dict(precompute="none", readout_fma=True,
+                            readout_chunk=4))],
     ids=str)
 def test_pallas_verify_window_variants(L, T, buffer_dtype, config):
   """The window kernel with each `VerifyConfig.precompute` (nothing, the
@@ -326,6 +330,8 @@ def test_pallas_verify_window_variants(L, T, buffer_dtype, config):
     pk.VerifyConfig(precompute=True)
   with pytest.raises(ValueError, match="readout_chunk must be a power"):
     pk.VerifyConfig(readout_chunk=24)
+  with pytest.raises(ValueError, match="readout_fma=True accumulates"):
+    pk.VerifyConfig(readout="xla", readout_fma=True)
   with pytest.raises(NotImplementedError, match="block_p and dstate >= 16"):
     rs.replay_verify(rstate, **kw, implementation="pallas",
                      config=pk.VerifyConfig(block_p=8, readout="dot_f32",
@@ -580,6 +586,7 @@ KERNEL_POLICY_CASES = [
     ("f16+fp8+sr", pk.VerifyConfig()),
     ("f32+fp8+sr:hash32", pk.VerifyConfig(fold_grid="rows", block_p=4)),
     ("f32+fp8", pk.VerifyConfig(copy_readout="branch")),
+    ("f16+fp8", pk.VerifyConfig(readout_fma=True, readout_chunk=4)),
     ("f32+bf16", pk.VerifyConfig(copy_readout="branch", block_p=4)),
 ]
 

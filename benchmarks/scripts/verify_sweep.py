@@ -107,6 +107,13 @@ VARIANTS = {
     # default before); C converted to f32 by XLA (since removed) was slower.
     "bc_reduce": dict(precompute="bc_reduce"),
     "terms_reduce_cap80": dict(max_registers=80),
+    # Session 32: the readouts' column blocks accumulated by PTX
+    # multiply-adds (XLA's Triton leaves most mul + add pairs unfused), at
+    # the default 32 columns and at 16 / 64 (with fused accumulation a
+    # narrower block costs fewer instructions per position).
+    "fma": dict(readout_fma=True),
+    "fma_chunk16": dict(readout_fma=True, readout_chunk=16),
+    "fma_chunk64": dict(readout_fma=True, readout_chunk=64),
     "reference": None,  # the XLA reference op (implementation="reference")
 }
 
