@@ -801,11 +801,12 @@ def quantize_rows(xf, dtype, bits=None):
   """
   dt = jnp.dtype(dtype)
   qmax = np.float32(P.QMAX[dt.name])
-  amax = jnp.max(jnp.abs(xf), axis=-1)
-  # A row with a NaN or inf (the reference: amax not finite); counted
-  # apart because Triton's max drops NaNs.
-  bad = jnp.sum(jnp.where(jnp.isfinite(xf), 0.0, 1.0), axis=-1)
-  finite = bad == 0.0
+  # A row with a NaN or inf has amax inf (the reference's amax is not
+  # finite): NaNs enter the max as inf because Triton's max drops NaNs.
+  # One reduction per row (a second one counting the non-finite elements
+  # took ~70 of the f16 + fp8 flush's 576 µs, session 32).
+  amax = jnp.max(jnp.where(xf == xf, jnp.abs(xf), jnp.inf), axis=-1)
+  finite = jnp.isfinite(amax)
   enc = qmax / jnp.where(amax > 0, amax, 1.0)
   usable = finite & (amax > 0) & jnp.isfinite(enc)
   enc = jnp.where(usable, enc, 1.0)
