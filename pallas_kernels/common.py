@@ -689,7 +689,8 @@ class VerifyConfig(_LaunchConfig):
     _check_choice("precompute", self.precompute,
                   ("none", "bc", "bc_reduce", "terms", "terms_reduce"))
     _check_choice("readout", self.readout,
-                  ("reduce", "dot_tf32x3", "dot_f32", "xla"))
+                  ("reduce", "dot_tf32x3", "dot_f32", "dot_bf16x2",
+                   "dot_bf16x3", "xla"))
     if self.readout_fma and self.readout != "reduce":
       raise ValueError(
           f"readout_fma=True accumulates the column blocks of "

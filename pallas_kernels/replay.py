@@ -364,15 +364,26 @@ def fold_product(x_win, s, b_win, fold_dot, acc):
     return acc + lax.dot_general(xs, b_win.astype(F32), dims,
                                  precision=fold_dot,
                                  preferred_element_type=F32)
-  rest = s[:, None] * x_win.astype(F32)  # [L, block_p]
-  pieces = []
-  for _ in range(int(fold_dot.removeprefix("bf16x"))):
+  return split_dot(s[:, None] * x_win.astype(F32), b_win, dims,
+                   int(fold_dot.removeprefix("bf16x")), acc)
+
+
+def split_dot(a, b, dims, pieces: int, acc=None):
+  """acc + a . b (lax.dot_general dimension numbers `dims`) in f32, for an
+  f32 `a` and a bf16 `b`: a is split into `pieces` bf16 pieces a = a_1 +
+  ... + a_K (each carries the next 8 mantissa bits of what the earlier
+  ones left; 3 carry all 24 of f32), each dotted with b in bf16 with f32
+  accumulation (products of bf16 values are exact in f32), smallest piece
+  first, each product added as it comes (Triton's combine pass turns that
+  into the dots' accumulator operand). acc None: the sum of the dots."""
+  rest, split = a, []
+  for _ in range(pieces):
     piece = rest.astype(jnp.bfloat16)
-    pieces.append(piece)
+    split.append(piece)
     rest = rest - piece.astype(F32)
-  for piece in reversed(pieces):
-    acc = acc + lax.dot_general(piece, b_win, dims,
-                                preferred_element_type=F32)
+  for piece in reversed(split):
+    d = lax.dot_general(piece, b, dims, preferred_element_type=F32)
+    acc = d if acc is None else acc + d
   return acc
 
 

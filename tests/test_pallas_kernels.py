@@ -962,6 +962,7 @@ def test_kernels_lower_to_triton(config, batch, buffer_len, policy):
                   pk.VerifyConfig(precompute="terms"),
                   pk.VerifyConfig(precompute="bc_reduce"),
                   pk.VerifyConfig(readout="dot_tf32x3"),
+                  pk.VerifyConfig(readout="dot_bf16x2"),
                   pk.VerifyConfig(readout="xla"),
                   pk.VerifyConfig(readout_chunk=16),
                   pk.VerifyConfig(readout_fma=True, readout_chunk=8),

@@ -338,6 +338,32 @@ def test_pallas_verify_window_variants(L, T, buffer_dtype, config):
                                             fold="rank1"))
 
 
+@pytest.mark.parametrize("readout", ["dot_bf16x2", "dot_bf16x3"])
+def test_pallas_verify_split_readout(readout):
+  """The window kernel's checkpoint readout as bf16 dots of the f32
+  checkpoint split in pieces against C stored in bf16 == the reference
+  (bf16 window inputs and buffers, an f32 checkpoint, folding and
+  non-folding rows); C in f32 is refused, naming the option."""
+  b, h, p, n, g, L, T = 5, 4, 16, 16, 2, 16, 4
+  key = jax.random.PRNGKey(47)
+  params = testing.random_params(key, h)
+  counts = np.array([L - 1, 3, L - T, 0, L - T - 1])
+  rstate, _ = testing.random_replay_state(
+      jax.random.fold_in(key, 1), b, h, p, n, g, L, counts, params["A"],
+      buffer_dtype=jnp.bfloat16)
+  win = testing.random_step_inputs(jax.random.PRNGKey(48), b, h, p, n, g,
+                                   jnp.bfloat16, seqlen=T)
+  kw = dict(**win, **params, dt_softplus=True)
+  config = pk.VerifyConfig(readout=readout)
+  # bf16 outputs: the bf16 table (two pieces carry 16 mantissa bits of the
+  # checkpoint, far below the outputs' 8).
+  _pallas_verify_vs_reference(rstate, kw, counts, L,
+                              testing.tolerance("bfloat16"), config)
+  kw["C"] = kw["C"].astype(jnp.float32)
+  with pytest.raises(NotImplementedError, match="needs C stored in bf16"):
+    rs.replay_verify(rstate, **kw, implementation="pallas", config=config)
+
+
 def test_verify_bc_forms_agree():
   """speculative.verify_bc as einsums and as products summed over dstate:
   the same B.C products (f32 either way), on fresh random inputs with a

@@ -114,6 +114,14 @@ VARIANTS = {
     "fma": dict(readout_fma=True),
     "fma_chunk16": dict(readout_fma=True, readout_chunk=16),
     "fma_chunk64": dict(readout_fma=True, readout_chunk=64),
+    # Session 33: the readouts as tensor-core dots of the f32 checkpoint
+    # split in bf16 pieces against C in bf16 (ptxas offline at block_p 64,
+    # 4 warps: 936 SASS instructions per program for two pieces, 1176 for
+    # three, against 1128 for the reductions; at block_p 32 952 against 872).
+    "dot_bf16x2": dict(readout="dot_bf16x2"),
+    "dot_bf16x2_bp64": dict(readout="dot_bf16x2", block_p=64),
+    "dot_bf16x3_bp64": dict(readout="dot_bf16x3", block_p=64),
+    "dot_bf16x2_bp64_w8": dict(readout="dot_bf16x2", block_p=64, num_warps=8),
     "reference": None,  # the XLA reference op (implementation="reference")
 }
 
