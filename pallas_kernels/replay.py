@@ -371,13 +371,22 @@ def fold_product(x_win, s, b_win, fold_dot, acc):
 def split_dot(a, b, dims, pieces: int, acc=None):
   """acc + a . b (lax.dot_general dimension numbers `dims`) in f32, for an
   f32 `a` and a bf16 `b`: a is split into `pieces` bf16 pieces a = a_1 +
-  ... + a_K (each carries the next 8 mantissa bits of what the earlier
-  ones left; 3 carry all 24 of f32), each dotted with b in bf16 with f32
-  accumulation (products of bf16 values are exact in f32), smallest piece
-  first, each product added as it comes (Triton's combine pass turns that
-  into the dots' accumulator operand). acc None: the sum of the dots."""
-  rest, split = a, []
-  for _ in range(pieces):
+  ... + a_K, each dotted with b in bf16 with f32 accumulation (products of
+  bf16 values are exact in f32), smallest piece first, each product added
+  as it comes (Triton's combine pass turns that into the dots' accumulator
+  operand). acc None: the sum of the dots.
+
+  The first piece is a's top 16 bits (truncated: a shift and a mask, no
+  float conversion; the remainder a - a_1 is exact), the others the
+  remainder rounded to bf16: two pieces carry about 16 mantissa bits
+  (relative error <= 2^-15), three all 24 of f32. ptxas offline, the
+  verify window kernel at block_p 64: 864 SASS instructions per program
+  against 936 with a rounded first piece."""
+  bits = lax.bitcast_convert_type(a, jnp.uint32)
+  split = [lax.bitcast_convert_type((bits >> 16).astype(jnp.uint16),
+                                    jnp.bfloat16)]
+  rest = a - lax.bitcast_convert_type(bits & jnp.uint32(0xFFFF0000), F32)
+  for _ in range(pieces - 1):
     piece = rest.astype(jnp.bfloat16)
     split.append(piece)
     rest = rest - piece.astype(F32)
