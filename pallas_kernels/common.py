@@ -638,7 +638,12 @@ class VerifyConfig(_LaunchConfig):
       against "reduce" over the whole dstate (window kernel 0.35 ms, 0.49
       per verify): the dots are slower (0.70 ms for 3xTF32, 1.49 for f32,
       0.56 at block_p 64); "xla" takes the kernel to 0.16 ms, but XLA's
-      product adds 0.19 (0.51 per verify).
+      product adds 0.19 (0.51 per verify). Session 33 (sweep 22, against
+      0.224 ms for "reduce" at the terms_reduce default): bf16 dots of the
+      f32 tile split in two / three bf16 pieces against C in bf16
+      (`replay.split_dot`; fewer SASS instructions per state element
+      offline at block_p 64) took 0.284 ms at block_p 32, 0.250 / 0.307 at
+      64, 0.438 at 64 with 8 warps (85-130 registers against 64); removed.
     readout_chunk: with "reduce" (ignored otherwise), the checkpoint tile
       is loaded and multiplied in [block_p, readout_chunk] column blocks
       that are summed elementwise before one reduction per position; a
@@ -648,12 +653,15 @@ class VerifyConfig(_LaunchConfig):
       lanes: 3 rounds). None: the whole dstate at once. H200 (sweeps
       8-10): window kernel 0.26 ms at 32 (the default; 0.40 per verify),
       0.28 at 16 and 64, 0.35-0.38 with the whole dstate.
-    readout_fma: with "reduce", the products of the column blocks are
-      accumulated by explicit PTX multiply-adds (`common.fma`; plain ops in
-      interpret mode): XLA's Triton on the H200 emits most multiply + add
-      pairs of the kernel as two instructions (Nsight Compute, session 30:
-      68.6M unfused against 14.7M fused f32 pairs per launch). Not yet
-      measured on the device (session 32).
+    readout_fma: with "reduce" (ignored otherwise), the products of the
+      column blocks are accumulated by explicit PTX multiply-adds
+      (`common.fma`; plain ops in interpret mode): XLA's Triton on the H200
+      emits most multiply + add pairs of the kernel as two instructions
+      (Nsight Compute, session 30: 68.6M unfused against 14.7M fused f32
+      pairs per launch). H200, session 33 (benchmarks/verify_sweep_h200.json
+      sweep 22, one machine): window kernel 0.218 ms (min-max 0.217-0.220)
+      against 0.224 (0.223-0.225) without, verify 0.343 against 0.349 ms on
+      the device; the default since. At 16-column blocks 0.235.
     max_registers: cap on the registers per thread of the window kernel
       (as `ReplayConfig.max_registers`); None: no cap. H200, hybrid_1b's
       layer at batch 256, T 4, L 16 (session 29,
@@ -680,7 +688,7 @@ class VerifyConfig(_LaunchConfig):
   precompute: str = "terms_reduce"
   readout: str = "reduce"
   readout_chunk: int | None = 32
-  readout_fma: bool = False
+  readout_fma: bool = True
   max_registers: int | None = None
 
   def __post_init__(self):
@@ -689,12 +697,7 @@ class VerifyConfig(_LaunchConfig):
     _check_choice("precompute", self.precompute,
                   ("none", "bc", "bc_reduce", "terms", "terms_reduce"))
     _check_choice("readout", self.readout,
-                  ("reduce", "dot_tf32x3", "dot_f32", "dot_bf16x2",
-                   "dot_bf16x3", "xla"))
-    if self.readout_fma and self.readout != "reduce":
-      raise ValueError(
-          f"readout_fma=True accumulates the column blocks of "
-          f"readout='reduce'; got readout={self.readout!r}.")
+                  ("reduce", "dot_tf32x3", "dot_f32", "xla"))
     _check_choice("fold", self.fold, FOLD_MODES, optional=True)
     _check_choice("copy_readout", self.copy_readout, ("masked", "branch"))
     _check_choice("fold_grid", self.fold_grid, ("rows", "persistent"))

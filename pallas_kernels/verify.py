@@ -41,8 +41,7 @@ from pallas_kernels.replay import (_FlushStores, _Program, _copy_counts,
                                    _copy_spec, _dot_precision, _flush_programs,
                                    _fold_dot, _pad_pow2, _unpack,
                                    copy_operands, fold_product,
-                                   persistent_items, rank1_fold,
-                                   split_dot)
+                                   persistent_items, rank1_fold)
 from pallas_kernels.replay import default_block_p as _step_block_p
 from replayssm_jax.reference import process_dt
 from replayssm_jax.speculative import verify_bc, verify_readout, verify_terms
@@ -238,13 +237,9 @@ def _readouts(ck_ref, tile, c_ref, b, g, window, readout_dot, chunk,
         [lambda cols, s=s: c_ref[b, s, g, cols] for s in range(window)],
         fma_asm)
   s0 = plgpu.load(ck_ref.at[tile], eviction_policy="evict_first").astype(F32)
-  dims = (((1,), (1,)), ((), ()))
-  if isinstance(readout_dot, str):  # "bf16xK": C is bf16 (exact)
-    y0 = split_dot(s0, c_ref[b, :, g, :], dims,
-                   int(readout_dot.removeprefix("bf16x")))
-  else:
-    y0 = lax.dot_general(s0, c_ref[b, :, g, :].astype(F32), dims,
-                         precision=readout_dot, preferred_element_type=F32)
+  cw = c_ref[b, :, g, :].astype(F32)  # [TP, N]
+  y0 = lax.dot_general(s0, cw, (((1,), (1,)), ((), ())),
+                       precision=readout_dot, preferred_element_type=F32)
   return [_column(y0, s) for s in range(window)]
 
 
@@ -475,15 +470,7 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
       raise NotImplementedError(
           f"config.readout={config.readout!r} needs block_p and dstate >= 16 "
           f"(Triton dot tiles), got {block_p} and {rstate.dstate}.")
-    if config.readout.startswith("dot_bf16"):
-      if C.dtype != jnp.bfloat16:
-        raise NotImplementedError(
-            f"config.readout={config.readout!r} dots C in bf16 and needs C "
-            f"stored in bf16 (exact there), got C of dtype {C.dtype}; use "
-            f"readout='reduce' or 'dot_tf32x3'.")
-      readout_dot = config.readout.removeprefix("dot_")
-    else:
-      readout_dot = _dot_precision(config.readout, interpret)
+    readout_dot = _dot_precision(config.readout, interpret)
     pre = (*pre, jnp.pad(C, ((0, 0), (0, max(16, T) - T), (0, 0), (0, 0))))
   y, xb, bb, dtb, cnt = pl.pallas_call(
       functools.partial(_verify_kernel, dt_softplus=dt_softplus,
@@ -491,7 +478,8 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                         readout_dot=readout_dot,
                         xla_readout=config.readout == "xla",
                         readout_chunk=config.readout_chunk,
-                        readout_fma=config.readout_fma and not interpret,
+                        readout_fma=(config.readout_fma and not interpret
+                                     and config.readout == "reduce"),
                         copy=copy,
                         copy_readout=config.copy_readout,
                         scaled=rstate.read_scale is not None, **kw),

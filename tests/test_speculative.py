@@ -302,10 +302,10 @@ def test_pallas_verify_fold_modes(config):
     (8, 2, "bfloat16", dict(precompute="terms", readout_chunk=64)),
     (16, 4, "bfloat16", dict(precompute="terms_reduce")),
     (32, 8, "float32", dict(precompute="terms_reduce", fold="rank1")),
-    # readout_fma: PTX multiply-adds on the GPU, plain ops in interpret mode
-    # (the PTX is checked in test_kernels_lower_to_triton)
-    (32, 8, "float32", dict(precompute="none", readout_fma=True,
-                            readout_chunk=4))],
+    # readout_fma (the default): PTX multiply-adds on the GPU, plain ops in
+    # interpret mode (the PTX is checked in test_kernels_lower_to_triton)
+    (32, 8, "float32", dict(precompute="none", readout_chunk=4)),
+    (16, 4, "bfloat16", dict(readout_fma=False))],
     ids=str)
 def test_pallas_verify_window_variants(L, T, buffer_dtype, config):
   """The window kernel with each `VerifyConfig.precompute` (nothing, the
@@ -330,38 +330,10 @@ def test_pallas_verify_window_variants(L, T, buffer_dtype, config):
     pk.VerifyConfig(precompute=True)
   with pytest.raises(ValueError, match="readout_chunk must be a power"):
     pk.VerifyConfig(readout_chunk=24)
-  with pytest.raises(ValueError, match="readout_fma=True accumulates"):
-    pk.VerifyConfig(readout="xla", readout_fma=True)
   with pytest.raises(NotImplementedError, match="block_p and dstate >= 16"):
     rs.replay_verify(rstate, **kw, implementation="pallas",
                      config=pk.VerifyConfig(block_p=8, readout="dot_f32",
                                             fold="rank1"))
-
-
-@pytest.mark.parametrize("readout", ["dot_bf16x2", "dot_bf16x3"])
-def test_pallas_verify_split_readout(readout):
-  """The window kernel's checkpoint readout as bf16 dots of the f32
-  checkpoint split in pieces against C stored in bf16 == the reference
-  (bf16 window inputs and buffers, an f32 checkpoint, folding and
-  non-folding rows); C in f32 is refused, naming the option."""
-  b, h, p, n, g, L, T = 5, 4, 16, 16, 2, 16, 4
-  key = jax.random.PRNGKey(47)
-  params = testing.random_params(key, h)
-  counts = np.array([L - 1, 3, L - T, 0, L - T - 1])
-  rstate, _ = testing.random_replay_state(
-      jax.random.fold_in(key, 1), b, h, p, n, g, L, counts, params["A"],
-      buffer_dtype=jnp.bfloat16)
-  win = testing.random_step_inputs(jax.random.PRNGKey(48), b, h, p, n, g,
-                                   jnp.bfloat16, seqlen=T)
-  kw = dict(**win, **params, dt_softplus=True)
-  config = pk.VerifyConfig(readout=readout)
-  # bf16 outputs: the bf16 table (two pieces carry 16 mantissa bits of the
-  # checkpoint, far below the outputs' 8).
-  _pallas_verify_vs_reference(rstate, kw, counts, L,
-                              testing.tolerance("bfloat16"), config)
-  kw["C"] = kw["C"].astype(jnp.float32)
-  with pytest.raises(NotImplementedError, match="needs C stored in bf16"):
-    rs.replay_verify(rstate, **kw, implementation="pallas", config=config)
 
 
 def test_verify_bc_forms_agree():
