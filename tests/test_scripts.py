@@ -82,6 +82,9 @@ def test_specdec_profile_tiny(tmp_path):
   assert set(res["loops"]) == {"replay"}
   loop = res["loops"]["replay"]
   assert loop["iterations"] >= 1 and loop["loop_top"]
+  # Only the loop body's ops (not the call's one-off prefill ops).
+  assert all(o["events_per_call"] >= loop["iterations"] / 2
+             for o in loop["loop_top"])
   assert loop["prefill_ms"] > 0
   assert np.isfinite(loop["idle_ms"])  # its sign means nothing on a CPU
 
