@@ -359,22 +359,21 @@ def fold_product(x_win, s, b_win, fold_dot, acc):
   instructions (benchmarks/ncu_h200_flush_b256_f16_L16_session14.txt).
   """
   dims = (((0,), (0,)), ((), ()))
+  xs = s[:, None] * x_win.astype(F32)  # [L, block_p]
   if not isinstance(fold_dot, str):
-    xs = s[:, None] * x_win.astype(F32)
     return acc + lax.dot_general(xs, b_win.astype(F32), dims,
                                  precision=fold_dot,
                                  preferred_element_type=F32)
-  return split_dot(s[:, None] * x_win.astype(F32), b_win, dims,
-                   int(fold_dot.removeprefix("bf16x")), acc)
+  return split_dot(xs, b_win, dims, int(fold_dot.removeprefix("bf16x")), acc)
 
 
-def split_dot(a, b, dims, pieces: int, acc=None):
+def split_dot(a, b, dims, pieces: int, acc):
   """acc + a . b (lax.dot_general dimension numbers `dims`) in f32, for an
   f32 `a` and a bf16 `b`: a is split into `pieces` bf16 pieces a = a_1 +
   ... + a_K, each dotted with b in bf16 with f32 accumulation (products of
   bf16 values are exact in f32), smallest piece first, each product added
   as it comes (Triton's combine pass turns that into the dots' accumulator
-  operand). acc None: the sum of the dots.
+  operand).
 
   The first piece is a's top 16 bits (truncated: a shift and a mask, no
   float conversion; the remainder a - a_1 is exact), the others the
@@ -391,8 +390,7 @@ def split_dot(a, b, dims, pieces: int, acc=None):
     split.append(piece)
     rest = rest - piece.astype(F32)
   for piece in reversed(split):
-    d = lax.dot_general(piece, b, dims, preferred_element_type=F32)
-    acc = d if acc is None else acc + d
+    acc = acc + lax.dot_general(piece, b, dims, preferred_element_type=F32)
   return acc
 
 

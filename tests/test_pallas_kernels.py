@@ -979,8 +979,7 @@ def test_kernels_lower_to_triton(config, batch, buffer_len, policy):
         # reductions (at dstate 16 the default one column block has no sum
         # of blocks; 8 columns make two).
         assert ("fma.rn.f32" in text) == (
-            vconfig.readout_fma and vconfig.readout == "reduce"
-            and vconfig.readout_chunk == 8), vconfig
+            vconfig.readout_fma and vconfig.readout_chunk == 8), vconfig
   if (config == LOWERING_REPLAY_CONFIGS[0] and policy is not None
       and buffer_len >= 16):
     # The verify kernels under the policy: copy stores in the fold, the
