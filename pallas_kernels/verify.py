@@ -190,6 +190,16 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
   base = jnp.where(c + T >= L, 0, c)  # committed tokens left in the buffer
   hist = p.j < base
   bias = None if bias_ref is None else bias_ref[h]
+  # The window's x rows and (with "terms") the XLA-formed terms are loaded
+  # before the checkpoint is read out, each once. Loaded per position behind
+  # the output stores' barriers, and x again by the append, their latency
+  # took 39% of the kernel's stall samples (Nsight Compute, session 34,
+  # batch 512). With the dt below: window kernel 0.377 ms against 0.423 at
+  # batch 512, 0.194 against 0.218 at 256 (verify_sweep_h200.json sweep 24).
+  xs = [x_ref[b, s, h, ps] for s in range(T)]
+  if precompute == "terms":
+    decay_ref, extra_ref = ins[10:12]
+    terms = [(decay_ref[b, s, h], extra_ref[b, s, h, ps]) for s in range(T)]
 
   if xla_readout:
     readouts = [ins[10 + n_pre][b, s, h, ps] for s in range(T)]
@@ -204,9 +214,7 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
                          else ins[10 + n_pre], b, g, T, readout_dot,
                          readout_chunk, readout_fma)
   if precompute == "terms":
-    decay_ref, extra_ref = ins[10:12]
-    ys = [decay_ref[b, s, h] * readouts[s] + extra_ref[b, s, h, ps]
-          for s in range(T)]
+    ys = [decay * r + extra for (decay, extra), r in zip(terms, readouts)]
   else:
     ys = _window_outputs_from_weights(
         p, (xb_ref, bb_ref, dtb_ref, a_ref), readouts,
@@ -214,13 +222,13 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
         tuple(ins[10:13]) if precompute == "bc" else None, window=T,
         dt_softplus=dt_softplus, block_p=kw["block_p"])
   for s, y in enumerate(ys):
-    y = common.finish_output(y, x_ref[b, s, h, ps].astype(F32),
+    y = common.finish_output(y, xs[s].astype(F32),
                              None if d_ref is None else d_ref[h],
                              None if z_ref is None else z_ref[b, s, h, ps])
     y_ref[b, s, h, ps] = jnp.where(p.valid, y, jnp.nan).astype(y_ref.dtype)
 
-  _append_window(p, refs=(x_ref, dt_ref, b_ref, bias_ref), outs=outs[1:],
-                 window=T, base=base, dt_softplus=dt_softplus)
+  _append_window(p, refs=(dt_ref, b_ref, bias_ref), outs=outs[1:],
+                 window=T, base=base, dt_softplus=dt_softplus, xs=xs)
 
 
 def _readouts(ck_ref, tile, c_ref, b, g, window, readout_dot, chunk,
@@ -343,10 +351,11 @@ def _window_outputs_from_weights(p, refs, readouts, win_refs, bias, hist, bc,
   return ys
 
 
-def _append_window(p, refs, outs, *, window, base, dt_softplus):
+def _append_window(p, refs, outs, *, window, base, dt_softplus, xs):
   """Appends the window's inputs behind the row's committed history and
-  stores the row's new count (the verify kernels' common tail)."""
-  x_ref, dt_ref, b_ref, bias_ref = refs
+  stores the row's new count (the verify kernels' common tail). xs: the
+  window's x rows of this program ([block_p] each, loaded by the caller)."""
+  dt_ref, b_ref, bias_ref = refs
   xb_out, bb_out, dtb_out, cnt_out = outs
   b, g, ps, h, c, T = p.b, p.g, p.ps, p.head0, p.c, window
   bias = None if bias_ref is None else bias_ref[h]
@@ -354,7 +363,7 @@ def _append_window(p, refs, outs, *, window, base, dt_softplus):
   @pl.when(p.valid)
   def _append():
     for i in range(T):
-      xb_out[b, base + i, h, ps] = x_ref[b, i, h, ps].astype(xb_out.dtype)
+      xb_out[b, base + i, h, ps] = xs[i].astype(xb_out.dtype)
 
     @pl.when(p.pblk == 0)
     def _append_dt():
@@ -457,9 +466,18 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     pre = verify_bc(rstate.b_buf, B, C, form=form)
   elif precompute == "terms":
     c = rstate.count.astype(jnp.int32)
+    d_win = process_dt(dt, dt_bias, dt_softplus)
     pre = verify_terms(rstate.x_buf, rstate.b_buf, rstate.dt_buf,
                        jnp.where(c + T >= rstate.buffer_len, 0, c), x, B,
-                       process_dt(dt, dt_bias, dt_softplus), C, A, form=form)
+                       d_win, C, A, form=form)
+    # The kernel appends this processed dt (XLA's, as the terms use it)
+    # instead of forming it per program (Nsight Compute, session 34: the
+    # softplus and its dt loads were 14% of the window kernel's executed
+    # instructions and 11% of its stall samples at batch 512).
+    token_in = [x, d_win, A, B, C]
+    optional = [v for v in (D, z) if v is not None]
+    kw = dict(kw, has_bias=False)
+    dt_softplus = False
   else:
     pre = ()
   readout_dot = None

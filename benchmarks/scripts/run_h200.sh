@@ -38,6 +38,7 @@
 #   bash benchmarks/scripts/run_h200.sh ncu_flush  # Nsight Compute on the flush route with every row folding (f16 checkpoint, b 256, L 16): stall reasons, instruction mix, source counters (1.5 min, session 11: it profiles one launch; with two, the second failed and the GPU stayed out of memory for the next part)
 #   bash benchmarks/scripts/run_h200.sh ncu_flush_grids  # Nsight Compute of the f32 all-rows flush: persistent grid, rows grid, one launch on the output grid (3 min in session 19)
 #   bash benchmarks/scripts/run_h200.sh ncu_b1     # Nsight Compute at batch 1 (f16, no row folding): the baseline step and the fused replay step
+#   bash benchmarks/scripts/run_h200.sh ncu_sass   # per-instruction SASS counters (ncu source page, CSV): the verify window kernel at b 512, the f16 + fp8 output route at b 256 (session 34)
 #   bash benchmarks/scripts/run_h200.sh ncu_fp8    # Nsight Compute of the output route at batch 256 (no row folding): plain f16 checkpoint vs f16 master + fp8 copy (2.2 min in session 17)
 #   bash benchmarks/scripts/run_h200.sh policies_sr  # the stochastic presets session 27 did not time (f16+fp8+sr:hash32, threefry f32+int8+sr and f16+fp8+sr)
 #   bash benchmarks/scripts/run_h200.sh policies_fp8_L  # f16+fp8 and f32+fp8 at L 16 and 32 (not yet run)
@@ -458,6 +459,27 @@ P.run(c, sys.argv[1])" "$OUT/precision_mqar1024_rest" ;;
         --section SourceCounters \
         python benchmarks/scripts/ncu_profile.py "${args[@]}" \
         > "$OUT/ncu_output_route_${pol/+/_}.txt" 2>&1
+    done ;;
+  ncu_sass)
+    # Per-instruction SASS counters (executed instructions, stall samples)
+    # of one launch each: the verify window kernel at b 512 (argument 2:
+    # variants, default "default") and the output route on the f16 master +
+    # fp8 copy at b 256 (no row folding), as CSVs of ncu's source page.
+    ncu --version > "$OUT/ncu_version.txt" 2>&1 || true
+    timeout "$T" ncu --clock-control none --set full -k regex:replayssm_verify_window \
+      -c 1 -f -o /tmp/ncu_window python benchmarks/scripts/verify_sweep.py \
+      --check_only --batch 512 --variants "${2:-default}" \
+      --out "$OUT/verify_check.json" > "$OUT/ncu_sass_window.log" 2>&1 || true
+    timeout "$T" ncu --clock-control none --set full \
+      -k regex:replayssm_replay_output_route -c 1 -f -o /tmp/ncu_fp8 \
+      python benchmarks/scripts/ncu_profile.py --counts nonflush \
+      --policy f16+fp8 > "$OUT/ncu_sass_fp8.log" 2>&1 || true
+    for r in window fp8; do
+      [ -f /tmp/ncu_$r.ncu-rep ] || continue
+      ncu -i /tmp/ncu_$r.ncu-rep --page source --csv --print-source sass \
+        > "$OUT/ncu_sass_$r.csv" 2>> "$OUT/ncu_sass_$r.log" || true
+      ncu -i /tmp/ncu_$r.ncu-rep --page details \
+        > "$OUT/ncu_details_$r.txt" 2>> "$OUT/ncu_sass_$r.log" || true
     done ;;
   *) echo "unknown part: $1" >&2; exit 2 ;;
 esac
