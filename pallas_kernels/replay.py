@@ -231,7 +231,8 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
         s0 = load_tile(r)
       scale = None if scale_ref is None else scale_ref[b, h, ps]
       d_cur, s, decay = p.window_weights(h, dtb_ref, unmasked=unmasked)
-      x_cur = x_ref[b, h, ps].astype(F32)  # [block_p]
+      x_in = x_ref[b, h, ps]  # [block_p]; the append stores it as loaded
+      x_cur = x_in.astype(F32)
       x_hist = hist_load(xb_ref.at[b, :, h, ps], (p.L, block_p))
       x_win = jnp.where(p.cur[:, None], x_cur[None, :], x_hist)
       (readout,) = common.readouts(  # [block_p]
@@ -256,7 +257,7 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
 
       @pl.when(appends)
       def _append_x():
-        xb_out[b, p.c, h, ps] = x_ref[b, h, ps].astype(xb_out.dtype)
+        xb_out[b, p.c, h, ps] = x_in.astype(xb_out.dtype)
 
       @pl.when(appends & (p.pblk == 0))
       def _append_dt():
