@@ -191,11 +191,12 @@ def _verify_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
   hist = p.j < base
   bias = None if bias_ref is None else bias_ref[h]
   # The window's x rows and (with "terms") the XLA-formed terms are loaded
-  # before the checkpoint is read out, each once. Loaded per position behind
-  # the output stores' barriers, and x again by the append, their latency
-  # took 39% of the kernel's stall samples (Nsight Compute, session 34,
-  # batch 512). With the dt below: window kernel 0.377 ms against 0.423 at
-  # batch 512, 0.194 against 0.218 at 256 (verify_sweep_h200.json sweep 24).
+  # once, before the checkpoint is read out. Loaded per position behind the
+  # previous output store's barriers, and x again by the append, they left
+  # the output stores and the append 39% of the kernel's stall samples
+  # (Nsight Compute, session 34, batch 512). With XLA's processed dt (below):
+  # window kernel 0.377 ms against 0.423 at batch 512, 0.194 against 0.218
+  # at 256 (benchmarks/verify_sweep_h200.json sweep 24).
   xs = [x_ref[b, s, h, ps] for s in range(T)]
   if precompute == "terms":
     decay_ref, extra_ref = ins[10:12]
