@@ -533,10 +533,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Run B (kernel_policies_h200_session15.md): 168 at 3 programs per SM
     # took the f16 + fp8 flush to 575 µs and f32 + bf16 to 942 (now their
     # default), 128 the f32 + fp8 flush to 1017 (its default; 168: 1065).
-    # Run C had every policy at its defaults only. Now beside them: the
-    # same flush uncapped (256 registers: no cap).
+    # Run C had every policy at its defaults only. Then beside them: the
+    # same flush uncapped (256 registers: no cap; slower in sessions 33-34).
+    # Session 34: the output route with XLA's window weights
+    # (ReplayConfig.output_weights; ptxas offline at 2 warps: f16 + fp8
+    # route 808 SASS instructions and 80 registers against 1208 and 96,
+    # f16 856 / 128 against 1224 / 119), not yet timed.
     config.replay_variants = ml_collections.ConfigDict(dict(
-        nocap=dict(flush_max_registers=256)))
+        xw=dict(output_weights=True)))
 
   if arg == "output_launch":
     # The output route's launch shape on the f16 checkpoint and the fp8

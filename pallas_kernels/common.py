@@ -198,6 +198,17 @@ class ReplayConfig(_LaunchConfig):
     precompute_bc: form bc_j = B_j . C for all buffer slots in a small XLA
       op before the kernel (reads the B buffer once per row) instead of in
       every program.
+    output_weights: XLA forms each row's window weights before the output
+      route (`replay.output_weights`: per head the slots' k_j = s_j B_j . C,
+      the current token's included, the decay and the current token's
+      dt'; elementwise products summed, so reduction fusions), so an output
+      program only reads its tile out and weighs its x window. Nsight
+      Compute (session 34, f16 master + fp8 copy at batch 256): the
+      per-program B.C products, window weights and their reductions come
+      before the readout in the route's SASS and hold ~36% of its
+      instructions (1253 per warp) in a launch that issues on 74% of its
+      cycles. Not with precompute_bc, fused_launch or the Mosaic output
+      route.
     output_all_rows: the output kernel computes y for flush rows too (the
       output-only formula holds for every row), so its checkpoint read does
       not wait on the row's counter; flush rows then read their checkpoint
@@ -368,6 +379,7 @@ class ReplayConfig(_LaunchConfig):
   num_warps: int | None = None
   heads_per_program: int | None = None
   precompute_bc: bool = False
+  output_weights: bool = False
   output_all_rows: bool = False
   flush_block_p: int | None = None
   flush_unroll: bool = False
@@ -425,7 +437,11 @@ class ReplayConfig(_LaunchConfig):
           f"'persistent', got flush_grid={self.flush_grid!r}.")
     if self.readout_chunk is not None:
       _check_pow2("readout_chunk", self.readout_chunk)
+    if self.output_weights and self.precompute_bc:
+      raise ValueError("output_weights=True forms the B.C products with the "
+                       "weights; leave precompute_bc False.")
     clash = [name for name in ("output_all_rows", "precompute_bc",
+                               "output_weights",
                                "output_prefetch", "fused_launch",
                                "readout_chunk", "output_unmasked_buffers",
                                "output_eager")

@@ -147,8 +147,9 @@ def _unpack(refs, n_in, n_out, has_D, has_z, has_bias):
 
 
 def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
-                   scaled=False, prefetch_heads=False, readout_chunk=None,
-                   unmasked=False, eager=False, y_in=False, **kw):
+                   scaled=False, weights=False, prefetch_heads=False,
+                   readout_chunk=None, unmasked=False, eager=False,
+                   y_in=False, **kw):
   """Output route: y from checkpoint + buffer; non-flush rows append.
 
   With all_rows, flush rows take this route for y as well (the formula holds
@@ -159,15 +160,17 @@ def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
   The state read (ck_ref) is the checkpoint, or the state's read copy when it
   has one (then the master is not an input at all); `scaled`: an 8-bit copy
   whose per-row f32 scales follow the inputs (applied to the readout).
+  weights: three inputs after C, `output_weights`' (k, decay, dt').
   y_in: a y input after the optional ones, aliased to the y output (the
   flush rows' y, already written by the Mosaic flush), never read.
   """
   ins, opt, outs = _unpack(
-      refs, 10 + precomputed_bc + scaled, 5 + y_in, has_D, has_z, has_bias)
+      refs, 10 + precomputed_bc + 3 * weights + scaled, 5 + y_in, has_D,
+      has_z, has_bias)
   outs = outs[y_in:]
   p = _Program.from_grid(ins[4], ins[6], ins[7], opt[2], **kw)
   _output_route(p, ins, opt, outs, all_rows=all_rows,
-                precomputed_bc=precomputed_bc, scaled=scaled,
+                precomputed_bc=precomputed_bc, scaled=scaled, weights=weights,
                 block_p=kw["block_p"],
                 heads_per_program=kw["heads_per_program"],
                 prefetch_heads=prefetch_heads, readout_chunk=readout_chunk,
@@ -175,9 +178,12 @@ def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
 
 
 def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
-                  block_p, heads_per_program, prefetch_heads=False,
-                  readout_chunk=None, unmasked=False, eager=False):
+                  block_p, heads_per_program, weights=False,
+                  prefetch_heads=False, readout_chunk=None, unmasked=False,
+                  eager=False):
   """The output route of item p (see _output_kernel for the refs);
+  weights: the window weights, decay and dt' come from XLA
+  (`output_weights`) instead of the program's B.C products and dt window;
   prefetch_heads: load the checkpoint tiles of all the program's heads
   before computing any (a Python loop over the heads); readout_chunk: the
   tile's column blocks (`common.load_tile_blocks`); unmasked: load every
@@ -197,7 +203,7 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
   d_ref, z_ref, _ = opt
   ck_ref, xb_ref, bb_ref, dtb_ref, _, x_ref, _, _, b_ref = ins[:9]
   c_ref = ins[9]
-  scale_ref = ins[10 + precomputed_bc] if scaled else None
+  scale_ref = ins[10 + precomputed_bc + 3 * weights] if scaled else None
   # Buffers are aliased input->output (same HBM on GPU; copies of the inputs
   # in interpret mode): read the inputs, store to the outputs.
   y_ref, xb_out, bb_out, dtb_out, cnt_out = outs
@@ -210,15 +216,16 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
     cnt_out[b] = jnp.where(p.valid, new, p.c).astype(cnt_out.dtype)
 
   def route():
-    cv = c_ref[b, g, :].astype(F32)  # [N]
-    b_cur = b_ref[b, g, :].astype(F32)
-    bc_cur = jnp.sum(b_cur * cv)
-    if precomputed_bc:  # bc_j = B_j . C precomputed per (row, slot, group)
-      bc_hist = hist_load(ins[10].at[b, :, g], (p.L,))
-    else:  # once per program, for all its heads
-      b_hist = hist_load(bb_ref.at[b, :, g, :], (p.L, cv.shape[0]))  # [L, N]
-      bc_hist = jnp.sum(b_hist * cv[None, :], axis=1)
-    bc = jnp.where(p.cur, bc_cur, bc_hist)  # [L]
+    if not weights:
+      cv = c_ref[b, g, :].astype(F32)  # [N]
+      b_cur = b_ref[b, g, :].astype(F32)
+      bc_cur = jnp.sum(b_cur * cv)
+      if precomputed_bc:  # bc_j = B_j . C precomputed per (row, slot, group)
+        bc_hist = hist_load(ins[10].at[b, :, g], (p.L,))
+      else:  # once per program, for all its heads
+        b_hist = hist_load(bb_ref.at[b, :, g, :], (p.L, cv.shape[0]))
+        bc_hist = jnp.sum(b_hist * cv[None, :], axis=1)  # [L]
+      bc = jnp.where(p.cur, bc_cur, bc_hist)  # [L]
 
     def load_tile(r):
       return common.load_tile_blocks(ck_ref, (b, p.head0 + r, ps),
@@ -230,7 +237,12 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
         # Issue the big read first so its latency overlaps the small math.
         s0 = load_tile(r)
       scale = None if scale_ref is None else scale_ref[b, h, ps]
-      d_cur, s, decay = p.window_weights(h, dtb_ref, unmasked=unmasked)
+      if weights:  # k_j = s_j B_j . C, zero past the current slot
+        k_ref, decay_ref, dcur_ref = ins[10:13]
+        k, decay, d_cur = k_ref[b, :, h], decay_ref[b, h], dcur_ref[b, h]
+      else:
+        d_cur, s, decay = p.window_weights(h, dtb_ref, unmasked=unmasked)
+        k = s * bc
       x_in = x_ref[b, h, ps]  # [block_p]; the append stores it as loaded
       x_cur = x_in.astype(F32)
       x_hist = hist_load(xb_ref.at[b, :, h, ps], (p.L, block_p))
@@ -242,7 +254,7 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
         # scale factors out of the dstate sum: one multiply per row, not
         # per element (the reference rounds (q * scale) * C instead).
         readout = readout * scale
-      y = decay * readout + jnp.sum((s * bc)[:, None] * x_win, axis=0)
+      y = decay * readout + jnp.sum(k[:, None] * x_win, axis=0)
       y = common.finish_output(y, x_cur, None if d_ref is None else d_ref[h],
                                None if z_ref is None else z_ref[b, h, ps])
       y = jnp.where(p.valid, y, jnp.nan)
@@ -1067,6 +1079,24 @@ def _sr_keys(spec, policy, layer, rstate):
                                rstate.step, site) for site in sites], axis=1)
 
 
+def output_weights(rstate, x, dt, A, B, C, dt_bias=None, dt_softplus=False):
+  """The output route's window terms but the x window, per row and head
+  (`ReplayConfig.output_weights`): (k [b, L, h], decay [b, h], dt' [b, h]),
+  f32, from the window of `reference.replay_window` (slots j < count
+  buffered, slot count the current token, zero past it): k_j = s_j (B_j .
+  C) with `reference.window_weights`' s, so a row's output is decay * (S C)
+  + sum_j k_j x_j. The B.C products are elementwise products summed over
+  dstate, which XLA emits as a reduction fusion (as
+  `speculative.verify_bc`'s "reduce"); the unused x window is not formed
+  under jit."""
+  d_cur = process_dt(dt, dt_bias, dt_softplus)  # [b, h]
+  _, bw, dw = reference.replay_window(rstate, x, B, d_cur)
+  decay, s = reference.window_weights(dw, A)
+  bc = jnp.sum(bw * C.astype(F32)[:, None], axis=-1)  # [b, L, g]
+  k = s * reference.heads_from_groups(bc, rstate.nheads, axis=2)
+  return k, decay, d_cur
+
+
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "policy",
                                              "config", "interpret"))
 def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
@@ -1138,6 +1168,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
        spec is not None),
       ("output_all_rows", config.output_all_rows),
       ("precompute_bc", config.precompute_bc),
+      ("output_weights", config.output_weights),
       ("output_prefetch", config.output_prefetch),
       ("output_route='mosaic_gpu'", config.output_route != "triton"),
       ("flush_route='mosaic_gpu'", config.flush_route != "triton"),
@@ -1210,6 +1241,9 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     # the kernel): reads the B buffer once per row instead of per program.
     extra = [jnp.einsum("blgn,bgn->blg", rstate.b_buf.astype(F32),
                         C.astype(F32), precision=lax.Precision.HIGHEST)]
+  if config.output_weights:
+    extra = list(output_weights(rstate, x, dt, A, B, C, dt_bias,
+                                dt_softplus))
   if scaled:
     extra.append(rstate.read_scale)
   # Both routes always launch; each program exits at once on rows that are
@@ -1253,6 +1287,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     y, xb, bb, dtb, cnt = pl.pallas_call(
         functools.partial(_output_kernel, all_rows=config.output_all_rows,
                           precomputed_bc=config.precompute_bc,
+                          weights=config.output_weights,
                           prefetch_heads=config.output_prefetch,
                           readout_chunk=config.readout_chunk,
                           unmasked=config.output_unmasked_buffers,

@@ -108,6 +108,11 @@ REPLAY_CONFIGS = [
                     fused_launch=False),
     pk.ReplayConfig(block_p=8, heads_per_program=2, precompute_bc=True,
                     output_unmasked_buffers=True),
+    # The window weights, decay and dt' formed by XLA (output_weights).
+    pk.ReplayConfig(block_p=8, heads_per_program=2, output_weights=True,
+                    fused_launch=False),
+    pk.ReplayConfig(block_p=16, output_weights=True, output_all_rows=True,
+                    output_unmasked_buffers=True, fused_launch=False),
     # Every row's output program computes (flush rows' y dropped), in one
     # launch with the flush route and in its own.
     pk.ReplayConfig(output_eager=True, output_unmasked_buffers=True,
@@ -292,9 +297,11 @@ def test_mosaic_output_route_config_is_checked():
     pk.ReplayConfig(output_route="cuda")
   for clash in (dict(fused_launch=True), dict(output_all_rows=True),
                 dict(precompute_bc=True), dict(output_prefetch=True),
-                dict(readout_chunk=16)):
+                dict(readout_chunk=16), dict(output_weights=True)):
     with pytest.raises(ValueError, match=f"{next(iter(clash))}"):
       pk.ReplayConfig(output_route="mosaic_gpu", **clash)
+  with pytest.raises(ValueError, match="precompute_bc"):
+    pk.ReplayConfig(output_weights=True, precompute_bc=True)
 
 
 def test_mosaic_kernel_refusals():
@@ -581,6 +588,7 @@ POLICY_CASES = [
     ("f32+int8+sr", pk.ReplayConfig(flush_grid="rows", heads_per_program=2)),
     ("f16+fp8+sr", pk.ReplayConfig(block_p=8, flush_programs=3)),
     ("f16+fp8+sr:hash32", pk.ReplayConfig()),
+    ("f16+fp8", pk.ReplayConfig(output_weights=True, fused_launch=False)),
     ("f32+fp8", pk.ReplayConfig(output_route="mosaic_gpu")),
     ("f32+int8", pk.ReplayConfig(output_route="mosaic_gpu",
                                  flush_grid="rows")),
@@ -773,6 +781,15 @@ def test_kernel_quantize_rows_matches_precision_quantize():
                        jax.random.uniform(key, (512,), minval=-127,
                                           maxval=127)])
   np.testing.assert_array_equal(common.round_half_even(v), jnp.round(v))
+
+
+def test_fused_launch_refuses_xla_weights():
+  params, tok, rstate, _ = _mixed_state(jnp.float32, 8, 12)
+  with pytest.raises(NotImplementedError,
+                     match="fused_launch=True does not support output_weights"):
+    rs.replay_state_update(
+        rstate, **tok, **params, dt_softplus=True, implementation="pallas",
+        config=pk.ReplayConfig(fused_launch=True, output_weights=True))
 
 
 def test_replay_kernel_precision_refusals(monkeypatch):
