@@ -463,6 +463,8 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   # instead of einsums.
   precompute = config.precompute.removesuffix("_reduce")
   form = "dot" if precompute == config.precompute else "reduce"
+  win_in, win_optional, win_kw, win_softplus = (token_in, optional, kw,
+                                                dt_softplus)
   if precompute == "bc":
     pre = verify_bc(rstate.b_buf, B, C, form=form)
   elif precompute == "terms":
@@ -475,10 +477,10 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     # instead of forming it per program (Nsight Compute, session 34: the
     # softplus and its dt loads were 14% of the window kernel's executed
     # instructions and 11% of its stall samples at batch 512).
-    token_in = [x, d_win, A, B, C]
-    optional = [v for v in (D, z) if v is not None]
-    kw = dict(kw, has_bias=False)
-    dt_softplus = False
+    win_in = [x, d_win, A, B, C]
+    win_optional = [v for v in (D, z) if v is not None]
+    win_kw = dict(kw, has_bias=False)
+    win_softplus = False
   else:
     pre = ()
   readout_dot = None
@@ -492,7 +494,7 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     readout_dot = _dot_precision(config.readout, interpret)
     pre = (*pre, jnp.pad(C, ((0, 0), (0, max(16, T) - T), (0, 0), (0, 0))))
   y, xb, bb, dtb, cnt = pl.pallas_call(
-      functools.partial(_verify_kernel, dt_softplus=dt_softplus,
+      functools.partial(_verify_kernel, dt_softplus=win_softplus,
                         precompute=precompute,
                         readout_dot=readout_dot,
                         xla_readout=config.readout == "xla",
@@ -500,7 +502,7 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                         readout_fma=config.readout_fma and not interpret,
                         copy=copy,
                         copy_readout=config.copy_readout,
-                        scaled=rstate.read_scale is not None, **kw),
+                        scaled=rstate.read_scale is not None, **win_kw),
       grid=grid,
       out_shape=(sds(x.shape, x.dtype),
                  sds(rstate.x_buf.shape, rstate.x_buf.dtype),
@@ -511,8 +513,8 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
       interpret=interpret,
       name=common.capped_name("replayssm_verify_window",
                               config.max_registers),
-  )(ck, rstate.x_buf, rstate.b_buf, rstate.dt_buf, rstate.count, *token_in,
-    *pre, *copy_out, *optional)
+  )(ck, rstate.x_buf, rstate.b_buf, rstate.dt_buf, rstate.count, *win_in,
+    *pre, *copy_out, *win_optional)
   fields = {}
   if copy:
     fields["read_copy"] = copy_out[0]
