@@ -1241,7 +1241,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     # the kernel): reads the B buffer once per row instead of per program.
     extra = [jnp.einsum("blgn,bgn->blg", rstate.b_buf.astype(F32),
                         C.astype(F32), precision=lax.Precision.HIGHEST)]
-  if config.output_weights:
+  elif config.output_weights:
     extra = list(output_weights(rstate, x, dt, A, B, C, dt_bias,
                                 dt_softplus))
   if scaled:
