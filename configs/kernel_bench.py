@@ -538,9 +538,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Session 34: the output route with XLA's window weights
     # (ReplayConfig.output_weights; ptxas offline at 2 warps: f16 + fp8
     # route 808 SASS instructions and 80 registers against 1208 and 96,
-    # f16 856 / 128 against 1224 / 119), not yet timed.
+    # f16 856 / 128 against 1224 / 119). Session 35
+    # (kernel_policies_h200_session35.md): slower, f16 + fp8 non-flush
+    # 128.3 against 113.6 µs, f16 178.8 against 162.7. Beside the default
+    # now: the tile read out by one tensor-core product (readout="dot";
+    # offline f16 + fp8 1008 instructions, 96 registers; with
+    # output_weights 624 / 80). A policy whose read tile is bf16 or f32
+    # records "dot" as unsupported.
     config.replay_variants = ml_collections.ConfigDict(dict(
-        xw=dict(output_weights=True)))
+        dot=dict(readout="dot"),
+        xw_dot=dict(output_weights=True, readout="dot")))
 
   if arg == "output_launch":
     # The output route's launch shape on the f16 checkpoint and the fp8

@@ -10,6 +10,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import numpy as np
@@ -348,6 +349,14 @@ class ReplayConfig(_LaunchConfig):
       non-flush step is 9-34% slower at 32 and 50-74% at 16 (f32, f16,
       f32 + bf16 / fp8 copies): this single readout is memory-bound, not
       shuffle-bound.
+    readout: how the Triton output route reads its tile out against C:
+      "reduce" (elementwise products and a dstate reduction in f32) or
+      "dot" (`readout_dot`: one tensor-core product of the tile in f16
+      against C scaled by a power of two in f16, f32 accumulation; the
+      same products up to 2^-38 max|C| |S|, another summation order).
+      "dot" needs an f16, fp8 e4m3 or int8 tile (checkpoint or read copy),
+      C in bf16 / f16, block_p and dstate >= 16, and not readout_chunk /
+      fused_launch / the Mosaic output route.
     flush_num_warps: Triton warps per program of the separate flush-route
       kernel; None = `replay.default_flush_launch`: 4 (2 for a
       stochastically rounded master without a read copy). H200, batch 256, L
@@ -400,9 +409,14 @@ class ReplayConfig(_LaunchConfig):
   flush_route: str | None = None
   flush_store_from_input: bool = False
   readout_chunk: int | None = None
+  readout: str = "reduce"
 
   def __post_init__(self):
     super().__post_init__()
+    _check_choice("readout", self.readout, ("reduce", "dot"))
+    if self.readout == "dot" and self.readout_chunk is not None:
+      raise ValueError("readout='dot' reads the whole tile in one product; "
+                       f"leave readout_chunk None, got {self.readout_chunk}.")
     _check_choice("flush_grid", self.flush_grid, ("rows", "persistent"),
                   optional=True)
     _check_choice("output_route", self.output_route,
@@ -446,6 +460,8 @@ class ReplayConfig(_LaunchConfig):
                                "readout_chunk", "output_unmasked_buffers",
                                "output_eager")
              if getattr(self, name)]
+    if self.readout != "reduce":
+      clash.append("readout")
     if self.output_route == "mosaic_gpu" and clash:
       raise ValueError(
           f"output_route='mosaic_gpu' replaces the Triton output route, "
@@ -778,6 +794,50 @@ def readouts(blocks, vectors, fma_asm=False):
              else fma(blk, vk, acc, fma_asm))
     out.append(jnp.sum(acc, axis=1))
   return out
+
+
+# The read tiles a "dot" readout converts to f16 exactly (e4m3 and int8
+# values are f16 values), and the C dtypes whose values a power-of-two
+# scale takes into f16's range with every mantissa bit kept.
+_DOT_TILES = tuple(map(jnp.dtype, (jnp.float16, jnp.float8_e4m3fn, jnp.int8)))
+_DOT_C = tuple(map(jnp.dtype, (jnp.bfloat16, jnp.float16)))
+
+
+def dot_readout_problem(tile_dtype, c_dtype) -> str | None:
+  """Why `readout_dot` cannot read a tile of tile_dtype against C of
+  c_dtype, or None."""
+  t, c = jnp.dtype(tile_dtype), jnp.dtype(c_dtype)
+  if t not in _DOT_TILES:
+    return (f"the read tile must be one of {[d.name for d in _DOT_TILES]} "
+            f"(converted to float16 exactly), got {t}")
+  if c not in _DOT_C:
+    return f"C must be one of {[d.name for d in _DOT_C]}, got {c}"
+  return None
+
+
+def readout_dot(tile, c):
+  """sum_n S[:, n] c[n] ([block_p] f32) by one tensor-core product: the
+  tile [block_p, N] in f16 (`dot_readout_problem`: exact) against c times
+  a power of two in f16, broadcast to Triton's smallest dot tile [16, N],
+  f32 accumulation; column 0 of the [block_p, 16] product times the
+  inverse power. The power puts max|c| in [2^14, 2^15) (within [2^-126,
+  2^126]), so a bf16 / f16 c converts with its mantissa kept but for
+  entries under 2^-24 of max|c| in magnitude, whose products are off by
+  at most 2^-38 max|c| |S|: the products are the f32 ones of `readouts`
+  up to that, the summation order differs."""
+  cf = c.astype(F32)
+  amax = jnp.max(jnp.abs(cf))
+  e = (lax.bitcast_convert_type(amax, jnp.int32) >> 23) & 0xFF
+  k = jnp.clip(268 - e, 1, 253)  # biased exponent of the power
+  scale = lax.bitcast_convert_type(k << 23, F32)
+  inv = lax.bitcast_convert_type((254 - k) << 23, F32)
+  cw = jnp.broadcast_to((cf * scale).astype(jnp.float16)[None, :],
+                        (16, c.shape[0]))
+  y = lax.dot_general(tile.astype(jnp.float16), cw, (((1,), (1,)), ((), ())),
+                      preferred_element_type=F32)
+  # Column 0 (all 16 are equal: the others are masked, exact zeros added).
+  y = jnp.sum(jnp.where(jnp.arange(16)[None, :] == 0, y, 0.0), axis=1)
+  return y * inv
 
 
 def finish_output(y, x, D, z):

@@ -149,7 +149,7 @@ def _unpack(refs, n_in, n_out, has_D, has_z, has_bias):
 def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
                    scaled=False, weights=False, prefetch_heads=False,
                    readout_chunk=None, unmasked=False, eager=False,
-                   y_in=False, **kw):
+                   y_in=False, readout_dot=False, **kw):
   """Output route: y from checkpoint + buffer; non-flush rows append.
 
   With all_rows, flush rows take this route for y as well (the formula holds
@@ -174,13 +174,13 @@ def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
                 block_p=kw["block_p"],
                 heads_per_program=kw["heads_per_program"],
                 prefetch_heads=prefetch_heads, readout_chunk=readout_chunk,
-                unmasked=unmasked, eager=eager)
+                unmasked=unmasked, eager=eager, readout_dot=readout_dot)
 
 
 def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
                   block_p, heads_per_program, weights=False,
                   prefetch_heads=False, readout_chunk=None, unmasked=False,
-                  eager=False):
+                  eager=False, readout_dot=False):
   """The output route of item p (see _output_kernel for the refs);
   weights: the window weights, decay and dt' come from XLA
   (`output_weights`) instead of the program's B.C products and dt window;
@@ -190,7 +190,9 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
   buffer slot and zero the unfilled ones after
   (`ReplayConfig.output_unmasked_buffers`); eager: every row's program
   computes (its loads do not wait on the row's counter), a flush row's y
-  is not stored (the flush route stores it; `ReplayConfig.output_eager`)."""
+  is not stored (the flush route stores it; `ReplayConfig.output_eager`);
+  readout_dot: the tile read out by one tensor-core product
+  (`common.readout_dot`, `ReplayConfig.readout="dot"`)."""
 
   def hist_load(ref, shape):
     """A buffer window [L, ...] f32: the filled slots, zeros past them."""
@@ -247,8 +249,11 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
       x_cur = x_in.astype(F32)
       x_hist = hist_load(xb_ref.at[b, :, h, ps], (p.L, block_p))
       x_win = jnp.where(p.cur[:, None], x_cur[None, :], x_hist)
-      (readout,) = common.readouts(  # [block_p]
-          s0, [lambda cols: c_ref[b, g, cols]])
+      if readout_dot:
+        readout = common.readout_dot(s0[0], c_ref[b, g, :])  # [block_p]
+      else:
+        (readout,) = common.readouts(  # [block_p]
+            s0, [lambda cols: c_ref[b, g, cols]])
       if scale is not None:
         # precision.dequantize is q * scale per (head, headdim row), so the
         # scale factors out of the dstate sum: one multiply per row, not
@@ -1145,6 +1150,13 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   # one; otherwise the same inputs and kernel code as the plain state.
   read = rstate.checkpoint if rstate.read_copy is None else rstate.read_copy
   scaled = rstate.read_scale is not None
+  if config.readout == "dot" and config.output_route == "triton":
+    why = common.dot_readout_problem(read.dtype, C.dtype)
+    if why is None and min(block_p, rstate.dstate) < 16:
+      why = (f"block_p ({block_p}) and dstate ({rstate.dstate}) must be >= "
+             f"16 (Triton's smallest dot tile)")
+    if why:
+      raise NotImplementedError(f"config.readout='dot': {why}.")
   state_in = [read, rstate.x_buf, rstate.b_buf, rstate.dt_buf, rstate.count]
   token_in = [x, dt, A, B, C]
   optional = [v for v in (D, z, dt_bias) if v is not None]
@@ -1169,6 +1181,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
       ("output_all_rows", config.output_all_rows),
       ("precompute_bc", config.precompute_bc),
       ("output_weights", config.output_weights),
+      ("readout='dot'", config.readout != "reduce"),
       ("output_prefetch", config.output_prefetch),
       ("output_route='mosaic_gpu'", config.output_route != "triton"),
       ("flush_route='mosaic_gpu'", config.flush_route != "triton"),
@@ -1291,7 +1304,8 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                           prefetch_heads=config.output_prefetch,
                           readout_chunk=config.readout_chunk,
                           unmasked=config.output_unmasked_buffers,
-                          eager=config.output_eager, **out_kw,
+                          eager=config.output_eager,
+                          readout_dot=config.readout == "dot", **out_kw,
                           **kw),
         grid=grid(block_p),
         out_shape=(sds((batch, nheads, headdim), x.dtype),

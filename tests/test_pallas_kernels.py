@@ -593,6 +593,12 @@ POLICY_CASES = [
     ("f32+int8", pk.ReplayConfig(output_route="mosaic_gpu",
                                  flush_grid="rows")),
     ("f16+fp8", pk.ReplayConfig(readout_chunk=4)),
+    # The tile read out by one tensor-core product (readout="dot").
+    ("f16+fp8", pk.ReplayConfig(readout="dot", fused_launch=False)),
+    ("f32+int8", pk.ReplayConfig(readout="dot", heads_per_program=2,
+                                 fused_launch=False)),
+    ("f32+f16", pk.ReplayConfig(readout="dot", output_weights=True,
+                                fused_launch=False)),
 ]
 POLICY_L = 4
 POLICY_STEPS = 2 * POLICY_L + 1  # every row flushes twice
@@ -689,6 +695,8 @@ def test_replay_kernel_read_copy_decode(name, config):
   """
   pol = P.PrecisionPolicy.preset(name)
   params, rstate, steps = _policy_state(pol, seed=91)
+  if config.readout == "dot":  # needs a 16-bit C (the model's bf16)
+    steps = dict(steps, C=steps["C"].astype(jnp.bfloat16))
   before = jax.tree.map(np.asarray, rstate)
   ks, rs_free, out = _policy_decode(rstate, steps, params, policy=pol,
                                     config=config)
@@ -748,6 +756,69 @@ def test_replay_kernel_read_copy_decode(name, config):
            else P.load(s.read_copy, s.read_scale) for s in (ks, rs_free)]
   testing.assert_close(final[0], final[1], tol,
                        f"{name} free-running final copy")
+
+
+def test_readout_dot_matches_f64_across_magnitudes():
+  """common.readout_dot (the output route's readout="dot") against an f64
+  readout for each tile dtype it takes, C in bf16 / f16 from 2^-120 to
+  2^120 (the power-of-two scale keeps f16 in range), all-zero C and a NaN
+  in C. Bound: f32 accumulation over N plus the documented 2^-38 max|C|
+  |S| of C entries under f16's range after scaling."""
+  from pallas_kernels import common  # pylint: disable=g-import-not-at-top
+  key = jax.random.PRNGKey(21)
+  rows, n = 16, 128
+  s = jax.random.normal(key, (rows, n)) * 40
+  c0 = jax.random.normal(jax.random.fold_in(key, 1), (n,))
+  c0 = c0 * jnp.exp2(jnp.round(jax.random.uniform(  # a 2^-30..1 spread
+      jax.random.fold_in(key, 2), (n,), minval=-30, maxval=0)))
+  for tile_dtype in (jnp.float16, jnp.float8_e4m3fn, jnp.int8):
+    tile = (jnp.clip(jnp.round(s), -127, 127).astype(tile_dtype)
+            if tile_dtype == jnp.int8 else s.astype(tile_dtype))
+    tf = np.asarray(tile.astype(jnp.float32), np.float64)
+    for c_dtype, exps in ((jnp.bfloat16, (-120, -60, 0, 60, 120)),
+                          (jnp.float16, (-4, 0, 4))):
+      for e in exps:
+        c = (c0 * 2.0 ** e).astype(c_dtype)
+        cf = np.asarray(c.astype(jnp.float32), np.float64)
+        want = tf @ cf
+        got = np.asarray(common.readout_dot(tile, c), np.float64)
+        bound = (1e-5 * (np.abs(tf) @ np.abs(cf))
+                 + 2.0 ** -37 * np.abs(cf).max() * np.abs(tf).sum(1))
+        err = np.abs(got - want)
+        assert (err <= bound).all(), (
+            f"{tile.dtype} x {c.dtype} 2^{e}: max err / bound "
+            f"{(err / bound).max():.3g}")
+    np.testing.assert_array_equal(
+        common.readout_dot(tile, jnp.zeros(n, jnp.bfloat16)), 0.0)
+    assert np.isnan(common.readout_dot(
+        tile, c0.astype(jnp.bfloat16).at[5].set(jnp.nan))).all()
+  with pytest.raises(NotImplementedError, match="read tile must be one of"):
+    rs.replay_state_update(
+        *_readout_dot_case(jnp.float32, jnp.bfloat16), implementation="pallas",
+        config=pk.ReplayConfig(readout="dot"))
+  with pytest.raises(NotImplementedError, match="C must be one of"):
+    rs.replay_state_update(
+        *_readout_dot_case(jnp.float16, jnp.float32), implementation="pallas",
+        config=pk.ReplayConfig(readout="dot"))
+  with pytest.raises(ValueError, match="leave readout_chunk None"):
+    pk.ReplayConfig(readout="dot", readout_chunk=32)
+  with pytest.raises(ValueError, match="readout must be one of"):
+    pk.ReplayConfig(readout="mma")
+
+
+def _readout_dot_case(ckpt_dtype, c_dtype):
+  """(rstate, x, dt, A, B, C) of a small state for readout="dot"'s
+  argument checks."""
+  d = DIMS
+  params = testing.random_params(jax.random.PRNGKey(3), d.nheads)
+  rstate, _ = testing.random_replay_state(
+      jax.random.PRNGKey(4), d.batch, d.nheads, d.headdim, d.dstate,
+      d.ngroups, 4, np.zeros(d.batch, np.int32), params["A"],
+      checkpoint_dtype=ckpt_dtype, buffer_dtype=jnp.bfloat16)
+  tok = testing.random_step_inputs(jax.random.PRNGKey(5), d.batch, d.nheads,
+                                   d.headdim, d.dstate, d.ngroups)
+  return (rstate, tok["x"], tok["dt"], params["A"], tok["B"],
+          tok["C"].astype(c_dtype))
 
 
 def test_kernel_quantize_rows_matches_precision_quantize():

@@ -20,6 +20,20 @@ def _run(script, *args, path=ROOT, check=True):
       capture_output=True, text=True)
 
 
+def test_output_split_tiny(tmp_path):
+  """The non-flush step's op split: each variant checked against the
+  reference on an f16 master + fp8 copy state, then traced."""
+  out = tmp_path / "output_split.json"
+  _run("output_split.py", "--tiny", "--buffer_len", "4", "--fill", "1",
+       "--variants", "default,dot,xw_dot,reference", "--out", str(out))
+  res = json.loads(out.read_text())
+  assert res["shape"]["policy"] == "f16+fp8"
+  assert list(res["variants"]) == ["default", "dot", "xw_dot", "reference"]
+  for name, r in res["variants"].items():
+    assert r["check"] == "PASS", (name, r.get("error"))
+    assert r["device_us_per_step"] > 0 and r["top"]
+
+
 def test_verify_sweep_tiny(tmp_path):
   """With an f32 master + fp8 copy state (--policy), the window kernel's
   masked and branching copy readouts checked against the reference."""

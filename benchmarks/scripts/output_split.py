@@ -1,0 +1,136 @@
+"""The replay step's non-flush step per ReplayConfig variant, split by op.
+
+kernel_bench times a whole step; this script says how much of it is the
+output-route kernel and how much the XLA ops before it (e.g. the window
+weights of `ReplayConfig.output_weights`). For each variant, on the
+kernel_bench layer (nheads 128, headdim 64, dstate 128, ngroups 8, bf16
+activations and buffers) at one precision policy: every row holds `--fill`
+buffered tokens (no row flushes); one step is checked against the
+reference (y, per-dtype tolerance), then a jitted loop of `--steps` steps
+(each row's counter reset to the fill after each step, so every step is a
+non-flush one) is traced with `replayssm_jax.profiling.op_times`. Run it
+with XLA's CUDA graphs off so the trace splits the loop:
+
+  XLA_FLAGS=--xla_gpu_enable_command_buffer= PYTHONPATH=. \\
+      python benchmarks/scripts/output_split.py --policy f16+fp8 \\
+      --variants default,dot,xw,xw_dot --out $OUT/output_split.json
+
+One state set (the fp8 copy at batch 256 is 268 MB, past the 60 MB L2).
+`--tiny` runs small shapes in interpret mode (a CPU check of the script).
+"""
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels as pk
+import replayssm_jax as rs
+from replayssm_jax import precision as prec
+from replayssm_jax import profiling
+from replayssm_jax import testing
+
+# name -> ReplayConfig keyword arguments (None: the XLA reference op).
+VARIANTS = {
+    "default": {},
+    "dot": dict(readout="dot"),
+    "xw": dict(output_weights=True),
+    "xw_dot": dict(output_weights=True, readout="dot"),
+    "precompute_bc": dict(precompute_bc=True),
+    "bc_dot": dict(precompute_bc=True, readout="dot"),
+    "reference": None,
+}
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--batch", type=int, default=256)
+  ap.add_argument("--buffer_len", type=int, default=16)
+  ap.add_argument("--fill", type=int, default=7,
+                  help="buffered tokens per row (kernel_bench: (L-2)//2)")
+  ap.add_argument("--steps", type=int, default=32)
+  ap.add_argument("--policy", default="f16+fp8")
+  ap.add_argument("--variants", default="default,dot,xw,xw_dot")
+  ap.add_argument("--out", default="output_split.json")
+  ap.add_argument("--tiny", action="store_true", help="CPU check")
+  a = ap.parse_args()
+  unknown = set(a.variants.split(",")) - set(VARIANTS)
+  if unknown:
+    ap.error(f"--variants: unknown {sorted(unknown)}; known: "
+             f"{', '.join(VARIANTS)}")
+  b, h, p, n, g = a.batch, 128, 64, 128, 8
+  if a.tiny:
+    b, h, p, n, g, a.steps = 3, 4, 16, 16, 2, 2
+  L = a.buffer_len
+  if not 0 <= a.fill < L - 1:
+    ap.error(f"--fill must be in [0, {L - 2}] (no row flushes), got "
+             f"{a.fill}.")
+  policy = prec.PrecisionPolicy.preset(a.policy) if a.policy else None
+  params = testing.random_params(jax.random.PRNGKey(0), h)
+  counts = np.full(b, a.fill, np.int32)
+  rstate, _ = testing.random_replay_state(
+      jax.random.PRNGKey(1), b, h, p, n, g, L, counts, params["A"],
+      checkpoint_dtype=policy.checkpoint_dtype if policy else jnp.float16,
+      buffer_dtype=jnp.bfloat16)
+  if policy is not None:
+    rstate = rstate.with_policy(policy)
+  tok = testing.random_step_inputs(jax.random.PRNGKey(2), b, h, p, n, g,
+                                   jnp.bfloat16, with_z=False)
+  del tok["z"]
+  kw = dict(A=params["A"], D=params["D"], dt_bias=params["dt_bias"],
+            dt_softplus=True, policy=policy)
+  want_y, _ = rs.replay_state_update(rstate, **tok, **kw,
+                                     implementation="reference")
+  # The kernel and the reference read the same state (the read copy where
+  # there is one): only y's bf16 rounding and the summation order differ.
+  tol = testing.tolerance(jnp.bfloat16)
+  res = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+             date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+             shape=dict(batch=b, nheads=h, headdim=p, dstate=n, ngroups=g,
+                        buffer_len=L, fill=a.fill, policy=a.policy or None,
+                        buffers="bfloat16", act="bfloat16"),
+             steps=a.steps, variants={})
+  c0 = rstate.count
+  for name in a.variants.split(","):
+    config = (None if VARIANTS[name] is None
+              else pk.ReplayConfig(**VARIANTS[name]))
+    impl = "reference" if config is None else "pallas"
+    r = dict(config=VARIANTS[name], implementation=impl)
+    try:
+      y, _ = rs.replay_state_update(rstate, **tok, **kw, implementation=impl,
+                                    config=config)
+      r["max_rel_err_y"] = testing.max_rel_error(y, want_y)
+      testing.assert_close(y, want_y, tol, f"{name} y")
+      r["check"] = "PASS"
+
+      @jax.jit
+      def loop(st, tok, c=config, i=impl):
+        def body(_, carry):
+          st, acc = carry
+          y, st = rs.replay_state_update(st, **tok, **kw, implementation=i,
+                                         config=c)
+          return st.replace(count=c0), acc + y[0, 0, 0].astype(jnp.float32)
+        return jax.lax.fori_loop(0, a.steps, body, (st, jnp.float32(0)))
+
+      t = profiling.op_times(loop, rstate, tok, iters=3)
+      r["wall_us_per_step"] = 1e3 * t["wall_ms"] / a.steps
+      r["device_us_per_step"] = 1e3 * t["device_ms"] / a.steps
+      r["by_category_us"] = {k: 1e3 * v / a.steps
+                             for k, v in t["by_category"].items()}
+      r["top"] = [dict(o, us=1e3 * o.pop("ms") / a.steps)
+                  for o in t["top"][:8]]
+    except Exception as e:  # pylint: disable=broad-except
+      r["check"] = r.get("check", "FAIL")
+      r["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+    res["variants"][name] = r
+    print(name, {k: v for k, v in r.items() if k not in ("top", "config")},
+          flush=True)
+  with open(a.out, "w") as fh:
+    json.dump(res, fh, indent=1)
+
+
+if __name__ == "__main__":
+  main()
