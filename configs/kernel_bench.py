@@ -544,10 +544,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # now: the tile read out by one tensor-core product (readout="dot";
     # offline f16 + fp8 1008 instructions, 96 registers; with
     # output_weights 624 / 80). A policy whose read tile is bf16 or f32
-    # records "dot" as unsupported.
+    # records "dot" as unsupported. Session 35, second run
+    # (kernel_policies_h200_session35_dot.md): "dot" 149.8 and with
+    # output_weights 130.9 µs against 113.7 (benchmarks/scripts/
+    # output_split.py: the route kernel itself 150.8 / 116.5 against 113.0,
+    # with output_weights alone 111.4: fewer instructions barely move it).
+    # Now beside the default: flushes on half / quarter tiles at 128
+    # registers (4 programs per SM; offline f16 + fp8 at 32 rows 1232
+    # instructions, no spills, against 1656 and 60 B spilled at 64 rows and
+    # 168), and two heads' tiles per output program loaded first.
     config.replay_variants = ml_collections.ConfigDict(dict(
-        dot=dict(readout="dot"),
-        xw_dot=dict(output_weights=True, readout="dot")))
+        fbp32_c128=dict(flush_block_p=32, flush_max_registers=128),
+        fbp16_c128=dict(flush_block_p=16, flush_max_registers=128),
+        hp2_pf=dict(heads_per_program=2, output_prefetch=True)))
 
   if arg == "output_launch":
     # The output route's launch shape on the f16 checkpoint and the fp8

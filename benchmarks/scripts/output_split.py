@@ -41,6 +41,17 @@ VARIANTS = {
     "xw_dot": dict(output_weights=True, readout="dot"),
     "precompute_bc": dict(precompute_bc=True),
     "bc_dot": dict(precompute_bc=True, readout="dot"),
+    # More state bytes in flight per SM: two / four heads' tiles loaded per
+    # program before any math, fewer registers (more programs), smaller
+    # tiles.
+    "hp2_pf": dict(heads_per_program=2, output_prefetch=True),
+    "hp4_pf_w4": dict(heads_per_program=4, output_prefetch=True,
+                      num_warps=4),
+    "xw_hp2_pf": dict(output_weights=True, heads_per_program=2,
+                      output_prefetch=True),
+    "cap64": dict(max_registers=64),
+    "xw_cap64": dict(output_weights=True, max_registers=64),
+    "bp32": dict(block_p=32),
     "reference": None,
 }
 
