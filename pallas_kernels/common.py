@@ -882,16 +882,24 @@ def quantize_rows(xf, dtype, bits=None):
   dt = jnp.dtype(dtype)
   qmax = np.float32(P.QMAX[dt.name])
   # A row with a NaN or inf has amax inf (the reference's amax is not
-  # finite): NaNs enter the max as inf because Triton's max drops NaNs.
-  # One reduction per row (a second one counting the non-finite elements
-  # took ~70 of the f16 + fp8 flush's 576 µs, session 32).
-  amax = jnp.max(jnp.where(xf == xf, jnp.abs(xf), jnp.inf), axis=-1)
+  # finite). One reduction per row (a second one counting the non-finite
+  # elements took ~70 of the f16 + fp8 flush's 576 µs, session 32), an
+  # integer max of the magnitudes' bits (their order is the floats'; a NaN's
+  # bits exceed inf's, which Triton's float max would drop): a mask and an
+  # integer max per element.
+  mag = lax.bitcast_convert_type(xf, jnp.int32) & np.int32(0x7FFFFFFF)
+  amax_bits = jnp.max(mag, axis=-1)
+  amax = jnp.where(amax_bits >= np.int32(0x7F800000), jnp.inf,
+                   lax.bitcast_convert_type(amax_bits, F32))
   finite = jnp.isfinite(amax)
   enc = qmax / jnp.where(amax > 0, amax, 1.0)
   usable = finite & (amax > 0) & jnp.isfinite(enc)
   enc = jnp.where(usable, enc, 1.0)
   v = jnp.where(usable[:, None], xf * enc[:, None], 0.0)
-  v = jnp.minimum(jnp.maximum(v, -qmax), qmax)
+  # |v| <= qmax (1 + 2^-23) (|x| <= amax, two roundings), so the reference's
+  # clip of v to qmax changes nothing that rounding to nearest leaves: the
+  # int8 result is clipped after rounding, and an fp8 value that close to
+  # 448 rounds to 448. Stochastic fp8 rounding needs the clip.
   if dt.name == "int8":
     if bits is None:
       r = round_half_even(v)
@@ -899,7 +907,9 @@ def quantize_rows(xf, dtype, bits=None):
       u = (bits >> np.uint32(8)).astype(F32) * np.float32(2.0**-24)
       r = jnp.floor(v + u)
     q = jnp.minimum(jnp.maximum(r, -qmax), qmax).astype(jnp.int8)
+  elif bits is None:
+    q = v.astype(dt)
   else:
-    q = P.round_to(v, dt, bits)
+    q = P.round_to(jnp.minimum(jnp.maximum(v, -qmax), qmax), dt, bits)
   scale = jnp.where(finite, 1.0 / enc, jnp.nan).astype(F32)
   return q, scale

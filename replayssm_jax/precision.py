@@ -442,7 +442,11 @@ def quantize(x, dtype, bits=None):
                      f"{dt.name}.")
   qmax = np.float32(QMAX[dt.name])
   xf = jnp.asarray(x).astype(F32)
-  amax = jnp.max(jnp.abs(xf), axis=-1)
+  # NaN counts as inf: XLA's max does not propagate NaN in every reduction
+  # (on the CPU, jax 0.10.2, the max over the rows of a [513, 16] array
+  # dropped a NaN that the max over the last 8 rows kept), and a NaN row
+  # must get scale NaN, not a finite one.
+  amax = jnp.max(jnp.where(jnp.isnan(xf), jnp.inf, jnp.abs(xf)), axis=-1)
   finite = jnp.isfinite(amax)
   enc = qmax / jnp.where(amax > 0, amax, 1.0)
   usable = finite & (amax > 0) & jnp.isfinite(enc)
