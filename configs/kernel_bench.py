@@ -553,10 +553,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # registers (4 programs per SM; offline f16 + fp8 at 32 rows 1232
     # instructions, no spills, against 1656 and 60 B spilled at 64 rows and
     # 168), and two heads' tiles per output program loaded first.
+    # Third run (kernel_policies_h200_session35_flush.md): f16 + fp8 flush
+    # 665 / 970 µs on 32 / 16 rows against 530, two heads per program
+    # non-flush 144.6 against 113.8; output_split: the route kernel with
+    # output_weights at 64 registers 103.9 µs against 114.6 (XLA's weights
+    # ~15 µs more). Now: the weights by XLA or by the small Pallas kernel,
+    # the route capped at 64 / 56 registers.
     config.replay_variants = ml_collections.ConfigDict(dict(
-        fbp32_c128=dict(flush_block_p=32, flush_max_registers=128),
-        fbp16_c128=dict(flush_block_p=16, flush_max_registers=128),
-        hp2_pf=dict(heads_per_program=2, output_prefetch=True)))
+        xw_cap64=dict(output_weights="xla", max_registers=64),
+        xwk_cap64=dict(output_weights="pallas", max_registers=64),
+        xwk_cap56=dict(output_weights="pallas", max_registers=56)))
 
   if arg == "output_launch":
     # The output route's launch shape on the f16 checkpoint and the fp8

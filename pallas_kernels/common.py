@@ -199,11 +199,17 @@ class ReplayConfig(_LaunchConfig):
     precompute_bc: form bc_j = B_j . C for all buffer slots in a small XLA
       op before the kernel (reads the B buffer once per row) instead of in
       every program.
-    output_weights: XLA forms each row's window weights before the output
-      route (`replay.output_weights`: per head the slots' k_j = s_j B_j . C,
-      the current token's included, the decay and the current token's
-      dt'; elementwise products summed, so reduction fusions), so an output
-      program only reads its tile out and weighs its x window. Nsight
+    output_weights: each row's window weights are formed before the
+      output route (per head the slots' k_j = s_j B_j . C, the current
+      token's included, the decay and the current token's dt'), so an
+      output program only reads its tile out and weighs its x window.
+      True or "xla": by XLA (`replay.output_weights`: elementwise products
+      summed, so reduction fusions); "pallas": by one small kernel on a
+      (group, row) grid (`replay.output_weights_kernel`; L, heads per
+      group and dstate powers of two). H200, f16 master + fp8 copy, batch
+      256, L 16 (session 35, benchmarks/output_split_h200_session35*.json):
+      the route kernel 111.4 µs against 113.0, XLA's weights ~15 µs more
+      per step; with max_registers=64 the route kernel 103.9. Nsight
       Compute (session 34, f16 master + fp8 copy at batch 256): the
       per-program B.C products, window weights and their reductions come
       before the readout in the route's SASS and hold ~36% of its
@@ -388,7 +394,7 @@ class ReplayConfig(_LaunchConfig):
   num_warps: int | None = None
   heads_per_program: int | None = None
   precompute_bc: bool = False
-  output_weights: bool = False
+  output_weights: bool | str = False
   output_all_rows: bool = False
   flush_block_p: int | None = None
   flush_unroll: bool = False
@@ -451,6 +457,9 @@ class ReplayConfig(_LaunchConfig):
           f"'persistent', got flush_grid={self.flush_grid!r}.")
     if self.readout_chunk is not None:
       _check_pow2("readout_chunk", self.readout_chunk)
+    if self.output_weights not in (False, True, "xla", "pallas"):
+      raise ValueError("output_weights must be False, True (= 'xla'), 'xla' "
+                       f"or 'pallas', got {self.output_weights!r}.")
     if self.output_weights and self.precompute_bc:
       raise ValueError("output_weights=True forms the B.C products with the "
                        "weights; leave precompute_bc False.")

@@ -1102,6 +1102,72 @@ def output_weights(rstate, x, dt, A, B, C, dt_bias=None, dt_softplus=False):
   return k, decay, d_cur
 
 
+def _weights_kernel(cnt_ref, bb_ref, dtb_ref, b_ref, c_ref, dt_ref, a_ref,
+                    *rest, has_bias, dt_softplus, buffer_len, per_group):
+  """`output_weights` for one (row, group): the group's B.C products of the
+  window, then its heads' weights, decay and dt'."""
+  bias_ref = rest[0] if has_bias else None
+  k_out, decay_out, dcur_out = rest[has_bias:]
+  g, b = pl.program_id(0), pl.program_id(1)
+  L = buffer_len
+  c = cnt_ref[b].astype(jnp.int32)
+  j = jnp.arange(L, dtype=jnp.int32)
+  hist, cur = j < c, j == c
+  cv = c_ref[b, g, :].astype(F32)  # [N]
+  n = cv.shape[0]
+  b_hist = plgpu.load(bb_ref.at[b, :, g, :],
+                      mask=jnp.broadcast_to(hist[:, None], (L, n)),
+                      other=0.0).astype(F32)
+  bc_hist = jnp.sum(b_hist * cv[None, :], axis=1)  # [L]
+  bc_cur = jnp.sum(b_ref[b, g, :].astype(F32) * cv)
+  bc = jnp.where(cur, bc_cur, bc_hist)
+  hs = pl.ds(g * per_group, per_group)
+  d_hist = plgpu.load(dtb_ref.at[b, :, hs],
+                      mask=jnp.broadcast_to(hist[:, None], (L, per_group)),
+                      other=0.0)  # [L, P]
+  d_cur = process_dt(dt_ref[b, hs], None if bias_ref is None
+                     else bias_ref[hs], dt_softplus)  # [P]
+  dw = jnp.where(cur[:, None], d_cur[None, :], d_hist)  # zero past slot c
+  a = a_ref[hs].astype(F32)
+  after = j[:, None] < j[None, :]  # [j, i]: i > j
+  suffix = jnp.sum(jnp.where(after[:, :, None], dw[None, :, :], 0.0),
+                   axis=1)  # [L, P]: sum_{i>j} d_i
+  k_out[b, :, hs] = dw * jnp.exp(a[None, :] * suffix) * bc[:, None]
+  decay_out[b, hs] = jnp.exp(a * jnp.sum(dw, axis=0))
+  dcur_out[b, hs] = d_cur
+
+
+def output_weights_kernel(rstate, x, dt, A, B, C, dt_bias=None,
+                          dt_softplus=False, *, interpret=False):
+  """`output_weights` (same arguments and results; x is unused) by one
+  small Pallas kernel on a (group, row) grid (`ReplayConfig.
+  output_weights="pallas"`): each program reads its row's B window once
+  for the group and writes its heads' k, decay and dt'. The window weights
+  as a masked [L, L] sum (`_Program.window_from`'s form), not a cumsum."""
+  del x
+  batch, L = rstate.count.shape[0], rstate.buffer_len
+  nheads, ngroups = rstate.nheads, rstate.ngroups
+  per_group = nheads // ngroups
+  for name, v in (("buffer_len", L), ("nheads // ngroups", per_group),
+                  ("dstate", rstate.dstate)):
+    if v & (v - 1):
+      raise NotImplementedError(
+          f"output_weights='pallas' needs {name} a power of two (Triton "
+          f"blocks), got {v}; use output_weights='xla'.")
+  sds = jax.ShapeDtypeStruct
+  return pl.pallas_call(
+      functools.partial(_weights_kernel, has_bias=dt_bias is not None,
+                        dt_softplus=dt_softplus, buffer_len=L,
+                        per_group=per_group),
+      grid=(ngroups, batch),
+      out_shape=(sds((batch, L, nheads), F32), sds((batch, nheads), F32),
+                 sds((batch, nheads), F32)),
+      compiler_params=plgpu.CompilerParams(num_warps=2),
+      interpret=interpret, name="replayssm_replay_output_weights",
+  )(rstate.count, rstate.b_buf, rstate.dt_buf, B, C, dt, A,
+    *([] if dt_bias is None else [dt_bias]))
+
+
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "policy",
                                              "config", "interpret"))
 def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
@@ -1255,8 +1321,11 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     extra = [jnp.einsum("blgn,bgn->blg", rstate.b_buf.astype(F32),
                         C.astype(F32), precision=lax.Precision.HIGHEST)]
   elif config.output_weights:
-    extra = list(output_weights(rstate, x, dt, A, B, C, dt_bias,
-                                dt_softplus))
+    weights = (output_weights_kernel if config.output_weights == "pallas"
+               else output_weights)
+    extra = list(weights(rstate, x, dt, A, B, C, dt_bias, dt_softplus,
+                         **({"interpret": interpret}
+                            if config.output_weights == "pallas" else {})))
   if scaled:
     extra.append(rstate.read_scale)
   # Both routes always launch; each program exits at once on rows that are
@@ -1300,7 +1369,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     y, xb, bb, dtb, cnt = pl.pallas_call(
         functools.partial(_output_kernel, all_rows=config.output_all_rows,
                           precomputed_bc=config.precompute_bc,
-                          weights=config.output_weights,
+                          weights=bool(config.output_weights),
                           prefetch_heads=config.output_prefetch,
                           readout_chunk=config.readout_chunk,
                           unmasked=config.output_unmasked_buffers,

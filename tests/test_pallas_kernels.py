@@ -113,6 +113,8 @@ REPLAY_CONFIGS = [
                     fused_launch=False),
     pk.ReplayConfig(block_p=16, output_weights=True, output_all_rows=True,
                     output_unmasked_buffers=True, fused_launch=False),
+    # ... by the small weights kernel.
+    pk.ReplayConfig(block_p=8, output_weights="pallas", fused_launch=False),
     # Every row's output program computes (flush rows' y dropped), in one
     # launch with the flush route and in its own.
     pk.ReplayConfig(output_eager=True, output_unmasked_buffers=True,
@@ -589,6 +591,8 @@ POLICY_CASES = [
     ("f16+fp8+sr", pk.ReplayConfig(block_p=8, flush_programs=3)),
     ("f16+fp8+sr:hash32", pk.ReplayConfig()),
     ("f16+fp8", pk.ReplayConfig(output_weights=True, fused_launch=False)),
+    ("f16+fp8", pk.ReplayConfig(output_weights="pallas", max_registers=64,
+                                fused_launch=False)),
     ("f32+fp8", pk.ReplayConfig(output_route="mosaic_gpu")),
     ("f32+int8", pk.ReplayConfig(output_route="mosaic_gpu",
                                  flush_grid="rows")),

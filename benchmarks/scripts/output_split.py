@@ -52,6 +52,12 @@ VARIANTS = {
     "cap64": dict(max_registers=64),
     "xw_cap64": dict(output_weights=True, max_registers=64),
     "bp32": dict(block_p=32),
+    # The window weights by the small Pallas kernel, the route's registers
+    # capped.
+    "xwk": dict(output_weights="pallas"),
+    "xwk_cap64": dict(output_weights="pallas", max_registers=64),
+    "xwk_cap56": dict(output_weights="pallas", max_registers=56),
+    "xwk_cap48": dict(output_weights="pallas", max_registers=48),
     "reference": None,
 }
 
