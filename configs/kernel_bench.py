@@ -559,10 +559,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # output_weights at 64 registers 103.9 µs against 114.6 (XLA's weights
     # ~15 µs more). Now: the weights by XLA or by the small Pallas kernel,
     # the route capped at 64 / 56 registers.
+    # Fourth run (kernel_policies_h200_session35_xwk.md): f16 + fp8
+    # non-flush 111.4 µs with the weights kernel and the route at 64
+    # registers (2.06x amortized against 2.02 for the default's 114.2),
+    # 119.8 with XLA's weights, 124.4 at 56 registers; the f16 checkpoint
+    # at 64 registers 287 µs (spills: caps suit the 8-bit tiles only).
+    # output_split: the weights kernel 7.3 µs, the route 102.1. Now: the
+    # readout's column blocks accumulated by PTX multiply-adds.
     config.replay_variants = ml_collections.ConfigDict(dict(
-        xw_cap64=dict(output_weights="xla", max_registers=64),
         xwk_cap64=dict(output_weights="pallas", max_registers=64),
-        xwk_cap56=dict(output_weights="pallas", max_registers=56)))
+        fma_c32=dict(readout_chunk=32, readout_fma=True),
+        xwk_cap64_fma_c32=dict(output_weights="pallas", max_registers=64,
+                               readout_chunk=32, readout_fma=True)))
 
   if arg == "output_launch":
     # The output route's launch shape on the f16 checkpoint and the fp8

@@ -355,6 +355,10 @@ class ReplayConfig(_LaunchConfig):
       non-flush step is 9-34% slower at 32 and 50-74% at 16 (f32, f16,
       f32 + bf16 / fp8 copies): this single readout is memory-bound, not
       shuffle-bound.
+    readout_fma: with readout_chunk, the column blocks' products are
+      accumulated by PTX multiply-adds (`common.fma`, as
+      `VerifyConfig.readout_fma`; plain ops in interpret mode) before the
+      one reduction.
     readout: how the Triton output route reads its tile out against C:
       "reduce" (elementwise products and a dstate reduction in f32) or
       "dot" (`readout_dot`: one tensor-core product of the tile in f16
@@ -415,11 +419,15 @@ class ReplayConfig(_LaunchConfig):
   flush_route: str | None = None
   flush_store_from_input: bool = False
   readout_chunk: int | None = None
+  readout_fma: bool = False
   readout: str = "reduce"
 
   def __post_init__(self):
     super().__post_init__()
     _check_choice("readout", self.readout, ("reduce", "dot"))
+    if self.readout_fma and self.readout_chunk is None:
+      raise ValueError("readout_fma=True accumulates the readout's column "
+                       "blocks; set readout_chunk (e.g. 32).")
     if self.readout == "dot" and self.readout_chunk is not None:
       raise ValueError("readout='dot' reads the whole tile in one product; "
                        f"leave readout_chunk None, got {self.readout_chunk}.")

@@ -149,7 +149,7 @@ def _unpack(refs, n_in, n_out, has_D, has_z, has_bias):
 def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
                    scaled=False, weights=False, prefetch_heads=False,
                    readout_chunk=None, unmasked=False, eager=False,
-                   y_in=False, readout_dot=False, **kw):
+                   y_in=False, readout_dot=False, fma_asm=False, **kw):
   """Output route: y from checkpoint + buffer; non-flush rows append.
 
   With all_rows, flush rows take this route for y as well (the formula holds
@@ -174,13 +174,14 @@ def _output_kernel(*refs, has_D, has_z, has_bias, all_rows, precomputed_bc,
                 block_p=kw["block_p"],
                 heads_per_program=kw["heads_per_program"],
                 prefetch_heads=prefetch_heads, readout_chunk=readout_chunk,
-                unmasked=unmasked, eager=eager, readout_dot=readout_dot)
+                unmasked=unmasked, eager=eager, readout_dot=readout_dot,
+                fma_asm=fma_asm)
 
 
 def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
                   block_p, heads_per_program, weights=False,
                   prefetch_heads=False, readout_chunk=None, unmasked=False,
-                  eager=False, readout_dot=False):
+                  eager=False, readout_dot=False, fma_asm=False):
   """The output route of item p (see _output_kernel for the refs);
   weights: the window weights, decay and dt' come from XLA
   (`output_weights`) instead of the program's B.C products and dt window;
@@ -192,7 +193,9 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
   computes (its loads do not wait on the row's counter), a flush row's y
   is not stored (the flush route stores it; `ReplayConfig.output_eager`);
   readout_dot: the tile read out by one tensor-core product
-  (`common.readout_dot`, `ReplayConfig.readout="dot"`)."""
+  (`common.readout_dot`, `ReplayConfig.readout="dot"`); fma_asm: the
+  column blocks' products accumulated by PTX multiply-adds
+  (`ReplayConfig.readout_fma`)."""
 
   def hist_load(ref, shape):
     """A buffer window [L, ...] f32: the filled slots, zeros past them."""
@@ -253,7 +256,7 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
         readout = common.readout_dot(s0[0], c_ref[b, g, :])  # [block_p]
       else:
         (readout,) = common.readouts(  # [block_p]
-            s0, [lambda cols: c_ref[b, g, cols]])
+            s0, [lambda cols: c_ref[b, g, cols]], fma_asm)
       if scale is not None:
         # precision.dequantize is q * scale per (head, headdim row), so the
         # scale factors out of the dstate sum: one multiply per row, not
@@ -1374,7 +1377,9 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                           readout_chunk=config.readout_chunk,
                           unmasked=config.output_unmasked_buffers,
                           eager=config.output_eager,
-                          readout_dot=config.readout == "dot", **out_kw,
+                          readout_dot=config.readout == "dot",
+                          fma_asm=config.readout_fma and not interpret,
+                          **out_kw,
                           **kw),
         grid=grid(block_p),
         out_shape=(sds((batch, nheads, headdim), x.dtype),

@@ -596,7 +596,7 @@ POLICY_CASES = [
     ("f32+fp8", pk.ReplayConfig(output_route="mosaic_gpu")),
     ("f32+int8", pk.ReplayConfig(output_route="mosaic_gpu",
                                  flush_grid="rows")),
-    ("f16+fp8", pk.ReplayConfig(readout_chunk=4)),
+    ("f16+fp8", pk.ReplayConfig(readout_chunk=4, readout_fma=True)),
     # The tile read out by one tensor-core product (readout="dot").
     ("f16+fp8", pk.ReplayConfig(readout="dot", fused_launch=False)),
     ("f32+int8", pk.ReplayConfig(readout="dot", heads_per_program=2,
@@ -806,6 +806,10 @@ def test_readout_dot_matches_f64_across_magnitudes():
         config=pk.ReplayConfig(readout="dot"))
   with pytest.raises(ValueError, match="leave readout_chunk None"):
     pk.ReplayConfig(readout="dot", readout_chunk=32)
+  with pytest.raises(ValueError, match="set readout_chunk"):
+    pk.ReplayConfig(readout_fma=True)
+  with pytest.raises(ValueError, match="output_weights must be"):
+    pk.ReplayConfig(output_weights="triton")
   with pytest.raises(ValueError, match="readout must be one of"):
     pk.ReplayConfig(readout="mma")
 
@@ -968,6 +972,9 @@ LOWERING_REPLAY_CONFIGS = [
     pk.ReplayConfig(output_eager=True, output_unmasked_buffers=True,
                     fused_launch=True),
     pk.ReplayConfig(flush_grid="rows", fused_launch=True),
+    pk.ReplayConfig(readout="dot"),
+    pk.ReplayConfig(output_weights="pallas", max_registers=64),
+    pk.ReplayConfig(readout_chunk=32, readout_fma=True, fused_launch=False),
 ]
 
 
@@ -988,7 +995,8 @@ LOWERING_CASES = [(c, None) for c in LOWERING_REPLAY_CONFIGS] + [
     (LOWERING_REPLAY_CONFIGS[6], "f32+fp8+sr"),
     (LOWERING_REPLAY_CONFIGS[8], "f32+fp8"),
     (LOWERING_REPLAY_CONFIGS[9], "f16+fp8"),
-    (LOWERING_REPLAY_CONFIGS[12], "f16+fp8")]
+    (LOWERING_REPLAY_CONFIGS[12], "f16+fp8")] + [
+        (c, "f16+fp8") for c in LOWERING_REPLAY_CONFIGS[-3:]]
 
 
 def _lowering_state(batch, buffer_len, policy, dims):

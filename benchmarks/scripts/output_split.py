@@ -58,6 +58,11 @@ VARIANTS = {
     "xwk_cap64": dict(output_weights="pallas", max_registers=64),
     "xwk_cap56": dict(output_weights="pallas", max_registers=56),
     "xwk_cap48": dict(output_weights="pallas", max_registers=48),
+    # The readout's column blocks accumulated by PTX multiply-adds.
+    "fma_c32": dict(readout_chunk=32, readout_fma=True),
+    "fma_c64": dict(readout_chunk=64, readout_fma=True),
+    "xwk_cap64_fma_c32": dict(output_weights="pallas", max_registers=64,
+                              readout_chunk=32, readout_fma=True),
     "reference": None,
 }
 
