@@ -1,15 +1,17 @@
-"""The replay step's non-flush step per ReplayConfig variant, split by op.
+"""The replay step per ReplayConfig variant, split by op.
 
-kernel_bench times a whole step; this script says how much of it is the
-output-route kernel and how much the XLA ops before it (e.g. the window
-weights of `ReplayConfig.output_weights`). For each variant, on the
+kernel_bench times a whole step; this script says how much of it is each
+kernel (output route, flush route) and how much the ops before them (e.g.
+the window weights of `ReplayConfig.output_weights`). For each variant, on
+the
 kernel_bench layer (nheads 128, headdim 64, dstate 128, ngroups 8, bf16
 activations and buffers) at one precision policy: every row holds `--fill`
-buffered tokens (no row flushes); one step is checked against the
-reference (y, per-dtype tolerance), then a jitted loop of `--steps` steps
-(each row's counter reset to the fill after each step, so every step is a
-non-flush one) is traced with `replayssm_jax.profiling.op_times`. Run it
-with XLA's CUDA graphs off so the trace splits the loop:
+buffered tokens (below L - 1: no row flushes; L - 1: every row does); one
+step is checked against the reference (y, per-dtype tolerance), then a
+jitted loop of `--steps` steps (each row's counter reset to the fill after
+each step, so every step is the same kind) is traced with
+`replayssm_jax.profiling.op_times`. Run it with XLA's CUDA graphs off so
+the trace splits the loop:
 
   XLA_FLAGS=--xla_gpu_enable_command_buffer= PYTHONPATH=. \\
       python benchmarks/scripts/output_split.py --policy f16+fp8 \\
@@ -87,9 +89,9 @@ def main():
   if a.tiny:
     b, h, p, n, g, a.steps = 3, 4, 16, 16, 2, 2
   L = a.buffer_len
-  if not 0 <= a.fill < L - 1:
-    ap.error(f"--fill must be in [0, {L - 2}] (no row flushes), got "
-             f"{a.fill}.")
+  if not 0 <= a.fill <= L - 1:
+    ap.error(f"--fill must be in [0, {L - 1}] ({L - 1}: every row flushes "
+             f"every step), got {a.fill}.")
   policy = prec.PrecisionPolicy.preset(a.policy) if a.policy else None
   params = testing.random_params(jax.random.PRNGKey(0), h)
   counts = np.full(b, a.fill, np.int32)
