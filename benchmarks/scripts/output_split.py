@@ -3,9 +3,8 @@
 kernel_bench times a whole step; this script says how much of it is each
 kernel (output route, flush route) and how much the ops before them (e.g.
 the window weights of `ReplayConfig.output_weights`). For each variant, on
-the
-kernel_bench layer (nheads 128, headdim 64, dstate 128, ngroups 8, bf16
-activations and buffers) at one precision policy: every row holds `--fill`
+the kernel_bench layer (nheads 128, headdim 64, dstate 128, ngroups 8,
+bf16 activations and buffers) at one precision policy: every row holds `--fill`
 buffered tokens (below L - 1: no row flushes; L - 1: every row does); one
 step is checked against the reference (y, per-dtype tolerance), then a
 jitted loop of `--steps` steps (each row's counter reset to the fill after
