@@ -565,12 +565,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # 119.8 with XLA's weights, 124.4 at 56 registers; the f16 checkpoint
     # at 64 registers 287 µs (spills: caps suit the 8-bit tiles only).
     # output_split: the weights kernel 7.3 µs, the route 102.1. Now: the
-    # readout's column blocks accumulated by PTX multiply-adds.
+    # readout's column blocks accumulated by PTX multiply-adds: slower,
+    # f16 + fp8 non-flush 143.0 µs against 115.0 (fifth run,
+    # kernel_policies_h200_session35_fma.json). The weights kernel with
+    # the 64-register route is the default for 8-bit read copies since
+    # (replay.default_output_weights); beside it, the route forming its
+    # own weights (the default before).
     config.replay_variants = ml_collections.ConfigDict(dict(
-        xwk_cap64=dict(output_weights="pallas", max_registers=64),
-        fma_c32=dict(readout_chunk=32, readout_fma=True),
-        xwk_cap64_fma_c32=dict(output_weights="pallas", max_registers=64,
-                               readout_chunk=32, readout_fma=True)))
+        xw_off=dict(output_weights=False)))
 
   if arg == "output_launch":
     # The output route's launch shape on the f16 checkpoint and the fp8

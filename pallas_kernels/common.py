@@ -206,10 +206,14 @@ class ReplayConfig(_LaunchConfig):
       True or "xla": by XLA (`replay.output_weights`: elementwise products
       summed, so reduction fusions); "pallas": by one small kernel on a
       (group, row) grid (`replay.output_weights_kernel`; L, heads per
-      group and dstate powers of two). H200, f16 master + fp8 copy, batch
-      256, L 16 (session 35, benchmarks/output_split_h200_session35*.json):
-      the route kernel 111.4 µs against 113.0, XLA's weights ~15 µs more
-      per step; with max_registers=64 the route kernel 103.9. Nsight
+      group and dstate powers of two); False: in the route; None:
+      `replay.default_output_weights` ("pallas" with the route at 64
+      registers for an 8-bit read copy at batch x heads >= 256 x 128,
+      else False). H200, f16 master + fp8 copy, batch 256, L 16 (session
+      35, benchmarks/output_split_h200_session35*.json): the route kernel
+      111.4 µs against 113.0, XLA's weights ~15 µs more per step; with
+      max_registers=64 the route kernel 102-104 and the weights kernel
+      7.3. Nsight
       Compute (session 34, f16 master + fp8 copy at batch 256): the
       per-program B.C products, window weights and their reductions come
       before the readout in the route's SASS and hold ~36% of its
@@ -398,7 +402,7 @@ class ReplayConfig(_LaunchConfig):
   num_warps: int | None = None
   heads_per_program: int | None = None
   precompute_bc: bool = False
-  output_weights: bool | str = False
+  output_weights: bool | str | None = None
   output_all_rows: bool = False
   flush_block_p: int | None = None
   flush_unroll: bool = False
@@ -465,9 +469,10 @@ class ReplayConfig(_LaunchConfig):
           f"'persistent', got flush_grid={self.flush_grid!r}.")
     if self.readout_chunk is not None:
       _check_pow2("readout_chunk", self.readout_chunk)
-    if self.output_weights not in (False, True, "xla", "pallas"):
-      raise ValueError("output_weights must be False, True (= 'xla'), 'xla' "
-                       f"or 'pallas', got {self.output_weights!r}.")
+    if self.output_weights not in (None, False, True, "xla", "pallas"):
+      raise ValueError("output_weights must be None (the default), False, "
+                       "True (= 'xla'), 'xla' or 'pallas', got "
+                       f"{self.output_weights!r}.")
     if self.output_weights and self.precompute_bc:
       raise ValueError("output_weights=True forms the B.C products with the "
                        "weights; leave precompute_bc False.")

@@ -1030,6 +1030,51 @@ def default_flush_route(config, rstate, plain: bool, interpret: bool,
                  else dict(flush_route="triton")))
 
 
+# Fields that configure the Triton output route: setting any keeps the
+# output-route defaults below off.
+_OUTPUT_FIELDS = ("block_p", "num_warps", "heads_per_program", "precompute_bc",
+                  "output_all_rows", "output_prefetch",
+                  "output_unmasked_buffers", "output_eager", "readout_chunk",
+                  "readout_fma", "max_registers")
+# The smallest (row, head) count at which an 8-bit read copy's output route
+# takes its window weights from the weights kernel (the measured size).
+_WEIGHTS_MIN_PAIRS = 256 * 128
+_WEIGHTS_MAX_REGISTERS = 64
+
+
+def default_output_weights(config, rstate, interpret: bool
+                           ) -> common.ReplayConfig:
+  """`config` with `output_weights` resolved (None: the default): "pallas"
+  with the output route capped at 64 registers for a state with an 8-bit
+  read copy (fp8 / int8) at >= 256 x 128 (row, head) pairs, on the Triton
+  output route with no other output-route field set; else False.
+
+  H200, f16 master + fp8 copy, batch 256, L 16 (session 35,
+  benchmarks/kernel_policies_h200_session35_*.md; README "Session 35"):
+  non-flush step 111.4 / 111.3 µs against 114.2 / 115.0 in two runs
+  (amortized 2.06x the f16 baseline against 2.02x); the route kernel alone
+  102.1 / 111.0 µs with the 7.3 µs weights kernel
+  (benchmarks/output_split_h200_session35_*.json). Uncapped, or with XLA
+  forming the weights, it was slower than the default; on an f16 tile the
+  cap spills (287 µs against 162). int8 copies and other batches are not
+  measured."""
+  if config.output_weights is not None:
+    return config
+  L, per_group = rstate.buffer_len, rstate.nheads // rstate.ngroups
+  pick = (rstate.read_copy is not None
+          and jnp.dtype(rstate.read_copy.dtype).itemsize == 1
+          and rstate.count.shape[0] * rstate.nheads >= _WEIGHTS_MIN_PAIRS
+          and config.output_route == "triton" and config.readout == "reduce"
+          and config.fused_launch is not True
+          and not any(getattr(config, f) for f in _OUTPUT_FIELDS)
+          and all(v & (v - 1) == 0 for v in (L, per_group, rstate.dstate))
+          and (interpret or common.register_caps_supported()))
+  if not pick:
+    return dataclasses.replace(config, output_weights=False)
+  return dataclasses.replace(config, output_weights="pallas",
+                             max_registers=_WEIGHTS_MAX_REGISTERS)
+
+
 def _copy_spec(rstate, policy, interpret):
   """The _CopySpec of a state and policy (None: the plain state)."""
   sr = policy is not None and policy.stochastic_rounding
@@ -1190,6 +1235,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   from replayssm_jax.state import ReplayState  # pylint: disable=g-import-not-at-top
   spec = _copy_spec(rstate, policy, interpret)
   config = default_flush_route(config, rstate, spec is None, interpret)
+  config = default_output_weights(config, rstate, interpret)
   batch, nheads, headdim, _ = rstate.checkpoint.shape
   ngroups = rstate.ngroups
   per_group = nheads // ngroups

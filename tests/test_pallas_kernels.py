@@ -1391,6 +1391,46 @@ def test_register_caps_without_the_lowering_hook(monkeypatch):
   assert pk.common.capped_name("k", None) == "k"
 
 
+def test_default_output_weights_where_measured_faster():
+  """ReplayConfig(output_weights=None) resolves to the weights kernel with
+  the route capped at 64 registers only for an 8-bit read copy at >= 256 x
+  128 (row, head) pairs with no other output-route field set; everything
+  else gets False, and an explicit value is kept."""
+  resolve = pk.replay_kernel.default_output_weights
+  sds = jax.ShapeDtypeStruct
+
+  def state(batch=256, copy=jnp.float8_e4m3fn, h=128, g=8, L=16):
+    p, n = 64, 128
+    return rs.ReplayState(
+        checkpoint=sds((batch, h, p, n), jnp.float16),
+        x_buf=sds((batch, L, h, p), jnp.bfloat16),
+        b_buf=sds((batch, L, g, n), jnp.bfloat16),
+        dt_buf=sds((batch, L, h), jnp.float32),
+        count=sds((batch,), jnp.int32),
+        read_copy=None if copy is None else sds((batch, h, p, n), copy),
+        read_scale=None if copy is None else sds((batch, h, p), jnp.float32))
+
+  got = resolve(pk.ReplayConfig(), state(), False)
+  assert (got.output_weights, got.max_registers) == ("pallas", 64)
+  assert resolve(pk.ReplayConfig(), state(batch=512, copy=jnp.int8),
+                 False).output_weights == "pallas"
+  for rstate, config in (
+      (state(batch=128), pk.ReplayConfig()),
+      (state(copy=jnp.bfloat16), pk.ReplayConfig()),
+      (state(copy=None), pk.ReplayConfig()),
+      (state(h=96, g=8), pk.ReplayConfig()),  # 12 heads per group
+      (state(), pk.ReplayConfig(max_registers=96)),
+      (state(), pk.ReplayConfig(heads_per_program=2)),
+      (state(), pk.ReplayConfig(readout="dot")),
+      (state(), pk.ReplayConfig(output_route="mosaic_gpu"))):
+    got = resolve(config, rstate, False)
+    assert got.output_weights is False, (rstate.count.shape, config)
+    assert got.max_registers == config.max_registers
+  for explicit in (False, True, "xla", "pallas"):
+    config = pk.ReplayConfig(output_weights=explicit)
+    assert resolve(config, state(), False) is config
+
+
 def test_default_flush_route_picks_mosaic_where_measured_faster():
   """ReplayConfig(flush_route=None) resolves to the persistent Mosaic flush
   only for a plain f32 checkpoint at batch >= 128 with a bf16 B buffer of a
