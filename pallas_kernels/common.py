@@ -362,7 +362,9 @@ class ReplayConfig(_LaunchConfig):
     readout_fma: with readout_chunk, the column blocks' products are
       accumulated by PTX multiply-adds (`common.fma`, as
       `VerifyConfig.readout_fma`; plain ops in interpret mode) before the
-      one reduction.
+      one reduction. H200 (session 35, f16 master + fp8 copy, batch 256,
+      L 16): slower, non-flush 143.0 µs at 32 columns against 115.0
+      (benchmarks/kernel_policies_h200_session35_fma.md).
     readout: how the Triton output route reads its tile out against C:
       "reduce" (elementwise products and a dstate reduction in f32) or
       "dot" (`readout_dot`: one tensor-core product of the tile in f16
@@ -370,7 +372,11 @@ class ReplayConfig(_LaunchConfig):
       same products up to 2^-38 max|C| |S|, another summation order).
       "dot" needs an f16, fp8 e4m3 or int8 tile (checkpoint or read copy),
       C in bf16 / f16, block_p and dstate >= 16, and not readout_chunk /
-      fused_launch / the Mosaic output route.
+      fused_launch / the Mosaic output route. H200 (session 35, batch 256,
+      L 16, benchmarks/kernel_policies_h200_session35_dot.md): slower, the
+      non-flush step 149.8 µs against 113.7 on an fp8 copy, 189.5 against
+      161.4 on an f16 checkpoint (the tile goes through shared memory to
+      the tensor cores).
     flush_num_warps: Triton warps per program of the separate flush-route
       kernel; None = `replay.default_flush_launch`: 4 (2 for a
       stochastically rounded master without a read copy). H200, batch 256, L

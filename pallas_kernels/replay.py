@@ -183,8 +183,9 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
                   prefetch_heads=False, readout_chunk=None, unmasked=False,
                   eager=False, readout_dot=False, fma_asm=False):
   """The output route of item p (see _output_kernel for the refs);
-  weights: the window weights, decay and dt' come from XLA
-  (`output_weights`) instead of the program's B.C products and dt window;
+  weights: the window weights, decay and dt' are inputs
+  (`ReplayConfig.output_weights`) instead of the program's B.C products
+  and dt window;
   prefetch_heads: load the checkpoint tiles of all the program's heads
   before computing any (a Python loop over the heads); readout_chunk: the
   tile's column blocks (`common.load_tile_blocks`); unmasked: load every
@@ -1052,9 +1053,10 @@ def default_output_weights(config, rstate, interpret: bool
   H200, f16 master + fp8 copy, batch 256, L 16 (session 35,
   benchmarks/kernel_policies_h200_session35_*.md; README "Session 35"):
   non-flush step 111.4 / 111.3 µs against 114.2 / 115.0 in two runs
-  (amortized 2.06x the f16 baseline against 2.02x); the route kernel alone
-  102.1 / 111.0 µs with the 7.3 µs weights kernel
-  (benchmarks/output_split_h200_session35_*.json). Uncapped, or with XLA
+  (amortized 2.06x the f16 baseline against 2.02x); traced
+  (benchmarks/output_split_h200_session35_*.json), the route kernel 102.1
+  µs plus the weights kernel's 7.3 against the default route's 112.5-114.6
+  alone. Uncapped, or with XLA
   forming the weights, it was slower than the default; on an f16 tile the
   cap spills (287 µs against 162). int8 copies and other batches are not
   measured."""
