@@ -21,7 +21,6 @@ One state set (the fp8 copy at batch 256 is 268 MB, past the 60 MB L2).
 """
 
 import argparse
-import json
 import time
 
 import jax
@@ -33,6 +32,7 @@ import replayssm_jax as rs
 from replayssm_jax import precision as prec
 from replayssm_jax import profiling
 from replayssm_jax import testing
+import variant_loop  # benchmarks/scripts (the script's own folder)
 
 # name -> ReplayConfig keyword arguments (None: the XLA reference op).
 VARIANTS = {
@@ -117,43 +117,36 @@ def main():
                         buffers="bfloat16", act="bfloat16"),
              steps=a.steps, variants={})
   c0 = rstate.count
-  for name in a.variants.split(","):
+
+  def measure(name, r):
     config = (None if VARIANTS[name] is None
               else pk.ReplayConfig(**VARIANTS[name]))
     impl = "reference" if config is None else "pallas"
-    r = dict(config=VARIANTS[name], implementation=impl)
-    try:
-      y, _ = rs.replay_state_update(rstate, **tok, **kw, implementation=impl,
-                                    config=config)
-      r["max_rel_err_y"] = testing.max_rel_error(y, want_y)
-      testing.assert_close(y, want_y, tol, f"{name} y")
-      r["check"] = "PASS"
+    r.update(config=VARIANTS[name], implementation=impl)
+    y, _ = rs.replay_state_update(rstate, **tok, **kw, implementation=impl,
+                                  config=config)
+    r["max_rel_err_y"] = testing.max_rel_error(y, want_y)
+    testing.assert_close(y, want_y, tol, f"{name} y")
+    r["check"] = "PASS"
 
-      @jax.jit
-      def loop(st, tok, c=config, i=impl):
-        def body(_, carry):
-          st, acc = carry
-          y, st = rs.replay_state_update(st, **tok, **kw, implementation=i,
-                                         config=c)
-          return st.replace(count=c0), acc + y[0, 0, 0].astype(jnp.float32)
-        return jax.lax.fori_loop(0, a.steps, body, (st, jnp.float32(0)))
+    @jax.jit
+    def loop(st, tok):
+      def body(_, carry):
+        st, acc = carry
+        y, st = rs.replay_state_update(st, **tok, **kw, implementation=impl,
+                                       config=config)
+        return st.replace(count=c0), acc + y[0, 0, 0].astype(jnp.float32)
+      return jax.lax.fori_loop(0, a.steps, body, (st, jnp.float32(0)))
 
-      t = profiling.op_times(loop, rstate, tok, iters=3)
-      r["wall_us_per_step"] = 1e3 * t["wall_ms"] / a.steps
-      r["device_us_per_step"] = 1e3 * t["device_ms"] / a.steps
-      r["by_category_us"] = {k: 1e3 * v / a.steps
-                             for k, v in t["by_category"].items()}
-      r["top"] = [dict(o, us=1e3 * o.pop("ms") / a.steps)
-                  for o in t["top"][:8]]
-    except Exception as e:  # pylint: disable=broad-except
-      r["check"] = r.get("check", "FAIL")
-      r["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
-    res["variants"][name] = r
-    print(name, {k: v for k, v in r.items() if k not in ("top", "config")},
-          flush=True)
-  with open(a.out, "w") as fh:
-    json.dump(res, fh, indent=1)
+    t = profiling.op_times(loop, rstate, tok, iters=3)
+    r["wall_us_per_step"] = 1e3 * t["wall_ms"] / a.steps
+    r["device_us_per_step"] = 1e3 * t["device_ms"] / a.steps
+    r["by_category_us"] = {k: 1e3 * v / a.steps
+                           for k, v in t["by_category"].items()}
+    r["top"] = [dict(o, us=1e3 * o.pop("ms") / a.steps)
+                for o in t["top"][:8]]
 
+  variant_loop.run(a.variants.split(","), measure, res, a.out)
 
 if __name__ == "__main__":
   main()

@@ -27,7 +27,6 @@ and times nothing: the form to run under Nsight Compute
 """
 
 import argparse
-import json
 import time
 
 import jax
@@ -39,6 +38,7 @@ from replayssm_jax import precision as prec
 from replayssm_jax import profiling
 from replayssm_jax import speculative as spec
 from replayssm_jax import testing
+import variant_loop  # benchmarks/scripts (the script's own folder)
 
 # name -> VerifyConfig keyword arguments (None: the XLA reference op).
 # Sessions 7-10 (benchmarks/verify_sweep_h200.json): B.C precomputed by
@@ -184,54 +184,44 @@ def main():
                         buffers="bfloat16", act="bfloat16"),
              steps=a.steps, date=time.strftime("%Y-%m-%d"), variants={})
 
-  for name in a.variants.split(","):
+  def measure(name, r):
     config = (None if VARIANTS[name] is None
               else pk.VerifyConfig(**VARIANTS[name]))
     impl = "reference" if config is None else "pallas"
-    r = dict(config=VARIANTS[name], implementation=impl)
-    try:
-      y, st = spec.replay_verify(rstate, **win, **kw, implementation=impl,
-                                 config=config)
-      st = spec.replay_commit(st, accepted, T)
-      r["max_rel_err_y"] = testing.max_rel_error(y, want_y)
-      r["max_rel_err_checkpoint"] = testing.max_rel_error(
-          st.checkpoint, want_st.checkpoint)
-      testing.assert_close(y, want_y, tol, f"{name} y")
-      testing.assert_close(st.checkpoint, want_st.checkpoint, tol,
-                           f"{name} checkpoint")
-      r["check"] = "PASS"
-      if a.check_only:
-        res["variants"][name] = r
-        print(name, r, flush=True)
-        continue
+    r.update(config=VARIANTS[name], implementation=impl)
+    y, st = spec.replay_verify(rstate, **win, **kw, implementation=impl,
+                               config=config)
+    st = spec.replay_commit(st, accepted, T)
+    r["max_rel_err_y"] = testing.max_rel_error(y, want_y)
+    r["max_rel_err_checkpoint"] = testing.max_rel_error(
+        st.checkpoint, want_st.checkpoint)
+    testing.assert_close(y, want_y, tol, f"{name} y")
+    testing.assert_close(st.checkpoint, want_st.checkpoint, tol,
+                         f"{name} checkpoint")
+    r["check"] = "PASS"
+    if a.check_only:
+      return
 
-      @jax.jit
-      def loop(rs, win, c=config, i=impl):
-        def body(_, rs):
-          _, rs = spec.replay_verify(rs, **win, **kw, implementation=i,
-                                     config=c)
-          return spec.replay_commit(rs, accepted, T)
-        return jax.lax.fori_loop(0, a.steps, body, rs)
+    @jax.jit
+    def loop(rs, win):
+      def body(_, rs):
+        _, rs = spec.replay_verify(rs, **win, **kw, implementation=impl,
+                                   config=config)
+        return spec.replay_commit(rs, accepted, T)
+      return jax.lax.fori_loop(0, a.steps, body, rs)
 
-      t = profiling.op_times(loop, rstate, win, iters=3)
-      r["loop_wall_ms_per_iter"] = t["wall_ms"] / a.steps
-      r["device_ms_per_iter"] = t["device_ms"] / a.steps
-      kernels = {}
-      for o in t["top"]:
-        if o["category"] == "pallas":
-          kernels.setdefault(o["kernel"], 0.0)
-          kernels[o["kernel"]] += o["ms"] / a.steps
-      r["pallas_ms_per_iter"] = kernels
-      r["top"] = [dict(o, ms=o["ms"] / a.steps) for o in t["top"][:8]]
-    except Exception as e:  # pylint: disable=broad-except
-      r["check"] = r.get("check", "FAIL")
-      r["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
-    res["variants"][name] = r
-    print(name, {k: v for k, v in r.items() if k not in ("top", "config")},
-          flush=True)
-  with open(a.out, "w") as fh:
-    json.dump(res, fh, indent=1)
+    t = profiling.op_times(loop, rstate, win, iters=3)
+    r["loop_wall_ms_per_iter"] = t["wall_ms"] / a.steps
+    r["device_ms_per_iter"] = t["device_ms"] / a.steps
+    kernels = {}
+    for o in t["top"]:
+      if o["category"] == "pallas":
+        kernels.setdefault(o["kernel"], 0.0)
+        kernels[o["kernel"]] += o["ms"] / a.steps
+    r["pallas_ms_per_iter"] = kernels
+    r["top"] = [dict(o, ms=o["ms"] / a.steps) for o in t["top"][:8]]
 
+  variant_loop.run(a.variants.split(","), measure, res, a.out)
 
 if __name__ == "__main__":
   main()
