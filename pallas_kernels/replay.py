@@ -1052,8 +1052,8 @@ def default_output_weights(config, rstate, interpret: bool
 
   H200, f16 master + fp8 copy, batch 256, L 16 (session 35,
   benchmarks/kernel_policies_h200_session35_*.md; README "Session 35"):
-  non-flush step 111.4 / 111.3 µs against 114.2 / 115.0 in two runs
-  (amortized 2.06x the f16 baseline against 2.02x); traced
+  non-flush step 111.4 / 111.3 / 112.0 µs against 114.2 / 115.0 / 115.5
+  in three runs (amortized 2.06x the f16 baseline against 2.02x); traced
   (benchmarks/output_split_h200_session35_*.json), the route kernel 102.1
   µs plus the weights kernel's 7.3 against the default route's 112.5-114.6
   alone. Uncapped, or with XLA
