@@ -538,41 +538,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Session 34: the output route with XLA's window weights
     # (ReplayConfig.output_weights; ptxas offline at 2 warps: f16 + fp8
     # route 808 SASS instructions and 80 registers against 1208 and 96,
-    # f16 856 / 128 against 1224 / 119). Session 35
-    # (kernel_policies_h200_session35.md): slower, f16 + fp8 non-flush
-    # 128.3 against 113.6 µs, f16 178.8 against 162.7. Beside the default
-    # now: the tile read out by one tensor-core product (readout="dot";
-    # offline f16 + fp8 1008 instructions, 96 registers; with
-    # output_weights 624 / 80). A policy whose read tile is bf16 or f32
-    # records "dot" as unsupported. Session 35, second run
-    # (kernel_policies_h200_session35_dot.md): "dot" 149.8 and with
-    # output_weights 130.9 µs against 113.7 (benchmarks/scripts/
-    # output_split.py: the route kernel itself 150.8 / 116.5 against 113.0,
-    # with output_weights alone 111.4: fewer instructions barely move it).
-    # Now beside the default: flushes on half / quarter tiles at 128
-    # registers (4 programs per SM; offline f16 + fp8 at 32 rows 1232
-    # instructions, no spills, against 1656 and 60 B spilled at 64 rows and
-    # 168), and two heads' tiles per output program loaded first.
-    # Third run (kernel_policies_h200_session35_flush.md): f16 + fp8 flush
-    # 665 / 970 µs on 32 / 16 rows against 530, two heads per program
-    # non-flush 144.6 against 113.8; output_split: the route kernel with
-    # output_weights at 64 registers 103.9 µs against 114.6 (XLA's weights
-    # ~15 µs more). Now: the weights by XLA or by the small Pallas kernel,
-    # the route capped at 64 / 56 registers.
-    # Fourth run (kernel_policies_h200_session35_xwk.md): f16 + fp8
-    # non-flush 111.4 µs with the weights kernel and the route at 64
-    # registers (2.06x amortized against 2.02 for the default's 114.2),
-    # 119.8 with XLA's weights, 124.4 at 56 registers; the f16 checkpoint
-    # at 64 registers 287 µs (spills: caps suit the 8-bit tiles only).
-    # output_split: the weights kernel 7.3 µs, the route 102.1. Now: the
-    # readout's column blocks accumulated by PTX multiply-adds: slower,
-    # f16 + fp8 non-flush 143.0 µs against 115.0 (fifth run,
-    # kernel_policies_h200_session35_fma.json). The weights kernel with
-    # the 64-register route is the default for 8-bit read copies since
-    # (replay.default_output_weights); beside it, the route forming its
-    # own weights (the default before). Sixth run
-    # (kernel_policies_h200_session35.md): 112.0 against 115.5 µs
-    # non-flush, 2.06x against 2.02x amortized.
+    # f16 856 / 128 against 1224 / 119). Session 35 (six runs,
+    # kernel_policies_h200_session35*.md, benchmarks/README.md "Session
+    # 35"), f16 + fp8 non-flush against 113.6-115.5 µs: XLA's weights
+    # 128.3, the tensor-core readout (readout="dot") 149.8, two heads per
+    # program 144.6, the readout by PTX multiply-adds 143.0; flushes on 32
+    # / 16-row tiles 665 / 970 against 530; the weights kernel with the
+    # route at 64 registers 111.3-112.0 (2.06x against 2.02x amortized),
+    # the default for 8-bit read copies since
+    # (replay.default_output_weights). Beside it now: the route forming
+    # its own weights (the default before).
     config.replay_variants = ml_collections.ConfigDict(dict(
         xw_off=dict(output_weights=False)))
 
