@@ -42,6 +42,7 @@
 #   bash benchmarks/scripts/run_h200.sh ncu_fp8    # Nsight Compute of the output route at batch 256 (no row folding): plain f16 checkpoint vs f16 master + fp8 copy (2.2 min in session 17)
 #   bash benchmarks/scripts/run_h200.sh policies_sr  # the stochastic presets session 27 did not time (f16+fp8+sr:hash32, threefry f32+int8+sr and f16+fp8+sr)
 #   bash benchmarks/scripts/run_h200.sh policies_fp8_L  # f16+fp8 and f32+fp8 at L 16 and 32 (not yet run)
+#   bash benchmarks/scripts/run_h200.sh fp8_split [variants]  # the f16 + fp8 step split by kernel (output_split.py: non-flush per variant, then the all-rows flush), then the policies study on f16 + fp8 (session 35's calls took ~2 min)
 #   bash benchmarks/scripts/run_h200.sh policies [overrides]  # replay per precision policy (session 15: defaults only, 2.4 min for all 8; now also the uncapped flush) vs the f16 baseline, b 256, L 16 (2.5 min for 4 policies x 3 in session 9; > 4.8 min for all 7 x 2 in session 12, cut at its 290 s limit; 2.8 min for 3 x 4)
 #   bash benchmarks/scripts/run_h200.sh output_launch  # the output route's launch shape on the f16 checkpoint and the fp8 read copies, b 256, L 16 (5 variants: 1.8 min in session 11; session 15: 4 register caps 2 min, one variant 45 s)
 #   bash benchmarks/scripts/run_h200.sh precision small  # train the <task>_small_ssm models if missing, then the accuracy study (sizes tiny|small|medium|large; tiny took > 4.5 min with the old MQAR task, the full 13-policy study needs several calls or fewer policies; f16+fp8 joined in session 23, not yet run)
@@ -224,6 +225,20 @@ case "$1" in
       --config=configs/kernel_bench.py:policies --workdir="$OUT/policies_fp8_L" \
       --config.policies="('f16+fp8','f32+fp8')" --config.buffer_lens='(16,32)' \
       --config.replay_variants='{}' --config.iters=10 ;;
+  fp8_split)
+    # The f16 + fp8 step split by kernel (output_split.py: the non-flush
+    # step per variant, argument 2, default "default"; then the all-rows
+    # flush step), then the policies study on f16 + fp8 (session 35's
+    # calls, ~2 min).
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout "$T" \
+      python benchmarks/scripts/output_split.py --policy f16+fp8 \
+      --variants "${2:-default}" --out "$OUT/output_split.json"
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout "$T" \
+      python benchmarks/scripts/output_split.py --policy f16+fp8 --fill 15 \
+      --variants default --out "$OUT/output_split_flush.json"
+    timeout "$T" python -m experiments.kernel_bench \
+      --config=configs/kernel_bench.py:policies --workdir="$OUT/policies" \
+      --config.iters=10 --config.policies="('f16+fp8',)" ;;
   policies)
     timeout "$T" python -m experiments.kernel_bench \
       --config=configs/kernel_bench.py:policies --workdir="$OUT/policies" \
