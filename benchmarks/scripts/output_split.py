@@ -35,8 +35,15 @@ from replayssm_jax import testing
 import variant_loop  # benchmarks/scripts (the script's own folder)
 
 # name -> ReplayConfig keyword arguments (None: the XLA reference op).
+# Session 35 (H200, f16 + fp8, batch 256, non-flush route kernel; JSONs in
+# benchmarks/output_split_h200_session35*.json, where "default" is the
+# route forming its own weights, now "off"): default 112.5-114.6 µs, xw
+# 111.4 (+ ~15 µs of XLA), xw_cap64 101.8-103.9, xwk_cap64 102.1 (+ 7.3 µs
+# weights kernel; the default for 8-bit copies since), dot 150.8, cap64
+# 136.4, hp2_pf 145.9, bp32 170.4, fma_c32 143.8.
 VARIANTS = {
     "default": {},
+    "off": dict(output_weights=False),
     "dot": dict(readout="dot"),
     "xw": dict(output_weights=True),
     "xw_dot": dict(output_weights=True, readout="dot"),
