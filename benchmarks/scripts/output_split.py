@@ -125,11 +125,7 @@ def main():
              steps=a.steps, variants={})
   c0 = rstate.count
 
-  def measure(name, r):
-    config = (None if VARIANTS[name] is None
-              else pk.ReplayConfig(**VARIANTS[name]))
-    impl = "reference" if config is None else "pallas"
-    r.update(config=VARIANTS[name], implementation=impl)
+  def measure(name, r, config, impl):
     y, _ = rs.replay_state_update(rstate, **tok, **kw, implementation=impl,
                                   config=config)
     r["max_rel_err_y"] = testing.max_rel_error(y, want_y)
@@ -153,7 +149,8 @@ def main():
     r["top"] = [dict(o, us=1e3 * o.pop("ms") / a.steps)
                 for o in t["top"][:8]]
 
-  variant_loop.run(a.variants.split(","), measure, res, a.out)
+  variant_loop.run(a.variants.split(","), VARIANTS, pk.ReplayConfig, measure, res,
+                   a.out)
 
 if __name__ == "__main__":
   main()

@@ -5,15 +5,20 @@ variant, everything written as JSON at the end."""
 import json
 
 
-def run(names, measure, res: dict, out: str):
-  """For each name, measure(name, r) fills the record r (a dict); an
-  exception is recorded in r["error"], with r["check"] "FAIL" unless the
-  variant's check passed before it. The records go to res["variants"],
-  and res to the JSON file `out`."""
+def run(names, variants: dict, config_cls, measure, res: dict, out: str):
+  """For each name: its config (config_cls(**variants[name]); a None entry
+  is the XLA reference op, config None) and implementation ("pallas" or
+  "reference") start its record r, then measure(name, r, config, impl)
+  fills r. An exception is recorded in r["error"], with r["check"] "FAIL"
+  unless the variant's check passed before it. The records go to
+  res["variants"], and res to the JSON file `out`."""
   for name in names:
-    r = {}
+    fields = variants[name]
+    config = None if fields is None else config_cls(**fields)
+    impl = "reference" if config is None else "pallas"
+    r = dict(config=fields, implementation=impl)
     try:
-      measure(name, r)
+      measure(name, r, config, impl)
     except Exception as e:  # pylint: disable=broad-except
       r["check"] = r.get("check", "FAIL")
       r["error"] = f"{type(e).__name__}: {str(e)[:2000]}"

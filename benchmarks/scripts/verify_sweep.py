@@ -184,11 +184,7 @@ def main():
                         buffers="bfloat16", act="bfloat16"),
              steps=a.steps, date=time.strftime("%Y-%m-%d"), variants={})
 
-  def measure(name, r):
-    config = (None if VARIANTS[name] is None
-              else pk.VerifyConfig(**VARIANTS[name]))
-    impl = "reference" if config is None else "pallas"
-    r.update(config=VARIANTS[name], implementation=impl)
+  def measure(name, r, config, impl):
     y, st = spec.replay_verify(rstate, **win, **kw, implementation=impl,
                                config=config)
     st = spec.replay_commit(st, accepted, T)
@@ -221,7 +217,8 @@ def main():
     r["pallas_ms_per_iter"] = kernels
     r["top"] = [dict(o, ms=o["ms"] / a.steps) for o in t["top"][:8]]
 
-  variant_loop.run(a.variants.split(","), measure, res, a.out)
+  variant_loop.run(a.variants.split(","), VARIANTS, pk.VerifyConfig, measure, res,
+                   a.out)
 
 if __name__ == "__main__":
   main()
