@@ -868,6 +868,18 @@ def readout_dot(tile, c):
   return y * inv
 
 
+def suffix_sums(d, j):
+  """sum_{i>j} d_i ([L, ...] f32) along axis 0 of a window d [L, ...] (j:
+  arange(L)), as an [L, L] masked sum: a cumsum scan
+  (`reference.window_weights`' form) compiles to fewer instructions but
+  made the replay routes 3-6% slower on the H200 (flush_sweep_h200.json
+  run 13)."""
+  after = j[:, None] < j[None, :]  # [j, i]: i > j
+  for _ in range(d.ndim - 1):
+    after = after[..., None]
+  return jnp.sum(jnp.where(after, d[None], 0.0), axis=1)
+
+
 def finish_output(y, x, D, z):
   """y + D x, then * silu(z); all f32. x, z: [P]; D scalar or None."""
   if D is not None:

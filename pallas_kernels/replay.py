@@ -124,12 +124,8 @@ class _Program:
     d_cur = process_dt(ld["dt"], ld.get("bias"), self._softplus)
     dw = jnp.where(self.cur, d_cur, ld["d_hist"])  # zero past the current slot
     a = ld["a"].astype(F32)
-    # An [L, L] masked sum: a cumsum scan (reference.window_weights' form)
-    # compiles to fewer instructions but made both routes 3-6% slower on
-    # the H200 (flush_sweep_h200.json run 13).
-    after = self.j[:, None] < self.j[None, :]  # [j, i]: i > j
-    suffix = jnp.sum(jnp.where(after, dw[None, :], 0.0), axis=1)  # [L]
-    s = dw * jnp.exp(a * suffix)  # s_j = d_j exp(A sum_{i>j} d_i)
+    # s_j = d_j exp(A sum_{i>j} d_i)
+    s = dw * jnp.exp(a * common.suffix_sums(dw, self.j))
     return d_cur, s, jnp.exp(a * jnp.sum(dw))
 
   def window_weights(self, h, dtb_ref, unmasked=False):
@@ -1062,14 +1058,13 @@ def default_output_weights(config, rstate, interpret: bool
   measured."""
   if config.output_weights is not None:
     return config
-  L, per_group = rstate.buffer_len, rstate.nheads // rstate.ngroups
   pick = (rstate.read_copy is not None
           and jnp.dtype(rstate.read_copy.dtype).itemsize == 1
           and rstate.count.shape[0] * rstate.nheads >= _WEIGHTS_MIN_PAIRS
           and config.output_route == "triton" and config.readout == "reduce"
           and config.fused_launch is not True
           and not any(getattr(config, f) for f in _OUTPUT_FIELDS)
-          and all(v & (v - 1) == 0 for v in (L, per_group, rstate.dstate))
+          and _weights_kernel_problem(rstate) is None
           and (interpret or common.register_caps_supported()))
   if not pick:
     return dataclasses.replace(config, output_weights=False)
@@ -1152,6 +1147,17 @@ def output_weights(rstate, x, dt, A, B, C, dt_bias=None, dt_softplus=False):
   return k, decay, d_cur
 
 
+def _weights_kernel_problem(rstate) -> str | None:
+  """Why `output_weights_kernel` cannot take rstate (its Triton blocks are
+  a window [L, ...], a group's heads and dstate: powers of two), or None."""
+  for name, v in (("buffer_len", rstate.buffer_len),
+                  ("nheads // ngroups", rstate.nheads // rstate.ngroups),
+                  ("dstate", rstate.dstate)):
+    if v & (v - 1):
+      return f"{name} a power of two (Triton blocks), got {v}"
+  return None
+
+
 def _weights_kernel(cnt_ref, bb_ref, dtb_ref, b_ref, c_ref, dt_ref, a_ref,
                     *rest, has_bias, dt_softplus, buffer_len, per_group):
   """`output_weights` for one (row, group): the group's B.C products of the
@@ -1179,9 +1185,7 @@ def _weights_kernel(cnt_ref, bb_ref, dtb_ref, b_ref, c_ref, dt_ref, a_ref,
                      else bias_ref[hs], dt_softplus)  # [P]
   dw = jnp.where(cur[:, None], d_cur[None, :], d_hist)  # zero past slot c
   a = a_ref[hs].astype(F32)
-  after = j[:, None] < j[None, :]  # [j, i]: i > j
-  suffix = jnp.sum(jnp.where(after[:, :, None], dw[None, :, :], 0.0),
-                   axis=1)  # [L, P]: sum_{i>j} d_i
+  suffix = common.suffix_sums(dw, j)  # [L, P]
   k_out[b, :, hs] = dw * jnp.exp(a[None, :] * suffix) * bc[:, None]
   decay_out[b, hs] = jnp.exp(a * jnp.sum(dw, axis=0))
   dcur_out[b, hs] = d_cur
@@ -1193,17 +1197,15 @@ def output_weights_kernel(rstate, x, dt, A, B, C, dt_bias=None,
   small Pallas kernel on a (group, row) grid (`ReplayConfig.
   output_weights="pallas"`): each program reads its row's B window once
   for the group and writes its heads' k, decay and dt'. The window weights
-  as a masked [L, L] sum (`_Program.window_from`'s form), not a cumsum."""
+  from `common.suffix_sums`, as the output route's."""
   del x
+  why = _weights_kernel_problem(rstate)
+  if why:
+    raise NotImplementedError(f"output_weights='pallas' needs {why}; use "
+                              "output_weights='xla'.")
   batch, L = rstate.count.shape[0], rstate.buffer_len
   nheads, ngroups = rstate.nheads, rstate.ngroups
   per_group = nheads // ngroups
-  for name, v in (("buffer_len", L), ("nheads // ngroups", per_group),
-                  ("dstate", rstate.dstate)):
-    if v & (v - 1):
-      raise NotImplementedError(
-          f"output_weights='pallas' needs {name} a power of two (Triton "
-          f"blocks), got {v}; use output_weights='xla'.")
   sds = jax.ShapeDtypeStruct
   return pl.pallas_call(
       functools.partial(_weights_kernel, has_bias=dt_bias is not None,
@@ -1372,11 +1374,12 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     extra = [jnp.einsum("blgn,bgn->blg", rstate.b_buf.astype(F32),
                         C.astype(F32), precision=lax.Precision.HIGHEST)]
   elif config.output_weights:
-    weights = (output_weights_kernel if config.output_weights == "pallas"
-               else output_weights)
-    extra = list(weights(rstate, x, dt, A, B, C, dt_bias, dt_softplus,
-                         **({"interpret": interpret}
-                            if config.output_weights == "pallas" else {})))
+    if config.output_weights == "pallas":
+      extra = list(output_weights_kernel(rstate, x, dt, A, B, C, dt_bias,
+                                         dt_softplus, interpret=interpret))
+    else:
+      extra = list(output_weights(rstate, x, dt, A, B, C, dt_bias,
+                                  dt_softplus))
   if scaled:
     extra.append(rstate.read_scale)
   # Both routes always launch; each program exits at once on rows that are

@@ -66,8 +66,7 @@ def _history_dt(p, dtb_ref, hist):
   """(d_j [L], sum_{i>j} d_i [L]) of head p.head0's buffered history
   slots `hist` (zero elsewhere)."""
   d_hist = plgpu.load(dtb_ref.at[p.b, :, p.head0], mask=hist, other=0.0)
-  after = p.j[:, None] < p.j[None, :]
-  return d_hist, jnp.sum(jnp.where(after, d_hist[None, :], 0.0), axis=1)
+  return d_hist, common.suffix_sums(d_hist, p.j)
 
 
 def _history_x(p, xb_ref, hist, block_p):
