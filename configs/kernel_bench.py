@@ -546,10 +546,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # / 16-row tiles 665 / 970 against 530; the weights kernel with the
     # route at 64 registers 111.3-112.0 (2.06x against 2.02x amortized),
     # the default for 8-bit read copies since
-    # (replay.default_output_weights). Beside it now: the route forming
-    # its own weights (the default before).
+    # (replay.default_output_weights); the route forming its own weights
+    # (the default before, xw_off=dict(output_weights=False)) beside it.
+    # Beside it now: the flush route at 8 warps and 128 registers (2
+    # programs per SM; ptxas offline on f16 + fp8: no spills, 1152 SASS
+    # instructions against 1440 at 4 warps and 168).
     config.replay_variants = ml_collections.ConfigDict(dict(
-        xw_off=dict(output_weights=False)))
+        flush_w8=dict(flush_num_warps=8, flush_max_registers=128)))
 
   if arg == "output_launch":
     # The output route's launch shape on the f16 checkpoint and the fp8

@@ -1159,9 +1159,11 @@ def _weights_kernel_problem(rstate) -> str | None:
 
 
 def _weights_kernel(cnt_ref, bb_ref, dtb_ref, b_ref, c_ref, dt_ref, a_ref,
-                    *rest, has_bias, dt_softplus, buffer_len, per_group):
+                    *rest, has_bias, dt_softplus, buffer_len, per_group,
+                    unmasked, skip_flush):
   """`output_weights` for one (row, group): the group's B.C products of the
-  window, then its heads' weights, decay and dt'."""
+  window, then its heads' weights, decay and dt' (see
+  `output_weights_kernel` for unmasked / skip_flush)."""
   bias_ref = rest[0] if has_bias else None
   k_out, decay_out, dcur_out = rest[has_bias:]
   g, b = pl.program_id(0), pl.program_id(1)
@@ -1169,35 +1171,54 @@ def _weights_kernel(cnt_ref, bb_ref, dtb_ref, b_ref, c_ref, dt_ref, a_ref,
   c = cnt_ref[b].astype(jnp.int32)
   j = jnp.arange(L, dtype=jnp.int32)
   hist, cur = j < c, j == c
-  cv = c_ref[b, g, :].astype(F32)  # [N]
-  n = cv.shape[0]
-  b_hist = plgpu.load(bb_ref.at[b, :, g, :],
-                      mask=jnp.broadcast_to(hist[:, None], (L, n)),
-                      other=0.0).astype(F32)
-  bc_hist = jnp.sum(b_hist * cv[None, :], axis=1)  # [L]
-  bc_cur = jnp.sum(b_ref[b, g, :].astype(F32) * cv)
-  bc = jnp.where(cur, bc_cur, bc_hist)
   hs = pl.ds(g * per_group, per_group)
-  d_hist = plgpu.load(dtb_ref.at[b, :, hs],
-                      mask=jnp.broadcast_to(hist[:, None], (L, per_group)),
-                      other=0.0)  # [L, P]
-  d_cur = process_dt(dt_ref[b, hs], None if bias_ref is None
-                     else bias_ref[hs], dt_softplus)  # [P]
-  dw = jnp.where(cur[:, None], d_cur[None, :], d_hist)  # zero past slot c
-  a = a_ref[hs].astype(F32)
-  suffix = common.suffix_sums(dw, j)  # [L, P]
-  k_out[b, :, hs] = dw * jnp.exp(a[None, :] * suffix) * bc[:, None]
-  decay_out[b, hs] = jnp.exp(a * jnp.sum(dw, axis=0))
-  dcur_out[b, hs] = d_cur
+
+  def window(ref, shape):
+    """The buffered slots of a window [L, ...] f32, zeros past them."""
+    m = jnp.broadcast_to(hist[:, None], shape)
+    if unmasked:
+      return jnp.where(m, plgpu.load(ref).astype(F32), 0.0)
+    return plgpu.load(ref, mask=m, other=0.0).astype(F32)
+
+  def weights():
+    cv = c_ref[b, g, :].astype(F32)  # [N]
+    b_hist = window(bb_ref.at[b, :, g, :], (L, cv.shape[0]))
+    bc_hist = jnp.sum(b_hist * cv[None, :], axis=1)  # [L]
+    bc_cur = jnp.sum(b_ref[b, g, :].astype(F32) * cv)
+    bc = jnp.where(cur, bc_cur, bc_hist)
+    d_hist = window(dtb_ref.at[b, :, hs], (L, per_group))  # [L, P]
+    d_cur = process_dt(dt_ref[b, hs], None if bias_ref is None
+                       else bias_ref[hs], dt_softplus)  # [P]
+    dw = jnp.where(cur[:, None], d_cur[None, :], d_hist)  # zero past slot c
+    a = a_ref[hs].astype(F32)
+    suffix = common.suffix_sums(dw, j)  # [L, P]
+    k_out[b, :, hs] = dw * jnp.exp(a[None, :] * suffix) * bc[:, None]
+    decay_out[b, hs] = jnp.exp(a * jnp.sum(dw, axis=0))
+    dcur_out[b, hs] = d_cur
+
+  if skip_flush:
+    pl.when(c != L - 1)(weights)
+  else:
+    weights()
+
+
+# The weights kernel's launch (`output_weights_kernel`'s keywords).
+WEIGHTS_LAUNCH = dict(num_warps=2, unmasked=False, skip_flush=False)
 
 
 def output_weights_kernel(rstate, x, dt, A, B, C, dt_bias=None,
-                          dt_softplus=False, *, interpret=False):
+                          dt_softplus=False, *, interpret=False,
+                          num_warps=2, unmasked=False, skip_flush=False):
   """`output_weights` (same arguments and results; x is unused) by one
   small Pallas kernel on a (group, row) grid (`ReplayConfig.
   output_weights="pallas"`): each program reads its row's B window once
   for the group and writes its heads' k, decay and dt'. The window weights
-  from `common.suffix_sums`, as the output route's."""
+  from `common.suffix_sums`, as the output route's.
+
+  unmasked: load every buffer slot and zero the unfilled ones after (the
+  loads do not wait on the counter); skip_flush: a flushing row's (count
+  L-1) program writes nothing (its results are left undefined: only for
+  an output route that does not read flush rows)."""
   del x
   why = _weights_kernel_problem(rstate)
   if why:
@@ -1210,11 +1231,12 @@ def output_weights_kernel(rstate, x, dt, A, B, C, dt_bias=None,
   return pl.pallas_call(
       functools.partial(_weights_kernel, has_bias=dt_bias is not None,
                         dt_softplus=dt_softplus, buffer_len=L,
-                        per_group=per_group),
+                        per_group=per_group, unmasked=unmasked,
+                        skip_flush=skip_flush),
       grid=(ngroups, batch),
       out_shape=(sds((batch, L, nheads), F32), sds((batch, nheads), F32),
                  sds((batch, nheads), F32)),
-      compiler_params=plgpu.CompilerParams(num_warps=2),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps),
       interpret=interpret, name="replayssm_replay_output_weights",
   )(rstate.count, rstate.b_buf, rstate.dt_buf, B, C, dt, A,
     *([] if dt_bias is None else [dt_bias]))
@@ -1375,8 +1397,13 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                         C.astype(F32), precision=lax.Precision.HIGHEST)]
   elif config.output_weights:
     if config.output_weights == "pallas":
+      launch = dict(WEIGHTS_LAUNCH)
+      # Only a route that skips flush rows may leave their weights unset.
+      launch["skip_flush"] &= not (config.output_all_rows
+                                   or config.output_eager)
       extra = list(output_weights_kernel(rstate, x, dt, A, B, C, dt_bias,
-                                         dt_softplus, interpret=interpret))
+                                         dt_softplus, interpret=interpret,
+                                         **launch))
     else:
       extra = list(output_weights(rstate, x, dt, A, B, C, dt_bias,
                                   dt_softplus))

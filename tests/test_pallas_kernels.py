@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -1429,6 +1430,36 @@ def test_default_output_weights_where_measured_faster():
   for explicit in (False, True, "xla", "pallas"):
     config = pk.ReplayConfig(output_weights=explicit)
     assert resolve(config, state(), False) is config
+
+
+@pytest.mark.parametrize("launch", [
+    dict(), dict(unmasked=True), dict(skip_flush=True),
+    dict(unmasked=True, skip_flush=True, num_warps=4)], ids=str)
+def test_weights_kernel_launches_match_xla(launch):
+  """The weights kernel (interpret mode) in each launch form gives XLA's
+  `output_weights` on ragged counters with stale junk past them (every
+  row, or, with skip_flush, every row that does not flush), and lowers for
+  the GPU."""
+  b, h, p, n, g, L = 6, 4, 16, 16, 2, 8
+  key = jax.random.PRNGKey(11)
+  params = testing.random_params(key, h, with_D=True, with_dt_bias=True)
+  tok = testing.random_step_inputs(key, b, h, p, n, g, jnp.bfloat16)
+  counts = np.array([0, 3, L - 1, 5, L - 1, 1])
+  rstate, _ = testing.random_replay_state(
+      key, b, h, p, n, g, L, counts, params["A"],
+      checkpoint_dtype=jnp.float16, buffer_dtype=jnp.bfloat16)
+  args = (rstate, tok["x"], tok["dt"], params["A"], tok["B"], tok["C"],
+          params["dt_bias"], True)
+  want = pk.replay_kernel.output_weights(*args)
+  got = pk.replay_kernel.output_weights_kernel(*args, interpret=True,
+                                               **launch)
+  rows = (counts != L - 1) if launch.get("skip_flush") else np.ones(b, bool)
+  for name, w, v in zip(("k", "decay", "dt'"), want, got):
+    chex.assert_trees_all_close(np.asarray(v)[rows], np.asarray(w)[rows],
+                                rtol=1e-5, atol=1e-6, custom_message=name)
+  _lower_for_cuda(
+      lambda *a: pk.replay_kernel.output_weights_kernel(
+          *a, dt_softplus=True, **launch), *args[:-1])
 
 
 def test_default_flush_route_picks_mosaic_where_measured_faster():

@@ -71,7 +71,31 @@ VARIANTS = {
     "fma_c64": dict(readout_chunk=64, readout_fma=True),
     "xwk_cap64_fma_c32": dict(output_weights="pallas", max_registers=64,
                               readout_chunk=32, readout_fma=True),
+    # The weights kernel's launch (replay.WEIGHTS_LAUNCH, set per variant
+    # by WEIGHTS_LAUNCH below) on the default config.
+    "wk_skip": {},
+    "wk_unmasked": {},
+    "wk_unmasked_skip": {},
+    "wk_unmasked_w4": {},
+    # Fewer output programs (the flush step's exit at once): two heads'
+    # tiles per 4-warp program, at the default's 64 registers.
+    "xwk_cap64_hp2_pf_w4": dict(output_weights="pallas", max_registers=64,
+                                heads_per_program=2, output_prefetch=True,
+                                num_warps=4),
+    # The flush route at 8 warps, 128 registers (2 programs per SM; ptxas
+    # offline: no spills, 1152 SASS instructions against 1440 at 4 warps
+    # and 168), with the next item's loads issued ahead (48 B spilled).
+    "flush_w8": dict(flush_num_warps=8, flush_max_registers=128),
+    "flush_w8_pf": dict(flush_num_warps=8, flush_max_registers=128,
+                        flush_prefetch=True),
     "reference": None,
+}
+# name -> replay.WEIGHTS_LAUNCH fields of the variant (others: defaults).
+WEIGHTS_LAUNCH = {
+    "wk_skip": dict(skip_flush=True),
+    "wk_unmasked": dict(unmasked=True),
+    "wk_unmasked_skip": dict(unmasked=True, skip_flush=True),
+    "wk_unmasked_w4": dict(unmasked=True, num_warps=4),
 }
 
 
@@ -125,7 +149,14 @@ def main():
              steps=a.steps, variants={})
   c0 = rstate.count
 
+  launch0 = dict(pk.replay_kernel.WEIGHTS_LAUNCH)
+
   def measure(name, r, config, impl):
+    pk.replay_kernel.WEIGHTS_LAUNCH.clear()
+    pk.replay_kernel.WEIGHTS_LAUNCH.update(launch0,
+                                           **WEIGHTS_LAUNCH.get(name, {}))
+    r["weights_launch"] = dict(pk.replay_kernel.WEIGHTS_LAUNCH)
+    jax.clear_caches()  # the launch is read at trace time
     y, _ = rs.replay_state_update(rstate, **tok, **kw, implementation=impl,
                                   config=config)
     r["max_rel_err_y"] = testing.max_rel_error(y, want_y)

@@ -37,12 +37,13 @@
 #   bash benchmarks/scripts/run_h200.sh ncu_verify # Nsight Compute on the verify window kernel (default and the pre-session-8 default)
 #   bash benchmarks/scripts/run_h200.sh ncu_flush  # Nsight Compute on the flush route with every row folding (f16 checkpoint, b 256, L 16): stall reasons, instruction mix, source counters (1.5 min, session 11: it profiles one launch; with two, the second failed and the GPU stayed out of memory for the next part)
 #   bash benchmarks/scripts/run_h200.sh ncu_flush_grids  # Nsight Compute of the f32 all-rows flush: persistent grid, rows grid, one launch on the output grid (3 min in session 19)
+#   bash benchmarks/scripts/run_h200.sh ncu_flush_fp8 [config_json]  # Nsight Compute on the f16 master + fp8 copy flush route, every row folding (b 256, L 16; not yet run)
 #   bash benchmarks/scripts/run_h200.sh ncu_b1     # Nsight Compute at batch 1 (f16, no row folding): the baseline step and the fused replay step
 #   bash benchmarks/scripts/run_h200.sh ncu_sass   # per-instruction SASS counters (ncu source page, CSV): the verify window kernel at b 512, the f16 + fp8 output route at b 256 (session 34)
 #   bash benchmarks/scripts/run_h200.sh ncu_fp8    # Nsight Compute of the output route at batch 256 (no row folding): plain f16 checkpoint vs f16 master + fp8 copy (2.2 min in session 17)
 #   bash benchmarks/scripts/run_h200.sh policies_sr  # the stochastic presets session 27 did not time (f16+fp8+sr:hash32, threefry f32+int8+sr and f16+fp8+sr)
 #   bash benchmarks/scripts/run_h200.sh policies_fp8_L  # f16+fp8 and f32+fp8 at L 16 and 32 (not yet run)
-#   bash benchmarks/scripts/run_h200.sh fp8_split [variants]  # the f16 + fp8 step split by kernel (output_split.py: non-flush per variant, then the all-rows flush), then the policies study on f16 + fp8 (session 35's calls took ~2 min)
+#   bash benchmarks/scripts/run_h200.sh fp8_split [variants] [flush_variants]  # the f16 + fp8 step split by kernel (output_split.py: non-flush per variant, then the all-rows flush per variant), then the policies study on f16 + fp8 (session 35's calls took ~2 min)
 #   bash benchmarks/scripts/run_h200.sh policies [overrides]  # replay per precision policy (session 15: defaults only, 2.4 min for all 8; now also the uncapped flush) vs the f16 baseline, b 256, L 16 (2.5 min for 4 policies x 3 in session 9; > 4.8 min for all 7 x 2 in session 12, cut at its 290 s limit; 2.8 min for 3 x 4)
 #   bash benchmarks/scripts/run_h200.sh output_launch  # the output route's launch shape on the f16 checkpoint and the fp8 read copies, b 256, L 16 (5 variants: 1.8 min in session 11; session 15: 4 register caps 2 min, one variant 45 s)
 #   bash benchmarks/scripts/run_h200.sh precision small  # train the <task>_small_ssm models if missing, then the accuracy study (sizes tiny|small|medium|large; tiny took > 4.5 min with the old MQAR task, the full 13-policy study needs several calls or fewer policies; f16+fp8 joined in session 23, not yet run)
@@ -228,14 +229,14 @@ case "$1" in
   fp8_split)
     # The f16 + fp8 step split by kernel (output_split.py: the non-flush
     # step per variant, argument 2, default "default"; then the all-rows
-    # flush step), then the policies study on f16 + fp8 (session 35's
-    # calls, ~2 min).
+    # flush step per variant, argument 3, default "default"), then the
+    # policies study on f16 + fp8 (session 35's calls, ~2 min).
     XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout "$T" \
       python benchmarks/scripts/output_split.py --policy f16+fp8 \
       --variants "${2:-default}" --out "$OUT/output_split.json"
     XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout "$T" \
       python benchmarks/scripts/output_split.py --policy f16+fp8 --fill 15 \
-      --variants default --out "$OUT/output_split_flush.json"
+      --variants "${3:-default}" --out "$OUT/output_split_flush.json"
     timeout "$T" python -m experiments.kernel_bench \
       --config=configs/kernel_bench.py:policies --workdir="$OUT/policies" \
       --config.iters=10 --config.policies="('f16+fp8',)" ;;
@@ -438,6 +439,13 @@ P.run(c, sys.argv[1])" "$OUT/precision_mqar1024_rest" ;;
       --section ComputeWorkloadAnalysis --section SourceCounters \
       python benchmarks/scripts/ncu_profile.py --counts flush \
       > "$OUT/ncu_flush.txt" 2>&1 ;;
+  ncu_flush_fp8)
+    # The f16 master + fp8 copy flush route with every row folding (b 256,
+    # L 16; ReplayConfig fields as JSON in argument 2, default {}).
+    timeout "$T" "${NCU[@]}" -k regex:replayssm_replay_flush -c 1 \
+      --section ComputeWorkloadAnalysis --section SourceCounters \
+      python benchmarks/scripts/ncu_profile.py --counts flush \
+      --policy f16+fp8 --config "${2:-{\}}" > "$OUT/ncu_flush_fp8.txt" 2>&1 ;;
   ncu_b1)
     # Batch 1, f16, no row folding: the baseline step beside the fused
     # replay step (two launches of it), each kernel's own time, stalls and
