@@ -548,11 +548,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # the default for 8-bit read copies since
     # (replay.default_output_weights); the route forming its own weights
     # (the default before, xw_off=dict(output_weights=False)) beside it.
-    # Beside it now: the flush route at 8 warps and 128 registers (2
-    # programs per SM; ptxas offline on f16 + fp8: no spills, 1152 SASS
-    # instructions against 1440 at 4 warps and 168).
+    # Session 36: the flush route at 8 warps and 128 registers (2 programs
+    # per SM; ptxas offline on f16 + fp8: no spills, 1152 SASS
+    # instructions against 1440 at 4 warps and 168) took the f16 + fp8
+    # flush step from 532 to 775 µs. Beside it now: caps of 128 and 120
+    # at 4 warps (4 programs per SM) with y read out before the stores.
     config.replay_variants = ml_collections.ConfigDict(dict(
-        flush_w8=dict(flush_num_warps=8, flush_max_registers=128)))
+        flush_c128=dict(flush_max_registers=128),
+        flush_c120=dict(flush_max_registers=120)))
 
   if arg == "output_launch":
     # The output route's launch shape on the f16 checkpoint and the fp8

@@ -549,12 +549,12 @@ class _FlushStores:
 def _store_flush(p, h, st, x_cur, stores, y_out, c_ref, d_ref, z_ref):
   """Stores the new checkpoint tile (and y read from it, with y_out)."""
   b, ps = p.b, p.ps
-  stores.store(p, h, st)
   if y_out is not None:
     y = jnp.sum(st * c_ref[b, p.g, :].astype(F32)[None, :], axis=1)
     y = common.finish_output(y, x_cur, None if d_ref is None else d_ref[h],
                              None if z_ref is None else z_ref[b, h, ps])
     y_out[b, h, ps] = y.astype(y_out.dtype)
+  stores.store(p, h, st)
 
 
 def _flush_kernel(*refs, has_D, has_z, has_bias, writes_y, unroll, fold_dot,

@@ -88,6 +88,13 @@ VARIANTS = {
     "flush_w8": dict(flush_num_warps=8, flush_max_registers=128),
     "flush_w8_pf": dict(flush_num_warps=8, flush_max_registers=128,
                         flush_prefetch=True),
+    # The flush route's register cap at 4 warps: 4 programs per SM at 128
+    # and below (3 at the 168 default). ptxas offline on f16 + fp8 with y
+    # read out before the stores: 60 / 40 / 8 B spilled at 168 / 128 /
+    # 120 (16 / 184 / 320 with the stores first).
+    "flush_c128": dict(flush_max_registers=128),
+    "flush_c120": dict(flush_max_registers=120),
+    "flush_c112": dict(flush_max_registers=112),
     "reference": None,
 }
 # name -> replay.WEIGHTS_LAUNCH fields of the variant (others: defaults).
