@@ -401,7 +401,8 @@ class ReplayConfig(_LaunchConfig):
     flush_max_registers: cap on the registers per thread of the separate
       flush-route kernel (PTX .maxnreg, `capped_name`; 256: no cap); None
       = `replay.default_flush_launch`: at 4 warps 128 on a plain state
-      and an f32 master with an 8-bit copy, 168 with other read copies,
+      and an f32 master with an 8-bit copy, 120 on a 16-bit master with
+      an 8-bit copy, 168 with other read copies,
       no cap with stochastic rounding.
   """
   _default_num_warps = True

@@ -904,8 +904,11 @@ def default_flush_launch(spec, master_dtype, num_warps: int | None = None,
   * plain state: 128 (uncapped ~167; capped +2% instructions, no spills
     on f16, 12 B spilled on f32), 4 programs per SM;
   * f32 master + 8-bit copy: 128 (uncapped 216; 36 B spilled), 4 per SM;
-  * other read copies: 168 (f16 master + fp8 uncapped 255, 72 B spilled
-    at 168; f32 + bf16 160 either way), 3 per SM (`_flush_programs`);
+  * 16-bit master + 8-bit copy: 120 (f16 + fp8 uncapped 255; 8 B spilled
+    at 120 since the flush reads y out before its stores, 320 B before),
+    4 per SM; a bf16 master is not measured;
+  * other read copies: 168 (f32 + bf16 160 either way), 3 per SM
+    (`_flush_programs`);
   * stochastic rounding: none (not measured).
 
   H200, batch 256, L 16 (benchmarks/flush_sweep_h200.json runs 15-16,
@@ -914,7 +917,11 @@ def default_flush_launch(spec, master_dtype, num_warps: int | None = None,
   f32 734-736 -> 712-715 (2 warps uncapped, which session 11 found
   faster than 4 uncapped); batch 64 f16 117-118 -> 103-105. f32 + fp8
   copy 1139 -> 1017 (168: 1065), f16 + fp8 674 -> 575 at 168 (128: 965,
-  spilling), f32 + bf16 1097 -> 942 at 168 (128: 1001)."""
+  spilling), f32 + bf16 1097 -> 942 at 168 (128: 1001). Session 36
+  (benchmarks/output_split_h200_session36_*.json, y read out before the
+  stores), the f16 + fp8 flush kernel: 470 µs at 120 against 527 at
+  168, 514 at 128, 488 at 112 (8 warps at 128: flush step 775 against
+  532)."""
   copy = spec is not None and spec.copy
   sr = spec is not None and (spec.sr_master or spec.sr_copy)
   # Without the lowering hook (common.capped_name) no default is capped,
@@ -922,8 +929,9 @@ def default_flush_launch(spec, master_dtype, num_warps: int | None = None,
   can_cap = max_registers is not None or common.register_caps_supported()
   warps = num_warps or (4 if copy or (spec is None and can_cap) else 2)
   if max_registers is None and can_cap and warps == 4 and not sr:
-    f32_8bit = copy and spec.scaled and jnp.dtype(master_dtype) == F32
-    max_registers = 128 if spec is None or f32_8bit else 168
+    size = jnp.dtype(master_dtype).itemsize
+    max_registers = (128 if spec is None or (spec.scaled and size == 4)
+                     else 120 if spec.scaled and size == 2 else 168)
   return warps, max_registers
 
 
@@ -1203,7 +1211,11 @@ def _weights_kernel(cnt_ref, bb_ref, dtb_ref, b_ref, c_ref, dt_ref, a_ref,
 
 
 # The weights kernel's launch (`output_weights_kernel`'s keywords).
-WEIGHTS_LAUNCH = dict(num_warps=2, unmasked=False, skip_flush=False)
+# H200, f16 + fp8, batch 256, L 16 (session 36, benchmarks/
+# output_split_h200_session36_*.json): 7.3 µs a non-flush step; skipping
+# flush rows took the all-rows flush step's 9.0 to 2.2 µs; unmasked loads
+# 8.1 (8.5 skipping), 4 warps 11.5.
+WEIGHTS_LAUNCH = dict(num_warps=2, unmasked=False, skip_flush=True)
 
 
 def output_weights_kernel(rstate, x, dt, A, B, C, dt_bias=None,

@@ -1134,7 +1134,7 @@ def test_mosaic_kernel_lowers_for_cuda(state_dtype, config):
     ("f32+fp8", pk.ReplayConfig(), (2, 4), 128),
     ("f32+int8", pk.ReplayConfig(), (2, 4), 128),
     ("f32+bf16", pk.ReplayConfig(), (2, 4), 168),
-    ("f16+fp8", pk.ReplayConfig(), (2, 4), 168),
+    ("f16+fp8", pk.ReplayConfig(), (2, 4), 120),
     ("f32+fp8+sr", pk.ReplayConfig(), (2, 4), None),
     ("f16+sr", pk.ReplayConfig(), (2, 2), None),
     ("f32+fp8", pk.ReplayConfig(num_warps=8, flush_num_warps=2), (8, 2),
@@ -1155,7 +1155,8 @@ def test_replay_launch_warps(policy, config, warps, cap):
   or 8-bit tile (checkpoint or read copy) and 4 over an f32 one; 4 for
   the flush route (2 on a stochastically rounded master without a copy),
   capped at 128 registers on a plain state and an f32 master with an
-  8-bit copy, 168 with other copies, none with stochastic rounding
+  8-bit copy, 120 on a 16-bit master with one, 168 with other copies,
+  none with stochastic rounding
   (replay.default_flush_launch); fields that are set are used as
   given."""
   params, tok, rstate, pol = _lowering_state(6, 16, policy, (4, 64, 128, 2))
@@ -1182,6 +1183,7 @@ def test_flush_programs_fit_the_register_file():
   sms = 132  # the CPU device reports no core_count
   assert pk.replay_kernel._flush_programs(False, 4, 128) == 4 * sms
   assert pk.replay_kernel._flush_programs(False, 4, 168) == 3 * sms
+  assert pk.replay_kernel._flush_programs(False, 4, 120) == 4 * sms
   assert pk.replay_kernel._flush_programs(False, 8, 256) == 1 * sms
   assert pk.replay_kernel._flush_programs(False, 2, None) == 4 * sms
   assert pk.replay_kernel._flush_programs(True, 4, 168) == 8

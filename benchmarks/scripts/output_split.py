@@ -72,36 +72,46 @@ VARIANTS = {
     "xwk_cap64_fma_c32": dict(output_weights="pallas", max_registers=64,
                               readout_chunk=32, readout_fma=True),
     # The weights kernel's launch (replay.WEIGHTS_LAUNCH, set per variant
-    # by WEIGHTS_LAUNCH below) on the default config.
-    "wk_skip": {},
+    # by WEIGHTS_LAUNCH below) on the default config. Session 36 (non-flush
+    # / all-rows flush step, weights kernel alone): masked loads 7.3 / 9.0
+    # µs, skipping flush rows (the default since) - / 2.2, unmasked 8.1 /
+    # -, unmasked skipping 8.5 / -, unmasked at 4 warps 11.5 / -.
+    "wk_noskip": {},
     "wk_unmasked": {},
-    "wk_unmasked_skip": {},
     "wk_unmasked_w4": {},
-    # Fewer output programs (the flush step's exit at once): two heads'
-    # tiles per 4-warp program, at the default's 64 registers.
+    # Fewer output programs (the flush step's programs exit at once, 20.7
+    # µs for 32768): two heads' tiles per program, at the default's 64
+    # registers. Session 36, 4 warps with both tiles loaded first: the
+    # route 153.6 µs non-flush (against 102.4), 10.8 in the flush step.
     "xwk_cap64_hp2_pf_w4": dict(output_weights="pallas", max_registers=64,
                                 heads_per_program=2, output_prefetch=True,
                                 num_warps=4),
+    # ... 2 warps, one head after the other (ptxas offline: 100 B spilled).
+    "xwk_cap64_hp2": dict(output_weights="pallas", max_registers=64,
+                          heads_per_program=2),
     # The flush route at 8 warps, 128 registers (2 programs per SM; ptxas
     # offline: no spills, 1152 SASS instructions against 1440 at 4 warps
-    # and 168), with the next item's loads issued ahead (48 B spilled).
+    # and 168). Session 36's policies study: flush step 775 against 532 µs.
     "flush_w8": dict(flush_num_warps=8, flush_max_registers=128),
-    "flush_w8_pf": dict(flush_num_warps=8, flush_max_registers=128,
-                        flush_prefetch=True),
     # The flush route's register cap at 4 warps: 4 programs per SM at 128
-    # and below (3 at the 168 default). ptxas offline on f16 + fp8 with y
-    # read out before the stores: 60 / 40 / 8 B spilled at 168 / 128 /
-    # 120 (16 / 184 / 320 with the stores first).
+    # and below (3 at 168, 5 at 96). ptxas offline on f16 + fp8 with y
+    # read out before the stores: 60 / 40 / 8 / 192 B spilled at 168 /
+    # 128 / 120 / 96 (16 / 184 / 320 / - with the stores first). Session
+    # 36, the flush kernel: 527 / 514 / 470 / - µs, 488 at 112 (120: the
+    # default since).
+    "flush_c168": dict(flush_max_registers=168),
     "flush_c128": dict(flush_max_registers=128),
-    "flush_c120": dict(flush_max_registers=120),
     "flush_c112": dict(flush_max_registers=112),
+    "flush_c96": dict(flush_max_registers=96),
+    # The next item's loads issued ahead at 168 (ptxas offline: 32 B
+    # spilled, 3 programs per SM).
+    "flush_c168_pf": dict(flush_max_registers=168, flush_prefetch=True),
     "reference": None,
 }
 # name -> replay.WEIGHTS_LAUNCH fields of the variant (others: defaults).
 WEIGHTS_LAUNCH = {
-    "wk_skip": dict(skip_flush=True),
+    "wk_noskip": dict(skip_flush=False),
     "wk_unmasked": dict(unmasked=True),
-    "wk_unmasked_skip": dict(unmasked=True, skip_flush=True),
     "wk_unmasked_w4": dict(unmasked=True, num_warps=4),
 }
 
