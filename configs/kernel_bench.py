@@ -553,9 +553,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # instructions against 1440 at 4 warps and 168) took the f16 + fp8
     # flush step from 532 to 775 µs; with y read out before the stores, a
     # cap of 120 at 4 warps (4 programs per SM) took it to 504 (128: 546,
-    # 168: 561), the default since. Beside it now: 96 (5 per SM).
+    # 168: 561), the default since; 96 (5 per SM) 669. Beside it now: the
+    # split output route (a readout kernel, then a (group, row) window
+    # kernel).
     config.replay_variants = ml_collections.ConfigDict(dict(
-        flush_c96=dict(flush_max_registers=96)))
+        split=dict(output_route="split")))
 
   if arg == "output_launch":
     # The output route's launch shape on the f16 checkpoint and the fp8

@@ -445,7 +445,7 @@ class ReplayConfig(_LaunchConfig):
     _check_choice("flush_grid", self.flush_grid, ("rows", "persistent"),
                   optional=True)
     _check_choice("output_route", self.output_route,
-                  ("triton", "mosaic_gpu"))
+                  ("triton", "mosaic_gpu", "split"))
     _check_choice("flush_route", self.flush_route, ("triton", "mosaic_gpu"),
                   optional=True)
     if self.flush_store_from_input and self.flush_route != "mosaic_gpu":
@@ -491,10 +491,11 @@ class ReplayConfig(_LaunchConfig):
              if getattr(self, name)]
     if self.readout != "reduce":
       clash.append("readout")
-    if self.output_route == "mosaic_gpu" and clash:
+    if self.output_route != "triton" and clash:
       raise ValueError(
-          f"output_route='mosaic_gpu' replaces the Triton output route, "
-          f"which {', '.join(clash)} configure(s); leave them unset.")
+          f"output_route={self.output_route!r} replaces the Triton output "
+          f"route, which {', '.join(clash)} configure(s); leave them "
+          "unset.")
     _check_count("flush_programs", self.flush_programs)
     if self.flush_block_p is not None:
       _check_pow2("flush_block_p", self.flush_block_p)

@@ -766,6 +766,167 @@ def _fused_rows_kernel(*refs, has_D, has_z, has_bias, unroll, fold_dot,
                 readout_chunk=readout_chunk, unmasked=unmasked, eager=eager)
 
 
+def _readout_kernel(ck_ref, cnt_ref, c_ref, *rest, scaled, skip, block_p,
+                    heads_per_group, headdim, buffer_len):
+  """y0 = S C (times the 8-bit copy's row scales) of one [block_p, N]
+  tile, f32, on the output route's grid (heads_per_program 1); skip: rows
+  that do not take the output route (flushing or out-of-range counters)
+  read nothing and leave y0 unset."""
+  scale_ref = rest[0] if scaled else None
+  y0_out = rest[scaled]
+  pid, g, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  nblk = headdim // block_p
+  h = g * heads_per_group + pid // nblk
+  ps = pl.ds((pid % nblk) * block_p, block_p)
+
+  def readout():
+    tile = common.load_tile_blocks(ck_ref, (b, h, ps), None)
+    (y0,) = common.readouts(tile, [lambda cols: c_ref[b, g, cols]])
+    if scale_ref is not None:  # the scales factor out of the dstate sum
+      y0 = y0 * scale_ref[b, h, ps]
+    y0_out[b, h, ps] = y0
+
+  if skip:
+    c = cnt_ref[b]
+    pl.when((c >= 0) & (c < buffer_len - 1))(readout)
+  else:
+    readout()
+
+
+def _window_kernel(cnt_ref, xb_ref, bb_ref, dtb_ref, x_ref, dt_ref, a_ref,
+                   b_ref, c_ref, y0_ref, *rest, has_D, has_z, has_bias,
+                   dt_softplus, buffer_len, heads, per_group):
+  """The output route's terms but the state readout, for `heads` heads of
+  one group of one row (grid (ngroups, per_group // heads, batch)): the
+  group's B.C products and the heads' window weights (as
+  `_weights_kernel`), then y = decay y0 + sum_j k_j x_j (+ D x, * silu(z))
+  for all the heads at once ([L, heads, headdim] x window), the appends of
+  (x, dt' and, in the group's first program, B) at slot c and, in the
+  row's first program, its new counter. Rows that flush are left to the
+  flush route (y unset, no append)."""
+  d_ref, z_ref, bias_ref, rest = _optional(rest, has_D, has_z, has_bias)
+  y_out, xb_out, bb_out, dtb_out, cnt_out = rest
+  g, q, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  L = buffer_len
+  c = cnt_ref[b].astype(jnp.int32)
+  valid = (c >= 0) & (c < L)
+  flush = c == L - 1
+  appends = valid & jnp.logical_not(flush)
+  j = jnp.arange(L, dtype=jnp.int32)
+  hist, cur = j < c, j == c
+  hs = pl.ds(g * per_group + q * heads, heads)
+
+  @pl.when((g == 0) & (q == 0))
+  def _count():
+    new = jnp.where(flush, 0, c + 1)
+    cnt_out[b] = jnp.where(valid, new, c).astype(cnt_out.dtype)
+
+  @pl.when(jnp.logical_not(flush))
+  def _route():
+    cv = c_ref[b, g, :].astype(F32)  # [N]
+    n = cv.shape[0]
+    b_hist = plgpu.load(bb_ref.at[b, :, g, :], other=0.0,
+                        mask=jnp.broadcast_to(hist[:, None], (L, n)))
+    bc_hist = jnp.sum(b_hist.astype(F32) * cv[None, :], axis=1)  # [L]
+    b_in = b_ref[b, g, :]
+    bc = jnp.where(cur, jnp.sum(b_in.astype(F32) * cv), bc_hist)
+    d_hist = plgpu.load(dtb_ref.at[b, :, hs], other=0.0, mask=(
+        jnp.broadcast_to(hist[:, None], (L, heads))))  # [L, heads]
+    d_cur = process_dt(dt_ref[b, hs], None if bias_ref is None
+                       else bias_ref[hs], dt_softplus)  # [heads]
+    dw = jnp.where(cur[:, None], d_cur[None, :], d_hist)  # zero past slot c
+    a = a_ref[hs].astype(F32)
+    k = dw * jnp.exp(a[None, :] * common.suffix_sums(dw, j)) * bc[:, None]
+    decay = jnp.exp(a * jnp.sum(dw, axis=0))  # [heads]
+    x_in = x_ref[b, hs, :]  # [heads, headdim]; appended as loaded
+    x_cur = x_in.astype(F32)
+    shape = (L,) + x_in.shape
+    x_hist = plgpu.load(xb_ref.at[b, :, hs, :], other=0.0,
+                        mask=jnp.broadcast_to(hist[:, None, None], shape))
+    x_win = jnp.where(cur[:, None, None], x_cur[None],
+                      x_hist.astype(F32))
+    y = decay[:, None] * y0_ref[b, hs, :] + jnp.sum(k[:, :, None] * x_win,
+                                                    axis=0)
+    y = common.finish_output(
+        y, x_cur, None if d_ref is None else d_ref[hs].astype(F32)[:, None],
+        None if z_ref is None else z_ref[b, hs, :])
+    y_out[b, hs, :] = jnp.where(valid, y, jnp.nan).astype(y_out.dtype)
+
+    @pl.when(appends)
+    def _append():
+      xb_out[b, c, hs, :] = x_in.astype(xb_out.dtype)
+      dtb_out[b, c, hs] = d_cur
+
+    @pl.when(appends & (q == 0))
+    def _append_b():
+      bb_out[b, c, g, :] = b_in.astype(bb_out.dtype)
+
+
+def _optional(refs, *flags):
+  """(one ref or None per flag, then the refs after them)."""
+  refs = list(refs)
+  picked = [refs.pop(0) if f else None for f in flags]
+  return (*picked, refs)
+
+
+# The split output route's launches (`ReplayConfig(output_route="split")`).
+# window heads: heads per window program (None: the group's).
+READOUT_LAUNCH = dict(num_warps=2, skip=True)
+WINDOW_LAUNCH = dict(num_warps=4, heads=None)
+
+
+def _split_output_route(rstate, read, x, dt, A, B, C, D, z, dt_bias,
+                        dt_softplus, block_p, interpret):
+  """The output route with output_route="split": the state read out by its
+  own kernel (`_readout_kernel`: y0 = S C of the checkpoint or read copy,
+  f32, [batch, nheads, headdim]), then every other term of y, the appends
+  and the counters by a (group, row) kernel (`_window_kernel`). Returns (y,
+  x_buf, b_buf, dt_buf, count); the flush route then writes the flush
+  rows' y."""
+  batch, nheads, headdim, _ = read.shape
+  L, ngroups = rstate.buffer_len, rstate.ngroups
+  per_group = nheads // ngroups
+  why = _weights_kernel_problem(rstate)
+  if why:
+    raise NotImplementedError(f"output_route='split' needs {why}.")
+  sds = jax.ShapeDtypeStruct
+  scaled = rstate.read_scale is not None
+  y0 = pl.pallas_call(
+      functools.partial(_readout_kernel, scaled=scaled,
+                        skip=READOUT_LAUNCH["skip"], block_p=block_p,
+                        heads_per_group=per_group, headdim=headdim,
+                        buffer_len=L),
+      grid=((headdim // block_p) * per_group, ngroups, batch),
+      out_shape=sds((batch, nheads, headdim), F32),
+      compiler_params=plgpu.CompilerParams(
+          num_warps=READOUT_LAUNCH["num_warps"]),
+      interpret=interpret, name="replayssm_replay_readout",
+  )(read, rstate.count, C, *([rstate.read_scale] if scaled else []))
+  optional = [v for v in (D, z, dt_bias) if v is not None]
+  heads = min(WINDOW_LAUNCH["heads"] or per_group, per_group)
+  if per_group % heads or heads & (heads - 1):
+    raise NotImplementedError(
+        f"WINDOW_LAUNCH['heads'] ({heads}) must be a power of two dividing "
+        f"nheads // ngroups ({per_group}).")
+  return pl.pallas_call(
+      functools.partial(_window_kernel, has_D=D is not None,
+                        has_z=z is not None, has_bias=dt_bias is not None,
+                        dt_softplus=dt_softplus, buffer_len=L, heads=heads,
+                        per_group=per_group),
+      grid=(ngroups, per_group // heads, batch),
+      out_shape=(sds((batch, nheads, headdim), x.dtype),
+                 sds(rstate.x_buf.shape, rstate.x_buf.dtype),
+                 sds(rstate.b_buf.shape, rstate.b_buf.dtype),
+                 sds(rstate.dt_buf.shape, rstate.dt_buf.dtype),
+                 sds(rstate.count.shape, rstate.count.dtype)),
+      input_output_aliases={1: 1, 2: 2, 3: 3},
+      compiler_params=plgpu.CompilerParams(
+          num_warps=WINDOW_LAUNCH["num_warps"]),
+      interpret=interpret, name="replayssm_replay_window",
+  )(rstate.count, rstate.x_buf, rstate.b_buf, rstate.dt_buf, x, dt, A, B, C,
+    y0, *optional)
+
+
 def _mosaic_output_route(rstate, read, x, dt, A, B, C, D, z, dt_bias,
                          dt_softplus, interpret):
   """The output route with output_route="mosaic_gpu": y of every row from
@@ -1458,6 +1619,10 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   if config.output_route == "mosaic_gpu":
     y, xb, bb, dtb, cnt = _mosaic_output_route(
         rstate, read, x, dt, A, B, C, D, z, dt_bias, dt_softplus, interpret)
+  elif config.output_route == "split":
+    y, xb, bb, dtb, cnt = _split_output_route(
+        rstate, read, x, dt, A, B, C, D, z, dt_bias, dt_softplus, block_p,
+        interpret)
   else:
     y, xb, bb, dtb, cnt = pl.pallas_call(
         functools.partial(_output_kernel, all_rows=config.output_all_rows,

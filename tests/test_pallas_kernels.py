@@ -116,6 +116,11 @@ REPLAY_CONFIGS = [
                     output_unmasked_buffers=True, fused_launch=False),
     # ... by the small weights kernel.
     pk.ReplayConfig(block_p=8, output_weights="pallas", fused_launch=False),
+    # The state read out by its own kernel, the rest of y, the appends and
+    # the counters by a (group, row) kernel.
+    pk.ReplayConfig(output_route="split"),
+    pk.ReplayConfig(output_route="split", block_p=8, heads_per_program=2,
+                    flush_fold="rank1"),
     # Every row's output program computes (flush rows' y dropped), in one
     # launch with the flush route and in its own.
     pk.ReplayConfig(output_eager=True, output_unmasked_buffers=True,
@@ -604,6 +609,11 @@ POLICY_CASES = [
                                  fused_launch=False)),
     ("f32+f16", pk.ReplayConfig(readout="dot", output_weights=True,
                                 fused_launch=False)),
+    # The readout kernel, then the (group, row) window kernel.
+    ("f16+fp8", pk.ReplayConfig(output_route="split")),
+    ("f32+int8", pk.ReplayConfig(output_route="split", block_p=8,
+                                 flush_grid="rows")),
+    ("f32+bf16", pk.ReplayConfig(output_route="split")),
 ]
 POLICY_L = 4
 POLICY_STEPS = 2 * POLICY_L + 1  # every row flushes twice
@@ -976,6 +986,7 @@ LOWERING_REPLAY_CONFIGS = [
     pk.ReplayConfig(readout="dot"),
     pk.ReplayConfig(output_weights="pallas", max_registers=64),
     pk.ReplayConfig(readout_chunk=32, readout_fma=True, fused_launch=False),
+    pk.ReplayConfig(output_route="split"),
 ]
 
 
@@ -996,7 +1007,8 @@ LOWERING_CASES = [(c, None) for c in LOWERING_REPLAY_CONFIGS] + [
     (LOWERING_REPLAY_CONFIGS[6], "f32+fp8+sr"),
     (LOWERING_REPLAY_CONFIGS[8], "f32+fp8"),
     (LOWERING_REPLAY_CONFIGS[9], "f16+fp8"),
-    (LOWERING_REPLAY_CONFIGS[12], "f16+fp8")] + [
+    (LOWERING_REPLAY_CONFIGS[12], "f16+fp8"),
+    (LOWERING_REPLAY_CONFIGS[-1], "f32+int8")] + [
         (c, "f16+fp8") for c in LOWERING_REPLAY_CONFIGS[-3:]]
 
 

@@ -72,7 +72,7 @@ VARIANTS = {
     "xwk_cap64_fma_c32": dict(output_weights="pallas", max_registers=64,
                               readout_chunk=32, readout_fma=True),
     # The weights kernel's launch (replay.WEIGHTS_LAUNCH, set per variant
-    # by WEIGHTS_LAUNCH below) on the default config. Session 36 (non-flush
+    # by LAUNCH below) on the default config. Session 36 (non-flush
     # / all-rows flush step, weights kernel alone): masked loads 7.3 / 9.0
     # µs, skipping flush rows (the default since) - / 2.2, unmasked 8.1 /
     # -, unmasked skipping 8.5 / -, unmasked at 4 warps 11.5 / -.
@@ -106,13 +106,29 @@ VARIANTS = {
     # The next item's loads issued ahead at 168 (ptxas offline: 32 B
     # spilled, 3 programs per SM).
     "flush_c168_pf": dict(flush_max_registers=168, flush_prefetch=True),
+    # The split output route (output_route="split"): the readout kernel,
+    # then the (group, row) window kernel; launches per LAUNCH below.
+    "split": dict(output_route="split"),
+    "split_noskip": dict(output_route="split"),
+    "split_w8": dict(output_route="split"),
+    "split_h8": dict(output_route="split"),
+    "split_h4": dict(output_route="split"),
+    "split_h4_w4": dict(output_route="split"),
+    "split_h2": dict(output_route="split"),
     "reference": None,
 }
-# name -> replay.WEIGHTS_LAUNCH fields of the variant (others: defaults).
-WEIGHTS_LAUNCH = {
-    "wk_noskip": dict(skip_flush=False),
-    "wk_unmasked": dict(unmasked=True),
-    "wk_unmasked_w4": dict(unmasked=True, num_warps=4),
+# name -> {module-level launch dict of pallas_kernels.replay: its fields
+# for the variant} (the others keep their defaults).
+LAUNCH = {
+    "wk_noskip": dict(WEIGHTS_LAUNCH=dict(skip_flush=False)),
+    "wk_unmasked": dict(WEIGHTS_LAUNCH=dict(unmasked=True)),
+    "wk_unmasked_w4": dict(WEIGHTS_LAUNCH=dict(unmasked=True, num_warps=4)),
+    "split_noskip": dict(READOUT_LAUNCH=dict(skip=False)),
+    "split_w8": dict(WINDOW_LAUNCH=dict(num_warps=8)),
+    "split_h8": dict(WINDOW_LAUNCH=dict(heads=8)),
+    "split_h4": dict(WINDOW_LAUNCH=dict(heads=4, num_warps=2)),
+    "split_h4_w4": dict(WINDOW_LAUNCH=dict(heads=4)),
+    "split_h2": dict(WINDOW_LAUNCH=dict(heads=2, num_warps=2)),
 }
 
 
@@ -166,14 +182,16 @@ def main():
              steps=a.steps, variants={})
   c0 = rstate.count
 
-  launch0 = dict(pk.replay_kernel.WEIGHTS_LAUNCH)
+  launch0 = {k: dict(getattr(pk.replay_kernel, k))
+             for k in ("WEIGHTS_LAUNCH", "READOUT_LAUNCH", "WINDOW_LAUNCH")}
 
   def measure(name, r, config, impl):
-    pk.replay_kernel.WEIGHTS_LAUNCH.clear()
-    pk.replay_kernel.WEIGHTS_LAUNCH.update(launch0,
-                                           **WEIGHTS_LAUNCH.get(name, {}))
-    r["weights_launch"] = dict(pk.replay_kernel.WEIGHTS_LAUNCH)
-    jax.clear_caches()  # the launch is read at trace time
+    for k, v in launch0.items():
+      launch = getattr(pk.replay_kernel, k)
+      launch.clear()
+      launch.update(v, **LAUNCH.get(name, {}).get(k, {}))
+      r[k.lower()] = dict(launch)
+    jax.clear_caches()  # the launches are read at trace time
     y, _ = rs.replay_state_update(rstate, **tok, **kw, implementation=impl,
                                   config=config)
     r["max_rel_err_y"] = testing.max_rel_error(y, want_y)
