@@ -308,7 +308,17 @@ class ReplayConfig(_LaunchConfig):
       benchmarks/kernel_batch1_h200_session16.md, batch 1, L 16, fused
       launch): slower, the f16 non-flush step 3.65 µs against 3.46 (3.92
       with unmasked buffers).
-    output_route: "triton" (the Triton output-route kernel) or
+    output_route: None (the default: `replay.default_output_route`,
+      "split" for an 8-bit read copy at batch x heads >= 256 x 128 with
+      no Triton output-route field set, else "triton"), "triton" (the
+      Triton output-route kernel), "split": the state read out (y0 = S C,
+      checkpoint or read copy, scaled) by its own Triton kernel
+      (`replay._readout_kernel`), then the window terms, appends and
+      counters by a (group, row) kernel (`replay._window_kernel`); H200,
+      f16 master + fp8 copy, batch 256, L 16 (session 36,
+      benchmarks/output_split_h200_session36_*.json): readout 73.9 µs +
+      window 28.7 against the route's 102.1 + weights kernel 7.4, non-flush
+      step 103.9 against 112.2 (f16 checkpoint 160.7 against 162.6); or
       "mosaic_gpu": the output route's state read (y0 = S C, checkpoint or
       read copy) by the Mosaic GPU readout kernel
       (`pallas_kernels.mosaic_gpu.readout`, TMA-pipelined), the window
@@ -426,7 +436,7 @@ class ReplayConfig(_LaunchConfig):
   flush_num_stages: int | None = None
   flush_max_registers: int | None = None
   max_registers: int | None = None
-  output_route: str = "triton"
+  output_route: str | None = None
   flush_route: str | None = None
   flush_store_from_input: bool = False
   readout_chunk: int | None = None
@@ -445,14 +455,14 @@ class ReplayConfig(_LaunchConfig):
     _check_choice("flush_grid", self.flush_grid, ("rows", "persistent"),
                   optional=True)
     _check_choice("output_route", self.output_route,
-                  ("triton", "mosaic_gpu", "split"))
+                  ("triton", "mosaic_gpu", "split"), optional=True)
     _check_choice("flush_route", self.flush_route, ("triton", "mosaic_gpu"),
                   optional=True)
     if self.flush_store_from_input and self.flush_route != "mosaic_gpu":
       raise ValueError("flush_store_from_input=True needs flush_route="
                        f"'mosaic_gpu', got {self.flush_route!r}.")
     if self.flush_route == "mosaic_gpu":
-      if self.output_route != "triton":
+      if self.output_route not in (None, "triton"):
         raise ValueError("flush_route='mosaic_gpu' needs output_route="
                          "'triton' (it completes the flush's y in place).")
       clash = [name for name in ("output_all_rows", "fused_launch",
@@ -491,7 +501,7 @@ class ReplayConfig(_LaunchConfig):
              if getattr(self, name)]
     if self.readout != "reduce":
       clash.append("readout")
-    if self.output_route != "triton" and clash:
+    if self.output_route not in (None, "triton") and clash:
       raise ValueError(
           f"output_route={self.output_route!r} replaces the Triton output "
           f"route, which {', '.join(clash)} configure(s); leave them "

@@ -821,35 +821,40 @@ def _window_kernel(cnt_ref, xb_ref, bb_ref, dtb_ref, x_ref, dt_ref, a_ref,
     new = jnp.where(flush, 0, c + 1)
     cnt_out[b] = jnp.where(valid, new, c).astype(cnt_out.dtype)
 
+  # The loads that do not depend on the counter issue before its branch
+  # (with the counter's load); the windows' masked loads wait for it.
+  cv = c_ref[b, g, :].astype(F32)  # [N]
+  b_in = b_ref[b, g, :]
+  x_in = x_ref[b, hs, :]  # [heads, headdim]; appended as loaded
+  y0 = y0_ref[b, hs, :]
+  dt_in, a = dt_ref[b, hs], a_ref[hs].astype(F32)
+  bias = None if bias_ref is None else bias_ref[hs]
+  d_vec = None if d_ref is None else d_ref[hs].astype(F32)[:, None]
+  z = None if z_ref is None else z_ref[b, hs, :]
+
   @pl.when(jnp.logical_not(flush))
   def _route():
-    cv = c_ref[b, g, :].astype(F32)  # [N]
     n = cv.shape[0]
     b_hist = plgpu.load(bb_ref.at[b, :, g, :], other=0.0,
                         mask=jnp.broadcast_to(hist[:, None], (L, n)))
     bc_hist = jnp.sum(b_hist.astype(F32) * cv[None, :], axis=1)  # [L]
-    b_in = b_ref[b, g, :]
-    bc = jnp.where(cur, jnp.sum(b_in.astype(F32) * cv), bc_hist)
+    bc_cur = jnp.sum(b_in.astype(F32) * cv)
+    bc = jnp.where(cur, bc_cur, bc_hist)
     d_hist = plgpu.load(dtb_ref.at[b, :, hs], other=0.0, mask=(
         jnp.broadcast_to(hist[:, None], (L, heads))))  # [L, heads]
-    d_cur = process_dt(dt_ref[b, hs], None if bias_ref is None
-                       else bias_ref[hs], dt_softplus)  # [heads]
+    d_cur = process_dt(dt_in, bias, dt_softplus)  # [heads]
     dw = jnp.where(cur[:, None], d_cur[None, :], d_hist)  # zero past slot c
-    a = a_ref[hs].astype(F32)
     k = dw * jnp.exp(a[None, :] * common.suffix_sums(dw, j)) * bc[:, None]
     decay = jnp.exp(a * jnp.sum(dw, axis=0))  # [heads]
-    x_in = x_ref[b, hs, :]  # [heads, headdim]; appended as loaded
     x_cur = x_in.astype(F32)
     shape = (L,) + x_in.shape
     x_hist = plgpu.load(xb_ref.at[b, :, hs, :], other=0.0,
                         mask=jnp.broadcast_to(hist[:, None, None], shape))
-    x_win = jnp.where(cur[:, None, None], x_cur[None],
-                      x_hist.astype(F32))
-    y = decay[:, None] * y0_ref[b, hs, :] + jnp.sum(k[:, :, None] * x_win,
-                                                    axis=0)
-    y = common.finish_output(
-        y, x_cur, None if d_ref is None else d_ref[hs].astype(F32)[:, None],
-        None if z_ref is None else z_ref[b, hs, :])
+    # The current token's term on its own (its slot of x_hist is zero): k
+    # at slot c is d' (B.C), its suffix sum being 0.
+    y = (decay[:, None] * y0 + (d_cur * bc_cur)[:, None] * x_cur
+         + jnp.sum(k[:, :, None] * x_hist.astype(F32), axis=0))
+    y = common.finish_output(y, x_cur, d_vec, z)
     y_out[b, hs, :] = jnp.where(valid, y, jnp.nan).astype(y_out.dtype)
 
     @pl.when(appends)
@@ -1181,7 +1186,8 @@ def default_flush_route(config, rstate, plain: bool, interpret: bool,
   if config.flush_route is not None:
     return config
   cc = compute_capability or common.compute_capability()
-  mosaic = (not interpret and plain and config.output_route == "triton"
+  mosaic = (not interpret and plain
+            and config.output_route in (None, "triton")
             and jnp.dtype(rstate.checkpoint.dtype) == F32
             and rstate.checkpoint.shape[0] >= 128
             and rstate.x_buf.shape[1] % 16 == 0
@@ -1203,9 +1209,38 @@ _OUTPUT_FIELDS = ("block_p", "num_warps", "heads_per_program", "precompute_bc",
                   "output_unmasked_buffers", "output_eager", "readout_chunk",
                   "readout_fma", "max_registers")
 # The smallest (row, head) count at which an 8-bit read copy's output route
-# takes its window weights from the weights kernel (the measured size).
+# is split (or, on the Triton route, takes its window weights from the
+# weights kernel): the measured size.
 _WEIGHTS_MIN_PAIRS = 256 * 128
 _WEIGHTS_MAX_REGISTERS = 64
+
+
+def default_output_route(config, rstate, interpret: bool
+                         ) -> common.ReplayConfig:
+  """`config` with `output_route` resolved (None: the default): "split"
+  (`_split_output_route`) for a state with an 8-bit read copy (fp8 /
+  int8) at >= 256 x 128 (row, head) pairs whose window blocks are powers
+  of two, when no Triton output-route field, output_weights, readout,
+  fused_launch=True or the Mosaic flush is set; else "triton".
+
+  H200, f16 master + fp8 copy, batch 256, L 16 (session 36,
+  benchmarks/kernel_policies_h200_session36_split*.md; README "Session
+  36"): non-flush step 103.9 against 112.2 µs, amortized 2.19x the f16
+  baseline against 2.07x. int8 copies and other batches are not
+  measured."""
+  del interpret  # (the other defaults' signature)
+  if config.output_route is not None:
+    return config
+  pick = (rstate.read_copy is not None
+          and jnp.dtype(rstate.read_copy.dtype).itemsize == 1
+          and rstate.count.shape[0] * rstate.nheads >= _WEIGHTS_MIN_PAIRS
+          and _weights_kernel_problem(rstate) is None
+          and config.output_weights is None and config.readout == "reduce"
+          and config.fused_launch is not True
+          and config.flush_route != "mosaic_gpu"
+          and not any(getattr(config, f) for f in _OUTPUT_FIELDS))
+  return dataclasses.replace(config,
+                             output_route="split" if pick else "triton")
 
 
 def default_output_weights(config, rstate, interpret: bool
@@ -1230,7 +1265,8 @@ def default_output_weights(config, rstate, interpret: bool
   pick = (rstate.read_copy is not None
           and jnp.dtype(rstate.read_copy.dtype).itemsize == 1
           and rstate.count.shape[0] * rstate.nheads >= _WEIGHTS_MIN_PAIRS
-          and config.output_route == "triton" and config.readout == "reduce"
+          and config.output_route in (None, "triton")
+          and config.readout == "reduce"
           and config.fused_launch is not True
           and not any(getattr(config, f) for f in _OUTPUT_FIELDS)
           and _weights_kernel_problem(rstate) is None
@@ -1433,6 +1469,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   """
   from replayssm_jax.state import ReplayState  # pylint: disable=g-import-not-at-top
   spec = _copy_spec(rstate, policy, interpret)
+  config = default_output_route(config, rstate, interpret)
   config = default_flush_route(config, rstate, spec is None, interpret)
   config = default_output_weights(config, rstate, interpret)
   batch, nheads, headdim, _ = rstate.checkpoint.shape
@@ -1497,7 +1534,8 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
       ("output_weights", config.output_weights),
       ("readout='dot'", config.readout != "reduce"),
       ("output_prefetch", config.output_prefetch),
-      ("output_route='mosaic_gpu'", config.output_route != "triton"),
+      (f"output_route={config.output_route!r}",
+       config.output_route != "triton"),
       ("flush_route='mosaic_gpu'", config.flush_route != "triton"),
   ) if bad]
   if config.fused_launch and unsupported:

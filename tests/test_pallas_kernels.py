@@ -300,14 +300,17 @@ def test_replay_kernel_jitted_in_a_loop_compiles_once():
   assert all(np.isfinite(np.asarray(y)).all() for y in ys)
 
 
-def test_mosaic_output_route_config_is_checked():
+@pytest.mark.parametrize("route", ["mosaic_gpu", "split"])
+def test_output_route_config_is_checked(route):
   with pytest.raises(ValueError, match="output_route must be one of"):
     pk.ReplayConfig(output_route="cuda")
   for clash in (dict(fused_launch=True), dict(output_all_rows=True),
                 dict(precompute_bc=True), dict(output_prefetch=True),
                 dict(readout_chunk=16), dict(output_weights=True)):
     with pytest.raises(ValueError, match=f"{next(iter(clash))}"):
-      pk.ReplayConfig(output_route="mosaic_gpu", **clash)
+      pk.ReplayConfig(output_route=route, **clash)
+  with pytest.raises(ValueError, match="needs output_route='triton'"):
+    pk.ReplayConfig(output_route=route, flush_route="mosaic_gpu")
   with pytest.raises(ValueError, match="precompute_bc"):
     pk.ReplayConfig(output_weights=True, precompute_bc=True)
 
@@ -1406,25 +1409,56 @@ def test_register_caps_without_the_lowering_hook(monkeypatch):
   assert pk.common.capped_name("k", None) == "k"
 
 
+def _abstract_state(batch=256, copy=jnp.float8_e4m3fn, h=128, g=8, L=16):
+  """A ReplayState of shapes only (f16 master, `copy` read copy or None)
+  at the 8B layer's dims."""
+  p, n, sds = 64, 128, jax.ShapeDtypeStruct
+  return rs.ReplayState(
+      checkpoint=sds((batch, h, p, n), jnp.float16),
+      x_buf=sds((batch, L, h, p), jnp.bfloat16),
+      b_buf=sds((batch, L, g, n), jnp.bfloat16),
+      dt_buf=sds((batch, L, h), jnp.float32),
+      count=sds((batch,), jnp.int32),
+      read_copy=None if copy is None else sds((batch, h, p, n), copy),
+      read_scale=None if copy is None else sds((batch, h, p), jnp.float32))
+
+
+def test_default_output_route_where_measured_faster():
+  """ReplayConfig(output_route=None) resolves to the split route only for
+  an 8-bit read copy at >= 256 x 128 (row, head) pairs with power-of-two
+  windows and no output-route field, output_weights, readout, fused launch
+  or Mosaic flush set; everything else gets "triton", and an explicit
+  value is kept."""
+  resolve = pk.replay_kernel.default_output_route
+  state = _abstract_state
+  assert resolve(pk.ReplayConfig(), state(), False).output_route == "split"
+  assert resolve(pk.ReplayConfig(), state(batch=512, copy=jnp.int8),
+                 False).output_route == "split"
+  for rstate, config in (
+      (state(batch=128), pk.ReplayConfig()),
+      (state(copy=jnp.bfloat16), pk.ReplayConfig()),
+      (state(copy=None), pk.ReplayConfig()),
+      (state(h=96, g=8), pk.ReplayConfig()),  # 12 heads per group
+      (state(), pk.ReplayConfig(max_registers=96)),
+      (state(), pk.ReplayConfig(output_weights="pallas")),
+      (state(), pk.ReplayConfig(readout="dot")),
+      (state(), pk.ReplayConfig(fused_launch=True)),
+      (state(), pk.ReplayConfig(flush_route="mosaic_gpu"))):
+    got = resolve(config, rstate, False)
+    assert got.output_route == "triton", (rstate.count.shape, config)
+  for explicit in ("triton", "split", "mosaic_gpu"):
+    config = pk.ReplayConfig(output_route=explicit)
+    assert resolve(config, state(), False) is config
+
+
 def test_default_output_weights_where_measured_faster():
-  """ReplayConfig(output_weights=None) resolves to the weights kernel with
-  the route capped at 64 registers only for an 8-bit read copy at >= 256 x
-  128 (row, head) pairs with no other output-route field set; everything
-  else gets False, and an explicit value is kept."""
+  """ReplayConfig(output_weights=None) on the Triton route resolves to the
+  weights kernel with the route capped at 64 registers only for an 8-bit
+  read copy at >= 256 x 128 (row, head) pairs with no other output-route
+  field set; everything else gets False, and an explicit value is
+  kept."""
   resolve = pk.replay_kernel.default_output_weights
-  sds = jax.ShapeDtypeStruct
-
-  def state(batch=256, copy=jnp.float8_e4m3fn, h=128, g=8, L=16):
-    p, n = 64, 128
-    return rs.ReplayState(
-        checkpoint=sds((batch, h, p, n), jnp.float16),
-        x_buf=sds((batch, L, h, p), jnp.bfloat16),
-        b_buf=sds((batch, L, g, n), jnp.bfloat16),
-        dt_buf=sds((batch, L, h), jnp.float32),
-        count=sds((batch,), jnp.int32),
-        read_copy=None if copy is None else sds((batch, h, p, n), copy),
-        read_scale=None if copy is None else sds((batch, h, p), jnp.float32))
-
+  state = _abstract_state
   got = resolve(pk.ReplayConfig(), state(), False)
   assert (got.output_weights, got.max_registers) == ("pallas", 64)
   assert resolve(pk.ReplayConfig(), state(batch=512, copy=jnp.int8),
@@ -1437,6 +1471,7 @@ def test_default_output_weights_where_measured_faster():
       (state(), pk.ReplayConfig(max_registers=96)),
       (state(), pk.ReplayConfig(heads_per_program=2)),
       (state(), pk.ReplayConfig(readout="dot")),
+      (state(), pk.ReplayConfig(output_route="split")),
       (state(), pk.ReplayConfig(output_route="mosaic_gpu"))):
     got = resolve(config, rstate, False)
     assert got.output_weights is False, (rstate.count.shape, config)

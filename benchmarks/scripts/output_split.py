@@ -43,7 +43,8 @@ import variant_loop  # benchmarks/scripts (the script's own folder)
 # 136.4, hp2_pf 145.9, bp32 170.4, fma_c32 143.8.
 VARIANTS = {
     "default": {},
-    "off": dict(output_weights=False),
+    "triton": dict(output_route="triton"),
+    "off": dict(output_route="triton", output_weights=False),
     "dot": dict(readout="dot"),
     "xw": dict(output_weights=True),
     "xw_dot": dict(output_weights=True, readout="dot"),
