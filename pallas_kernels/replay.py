@@ -813,7 +813,7 @@ def _window_kernel(cnt_ref, xb_ref, bb_ref, dtb_ref, x_ref, dt_ref, a_ref,
   flush = c == L - 1
   appends = valid & jnp.logical_not(flush)
   j = jnp.arange(L, dtype=jnp.int32)
-  hist, cur = j < c, j == c
+  hist = j < c
   hs = pl.ds(g * per_group + q * heads, heads)
 
   @pl.when((g == 0) & (q == 0))
@@ -834,22 +834,17 @@ def _window_kernel(cnt_ref, xb_ref, bb_ref, dtb_ref, x_ref, dt_ref, a_ref,
 
   @pl.when(jnp.logical_not(flush))
   def _route():
-    n = cv.shape[0]
-    b_hist = plgpu.load(bb_ref.at[b, :, g, :], other=0.0,
-                        mask=jnp.broadcast_to(hist[:, None], (L, n)))
-    bc_hist = jnp.sum(b_hist.astype(F32) * cv[None, :], axis=1)  # [L]
-    bc_cur = jnp.sum(b_in.astype(F32) * cv)
-    bc = jnp.where(cur, bc_cur, bc_hist)
-    d_hist = plgpu.load(dtb_ref.at[b, :, hs], other=0.0, mask=(
-        jnp.broadcast_to(hist[:, None], (L, heads))))  # [L, heads]
-    d_cur = process_dt(dt_in, bias, dt_softplus)  # [heads]
-    dw = jnp.where(cur[:, None], d_cur[None, :], d_hist)  # zero past slot c
-    k = dw * jnp.exp(a[None, :] * common.suffix_sums(dw, j)) * bc[:, None]
-    decay = jnp.exp(a * jnp.sum(dw, axis=0))  # [heads]
+    def window(ref, shape):  # the buffered slots, zeros past them
+      m = jnp.broadcast_to(hist.reshape((L,) + (1,) * (len(shape) - 1)),
+                           shape)
+      return plgpu.load(ref, mask=m, other=0.0)
+
+    k, decay, d_cur, bc_cur = _group_weights(
+        j, c, cv, window(bb_ref.at[b, :, g, :], (L, cv.shape[0])), b_in,
+        window(dtb_ref.at[b, :, hs], (L, heads)), dt_in, bias, a,
+        dt_softplus)
     x_cur = x_in.astype(F32)
-    shape = (L,) + x_in.shape
-    x_hist = plgpu.load(xb_ref.at[b, :, hs, :], other=0.0,
-                        mask=jnp.broadcast_to(hist[:, None, None], shape))
+    x_hist = window(xb_ref.at[b, :, hs, :], (L,) + x_in.shape)
     # The current token's term on its own (its slot of x_hist is zero): k
     # at slot c is d' (B.C), its suffix sum being 0.
     y = (decay[:, None] * y0 + (d_cur * bc_cur)[:, None] * x_cur
@@ -1363,6 +1358,25 @@ def _weights_kernel_problem(rstate) -> str | None:
   return None
 
 
+def _group_weights(j, c, cv, b_hist, b_in, d_hist, dt_in, bias, a,
+                   dt_softplus):
+  """The window terms of some heads of one group of one row, from their
+  loads (slots j = arange(L), counter c; C cv [N] f32; the B window
+  b_hist [L, N] and the dt window d_hist [L, heads], zero past the
+  buffered slots; the token's B b_in [N], dt dt_in [heads], dt_bias bias;
+  A a [heads] f32) -> (k [L, heads]: k_j = s_j B_j . C with
+  `reference.window_weights`' s, zero past slot c; decay [heads]; dt'
+  [heads]; the token's B . C)."""
+  cur = j == c
+  bc_hist = jnp.sum(b_hist.astype(F32) * cv[None, :], axis=1)  # [L]
+  bc_cur = jnp.sum(b_in.astype(F32) * cv)
+  bc = jnp.where(cur, bc_cur, bc_hist)
+  d_cur = process_dt(dt_in, bias, dt_softplus)  # [heads]
+  dw = jnp.where(cur[:, None], d_cur[None, :], d_hist)  # zero past slot c
+  k = dw * jnp.exp(a[None, :] * common.suffix_sums(dw, j)) * bc[:, None]
+  return k, jnp.exp(a * jnp.sum(dw, axis=0)), d_cur, bc_cur
+
+
 def _weights_kernel(cnt_ref, bb_ref, dtb_ref, b_ref, c_ref, dt_ref, a_ref,
                     *rest, has_bias, dt_softplus, buffer_len, per_group,
                     unmasked, skip_flush):
@@ -1375,7 +1389,7 @@ def _weights_kernel(cnt_ref, bb_ref, dtb_ref, b_ref, c_ref, dt_ref, a_ref,
   L = buffer_len
   c = cnt_ref[b].astype(jnp.int32)
   j = jnp.arange(L, dtype=jnp.int32)
-  hist, cur = j < c, j == c
+  hist = j < c
   hs = pl.ds(g * per_group, per_group)
 
   def window(ref, shape):
@@ -1387,18 +1401,13 @@ def _weights_kernel(cnt_ref, bb_ref, dtb_ref, b_ref, c_ref, dt_ref, a_ref,
 
   def weights():
     cv = c_ref[b, g, :].astype(F32)  # [N]
-    b_hist = window(bb_ref.at[b, :, g, :], (L, cv.shape[0]))
-    bc_hist = jnp.sum(b_hist * cv[None, :], axis=1)  # [L]
-    bc_cur = jnp.sum(b_ref[b, g, :].astype(F32) * cv)
-    bc = jnp.where(cur, bc_cur, bc_hist)
-    d_hist = window(dtb_ref.at[b, :, hs], (L, per_group))  # [L, P]
-    d_cur = process_dt(dt_ref[b, hs], None if bias_ref is None
-                       else bias_ref[hs], dt_softplus)  # [P]
-    dw = jnp.where(cur[:, None], d_cur[None, :], d_hist)  # zero past slot c
-    a = a_ref[hs].astype(F32)
-    suffix = common.suffix_sums(dw, j)  # [L, P]
-    k_out[b, :, hs] = dw * jnp.exp(a[None, :] * suffix) * bc[:, None]
-    decay_out[b, hs] = jnp.exp(a * jnp.sum(dw, axis=0))
+    k, decay, d_cur, _ = _group_weights(
+        j, c, cv, window(bb_ref.at[b, :, g, :], (L, cv.shape[0])),
+        b_ref[b, g, :], window(dtb_ref.at[b, :, hs], (L, per_group)),
+        dt_ref[b, hs], None if bias_ref is None else bias_ref[hs],
+        a_ref[hs].astype(F32), dt_softplus)
+    k_out[b, :, hs] = k
+    decay_out[b, hs] = decay
     dcur_out[b, hs] = d_cur
 
   if skip_flush:
