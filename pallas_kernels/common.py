@@ -316,9 +316,10 @@ class ReplayConfig(_LaunchConfig):
       (`replay._readout_kernel`), then the window terms, appends and
       counters by a (group, row) kernel (`replay._window_kernel`); H200,
       f16 master + fp8 copy, batch 256, L 16 (session 36,
-      benchmarks/output_split_h200_session36_*.json): readout 73.9 µs +
-      window 28.7 against the route's 102.1 + weights kernel 7.4, non-flush
-      step 103.9 against 112.2 (f16 checkpoint 160.7 against 162.6); or
+      benchmarks/output_split_h200_session36_e.json): readout 73.8 µs +
+      window 22.4 against the route's 102.1 + weights kernel 7.4,
+      non-flush step 97.4-98.7 against 111.3-111.7, 2.29-2.32x the f16
+      baseline amortized against 2.09-2.10x; or
       "mosaic_gpu": the output route's state read (y0 = S C, checkpoint or
       read copy) by the Mosaic GPU readout kernel
       (`pallas_kernels.mosaic_gpu.readout`, TMA-pipelined), the window

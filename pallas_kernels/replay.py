@@ -26,6 +26,10 @@ programs beside the output items, or, on an f32 checkpoint, the output
 route's own programs folding their flush rows (`_fused_rows_kernel`).
 `ReplayConfig.flush_route="mosaic_gpu"` folds the flush rows with the
 Mosaic GPU kernel (`mosaic_gpu.flush`) before the output route instead.
+`ReplayConfig.output_route="split"` (the default for 8-bit read copies at
+large batch, `default_output_route`) runs the output route as two
+kernels: the tile readout y0 = S C alone (`_readout_kernel`), then the
+window terms, appends and counters per (group, row) (`_window_kernel`).
 
 The checkpoint and the buffers are aliased input->output and only the
 elements named above are stored: a non-flush step never writes the
@@ -1218,11 +1222,14 @@ def default_output_route(config, rstate, interpret: bool
   of two, when no Triton output-route field, output_weights, readout,
   fused_launch=True or the Mosaic flush is set; else "triton".
 
-  H200, f16 master + fp8 copy, batch 256, L 16 (session 36,
-  benchmarks/kernel_policies_h200_session36_split*.md; README "Session
-  36"): non-flush step 103.9 against 112.2 µs, amortized 2.19x the f16
-  baseline against 2.07x. int8 copies and other batches are not
-  measured."""
+  H200, batch 256, L 16 (session 36, benchmarks/kernel_policies_h200_
+  session36_{split,final}.md; benchmarks/README.md "Session 36"), against
+  the Triton route: f16 master + fp8 copy, non-flush step 97.4 / 98.7
+  against 111.3 / 111.7 µs, amortized 2.32x / 2.29x the f16 baseline
+  against 2.10x / 2.09x; f32 + fp8 1.85x against 1.71x; f32 + int8 1.76x
+  against 1.29x. The plain f16 checkpoint stays on the Triton route
+  (160.7 against 162.6 µs non-flush, within a run's spread); other
+  batches are not measured."""
   del interpret  # (the other defaults' signature)
   if config.output_route is not None:
     return config
