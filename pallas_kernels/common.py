@@ -207,8 +207,9 @@ class ReplayConfig(_LaunchConfig):
       summed, so reduction fusions); "pallas": by one small kernel on a
       (group, row) grid (`replay.output_weights_kernel`; L, heads per
       group and dstate powers of two); False: in the route; None:
-      `replay.default_output_weights` ("pallas" with the route at 64
-      registers for an 8-bit read copy at batch x heads >= 256 x 128,
+      `replay.default_output_weights` (on the Triton output route:
+      "pallas" with the route at 64 registers for an 8-bit read copy at
+      batch x heads >= 256 x 128, which the split route takes by default,
       else False). H200, f16 master + fp8 copy, batch 256, L 16 (session
       35, benchmarks/output_split_h200_session35*.json): the route kernel
       111.4 µs against 113.0, XLA's weights ~15 µs more per step; with
@@ -218,8 +219,8 @@ class ReplayConfig(_LaunchConfig):
       per-program B.C products, window weights and their reductions come
       before the readout in the route's SASS and hold ~36% of its
       instructions (1253 per warp) in a launch that issues on 74% of its
-      cycles. Not with precompute_bc, fused_launch or the Mosaic output
-      route.
+      cycles. Not with precompute_bc, fused_launch or the Mosaic or split
+      output routes (the split route's window kernel forms them itself).
     output_all_rows: the output kernel computes y for flush rows too (the
       output-only formula holds for every row), so its checkpoint read does
       not wait on the row's counter; flush rows then read their checkpoint

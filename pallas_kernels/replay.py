@@ -1210,7 +1210,7 @@ _OUTPUT_FIELDS = ("block_p", "num_warps", "heads_per_program", "precompute_bc",
 # The smallest (row, head) count at which an 8-bit read copy's output route
 # is split (or, on the Triton route, takes its window weights from the
 # weights kernel): the measured size.
-_WEIGHTS_MIN_PAIRS = 256 * 128
+_COPY8_MIN_PAIRS = 256 * 128
 _WEIGHTS_MAX_REGISTERS = 64
 
 
@@ -1235,7 +1235,7 @@ def default_output_route(config, rstate, interpret: bool
     return config
   pick = (rstate.read_copy is not None
           and jnp.dtype(rstate.read_copy.dtype).itemsize == 1
-          and rstate.count.shape[0] * rstate.nheads >= _WEIGHTS_MIN_PAIRS
+          and rstate.count.shape[0] * rstate.nheads >= _COPY8_MIN_PAIRS
           and _weights_kernel_problem(rstate) is None
           and config.output_weights is None and config.readout == "reduce"
           and config.fused_launch is not True
@@ -1266,7 +1266,7 @@ def default_output_weights(config, rstate, interpret: bool
     return config
   pick = (rstate.read_copy is not None
           and jnp.dtype(rstate.read_copy.dtype).itemsize == 1
-          and rstate.count.shape[0] * rstate.nheads >= _WEIGHTS_MIN_PAIRS
+          and rstate.count.shape[0] * rstate.nheads >= _COPY8_MIN_PAIRS
           and config.output_route in (None, "triton")
           and config.readout == "reduce"
           and config.fused_launch is not True

@@ -1423,6 +1423,15 @@ def _abstract_state(batch=256, copy=jnp.float8_e4m3fn, h=128, g=8, L=16):
       read_scale=None if copy is None else sds((batch, h, p), jnp.float32))
 
 
+def _states_off_the_8bit_defaults():
+  """(state, default config) pairs that no 8-bit-copy default takes: too
+  few (row, head) pairs, a 16-bit or no read copy, 12 heads per group."""
+  state = _abstract_state
+  return [(rstate, pk.ReplayConfig()) for rstate in (
+      state(batch=128), state(copy=jnp.bfloat16), state(copy=None),
+      state(h=96, g=8))]
+
+
 def test_default_output_route_where_measured_faster():
   """ReplayConfig(output_route=None) resolves to the split route only for
   an 8-bit read copy at >= 256 x 128 (row, head) pairs with power-of-two
@@ -1434,16 +1443,12 @@ def test_default_output_route_where_measured_faster():
   assert resolve(pk.ReplayConfig(), state(), False).output_route == "split"
   assert resolve(pk.ReplayConfig(), state(batch=512, copy=jnp.int8),
                  False).output_route == "split"
-  for rstate, config in (
-      (state(batch=128), pk.ReplayConfig()),
-      (state(copy=jnp.bfloat16), pk.ReplayConfig()),
-      (state(copy=None), pk.ReplayConfig()),
-      (state(h=96, g=8), pk.ReplayConfig()),  # 12 heads per group
+  for rstate, config in _states_off_the_8bit_defaults() + [
       (state(), pk.ReplayConfig(max_registers=96)),
       (state(), pk.ReplayConfig(output_weights="pallas")),
       (state(), pk.ReplayConfig(readout="dot")),
       (state(), pk.ReplayConfig(fused_launch=True)),
-      (state(), pk.ReplayConfig(flush_route="mosaic_gpu"))):
+      (state(), pk.ReplayConfig(flush_route="mosaic_gpu"))]:
     got = resolve(config, rstate, False)
     assert got.output_route == "triton", (rstate.count.shape, config)
   for explicit in ("triton", "split", "mosaic_gpu"):
@@ -1463,16 +1468,12 @@ def test_default_output_weights_where_measured_faster():
   assert (got.output_weights, got.max_registers) == ("pallas", 64)
   assert resolve(pk.ReplayConfig(), state(batch=512, copy=jnp.int8),
                  False).output_weights == "pallas"
-  for rstate, config in (
-      (state(batch=128), pk.ReplayConfig()),
-      (state(copy=jnp.bfloat16), pk.ReplayConfig()),
-      (state(copy=None), pk.ReplayConfig()),
-      (state(h=96, g=8), pk.ReplayConfig()),  # 12 heads per group
+  for rstate, config in _states_off_the_8bit_defaults() + [
       (state(), pk.ReplayConfig(max_registers=96)),
       (state(), pk.ReplayConfig(heads_per_program=2)),
       (state(), pk.ReplayConfig(readout="dot")),
       (state(), pk.ReplayConfig(output_route="split")),
-      (state(), pk.ReplayConfig(output_route="mosaic_gpu"))):
+      (state(), pk.ReplayConfig(output_route="mosaic_gpu"))]:
     got = resolve(config, rstate, False)
     assert got.output_weights is False, (rstate.count.shape, config)
     assert got.max_registers == config.max_registers

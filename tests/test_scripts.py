@@ -25,13 +25,32 @@ def test_output_split_tiny(tmp_path):
   reference on an f16 master + fp8 copy state, then traced."""
   out = tmp_path / "output_split.json"
   _run("output_split.py", "--tiny", "--buffer_len", "4", "--fill", "1",
-       "--variants", "default,dot,xw_dot,reference", "--out", str(out))
+       "--variants", "default,dot,xw_dot,split_h2,reference", "--out",
+       str(out))
   res = json.loads(out.read_text())
   assert res["shape"]["policy"] == "f16+fp8"
-  assert list(res["variants"]) == ["default", "dot", "xw_dot", "reference"]
+  assert list(res["variants"]) == ["default", "dot", "xw_dot", "split_h2",
+                                   "reference"]
   for name, r in res["variants"].items():
     assert r["check"] == "PASS", (name, r.get("error"))
     assert r["device_us_per_step"] > 0 and r["top"]
+  # A variant's kernel launch reaches the module (and is reset after it).
+  assert res["variants"]["split_h2"]["window_launch"]["heads"] == 2
+  assert res["variants"]["reference"]["window_launch"]["heads"] is None
+
+
+def test_readout_probe_tiny(tmp_path):
+  """The bare readouts (Triton, Mosaic GPU in interpret mode) checked
+  against an f32 einsum, then traced."""
+  out = tmp_path / "readout_probe.json"
+  _run("readout_probe.py", "--tiny", "--dtypes", "float8_e4m3fn",
+       "--mosaic", "2x2", "--out", str(out))
+  runs = json.loads(out.read_text())["runs"]
+  assert set(runs) == {f"float8_e4m3fn:{v}"
+                       for v in ("triton_w2", "triton_w4", "mosaic_2x2")}
+  for name, r in runs.items():
+    assert "error" not in r, (name, r.get("error"))
+    assert r["max_rel_err"] < 1e-5 and r["us_per_call"] > 0, name
 
 
 def test_verify_sweep_tiny(tmp_path):

@@ -41,6 +41,9 @@ import variant_loop  # benchmarks/scripts (the script's own folder)
 # 111.4 (+ ~15 µs of XLA), xw_cap64 101.8-103.9, xwk_cap64 102.1 (+ 7.3 µs
 # weights kernel; the default for 8-bit copies since), dot 150.8, cap64
 # 136.4, hp2_pf 145.9, bp32 170.4, fma_c32 143.8.
+# Session 36: "default" is the split output route for this state since
+# 437dc83 ("triton" the single route with the weights kernel): non-flush
+# readout 73.8 + window 22.4 µs against route 102.1 + weights 7.4.
 VARIANTS = {
     "default": {},
     "triton": dict(output_route="triton"),
