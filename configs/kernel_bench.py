@@ -555,8 +555,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # cap of 120 at 4 warps (4 programs per SM) took it to 504 (128: 546,
     # 168: 561), the default since; 96 (5 per SM) 669. The split output
     # route (a readout kernel, then a (group, row) window kernel): f16 +
-    # fp8 non-flush 103.9 against 112.2 µs, 2.19x against 2.07x amortized,
-    # the default for 8-bit copies since (replay.default_output_route).
+    # fp8 non-flush 97.4-98.7 against 111.3-111.7 µs, 2.29-2.32x against
+    # 2.09-2.10x amortized (kernel_policies_h200_session36_{split,final}
+    # .md), the default for 8-bit copies since
+    # (replay.default_output_route).
     # Beside it now: the Triton route (the default before).
     config.replay_variants = ml_collections.ConfigDict(dict(
         triton=dict(output_route="triton")))

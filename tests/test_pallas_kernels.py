@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import re
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -1505,8 +1504,8 @@ def test_weights_kernel_launches_match_xla(launch):
                                                **launch)
   rows = (counts != L - 1) if launch.get("skip_flush") else np.ones(b, bool)
   for name, w, v in zip(("k", "decay", "dt'"), want, got):
-    chex.assert_trees_all_close(np.asarray(v)[rows], np.asarray(w)[rows],
-                                rtol=1e-5, atol=1e-6, custom_message=name)
+    testing.assert_close(np.asarray(v)[rows], np.asarray(w)[rows],
+                         testing.tolerance(jnp.float32), name)
   _lower_for_cuda(
       lambda *a: pk.replay_kernel.output_weights_kernel(
           *a, dt_softplus=True, **launch), *args[:-1])

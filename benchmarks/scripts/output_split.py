@@ -76,13 +76,13 @@ VARIANTS = {
     "xwk_cap64_fma_c32": dict(output_weights="pallas", max_registers=64,
                               readout_chunk=32, readout_fma=True),
     # The weights kernel's launch (replay.WEIGHTS_LAUNCH, set per variant
-    # by LAUNCH below) on the default config. Session 36 (non-flush
+    # by LAUNCH below) on the Triton route. Session 36 (non-flush
     # / all-rows flush step, weights kernel alone): masked loads 7.3 / 9.0
     # µs, skipping flush rows (the default since) - / 2.2, unmasked 8.1 /
     # -, unmasked skipping 8.5 / -, unmasked at 4 warps 11.5 / -.
-    "wk_noskip": {},
-    "wk_unmasked": {},
-    "wk_unmasked_w4": {},
+    "wk_noskip": dict(output_route="triton"),
+    "wk_unmasked": dict(output_route="triton"),
+    "wk_unmasked_w4": dict(output_route="triton"),
     # Fewer output programs (the flush step's programs exit at once, 20.7
     # µs for 32768): two heads' tiles per program, at the default's 64
     # registers. Session 36, 4 warps with both tiles loaded first: the

@@ -37,7 +37,7 @@
 #   bash benchmarks/scripts/run_h200.sh ncu_verify # Nsight Compute on the verify window kernel (default and the pre-session-8 default)
 #   bash benchmarks/scripts/run_h200.sh ncu_flush  # Nsight Compute on the flush route with every row folding (f16 checkpoint, b 256, L 16): stall reasons, instruction mix, source counters (1.5 min, session 11: it profiles one launch; with two, the second failed and the GPU stayed out of memory for the next part)
 #   bash benchmarks/scripts/run_h200.sh ncu_flush_grids  # Nsight Compute of the f32 all-rows flush: persistent grid, rows grid, one launch on the output grid (3 min in session 19)
-#   bash benchmarks/scripts/run_h200.sh ncu_flush_fp8 [config_json]  # Nsight Compute on the f16 master + fp8 copy flush route, every row folding (b 256, L 16; not yet run)
+#   bash benchmarks/scripts/run_h200.sh ncu_flush_fp8 [config_json]  # Nsight Compute on the f16 master + fp8 copy flush route, every row folding (b 256, L 16; ~80 s in session 36)
 #   bash benchmarks/scripts/run_h200.sh ncu_b1     # Nsight Compute at batch 1 (f16, no row folding): the baseline step and the fused replay step
 #   bash benchmarks/scripts/run_h200.sh ncu_sass   # per-instruction SASS counters (ncu source page, CSV): the verify window kernel at b 512, the f16 + fp8 output route at b 256 (session 34)
 #   bash benchmarks/scripts/run_h200.sh ncu_fp8    # Nsight Compute of the output route at batch 256 (no row folding): plain f16 checkpoint vs f16 master + fp8 copy (2.2 min in session 17)
