@@ -138,6 +138,18 @@ class _Program:
                                               unmasked=unmasked))
 
 
+def _window_load(ref, hist, shape, unmasked=False):
+  """A buffer window [L, ...] (ref, of that shape) in f32: the filled
+  slots (hist [L] bool), zeros past them; unmasked: every slot loaded and
+  the unfilled ones zeroed after (the load does not wait on the
+  counter)."""
+  m = jnp.broadcast_to(hist.reshape(hist.shape + (1,) * (len(shape) - 1)),
+                       shape)
+  if unmasked:
+    return jnp.where(m, plgpu.load(ref).astype(F32), 0.0)
+  return plgpu.load(ref, mask=m, other=0.0).astype(F32)
+
+
 def _unpack(refs, n_in, n_out, has_D, has_z, has_bias):
   it = iter(refs)
   ins = [next(it) for _ in range(n_in)]
@@ -199,12 +211,7 @@ def _output_route(p, ins, opt, outs, *, all_rows, precomputed_bc, scaled,
   (`ReplayConfig.readout_fma`)."""
 
   def hist_load(ref, shape):
-    """A buffer window [L, ...] f32: the filled slots, zeros past them."""
-    m = jnp.broadcast_to(p.hist.reshape((p.L,) + (1,) * (len(shape) - 1)),
-                         shape)
-    if unmasked:
-      return jnp.where(m, plgpu.load(ref).astype(F32), 0.0)
-    return plgpu.load(ref, mask=m, other=0.0).astype(F32)
+    return _window_load(ref, p.hist, shape, unmasked)
 
   d_ref, z_ref, _ = opt
   ck_ref, xb_ref, bb_ref, dtb_ref, _, x_ref, _, _, b_ref = ins[:9]
@@ -808,8 +815,9 @@ def _window_kernel(cnt_ref, xb_ref, bb_ref, dtb_ref, x_ref, dt_ref, a_ref,
   (x, dt' and, in the group's first program, B) at slot c and, in the
   row's first program, its new counter. Rows that flush are left to the
   flush route (y unset, no append)."""
-  d_ref, z_ref, bias_ref, rest = _optional(rest, has_D, has_z, has_bias)
-  y_out, xb_out, bb_out, dtb_out, cnt_out = rest
+  _, (d_ref, z_ref, bias_ref), outs = _unpack(rest, 0, 5, has_D, has_z,
+                                              has_bias)
+  y_out, xb_out, bb_out, dtb_out, cnt_out = outs
   g, q, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   L = buffer_len
   c = cnt_ref[b].astype(jnp.int32)
@@ -838,21 +846,17 @@ def _window_kernel(cnt_ref, xb_ref, bb_ref, dtb_ref, x_ref, dt_ref, a_ref,
 
   @pl.when(jnp.logical_not(flush))
   def _route():
-    def window(ref, shape):  # the buffered slots, zeros past them
-      m = jnp.broadcast_to(hist.reshape((L,) + (1,) * (len(shape) - 1)),
-                           shape)
-      return plgpu.load(ref, mask=m, other=0.0)
-
     k, decay, d_cur, bc_cur = _group_weights(
-        j, c, cv, window(bb_ref.at[b, :, g, :], (L, cv.shape[0])), b_in,
-        window(dtb_ref.at[b, :, hs], (L, heads)), dt_in, bias, a,
-        dt_softplus)
+        j, c, cv, _window_load(bb_ref.at[b, :, g, :], hist,
+                               (L, cv.shape[0])), b_in,
+        _window_load(dtb_ref.at[b, :, hs], hist, (L, heads)), dt_in, bias,
+        a, dt_softplus)
     x_cur = x_in.astype(F32)
-    x_hist = window(xb_ref.at[b, :, hs, :], (L,) + x_in.shape)
+    x_hist = _window_load(xb_ref.at[b, :, hs, :], hist, (L,) + x_in.shape)
     # The current token's term on its own (its slot of x_hist is zero): k
     # at slot c is d' (B.C), its suffix sum being 0.
     y = (decay[:, None] * y0 + (d_cur * bc_cur)[:, None] * x_cur
-         + jnp.sum(k[:, :, None] * x_hist.astype(F32), axis=0))
+         + jnp.sum(k[:, :, None] * x_hist, axis=0))
     y = common.finish_output(y, x_cur, d_vec, z)
     y_out[b, hs, :] = jnp.where(valid, y, jnp.nan).astype(y_out.dtype)
 
@@ -864,13 +868,6 @@ def _window_kernel(cnt_ref, xb_ref, bb_ref, dtb_ref, x_ref, dt_ref, a_ref,
     @pl.when(appends & (q == 0))
     def _append_b():
       bb_out[b, c, g, :] = b_in.astype(bb_out.dtype)
-
-
-def _optional(refs, *flags):
-  """(one ref or None per flag, then the refs after them)."""
-  refs = list(refs)
-  picked = [refs.pop(0) if f else None for f in flags]
-  return (*picked, refs)
 
 
 # The split output route's launches (`ReplayConfig(output_route="split")`).
@@ -1214,6 +1211,20 @@ _COPY8_MIN_PAIRS = 256 * 128
 _WEIGHTS_MAX_REGISTERS = 64
 
 
+def _copy8_default(config, rstate) -> bool:
+  """Whether an 8-bit read copy's output-route defaults may apply: such a
+  copy at >= _COPY8_MIN_PAIRS (row, head) pairs with power-of-two window
+  blocks, no Triton output-route field, the "reduce" readout and no
+  fused_launch=True."""
+  return (rstate.read_copy is not None
+          and jnp.dtype(rstate.read_copy.dtype).itemsize == 1
+          and rstate.count.shape[0] * rstate.nheads >= _COPY8_MIN_PAIRS
+          and _weights_kernel_problem(rstate) is None
+          and config.readout == "reduce"
+          and config.fused_launch is not True
+          and not any(getattr(config, f) for f in _OUTPUT_FIELDS))
+
+
 def default_output_route(config, rstate, interpret: bool
                          ) -> common.ReplayConfig:
   """`config` with `output_route` resolved (None: the default): "split"
@@ -1233,14 +1244,8 @@ def default_output_route(config, rstate, interpret: bool
   del interpret  # (the other defaults' signature)
   if config.output_route is not None:
     return config
-  pick = (rstate.read_copy is not None
-          and jnp.dtype(rstate.read_copy.dtype).itemsize == 1
-          and rstate.count.shape[0] * rstate.nheads >= _COPY8_MIN_PAIRS
-          and _weights_kernel_problem(rstate) is None
-          and config.output_weights is None and config.readout == "reduce"
-          and config.fused_launch is not True
-          and config.flush_route != "mosaic_gpu"
-          and not any(getattr(config, f) for f in _OUTPUT_FIELDS))
+  pick = (_copy8_default(config, rstate) and config.output_weights is None
+          and config.flush_route != "mosaic_gpu")
   return dataclasses.replace(config,
                              output_route="split" if pick else "triton")
 
@@ -1264,14 +1269,8 @@ def default_output_weights(config, rstate, interpret: bool
   measured."""
   if config.output_weights is not None:
     return config
-  pick = (rstate.read_copy is not None
-          and jnp.dtype(rstate.read_copy.dtype).itemsize == 1
-          and rstate.count.shape[0] * rstate.nheads >= _COPY8_MIN_PAIRS
+  pick = (_copy8_default(config, rstate)
           and config.output_route in (None, "triton")
-          and config.readout == "reduce"
-          and config.fused_launch is not True
-          and not any(getattr(config, f) for f in _OUTPUT_FIELDS)
-          and _weights_kernel_problem(rstate) is None
           and (interpret or common.register_caps_supported()))
   if not pick:
     return dataclasses.replace(config, output_weights=False)
@@ -1400,11 +1399,7 @@ def _weights_kernel(cnt_ref, bb_ref, dtb_ref, b_ref, c_ref, dt_ref, a_ref,
   hs = pl.ds(g * per_group, per_group)
 
   def window(ref, shape):
-    """The buffered slots of a window [L, ...] f32, zeros past them."""
-    m = jnp.broadcast_to(hist[:, None], shape)
-    if unmasked:
-      return jnp.where(m, plgpu.load(ref).astype(F32), 0.0)
-    return plgpu.load(ref, mask=m, other=0.0).astype(F32)
+    return _window_load(ref, hist, shape, unmasked)
 
   def weights():
     cv = c_ref[b, g, :].astype(F32)  # [N]
