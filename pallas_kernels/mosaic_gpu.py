@@ -306,9 +306,9 @@ def _fold_dot(s, xb_ref, bb_ref, weights, pieces, interpret):
   [P, L] x [L, N] tensor-core product (WGMMA): the weighted x^T is built
   in registers (WGMMA layout; column t from the row-layout load of x_t),
   split into bf16 pieces, against the B buffer tile in SMEM (bf16, exact).
-  Slot L-1 (stale in a flush row's buffer) gets weight 0: it must hold a
-  finite value (0 x inf is NaN): a new state's buffers are zeros and
-  later writes are model inputs."""
+  Slot L-1 (stale in every row's buffer) gets weight 0: it must hold a
+  finite value (0 x inf is NaN), which `replay.replay_state_update`
+  ensures by zeroing it before the launch."""
   load, tile = _loader(interpret), plgpu.Layout.WGMMA
   shape_a = (xb_ref.shape[1], xb_ref.shape[0])  # [P, L]
   col = jax.lax.broadcasted_iota(jnp.int32, shape_a, 1)

@@ -1646,11 +1646,22 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
           "flush_route='mosaic_gpu' folds plain states only, not a read "
           "copy or stochastic rounding (a precision policy); use "
           "flush_route='triton'.")
+    fold_pieces = _MOSAIC_FOLDS.get(config.flush_fold)
+    if fold_pieces is None:
+      fold_pieces = mosaic_gpu.default_fold_pieces(rstate.checkpoint.dtype,
+                                                   rstate.buffer_len)
+    if fold_pieces:
+      # The tensor-core fold runs over all L slots of the B buffer with
+      # weight 0 at slot L-1, which no row ever holds history in (count <
+      # L): zero that stale slot first (0 x inf is NaN). In place, on the
+      # array the output route then appends to: one [batch, ngroups,
+      # dstate] write.
+      state_in[2] = rstate.b_buf.at[:, -1].set(0)
     y_part, ck = mosaic_gpu.flush(
-        rstate.checkpoint, rstate.x_buf, rstate.b_buf, rstate.dt_buf,
+        rstate.checkpoint, rstate.x_buf, state_in[2], rstate.dt_buf,
         rstate.count, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
         interpret=interpret,
-        fold_pieces=_MOSAIC_FOLDS.get(config.flush_fold),
+        fold_pieces=fold_pieces,
         store_from_input=config.flush_store_from_input,
         num_ctas=(config.flush_programs
                   or 2 * getattr(jax.devices()[0], "core_count", 132)

@@ -347,7 +347,9 @@ def _window_outputs_from_weights(p, refs, readouts, win_refs, bias, hist, bc,
     ys.append(
         decay * readouts[s]
         + jnp.sum((w_hist * bc_hist)[:, None] * x_hist, axis=0)
-        + jnp.sum((w_win * bc_win)[:, None] * xw, axis=0))
+        # Later positions (i > s) selected away: they may hold anything.
+        + jnp.sum(jnp.where((jw <= s)[:, None],
+                            (w_win * bc_win)[:, None] * xw, 0.0), axis=0))
   return ys
 
 

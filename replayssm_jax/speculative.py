@@ -94,12 +94,17 @@ def replay_verify(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
     raise TypeError(f"rstate must be a ReplayState, got "
                     f"{type(rstate).__name__}.")
   rstate.validate("rstate")
-  _check_window(rstate, x, dt, A, B, C, D, z, dt_bias)
+  if rstate.pending_window is not None:
+    raise ValueError(
+        f"rstate holds a pending window of {rstate.pending_window} tokens "
+        f"from replay_verify; replay_commit it before the next verify.")
+  T = _check_window(rstate, x, dt, A, B, C, D, z, dt_bias)
   from replayssm_jax import ops  # pylint: disable=g-import-not-at-top
   args = dict(rstate=rstate, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z,
               dt_bias=dt_bias, dt_softplus=bool(dt_softplus),
               **ops.policy_args(rstate, policy, layer))
-  return ops.dispatch("replay_verify", implementation, config, args)
+  y, pending = ops.dispatch("replay_verify", implementation, config, args)
+  return y, pending.replace(pending_window=T)
 
 
 def replay_verify_reference(rstate, x, dt, A, B, C, D=None, z=None,
@@ -185,16 +190,20 @@ def verify_terms(x_buf, b_buf, dt_buf, base, x, B, d_win, C, A,
   L, T, h = x_buf.shape[1], x.shape[1], x.shape[2]
   a = A.astype(F32)
   hist = jnp.arange(L)[None, :] < base[:, None]  # [b, L]
+  # Stale slots (>= base) are selected away before any product: their
+  # contents may be anything (a rejected draft's inf, NaN), and a zero
+  # weight times inf is NaN.
   dh = jnp.where(hist[..., None], dt_buf.astype(F32), 0.0)  # [b, L, h]
+  x_buf = jnp.where(hist[..., None, None], x_buf, jnp.zeros((), x_buf.dtype))
+  b_buf = jnp.where(hist[..., None, None], b_buf, jnp.zeros((), b_buf.dtype))
   lam_h = jnp.cumsum(dh, axis=1) * a  # [b, L, h]
   lam_w = jnp.cumsum(d_win.astype(F32), axis=1) * a  # [b, T, h]
   lam = lam_h[:, -1:] + lam_w  # [b, T(s), h]: log-decay over slots <= s
   w_hist = dh[:, None] * jnp.exp(lam[:, :, None] - lam_h[:, None])
   causal = (jnp.arange(T)[:, None] >= jnp.arange(T)[None, :])[None, :, :,
                                                              None]
-  w_win = jnp.where(  # [b, T(s), T(i), h]
-      causal, d_win.astype(F32)[:, None] * jnp.exp(jnp.where(
-          causal, lam_w[:, :, None] - lam_w[:, None], 0.0)), 0.0)
+  w_win = d_win.astype(F32)[:, None] * jnp.exp(jnp.where(  # [b, T(s), T(i), h]
+      causal, lam_w[:, :, None] - lam_w[:, None], 0.0))
   # B.C products in [b, T(s), slot, h] (head h reads its group's).
   to_heads = lambda v: heads_from_groups(  # noqa: E731
       jnp.transpose(v, (0, 3, 2, 1)), h, axis=3)
@@ -203,10 +212,12 @@ def verify_terms(x_buf, b_buf, dt_buf, base, x, B, d_win, C, A,
   # The position's own token (i = s) with its B as given.
   bc_win = jnp.where(own, bc_own[:, :, None, :], bc_win)
   own = own[None, :, :, None]
-  k_win = w_win * to_heads(bc_win)  # [b, T(s), T(i), h]
+  # Later window tokens (i > s) are selected away after the products:
+  # position s must not see them, whatever they hold.
+  k_win = jnp.where(causal, w_win * to_heads(bc_win), 0.0)  # [b, T(s), T(i), h]
   f = lambda v: v.astype(F32)  # noqa: E731
   k_hist = w_hist * to_heads(bc_hist)  # [b, T(s), L, h]
-  k_prev = jnp.where(own, 0.0, k_win)
+  earlier = causal & ~own
   x_prev = f(x.astype(x_buf.dtype))
   if form == "reduce":
     def weigh(k, v):  # [b, s, j, h] x [b, j, h, p] -> [b, s, h, p]
@@ -214,7 +225,10 @@ def verify_terms(x_buf, b_buf, dt_buf, base, x, B, d_win, C, A,
   else:
     def weigh(k, v):
       return jnp.einsum("bsjh,bjhp->bshp", k, v, precision=HIGHEST)
-  extra = (weigh(k_hist, f(x_buf)) + weigh(k_prev, x_prev)
+  # The window's earlier tokens: a select per (s, i) pair, T x T is small.
+  prev = jnp.sum(jnp.where(earlier[..., None], k_win[..., None]
+                           * x_prev[:, None], 0.0), axis=2)
+  extra = (weigh(k_hist, f(x_buf)) + prev
            + jnp.einsum("bssh->bsh", k_win)[..., None] * f(x))
   return jnp.exp(lam), extra
 
@@ -259,15 +273,17 @@ def verify_bc(b_buf, B, C, form: str = "dot"):
   return hist, win, own
 
 
-def replay_commit(rstate: ReplayState, num_accepted, window: int):
+def replay_commit(rstate: ReplayState, num_accepted,
+                  window: int | None = None):
   """Makes the first num_accepted window tokens of each row history.
 
   Args:
-    rstate: the state returned by `replay_verify` for a window of `window`
-      tokens.
-    num_accepted: [batch] int32 in [1, window]: accepted tokens per row,
+    rstate: the state returned by `replay_verify` (it carries its window
+      length T as `pending_window`; a committed state is refused).
+    num_accepted: [batch] int32 in [1, T]: accepted tokens per row,
       counting the window's first (already sampled) token.
-    window: T.
+    window: optional, T again (checked against the state's: a mismatch is
+      an error).
 
   Returns:
     The state with count advanced (rollback of the rest is implicit: their
@@ -279,18 +295,27 @@ def replay_commit(rstate: ReplayState, num_accepted, window: int):
   if not isinstance(rstate, ReplayState):
     raise TypeError(f"rstate must be a ReplayState, got "
                     f"{type(rstate).__name__}.")
-  if not isinstance(window, (int, np.integer)) or window < 1:
-    raise ValueError(f"window must be an int >= 1, got {window!r}.")
-  if rstate.buffer_len <= window:
-    raise ValueError(f"rstate.buffer_len ({rstate.buffer_len}) must exceed "
-                     f"window ({window}).")
+  pending = rstate.pending_window
+  if pending is None:
+    raise ValueError(
+        "rstate has no pending window: replay_commit takes the state "
+        "returned by replay_verify (a committed state has nothing to "
+        "commit).")
+  if window is not None:
+    window = V.index("window", window)
+    if window != pending:
+      raise ValueError(
+          f"window ({window}) does not match the pending window of rstate "
+          f"({pending} tokens, from replay_verify).")
+  window = pending
   V.check_num_accepted(num_accepted, rstate.batch, window)
   n = jnp.asarray(num_accepted, jnp.int32)
   ok = (n >= 1) & (n <= window)
   extra = {} if rstate.step is None else dict(
       step=jnp.where(ok, rstate.step + n, rstate.step).astype(jnp.int32))
   return rstate.replace(
-      count=jnp.where(ok, rstate.count + n, -1).astype(jnp.int32), **extra)
+      count=jnp.where(ok, rstate.count + n, -1).astype(jnp.int32),
+      pending_window=None, **extra)
 
 
 # ------------------------------------------------------------------ baseline

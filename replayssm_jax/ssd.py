@@ -76,8 +76,7 @@ def ssd_chunked_scan(x, dt, A, B, C, chunk_size: int, D=None, z=None,
     (y [batch, seqlen, nheads, headdim] in x.dtype,
      final_state [batch, nheads, headdim, dstate] float32).
   """
-  if not isinstance(chunk_size, int) or chunk_size < 1:
-    raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}.")
+  chunk_size = V.positive_int("chunk_size", chunk_size)
   _check_scan_inputs(x, dt, A, B, C, D, z, dt_bias, initial_state)
   return _ssd_chunked_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias,
                            bool(dt_softplus), initial_state)
@@ -111,11 +110,19 @@ def _ssd_chunked_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus,
   a_cum = jnp.cumsum(a, axis=-1)  # [b, c, h, q]
   dx = d[..., None] * xf  # [b, c, q, h, p]
 
-  # 1. Intra-chunk (diagonal blocks).
+  # 1. Intra-chunk (diagonal blocks). Position i must not see a later
+  # token j > i of its chunk whatever that token holds (a right-padded
+  # prompt's pad, an overflow): the causal mask selects the weights, and a
+  # non-finite dx_j enters the product as 0 and then makes positions >= j
+  # NaN directly (a zero weight times inf or NaN would poison them all).
+  causal = jnp.tril(jnp.ones((q, q), bool))
   decay_ij = jnp.exp(_segsum(a))  # [b, c, h, i, j]
   cb = jnp.einsum("bcihn,bcjhn->bchij", ch, bh, precision=HIGHEST)
-  y_diag = jnp.einsum("bchij,bcjhp->bcihp", decay_ij * cb, dx,
-                      precision=HIGHEST)
+  bad = ~jnp.isfinite(dx)  # [b, c, q, h, p]
+  y_diag = jnp.einsum("bchij,bcjhp->bcihp",
+                      jnp.where(causal, decay_ij * cb, 0.0),
+                      jnp.where(bad, 0.0, dx), precision=HIGHEST)
+  y_diag = jnp.where(jnp.cumsum(bad, axis=2) > 0, jnp.nan, y_diag)
 
   # 2. State contributed by each chunk, as of the chunk's end.
   decay_to_end = jnp.exp(a_cum[..., -1:] - a_cum)  # [b, c, h, q]

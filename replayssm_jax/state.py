@@ -26,7 +26,12 @@ states without them are the original five-leaf pytree):
               the row (keys stochastic rounding; advanced by every step)
 
 Row r holds `count[r]` buffered tokens in slots [0, count[r]); the contents of
-slots >= count[r] are stale and never read.
+slots >= count[r] are stale and never read (they may hold anything, inf and
+NaN included: every implementation selects them away).
+
+`pending_window` (static pytree metadata, not a leaf) is None for a
+committed state and T for the state `replay_verify` returns, whose T window
+tokens wait behind the committed history for `replay_commit`.
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ class ReplayState:
   read_scale: jax.Array | None = None  # [batch, nheads, headdim] float32
   row_id: jax.Array | None = None  # [batch] int32
   step: jax.Array | None = None  # [batch] int32
+  pending_window: int | None = dataclasses.field(
+      default=None, metadata=dict(static=True))
 
   # ---------------------------------------------------------------- shapes
   @property
@@ -97,11 +104,10 @@ class ReplayState:
         read_dtype and row_id/step counters if it rounds stochastically.
       row_id, step: see `from_ssm_state`.
     """
-    for name, v in (("batch", batch), ("nheads", nheads),
-                    ("headdim", headdim), ("dstate", dstate),
-                    ("ngroups", ngroups)):
-      if not isinstance(v, int) or v < 1:
-        raise ValueError(f"{name} must be a positive int, got {v!r}.")
+    batch, nheads, headdim, dstate, ngroups = (
+        V.positive_int(name, v) for name, v in (
+            ("batch", batch), ("nheads", nheads), ("headdim", headdim),
+            ("dstate", dstate), ("ngroups", ngroups)))
     checkpoint_dtype, buffer_dtype = _resolve_dtypes(
         policy, checkpoint_dtype, buffer_dtype, jnp.float32)
     checkpoint = jnp.zeros((batch, nheads, headdim, dstate),
@@ -149,8 +155,10 @@ class ReplayState:
     ckdt = _state_dtype("checkpoint_dtype", checkpoint_dtype)
     source = jnp.asarray(ssm_state)
     if policy is None:
-      return cls._with_empty_buffer(source.astype(ckdt), ngroups,
-                                    buffer_len, buffer_dtype)
+      # A copy even in the same dtype: the caller's array stays theirs (a
+      # donated decode step would otherwise delete it).
+      return cls._with_empty_buffer(jnp.array(source, ckdt, copy=True),
+                                    ngroups, buffer_len, buffer_dtype)
     # The checkpoint is rounded (maybe stochastically) below, by
     # _with_policy_fields, from the f32 source.
     out = cls._with_empty_buffer(jnp.zeros(source.shape, ckdt), ngroups,
@@ -159,10 +167,8 @@ class ReplayState:
 
   @classmethod
   def _with_empty_buffer(cls, checkpoint, ngroups, buffer_len, buffer_dtype):
-    if not isinstance(buffer_len, int) or buffer_len < 1:
-      raise ValueError(f"buffer_len must be an int >= 1, got {buffer_len!r}.")
-    if not isinstance(ngroups, int):
-      raise ValueError(f"ngroups must be an int, got {ngroups!r}.")
+    buffer_len = V.positive_int("buffer_len", buffer_len)
+    ngroups = V.positive_int("ngroups", ngroups)
     batch, nheads, headdim, dstate = checkpoint.shape
     V.check_groups(nheads, ngroups, where="ngroups")
     bdt = _state_dtype("buffer_dtype", buffer_dtype)
@@ -252,6 +258,11 @@ class ReplayState:
       raise TypeError(f"{name}.count must be int32, got {self.count.dtype}.")
     V.check_count_range(self.count, L, f"{name}.count")
     self._validate_policy_fields(name)
+    w = self.pending_window
+    if w is not None and (isinstance(w, bool) or not isinstance(w, int)
+                          or not 1 <= w < L):
+      raise ValueError(f"{name}.pending_window must be None or an int in "
+                       f"[1, buffer_len = {L}), got {w!r}.")
     return self
 
   def _validate_policy_fields(self, name):

@@ -155,8 +155,10 @@ def random_replay_state(key, batch: int, nheads: int, headdim: int,
     (rstate, full_state): full_state [batch, nheads, headdim, dstate] f32 is
     the checkpoint advanced over each row's buffered tokens one token at a
     time with the *baseline* step (rows stop after their own count).
-    Buffer slots past a row's count are filled with large junk so that a
-    kernel reading them would be caught.
+    Buffer slots past a row's count are poisoned (x NaN, B inf, dt NaN),
+    as a rejected draft or a reused slot can leave them: an implementation
+    that reads them, or weighs them by zero instead of selecting them away
+    (0 * inf = NaN), gives non-finite outputs.
   """
   counts = np.asarray(counts, np.int32)
   if counts.shape != (batch,):
@@ -169,9 +171,11 @@ def random_replay_state(key, batch: int, nheads: int, headdim: int,
   b_buf = jax.random.normal(kb, (batch, L, ngroups, dstate), jnp.float32)
   dt_buf = jax.random.uniform(kd, (batch, L, nheads), jnp.float32, 0.01, 0.5)
   stale = jnp.arange(L)[None, :] >= jnp.asarray(counts)[:, None]  # [b, L]
-  x_buf = jnp.where(stale[..., None, None], 1e4, x_buf).astype(buffer_dtype)
-  b_buf = jnp.where(stale[..., None, None], -1e4, b_buf).astype(buffer_dtype)
-  dt_buf = jnp.where(stale[..., None], 50.0, dt_buf)
+  x_buf = jnp.where(stale[..., None, None], jnp.nan,
+                    x_buf).astype(buffer_dtype)
+  b_buf = jnp.where(stale[..., None, None], jnp.inf,
+                    b_buf).astype(buffer_dtype)
+  dt_buf = jnp.where(stale[..., None], jnp.nan, dt_buf)
   rstate = ReplayState(checkpoint=checkpoint, x_buf=x_buf, b_buf=b_buf,
                        dt_buf=dt_buf, count=jnp.asarray(counts))
 

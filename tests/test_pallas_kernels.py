@@ -246,7 +246,9 @@ def test_replay_kernel_step(config, ckpt_dtype, buffer_len):
                        testing.tolerance("bfloat16", ckpt_dtype),
                        "flushed checkpoint")
   # Buffers: the appended slot of non-flush rows equals the reference's;
-  # every other slot is bit-identical to the input.
+  # every other slot is bit-identical to the input, but for the B buffer's
+  # last slot, which no row holds history in (count < L) and which the
+  # Mosaic tensor-core flush zeroes.
   for name in ("x_buf", "b_buf", "dt_buf"):
     new, ref, old = (np.asarray(getattr(s, name)) for s in (r, r_ref, rstate))
     for row in range(DIMS.batch):
@@ -254,6 +256,9 @@ def test_replay_kernel_step(config, ckpt_dtype, buffer_len):
         if slot == counts[row] and not flush[row]:
           np.testing.assert_array_equal(new[row, slot], ref[row, slot],
                                         err_msg=f"{name} appended slot")
+        elif (name == "b_buf" and slot == buffer_len - 1
+              and not np.any(new[row, slot])):
+          continue
         else:
           np.testing.assert_array_equal(
               harness.bits(new[row, slot]), harness.bits(old[row, slot]),
@@ -389,7 +394,10 @@ def test_replay_kernel_out_of_range_count_under_jit():
   bounds nor resume silently. Bad rows output NaN, keep their count and
   leave their buffers and checkpoint untouched; other rows are unaffected."""
   L = 4
-  params, tok, rstate, _ = _mixed_state("float32", L, 61)
+  # Every row's slots 0..L-2 filled, so the good rows' counts read no stale
+  # (poisoned) slot.
+  params, tok, rstate, _ = _mixed_state("float32", L, 61,
+                                        flush_rows=range(DIMS.batch))
   bad = rstate.replace(count=jnp.asarray([-1, L, 0, 2, 3], jnp.int32))
   step = jax.jit(lambda r, impl: rs.replay_state_update(
       r, **tok, **params, dt_softplus=True, implementation=impl),

@@ -174,8 +174,20 @@ def test_capacity_and_bad_inputs():
     rs.replay_commit(pending, jnp.ones(4), 2)
   with pytest.raises(ValueError, match=r"num_accepted must have shape"):
     rs.replay_commit(pending, jnp.ones(3, jnp.int32), 2)
-  with pytest.raises(ValueError, match="must exceed window"):
-    rs.replay_commit(pending, jnp.ones(4, jnp.int32), 4)
+  # The pending state carries its window: a commit of another window, of a
+  # committed state, or a second verify before the commit is refused.
+  assert pending.pending_window == 2 and rstate.pending_window is None
+  with pytest.raises(ValueError, match=r"window \(4\) does not match the "
+                     r"pending window of rstate \(2 tokens"):
+    rs.replay_commit(pending, jnp.full(4, 4, jnp.int32), 4)
+  with pytest.raises(ValueError, match="rstate has no pending window"):
+    rs.replay_commit(rstate, jnp.ones(4, jnp.int32), 2)
+  with pytest.raises(ValueError, match="replay_commit it before the next"):
+    rs.replay_verify(pending, **win, **params)
+  committed = rs.replay_commit(pending, jnp.ones(4, jnp.int32))
+  assert committed.pending_window is None
+  # (Rows 2 and 3 fold their history first: count + T >= L.)
+  np.testing.assert_array_equal(committed.count, [1, 2, 1, 1])
   # Under jit a bad acceptance count poisons the row (NaN later), not a
   # silently wrong state.
   bad = jax.jit(lambda p, n: rs.replay_commit(p, n, 2))(

@@ -26,9 +26,8 @@ def check_sampling(temperature, top_k, top_p) -> None:
   if not temperature >= 0:
     raise ValueError(f"temperature must be >= 0 (0: greedy), got "
                      f"{temperature!r}.")
-  if top_k is not None and (isinstance(top_k, bool)
-                            or not isinstance(top_k, int) or top_k < 1):
-    raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}.")
+  if top_k is not None:
+    V.positive_int("top_k", top_k)
   if top_p is not None and not 0 < top_p <= 1:
     raise ValueError(f"top_p must be None or in (0, 1], got {top_p!r}.")
 
@@ -244,10 +243,7 @@ def generate(model: M.HybridLM, prompt_tokens, prompt_lengths,
     (tokens [batch, max_new_tokens] int32, lengths [batch] int32: tokens
      generated per row, eos included) [, final ModelState].
   """
-  if isinstance(max_new_tokens, bool) or not isinstance(
-      max_new_tokens, int) or max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens must be a positive int, got "
-                     f"{max_new_tokens!r}.")
+  max_new_tokens = V.positive_int("max_new_tokens", max_new_tokens)
   sampling = sampling_settings(temperature, top_k, top_p, greedy, rng)
   b, t = check_prompts_and_eos(model, prompt_tokens, eos_id)
   state = model.init_state(b, S.kv_cache_len(t + max_new_tokens),

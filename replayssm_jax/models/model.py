@@ -166,10 +166,10 @@ class HybridLM(nnx.Module):
         to the same bits in any batch or slot.
     """
     cfg = self.config
-    for name, v in (("batch", batch), ("max_len", max_len),
-                    ("buffer_len", buffer_len)):
-      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"{name} must be a positive int, got {v!r}.")
+    batch, max_len, buffer_len = (
+        V.positive_int(name, v) for name, v in (
+            ("batch", batch), ("max_len", max_len),
+            ("buffer_len", buffer_len)))
     if ssm_mode not in S.SSM_MODES:
       raise ValueError(f"ssm_mode must be one of {S.SSM_MODES}, got "
                        f"{ssm_mode!r}.")

@@ -348,9 +348,7 @@ class NgramProposer(Proposer):
   """
 
   def __init__(self, n: int = 3, min_n: int = 1):
-    for name, v in (("n", n), ("min_n", min_n)):
-      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"{name} must be a positive int, got {v!r}.")
+    n, min_n = V.positive_int("n", n), V.positive_int("min_n", min_n)
     if min_n > n:
       raise ValueError(f"min_n ({min_n}) must be <= n ({n}).")
     self.n, self.min_n = n, min_n
@@ -421,11 +419,8 @@ class DraftModelProposer(Proposer):
     if ssm_mode is not None and ssm_mode not in S.SSM_MODES:
       raise ValueError(f"ssm_mode must be None or one of {S.SSM_MODES}, got "
                        f"{ssm_mode!r}.")
-    if buffer_len is not None and (isinstance(buffer_len, bool) or not
-                                   isinstance(buffer_len, int)
-                                   or buffer_len < 1):
-      raise ValueError(f"buffer_len must be None or a positive int, got "
-                       f"{buffer_len!r}.")
+    if buffer_len is not None:
+      buffer_len = V.positive_int("buffer_len", buffer_len)
     graphdef, params = nnx.split(draft_model)
     self._set(draft_model.config, graphdef, params, ssm_mode, buffer_len,
               implementation)
@@ -818,14 +813,12 @@ def speculative_generate(target: M.HybridLM, proposer: Proposer,
   if not isinstance(proposer, Proposer):
     raise TypeError(f"proposer must be a Proposer (DraftModelProposer, "
                     f"NgramProposer, ...), got {type(proposer).__name__}.")
-  for name, v in (("max_new_tokens", max_new_tokens), ("window", window)):
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-      raise ValueError(f"{name} must be a positive int, got {v!r}.")
+  max_new_tokens = V.positive_int("max_new_tokens", max_new_tokens)
+  window = V.positive_int("window", window)
   if ssm_mode not in S.SSM_MODES:
     raise ValueError(f"ssm_mode must be one of {S.SSM_MODES}, got "
                      f"{ssm_mode!r}.")
-  if isinstance(buffer_len, bool) or not isinstance(buffer_len, int):
-    raise ValueError(f"buffer_len must be an int, got {buffer_len!r}.")
+  buffer_len = V.positive_int("buffer_len", buffer_len)
   if isinstance(compaction, bool) or not isinstance(
       compaction, int) or compaction < 0:
     raise ValueError(f"compaction must be an int >= 0 (how many times the "
