@@ -17,6 +17,9 @@ on the H200, without an in-place state update: `mosaic_gpu.py`).
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels import attention as attention_kernel
@@ -190,6 +193,17 @@ def _verify(*, config=None, **args):
       **args, config=config or VerifyConfig(), interpret=not on_gpu())
 
 
+def _x32(fn):
+  """fn traced with 64-bit types off (`JAX_ENABLE_X64=1` would make the
+  kernels' Python-int indices int64 beside int32 program ids, which Pallas
+  refuses); the kernels take and return 32-bit and narrower types only."""
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    with jax.enable_x64(False):
+      return fn(*args, **kwargs)
+  return wrapped
+
+
 # The Pallas kernels: the dispatcher's default on a GPU (priority 10).
 for _op, _fn, _supports in (
     ("replay_verify", _verify, _verify_supports),
@@ -202,13 +216,13 @@ for _op, _fn, _supports in (
     ("causal_conv1d_step", _conv, _conv_supports),
     ("causal_conv1d_window", _conv_window, _conv_supports)):
   _ops.register_implementation(
-      _op, _ops.Implementation("pallas", _fn, supports=_supports,
+      _op, _ops.Implementation("pallas", _x32(_fn), supports=_supports,
                                preferred=on_gpu, priority=10))
 del _op, _fn, _supports
 # The Mosaic GPU baseline kernel: only on request.
 _ops.register_implementation(
     "selective_state_update",
-    _ops.Implementation("pallas_mosaic_gpu", _mosaic_ssu,
+    _ops.Implementation("pallas_mosaic_gpu", _x32(_mosaic_ssu),
                         supports=_mosaic_supports,
                         preferred=lambda: False, priority=5))
 

@@ -524,4 +524,4 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   if rstate.step is not None:  # commit advances step
     fields.update(row_id=rstate.row_id, step=rstate.step)
   return y, ReplayState(checkpoint=ck, x_buf=xb, b_buf=bb, dt_buf=dtb,
-                        count=cnt, **fields)
+                        count=cnt, pending_window=T, **fields)

@@ -20,10 +20,14 @@ Public API:
                               against the entries of its KV cache it sees
                               (the model's decode step and verify).
   traffic                     bytes-per-step model (baseline vs replay).
+  debug_checks                context in which out-of-range values that
+                              jit cannot check raise instead of giving
+                              the row NaN outputs.
 """
 
 from replayssm_jax import precision
 from replayssm_jax import traffic
+from replayssm_jax._validation import debug_checks
 from replayssm_jax.conv import (causal_conv1d, causal_conv1d_update,
                                 causal_conv1d_update_ring, conv_ring_ordered)
 from replayssm_jax.ops import (Implementation, decode_attention,
@@ -42,6 +46,7 @@ __version__ = "0.1.0"
 __all__ = [
     "PrecisionPolicy",
     "ReplayState",
+    "debug_checks",
     "Implementation",
     "baseline_commit",
     "baseline_verify",

@@ -7,6 +7,8 @@ argument and says what was expected.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import operator
 from typing import Any, Sequence
 
@@ -192,3 +194,46 @@ def positive_int(name: str, value: Any) -> int:
     if v is not None and v >= 1:
       return v
   raise ValueError(f"{name} must be a positive int, got {value!r}.")
+
+
+# ------------------------------------------------------ traced-value policy
+# A value the host cannot read under jit (a counter, a length, a token id,
+# an accepted count) that is out of range makes the affected row invalid:
+# its float outputs are NaN and a marker in the returned state keeps it so
+# (a replay counter outside [0, L), a model row's position -1), never a
+# plausible wrong answer; the other rows are unaffected. `debug_checks()`
+# makes the public entry points raise instead.
+_debug = [False]
+
+
+@contextlib.contextmanager
+def debug_checks(enabled: bool = True):
+  """Within the context, the public ops and the model's entry points raise
+  a ValueError naming the rows whose traced inputs were out of range,
+  rather than returning them NaN: at once on concrete values, through a
+  `jax.debug.callback` (a host sync per call) when traced. Functions the
+  caller jits must be traced inside the context."""
+  old, _debug[0] = _debug[0], bool(enabled)
+  try:
+    yield
+  finally:
+    _debug[0] = old
+
+
+def _raise_invalid(bad, what):
+  rows = np.nonzero(np.asarray(bad))[0]
+  if rows.size:
+    raise ValueError(f"{what}: rows {rows[:8].tolist()} got an out-of-range "
+                     f"value that could not be checked under jit; their "
+                     f"outputs are NaN.")
+
+
+def raise_if_invalid(bad, what: str) -> None:
+  """With `debug_checks` on: raises if any row of `bad` ([batch] bool) is
+  set (a debug callback when traced); a no-op otherwise."""
+  if not _debug[0]:
+    return
+  if is_concrete(bad):
+    _raise_invalid(bad, what)
+  else:
+    jax.debug.callback(functools.partial(_raise_invalid, what=what), bad)

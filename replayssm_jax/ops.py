@@ -183,8 +183,9 @@ def decode_attention(q, k_cache, v_cache, lengths, scale=None, *,
     lengths: [batch] integers in [0, max_len]: row r's (first) query attends
       to its cache entries 0 .. lengths[r] - 1, window query t to the first
       min(lengths[r] + t, max_len) (causal within the window). A query that
-      sees no entry returns zeros. Checked when concrete, clamped to
-      [0, max_len] under jit; a kernel reads only the entries it needs.
+      sees no entry returns zeros. Checked when concrete; under jit a row
+      whose length lies outside [0, max_len] returns NaN. A kernel reads
+      only the entries it needs.
     scale: the score scale, a Python float; None = head_dim ** -0.5.
     implementation, config: see the module docstring.
 
@@ -194,7 +195,12 @@ def decode_attention(q, k_cache, v_cache, lengths, scale=None, *,
   attention.validate_decode_attention(q, k_cache, v_cache, lengths, scale)
   args = dict(q=q, k_cache=k_cache, v_cache=v_cache, lengths=lengths,
               scale=scale)
-  return dispatch("decode_attention", implementation, config, args)
+  out = dispatch("decode_attention", implementation, config, args)
+  ln = jnp.asarray(lengths)
+  bad = (ln < 0) | (ln > k_cache.shape[2])
+  V.raise_if_invalid(bad, "decode_attention (lengths)")
+  bad = bad.reshape((-1,) + (1,) * (out.ndim - 1))
+  return jnp.where(bad, jnp.nan, out).astype(out.dtype)
 
 
 def causal_conv1d_step(x, conv_state, start, weight, bias=None, *,
@@ -362,7 +368,15 @@ def replay_state_update(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
   args = dict(rstate=rstate, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z,
               dt_bias=dt_bias, dt_softplus=bool(dt_softplus),
               **policy_args(rstate, policy, layer))
-  return dispatch("replay_state_update", implementation, config, args)
+  y, new = dispatch("replay_state_update", implementation, config, args)
+  V.raise_if_invalid(invalid_rows(new), "replay_state_update")
+  return y, new
+
+
+def invalid_rows(rstate: ReplayState):
+  """[batch] bool: rows whose counter is outside [0, L) (the traced-value
+  policy's marker: such rows output NaN)."""
+  return (rstate.count < 0) | (rstate.count >= rstate.buffer_len)
 
 
 def policy_args(rstate: ReplayState, policy, layer) -> dict:

@@ -104,6 +104,8 @@ def replay_verify(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
               dt_bias=dt_bias, dt_softplus=bool(dt_softplus),
               **ops.policy_args(rstate, policy, layer))
   y, pending = ops.dispatch("replay_verify", implementation, config, args)
+  V.raise_if_invalid(ops.invalid_rows(pending), "replay_verify")
+  # (An implementation registered from outside may not set the window.)
   return y, pending.replace(pending_window=T)
 
 
@@ -158,7 +160,7 @@ def replay_verify_reference(rstate, x, dt, A, B, C, D=None, z=None,
   y = jnp.where(in_range[:, None, None, None], y, jnp.nan)
   new = ReplayState(x_buf=x_buf, b_buf=b_buf, dt_buf=dt_buf,
                     count=jnp.where(in_range, base, c).astype(jnp.int32),
-                    **extra)
+                    pending_window=T, **extra)
   return y.astype(x.dtype), new
 
 
@@ -313,6 +315,7 @@ def replay_commit(rstate: ReplayState, num_accepted,
   ok = (n >= 1) & (n <= window)
   extra = {} if rstate.step is None else dict(
       step=jnp.where(ok, rstate.step + n, rstate.step).astype(jnp.int32))
+  V.raise_if_invalid(~ok, "replay_commit (num_accepted)")
   return rstate.replace(
       count=jnp.where(ok, rstate.count + n, -1).astype(jnp.int32),
       pending_window=None, **extra)
@@ -364,11 +367,18 @@ def baseline_verify_reference(ssm_state, x, dt, A, B, C, D=None, z=None,
 
 
 def baseline_commit(snapshots, num_accepted):
-  """The snapshot of each row's last accepted position ([batch] in [1, T])."""
+  """The snapshot of each row's last accepted position ([batch] in [1, T]).
+  Under jit a row whose num_accepted lies outside [1, T] gets a NaN state
+  (every later output of the row is NaN), not a neighbouring snapshot."""
   V.check_ndim("snapshots", snapshots, 5,
                "[batch, T, nheads, headdim, dstate]")
   b, T = snapshots.shape[:2]
   V.check_num_accepted(num_accepted, b, T)
-  idx = jnp.clip(jnp.asarray(num_accepted, jnp.int32) - 1, 0, T - 1)
-  return jnp.take_along_axis(snapshots, idx[:, None, None, None, None],
+  n = jnp.asarray(num_accepted, jnp.int32)
+  ok = (n >= 1) & (n <= T)
+  V.raise_if_invalid(~ok, "baseline_commit (num_accepted)")
+  idx = jnp.clip(n - 1, 0, T - 1)
+  snap = jnp.take_along_axis(snapshots, idx[:, None, None, None, None],
                              axis=1)[:, 0]
+  return jnp.where(ok[:, None, None, None], snap, jnp.nan).astype(
+      snapshots.dtype)

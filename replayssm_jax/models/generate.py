@@ -200,10 +200,13 @@ def _generate_body(graphdef, params, tokens, lengths, state, max_new_tokens,
     return i + 1, logits, state, out, done, n, rng
 
   out = jnp.full((b, max_new_tokens), pad, jnp.int32)
-  carry = (jnp.int32(0), logits, state, out, jnp.zeros((b,), bool),
+  # Rows the prefill found invalid (the traced-value policy) never run:
+  # tokens -1, length 0.
+  invalid = state.positions < 0
+  carry = (jnp.int32(0), logits, state, out, invalid,
            jnp.zeros((b,), jnp.int32), rng)
   _, _, state, out, _, n, _ = jax.lax.while_loop(cond, body, carry)
-  return out, n, state
+  return jnp.where(invalid[:, None], -1, out), n, state
 
 
 # As model.DECODE_JIT_OPTIONS: a test jits the body under chex.
@@ -258,4 +261,5 @@ def generate(model: M.HybridLM, prompt_tokens, prompt_lengths,
                                 implementation, sampling,
                                 jnp.int32(-1 if eos_id is None else eos_id),
                                 rng)
+  V.raise_if_invalid(state.positions < 0, "generate")
   return (out, n, state) if return_state else (out, n)

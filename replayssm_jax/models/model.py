@@ -104,6 +104,7 @@ class HybridLM(nnx.Module):
     as one `ops.add_rms_norm` (`implementation` picks it, the mixers' ops
     and the attention's): XLA ran them as two fusions per block, the second
     recomputing the sum."""
+    bad = invalid_rows(token, state, self.config.vocab_size)
     x = self.embeddings(token).astype(F32)  # [b, d] residual stream
     y, new_layers = None, []
     for block, s, layer in zip(self.blocks, state.layers,
@@ -115,8 +116,8 @@ class HybridLM(nnx.Module):
     with jax.named_scope("lm_head"):
       _, h = self.add_norm(x, y, self.norm_f, implementation)
       logits = self.head(h)
-    return logits, S.ModelState(layers=tuple(new_layers),
-                                positions=state.positions + 1)
+    return mark_invalid(logits, S.ModelState(
+        layers=tuple(new_layers), positions=state.positions + 1), bad)
 
   @staticmethod
   def add_norm(x, y, norm, implementation):
@@ -244,6 +245,31 @@ def _check_precision_args(precision, ssm_mode, batch, checkpoint_dtype,
 
 
 # ------------------------------------------------------------ validation
+def invalid_rows(tokens, state: S.ModelState, vocab_size: int,
+                 window: int = 1):
+  """[batch] bool: the rows a step over `window` tokens per row (tokens
+  [batch] or [batch, window]) cannot run correctly, values the host cannot
+  check under jit: a token id outside [0, vocab_size), a KV cache without
+  room for the window, or a row already invalid (position < 0)."""
+  tok = tokens.reshape(tokens.shape[0], -1)
+  bad = jnp.any((tok < 0) | (tok >= vocab_size), axis=1)
+  bad = bad | (state.positions < 0)
+  for s in state.layers:
+    if isinstance(s, S.AttentionState):
+      bad = bad | (s.length + window > s.max_len)
+  return bad
+
+
+def mark_invalid(logits, state: S.ModelState, bad):
+  """The traced-value policy (`replayssm_jax._validation`): rows `bad`
+  get NaN logits and position -1, which keeps every later output of the
+  row NaN."""
+  logits = jnp.where(bad.reshape((-1,) + (1,) * (logits.ndim - 1)),
+                     jnp.nan, logits)
+  return logits, state.replace(positions=jnp.where(
+      bad, -1, state.positions).astype(jnp.int32))
+
+
 def _check_tokens(name, tokens, ndim, layout, cfg):
   V.check_integer(name, tokens)
   V.check_ndim(name, tokens, ndim, layout)
@@ -295,10 +321,18 @@ def _prefill_jit(graphdef, params, tokens, lengths, state):
 def prefill_fn(model, tokens, lengths, state):
   """Traceable prefill: (logits at each row's last prompt token [b, vocab]
   float32, decode state)."""
-  x, state = model.forward(tokens, lengths.astype(jnp.int32), state)
-  last = jnp.take_along_axis(x, (lengths - 1)[:, None, None].astype(
-      jnp.int32), axis=1)[:, 0]  # [b, d]
-  return model.logits(last), state
+  t = tokens.shape[1]
+  lengths = lengths.astype(jnp.int32)
+  # Under jit: prompt lengths outside [1, seqlen] or token ids outside the
+  # vocabulary within a row's prompt make the row invalid.
+  real = jnp.arange(t)[None, :] < lengths[:, None]
+  bad = ((lengths < 1) | (lengths > t)
+         | jnp.any(real & ((tokens < 0)
+                           | (tokens >= model.config.vocab_size)), axis=1))
+  x, state = model.forward(tokens, lengths, state)
+  last = jnp.take_along_axis(x, jnp.clip(lengths - 1, 0, t - 1)[
+      :, None, None], axis=1)[:, 0]  # [b, d]
+  return mark_invalid(model.logits(last), state, bad)
 
 
 def _decode_body(graphdef, params, token, state, implementation):
@@ -335,8 +369,10 @@ def prefill(model: HybridLM, tokens, lengths, state: S.ModelState):
   """
   check_prefill_inputs(model, tokens, lengths, state)
   graphdef, params = nnx.split(model)
-  return _prefill_jit(graphdef, params, jnp.asarray(tokens),
-                      jnp.asarray(lengths, jnp.int32), state)
+  logits, state = _prefill_jit(graphdef, params, jnp.asarray(tokens),
+                               jnp.asarray(lengths, jnp.int32), state)
+  V.raise_if_invalid(state.positions < 0, "prefill")
+  return logits, state
 
 
 def decode_step(model: HybridLM, token, state: S.ModelState,
@@ -358,5 +394,7 @@ def decode_step(model: HybridLM, token, state: S.ModelState,
                        f"max_len {state.max_len}; create the state with a "
                        f"larger max_len.")
   graphdef, params = nnx.split(model)
-  return _decode_jit(graphdef, params, jnp.asarray(token), state,
-                     implementation)
+  logits, state = _decode_jit(graphdef, params, jnp.asarray(token), state,
+                              implementation)
+  V.raise_if_invalid(state.positions < 0, "decode_step")
+  return logits, state

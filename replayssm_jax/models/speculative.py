@@ -89,13 +89,14 @@ def verify_fn(model: M.HybridLM, tokens, state: S.ModelState,
               implementation: str | None = None):
   """Traceable `verify` (inputs already validated).
 
-  A row whose KV cache cannot take the window (length + T > max_len) gets
-  NaN logits instead of silently wrong ones.
+  A row whose KV cache cannot take the window (length + T > max_len), with
+  a token id out of range, or already invalid gets NaN logits and position
+  -1 (`model.mark_invalid`) instead of silently wrong ones.
   """
   t = tokens.shape[1]
+  bad = M.invalid_rows(tokens, state, model.config.vocab_size, window=t)
   x = model.embeddings(tokens).astype(jnp.float32)  # [b, T, d] residual
   y, layers, convs, snaps = None, [], [], []
-  room = jnp.ones((tokens.shape[0],), bool)
   for block, s, layer in zip(model.blocks, state.layers,
                             model.mamba_indices()):
     # As the decode step: each residual add and the next norm as one op.
@@ -107,17 +108,16 @@ def verify_fn(model: M.HybridLM, tokens, state: S.ModelState,
       convs.append(win)
       snaps.append(snap)
     else:
-      if isinstance(s, S.AttentionState):
-        room = room & (s.length + t <= s.max_len)
       layers.append(pend)
       convs.append(None)
       snaps.append(None)
   _, h = model.add_norm(x, y, model.norm_f, implementation)
-  logits = model.head(h)  # [b, T, vocab] f32
-  logits = jnp.where(room[:, None, None], logits, jnp.nan)
+  logits, committed = M.mark_invalid(
+      model.head(h),  # [b, T, vocab] f32
+      S.ModelState(layers=tuple(layers), positions=state.positions), bad)
   pending = PendingState(
-      state=S.ModelState(layers=tuple(layers), positions=state.positions),
-      window_conv_inputs=tuple(convs), snapshots=tuple(snaps), window=t)
+      state=committed, window_conv_inputs=tuple(convs),
+      snapshots=tuple(snaps), window=t)
   return logits, pending
 
 
@@ -153,8 +153,14 @@ def commit_fn(pending: PendingState, num_accepted, active=None):
       layers.append(s.replace(length=s.length + moved))
     else:
       layers.append(s)
+  # An invalid row (position -1) stays so, as does a row whose accepted
+  # count is out of range (under jit).
+  pos = pending.state.positions
+  bad = (pos < 0) | (n < 1) | (n > t)
+  if active is not None:
+    bad = (pos < 0) | (active & ((n < 1) | (n > t)))
   return S.ModelState(layers=tuple(layers),
-                      positions=pending.state.positions + moved)
+                      positions=jnp.where(bad, -1, pos + moved))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=(3,))
@@ -228,8 +234,11 @@ def verify(model: M.HybridLM, tokens, state: S.ModelState,
   M._check_state(state, b, model.config)
   _check_window_room(state, t, "verify")
   graphdef, params = nnx.split(model)
-  return _verify_jit(graphdef, params, jnp.asarray(tokens, jnp.int32), state,
-                     implementation)
+  logits, pending = _verify_jit(graphdef, params,
+                                jnp.asarray(tokens, jnp.int32), state,
+                                implementation)
+  V.raise_if_invalid(pending.state.positions < 0, "verify")
+  return logits, pending
 
 
 def commit(pending: PendingState, num_accepted):
@@ -250,9 +259,11 @@ def commit(pending: PendingState, num_accepted):
     raise TypeError(f"pending must be a PendingState (from verify), got "
                     f"{type(pending).__name__}.")
   V.check_num_accepted(num_accepted, pending.batch, pending.window)
-  return _commit_jit(pending.state, (pending.window_conv_inputs,
-                                     pending.snapshots),
-                     jnp.asarray(num_accepted, jnp.int32), pending.window)
+  state = _commit_jit(pending.state, (pending.window_conv_inputs,
+                                      pending.snapshots),
+                      jnp.asarray(num_accepted, jnp.int32), pending.window)
+  V.raise_if_invalid(state.positions < 0, "commit")
+  return state
 
 
 # ---------------------------------------------------------------- proposers
@@ -652,7 +663,8 @@ def _spec_jit(graphdef, params, tokens, lengths, state, max_new_tokens,
   hist = jnp.where(cols < lengths[:, None],
                    jnp.pad(tokens, ((0, 0), (0, max_new_tokens))), 0)
   hist = hist.at[rows, lengths].set(first).astype(jnp.int32)
-  done = (first == eos_id) | (max_new_tokens <= 1)
+  invalid = state.positions < 0  # (the traced-value policy) never run
+  done = (first == eos_id) | (max_new_tokens <= 1) | invalid
   zeros = jnp.zeros((b,), jnp.int32)
   carry = (jnp.int32(0), first, hist, lengths + 1, zeros + 1, done, state,
            pstate, rng, zeros, zeros)
@@ -676,6 +688,7 @@ def _spec_jit(graphdef, params, tokens, lengths, state, max_new_tokens,
     win = jnp.concatenate([last[:, None], drafts], axis=1)  # [b, T]
     logits, pending = verify_fn(target, win, state, implementation)
     a, nxt = accept(logits, drafts, nd, prop.q, sampling, k_acc)
+    a = a.astype(jnp.int32)  # (int64 argmaxes with JAX_ENABLE_X64)
     # Emitted this step: the a accepted drafts, then the target's token.
     j = jnp.arange(t)[None, :]
     emitted = jnp.where(j < a[:, None], jnp.roll(win, -1, axis=1),
@@ -684,7 +697,7 @@ def _spec_jit(graphdef, params, tokens, lengths, state, max_new_tokens,
     is_eos = (emitted == eos_id) & (j < count[:, None])
     hit = jnp.any(is_eos, axis=1)
     count = jnp.where(hit, jnp.argmax(is_eos, axis=1) + 1, count)
-    count = jnp.where(active, count, 0)
+    count = jnp.where(active, count, 0).astype(jnp.int32)
     pos = jnp.where(j < count[:, None], hlen[:, None] + j, w)
     hist = hist.at[rows[:, None], pos].set(emitted, mode="drop")
     # History gains last + the emitted tokens but the final one.
@@ -735,7 +748,9 @@ def _spec_jit(graphdef, params, tokens, lengths, state, max_new_tokens,
     state = first_state  # discarded by speculative_generate
   idx = lengths[:, None] + jnp.arange(max_new_tokens)[None, :]
   out = jnp.take_along_axis(hist, jnp.clip(idx, 0, w - 1), axis=1)
-  out = jnp.where(idx < hlen[:, None], out, pad).astype(jnp.int32)
+  out = jnp.where(idx < hlen[:, None], out, pad)
+  out = jnp.where(invalid[:, None], -1, out).astype(jnp.int32)
+  gen = jnp.where(invalid, 0, gen)
   total = jnp.maximum(jnp.sum(steps), 1)
   stats = SpecStats(iterations=it, verify_steps=steps, accepted_drafts=acc,
                     mean_accepted_length=(jnp.sum(acc + steps) /
@@ -847,4 +862,5 @@ def speculative_generate(target: M.HybridLM, proposer: Proposer,
       max_new_tokens, window, implementation, ssm_mode, buffer_len, proposer,
       sampling, jnp.int32(-1 if eos_id is None else eos_id), rng, compaction,
       bool(return_state))
+  V.raise_if_invalid(out[:, 0] < 0, "speculative_generate")
   return (out, n, stats, state) if return_state else (out, n, stats)
