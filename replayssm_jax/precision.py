@@ -185,6 +185,9 @@ class PrecisionPolicy:
   def preset(cls, name: str) -> "PrecisionPolicy":
     """A named policy (see the module docstring table); a stochastic
     preset may name its hash after a colon, e.g. "f16+sr:hash32"."""
+    if not isinstance(name, str):
+      raise TypeError(f"name must be a preset name (a str, one of "
+                      f"{sorted(_PRESETS)}), got {name!r}.")
     base, colon, rng = name.partition(":")
     if base not in _PRESETS or colon and (
         rng not in SR_RNGS or not _PRESETS[base].get("stochastic_rounding")):

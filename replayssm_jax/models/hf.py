@@ -91,11 +91,30 @@ def _to_hf(arr, transform):
 
 
 # ------------------------------------------------------------- configs
-def _get(d: dict, *keys, default=None):
+_REQUIRED = object()
+
+
+def _get(d: dict, *keys, default=_REQUIRED, kind=None):
+  """The first of `keys` set in config.json (d), else `default`; a
+  missing required key or a value of the wrong kind is a ValueError naming
+  the key. kind: "int" (a positive integer), "float" or None (as is)."""
   for k in keys:
     if k in d and d[k] is not None:
-      return d[k]
-  return default
+      v, key = d[k], k
+      break
+  else:
+    if default is _REQUIRED:
+      raise ValueError(f"config.json: the key {' or '.join(map(repr, keys))}"
+                       f" is required and missing.")
+    v, key = default, keys[0]
+  if kind == "int" and (isinstance(v, bool) or not isinstance(v, int)
+                        or v < 1):
+    raise ValueError(f"config.json: {key} must be a positive integer, got "
+                     f"{v!r}.")
+  if kind == "float" and (isinstance(v, bool)
+                          or not isinstance(v, (int, float))):
+    raise ValueError(f"config.json: {key} must be a number, got {v!r}.")
+  return v
 
 
 def config_from_hf(hf: dict[str, Any], dtype: str = "float32",
@@ -109,31 +128,39 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "float32",
     raise ValueError(f"config.json: architecture must be one of "
                      f"{ARCHITECTURES}, got {archs or hf.get('model_type')!r}.")
   param_dtype = dtype if param_dtype is None else param_dtype
-  d = hf["hidden_size"]
-  common = dict(vocab_size=hf["vocab_size"], d_model=d,
+  d = _get(hf, "hidden_size", kind="int")
+  common = dict(vocab_size=_get(hf, "vocab_size", kind="int"), d_model=d,
                 chunk_size=_get(hf, "chunk_size", "mamba_chunk_size",
-                                default=256),
-                conv_kernel=_get(hf, "conv_kernel", "mamba_d_conv", default=4),
-                n_groups=_get(hf, "n_groups", "mamba_n_groups", default=1),
+                                default=256, kind="int"),
+                conv_kernel=_get(hf, "conv_kernel", "mamba_d_conv", default=4,
+                                 kind="int"),
+                n_groups=_get(hf, "n_groups", "mamba_n_groups", default=1,
+                              kind="int"),
                 norm_eps=float(_get(hf, "layer_norm_epsilon", "rms_norm_eps",
-                                    default=1e-5)),
+                                    default=1e-5, kind="float")),
                 dtype=dtype, param_dtype=param_dtype)
   if arch == "Mamba2ForCausalLM":
     for key, ok in (("use_bias", False), ("use_conv_bias", True)):
       if hf.get(key, ok) != ok:
         raise ValueError(f"config.json: {key}={hf[key]!r} is not supported "
                          f"(only {ok}).")
-    heads, hdim = hf["num_heads"], hf["head_dim"]
-    expand = hf.get("expand", 2)
+    heads = _get(hf, "num_heads", kind="int")
+    hdim = _get(hf, "head_dim", kind="int")
+    expand = _get(hf, "expand", default=2, kind="int")
     if heads * hdim != expand * d:
       raise ValueError(f"config.json: num_heads * head_dim ({heads * hdim}) "
                        f"!= expand * hidden_size ({expand * d}).")
-    cfg = ModelConfig(pattern="M" * hf["num_hidden_layers"], ssm_heads=heads,
-                      head_dim=hdim, d_state=hf["state_size"],
+    cfg = ModelConfig(pattern="M" * _get(hf, "num_hidden_layers",
+                                         kind="int"), ssm_heads=heads,
+                      head_dim=hdim, d_state=_get(hf, "state_size",
+                                                  kind="int"),
                       tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
                       **common)
     return cfg, arch
-  pattern = hf["hybrid_override_pattern"]
+  pattern = _get(hf, "hybrid_override_pattern")
+  if not isinstance(pattern, str):
+    raise ValueError(f"config.json: hybrid_override_pattern must be a "
+                     f"string of M, *, -, got {pattern!r}.")
   bad = sorted(set(pattern) - set("M*-"))
   if bad:
     raise ValueError(f"config.json: hybrid_override_pattern holds "
@@ -147,16 +174,19 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "float32",
   if act != "relu2":
     raise ValueError(f"config.json: mlp_hidden_act={act!r} is not supported "
                      f"for NemotronH (only 'relu2').")
-  nh = hf.get("num_attention_heads", 32)
+  nh = _get(hf, "num_attention_heads", default=32, kind="int")
   cfg = ModelConfig(
-      pattern=pattern, ssm_heads=hf["mamba_num_heads"],
-      head_dim=hf["mamba_head_dim"],
-      d_state=_get(hf, "ssm_state_size", "mamba_d_state", default=128),
-      num_heads=nh, num_kv_heads=hf.get("num_key_value_heads", nh),
+      pattern=pattern, ssm_heads=_get(hf, "mamba_num_heads", kind="int"),
+      head_dim=_get(hf, "mamba_head_dim", kind="int"),
+      d_state=_get(hf, "ssm_state_size", "mamba_d_state", default=128,
+                   kind="int"),
+      num_heads=nh, num_kv_heads=_get(hf, "num_key_value_heads", default=nh,
+                                      kind="int"),
       attn_head_dim=_get(hf, "head_dim", "attention_head_dim",
-                         default=d // nh),
+                         default=d // nh, kind="int"),
       rope_theta=None,  # NemotronH attention has no positional encoding.
-      intermediate_size=hf.get("intermediate_size", 4 * d),
+      intermediate_size=_get(hf, "intermediate_size", default=4 * d,
+                             kind="int"),
       mlp_activation="relu2",
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)), **common)
   return cfg, arch
@@ -219,7 +249,12 @@ def _read_tensors(directory: str) -> dict[str, Any]:
   index = os.path.join(directory, "model.safetensors.index.json")
   if os.path.exists(index):
     with open(index) as f:
-      files = sorted(set(json.load(f)["weight_map"].values()))
+      try:
+        files = sorted(set(json.load(f)["weight_map"].values()))
+      except (json.JSONDecodeError, KeyError, AttributeError, TypeError) as e:
+        raise ValueError(f"{index}: expected a JSON object with a "
+                         f"'weight_map' of tensor name -> file, got "
+                         f"{type(e).__name__}: {e}") from None
   else:
     files = sorted(f for f in os.listdir(directory)
                    if f.endswith(".safetensors"))
@@ -227,9 +262,19 @@ def _read_tensors(directory: str) -> dict[str, Any]:
     raise FileNotFoundError(f"no *.safetensors files in {directory!r}.")
   tensors = {}
   for fn in files:
-    with safe_open(os.path.join(directory, fn), framework="flax") as f:
-      for k in f.keys():
-        tensors[k] = f.get_tensor(k)
+    path = os.path.join(directory, fn)
+    try:
+      with safe_open(path, framework="flax") as f:
+        for k in f.keys():
+          tensors[k] = f.get_tensor(k)
+    except FileNotFoundError:
+      raise FileNotFoundError(
+          f"{path}: listed in model.safetensors.index.json but missing."
+      ) from None
+    except Exception as e:  # safetensors' own errors (truncated, corrupt)
+      raise ValueError(f"{path}: not a readable safetensors file "
+                       f"(truncated or corrupt?): {type(e).__name__}: {e}"
+                       ) from e
   return tensors
 
 
@@ -277,7 +322,20 @@ def from_pretrained(directory: str, dtype: str = "float32",
     ValueError: unsupported architecture/options, or tensors missing,
       unexpected or of the wrong shape (all listed).
   """
-  with open(os.path.join(directory, "config.json")) as f:
-    hf = json.load(f)
-  cfg, _ = config_from_hf(hf, dtype=dtype, param_dtype=param_dtype)
+  path = os.path.join(directory, "config.json")
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{path}: no config.json in the checkpoint "
+                            f"directory.")
+  with open(path) as f:
+    try:
+      hf = json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{path}: not valid JSON (truncated?): {e}") from None
+  if not isinstance(hf, dict):
+    raise ValueError(f"{path}: must hold a JSON object, got "
+                     f"{type(hf).__name__}.")
+  try:
+    cfg, _ = config_from_hf(hf, dtype=dtype, param_dtype=param_dtype)
+  except ValueError as e:  # name the file, not just "config.json"
+    raise ValueError(str(e).replace("config.json:", f"{path}:", 1)) from None
   return load_tensors(cfg, _read_tensors(directory))

@@ -26,6 +26,7 @@ from replayssm_jax import precision as P
 from replayssm_jax.models import states as S
 from replayssm_jax.models.config import ModelConfig
 from replayssm_jax.models.layers import Block, Embedding, Linear, RMSNorm
+from replayssm_jax.state import ReplayState
 
 F32 = jnp.float32
 
@@ -291,6 +292,48 @@ def _check_state(state, batch, cfg):
   if state.batch != batch:
     raise ValueError(f"state batch ({state.batch}) != input batch "
                      f"({batch}).")
+  for i, (kind, s) in enumerate(zip(cfg.block_kinds, state.layers)):
+    _check_layer_state(i, kind, s, cfg)
+
+
+_LAYER_STATES = {"mamba": S.MambaState, "attention": S.AttentionState,
+                 "mlp": type(None)}
+
+
+def _check_layer_state(i, kind, s, cfg):
+  """state.layers[i] is the state of the model's layer i (kind and
+  sizes), as `init_state` builds it: a clear error otherwise (a state of
+  another model, layers out of order)."""
+  want = _LAYER_STATES[kind]
+  where = f"state.layers[{i}]"
+  if not isinstance(s, want):
+    raise ValueError(f"{where} is of type {type(s).__name__}, but the "
+                     f"model's "
+                     f"layer {i} is a {kind} block (expects "
+                     f"{want.__name__}); was the state built by this "
+                     f"model's init_state?")
+
+  def expect(what, got, expected):
+    if tuple(got) != tuple(expected):
+      raise ValueError(f"{where}.{what} has sizes {tuple(got)}, the model's "
+                       f"{kind} layer {i} expects {tuple(expected)}; was the "
+                       f"state built by this model's init_state?")
+
+  if kind == "mamba":
+    expect("conv [kernel - 1, conv_dim]", s.conv.shape[1:],
+           (cfg.conv_kernel - 1, cfg.conv_dim))
+    ssm = s.ssm
+    heads = (cfg.ssm_heads, cfg.head_dim, cfg.d_state)
+    if isinstance(ssm, ReplayState):
+      expect("ssm.checkpoint [nheads, headdim, dstate]",
+             ssm.checkpoint.shape[1:], heads)
+      expect("ssm.b_buf ngroups", ssm.b_buf.shape[2:3], (cfg.n_groups,))
+    else:
+      arr = ssm.state if isinstance(ssm, S.StoredSSMState) else ssm
+      expect("ssm [nheads, headdim, dstate]", arr.shape[1:], heads)
+  elif kind == "attention":
+    expect("k [num_kv_heads, attn_head_dim]",
+           (s.k.shape[1], s.k.shape[3]), (cfg.num_kv_heads, cfg.attn_head_dim))
 
 
 def check_prefill_inputs(model, tokens, lengths, state):
