@@ -46,3 +46,20 @@ def _free_compiled_programs():
   yield
   jax.clear_caches()
   gc.collect()
+
+
+# Property-based tests (tests/test_fuzz.py): a fixed, derandomized example
+# budget in the default profile keeps CI's time and results stable;
+# `pytest --hypothesis-profile=long` explores far more.
+try:
+  from hypothesis import HealthCheck, settings
+except ImportError:  # hypothesis is a test dependency; without it the fuzz
+  pass               # module is skipped (pytest.importorskip)
+else:
+  _common = dict(deadline=None, print_blob=True,
+                 suppress_health_check=[HealthCheck.too_slow,
+                                        HealthCheck.data_too_large])
+  settings.register_profile("ci", max_examples=12, derandomize=True,
+                            **_common)
+  settings.register_profile("long", max_examples=400, **_common)
+  settings.load_profile("ci")  # --hypothesis-profile=long overrides it
