@@ -44,7 +44,11 @@ override with `.replace(buffer_dtype=...)`):
 Stochastic rounding (SR) is reproducible: the random bits of a store depend
 only on (seed, layer, row id, step, element index) and a constant tag of
 the store site (`random_bits`), never on the batch a row sits in or its
-index there, so a row decodes to the same bits alone or in any batch.
+index there: the state ops (`replay_state_update`, `replay_verify`) give a
+row the same bits alone or in any batch. A model's decode step does not:
+the projections around those ops are XLA matmuls whose blocking (and so
+float summation order) may depend on the batch size, so a row's states in
+a batch of 1 and of 6 agree to rounding, not bit for bit.
 SR of f32 -> bf16 / f16 / fp8 adds uniform random bits below the target
 mantissa to the f32 bit pattern and truncates (exact: P(round up) equals
 the dropped fraction of an ulp); in the subnormal range of f16 / fp8 the

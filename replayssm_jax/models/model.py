@@ -164,8 +164,10 @@ class HybridLM(nnx.Module):
         agree with the policy.
       row_ids: [batch] int, stable identities of the rows' sequences
         (default arange(batch)); only with a policy that rounds
-        stochastically, whose random bits they key, so a sequence decodes
-        to the same bits in any batch or slot.
+        stochastically, whose random bits they key: a sequence's rounding
+        bits do not depend on its batch or slot (its states agree across
+        batch sizes to the matmuls' rounding, not bit for bit: see
+        `replayssm_jax.precision`).
     """
     cfg = self.config
     batch, max_len, buffer_len = (
