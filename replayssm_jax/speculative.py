@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from replayssm_jax import _validation as V
 from replayssm_jax import precision as P

@@ -244,7 +244,9 @@ def generate(model: M.HybridLM, prompt_tokens, prompt_lengths,
 
   Returns:
     (tokens [batch, max_new_tokens] int32, lengths [batch] int32: tokens
-     generated per row, eos included) [, final ModelState].
+     generated per row, eos included) [, final ModelState]. A row whose
+     prompt the prefill found invalid under jit (a length or token id out
+     of range) generates nothing: tokens -1, length 0.
   """
   max_new_tokens = V.positive_int("max_new_tokens", max_new_tokens)
   sampling = sampling_settings(temperature, top_k, top_p, greedy, rng)

@@ -156,9 +156,9 @@ def commit_fn(pending: PendingState, num_accepted, active=None):
   # An invalid row (position -1) stays so, as does a row whose accepted
   # count is out of range (under jit).
   pos = pending.state.positions
-  bad = (pos < 0) | (n < 1) | (n > t)
-  if active is not None:
-    bad = (pos < 0) | (active & ((n < 1) | (n > t)))
+  out_of_range = (n < 1) | (n > t)
+  bad = (pos < 0) | (out_of_range if active is None
+                     else active & out_of_range)
   return S.ModelState(layers=tuple(layers),
                       positions=jnp.where(bad, -1, pos + moved))
 
@@ -820,7 +820,9 @@ def speculative_generate(target: M.HybridLM, proposer: Proposer,
   Returns:
     (tokens [batch, max_new_tokens] int32 (after a row's end: eos_id, or 0
      without eos), num_generated [batch] int32 (eos included), SpecStats
-     [, final ModelState]).
+     [, final ModelState]). A row whose prompt the prefill found invalid
+     under jit (a length or token id out of range) generates nothing:
+     tokens -1, num_generated 0.
   """
   if not isinstance(target, M.HybridLM):
     raise TypeError(f"target must be a HybridLM, got "
