@@ -167,22 +167,6 @@ def check_column_offset(name: str, offset, dim: int, width: int,
                      f"array of width {width}), got {offset!r}.")
 
 
-def index(name: str, value: Any, minimum: int | None = None) -> int:
-  """`value` as a Python int: any integral scalar (int, numpy integer, a
-  0-d integer array that is not traced), not bool; at least `minimum` if
-  given. Raises TypeError/ValueError naming the argument."""
-  if isinstance(value, (bool, np.bool_)):
-    raise TypeError(f"{name} must be an int, got {value!r}.")
-  try:
-    v = operator.index(value)
-  except TypeError:
-    raise TypeError(f"{name} must be an int, got {value!r} "
-                    f"({type(value).__name__}).") from None
-  if minimum is not None and v < minimum:
-    raise ValueError(f"{name} must be an int >= {minimum}, got {v}.")
-  return v
-
-
 def positive_int(name: str, value: Any) -> int:
   """`value` (any integral scalar but bool, e.g. a numpy integer) as a
   Python int >= 1; ValueError naming the argument otherwise."""

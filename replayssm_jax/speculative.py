@@ -303,7 +303,7 @@ def replay_commit(rstate: ReplayState, num_accepted,
         "returned by replay_verify (a committed state has nothing to "
         "commit).")
   if window is not None:
-    window = V.index("window", window)
+    window = V.positive_int("window", window)
     if window != pending:
       raise ValueError(
           f"window ({window}) does not match the pending window of rstate "

@@ -170,22 +170,34 @@ def random_replay_state(key, batch: int, nheads: int, headdim: int,
   x_buf = jax.random.normal(kx, (batch, L, nheads, headdim), jnp.float32)
   b_buf = jax.random.normal(kb, (batch, L, ngroups, dstate), jnp.float32)
   dt_buf = jax.random.uniform(kd, (batch, L, nheads), jnp.float32, 0.01, 0.5)
-  stale = jnp.arange(L)[None, :] >= jnp.asarray(counts)[:, None]  # [b, L]
-  x_buf = jnp.where(stale[..., None, None], jnp.nan,
-                    x_buf).astype(buffer_dtype)
-  b_buf = jnp.where(stale[..., None, None], jnp.inf,
-                    b_buf).astype(buffer_dtype)
-  dt_buf = jnp.where(stale[..., None], jnp.nan, dt_buf)
-  rstate = ReplayState(checkpoint=checkpoint, x_buf=x_buf, b_buf=b_buf,
-                       dt_buf=dt_buf, count=jnp.asarray(counts))
+  rstate = fill_stale_slots(
+      ReplayState(checkpoint=checkpoint, x_buf=x_buf.astype(buffer_dtype),
+                  b_buf=b_buf.astype(buffer_dtype), dt_buf=dt_buf,
+                  count=jnp.asarray(counts)), jnp.nan, b=jnp.inf)
 
   # Baseline over the history: one token at a time, rows masked past count.
   state = checkpoint.astype(jnp.float32)
   zero_c = jnp.zeros((batch, ngroups, dstate), jnp.float32)
   for j in range(L):
     _, nxt = reference.selective_state_update(
-        state, x_buf[:, j].astype(jnp.float32), dt_buf[:, j], A,
-        b_buf[:, j].astype(jnp.float32), zero_c)
+        state, rstate.x_buf[:, j].astype(jnp.float32), rstate.dt_buf[:, j],
+        A, rstate.b_buf[:, j].astype(jnp.float32), zero_c)
     live = (j < counts)[:, None, None, None]
     state = jnp.where(live, nxt, state)
   return rstate, state
+
+
+def fill_stale_slots(rstate: ReplayState, x, b=None, dt=None) -> ReplayState:
+  """rstate with every buffer slot at or past its row's count set to x in
+  the x buffer, b (default x) in the B buffer and dt (default x) in the dt
+  buffer, each in its buffer's dtype: poison (NaN, inf) or zeros."""
+  stale = (jnp.arange(rstate.buffer_len)[None, :]
+           >= jnp.asarray(rstate.count)[:, None])  # [batch, L]
+  s4 = stale[..., None, None]
+  b = x if b is None else b
+  dt = x if dt is None else dt
+  return rstate.replace(
+      x_buf=jnp.where(s4, x, rstate.x_buf).astype(rstate.x_buf.dtype),
+      b_buf=jnp.where(s4, b, rstate.b_buf).astype(rstate.b_buf.dtype),
+      dt_buf=jnp.where(stale[..., None], dt, rstate.dt_buf).astype(
+          rstate.dt_buf.dtype))

@@ -43,7 +43,7 @@ def test_truncated_config_names_the_file(ckpt):
 
 
 @pytest.mark.parametrize("key,value,match", [
-    ("hidden_size", "32", "hidden_size must be a positive integer, got '32'"),
+    ("hidden_size", "32", "hidden_size must be a positive int, got '32'"),
     ("mamba_num_heads", None, "the key 'mamba_num_heads' is required"),
     ("hybrid_override_pattern", 5, "hybrid_override_pattern must be a "
      "string")])

@@ -60,12 +60,7 @@ def _poisoned_state(seed, geom, L, counts, poison):
   prm, prm64 = _params(seed, h)
   rstate, full = testing.random_replay_state(key, b, h, p, n, g, L, counts,
                                              prm["A"])
-  stale = np.arange(L)[None, :] >= np.asarray(counts)[:, None]
-  s4 = jnp.asarray(stale[..., None, None])
-  rstate = rstate.replace(
-      x_buf=jnp.where(s4, poison, rstate.x_buf),
-      b_buf=jnp.where(s4, poison, rstate.b_buf),
-      dt_buf=jnp.where(jnp.asarray(stale[..., None]), poison, rstate.dt_buf))
+  rstate = testing.fill_stale_slots(rstate, poison)
   return prm, prm64, rstate, np.asarray(full, np.float64)
 
 

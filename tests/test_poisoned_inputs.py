@@ -44,17 +44,6 @@ def _setup(seed=0, counts=COUNTS, buffer_dtype=jnp.float32):
   return params, rstate, win
 
 
-def _stale_filled(rstate, value):
-  """rstate with every stale slot (>= count) set to `value`."""
-  stale = np.arange(rstate.buffer_len)[None, :] >= np.asarray(
-      rstate.count)[:, None]
-  s4 = stale[..., None, None]
-  return rstate.replace(
-      x_buf=jnp.where(s4, value, rstate.x_buf).astype(rstate.x_buf.dtype),
-      b_buf=jnp.where(s4, value, rstate.b_buf).astype(rstate.b_buf.dtype),
-      dt_buf=jnp.where(stale[..., None], value, rstate.dt_buf))
-
-
 def _verify(rstate, win, params, impl, config):
   return rs.replay_verify(rstate, **win, **params, dt_softplus=True,
                           implementation=impl, config=config)
@@ -83,9 +72,9 @@ def test_random_replay_state_poisons_the_stale_slots():
 @pytest.mark.parametrize("impl,config", VERIFY_IMPLS, ids=IMPL_IDS)
 def test_verify_ignores_poisoned_stale_slots(impl, config, poison):
   params, rstate, win = _setup()
-  clean = _stale_filled(rstate, 0.0)
+  clean = testing.fill_stale_slots(rstate, 0.0)
   y_ref, p_ref = _verify(clean, win, params, impl, config)
-  y, pending = _verify(_stale_filled(rstate, POISONS[poison]), win, params,
+  y, pending = _verify(testing.fill_stale_slots(rstate, POISONS[poison]), win, params,
                        impl, config)
   _assert_same(y, y_ref, impl, f"{poison} in stale slots")
   np.testing.assert_array_equal(pending.count, p_ref.count)
@@ -101,7 +90,7 @@ def test_rejected_f16_draft_does_not_poison_the_next_verify(impl):
   step does."""
   params, rstate, win = _setup(3, counts=(0, 1, 2, 3),
                                buffer_dtype=jnp.float16)
-  rstate = _stale_filled(rstate, 0.0)
+  rstate = testing.fill_stale_slots(rstate, 0.0)
   drafts = dict(win, x=win["x"].at[:, 1:].set(1e5))
   _, pending = _verify(rstate, drafts, params, impl, None)
   assert not np.isfinite(np.asarray(pending.x_buf, np.float32)).all()
@@ -109,7 +98,7 @@ def test_rejected_f16_draft_does_not_poison_the_next_verify(impl):
   nxt = testing.random_step_inputs(jax.random.PRNGKey(9), B, H, P, N, G,
                                    seqlen=T)
   y, _ = _verify(committed, nxt, params, impl, None)
-  y_clean, _ = _verify(_stale_filled(committed, 0.0), nxt, params, impl,
+  y_clean, _ = _verify(testing.fill_stale_slots(committed, 0.0), nxt, params, impl,
                        None)
   _assert_same(y, y_clean, impl, "verify after a rejected inf draft")
   tok = {k: v[:, 0] for k, v in nxt.items()}

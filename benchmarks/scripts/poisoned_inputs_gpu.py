@@ -50,12 +50,7 @@ def _case(name, checkpoint_dtype, policy, seed):
   if policy is not None:
     pol = prec.PrecisionPolicy.preset(policy)
     rstate = rstate.with_policy(pol)
-  stale = np.arange(L)[None, :] >= counts[:, None]
-  s4 = jnp.asarray(stale[..., None, None])
-  clean = rstate.replace(
-      x_buf=jnp.where(s4, 0, rstate.x_buf).astype(rstate.x_buf.dtype),
-      b_buf=jnp.where(s4, 0, rstate.b_buf).astype(rstate.b_buf.dtype),
-      dt_buf=jnp.where(jnp.asarray(stale[..., None]), 0.0, rstate.dt_buf))
+  clean = testing.fill_stale_slots(rstate, 0.0)
   tok = testing.random_step_inputs(jax.random.fold_in(key, 2), B, H, P, N, G,
                                    jnp.bfloat16)
   win = testing.random_step_inputs(jax.random.fold_in(key, 3), B, H, P, N, G,

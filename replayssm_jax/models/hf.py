@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from replayssm_jax import _validation as V
 from replayssm_jax.models.config import ModelConfig
 from replayssm_jax.models.model import HybridLM
 
@@ -107,10 +108,8 @@ def _get(d: dict, *keys, default=_REQUIRED, kind=None):
       raise ValueError(f"config.json: the key {' or '.join(map(repr, keys))}"
                        f" is required and missing.")
     v, key = default, keys[0]
-  if kind == "int" and (isinstance(v, bool) or not isinstance(v, int)
-                        or v < 1):
-    raise ValueError(f"config.json: {key} must be a positive integer, got "
-                     f"{v!r}.")
+  if kind == "int":
+    return V.positive_int(f"config.json: {key}", v)
   if kind == "float" and (isinstance(v, bool)
                           or not isinstance(v, (int, float))):
     raise ValueError(f"config.json: {key} must be a number, got {v!r}.")

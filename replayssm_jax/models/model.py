@@ -254,13 +254,18 @@ def invalid_rows(tokens, state: S.ModelState, vocab_size: int,
   [batch] or [batch, window]) cannot run correctly, values the host cannot
   check under jit: a token id outside [0, vocab_size), a KV cache without
   room for the window, or a row already invalid (position < 0)."""
-  tok = tokens.reshape(tokens.shape[0], -1)
-  bad = jnp.any((tok < 0) | (tok >= vocab_size), axis=1)
+  bad = _out_of_vocab(tokens.reshape(tokens.shape[0], -1), vocab_size)
   bad = bad | (state.positions < 0)
   for s in state.layers:
     if isinstance(s, S.AttentionState):
       bad = bad | (s.length + window > s.max_len)
   return bad
+
+
+def _out_of_vocab(tokens, vocab_size: int, where=True):
+  """[batch] bool: some token id of the row (tokens [batch, T], the
+  positions `where` selects) lies outside [0, vocab_size)."""
+  return jnp.any(where & ((tokens < 0) | (tokens >= vocab_size)), axis=1)
 
 
 def mark_invalid(logits, state: S.ModelState, bad):
@@ -310,8 +315,7 @@ def _check_layer_state(i, kind, s, cfg):
   where = f"state.layers[{i}]"
   if not isinstance(s, want):
     raise ValueError(f"{where} is of type {type(s).__name__}, but the "
-                     f"model's "
-                     f"layer {i} is a {kind} block (expects "
+                     f"model's layer {i} is a {kind} block (expects "
                      f"{want.__name__}); was the state built by this "
                      f"model's init_state?")
 
@@ -372,8 +376,7 @@ def prefill_fn(model, tokens, lengths, state):
   # vocabulary within a row's prompt make the row invalid.
   real = jnp.arange(t)[None, :] < lengths[:, None]
   bad = ((lengths < 1) | (lengths > t)
-         | jnp.any(real & ((tokens < 0)
-                           | (tokens >= model.config.vocab_size)), axis=1))
+         | _out_of_vocab(tokens, model.config.vocab_size, real))
   x, state = model.forward(tokens, lengths, state)
   last = jnp.take_along_axis(x, jnp.clip(lengths - 1, 0, t - 1)[
       :, None, None], axis=1)[:, 0]  # [b, d]
