@@ -8,7 +8,7 @@ bf16 cache; --q_heads / --kv_heads for others) over rotating caches (more
 bytes than the L2):
 
   xla_f32     q, k, v converted to float32, both products in float32 over
-              the whole cache, masked (the model's form until session 25)
+              the whole cache, masked (XLA's plain form)
   reference   `ops.decode_attention(implementation="reference")` (XLA, the
               whole cache, masked)
   pallas:<v>  `ops.decode_attention(implementation="pallas")` with the
@@ -22,8 +22,8 @@ entries). Each form is checked against the op's reference on float32
 copies of the inputs; `tb_per_s` counts the bytes of the entries the
 row's last query sees (k and v, read once).
 
-Until session 24 it also timed the [batch, max_len, kv_heads, head_dim]
-layout and bf16 products (benchmarks/attend_micro_h200.json).
+The [batch, max_len, kv_heads, head_dim] cache layout and bf16 products
+against the head-major layout: benchmarks/decode_step/attention_cache_layouts_b256_h200.json.
 
   PYTHONPATH=. python benchmarks/scripts/attend_micro.py --out $OUT/am.json
 """
@@ -45,7 +45,7 @@ from replayssm_jax import ops
 F32 = jnp.float32
 
 VARIANTS = {
-    "default": pk.AttentionConfig(),  # 2 stages since session 25
+    "default": pk.AttentionConfig(),  # 2 stages
     "s1": pk.AttentionConfig(num_stages=1),
     "s3": pk.AttentionConfig(num_stages=3),
     "w8": pk.AttentionConfig(num_warps=8),
@@ -58,7 +58,7 @@ VARIANTS = {
 
 
 def xla_f32(q, k, v, lengths):
-  """The model's decode-step and verify-window attention until session 25
+  """The decode-step and verify-window attention in float32 by XLA
   (head-major cache; q [b, Hq, D] or a window [b, T, Hq, D])."""
   qw = q if q.ndim == 4 else q[:, None]
   b, t, hq, d = qw.shape

@@ -8,7 +8,7 @@ time (decode_bench's `bench_mode`: prefill, then the best of `--repeats`
 timed loops of `--new_tokens` greedy steps) and whether the loop's last
 greedy tokens equal the shift form's. (Commit f801ea8 of this script also
 timed the ring's slot written by a scatter, with and without an
-optimization barrier: benchmarks/conv_ring_h200.json.)
+optimization barrier: benchmarks/decode_step/conv_state_ring_hybrid_1b_b256_h200.json.)
 
   PYTHONPATH=. python benchmarks/scripts/conv_ring_check.py \
       --config configs/hybrid_1b.py --batch 256 --out $OUT/conv_ring.json
@@ -90,7 +90,7 @@ def main():
                                        a.new_tokens, setup.impl)
       tokens[(mode, form)] = np.asarray(out_tok)
       # Only one state alive at a time (8B at batch 256: 28 GB each; keeping
-      # the loop's output ran the H200 out of memory in session 24).
+      # the loop's output runs the H200 out of memory).
       del st, out_st
       rec = DB.bench_mode(setup, mode, 16)
       setup.state = orig

@@ -103,8 +103,8 @@ def main():
                                0, cfg.vocab_size, jnp.int32)
   lengths = jnp.full((a.batch,), a.prompt_len, jnp.int32)
 
-  # The state is donated, as in decode_bench's loop: session 25's profile
-  # (without) spent 0.19-0.22 ms per step copying it once per call.
+  # The state is donated, as in decode_bench's loop (without, a step pays
+  # 0.19-0.22 ms copying it once per call).
   @functools.partial(jax.jit, donate_argnums=2)
   def loop(params, tok, st):
     m = nnx.merge(graphdef, params)
@@ -124,7 +124,7 @@ def main():
       xla_flags=os.environ.get("XLA_FLAGS", ""), config=a.config,
       batch=a.batch, prompt_len=a.prompt_len, steps=a.steps, modes={})
   # A KV cache of a multiple of 16 entries, so the Pallas decode attention
-  # takes it (session 25's first profile ran XLA's attention at 273), with
+  # takes it (at 273 entries the dispatcher runs XLA's attention), with
   # room for the untimed call and the `iters` timed ones: each call
   # continues the decode from the state the last one returned.
   max_len = -(-(a.prompt_len + a.steps * (a.iters + 1) + 1) // 16) * 16

@@ -2,7 +2,7 @@
 
 Nemotron-H 8B Mamba layer at batch 256 (`--batch`), L 16, bf16 inputs:
 one baseline step, then two replay steps whose counters are `--counts`:
-"natural" (row % L: 1/L of the rows flush, session 1's profile), "flush"
+"natural" (row % L: 1/L of the rows flush), "flush"
 (every row folds: the full-batch flush step of the amortized figure) or
 "nonflush" (no row folds). `--policy` (e.g. f16+fp8) gives the replay
 state a precision policy's master and read copy

@@ -7,7 +7,7 @@
 #       decode_profile:120 grid,f32,16:200
 # (decode256_flags runs two benchmarks, each under the limit). At the end
 # everything under $OUT is packed into $OUT/runs.tgz (a device call brings
-# back at most 8 files; session 27 lost two workdirs to that).
+# back at most 8 files).
 set -uo pipefail
 total=${1:?usage: run_h200_chain.sh TOTAL_S part[:limit] ...}
 shift

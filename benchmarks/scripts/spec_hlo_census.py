@@ -2,9 +2,10 @@
 optimized HLO for `generate` (plain decoding) and `speculative_generate`
 (replay and snapshot-baseline target states).
 
-Session 13 found the replay spec-decoding loop host-bound at batch 1 (the
-device waits on the host 4.02 ms per iteration against 1.93 in the
-baseline loop, CUDA graphs off; benchmarks/README.md). This script runs
+At batch 1 the replay spec-decoding loop is host-bound (the device waits
+on the host 4.02 ms per iteration against 1.93 in the baseline loop, CUDA
+graphs off; benchmarks/speculative_decoding/specdec_h200.json,
+profile_kernels_batch1). This script runs
 each loop once at a small size with XLA's dump on, finds the loop's
 `while` in the dumped module after optimizations, and counts the
 instructions of one run of its body (recursing into nested whiles and

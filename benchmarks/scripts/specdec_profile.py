@@ -131,7 +131,7 @@ def loop_splits(model, prompts, lengths, t: int, n_new: int,
           **kw)[2].iterations
       iters = int(loop())
     # Its 200 longest ops: the XLA ops ("other") of a replay iteration
-    # (1.96 ms at batch 256 in session 10) are many small ones.
+    # (~2 ms at batch 256) are many small ones.
     tl = profiling.op_times(loop, iters=2, top=200)
     tp = profiling.op_times(pre, iters=2, top=40)
     cats = set(tl["by_category"]) | set(tp["by_category"])
@@ -144,7 +144,7 @@ def loop_splits(model, prompts, lengths, t: int, n_new: int,
         # Ops the loop body runs (launched at least every other
         # iteration); the call's one-off ops (its own prefill's SSD scan
         # and projections among them, which `device_ms` subtracts through
-        # the separate prefill) are left out: session 33 found them listed
+        # the separate prefill) are left out: they would be listed
         # here at their time / iterations.
         loop_top=[dict(o, ms=o["ms"] / iters) for o in tl["top"]
                   if o["events_per_call"] >= iters / 2],

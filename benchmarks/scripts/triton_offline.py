@@ -8,11 +8,10 @@ TTIR pipeline (whose combine pass, e.g., turns `acc + dot(a, b, 0)` into
 registers and spills) and cuobjdump (an opcode count of the SASS).
 
 The GPU machine's XLA compiles the same module with the Triton bundled in
-its jaxlib, a different version, so the figures are estimates: session 14
-used them to rank variants before spending device time (the default flush
-at 255 registers matched Nsight Compute; benchmarks/README.md, "Session
-14"). Pallas' default `num_stages` is 1 (no pipelining); pass
-`--stages` to match a config's `num_stages` / `flush_num_stages`.
+its jaxlib, a different version, so the figures are estimates, good for
+ranking candidates before spending device time. Pallas' default
+`num_stages` is 1 (no pipelining); pass `--stages` to match a config's
+`num_stages`.
 
   pip install triton   # not a project dependency
   PYTHONPATH=. python benchmarks/scripts/triton_offline.py \\
@@ -217,8 +216,7 @@ def main():
   ap.add_argument("--warps", default="2,4", help="num_warps to compile at")
   ap.add_argument("--stages", type=int, default=1, help="num_stages")
   ap.add_argument("--config", default="",
-                  help="ReplayConfig fields, e.g. flush_block_p=32,"
-                  "flush_fold='dot_bf16x3'")
+                  help="ReplayConfig fields, e.g. flush_max_registers=128")
   ap.add_argument("--read_dtype", default=None,
                   help="a read copy of this dtype (e.g. float8_e4m3fn)")
   ap.add_argument("--kernels", default="", help="name substrings to keep")
