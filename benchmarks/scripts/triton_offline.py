@@ -126,8 +126,7 @@ def triton_modules(**kw):
 def verify_modules(*, batch, nheads, headdim, dstate, ngroups, buffer_len,
                    checkpoint_dtype, window=4, config=None, **unused):
   """The Triton modules of one speculative verify
-  (`pallas_kernels.replay_verify`) at `_shapes`' dtypes, no z (as
-  verify_sweep.py)."""
+  (`pallas_kernels.replay_verify`) at `_shapes`' dtypes, no z."""
   del unused
   params = testing.random_params(jax.random.PRNGKey(0), nheads)
   rstate, win = _shapes(batch, nheads, headdim, dstate, ngroups, buffer_len,
