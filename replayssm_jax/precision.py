@@ -1,5 +1,5 @@
 """Storage-precision policies for a ReplayState: dual precision, quantized
-read copies and stochastic rounding (issue 6; research notes §5).
+read copies and stochastic rounding (research notes §5).
 
 A `PrecisionPolicy` says how the decode state is stored:
 

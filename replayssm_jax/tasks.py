@@ -258,7 +258,7 @@ class _Gen:
     self._u, self._i = [], 0
 
   def uniform(self) -> float:
-    if self._i == len(self._u):  # numpy draws in bulk: ~50x faster
+    if self._i == len(self._u):  # numpy draws in bulk (cheaper per draw)
       self._u, self._i = self._rng.random(1 << 16).tolist(), 0
     self._i += 1
     return self._u[self._i - 1]

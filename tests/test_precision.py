@@ -1,4 +1,4 @@
-"""Precision policies (issue 6): validation, quantization, stochastic
+"""Precision policies: validation, quantization, stochastic
 rounding, reproducibility, dual-precision semantics.
 
 Tolerances are derived in the tests from the format's rounding step (never
