@@ -129,24 +129,26 @@ def test_non_flush_steps_never_read_the_master(name):
 
 
 @pytest.mark.parametrize("name", ["f32", "bf16", "f16"])
-def test_plain_policy_equals_the_existing_path_bit_for_bit(name):
+def test_plain_policy_equals_the_policy_free_path_bit_for_bit(name):
+  """A plain policy builds the same state as `from_ssm_state` without one
+  and decodes it bit for bit as the policy-free replay step."""
   pol = P.PrecisionPolicy.preset(name).replace(buffer_dtype="float16")
   params, steps = make_params(), make_steps()
   s0 = jax.random.normal(jax.random.PRNGKey(3), (B, H, PD, N))
-  old = rs.ReplayState.from_ssm_state(
+  plain = rs.ReplayState.from_ssm_state(
       s0, G, L, checkpoint_dtype=pol.checkpoint_dtype,
       buffer_dtype=jnp.float16)
-  old = old.replace(count=jnp.asarray(COUNTS, jnp.int32))
-  new = make_state(pol)
-  for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new)):
+  plain = plain.replace(count=jnp.asarray(COUNTS, jnp.int32))
+  with_policy = make_state(pol)
+  for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(with_policy)):
     assert_same_bits(a, b, "constructed state")
-  fin_new, out_new = run_replay(new, steps, params, policy=pol)
-  fin_old, out_old = harness.replay_scan(old, steps, params,
-                                         dt_softplus=True)
-  assert_same_bits(out_new["y"], out_old, f"{name} y")
-  for a, b in zip(jax.tree.leaves(fin_new), jax.tree.leaves(fin_old)):
+  fin_policy, out_policy = run_replay(with_policy, steps, params, policy=pol)
+  fin_plain, out_plain = harness.replay_scan(plain, steps, params,
+                                           dt_softplus=True)
+  assert_same_bits(out_policy["y"], out_plain, f"{name} y")
+  for a, b in zip(jax.tree.leaves(fin_policy), jax.tree.leaves(fin_plain)):
     assert_same_bits(a, b, f"{name} final state")
-  assert jax.tree.structure(fin_new) == jax.tree.structure(fin_old)
+  assert jax.tree.structure(fin_policy) == jax.tree.structure(fin_plain)
 
 
 def test_int8_read_copy_error_is_bounded_by_the_quantization_step():
