@@ -152,8 +152,8 @@ def test_quantize_zero_and_nonfinite_rows(dtype):
   assert np.all(np.isnan(deq[1])) and np.all(np.isnan(deq[2]))  # poisoned
   # 1e-38 would overflow encode = qmax / amax: stored as zeros, documented.
   np.testing.assert_array_equal(deq[3], np.zeros(N))
-  # A NaN row after many finite ones (XLA:CPU's max over this shape dropped
-  # the NaN before quantize mapped NaN to inf).
+  # A NaN row after many finite ones: XLA:CPU's max over this shape can
+  # drop a NaN, so quantize maps NaN to inf before the max.
   rows = jax.random.normal(jax.random.PRNGKey(13), (512, 16))
   big = jnp.concatenate([rows, rows[:1].at[0, 3].set(jnp.nan)])
   _, scale = P.quantize(big, dtype)
