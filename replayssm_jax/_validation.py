@@ -167,6 +167,14 @@ def check_column_offset(name: str, offset, dim: int, width: int,
                      f"array of width {width}), got {offset!r}.")
 
 
+def int_at_least(name: str, v: Any, minimum: int = 1) -> int:
+  """`v` (a Python or numpy int, not a bool) >= minimum as a Python int;
+  ValueError naming the argument otherwise."""
+  if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < minimum:
+    raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}.")
+  return int(v)
+
+
 def positive_int(name: str, value: Any) -> int:
   """`value` (any integral scalar but bool, e.g. a numpy integer) as a
   Python int >= 1; ValueError naming the argument otherwise."""

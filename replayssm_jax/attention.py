@@ -84,7 +84,7 @@ def decode_attention_reference(q, k_cache, v_cache, lengths, scale=None):
   hk, s = k_cache.shape[1], k_cache.shape[2]
   qg = qw.reshape(b, t, hk, hq // hk, d).astype(F32)
   # IEEE float32 dots on every platform (XLA's default on the GPU is TF32,
-  # ~1e-3 relative: the H200 run of the kernel tests, session 27).
+  # ~1e-3 relative error).
   sc = jnp.einsum("btkrd,bksd->bktrs", qg, k_cache.astype(F32),
                   precision=HIGHEST)
   sc = sc * resolve_scale(scale, d)

@@ -106,10 +106,9 @@ def causal_conv1d_update(x, conv_state, weight, bias=None,
     (y [batch, dim] in x.dtype, new conv state (same shape and dtype)).
   """
   b, k = check_step_args(x, conv_state, weight, bias, activation)
-  # Tap by tap in float32 (as causal_conv1d): one elementwise fusion. An
-  # einsum over a materialized f32 [b, k, dim] window ran as a separate
-  # concatenate fusion, ~10x the bytes it needs (24 us per layer of
-  # hybrid_1b at batch 256 on the H200: decode_step_profile_h200.json).
+  # Tap by tap in float32 (as causal_conv1d): one elementwise fusion, with
+  # no materialized [b, k, dim] window (which XLA runs as a separate
+  # concatenate fusion).
   w = weight.astype(F32)
   y = x.astype(F32) * w[:, k - 1]
   for i in range(k - 1):
@@ -193,11 +192,8 @@ def causal_conv1d_update_ring(x, conv_state, start, weight, bias=None,
         v = jnp.where(slot == j, conv_state[:, j], v)
       y = y + v.astype(F32) * w[:, age]
     # The slot is written by an elementwise select, which XLA updates in
-    # place. H200, hybrid_1b, batch 256 (benchmarks/conv_ring_h200.json):
-    # replay / baseline decode step 3.363 / 4.622 ms against 3.432 / 4.679
-    # with the shifting window (11 copies of 9 MiB per step in its loop);
-    # a scatter into the slot 3.422 / 4.702, behind an optimization
-    # barrier 3.475 / 4.747 (no copies either way).
+    # place (no copy of the state per step). Chosen on the H200 over a
+    # shifting window and a scatter: benchmarks/conv_ring_h200.json.
     new_state = jnp.where(jnp.arange(k1)[None, :, None] == s[:, None, None],
                           x.astype(conv_state.dtype)[:, None], conv_state)
     new_start = (s + 1) % k1

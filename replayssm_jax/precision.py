@@ -1,5 +1,5 @@
 """Storage-precision policies for a ReplayState: dual precision, quantized
-read copies and stochastic rounding (issue 6; research notes §5).
+read copies and stochastic rounding (research notes §5).
 
 A `PrecisionPolicy` says how the decode state is stored:
 
@@ -215,7 +215,8 @@ class PrecisionPolicy:
 
   @property
   def plain(self) -> bool:
-    """No read copy and no stochastic rounding (the original ReplayState)."""
+    """No read copy and no stochastic rounding (a ReplayState of the five
+    base fields only)."""
     return self.read_dtype is None and not self.stochastic_rounding
 
   @property
@@ -340,7 +341,7 @@ def hash32_bits(key0, key1, index):
   fixed key it is a bijection of the index (no two elements of a row share
   their bits); rows, steps and sites differ through their threefry-derived
   keys (`row_keys`). Its uniformity and independence are checked
-  statistically in tests/test_precision.py.
+  statistically in tests/test_precision_sr.py.
   """
   u32 = jnp.uint32
   x = jnp.asarray(index, u32) + jnp.asarray(key0, u32)

@@ -14,7 +14,7 @@ Shapes (L = buffer_len, G = ngroups):
   count:      [batch]                           int32, in [0, L)
 
 Optional fields of a `precision.PrecisionPolicy` (None otherwise, so that
-states without them are the original five-leaf pytree):
+states without them are a pytree of the five fields above):
   read_copy:  [batch, nheads, headdim, dstate]  read dtype (bf16/f16/fp8/int8):
               a low-precision copy of the checkpoint that non-flush steps
               read instead of the master checkpoint

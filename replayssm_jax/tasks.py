@@ -34,29 +34,37 @@ The decode helpers run the model in DECODE mode: `prefill` of the first
 positions as the full forward. `**state_kwargs` go to `model.init_state`
 (checkpoint_dtype, buffer_dtype, kv_dtype, ...), so decode-time state
 policies can be compared on trained models.
+
+The character corpus lives in `replayssm_jax.corpus` and the evaluation
+helpers in `replayssm_jax.task_eval`; both are re-exported here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-F32 = jnp.float32
+from replayssm_jax import _validation as V
+from replayssm_jax.corpus import (CHARS, char_corpus, decode_chars,
+                                  encode_chars)
+from replayssm_jax.task_eval import (Batch, aggregate, decode_accuracy,
+                                     decode_logits, decode_metrics,
+                                     decode_sums, finalize, forward_logits,
+                                     forward_metrics, forward_sums,
+                                     masked_loss, masked_sums)
+
+__all__ = [
+    "CHARS", "Batch", "CharTask", "MQARTask", "SPLITS", "TASKS", "Task",
+    "char_corpus", "decode_accuracy", "decode_chars", "decode_logits",
+    "decode_metrics", "decode_sums", "encode_chars", "finalize",
+    "forward_logits", "forward_metrics", "forward_sums", "make_task",
+    "masked_loss", "masked_sums",
+]
+
 SPLITS = ("train", "val")
-Batch = dict  # {"inputs", "targets", "mask"} -> np.ndarray
-
-
-def _positive_int(name: str, v: Any, minimum: int = 1) -> int:
-  if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < minimum:
-    raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}.")
-  return int(v)
 
 
 def _split_id(split: str) -> int:
@@ -91,21 +99,21 @@ class Task:
     Batch i is a pure function of (task settings, seed, split, i), so a
     run restarted at step i sees the same data.
     """
-    _positive_int("batch_size", batch_size)
+    V.int_at_least("batch_size", batch_size)
     _split_id(split)
-    i = _positive_int("start", start, 0)
+    i = V.int_at_least("start", start, 0)
     while True:
       yield self.batch(i, batch_size, split)
       i += 1
 
   def eval_batches(self, num_batches: int, batch_size: int) -> list[Batch]:
     """The fixed validation batches 0 .. num_batches - 1."""
-    _positive_int("num_batches", num_batches)
+    V.int_at_least("num_batches", num_batches)
     return [self.batch(i, batch_size, "val") for i in range(num_batches)]
 
   def evaluate(self, model, batches: Sequence[Batch]) -> dict:
     """Full-forward metrics summed over `batches` (see `Metrics`)."""
-    return _aggregate(forward_sums(model, b) for b in _as_list(batches))
+    return aggregate(forward_sums(model, b) for b in _as_list(batches))
 
   def decode_evaluate(self, model, batches: Sequence[Batch],
                       ssm_mode: str = "replay", buffer_len: int = 16, *,
@@ -114,7 +122,7 @@ class Task:
                       **state_kwargs) -> dict:
     """Like `evaluate`, with the logits of a prefill + teacher-forced
     decode (`decode_logits`) instead of the full forward."""
-    return _aggregate(
+    return aggregate(
         decode_sums(model, b, ssm_mode, buffer_len, prefill_len=prefill_len,
                     implementation=implementation, **state_kwargs)
         for b in _as_list(batches))
@@ -163,13 +171,13 @@ class MQARTask(Task):
   headline_metric = "accuracy"
 
   def __post_init__(self):
-    _positive_int("vocab_size", self.vocab_size)
-    n = _positive_int("num_kv_pairs", self.num_kv_pairs)
-    _positive_int("seq_len", self.seq_len)
+    V.int_at_least("vocab_size", self.vocab_size)
+    n = V.int_at_least("num_kv_pairs", self.num_kv_pairs)
+    V.int_at_least("seq_len", self.seq_len)
     if self.num_queries is None:
       object.__setattr__(self, "num_queries", n)
-    q = _positive_int("num_queries", self.num_queries)
-    _positive_int("seed", self.seed, 0)
+    q = V.int_at_least("num_queries", self.num_queries)
+    V.int_at_least("seed", self.seed, 0)
     if q > n:
       raise ValueError(f"num_queries ({q}) must be <= num_kv_pairs ({n}): "
                        f"queried keys are distinct.")
@@ -201,8 +209,8 @@ class MQARTask(Task):
 
   def batch(self, index: int, batch_size: int, split: str = "train") -> Batch:
     """Batch `index` of `split` (a pure function of the arguments)."""
-    index = _positive_int("index", index, 0)
-    b = _positive_int("batch_size", batch_size)
+    index = V.int_at_least("index", index, 0)
+    b = V.int_at_least("batch_size", batch_size)
     rng = np.random.default_rng((self.seed, _split_id(split), index))
     n, q = self.num_kv_pairs, self.num_queries
     # Distinct keys per row: the first n of a random permutation.
@@ -221,142 +229,6 @@ class MQARTask(Task):
     mask[rows, pos] = 1.0
     return dict(inputs=tokens[:, :-1].copy(), targets=tokens[:, 1:].copy(),
                 mask=mask)
-
-
-# ------------------------------------------------------------ char corpus
-# Fixed character vocabulary (id = index); the corpus only uses these.
-CHARS = ("\n !'(),-.:;=?*+0123456789"
-         "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
-
-_NAMES = ("Alice", "Bob", "Carol", "Dave", "Erin", "Frank", "Grace", "Heidi",
-          "Ivan", "Judy", "Mallory", "Oscar", "Peggy", "Trent", "Victor",
-          "Walter")
-_NOUNS = ("cat", "dog", "bird", "fox", "horse", "teacher", "farmer",
-          "child", "sailor", "baker", "king", "queen", "robot", "student",
-          "doctor", "painter")
-_ADJS = ("small", "old", "young", "quiet", "happy", "clever", "tired",
-         "brave", "gray", "red", "tall", "lazy", "kind", "strange")
-_OBJS = ("apple", "letter", "book", "stone", "key", "song", "river", "hat",
-         "lamp", "map", "box", "ship", "garden", "window", "coin", "bell")
-_VERBS = (("sees", "see", "saw"), ("finds", "find", "found"),
-          ("likes", "like", "liked"), ("carries", "carry", "carried"),
-          ("paints", "paint", "painted"), ("opens", "open", "opened"),
-          ("follows", "follow", "followed"), ("watches", "watch", "watched"),
-          ("keeps", "keep", "kept"), ("loses", "lose", "lost"))
-_PLACES = ("in the garden", "near the river", "at the market", "on the hill",
-           "under the bridge", "by the window", "in the old house",
-           "at night", "in the morning", "after the rain")
-_NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six",
-                 "seven", "eight", "nine", "ten", "eleven", "twelve")
-
-
-class _Gen:
-  """A tiny deterministic sentence generator over a numpy Generator."""
-
-  def __init__(self, rng: np.random.Generator):
-    self._rng = rng
-    self._u, self._i = [], 0
-
-  def uniform(self) -> float:
-    if self._i == len(self._u):  # numpy draws in bulk: ~50x faster
-      self._u, self._i = self._rng.random(1 << 16).tolist(), 0
-    self._i += 1
-    return self._u[self._i - 1]
-
-  def integers(self, lo: int, hi: int | None = None) -> int:
-    """Uniform int in [lo, hi) ([0, lo) when hi is None)."""
-    lo, hi = (0, lo) if hi is None else (lo, hi)
-    return lo + min(int(self.uniform() * (hi - lo)), hi - lo - 1)
-
-  def pick(self, seq):
-    return seq[self.integers(len(seq))]
-
-  def chance(self, p: float) -> bool:
-    return self.uniform() < p
-
-  def subject(self):
-    """(text, plural) of a subject noun phrase."""
-    if self.chance(0.3):
-      return self.pick(_NAMES), False
-    plural = self.chance(0.35)
-    noun = self.pick(_NOUNS)
-    noun = noun + ("es" if noun.endswith("x") else "s") if plural else noun
-    det = self.pick(("the", "some", "two", "many") if plural
-                    else ("the", "a", "my", "one"))
-    if self.chance(0.5):
-      noun = f"{self.pick(_ADJS)} {noun}"
-    return f"{det} {noun}", plural
-
-  def obj(self):
-    o = self.pick(_OBJS)
-    if self.chance(0.4):
-      o = f"{self.pick(_ADJS)} {o}"
-    det = self.pick(("the", "a", "her", "his", "their"))
-    if det == "a" and o[0] in "aeiou":
-      det = "an"
-    return f"{det} {o}"
-
-  def sentence(self) -> str:
-    kind = int(self.integers(7))
-    if kind <= 2:  # agreement: singular "sees" / plural "see" / past "saw"
-      subj, plural = self.subject()
-      s, p, past = self.pick(_VERBS)
-      tense = int(self.integers(3))
-      verb = past if tense == 2 else (p if plural else s)
-      text = f"{subj} {verb} {self.obj()}"
-      if self.chance(0.5):
-        text += f" {self.pick(_PLACES)}"
-      return text[0].upper() + text[1:] + "."
-    if kind == 3:  # addition with the right answer
-      a, b = int(self.integers(100)), int(self.integers(100))
-      return f"{a} + {b} = {a + b}."
-    if kind == 4:  # small products
-      a, b = int(self.integers(13)), int(self.integers(13))
-      return f"{a} * {b} = {a * b}."
-    if kind == 5:  # counting in words from a random start
-      start = int(self.integers(6))
-      n = int(self.integers(3, 7))
-      words = _NUMBER_WORDS[start:start + n]
-      return ("Count: " + ", ".join(words) + ".") if words else "Count."
-    subj, plural = self.subject()  # questions
-    s, p, _ = self.pick(_VERBS)
-    q = f"{'Do' if plural else 'Does'} {subj} {p} {self.obj()}?"
-    return q
-
-
-@functools.lru_cache(maxsize=4)
-def char_corpus(num_chars: int = 150_000, seed: int = 0) -> str:
-  """The built-in corpus: `num_chars` characters of generated text.
-
-  Lines of 1-4 sentences: templated English with subject-verb agreement
-  (singular / plural / past), correct additions ("17 + 25 = 42.") and
-  products, counting in words, and yes/no questions. Deterministic given
-  (num_chars, seed); every character is in `CHARS`.
-  """
-  _positive_int("num_chars", num_chars)
-  gen = _Gen(np.random.default_rng((seed, 12345)))
-  parts, total = [], 0
-  while total < num_chars:
-    line = " ".join(gen.sentence() for _ in range(int(gen.integers(1, 5))))
-    parts.append(line + "\n")
-    total += len(line) + 1
-  return "".join(parts)[:num_chars]
-
-
-def encode_chars(text: str) -> np.ndarray:
-  """Text -> int32 ids in `CHARS` (ValueError on other characters)."""
-  table = {c: i for i, c in enumerate(CHARS)}
-  bad = sorted(set(text) - set(table))
-  if bad:
-    raise ValueError(f"characters {bad} are not in the char vocabulary.")
-  return np.fromiter((table[c] for c in text), np.int32, len(text))
-
-
-def decode_chars(ids) -> str:
-  """int ids -> text (ids >= len(CHARS), e.g. padding of a larger model
-  vocab, become '?')."""
-  return "".join(CHARS[i] if 0 <= i < len(CHARS) else "?"
-                 for i in np.asarray(ids).ravel().tolist())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -387,10 +259,10 @@ class CharTask(Task):
   headline_metric = "loss"
 
   def __post_init__(self):
-    _positive_int("seq_len", self.seq_len)
-    _positive_int("corpus_chars", self.corpus_chars)
-    _positive_int("seed", self.seed, 0)
-    _positive_int("corpus_seed", self.corpus_seed, 0)
+    V.int_at_least("seq_len", self.seq_len)
+    V.int_at_least("corpus_chars", self.corpus_chars)
+    V.int_at_least("seed", self.seed, 0)
+    V.int_at_least("corpus_seed", self.corpus_seed, 0)
     if self.vocab_size < len(CHARS):
       raise ValueError(f"vocab_size must be >= {len(CHARS)} (the char "
                        f"vocabulary), got {self.vocab_size!r}.")
@@ -423,8 +295,8 @@ class CharTask(Task):
 
   def batch(self, index: int, batch_size: int, split: str = "train") -> Batch:
     """Batch `index` of `split` (a pure function of the arguments)."""
-    index = _positive_int("index", index, 0)
-    b = _positive_int("batch_size", batch_size)
+    index = V.int_at_least("index", index, 0)
+    b = V.int_at_least("batch_size", batch_size)
     ids = self._splits[_split_id(split)]
     hi = len(ids) - self.seq_len - 1  # last valid crop start
     if split == "train":
@@ -460,197 +332,3 @@ def make_task(spec: dict) -> Task:
     raise ValueError(f"unknown fields {unknown} for task {name!r}; valid: "
                      f"{sorted(fields)}.")
   return TASKS[name](**kwargs)
-
-
-# ---------------------------------------------------------------- metrics
-def masked_sums(logits, targets, mask) -> dict:
-  """Sums over the scored positions (traceable): cross-entropy `loss_sum`,
-  `correct` greedy predictions and `count` (all float32 scalars)."""
-  logits = logits.astype(F32)
-  mask = mask.astype(F32)
-  logz = jax.nn.logsumexp(logits, axis=-1)
-  tgt = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32),
-                            axis=-1)[..., 0]
-  correct = (jnp.argmax(logits, axis=-1) == targets).astype(F32)
-  return dict(loss_sum=jnp.sum((logz - tgt) * mask),
-              correct=jnp.sum(correct * mask), count=jnp.sum(mask))
-
-
-def masked_loss(logits, targets, mask):
-  """Mean cross-entropy over the scored positions (traceable)."""
-  s = masked_sums(logits, targets, mask)
-  return s["loss_sum"] / jnp.maximum(s["count"], 1.0)
-
-
-def finalize(sums: dict) -> dict:
-  """Sums -> metrics: loss (mean CE, nats), accuracy (greedy), perplexity,
-  bits_per_token and num_targets."""
-  n = float(sums["count"])
-  if n <= 0:
-    raise ValueError("no scored positions (the mask is all zero).")
-  loss = float(sums["loss_sum"]) / n
-  return dict(loss=loss, accuracy=float(sums["correct"]) / n,
-              perplexity=math.exp(min(loss, 700.0)),
-              bits_per_token=loss / math.log(2), num_targets=int(n))
-
-
-def _aggregate(sums_iter) -> dict:
-  total = None
-  for s in sums_iter:
-    s = {k: float(v) for k, v in s.items()}
-    total = s if total is None else {k: total[k] + s[k] for k in total}
-  return finalize(total)
-
-
-def _check_batch(model, batch) -> tuple:
-  if not isinstance(batch, dict) or not {"inputs", "targets",
-                                         "mask"} <= set(batch):
-    raise ValueError("batch must be a dict with 'inputs', 'targets' and "
-                     "'mask' (from a task's batch()).")
-  inputs = np.asarray(batch["inputs"])
-  targets = np.asarray(batch["targets"])
-  mask = np.asarray(batch["mask"])
-  if inputs.ndim != 2 or targets.shape != inputs.shape or (
-      mask.shape != inputs.shape):
-    raise ValueError(f"batch inputs/targets/mask must share one [batch, "
-                     f"seq_len] shape, got {inputs.shape}, {targets.shape}, "
-                     f"{mask.shape}.")
-  for name, a in (("inputs", inputs), ("targets", targets)):
-    if not np.issubdtype(a.dtype, np.integer):
-      raise TypeError(f"batch {name} must be integer token ids, got "
-                      f"{a.dtype}.")
-    if a.size and (a.min() < 0 or a.max() >= model.config.vocab_size):
-      raise ValueError(f"batch {name} must lie in [0, vocab_size = "
-                       f"{model.config.vocab_size}), got [{a.min()}, "
-                       f"{a.max()}].")
-  return (jnp.asarray(inputs, jnp.int32), jnp.asarray(targets, jnp.int32),
-          jnp.asarray(mask, F32))
-
-
-@functools.partial(jax.jit, static_argnums=(0,))
-def _forward_logits_jit(graphdef, params, inputs):
-  return nnx.merge(graphdef, params)(inputs)
-
-
-def forward_logits(model, inputs):
-  """`model(inputs)` jit-compiled (once per model structure and shape):
-  [b, T] int -> logits [b, T, vocab] float32."""
-  inputs = np.asarray(inputs)
-  from replayssm_jax.models import model as M  # pylint: disable=g-import-not-at-top
-  M._check_tokens("inputs", inputs, 2, "[batch, seqlen]", model.config)  # pylint: disable=protected-access
-  graphdef, params = nnx.split(model)
-  return _forward_logits_jit(graphdef, params, jnp.asarray(inputs, jnp.int32))
-
-
-@functools.partial(jax.jit, static_argnums=(0,))
-def _forward_sums_jit(graphdef, params, inputs, targets, mask):
-  model = nnx.merge(graphdef, params)
-  return masked_sums(model(inputs), targets, mask)
-
-
-def forward_sums(model, batch: Batch) -> dict:
-  """`masked_sums` of the full-sequence forward of one batch."""
-  inputs, targets, mask = _check_batch(model, batch)
-  graphdef, params = nnx.split(model)
-  return _forward_sums_jit(graphdef, params, inputs, targets, mask)
-
-
-def forward_metrics(model, batch: Batch) -> dict:
-  """Full-forward metrics (`finalize`) of one batch."""
-  return finalize(forward_sums(model, batch))
-
-
-# ------------------------------------------------------------ decode mode
-@functools.partial(jax.jit, static_argnums=(0, 4, 5))
-def _decode_logits_jit(graphdef, params, inputs, state, prefill_len,
-                       implementation):
-  model = nnx.merge(graphdef, params)
-  b = inputs.shape[0]
-  lengths = jnp.full((b,), prefill_len, jnp.int32)
-  x, state = model.forward(inputs[:, :prefill_len], lengths, state)
-  first = model.logits(x)  # [b, prefill_len, vocab]
-
-  def body(st, tok):
-    logits, st = model.step(tok, st, implementation)
-    return st, logits
-
-  _, rest = jax.lax.scan(body, state, inputs[:, prefill_len:].T)
-  return jnp.concatenate([first, jnp.swapaxes(rest, 0, 1)], axis=1)
-
-
-def decode_logits(model, inputs, ssm_mode: str = "replay",
-                  buffer_len: int = 16, *, prefill_len: int = 1,
-                  implementation: str | None = None, **state_kwargs):
-  """Logits of every input position [b, T, vocab] float32, in decode mode.
-
-  The first `prefill_len` tokens go through `prefill` (chunked SSD; the
-  logits of all of them are returned), the remaining T - prefill_len
-  through `decode_step` one at a time, teacher-forced (the given inputs,
-  not the model's predictions), in one jit-compiled `lax.scan`. In f32 the
-  result equals `model(inputs)` up to association order.
-
-  Args:
-    model: a HybridLM.
-    inputs: [batch, T] int token ids.
-    ssm_mode: "replay" or "baseline" decode state of the Mamba layers.
-    buffer_len: replay buffer length L.
-    prefill_len: tokens run by prefill, 1 <= prefill_len <= T.
-    implementation: SSM decode op implementation (dispatcher name).
-    **state_kwargs: more `model.init_state` keywords (checkpoint_dtype,
-      buffer_dtype, kv_dtype, conv_dtype, precision, row_ids).
-  """
-  inputs = np.asarray(inputs)
-  if inputs.ndim != 2:
-    raise ValueError(f"inputs must be [batch, seq_len], got shape "
-                     f"{inputs.shape}.")
-  b, t = inputs.shape
-  if (isinstance(prefill_len, bool) or not isinstance(prefill_len, int)
-      or not 1 <= prefill_len <= t):
-    raise ValueError(f"prefill_len must be an int in [1, seq_len = {t}], "
-                     f"got {prefill_len!r}.")
-  state = model.init_state(b, t, ssm_mode=ssm_mode, buffer_len=buffer_len,
-                           **state_kwargs)
-  from replayssm_jax.models import model as M  # pylint: disable=g-import-not-at-top
-  M.check_prefill_inputs(model, inputs[:, :prefill_len],
-                         np.full((b,), prefill_len, np.int32), state)
-  graphdef, params = nnx.split(model)
-  return _decode_logits_jit(graphdef, params, jnp.asarray(inputs, jnp.int32),
-                            state, prefill_len, implementation)
-
-
-def decode_sums(model, batch: Batch, ssm_mode: str = "replay",
-                buffer_len: int = 16, *, prefill_len: int = 1,
-                implementation: str | None = None, **state_kwargs) -> dict:
-  """`masked_sums` of `decode_logits` for one batch."""
-  inputs, targets, mask = _check_batch(model, batch)
-  logits = decode_logits(model, inputs, ssm_mode, buffer_len,
-                         prefill_len=prefill_len,
-                         implementation=implementation, **state_kwargs)
-  return _sums_jit(logits, targets, mask)
-
-
-_sums_jit = jax.jit(masked_sums)
-
-
-def decode_metrics(model, batch: Batch, ssm_mode: str = "replay",
-                   buffer_len: int = 16, *, prefill_len: int = 1,
-                   implementation: str | None = None,
-                   **state_kwargs) -> dict:
-  """Decode-mode metrics (`finalize`) of one batch: loss, accuracy,
-  perplexity, ... at the batch's scored positions."""
-  return finalize(decode_sums(model, batch, ssm_mode, buffer_len,
-                              prefill_len=prefill_len,
-                              implementation=implementation, **state_kwargs))
-
-
-def decode_accuracy(model, batch: Batch, ssm_mode: str = "replay",
-                    buffer_len: int = 16, *, prefill_len: int = 1,
-                    implementation: str | None = None,
-                    **state_kwargs) -> float:
-  """Greedy accuracy at the scored positions (MQAR: the queries) when the
-  model runs in decode mode (prefill `prefill_len` tokens, then
-  teacher-forced `decode_step`s); `**state_kwargs` go to `init_state`."""
-  return decode_metrics(model, batch, ssm_mode, buffer_len,
-                        prefill_len=prefill_len,
-                        implementation=implementation,
-                        **state_kwargs)["accuracy"]

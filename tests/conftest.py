@@ -7,26 +7,25 @@ import tempfile
 import jax
 import pytest
 
-# XLA:CPU compiles the "partitionable" threefry PRNG (the default since
-# jax 0.5) about 10x slower than the classic one: ~3 s per new random shape
-# on the 2-core CI machine versus ~0.3 s. Tests draw inputs of many shapes,
-# so use the classic, equally valid, bit stream. Sharding is irrelevant here.
+# XLA:CPU compiles the "partitionable" threefry PRNG (jax's default) far
+# more slowly than the classic one, per new random shape. Tests draw inputs
+# of many shapes, so use the classic, equally valid, bit stream. Sharding is
+# irrelevant here.
 jax.config.update("jax_threefry_partitionable", False)
 
 # The suite is bound by XLA:CPU compile time (interpret-mode kernels compile
 # each case apart), not by run time: skip most of XLA's and LLVM's
-# optimization passes (test_speculative.py: 163 -> 113 s on 2 cores). The
-# tests compare against references and tolerances, or two paths compiled
-# the same way; the GPU benchmarks check every timed configuration at full
-# optimization. REPLAYSSM_TEST_FULL_OPT=1 runs the suite fully optimized.
+# optimization passes. The tests compare against references and
+# tolerances, or two paths compiled the same way; the GPU benchmarks check
+# every timed configuration at full optimization. REPLAYSSM_TEST_FULL_OPT=1
+# runs the suite fully optimized.
 if os.environ.get("REPLAYSSM_TEST_FULL_OPT") != "1":
   jax.config.update("jax_disable_most_optimizations", True)
 
 # XLA's persistent compilation cache, shared by the xdist workers (and by
 # later runs on the same machine): a program that several tests or both
 # workers compile (the reference ops, the same kernel at the same shapes)
-# compiles once. test_speculative.py on a cold cache: 180 -> 157 s on 2
-# cores. REPLAYSSM_TEST_CACHE=<dir> moves it; =0 turns it off.
+# compiles once. REPLAYSSM_TEST_CACHE=<dir> moves it; =0 turns it off.
 _CACHE = os.environ.get("REPLAYSSM_TEST_CACHE",
                         os.path.join(tempfile.gettempdir(),
                                      "replayssm_jax_test_xla_cache"))
@@ -39,10 +38,9 @@ if _CACHE != "0":
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
   """Drops jax's in-memory caches of compiled programs after each test
-  module. A worker runs hundreds of modules' programs; kept, they grew each
-  of the two xdist workers to ~7 GB of the CI machine's 24 GiB by the end
-  of the suite. A later module that needs a program again reads it back
-  from the persistent cache above."""
+  module: a worker runs hundreds of modules' programs, which kept would
+  grow its memory without bound over the suite. A later module that needs
+  a program again reads it back from the persistent cache above."""
   yield
   jax.clear_caches()
   gc.collect()

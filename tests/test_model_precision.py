@@ -168,8 +168,7 @@ def test_stochastic_rounding_reproducible_and_batch_independent(model):
     (other random bits).
   A row alone (batch 1) is not compared bit for bit: XLA:CPU matmuls of
   another batch size may associate differently (~3e-7 relative), and such
-  a difference can flip an int8 rounding decision now and then (1e-4 of
-  the logits observed once the conv update was computed tap by tap)."""
+  a difference can flip an int8 rounding decision now and then."""
   ids = np.array([5, 9, 2])
   pol = PrecisionPolicy.preset("f32+int8+sr").replace(seed=11)
   a = run(model, precision=pol, row_ids=ids)

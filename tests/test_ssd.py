@@ -88,9 +88,9 @@ def test_chunked_prefill_then_replay_decode(prefill_len, chunk, buffer_len,
 
 def test_short_sequence_is_not_padded_to_chunk_size():
   """A 5-token sequence with chunk_size 256 runs as one 5-token chunk: no
-  intermediate of the traced computation has a 256-long axis (padding to
-  the chunk size made the model's forward over a speculative window 50x
-  slower on the H200: `benchmarks/specdec_bench_h200.json`, profile)."""
+  intermediate of the traced computation has a 256-long axis (a model's
+  forward over a short speculative window must not pay for a full
+  chunk)."""
   case = C.SsdCase(5, 256, seed=3000)
   params, seq, init = harness.ssd_inputs(case)
   jaxpr = jax.make_jaxpr(lambda s: rs.ssd_chunked_scan(

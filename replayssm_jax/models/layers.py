@@ -131,8 +131,7 @@ class Mamba2Mixer(nnx.Module):
     # A_log, D, dt_bias in float32 whatever param_dtype (as Hugging Face's
     # Mamba2 keeps them): the SSM ops take them in float32, and a decode
     # loop would otherwise convert them every step, three tiny kernels per
-    # layer that XLA does not hoist out of the loop (0.05 ms of hybrid_1b's
-    # 3.3 ms step at batch 256 on the H200, session 27).
+    # layer that XLA does not hoist out of the loop.
     self.A_log = nnx.Param(jnp.log(jax.random.uniform(
         rngs.params(), (h,), F32, 1.0, 16.0)))  # [H]
     self.D = nnx.Param(1.0 + _normal(rngs, (h,), 0.1, F32))
@@ -381,9 +380,8 @@ class Attention(nnx.Module):
     (prefill; decode steps and verify windows use ops.decode_attention).
 
     With k/v head-major the products' batch dimensions (row, KV head) lead,
-    as XLA's GEMMs need them: with the [b, S, Hk, D] layout XLA transposed
-    the whole cache every decode step (decode attention at ~0.9 TB/s on the
-    H200, benchmarks/attend_micro_h200.json).
+    as XLA's GEMMs need them (a [b, S, Hk, D] layout makes XLA transpose
+    the whole cache; benchmarks/attend_micro_h200.json).
     """
     c = self.cfg
     b, tq = q.shape[:2]

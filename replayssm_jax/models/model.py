@@ -103,8 +103,8 @@ class HybridLM(nnx.Module):
 
     The blocks as in `forward`, with each residual add and the next norm
     as one `ops.add_rms_norm` (`implementation` picks it, the mixers' ops
-    and the attention's): XLA ran them as two fusions per block, the second
-    recomputing the sum."""
+    and the attention's), so that XLA does not run them as two fusions per
+    block, the second recomputing the sum."""
     bad = invalid_rows(token, state, self.config.vocab_size)
     x = self.embeddings(token).astype(F32)  # [b, d] residual stream
     y, new_layers = None, []

@@ -5,28 +5,18 @@
   tokens, n, stats = speculative_generate(target, proposer, prompts,
                                           lengths, max_new_tokens, window)
 
-`verify` runs a window of T tokens per row (the last sampled token and T-1
-drafts) through every block in one parallel pass per layer, from the
-committed decode state:
-  * Mamba-2: in_proj over the window, causal conv from the conv state, SSM
-    outputs from `replayssm_jax.replay_verify` (replay mode: checkpoint +
-    buffer, no per-token state) or `baseline_verify` (baseline mode: one
-    full SSM state snapshot per window position, what engines do today);
-  * attention: the T new keys/values go to positions length .. length+T-1
-    of the KV cache and each query attends to the cache prefix plus the
-    window up to itself;
-  * MLP: position-wise.
-`commit` makes the first num_accepted window tokens of each row history:
-the replay SSM state by a counter move (`replay_commit`), the baseline one by
-picking a snapshot (`baseline_commit`), the conv state by taking the last
-conv_kernel - 1 inputs of (committed window ++ accepted inputs), the KV cache
-by setting length (rejected entries are overwritten later) and positions by
-+= num_accepted.
-
 `speculative_generate` is the decode loop (one jit-compiled
-`lax.while_loop`) with greedy acceptance or standard speculative sampling;
-drafts come from a `Proposer`: `DraftModelProposer` (a small HybridLM) or
-`NgramProposer` (prompt lookup).
+`lax.while_loop`) with greedy acceptance or standard speculative sampling
+(`accept`); drafts come from a `Proposer`: `DraftModelProposer` (a small
+HybridLM) or `NgramProposer` (prompt lookup).
+
+This module is the public entry point of speculative decoding; the parts
+live in
+  verify_commit.py  verify / commit of one window (PendingState, verify_fn,
+                    commit_fn);
+  proposers.py      the Proposer protocol, NgramProposer,
+                    DraftModelProposer, ProposalContext, Proposal;
+and are re-exported here.
 """
 
 # pylint: disable=protected-access  (model.py's input checks are shared)
@@ -35,11 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from replayssm_jax import _validation as V
@@ -47,471 +35,32 @@ from replayssm_jax.models import model as M
 from replayssm_jax.models import states as S
 from replayssm_jax.models.generate import (check_prompts_and_eos,
                                            filter_logits, is_static_flag,
-                                           sample_logits, sampling_probs,
-                                           sampling_settings)
+                                           sample_logits, sampling_settings)
 from replayssm_jax.models.layers import check_speculative_precision
-from replayssm_jax.speculative import baseline_commit, replay_commit
-from replayssm_jax.state import ReplayState
+from replayssm_jax.models.proposers import (DraftModelProposer,
+                                            NgramProposer, Proposal,
+                                            ProposalContext, Proposer)
+from replayssm_jax.models.verify_commit import (PendingState, commit,
+                                                commit_fn, verify, verify_fn)
+
+__all__ = [
+    "DraftModelProposer",
+    "NgramProposer",
+    "PendingState",
+    "Proposal",
+    "ProposalContext",
+    "Proposer",
+    "SpecStats",
+    "accept",
+    "commit",
+    "commit_fn",
+    "compaction_sizes",
+    "speculative_generate",
+    "verify",
+    "verify_fn",
+]
 
 F32 = jnp.float32
-
-
-# ------------------------------------------------------------ verify/commit
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class PendingState:
-  """The decode state between `verify` and `commit`.
-
-  Attributes:
-    state: the committed ModelState with the window written where that costs
-      nothing to undo: replay SSM states hold the window's inputs behind the
-      committed history (count unchanged; rows that had to flush hold the
-      committed history folded into the checkpoint), KV caches hold the
-      window's keys/values past `length` (length unchanged); conv states,
-      baseline SSM states and positions are the committed ones.
-    window_conv_inputs: per layer, [batch, T, conv_dim] pre-conv inputs of
-      the window (Mamba layers, conv-state dtype) or None.
-    snapshots: per layer, [batch, T, H, P, N] SSM state after each window
-      position (baseline-mode Mamba layers) or None.
-    window: T (static).
-  """
-  state: S.ModelState
-  window_conv_inputs: tuple
-  snapshots: tuple
-  window: int = dataclasses.field(metadata=dict(static=True))
-
-  @property
-  def batch(self) -> int:
-    return self.state.batch
-
-
-def verify_fn(model: M.HybridLM, tokens, state: S.ModelState,
-              implementation: str | None = None):
-  """Traceable `verify` (inputs already validated).
-
-  A row whose KV cache cannot take the window (length + T > max_len), with
-  a token id out of range, or already invalid gets NaN logits and position
-  -1 (`model.mark_invalid`) instead of silently wrong ones.
-  """
-  t = tokens.shape[1]
-  bad = M.invalid_rows(tokens, state, model.config.vocab_size, window=t)
-  x = model.embeddings(tokens).astype(jnp.float32)  # [b, T, d] residual
-  y, layers, convs, snaps = None, [], [], []
-  for block, s, layer in zip(model.blocks, state.layers,
-                            model.mamba_indices()):
-    # As the decode step: each residual add and the next norm as one op.
-    x, h = model.add_norm(x, y, block.norm, implementation)
-    y, pend = block.verify(h, s, implementation, layer)
-    if block.kind == "mamba":
-      ssm, win, snap = pend
-      layers.append(s.replace(ssm=ssm))
-      convs.append(win)
-      snaps.append(snap)
-    else:
-      layers.append(pend)
-      convs.append(None)
-      snaps.append(None)
-  _, h = model.add_norm(x, y, model.norm_f, implementation)
-  logits, committed = M.mark_invalid(
-      model.head(h),  # [b, T, vocab] f32
-      S.ModelState(layers=tuple(layers), positions=state.positions), bad)
-  pending = PendingState(
-      state=committed, window_conv_inputs=tuple(convs),
-      snapshots=tuple(snaps), window=t)
-  return logits, pending
-
-
-def commit_fn(pending: PendingState, num_accepted, active=None):
-  """Traceable `commit`; rows with active False (if given) keep their
-  committed state (the window is dropped, num_accepted ignored)."""
-  t = pending.window
-  n = jnp.asarray(num_accepted, jnp.int32)
-  # Tokens that become history: n, or 0 for inactive rows.
-  moved = n if active is None else jnp.where(active, n, 0)
-  layers = []
-  for s, win, snap in zip(pending.state.layers, pending.window_conv_inputs,
-                          pending.snapshots):
-    if isinstance(s, S.MambaState):
-      k1 = s.conv.shape[1]
-      # [b, k-1+T, conv_dim], oldest first
-      cat = jnp.concatenate([s.ordered_conv(), win], axis=1)
-      idx = moved[:, None] + jnp.arange(k1)[None, :]  # [b, k-1]
-      conv = jnp.take_along_axis(cat, idx[..., None], axis=1)
-      if isinstance(s.ssm, ReplayState):
-        ssm = replay_commit(s.ssm, n if active is None
-                            else jnp.where(active, n, 1), t)
-        if active is not None:  # inactive: the committed history only
-          keep = {f: jnp.where(active, getattr(ssm, f), getattr(s.ssm, f))
-                  for f in ("count", "step") if getattr(ssm, f) is not None}
-          ssm = ssm.replace(**keep)
-      else:
-        ssm = baseline_commit(snap, n)
-        if active is not None:
-          ssm = jnp.where(active[:, None, None, None], ssm, s.ssm)
-      layers.append(s.with_ordered_conv(conv).replace(ssm=ssm))
-    elif isinstance(s, S.AttentionState):
-      layers.append(s.replace(length=s.length + moved))
-    else:
-      layers.append(s)
-  # An invalid row (position -1) stays so, as does a row whose accepted
-  # count is out of range (under jit).
-  pos = pending.state.positions
-  out_of_range = (n < 1) | (n > t)
-  bad = (pos < 0) | (out_of_range if active is None
-                     else active & out_of_range)
-  return S.ModelState(layers=tuple(layers),
-                      positions=jnp.where(bad, -1, pos + moved))
-
-
-@functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=(3,))
-def _verify_jit(graphdef, params, tokens, state, implementation):
-  M.TRACE_COUNTS["verify"] += 1
-  return verify_fn(nnx.merge(graphdef, params), tokens, state, implementation)
-
-
-@functools.partial(jax.jit, static_argnums=(3,), donate_argnums=(0,))
-def _commit_jit(state, window_data, num_accepted, window):
-  """Donates the state part only (the window data has no output to reuse
-  its buffers)."""
-  M.TRACE_COUNTS["commit"] += 1
-  return commit_fn(PendingState(state, *window_data, window=window),
-                   num_accepted)
-
-
-def _check_window_room(state: S.ModelState, t: int, what: str) -> None:
-  """Replay buffers must exceed T; KV caches need T free slots per row;
-  baseline states' precision policies must be plain
-  (`check_speculative_precision`)."""
-  for i, s in enumerate(state.layers):
-    if isinstance(s, S.MambaState):
-      check_speculative_precision(s, what)
-    if isinstance(s, S.MambaState) and isinstance(s.ssm, ReplayState):
-      if s.ssm.buffer_len <= t:
-        raise ValueError(
-            f"{what}: the replay buffer_len ({s.ssm.buffer_len}, layer {i}) "
-            f"must exceed the window T ({t}); create the state with "
-            f"buffer_len > T.")
-    if isinstance(s, S.AttentionState) and V.is_concrete(s.length):
-      ln = np.asarray(s.length)
-      bad = ln + t > s.max_len
-      if bad.any():
-        rows = np.nonzero(bad)[0][:8].tolist()
-        raise ValueError(
-            f"{what}: the KV cache (max_len {s.max_len}) has no room for a "
-            f"window of T = {t} tokens: rows {rows} hold {ln[rows].tolist()} "
-            f"tokens (> max_len - T = {s.max_len - t}); create the state "
-            f"with a larger max_len.")
-
-
-def verify(model: M.HybridLM, tokens, state: S.ModelState,
-           implementation: str | None = None):
-  """Logits of a window of T tokens per row, in one parallel pass.
-
-  Args:
-    model: the HybridLM.
-    tokens: [batch, T] int window (position 0: the last sampled token, not
-      yet in `state`; then the drafts).
-    state: the committed ModelState (donated). A replay state takes any
-      `init_state(precision=policy)` (read copies and stochastic rounding:
-      see `replayssm_jax.replay_verify`); a baseline state plain policies
-      only (others raise a ValueError naming `precision`).
-    implementation: implementation of the window's kernel ops: the SSM op
-      (`replay_verify` in replay mode, `baseline_verify` in baseline mode)
-      and `ops.decode_attention`.
-
-  Returns:
-    (logits [batch, T, vocab] float32: logits[:, s] predicts the token after
-     window position s, equal to stepping `decode_step` over the window;
-     PendingState for `commit`).
-  """
-  if not isinstance(model, M.HybridLM):
-    raise TypeError(f"model must be a HybridLM, got {type(model).__name__}.")
-  M._check_tokens("tokens", tokens, 2, "[batch, T]", model.config)
-  b, t = tokens.shape
-  if t < 1:
-    raise ValueError("tokens must hold a window of T >= 1 tokens per row, "
-                     "got T = 0.")
-  M._check_state(state, b, model.config)
-  _check_window_room(state, t, "verify")
-  graphdef, params = nnx.split(model)
-  logits, pending = _verify_jit(graphdef, params,
-                                jnp.asarray(tokens, jnp.int32), state,
-                                implementation)
-  V.raise_if_invalid(pending.state.positions < 0, "verify")
-  return logits, pending
-
-
-def commit(pending: PendingState, num_accepted):
-  """Makes the first num_accepted window tokens of each row history.
-
-  Args:
-    pending: the PendingState from `verify` (donated).
-    num_accepted: [batch] int in [1, T]: accepted tokens per row, counting
-      the window's first (already sampled) token.
-
-  Returns:
-    The committed ModelState: equal (up to float association order) to the
-    state of decoding the accepted tokens one by one. Under jit an
-    out-of-range num_accepted makes a replay-mode row NaN from then on
-    (`replay_commit`), never silently wrong.
-  """
-  if not isinstance(pending, PendingState):
-    raise TypeError(f"pending must be a PendingState (from verify), got "
-                    f"{type(pending).__name__}.")
-  V.check_num_accepted(num_accepted, pending.batch, pending.window)
-  state = _commit_jit(pending.state, (pending.window_conv_inputs,
-                                      pending.snapshots),
-                      jnp.asarray(num_accepted, jnp.int32), pending.window)
-  V.raise_if_invalid(state.positions < 0, "commit")
-  return state
-
-
-# ---------------------------------------------------------------- proposers
-class ProposalContext(NamedTuple):
-  """What the decode loop tells a proposer each iteration (all traced).
-
-  Attributes:
-    history: [batch, W] int32 token history per row: the prompt, then the
-      generated tokens; entries at or past `length` are meaningless.
-    length: [batch] int32 valid history per row (including `last`).
-    last: [batch] int32 the last generated token: window position 0, not
-      yet processed by the target.
-    num_generated: [batch] int32 tokens generated so far (including last).
-    active: [batch] bool rows still generating.
-    iteration: int32 scalar loop iteration (0-based).
-  """
-  history: jax.Array
-  length: jax.Array
-  last: jax.Array
-  num_generated: jax.Array
-  active: jax.Array
-  iteration: jax.Array
-
-
-class Proposal(NamedTuple):
-  """Drafts for one window.
-
-  Attributes:
-    drafts: [batch, T-1] int token ids (entries past num_drafts ignored).
-    num_drafts: [batch] int in [0, T-1]: valid drafts per row (0: none).
-    q: [batch, T-1, vocab] float32 the distribution each draft was drawn
-      from (speculative sampling needs it), or None for a deterministic
-      proposal (q = one-hot of the drafts).
-  """
-  drafts: jax.Array
-  num_drafts: jax.Array
-  q: jax.Array | None
-
-
-class Proposer:
-  """Protocol of draft proposers for `speculative_generate`.
-
-  A proposer is a pytree (register subclasses with
-  `jax.tree_util.register_pytree_node_class`): its arrays are leaves, its
-  settings static (hashable) aux data, so it can be passed into the jitted
-  loop; the loop compiles once per proposer structure and shapes. Its
-  per-run state (`pstate`: a pytree whose array leaves all have the batch
-  as their leading axis, as a compacting loop gathers its rows) lives in
-  the loop carry. All methods but `validate` are traced.
-  """
-
-  def validate(self, target: M.HybridLM, *, window: int, ssm_mode: str,
-               buffer_len: int) -> None:
-    """Raises a clear error if this proposer cannot serve `target` (called
-    eagerly, before compiling)."""
-    del target, window, ssm_mode, buffer_len
-
-  def init(self, prompt_tokens, prompt_lengths, *, max_len: int,
-           window: int, ssm_mode: str, buffer_len: int):
-    """The proposer state after the prompts ([batch, P] right-padded,
-    [batch]); max_len: KV room the loop needs per row; ssm_mode and
-    buffer_len: the target's (defaults for a draft model)."""
-    raise NotImplementedError
-
-  def propose(self, pstate, ctx: ProposalContext, window: int, rng,
-              sampling) -> tuple[Proposal, Any]:
-    """Up to window - 1 drafts per row following ctx.last; `sampling` is the
-    loop's `generate.SamplingSettings` (unpacks as the (greedy, temperature,
-    top_k, top_p) of `generate.sample_logits`; greedy a Python bool).
-    Returns (Proposal, new pstate)."""
-    raise NotImplementedError
-
-  def update(self, pstate, ctx: ProposalContext, window_tokens,
-             num_accepted, active):
-    """After the target's verdict: window_tokens [batch, T] (ctx.last, then
-    the drafts as verified), num_accepted [batch] in [1, T] window tokens
-    that became history (rows with active False: none). Returns the new
-    pstate."""
-    del ctx, window_tokens, num_accepted, active
-    return pstate
-
-
-@jax.tree_util.register_pytree_node_class
-class NgramProposer(Proposer):
-  """Prompt lookup: continue the last n tokens as they went before.
-
-  Each iteration a row's history (prompt + generated) is searched for the
-  most recent earlier occurrence of its last `n` tokens; the tokens that
-  followed it (at most window - 1, only ones already in the history) are the
-  drafts. If there is none, shorter suffixes down to `min_n` are tried; if
-  none matches, the row proposes nothing this step. Deterministic (q is
-  one-hot), stateless.
-  """
-
-  def __init__(self, n: int = 3, min_n: int = 1):
-    n, min_n = V.positive_int("n", n), V.positive_int("min_n", min_n)
-    if min_n > n:
-      raise ValueError(f"min_n ({min_n}) must be <= n ({n}).")
-    self.n, self.min_n = n, min_n
-
-  def tree_flatten(self):
-    return (), (self.n, self.min_n)
-
-  @classmethod
-  def tree_unflatten(cls, aux, children):
-    del children
-    return cls(*aux)
-
-  def __repr__(self):
-    return f"NgramProposer(n={self.n}, min_n={self.min_n})"
-
-  def init(self, prompt_tokens, prompt_lengths, **unused):
-    return ()
-
-  def propose(self, pstate, ctx, window, rng, sampling):
-    del rng, sampling
-    hist, ln = ctx.history, ctx.length
-    b, w = hist.shape
-    starts = jnp.arange(w)[None, :]  # [1, W] candidate match starts
-    best = jnp.full((b,), -1, jnp.int32)  # continuation start, -1: none
-    for m in range(self.n, self.min_n - 1, -1):  # longest suffix first
-      sidx = jnp.clip(ln[:, None] - m + jnp.arange(m)[None, :], 0, w - 1)
-      suffix = jnp.take_along_axis(hist, sidx, axis=1)  # [b, m]
-      padded = jnp.pad(hist, ((0, 0), (0, m)))
-      match = jnp.ones((b, w), bool)
-      for k in range(m):
-        match = match & (padded[:, k:k + w] == suffix[:, k:k + 1])
-      # An earlier occurrence followed by >= 1 known token.
-      match = match & (starts + m < ln[:, None]) & (ln[:, None] >= m)
-      i = jnp.max(jnp.where(match, starts, -1), axis=1)
-      best = jnp.where((best < 0) & (i >= 0), i + m, best)
-    t1 = window - 1
-    idx = jnp.clip(best[:, None] + jnp.arange(t1)[None, :], 0, w - 1)
-    drafts = jnp.take_along_axis(hist, idx, axis=1)
-    nd = jnp.where(best >= 0, jnp.clip(ln - best, 0, t1), 0)
-    return Proposal(drafts.astype(jnp.int32), nd.astype(jnp.int32),
-                    None), pstate
-
-
-@jax.tree_util.register_pytree_node_class
-class DraftModelProposer(Proposer):
-  """A (small) HybridLM drafts window - 1 tokens autoregressively.
-
-  The draft keeps its own ModelState, committed through the same tokens as
-  the target. Each iteration it decodes window - 1 steps from (a copy of)
-  its committed state, greedy or sampled with the loop's settings (q = its
-  sampling distribution); after the verdict it verifies the window itself
-  and commits the accepted prefix, so it rolls back exactly as the target
-  does (its rejected tokens never enter its state).
-
-  Args:
-    draft_model: any HybridLM with the target's vocab_size.
-    ssm_mode, buffer_len: the draft's decode state (None: the target's).
-    implementation: implementation of the kernel ops (SSM op and decode
-      attention) of the draft's steps / verify.
-  """
-
-  def __init__(self, draft_model: M.HybridLM, *, ssm_mode: str | None = None,
-               buffer_len: int | None = None,
-               implementation: str | None = None):
-    if not isinstance(draft_model, M.HybridLM):
-      raise TypeError(f"draft_model must be a HybridLM, got "
-                      f"{type(draft_model).__name__}.")
-    if ssm_mode is not None and ssm_mode not in S.SSM_MODES:
-      raise ValueError(f"ssm_mode must be None or one of {S.SSM_MODES}, got "
-                       f"{ssm_mode!r}.")
-    if buffer_len is not None:
-      buffer_len = V.positive_int("buffer_len", buffer_len)
-    graphdef, params = nnx.split(draft_model)
-    self._set(draft_model.config, graphdef, params, ssm_mode, buffer_len,
-              implementation)
-
-  def _set(self, config, graphdef, params, ssm_mode, buffer_len,
-           implementation):
-    self.config, self.graphdef, self.params = config, graphdef, params
-    self.ssm_mode, self.buffer_len = ssm_mode, buffer_len
-    self.implementation = implementation
-
-  def tree_flatten(self):
-    return (self.params,), (self.config, self.graphdef, self.ssm_mode,
-                            self.buffer_len, self.implementation)
-
-  @classmethod
-  def tree_unflatten(cls, aux, children):
-    obj = object.__new__(cls)
-    config, graphdef, ssm_mode, buffer_len, implementation = aux
-    obj._set(config, graphdef, children[0], ssm_mode, buffer_len,
-             implementation)
-    return obj
-
-  def __repr__(self):
-    return (f"DraftModelProposer(pattern={self.config.pattern!r}, "
-            f"d_model={self.config.d_model}, ssm_mode={self.ssm_mode!r}, "
-            f"buffer_len={self.buffer_len!r})")
-
-  def _model(self):
-    return nnx.merge(self.graphdef, self.params)
-
-  def _mode(self, ssm_mode, buffer_len):
-    return (self.ssm_mode or ssm_mode,
-            buffer_len if self.buffer_len is None else self.buffer_len)
-
-  def validate(self, target, *, window, ssm_mode, buffer_len):
-    if self.config.vocab_size != target.config.vocab_size:
-      raise ValueError(f"the draft model's vocab_size "
-                       f"({self.config.vocab_size}) must equal the target's "
-                       f"({target.config.vocab_size}).")
-    mode, bl = self._mode(ssm_mode, buffer_len)
-    if mode == "replay" and "M" in self.config.pattern and bl <= window:
-      raise ValueError(f"the draft model's replay buffer_len ({bl}) must "
-                       f"exceed the window ({window}).")
-
-  def init(self, prompt_tokens, prompt_lengths, *, max_len, window,
-           ssm_mode, buffer_len):
-    del window
-    model = self._model()
-    mode, bl = self._mode(ssm_mode, buffer_len)
-    state = model.init_state(prompt_tokens.shape[0], max_len, ssm_mode=mode,
-                             buffer_len=bl)
-    _, state = M.prefill_fn(model, prompt_tokens, prompt_lengths, state)
-    return state
-
-  def propose(self, pstate, ctx, window, rng, sampling):
-    b = ctx.last.shape[0]
-    t1 = window - 1
-    if t1 == 0:
-      return Proposal(jnp.zeros((b, 0), jnp.int32), jnp.zeros((b,), jnp.int32),
-                      None), pstate
-    model = self._model()
-
-    def body(carry, key):
-      tok, st = carry
-      logits, st = model.step(tok, st, self.implementation)
-      q = sampling_probs(logits, *sampling)
-      d = sample_logits(logits, key, *sampling)
-      return (d, st), (d, q)
-
-    # Scratch steps from the committed state; it is resynced in `update`.
-    _, (drafts, q) = jax.lax.scan(body, (ctx.last, pstate),
-                                  jax.random.split(rng, t1))
-    return Proposal(jnp.swapaxes(drafts, 0, 1), jnp.full((b,), t1, jnp.int32),
-                    jnp.swapaxes(q, 0, 1)), pstate
-
-  def update(self, pstate, ctx, window_tokens, num_accepted, active):
-    del ctx
-    _, pending = verify_fn(self._model(), window_tokens, pstate,
-                           self.implementation)
-    return commit_fn(pending, num_accepted, active)
 
 
 # ---------------------------------------------------------------- acceptance

@@ -225,10 +225,8 @@ def kv_cache_len(entries: int) -> int:
   KV_BLOCK. The decode attention kernel walks the cache in blocks that
   divide its length (and falls back to XLA's attention below 16-entry
   blocks); it reads only the entries each row sees, so the padding costs
-  memory only. The decode loops allocate their caches with it: the
-  speculative loop's prompt + new tokens + window (388 for hybrid_1b's
-  benchmark) had sent every verify window to XLA's attention (~200 µs per
-  layer against ~87 for the kernel at batch 256, session 29's profile)."""
+  memory only. The decode loops allocate their caches with it, so that a
+  length such as prompt + new tokens + window still runs the kernel."""
   return -(-entries // KV_BLOCK) * KV_BLOCK
 
 
