@@ -644,7 +644,9 @@ class VerifyConfig:
       dot (buffer_len and block_p >= 16), "dot_tf32x3" (3xTF32) or
       "dot_bf16x3" / "dot_bf16x2" (the weighted x split in three / two bf16
       pieces against a bf16 B buffer; `replay.fold_product`). None: as the
-      replay step's flush (`replay._fold_dot`).
+      replay step's flush: rank-1 below 16-row tiles, else the bf16 split
+      where B is bf16 (three pieces on an f32 master, two on a 16-bit one),
+      else 3xTF32.
     fold_num_warps: Triton warps per program of the fold kernel; None: 2.
     readout_chunk: the window kernel loads the checkpoint tile in
       [block_p, readout_chunk] column blocks, summed elementwise before one
