@@ -107,6 +107,15 @@ def test_default_plans_off_the_dot_tiles(h200):
   assert plan(pk.VerifyConfig(), state, False).readout_chunk == 16
 
 
+def test_fold_programs_follow_the_device(monkeypatch):
+  """4 fold programs per SM of the device the plan sees."""
+  monkeypatch.setattr(jax, "devices",
+                      lambda *_: [types.SimpleNamespace(core_count=78)])
+  plan = verify_kernel.plan_verify(pk.VerifyConfig(),
+                                   _abstract_state(256, F32), False)
+  assert plan.fold_programs == 4 * 78
+
+
 # One non-default value per field (each legal on the DEFAULT_CASES states).
 OTHER_VALUES = dict(block_p=16, num_warps=8, num_stages=2, fold="rank1",
                     fold_num_warps=4, readout_chunk=16)
