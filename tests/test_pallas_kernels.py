@@ -1057,7 +1057,6 @@ def test_kernels_lower_to_triton(config, batch, buffer_len, policy):
   (found on the H200: a fully unrolled fori_loop and a vector slice have no
   Triton lowering; fp8 converts lower for sm_89+)."""
   from pallas_kernels import ssu as ssu_kernel  # pylint: disable=g-import-not-at-top
-  from pallas_kernels import verify as verify_kernel  # pylint: disable=g-import-not-at-top
   params, tok, rstate, pol = _lowering_state(batch, buffer_len, policy,
                                              (4, 16, 16, 2))
   kw = dict(D=params["D"], dt_bias=params["dt_bias"], dt_softplus=True)
@@ -1079,45 +1078,6 @@ def test_kernels_lower_to_triton(config, batch, buffer_len, policy):
         lambda s, t: ssu_kernel.selective_state_update(
             s, t["x"], t["dt"], params["A"], t["B"], t["C"], z=t["z"], **kw),
         state, tok)
-    win = jax.tree.map(lambda v: jnp.stack([v, v], axis=1), tok)  # T = 2
-    if buffer_len > 2:
-      # persistent fold (dot at L 16), B.C precomputed
-      vconfigs = [pk.VerifyConfig(),
-                  pk.VerifyConfig(fold_grid="rows", fold="rank1"),
-                  pk.VerifyConfig(precompute="none"),
-                  pk.VerifyConfig(precompute="terms"),
-                  pk.VerifyConfig(precompute="bc_reduce"),
-                  pk.VerifyConfig(readout="dot_tf32x3"),
-                  pk.VerifyConfig(readout="xla"),
-                  pk.VerifyConfig(readout_chunk=16),
-                  pk.VerifyConfig(readout_chunk=8),
-                  pk.VerifyConfig(readout_fma=False),
-                  pk.VerifyConfig(max_registers=64)]
-      if buffer_len >= 16:  # a dot fold needs L >= 16
-        vconfigs.append(pk.VerifyConfig(fold="dot_bf16x3"))
-      for vconfig in vconfigs:
-        text = _lower_for_cuda(
-            lambda r, t, c=vconfig: verify_kernel.replay_verify(
-                r, t["x"], t["dt"], params["A"], t["B"], t["C"], z=t["z"],
-                **kw, config=c),
-            rstate, win)
-        # readout_fma's multiply-adds are PTX in the window kernel with the
-        # reductions (at dstate 16 the default one column block has no sum
-        # of blocks; 8 columns make two).
-        assert ("fma.rn.f32" in text) == (
-            vconfig.readout_fma and vconfig.readout_chunk == 8), vconfig
-  if (config == LOWERING_REPLAY_CONFIGS[0] and policy is not None
-      and buffer_len >= 16):
-    # The verify kernels under the policy: copy stores in the fold, the
-    # window kernel's masked master / copy loads, or its branch on the fold.
-    win = jax.tree.map(lambda v: jnp.stack([v, v], axis=1), tok)  # T = 2
-    for vconfig in (pk.VerifyConfig(), pk.VerifyConfig(copy_readout="branch"),
-                    pk.VerifyConfig(readout_chunk=8)):
-      _lower_for_cuda(
-          lambda r, t, layer, c=vconfig: verify_kernel.replay_verify(
-              r, t["x"], t["dt"], params["A"], t["B"], t["C"], z=t["z"], **kw,
-              policy=pol, layer=layer, config=c),
-          rstate, win, jnp.int32(2))
 
 
 @pytest.mark.parametrize("state_dtype,config", [
@@ -1226,28 +1186,6 @@ def _launched_warps(text):
   return {name: int(w) for name, w in re.findall(
       r'name = "(replayssm_\w+)", num_stages = \d+ : i32, '
       r'num_warps = (\d+) : i32', text)}
-
-
-@pytest.mark.parametrize("config,warps", [
-    (pk.VerifyConfig(), (2, 4)),
-    (pk.VerifyConfig(fold_num_warps=4), (4, 4)),
-    (pk.VerifyConfig(num_warps=8, fold_num_warps=1), (1, 8))])
-def test_verify_launch_warps(config, warps):
-  """The early-flush fold launches 2 warps by default (H200 verify
-  sweeps); VerifyConfig.fold_num_warps sets them, num_warps the window
-  kernel's."""
-  from pallas_kernels import verify as verify_kernel  # pylint: disable=g-import-not-at-top
-  params, tok, rstate, _ = _lowering_state(6, 16, None, (4, 64, 128, 2))
-  win = jax.tree.map(lambda v: jnp.stack([v, v], axis=1), tok)  # T = 2
-  text = _lower_for_cuda(
-      lambda r, t: verify_kernel.replay_verify(
-          r, t["x"], t["dt"], params["A"], t["B"], t["C"], z=t["z"],
-          D=params["D"], dt_bias=params["dt_bias"], dt_softplus=True,
-          config=config), rstate, win)
-  assert _launched_warps(text) == {"replayssm_verify_fold": warps[0],
-                                   "replayssm_verify_window": warps[1]}
-  with pytest.raises(ValueError, match="fold_num_warps"):
-    pk.VerifyConfig(fold_num_warps=3)
 
 
 @pytest.mark.parametrize("policy", [None, "f32+fp8", "f32+int8",

@@ -70,13 +70,13 @@ def test_pallas_verify_matches_reference(L, T, buffer_dtype, block_p):
 
 
 @pytest.mark.parametrize("config", [
-    dict(fold="dot_tf32x3", fold_programs=3),  # exact f32 dot in interpret
-    dict(fold="dot_bf16x3", fold_programs=3),  # bf16 B buffer
-    dict(fold="rank1", fold_grid="rows")], ids=str)
+    dict(fold="dot_tf32x3"),  # exact f32 dot in interpret
+    dict(fold="dot_bf16x3"),  # bf16 B buffer
+    dict(fold="rank1")], ids=str)
 def test_pallas_verify_fold_modes(config):
-  """The early flush's dot fold on the persistent grid (5 rows: padded
-  counters; 3 programs: several items each) and the rows grid == the
-  reference."""
+  """The early flush's folds on the persistent grid (5 rows: padded
+  counters; 12 items on the 8 programs of interpret mode: several items
+  for some) == the reference."""
   b, h, p, n, g, L, T = 5, 4, 16, 16, 2, 16, 4
   key = jax.random.PRNGKey(41)
   params = testing.random_params(key, h)
@@ -99,39 +99,24 @@ def test_pallas_verify_fold_modes(config):
                                                           **config))
   with pytest.raises(NotImplementedError, match="block_p >= 16"):
     rs.replay_verify(rstate, **kw, implementation="pallas",
-                     config=pk.VerifyConfig(block_p=8, fold="dot_f32"))
+                     config=pk.VerifyConfig(block_p=8, fold="dot_tf32x3"))
 
 
 # Each option value at least once, on (L, T, buffer dtype) cases in turn
 # (not the full product: interpret mode compiles each case apart).
 @pytest.mark.parametrize("L,T,buffer_dtype,config", [
-    (16, 4, "bfloat16", dict(precompute="bc")),
-    (32, 8, "float32", dict(precompute="bc")),
-    (16, 4, "bfloat16", dict(precompute="none")),
-    (32, 16, "float32", dict(precompute="none", fold="rank1")),
-    (16, 4, "bfloat16", dict(precompute="terms")),
-    (8, 2, "bfloat16", dict(precompute="terms", fold="rank1")),
-    (16, 4, "bfloat16", dict(readout="dot_tf32x3")),
-    (32, 8, "float32", dict(precompute="none", readout="dot_f32")),
-    (16, 4, "bfloat16", dict(readout="xla")),
-    (32, 8, "float32", dict(precompute="none", readout="xla")),
-    (16, 4, "bfloat16", dict(precompute="bc_reduce")),
-    (32, 8, "float32", dict(precompute="bc_reduce", readout_chunk=None)),
+    (16, 4, "bfloat16", {}),
+    (32, 16, "float32", dict(fold="rank1")),
+    (8, 2, "bfloat16", dict(fold="rank1")),
+    (32, 8, "float32", dict(readout_chunk=16)),  # the whole dstate
     (16, 4, "bfloat16", dict(readout_chunk=4)),
-    (8, 2, "bfloat16", dict(precompute="terms", readout_chunk=64)),
-    (16, 4, "bfloat16", dict(precompute="terms_reduce")),
-    (32, 8, "float32", dict(precompute="terms_reduce", fold="rank1")),
-    # readout_fma (the default): PTX multiply-adds on the GPU, plain ops in
-    # interpret mode (the PTX is checked in test_kernels_lower_to_triton)
-    (32, 8, "float32", dict(precompute="none", readout_chunk=4)),
-    (16, 4, "bfloat16", dict(readout_fma=False))],
+    (8, 2, "bfloat16", dict(readout_chunk=64)),
+    (32, 8, "float32", dict(fold="rank1", readout_chunk=4))],
     ids=str)
 def test_pallas_verify_window_variants(L, T, buffer_dtype, config):
-  """The window kernel with each `VerifyConfig.precompute` (nothing, the
-  B.C products as einsums or sums, every term but the checkpoint's) and
-  readout (reductions, over dstate column blocks or not, dots, XLA's) ==
-  the reference, with rows that fold, rows that do not, and buffer
-  rounding of the earlier window tokens."""
+  """The window kernel (readouts over dstate column blocks of each width,
+  the whole row in one) == the reference, with rows that fold, rows that
+  do not, and buffer rounding of the earlier window tokens."""
   b, h, p, n, g = 5, 4, 16, 16, 2
   key = jax.random.PRNGKey(43 + T)
   params = testing.random_params(key, h)
@@ -145,14 +130,10 @@ def test_pallas_verify_window_variants(L, T, buffer_dtype, config):
   _pallas_verify_vs_reference(rstate, kw, counts, L,
                               testing.tolerance(buffer_dtype),
                               pk.VerifyConfig(**config))
-  with pytest.raises(ValueError, match="precompute must be one of"):
-    pk.VerifyConfig(precompute=True)
+  with pytest.raises(ValueError, match="fold must be one of"):
+    pk.VerifyConfig(fold="dot_f32")
   with pytest.raises(ValueError, match="readout_chunk must be a power"):
     pk.VerifyConfig(readout_chunk=24)
-  with pytest.raises(NotImplementedError, match="block_p and dstate >= 16"):
-    rs.replay_verify(rstate, **kw, implementation="pallas",
-                     config=pk.VerifyConfig(block_p=8, readout="dot_f32",
-                                            fold="rank1"))
 
 
 def test_verify_bc_forms_agree():
@@ -230,17 +211,16 @@ def test_snapshot_verify_lowers_to_triton():
       state, win)
 
 
-# A copy with each scale form, SR of both stores, the persistent and rows
-# fold grids, and the window kernel's branching copy readout (scaled and
-# unscaled copies).
+# A copy with each scale form, SR of both stores, rank-1 and dot folds,
+# several headdim blocks and readout column blocks.
 KERNEL_POLICY_CASES = [
     ("f32+int8", pk.VerifyConfig()),
-    ("f32+bf16", pk.VerifyConfig(fold_grid="rows")),
+    ("f32+bf16", pk.VerifyConfig(fold="rank1")),
     ("f16+fp8+sr", pk.VerifyConfig()),
-    ("f32+fp8+sr:hash32", pk.VerifyConfig(fold_grid="rows", block_p=4)),
-    ("f32+fp8", pk.VerifyConfig(copy_readout="branch")),
-    ("f16+fp8", pk.VerifyConfig(readout_fma=True, readout_chunk=4)),
-    ("f32+bf16", pk.VerifyConfig(copy_readout="branch", block_p=4)),
+    ("f32+fp8+sr:hash32", pk.VerifyConfig(block_p=4)),
+    ("f32+fp8", pk.VerifyConfig()),
+    ("f16+fp8", pk.VerifyConfig(readout_chunk=4)),
+    ("f32+bf16", pk.VerifyConfig(block_p=4)),
 ]
 
 
@@ -254,8 +234,8 @@ def _kernel_and_reference_verify(rstate, win, params, *, policy, config):
 
 
 @pytest.mark.parametrize("name,config", KERNEL_POLICY_CASES,
-                         ids=[f"{n}-{c.copy_readout}"
-                              for n, c in KERNEL_POLICY_CASES])
+                         ids=[f"{n}-{i}" for i, (n, _) in
+                              enumerate(KERNEL_POLICY_CASES)])
 def test_pallas_verify_with_policies_matches_reference(name, config):
   """The verify kernels (interpret mode) under a precision policy: y within
   f32 tolerance of the reference; folding rows' master within the master

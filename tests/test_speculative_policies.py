@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import pallas_kernels as pk
 import replayssm_jax as rs
 from replayssm_jax import precision as prec
 from replayssm_jax import testing
@@ -135,6 +134,3 @@ def test_verify_policy_errors():
     rs.replay_verify(st, **kw, policy=prec.PrecisionPolicy.preset("f32+bf16"))
   with pytest.raises(TypeError, match="layer must be"):
     rs.replay_verify(st, **kw, policy=pol, layer=1.5)
-  with pytest.raises(NotImplementedError, match="readout='reduce'"):
-    rs.replay_verify(st, **kw, policy=pol, implementation="pallas",
-                     config=pk.VerifyConfig(readout="xla"))
