@@ -120,8 +120,7 @@ def test_precision_accuracy_smoke(tmp_path):
 
 
 def test_studies_cover_every_preset():
-  """The accuracy and drift studies run every PrecisionPolicy preset (the
-  f16+fp8 read copy was missing from both before session 23)."""
+  """The accuracy and drift studies run every PrecisionPolicy preset."""
   from configs import precision_drift  # pylint: disable=g-import-not-at-top
   from replayssm_jax import precision  # pylint: disable=g-import-not-at-top
   presets = set(precision._PRESETS)  # pylint: disable=protected-access

@@ -234,7 +234,7 @@ def test_ssm_only_smoke_learns_mqar_recall(tmp_path):
 def test_tiny_size_trains_a_short_schedule(tmp_path):
   """The smallest of the four study sizes (`mqar_tiny`: d_model 64,
   M-M*-M, the shared MQAR task) trains on CPU in CI, on a 40-step schedule
-  (its full 3000-step one runs on the H200): the eval loss falls, and its
+  (its full 3000-step one runs on a GPU): the eval loss falls, and its
   decode-mode evaluation in f32 agrees in replay and baseline modes."""
   config = train_config.get_config("mqar_tiny")
   assert (config.model.d_model, config.model.pattern) == (64, "M-M*-M")
