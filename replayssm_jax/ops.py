@@ -1,23 +1,24 @@
-"""Public, validated decode-step ops with an implementation dispatcher.
+"""Public, validated ops that run through the implementation dispatcher.
 
-`selective_state_update` (baseline), `replay_state_update` (ReplaySSM) and
+`selective_state_update` (baseline), `replay_state_update` (ReplaySSM),
 `decode_attention` (one query or a verify window per row against its KV
-cache) check their arguments once at trace time (shape/dtype errors name
-the argument), then run an implementation:
+cache), the conv steps and the norms check their arguments once at trace
+time (shape/dtype errors name the argument), then run an implementation
+(`replayssm_jax.dispatch`):
 
   implementation=None         the fastest registered implementation that
                               supports the device and shapes (the reference
                               always does);
-  implementation="reference"  the pure-JAX reference in `reference.py`;
+  implementation="reference"  the pure-JAX reference (`reference.py`,
+                              `attention.py`, `conv.py`, `norm.py`);
   any other registered name   that implementation, with no fallback: if it
                               cannot take the inputs it raises
                               NotImplementedError saying why.
 
-The implementation table and `dispatch` are in `replayssm_jax.dispatch`
-(kernel packages list their implementations in a table it reads;
-`register_implementation` adds one at run time); the verify ops
-(`replay_verify`, `replay_commit`, `baseline_verify`, `baseline_commit`)
-are defined in `replayssm_jax.speculative` and re-exported here.
+Re-exported here: the dispatcher's `Implementation`,
+`register_implementation`, `implementations` and `dispatch`, and the verify
+ops of `replayssm_jax.speculative` (`replay_verify`, `replay_commit`,
+`baseline_verify`, `baseline_commit`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,15 @@ from replayssm_jax.registry import Implementation
 from replayssm_jax.speculative import (baseline_commit, baseline_verify,
                                       replay_commit, replay_verify)
 from replayssm_jax.state import ReplayState
+
+__all__ = [
+    "Implementation", "add_rms_norm", "baseline_commit", "baseline_verify",
+    "causal_conv1d_step", "causal_conv1d_window", "decode_attention",
+    "dispatch", "gated_rms_norm", "implementations", "materialize",
+    "register_implementation", "replay_commit", "replay_state_update",
+    "replay_verify", "selective_state_update",
+    "selective_state_update_stored",
+]
 
 
 def selective_state_update(ssm_state, x, dt, A, B, C, D=None, z=None,

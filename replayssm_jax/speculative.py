@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from replayssm_jax import _validation as V
 from replayssm_jax import dispatch as _dispatch
 from replayssm_jax.state import ReplayState
+# The references, re-exported (the kernels' tests and benchmarks use them).
 from replayssm_jax.verify_reference import (baseline_verify_reference,
                                             replay_verify_reference,
                                             verify_bc, verify_readout,
