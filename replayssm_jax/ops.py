@@ -32,16 +32,18 @@ from replayssm_jax import conv
 from replayssm_jax import norm
 from replayssm_jax import precision as P
 from replayssm_jax import reference
-# The dispatcher's API, re-exported (`ops._REGISTRY`: the table itself).
-from replayssm_jax.dispatch import (_REGISTRY, check_layer, dispatch,
-                                    implementations, invalid_rows,
-                                    policy_args, register_implementation,
-                                    resolve_policy)
+from replayssm_jax import dispatch as _dispatch
+# The dispatcher's API, re-exported.
+from replayssm_jax.dispatch import (check_layer, dispatch, implementations,
+                                    invalid_rows, policy_args,
+                                    register_implementation)
 from replayssm_jax.registry import Implementation
 # The speculative verify ops, dispatched like the ops below.
 from replayssm_jax.speculative import (baseline_commit, baseline_verify,
                                       replay_commit, replay_verify)
 from replayssm_jax.state import ReplayState
+
+_REGISTRY = _dispatch._REGISTRY  # the table itself (tests patch entries)
 
 __all__ = [
     "Implementation", "add_rms_norm", "baseline_commit", "baseline_verify",

@@ -35,6 +35,12 @@ from replayssm_jax.verify_reference import (baseline_verify_reference,
                                             verify_bc, verify_readout,
                                             verify_terms)
 
+__all__ = [
+    "baseline_commit", "baseline_verify", "baseline_verify_reference",
+    "replay_commit", "replay_verify", "replay_verify_reference", "verify_bc",
+    "verify_readout", "verify_terms",
+]
+
 
 def _check_window(rstate: ReplayState, x, dt, A, B, C, D, z, dt_bias):
   b, h, p, n, g = (rstate.batch, rstate.nheads, rstate.headdim,
