@@ -35,20 +35,13 @@ KV cache), so these are the models to evaluate decode-state precision on
 (experiments/precision_accuracy.py). `:smoke_ssm` / `:char_smoke_ssm` are
 the MQAR / char smoke runs with a two-layer pure Mamba-2 model ("MM").
 
-Why this MQAR setting (it was vocab 512, 32 pairs, 32 queries, 256
-tokens): SSM-only models first learn the value marginal (loss
-ln(num_values)) and must then escape that plateau to learn recall. With
-the old task `mqar_tiny_ssm` stayed at loss ln(256) = 5.545 and chance
-accuracy for its whole 3000-step schedule (H200). No bug is behind it:
-targets and mask are tested, the chunked SSD scan's gradients match a
-naive recurrence, and the pure-Mamba smoke model learns recall. The
-plateau grows with the vocabulary (the recall gradient is diluted over
-the values) and with sparse targets: on CPU, `mqar_tiny_ssm` (batch 16)
-was still on it after 450 steps with 32 -> 8 pairs and vocab 512 at 256
-tokens, after 500 steps (batch 64) at 64 tokens with vocab 512, but left it
-after about 250 steps with vocab 64 (8 pairs, 64 tokens, batch 64).
-Attention layers solve MQAR regardless, so the hybrid sizes only got
-easier. The precision study also decodes the MQAR models at 1024 tokens.
+Why this MQAR setting (a vocabulary of 64, every key queried): SSM-only
+models first learn the value marginal (loss ln(num_values)) and must then
+escape that plateau to learn recall; the plateau lasts longer with a larger
+vocabulary (the recall gradient is spread over more values) and with
+sparser targets. With this setting the SSM-only models leave it within the
+schedule. Attention layers solve MQAR regardless. The precision study also
+decodes the MQAR models at 1024 tokens.
 """
 
 import ml_collections
@@ -151,7 +144,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                  checkpoint_every=150)
     if arg == "smoke_ssm":
       # Without attention, recall is learned only after the value-marginal
-      # plateau (loss ln(32) for the first 300-800 steps, depending on the
+      # plateau (loss ln(32) for several hundred steps, depending on the
       # initialization): a longer schedule, so that the pure-Mamba smoke
       # run ends well above chance.
       train.update(num_steps=2000, eval_every=500, checkpoint_every=1000)

@@ -264,6 +264,15 @@ def run_app(run, *, default_config: str, default_workdir: str,
                                 "Output directory (runs/ is ignored by git).")
   extras = {name: flags.DEFINE_string(name, default, help_)
             for name, (default, help_) in (extra_flags or {}).items()}
+  # The flags are defined in this module; make them the script's own, so
+  # that --help lists them under the script.
+  main_module = sys.argv[0]
+  for flag in (config, workdir, *extras.values()):
+    flags.FLAGS.register_key_flag_for_module(main_module,
+                                             flags.FLAGS[flag.name])
+  if any(a in ("-h", "-?", "--help", "--helpshort") for a in sys.argv[1:]):
+    # absl's own --help exits with status 1; asking for help is no error.
+    app.usage(shorthelp=True, writeto_stdout=True, exitcode=0)
 
   def main(argv):
     if len(argv) > 1:

@@ -1,4 +1,4 @@
-r"""Task accuracy under decode-state precision policies (issue 6, part 4).
+r"""Task accuracy under decode-state precision policies.
 
 For each trained model (experiments/train.py checkpoints; the smoke config
 trains a tiny one first) the validation batches are scored in decode mode:

@@ -1,4 +1,4 @@
-r"""Error growth of low-precision decode states over long decodes (issue 6.3).
+r"""Error growth of low-precision decode states over long decodes.
 
 For each precision policy (`replayssm_jax.precision.PrecisionPolicy`) x
 buffer length L, decodes `config.steps` random Mamba-2 tokens with the

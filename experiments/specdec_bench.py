@@ -25,8 +25,8 @@ compile + warm-up run). tokens_per_s counts decode only, batch *
 new_tokens / (total - prefill) with the prefill timed alone (None when the
 prefill is over 95% of the run); e2e_tokens_per_s includes the prefill.
 A batch of speculative runs lasts as long as its slowest row (rows accept
-different numbers of drafts; session 8 at batch 256: 63 iterations where
-the mean row needs 50), so steady_tokens_per_s also gives what every row
+different numbers of drafts, so the slowest row needs more iterations
+than the mean one), so steady_tokens_per_s also gives what every row
 staying busy (continuous batching) would sustain: batch *
 mean_accepted_length / (decode time per iteration); for plain decoding
 it equals tokens_per_s, and a compacting run (compaction > 0, whose later
@@ -119,8 +119,8 @@ class FlatOracleProposer(Proposer):
 
   With a random-weight bf16 target, greedy drafts of a reference run stop
   matching once a parallel verify and single steps round a near-tie
-  differently (on the H200 the greedy oracle's acceptance collapsed to ~1.15
-  tokens per step at batch 256). So the full benchmark samples at a high
+  differently, and the greedy oracle's acceptance length falls towards one
+  token per step. So the full benchmark samples at a high
   temperature, where the target's distribution p is nearly uniform (p(v) =
   (1 + O(logit / temperature)) / V), and this proposer draws uniform drafts
   d with a declared draft distribution q that puts mass 1 / (accept_prob V)

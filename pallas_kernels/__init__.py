@@ -1,12 +1,13 @@
 """Pallas GPU kernels for the Mamba-2 decode step (baseline and ReplaySSM).
 
-Importing this package registers implementation "pallas" for
+`IMPLEMENTATIONS` lists implementation "pallas" of
 `replayssm_jax.selective_state_update`, `replayssm_jax.replay_state_update`,
 `replayssm_jax.replay_verify`, `replayssm_jax.baseline_verify`,
 `replayssm_jax.ops.decode_attention`, `replayssm_jax.ops.causal_conv1d_step`,
 `replayssm_jax.ops.causal_conv1d_window`, `replayssm_jax.ops.gated_rms_norm`
-and `replayssm_jax.ops.add_rms_norm` (the
-dispatcher imports it lazily on first use). The kernels use the Pallas
+and `replayssm_jax.ops.add_rms_norm`; the dispatcher
+(`replayssm_jax.dispatch`) imports this package on first use and registers
+that table (this package does not import the dispatcher). The kernels use the Pallas
 Triton backend on GPU and Pallas interpret mode elsewhere, so the same kernel
 code runs in CPU tests. The Mosaic GPU baseline kernel
 (`pallas_kernels.mosaic_gpu`, Hopper and later) registers beside it as
@@ -34,8 +35,8 @@ from pallas_kernels.common import (AttentionConfig, ConvConfig, NormConfig,
                                    ReplayConfig, SSUConfig, VerifyConfig,
                                    on_gpu)
 from pallas_kernels.mosaic_gpu import MosaicSSUConfig
-from replayssm_jax import ops as _ops
 from replayssm_jax import precision as P
+from replayssm_jax.registry import Implementation
 
 
 def _pow2(v: int) -> bool:
@@ -204,27 +205,26 @@ def _x32(fn):
   return wrapped
 
 
-# The Pallas kernels: the dispatcher's default on a GPU (priority 10).
-for _op, _fn, _supports in (
-    ("replay_verify", _verify, _verify_supports),
-    ("baseline_verify", _snapshot_verify, _ssu_supports),
-    ("selective_state_update", _ssu, _ssu_supports),
-    ("replay_state_update", _replay, _replay_supports),
-    ("decode_attention", _attention, _attention_supports),
-    ("gated_rms_norm", _norm, _norm_supports),
-    ("add_rms_norm", _add_norm, _add_norm_supports),
-    ("causal_conv1d_step", _conv, _conv_supports),
-    ("causal_conv1d_window", _conv_window, _conv_supports)):
-  _ops.register_implementation(
-      _op, _ops.Implementation("pallas", _x32(_fn), supports=_supports,
-                               preferred=on_gpu, priority=10))
-del _op, _fn, _supports
-# The Mosaic GPU baseline kernel: only on request.
-_ops.register_implementation(
-    "selective_state_update",
-    _ops.Implementation("pallas_mosaic_gpu", _x32(_mosaic_ssu),
-                        supports=_mosaic_supports,
-                        preferred=lambda: False, priority=5))
+# The table the dispatcher registers: (op, Implementation) pairs. The
+# Pallas kernels are the dispatcher's default on a GPU (priority 10); the
+# Mosaic GPU baseline kernel runs only on request.
+IMPLEMENTATIONS = tuple(
+    (op, Implementation("pallas", _x32(fn), supports=supports,
+                        preferred=on_gpu, priority=10))
+    for op, fn, supports in (
+        ("replay_verify", _verify, _verify_supports),
+        ("baseline_verify", _snapshot_verify, _ssu_supports),
+        ("selective_state_update", _ssu, _ssu_supports),
+        ("replay_state_update", _replay, _replay_supports),
+        ("decode_attention", _attention, _attention_supports),
+        ("gated_rms_norm", _norm, _norm_supports),
+        ("add_rms_norm", _add_norm, _add_norm_supports),
+        ("causal_conv1d_step", _conv, _conv_supports),
+        ("causal_conv1d_window", _conv_window, _conv_supports))) + (
+    ("selective_state_update",
+     Implementation("pallas_mosaic_gpu", _x32(_mosaic_ssu),
+                    supports=_mosaic_supports, preferred=lambda: False,
+                    priority=5)),)
 
-__all__ = ["AttentionConfig", "ConvConfig", "MosaicSSUConfig", "NormConfig", "ReplayConfig", "SSUConfig",
+__all__ = ["IMPLEMENTATIONS", "AttentionConfig", "ConvConfig", "MosaicSSUConfig", "NormConfig", "ReplayConfig", "SSUConfig",
            "VerifyConfig", "common", "on_gpu"]

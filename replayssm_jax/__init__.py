@@ -23,6 +23,14 @@ Public API:
   debug_checks                context in which out-of-range values that
                               jit cannot check raise instead of giving
                               the row NaN outputs.
+  implementations / register_implementation / Implementation
+                              the dispatcher's table of each op's
+                              implementations ("reference" and the kernels).
+
+Modules of the dispatched ops: `ops` (decode step, attention, conv, norm;
+re-exports the verify ops), `speculative` (verify / commit), their
+references `reference`, `verify_reference`, `attention`, `conv`, `norm`,
+the dispatcher `dispatch` and its entry type `registry.Implementation`.
 """
 
 from replayssm_jax import precision
@@ -30,12 +38,12 @@ from replayssm_jax import traffic
 from replayssm_jax._validation import debug_checks
 from replayssm_jax.conv import (causal_conv1d, causal_conv1d_update,
                                 causal_conv1d_update_ring, conv_ring_ordered)
-from replayssm_jax.ops import (Implementation, decode_attention,
-                               implementations, materialize,
-                               register_implementation, replay_state_update,
-                               selective_state_update,
+from replayssm_jax.dispatch import implementations, register_implementation
+from replayssm_jax.ops import (decode_attention, materialize,
+                               replay_state_update, selective_state_update,
                                selective_state_update_stored)
 from replayssm_jax.precision import PrecisionPolicy
+from replayssm_jax.registry import Implementation
 from replayssm_jax.speculative import (baseline_commit, baseline_verify,
                                       replay_commit, replay_verify)
 from replayssm_jax.ssd import ssd_chunked_scan

@@ -1,32 +1,30 @@
-"""Public, validated decode-step ops with an implementation dispatcher.
+"""Public, validated ops that run through the implementation dispatcher.
 
-`selective_state_update` (baseline), `replay_state_update` (ReplaySSM) and
+`selective_state_update` (baseline), `replay_state_update` (ReplaySSM),
 `decode_attention` (one query or a verify window per row against its KV
-cache) check their arguments once at trace time (shape/dtype errors name
-the argument), then run an implementation:
+cache), the conv steps and the norms check their arguments once at trace
+time (shape/dtype errors name the argument), then run an implementation
+(`replayssm_jax.dispatch`):
 
   implementation=None         the fastest registered implementation that
                               supports the device and shapes (the reference
                               always does);
-  implementation="reference"  the pure-JAX reference in `reference.py`;
+  implementation="reference"  the pure-JAX reference (`reference.py`,
+                              `attention.py`, `conv.py`, `norm.py`);
   any other registered name   that implementation, with no fallback: if it
                               cannot take the inputs it raises
                               NotImplementedError saying why.
 
-Kernels register themselves with `register_implementation`.
+Re-exported here: the dispatcher's `Implementation`,
+`register_implementation`, `implementations` and `dispatch`, and the verify
+ops of `replayssm_jax.speculative` (`replay_verify`, `replay_commit`,
+`baseline_verify`, `baseline_commit`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
-import inspect
-from typing import Callable
-
-from absl import logging
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from replayssm_jax import _validation as V
 from replayssm_jax import attention
@@ -34,108 +32,27 @@ from replayssm_jax import conv
 from replayssm_jax import norm
 from replayssm_jax import precision as P
 from replayssm_jax import reference
-from replayssm_jax import speculative
+from replayssm_jax import dispatch as _dispatch
+# The dispatcher's API, re-exported.
+from replayssm_jax.dispatch import (check_layer, dispatch, implementations,
+                                    invalid_rows, policy_args,
+                                    register_implementation)
+from replayssm_jax.registry import Implementation
+# The speculative verify ops, dispatched like the ops below.
+from replayssm_jax.speculative import (baseline_commit, baseline_verify,
+                                      replay_commit, replay_verify)
 from replayssm_jax.state import ReplayState
 
+_REGISTRY = _dispatch._REGISTRY  # the table itself (tests patch entries)
 
-@dataclasses.dataclass(frozen=True)
-class Implementation:
-  """One way to run an op.
-
-  Attributes:
-    name: the name users pass as `implementation=`.
-    fn: callable with the reference op's signature plus `config=` keyword.
-    supports: callable(**op_kwargs) -> None | str; a string says why the
-      implementation cannot take these inputs on this device.
-    preferred: callable() -> bool; whether implementation=None may pick it
-      (e.g. a Pallas kernel only on GPU: elsewhere it runs in the slow
-      interpret mode, which only an explicit request gets).
-    priority: higher runs first when implementation=None.
-  """
-  name: str
-  fn: Callable
-  supports: Callable[..., str | None] = lambda **_: None
-  preferred: Callable[[], bool] = lambda: True
-  priority: int = 0
-
-
-_REGISTRY: dict[str, dict[str, Implementation]] = {
-    op: {"reference": Implementation("reference", fn, priority=-1)}
-    for op, fn in (
-        ("selective_state_update", reference.selective_state_update),
-        ("replay_state_update", reference.replay_state_update),
-        ("replay_verify", speculative.replay_verify_reference),
-        ("baseline_verify", speculative.baseline_verify_reference),
-        ("decode_attention", attention.decode_attention_reference),
-        ("causal_conv1d_step", conv.causal_conv1d_step_reference),
-        ("causal_conv1d_window", conv.causal_conv1d_window_reference),
-        ("gated_rms_norm", norm.gated_rms_norm_reference),
-        ("add_rms_norm", norm.add_rms_norm_reference))}
-
-
-def register_implementation(op: str, impl: Implementation) -> None:
-  if op not in _REGISTRY:
-    raise ValueError(f"op must be one of {sorted(_REGISTRY)}, got {op!r}.")
-  _REGISTRY[op][impl.name] = impl
-
-
-def implementations(op: str) -> tuple[str, ...]:
-  """Registered implementation names of `op`, fastest first."""
-  _load_plugins()
-  impls = sorted(_REGISTRY[op].values(), key=lambda i: -i.priority)
-  return tuple(i.name for i in impls)
-
-
-_PLUGINS = ("pallas_kernels",)
-_plugins_loaded = False
-_plugin_errors: dict[str, str] = {}
-
-
-def _load_plugins() -> None:
-  """Imports the kernel packages once; they register themselves."""
-  global _plugins_loaded
-  if _plugins_loaded:
-    return
-  _plugins_loaded = True
-  for module in _PLUGINS:
-    try:
-      importlib.import_module(module)
-    except ImportError as e:  # e.g. a jax build without Pallas.
-      _plugin_errors[module] = f"{type(e).__name__}: {e}"
-      logging.warning("replayssm_jax: kernels in %s unavailable: %s", module,
-                      e)
-
-
-def dispatch(op: str, implementation: str | None, config, args: dict):
-  """Runs `op` (validated args) with the chosen implementation."""
-  _load_plugins()
-  table = _REGISTRY[op]
-  if implementation is not None:
-    if implementation not in table:
-      unavailable = "".join(f" (kernel package {m} failed to import: {e})"
-                            for m, e in _plugin_errors.items())
-      raise ValueError(f"implementation must be None or one of "
-                       f"{implementations(op)}, got {implementation!r}."
-                       f"{unavailable}")
-    impl = table[implementation]
-    why = impl.supports(**args)
-    if why is not None:
-      raise NotImplementedError(
-          f"{op}: implementation {implementation!r} cannot run these inputs: "
-          f"{why}")
-    if config is None:
-      return impl.fn(**args)
-    if "config" not in inspect.signature(impl.fn).parameters:
-      raise ValueError(f"{op}: implementation {implementation!r} takes no "
-                       f"config, got {config!r}.")
-    return impl.fn(**args, config=config)
-  if config is not None:
-    raise ValueError("config can only be given with a named implementation.")
-  for name in implementations(op):
-    impl = table[name]
-    if impl.preferred() and impl.supports(**args) is None:
-      return impl.fn(**args)
-  raise AssertionError("unreachable: the reference supports every input")
+__all__ = [
+    "Implementation", "add_rms_norm", "baseline_commit", "baseline_verify",
+    "causal_conv1d_step", "causal_conv1d_window", "decode_attention",
+    "dispatch", "gated_rms_norm", "implementations", "materialize",
+    "register_implementation", "replay_commit", "replay_state_update",
+    "replay_verify", "selective_state_update",
+    "selective_state_update_stored",
+]
 
 
 def selective_state_update(ssm_state, x, dt, A, B, C, D=None, z=None,
@@ -373,68 +290,6 @@ def replay_state_update(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
   return y, new
 
 
-def invalid_rows(rstate: ReplayState):
-  """[batch] bool: rows whose counter is outside [0, L) (the traced-value
-  policy's marker: such rows output NaN)."""
-  return (rstate.count < 0) | (rstate.count >= rstate.buffer_len)
-
-
-def policy_args(rstate: ReplayState, policy, layer) -> dict:
-  """The policy and layer arguments of a replay op's implementation
-  (validated): none for a plain state without counters, so implementations
-  that take no policy still run it."""
-  policy = resolve_policy(rstate, policy)
-  _check_layer(layer)
-  if policy.plain and rstate.step is None:
-    return {}
-  return dict(policy=policy, layer=layer)
-
-
-def resolve_policy(rstate: ReplayState,
-                   policy: P.PrecisionPolicy | None) -> P.PrecisionPolicy:
-  """The policy of a step: `policy` checked against the state, or (None)
-  the round-to-nearest policy implied by the state's dtypes."""
-  ck = jnp.dtype(rstate.checkpoint.dtype).name
-  bf = jnp.dtype(rstate.x_buf.dtype).name
-  rd = None if rstate.read_copy is None else jnp.dtype(
-      rstate.read_copy.dtype).name
-  if policy is None:
-    return P.PrecisionPolicy(checkpoint_dtype=ck, read_dtype=rd,
-                             buffer_dtype=bf)
-  if not isinstance(policy, P.PrecisionPolicy):
-    raise TypeError(f"policy must be a PrecisionPolicy or None, got "
-                    f"{type(policy).__name__}.")
-  for what, mine, theirs in (("checkpoint dtype", ck, policy.checkpoint_dtype),
-                             ("buffer dtype", bf, policy.buffer_dtype),
-                             ("read copy dtype", rd, policy.read_dtype)):
-    if mine != theirs:
-      raise ValueError(
-          f"rstate does not match policy {policy.name!r}: its {what} is "
-          f"{mine} but the policy's is {theirs}; build the state with "
-          f"ReplayState.create/from_ssm_state(..., policy=policy).")
-  if policy.stochastic_rounding and rstate.step is None:
-    raise ValueError(
-        f"policy {policy.name!r} rounds stochastically, which needs "
-        f"rstate.row_id and rstate.step ([batch] int32); build the state "
-        f"with ReplayState.create/from_ssm_state(..., policy=policy).")
-  return policy
-
-
-def _check_layer(layer):
-  """`layer` (keys stochastic rounding): an int >= 0 or an integer scalar
-  array (e.g. traced under a scan over layers)."""
-  if isinstance(layer, (bool, np.bool_)):
-    raise TypeError(f"layer must be an int >= 0, got {layer!r}.")
-  if isinstance(layer, (int, np.integer)):
-    if layer < 0:
-      raise ValueError(f"layer must be an int >= 0, got {layer}.")
-    return
-  if (not hasattr(layer, "dtype") or jnp.ndim(layer) != 0
-      or not jnp.issubdtype(layer.dtype, jnp.integer)):
-    raise TypeError(f"layer must be an int >= 0 or an integer scalar "
-                    f"array, got {layer!r}.")
-
-
 def selective_state_update_stored(ssm_state, x, dt, A, B, C, D=None, z=None,
                                   dt_bias=None, dt_softplus=False, *,
                                   state_scale=None,
@@ -488,7 +343,7 @@ def selective_state_update_stored(ssm_state, x, dt, A, B, C, D=None, z=None,
       V.check_integer(name, v)
       V.check_shape(name, v, (b,), "[batch]")
     P.PrecisionPolicy(seed=seed, sr_rng=sr_rng)  # validates both
-  _check_layer(layer)
+  check_layer(layer)
   return reference.selective_state_update_stored(
       ssm_state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus),
       state_scale=state_scale, stochastic_rounding=bool(stochastic_rounding),

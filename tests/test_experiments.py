@@ -516,3 +516,53 @@ def test_flat_oracle_proposer_acceptance_rate():
     assert abs(first - a) < 0.03 + 1.5 / vocab, (a, first)
   with pytest.raises(ValueError, match="accept_prob"):
     FlatOracleProposer(-0.1, vocab)
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SCRIPTS = sorted(
+    f[:-3] for f in os.listdir(os.path.join(_ROOT, "experiments"))
+    if f.endswith(".py") and f not in ("__init__.py", "common.py"))
+
+
+def _own_flags(script: str) -> set[str]:
+  """--config, --workdir and the `extra_flags` names of the script's
+  `common.run_app` call."""
+  import ast  # pylint: disable=g-import-not-at-top
+  with open(os.path.join(_ROOT, "experiments", f"{script}.py")) as f:
+    tree = ast.parse(f.read())
+  names = {"config", "workdir"}
+  calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)
+           and getattr(n.func, "attr", None) == "run_app"]
+  assert len(calls) == 1, script
+  for kw in calls[0].keywords:
+    if kw.arg == "extra_flags":
+      names |= {k.value for k in kw.value.keys}
+  return names
+
+
+def test_every_script_has_help():
+  """`python -m experiments.<name> --help` exits 0 and lists the script's
+  own flags (all scripts side by side, one interpreter each)."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  assert {"replay_demo", "kernel_bench", "train"} <= set(_SCRIPTS)
+  env = dict(os.environ, PYTHONPATH=_ROOT, JAX_PLATFORMS="cpu")
+  procs = {s: subprocess.Popen(
+      [sys.executable, "-m", f"experiments.{s}", "--help"], cwd=_ROOT,
+      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for s in _SCRIPTS}
+  for script, proc in procs.items():
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, (script, out[-3000:])
+    own = out.split(f"experiments/{script}.py:", 1)
+    assert len(own) == 2, (script, out[-3000:])  # the script's flag section
+    for flag in _own_flags(script):
+      assert f"--{flag}:" in own[1], (script, flag, out[-3000:])
+
+
+def test_every_config_names_its_run_command():
+  for f in sorted(os.listdir(os.path.join(_ROOT, "configs"))):
+    if f.endswith(".py") and not f.startswith("_"):
+      with open(os.path.join(_ROOT, "configs", f)) as fh:
+        text = fh.read()
+      assert "python -m experiments." in text, f

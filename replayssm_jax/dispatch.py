@@ -1,0 +1,184 @@
+"""The op dispatcher: the implementation table and the choice of entry.
+
+Every dispatched op has an entry "reference" (its pure-JAX reference, which
+takes every input) and the entries of the kernel packages in `PLUGINS`. A
+kernel package exports a plain table `IMPLEMENTATIONS` of
+(op name, `registry.Implementation`) pairs; the dispatcher imports the
+package and reads that table on first use, so the package never imports
+the dispatcher (it may import the modules below it: precision, reference,
+verify_reference, state, _validation). `dispatch` runs an op:
+
+  implementation=None         the highest-priority preferred implementation
+                              that supports the inputs (the reference
+                              always does);
+  implementation="<name>"     that implementation, with no fallback: if it
+                              cannot take the inputs it raises
+                              NotImplementedError saying why.
+
+The helpers at the end build the arguments the replay ops (decode step and
+verify) pass to their implementations.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+from absl import logging
+import jax.numpy as jnp
+import numpy as np
+
+from replayssm_jax import attention
+from replayssm_jax import conv
+from replayssm_jax import norm
+from replayssm_jax import precision as P
+from replayssm_jax import reference
+from replayssm_jax import verify_reference
+from replayssm_jax.registry import Implementation
+from replayssm_jax.state import ReplayState
+
+# Op name -> implementation name -> entry (tests patch entries in place).
+_REGISTRY: dict[str, dict[str, Implementation]] = {
+    op: {"reference": Implementation("reference", fn, priority=-1)}
+    for op, fn in (
+        ("selective_state_update", reference.selective_state_update),
+        ("replay_state_update", reference.replay_state_update),
+        ("replay_verify", verify_reference.replay_verify_reference),
+        ("baseline_verify", verify_reference.baseline_verify_reference),
+        ("decode_attention", attention.decode_attention_reference),
+        ("causal_conv1d_step", conv.causal_conv1d_step_reference),
+        ("causal_conv1d_window", conv.causal_conv1d_window_reference),
+        ("gated_rms_norm", norm.gated_rms_norm_reference),
+        ("add_rms_norm", norm.add_rms_norm_reference))}
+
+# Kernel packages whose `IMPLEMENTATIONS` table the dispatcher loads.
+PLUGINS = ("pallas_kernels",)
+_plugins_loaded = False
+_plugin_errors: dict[str, str] = {}
+
+
+def register_implementation(op: str, impl: Implementation) -> None:
+  """Adds (or replaces) the entry `impl.name` of `op`."""
+  if op not in _REGISTRY:
+    raise ValueError(f"op must be one of {sorted(_REGISTRY)}, got {op!r}.")
+  _REGISTRY[op][impl.name] = impl
+
+
+def implementations(op: str) -> tuple[str, ...]:
+  """Registered implementation names of `op`, fastest first."""
+  _load_plugins()
+  impls = sorted(_REGISTRY[op].values(), key=lambda i: -i.priority)
+  return tuple(i.name for i in impls)
+
+
+def _load_plugins() -> None:
+  """Imports the kernel packages once and registers their tables."""
+  global _plugins_loaded
+  if _plugins_loaded:
+    return
+  _plugins_loaded = True
+  for module in PLUGINS:
+    try:
+      table = importlib.import_module(module).IMPLEMENTATIONS
+    except (ImportError, AttributeError) as e:  # e.g. jax without Pallas.
+      _plugin_errors[module] = f"{type(e).__name__}: {e}"
+      logging.warning("replayssm_jax: kernels in %s unavailable: %s", module,
+                      e)
+      continue
+    for op, impl in table:
+      register_implementation(op, impl)
+
+
+def dispatch(op: str, implementation: str | None, config, args: dict):
+  """Runs `op` (validated args) with the chosen implementation."""
+  _load_plugins()
+  table = _REGISTRY[op]
+  if implementation is not None:
+    if implementation not in table:
+      unavailable = "".join(f" (kernel package {m} failed to import: {e})"
+                            for m, e in _plugin_errors.items())
+      raise ValueError(f"implementation must be None or one of "
+                       f"{implementations(op)}, got {implementation!r}."
+                       f"{unavailable}")
+    impl = table[implementation]
+    why = impl.supports(**args)
+    if why is not None:
+      raise NotImplementedError(
+          f"{op}: implementation {implementation!r} cannot run these inputs: "
+          f"{why}")
+    if config is None:
+      return impl.fn(**args)
+    if "config" not in inspect.signature(impl.fn).parameters:
+      raise ValueError(f"{op}: implementation {implementation!r} takes no "
+                       f"config, got {config!r}.")
+    return impl.fn(**args, config=config)
+  if config is not None:
+    raise ValueError("config can only be given with a named implementation.")
+  for name in implementations(op):
+    impl = table[name]
+    if impl.preferred() and impl.supports(**args) is None:
+      return impl.fn(**args)
+  raise AssertionError("unreachable: the reference supports every input")
+
+
+# ------------------------------------------------- replay ops' arguments
+def invalid_rows(rstate: ReplayState):
+  """[batch] bool: rows whose counter is outside [0, L) (the traced-value
+  policy's marker: such rows output NaN)."""
+  return (rstate.count < 0) | (rstate.count >= rstate.buffer_len)
+
+
+def policy_args(rstate: ReplayState, policy, layer) -> dict:
+  """The policy and layer arguments of a replay op's implementation
+  (validated): none for a plain state without counters, so implementations
+  that take no policy still run it."""
+  policy = resolve_policy(rstate, policy)
+  check_layer(layer)
+  if policy.plain and rstate.step is None:
+    return {}
+  return dict(policy=policy, layer=layer)
+
+
+def resolve_policy(rstate: ReplayState,
+                   policy: P.PrecisionPolicy | None) -> P.PrecisionPolicy:
+  """The policy of a step: `policy` checked against the state, or (None)
+  the round-to-nearest policy implied by the state's dtypes."""
+  ck = jnp.dtype(rstate.checkpoint.dtype).name
+  bf = jnp.dtype(rstate.x_buf.dtype).name
+  rd = None if rstate.read_copy is None else jnp.dtype(
+      rstate.read_copy.dtype).name
+  if policy is None:
+    return P.PrecisionPolicy(checkpoint_dtype=ck, read_dtype=rd,
+                             buffer_dtype=bf)
+  if not isinstance(policy, P.PrecisionPolicy):
+    raise TypeError(f"policy must be a PrecisionPolicy or None, got "
+                    f"{type(policy).__name__}.")
+  for what, mine, theirs in (("checkpoint dtype", ck, policy.checkpoint_dtype),
+                             ("buffer dtype", bf, policy.buffer_dtype),
+                             ("read copy dtype", rd, policy.read_dtype)):
+    if mine != theirs:
+      raise ValueError(
+          f"rstate does not match policy {policy.name!r}: its {what} is "
+          f"{mine} but the policy's is {theirs}; build the state with "
+          f"ReplayState.create/from_ssm_state(..., policy=policy).")
+  if policy.stochastic_rounding and rstate.step is None:
+    raise ValueError(
+        f"policy {policy.name!r} rounds stochastically, which needs "
+        f"rstate.row_id and rstate.step ([batch] int32); build the state "
+        f"with ReplayState.create/from_ssm_state(..., policy=policy).")
+  return policy
+
+
+def check_layer(layer):
+  """`layer` (keys stochastic rounding): an int >= 0 or an integer scalar
+  array (e.g. traced under a scan over layers)."""
+  if isinstance(layer, (bool, np.bool_)):
+    raise TypeError(f"layer must be an int >= 0, got {layer!r}.")
+  if isinstance(layer, (int, np.integer)):
+    if layer < 0:
+      raise ValueError(f"layer must be an int >= 0, got {layer}.")
+    return
+  if (not hasattr(layer, "dtype") or jnp.ndim(layer) != 0
+      or not jnp.issubdtype(layer.dtype, jnp.integer)):
+    raise TypeError(f"layer must be an int >= 0 or an integer scalar "
+                    f"array, got {layer!r}.")
