@@ -1,6 +1,6 @@
 """Pallas (Triton backend) kernels: speculative verify on a ReplayState.
 
-Matches `replayssm_jax.speculative.replay_verify_reference`. Two kernels,
+Matches `replayssm_jax.verify_reference.replay_verify_reference`. Two kernels,
 both launched every verify, rows routed by data:
 
 * fold kernel (rows whose window does not fit behind their history,
@@ -13,7 +13,7 @@ both launched every verify, rows routed by data:
 * window kernel (every row; grid headdim blocks x heads of one group,
   ngroups, batch: one head per program): the T window outputs
   y_s = decay_s * (S C_s) + extra_s, where XLA forms decay and extra (the
-  history and window terms, `speculative.verify_terms`) before the kernel
+  history and window terms, `verify_reference.verify_terms`) before the kernel
   and the kernel reads the folded checkpoint S out against the T
   positions' C; then appends the window's inputs behind the history. The
   checkpoint is only read.
@@ -44,7 +44,7 @@ from pallas_kernels.replay import (_FlushStores, _Program, _copy_counts,
                                    rank1_fold)
 from pallas_kernels.replay import default_block_p as _step_block_p
 from replayssm_jax.reference import process_dt
-from replayssm_jax.speculative import verify_terms
+from replayssm_jax.verify_reference import verify_terms
 
 F32 = jnp.float32
 
@@ -197,7 +197,7 @@ def _window_kernel(*refs, window, has_D, has_z, readout_chunk, fma,
                    copy=False, scaled=False, **kw):
   """Window outputs decay_s * (S C_s) + extra_s; append the window. Refs:
   checkpoint, buffers, counts, window x, processed dt, A, B, C, the terms
-  decay [b, T, h] and extra [b, T, h, p] (`speculative.verify_terms`),
+  decay [b, T, h] and extra [b, T, h, p] (`verify_reference.verify_terms`),
   with `copy` the read copy (then with `scaled` its scales), D / z, then
   the outputs (y, buffers, counts)."""
   n_in = 12 + copy + scaled
