@@ -1,34 +1,18 @@
-"""Pallas Mosaic GPU kernels: baseline Mamba-2 step, replay readout, flush.
+"""Pallas Mosaic GPU kernels: the baseline Mamba-2 step and the replay flush.
 
-The Triton backend of Pallas is deprecated in favour of Mosaic GPU (jax
-0.11), and the replay kernels' flush fold is latency-bound in Triton
-(benchmarks/README.md): Mosaic GPU moves tiles with TMA and pipelines the
-grid's sequential axis (`max_concurrent_steps` tiles in flight per CTA),
-the latency hiding the Triton loop lacks. This module is the first Mosaic
-GPU kernel, the baseline step, registered as implementation
-"pallas_mosaic_gpu" beside the Triton one so the two can be timed in the
-same run. `readout` (y0 = S C over every row and head, for any stored
-dtype, 8-bit read copies included) is the replay output route's state
-read, used by the Triton replay kernel with `ReplayConfig(output_route=
-"mosaic_gpu")`. `flush` is the replay flush route, used with
-`ReplayConfig(flush_route="mosaic_gpu")`. It updates the checkpoint in
-place through a ref in `pl.run_state` (the mesh discharge aliases a
-written input ref to its output). On the H200
-(benchmarks/kernel_mosaic_flush_h200.md) its all-rows flush is the fastest
-measured, but its launch shape costs either the non-flush step or the
-staggered-row step, so it is not a default.
-
-Measured on the H200 (jax 0.11.2, benchmarks/kernel_mosaic_h200.md):
-the baseline step through `plgpu.kernel` matches or beats the Triton
-kernel by 0-4% at batch 64 and 256 (f16, 3 pipeline stages: 273 vs 283
-µs at batch 256), but that entry has no input/output aliasing, so the new
-state goes to a fresh buffer and XLA copies the state wherever it cannot
-alternate two buffers (batch 1 with rotating state sets: 16.6 vs 4.2 µs).
-`implementation=None` therefore keeps the Triton kernel. The Mosaic
-readout output route is 10-44% slower than the Triton one (its window
-terms and appends are separate XLA ops). `pallas_call` for Mosaic GPU has
-no lowering rule on jax 0.11.2 (an AssertionError in pallas_call's GPU
-lowering), hence the default entry.
+Mosaic GPU moves tiles with TMA and pipelines the grid's sequential axis
+(`max_concurrent_steps` tiles in flight per CTA). The baseline step is
+registered as implementation "pallas_mosaic_gpu" beside the Triton one;
+`implementation=None` keeps the Triton kernel, because this entry
+(`plgpu.kernel`) has no input/output aliasing, so the new state goes to a
+fresh buffer that XLA copies wherever it cannot alternate two buffers
+(H200: benchmarks/kernel_mosaic_h200.md). `flush` is the replay flush
+route (`ReplayConfig(flush_route="mosaic_gpu")`, the default for plain f32
+checkpoints at large batch on Hopper): it updates the checkpoint in place
+through a ref in `pl.run_state` (the mesh discharge aliases a written
+input ref to its output). `pallas_call` for Mosaic GPU has no lowering
+rule on jax 0.11.2 (an AssertionError in pallas_call's GPU lowering),
+hence the default entry.
 
 Design: a small XLA pre-pass turns the per-(row, head) scalars into [P]
 vectors (decay = exp(A dt') and dt' x), because a Mosaic GPU program
@@ -56,7 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import common
+from pallas_kernels import triton_utils as tu
 from replayssm_jax.reference import process_dt
 
 F32 = jnp.float32
@@ -66,7 +50,7 @@ _TMA_MAX_ELEMS = 256  # elements per dimension of one TMA copy
 
 @dataclasses.dataclass(frozen=True)
 class MosaicSSUConfig:
-  """Tuning of the Mosaic GPU kernels (baseline step, replay readout).
+  """Tuning of the Mosaic GPU kernels (baseline step, replay flush).
 
   Attributes:
     heads_per_program: heads one CTA processes one after the other (the
@@ -78,8 +62,7 @@ class MosaicSSUConfig:
       step writes its new state to a fresh buffer), "pallas_call" (grid
       pipelined by pallas_call; also runs in interpret mode; deprecated
       for Mosaic GPU since jax 0.10, and its lowering fails with an
-      AssertionError on the H200 with jax 0.11.2: benchmarks/README.md,
-      "Session 7"), or None: "kernel" on the GPU, "pallas_call" in
+      AssertionError on the H200 with jax 0.11.2), or None: "kernel" on the GPU, "pallas_call" in
       interpret mode.
   """
   heads_per_program: int | None = None
@@ -179,13 +162,6 @@ def _ssu_kernel(s_ref, dec_ref, dtx_ref, b_ref, c_ref, y_ref, so_ref, *,
   so_ref[...] = s.astype(so_ref.dtype)
 
 
-def _readout_kernel(s_ref, c_ref, y_ref, *, interpret):
-  load, tile = _loader(interpret), plgpu.Layout.WGMMA
-  s = load(s_ref, tile).astype(F32)
-  cv = _broadcast(load(c_ref, tile.reduce(0)).astype(F32), s_ref.shape, 1)
-  y_ref[...] = jnp.sum(s * cv, axis=1)
-
-
 def _launch(kernel, operands, in_kinds, out_kinds, out_shape, *, name,
             state, ngroups, config, interpret, aliases=None):
   """Runs kernel over the grid (batch, nheads / hpp, hpp): CTA (i, j)
@@ -240,21 +216,6 @@ def _launch(kernel, operands, in_kinds, out_kinds, out_shape, *, name,
   )(*operands)
 
 
-def readout(state, C, *, config: MosaicSSUConfig = MosaicSSUConfig(),
-            interpret: bool = False):
-  """y0[b, h, p] = sum_n state[b, h, p, n] C[b, g(h), n], f32 accumulation,
-  for a state stored in any dtype (f32, bf16, f16, fp8 e4m3, int8: the
-  caller applies 8-bit scales, which factor out of the sum)."""
-  problem = shape_problem(state, on_gpu=not interpret)
-  if problem is not None:
-    raise NotImplementedError(problem)
-  batch, nheads, headdim, _ = state.shape
-  return _launch(_readout_kernel, (state, C), ("tile", "grp"), ("vec",),
-                 [jax.ShapeDtypeStruct((batch, nheads, headdim), F32)],
-                 name="replayssm_mosaic_readout", state=state,
-                 ngroups=C.shape[1], config=config, interpret=interpret)[0]
-
-
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "config",
                                              "interpret"))
 def selective_state_update(ssm_state, x, dt, A, B, C, D=None, z=None,
@@ -273,7 +234,7 @@ def selective_state_update(ssm_state, x, dt, A, B, C, D=None, z=None,
        jax.ShapeDtypeStruct(ssm_state.shape, ssm_state.dtype)],
       name="replayssm_mosaic_selective_state_update", state=ssm_state, ngroups=B.shape[1], config=config,
       interpret=interpret, aliases={0: 1})
-  y = common.finish_output(y0, x.astype(F32),
+  y = tu.finish_output(y0, x.astype(F32),
                            None if D is None else D[:, None], z)
   return y.astype(x.dtype), new_state
 
@@ -402,9 +363,9 @@ def cta_tiles(cnt, c, *, L: int, nheads: int, num_ctas: int, chunk: int):
   heads form chunks of `chunk` heads (the r-th flush row's chunks are r *
   nheads / chunk ...), dealt out round-robin: CTA c folds chunks c, c +
   num_ctas, ..., so the CTAs at work at any moment read neighbouring
-  tiles (a contiguous share per CTA was slower: benchmarks/README.md,
-  session 21). Returns (steps, chunk_row, head): CTA c folds `steps`
-  tiles, its k-th at row chunk_row(k // chunk) and head head(k). cnt: the [batch] counters (an array, or an
+  tiles (a contiguous share per CTA is slower: benchmarks/VARIANTS.md).
+  Returns (steps, chunk_row, head): CTA c folds `steps` tiles, its k-th at
+  row chunk_row(k // chunk) and head head(k). cnt: the [batch] counters (an array, or an
   SMEM ref in the kernel), batch a multiple of 32; a flush row has count
   L-1. The flush rows are kept as a bit mask (batch / 32 words) and the
   r-th one found by popcounts, so no table is written."""
