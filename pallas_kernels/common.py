@@ -1,9 +1,9 @@
 """The kernels' tuning configs and the shared helpers, in one namespace.
 
 The helpers live in `pallas_kernels.triton_utils`, the field checks in
-`pallas_kernels.config_base` and `ReplayConfig` in `pallas_kernels.replay`;
-this module re-exports them for `pallas_kernels.verify`, and holds the
-configs of the baseline, conv, norm, attention and verify kernels.
+`pallas_kernels.config_base` and each op's config beside its kernels
+(`pallas_kernels.<op>`); this module re-exports them (for
+`pallas_kernels.verify`) and holds the verify kernels' config.
 """
 
 from __future__ import annotations
@@ -13,8 +13,12 @@ import dataclasses
 from pallas_kernels.config_base import (FOLD_MODES, _check_choice,
                                         _check_count, _check_pow2,
                                         _check_registers, _LaunchConfig)
+from pallas_kernels.attention.kernel import AttentionConfig
+from pallas_kernels.conv.kernel import ConvConfig
+from pallas_kernels.norm.kernel import NormConfig
 from pallas_kernels.replay.config import ReplayConfig
-from pallas_kernels.triton_utils import (F32, capped_name,
+from pallas_kernels.ssu.triton import SSUConfig
+from pallas_kernels.triton_utils import (F32, capped_name,  # noqa: F401
                                          compute_capability, core_count,
                                          finish_output, fma,
                                          install_register_cap_hook,
@@ -25,7 +29,7 @@ from pallas_kernels.triton_utils import (F32, capped_name,
                                          suffix_sums)
 
 __all__ = [
-    "AttentionConfig", "ConvConfig", "FOLD_MODES", "NormConfig",
+    "AttentionConfig", "ConvConfig", "F32", "FOLD_MODES", "NormConfig",
     "ReplayConfig", "SSUConfig", "VerifyConfig", "capped_name",
     "compute_capability", "core_count", "finish_output", "fma",
     "install_register_cap_hook", "load_tile_blocks", "on_gpu",
@@ -33,113 +37,6 @@ __all__ = [
     "resolve_block_p", "round_half_even", "suffix_sums", "_LaunchConfig",
     "_check_choice", "_check_count", "_check_pow2", "_check_registers",
 ]
-
-
-@dataclasses.dataclass(frozen=True)
-class SSUConfig(_LaunchConfig):
-  """Tuning of the baseline kernel.
-
-  Attributes:
-    block_p: headdim rows per program (the state tile is [block_p, dstate]);
-      None = all of headdim.
-    num_warps, num_stages: Triton launch parameters.
-  """
-  block_p: int | None = 16  # H200 sweep: 16/32/64 within 4% at batch 256
-
-
-@dataclasses.dataclass(frozen=True)
-class ConvConfig:
-  """Tuning of the conv decode-step kernel (`pallas_kernels.conv`).
-
-  Attributes:
-    block_rows: rows per program (at most; the largest power of two <= it
-      that divides the batch).
-    block_channels: channels per program (at most; the largest power of
-      two <= it that divides every output piece, >= 16).
-    num_warps: Triton launch parameter.
-
-  Defaults not swept. H200, hybrid_1b's decode step at batch 256 (6144
-  bf16 channels as 4096 + 1024 + 1024, kernel 4;
-  benchmarks/decode_step_profile_h200_session27*.json): 7.4 µs per layer,
-  where XLA spent 16 µs (the ring select over the whole state, two slice
-  fusions each recomputing its part of the conv, the counter update) and
-  the xBC slice of the in_proj output 2 µs more.
-  """
-  block_rows: int = 16
-  block_channels: int = 256
-  num_warps: int = 4
-
-  def __post_init__(self):
-    _check_pow2("block_rows", self.block_rows)
-    _check_pow2("block_channels", self.block_channels)
-    _check_pow2("num_warps", self.num_warps)
-    if self.block_channels < 16:
-      raise ValueError(f"block_channels must be >= 16, got "
-                       f"{self.block_channels}.")
-
-
-@dataclasses.dataclass(frozen=True)
-class NormConfig:
-  """Tuning of the norm kernels (`pallas_kernels.norm`: the gated RMSNorm
-  and the residual add + RMSNorm).
-
-  Attributes:
-    block_rows: rows per program (at most; the largest power of two <= it
-      that divides the rows).
-    num_warps: Triton launch parameter.
-
-  Defaults not swept. H200, hybrid_1b's decode step at batch 256 (4096
-  channels in 8 groups of 512): 3.5-4.3 µs per layer against 7.3-8.4 µs
-  for XLA's two fusions (benchmarks/decode_step_profile_h200_session27*).
-  """
-  block_rows: int = 4
-  num_warps: int = 4
-
-  def __post_init__(self):
-    _check_pow2("block_rows", self.block_rows)
-    _check_pow2("num_warps", self.num_warps)
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionConfig:
-  """Tuning of the decode attention kernel (`pallas_kernels.attention`).
-
-  Attributes:
-    block_s: cache entries per loop iteration (a power of two >= 16: the
-      scores are a tensor-core dot).
-    split_s: cache entries per program (a multiple of block_s); None = the
-      whole cache, so one program per (row, KV head) and no combine. With a
-      split, programs of (row, KV head, split) write partial softmax sums
-      that XLA combines (flash-decoding), and a split past the row's length
-      exits at once.
-    num_warps, num_stages: Triton launch parameters (num_stages > 1
-      pipelines the block loop's loads).
-
-  Defaults: H200, batch 256, 384-entry bf16 caches with ragged lengths in
-  [192, 384] (benchmarks/attend_micro_h200_session25.json): 74.3 µs at
-  hybrid_1b's 16 / 4 heads of 128 (XLA's whole-cache attention 81.0), one
-  stage 78.5, three 87.2, 8 warps 94.3, 32- / 128-entry blocks 100.2 /
-  88.3, splits of 64 / 128 entries 82.1 / 81.3; at the 8B's 32 / 8 heads
-  121.1 µs (XLA 150.6, one stage 131.2, split 128 143.5).
-  """
-  block_s: int = 64
-  split_s: int | None = None
-  num_warps: int = 4
-  num_stages: int = 2
-
-  def __post_init__(self):
-    _check_pow2("block_s", self.block_s)
-    if self.block_s < 16:
-      raise ValueError(f"block_s must be >= 16 (a dot operand), got "
-                       f"{self.block_s}.")
-    if self.split_s is not None and (
-        not isinstance(self.split_s, int) or self.split_s < self.block_s
-        or self.split_s % self.block_s):
-      raise ValueError(f"split_s must be None or a multiple of block_s "
-                       f"({self.block_s}), got {self.split_s!r}.")
-    _check_pow2("num_warps", self.num_warps)
-    if self.num_stages < 1:
-      raise ValueError(f"num_stages must be >= 1, got {self.num_stages}.")
 
 
 @dataclasses.dataclass(frozen=True)

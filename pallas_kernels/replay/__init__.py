@@ -7,7 +7,7 @@
 * flush route (rows with c == L-1): fold the L-1 buffered tokens and the
   current one into a new checkpoint, store it, and read y from it
   (`flush.py`, the fold in `fold.py`; or the Mosaic GPU flush,
-  `mosaic_gpu.flush`).
+  `mosaic_flush.flush`).
 * at small batch both routes in one launch (`fused.py`).
 
 `config.plan_replay_step` resolves a `ReplayConfig` for one state and

@@ -16,15 +16,16 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from pallas_kernels import mosaic_gpu
 from pallas_kernels import triton_utils as tu
 from pallas_kernels.config_base import (FOLD_MODES, _check_choice,
                                         _check_count, _check_pow2,
                                         _check_registers)
+from pallas_kernels.replay.mosaic_flush import default_fold_pieces
 from pallas_kernels.replay.fold import (_default_flush_programs, _fold_dot,
                                         _flush_programs, default_fold_mode)
 from pallas_kernels.replay.program import _copy_spec, _CopySpec
 from pallas_kernels.replay.split import READOUT_WARPS, split_problem
+from pallas_kernels.ssu.mosaic import counts_fit_tma, shape_problem
 
 F32 = jnp.float32
 
@@ -54,7 +55,7 @@ class ReplayConfig:
       appends and counters by a (group, row) kernel); None:
       `default_output_route`.
     flush_route: "triton" (the Triton flush kernels) or "mosaic_gpu" (the
-      Mosaic GPU fold, `mosaic_gpu.flush`, before the Triton output route;
+      Mosaic GPU fold, `mosaic_flush.flush`, before the Triton output route;
       plain states, separate launches); None: `default_flush_route`.
     fused_launch: both routes in one Triton launch (plain states, Triton
       routes); None: `default_fused_launch`.
@@ -67,7 +68,7 @@ class ReplayConfig:
       tensor-core dot), "dot_bf16x3" / "dot_bf16x2" (bf16 dots of the
       weighted x in 3 / 2 bf16 pieces against a bf16 B, `fold_product`);
       the dot modes need buffer_len, block_p >= 16. None:
-      `fold.default_fold_mode` (Mosaic: `mosaic_gpu.default_fold_pieces`).
+      `fold.default_fold_mode` (Mosaic: `mosaic_flush.default_fold_pieces`).
     flush_num_warps, flush_max_registers: warps and register cap (PTX
       .maxnreg, `triton_utils.capped_name`; 256: no cap) of the separate
       Triton flush kernel; None: `default_flush_launch`.
@@ -201,8 +202,8 @@ def default_flush_route(rstate, plain: bool, output_route: str,
             and rstate.x_buf.shape[1] % 16 == 0
             and rstate.b_buf.dtype == jnp.bfloat16
             and jnp.dtype(rstate.count.dtype) == jnp.int32
-            and mosaic_gpu.counts_fit_tma(rstate.count)
-            and mosaic_gpu.shape_problem(rstate.checkpoint) is None
+            and counts_fit_tma(rstate.count)
+            and shape_problem(rstate.checkpoint) is None
             and compute_capability is not None
             and compute_capability >= (9, 0))
   return "mosaic_gpu" if mosaic else "triton"
@@ -336,10 +337,10 @@ def plan_replay_step(config: ReplayConfig, rstate, policy=None,
   pieces = mosaic_stages = None
   if mosaic:
     flush_grid = config.flush_grid or (
-        "persistent" if mosaic_gpu.counts_fit_tma(rstate.count) else "rows")
+        "persistent" if counts_fit_tma(rstate.count) else "rows")
     flush_fold = config.flush_fold or next(
         k for k, v in _MOSAIC_FOLDS.items()
-        if v == mosaic_gpu.default_fold_pieces(ck_dtype, L))
+        if v == default_fold_pieces(ck_dtype, L))
     if flush_fold not in _MOSAIC_FOLDS:
       raise NotImplementedError(
           f"flush_route='mosaic_gpu' folds by {tuple(_MOSAIC_FOLDS)}, got "

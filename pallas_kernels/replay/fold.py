@@ -5,12 +5,10 @@ items."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import triton_utils as tu
-from pallas_kernels.config_base import FOLD_MODES  # noqa: F401 (re-export)
 
 F32 = jnp.float32
 

@@ -13,20 +13,20 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import mosaic_gpu
 from pallas_kernels import triton_utils as tu
 from pallas_kernels.replay.config import ReplayConfig, plan_replay_step
 from pallas_kernels.replay.flush import (_flush_kernel,
                                          _flush_persistent_kernel)
 from pallas_kernels.replay.fused import _fused_kernel, _fused_rows_kernel
+from pallas_kernels.replay.mosaic_flush import flush as mosaic_flush
 from pallas_kernels.replay.output import _output_kernel
 from pallas_kernels.replay.program import (_pad_pow2, _step_fields,
                                            copy_operands)
 from pallas_kernels.replay.split import _split_output_route
+from pallas_kernels.ssu.mosaic import MosaicSSUConfig
 
 
 def _state_shapes(rstate, x, *, checkpoint=False):
@@ -110,8 +110,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   extra = [rstate.read_scale] if scaled else []
   out_kw = dict(scaled=True) if scaled else {}
   y_flush = []
-  mosaic_flush = plan.flush_route == "mosaic_gpu"
-  if mosaic_flush:
+  if plan.flush_route == "mosaic_gpu":
     # The Mosaic flush runs first: a flush row's buffer slots are the same
     # before and after the output route (it does not append), and y comes
     # back as a fresh array (flush rows written) that the output route then
@@ -124,13 +123,13 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
       # array the output route then appends to: one [batch, ngroups,
       # dstate] write.
       state_in[2] = rstate.b_buf.at[:, -1].set(0)
-    y_part, ck = mosaic_gpu.flush(
+    y_part, ck = mosaic_flush(
         rstate.checkpoint, rstate.x_buf, state_in[2], rstate.dt_buf,
         rstate.count, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
         interpret=interpret, fold_pieces=plan.mosaic_fold_pieces,
         store_from_input=plan.mosaic_store_from_input,
         num_ctas=plan.flush_programs,
-        config=mosaic_gpu.MosaicSSUConfig(
+        config=MosaicSSUConfig(
             heads_per_program=plan.flush_heads_per_program,
             max_concurrent_steps=plan.mosaic_stages))
     y_flush = [y_part]
@@ -158,7 +157,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
         name=tu.capped_name("replayssm_replay_output_route",
                             plan.max_registers),
     )(*state_in, *token_in, *extra, *optional, *y_flush)
-  if mosaic_flush:
+  if plan.flush_route == "mosaic_gpu":
     return y, ReplayState(checkpoint=ck, x_buf=xb, b_buf=bb, dt_buf=dtb,
                           count=cnt, **_step_fields(rstate))
   # The flush route reads the buffers after the output route: flush rows do
