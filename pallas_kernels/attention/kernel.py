@@ -54,12 +54,9 @@ class AttentionConfig:
     num_warps, num_stages: Triton launch parameters (num_stages > 1
       pipelines the block loop's loads).
 
-  Defaults: H200, batch 256, 384-entry bf16 caches with ragged lengths in
-  [192, 384] (benchmarks/attend_micro_h200_session25.json): 74.3 µs at
-  hybrid_1b's 16 / 4 heads of 128 (XLA's whole-cache attention 81.0), one
-  stage 78.5, three 87.2, 8 warps 94.3, 32- / 128-entry blocks 100.2 /
-  88.3, splits of 64 / 128 entries 82.1 / 81.3; at the 8B's 32 / 8 heads
-  121.1 µs (XLA 150.6, one stage 131.2, split 128 143.5).
+  Defaults: the fastest of the H200 sweep in
+  benchmarks/attend_micro_h200_session25.json (figures:
+  benchmarks/VARIANTS.md).
   """
   block_s: int = 64
   split_s: int | None = None

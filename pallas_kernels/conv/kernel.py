@@ -49,12 +49,7 @@ class ConvConfig:
       two <= it that divides every output piece, >= 16).
     num_warps: Triton launch parameter.
 
-  Defaults not swept. H200, hybrid_1b's decode step at batch 256 (6144
-  bf16 channels as 4096 + 1024 + 1024, kernel 4;
-  benchmarks/decode_step_profile_h200_session27*.json): 7.4 µs per layer,
-  where XLA spent 16 µs (the ring select over the whole state, two slice
-  fusions each recomputing its part of the conv, the counter update) and
-  the xBC slice of the in_proj output 2 µs more.
+  Defaults not swept (their timing: benchmarks/VARIANTS.md).
   """
   block_rows: int = 16
   block_channels: int = 256
@@ -233,9 +228,8 @@ def causal_conv1d_window(x, conv_state, start, weight, bias=None,
   (`conv.causal_conv1d_window_reference`), plus a tuning config (the step
   kernel's: the same blocks). XLA runs the reference as a concatenate of
   the ordered ring and the window, the taps, and slices of the output
-  into x, B and C (31 µs per verify at hybrid_1b's layer, batch 256, T 4:
-  session 29's profile); here one launch reads the ring and the window
-  once and writes the pieces."""
+  into x, B and C; here one launch reads the ring and the window once and
+  writes the pieces."""
   b, window = x.shape[:2]
   sizes, grid, operands, kw = _launch(x, conv_state, start, weight, bias,
                                       activation, split, x_offset, config)

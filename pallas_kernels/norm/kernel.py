@@ -40,9 +40,7 @@ class NormConfig:
       that divides the rows).
     num_warps: Triton launch parameter.
 
-  Defaults not swept. H200, hybrid_1b's decode step at batch 256 (4096
-  channels in 8 groups of 512): 3.5-4.3 µs per layer against 7.3-8.4 µs
-  for XLA's two fusions (benchmarks/decode_step_profile_h200_session27*).
+  Defaults not swept (their timing: benchmarks/VARIANTS.md).
   """
   block_rows: int = 4
   num_warps: int = 4

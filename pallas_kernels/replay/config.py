@@ -166,7 +166,7 @@ _MOSAIC_STAGES = 2
 def default_block_p(batch: int, nheads: int, headdim: int) -> int:
   """Whole-headdim tiles once the grid has ~16 programs per SM, quarter
   tiles below (more programs hide latency at small batch; H200:
-  benchmarks/kernel_sweep_h200.md)."""
+  benchmarks/kernel_sweep_h200.json)."""
   return headdim if batch * nheads >= 16 * 132 else min(16, headdim)
 
 
@@ -235,7 +235,7 @@ def default_flush_launch(spec, master_dtype, num_warps: int | None = None,
   with an 8-bit copy, 120 on a 16-bit master with one, 168 with other
   copies, none with stochastic rounding (H200:
   benchmarks/kernel_policies_h200_session15.md,
-  benchmarks/output_split_h200_session36_final.json). Without the
+  benchmarks/output_split_h200_session36_e_flush.json). Without the
   lowering hook (`triton_utils.capped_name`) nothing is capped and a plain
   state takes 2 warps."""
   copy = spec is not None and spec.copy

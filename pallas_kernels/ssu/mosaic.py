@@ -62,8 +62,8 @@ class MosaicSSUConfig:
       step writes its new state to a fresh buffer), "pallas_call" (grid
       pipelined by pallas_call; also runs in interpret mode; deprecated
       for Mosaic GPU since jax 0.10, and its lowering fails with an
-      AssertionError on the H200 with jax 0.11.2), or None: "kernel" on the GPU, "pallas_call" in
-      interpret mode.
+      AssertionError on the H200 with jax 0.11.2), or None: "kernel" on
+      the GPU, "pallas_call" in interpret mode.
   """
   heads_per_program: int | None = None
   max_concurrent_steps: int = 2
