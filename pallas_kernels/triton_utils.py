@@ -204,7 +204,7 @@ def resolve_block_p(block_p, headdim: int) -> int:
 # ------------------------------------------------- stores of a read copy
 # `precision.quantize` / `round_to` restated in ops that the Pallas Triton
 # backend lowers (it has no round primitive, and its max reduction ignores
-# NaN). Equal to them bit for bit (tests/test_pallas_kernels.py).
+# NaN). Equal to them bit for bit (tests/test_replay_kernel_precision.py).
 
 
 def round_half_even(v):
