@@ -142,8 +142,9 @@ def fma(a, b, c, asm: bool):
   """a * b + c in f32 (broadcast to one shape). asm: one PTX fma.rn.f32 per
   element (`plgpu.elementwise_inline_asm`), for a Triton that emits the
   multiply and the add as two instructions (XLA's bundled one on the H200
-  leaves most such pairs unfused under Nsight Compute); otherwise (and in interpret mode, which cannot run PTX) the plain
-  product and sum, rounded twice."""
+  leaves most such pairs unfused under Nsight Compute); otherwise (and in
+  interpret mode, which cannot run PTX) the plain product and sum, rounded
+  twice."""
   a, b, c = jnp.broadcast_arrays(a.astype(F32), b.astype(F32),
                                  c.astype(F32))
   if not asm:
@@ -224,11 +225,11 @@ def quantize_rows(xf, dtype, bits=None):
   """
   dt = jnp.dtype(dtype)
   qmax = np.float32(P.QMAX[dt.name])
-  # A row with a NaN or inf has amax inf (the reference's amax is not
-  # finite). One reduction per row (not a second one counting the
-  # non-finite elements, which costs the flush ~12%), an integer max of the magnitudes' bits (their order is the floats'; a NaN's
-  # bits exceed inf's, which Triton's float max would drop): a mask and an
-  # integer max per element.
+  # A row with a NaN or inf has amax inf (the reference's amax is not finite).
+  # One reduction per row (not a second one counting the non-finite elements,
+  # which costs the flush ~12%), an integer max of the magnitudes' bits (their
+  # order is the floats'; a NaN's bits exceed inf's, which Triton's float max
+  # would drop): a mask and an integer max per element.
   mag = lax.bitcast_convert_type(xf, jnp.int32) & np.int32(0x7FFFFFFF)
   amax_bits = jnp.max(mag, axis=-1)
   amax = jnp.where(amax_bits >= np.int32(0x7F800000), jnp.inf,

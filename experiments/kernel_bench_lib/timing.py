@@ -44,9 +44,8 @@ def make_loop(op: str, impl: str, num_sets: int, fixed_count: bool,
           y, st = _replay_step(rs, inputs[k], params, impl)
         # One step's results materialize before the next step reads them:
         # without the barrier XLA fuses a set's consecutive XLA-reference
-        # steps into one pass over the state (the H200 grid of 2026-11-29
-        # timed the reference baseline at 15-60 TB/s that way). Kernels
-        # (custom calls) are unaffected.
+        # steps into one pass over the state (and times it above the
+        # device's bandwidth). Kernels (custom calls) are unaffected.
         ys[k], states[k] = jax.lax.optimization_barrier((y, st))
       return tuple(states), tuple(ys)
 

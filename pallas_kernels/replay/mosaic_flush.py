@@ -144,8 +144,8 @@ def cta_tiles(cnt, c, *, L: int, nheads: int, num_ctas: int, chunk: int):
   num_ctas, ..., so the CTAs at work at any moment read neighbouring
   tiles (a contiguous share per CTA is slower: benchmarks/VARIANTS.md).
   Returns (steps, chunk_row, head): CTA c folds `steps` tiles, its k-th at
-  row chunk_row(k // chunk) and head head(k). cnt: the [batch] counters (an array, or an
-  SMEM ref in the kernel), batch a multiple of 32; a flush row has count
+  row chunk_row(k // chunk) and head head(k). cnt: the [batch] counters
+  (an array, or an SMEM ref in the kernel), batch a multiple of 32; a flush row has count
   L-1. The flush rows are kept as a bit mask (batch / 32 words) and the
   r-th one found by popcounts, so no table is written."""
   batch = cnt.shape[0]

@@ -27,8 +27,9 @@ WINDOW_LAUNCH = dict(num_warps=4, heads=None)
 
 
 def split_problem(rstate) -> str | None:
-  """Why the split route's window kernel cannot take rstate (its Triton blocks are
-  a window [L, ...], a group's heads and dstate: powers of two), or None."""
+  """Why the split route's window kernel cannot take rstate (its Triton
+  blocks are a window [L, ...], a group's heads and dstate: powers of two),
+  or None."""
   for name, v in (("buffer_len", rstate.buffer_len),
                   ("nheads // ngroups", rstate.nheads // rstate.ngroups),
                   ("dstate", rstate.dstate)):
@@ -83,13 +84,13 @@ def _readout_kernel(ck_ref, cnt_ref, c_ref, *rest, scaled, block_p,
 def _window_kernel(cnt_ref, xb_ref, bb_ref, dtb_ref, x_ref, dt_ref, a_ref,
                    b_ref, c_ref, y0_ref, *rest, has_D, has_z, has_bias,
                    dt_softplus, buffer_len, heads, per_group):
-  """The output route's terms but the state readout, for `heads` heads of
-  one group of one row (grid (ngroups, per_group // heads, batch)): the
-  group's B.C products and the heads' window weights, then y = decay y0 +
-  sum_j k_j x_j (+ D x, * silu(z)) for all the heads at once ([L, heads, headdim] x window), the appends of
-  (x, dt' and, in the group's first program, B) at slot c and, in the
-  row's first program, its new counter. Rows that flush are left to the
-  flush route (y unset, no append)."""
+  """The output route's terms but the state readout, for `heads` heads of one
+  group of one row (grid (ngroups, per_group // heads, batch)): the group's
+  B.C products and the heads' window weights, then y = decay y0 + sum_j k_j
+  x_j (+ D x, * silu(z)) for all the heads at once ([L, heads, headdim] x
+  window), the appends of (x, dt' and, in the group's first program, B) at
+  slot c and, in the row's first program, its new counter. Rows that flush
+  are left to the flush route (y unset, no append)."""
   _, (d_ref, z_ref, bias_ref), outs = _unpack(rest, 0, 5, has_D, has_z,
                                               has_bias)
   y_out, xb_out, bb_out, dtb_out, cnt_out = outs
