@@ -232,7 +232,7 @@ def test_default_flush_route_picks_mosaic_where_measured_faster():
 def test_default_fold_mode():
   """The bf16 split for bf16 B (two pieces for a 16-bit checkpoint, three
   for f32 in a flush launch of its own), 3xTF32 otherwise, rank-1 below
-  Triton's dot tiles; `_fold_dot` turns a mode into the kernel's form."""
+  Triton's dot tiles; `fold_dot` turns a mode into the kernel's form."""
   bf, f32 = jnp.bfloat16, jnp.float32
   mode = rk.default_fold_mode
   assert mode(16, 16, (bf, bf), f32) == "dot_bf16x3"
@@ -242,7 +242,7 @@ def test_default_fold_mode():
   assert mode(16, 16, (bf, f32), f32) == "dot_tf32x3"
   assert mode(16, 16, (bf, bf), f32, fused=True) == "dot_tf32x3"
   assert mode(8, 16, (bf, bf), f32) == mode(16, 8, (bf, bf), f32) == "rank1"
-  dot = rk._fold_dot  # pylint: disable=protected-access
+  dot = rk.fold_dot
   assert dot(None, 16, 16, False, field="f", tile="t", b_dtypes=(bf, bf),
              ck_dtype=f32) == "bf16x3"
   assert dot("dot_tf32x3", 16, 16, False, field="f", tile="t",
@@ -262,7 +262,7 @@ def test_flush_programs_fit_the_register_file():
   """Persistent flush programs per SM: as many as 64K registers hold at
   the cap (at most 4), 4 uncapped; 8 in all in interpret mode."""
   sms = 132  # the CPU device reports no core_count
-  flush_programs = rk._flush_programs  # pylint: disable=protected-access
+  flush_programs = rk.flush_programs
   assert flush_programs(False, 4, 128) == 4 * sms
   assert flush_programs(False, 4, 168) == 3 * sms
   assert flush_programs(False, 4, 120) == 4 * sms

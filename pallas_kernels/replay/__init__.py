@@ -33,24 +33,31 @@ from pallas_kernels.replay.config import (ReplayConfig, ReplayPlan,
                                           default_num_warps,
                                           default_output_route,
                                           plan_replay_step)
-from pallas_kernels.replay.fold import (_default_flush_programs, _dot_precision,
-                                        _flush_programs, _fold_dot,
-                                        default_fold_mode, fold_product,
-                                        persistent_items, rank1_fold,
-                                        split_dot)
-from pallas_kernels.replay.program import (_copy_counts, _copy_spec,
-                                           _CopySpec, _FlushStores, _Program,
-                                           _pad_pow2, _unpack, copy_operands)
+from pallas_kernels.replay.fold import (default_flush_programs,
+                                        default_fold_mode, dot_precision,
+                                        flush_programs, fold_dot,
+                                        fold_product, persistent_items,
+                                        rank1_fold, split_dot)
+from pallas_kernels.replay.program import (CopySpec, FlushStores, Program,
+                                           copy_counts, copy_operands,
+                                           copy_spec, pad_pow2, unpack)
 from pallas_kernels.replay.step import replay_state_update
 
+# The names pallas_kernels.verify imports (its kernels share the fold, the
+# work items and the flush stores).
+_CopySpec, _FlushStores, _Program = CopySpec, FlushStores, Program
+_copy_counts, _copy_spec, _pad_pow2, _unpack = (copy_counts, copy_spec,
+                                                pad_pow2, unpack)
+_default_flush_programs, _dot_precision = default_flush_programs, dot_precision
+_flush_programs, _fold_dot = flush_programs, fold_dot
+
 __all__ = [
-    "ReplayConfig", "ReplayPlan", "copy_operands", "default_block_p",
-    "default_flush_grid", "default_flush_launch", "default_flush_route",
-    "default_fold_mode", "default_fused_launch", "default_num_warps",
-    "default_output_route", "fold_product", "persistent_items",
-    "plan_replay_step", "rank1_fold", "replay_state_update", "split_dot",
-    # Used by pallas_kernels.verify:
-    "_FlushStores", "_Program", "_copy_counts", "_copy_spec",
-    "_dot_precision", "_flush_programs", "_fold_dot", "_pad_pow2",
-    "_unpack", "_CopySpec", "_default_flush_programs",
+    "CopySpec", "FlushStores", "Program", "ReplayConfig", "ReplayPlan",
+    "copy_counts", "copy_operands", "copy_spec", "default_block_p",
+    "default_flush_grid", "default_flush_launch", "default_flush_programs",
+    "default_flush_route", "default_fold_mode", "default_fused_launch",
+    "default_num_warps", "default_output_route", "dot_precision",
+    "flush_programs", "fold_dot", "fold_product", "pad_pow2",
+    "persistent_items", "plan_replay_step", "rank1_fold",
+    "replay_state_update", "split_dot", "unpack",
 ]

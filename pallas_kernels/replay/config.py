@@ -20,10 +20,9 @@ from pallas_kernels import triton_utils as tu
 from pallas_kernels.config_base import (FOLD_MODES, _check_choice,
                                         _check_count, _check_pow2,
                                         _check_registers)
+from pallas_kernels.replay import fold
 from pallas_kernels.replay.mosaic_flush import default_fold_pieces
-from pallas_kernels.replay.fold import (_default_flush_programs, _fold_dot,
-                                        _flush_programs, default_fold_mode)
-from pallas_kernels.replay.program import _copy_spec, _CopySpec
+from pallas_kernels.replay.program import CopySpec, copy_spec
 from pallas_kernels.replay.split import READOUT_WARPS, split_problem
 from pallas_kernels.ssu.mosaic import counts_fit_tma, shape_problem
 
@@ -116,11 +115,11 @@ class ReplayPlan:
 
   Attributes (besides ReplayConfig's):
     copy_spec: the flush's read-copy / stochastic-rounding stores
-      (`program._CopySpec`; None: a plain state).
-    fold_dot: the Triton fold's form (`fold._fold_dot`; None: rank-1).
+      (`program.CopySpec`; None: a plain state).
+    fold_dot: the Triton fold's form (`fold.fold_dot`; None: rank-1).
     flush_num_stages: pipelining stages of the separate Triton flush.
     flush_programs: programs of a persistent flush grid (Triton: as many
-      per SM as the register cap leaves room for, `fold._flush_programs`;
+      per SM as the register cap leaves room for, `fold.flush_programs`;
       the fused launch 4 per SM; Mosaic: 2 CTAs per SM); None otherwise.
     flush_heads_per_program: heads per flush program (Triton rows grid:
       heads_per_program; Mosaic: 4 per CTA, or the largest power of two
@@ -143,7 +142,7 @@ class ReplayPlan:
   flush_num_warps: int | None
   flush_max_registers: int | None
   max_registers: int | None
-  copy_spec: _CopySpec | None
+  copy_spec: CopySpec | None
   fold_dot: Any
   flush_num_stages: int | None
   flush_programs: int | None
@@ -227,7 +226,7 @@ def default_flush_grid(fused: bool, ck_dtype) -> str:
 def default_flush_launch(spec, master_dtype, num_warps: int | None = None,
                          max_registers: int | None = None):
   """(warps, register cap or None) of the separate Triton flush kernel
-  (spec: the state's _CopySpec, None for a plain state) for the fields
+  (spec: the state's CopySpec, None for a plain state) for the fields
   flush_num_warps / flush_max_registers (None: the default). Warps: 4 (2
   for a stochastically rounded master without a read copy). Cap, at 4
   warps only, where the persistent loop would hold more registers than 4
@@ -265,7 +264,7 @@ def plan_replay_step(config: ReplayConfig, rstate, policy=None,
   """The ReplayPlan of config for rstate (and its precision policy) on a
   device of compute_capability ((major, minor) or None: off-GPU) with
   core_count SMs; B_dtype: the current token's B (None: the buffer's)."""
-  spec = _copy_spec(rstate, policy, interpret)
+  spec = copy_spec(rstate, policy, interpret)
   plain = spec is None
   batch, nheads, headdim, _ = rstate.checkpoint.shape
   per_group = nheads // rstate.ngroups
@@ -333,7 +332,7 @@ def plan_replay_step(config: ReplayConfig, rstate, policy=None,
   num_stages = config.num_stages or (None if output_route == "split"
                                      else 1)
 
-  flush_warps = flush_cap = flush_programs = fold_dot = None
+  flush_warps = flush_cap = nprog = fold_form = None
   pieces = mosaic_stages = None
   if mosaic:
     flush_grid = config.flush_grid or (
@@ -348,13 +347,13 @@ def plan_replay_step(config: ReplayConfig, rstate, policy=None,
     pieces = _MOSAIC_FOLDS[flush_fold]
     flush_hb = tu.pow2_divisor(nheads, _MOSAIC_HEADS)
     if flush_grid == "persistent":
-      flush_programs = _MOSAIC_CTAS_PER_SM * core_count
+      nprog = _MOSAIC_CTAS_PER_SM * core_count
     mosaic_stages = _MOSAIC_STAGES
   else:
     flush_grid = config.flush_grid or default_flush_grid(fused, ck_dtype)
-    flush_fold = config.flush_fold or default_fold_mode(
+    flush_fold = config.flush_fold or fold.default_fold_mode(
         L, block_p, b_dtypes, ck_dtype, fused)
-    fold_dot = _fold_dot(flush_fold, L, block_p, interpret,
+    fold_form = fold.fold_dot(flush_fold, L, block_p, interpret,
                          field="flush_fold", tile="block_p",
                          b_dtypes=b_dtypes, ck_dtype=ck_dtype, fused=fused)
     flush_hb = hb
@@ -362,17 +361,17 @@ def plan_replay_step(config: ReplayConfig, rstate, policy=None,
       flush_warps, flush_cap = default_flush_launch(
           spec, ck_dtype, config.flush_num_warps, config.flush_max_registers)
     if flush_grid == "persistent":
-      flush_programs = (_default_flush_programs(interpret, core_count)
-                        if fused else _flush_programs(
-                            interpret, flush_warps, flush_cap, core_count))
+      nprog = (fold.default_flush_programs(interpret, core_count)
+               if fused else fold.flush_programs(
+                   interpret, flush_warps, flush_cap, core_count))
   return ReplayPlan(
       block_p=block_p, num_warps=num_warps, num_stages=num_stages,
       heads_per_program=hb, output_route=output_route,
       flush_route=flush_route, fused_launch=fused, flush_grid=flush_grid,
       flush_fold=flush_fold, flush_num_warps=flush_warps,
       flush_max_registers=flush_cap, max_registers=config.max_registers,
-      copy_spec=spec, fold_dot=fold_dot,
+      copy_spec=spec, fold_dot=fold_form,
       flush_num_stages=None if mosaic or fused else (config.num_stages or 1),
-      flush_programs=flush_programs, flush_heads_per_program=flush_hb,
+      flush_programs=nprog, flush_heads_per_program=flush_hb,
       mosaic_fold_pieces=pieces, mosaic_store_from_input=mosaic,
       mosaic_stages=mosaic_stages)

@@ -1,7 +1,7 @@
 """The replay step's Triton flush route: rows with count c == L-1 fold the
 L-1 buffered tokens and the current one into a new checkpoint (rank-1
 updates or tensor-core products, `fold.py`), store it (with a read copy
-re-stored from it, `program._FlushStores`) and read y from it. On the
+re-stored from it, `program.FlushStores`) and read y from it. On the
 output route's grid (programs of non-flush rows exit at once) or on a
 persistent grid whose programs share out the flush rows' items."""
 
@@ -15,8 +15,8 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import triton_utils as tu
 from pallas_kernels.replay.fold import fold_product, persistent_items
 from pallas_kernels.replay.fold import rank1_fold
-from pallas_kernels.replay.program import (_copy_counts, _FlushStores,
-                                           _Program, _unpack)
+from pallas_kernels.replay.program import (copy_counts, FlushStores,
+                                           Program, unpack)
 
 F32 = jnp.float32
 
@@ -83,12 +83,12 @@ def _store_flush(p, h, st, x_cur, stores, y_out, c_ref, d_ref, z_ref):
 
 
 def _flush_refs(refs, has_D, has_z, has_bias, copy_spec):
-  """(inputs, [D, z, bias], y output, _FlushStores) of a flush kernel:
+  """(inputs, [D, z, bias], y output, FlushStores) of a flush kernel:
   inputs checkpoint, x / B / dt buffers, counters, x, dt, A, B, C, y, the
   copy's (`copy_operands`); outputs y, checkpoint, the copy's."""
-  nin, nout = _copy_counts(copy_spec)
-  ins, opt, outs = _unpack(refs, 11 + nin, 2 + nout, has_D, has_z, has_bias)
-  return ins, opt, outs[0], _FlushStores(outs[1:], ins[11:], copy_spec)
+  nin, nout = copy_counts(copy_spec)
+  ins, opt, outs = unpack(refs, 11 + nin, 2 + nout, has_D, has_z, has_bias)
+  return ins, opt, outs[0], FlushStores(outs[1:], ins[11:], copy_spec)
 
 
 def _flush_kernel(*refs, has_D, has_z, has_bias, fold_dot, copy_spec=None,
@@ -96,7 +96,7 @@ def _flush_kernel(*refs, has_D, has_z, has_bias, fold_dot, copy_spec=None,
   """Flush route over the output route's grid: programs of non-flush rows
   exit at once (each still costs a launch slot); flush rows fold L tokens
   into a new checkpoint and store it and y (and with copy_spec the read
-  copy, see _CopySpec)."""
+  copy, see CopySpec)."""
   ins, opt, y_out, stores = _flush_refs(refs, has_D, has_z, has_bias,
                                         copy_spec)
   _fold_flush_row(ins, opt, y_out, stores, fold_dot=fold_dot, **kw)
@@ -106,9 +106,9 @@ def _fold_flush_row(ins, opt, y_out, stores, *, fold_dot, **kw):
   """The item of a program on the output route's grid (ins in the kernels'
   order: checkpoint, x / B / dt buffers, counters, x, dt, A, B, C): when
   its row flushes, the tiles of its heads folded and stored with y -> the
-  item (`_Program`)."""
+  item (`Program`)."""
   d_ref, z_ref, bias_ref = opt
-  p = _Program.from_grid(ins[4], ins[6], ins[7], bias_ref, **kw)
+  p = Program.from_grid(ins[4], ins[6], ins[7], bias_ref, **kw)
   fold_refs = (ins[0], ins[1], ins[2], ins[3], ins[5], ins[8])
 
   @pl.when(p.flush)
@@ -157,7 +157,7 @@ def _flush_items(pid, ins, opt, y_out, stores, *, fold_dot, num_programs,
   def item(b, h, pblk):
     # A flush row's counter is L-1: every load of the item depends only on
     # (b, h), so all of them issue at once.
-    p = _Program(cnt_ref, dt_ref, a_ref, bias_ref, b=b,
+    p = Program(cnt_ref, dt_ref, a_ref, bias_ref, b=b,
                  g=h // heads_per_group, pblk=pblk, head0=h,
                  block_p=block_p, count=L - 1, **kw)
     st, x_cur = _fold_head(p, h, fold_refs, fold_dot=fold_dot,

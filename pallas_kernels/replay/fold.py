@@ -42,7 +42,7 @@ def fold_product(x_win, s, b_win, fold_dot, acc):
 
   x_win [L, block_p], b_win [L, N] in their stored dtypes, s [L] f32, acc
   [block_p, N] f32 (the decayed checkpoint tile). fold_dot: a lax
-  precision (`_dot_precision`): the f32 dot of s x and B at that
+  precision (`dot_precision`): the f32 dot of s x and B at that
   precision; or "bf16xK": B must be bf16 (exact in bf16), and X = s x
   (f32) is split into K bf16 pieces (`split_dot`). The split is on the x
   side, [L, block_p], not on the weighted B, [L, N]: half the elements to
@@ -106,7 +106,7 @@ def default_fold_mode(buffer_len: int, block_p: int, b_dtypes, ck_dtype,
   return "dot_tf32x3"
 
 
-def _fold_dot(mode, buffer_len: int, block_p: int, interpret: bool, *,
+def fold_dot(mode, buffer_len: int, block_p: int, interpret: bool, *,
               field: str, tile: str, b_dtypes, ck_dtype,
               fused: bool = False):
   """The dot form of a fold mode (None: rank-1 updates; a lax precision;
@@ -130,10 +130,10 @@ def _fold_dot(mode, buffer_len: int, block_p: int, interpret: bool, *,
           f"dtype(s) {sorted({str(jnp.dtype(d)) for d in b_dtypes})}; use "
           "'dot_tf32x3'.")
     return mode.removeprefix("dot_")
-  return _dot_precision(mode, interpret)
+  return dot_precision(mode, interpret)
 
 
-def _dot_precision(mode: str, interpret: bool):
+def dot_precision(mode: str, interpret: bool):
   """lax precision of "dot_f32" / "dot_tf32x3" (XLA:CPU has no TF32
   algorithms: exact f32 in interpret mode)."""
   if interpret or mode == "dot_f32":
@@ -141,7 +141,7 @@ def _dot_precision(mode: str, interpret: bool):
   return lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
 
-def _default_flush_programs(interpret: bool,
+def default_flush_programs(interpret: bool,
                             core_count: int | None = None) -> int:
   """4 programs per SM (one wave at the fold's register footprint); 8 in
   interpret mode."""
@@ -150,12 +150,12 @@ def _default_flush_programs(interpret: bool,
   return 4 * (core_count or tu.core_count())
 
 
-def _flush_programs(interpret: bool, warps: int, max_registers,
+def flush_programs(interpret: bool, warps: int, max_registers,
                     core_count: int | None = None):
   """Persistent flush programs: as many per SM as the register file holds
   at the cap (at most 4), 4 per SM uncapped (2 warps x 255 registers)."""
   if interpret or max_registers is None:
-    return _default_flush_programs(interpret, core_count)
+    return default_flush_programs(interpret, core_count)
   per_sm = max(1, min(4, 65536 // (32 * warps * max_registers)))
   return per_sm * (core_count or tu.core_count())
 

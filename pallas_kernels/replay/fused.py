@@ -7,7 +7,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.replay.flush import _flush_items, _fold_flush_row
 from pallas_kernels.replay.output import _output_route
-from pallas_kernels.replay.program import _FlushStores, _Program, _unpack
+from pallas_kernels.replay.program import FlushStores, Program, unpack
 
 
 def _fused_kernel(*refs, has_D, has_z, has_bias, num_programs,
@@ -20,7 +20,7 @@ def _fused_kernel(*refs, has_D, has_z, has_bias, num_programs,
   (the flush ranking's copy); outputs: y, buffers, counters, checkpoint
   (aliased to the input checkpoint: only flush rows' tiles are stored).
   """
-  ins, opt, outs = _unpack(refs, 11, 6, has_D, has_z, has_bias)
+  ins, opt, outs = unpack(refs, 11, 6, has_D, has_z, has_bias)
   y_ref, ck_out = outs[0], outs[5]
   pid = pl.program_id(0)
 
@@ -28,7 +28,7 @@ def _fused_kernel(*refs, has_D, has_z, has_bias, num_programs,
   def _flush():
     flush_ins = list(ins[:10])
     flush_ins[4] = ins[10]  # the padded counters
-    _flush_items(pid, flush_ins, opt, y_ref, _FlushStores([ck_out], [], None),
+    _flush_items(pid, flush_ins, opt, y_ref, FlushStores([ck_out], [], None),
                  fold_dot=fold_dot, num_programs=num_programs,
                  nheads=nheads, heads_per_group=kw["heads_per_group"],
                  block_p=kw["block_p"], headdim=kw["headdim"],
@@ -37,7 +37,7 @@ def _fused_kernel(*refs, has_D, has_z, has_bias, num_programs,
   @pl.when(pid >= num_programs)
   def _output():
     q = pid - num_programs
-    p = _Program.from_ids(ins[4], ins[6], ins[7], opt[2],
+    p = Program.from_ids(ins[4], ins[6], ins[7], opt[2],
                           pid=q % out_programs,
                           g=(q // out_programs) % ngroups,
                           b=q // (out_programs * ngroups), **kw)
@@ -53,8 +53,8 @@ def _fused_rows_kernel(*refs, has_D, has_z, has_bias, fold_dot, **kw):
   program per output item and no flush programs, at the register budget of
   the larger route. Inputs and outputs: those of `_fused_kernel` without
   the padded counters."""
-  ins, opt, outs = _unpack(refs, 10, 6, has_D, has_z, has_bias)
-  p = _fold_flush_row(ins, opt, outs[0], _FlushStores([outs[5]], [], None),
+  ins, opt, outs = unpack(refs, 10, 6, has_D, has_z, has_bias)
+  p = _fold_flush_row(ins, opt, outs[0], FlushStores([outs[5]], [], None),
                       fold_dot=fold_dot, **kw)
   _output_route(p, ins, opt, outs[:5], scaled=False, block_p=kw["block_p"],
                 heads_per_program=kw["heads_per_program"])

@@ -41,7 +41,7 @@ def _fold_pieces(a, pieces):
   return out
 
 
-def _fold_dot(s, xb_ref, bb_ref, weights, pieces, interpret):
+def _wgmma_fold(s, xb_ref, bb_ref, weights, pieces, interpret):
   """s + sum_t weights[t] x_t B_t^T over the buffer slots t < L-1 as one
   [P, L] x [L, N] tensor-core product (WGMMA): the weighted x^T is built
   in registers (WGMMA layout; column t from the row-layout load of x_t),
@@ -83,7 +83,7 @@ def _flush_tile(i, h, tiles, scalars, *, buffer_len, has_D, has_z,
   D, dt_bias [h]; None where absent), read one element at a time.
   fold_pieces: 0 folds the buffer by exact f32 rank-1 updates, else as a
   tensor-core product with the weighted x in that many bf16 pieces
-  (`_fold_dot`). The current token is one rank-1 update either way."""
+  (`_wgmma_fold`). The current token is one rank-1 update either way."""
   load, tile = _loader(interpret), plgpu.Layout.WGMMA
   row, col = tile.reduce(1), tile.reduce(0)
   ck_ref, xb_ref, bb_ref, x_ref, b_ref, c_ref, *rest = tiles
@@ -107,7 +107,7 @@ def _flush_tile(i, h, tiles, scalars, *, buffer_len, has_D, has_z,
   s = load(ck_ref, tile).astype(F32) * jnp.exp(a * after)
   x_cur = load(x_ref, row).astype(F32)
   if fold_pieces:
-    s = _fold_dot(s, xb_ref, bb_ref, weights, fold_pieces, interpret)
+    s = _wgmma_fold(s, xb_ref, bb_ref, weights, fold_pieces, interpret)
   else:
     for t in range(L - 1):
       xt = load(xb_ref.at[t], row).astype(F32)
@@ -214,7 +214,7 @@ def flush(checkpoint, x_buf, b_buf, dt_buf, count, x, dt, A, B, C, D=None,
   `reference.replay_state_update` (the buffers are read only: a flush row
   does not append). fold_pieces: 0 folds by f32 rank-1 updates, 1-3 by
   WGMMA products of that many bf16 pieces of the weighted x with the B
-  buffer (`_fold_dot`); None = `default_fold_pieces`.
+  buffer (`_wgmma_fold`); None = `default_fold_pieces`.
   store_from_input (GPU entry): the new tile is written over its input
   tile in SMEM and stored from there (one TMA store per tile, awaited
   before the pipeline refills that slot) instead of through a separate

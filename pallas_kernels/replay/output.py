@@ -10,7 +10,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import triton_utils as tu
-from pallas_kernels.replay.program import _Program, _unpack, _window_load
+from pallas_kernels.replay.program import Program, unpack, window_load
 
 F32 = jnp.float32
 
@@ -27,10 +27,10 @@ def _output_kernel(*refs, has_D, has_z, has_bias, scaled=False, y_in=False,
   y_in: a y input after the optional ones, aliased to the y output (the
   flush rows' y, already written by the Mosaic flush), never read.
   """
-  ins, opt, outs = _unpack(refs, 10 + scaled, 5 + y_in, has_D, has_z,
+  ins, opt, outs = unpack(refs, 10 + scaled, 5 + y_in, has_D, has_z,
                            has_bias)
   outs = outs[y_in:]
-  p = _Program.from_grid(ins[4], ins[6], ins[7], opt[2], **kw)
+  p = Program.from_grid(ins[4], ins[6], ins[7], opt[2], **kw)
   _output_route(p, ins, opt, outs, scaled=scaled, block_p=kw["block_p"],
                 heads_per_program=kw["heads_per_program"])
 
@@ -41,7 +41,7 @@ def _output_route(p, ins, opt, outs, *, scaled, block_p, heads_per_program):
   and the appends."""
 
   def hist_load(ref, shape):
-    return _window_load(ref, p.hist, shape)
+    return window_load(ref, p.hist, shape)
 
   d_ref, z_ref, _ = opt
   ck_ref, xb_ref, bb_ref, dtb_ref, _, x_ref, _, _, b_ref = ins[:9]

@@ -18,7 +18,7 @@ from replayssm_jax.reference import process_dt
 F32 = jnp.float32
 
 
-class _Program:
+class Program:
   """One (row, heads, headdim block) work item and its token window."""
 
   def __init__(self, cnt_ref, dt_ref, a_ref, bias_ref, *, b, g, pblk, head0,
@@ -77,7 +77,7 @@ class _Program:
     return self.window_from(self.window_loads(h, dtb_ref))
 
 
-def _window_load(ref, hist, shape):
+def window_load(ref, hist, shape):
   """A buffer window [L, ...] (ref, of that shape) in f32: the filled
   slots (hist [L] bool), zeros past them."""
   m = jnp.broadcast_to(hist.reshape(hist.shape + (1,) * (len(shape) - 1)),
@@ -85,7 +85,7 @@ def _window_load(ref, hist, shape):
   return plgpu.load(ref, mask=m, other=0.0).astype(F32)
 
 
-def _unpack(refs, n_in, n_out, has_D, has_z, has_bias):
+def unpack(refs, n_in, n_out, has_D, has_z, has_bias):
   """(n_in inputs, [D, z, dt_bias] refs or None, n_out outputs) of a
   kernel's refs."""
   it = iter(refs)
@@ -96,7 +96,7 @@ def _unpack(refs, n_in, n_out, has_D, has_z, has_bias):
 
 
 @dataclasses.dataclass(frozen=True)
-class _CopySpec:
+class CopySpec:
   """What a flush stores besides the master of a state with a read copy
   and/or stochastic rounding (None for the plain state).
 
@@ -137,12 +137,12 @@ class _CopySpec:
     return self.copy + self.scaled
 
 
-def _copy_counts(spec):
-  """(extra inputs, extra outputs) of the flush kernels for a _CopySpec."""
+def copy_counts(spec):
+  """(extra inputs, extra outputs) of the flush kernels for a CopySpec."""
   return (0, 0) if spec is None else (spec.n_in, spec.n_out)
 
 
-class _FlushStores:
+class FlushStores:
   """The flush outputs (after y): master, then read copy and its scales;
   and the extra inputs (read copy, scales, SR keys) that come after y."""
 
@@ -180,7 +180,7 @@ class _FlushStores:
     master = P.round_to(st, self.ck_out.dtype,
                         self._bits(b, 0, index) if spec.sr_master else None)
     plgpu.store(self.ck_out.at[b, h, ps], master)
-    if spec.reload:  # interpret mode only, see _CopySpec.reload
+    if spec.reload:  # interpret mode only, see CopySpec.reload
       master = plgpu.load(self.ck_out.at[b, h, ps])
     if self.rc_out is None:
       return
@@ -195,8 +195,8 @@ class _FlushStores:
                   P.round_to(mf, self.rc_out.dtype, bits))
 
 
-def _copy_spec(rstate, policy, interpret):
-  """The _CopySpec of a state and policy (None: the plain state)."""
+def copy_spec(rstate, policy, interpret):
+  """The CopySpec of a state and policy (None: the plain state)."""
   sr = policy is not None and policy.stochastic_rounding
   if rstate.read_copy is None and not sr:
     return None
@@ -213,7 +213,7 @@ def _copy_spec(rstate, policy, interpret):
         f"(float8_e4m3fn/int8), got a {rstate.read_copy.dtype} copy and "
         f"read_scale={'None' if rstate.read_scale is None else 'array'}.")
   _, nheads, headdim, dstate = rstate.checkpoint.shape
-  return _CopySpec(
+  return CopySpec(
       copy=copy, scaled=scaled,
       sr_master=sr and jnp.dtype(rstate.checkpoint.dtype) != jnp.dtype(F32),
       sr_copy=sr and copy, nheads=nheads, headdim=headdim, dstate=dstate,
@@ -222,7 +222,7 @@ def _copy_spec(rstate, policy, interpret):
 
 def copy_operands(spec, policy, layer, rstate, first_in: int,
                   first_out: int):
-  """The extra operands of a flush kernel for a _CopySpec (none without):
+  """The extra operands of a flush kernel for a CopySpec (none without):
   (inputs: the read copy, its scales, the SR keys; {input: output} aliases
   of the copy and scales, numbered from first_in / first_out, so only the
   flushing rows' tiles are stored and the others keep their bits; their
@@ -252,7 +252,7 @@ def _sr_keys(spec, policy, layer, rstate):
                                rstate.step, site) for site in sites], axis=1)
 
 
-def _pad_pow2(count):
+def pad_pow2(count):
   """[batch] counters padded with -1 (no route) to a power of two: the
   persistent kernels load them as one Triton vector."""
   batch = count.shape[0]
@@ -260,7 +260,7 @@ def _pad_pow2(count):
   return jnp.pad(count, (0, pad), constant_values=-1) if pad else count
 
 
-def _step_fields(rstate):
+def step_fields(rstate):
   """row_id / step of the new state: as the reference, step +1 per
   in-range row (none without stochastic-rounding counters)."""
   if rstate.step is None:

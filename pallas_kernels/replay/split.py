@@ -14,7 +14,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import triton_utils as tu
-from pallas_kernels.replay.program import _unpack, _window_load
+from pallas_kernels.replay.program import unpack, window_load
 from replayssm_jax.reference import process_dt
 
 F32 = jnp.float32
@@ -91,7 +91,7 @@ def _window_kernel(cnt_ref, xb_ref, bb_ref, dtb_ref, x_ref, dt_ref, a_ref,
   window), the appends of (x, dt' and, in the group's first program, B) at
   slot c and, in the row's first program, its new counter. Rows that flush
   are left to the flush route (y unset, no append)."""
-  _, (d_ref, z_ref, bias_ref), outs = _unpack(rest, 0, 5, has_D, has_z,
+  _, (d_ref, z_ref, bias_ref), outs = unpack(rest, 0, 5, has_D, has_z,
                                               has_bias)
   y_out, xb_out, bb_out, dtb_out, cnt_out = outs
   g, q, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -123,12 +123,12 @@ def _window_kernel(cnt_ref, xb_ref, bb_ref, dtb_ref, x_ref, dt_ref, a_ref,
   @pl.when(jnp.logical_not(flush))
   def _route():
     k, decay, d_cur, bc_cur = _group_weights(
-        j, c, cv, _window_load(bb_ref.at[b, :, g, :], hist,
+        j, c, cv, window_load(bb_ref.at[b, :, g, :], hist,
                                (L, cv.shape[0])), b_in,
-        _window_load(dtb_ref.at[b, :, hs], hist, (L, heads)), dt_in, bias,
+        window_load(dtb_ref.at[b, :, hs], hist, (L, heads)), dt_in, bias,
         a, dt_softplus)
     x_cur = x_in.astype(F32)
-    x_hist = _window_load(xb_ref.at[b, :, hs, :], hist, (L,) + x_in.shape)
+    x_hist = window_load(xb_ref.at[b, :, hs, :], hist, (L,) + x_in.shape)
     # The current token's term on its own (its slot of x_hist is zero): k
     # at slot c is d' (B.C), its suffix sum being 0.
     y = (decay[:, None] * y0 + (d_cur * bc_cur)[:, None] * x_cur

@@ -23,7 +23,7 @@ from pallas_kernels.replay.flush import (_flush_kernel,
 from pallas_kernels.replay.fused import _fused_kernel, _fused_rows_kernel
 from pallas_kernels.replay.mosaic_flush import flush as mosaic_flush
 from pallas_kernels.replay.output import _output_kernel
-from pallas_kernels.replay.program import (_pad_pow2, _step_fields,
+from pallas_kernels.replay.program import (pad_pow2, step_fields,
                                            copy_operands)
 from pallas_kernels.replay.split import _split_output_route
 from pallas_kernels.ssu.mosaic import MosaicSSUConfig
@@ -94,7 +94,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
           _fused_kernel, num_programs=plan.flush_programs, out_programs=n0,
           ngroups=ngroups, nheads=nheads, fold_dot=plan.fold_dot, **kw)
       fused_grid = (plan.flush_programs + n0 * ngroups * batch,)
-      counts_in = [_pad_pow2(rstate.count)]
+      counts_in = [pad_pow2(rstate.count)]
     rows = "_rows" if plan.flush_grid == "rows" else ""
     y, xb, bb, dtb, cnt, ck = pl.pallas_call(
         kernel, grid=fused_grid,
@@ -159,7 +159,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     )(*state_in, *token_in, *extra, *optional, *y_flush)
   if plan.flush_route == "mosaic_gpu":
     return y, ReplayState(checkpoint=ck, x_buf=xb, b_buf=bb, dt_buf=dtb,
-                          count=cnt, **_step_fields(rstate))
+                          count=cnt, **step_fields(rstate))
   # The flush route reads the buffers after the output route: flush rows do
   # not append, so their slots are unchanged, and one copy of each buffer
   # stays live.
@@ -169,7 +169,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     kernel = functools.partial(_flush_persistent_kernel, nheads=nheads,
                                num_programs=plan.flush_programs, **flush_kw)
     flush_grid = (plan.flush_programs,)
-    count = _pad_pow2(count)
+    count = pad_pow2(count)
   else:
     kernel = functools.partial(
         _flush_kernel,
@@ -202,4 +202,4 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     if spec.scaled:
       fields["read_scale"] = outs[1]
   return y, ReplayState(checkpoint=ck, x_buf=xb, b_buf=bb, dt_buf=dtb,
-                        count=cnt, **fields, **_step_fields(rstate))
+                        count=cnt, **fields, **step_fields(rstate))
