@@ -50,6 +50,9 @@ pair's difference over the extra steps, so the fixed cost of a call (host
 dispatch of an executable whose arguments are K state sets: ~ms for
 hundreds of small sets at batch 1) cancels; it is reported as
 `call_overhead_us`. Per-step median / p10 / p90 over the pairs, in µs.
+With `time_budget_s` (the smoke config's), each timed loop stops growing
+its calls, warming up and timing once that much wall time has passed
+(`budget_hit` in its record), and the calibration logs its progress.
 
 Outputs in --workdir: config.json, metrics.jsonl (one line per check, timing
 and summary row), results.json (every figure plus device, versions, date and

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from pallas_kernels.attention.kernel import AttentionConfig
 from pallas_kernels.config_base import (FOLD_MODES, _check_choice,
                                         _check_count, _check_pow2,
                                         _check_registers, _LaunchConfig)
-from pallas_kernels.attention.kernel import AttentionConfig
 from pallas_kernels.conv.kernel import ConvConfig
 from pallas_kernels.norm.kernel import NormConfig
 from pallas_kernels.replay.config import ReplayConfig
