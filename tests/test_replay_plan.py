@@ -302,3 +302,65 @@ def test_importing_the_kernels_patches_nothing():
       "tu.install_register_cap_hook()\n"
       "assert l.lower_jaxpr_to_triton_module is g\n")
   subprocess.run([sys.executable, "-c", code], check=True)
+
+
+_LAUNCHES = {
+    # (state, batch) on a (9, 0) GPU with 132 SMs -> the step's launches:
+    # (pallas_call name, grid, warps, stages), or the Mosaic flush's
+    # arguments.
+    ("f32", 256): [("mosaic_flush", 3, 264, True, 4, 2),
+                   ("replayssm_replay_output_route", (16, 8, 256), 4, 1)],
+    ("f16", 256): [("replayssm_replay_output_route", (16, 8, 256), 2, 1),
+                   ("replayssm_replay_flush_route__maxnreg128", (528,), 4,
+                    1)],
+    ("f32+bf16", 256): [
+        ("replayssm_replay_output_route", (16, 8, 256), 2, 1),
+        ("replayssm_replay_flush_route__maxnreg168", (396,), 4, 1)],
+    ("f16+fp8", 256): [
+        ("replayssm_replay_readout", (16, 8, 256), 2, None),
+        ("replayssm_replay_window", (8, 1, 256), 4, None),
+        ("replayssm_replay_flush_route__maxnreg120", (528,), 4, 1)],
+    ("f16", 1): [("replayssm_replay_fused_routes", (1040,), 4, 1)],
+    ("f32", 1): [("replayssm_replay_fused_routes_rows", (64, 8, 1), 4, 1)],
+}
+
+
+@pytest.mark.parametrize("case", sorted(_LAUNCHES), ids=str)
+def test_default_step_launches(case, monkeypatch):
+  """The launches replay_state_update makes with the default config on an
+  H200-like device (traced, not run): names (with the register caps),
+  grids, warps and stages; the Mosaic flush's fold, CTAs, store and
+  heads per CTA."""
+  from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.replay import step  # pylint: disable=g-import-not-at-top
+  name, batch = case
+  launches, real = [], pl.pallas_call
+
+  def pallas_call(kernel, **kw):
+    cp = kw["compiler_params"]
+    launches.append((kw["name"], kw["grid"], cp.num_warps, cp.num_stages))
+    return real(kernel, **kw)
+
+  def mosaic_flush(checkpoint, x_buf, b_buf, dt_buf, count, x, *args, **kw):
+    launches.append(("mosaic_flush", kw["fold_pieces"], kw["num_ctas"],
+                     kw["store_from_input"], kw["config"].heads_per_program,
+                     kw["config"].max_concurrent_steps))
+    return jnp.zeros(x.shape, x.dtype), checkpoint
+
+  monkeypatch.setattr(pl, "pallas_call", pallas_call)
+  monkeypatch.setattr(step, "mosaic_flush", mosaic_flush)
+  monkeypatch.setattr(tu, "compute_capability", lambda: (9, 0))
+  pol = _policy(name)
+  rstate = _state(batch, pol, {"f32": "float32", "f16": "float16"}.get(name))
+  sds = jax.ShapeDtypeStruct
+  h, p, n, g = 128, 64, 128, 8
+  update = step.replay_state_update.__wrapped__  # untraced: no jit cache
+  jax.eval_shape(
+      lambda r, x, dt, A, B, C, D, bias: update(
+          r, x, dt, A, B, C, D=D, dt_bias=bias, dt_softplus=True,
+          policy=pol),
+      rstate, sds((batch, h, p), jnp.bfloat16), sds((batch, h), jnp.float32),
+      sds((h,), jnp.float32), sds((batch, g, n), jnp.bfloat16),
+      sds((batch, g, n), jnp.bfloat16), sds((h,), jnp.float32),
+      sds((h,), jnp.float32))
+  assert launches == _LAUNCHES[case]
