@@ -136,8 +136,8 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     out_kw["y_in"] = True
     # The output route reads the updated checkpoint (its non-flush rows are
     # the old ones): reading the old array after the in-place update would
-    # make XLA copy the whole checkpoint first (1090 µs per f32 step at
-    # batch 256 on the H200 instead of 280).
+    # make XLA copy the whole checkpoint first (a full extra read and
+    # write of it every step).
     state_in[0] = ck
   if plan.output_route == "split":
     y, xb, bb, dtb, cnt = _split_output_route(
