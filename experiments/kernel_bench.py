@@ -50,6 +50,9 @@ pair's difference over the extra steps, so the fixed cost of a call (host
 dispatch of an executable whose arguments are K state sets: ~ms for
 hundreds of small sets at batch 1) cancels; it is reported as
 `call_overhead_us`. Per-step median / p10 / p90 over the pairs, in µs.
+With `time_budget_s` (the smoke config's), each timed loop stops growing
+its calls, warming up and timing once that much wall time has passed
+(`budget_hit` in its record), and the calibration logs its progress.
 
 Outputs in --workdir: config.json, metrics.jsonl (one line per check, timing
 and summary row), results.json (every figure plus device, versions, date and
@@ -62,11 +65,9 @@ Usage: see configs/kernel_bench.py.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
-import re
 import shutil
 import time
 import traceback
@@ -77,16 +78,30 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import common
+from experiments.kernel_bench_lib.checks import (_errors_ok, check_baseline,
+                                                 check_replay)
+from experiments.kernel_bench_lib.data import DeviceGen, HostGen
+from experiments.kernel_bench_lib.report import _markdown, _plot
+from experiments.kernel_bench_lib.steps import (_VARIANTS, BASELINE_OP,
+                                                MOSAIC, REPLAY_OP,
+                                                _impl_and_config,
+                                                _plain_dict, _split_policy,
+                                                _state_dtypes, _tree_bytes)
+from experiments.kernel_bench_lib.timing import (count_state_copies,
+                                                 make_loop,
+                                                 measure_copy_bandwidth,
+                                                 time_loop)
 import replayssm_jax
-from replayssm_jax import precision
 from replayssm_jax import testing
 from replayssm_jax import traffic
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))), "configs", "kernel_bench.py")
 
-BASELINE_OP = "selective_state_update"
-REPLAY_OP = "replay_state_update"
+__all__ = ["BASELINE_OP", "Bench", "DeviceGen", "HostGen", "REPLAY_OP",
+           "count_state_copies", "import_kernels", "make_loop",
+           "measure_copy_bandwidth", "run", "time_loop", "_errors_ok",
+           "_impl_and_config", "_markdown", "_plot", "_VARIANTS"]
 
 
 def import_kernels() -> str:
@@ -99,509 +114,6 @@ def import_kernels() -> str:
                     "implementations only.", e)
     return f"not imported: {e}"
   return "imported"
-
-
-# ------------------------------------------------------------ random data
-# Fresh random inputs and states (never zeros), with the distributions of
-# `replayssm_jax.testing`: DeviceGen draws them with jitted jax.random on the
-# device (fast for GiB-sized state sets); HostGen with numpy, used on the CPU
-# backend, where the host *is* the device and numpy needs none of the
-# per-shape XLA compilations that dominate small CPU runs.
-def _raw_inputs(key, batch, dims, dtype, has_z, seqlen=None):
-  return testing.random_step_inputs(
-      key, batch, dims.nheads, dims.headdim, dims.dstate, dims.ngroups,
-      dtype, dt_softplus=True, with_z=has_z, seqlen=seqlen)
-
-
-def _raw_state(key, batch, dims, dtype):
-  return jax.random.normal(
-      key, (batch, dims.nheads, dims.headdim, dims.dstate),
-      jnp.float32).astype(dtype)
-
-
-def _raw_rstate(key, counts, junk, batch, dims, buffer_len, checkpoint_dtype,
-                buffer_dtype):
-  """A random ReplayState with the given counters ([batch] int32).
-
-  Where `junk` (a traced bool) is true, buffer slots past each row's count
-  hold large values, so that a kernel reading stale slots fails its check
-  (as in `testing.random_replay_state`).
-  """
-  H, P, N, G, L = (dims.nheads, dims.headdim, dims.dstate, dims.ngroups,
-                   buffer_len)
-  kc, kx, kb, kd = jax.random.split(key, 4)
-  checkpoint = jax.random.normal(kc, (batch, H, P, N), jnp.float32)
-  x_buf = jax.random.normal(kx, (batch, L, H, P), jnp.float32)
-  b_buf = jax.random.normal(kb, (batch, L, G, N), jnp.float32)
-  dt_buf = jax.random.uniform(kd, (batch, L, H), jnp.float32, 0.01, 0.5)
-  return _assemble_rstate(counts, junk, checkpoint.astype(checkpoint_dtype),
-                          x_buf, b_buf, dt_buf, buffer_dtype)
-
-
-def _assemble_rstate(counts, junk, checkpoint, x_buf, b_buf, dt_buf,
-                     buffer_dtype, xp=jnp):
-  L = x_buf.shape[1]
-  stale = (xp.arange(L)[None, :] >= counts[:, None]) & junk  # [b, L]
-  x_buf = xp.where(stale[..., None, None], 1e4, x_buf)
-  b_buf = xp.where(stale[..., None, None], -1e4, b_buf)
-  dt_buf = xp.where(stale[..., None], 50.0, dt_buf)
-  return replayssm_jax.ReplayState(
-      checkpoint=checkpoint, x_buf=x_buf.astype(buffer_dtype),
-      b_buf=b_buf.astype(buffer_dtype), dt_buf=dt_buf.astype(xp.float32),
-      count=counts.astype(xp.int32))
-
-
-_gen_inputs = jax.jit(_raw_inputs, static_argnums=(1, 2, 3, 4, 5))
-_gen_state = jax.jit(_raw_state, static_argnums=(1, 2, 3))
-_gen_rstate = jax.jit(_raw_rstate, static_argnums=(3, 4, 5, 6, 7))
-
-
-class DeviceGen:
-  """Random data drawn on the device (jitted jax.random, "rbg" keys)."""
-
-  def __init__(self, seed: int, dims: traffic.LayerDims):
-    self.dims = dims
-    self.key = jax.random.key(seed, impl="rbg")
-    self.counter = 0
-
-  def _key(self):
-    self.counter += 1
-    return jax.random.fold_in(self.key, self.counter)
-
-  def inputs(self, batch, dtype, has_z, seqlen=None):
-    """Leaves [batch, ...], or [seqlen, batch, ...] with seqlen."""
-    inp = _gen_inputs(self._key(), batch, self.dims, dtype, has_z, seqlen)
-    if seqlen is None:
-      return inp
-    return jax.tree.map(lambda v: jnp.swapaxes(v, 0, 1), inp)
-
-  def state(self, batch, dtype):
-    return _gen_state(self._key(), batch, self.dims, dtype)
-
-  def rstate(self, counts, junk, buffer_len, checkpoint_dtype,
-             buffer_dtype):
-    counts = jnp.asarray(np.asarray(counts, np.int32))
-    return _gen_rstate(self._key(), counts, junk, counts.shape[0],
-                       self.dims, buffer_len, checkpoint_dtype, buffer_dtype)
-
-
-class HostGen:
-  """numpy twin of DeviceGen (same distributions)."""
-
-  def __init__(self, seed: int, dims: traffic.LayerDims):
-    self.dims = dims
-    self.rng = np.random.default_rng(seed)
-
-  @staticmethod
-  def _put(a, dtype):
-    # ml_dtypes casts on the host, so the transfer needs no compiled convert.
-    return jnp.asarray(np.asarray(a, np.float32).astype(dtype))
-
-  def inputs(self, batch, dtype, has_z, seqlen=None):
-    d, r = self.dims, self.rng
-    lead = (batch,) if seqlen is None else (seqlen, batch)
-    H, P, N, G = d.nheads, d.headdim, d.dstate, d.ngroups
-    out = dict(x=r.standard_normal(lead + (H, P)),
-               dt=r.standard_normal(lead + (H,)) * 0.5 - 0.5,
-               B=r.standard_normal(lead + (G, N)),
-               C=r.standard_normal(lead + (G, N)) / np.sqrt(N),
-               z=r.standard_normal(lead + (H, P)) if has_z else None)
-    return {k: None if v is None else self._put(v, dtype)
-            for k, v in out.items()}
-
-  def state(self, batch, dtype):
-    d = self.dims
-    shape = (batch, d.nheads, d.headdim, d.dstate)
-    return self._put(self.rng.standard_normal(shape, np.float32), dtype)
-
-  def rstate(self, counts, junk, buffer_len, checkpoint_dtype,
-             buffer_dtype):
-    d, r, L = self.dims, self.rng, buffer_len
-    counts = np.asarray(counts, np.int32)
-    b = counts.shape[0]
-    rs = _assemble_rstate(
-        counts, junk, self.state(b, checkpoint_dtype),
-        r.standard_normal((b, L, d.nheads, d.headdim), np.float32),
-        r.standard_normal((b, L, d.ngroups, d.dstate), np.float32),
-        r.uniform(0.01, 0.5, (b, L, d.nheads)), buffer_dtype, xp=np)
-    return jax.tree.map(jnp.asarray, rs)
-
-
-def _plain_dict(d) -> dict:
-  return d.to_dict() if hasattr(d, "to_dict") else dict(d)
-
-
-def _tree_bytes(tree) -> int:
-  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
-# ------------------------------------------------------------------ steps
-# Tuned variants of the Pallas kernels, timed as implementation
-# "pallas:<name>": name -> keyword arguments of pallas_kernels.SSUConfig
-# (baseline) / ReplayConfig (replay), and "pallas_mosaic_gpu:<name>":
-# MosaicSSUConfig (baseline). Filled from config.ssu_variants,
-# config.replay_variants and config.mosaic_variants.
-_VARIANTS: dict[str, dict[str, dict]] = {}
-MOSAIC = "pallas_mosaic_gpu"
-
-
-def _split_policy(impl: str):
-  """"<impl>@<policy preset>" -> ("<impl>", PrecisionPolicy); else (impl,
-  None). A replay implementation with a policy runs states stored as the
-  policy says (master, read copy, buffers, stochastic rounding)."""
-  impl, _, name = impl.partition("@")
-  return impl, (precision.PrecisionPolicy.preset(name) if name else None)
-
-
-def _state_dtypes(impl: str, checkpoint_dtype, buffer_dtype):
-  """(policy, checkpoint dtype, buffer dtype, read-copy dtype) of the states
-  `impl` runs: a policy's own dtypes, else the given ones (no copy)."""
-  _, policy = _split_policy(impl)
-  if policy is None:
-    return None, checkpoint_dtype, buffer_dtype, None
-  return (policy, jnp.dtype(policy.checkpoint_dtype),
-          jnp.dtype(policy.buffer_dtype), policy.read_dtype)
-
-
-def _impl_and_config(op: str, impl: str):
-  """"name" -> (name, None); "pallas:<variant>" -> ("pallas", its config)."""
-  impl, _ = _split_policy(impl)
-  name, _, variant = impl.partition(":")
-  if not variant:
-    return name, None
-  import pallas_kernels  # pylint: disable=g-import-not-at-top
-  if name == MOSAIC:
-    return name, pallas_kernels.MosaicSSUConfig(**_VARIANTS[MOSAIC][variant])
-  cls = (pallas_kernels.SSUConfig if op == BASELINE_OP
-         else pallas_kernels.ReplayConfig)
-  return name, cls(**_VARIANTS[op][variant])
-
-
-def _step(op: str, state, inp, params, impl):
-  """One decode step of `op` ("pallas:<variant>" runs that config)."""
-  name, config = _impl_and_config(op, impl)
-  kw = {}
-  if op == REPLAY_OP:
-    kw["policy"] = _split_policy(impl)[1]
-  fn = (replayssm_jax.selective_state_update if op == BASELINE_OP
-        else replayssm_jax.replay_state_update)
-  return fn(state, inp["x"], inp["dt"], params["A"], inp["B"], inp["C"],
-            D=params["D"], z=inp["z"], dt_bias=params["dt_bias"],
-            dt_softplus=True, implementation=name, config=config, **kw)
-
-
-def _baseline_step(state, inp, params, impl):
-  return _step(BASELINE_OP, state, inp, params, impl)
-
-
-def _replay_step(rstate, inp, params, impl):
-  return _step(REPLAY_OP, rstate, inp, params, impl)
-
-
-def make_loop(op: str, impl: str, num_sets: int, fixed_count: bool,
-              rounds_per_iter: int = 1):
-  """Jitted fn(states, inputs, params, rounds[, count]) -> (states, ys).
-
-  Runs rounds * rounds_per_iter * num_sets consecutive decode steps; step i
-  updates state set i % num_sets with inputs[i % num_sets]. `rounds` is a
-  traced int32 (one executable for any number of steps): the trip count of
-  a while loop whose body unrolls rounds_per_iter rounds. On GPU every
-  iteration of an XLA while loop costs a device->host read of its predicate
-  (~10 µs), so the body must hold many steps (>= min_steps) for that cost to
-  vanish in the per-step time. `states` (a tuple of state sets) is
-  donated, so XLA updates every set in place. With fixed_count (replay
-  only) every step first resets the set's counter to `count` (a [batch]
-  int32 buffer: `replace` passes it through, no kernel runs).
-  """
-  K = num_sets
-
-  def loop(states, inputs, params, rounds, count=None):
-    def body(_, carry):
-      states, ys = list(carry[0]), list(carry[1])
-      for k in list(range(K)) * rounds_per_iter:
-        if op == BASELINE_OP:
-          y, st = _baseline_step(states[k], inputs[k], params, impl)
-        else:
-          rs = states[k].replace(count=count) if fixed_count else states[k]
-          y, st = _replay_step(rs, inputs[k], params, impl)
-        # One step's results materialize before the next step reads them:
-        # without the barrier XLA fuses a set's consecutive XLA-reference
-        # steps into one pass over the state (the H200 grid of 2026-11-29
-        # timed the reference baseline at 15-60 TB/s that way). Kernels
-        # (custom calls) are unaffected.
-        ys[k], states[k] = jax.lax.optimization_barrier((y, st))
-      return tuple(states), tuple(ys)
-
-    # Carrying every set's last y keeps each step's output live.
-    ys0 = tuple(jnp.zeros_like(inputs[k]["x"]) for k in range(K))
-    return jax.lax.fori_loop(0, rounds, body, (tuple(states), ys0))
-
-  return jax.jit(loop, donate_argnums=(0,))
-
-
-_COPY_RE = re.compile(r"\b(copy|copy-start)\(")
-
-
-def count_state_copies(hlo_text: str, shape: tuple[int, ...]) -> int:
-  """Top-level (unfused) copy instructions whose result has `shape`.
-
-  A state-sized copy outside a fusion means XLA could not update a state in
-  place (it would add a full read + write of the state per step).
-  """
-  dims = "[" + ",".join(str(d) for d in shape) + "]"
-  count, in_fusion = 0, False
-  for line in hlo_text.splitlines():
-    if line and not line[0].isspace() and line.rstrip().endswith("{"):
-      name = line.split()[0].lstrip("%")
-      if name == "ENTRY":
-        name = line.split()[1].lstrip("%")
-      in_fusion = "fused" in name or "fusion" in name
-      continue
-    if in_fusion or not _COPY_RE.search(line):
-      continue
-    lhs = line.split("=", 2)[1] if "=" in line else ""
-    if dims in lhs.split("copy")[0]:
-      count += 1
-  return count
-
-
-def time_loop(loop, states, inputs, params, extra, *, num_sets,
-              min_call_s, warmup, iters, state_shape, rounds_per_iter=1,
-              cache=None):
-  """Compiles, calibrates, warms up and times `loop`.
-
-  The number of loop iterations per call starts at 1 and grows until the
-  steps of one call, t(2n) - t(n) (the smaller of two such differences),
-  last >= min_call_s (not the whole call: at batch 1 the call's fixed
-  cost alone, ~2-7 ms of host dispatch for 60-128 donated state sets,
-  outlasted min_call_s, so the timed difference covered ~0.4 ms of steps
-  and drowned in the dispatch jitter; session 15's f16 batch-1 baseline
-  had a p10 of 0.04 µs per ~3 µs step). Then
-  `iters` interleaved pairs of calls with n and 2n iterations are timed:
-  per-step time = (t(2n) - t(n)) / (steps of n iterations), which cancels
-  the fixed cost of a call (host dispatch and argument handling, which
-  grows with the number of donated buffers).
-
-  Args:
-    loop: from `make_loop`.
-    states, inputs, params: its arguments (`states` is donated).
-    extra: trailing arguments (the fixed count).
-    num_sets: K, the number of state sets in `states`.
-    min_call_s: minimal wall time of the steps of one timed call.
-    warmup: untimed calls after compilation and calibration.
-    iters: timed calls.
-    state_shape: [batch, nheads, headdim, dstate], for the HLO copy scan.
-    rounds_per_iter: rounds unrolled in one loop iteration (make_loop's).
-    cache: dict keeping the executable (and its copy count) across calls
-      with the same loop and argument shapes.
-
-  Returns:
-    (stats dict, states after the last call).
-  """
-  cache = {} if cache is None else cache
-  compile_s, rounds = 0.0, 1
-  if "compiled" not in cache:
-    t0 = time.perf_counter()
-    cache["compiled"] = loop.lower(states, inputs, params, jnp.int32(rounds),
-                                   *extra).compile()
-    compile_s = time.perf_counter() - t0
-    try:
-      cache["copies"] = count_state_copies(cache["compiled"].as_text(),
-                                           state_shape)
-    except Exception:  # pylint: disable=broad-except
-      cache["copies"] = None
-  compiled, copies = cache["compiled"], cache["copies"]
-
-  def call(states, n):
-    t = time.perf_counter()
-    states, ys = compiled(states, inputs, params, jnp.int32(n), *extra)
-    jax.block_until_ready((states, ys))
-    return states, time.perf_counter() - t
-
-  def steps_part(states, n):
-    """The smaller of two t(2n) - t(n): a one-off stall in one call (seen
-    on the H200 at batch 1: one configuration stopped at 112 steps per
-    call and timed a p10-p90 of 2.8-5.2 µs per step) cannot end the
-    calibration early."""
-    diffs = []
-    for _ in range(2):
-      states, t1 = call(states, n)
-      states, t2 = call(states, 2 * n)
-      diffs.append(t2 - t1)
-    return states, min(diffs)
-
-  states, _ = call(states, rounds)  # first run: allocation, autotuning
-  for _ in range(8):  # calibrate the rounds per call on the steps' part
-    states, part = steps_part(states, rounds)
-    if part >= min_call_s:
-      break
-    grow = max(2.0, min(64.0, 1.2 * min_call_s / max(part, 1e-6)))
-    rounds = math.ceil(rounds * grow)
-  for _ in range(warmup):
-    states, _ = call(states, rounds)
-  short, diffs = [], []
-  for _ in range(iters):
-    states, t1 = call(states, rounds)
-    states, t2 = call(states, 2 * rounds)
-    short.append(t1)
-    diffs.append(t2 - t1)
-  steps_per_call = num_sets * rounds * rounds_per_iter
-  per_step = np.asarray(diffs) / steps_per_call * 1e6  # µs
-  median = float(np.median(per_step))
-  resolved = median > 0
-  if not resolved:  # calls too short for the difference to beat the noise
-    logging.warning("per-step time not resolved by the difference of "
-                    "calls; reporting the whole short call per step (an "
-                    "upper bound)")
-    per_step = np.asarray(short) / steps_per_call * 1e6
-    median = float(np.median(per_step))
-  stats = dict(median_us=median, resolved=resolved,
-               p10_us=float(np.percentile(per_step, 10)),
-               p90_us=float(np.percentile(per_step, 90)),
-               min_us=float(np.min(per_step)),
-               call_overhead_us=(float(np.median(short) * 1e6
-                                       - median * steps_per_call)
-                                 if resolved else None),
-               compile_s=compile_s, hlo_state_copies=copies,
-               steps_per_call=steps_per_call, timed_calls=2 * iters)
-  return stats, states
-
-
-COPY_PASSES = 8
-
-
-def measure_copy_bandwidth(nbytes: int, iters: int) -> dict:
-  """Median stream bandwidth of `x + 1` (read + write bytes).
-
-  One jitted call chains COPY_PASSES passes over the buffer (an
-  optimization barrier between passes stops XLA from fusing them), so the
-  host's per-call overhead does not deflate the figure.
-  """
-  n = max(1, nbytes // 4)
-  if jax.default_backend() == "cpu":  # see HostGen
-    x = jnp.asarray(np.random.default_rng(1).random(n, np.float32))
-  else:
-    x = jax.random.uniform(jax.random.key(1, impl="rbg"), (n,), jnp.float32)
-  def passes(v):
-    for _ in range(COPY_PASSES):
-      v = jax.lax.optimization_barrier(v + jnp.float32(1))
-    return v
-
-  f = jax.jit(passes)
-  jax.block_until_ready(f(x))
-  times = []
-  for _ in range(max(iters, 1)):
-    t = time.perf_counter()
-    jax.block_until_ready(f(x))
-    times.append(time.perf_counter() - t)
-  med = float(np.median(times))
-  moved = 2 * n * 4 * COPY_PASSES
-  rec = dict(bytes_moved=moved, median_us=med * 1e6,
-             gbps=moved / med / 1e9,
-             best_gbps=moved / float(np.min(times)) / 1e9)
-  logging.info("stream bandwidth (%d x (x+1) over %.0f MiB): %.1f GB/s "
-               "median, "
-               "%.1f GB/s best", COPY_PASSES, n * 4 / 2**20, rec["gbps"],
-               rec["best_gbps"])
-  return rec
-
-
-# ----------------------------------------------------------------- checks
-@jax.jit
-def _close_stats(actual, expected, atol, rtol):
-  """On-device twin of testing.max_rel_error / assert_close.
-
-  Returns (max |a - e| / max |e| (inf if a is not finite), whether every
-  |a - e| <= atol max|e| + rtol |e|). The check runs where the arrays are:
-  at batch 256 the states are GiB-sized, and copying them to the host (and
-  numpy over them) cost seconds per check.
-  """
-  a = actual.astype(jnp.float32)
-  e = expected.astype(jnp.float32)
-  finite = jnp.all(jnp.isfinite(a))
-  scale = jnp.maximum(jnp.max(jnp.abs(e)), 1e-30)
-  err = jnp.abs(a - e)
-  ok = finite & jnp.all(err <= atol * scale + rtol * jnp.abs(e))
-  return jnp.where(finite, jnp.max(err) / scale, jnp.inf), ok
-
-
-def _errors_ok(actual, expected, tol):
-  if actual.shape != expected.shape:
-    return float("inf"), False
-  err, ok = _close_stats(actual, expected, tol.atol, tol.rtol)
-  return float(err), bool(ok)
-
-
-@functools.partial(jax.jit, static_argnums=3)
-def _baseline_check_run(state, inp, params, impl):
-  """One baseline step of impl and of the reference on the same inputs."""
-  return (_baseline_step(state, inp, params, impl),
-          _baseline_step(state, inp, params, "reference"))
-
-
-def check_baseline(impl, gen, *, batch, state_dtype, act_dtype, has_z,
-                   params):
-  """impl vs reference on one random baseline step (one compilation)."""
-  state = gen.state(batch, state_dtype)
-  inp = gen.inputs(batch, act_dtype, has_z)
-  (y, s), (y_ref, s_ref) = _baseline_check_run(state, inp, params, impl)
-  tol = testing.tolerance(state_dtype, act_dtype)
-  ey, oky = _errors_ok(y, y_ref, tol)
-  es, oks = _errors_ok(s, s_ref, tol)
-  return dict(passed=bool(oky and oks), max_err_y=ey, max_err_state=es,
-              tolerance=tol.atol)
-
-
-@functools.partial(jax.jit, static_argnums=3)
-def _replay_check_run(rs0, xs, params, impl):
-  """L consecutive replay steps of impl (lax.scan) -> outputs, final state."""
-  def step(rs, inp):
-    y, rs = _replay_step(rs, inp, params, impl)
-    return rs, y
-
-  rs, ys = jax.lax.scan(step, rs0, xs)
-  return dict(ys=ys, state=replayssm_jax.materialize(rs, params["A"]),
-              checkpoint=rs.checkpoint, count=rs.count)
-
-
-def check_replay(impl, gen, *, batch, buffer_len, checkpoint_dtype,
-                 buffer_dtype, act_dtype, has_z, params, cache=None):
-  """impl vs reference over one full L-step cycle from ragged counters.
-
-  Row r starts at count (L-1-r) mod L (row 0 flushes first) with junk in
-  its stale buffer slots, so within the L steps every row visits every
-  fill, flush included. Compares y at every step, the counters exactly, the
-  checkpoint and the materialized state at the end. `cache` (a dict) keeps
-  the random inputs and the reference's results per shape, so every
-  implementation checked at one shape runs on the same fresh inputs and
-  the (slow to compile) reference runs once.
-  """
-  L = buffer_len
-  policy, checkpoint_dtype, buffer_dtype, read_dtype = _state_dtypes(
-      impl, checkpoint_dtype, buffer_dtype)
-  ref_impl = "reference" + (f"@{policy.name}" if policy else "")
-  key = (batch, L, checkpoint_dtype.name, ref_impl)
-  cache = {} if cache is None else cache
-  if key not in cache:
-    counts = (L - 1 - np.arange(batch)) % L
-    rs0 = gen.rstate(counts, True, L, checkpoint_dtype, buffer_dtype)
-    if policy is not None:
-      rs0 = rs0.with_policy(policy)
-    xs = gen.inputs(batch, act_dtype, has_z, seqlen=L)  # [L, batch, ...]
-    ref = _replay_check_run(rs0, xs, params, ref_impl)  # kept on device
-    cache.clear()  # one shape at a time: the states may be large
-    cache[key] = (rs0, xs, ref)
-  rs0, xs, ref = cache[key]
-  out = _replay_check_run(rs0, xs, params, impl)
-  read = (read_dtype,) if read_dtype else ()
-  tol = testing.tolerance(checkpoint_dtype, buffer_dtype, act_dtype, *read)
-  ey, oky = _errors_ok(out["ys"], ref["ys"], tol)
-  es, oks = _errors_ok(out["state"], ref["state"], tol)
-  ec, okc = _errors_ok(out["checkpoint"], ref["checkpoint"], tol)
-  counts_ok = bool(jnp.array_equal(out["count"], ref["count"]))
-  return dict(passed=bool(oky and oks and okc and counts_ok), max_err_y=ey,
-              max_err_state=es, max_err_checkpoint=ec, counts_equal=counts_ok,
-              tolerance=tol.atol)
 
 
 # --------------------------------------------------------------- benchmark
@@ -724,7 +236,9 @@ class Bench:
       stats, _ = time_loop(loop, states, inputs, self.params, (),
                            num_sets=K, rounds_per_iter=rpi,
                            min_call_s=c.min_call_ms * 1e-3, warmup=c.warmup,
-                           iters=c.iters, state_shape=state_shape)
+                           iters=c.iters, state_shape=state_shape,
+                           time_budget_s=c.get("time_budget_s", 0.0),
+                           label=f"{impl} baseline b={batch}")
     except Exception as e:  # pylint: disable=broad-except
       self._unsupported_or_raise(tag, e)
       return None
@@ -806,7 +320,9 @@ class Bench:
             loop, states, inputs, self.params, extra, num_sets=K,
             rounds_per_iter=rpi, min_call_s=c.min_call_ms * 1e-3,
             warmup=c.warmup, iters=c.iters,
-            state_shape=state_shape, cache=cache)
+            state_shape=state_shape, cache=cache,
+            time_budget_s=c.get("time_budget_s", 0.0),
+            label=f"{impl} {phase} b={batch} L={L}")
       except Exception as e:  # pylint: disable=broad-except
         self._unsupported_or_raise(dict(tag, phase=phase), e)
         return None
@@ -928,115 +444,6 @@ class Bench:
             plain = _split_policy(impl)[0]
             base = bases.get(plain) or bases.get(plain.partition(":")[0])
             self._summarize(impl, batch, sdt, L, base, rep, best_base)
-
-
-# ---------------------------------------------------------------- reports
-def _human_bytes(n: float) -> str:
-  for unit in ("B", "KiB", "MiB", "GiB"):
-    if n < 1024 or unit == "GiB":
-      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-    n /= 1024
-  return f"{n} B"
-
-
-def _markdown(results: dict) -> str:
-  meta = results["meta"]
-  bw = results["stream_bandwidth"]
-  cfg = results["config"]
-  lines = [
-      "# Decode-step kernel benchmark: baseline vs ReplaySSM",
-      "",
-      f"- device: {meta['device_kind']} ({meta['backend']}), jax "
-      f"{meta['jax']}, jaxlib {meta['jaxlib']}, {meta['date']}",
-      f"- command: `{meta['command_line']}`",
-      f"- layer: nheads {cfg['nheads']}, headdim {cfg['headdim']}, dstate "
-      f"{cfg['dstate']}, ngroups {cfg['ngroups']}; activations "
-      f"{cfg['act_dtype']}, buffers {cfg['buffer_dtype']}, z "
-      f"{cfg['has_z']}",
-      f"- stream bandwidth (jitted x+1, read+write): {bw['gbps']:.1f} GB/s "
-      f"median",
-      f"- method: one jitted call runs >= {cfg['min_steps']} consecutive "
-      f"steps over rotating donated state sets totalling >= "
-      f"{_human_bytes(cfg['rotate_bytes'])}; median of {cfg['iters']} "
-      f"calls after {cfg['warmup']} warm-up calls. amortized = ((L-1) * "
-      "non_flush(fill (L-2)//2) + flush) / L; natural = counters advancing, "
-      "rows staggered (count = row % L). speed-ups are over the same "
-      "implementation's baseline step; `vs best` over the fastest baseline "
-      "implementation; `pred` is the traffic model's baseline/amortized "
-      "bytes; `%bw` = model bytes / time / stream bandwidth.",
-      "",
-      "## Summary (µs per decode step, medians)",
-      "",
-  ]
-  cols = ["impl", "checkpoint_dtype", "batch", "L", "baseline_us",
-          "non_flush_us", "flush_us", "amortized_us", "natural_us",
-          "speedup_amortized", "speedup_natural", "speedup_vs_best_baseline",
-          "predicted_speedup", "baseline_frac_bw", "natural_frac_bw",
-          "checks_passed"]
-  heads = {"checkpoint_dtype": "ckpt", "baseline_us": "base",
-           "non_flush_us": "non-flush", "flush_us": "flush",
-           "amortized_us": "amortized", "natural_us": "natural",
-           "speedup_amortized": "x amort", "speedup_natural": "x natural",
-           "speedup_vs_best_baseline": "x vs best", "predicted_speedup":
-           "x pred", "baseline_frac_bw": "base %bw",
-           "natural_frac_bw": "natural %bw", "checks_passed": "check"}
-  fmts = {k: ".2f" for k in cols if k.endswith("_us")}
-  fmts.update({k: ".2f" for k in cols if k.startswith(("speedup",
-                                                       "predicted"))})
-  fmts.update(baseline_frac_bw=".0%", natural_frac_bw=".0%")
-  lines.append(common.markdown_table(results["summary"], cols, fmts, heads))
-  lines += ["", "## Checks against the reference", ""]
-  lines.append(common.markdown_table(
-      results["checks"], ["impl", "op", "checkpoint_dtype", "batch", "L",
-                          "passed", "max_err_y", "max_err_state",
-                          "tolerance", "reason"],
-      {"max_err_y": ".2e", "max_err_state": ".2e", "tolerance": ".0e"}))
-  lines += ["", "## Every timing", ""]
-  lines.append(common.markdown_table(
-      results["timings"], ["impl", "op", "phase", "checkpoint_dtype",
-                           "batch", "L", "fill", "median_us", "p10_us",
-                           "p90_us", "achieved_gbps", "frac_stream_bw",
-                           "num_sets", "steps_per_call", "hlo_state_copies"],
-      {"median_us": ".2f", "p10_us": ".2f", "p90_us": ".2f",
-       "achieved_gbps": ".0f", "frac_stream_bw": ".0%"}))
-  return "\n".join(lines) + "\n"
-
-
-def _plot(results: dict, path: str):
-  rows = results["summary"]
-  impls = sorted({r["impl"] for r in rows})
-  dtypes = list(dict.fromkeys(r["checkpoint_dtype"] for r in rows))
-  if not rows:
-    dtypes, impls = ["none"], ["none"]
-  fig, axes = common.new_figure(len(impls), len(dtypes),
-                                figsize=(6 * len(dtypes), 4 * len(impls)))
-  for i, impl in enumerate(impls):
-    for j, sdt in enumerate(dtypes):
-      ax = axes[i][j]
-      sel = [r for r in rows if r["impl"] == impl
-             and r["checkpoint_dtype"] == sdt
-             and r["speedup_amortized"] is not None]
-      for L in sorted({r["L"] for r in sel}):
-        pts = sorted((r["batch"], r["speedup_amortized"],
-                      r["predicted_speedup"]) for r in sel if r["L"] == L)
-        xs = [p[0] for p in pts]
-        line, = ax.plot(xs, [p[1] for p in pts], "o-", label=f"L={L}")
-        ax.plot(xs, [p[2] for p in pts], ":", color=line.get_color(),
-                alpha=0.6)
-      ax.axhline(1.0, color="k", lw=0.8, ls="--")
-      ax.set_xscale("log", base=2)
-      batches = sorted({r["batch"] for r in sel})
-      if batches:
-        ax.set_xticks(batches, [str(b) for b in batches])
-        ax.minorticks_off()
-      ax.set_xlabel("batch")
-      ax.set_ylabel("replay amortized speed-up over baseline")
-      ax.set_title(f"{impl}, {sdt} checkpoint "
-                   f"({results['meta']['device_kind']})", fontsize=10)
-      ax.grid(True, which="both", alpha=0.3)
-      if sel:
-        ax.legend(fontsize=8, title="dotted: model", title_fontsize=7)
-  common.save_plot(fig, path)
 
 
 def run(config, workdir: str, results_dir: str | None = None) -> dict:

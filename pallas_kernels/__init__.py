@@ -26,15 +26,19 @@ import jax.numpy as jnp
 from pallas_kernels import attention as attention_kernel
 from pallas_kernels import common
 from pallas_kernels import conv as conv_kernel
-from pallas_kernels import mosaic_gpu as mosaic_kernel
 from pallas_kernels import norm as norm_kernel
 from pallas_kernels import replay as replay_kernel
 from pallas_kernels import ssu as ssu_kernel
+from pallas_kernels import triton_utils
 from pallas_kernels import verify as verify_kernel
-from pallas_kernels.common import (AttentionConfig, ConvConfig, NormConfig,
-                                   ReplayConfig, SSUConfig, VerifyConfig,
-                                   on_gpu)
-from pallas_kernels.mosaic_gpu import MosaicSSUConfig
+from pallas_kernels.attention import AttentionConfig
+from pallas_kernels.common import VerifyConfig
+from pallas_kernels.conv import ConvConfig
+from pallas_kernels.norm import NormConfig
+from pallas_kernels.replay import ReplayConfig
+from pallas_kernels.ssu import MosaicSSUConfig, SSUConfig
+from pallas_kernels.ssu import mosaic as mosaic_kernel
+from pallas_kernels.triton_utils import on_gpu
 from replayssm_jax import precision as P
 from replayssm_jax.registry import Implementation
 

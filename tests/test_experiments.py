@@ -279,8 +279,7 @@ def test_kernel_bench_mosaic_smoke(tmp_path):
   config.mosaic_variants = {"hpp1": mosaic.mosaic_variants.hpp1.to_dict()}
   config.replay_variants = mosaic.replay_variants.to_dict()
   config.experimental_implementations = mosaic.experimental_implementations
-  # No policy here: the Mosaic route over read copies is checked in
-  # test_pallas_kernels (POLICY_CASES), "<impl>@<policy>" rows in
+  # No policy here: "<impl>@<policy>" rows are in
   # test_kernel_bench_policies_smoke.
   config.policies = ()
   results = kernel_bench.run(config, str(tmp_path / "kb"))
@@ -289,9 +288,8 @@ def test_kernel_bench_mosaic_smoke(tmp_path):
   checks = {(c["impl"], c["op"]): c for c in results["checks"]}
   assert {i for i, op in checks if op == "baseline"} == base
   assert all(c["passed"] is True for c in checks.values()), checks
-  # The replay step with the Mosaic readout as its output route, checked
-  # and timed beside the Triton route.
-  replay = {"pallas", "pallas:mosaic_out"}
+  # The replay step (no Mosaic output route): the Triton kernels.
+  replay = {"pallas"}
   assert {i for i, op in checks if op == "replay"} == replay
   assert {r["impl"] for r in results["summary"]} == replay
 
@@ -364,6 +362,29 @@ def test_timed_loop_keeps_steps_apart():
   assert hlo.count("optimization_barrier") >= 3
 
 
+def test_timed_loop_stops_at_its_time_budget():
+  """With a time budget, a loop whose steps never reach min_call_s (here
+  an hour) stops calibrating, warming up and timing once the budget is
+  spent, and says so; without one the smoke config would grow its calls
+  up to 8 times by up to 64x."""
+  import time  # pylint: disable=g-import-not-at-top
+  dims = traffic.LayerDims(nheads=2, headdim=4, dstate=8, ngroups=1)
+  gen = kernel_bench.HostGen(0, dims)
+  loop = kernel_bench.make_loop(kernel_bench.BASELINE_OP, "reference", 1,
+                                fixed_count=False)
+  states = (gen.state(2, jnp.float32),)
+  inputs = (gen.inputs(2, jnp.float32, False),)
+  params = testing.random_params(jax.random.PRNGKey(0), 2)
+  t0 = time.perf_counter()
+  stats, _ = kernel_bench.time_loop(
+      loop, states, inputs, params, (), num_sets=1, min_call_s=3600.0,
+      warmup=5, iters=50, state_shape=(2, 2, 4, 8), time_budget_s=0.5)
+  assert time.perf_counter() - t0 < 60
+  assert stats["budget_hit"] and 2 <= stats["timed_calls"] < 100
+  assert kernel_bench_config.get_config("smoke").time_budget_s > 0
+  assert kernel_bench_config.get_config().time_budget_s == 0
+
+
 def test_count_state_copies():
   hlo = "\n".join([
       "%fused_computation (p: f32[2,3]) -> f32[2,3] {",
@@ -392,7 +413,8 @@ def test_metrics_writer_and_tables(tmp_path):
 
 
 @pytest.mark.parametrize("arg", ["sweep", "launch", "policies",
-                                 "output_launch", "fills"])
+                                 "output_launch", "batch1", "rows_fused",
+                                 "mosaic_flush"])
 def test_kernel_variants_resolve_to_configs(arg):
   """'pallas:<name>' runs the kernel with the named tuning config; every
   variant of the sweep / launch configs is a valid config object."""

@@ -23,6 +23,7 @@ contract a multiply-add).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -30,20 +31,47 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import common
+from pallas_kernels import triton_utils as tu
+from pallas_kernels.config_base import _check_pow2
 
 F32 = jnp.float32
 _MIN_CHANNELS = 16  # smallest channel block the kernel takes
 
 
-def block_channels(sizes, config: common.ConvConfig) -> int:
+@dataclasses.dataclass(frozen=True)
+class ConvConfig:
+  """Tuning of the conv decode-step kernel (`pallas_kernels.conv`).
+
+  Attributes:
+    block_rows: rows per program (at most; the largest power of two <= it
+      that divides the batch).
+    block_channels: channels per program (at most; the largest power of
+      two <= it that divides every output piece, >= 16).
+    num_warps: Triton launch parameter.
+
+  Defaults not swept (their timing: benchmarks/VARIANTS.md).
+  """
+  block_rows: int = 16
+  block_channels: int = 256
+  num_warps: int = 4
+
+  def __post_init__(self):
+    _check_pow2("block_rows", self.block_rows)
+    _check_pow2("block_channels", self.block_channels)
+    _check_pow2("num_warps", self.num_warps)
+    if self.block_channels < 16:
+      raise ValueError(f"block_channels must be >= 16, got "
+                       f"{self.block_channels}.")
+
+
+def block_channels(sizes, config: ConvConfig) -> int:
   """Channels per program: the largest power of two <= config's that
   divides every piece."""
-  return min(common.pow2_divisor(n, config.block_channels) for n in sizes)
+  return min(tu.pow2_divisor(n, config.block_channels) for n in sizes)
 
 
 def shape_problem(sizes, kernel_size: int,
-                  config: common.ConvConfig) -> str | None:
+                  config: ConvConfig) -> str | None:
   """Why the kernel cannot take these shapes, or None."""
   if kernel_size < 2:
     return (f"kernel_size = {kernel_size} leaves no ring (the kernel needs "
@@ -118,7 +146,7 @@ def _kernel(x_ref, state_ref, slot_ref, w_ref, *refs, k1, has_bias, silu,
 def causal_conv1d_step(x, conv_state, start, weight, bias=None,
                        activation: str | None = "silu", split=None,
                        x_offset: int = 0, *,
-                       config: common.ConvConfig = common.ConvConfig(),
+                       config: ConvConfig = ConvConfig(),
                        interpret: bool = False):
   """Same signature and results as the reference
   (`conv.causal_conv1d_step_reference`), plus a tuning config."""
@@ -151,7 +179,7 @@ def _launch(x, conv_state, start, weight, bias, activation, split, x_offset,
   if problem is not None:
     raise NotImplementedError(problem)
   bc = block_channels(sizes, config)
-  br = common.pow2_divisor(b, config.block_rows)
+  br = tu.pow2_divisor(b, config.block_rows)
   slot = start.astype(jnp.int32) % (k - 1)
   operands = [x, conv_state, slot, weight] + ([bias] if bias is not None
                                                else [])
@@ -194,15 +222,14 @@ def _window_kernel(x_ref, state_ref, slot_ref, w_ref, *refs, k1, window,
 def causal_conv1d_window(x, conv_state, start, weight, bias=None,
                          activation: str | None = "silu", split=None,
                          x_offset: int = 0, *,
-                         config: common.ConvConfig = common.ConvConfig(),
+                         config: ConvConfig = ConvConfig(),
                          interpret: bool = False):
   """Same signature and results as the reference
   (`conv.causal_conv1d_window_reference`), plus a tuning config (the step
   kernel's: the same blocks). XLA runs the reference as a concatenate of
   the ordered ring and the window, the taps, and slices of the output
-  into x, B and C (31 µs per verify at hybrid_1b's layer, batch 256, T 4:
-  session 29's profile); here one launch reads the ring and the window
-  once and writes the pieces."""
+  into x, B and C; here one launch reads the ring and the window once and
+  writes the pieces."""
   b, window = x.shape[:2]
   sizes, grid, operands, kw = _launch(x, conv_state, start, weight, bias,
                                       activation, split, x_offset, config)

@@ -21,6 +21,7 @@ tolerances (the sums are reordered; p's split).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import common
+from pallas_kernels.config_base import _check_pow2
 from replayssm_jax.attention import resolve_scale
 
 F32 = jnp.float32
@@ -38,14 +39,53 @@ _MIN_DOT = 16  # smallest dot operand side (M, N, K) Triton takes
 _HIGHEST = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
 
 
-def block_len(max_len: int, config: common.AttentionConfig) -> int:
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+  """Tuning of the decode attention kernel (`pallas_kernels.attention`).
+
+  Attributes:
+    block_s: cache entries per loop iteration (a power of two >= 16: the
+      scores are a tensor-core dot).
+    split_s: cache entries per program (a multiple of block_s); None = the
+      whole cache, so one program per (row, KV head) and no combine. With a
+      split, programs of (row, KV head, split) write partial softmax sums
+      that XLA combines (flash-decoding), and a split past the row's length
+      exits at once.
+    num_warps, num_stages: Triton launch parameters (num_stages > 1
+      pipelines the block loop's loads).
+
+  Defaults: the fastest of the H200 sweep in
+  benchmarks/attend_micro_h200_session25.json (figures:
+  benchmarks/VARIANTS.md).
+  """
+  block_s: int = 64
+  split_s: int | None = None
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def __post_init__(self):
+    _check_pow2("block_s", self.block_s)
+    if self.block_s < 16:
+      raise ValueError(f"block_s must be >= 16 (a dot operand), got "
+                       f"{self.block_s}.")
+    if self.split_s is not None and (
+        not isinstance(self.split_s, int) or self.split_s < self.block_s
+        or self.split_s % self.block_s):
+      raise ValueError(f"split_s must be None or a multiple of block_s "
+                       f"({self.block_s}), got {self.split_s!r}.")
+    _check_pow2("num_warps", self.num_warps)
+    if self.num_stages < 1:
+      raise ValueError(f"num_stages must be >= 1, got {self.num_stages}.")
+
+
+def block_len(max_len: int, config: AttentionConfig) -> int:
   """Cache entries per iteration: config.block_s, or the largest power of
   two dividing max_len below it (a block never straddles the cache's end)."""
   return math.gcd(max_len, config.block_s)
 
 
 def shape_problem(head_dim: int, max_len: int,
-                  config: common.AttentionConfig) -> str | None:
+                  config: AttentionConfig) -> str | None:
   """Why the kernel cannot take these shapes, or None."""
   if head_dim < _MIN_DOT or head_dim & (head_dim - 1):
     return (f"head_dim = {head_dim} is not a power of two >= {_MIN_DOT} (a "
@@ -148,7 +188,7 @@ def _combine(m, l, acc, seen, chunk, used):
 
 @functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
 def decode_attention(q, k_cache, v_cache, lengths, scale=None, *,
-                     config: common.AttentionConfig = common.AttentionConfig(),
+                     config: AttentionConfig = AttentionConfig(),
                      interpret: bool = False):
   """Same signature and results as the reference, plus a tuning config."""
   qw = q if q.ndim == 4 else q[:, None]  # [b, T, Hq, D]

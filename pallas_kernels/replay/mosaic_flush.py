@@ -1,281 +1,21 @@
-"""Pallas Mosaic GPU kernels: baseline Mamba-2 step, replay readout, flush.
-
-The Triton backend of Pallas is deprecated in favour of Mosaic GPU (jax
-0.11), and the replay kernels' flush fold is latency-bound in Triton
-(benchmarks/README.md): Mosaic GPU moves tiles with TMA and pipelines the
-grid's sequential axis (`max_concurrent_steps` tiles in flight per CTA),
-the latency hiding the Triton loop lacks. This module is the first Mosaic
-GPU kernel, the baseline step, registered as implementation
-"pallas_mosaic_gpu" beside the Triton one so the two can be timed in the
-same run. `readout` (y0 = S C over every row and head, for any stored
-dtype, 8-bit read copies included) is the replay output route's state
-read, used by the Triton replay kernel with `ReplayConfig(output_route=
-"mosaic_gpu")`. `flush` is the replay flush route, used with
-`ReplayConfig(flush_route="mosaic_gpu")`. It updates the checkpoint in
-place through a ref in `pl.run_state` (the mesh discharge aliases a
-written input ref to its output). On the H200
-(benchmarks/kernel_mosaic_flush_h200.md) its all-rows flush is the fastest
-measured, but its launch shape costs either the non-flush step or the
-staggered-row step, so it is not a default.
-
-Measured on the H200 (jax 0.11.2, benchmarks/kernel_mosaic_h200.md):
-the baseline step through `plgpu.kernel` matches or beats the Triton
-kernel by 0-4% at batch 64 and 256 (f16, 3 pipeline stages: 273 vs 283
-µs at batch 256), but that entry has no input/output aliasing, so the new
-state goes to a fresh buffer and XLA copies the state wherever it cannot
-alternate two buffers (batch 1 with rotating state sets: 16.6 vs 4.2 µs).
-`implementation=None` therefore keeps the Triton kernel. The Mosaic
-readout output route is 10-44% slower than the Triton one (its window
-terms and appends are separate XLA ops). `pallas_call` for Mosaic GPU has
-no lowering rule on jax 0.11.2 (an AssertionError in pallas_call's GPU
-lowering), hence the default entry.
-
-Design: a small XLA pre-pass turns the per-(row, head) scalars into [P]
-vectors (decay = exp(A dt') and dt' x), because a Mosaic GPU program
-reads its operands as TMA-copied tiles, not as scalars. One grid step per
-(row, head): read the [P, N] state tile, s = s * decay + (dt' x) B^T,
-y0 = s C, write the tile back in place (input/output aliasing). D x and the
-silu(z) gate are applied to y0 by XLA after the call. Extra traffic of the
-pre/post passes per (row, head): 3 [P] f32 vectors written and read
-(~1.5 KB against the 16-32 KB state tile's read + write).
-
-Shapes on the GPU: headdim a multiple of 64 (one warpgroup's WGMMA row
-tile) and dstate * itemsize(state) a multiple of 128 bytes (the swizzle);
-the kernel says so otherwise. Interpret mode (off-GPU) runs any shape, so
-CPU tests exercise the same kernel body; only the register layouts of the
-loads (which interpret mode cannot express) differ.
-"""
+"""The replay flush route on Mosaic GPU (`ReplayConfig(flush_route=
+"mosaic_gpu")`, the default for plain f32 checkpoints at large batch on
+Hopper): TMA-pipelined tiles, the checkpoint updated in place through a ref
+in `pl.run_state` (the mesh discharge aliases a written input ref to its
+output), y read from the new tile."""
 
 from __future__ import annotations
-
-import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import common
-from replayssm_jax.reference import process_dt
+from pallas_kernels.ssu.mosaic import (_TMA_MAX_ELEMS, MosaicSSUConfig,
+                                       _broadcast, _loader, _tile_transforms,
+                                       counts_fit_tma, shape_problem)
 
 F32 = jnp.float32
-_SWIZZLE = 128  # bytes
-_TMA_MAX_ELEMS = 256  # elements per dimension of one TMA copy
-
-
-@dataclasses.dataclass(frozen=True)
-class MosaicSSUConfig:
-  """Tuning of the Mosaic GPU kernels (baseline step, replay readout).
-
-  Attributes:
-    heads_per_program: heads one CTA processes one after the other (the
-      sequential grid axis, pipelined); must divide nheads. None: the
-      largest divisor of nheads <= 8.
-    max_concurrent_steps: tiles in flight per CTA (TMA pipeline depth).
-    entry: "kernel" (`plgpu.kernel` + `plgpu.emit_pipeline`, the entry
-      jax recommends; GPU only; no input/output aliasing, so the baseline
-      step writes its new state to a fresh buffer), "pallas_call" (grid
-      pipelined by pallas_call; also runs in interpret mode; deprecated
-      for Mosaic GPU since jax 0.10, and its lowering fails with an
-      AssertionError on the H200 with jax 0.11.2: benchmarks/README.md,
-      "Session 7"), or None: "kernel" on the GPU, "pallas_call" in
-      interpret mode.
-  """
-  heads_per_program: int | None = None
-  max_concurrent_steps: int = 2
-  entry: str | None = None
-
-  def __post_init__(self):
-    if self.entry not in (None, "pallas_call", "kernel"):
-      raise ValueError(f"MosaicSSUConfig.entry must be None, 'pallas_call' "
-                       f"or 'kernel', got {self.entry!r}.")
-    for name in ("heads_per_program", "max_concurrent_steps"):
-      v = getattr(self, name)
-      if v is None and name == "heads_per_program":
-        continue
-      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"MosaicSSUConfig.{name} must be an int >= 1, got "
-                         f"{v!r}.")
-
-  def resolve_heads_per_program(self, nheads: int) -> int:
-    if self.heads_per_program is None:
-      return max(k for k in range(1, 9) if nheads % k == 0)
-    if nheads % self.heads_per_program:
-      raise NotImplementedError(
-          f"MosaicSSUConfig.heads_per_program = {self.heads_per_program} "
-          f"does not divide nheads = {nheads}.")
-    return self.heads_per_program
-
-  def resolve_entry(self, interpret: bool) -> str:
-    if self.entry is None:
-      return "pallas_call" if interpret else "kernel"
-    if interpret and self.entry == "kernel":
-      raise NotImplementedError(
-          "MosaicSSUConfig(entry='kernel') runs on the GPU only: interpret "
-          "mode cannot run its pipeline's async copies; use entry="
-          "'pallas_call' off-GPU.")
-    return self.entry
-
-
-def shape_problem(ssm_state, on_gpu: bool = True) -> str | None:
-  """Why the GPU kernel cannot take this state, or None (interpret mode,
-  on_gpu=False, takes any shape)."""
-  _, _, headdim, dstate = ssm_state.shape
-  if not on_gpu:
-    return None
-  if headdim % 64:
-    return (f"headdim = {headdim} is not a multiple of 64 (the Mosaic GPU "
-            f"kernel's WGMMA row tile); use implementation='pallas' or "
-            f"'reference'.")
-  row_bytes = dstate * jnp.dtype(ssm_state.dtype).itemsize
-  if row_bytes % _SWIZZLE or dstate % 8:
-    return (f"dstate = {dstate} x {jnp.dtype(ssm_state.dtype).name} is "
-            f"{row_bytes} bytes per state row, not a multiple of "
-            f"{_SWIZZLE} (the Mosaic GPU kernel's swizzle); use "
-            f"implementation='pallas' or 'reference'.")
-  return None
-
-
-def counts_fit_tma(count) -> bool:
-  """Whether the persistent flush can copy the [batch] counters to SMEM:
-  TMA moves whole 128-byte granules."""
-  return (count.shape[0] * jnp.dtype(count.dtype).itemsize) % 128 == 0
-
-
-def _tile_transforms(dtype, swizzle=_SWIZZLE):
-  """SMEM tiling + swizzle of a [P, N] tile, as WGMMA-layout loads need (a
-  WGMMA operand's K steps are swizzle bytes wide)."""
-  cols = swizzle // jnp.dtype(dtype).itemsize
-  return (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(swizzle))
-
-
-def _loader(interpret):
-  """load(ref, layout): a register-layout load on the GPU; interpret mode
-  has no rule for plgpu.load (layouts only exist on the GPU): a plain
-  read there."""
-  def load(ref, layout):
-    return ref[...] if interpret else plgpu.load(ref, (), layout=layout)
-  return load
-
-
-def _broadcast(v, shape, axis):
-  return jax.lax.broadcast_in_dim(v, shape, (axis,))
-
-
-def _ssu_kernel(s_ref, dec_ref, dtx_ref, b_ref, c_ref, y_ref, so_ref, *,
-                interpret):
-  # so_ref aliases s_ref in HBM; each has its own SMEM tile.
-  load, tile = _loader(interpret), plgpu.Layout.WGMMA
-  row, col = tile.reduce(1), tile.reduce(0)
-  shape = s_ref.shape
-  s = load(s_ref, tile).astype(F32)
-  dec = _broadcast(load(dec_ref, row), shape, 0)
-  dtx = _broadcast(load(dtx_ref, row), shape, 0)
-  bv = _broadcast(load(b_ref, col).astype(F32), shape, 1)
-  cv = _broadcast(load(c_ref, col).astype(F32), shape, 1)
-  s = s * dec + dtx * bv
-  y_ref[...] = jnp.sum(s * cv, axis=1)
-  so_ref[...] = s.astype(so_ref.dtype)
-
-
-def _readout_kernel(s_ref, c_ref, y_ref, *, interpret):
-  load, tile = _loader(interpret), plgpu.Layout.WGMMA
-  s = load(s_ref, tile).astype(F32)
-  cv = _broadcast(load(c_ref, tile.reduce(0)).astype(F32), s_ref.shape, 1)
-  y_ref[...] = jnp.sum(s * cv, axis=1)
-
-
-def _launch(kernel, operands, in_kinds, out_kinds, out_shape, *, name,
-            state, ngroups, config, interpret, aliases=None):
-  """Runs kernel over the grid (batch, nheads / hpp, hpp): CTA (i, j)
-  streams heads j*hpp + k, k = 0..hpp-1 (the sequential axis), with
-  max_concurrent_steps tiles in flight. Operand kinds: "tile" a [P, N]
-  state tile of the head, "vec" its [P] vector, "grp" its group's [N]
-  vector."""
-  batch, nheads, headdim, dstate = state.shape
-  hpg = nheads // ngroups
-  hpp = config.resolve_heads_per_program(nheads)
-  entry = config.resolve_entry(interpret)
-  sq = pl.Squeezed()
-  maps = dict(
-      tile=lambda i, j, k: (i, j * hpp + k, 0, 0),
-      vec=lambda i, j, k: (i, j * hpp + k, 0),
-      grp=lambda i, j, k: (i, (j * hpp + k) // hpg, 0))
-  kernel = functools.partial(kernel, interpret=interpret)
-
-  def specs(bind):
-    """(input specs, output specs); bind(map) -> the entry's index map."""
-    def spec(kind):
-      if kind == "tile":
-        return plgpu.BlockSpec(
-            (sq, sq, headdim, dstate), bind(maps["tile"]),
-            **({} if interpret else dict(
-                transforms=_tile_transforms(state.dtype))))
-      size = headdim if kind == "vec" else dstate
-      return pl.BlockSpec((sq, sq, size), bind(maps[kind]))
-    return [spec(k) for k in in_kinds], [spec(k) for k in out_kinds]
-
-  if entry == "kernel":  # plgpu.kernel + emit_pipeline (GPU only)
-    def body(*refs):
-      i, j = jax.lax.axis_index("row"), jax.lax.axis_index("block")
-      ins, outs = specs(lambda m: lambda k: m(i, j, k))
-      plgpu.emit_pipeline(
-          lambda _, *tiles: kernel(*tiles), grid=(hpp,), in_specs=ins,
-          out_specs=outs,
-          max_concurrent_steps=config.max_concurrent_steps)(*refs)
-
-    return plgpu.kernel(
-        body, out_type=out_shape, grid=(batch, nheads // hpp),
-        grid_names=("row", "block"))(*operands)
-  ins, outs = specs(lambda m: m)  # pl.pallas_call: also interpret mode
-  return pl.pallas_call(
-      kernel, grid=(batch, nheads // hpp, hpp), in_specs=ins,
-      out_specs=outs, out_shape=out_shape,
-      input_output_aliases=aliases or {},
-      compiler_params=plgpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel", "sequential"),
-          max_concurrent_steps=config.max_concurrent_steps),
-      interpret=interpret, name=name,
-  )(*operands)
-
-
-def readout(state, C, *, config: MosaicSSUConfig = MosaicSSUConfig(),
-            interpret: bool = False):
-  """y0[b, h, p] = sum_n state[b, h, p, n] C[b, g(h), n], f32 accumulation,
-  for a state stored in any dtype (f32, bf16, f16, fp8 e4m3, int8: the
-  caller applies 8-bit scales, which factor out of the sum)."""
-  problem = shape_problem(state, on_gpu=not interpret)
-  if problem is not None:
-    raise NotImplementedError(problem)
-  batch, nheads, headdim, _ = state.shape
-  return _launch(_readout_kernel, (state, C), ("tile", "grp"), ("vec",),
-                 [jax.ShapeDtypeStruct((batch, nheads, headdim), F32)],
-                 name="replayssm_mosaic_readout", state=state,
-                 ngroups=C.shape[1], config=config, interpret=interpret)[0]
-
-
-@functools.partial(jax.jit, static_argnames=("dt_softplus", "config",
-                                             "interpret"))
-def selective_state_update(ssm_state, x, dt, A, B, C, D=None, z=None,
-                           dt_bias=None, dt_softplus=False, *,
-                           config: MosaicSSUConfig = MosaicSSUConfig(),
-                           interpret: bool = False):
-  """Same signature and results as the reference, plus a tuning config."""
-  d = process_dt(dt, dt_bias, dt_softplus)  # [batch, nheads] f32
-  decay = jnp.broadcast_to(jnp.exp(A.astype(F32) * d)[..., None],
-                           x.shape).astype(F32)
-  dtx = d[..., None] * x.astype(F32)  # [batch, nheads, headdim]
-  y0, new_state = _launch(
-      _ssu_kernel, (ssm_state, decay, dtx, B, C),
-      ("tile", "vec", "vec", "grp", "grp"), ("vec", "tile"),
-      [jax.ShapeDtypeStruct(x.shape, F32),
-       jax.ShapeDtypeStruct(ssm_state.shape, ssm_state.dtype)],
-      name="replayssm_mosaic_selective_state_update", state=ssm_state, ngroups=B.shape[1], config=config,
-      interpret=interpret, aliases={0: 1})
-  y = common.finish_output(y0, x.astype(F32),
-                           None if D is None else D[:, None], z)
-  return y.astype(x.dtype), new_state
 
 
 def _softplus(d):
@@ -301,7 +41,7 @@ def _fold_pieces(a, pieces):
   return out
 
 
-def _fold_dot(s, xb_ref, bb_ref, weights, pieces, interpret):
+def _wgmma_fold(s, xb_ref, bb_ref, weights, pieces, interpret):
   """s + sum_t weights[t] x_t B_t^T over the buffer slots t < L-1 as one
   [P, L] x [L, N] tensor-core product (WGMMA): the weighted x^T is built
   in registers (WGMMA layout; column t from the row-layout load of x_t),
@@ -343,7 +83,7 @@ def _flush_tile(i, h, tiles, scalars, *, buffer_len, has_D, has_z,
   D, dt_bias [h]; None where absent), read one element at a time.
   fold_pieces: 0 folds the buffer by exact f32 rank-1 updates, else as a
   tensor-core product with the weighted x in that many bf16 pieces
-  (`_fold_dot`). The current token is one rank-1 update either way."""
+  (`_wgmma_fold`). The current token is one rank-1 update either way."""
   load, tile = _loader(interpret), plgpu.Layout.WGMMA
   row, col = tile.reduce(1), tile.reduce(0)
   ck_ref, xb_ref, bb_ref, x_ref, b_ref, c_ref, *rest = tiles
@@ -367,7 +107,7 @@ def _flush_tile(i, h, tiles, scalars, *, buffer_len, has_D, has_z,
   s = load(ck_ref, tile).astype(F32) * jnp.exp(a * after)
   x_cur = load(x_ref, row).astype(F32)
   if fold_pieces:
-    s = _fold_dot(s, xb_ref, bb_ref, weights, fold_pieces, interpret)
+    s = _wgmma_fold(s, xb_ref, bb_ref, weights, fold_pieces, interpret)
   else:
     for t in range(L - 1):
       xt = load(xb_ref.at[t], row).astype(F32)
@@ -402,10 +142,10 @@ def cta_tiles(cnt, c, *, L: int, nheads: int, num_ctas: int, chunk: int):
   heads form chunks of `chunk` heads (the r-th flush row's chunks are r *
   nheads / chunk ...), dealt out round-robin: CTA c folds chunks c, c +
   num_ctas, ..., so the CTAs at work at any moment read neighbouring
-  tiles (a contiguous share per CTA was slower: benchmarks/README.md,
-  session 21). Returns (steps, chunk_row, head): CTA c folds `steps`
-  tiles, its k-th at row chunk_row(k // chunk) and head head(k). cnt: the [batch] counters (an array, or an
-  SMEM ref in the kernel), batch a multiple of 32; a flush row has count
+  tiles (a contiguous share per CTA is slower: benchmarks/VARIANTS.md).
+  Returns (steps, chunk_row, head): CTA c folds `steps` tiles, its k-th at
+  row chunk_row(k // chunk) and head head(k). cnt: the [batch] counters
+  (an array, or an SMEM ref in the kernel), batch a multiple of 32; a flush row has count
   L-1. The flush rows are kept as a bit mask (batch / 32 words) and the
   r-th one found by popcounts, so no table is written."""
   batch = cnt.shape[0]
@@ -474,7 +214,7 @@ def flush(checkpoint, x_buf, b_buf, dt_buf, count, x, dt, A, B, C, D=None,
   `reference.replay_state_update` (the buffers are read only: a flush row
   does not append). fold_pieces: 0 folds by f32 rank-1 updates, 1-3 by
   WGMMA products of that many bf16 pieces of the weighted x with the B
-  buffer (`_fold_dot`); None = `default_fold_pieces`.
+  buffer (`_wgmma_fold`); None = `default_fold_pieces`.
   store_from_input (GPU entry): the new tile is written over its input
   tile in SMEM and stored from there (one TMA store per tile, awaited
   before the pipeline refills that slot) instead of through a separate

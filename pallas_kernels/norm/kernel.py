@@ -15,6 +15,7 @@ fusion and the next block's norm as another (which recomputes the sum);
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -22,10 +23,31 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import common
+from pallas_kernels import triton_utils as tu
+from pallas_kernels.config_base import _check_pow2
 
 F32 = jnp.float32
 _MIN_GROUP = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class NormConfig:
+  """Tuning of the norm kernels (`pallas_kernels.norm`: the gated RMSNorm
+  and the residual add + RMSNorm).
+
+  Attributes:
+    block_rows: rows per program (at most; the largest power of two <= it
+      that divides the rows).
+    num_warps: Triton launch parameter.
+
+  Defaults not swept (their timing: benchmarks/VARIANTS.md).
+  """
+  block_rows: int = 4
+  num_warps: int = 4
+
+  def __post_init__(self):
+    _check_pow2("block_rows", self.block_rows)
+    _check_pow2("num_warps", self.num_warps)
 
 
 def shape_problem(name: str, n: int, block: str = "a Triton block"
@@ -57,7 +79,7 @@ def _kernel(y_ref, z_ref, w_ref, o_ref, *, block_rows, group_size, z_offset,
                                              "interpret"))
 def gated_rms_norm(y, z, weight, *, group_size: int, eps: float,
                    z_offset: int = 0, out_dtype=None,
-                   config: common.NormConfig = common.NormConfig(),
+                   config: NormConfig = NormConfig(),
                    interpret: bool = False):
   """Same signature and results as the reference, plus a tuning config;
   y [..., dim] (leading axes flattened into rows)."""
@@ -67,7 +89,7 @@ def gated_rms_norm(y, z, weight, *, group_size: int, eps: float,
   lead, dim = y.shape[:-1], y.shape[-1]
   y2, z2 = y.reshape(-1, dim), z.reshape(-1, z.shape[-1])
   rows = y2.shape[0]
-  br = common.pow2_divisor(rows, config.block_rows)
+  br = tu.pow2_divisor(rows, config.block_rows)
   out = pl.pallas_call(
       functools.partial(_kernel, block_rows=br, group_size=group_size,
                         z_offset=z_offset, eps=eps),
@@ -93,7 +115,7 @@ def _add_kernel(x_ref, y_ref, w_ref, s_ref, h_ref, *, block_rows, eps):
 @functools.partial(jax.jit, static_argnames=("eps", "out_dtype", "config",
                                              "interpret"))
 def add_rms_norm(x, y, weight, *, eps: float, out_dtype=None,
-                 config: common.NormConfig = common.NormConfig(),
+                 config: NormConfig = NormConfig(),
                  interpret: bool = False):
   """Same signature and results as the reference, plus a tuning config;
   x, y [..., d] (leading axes flattened into rows)."""
@@ -103,7 +125,7 @@ def add_rms_norm(x, y, weight, *, eps: float, out_dtype=None,
     raise NotImplementedError(problem)
   x2, y2 = x.reshape(-1, d), y.reshape(-1, d)
   rows = x2.shape[0]
-  br = common.pow2_divisor(rows, config.block_rows)
+  br = tu.pow2_divisor(rows, config.block_rows)
   s, h = pl.pallas_call(
       functools.partial(_add_kernel, block_rows=br, eps=eps),
       grid=(rows // br,),

@@ -8,6 +8,7 @@ and write y = S C + D x (optionally gated by silu(z)). Matches
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -15,10 +16,23 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import common
+from pallas_kernels import triton_utils as tu
+from pallas_kernels.config_base import _LaunchConfig
 from replayssm_jax.reference import process_dt
 
 F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class SSUConfig(_LaunchConfig):
+  """Tuning of the baseline kernel.
+
+  Attributes:
+    block_p: headdim rows per program (the state tile is [block_p, dstate]);
+      None = all of headdim.
+    num_warps, num_stages: Triton launch parameters.
+  """
+  block_p: int | None = 16  # benchmarks/kernel_sweep_h200.json
 
 
 def _unpack(refs, has_D, has_z, has_bias, heads_per_group, block_p):
@@ -53,7 +67,7 @@ def _ssu_kernel(*refs, has_D, has_z, has_bias, dt_softplus, heads_per_group,
   s = s.astype(F32) * decay + (d * x)[:, None] * bv[None, :]  # [block_p, N]
   y = jnp.sum(s * cv[None, :], axis=1)  # [block_p]
   plgpu.store(state_out_ref.at[b, h, ps], s.astype(state_out_ref.dtype))
-  y = common.finish_output(y, x, d_ref[h] if has_D else None,
+  y = tu.finish_output(y, x, d_ref[h] if has_D else None,
                            z_ref[b, h, ps] if has_z else None)
   y_ref[b, h, ps] = y.astype(y_ref.dtype)
 
@@ -62,12 +76,12 @@ def _ssu_kernel(*refs, has_D, has_z, has_bias, dt_softplus, heads_per_group,
                                              "interpret"))
 def selective_state_update(ssm_state, x, dt, A, B, C, D=None, z=None,
                            dt_bias=None, dt_softplus=False, *,
-                           config: common.SSUConfig = common.SSUConfig(),
+                           config: SSUConfig = SSUConfig(),
                            interpret: bool = False):
   """Same signature and results as the reference, plus a tuning config."""
   batch, nheads, headdim, _ = ssm_state.shape
   ngroups = B.shape[1]
-  block_p = common.resolve_block_p(config.block_p, headdim)
+  block_p = tu.resolve_block_p(config.block_p, headdim)
   operands = [ssm_state, x, dt, A, B, C]
   operands += [v for v in (D, z, dt_bias) if v is not None]
   kernel = functools.partial(
@@ -110,7 +124,7 @@ def _window_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
     stored = s.astype(snap_ref.dtype)
     plgpu.store(snap_ref.at[b, t, h, ps], stored)
     s = stored.astype(F32)  # the next step reads the stored state
-    y = common.finish_output(y, x, d_ref[h] if has_D else None,
+    y = tu.finish_output(y, x, d_ref[h] if has_D else None,
                              z_ref[b, t, h, ps] if has_z else None)
     y_ref[b, t, h, ps] = y.astype(y_ref.dtype)
 
@@ -119,7 +133,7 @@ def _window_kernel(*refs, window, has_D, has_z, has_bias, dt_softplus,
                                              "interpret"))
 def baseline_verify(ssm_state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                     dt_softplus=False, *,
-                    config: common.SSUConfig = common.SSUConfig(),
+                    config: SSUConfig = SSUConfig(),
                     interpret: bool = False):
   """`replayssm_jax.baseline_verify` in one kernel: same signature and
   results as the reference (a scan of T baseline steps), but the state is
@@ -128,7 +142,7 @@ def baseline_verify(ssm_state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   copies)."""
   batch, nheads, headdim, _ = ssm_state.shape
   window, ngroups = x.shape[1], B.shape[2]
-  block_p = common.resolve_block_p(config.block_p, headdim)
+  block_p = tu.resolve_block_p(config.block_p, headdim)
   operands = [ssm_state, x, dt, A, B, C]
   operands += [v for v in (D, z, dt_bias) if v is not None]
   kernel = functools.partial(
