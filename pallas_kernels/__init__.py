@@ -7,13 +7,13 @@
 `replayssm_jax.ops.causal_conv1d_window`, `replayssm_jax.ops.gated_rms_norm`
 and `replayssm_jax.ops.add_rms_norm`; the dispatcher
 (`replayssm_jax.dispatch`) imports this package on first use and registers
-that table (this package does not import the dispatcher). The kernels use the Pallas
-Triton backend on GPU and Pallas interpret mode elsewhere, so the same kernel
+that table (this package does not import the dispatcher). The kernels use
+the Pallas Triton backend on GPU and Pallas interpret mode elsewhere, so the same kernel
 code runs in CPU tests. The Mosaic GPU baseline kernel
-(`pallas_kernels.mosaic_gpu`, Hopper and later) registers beside it as
+(`pallas_kernels.ssu.mosaic`, Hopper and later) registers beside it as
 implementation "pallas_mosaic_gpu" of `selective_state_update`;
 `implementation=None` does not pick it (within 0-4% of the Triton kernel
-on the H200, without an in-place state update: `mosaic_gpu.py`).
+on the H200, without an in-place state update: `ssu/mosaic.py`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import attention as attention_kernel
-from pallas_kernels import common
 from pallas_kernels import conv as conv_kernel
 from pallas_kernels import norm as norm_kernel
 from pallas_kernels import replay as replay_kernel
@@ -32,13 +31,13 @@ from pallas_kernels import ssu as ssu_kernel
 from pallas_kernels import triton_utils
 from pallas_kernels import verify as verify_kernel
 from pallas_kernels.attention import AttentionConfig
-from pallas_kernels.common import VerifyConfig
 from pallas_kernels.conv import ConvConfig
 from pallas_kernels.norm import NormConfig
 from pallas_kernels.replay import ReplayConfig
 from pallas_kernels.ssu import MosaicSSUConfig, SSUConfig
 from pallas_kernels.ssu import mosaic as mosaic_kernel
 from pallas_kernels.triton_utils import on_gpu
+from pallas_kernels.verify import VerifyConfig
 from replayssm_jax import precision as P
 from replayssm_jax.registry import Implementation
 
@@ -61,7 +60,7 @@ def _ssu_supports(ssm_state, **_):
   return _shape_problem(ssm_state.shape[2], ssm_state.shape[3])
 
 
-_compute_capability = common.compute_capability  # a name tests can patch
+_compute_capability = triton_utils.compute_capability  # a name tests can patch
 
 
 def _fp8_capability_problem():
@@ -230,5 +229,6 @@ IMPLEMENTATIONS = tuple(
                     supports=_mosaic_supports, preferred=lambda: False,
                     priority=5)),)
 
-__all__ = ["IMPLEMENTATIONS", "AttentionConfig", "ConvConfig", "MosaicSSUConfig", "NormConfig", "ReplayConfig", "SSUConfig",
-           "VerifyConfig", "common", "on_gpu"]
+__all__ = ["IMPLEMENTATIONS", "AttentionConfig", "ConvConfig",
+           "MosaicSSUConfig", "NormConfig", "ReplayConfig", "SSUConfig",
+           "VerifyConfig", "on_gpu", "triton_utils"]

@@ -219,7 +219,7 @@ def test_model_decode_with_the_kernel_matches_the_reference():
 def test_kernel_lowers_to_triton(config, window):
   """The kernel lowers for the GPU (Triton IR, cross-lowered on this CPU):
   the dots, the masked loads and stores, the -inf constants."""
-  from tests.test_pallas_kernels import _lower_for_cuda  # pylint: disable=g-import-not-at-top
+  from tests.kernel_harness import lower_for_cuda as _lower_for_cuda  # pylint: disable=g-import-not-at-top
   args = _inputs(jax.random.PRNGKey(9), 2, 8, 2, 64, 32, "bfloat16",
                  window=window)
   text = _lower_for_cuda(

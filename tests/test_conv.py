@@ -234,7 +234,7 @@ def test_conv_step_kernel_lowers_to_triton(kernel_size, bias, activation):
   """The kernel lowers for the GPU (Triton IR, cross-lowered on this CPU) at
   hybrid_1b's Mamba shapes (the input inside the in_proj output): the
   masked ring stores and the piece stores."""
-  from tests.test_pallas_kernels import _lower_for_cuda  # pylint: disable=g-import-not-at-top
+  from tests.kernel_harness import lower_for_cuda as _lower_for_cuda  # pylint: disable=g-import-not-at-top
   x, state, start, w, b = _conv_step_inputs(32, 6144, kernel_size, bias,
                                             "bfloat16", x_offset=4096)
   text = _lower_for_cuda(
@@ -295,7 +295,7 @@ def test_conv_window_rejects_bad_arguments():
 def test_conv_window_kernel_lowers_to_triton():
   """The window kernel lowers for the GPU at hybrid_1b's Mamba shapes (a
   verify window of 4 inside the in_proj output)."""
-  from tests.test_pallas_kernels import _lower_for_cuda  # pylint: disable=g-import-not-at-top
+  from tests.kernel_harness import lower_for_cuda as _lower_for_cuda  # pylint: disable=g-import-not-at-top
   x, state, start, w, b = _conv_step_inputs(32, 6144, 4, True, "bfloat16",
                                             x_offset=4096)
   text = _lower_for_cuda(

@@ -29,7 +29,7 @@ from replayssm_jax.models import model as M
 from replayssm_jax.models import states as S
 from replayssm_jax.models.generate import generate
 from pallas_kernels import attention as attention_kernel
-from pallas_kernels import common as kernel_common
+import pallas_kernels as pk_configs
 # The module (the package re-exports its function under the same name).
 G = importlib.import_module("replayssm_jax.models.generate")
 
@@ -486,6 +486,6 @@ def test_from_pretrained_lists_bad_tensors(tmp_path):
 def test_kv_cache_len_rounds_up_to_the_attention_block(entries, expected):
   assert S.kv_cache_len(entries) == expected
   # Such a cache is one the attention kernel takes (blocks of >= 16).
-  config = kernel_common.AttentionConfig()
+  config = pk_configs.AttentionConfig()
   assert attention_kernel.shape_problem(128, expected, config) is None
   assert attention_kernel.shape_problem(128, 388, config) is not None

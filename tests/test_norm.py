@@ -81,7 +81,7 @@ def test_rejects_bad_arguments():
 def test_kernel_lowers_to_triton():
   """hybrid_1b's decode norm (8 groups of 512, the gate inside the in_proj
   output) lowers for the GPU (Triton IR, cross-lowered on this CPU)."""
-  from tests.test_pallas_kernels import _lower_for_cuda  # pylint: disable=g-import-not-at-top
+  from tests.kernel_harness import lower_for_cuda as _lower_for_cuda  # pylint: disable=g-import-not-at-top
   y, z, w = _inputs((32,), 4096, 0, "bfloat16")
   z = jnp.concatenate([z, z], -1)
   text = _lower_for_cuda(
@@ -142,7 +142,7 @@ def test_add_norm_rejects_bad_arguments():
 def test_add_norm_kernel_lowers_to_triton():
   """hybrid_1b's residual rows (d 2048, f32 stream, bf16 block output)
   lower for the GPU (Triton IR, cross-lowered on this CPU)."""
-  from tests.test_pallas_kernels import _lower_for_cuda  # pylint: disable=g-import-not-at-top
+  from tests.kernel_harness import lower_for_cuda as _lower_for_cuda  # pylint: disable=g-import-not-at-top
   x = jnp.ones((32, 2048), jnp.float32)
   y = jnp.ones((32, 2048), jnp.bfloat16)
   text = _lower_for_cuda(

@@ -200,7 +200,7 @@ def test_pallas_snapshot_verify_matches_reference(state_dtype, T, with_z,
 def test_snapshot_verify_lowers_to_triton():
   """The snapshot kernel lowers for the GPU (Triton IR, cross-lowered)."""
   from pallas_kernels import ssu as ssu_kernel  # pylint: disable=g-import-not-at-top
-  from tests.test_pallas_kernels import _lower_for_cuda  # pylint: disable=g-import-not-at-top
+  from tests.kernel_harness import lower_for_cuda as _lower_for_cuda  # pylint: disable=g-import-not-at-top
   key = jax.random.PRNGKey(0)
   params = testing.random_params(key, H)
   state = jax.random.normal(key, (B, H, P, N)).astype(jnp.float16)

@@ -15,7 +15,6 @@ tests/test_poisoned_inputs.py.
 from __future__ import annotations
 
 import dataclasses
-import re
 import types
 
 import jax
@@ -29,6 +28,7 @@ from replayssm_jax import precision as P
 from replayssm_jax import testing
 from replayssm_jax.state import ReplayState
 from tests import harness
+from tests import kernel_harness
 
 SDS = jax.ShapeDtypeStruct
 H, HEADDIM, DSTATE, G, L, T = 32, 64, 128, 2, 16, 4
@@ -163,26 +163,6 @@ def test_impossible_configs_are_refused():
 
 
 # ------------------------------------------------- GPU lowering (no GPU here)
-def _lower_for_cuda(fn, *args):
-  """Lowers fn for CUDA on this CPU machine (jax.export cross-lowering):
-  every pallas_call is lowered to Triton IR by the Pallas Triton backend,
-  so an op it cannot lower (interpret mode runs anything) fails here."""
-  from jax import export  # pylint: disable=g-import-not-at-top
-  triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-  exp = export.export(jax.jit(fn), platforms=["cuda"],
-                      disabled_checks=[triton])(*args)
-  text = exp.mlir_module()
-  assert "triton" in text  # the kernels were lowered, not skipped
-  return text
-
-
-def _launched_warps(text):
-  """{kernel name: num_warps} of the Triton custom calls in lowered text."""
-  return {name: int(w) for name, w in re.findall(
-      r'name = "(replayssm_\w+)", num_stages = \d+ : i32, '
-      r'num_warps = (\d+) : i32', text)}
-
-
 def _lowering_case(batch, buffer_len, policy, dims=(4, 16, 16, 2)):
   """(params, a T 2 window, ragged replay state of `policy` (None: f16
   checkpoint) with its read copy and SR counters, the policy)."""
@@ -203,7 +183,7 @@ def _lowering_case(batch, buffer_len, policy, dims=(4, 16, 16, 2)):
 
 
 def _lower_verify(params, win, rstate, pol, config):
-  return _lower_for_cuda(
+  return kernel_harness.lower_for_cuda(
       lambda r, t, layer: verify_kernel.replay_verify(
           r, t["x"], t["dt"], params["A"], t["B"], t["C"], z=t["z"],
           D=params["D"], dt_bias=params["dt_bias"], dt_softplus=True,
@@ -248,5 +228,5 @@ def test_verify_launch_warps(config, warps):
   them, num_warps the window kernel's."""
   params, win, rstate, pol = _lowering_case(6, 16, None, (4, 64, 128, 2))
   text = _lower_verify(params, win, rstate, pol, config)
-  assert _launched_warps(text) == {"replayssm_verify_fold": warps[0],
+  assert kernel_harness.launched_warps(text) == {"replayssm_verify_fold": warps[0],
                                    "replayssm_verify_window": warps[1]}

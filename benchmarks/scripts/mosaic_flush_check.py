@@ -1,4 +1,4 @@
-"""Checks the Mosaic GPU flush (`pallas_kernels.mosaic_gpu.flush`) against
+"""Checks the Mosaic GPU flush (`replay.mosaic_flush.flush`) against
 the reference element by element at GPU shapes and prints where they
 differ (which rows, heads, headdim rows; y and the checkpoint apart), for
 each checkpoint dtype and fold. A diagnostic for the GPU, where interpret
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import mosaic_gpu
+from pallas_kernels.replay import mosaic_flush
 from replayssm_jax import reference, testing
 
 
@@ -37,7 +37,7 @@ def main():
             checkpoint_dtype=ckdt, buffer_dtype=jnp.bfloat16)
         y_ref, r_ref = reference.replay_state_update(
             rs, **tok, **params, dt_softplus=True)
-        fn = jax.jit(lambda ck: mosaic_gpu.flush(
+        fn = jax.jit(lambda ck: mosaic_flush.flush(
             ck, rs.x_buf, rs.b_buf, rs.dt_buf, rs.count, tok["x"],
             tok["dt"], params["A"], tok["B"], tok["C"], params["D"],
             tok.get("z"), params["dt_bias"], True, fold_pieces=pieces,

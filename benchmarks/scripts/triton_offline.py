@@ -47,6 +47,9 @@ def _capture_triton_modules():
   """Collects the Triton module text of every pallas_call lowered inside
   (a private jax hook: fails loudly if jax moves it)."""
   from jax._src.pallas.triton import pallas_call_registration as pcr  # pylint: disable=g-import-not-at-top
+  # The register-cap hook wraps the same lowering function; install it
+  # first so the capture sees the capped modules.
+  pk.triton_utils.install_register_cap_hook()
   modules = []
   original = pcr.lowering.lower_jaxpr_to_triton_module
 

@@ -43,14 +43,6 @@ from pallas_kernels.replay.program import (CopySpec, FlushStores, Program,
                                            copy_spec, pad_pow2, unpack)
 from pallas_kernels.replay.step import replay_state_update
 
-# The names pallas_kernels.verify imports (its kernels share the fold, the
-# work items and the flush stores).
-_CopySpec, _FlushStores, _Program = CopySpec, FlushStores, Program
-_copy_counts, _copy_spec, _pad_pow2, _unpack = (copy_counts, copy_spec,
-                                                pad_pow2, unpack)
-_default_flush_programs, _dot_precision = default_flush_programs, dot_precision
-_flush_programs, _fold_dot = flush_programs, fold_dot
-
 __all__ = [
     "CopySpec", "FlushStores", "Program", "ReplayConfig", "ReplayPlan",
     "copy_counts", "copy_operands", "copy_spec", "default_block_p",

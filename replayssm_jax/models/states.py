@@ -217,7 +217,7 @@ def init_mamba_state(cfg, batch: int, ssm_mode: str, buffer_len: int,
                     conv_start=jnp.zeros((batch,), jnp.int32))
 
 
-KV_BLOCK = 64  # pallas_kernels.common.AttentionConfig.block_s's default
+KV_BLOCK = 64  # pallas_kernels.AttentionConfig.block_s's default
 
 
 def kv_cache_len(entries: int) -> int:

@@ -8,7 +8,7 @@ both launched every verify, rows routed by data:
   checkpoint and stores it (the window's only checkpoint write). A fixed
   persistent grid shares out the folding rows' (row, head, headdim block)
   items, as the replay step's flush route; the fold is one tensor-core dot
-  where L and block_p >= 16 (`replay.fold_product`), else exact f32 rank-1
+  where L and block_p >= 16 (`replay.fold.fold_product`), else exact f32 rank-1
   updates.
 * window kernel (every row; grid headdim blocks x heads of one group,
   ngroups, batch: one head per program): the T window outputs
@@ -21,14 +21,13 @@ both launched every verify, rows routed by data:
 T, L, headdim and dstate must be powers of two (Triton blocks).
 
 A precision policy (read copy, stochastic rounding): the fold kernel also
-stores the folding rows' re-quantized copy (`replay._FlushStores`, the
+stores the folding rows' re-quantized copy (`replay.FlushStores`, the
 decode step's flush stores), and the window kernel reads each row's tile
 from the master if the row folded, else from the copy.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -36,81 +35,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import common
-from pallas_kernels.replay import (_FlushStores, _Program, _copy_counts,
-                                   _copy_spec, _flush_programs, _fold_dot,
-                                   _pad_pow2, _unpack, copy_operands,
-                                   fold_product, persistent_items,
-                                   rank1_fold)
-from pallas_kernels.replay import default_block_p as _step_block_p
+from pallas_kernels import triton_utils as tu
+from pallas_kernels.replay import fold
+from pallas_kernels.replay.program import (FlushStores, Program, copy_counts,
+                                           copy_operands, copy_spec, pad_pow2,
+                                           unpack)
+from pallas_kernels.verify.config import VerifyConfig, plan_verify
 from replayssm_jax.reference import process_dt
 from replayssm_jax.verify_reference import verify_terms
 
 F32 = jnp.float32
-
-
-# ----------------------------------------------------------------- planning
-def default_block_p(batch: int, nheads: int, headdim: int) -> int:
-  """The replay step's heuristic (`replay.default_block_p`) capped at 32:
-  the window kernel holds T readouts per row of its tile
-  (benchmarks/verify_sweep_h200.json)."""
-  return min(32, _step_block_p(batch, nheads, headdim))
-
-
-DEFAULT_NUM_WARPS = 4
-DEFAULT_NUM_STAGES = 1
-# The fold kernel is a short persistent loop of dots: 2 warps per program
-# (benchmarks/verify_sweep_h200.json).
-DEFAULT_FOLD_NUM_WARPS = 2
-# Checkpoint column blocks of the readouts (benchmarks/verify_sweep_h200.json).
-DEFAULT_READOUT_CHUNK = 32
-
-
-@dataclasses.dataclass(frozen=True)
-class VerifyPlan:
-  """A `common.VerifyConfig` with every field resolved for one state (and
-  what follows from it), as the kernels launch."""
-  block_p: int
-  num_warps: int
-  num_stages: int
-  fold: str  # "rank1" or a dot mode of `VerifyConfig.fold`
-  fold_num_warps: int
-  readout_chunk: int  # at most dstate
-  fold_programs: int  # programs of the persistent fold grid
-  fma: bool  # the readouts' multiply-adds as PTX fma (not in interpret mode)
-
-
-def _fold_mode(form) -> str:
-  """The `VerifyConfig.fold` name of a `replay._fold_dot` form."""
-  if form is None:
-    return "rank1"
-  return f"dot_{form}" if isinstance(form, str) else "dot_tf32x3"
-
-
-def plan_verify(config: common.VerifyConfig, rstate,
-                interpret: bool) -> VerifyPlan:
-  """Each field of `config` left None filled on its own from the state's
-  shapes and dtypes and the device (`interpret`: Pallas interpret mode on
-  the host); explicit fields are kept, and a combination the kernels cannot
-  run raises, naming the fields. Only the fold's default reads another
-  field: the resolved block_p, since a dot fold needs 16-row tiles."""
-  batch, nheads, headdim, dstate = rstate.checkpoint.shape
-  block_p = common.resolve_block_p(
-      config.block_p or default_block_p(batch, nheads, headdim), headdim)
-  fold = _fold_mode(_fold_dot(config.fold, rstate.buffer_len, block_p,
-                              interpret, field="config.fold",
-                              tile="block_p",
-                              b_dtypes=(rstate.b_buf.dtype,),
-                              ck_dtype=rstate.checkpoint.dtype))
-  fold_warps = config.fold_num_warps or DEFAULT_FOLD_NUM_WARPS
-  return VerifyPlan(
-      block_p=block_p, num_warps=config.num_warps or DEFAULT_NUM_WARPS,
-      num_stages=config.num_stages or DEFAULT_NUM_STAGES, fold=fold,
-      fold_num_warps=fold_warps,
-      readout_chunk=min(config.readout_chunk or DEFAULT_READOUT_CHUNK,
-                        dstate),
-      fold_programs=_flush_programs(interpret, fold_warps, None),
-      fma=not interpret)
 
 
 # ------------------------------------------------------------ fold kernel
@@ -123,15 +57,15 @@ def _history_dt(p, dtb_ref, hist):
   """(d_j [L], sum_{i>j} d_i [L]) of head p.head0's buffered history
   slots `hist` (zero elsewhere)."""
   d_hist = plgpu.load(dtb_ref.at[p.b, :, p.head0], mask=hist, other=0.0)
-  return d_hist, common.suffix_sums(d_hist, p.j)
+  return d_hist, tu.suffix_sums(d_hist, p.j)
 
 
 def _fold_history(p, refs, stores, *, block_p, fold_dot):
   """checkpoint tile of head p.head0 <- advanced over the row's c buffered
   tokens: decay * S_0 + sum_j s_j x_j B_j^T (j < c), stored (`stores`, a
-  replay._FlushStores: with a copy spec also the re-stored read copy).
+  replay.FlushStores: with a copy spec also the re-stored read copy).
   fold_dot: None for exact f32 rank-1 updates, else one [block_p, L] x
-  [L, N] dot in this form (`replay.fold_product`)."""
+  [L, N] dot in this form (`replay.fold.fold_product`)."""
   ck_ref, xb_ref, bb_ref, dtb_ref, a_ref = refs
   b, g, ps, L, h, c = p.b, p.g, p.ps, p.L, p.head0, p.c
   s0 = plgpu.load(ck_ref.at[b, h, ps]).astype(F32)
@@ -151,7 +85,7 @@ def _fold_history(p, refs, stores, *, block_p, fold_dot):
                          mask=jnp.broadcast_to(live, (nstate,))
                          ).astype(F32))
 
-    st = rank1_fold(decay * s0, a, token, L, unroll=False)
+    st = fold.rank1_fold(decay * s0, a, token, L, unroll=False)
   else:
     x_hist = plgpu.load(xb_ref.at[b, :, h, ps],
                         mask=jnp.broadcast_to(hist[:, None], (L, block_p)),
@@ -160,7 +94,7 @@ def _fold_history(p, refs, stores, *, block_p, fold_dot):
                         mask=jnp.broadcast_to(hist[:, None], (L, nstate)),
                         other=0.0)  # [L, N]
     s = d_hist * jnp.exp(a * suffix)  # the weights s_j
-    st = fold_product(x_hist, s, b_hist, fold_dot, decay * s0)
+    st = fold.fold_product(x_hist, s, b_hist, fold_dot, decay * s0)
   stores.store(p, h, st)
 
 
@@ -168,28 +102,28 @@ def _fold_kernel(*refs, window, has_D, has_z, has_bias, fold_dot,
                  num_programs, nheads, heads_per_group, block_p, headdim,
                  buffer_len, copy_spec=None, **kw):
   """Early flush on a fixed grid of num_programs programs sharing out the
-  (folding row, head, headdim block) items (`replay.persistent_items`):
+  (folding row, head, headdim block) items (`replay.fold.persistent_items`):
   rows that do not fold cost no program. The counters come padded to a
   power of two with -1. Refs: the 10 inputs (checkpoint, buffers, counts,
   window x, dt, A, B, C), the copy spec's extra inputs (read copy, scales,
   SR keys), D / z / dt_bias, then the outputs (master, read copy,
   scales)."""
-  nin, nout = _copy_counts(copy_spec)
-  ins, _, outs = _unpack(refs, 10 + nin, 1 + nout, has_D, has_z, has_bias)
-  stores = _FlushStores(outs, ins[10:], copy_spec)
+  nin, nout = copy_counts(copy_spec)
+  ins, _, outs = unpack(refs, 10 + nin, 1 + nout, has_D, has_z, has_bias)
+  stores = FlushStores(outs, ins[10:], copy_spec)
   ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, _, _, a_ref, _, _ = ins[:10]
   refs = (ck_ref, xb_ref, bb_ref, dtb_ref, a_ref)
 
   def item(b, h, pblk):
-    p = _Program(cnt_ref, None, a_ref, None, b=b, g=h // heads_per_group,
+    p = Program(cnt_ref, None, a_ref, None, b=b, g=h // heads_per_group,
                  pblk=pblk, head0=h, block_p=block_p,
                  buffer_len=buffer_len, **kw)
     _fold_history(p, refs, stores, block_p=block_p, fold_dot=fold_dot)
 
-  persistent_items(pl.program_id(0),
-                   _folds(cnt_ref[...], window, buffer_len), item,
-                   num_programs=num_programs, nheads=nheads,
-                   nblk=headdim // block_p)
+  fold.persistent_items(pl.program_id(0),
+                        _folds(cnt_ref[...], window, buffer_len), item,
+                        num_programs=num_programs, nheads=nheads,
+                        nblk=headdim // block_p)
 
 
 # ---------------------------------------------------------- window kernel
@@ -201,14 +135,14 @@ def _window_kernel(*refs, window, has_D, has_z, readout_chunk, fma,
   with `copy` the read copy (then with `scaled` its scales), D / z, then
   the outputs (y, buffers, counts)."""
   n_in = 12 + copy + scaled
-  ins, (d_ref, z_ref, _), outs = _unpack(refs, n_in, 5, has_D, has_z,
+  ins, (d_ref, z_ref, _), outs = unpack(refs, n_in, 5, has_D, has_z,
                                          False)
   ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, x_ref, dt_ref, a_ref, b_ref = (
       ins[:9])
   c_ref, decay_ref, extra_ref = ins[9:12]
   y_ref = outs[0]
   T = window
-  p = _Program.from_grid(cnt_ref, None, a_ref, None, dt_softplus=False, **kw)
+  p = Program.from_grid(cnt_ref, None, a_ref, None, dt_softplus=False, **kw)
   b, g, ps, L, c, h = p.b, p.g, p.ps, p.L, p.c, p.head0
   base = jnp.where(c + T >= L, 0, c)  # committed tokens left in the buffer
   # The window's x rows and the terms are loaded once, before the
@@ -223,11 +157,11 @@ def _window_kernel(*refs, window, has_D, has_z, readout_chunk, fma,
         ck_ref, ins[12], ins[13] if scaled else None, tile, vectors,
         _folds(c, T, L), readout_chunk, kw["block_p"], fma)
   else:
-    readouts = common.readouts(
-        common.load_tile_blocks(ck_ref, tile, readout_chunk), vectors, fma)
+    readouts = tu.readouts(
+        tu.load_tile_blocks(ck_ref, tile, readout_chunk), vectors, fma)
   ys = [decay * r + extra for (decay, extra), r in zip(terms, readouts)]
   for s, y in enumerate(ys):
-    y = common.finish_output(y, xs[s].astype(F32),
+    y = tu.finish_output(y, xs[s].astype(F32),
                              None if d_ref is None else d_ref[h],
                              None if z_ref is None else z_ref[b, s, h, ps])
     y_ref[b, s, h, ps] = jnp.where(p.valid, y, jnp.nan).astype(y_ref.dtype)
@@ -238,15 +172,15 @@ def _window_kernel(*refs, window, has_D, has_z, readout_chunk, fma,
 
 def _copy_readouts(ck_ref, rc_ref, rs_ref, tile, vectors, folded, chunk,
                    block_p, fma):
-  """The readouts (`common.readouts`) of a state with a read copy: the
+  """The readouts (`tu.readouts`) of a state with a read copy: the
   stored master's tile if the row folded its history in this verify (as
   the reference reads it), else the read copy's (dequantized: its per-row
   scales factor out of the dstate sums, as in the decode step's output
   route). Each source is a masked load, so a program reads the bytes of
   one of them (and issues the loads, converts and sum of both)."""
-  master = common.load_tile_blocks(ck_ref, tile, chunk, folded, block_p)
-  q = common.load_tile_blocks(rc_ref, tile, chunk, ~folded, block_p)
-  outs = common.readouts([m.astype(F32) + v.astype(F32)
+  master = tu.load_tile_blocks(ck_ref, tile, chunk, folded, block_p)
+  q = tu.load_tile_blocks(rc_ref, tile, chunk, ~folded, block_p)
+  outs = tu.readouts([m.astype(F32) + v.astype(F32)
                           for m, v in zip(master, q)], vectors, fma)
   if rs_ref is not None:
     scale = jnp.where(folded, 1.0, rs_ref[tile])  # [block_p]
@@ -287,19 +221,19 @@ def _append_window(p, refs, outs, *, window, base, xs):
                                              "config", "interpret"))
 def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                   dt_softplus=False, policy=None, layer=0, *,
-                  config: common.VerifyConfig = common.VerifyConfig(),
+                  config: VerifyConfig = VerifyConfig(),
                   interpret: bool = False):
   """Same signature and results as the reference, plus a tuning config
   (`plan_verify` fills its unset fields).
 
   A state with a read copy or stochastic rounding (`policy`): the fold
   kernel stores the folding rows' master and re-stored copy (aliased, as
-  the decode step's flush: `replay._FlushStores`); the window kernel reads
+  the decode step's flush: `replay.FlushStores`); the window kernel reads
   each row's tile from the master if it folded, else from the copy.
   """
   from replayssm_jax.state import ReplayState  # pylint: disable=g-import-not-at-top
   plan = plan_verify(config, rstate, interpret)
-  spec = _copy_spec(rstate, policy, interpret)
+  spec = copy_spec(rstate, policy, interpret)
   copy = rstate.read_copy is not None
   batch, nheads, headdim, _ = rstate.checkpoint.shape
   T, ngroups = x.shape[1], rstate.ngroups
@@ -309,10 +243,10 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
             window=T, has_D=D is not None, has_z=z is not None)
   sds = jax.ShapeDtypeStruct
   # 1. Early flush of the committed history (in place, folding rows only).
-  fold_dot = _fold_dot(plan.fold, rstate.buffer_len, plan.block_p,
-                       interpret, field="config.fold", tile="block_p",
-                       b_dtypes=(rstate.b_buf.dtype,),
-                       ck_dtype=rstate.checkpoint.dtype)
+  fold_dot = fold.fold_dot(plan.fold, rstate.buffer_len, plan.block_p,
+                           interpret, field="config.fold", tile="block_p",
+                           b_dtypes=(rstate.b_buf.dtype,),
+                           ck_dtype=rstate.checkpoint.dtype)
   fold_kernel = functools.partial(
       _fold_kernel, nheads=nheads, num_programs=plan.fold_programs,
       dt_softplus=dt_softplus, fold_dot=fold_dot,
@@ -330,7 +264,7 @@ def replay_verify(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                                            num_stages=plan.num_stages),
       interpret=interpret, name="replayssm_verify_fold",
   )(rstate.checkpoint, rstate.x_buf, rstate.b_buf, rstate.dt_buf,
-    _pad_pow2(rstate.count), x, dt, A, B, C, *copy_in,
+    pad_pow2(rstate.count), x, dt, A, B, C, *copy_in,
     *[v for v in (D, z, dt_bias) if v is not None])
   # 2. Window outputs and appends (reads the folded checkpoint). XLA forms
   # the processed dt (appended as it is, not formed per program) and the
