@@ -75,8 +75,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.baseline_dtypes = ("bfloat16",)
     config.baseline_roundings = ("rn",)
   if arg == "sr_rngs":
-    # The reduced long-memory layer of benchmarks/precision_drift_longmem_
-    # cpu.md, every stochastic preset with each hash.
+    # The reduced long-memory layer of
+    # benchmarks/precision_drift/long_memory_cpu.md, every stochastic preset
+    # with each hash.
     config.a_scale = 0.01
     config.head_scale = 128
     config.batch = 4

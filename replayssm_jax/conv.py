@@ -193,7 +193,7 @@ def causal_conv1d_update_ring(x, conv_state, start, weight, bias=None,
       y = y + v.astype(F32) * w[:, age]
     # The slot is written by an elementwise select, which XLA updates in
     # place (no copy of the state per step). Chosen on the H200 over a
-    # shifting window and a scatter: benchmarks/conv_ring_h200.json.
+    # shifting window and a scatter: benchmarks/decode_step/conv_state_ring_hybrid_1b_b256_h200.json.
     new_state = jnp.where(jnp.arange(k1)[None, :, None] == s[:, None, None],
                           x.astype(conv_state.dtype)[:, None], conv_state)
     new_start = (s + 1) % k1

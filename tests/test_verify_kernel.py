@@ -60,7 +60,7 @@ def h200(monkeypatch):
 
 F32, F16, FP8 = jnp.float32, jnp.float16, jnp.float8_e4m3fn
 # (state, the plan's block_p and fold): the choices of the kernels'
-# measured defaults (benchmarks/verify_sweep_h200.json), batch 1 / 64 / 256.
+# measured defaults (benchmarks/kernel_tuning/verify_window_kernel_h200.json), batch 1 / 64 / 256.
 DEFAULT_CASES = {
     "f32-b1": ((1, F32), 16, "dot_bf16x3"),
     "f16-b1": ((1, F16), 16, "dot_bf16x2"),

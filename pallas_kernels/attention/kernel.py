@@ -55,7 +55,7 @@ class AttentionConfig:
       pipelines the block loop's loads).
 
   Defaults: the fastest of the H200 sweep in
-  benchmarks/attend_micro_h200_session25.json (figures:
+  benchmarks/decode_step/attention_forms_hybrid_1b_b256_h200.json (figures:
   benchmarks/VARIANTS.md).
   """
   block_s: int = 64

@@ -165,7 +165,7 @@ _MOSAIC_STAGES = 2
 def default_block_p(batch: int, nheads: int, headdim: int) -> int:
   """Whole-headdim tiles once the grid has ~16 programs per SM, quarter
   tiles below (more programs hide latency at small batch; H200:
-  benchmarks/kernel_sweep_h200.json)."""
+  benchmarks/kernel_tuning/first_kernel_designs_h200.json)."""
   return headdim if batch * nheads >= 16 * 132 else min(16, headdim)
 
 
@@ -173,14 +173,14 @@ def default_num_warps(read_dtype, fused: bool = False) -> int:
   """Warps per output-route program: 2 over a 16- or 8-bit tile
   (checkpoint or read copy), 4 over f32 and in the fused launch, whose
   register budget the flush shares (H200:
-  benchmarks/kernel_output_launch_h200.md)."""
+  benchmarks/kernel_tuning/output_route_buffer_work_h200.md)."""
   return 4 if fused or jnp.dtype(read_dtype).itemsize == 4 else 2
 
 
 def default_output_route(rstate) -> str:
   """"split" for an 8-bit read copy (fp8 / int8) at >= 256 x 128 (row,
   head) pairs whose window blocks are powers of two, else "triton" (H200:
-  benchmarks/kernel_policies_h200_session36_final.md)."""
+  benchmarks/precision_policies/read_copies_8bit_b256_L16_h200.md)."""
   copy8 = (rstate.read_copy is not None
            and jnp.dtype(rstate.read_copy.dtype).itemsize == 1)
   big = rstate.count.shape[0] * rstate.nheads >= _SPLIT_MIN_PAIRS
@@ -193,7 +193,7 @@ def default_flush_route(rstate, plain: bool, output_route: str,
   """"mosaic_gpu" for a plain f32 checkpoint at batch >= 128 (counters in
   whole 128-byte granules) with a bf16 B buffer of a multiple of 16 tokens
   on a Hopper-or-later GPU, beside the Triton output route; else "triton"
-  (H200: benchmarks/kernel_mosaic_flush_h200_run12.md; f16 stays on
+  (H200: benchmarks/kernel_tuning/mosaic_flush_grid_f32_b256_h200.md; f16 stays on
   Triton)."""
   mosaic = (not interpret and plain and output_route == "triton"
             and jnp.dtype(rstate.checkpoint.dtype) == F32
@@ -211,14 +211,14 @@ def default_flush_route(rstate, plain: bool, output_route: str,
 def default_fused_launch(batch: int, nheads: int) -> bool:
   """Fuse below ~4 (row, head) pairs per SM, where a step is launch- and
   latency-bound (H200: wins at batch 1, loses from batch 16 up;
-  benchmarks/kernel_batch1_h200_session17.md)."""
+  benchmarks/kernel_tuning/batch1_fused_fold_h200.md)."""
   return batch * nheads < 4 * 132
 
 
 def default_flush_grid(fused: bool, ck_dtype) -> str:
   """The Triton flush grid: "rows" in the one launch on an f32 checkpoint
   (a flush row's output-route program folds its own tiles), else
-  "persistent" (H200: benchmarks/kernel_batch1_h200_session19.md)."""
+  "persistent" (H200: benchmarks/kernel_tuning/batch1_rows_flush_fused_h200.md)."""
   return ("rows" if fused and jnp.dtype(ck_dtype).itemsize == 4
           else "persistent")
 
@@ -233,8 +233,8 @@ def default_flush_launch(spec, master_dtype, num_warps: int | None = None,
   (or 3) programs per SM leave: 128 on a plain state and an f32 master
   with an 8-bit copy, 120 on a 16-bit master with one, 168 with other
   copies, none with stochastic rounding (H200:
-  benchmarks/kernel_policies_h200_session15.md,
-  benchmarks/output_split_h200_session36_e_flush.json). Without the
+  benchmarks/precision_policies/read_copy_flush_caps_b256_L16_h200.md,
+  benchmarks/kernel_tuning/output_split/f16_fp8_b256_L16_split_default_flush_step.json). Without the
   lowering hook (`triton_utils.capped_name`) nothing is capped and a plain
   state takes 2 warps."""
   copy = spec is not None and spec.copy

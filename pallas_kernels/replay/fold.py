@@ -52,7 +52,7 @@ def fold_product(x_win, s, b_win, fold_dot, acc):
   which Triton's combine pass turns into the dots' accumulator operand: the
   decayed tile is the accumulator, not a second tile beside the dots' sum
   (no spills at 255 registers per thread on the H200:
-  benchmarks/ncu_h200_flush_b256_f16_L16_session14.txt).
+  benchmarks/profiles/ncu_flush_x_split_f16_b256_L16_h200.txt).
   """
   dims = (((0,), (0,)), ((), ()))
   xs = s[:, None] * x_win.astype(F32)  # [L, block_p]
@@ -96,7 +96,7 @@ def default_fold_mode(buffer_len: int, block_p: int, b_dtypes, ck_dtype,
   checkpoint (whose store rounds far above the two pieces' ~2^-15),
   "dot_bf16x3" for an f32 one unless the flush is `fused` with the output
   route ("dot_tf32x3" there); else "dot_tf32x3"; below the tiles "rank1".
-  H200 figures: benchmarks/flush_sweep_h200.json, kernel_batch1_h200.md."""
+  H200 figures: benchmarks/kernel_tuning/flush_route_h200.json, kernel_tuning/batch1_fold_forms_h200.md."""
   if min(buffer_len, block_p) < 16:
     return "rank1"
   pieces = 2 if jnp.dtype(ck_dtype).itemsize <= 2 else 3

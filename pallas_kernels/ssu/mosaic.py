@@ -6,7 +6,7 @@ registered as implementation "pallas_mosaic_gpu" beside the Triton one;
 `implementation=None` keeps the Triton kernel, because this entry
 (`plgpu.kernel`) has no input/output aliasing, so the new state goes to a
 fresh buffer that XLA copies wherever it cannot alternate two buffers
-(H200: benchmarks/kernel_mosaic_h200.md). `flush` is the replay flush
+(H200: benchmarks/kernel_tuning/mosaic_gpu_kernels_h200.md). `flush` is the replay flush
 route (`ReplayConfig(flush_route="mosaic_gpu")`, the default for plain f32
 checkpoints at large batch on Hopper): it updates the checkpoint in place
 through a ref in `pl.run_state` (the mesh discharge aliases a written

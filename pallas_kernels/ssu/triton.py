@@ -32,7 +32,7 @@ class SSUConfig(_LaunchConfig):
       None = all of headdim.
     num_warps, num_stages: Triton launch parameters.
   """
-  block_p: int | None = 16  # benchmarks/kernel_sweep_h200.json
+  block_p: int | None = 16  # benchmarks/kernel_tuning/first_kernel_designs_h200.json
 
 
 def _unpack(refs, has_D, has_z, has_bias, heads_per_group, block_p):

@@ -57,16 +57,16 @@ class VerifyConfig:
 def default_block_p(batch: int, nheads: int, headdim: int) -> int:
   """The replay step's heuristic (`replay.config.default_block_p`) capped at 32:
   the window kernel holds T readouts per row of its tile
-  (benchmarks/verify_sweep_h200.json)."""
+  (benchmarks/kernel_tuning/verify_window_kernel_h200.json)."""
   return min(32, _step_block_p(batch, nheads, headdim))
 
 
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 1
 # The fold kernel is a short persistent loop of dots: 2 warps per program
-# (benchmarks/verify_sweep_h200.json).
+# (benchmarks/kernel_tuning/verify_window_kernel_h200.json).
 DEFAULT_FOLD_NUM_WARPS = 2
-# Checkpoint column blocks of the readouts (benchmarks/verify_sweep_h200.json).
+# Checkpoint column blocks of the readouts (benchmarks/kernel_tuning/verify_window_kernel_h200.json).
 DEFAULT_READOUT_CHUNK = 32
 
 

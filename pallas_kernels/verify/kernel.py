@@ -147,7 +147,7 @@ def _window_kernel(*refs, window, has_D, has_z, readout_chunk, fma,
   base = jnp.where(c + T >= L, 0, c)  # committed tokens left in the buffer
   # The window's x rows and the terms are loaded once, before the
   # checkpoint is read out (not per position behind the previous output
-  # store): benchmarks/verify_sweep_h200.json.
+  # store): benchmarks/kernel_tuning/verify_window_kernel_h200.json.
   xs = [x_ref[b, s, h, ps] for s in range(T)]
   terms = [(decay_ref[b, s, h], extra_ref[b, s, h, ps]) for s in range(T)]
   tile = (b, h, ps)

@@ -381,7 +381,7 @@ class Attention(nnx.Module):
 
     With k/v head-major the products' batch dimensions (row, KV head) lead,
     as XLA's GEMMs need them (a [b, S, Hk, D] layout makes XLA transpose
-    the whole cache; benchmarks/attend_micro_h200.json).
+    the whole cache; benchmarks/decode_step/attention_cache_layouts_b256_h200.json).
     """
     c = self.cfg
     b, tq = q.shape[:2]
