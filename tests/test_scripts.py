@@ -147,3 +147,16 @@ def test_conv_ring_check_tiny(tmp_path):
   assert [r["form"] for r in rows] == ["shift", "ring"]
   for r in rows:
     assert r["ms_per_step"] > 0 and r["last_tokens_equal_shift"] is True, r
+
+
+def test_compare_trees_kernels_small():
+  # The kernel half of the side-by-side timing, at a tiny size on this
+  # tree: every figure is present and positive.
+  out = _run("compare_trees.py", "--mode=kernels", "--small").stdout
+  line = [x for x in out.splitlines() if x.startswith("TIMES ")]
+  times = json.loads(line[0][len("TIMES "):])
+  names = {f"baseline_{d}_us" for d in ("f32", "f16")} | {
+      f"replay_{d}_{fill}_us" for d in ("f32", "f16", "f16+fp8")
+      for fill in ("staggered", "aligned")}
+  assert set(times) == names
+  assert all(v > 0 for v in times.values())
