@@ -19,15 +19,11 @@ import types
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import pallas_kernels as pk
 from pallas_kernels import verify as verify_kernel
-from replayssm_jax import precision as P
-from replayssm_jax import testing
 from replayssm_jax.state import ReplayState
-from tests import harness
 from tests import kernel_harness
 
 SDS = jax.ShapeDtypeStruct
@@ -164,22 +160,11 @@ def test_impossible_configs_are_refused():
 
 # ------------------------------------------------- GPU lowering (no GPU here)
 def _lowering_case(batch, buffer_len, policy, dims=(4, 16, 16, 2)):
-  """(params, a T 2 window, ragged replay state of `policy` (None: f16
-  checkpoint) with its read copy and SR counters, the policy)."""
-  h, p, n, g = dims
-  key = jax.random.PRNGKey(5)
-  params = testing.random_params(key, h, with_D=True, with_dt_bias=True)
-  tok = testing.random_step_inputs(key, batch, h, p, n, g, jnp.bfloat16,
-                                   with_z=True)
+  """`kernel_harness.lowering_state` with its token as a T 2 window."""
+  params, tok, rstate, pol = kernel_harness.lowering_state(
+      batch, buffer_len, policy, dims)
   win = jax.tree.map(lambda v: jnp.stack([v, v], axis=1), tok)
-  counts = np.arange(batch) % buffer_len
-  pol = None if policy is None else P.PrecisionPolicy.preset(policy)
-  rstate, _ = testing.random_replay_state(
-      key, batch, h, p, n, g, buffer_len, counts, params["A"],
-      checkpoint_dtype=jnp.float16 if pol is None else pol.checkpoint_dtype,
-      buffer_dtype=jnp.bfloat16)
-  return params, win, harness.with_policy_fields(
-      rstate, pol, np.arange(batch), np.zeros(batch)), pol
+  return params, win, rstate, pol
 
 
 def _lower_verify(params, win, rstate, pol, config):

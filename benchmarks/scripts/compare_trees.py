@@ -39,6 +39,9 @@ import time
 
 B, H, P, N, G, L = 256, 128, 64, 128, 8, 16
 
+# configs/hybrid_1b.py's model, repeated here: a config file imports
+# ml_collections, which the GPU machine lacks, and each tree's config may
+# differ; both trees are timed on these shapes.
 MODEL = dict(vocab_size=32768, d_model=2048,
              pattern="M-M-M*-M-M-M*-M-M-M*-M-M-", ssm_heads=64, head_dim=64,
              d_state=128, n_groups=8, conv_kernel=4, chunk_size=256,
