@@ -155,7 +155,7 @@ class ReplayPlan:
 # The smallest (row, head) count at which an 8-bit read copy's output route
 # is split: the measured size.
 _SPLIT_MIN_PAIRS = 256 * 128
-# ReplayConfig.flush_fold -> mosaic_gpu.flush(fold_pieces=...).
+# ReplayConfig.flush_fold -> mosaic_flush.flush(fold_pieces=...).
 _MOSAIC_FOLDS = {"rank1": 0, "dot_bf16x2": 2, "dot_bf16x3": 3}
 _MOSAIC_HEADS = 4  # heads per Mosaic flush CTA
 _MOSAIC_CTAS_PER_SM = 2  # persistent Mosaic flush (store from input)
