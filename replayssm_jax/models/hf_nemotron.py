@@ -70,7 +70,7 @@ def pattern(hf: dict[str, Any]) -> str:
                      "or layers_block_type (or layer_types); none is set.")
   if not isinstance(pat, str) or not pat:
     raise ValueError(f"config.json: hybrid_override_pattern must be a "
-                     f"non-empty string of M, *, -, E, got {pat!r}.")
+                     f"string of M, *, -, E (non-empty), got {pat!r}.")
   bad = sorted(set(pat) - set(LAYER_TYPE_OF))
   if bad:
     raise ValueError(f"config.json: hybrid_override_pattern holds "
@@ -152,9 +152,8 @@ def config(hf: dict[str, Any], common: dict[str, Any],
                        f"n_routed_experts={e} into groups of >= 2 experts "
                        f"(a group's score is its top-2 sum).")
   return ModelConfig(
-      pattern=pat, ssm_heads=get(hf, "mamba_num_heads", default=128,
-                                 kind="int"),
-      head_dim=get(hf, "mamba_head_dim", default=64, kind="int"),
+      pattern=pat, ssm_heads=get(hf, "mamba_num_heads", kind="int"),
+      head_dim=get(hf, "mamba_head_dim", kind="int"),
       d_state=get(hf, "ssm_state_size", "mamba_d_state", default=128,
                   kind="int"),
       num_heads=nh, num_kv_heads=get(hf, "num_key_value_heads", default=nh,
