@@ -7,7 +7,17 @@ mamba_d_conv, mamba_chunk_size, mamba_dt_limit) and transformers 5's
 `layers_block_type` (alias `layer_types`) list of "linear_attention",
 "full_attention", "mlp", "moe" (legacy names "mamba" and "attention" are
 remapped). A config key or value the model does not implement is a
-ValueError naming it.
+ValueError naming it (multi-token prediction layers, a dt clamp other than
+time_step_limit = [0, inf], sliding windows, biases, other activations).
+
+Numerics as transformers' modeling_nemotron_h: the gated RMSNorm normalizes
+groups of d_inner / n_groups channels; attention has no positional encoding
+and scales by head_dim ** -0.5; the MoE router runs in float32. Keys that
+do not change the forward pass are accepted as they are:
+rescale_prenorm_residual (initialization only), residual_in_fp32 (not read
+by transformers' block; the residual stream here is float32 whatever its
+value), n_shared_experts and moe_shared_expert_overlap (transformers builds
+one shared expert of moe_shared_expert_intermediate_size either way).
 
 MoE tensors (per block i, NVIDIA's layout, which transformers also saves):
   backbone.layers.{i}.mixer.gate.weight                     [E, d]
@@ -109,7 +119,6 @@ def _check_unsupported(hf: dict[str, Any]) -> None:
           or not (isinstance(vals[1], float) and math.isinf(vals[1]))):
         raise ValueError(f"config.json: {key}={lim!r} is not supported (a "
                          f"dt clamp; only [0.0, Infinity], no clamp).")
-  _refuse(hf, "moe_shared_expert_overlap", (True,))
 
 
 def config(hf: dict[str, Any], common: dict[str, Any],
