@@ -47,6 +47,14 @@ def test_grouped_dispatch_matches_reference(kw, shape):
   y = jax.jit(lambda h: m(h))(h)
   assert y.shape == h.shape
   _close(y, MOE.moe_reference(m, h))
+  h2 = h.reshape(-1, cfg.d_model)
+  w, idx = m.routing(h2)
+  x = m.fc1_latent(h2) if cfg.moe_latent_size else h2
+  for dispatch in ("sorted", "gather"):
+    _close(MOE.routed_experts(x, w, idx, m.up[...], m.down[...],
+                              cfg.moe_activation, dispatch),
+           MOE.routed_experts_reference(x, w, idx, m.up[...], m.down[...],
+                                        cfg.moe_activation))
 
 
 def test_empty_experts_and_ties():
@@ -62,16 +70,19 @@ def test_empty_experts_and_ties():
   np.testing.assert_allclose(np.asarray(w), 0.5, rtol=1e-6)
   for f in ("relu2", "swiglu"):
     u = up if f == "relu2" else jnp.concatenate([up, up[..., ::-1]], -1)
-    _close(MOE.routed_experts(x, w, idx, u, down, f),
-           MOE.routed_experts_reference(x, w, idx, u, down, f))
+    for dispatch in ("sorted", "gather"):
+      _close(MOE.routed_experts(x, w, idx, u, down, f, dispatch),
+             MOE.routed_experts_reference(x, w, idx, u, down, f))
   # One expert only for every token, the others receive none.
   idx1 = jnp.full((n, 1), 5, jnp.int32)
   w1 = jnp.ones((n, 1))
-  _close(MOE.routed_experts(x, w1, idx1, up, down, "relu2"),
-         MOE.routed_experts_reference(x, w1, idx1, up, down, "relu2"))
-  # No token at all.
-  z = MOE.routed_experts(x[:0], w1[:0], idx1[:0], up, down, "relu2")
-  assert z.shape == (0, d)
+  for dispatch in ("sorted", "gather"):
+    _close(MOE.routed_experts(x, w1, idx1, up, down, "relu2", dispatch),
+           MOE.routed_experts_reference(x, w1, idx1, up, down, "relu2"))
+    # No token at all.
+    z = MOE.routed_experts(x[:0], w1[:0], idx1[:0], up, down, "relu2",
+                           dispatch)
+    assert z.shape == (0, d)
 
 
 def test_grouped_topk_rule():

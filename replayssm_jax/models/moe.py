@@ -21,7 +21,9 @@ The shared expert is a dense MLP of width moe_shared_expert_intermediate_size
 
 `routed_experts` dispatches by sorting the (token, expert) pairs by expert
 and running the expert matmuls as `jax.lax.ragged_dot` over the groups (each
-token meets only its k experts); `routed_experts_reference` runs every
+token meets only its k experts), or, for at most E pairs (a decode step of
+a few rows), by gathering each pair's expert weights;
+`routed_experts_reference` runs every
 expert on every token and keeps the routed outputs (tests). Routing is per
 token, so every position's output depends on that position only: prefill
 [b, T, d], a decode step [b, d] and a verify window [b, T, d] all take the
@@ -87,7 +89,38 @@ def route(logits, *, top_k: int, router: str = "sigmoid", bias=None,
   return w * routed_scaling_factor, idx.astype(jnp.int32)
 
 
-def routed_experts(x, weights, experts, up, down, activation: str):
+def routed_experts(x, weights, experts, up, down, activation: str,
+                   dispatch: str = "auto"):
+  """The routed experts' weighted sum per token: x [n, d_in]; weights,
+  experts [n, k]; up [E, d_in, F] (F = 2 * inter for swiglu), down
+  [E, inter, d_in] -> [n, d_in] in x's dtype.
+
+  dispatch: "sorted" (`routed_experts_sorted`), "gather" (each (token,
+  expert) pair gathers its expert's weights: reads only the picked experts,
+  for a few tokens as in a decode step) or "auto": "gather" when n * k <= E
+  (the gathered weights are then no larger than all experts'), else
+  "sorted". Shapes are static, so the choice is made at trace time.
+  """
+  n, k = experts.shape
+  if dispatch == "auto":
+    dispatch = "gather" if n * k <= up.shape[0] else "sorted"
+  if dispatch == "sorted":
+    return routed_experts_sorted(x, weights, experts, up, down, activation)
+  if dispatch != "gather":
+    raise ValueError(f"dispatch must be 'auto', 'sorted' or 'gather', got "
+                     f"{dispatch!r}.")
+  flat = experts.reshape(-1)
+  xs = jnp.repeat(x, k, axis=0)  # [n*k, d_in], pair p = token p // k
+  hid = jnp.einsum("pd,pdf->pf", xs, jnp.take(up, flat, axis=0).astype(
+      x.dtype), preferred_element_type=F32)
+  hid = activate(hid, activation).astype(x.dtype)
+  out = jnp.einsum("pf,pfd->pd", hid, jnp.take(down, flat, axis=0).astype(
+      x.dtype), preferred_element_type=F32)
+  out = out * weights.reshape(-1)[:, None]
+  return out.reshape(n, k, out.shape[-1]).sum(1).astype(x.dtype)
+
+
+def routed_experts_sorted(x, weights, experts, up, down, activation: str):
   """Grouped dispatch. x [n, d_in]; weights, experts [n, k]; up [E, d_in, F]
   (F = 2 * inter for swiglu), down [E, inter, d_in] -> [n, d_in] in x's
   dtype (accumulated in float32).
