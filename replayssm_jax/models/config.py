@@ -2,7 +2,7 @@
 
 The layer pattern follows Nemotron-H's `hybrid_override_pattern`: one
 character per block, 'M' a Mamba-2 mixer, '*' grouped-query attention, '-' an
-MLP. Every block is pre-norm residual (x + mixer(norm(x))). A pure Mamba-2 LM
+MLP, 'E' a mixture-of-experts MLP (replayssm_jax.models.moe). Every block is pre-norm residual (x + mixer(norm(x))). A pure Mamba-2 LM
 (Hugging Face `Mamba2ForCausalLM`) is the pattern "M" * n_layers.
 
 This module is plain Python (no ml_collections): the `configs/` files build a
@@ -15,8 +15,10 @@ import dataclasses
 
 import jax.numpy as jnp
 
-PATTERN_CHARS = {"M": "mamba", "*": "attention", "-": "mlp"}
+PATTERN_CHARS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 MLP_ACTIVATIONS = ("relu2", "swiglu")
+MOE_ROUTERS = ("sigmoid", "softmax_topk")
+MOE_ACTIVATIONS = ("relu2", "swiglu")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -27,7 +29,8 @@ class ModelConfig:
   Attributes:
     vocab_size: number of token ids.
     d_model: width of the residual stream.
-    pattern: one char per block: 'M' Mamba-2, '*' attention, '-' MLP.
+    pattern: one char per block: 'M' Mamba-2, '*' attention, '-' MLP, 'E'
+      MoE.
     ssm_heads: Mamba-2 heads H (d_inner = ssm_heads * head_dim).
     head_dim: Mamba-2 head dim P.
     d_state: SSM state size N.
@@ -47,6 +50,21 @@ class ModelConfig:
     param_dtype: parameter storage dtype name (the Mamba mixers' A_log, D
       and dt_bias stay float32, as in Hugging Face's Mamba2: the SSM ops
       take them in float32).
+    n_routed_experts: MoE routed experts E.
+    num_experts_per_tok: experts picked per token k.
+    moe_intermediate_size: a routed expert's hidden width.
+    moe_shared_expert_intermediate_size: the shared expert's hidden width
+      (0: no shared expert).
+    n_group: expert groups of grouped top-k (E % n_group == 0).
+    topk_group: groups kept per token (grouped top-k).
+    norm_topk_prob: divide the k routing weights by their sum.
+    routed_scaling_factor: multiplies the routing weights.
+    moe_router: "sigmoid" (NemotronH) or "softmax_topk" (Granite MoE).
+    moe_router_bias: the sigmoid router's e_score_correction_bias.
+    moe_latent_size: width of the experts' latent projections (Nemotron 3),
+      or None (the experts work at d_model).
+    moe_activation: "relu2" (up/down) or "swiglu" (fused gate+up, the gate
+      first).
   """
   vocab_size: int
   d_model: int
@@ -67,6 +85,19 @@ class ModelConfig:
   tie_embeddings: bool = False
   dtype: str = "float32"
   param_dtype: str = "float32"
+  # Mixture-of-experts blocks ('E'; replayssm_jax.models.moe).
+  n_routed_experts: int = 8
+  num_experts_per_tok: int = 2
+  moe_intermediate_size: int = 1024
+  moe_shared_expert_intermediate_size: int = 0
+  n_group: int = 1
+  topk_group: int = 1
+  norm_topk_prob: bool = True
+  routed_scaling_factor: float = 1.0
+  moe_router: str = "sigmoid"
+  moe_router_bias: bool = True
+  moe_latent_size: int | None = None
+  moe_activation: str = "relu2"
 
   def __post_init__(self):
     self.validate()
@@ -120,7 +151,7 @@ class ModelConfig:
     bad = sorted(set(self.pattern) - set(PATTERN_CHARS))
     if bad:
       raise ValueError(f"ModelConfig.pattern may only hold 'M' (Mamba-2), "
-                       f"'*' (attention), '-' (MLP); got {bad} in "
+                       f"'*' (attention), '-' (MLP), 'E' (MoE); got {bad} in "
                        f"{self.pattern!r}.")
     positive("vocab_size")
     positive("d_model")
@@ -155,6 +186,8 @@ class ModelConfig:
       if self.mlp_activation not in MLP_ACTIVATIONS:
         raise ValueError(f"ModelConfig.mlp_activation must be one of "
                          f"{MLP_ACTIVATIONS}, got {self.mlp_activation!r}.")
+    if "E" in self.pattern:
+      self._validate_moe(positive)
     if (isinstance(self.norm_eps, bool)
         or not isinstance(self.norm_eps, (int, float)) or self.norm_eps <= 0):
       raise ValueError(f"ModelConfig.norm_eps must be a positive number, got "
@@ -168,3 +201,38 @@ class ModelConfig:
         raise ValueError(f"ModelConfig.{name} must be one of {DTYPES} (a "
                          f"name), got {v!r}.")
     return self
+
+  def _validate_moe(self, positive):
+    for name in ("n_routed_experts", "num_experts_per_tok",
+                 "moe_intermediate_size", "n_group", "topk_group"):
+      positive(name)
+    s = self.moe_shared_expert_intermediate_size
+    if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+      raise ValueError(f"ModelConfig.moe_shared_expert_intermediate_size "
+                       f"must be an int >= 0, got {s!r}.")
+    if self.num_experts_per_tok > self.n_routed_experts:
+      raise ValueError(f"ModelConfig.num_experts_per_tok "
+                       f"({self.num_experts_per_tok}) must be <= "
+                       f"n_routed_experts ({self.n_routed_experts}).")
+    if self.n_routed_experts % self.n_group:
+      raise ValueError(f"ModelConfig.n_group ({self.n_group}) must divide "
+                       f"n_routed_experts ({self.n_routed_experts}).")
+    if self.topk_group > self.n_group:
+      raise ValueError(f"ModelConfig.topk_group ({self.topk_group}) must be "
+                       f"<= n_group ({self.n_group}).")
+    if self.moe_router not in MOE_ROUTERS:
+      raise ValueError(f"ModelConfig.moe_router must be one of "
+                       f"{MOE_ROUTERS}, got {self.moe_router!r}.")
+    if self.moe_activation not in MOE_ACTIVATIONS:
+      raise ValueError(f"ModelConfig.moe_activation must be one of "
+                       f"{MOE_ACTIVATIONS}, got {self.moe_activation!r}.")
+    if self.moe_latent_size is not None:
+      positive("moe_latent_size")
+    for name in ("norm_topk_prob", "moe_router_bias"):
+      if not isinstance(getattr(self, name), bool):
+        raise TypeError(f"ModelConfig.{name} must be a bool, got "
+                        f"{getattr(self, name)!r}.")
+    f = self.routed_scaling_factor
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or f <= 0:
+      raise ValueError(f"ModelConfig.routed_scaling_factor must be a "
+                       f"positive number, got {f!r}.")

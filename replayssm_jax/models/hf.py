@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints: `Mamba2ForCausalLM` and `NemotronHForCausalLM`.
+"""Hugging Face checkpoints: `Mamba2ForCausalLM` and `NemotronHForCausalLM`
+(NemotronH's config forms and MoE tensors: `hf_nemotron`).
 
 `from_pretrained(directory)` reads config.json and the *.safetensors files
 (one file or sharded with model.safetensors.index.json) and returns a ready
@@ -14,6 +15,7 @@
   backbone.layers.{i}.mixer.out_proj.weight    [d, d_inner]
   backbone.layers.{i}.mixer.{q,k,v,o}_proj.weight                 (attention)
   backbone.layers.{i}.mixer.{up,down}_proj.weight                 (MLP)
+  backbone.layers.{i}.mixer.{gate, experts, shared_experts}...    (MoE)
   backbone.norm_f.weight                       [d]
   lm_head.weight                               [vocab, d] (absent if tied)
 
@@ -33,6 +35,7 @@ import numpy as np
 from flax import nnx
 
 from replayssm_jax import _validation as V
+from replayssm_jax.models import hf_nemotron
 from replayssm_jax.models.config import ModelConfig
 from replayssm_jax.models.model import HybridLM
 
@@ -47,8 +50,9 @@ _LINEARS = {
 def tensor_map(cfg: ModelConfig) -> dict[str, tuple[tuple, str]]:
   """HF tensor name -> (parameter path in HybridLM, transform).
 
-  Transforms: "id", "T" (linear [out, in] <-> [in, out]), "conv"
-  ([C, 1, k] <-> [C, k]).
+  Transforms: "id", "T" (linear [out, in] <-> [in, out]), "T3" (stacked
+  expert weights [E, out, in] <-> [E, in, out]), "conv" ([C, 1, k] <->
+  [C, k]).
   """
   m = {"backbone.embeddings.weight": (("embeddings", "weight"), "id"),
        "backbone.norm_f.weight": (("norm_f", "weight"), "id")}
@@ -59,6 +63,9 @@ def tensor_map(cfg: ModelConfig) -> dict[str, tuple[tuple, str]]:
     me = ("blocks", i)
     m[hf + "norm.weight"] = (me + ("norm", "weight"), "id")
     mx = me + ("mixer",)
+    if kind == "moe":
+      m.update(hf_nemotron.moe_tensor_map(cfg, hf, mx))
+      continue
     if kind == "mlp":
       names = ("up_proj", "down_proj") + (
           ("gate_proj",) if cfg.mlp_activation == "swiglu" else ())
@@ -78,6 +85,8 @@ def tensor_map(cfg: ModelConfig) -> dict[str, tuple[tuple, str]]:
 def _to_ours(arr, transform):
   if transform == "T":
     return arr.T
+  if transform == "T3":
+    return arr.swapaxes(-1, -2)
   if transform == "conv":
     return arr[:, 0, :]
   return arr
@@ -86,6 +95,8 @@ def _to_ours(arr, transform):
 def _to_hf(arr, transform):
   if transform == "T":
     return arr.T
+  if transform == "T3":
+    return arr.swapaxes(-1, -2)
   if transform == "conv":
     return arr[:, None, :]
   return arr
@@ -156,44 +167,14 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "float32",
                       tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
                       **common)
     return cfg, arch
-  pattern = _get(hf, "hybrid_override_pattern")
-  if not isinstance(pattern, str):
-    raise ValueError(f"config.json: hybrid_override_pattern must be a "
-                     f"string of M, *, -, got {pattern!r}.")
-  bad = sorted(set(pattern) - set("M*-"))
-  if bad:
-    raise ValueError(f"config.json: hybrid_override_pattern holds "
-                     f"unsupported block kinds {bad} (only M, *, -).")
-  for key in ("mamba_proj_bias", "attention_bias", "mlp_bias", "use_bias"):
-    if hf.get(key, False):
-      raise ValueError(f"config.json: {key}=True is not supported.")
-  if not hf.get("use_conv_bias", hf.get("mamba_conv_bias", True)):
-    raise ValueError("config.json: use_conv_bias=False is not supported.")
-  act = hf.get("mlp_hidden_act", "relu2")
-  if act != "relu2":
-    raise ValueError(f"config.json: mlp_hidden_act={act!r} is not supported "
-                     f"for NemotronH (only 'relu2').")
-  nh = _get(hf, "num_attention_heads", default=32, kind="int")
-  cfg = ModelConfig(
-      pattern=pattern, ssm_heads=_get(hf, "mamba_num_heads", kind="int"),
-      head_dim=_get(hf, "mamba_head_dim", kind="int"),
-      d_state=_get(hf, "ssm_state_size", "mamba_d_state", default=128,
-                   kind="int"),
-      num_heads=nh, num_kv_heads=_get(hf, "num_key_value_heads", default=nh,
-                                      kind="int"),
-      attn_head_dim=_get(hf, "head_dim", "attention_head_dim",
-                         default=d // nh, kind="int"),
-      rope_theta=None,  # NemotronH attention has no positional encoding.
-      intermediate_size=_get(hf, "intermediate_size", default=4 * d,
-                             kind="int"),
-      mlp_activation="relu2",
-      tie_embeddings=bool(hf.get("tie_word_embeddings", False)), **common)
-  return cfg, arch
+  return hf_nemotron.config(hf, common, _get), arch
 
 
-def hf_config_dict(cfg: ModelConfig, architecture: str) -> dict[str, Any]:
+def hf_config_dict(cfg: ModelConfig, architecture: str,
+                   layer_types: bool = False) -> dict[str, Any]:
   """A config.json dict that `config_from_hf` maps back to `cfg` (dtypes
-  aside)."""
+  aside); NemotronH: `layer_types` writes transformers 5's
+  layers_block_type instead of hybrid_override_pattern."""
   if architecture == "Mamba2ForCausalLM":
     if set(cfg.pattern) != {"M"}:
       raise ValueError("Mamba2ForCausalLM needs an all-'M' pattern.")
@@ -208,39 +189,22 @@ def hf_config_dict(cfg: ModelConfig, architecture: str) -> dict[str, Any]:
                 layer_norm_epsilon=cfg.norm_eps, use_bias=False,
                 use_conv_bias=True, tie_word_embeddings=cfg.tie_embeddings)
   if architecture == "NemotronHForCausalLM":
-    if cfg.rope_theta is not None and "*" in cfg.pattern:
-      raise ValueError("NemotronHForCausalLM attention has no RoPE: "
-                       "rope_theta must be None.")
-    if "-" in cfg.pattern and cfg.mlp_activation != "relu2":
-      raise ValueError("NemotronHForCausalLM MLPs are relu2.")
-    return dict(architectures=[architecture], model_type="nemotron_h",
-                hybrid_override_pattern=cfg.pattern,
-                num_hidden_layers=cfg.n_layers, hidden_size=cfg.d_model,
-                vocab_size=cfg.vocab_size, mamba_num_heads=cfg.ssm_heads,
-                mamba_head_dim=cfg.head_dim, ssm_state_size=cfg.d_state,
-                n_groups=cfg.n_groups, conv_kernel=cfg.conv_kernel,
-                chunk_size=cfg.chunk_size,
-                num_attention_heads=cfg.num_heads,
-                num_key_value_heads=cfg.num_kv_heads,
-                head_dim=cfg.attn_head_dim,
-                intermediate_size=cfg.intermediate_size,
-                mlp_hidden_act="relu2", layer_norm_epsilon=cfg.norm_eps,
-                tie_word_embeddings=cfg.tie_embeddings, use_conv_bias=True,
-                mamba_proj_bias=False, attention_bias=False, mlp_bias=False)
+    return hf_nemotron.config_dict(cfg, layer_types)
   raise ValueError(f"architecture must be one of {ARCHITECTURES}, got "
                    f"{architecture!r}.")
 
 
 # ------------------------------------------------------------- tensors
 def export_hf_tensors(model: HybridLM) -> dict[str, np.ndarray]:
-  """The model's parameters under their HF names and layouts (numpy)."""
+  """The model's parameters under their HF names and layouts (numpy; MoE
+  experts one tensor per expert, as NVIDIA's checkpoints)."""
   flat = {p: v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
   out = {}
   for name, (path, tr) in tensor_map(model.config).items():
     # C-contiguous: safetensors writes the raw buffer of what it is given.
     out[name] = np.ascontiguousarray(
         _to_hf(np.asarray(flat[path].get_value()), tr))
-  return out
+  return hf_nemotron.unpack_tensors(out)
 
 
 def _read_tensors(directory: str) -> dict[str, Any]:
@@ -278,7 +242,10 @@ def _read_tensors(directory: str) -> dict[str, Any]:
 
 
 def load_tensors(model_cfg: ModelConfig, tensors: dict[str, Any]) -> HybridLM:
-  """A HybridLM with the given HF-named tensors (checks names and shapes)."""
+  """A HybridLM with the given HF-named tensors (checks names and shapes;
+  NemotronH's "model." prefix and per-expert tensors are accepted:
+  `hf_nemotron.pack_tensors`)."""
+  tensors = hf_nemotron.pack_tensors(tensors)
   tmap = tensor_map(model_cfg)
   extra = set(tensors) - set(tmap)
   if model_cfg.tie_embeddings:

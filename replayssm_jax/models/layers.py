@@ -26,6 +26,7 @@ from flax import nnx
 from replayssm_jax import ops
 from replayssm_jax.conv import causal_conv1d, causal_conv1d_update
 from replayssm_jax.models.config import ModelConfig
+from replayssm_jax.models.moe import MoE
 from replayssm_jax.models.states import (AttentionState, MambaState,
                                          StoredSSMState, store_baseline)
 from replayssm_jax.norm import rms_norm
@@ -487,7 +488,9 @@ class MLP(nnx.Module):
     return self.down_proj(a)
 
 
-MIXERS = {"mamba": Mamba2Mixer, "attention": Attention, "mlp": MLP}
+MIXERS = {"mamba": Mamba2Mixer, "attention": Attention, "mlp": MLP,
+          "moe": MoE}
+STATELESS = ("mlp", "moe")  # mixers without a decode state
 
 
 class Block(nnx.Module):
@@ -510,7 +513,7 @@ class Block(nnx.Module):
   def mix(self, h, state, lengths=None, implementation=None, layer=0):
     """The mixer on the normed input h [b, T, d] (prefill, with lengths)
     or [b, d] (a decode step) -> (y, new_state), without the residual."""
-    if self.kind == "mlp":
+    if self.kind in STATELESS:
       return self.mixer(h), state
     if self.kind == "attention":
       return (self.mixer.prefill(h, lengths, state) if h.ndim == 3
@@ -523,7 +526,7 @@ class Block(nnx.Module):
     """The mixer on a speculative window's normed input h [b, T, d] ->
     (y, the mixer's pending state), without the residual; `layer` as in
     `__call__`."""
-    if self.kind == "mlp":
+    if self.kind in STATELESS:
       return self.mixer(h), state
     if self.kind == "mamba":
       return self.mixer.verify(h, state, implementation, layer)

@@ -304,7 +304,7 @@ def _check_state(state, batch, cfg):
 
 
 _LAYER_STATES = {"mamba": S.MambaState, "attention": S.AttentionState,
-                 "mlp": type(None)}
+                 "mlp": type(None), "moe": type(None)}
 
 
 def _check_layer_state(i, kind, s, cfg):
