@@ -25,8 +25,13 @@ Tensor names (Granite; `hf_bamba` lists Bamba's):
   model.norm.weight                                  [d]
   lm_head.weight                                     [vocab, d] (absent if tied)
 
-The mixture of experts (num_local_experts > 0) is not supported: loading
-one is a ValueError naming num_local_experts.
+num_local_experts > 0: each feed-forward block is a mixture of experts
+('E', replayssm_jax.models.moe; a tree without it refuses the key), its
+router, experts and the shared MLP (as the block's shared expert) under
+
+  model.layers.{i}.block_sparse_moe.input_linear.weight   [E, 2 inter, d]
+  model.layers.{i}.block_sparse_moe.output_linear.weight  [E, d, inter]
+  model.layers.{i}.block_sparse_moe.router.layer.weight   [E, d]
 
 This module does not import `hf` (which dispatches to it): `tensor_map`
 entries are HF name -> ((parameter path, transform), ...), a fused HF
@@ -36,6 +41,7 @@ lo:hi of the [out, in] tensor, transposed).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -44,7 +50,7 @@ import numpy as np
 from flax import nnx
 
 from replayssm_jax import _validation as V
-from replayssm_jax.models.config import ModelConfig
+from replayssm_jax.models.config import PATTERN_CHARS, ModelConfig
 from replayssm_jax.models.model import HybridLM
 
 ARCHITECTURE = "GraniteMoeHybridForCausalLM"
@@ -90,10 +96,11 @@ def refuse(hf: dict, key: str, allowed, default):
                      f"{' or '.join(map(repr, allowed))}).")
 
 
-def layer_pattern(kinds) -> str:
+def layer_pattern(kinds, ffn: str = "-") -> str:
   """HF layer kinds ('M' / '*' per layer) -> our pattern: each layer's
-  mixer block, then its MLP block ("M-*-...")."""
-  return "".join(k + "-" for k in kinds)
+  mixer block, then its feed-forward block `ffn` ('-' an MLP: "M-*-...";
+  'E' a mixture of experts)."""
+  return "".join(k + ffn for k in kinds)
 
 
 def mamba_settings(hf: dict, d: int) -> dict[str, Any]:
@@ -176,16 +183,37 @@ def common_settings(hf: dict, dtype: str, param_dtype: str | None):
               param_dtype=dtype if param_dtype is None else param_dtype)
 
 
+def moe_settings(hf: dict) -> dict[str, Any]:
+  """The MoE fields of ModelConfig for num_local_experts > 0 (else {}):
+  the router's softmax over the top-k logits, fused [gate; up] SiLU
+  experts and the shared MLP as the block's shared expert. A tree without
+  the MoE block ('E') refuses them."""
+  experts = hf.get("num_local_experts", 8)  # transformers' default
+  if experts in (0, None):
+    return {}
+  if "E" not in PATTERN_CHARS or "moe_router" not in {
+      f.name for f in dataclasses.fields(ModelConfig)}:
+    raise ValueError(f"config.json: num_local_experts={experts!r} is not "
+                     f"supported: the Granite 4.0 mixture of experts needs "
+                     f"the MoE block (only num_local_experts=0, the dense "
+                     f"shared MLP).")
+  experts = V.positive_int("config.json: num_local_experts", experts)
+  return dict(n_routed_experts=experts,
+              num_experts_per_tok=get(hf, "num_experts_per_tok", 2, "int"),
+              moe_intermediate_size=get(hf, "intermediate_size", 11008,
+                                        "int"),
+              moe_shared_expert_intermediate_size=get(
+                  hf, "shared_intermediate_size", 1024, "int"),
+              moe_router="softmax_topk", moe_activation="swiglu",
+              norm_topk_prob=False, moe_router_bias=False,
+              routed_scaling_factor=1.0)
+
+
 def config_from_hf(hf: dict[str, Any], dtype: str = "float32",
                    param_dtype: str | None = None) -> ModelConfig:
   """The ModelConfig of a GraniteMoeHybridForCausalLM config.json."""
-  experts = hf.get("num_local_experts", 8)
-  if experts not in (0, None):
-    raise ValueError(f"config.json: num_local_experts={experts!r} is not "
-                     f"supported: the Granite 4.0 mixture of experts is not "
-                     f"implemented (only num_local_experts=0, the dense "
-                     f"shared MLP).")
   common = common_settings(hf, dtype, param_dtype)
+  moe = moe_settings(hf)
   d = common["d_model"]
   n = get(hf, "num_hidden_layers", kind="int")
   types = hf.get("layer_types", hf.get("layers_block_type"))
@@ -216,7 +244,7 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "float32",
                        f"1.0).")
   attention_multiplier = get(hf, "attention_multiplier", 1.0, "float")
   return ModelConfig(
-      pattern=layer_pattern(kinds),
+      pattern=layer_pattern(kinds, "E" if moe else "-"), **moe,
       **mamba_settings(hf, d), **attention_settings(hf, d),
       rope_theta=rope_theta,
       intermediate_size=get(hf, "shared_intermediate_size", 1024, "int"),
@@ -267,6 +295,9 @@ def tensor_map(cfg: ModelConfig) -> dict[str, tuple]:
     m[hf + "post_attention_layernorm.weight"] = (
         (ffn + ("norm", "weight"), "id"),)
     mlp = ffn + ("mixer",)
+    if kinds[2 * i + 1] == "moe":
+      m.update(_moe_tensors(hf, mlp))
+      continue
     m[hf + "shared_mlp.input_linear.weight"] = (  # [gate; up] rows
         (mlp + ("gate_proj", "kernel"), ("T", 0, f)),
         (mlp + ("up_proj", "kernel"), ("T", f, 2 * f)))
@@ -275,9 +306,25 @@ def tensor_map(cfg: ModelConfig) -> dict[str, tuple]:
   return m
 
 
+def _moe_tensors(hf: str, mx: tuple) -> dict[str, tuple]:
+  """A MoE layer's tensors: the experts [E, 2 inter, d] / [E, d, inter]
+  ("T3": the last two axes swapped), the router [E, d], the shared MLP
+  as the block's shared expert (fused [gate; up] as the experts')."""
+  p = hf + "block_sparse_moe."
+  return {p + "input_linear.weight": ((mx + ("up",), "T3"),),
+          p + "output_linear.weight": ((mx + ("down",), "T3"),),
+          p + "router.layer.weight": ((mx + ("router",), "T"),),
+          hf + "shared_mlp.input_linear.weight": (
+              (mx + ("shared_up", "kernel"), "T"),),
+          hf + "shared_mlp.output_linear.weight": (
+              (mx + ("shared_down", "kernel"), "T"),)}
+
+
 def _to_ours(arr, transform):
   if transform == "T":
     return arr.T
+  if transform == "T3":
+    return arr.swapaxes(-1, -2)
   if transform == "conv":
     return arr[:, 0, :]
   if isinstance(transform, tuple):
@@ -290,6 +337,8 @@ def _hf_shape(shape, transform, full_rows=None):
   """The HF tensor shape a parameter of `shape` comes from."""
   if transform == "T":
     return (shape[1], shape[0])
+  if transform == "T3":
+    return tuple(shape[:-2]) + (shape[-1], shape[-2])
   if transform == "conv":
     return (shape[0], 1, shape[1])
   if isinstance(transform, tuple):
@@ -345,6 +394,7 @@ def export_tensors(model: HybridLM, tmap: dict[str, tuple]
     for path, tr in pieces:
       a = np.asarray(flat[path].get_value())
       parts.append(a.T if tr == "T" or isinstance(tr, tuple)
+                   else a.swapaxes(-1, -2) if tr == "T3"
                    else a[:, None, :] if tr == "conv" else a)
     out[name] = np.ascontiguousarray(np.concatenate(parts, 0)
                                      if len(parts) > 1 else parts[0])
