@@ -16,10 +16,13 @@ from flax import nnx
 
 from replayssm_jax import models
 from replayssm_jax.models import hf, hf_bamba, hf_granite
-from replayssm_jax.models.config import ModelConfig
+from replayssm_jax.models.config import PATTERN_CHARS, ModelConfig
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
-PARITY = ("granite_hybrid_dense", "bamba")
+# Granite 4.0 MoE loads where the tree has the MoE block ('E').
+HAS_MOE = "E" in PATTERN_CHARS
+PARITY = ("granite_hybrid_dense", "bamba") + (
+    ("granite_hybrid_moe",) if HAS_MOE else ())
 
 
 def fixture_dir(name):
@@ -85,6 +88,8 @@ def test_layer_pattern_and_numerics_fields():
   assert cfg.attention_multiplier is None
 
 
+@pytest.mark.skipif(HAS_MOE, reason="this tree has the MoE block: Granite "
+                    "MoE loads (the parity tests above).")
 def test_granite_moe_is_refused_naming_num_local_experts():
   d = fixture_dir("granite_hybrid_moe")
   with pytest.raises(ValueError, match="num_local_experts=4"):
@@ -168,8 +173,21 @@ def test_synthetic_configs_read():
   assert cfg.pattern == "M-*-M-" and cfg.rotary_dim == 4
 
 
+@pytest.mark.skipif(not HAS_MOE, reason="no MoE block ('E') in this tree.")
+def test_granite_moe_config_maps_onto_the_moe_block():
+  cfg, _ = hf.config_from_hf({**GRANITE, "num_local_experts": 4,
+                              "num_experts_per_tok": 2,
+                              "intermediate_size": 16})
+  assert cfg.pattern == "ME*E"
+  assert (cfg.n_routed_experts, cfg.num_experts_per_tok,
+          cfg.moe_intermediate_size,
+          cfg.moe_shared_expert_intermediate_size) == (4, 2, 16, 48)
+  assert (cfg.moe_router, cfg.moe_activation, cfg.norm_topk_prob,
+          cfg.moe_router_bias) == ("softmax_topk", "swiglu", False, False)
+
+
 @pytest.mark.parametrize("base,key,value", [
-    (GRANITE, "num_local_experts", 8),
+    (GRANITE, "num_local_experts", 0.5 if HAS_MOE else 8),
     (GRANITE, "position_embedding_type", "alibi"),
     (GRANITE, "layer_types", ["mamba", "moe"]),
     (GRANITE, "hidden_act", "gelu"),
@@ -217,8 +235,10 @@ def test_bad_tensors_listed(tmp_path):
     hf.from_pretrained(str(tmp_path))
 
 
-@pytest.mark.parametrize("family,base", [(hf_granite, GRANITE),
-                                         (hf_bamba, BAMBA)])
+@pytest.mark.parametrize("family,base", [
+    (hf_granite, GRANITE), (hf_bamba, BAMBA)] + ([
+        (hf_granite, {**GRANITE, "num_local_experts": 4,
+                      "intermediate_size": 16})] if HAS_MOE else []))
 def test_export_load_round_trip(tmp_path, family, base):
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   cfg, _ = hf.config_from_hf(base)
