@@ -80,7 +80,7 @@ def tensor_map(cfg: ModelConfig) -> dict[str, tuple]:
     hf = f"model.layers.{i}."
     mix, ffn = ("blocks", 2 * i), ("blocks", 2 * i + 1)
     m[hf + "input_layernorm.weight"] = ((mix + ("norm", "weight"), "id"),)
-    m.update(G.mixer_tensors(cfg, hf, kinds[2 * i], mix))
+    m.update(G.mixer_tensors(hf, kinds[2 * i], mix))
     m[hf + "pre_ff_layernorm.weight"] = ((ffn + ("norm", "weight"), "id"),)
     for n in ("gate_proj", "up_proj", "down_proj"):
       m[hf + f"feed_forward.{n}.weight"] = (

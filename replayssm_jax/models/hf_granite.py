@@ -258,7 +258,7 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "float32",
 
 
 # ------------------------------------------------------------- tensors
-def mixer_tensors(cfg: ModelConfig, hf: str, kind: str, me: tuple):
+def mixer_tensors(hf: str, kind: str, me: tuple):
   """The HF names of layer prefix `hf`'s mixer (`kind` of block path me:
   "mamba" under `hf + "mamba."`, "attention" under `hf + "self_attn."`)."""
   mx = me + ("mixer",)
@@ -275,7 +275,6 @@ def mixer_tensors(cfg: ModelConfig, hf: str, kind: str, me: tuple):
   else:
     for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
       m[hf + f"self_attn.{n}.weight"] = ((mx + (n, "kernel"), "T"),)
-  del cfg
   return m
 
 
@@ -291,7 +290,7 @@ def tensor_map(cfg: ModelConfig) -> dict[str, tuple]:
     hf = f"model.layers.{i}."
     mix, ffn = ("blocks", 2 * i), ("blocks", 2 * i + 1)
     m[hf + "input_layernorm.weight"] = ((mix + ("norm", "weight"), "id"),)
-    m.update(mixer_tensors(cfg, hf, kinds[2 * i], mix))
+    m.update(mixer_tensors(hf, kinds[2 * i], mix))
     m[hf + "post_attention_layernorm.weight"] = (
         (ffn + ("norm", "weight"), "id"),)
     mlp = ffn + ("mixer",)
