@@ -12,6 +12,7 @@ This module is plain Python (no ml_collections): the `configs/` files build a
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
 
@@ -65,6 +66,18 @@ class ModelConfig:
       or None (the experts work at d_model).
     moe_activation: "relu2" (up/down) or "swiglu" (fused gate+up, the gate
       first).
+    embedding_multiplier: the token embeddings are multiplied by it
+      (Granite 4.0's embedding_multiplier; the tied LM head reads the
+      unscaled matrix).
+    residual_multiplier: every block's mixer output is multiplied by it
+      before the residual add (Granite 4.0's residual_multiplier).
+    attention_multiplier: the attention score scale, or None for
+      attn_head_dim ** -0.5 (Granite 4.0's attention_multiplier).
+    logits_scaling: the logits are divided by it (Granite 4.0's
+      logits_scaling).
+    rotary_dim: RoPE rotates the first rotary_dim dims of each attention
+      head (rotate-half within them) and passes the rest, or None for all
+      attn_head_dim dims (Bamba's partial_rotary_factor * head_dim).
   """
   vocab_size: int
   d_model: int
@@ -98,6 +111,11 @@ class ModelConfig:
   moe_router_bias: bool = True
   moe_latent_size: int | None = None
   moe_activation: str = "relu2"
+  embedding_multiplier: float = 1.0
+  residual_multiplier: float = 1.0
+  attention_multiplier: float | None = None
+  logits_scaling: float = 1.0
+  rotary_dim: int | None = None
 
   def __post_init__(self):
     self.validate()
@@ -200,6 +218,7 @@ class ModelConfig:
       if v not in DTYPES:
         raise ValueError(f"ModelConfig.{name} must be one of {DTYPES} (a "
                          f"name), got {v!r}.")
+    self._validate_scales()
     return self
 
   def _validate_moe(self, positive):
@@ -236,3 +255,24 @@ class ModelConfig:
     if isinstance(f, bool) or not isinstance(f, (int, float)) or f <= 0:
       raise ValueError(f"ModelConfig.routed_scaling_factor must be a "
                        f"positive number, got {f!r}.")
+
+  def _validate_scales(self):
+    """The multipliers and rotary_dim (Granite 4.0 / Bamba numerics)."""
+    def number(name, v):
+      if (isinstance(v, bool) or not isinstance(v, (int, float))
+          or not math.isfinite(v) or v <= 0):
+        raise ValueError(f"ModelConfig.{name} must be a positive finite "
+                         f"number, got {v!r}.")
+
+    for name in ("embedding_multiplier", "residual_multiplier",
+                 "logits_scaling"):
+      number(name, getattr(self, name))
+    if self.attention_multiplier is not None:
+      number("attention_multiplier", self.attention_multiplier)
+    rd = self.rotary_dim
+    if rd is not None:
+      if (isinstance(rd, bool) or not isinstance(rd, int) or rd < 2 or rd % 2
+          or ("*" in self.pattern and rd > self.attn_head_dim)):
+        raise ValueError(f"ModelConfig.rotary_dim must be None or an even "
+                         f"int in [2, attn_head_dim={self.attn_head_dim}], "
+                         f"got {rd!r}.")

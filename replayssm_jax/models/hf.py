@@ -1,5 +1,6 @@
 """Hugging Face checkpoints: `Mamba2ForCausalLM` and `NemotronHForCausalLM`
-(NemotronH's config forms and MoE tensors: `hf_nemotron`).
+(NemotronH's config forms and MoE tensors: `hf_nemotron`), Granite 4.0
+hybrid and Bamba (`hf_granite`, `hf_bamba`).
 
 `from_pretrained(directory)` reads config.json and the *.safetensors files
 (one file or sharded with model.safetensors.index.json) and returns a ready
@@ -35,11 +36,15 @@ import numpy as np
 from flax import nnx
 
 from replayssm_jax import _validation as V
-from replayssm_jax.models import hf_nemotron
+from replayssm_jax.models import hf_bamba, hf_granite, hf_nemotron
 from replayssm_jax.models.config import ModelConfig
 from replayssm_jax.models.model import HybridLM
 
-ARCHITECTURES = ("Mamba2ForCausalLM", "NemotronHForCausalLM")
+# Architectures read by their own module (its config_from_hf and
+# tensor_map; hf_granite.load_tensors loads them).
+FAMILIES = {m.ARCHITECTURE: m for m in (hf_granite, hf_bamba)}
+ARCHITECTURES = ("Mamba2ForCausalLM", "NemotronHForCausalLM") + tuple(
+    FAMILIES)
 
 _LINEARS = {
     "mamba": ("in_proj", "out_proj"),
@@ -132,11 +137,15 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "float32",
   """(ModelConfig, architecture) from a parsed config.json."""
   archs = hf.get("architectures") or []
   arch = archs[0] if archs else {"mamba2": "Mamba2ForCausalLM",
-                                 "nemotron_h": "NemotronHForCausalLM"}.get(
-                                     hf.get("model_type"))
+                                 "nemotron_h": "NemotronHForCausalLM",
+                                 **{m.MODEL_TYPE: a
+                                    for a, m in FAMILIES.items()}}.get(
+                                        hf.get("model_type"))
   if arch not in ARCHITECTURES:
     raise ValueError(f"config.json: architecture must be one of "
                      f"{ARCHITECTURES}, got {archs or hf.get('model_type')!r}.")
+  if arch in FAMILIES:
+    return FAMILIES[arch].config_from_hf(hf, dtype, param_dtype), arch
   param_dtype = dtype if param_dtype is None else param_dtype
   d = _get(hf, "hidden_size", kind="int")
   common = dict(vocab_size=_get(hf, "vocab_size", kind="int"), d_model=d,
@@ -276,7 +285,8 @@ def load_tensors(model_cfg: ModelConfig, tensors: dict[str, Any]) -> HybridLM:
 
 def from_pretrained(directory: str, dtype: str = "float32",
                     param_dtype: str | None = None) -> HybridLM:
-  """Loads a HF Mamba2ForCausalLM / NemotronHForCausalLM directory.
+  """Loads a HF Mamba2ForCausalLM / NemotronHForCausalLM /
+  GraniteMoeHybridForCausalLM / BambaForCausalLM directory.
 
   Args:
     directory: holds config.json and model.safetensors (or shards listed in
@@ -301,7 +311,10 @@ def from_pretrained(directory: str, dtype: str = "float32",
     raise ValueError(f"{path}: must hold a JSON object, got "
                      f"{type(hf).__name__}.")
   try:
-    cfg, _ = config_from_hf(hf, dtype=dtype, param_dtype=param_dtype)
+    cfg, arch = config_from_hf(hf, dtype=dtype, param_dtype=param_dtype)
   except ValueError as e:  # name the file, not just "config.json"
     raise ValueError(str(e).replace("config.json:", f"{path}:", 1)) from None
+  if arch in FAMILIES:
+    return hf_granite.load_tensors(cfg, _read_tensors(directory),
+                                   FAMILIES[arch].tensor_map(cfg))
   return load_tensors(cfg, _read_tensors(directory))

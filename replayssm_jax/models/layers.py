@@ -57,11 +57,15 @@ class Linear(nnx.Module):
 class Embedding(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs):
     self.dtype = cfg.jnp_dtype
+    self.multiplier = float(cfg.embedding_multiplier)
     self.weight = nnx.Param(_normal(rngs, (cfg.vocab_size, cfg.d_model), 1.0,
                                     cfg.jnp_param_dtype))  # [vocab, d]
 
   def __call__(self, tokens):
-    return jnp.take(self.weight[...], tokens, axis=0).astype(self.dtype)
+    x = jnp.take(self.weight[...], tokens, axis=0).astype(self.dtype)
+    if self.multiplier != 1.0:  # config.embedding_multiplier
+      x = x * jnp.asarray(self.multiplier, self.dtype)
+    return x
 
   def attend(self, h):
     """Tied LM head: h [..., d] -> logits [..., vocab] float32."""
@@ -352,6 +356,15 @@ def _rope(x, positions, theta):
   return out.astype(x.dtype)
 
 
+def _partial_rope(x, positions, theta, rotary_dim):
+  """`_rope` on the first rotary_dim dims of each head (all if None), the
+  rest passed through (Bamba's partial rotary embedding)."""
+  if rotary_dim is None or rotary_dim == x.shape[-1]:
+    return _rope(x, positions, theta)
+  return jnp.concatenate([_rope(x[..., :rotary_dim], positions, theta),
+                          x[..., rotary_dim:]], -1)
+
+
 class Attention(nnx.Module):
   """Grouped-query causal attention with optional RoPE and a KV cache."""
 
@@ -372,8 +385,8 @@ class Attention(nnx.Module):
     k = self.k_proj(h).reshape(lead + (c.num_kv_heads, c.attn_head_dim))
     v = self.v_proj(h).reshape(lead + (c.num_kv_heads, c.attn_head_dim))
     if c.rope_theta is not None:
-      q = _rope(q, positions, c.rope_theta)
-      k = _rope(k, positions, c.rope_theta)
+      q = _partial_rope(q, positions, c.rope_theta, c.rotary_dim)
+      k = _partial_rope(k, positions, c.rope_theta, c.rotary_dim)
     return q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
 
   def _attend(self, q, k, v, mask):
@@ -389,7 +402,8 @@ class Attention(nnx.Module):
     rep = c.num_heads // c.num_kv_heads
     qg = q.reshape(b, tq, c.num_kv_heads, rep, c.attn_head_dim)
     s = jnp.einsum("bqkrd,bksd->bkrqs", qg.astype(F32), k.astype(F32))
-    s = s * (c.attn_head_dim ** -0.5)
+    s = s * (c.attn_head_dim ** -0.5 if c.attention_multiplier is None
+             else c.attention_multiplier)
     s = jnp.where(mask[:, None, None], s, -1e30)
     p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("bkrqs,bksd->bqkrd", p, v.astype(F32))
@@ -435,6 +449,7 @@ class Attention(nnx.Module):
     with jax.named_scope("attend"):
       o = ops.decode_attention(q[:, 0], kc, vc,
                                jnp.minimum(pos + 1, state.max_len),
+                               self.cfg.attention_multiplier,
                                implementation=implementation)
     with jax.named_scope("o_proj"):
       out = self.o_proj(o.reshape(b, -1))
@@ -461,6 +476,7 @@ class Attention(nnx.Module):
         state.v.dtype), mode="drop")
     o = ops.decode_attention(q, kc, vc,
                              jnp.minimum(state.length + 1, state.max_len),
+                             self.cfg.attention_multiplier,
                              implementation=implementation)
     out = self.o_proj(o.reshape(b, t, -1))
     return out, AttentionState(k=kc, v=vc, length=state.length)
@@ -499,6 +515,7 @@ class Block(nnx.Module):
   def __init__(self, kind: str, cfg: ModelConfig, *, rngs):
     self.kind = kind
     self.norm = RMSNorm(cfg.d_model, cfg)
+    self.residual_multiplier = float(cfg.residual_multiplier)
     self.mixer = MIXERS[kind](cfg, rngs=rngs)
 
   def __call__(self, x, state, lengths=None, implementation=None, layer=0):
@@ -512,7 +529,19 @@ class Block(nnx.Module):
 
   def mix(self, h, state, lengths=None, implementation=None, layer=0):
     """The mixer on the normed input h [b, T, d] (prefill, with lengths)
-    or [b, d] (a decode step) -> (y, new_state), without the residual."""
+    or [b, d] (a decode step) -> (y, new_state), without the residual;
+    y times config.residual_multiplier."""
+    y, state = self._mix(h, state, lengths, implementation, layer)
+    return self._scale(y), state
+
+  def _scale(self, y):
+    """y * config.residual_multiplier (in y's dtype)."""
+    if self.residual_multiplier == 1.0:
+      return y
+    return y * jnp.asarray(self.residual_multiplier, y.dtype)
+
+  def _mix(self, h, state, lengths=None, implementation=None, layer=0):
+    """`mix` before the residual multiplier."""
     if self.kind in STATELESS:
       return self.mixer(h), state
     if self.kind == "attention":
@@ -524,8 +553,13 @@ class Block(nnx.Module):
 
   def verify(self, h, state, implementation=None, layer=0):
     """The mixer on a speculative window's normed input h [b, T, d] ->
-    (y, the mixer's pending state), without the residual; `layer` as in
-    `__call__`."""
+    (y, the mixer's pending state), without the residual (y times
+    config.residual_multiplier, as `mix`); `layer` as in `__call__`."""
+    y, state = self._verify(h, state, implementation, layer)
+    return self._scale(y), state
+
+  def _verify(self, h, state, implementation=None, layer=0):
+    """`verify` before the residual multiplier."""
     if self.kind in STATELESS:
       return self.mixer(h), state
     if self.kind == "mamba":

@@ -68,8 +68,12 @@ class HybridLM(nnx.Module):
     """The LM head on the final norm's output hn [..., d] -> [..., vocab]
     float32."""
     if self.config.tie_embeddings:
-      return self.embeddings.attend(hn)
-    return self.lm_head(hn).astype(F32)
+      logits = self.embeddings.attend(hn)
+    else:
+      logits = self.lm_head(hn).astype(F32)
+    if self.config.logits_scaling != 1.0:  # Granite 4.0's logits_scaling
+      logits = logits / self.config.logits_scaling
+    return logits
 
   def forward(self, tokens, lengths=None, state: S.ModelState | None = None):
     """Runs a right-padded sequence. tokens [b, T] int, lengths [b].
