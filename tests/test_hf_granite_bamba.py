@@ -16,19 +16,17 @@ from flax import nnx
 
 from replayssm_jax import models
 from replayssm_jax.models import hf, hf_bamba, hf_granite
-from replayssm_jax.models.config import PATTERN_CHARS, ModelConfig
+from replayssm_jax.models.config import ModelConfig
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
-# Granite 4.0 MoE loads where the tree has the MoE block ('E').
-HAS_MOE = "E" in PATTERN_CHARS
-PARITY = ("granite_hybrid_dense", "bamba") + (
-    ("granite_hybrid_moe",) if HAS_MOE else ())
+PARITY = ("granite_hybrid_dense", "bamba", "granite_hybrid_moe")
 
 
 def fixture_dir(name):
   d = os.path.join(FIXTURES, name)
-  if not os.path.isfile(os.path.join(d, "expected.npz")):
-    pytest.skip(f"{d} is absent (the committed transformers fixtures).")
+  assert os.path.isfile(os.path.join(d, "expected.npz")), (
+      f"{d} is missing: the committed transformers fixtures "
+      f"(tests/fixtures/make_hf_fixtures.py writes them).")
   return d
 
 
@@ -86,14 +84,6 @@ def test_layer_pattern_and_numerics_fields():
   assert cfg.pattern == "M-M-*-M-*-M-"  # attn_layer_indices [2, 4]
   assert cfg.rotary_dim == cfg.attn_head_dim // 2  # partial_rotary 0.5
   assert cfg.attention_multiplier is None
-
-
-@pytest.mark.skipif(HAS_MOE, reason="this tree has the MoE block: Granite "
-                    "MoE loads (the parity tests above).")
-def test_granite_moe_is_refused_naming_num_local_experts():
-  d = fixture_dir("granite_hybrid_moe")
-  with pytest.raises(ValueError, match="num_local_experts=4"):
-    hf.from_pretrained(d)
 
 
 # ------------------------------------------ numerics on every path (no HF)
@@ -173,7 +163,6 @@ def test_synthetic_configs_read():
   assert cfg.pattern == "M-*-M-" and cfg.rotary_dim == 4
 
 
-@pytest.mark.skipif(not HAS_MOE, reason="no MoE block ('E') in this tree.")
 def test_granite_moe_config_maps_onto_the_moe_block():
   cfg, _ = hf.config_from_hf({**GRANITE, "num_local_experts": 4,
                               "num_experts_per_tok": 2,
@@ -187,7 +176,7 @@ def test_granite_moe_config_maps_onto_the_moe_block():
 
 
 @pytest.mark.parametrize("base,key,value", [
-    (GRANITE, "num_local_experts", 0.5 if HAS_MOE else 8),
+    (GRANITE, "num_local_experts", 0.5),
     (GRANITE, "position_embedding_type", "alibi"),
     (GRANITE, "layer_types", ["mamba", "moe"]),
     (GRANITE, "hidden_act", "gelu"),
@@ -236,9 +225,9 @@ def test_bad_tensors_listed(tmp_path):
 
 
 @pytest.mark.parametrize("family,base", [
-    (hf_granite, GRANITE), (hf_bamba, BAMBA)] + ([
-        (hf_granite, {**GRANITE, "num_local_experts": 4,
-                      "intermediate_size": 16})] if HAS_MOE else []))
+    (hf_granite, GRANITE), (hf_bamba, BAMBA),
+    (hf_granite, {**GRANITE, "num_local_experts": 4,
+                  "intermediate_size": 16})])
 def test_export_load_round_trip(tmp_path, family, base):
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   cfg, _ = hf.config_from_hf(base)

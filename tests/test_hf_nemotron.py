@@ -24,9 +24,9 @@ NAMES = ("nemotron_h", "nemotron_h_legacy_config", "nemotron_h_moe",
 
 def _fixture(name):
   d = os.path.join(FIXTURES, name)
-  if not os.path.isfile(os.path.join(d, "expected.npz")):
-    pytest.skip(f"fixture {d} is absent (written by "
-                f"tests/fixtures/make_hf_fixtures.py)")
+  assert os.path.isfile(os.path.join(d, "expected.npz")), (
+      f"fixture {d} is missing (tests/fixtures/make_hf_fixtures.py writes "
+      f"it).")
   return d, np.load(os.path.join(d, "expected.npz"))
 
 

@@ -26,7 +26,7 @@ Tensor names (Granite; `hf_bamba` lists Bamba's):
   lm_head.weight                                     [vocab, d] (absent if tied)
 
 num_local_experts > 0: each feed-forward block is a mixture of experts
-('E', replayssm_jax.models.moe; a tree without it refuses the key), its
+('E', replayssm_jax.models.moe): its
 router, experts and the shared MLP (as the block's shared expert) under
 
   model.layers.{i}.block_sparse_moe.input_linear.weight   [E, 2 inter, d]
@@ -41,7 +41,6 @@ lo:hi of the [out, in] tensor, transposed).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -50,7 +49,7 @@ import numpy as np
 from flax import nnx
 
 from replayssm_jax import _validation as V
-from replayssm_jax.models.config import PATTERN_CHARS, ModelConfig
+from replayssm_jax.models.config import ModelConfig
 from replayssm_jax.models.model import HybridLM
 
 ARCHITECTURE = "GraniteMoeHybridForCausalLM"
@@ -186,17 +185,10 @@ def common_settings(hf: dict, dtype: str, param_dtype: str | None):
 def moe_settings(hf: dict) -> dict[str, Any]:
   """The MoE fields of ModelConfig for num_local_experts > 0 (else {}):
   the router's softmax over the top-k logits, fused [gate; up] SiLU
-  experts and the shared MLP as the block's shared expert. A tree without
-  the MoE block ('E') refuses them."""
+  experts and the shared MLP as the block's shared expert."""
   experts = hf.get("num_local_experts", 8)  # transformers' default
   if experts in (0, None):
     return {}
-  if "E" not in PATTERN_CHARS or "moe_router" not in {
-      f.name for f in dataclasses.fields(ModelConfig)}:
-    raise ValueError(f"config.json: num_local_experts={experts!r} is not "
-                     f"supported: the Granite 4.0 mixture of experts needs "
-                     f"the MoE block (only num_local_experts=0, the dense "
-                     f"shared MLP).")
   experts = V.positive_int("config.json: num_local_experts", experts)
   return dict(n_routed_experts=experts,
               num_experts_per_tok=get(hf, "num_experts_per_tok", 2, "int"),
