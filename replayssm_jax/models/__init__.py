@@ -15,7 +15,8 @@
                     Proposer (DraftModelProposer, NgramProposer).
   kv_cache_len      a KV-cache length the attention kernel tiles (the
                     loops' own caches use it; so should a caller's).
-  from_pretrained   Hugging Face Mamba2 / NemotronH checkpoint directory.
+  from_pretrained   Hugging Face Mamba2 / NemotronH / Granite 4.0 hybrid /
+                    Bamba checkpoint directory.
 """
 
 from replayssm_jax.models.config import ModelConfig
