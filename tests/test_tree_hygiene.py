@@ -15,10 +15,13 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A work-step label: session, issue or run followed by a number, used as a
-# name; a run count followed by its unit (steps, times, ...) is not one.
+# name.
 LABEL = re.compile(
-    r"(?<![a-z])(session|issue)s?[ _#-]{0,2}[0-9]|(?<![a-z])runs?[ _#-]{0,2}[0-9]+\b(?! ?(steps?|"
-    r"tokens?|times|calls|iterations|rounds|repeats|warm|seconds|s\b|ms\b))",
+    r"(?<![a-z])(session|issue)s?[ _#-]{0,2}[0-9]"
+    # A run's number as a name ends the phrase or is followed by a
+    # preposition or conjunction; a count is followed by what it counts.
+    r"|(?<![a-z])runs?[ _#-]{0,2}[0-9]+\b"
+    r"(?!\s*(?!(of|and|or|in|at|on|with|to|from|vs|against)\b)[a-z])",
     re.IGNORECASE)
 NAME_LABEL = re.compile(r"(session|issue|_run|^run)[_-]?[0-9]", re.IGNORECASE)
 MAX_LINES = 600
@@ -66,7 +69,7 @@ def test_label_pattern():
   for bad in (f"{s} 12", f"{s.title()}12", f"{i} #45", f"{i} 45",
               f"kernel_bench_h200_{r}11.md", f"{r} 11 of the sweep"):
     assert LABEL.search(bad), bad
-  for ok in (f"{r} 10 steps", f"{r}s 3 times", "the run's median", "rerun",
+  for ok in (f"{r} 10 steps", f"{r}s 3 times", f"{r}s 16 greedy steps", "the run's median", "rerun",
              "session state", "issues", "run_app"):
     assert not LABEL.search(ok), ok
 
