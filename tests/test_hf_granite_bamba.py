@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from replayssm_jax import models
-from replayssm_jax.models import hf, hf_bamba, hf_granite
+from replayssm_jax.models import hf, hf_bamba, hf_granite, hf_tensors
 from replayssm_jax.models.config import ModelConfig
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
@@ -207,7 +207,7 @@ def test_bad_tensors_listed(tmp_path):
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   cfg, _ = hf.config_from_hf(GRANITE)
   model = models.HybridLM(cfg, rngs=nnx.Rngs(0))
-  tensors = hf_granite.export_tensors(model, hf_granite.tensor_map(cfg))
+  tensors = hf_tensors.export_tensors(model, hf_granite.tensor_map(cfg))
   tensors.pop("model.layers.1.self_attn.k_proj.weight")
   tensors["model.layers.0.shared_mlp.input_linear.weight"] = np.zeros(
       (95, 32), np.float32)
@@ -235,7 +235,7 @@ def test_export_load_round_trip(tmp_path, family, base):
   tmap = family.tensor_map(cfg)
   with open(tmp_path / "config.json", "w") as f:
     json.dump(base, f)
-  save_file(hf_granite.export_tensors(model, tmap),
+  save_file(hf_tensors.export_tensors(model, tmap),
             str(tmp_path / "model.safetensors"))
   loaded = hf.from_pretrained(str(tmp_path))
   toks = jnp.arange(10).reshape(2, 5)

@@ -31,17 +31,16 @@ import json
 import os
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from replayssm_jax import _validation as V
 from replayssm_jax.models import hf_bamba, hf_granite, hf_nemotron
+from replayssm_jax.models import hf_tensors
 from replayssm_jax.models.config import ModelConfig
 from replayssm_jax.models.model import HybridLM
 
 # Architectures read by their own module (its config_from_hf and
-# tensor_map; hf_granite.load_tensors loads them).
+# tensor_map).
 FAMILIES = {m.ARCHITECTURE: m for m in (hf_granite, hf_bamba)}
 ARCHITECTURES = ("Mamba2ForCausalLM", "NemotronHForCausalLM") + tuple(
     FAMILIES)
@@ -85,26 +84,6 @@ def tensor_map(cfg: ModelConfig) -> dict[str, tuple[tuple, str]]:
         m[hf + f"mixer.{n}"] = (mx + (n,), "id")
       m[hf + "mixer.norm.weight"] = (mx + ("norm", "weight"), "id")
   return m
-
-
-def _to_ours(arr, transform):
-  if transform == "T":
-    return arr.T
-  if transform == "T3":
-    return arr.swapaxes(-1, -2)
-  if transform == "conv":
-    return arr[:, 0, :]
-  return arr
-
-
-def _to_hf(arr, transform):
-  if transform == "T":
-    return arr.T
-  if transform == "T3":
-    return arr.swapaxes(-1, -2)
-  if transform == "conv":
-    return arr[:, None, :]
-  return arr
 
 
 # ------------------------------------------------------------- configs
@@ -204,16 +183,16 @@ def hf_config_dict(cfg: ModelConfig, architecture: str,
 
 
 # ------------------------------------------------------------- tensors
+def _pieces(cfg: ModelConfig) -> dict[str, tuple]:
+  """`tensor_map` in `hf_tensors`' form (one parameter per tensor)."""
+  return {name: (piece,) for name, piece in tensor_map(cfg).items()}
+
+
 def export_hf_tensors(model: HybridLM) -> dict[str, np.ndarray]:
   """The model's parameters under their HF names and layouts (numpy; MoE
   experts one tensor per expert, as NVIDIA's checkpoints)."""
-  flat = {p: v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-  out = {}
-  for name, (path, tr) in tensor_map(model.config).items():
-    # C-contiguous: safetensors writes the raw buffer of what it is given.
-    out[name] = np.ascontiguousarray(
-        _to_hf(np.asarray(flat[path].get_value()), tr))
-  return hf_nemotron.unpack_tensors(out)
+  return hf_nemotron.unpack_tensors(
+      hf_tensors.export_tensors(model, _pieces(model.config)))
 
 
 def _read_tensors(directory: str) -> dict[str, Any]:
@@ -254,33 +233,8 @@ def load_tensors(model_cfg: ModelConfig, tensors: dict[str, Any]) -> HybridLM:
   """A HybridLM with the given HF-named tensors (checks names and shapes;
   NemotronH's "model." prefix and per-expert tensors are accepted:
   `hf_nemotron.pack_tensors`)."""
-  tensors = hf_nemotron.pack_tensors(tensors)
-  tmap = tensor_map(model_cfg)
-  extra = set(tensors) - set(tmap)
-  if model_cfg.tie_embeddings:
-    extra.discard("lm_head.weight")  # Saved by some tied checkpoints.
-  missing = sorted(set(tmap) - set(tensors))
-  if missing or extra:
-    raise ValueError(f"checkpoint tensors do not match the config: missing "
-                     f"{missing}; unexpected {sorted(extra)}.")
-  abstract = nnx.eval_shape(lambda: HybridLM(model_cfg, rngs=nnx.Rngs(0)))
-  graphdef, state = nnx.split(abstract)
-  by_path = {path: (name, tr) for name, (path, tr) in tmap.items()}
-  new_flat, bad = [], []
-  for path, var in nnx.to_flat_state(state):
-    name, tr = by_path[path]
-    arr = _to_ours(jnp.asarray(tensors[name]), tr)
-    want = var.get_value()
-    if tuple(arr.shape) != tuple(want.shape):
-      expected = tuple(_to_hf(np.empty(want.shape), tr).shape)
-      bad.append(f"{name}: expected {expected}, got "
-                 f"{tuple(tensors[name].shape)}")
-      continue
-    new_flat.append((path, var.replace(arr.astype(want.dtype))))
-  if bad:
-    raise ValueError("checkpoint tensors have wrong shapes: " +
-                     "; ".join(bad))
-  return nnx.merge(graphdef, nnx.from_flat_state(new_flat))
+  return hf_tensors.load_tensors(model_cfg, hf_nemotron.pack_tensors(tensors),
+                                 _pieces(model_cfg))
 
 
 def from_pretrained(directory: str, dtype: str = "float32",
@@ -315,6 +269,6 @@ def from_pretrained(directory: str, dtype: str = "float32",
   except ValueError as e:  # name the file, not just "config.json"
     raise ValueError(str(e).replace("config.json:", f"{path}:", 1)) from None
   if arch in FAMILIES:
-    return hf_granite.load_tensors(cfg, _read_tensors(directory),
+    return hf_tensors.load_tensors(cfg, _read_tensors(directory),
                                    FAMILIES[arch].tensor_map(cfg))
   return load_tensors(cfg, _read_tensors(directory))
