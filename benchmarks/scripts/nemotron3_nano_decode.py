@@ -7,8 +7,8 @@ attention, d_model 2688), baseline and replay SSM states, per batch.
       [--batches=1,64,256] [--small]
 
 Per (batch, mode): the state starts empty (position 0); one jitted call
-runs 16 greedy decode steps (`HybridLM.step` in a fori_loop, state
-donated); median of 5 calls after one warm-up call, in µs per step, and
+runs 16 greedy decode steps (`experiments.decode_bench.decode_loop`,
+state donated); median of 5 calls after one warm-up call, in µs per step, and
 the decode state's bytes. `--small` shrinks the model to run on a CPU.
 Records are written after each one, so a run cut short keeps what it has.
 """
@@ -37,7 +37,10 @@ def main():
   ap.add_argument("--budget_s", type=float, default=1e9,
                   help="start no new record after this many seconds")
   a = ap.parse_args()
+  import sys  # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, ROOT)
   from flax import nnx  # pylint: disable=g-import-not-at-top
+  from experiments.decode_bench import build_model, decode_loop  # pylint: disable=g-import-not-at-top
   from replayssm_jax import models  # pylint: disable=g-import-not-at-top
   from replayssm_jax.models import hf  # pylint: disable=g-import-not-at-top
   t_start = time.time()
@@ -51,10 +54,8 @@ def main():
                       num_experts_per_tok=2, moe_intermediate_size=32,
                       moe_shared_expert_intermediate_size=64,
                       intermediate_size=32, pattern="MEM*E")
-  graphdef = nnx.graphdef(nnx.eval_shape(
-      lambda: models.HybridLM(cfg, rngs=nnx.Rngs(0))))
-  init = jax.jit(lambda k: nnx.state(models.HybridLM(cfg, rngs=nnx.Rngs(k))))
-  params = init(jax.random.PRNGKey(0))
+  model = build_model(cfg, seed=0)
+  graphdef, params = nnx.split(model)
   jax.block_until_ready(params)
   n_params = sum(v.size for v in jax.tree.leaves(params))
   res = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
@@ -64,17 +65,9 @@ def main():
              init_s=time.time() - t_start, records=[])
   print(f"{n_params / 1e9:.2f}B parameters, init {res['init_s']:.0f} s",
         flush=True)
-  model = nnx.merge(graphdef, params)
 
-  def loop(params, tok, st):
-    m = nnx.merge(graphdef, params)
-
-    def body(_, c):
-      t, s = c
-      logits, s = m.step(t, s)
-      return jnp.argmax(logits, -1).astype(jnp.int32), s
-    return jax.lax.fori_loop(0, STEPS, body, (tok, st))
-  loop = jax.jit(loop, donate_argnums=2)
+  def loop(tok, st):
+    return decode_loop(graphdef, params, tok, st, STEPS, None)
   for batch in map(int, a.batches.split(",")):
     for mode in a.modes.split(","):
       if time.time() - t_start > a.budget_s:
@@ -85,13 +78,13 @@ def main():
                             ssm_mode=mode, buffer_len=16)
       state_bytes = sum(v.nbytes for v in jax.tree.leaves(st))
       tok = jnp.ones((batch,), jnp.int32)
-      tok, st = loop(params, tok, st)
+      tok, st = loop(tok, st)
       jax.block_until_ready(st)
       compile_s = time.time() - t0
       times = []
       for _ in range(CALLS):
         t1 = time.perf_counter()
-        tok, st = loop(params, tok, st)
+        tok, st = loop(tok, st)
         jax.block_until_ready(st)
         times.append((time.perf_counter() - t1) / STEPS * 1e6)
       us = sorted(times)[len(times) // 2]
