@@ -47,6 +47,7 @@ from typing import Any
 
 from replayssm_jax import _validation as V
 from replayssm_jax.models.config import ModelConfig
+from replayssm_jax.models.hf_tensors import json_float
 
 ARCHITECTURE = "GraniteMoeHybridForCausalLM"
 MODEL_TYPE = "granitemoehybrid"
@@ -115,7 +116,7 @@ def mamba_settings(hf: dict, d: int) -> dict[str, Any]:
   refuse(hf, "mamba_conv_bias", (True,), True)
   limit = hf.get("time_step_limit", (0.0, float("inf")))
   if isinstance(limit, (list, tuple)):
-    limit = tuple(_json_float(v) for v in limit)
+    limit = tuple(json_float(v) for v in limit)
   # softplus(dt) > 0, so a lower limit <= 0 and no upper limit clamp nothing.
   if limit is not None and (
       not isinstance(limit, tuple) or len(limit) != 2
@@ -128,17 +129,6 @@ def mamba_settings(hf: dict, d: int) -> dict[str, Any]:
               n_groups=get(hf, "mamba_n_groups", 1, "int"),
               conv_kernel=get(hf, "mamba_d_conv", 4, "int"),
               chunk_size=get(hf, "mamba_chunk_size", 256, "int"))
-
-
-def _json_float(v):
-  """A number of config.json; transformers writes inf as {"__float__":
-  "Infinity"}."""
-  if isinstance(v, dict) and set(v) == {"__float__"}:
-    try:
-      return float(v["__float__"])
-    except (TypeError, ValueError):
-      return v
-  return v
 
 
 def rope_settings(hf: dict, default_factor: float = 1.0

@@ -41,6 +41,7 @@ from typing import Any, Callable
 import numpy as np
 
 from replayssm_jax.models.config import ModelConfig
+from replayssm_jax.models.hf_tensors import json_float
 
 ARCHITECTURE = "NemotronHForCausalLM"
 PATTERN_OF = {"linear_attention": "M", "mamba": "M", "full_attention": "*",
@@ -49,13 +50,6 @@ LAYER_TYPE_OF = {"M": "linear_attention", "*": "full_attention", "-": "mlp",
                  "E": "moe"}
 _EXPERT = re.compile(r"^(.*\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)"
                      r"\.weight$")
-
-
-def _float(v):
-  """A JSON float, including transformers' {"__float__": "Infinity"}."""
-  if isinstance(v, dict) and set(v) == {"__float__"}:
-    return float(v["__float__"])
-  return v
 
 
 def pattern(hf: dict[str, Any]) -> str:
@@ -90,7 +84,7 @@ def pattern(hf: dict[str, Any]) -> str:
 
 def _refuse(hf, key, ok, what=None):
   """ValueError unless config.json's `key` (if set) is one of `ok`."""
-  if key in hf and hf[key] is not None and _float(hf[key]) not in ok:
+  if key in hf and hf[key] is not None and json_float(hf[key]) not in ok:
     raise ValueError(f"config.json: {key}={hf[key]!r} is not supported "
                      f"({what or 'only ' + ' or '.join(map(repr, ok))}).")
 
@@ -113,7 +107,7 @@ def _check_unsupported(hf: dict[str, Any]) -> None:
   for key in ("time_step_limit", "mamba_dt_limit"):
     if key in hf and hf[key] is not None:
       lim = hf[key]
-      vals = ([_float(v) for v in lim] if isinstance(lim, (list, tuple))
+      vals = ([json_float(v) for v in lim] if isinstance(lim, (list, tuple))
               else None)
       if (vals is None or len(vals) != 2 or vals[0] != 0.0
           or not (isinstance(vals[1], float) and math.isinf(vals[1]))):

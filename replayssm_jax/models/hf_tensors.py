@@ -1,4 +1,5 @@
-"""HF-named tensors <-> HybridLM parameters, for every family's tensor map.
+"""What the Hugging Face family readers share: config.json numbers
+(`json_float`) and HF-named tensors <-> HybridLM parameters.
 
 A tensor map is {HF tensor name: ((parameter path, transform), ...)}: one
 HF tensor feeds one parameter or, split by rows, several (a fused
@@ -18,6 +19,17 @@ from flax import nnx
 
 from replayssm_jax.models.config import ModelConfig
 from replayssm_jax.models.model import HybridLM
+
+
+def json_float(v):
+  """A number of config.json as read: transformers writes inf as
+  {"__float__": "Infinity"}; anything else is returned unchanged."""
+  if isinstance(v, dict) and set(v) == {"__float__"}:
+    try:
+      return float(v["__float__"])
+    except (TypeError, ValueError):
+      return v
+  return v
 
 
 def to_ours(arr, transform):
