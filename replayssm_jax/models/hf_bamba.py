@@ -71,18 +71,9 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "float32",
 
 def tensor_map(cfg: ModelConfig) -> dict[str, tuple]:
   """Bamba HF tensor name -> ((parameter path, transform), ...)."""
-  m = {"model.embed_tokens.weight": ((("embeddings", "weight"), "id"),),
-       "model.final_layernorm.weight": ((("norm_f", "weight"), "id"),)}
-  if not cfg.tie_embeddings:
-    m["lm_head.weight"] = ((("lm_head", "kernel"), "T"),)
-  kinds = cfg.block_kinds
-  for i in range(len(kinds) // 2):
-    hf = f"model.layers.{i}."
-    mix, ffn = ("blocks", 2 * i), ("blocks", 2 * i + 1)
-    m[hf + "input_layernorm.weight"] = ((mix + ("norm", "weight"), "id"),)
-    m.update(G.mixer_tensors(hf, kinds[2 * i], mix))
-    m[hf + "pre_ff_layernorm.weight"] = ((ffn + ("norm", "weight"), "id"),)
-    for n in ("gate_proj", "up_proj", "down_proj"):
-      m[hf + f"feed_forward.{n}.weight"] = (
-          (ffn + ("mixer", n, "kernel"), "T"),)
-  return m
+  def ffn_tensors(hf, kind, mlp):
+    del kind  # always the SwiGLU MLP
+    return {hf + f"feed_forward.{n}.weight": ((mlp + (n, "kernel"), "T"),)
+            for n in ("gate_proj", "up_proj", "down_proj")}
+  return G.layer_tensor_map(cfg, "final_layernorm", "pre_ff_layernorm",
+                            ffn_tensors)

@@ -256,31 +256,40 @@ def mixer_tensors(hf: str, kind: str, me: tuple):
   return m
 
 
-def tensor_map(cfg: ModelConfig) -> dict[str, tuple]:
-  """Granite HF tensor name -> ((parameter path, transform), ...)."""
+def layer_tensor_map(cfg: ModelConfig, final_norm: str, ffn_norm: str,
+                     ffn_tensors) -> dict[str, tuple]:
+  """HF tensor name -> ((parameter path, transform), ...) of a family whose
+  layer i is our blocks 2i (its mixer) and 2i+1 (its feed-forward, named
+  by `ffn_tensors(hf_prefix, kind, mixer_path)`), under model.*."""
   m = {"model.embed_tokens.weight": ((("embeddings", "weight"), "id"),),
-       "model.norm.weight": ((("norm_f", "weight"), "id"),)}
+       f"model.{final_norm}.weight": ((("norm_f", "weight"), "id"),)}
   if not cfg.tie_embeddings:
     m["lm_head.weight"] = ((("lm_head", "kernel"), "T"),)
-  f = cfg.intermediate_size
   kinds = cfg.block_kinds
   for i in range(len(kinds) // 2):
     hf = f"model.layers.{i}."
     mix, ffn = ("blocks", 2 * i), ("blocks", 2 * i + 1)
     m[hf + "input_layernorm.weight"] = ((mix + ("norm", "weight"), "id"),)
     m.update(mixer_tensors(hf, kinds[2 * i], mix))
-    m[hf + "post_attention_layernorm.weight"] = (
-        (ffn + ("norm", "weight"), "id"),)
-    mlp = ffn + ("mixer",)
-    if kinds[2 * i + 1] == "moe":
-      m.update(_moe_tensors(hf, mlp))
-      continue
-    m[hf + "shared_mlp.input_linear.weight"] = (  # [gate; up] rows
-        (mlp + ("gate_proj", "kernel"), ("T", 0, f)),
-        (mlp + ("up_proj", "kernel"), ("T", f, 2 * f)))
-    m[hf + "shared_mlp.output_linear.weight"] = (
-        (mlp + ("down_proj", "kernel"), "T"),)
+    m[hf + f"{ffn_norm}.weight"] = ((ffn + ("norm", "weight"), "id"),)
+    m.update(ffn_tensors(hf, kinds[2 * i + 1], ffn + ("mixer",)))
   return m
+
+
+def tensor_map(cfg: ModelConfig) -> dict[str, tuple]:
+  """Granite HF tensor name -> ((parameter path, transform), ...)."""
+  f = cfg.intermediate_size
+
+  def ffn_tensors(hf, kind, mlp):
+    if kind == "moe":
+      return _moe_tensors(hf, mlp)
+    return {hf + "shared_mlp.input_linear.weight": (  # [gate; up] rows
+                (mlp + ("gate_proj", "kernel"), ("T", 0, f)),
+                (mlp + ("up_proj", "kernel"), ("T", f, 2 * f))),
+            hf + "shared_mlp.output_linear.weight": (
+                (mlp + ("down_proj", "kernel"), "T"),)}
+  return layer_tensor_map(cfg, "norm", "post_attention_layernorm",
+                          ffn_tensors)
 
 
 def _moe_tensors(hf: str, mx: tuple) -> dict[str, tuple]:
