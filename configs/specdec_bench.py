@@ -36,6 +36,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   b.batches = (2,) if smoke else (1, 64, 256, 512)
   b.windows = (4,) if smoke else (4, 2, 8)  # T: last token + T-1 drafts
   b.ssm_modes = ("baseline", "replay")
+  # Also time plain `generate` with the baseline (full) SSM state.
+  b.plain_baseline = True
   # speculative_generate(compaction=...) values to run each mode with (how
   # many times the loop may halve its batch as rows finish; 0: a static
   # batch to the end).

@@ -1,7 +1,9 @@
 r"""Speculative-decoding throughput: replay rollback vs snapshot baseline.
 
 For each batch: random prompts, then
-  * plain: `generate` (replay state, one token per step);
+  * plain: `generate` (replay state, one token per step), and with
+    `bench.plain_baseline` also "plain_baseline": `generate` with the
+    baseline (full) SSM state;
   * for each window T, compaction (`bench.compactions`: how many times the
     loop may halve its batch as rows finish) and ssm_mode ("baseline": one
     full SSM state per window position, rollback selects one; "replay":
@@ -229,6 +231,15 @@ def bench_batch(model, config, batch: int, writer) -> list[dict]:
   recs = [record(mode="plain", window=None, total_s=t_plain, times_s=times,
                  mean_accepted_length=1.0,
                  match_fraction=None if sampling else 1.0)]
+  if b.plain_baseline:
+    (out, _), t, times = common.best_of(
+        lambda: lambda: generate(model, prompts, lengths, n_new,
+                                 ssm_mode="baseline", implementation=impl,
+                                 **sampling, **state_kw), b.repeats)
+    recs.append(record(
+        mode="plain_baseline", window=None, total_s=t, times_s=times,
+        mean_accepted_length=1.0, match_fraction=None if sampling else float(
+            np.mean(np.asarray(out) == np.asarray(ref)))))
   if b.proposer == "greedy_oracle":
     proposer = OracleProposer(ref, b.accept_prob, cfg.vocab_size)
   else:
@@ -297,13 +308,13 @@ def _plot(rows: list[dict], path: str):
   fig, axes = common.new_figure(1, len(windows),
                                 figsize=(4.5 * len(windows), 4.0))
   for ax, w in zip(axes[0], windows):
-    for mode, style in (("plain", "k--"), ("baseline", "o-"),
-                        ("replay", "s-")):
+    for mode, style in (("plain", "k--"), ("plain_baseline", "k:"),
+                        ("baseline", "o-"), ("replay", "s-")):
       for c in sorted({r.get("compaction") or 0 for r in rows
                        if r["mode"] == mode}):
         pts = sorted((r["batch"], r["e2e_tokens_per_s"]) for r in rows
                      if r["mode"] == mode and r["window"] in (w, None)
-                     and (mode == "plain") == (r["window"] is None)
+                     and mode.startswith("plain") == (r["window"] is None)
                      and (r.get("compaction") or 0) == c)
         if pts:
           ax.plot(*zip(*pts), style if c == 0 else style.replace("-", ":"),

@@ -448,13 +448,14 @@ def test_specdec_bench_smoke(tmp_path):
   out = specdec_bench.run(config, str(tmp_path))
   recs = out["records"]
   b = config.bench
+  assert b.plain_baseline
   assert len(recs) == len(b.batches) * (
-      1 + len(b.windows) * len(b.compactions) * len(b.ssm_modes))
+      2 + len(b.windows) * len(b.compactions) * len(b.ssm_modes))
   assert set(b.compactions) == {0, 1}
   for r in recs:
     assert r["match_fraction"] == 1.0, r  # f32: exactly the plain tokens
     assert r["e2e_tokens_per_s"] > 0
-    if r["decode_s"] and r["mode"] == "plain":
+    if r["decode_s"] and r["mode"].startswith("plain"):
       assert r["steady_tokens_per_s"] == r["tokens_per_s"]
     elif r["decode_s"] and not r["compaction"]:
       # The slowest row sets the run's length.
@@ -486,7 +487,7 @@ def test_specdec_bench_with_a_precision_policy(tmp_path):
   config.bench.compactions = (0,)
   config.bench.precision = "f32+int8"
   recs = specdec_bench.run(config, str(tmp_path))["records"]
-  assert [r["mode"] for r in recs] == ["plain", "replay"]
+  assert [r["mode"] for r in recs] == ["plain", "plain_baseline", "replay"]
   for r in recs:
     assert r["precision"] == "f32+int8" and r["e2e_tokens_per_s"] > 0
     assert 0.0 <= r["match_fraction"] <= 1.0

@@ -1,4 +1,5 @@
-"""The MoE block: grouped ragged_dot dispatch against the dense reference,
+"""The MoE block: the gather, capacity and sorted (ragged_dot) dispatches
+against the dense reference,
 the router's rules, and the 'E' block in forward / prefill / decode /
 verify."""
 
@@ -14,6 +15,7 @@ from replayssm_jax.models.config import ModelConfig
 from replayssm_jax.testing import tolerance
 
 TOL = tolerance(jnp.float32)
+DISPATCHES = ("capacity", "sorted", "gather")
 
 
 def _cfg(**kw):
@@ -50,7 +52,7 @@ def test_grouped_dispatch_matches_reference(kw, shape):
   h2 = h.reshape(-1, cfg.d_model)
   w, idx = m.routing(h2)
   x = m.fc1_latent(h2) if cfg.moe_latent_size else h2
-  for dispatch in ("sorted", "gather"):
+  for dispatch in DISPATCHES:
     _close(MOE.routed_experts(x, w, idx, m.up[...], m.down[...],
                               cfg.moe_activation, dispatch),
            MOE.routed_experts_reference(x, w, idx, m.up[...], m.down[...],
@@ -70,19 +72,57 @@ def test_empty_experts_and_ties():
   np.testing.assert_allclose(np.asarray(w), 0.5, rtol=1e-6)
   for f in ("relu2", "swiglu"):
     u = up if f == "relu2" else jnp.concatenate([up, up[..., ::-1]], -1)
-    for dispatch in ("sorted", "gather"):
+    for dispatch in DISPATCHES:
       _close(MOE.routed_experts(x, w, idx, u, down, f, dispatch),
              MOE.routed_experts_reference(x, w, idx, u, down, f))
   # One expert only for every token, the others receive none.
   idx1 = jnp.full((n, 1), 5, jnp.int32)
   w1 = jnp.ones((n, 1))
-  for dispatch in ("sorted", "gather"):
+  for dispatch in DISPATCHES:
     _close(MOE.routed_experts(x, w1, idx1, up, down, "relu2", dispatch),
            MOE.routed_experts_reference(x, w1, idx1, up, down, "relu2"))
     # No token at all.
     z = MOE.routed_experts(x[:0], w1[:0], idx1[:0], up, down, "relu2",
                            dispatch)
     assert z.shape == (0, d)
+
+
+@pytest.mark.parametrize("activation", ["relu2", "swiglu"])
+def test_capacity_dispatch_fits_and_overflows(activation):
+  """Capacity slots below n: a capacity that holds the largest group runs
+  the batched einsum; smaller ones take the sorted fallback; all equal the
+  reference. In the batched einsum, slots no token filled are never read
+  back: NaN weights at experts no token picked do not reach the output
+  (the ragged_dot fallback does not promise that, so it gets finite
+  weights)."""
+  n, d, e, k, f = 64, 16, 8, 2, 12
+  keys = jax.random.split(jax.random.PRNGKey(3), 4)
+  x = jax.random.normal(keys[0], (n, d))
+  up = jax.random.normal(keys[1], (e, d, 2 * f if activation == "swiglu"
+                                   else f))
+  down = jax.random.normal(keys[2], (e, f, d))
+  # Experts 0..5 only: experts 6 and 7 receive no token.
+  w, idx = MOE.route(jax.random.normal(keys[3], (n, e)).at[:, 6:].set(-9.0),
+                     top_k=k, bias=None)
+  sizes = np.bincount(np.asarray(idx).ravel(), minlength=e)
+  assert sizes[6:].sum() == 0 and sizes.max() < n
+  ref = MOE.routed_experts_reference(x, w, idx, up, down, activation)
+  fit = int(sizes.max())
+  for cap, nan_unpicked in ((fit, True), (fit - 1, False), (1, False)):
+    u, dn = up, down
+    if nan_unpicked:
+      u, dn = up.at[6:].set(jnp.nan), down.at[6:].set(jnp.nan)
+    y = jax.jit(lambda x, w, idx, u=u, dn=dn, cap=cap:
+                MOE.routed_experts_capacity(x, w, idx, u, dn, activation,
+                                            capacity=cap))(x, w, idx)
+    assert np.isfinite(np.asarray(y)).all()
+    _close(y, ref)
+
+
+def test_expert_capacity():
+  assert MOE.expert_capacity(256, 6, 128) == 32  # 2 x mean 12, + 8
+  assert MOE.expert_capacity(64, 6, 128) == 16
+  assert MOE.expert_capacity(4, 6, 128) == 4  # n slots cannot overflow
 
 
 def test_grouped_topk_rule():

@@ -163,13 +163,18 @@ def test_compare_trees_kernels_small():
 
 
 def test_nemotron3_nano_decode_small(tmp_path):
-  # The published Nemotron 3 Nano config loads; the timing loop runs on a
-  # shrunk model in both SSM modes.
+  # The published Nemotron 3 Nano config loads; the decode-step loop and
+  # the generate / speculative_generate runs go on a shrunk model in both
+  # SSM modes.
   out = tmp_path / "n3.json"
   _run("nemotron3_nano_decode.py", "--small", "--batches=2",
-       f"--out={out}")
+       "--spec_batches=2", f"--out={out}")
   res = json.loads(out.read_text())
-  assert [(r["batch"], r["mode"]) for r in res["records"]] == [
-      (2, "baseline"), (2, "replay")]
+  assert [(r["part"], r["batch"], r["mode"]) for r in res["records"]] == [
+      ("step", 2, "baseline"), ("step", 2, "replay"),
+      ("spec", 2, "plain"), ("spec", 2, "plain_baseline"),
+      ("spec", 2, "baseline"), ("spec", 2, "replay")]
   assert all(r["step_us"] > 0 and r["state_bytes"] > 0
-             for r in res["records"])
+             for r in res["records"] if r["part"] == "step")
+  assert all(r["e2e_tokens_per_s"] > 0 and r["mean_accepted_length"] >= 1
+             for r in res["records"] if r["part"] == "spec")

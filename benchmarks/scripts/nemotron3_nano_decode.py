@@ -1,16 +1,30 @@
-"""Decode-step throughput of a Nemotron 3 Nano-shaped model (random bf16
+"""Decode throughput of a Nemotron 3 Nano-shaped model (random bf16
 weights at NVIDIA's published config, configs/nemotron3_nano_30b_a3b.json:
 52 blocks, 23 Mamba-2 / 23 MoE (128 routed experts, top 6, one shared) / 6
 attention, d_model 2688), baseline and replay SSM states, per batch.
 
   python benchmarks/scripts/nemotron3_nano_decode.py --out=result.json \
-      [--batches=1,64,256] [--small]
+      [--parts=step,spec] [--batches=1,64,256] [--spec_batches=256,64,1] \
+      [--small]
 
-Per (batch, mode): the state starts empty (position 0); one jitted call
-runs 16 greedy decode steps (`experiments.decode_bench.decode_loop`,
-state donated); median of 5 calls after one warm-up call, in µs per step, and
-the decode state's bytes. `--small` shrinks the model to run on a CPU.
-Records are written after each one, so a run cut short keeps what it has.
+Part "step" (records with part "step"), per (batch, mode): the state
+starts empty (position 0); one jitted call runs 16 greedy decode steps
+(`experiments.decode_bench.decode_loop`, state donated); median of 5 calls
+after one warm-up call, in µs per step, and the decode state's bytes.
+
+Part "spec" (records with part "spec"), per batch:
+`experiments.specdec_bench.bench_batch` with SPEC below: plain `generate`
+with the replay state ("plain") and the baseline state
+("plain_baseline"), and `speculative_generate` (window 4) with the
+snapshot baseline and replay, sampling at a high temperature with its
+oracle proposer at acceptance 0.7 per draft (random weights give no
+meaningful drafts of their own; see that module). Best of 2 runs after a
+compile + warm-up run; tokens/s of the decode (prefill subtracted) and end
+to end.
+
+Records are written after each one, so a run cut short keeps what it has;
+`--budget_s` starts no new batch after that many seconds. `--small`
+shrinks the model to run on a CPU.
 """
 
 from __future__ import annotations
@@ -19,6 +33,7 @@ import argparse
 import json
 import os
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -26,21 +41,34 @@ import jax.numpy as jnp
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
     __file__))))
 STEPS, CALLS = 16, 5
+SPEC = dict(windows=(4,), compactions=(0,), ssm_modes=("baseline", "replay"),
+            plain_baseline=True, buffer_len=16, prompt_len=32, new_tokens=64,
+            proposer="flat_sampling", temperature=1000.0, accept_prob=0.7,
+            checkpoint_dtype="float32", precision="", repeats=2,
+            implementation="")
 
 
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default="nemotron3_nano_decode.json")
+  ap.add_argument("--parts", default="step,spec")
   ap.add_argument("--batches", default="1,64,256")
+  ap.add_argument("--spec_batches", default="256,64,1")
   ap.add_argument("--modes", default="baseline,replay")
   ap.add_argument("--small", action="store_true")
+  ap.add_argument("--prng_impl", default="",
+                  help="jax_default_prng_impl for the random weights "
+                  "(e.g. rbg); default: jax's")
   ap.add_argument("--budget_s", type=float, default=1e9,
                   help="start no new record after this many seconds")
   a = ap.parse_args()
+  if a.prng_impl:
+    jax.config.update("jax_default_prng_impl", a.prng_impl)
   import sys  # pylint: disable=g-import-not-at-top
   sys.path.insert(0, ROOT)
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from experiments.decode_bench import build_model, decode_loop  # pylint: disable=g-import-not-at-top
+  from experiments.specdec_bench import bench_batch  # pylint: disable=g-import-not-at-top
   from replayssm_jax import models  # pylint: disable=g-import-not-at-top
   from replayssm_jax.models import hf  # pylint: disable=g-import-not-at-top
   t_start = time.time()
@@ -60,15 +88,26 @@ def main():
   n_params = sum(v.size for v in jax.tree.leaves(params))
   res = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
              date=time.strftime("%Y-%m-%d"), params=int(n_params),
+             prng_impl=jax.config.jax_default_prng_impl,
              config="configs/nemotron3_nano_30b_a3b.json" + (
                  " (--small)" if a.small else ""),
              init_s=time.time() - t_start, records=[])
   print(f"{n_params / 1e9:.2f}B parameters, init {res['init_s']:.0f} s",
         flush=True)
 
+  parts = a.parts.split(",")
+
+  def save(rec):
+    print(rec, flush=True)
+    res["records"].append(rec)
+    with open(a.out, "w") as f:
+      json.dump(res, f, indent=1)
+    return rec
+
   def loop(tok, st):
     return decode_loop(graphdef, params, tok, st, STEPS, None)
-  for batch in map(int, a.batches.split(",")):
+
+  for batch in map(int, a.batches.split(",")) if "step" in parts else ():
     for mode in a.modes.split(","):
       if time.time() - t_start > a.budget_s:
         print("budget reached", flush=True)
@@ -88,14 +127,22 @@ def main():
         jax.block_until_ready(st)
         times.append((time.perf_counter() - t1) / STEPS * 1e6)
       us = sorted(times)[len(times) // 2]
-      rec = dict(batch=batch, mode=mode, step_us=us,
-                 tokens_per_s=batch / us * 1e6, state_bytes=int(state_bytes),
-                 times_us=times, first_call_s=compile_s)
-      print(rec, flush=True)
-      res["records"].append(rec)
-      with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
+      save(dict(part="step", batch=batch, mode=mode, step_us=us,
+                tokens_per_s=batch / us * 1e6, state_bytes=int(state_bytes),
+                times_us=times, first_call_s=compile_s))
       del st
+
+  spec = dict(SPEC, **(dict(prompt_len=4, new_tokens=8, repeats=1)
+                       if a.small else {}))
+  config = types.SimpleNamespace(seed=0, bench=types.SimpleNamespace(**spec))
+  res["spec_settings"] = spec
+  writer = types.SimpleNamespace(
+      write=lambda rec: save(dict(rec, part="spec")))
+  for batch in map(int, a.spec_batches.split(",")) if "spec" in parts else ():
+    if time.time() - t_start > a.budget_s:
+      print("budget reached", flush=True)
+      break
+    bench_batch(model, config, batch, writer)
   with open(a.out, "w") as f:
     json.dump(res, f, indent=1)
 

@@ -19,18 +19,22 @@ d -> moe_latent_size -> d (Nemotron 3), identities when the size is None.
 The shared expert is a dense MLP of width moe_shared_expert_intermediate_size
 (0: none) with the experts' activation.
 
-`routed_experts` dispatches by sorting the (token, expert) pairs by expert
-and running the expert matmuls as `jax.lax.ragged_dot` over the groups (each
-token meets only its k experts), or, for at most E pairs (a decode step of
-a few rows), by gathering each pair's expert weights;
-`routed_experts_reference` runs every
-expert on every token and keeps the routed outputs (tests). Routing is per
-token, so every position's output depends on that position only: prefill
-[b, T, d], a decode step [b, d] and a verify window [b, T, d] all take the
-same call.
+`routed_experts` dispatches in one of three ways (see its docstring): by
+gathering each (token, expert) pair's weights (a decode step of a few
+rows), into per-expert slots of a static capacity run as one batched
+einsum over all experts (the default otherwise: every expert's weights are
+read once), or by sorting the pairs by expert and running the expert
+matmuls as `jax.lax.ragged_dot` over the groups (the exact fallback when an
+expert receives more tokens than the capacity);
+`routed_experts_reference` runs every expert on every token and keeps the
+routed outputs (tests). Routing is per token, so every position's output
+depends on that position only: prefill [b, T, d], a decode step [b, d]
+and a verify window [b, T, d] all take the same call.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -95,20 +99,28 @@ def routed_experts(x, weights, experts, up, down, activation: str,
   experts [n, k]; up [E, d_in, F] (F = 2 * inter for swiglu), down
   [E, inter, d_in] -> [n, d_in] in x's dtype.
 
-  dispatch: "sorted" (`routed_experts_sorted`), "gather" (each (token,
-  expert) pair gathers its expert's weights: reads only the picked experts,
-  for a few tokens as in a decode step) or "auto": "gather" when n * k <= E
-  (the gathered weights are then no larger than all experts'), else
-  "sorted". Shapes are static, so the choice is made at trace time.
+  dispatch:
+    "gather": each (token, expert) pair gathers its expert's weights (reads
+      only the picked experts; for a few tokens, as in a decode step);
+    "capacity": `routed_experts_capacity` (every expert's weights read
+      once, one batched matmul over fixed-size expert slots; exact, with
+      the sorted dispatch as its overflow fallback);
+    "sorted": `routed_experts_sorted` (`jax.lax.ragged_dot` over the
+      tokens sorted by expert);
+    "auto": "gather" when n * k <= E (the gathered weights are then no
+      larger than all experts'), else "capacity". Shapes are static, so
+      the choice is made at trace time.
   """
   n, k = experts.shape
   if dispatch == "auto":
-    dispatch = "gather" if n * k <= up.shape[0] else "sorted"
+    dispatch = "gather" if n * k <= up.shape[0] else "capacity"
+  if dispatch == "capacity":
+    return routed_experts_capacity(x, weights, experts, up, down, activation)
   if dispatch == "sorted":
     return routed_experts_sorted(x, weights, experts, up, down, activation)
   if dispatch != "gather":
-    raise ValueError(f"dispatch must be 'auto', 'sorted' or 'gather', got "
-                     f"{dispatch!r}.")
+    raise ValueError(f"dispatch must be 'auto', 'capacity', 'sorted' or "
+                     f"'gather', got {dispatch!r}.")
   flat = experts.reshape(-1)
   xs = jnp.repeat(x, k, axis=0)  # [n*k, d_in], pair p = token p // k
   hid = jnp.einsum("pd,pdf->pf", xs, jnp.take(up, flat, axis=0).astype(
@@ -118,6 +130,69 @@ def routed_experts(x, weights, experts, up, down, activation: str,
       x.dtype), preferred_element_type=F32)
   out = out * weights.reshape(-1)[:, None]
   return out.reshape(n, k, out.shape[-1]).sum(1).astype(x.dtype)
+
+
+def expert_capacity(n: int, k: int, num_experts: int) -> int:
+  """Slots per expert of the capacity dispatch for n tokens with top-k:
+  twice the mean load plus 8, rounded up to a multiple of 8, and never
+  more than n (a token picks each expert at most once, so n slots cannot
+  overflow)."""
+  c = math.ceil(2 * n * k / num_experts) + 8
+  return max(1, min(-(-c // 8) * 8, n))
+
+
+def routed_experts_capacity(x, weights, experts, up, down, activation: str,
+                            capacity: int | None = None):
+  """Capacity dispatch: the same arguments and result as
+  `routed_experts_sorted`.
+
+  Each expert gets `capacity` slots (default `expert_capacity`): its
+  tokens, in token order, fill its first slots ([E, C, d_in], gathered) and
+  the expert matmuls run as one batched einsum over all experts, reading
+  each expert's weights once (a decode step of many rows touches almost
+  every expert anyway). Each (token, expert) pair then reads its slot's
+  output back; empty slots hold zero rows whose outputs are never read.
+  If an expert receives more than `capacity` tokens, the step takes the
+  sorted dispatch instead (`lax.cond` on the largest group), so the
+  result never depends on the capacity.
+  """
+  n, k = experts.shape
+  num_experts = up.shape[0]
+  c = min(capacity or expert_capacity(n, k, num_experts), n)
+  if n == 0:
+    return jnp.zeros((0, x.shape[-1]), x.dtype)
+  flat = experts.reshape(-1)  # [n*k], pair p = token p // k
+  order = jnp.argsort(flat, stable=True)
+  sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+  starts = jnp.cumsum(sizes) - sizes
+  pairs = jnp.arange(n * k, dtype=jnp.int32)
+  # Slot (e, j) holds the j-th token of expert e, or the zero row n.
+  src = starts[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
+  filled = jnp.arange(c)[None, :] < sizes[:, None]  # [E, C]
+  slot_tok = jnp.where(filled, jnp.take(order, jnp.minimum(src, n * k - 1))
+                       // k, n)
+  # Each pair's rank among its expert's tokens, in the original order.
+  rank = jnp.zeros_like(pairs).at[order].set(pairs - starts[flat[order]])
+  slot = flat * c + rank  # [n*k]
+
+  def fast():
+    xz = jnp.concatenate([x, jnp.zeros((1, x.shape[-1]), x.dtype)])
+    buf = jnp.take(xz, slot_tok, axis=0)  # [E, C, d_in]
+    hid = jnp.einsum("ecd,edf->ecf", buf, up.astype(x.dtype),
+                     preferred_element_type=F32)
+    hid = activate(hid, activation).astype(x.dtype)
+    out = jnp.einsum("ecf,efd->ecd", hid, down.astype(x.dtype),
+                     preferred_element_type=F32)
+    pair_out = jnp.take(out.reshape(num_experts * c, -1), slot, axis=0)
+    y = jnp.sum(pair_out.reshape(n, k, -1) * weights[..., None], axis=1)
+    return y.astype(x.dtype)
+
+  if c >= n:  # cannot overflow
+    return fast()
+  return jax.lax.cond(
+      jnp.max(sizes) > c,
+      lambda: routed_experts_sorted(x, weights, experts, up, down,
+                                    activation), fast)
 
 
 def routed_experts_sorted(x, weights, experts, up, down, activation: str):
