@@ -8,7 +8,8 @@ attention, d_model 2688), baseline and replay SSM states, per batch.
       [--small]
 
 Part "step" (records with part "step"), per (batch, mode): the state
-starts empty (position 0); one jitted call runs 16 greedy decode steps
+starts empty (position 0) and each row gets its own random first token;
+one jitted call runs 16 greedy decode steps
 (`experiments.decode_bench.decode_loop`, state donated); median of 5 calls
 after one warm-up call, in µs per step, and the decode state's bytes.
 
@@ -116,7 +117,9 @@ def main():
       st = model.init_state(batch, models.kv_cache_len(STEPS * (CALLS + 2)),
                             ssm_mode=mode, buffer_len=16)
       state_bytes = sum(v.nbytes for v in jax.tree.leaves(st))
-      tok = jnp.ones((batch,), jnp.int32)
+      # Distinct rows: identical rows would all route to the same experts.
+      tok = jax.random.randint(jax.random.PRNGKey(batch), (batch,), 0,
+                               cfg.vocab_size, jnp.int32)
       tok, st = loop(tok, st)
       jax.block_until_ready(st)
       compile_s = time.time() - t0
