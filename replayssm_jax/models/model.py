@@ -25,7 +25,8 @@ from replayssm_jax import ops
 from replayssm_jax import precision as P
 from replayssm_jax.models import states as S
 from replayssm_jax.models.config import ModelConfig
-from replayssm_jax.models.layers import Block, Embedding, Linear, RMSNorm
+from replayssm_jax.models.blocks import Block
+from replayssm_jax.models.layers import Embedding, Linear, RMSNorm
 from replayssm_jax.state import ReplayState
 
 F32 = jnp.float32
@@ -145,8 +146,8 @@ class HybridLM(nnx.Module):
       batch: rows.
       max_len: KV-cache length (prompt + generated tokens) of attention
         layers.
-      ssm_mode: "replay" (ReplayState checkpoint + buffer) or "baseline"
-        (full SSM state).
+      ssm_mode: "replay" (ReplayState checkpoint + buffer; Gated DeltaNet
+        layers: GDNReplayState) or "baseline" (full SSM state).
       buffer_len: L of the replay buffer (replay mode only).
       checkpoint_dtype: the replay checkpoint / baseline SSM state dtype
         (default float32, or the policy's).
@@ -181,6 +182,11 @@ class HybridLM(nnx.Module):
     if ssm_mode not in S.SSM_MODES:
       raise ValueError(f"ssm_mode must be one of {S.SSM_MODES}, got "
                        f"{ssm_mode!r}.")
+    if precision is not None and "gdn" in cfg.block_kinds:
+      raise ValueError(f"precision {precision.name!r}: the Gated DeltaNet "
+                       f"layers' states take no precision policy; pass "
+                       f"precision=None (checkpoint_dtype / buffer_dtype "
+                       f"set their dtypes).")
     row_ids = _check_precision_args(precision, ssm_mode, batch,
                                     checkpoint_dtype, buffer_dtype, row_ids)
     checkpoint_dtype = F32 if checkpoint_dtype is None else checkpoint_dtype
@@ -197,6 +203,10 @@ class HybridLM(nnx.Module):
         layers.append(S.init_mamba_state(cfg, batch, ssm_mode, buffer_len,
                                          checkpoint_dtype, buffer_dtype,
                                          conv_dtype, precision, row_ids))
+      elif kind == "gdn":
+        layers.append(S.init_gdn_state(cfg, batch, ssm_mode, buffer_len,
+                                       checkpoint_dtype, buffer_dtype,
+                                       conv_dtype))
       elif kind == "attention":
         layers.append(S.init_attention_state(cfg, batch, max_len, kv_dtype))
       else:
@@ -308,7 +318,7 @@ def _check_state(state, batch, cfg):
 
 
 _LAYER_STATES = {"mamba": S.MambaState, "attention": S.AttentionState,
-                 "mlp": type(None), "moe": type(None)}
+                 "mlp": type(None), "moe": type(None), "gdn": S.GDNState}
 
 
 def _check_layer_state(i, kind, s, cfg):
@@ -341,6 +351,12 @@ def _check_layer_state(i, kind, s, cfg):
     else:
       arr = ssm.state if isinstance(ssm, S.StoredSSMState) else ssm
       expect("ssm [nheads, headdim, dstate]", arr.shape[1:], heads)
+  elif kind == "gdn":
+    expect("conv [kernel - 1, gdn_conv_dim]", s.conv.shape[1:],
+           (cfg.conv_kernel - 1, cfg.gdn_conv_dim))
+    heads = (cfg.gdn_num_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim)
+    arr = s.ssm.checkpoint if s.is_replay else s.ssm
+    expect("ssm [HV, K, V]", arr.shape[1:], heads)
   elif kind == "attention":
     expect("k [num_kv_heads, attn_head_dim]",
            (s.k.shape[1], s.k.shape[3]), (cfg.num_kv_heads, cfg.attn_head_dim))

@@ -13,6 +13,11 @@ The modules hold parameters only; these states are passed in and returned.
                         with stochastic rounding, see below)
                   precision: the PrecisionPolicy the state was built with
                         (static; None: no policy)
+  GDNState        conv: [batch, conv_kernel - 1, gdn_conv_dim] the last conv
+                        inputs, oldest first
+                  ssm:  GDNReplayState (ssm_mode="replay",
+                        replayssm_jax.gdn) or [batch, HV, K, V] array
+                        (ssm_mode="baseline")
   AttentionState  k, v: [batch, num_kv_heads, max_len, attn_head_dim]
                   length: [batch] int32, valid cache entries per row
   MLP blocks      None (stateless)
@@ -39,6 +44,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from replayssm_jax import gdn
 from replayssm_jax import precision as P
 from replayssm_jax.conv import conv_ring_ordered
 from replayssm_jax.state import ReplayState
@@ -130,6 +136,51 @@ class MambaState:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class GDNState:
+  """Conv window + delta-rule state of one Gated DeltaNet layer.
+
+  `conv` holds the last conv_kernel - 1 pre-conv inputs (q, k, v channels)
+  oldest first; a decode step shifts it. `ssm` is the full recurrent state
+  [batch, HV, K, V] (baseline, transformers' layout: o = S^T q) or a
+  `replayssm_jax.gdn.GDNReplayState` (checkpoint + buffers of corrected
+  updates, keys and log-decays, flushed every buffer_len steps).
+  """
+  conv: jax.Array  # [batch, conv_kernel - 1, gdn_conv_dim]
+  ssm: Any  # gdn.GDNReplayState | jax.Array [batch, HV, K, V]
+
+  def ordered_conv(self) -> jax.Array:
+    """The conv inputs oldest first (as `MambaState.ordered_conv`)."""
+    return self.conv
+
+  def with_ordered_conv(self, conv) -> "GDNState":
+    return self.replace(conv=conv)
+
+  @property
+  def is_replay(self) -> bool:
+    return isinstance(self.ssm, gdn.GDNReplayState)
+
+  def replace(self, **kwargs) -> "GDNState":
+    return dataclasses.replace(self, **kwargs)
+
+
+def init_gdn_state(cfg, batch: int, ssm_mode: str, buffer_len: int,
+                   checkpoint_dtype, buffer_dtype, conv_dtype) -> GDNState:
+  """An empty GDNState (zero state, empty buffer)."""
+  conv = jnp.zeros((batch, cfg.conv_kernel - 1, cfg.gdn_conv_dim), conv_dtype)
+  if ssm_mode == "replay":
+    ssm = gdn.init_gdn_replay_state(
+        batch, num_v_heads=cfg.gdn_num_v_heads,
+        num_k_heads=cfg.gdn_num_k_heads, key_dim=cfg.gdn_k_dim,
+        value_dim=cfg.gdn_v_dim, buffer_len=buffer_len,
+        checkpoint_dtype=checkpoint_dtype, buffer_dtype=buffer_dtype)
+  else:
+    ssm = jnp.zeros((batch, cfg.gdn_num_v_heads, cfg.gdn_k_dim,
+                     cfg.gdn_v_dim), checkpoint_dtype)
+  return GDNState(conv=conv, ssm=ssm)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class AttentionState:
   """KV cache of one attention layer with per-row lengths."""
   k: jax.Array  # [batch, num_kv_heads, max_len, attn_head_dim]
@@ -160,6 +211,8 @@ class ModelState:
     for s in self.layers:
       if isinstance(s, MambaState):
         return "replay" if isinstance(s.ssm, ReplayState) else "baseline"
+      if isinstance(s, GDNState):
+        return "replay" if s.is_replay else "baseline"
     return None
 
   @property
