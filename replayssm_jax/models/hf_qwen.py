@@ -162,15 +162,23 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "float32",
                      f"{factor!r} is not supported (a number in (0, 1] "
                      f"rotating an even number of the head_dim={hd} dims).")
   rotary_dim = int(hd * factor)
+  nkv = G.get(hf, "num_key_value_heads", 2, "int")
+  hk = G.get(hf, "linear_num_key_heads", 16, "int")
+  hv = G.get(hf, "linear_num_value_heads", 32, "int")
+  for (kn, k), (vn, v) in ((("num_key_value_heads", nkv),
+                            ("num_attention_heads", nh)),
+                           (("linear_num_key_heads", hk),
+                            ("linear_num_value_heads", hv))):
+    if v % k:
+      raise ValueError(f"config.json: {kn}={k} must divide {vn}={v}.")
   return ModelConfig(
       pattern="".join(k + f for k, f in zip(kinds, ffn)), **moe,
-      num_heads=nh, num_kv_heads=G.get(hf, "num_key_value_heads", 2, "int"),
+      num_heads=nh, num_kv_heads=nkv,
       attn_head_dim=hd, rope_theta=theta,
       rotary_dim=None if rotary_dim == hd else rotary_dim,
       attn_qk_norm=True, attn_output_gate=True,
       conv_kernel=G.get(hf, "linear_conv_kernel_dim", 4, "int"),
-      gdn_num_k_heads=G.get(hf, "linear_num_key_heads", 16, "int"),
-      gdn_num_v_heads=G.get(hf, "linear_num_value_heads", 32, "int"),
+      gdn_num_k_heads=hk, gdn_num_v_heads=hv,
       gdn_k_dim=G.get(hf, "linear_key_head_dim", 128, "int"),
       gdn_v_dim=G.get(hf, "linear_value_head_dim", 128, "int"),
       intermediate_size=G.get(hf, "intermediate_size", 5632, "int"),
