@@ -161,20 +161,22 @@ def commit_fn(pending: PendingState, num_accepted, active=None):
 def _gdn_commit(ssm, snapshots, n, active):
   """A Gated DeltaNet layer's committed state: the replay state's counter
   moved by n (`gdn_replay_commit`) or the baseline snapshot after n window
-  tokens (`gdn_baseline_commit`); inactive rows keep their state."""
+  tokens (`gdn_baseline_commit`); inactive rows keep their committed
+  history (the pending state's count / step: the window slots stay
+  stale)."""
   if isinstance(ssm, gdn.GDNReplayState):
     new = gdn.gdn_replay_commit(ssm, n if active is None
                                 else jnp.where(active, n, 1))
-  else:
-    new = gdn.gdn_baseline_commit(snapshots, n)
-  if active is None:
+    if active is not None:
+      new = new.replace(**{f: jnp.where(active, getattr(new, f),
+                                        getattr(ssm, f))
+                           for f in ("count", "step")
+                           if getattr(new, f) is not None})
     return new
-
-  def keep(a, b):
-    if a is None:
-      return None
-    return jnp.where(active.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
-  return jax.tree.map(keep, new, ssm)
+  new = gdn.gdn_baseline_commit(snapshots, n)
+  if active is not None:
+    new = jnp.where(active[:, None, None, None], new, ssm)
+  return new
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=(3,))
