@@ -123,16 +123,19 @@ class GDNMixer(nnx.Module):
 
   def step(self, h, state: GDNState, implementation: str | None = None,
            layer: int = 0):
-    """One token per row: h [b, d] -> (y [b, d], state)."""
-    del implementation, layer  # the GDN ops pick their own
+    """One token per row: h [b, d] -> (y [b, d], state); `implementation`
+    goes to the delta-rule op's dispatcher."""
+    del layer
     qkv, z, g, beta = self._project(h)
     x, conv = causal_conv1d_update(qkv, state.conv, self.conv_weight[...],
                                    None, activation="silu")
     q, k, v = self._split(x)
     if state.is_replay:
-      o, ssm = gdn.gdn_replay_step(state.ssm, q, k, v, g, beta)
+      o, ssm = gdn.gdn_replay_step(state.ssm, q, k, v, g, beta,
+                                   implementation=implementation)
     else:
-      o, ssm = gdn.gdn_step(state.ssm, q, k, v, g, beta)
+      o, ssm = gdn.gdn_step(state.ssm, q, k, v, g, beta,
+                            implementation=implementation)
     return self._out(o, z), GDNState(conv=conv, ssm=ssm)
 
   def verify(self, h, state: GDNState, implementation: str | None = None,
@@ -144,18 +147,21 @@ class GDNMixer(nnx.Module):
     (`gdn_replay_verify`) or, baseline, the committed state unchanged;
     window_conv_inputs [b, T, conv_dim] the window's pre-conv inputs in the
     conv-state dtype; snapshots [b, T, HV, K, V] (baseline,
-    `gdn_baseline_verify`) or None.
+    `gdn_baseline_verify`) or None. `implementation` goes to the window
+    op's dispatcher.
     """
-    del implementation, layer
+    del layer
     qkv, z, g, beta = self._project(h)
     x, _ = causal_conv1d(qkv, self.conv_weight[...], None,
                          initial_state=state.conv.astype(qkv.dtype),
                          activation="silu")
     q, k, v = self._split(x)
     if state.is_replay:
-      o, ssm = gdn.gdn_replay_verify(state.ssm, q, k, v, g, beta)
+      o, ssm = gdn.gdn_replay_verify(state.ssm, q, k, v, g, beta,
+                                     implementation=implementation)
       snapshots = None
     else:
-      o, snapshots = gdn.gdn_baseline_verify(state.ssm, q, k, v, g, beta)
+      o, snapshots = gdn.gdn_baseline_verify(state.ssm, q, k, v, g, beta,
+                                             implementation=implementation)
       ssm = state.ssm
     return self._out(o, z), (ssm, qkv.astype(state.conv.dtype), snapshots)
