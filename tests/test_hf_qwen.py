@@ -17,7 +17,7 @@ from replayssm_jax import models
 from replayssm_jax.models import hf, hf_qwen, hf_tensors
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
-PARITY = ("qwen3_5", "qwen3_next")
+PARITY = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
 
 
 def fixture_dir(name):
@@ -88,6 +88,9 @@ def test_layer_pattern_and_fields():
   assert cfg.pattern == "GEG-*EGE"  # mlp_only_layers [1]
   assert (cfg.moe_router, cfg.n_routed_experts, cfg.num_experts_per_tok,
           cfg.moe_shared_expert_gate) == ("softmax", 4, 2, True)
+  cfg, arch = hf.config_from_hf(read_config("qwen3_5_moe"))
+  assert arch == "Qwen3_5MoeForCausalLM"
+  assert cfg.pattern == "GEGE*EGE" and cfg.norm_topk_prob
 
 
 def test_layer_types_from_full_attention_interval():
@@ -168,8 +171,8 @@ def test_tensor_map_round_trip(case):
     ("qwen3_next", {"num_experts": -2}, "num_experts"),
     ("qwen3_next", {"mlp_only_layers": "all"}, "mlp_only_layers"),
     ("qwen3_next", {"norm_topk_prob": "yes"}, "norm_topk_prob"),
-    ("qwen3_next", {"architectures": ["Qwen3_5MoeForCausalLM"]},
-     "Qwen3_5MoeForCausalLM"),
+    ("qwen3_next", {"architectures": ["Qwen3MoeForCausalLM"]},
+     "Qwen3MoeForCausalLM"),
 ])
 def test_unsupported_config_names_key(case, edit, match):
   c = copy.deepcopy(read_config(case))

@@ -1,7 +1,7 @@
 """Hugging Face checkpoints: `Mamba2ForCausalLM` and `NemotronHForCausalLM`
 (NemotronH's config forms and MoE tensors: `hf_nemotron`), Granite 4.0
-hybrid and Bamba (`hf_granite`, `hf_bamba`), Qwen3.5 text and Qwen3-Next
-(`hf_qwen`).
+hybrid and Bamba (`hf_granite`, `hf_bamba`), Qwen3.5 / Qwen3.5-MoE text
+and Qwen3-Next (`hf_qwen`).
 
 `from_pretrained(directory)` reads config.json and the *.safetensors files
 (one file or sharded with model.safetensors.index.json) and returns a ready
@@ -244,8 +244,8 @@ def from_pretrained(directory: str, dtype: str = "float32",
                     param_dtype: str | None = None) -> HybridLM:
   """Loads a HF Mamba2ForCausalLM / NemotronHForCausalLM /
   GraniteMoeHybridForCausalLM / BambaForCausalLM / Qwen3_5ForCausalLM /
-  Qwen3_5ForConditionalGeneration (its text model) / Qwen3NextForCausalLM
-  directory.
+  Qwen3_5MoeForCausalLM / Qwen3_5(Moe)ForConditionalGeneration (its text
+  model) / Qwen3NextForCausalLM directory.
 
   Args:
     directory: holds config.json and model.safetensors (or shards listed in

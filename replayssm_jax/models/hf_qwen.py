@@ -1,10 +1,12 @@
-"""Hugging Face Qwen3.5 (text) and Qwen3-Next checkpoints.
+"""Hugging Face Qwen3.5 (text), Qwen3.5-MoE (text) and Qwen3-Next checkpoints.
 
 Architectures: `Qwen3_5ForCausalLM` (model_type qwen3_5_text),
-`Qwen3_5ForConditionalGeneration` (model_type qwen3_5: its text model is
-loaded, from text_config and the model.language_model.* tensors; the
-vision tower model.visual.* is skipped, as are the multi-token-prediction
-mtp.* tensors) and `Qwen3NextForCausalLM` (model_type qwen3_next).
+`Qwen3_5MoeForCausalLM` (qwen3_5_moe_text), their multimodal
+`Qwen3_5ForConditionalGeneration` / `Qwen3_5MoeForConditionalGeneration`
+(qwen3_5 / qwen3_5_moe: the text model is loaded, from text_config and the
+model.language_model.* tensors; the vision tower model.visual.* is
+skipped, as are the multi-token-prediction mtp.* tensors) and
+`Qwen3NextForCausalLM` (model_type qwen3_next).
 
 A decoder layer is two residual sublayers, as Granite's (`hf_granite`):
 
@@ -12,11 +14,13 @@ A decoder layer is two residual sublayers, as Granite's (`hf_granite`):
                                            "linear_attention" layers, gated
                                            attention ('*') at the
                                            "full_attention" ones
-  h = h + mlp(post_attention_layernorm(h)) SwiGLU MLP ('-'), or, Qwen3-Next
-                                           with num_experts > 0, a mixture
-                                           of experts ('E') at the layers
-                                           not in mlp_only_layers with
-                                           (i + 1) % decoder_sparse_step == 0
+  h = h + mlp(post_attention_layernorm(h)) SwiGLU MLP ('-') (Qwen3.5), a
+                                           mixture of experts ('E') at
+                                           every layer (Qwen3.5-MoE), or,
+                                           Qwen3-Next with num_experts > 0,
+                                           MoE at the layers not in
+                                           mlp_only_layers with (i + 1) %
+                                           decoder_sparse_step == 0
 
 so HF layer i is our blocks 2i and 2i + 1. Numerics:
   * every RMSNorm but the GDN's gated one is zero-centred: x / rms(x) *
@@ -31,7 +35,7 @@ so HF layer i is our blocks 2i and 2i + 1. Numerics:
     grouped per key head, [q, k, v, z] of the key head's value heads, and
     in_proj_ba [b, a] per key head: split into in_proj_qkv / z / b / a);
   * MoE: softmax over all experts, top num_experts_per_tok, renormalised
-    when norm_topk_prob; SwiGLU experts; the shared expert (SwiGLU) times
+    when norm_topk_prob (Qwen3.5-MoE: always); SwiGLU experts; the shared expert (SwiGLU) times
     sigmoid(shared_expert_gate(h)).
 
 Tensor names (under `model.`; Qwen3_5ForConditionalGeneration:
@@ -64,10 +68,17 @@ from replayssm_jax.models import hf_granite as G
 from replayssm_jax.models.config import ModelConfig
 
 ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
+                 "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
                  "Qwen3NextForCausalLM")
 MODEL_TYPES = {"qwen3_5_text": "Qwen3_5ForCausalLM",
                "qwen3_5": "Qwen3_5ForConditionalGeneration",
+               "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+               "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
                "qwen3_next": "Qwen3NextForCausalLM"}
+_MULTIMODAL = ("Qwen3_5ForConditionalGeneration",
+               "Qwen3_5MoeForConditionalGeneration")
+_MOE = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
+        "Qwen3NextForCausalLM")
 _LAYER_TYPES = {"linear_attention": "G", "full_attention": "*"}
 _MISSING = object()
 
@@ -80,15 +91,16 @@ def _architecture(hf: dict) -> str:
 
 def text_config(hf: dict) -> dict:
   """The text model's config: text_config of a
-  Qwen3_5ForConditionalGeneration config.json (with its top-level
+  Qwen3_5(Moe)ForConditionalGeneration config.json (with its top-level
   tie_word_embeddings, which transformers ties by), else hf itself."""
-  if _architecture(hf) != "Qwen3_5ForConditionalGeneration":
+  arch = _architecture(hf)
+  if arch not in _MULTIMODAL:
     return hf
   text = hf.get("text_config")
   if not isinstance(text, dict):
-    raise ValueError(f"config.json: a Qwen3_5ForConditionalGeneration "
-                     f"config needs a text_config object (its text model is "
-                     f"what loads), got {text!r}.")
+    raise ValueError(f"config.json: a {arch} config needs a text_config "
+                     f"object (its text model is what loads), got "
+                     f"{text!r}.")
   return dict(text, tie_word_embeddings=hf.get("tie_word_embeddings",
                                                False))
 
@@ -112,7 +124,9 @@ def layer_kinds(hf: dict, n: int) -> list[str]:
 
 
 def _moe_layers(hf: dict, n: int) -> tuple[list[bool], dict[str, Any]]:
-  """Qwen3-Next: which layers are MoE, and the MoE fields of ModelConfig."""
+  """Which layers are MoE, and the MoE fields of ModelConfig (Qwen3-Next's
+  keys; Qwen3.5-MoE has no decoder_sparse_step / mlp_only_layers /
+  norm_topk_prob: all layers, renormalised)."""
   experts = hf.get("num_experts", 512)
   if experts in (0, None):
     return [False] * n, {}
@@ -150,7 +164,7 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "float32",
   kinds = layer_kinds(hf, n)
   G.refuse(hf, "attention_bias", (False,), False)
   is_moe, moe = ([False] * n, {})
-  if arch == "Qwen3NextForCausalLM":
+  if arch in _MOE:
     is_moe, moe = _moe_layers(hf, n)
   ffn = ["E" if m else "-" for m in is_moe]
   nh = G.get(hf, "num_attention_heads", 16, "int")
