@@ -215,3 +215,47 @@ def test_bad_prefill_arguments_name_the_argument():
   with pytest.raises(ValueError, match="A_log"):
     gdn.gdn_gates(jnp.zeros((2, 4)), jnp.zeros((2, 4)), jnp.zeros(3),
                   jnp.zeros(4))
+
+
+def _formula_inputs():
+  """Deterministic inputs (no RNG) of a 5-token sequence, batch 1, one key
+  head serving two value heads, K = 4, V = 3."""
+  def idx(*s):
+    return np.arange(int(np.prod(s)), dtype=np.float64).reshape(s)
+  q = np.sin(1.3 * idx(1, 5, 1, 4) + 0.2)
+  k = np.cos(0.7 * idx(1, 5, 1, 4) + 0.5)
+  v = np.sin(0.9 * idx(1, 5, 2, 3) + 1.0)
+  g = -0.1 - 0.4 * (1 + np.sin(idx(1, 5, 2))) / 2
+  beta = 0.2 + 0.6 * (1 + np.cos(idx(1, 5, 2))) / 2
+  s0 = 0.5 * np.cos(0.3 * idx(1, 2, 4, 3))
+  return [jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta, s0)]
+
+
+# transformers' torch_recurrent_gated_delta_rule(q, k, v, g, beta,
+# initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+# on _formula_inputs (torch, CPU, float32; its chunked form agrees to 6e-8).
+HF_O = np.array([
+    0.2782899, 0.2628766, 0.0635883, -0.1307729, -0.1890266, -0.0910040,
+    -0.0790009, -0.0780798, -0.0356941, 0.1255676, 0.1757809, 0.1447723,
+    -0.0274106, -0.0562106, -0.0570474, -0.0722415, 0.0838618, 0.2094731,
+    -0.2808509, -0.1966488, 0.0339560, 0.1911354, 0.2366636, 0.1034496,
+    0.0765991, 0.1142873, 0.0724413, -0.0202947, -0.0851457, -0.1051541
+]).reshape((1, 5, 2, 3))
+HF_STATE = np.array([
+    0.1014357, -0.0288784, -0.1293121, 0.0164229, -0.1697634, -0.2249648,
+    -0.0930327, -0.2405520, -0.2167156, -0.1526227, -0.1846269,
+    -0.0867086, -0.1909497, -0.2029707, -0.0840694, -0.1710789,
+    -0.0957296, 0.0562221, -0.0653328, 0.0542872, 0.1603630, 0.0548382,
+    0.1573323, 0.1644206
+]).reshape((1, 2, 4, 3))
+
+
+def test_matches_transformers_gated_delta_rule():
+  q, k, v, g, beta, s0 = _formula_inputs()
+  o, s = gdn.gdn_chunked_prefill(q, k, v, g, beta, chunk_size=2,
+                                 initial_state=s0)
+  testing.assert_close(o, HF_O, TOL, "chunked o vs transformers")
+  testing.assert_close(s, HF_STATE, TOL, "chunked state vs transformers")
+  o, snaps = R.gdn_step_scan(s0, q, k, v, g, beta)
+  testing.assert_close(o, HF_O, TOL, "stepwise o vs transformers")
+  testing.assert_close(snaps[:, -1], HF_STATE, TOL, "stepwise state")
