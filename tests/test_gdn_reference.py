@@ -41,8 +41,8 @@ def numpy_loop(state, q, k, v, g, beta, use_qk_l2norm=True, scale=None):
   rep = v.shape[2] // q.shape[2]
   q, k = np.repeat(q, rep, axis=2), np.repeat(k, rep, axis=2)
   if use_qk_l2norm:
-    norm = lambda x: x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)  # noqa: E731
-    q, k = norm(q), norm(k)
+    q, k = (x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
+            for x in (q, k))
   q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
   out = []
   for t in range(q.shape[1]):
