@@ -166,6 +166,21 @@ def test_dispatch_table():
   np.testing.assert_array_equal(o, o2)
   with pytest.raises(ValueError, match="implementation"):
     gdn.gdn_step(state, **inp, implementation="no-such-kernel")
+  # A kernel registers like a Mamba-2 one and receives the op's arguments.
+  seen = {}
+
+  def fake(**kw):
+    seen.update(kw)
+    return R.gdn_step(**kw)
+
+  rs.register_implementation("gdn_step", rs.Implementation(
+      "fake", fake, preferred=lambda: False))
+  try:
+    gdn.gdn_step(state, **inp, implementation="fake")
+    assert set(seen) == {"state", "q", "k", "v", "g", "beta",
+                         "use_qk_l2norm", "scale"}
+  finally:
+    del rs.ops._REGISTRY["gdn_step"]["fake"]  # pylint: disable=protected-access
 
 
 def _bad_step_cases():
