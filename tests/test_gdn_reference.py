@@ -55,6 +55,10 @@ def numpy_loop(state, q, k, v, g, beta, use_qk_l2norm=True, scale=None):
 
 
 _step = jax.jit(gdn.gdn_step, static_argnames=("use_qk_l2norm", "scale"))
+# Jitted: one compilation per case instead of one per primitive and shape.
+_prefill = jax.jit(gdn.gdn_chunked_prefill, static_argnames=(
+    "chunk_size", "use_qk_l2norm", "scale", "implementation"))
+_scan = jax.jit(R.gdn_step_scan)
 
 
 @pytest.mark.parametrize("opts", [dict(), dict(use_qk_l2norm=False,
@@ -110,8 +114,8 @@ CHUNK_CASES = [(1, 64), (1, 1), (5, 4), (5, 64), (64, 16), (64, 64),
                          ids=[f"T{t}-Q{c}" for t, c in CHUNK_CASES])
 def test_chunked_matches_stepwise(T, chunk):
   inp, state = make_inputs(10 + T + chunk, T=T)
-  want_o, snaps = R.gdn_step_scan(state, **inp)
-  o, s = gdn.gdn_chunked_prefill(**inp, chunk_size=chunk,
+  want_o, snaps = _scan(state, **inp)
+  o, s = _prefill(**inp, chunk_size=chunk,
                                  initial_state=state)
   assert o.shape == (B, T, HV, VD) and s.dtype == jnp.float32
   testing.assert_close(o, want_o, TOL, f"T={T} chunk={chunk} o")
@@ -123,8 +127,8 @@ def test_chunked_heads_and_zero_initial_state(hk):
   T = 21
   inp, _ = make_inputs(30 + hk, T=T, hk=hk)
   zero = jnp.zeros((B, HV, K, VD), jnp.float32)
-  want_o, snaps = R.gdn_step_scan(zero, **inp)
-  o, s = gdn.gdn_chunked_prefill(**inp, chunk_size=8)
+  want_o, snaps = _scan(zero, **inp)
+  o, s = _prefill(**inp, chunk_size=8)
   testing.assert_close(o, want_o, TOL, "o")
   testing.assert_close(s, snaps[:, -1], TOL, "state")
   # Matches the float64 loop too (not only our own step).
@@ -139,12 +143,12 @@ def test_padded_positions_never_reach_outputs_or_state():
   state = state.at[3].set(jax.random.normal(jax.random.PRNGKey(3),
                                             state.shape[1:]))
   valid = jnp.asarray(np.arange(T)[None, :] < lengths[:, None])
-  want_o, snaps = R.gdn_step_scan(state, **inp)
+  want_o, snaps = _scan(state, **inp)
   poison = dict(q=jnp.nan, k=jnp.inf, v=jnp.nan, g=jnp.nan, beta=jnp.inf)
   bad = {n: jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 2)), x,
                       poison[n]) for n, x in inp.items()}
   for chunk in (4, 64):
-    o, s = gdn.gdn_chunked_prefill(**bad, chunk_size=chunk,
+    o, s = _prefill(**bad, chunk_size=chunk,
                                    initial_state=state, valid=valid)
     assert np.all(np.isfinite(o)) and np.all(np.isfinite(s))
     np.testing.assert_array_equal(
@@ -267,10 +271,10 @@ HF_STATE = np.array([
 
 def test_matches_transformers_gated_delta_rule():
   q, k, v, g, beta, s0 = _formula_inputs()
-  o, s = gdn.gdn_chunked_prefill(q, k, v, g, beta, chunk_size=2,
+  o, s = _prefill(q, k, v, g, beta, chunk_size=2,
                                  initial_state=s0)
   testing.assert_close(o, HF_O, TOL, "chunked o vs transformers")
   testing.assert_close(s, HF_STATE, TOL, "chunked state vs transformers")
-  o, snaps = R.gdn_step_scan(s0, q, k, v, g, beta)
+  o, snaps = _scan(s0, q, k, v, g, beta)
   testing.assert_close(o, HF_O, TOL, "stepwise o vs transformers")
   testing.assert_close(snaps[:, -1], HF_STATE, TOL, "stepwise state")

@@ -272,9 +272,9 @@ def test_prefill_then_replay_decode_equals_stepwise_from_the_start():
   seq = GT.random_inputs(jax.random.PRNGKey(90), B, HK, HV, K, VD, T=T)
   valid = jnp.asarray(np.arange(T)[None, :] < lengths[:, None])
   s0 = jax.random.normal(jax.random.PRNGKey(91), (B, HV, K, VD))
-  _, final = gdn.gdn_chunked_prefill(**seq, chunk_size=4, initial_state=s0,
-                                     valid=valid)
-  _, snaps = R.gdn_step_scan(s0, **seq)
+  _, final = jax.jit(gdn.gdn_chunked_prefill, static_argnames="chunk_size")(
+      **seq, chunk_size=4, initial_state=s0, valid=valid)
+  _, snaps = jax.jit(R.gdn_step_scan)(s0, **seq)
   base = snaps[np.arange(B), lengths - 1]
   testing.assert_close(final, base, TOL, "prefill state")
   r = gdn.gdn_replay_state_from(final, L, num_k_heads=HK,
