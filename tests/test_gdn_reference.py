@@ -41,8 +41,8 @@ def numpy_loop(state, q, k, v, g, beta, use_qk_l2norm=True, scale=None):
   rep = v.shape[2] // q.shape[2]
   q, k = np.repeat(q, rep, axis=2), np.repeat(k, rep, axis=2)
   if use_qk_l2norm:
-    norm = lambda x: x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)  # noqa: E731
-    q, k = norm(q), norm(k)
+    q, k = (x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
+            for x in (q, k))
   q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
   out = []
   for t in range(q.shape[1]):
@@ -55,6 +55,10 @@ def numpy_loop(state, q, k, v, g, beta, use_qk_l2norm=True, scale=None):
 
 
 _step = jax.jit(gdn.gdn_step, static_argnames=("use_qk_l2norm", "scale"))
+# Jitted: one compilation per case instead of one per primitive and shape.
+_prefill = jax.jit(gdn.gdn_chunked_prefill, static_argnames=(
+    "chunk_size", "use_qk_l2norm", "scale", "implementation"))
+_scan = jax.jit(R.gdn_step_scan)
 
 
 @pytest.mark.parametrize("opts", [dict(), dict(use_qk_l2norm=False,
@@ -110,8 +114,8 @@ CHUNK_CASES = [(1, 64), (1, 1), (5, 4), (5, 64), (64, 16), (64, 64),
                          ids=[f"T{t}-Q{c}" for t, c in CHUNK_CASES])
 def test_chunked_matches_stepwise(T, chunk):
   inp, state = make_inputs(10 + T + chunk, T=T)
-  want_o, snaps = R.gdn_step_scan(state, **inp)
-  o, s = gdn.gdn_chunked_prefill(**inp, chunk_size=chunk,
+  want_o, snaps = _scan(state, **inp)
+  o, s = _prefill(**inp, chunk_size=chunk,
                                  initial_state=state)
   assert o.shape == (B, T, HV, VD) and s.dtype == jnp.float32
   testing.assert_close(o, want_o, TOL, f"T={T} chunk={chunk} o")
@@ -123,8 +127,8 @@ def test_chunked_heads_and_zero_initial_state(hk):
   T = 21
   inp, _ = make_inputs(30 + hk, T=T, hk=hk)
   zero = jnp.zeros((B, HV, K, VD), jnp.float32)
-  want_o, snaps = R.gdn_step_scan(zero, **inp)
-  o, s = gdn.gdn_chunked_prefill(**inp, chunk_size=8)
+  want_o, snaps = _scan(zero, **inp)
+  o, s = _prefill(**inp, chunk_size=8)
   testing.assert_close(o, want_o, TOL, "o")
   testing.assert_close(s, snaps[:, -1], TOL, "state")
   # Matches the float64 loop too (not only our own step).
@@ -139,12 +143,12 @@ def test_padded_positions_never_reach_outputs_or_state():
   state = state.at[3].set(jax.random.normal(jax.random.PRNGKey(3),
                                             state.shape[1:]))
   valid = jnp.asarray(np.arange(T)[None, :] < lengths[:, None])
-  want_o, snaps = R.gdn_step_scan(state, **inp)
+  want_o, snaps = _scan(state, **inp)
   poison = dict(q=jnp.nan, k=jnp.inf, v=jnp.nan, g=jnp.nan, beta=jnp.inf)
   bad = {n: jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 2)), x,
                       poison[n]) for n, x in inp.items()}
   for chunk in (4, 64):
-    o, s = gdn.gdn_chunked_prefill(**bad, chunk_size=chunk,
+    o, s = _prefill(**bad, chunk_size=chunk,
                                    initial_state=state, valid=valid)
     assert np.all(np.isfinite(o)) and np.all(np.isfinite(s))
     np.testing.assert_array_equal(
@@ -166,6 +170,21 @@ def test_dispatch_table():
   np.testing.assert_array_equal(o, o2)
   with pytest.raises(ValueError, match="implementation"):
     gdn.gdn_step(state, **inp, implementation="no-such-kernel")
+  # A kernel registers like a Mamba-2 one and receives the op's arguments.
+  seen = {}
+
+  def fake(**kw):
+    seen.update(kw)
+    return R.gdn_step(**kw)
+
+  rs.register_implementation("gdn_step", rs.Implementation(
+      "fake", fake, preferred=lambda: False))
+  try:
+    gdn.gdn_step(state, **inp, implementation="fake")
+    assert set(seen) == {"state", "q", "k", "v", "g", "beta",
+                         "use_qk_l2norm", "scale"}
+  finally:
+    del rs.ops._REGISTRY["gdn_step"]["fake"]  # pylint: disable=protected-access
 
 
 def _bad_step_cases():
@@ -215,3 +234,47 @@ def test_bad_prefill_arguments_name_the_argument():
   with pytest.raises(ValueError, match="A_log"):
     gdn.gdn_gates(jnp.zeros((2, 4)), jnp.zeros((2, 4)), jnp.zeros(3),
                   jnp.zeros(4))
+
+
+def _formula_inputs():
+  """Deterministic inputs (no RNG) of a 5-token sequence, batch 1, one key
+  head serving two value heads, K = 4, V = 3."""
+  def idx(*s):
+    return np.arange(int(np.prod(s)), dtype=np.float64).reshape(s)
+  q = np.sin(1.3 * idx(1, 5, 1, 4) + 0.2)
+  k = np.cos(0.7 * idx(1, 5, 1, 4) + 0.5)
+  v = np.sin(0.9 * idx(1, 5, 2, 3) + 1.0)
+  g = -0.1 - 0.4 * (1 + np.sin(idx(1, 5, 2))) / 2
+  beta = 0.2 + 0.6 * (1 + np.cos(idx(1, 5, 2))) / 2
+  s0 = 0.5 * np.cos(0.3 * idx(1, 2, 4, 3))
+  return [jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta, s0)]
+
+
+# transformers' torch_recurrent_gated_delta_rule(q, k, v, g, beta,
+# initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+# on _formula_inputs (torch, CPU, float32; its chunked form agrees to 6e-8).
+HF_O = np.array([
+    0.2782899, 0.2628766, 0.0635883, -0.1307729, -0.1890266, -0.0910040,
+    -0.0790009, -0.0780798, -0.0356941, 0.1255676, 0.1757809, 0.1447723,
+    -0.0274106, -0.0562106, -0.0570474, -0.0722415, 0.0838618, 0.2094731,
+    -0.2808509, -0.1966488, 0.0339560, 0.1911354, 0.2366636, 0.1034496,
+    0.0765991, 0.1142873, 0.0724413, -0.0202947, -0.0851457, -0.1051541
+]).reshape((1, 5, 2, 3))
+HF_STATE = np.array([
+    0.1014357, -0.0288784, -0.1293121, 0.0164229, -0.1697634, -0.2249648,
+    -0.0930327, -0.2405520, -0.2167156, -0.1526227, -0.1846269,
+    -0.0867086, -0.1909497, -0.2029707, -0.0840694, -0.1710789,
+    -0.0957296, 0.0562221, -0.0653328, 0.0542872, 0.1603630, 0.0548382,
+    0.1573323, 0.1644206
+]).reshape((1, 2, 4, 3))
+
+
+def test_matches_transformers_gated_delta_rule():
+  q, k, v, g, beta, s0 = _formula_inputs()
+  o, s = _prefill(q, k, v, g, beta, chunk_size=2,
+                                 initial_state=s0)
+  testing.assert_close(o, HF_O, TOL, "chunked o vs transformers")
+  testing.assert_close(s, HF_STATE, TOL, "chunked state vs transformers")
+  o, snaps = _scan(s0, q, k, v, g, beta)
+  testing.assert_close(o, HF_O, TOL, "stepwise o vs transformers")
+  testing.assert_close(snaps[:, -1], HF_STATE, TOL, "stepwise state")

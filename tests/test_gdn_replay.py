@@ -262,3 +262,22 @@ def test_bad_states_and_inputs_are_refused():
   with pytest.raises(ValueError, match="buffer_len"):
     gdn.init_gdn_replay_state(2, num_v_heads=HV, num_k_heads=HK, key_dim=K,
                               value_dim=VD, buffer_len=0)
+
+
+def test_prefill_then_replay_decode_equals_stepwise_from_the_start():
+  """A ragged prefill (valid mask), its final state wrapped by
+  gdn_replay_state_from, then replay decode == gdn_step all along."""
+  T, nsteps, L = 9, 6, 4
+  lengths = np.array([9, 4, 1, 7])
+  seq = GT.random_inputs(jax.random.PRNGKey(90), B, HK, HV, K, VD, T=T)
+  valid = jnp.asarray(np.arange(T)[None, :] < lengths[:, None])
+  s0 = jax.random.normal(jax.random.PRNGKey(91), (B, HV, K, VD))
+  _, final = jax.jit(gdn.gdn_chunked_prefill, static_argnames="chunk_size")(
+      **seq, chunk_size=4, initial_state=s0, valid=valid)
+  _, snaps = jax.jit(R.gdn_step_scan)(s0, **seq)
+  base = snaps[np.arange(B), lengths - 1]
+  testing.assert_close(final, base, TOL, "prefill state")
+  r = gdn.gdn_replay_state_from(final, L, num_k_heads=HK,
+                                buffer_dtype=jnp.float32)
+  _, out = run(r, base, steps_for(92, nsteps))
+  testing.assert_close(out["o_r"], out["o_b"], TOL, "decode after prefill")

@@ -38,6 +38,8 @@ def window(seed, T):
 
 _verify = jax.jit(gdn.gdn_replay_verify, static_argnames=("policy",))
 _step = jax.jit(gdn.gdn_replay_step, static_argnames=("policy",))
+_base_verify = jax.jit(gdn.gdn_baseline_verify)
+_materialize = jax.jit(gdn.gdn_materialize)
 
 
 @pytest.mark.parametrize("T", [1, 3, 5])
@@ -45,7 +47,7 @@ def test_verify_outputs_match_stepwise_baseline(T):
   rstate, full = setup(T)
   win = window(100 + T, T)
   o, pending = _verify(rstate, **win)
-  o_b, snaps = gdn.gdn_baseline_verify(full, **win)
+  o_b, snaps = _base_verify(full, **win)
   s = full
   for t in range(T):  # the baseline verify is T plain steps
     o_t, s = gdn.gdn_step(s, **{n: x[:, t] for n, x in win.items()})
@@ -77,7 +79,7 @@ def test_verify_with_bf16_rings_equals_stepwise_replay():
   o_step = jnp.stack(outs, 1)
   keep = np.nonzero(np.asarray(COUNTS) + T < L)[0]
   testing.assert_close(o[keep], o_step[keep], TOL, "non-flush rows")
-  o_b, _ = gdn.gdn_baseline_verify(full, **win)
+  o_b, _ = _base_verify(full, **win)
   testing.assert_close(o, o_b, testing.tolerance("bfloat16"), "all rows")
 
 
@@ -92,9 +94,9 @@ def test_commit_equals_a_fresh_run_on_the_accepted_prefix():
     _, pending = _verify(rstate, **win)
     committed = gdn.gdn_replay_commit(pending, n)
     assert committed.pending_window is None
-    _, snaps = gdn.gdn_baseline_verify(full, **win)
+    _, snaps = _base_verify(full, **win)
     base = gdn.gdn_baseline_commit(snaps, n)
-    testing.assert_close(gdn.gdn_materialize(committed), base, TOL,
+    testing.assert_close(_materialize(committed), base, TOL,
                          f"committed state n={n}")
     np.testing.assert_array_equal(committed.count,
                                   np.asarray(pending.count) + n)
@@ -120,8 +122,8 @@ def test_rejected_drafts_poisoned_with_nan_never_reach_later_outputs():
                                 bits(o_clean)[accepted])
   c_clean = gdn.gdn_replay_commit(p_clean, n)
   c_bad = gdn.gdn_replay_commit(p_bad, n)
-  np.testing.assert_array_equal(bits(gdn.gdn_materialize(c_bad)),
-                                bits(gdn.gdn_materialize(c_clean)))
+  np.testing.assert_array_equal(bits(_materialize(c_bad)),
+                                bits(_materialize(c_clean)))
   tok = {x: y[:, 0] for x, y in window(23, 1).items()}
   for _ in range(2):  # decode steps, then another verify
     o1, c_clean = _step(c_clean, **tok)
