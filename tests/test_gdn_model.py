@@ -136,9 +136,36 @@ def test_state_of_another_model_is_refused(model, toks):
     models.verify(model, toks[:, :4], model.init_state(2, 16, buffer_len=4))
 
 
-def test_precision_policy_is_refused_for_gdn_layers(model):
-  with pytest.raises(ValueError, match="Gated DeltaNet"):
-    model.init_state(2, 16, precision=P.PrecisionPolicy.preset("bf16"))
+@pytest.mark.parametrize("mode,preset", [
+    ("replay", "f32+bf16"), ("replay", "bf16+sr"), ("baseline", "bf16")])
+def test_precision_policies(model, toks, full, mode, preset):
+  """Prefill, decode steps and a verify / commit under a policy stay close
+  to the float32 forward; stochastic rounding repeats bit for bit."""
+  policy = P.PrecisionPolicy.preset(preset)
+  runs = []
+  for _ in range(2 if policy.stochastic_rounding else 1):
+    state = model.init_state(2, 32, ssm_mode=mode, buffer_len=3,
+                             precision=policy)
+    last, state = models.prefill(model, toks[:, :5], jnp.full((2,), 5),
+                                 state)
+    got = [np.asarray(last)]
+    for t in range(5, 8):
+      lg, state = models.decode_step(model, toks[:, t], state)
+      got.append(np.asarray(lg))
+    lg, pending = models.verify(model, toks[:, 8:10], state)
+    state = models.commit(pending, jnp.array([2, 1]))
+    got += [np.asarray(lg)[:, 0], np.asarray(lg)[:, 1]]
+    runs.append(np.stack(got, 1))
+    assert state.precision == policy
+  np.testing.assert_allclose(runs[0], full[:, 4:10], atol=5e-2, rtol=5e-2)
+  for r in runs[1:]:
+    np.testing.assert_array_equal(r, runs[0])
+
+
+def test_baseline_takes_plain_policies_only(model):
+  with pytest.raises(ValueError, match="baseline Gated DeltaNet"):
+    model.init_state(2, 16, ssm_mode="baseline",
+                     precision=P.PrecisionPolicy.preset("f32+bf16"))
 
 
 @pytest.mark.parametrize("field,value,match", [

@@ -91,8 +91,9 @@ class GDNMixer(nnx.Module):
   # ----------------------------------------------------------- entries
   def prefill(self, h, lengths, state: GDNState | None, layer: int = 0):
     """The right-padded prompt h [b, T, d] (positions >= lengths are
-    padding: they leave the state unchanged) -> (y [b, T, d], state)."""
-    del layer
+    padding: they leave the state unchanged) -> (y [b, T, d], state); the
+    replay state stored per state.precision (`layer`: the recurrent-block
+    index keying stochastic rounding)."""
     c = self.cfg
     bsz, t, _ = h.shape
     qkv, z, g, beta = self._project(h)
@@ -112,31 +113,39 @@ class GDNMixer(nnx.Module):
     idx = lengths[:, None] + jnp.arange(k1)[None, :]  # [b, k-1]
     conv = jnp.take_along_axis(xp, idx[..., None], axis=1).astype(
         state.conv.dtype)
-    if state.is_replay:
+    policy = state.precision
+    if state.is_replay and policy is None:
       r = state.ssm
       ssm = gdn.gdn_replay_state_from(
-          final, r.d_buf.shape[1], num_k_heads=c.gdn_num_k_heads,
+          final, r.buffer_len, num_k_heads=c.gdn_num_k_heads,
           checkpoint_dtype=r.checkpoint.dtype, buffer_dtype=r.d_buf.dtype)
+    elif state.is_replay:  # master (and read copy) stored per the policy
+      sr = policy.stochastic_rounding
+      ssm = gdn.gdn_replay_state_from(
+          final, state.ssm.buffer_len, num_k_heads=c.gdn_num_k_heads,
+          policy=policy, row_id=state.ssm.row_id if sr else None,
+          step=lengths.astype(jnp.int32) if sr else None, layer=layer)
     else:
       ssm = final.astype(state.ssm.dtype)
-    return out, GDNState(conv=conv, ssm=ssm)
+    return out, state.replace(conv=conv, ssm=ssm)
 
   def step(self, h, state: GDNState, implementation: str | None = None,
            layer: int = 0):
     """One token per row: h [b, d] -> (y [b, d], state); `implementation`
-    goes to the delta-rule op's dispatcher."""
-    del layer
+    goes to the delta-rule op's dispatcher; replay states step under
+    state.precision with `layer` (keys stochastic rounding)."""
     qkv, z, g, beta = self._project(h)
     x, conv = causal_conv1d_update(qkv, state.conv, self.conv_weight[...],
                                    None, activation="silu")
     q, k, v = self._split(x)
     if state.is_replay:
       o, ssm = gdn.gdn_replay_step(state.ssm, q, k, v, g, beta,
+                                   policy=state.precision, layer=layer,
                                    implementation=implementation)
     else:
       o, ssm = gdn.gdn_step(state.ssm, q, k, v, g, beta,
                             implementation=implementation)
-    return self._out(o, z), GDNState(conv=conv, ssm=ssm)
+    return self._out(o, z), state.replace(conv=conv, ssm=ssm)
 
   def verify(self, h, state: GDNState, implementation: str | None = None,
              layer: int = 0):
@@ -148,9 +157,9 @@ class GDNMixer(nnx.Module):
     window_conv_inputs [b, T, conv_dim] the window's pre-conv inputs in the
     conv-state dtype; snapshots [b, T, HV, K, V] (baseline,
     `gdn_baseline_verify`) or None. `implementation` goes to the window
-    op's dispatcher.
+    op's dispatcher; a replay window runs under state.precision with
+    `layer`.
     """
-    del layer
     qkv, z, g, beta = self._project(h)
     x, _ = causal_conv1d(qkv, self.conv_weight[...], None,
                          initial_state=state.conv.astype(qkv.dtype),
@@ -158,6 +167,7 @@ class GDNMixer(nnx.Module):
     q, k, v = self._split(x)
     if state.is_replay:
       o, ssm = gdn.gdn_replay_verify(state.ssm, q, k, v, g, beta,
+                                     policy=state.precision, layer=layer,
                                      implementation=implementation)
       snapshots = None
     else:

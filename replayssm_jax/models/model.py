@@ -53,12 +53,14 @@ class HybridLM(nnx.Module):
                             rngs=rngs)
 
   def mamba_indices(self) -> tuple[int | None, ...]:
-    """Per block: its index among the Mamba blocks (0, 1, ... in pattern
-    order; keys the stochastic rounding of its state), None for others."""
+    """Per block: its index among the recurrent (Mamba-2 and Gated
+    DeltaNet) blocks (0, 1, ... in pattern order; keys the stochastic
+    rounding of its state), None for others."""
     out, m = [], 0
     for kind in self.config.block_kinds:
-      out.append(m if kind == "mamba" else None)
-      m += kind == "mamba"
+      rec = kind in ("mamba", "gdn")
+      out.append(m if rec else None)
+      m += rec
     return tuple(out)
 
   def logits(self, h):
@@ -182,11 +184,6 @@ class HybridLM(nnx.Module):
     if ssm_mode not in S.SSM_MODES:
       raise ValueError(f"ssm_mode must be one of {S.SSM_MODES}, got "
                        f"{ssm_mode!r}.")
-    if precision is not None and "gdn" in cfg.block_kinds:
-      raise ValueError(f"precision {precision.name!r}: the Gated DeltaNet "
-                       f"layers' states take no precision policy; pass "
-                       f"precision=None (checkpoint_dtype / buffer_dtype "
-                       f"set their dtypes).")
     row_ids = _check_precision_args(precision, ssm_mode, batch,
                                     checkpoint_dtype, buffer_dtype, row_ids)
     checkpoint_dtype = F32 if checkpoint_dtype is None else checkpoint_dtype
@@ -206,7 +203,7 @@ class HybridLM(nnx.Module):
       elif kind == "gdn":
         layers.append(S.init_gdn_state(cfg, batch, ssm_mode, buffer_len,
                                        checkpoint_dtype, buffer_dtype,
-                                       conv_dtype))
+                                       conv_dtype, precision, row_ids))
       elif kind == "attention":
         layers.append(S.init_attention_state(cfg, batch, max_len, kv_dtype))
       else:

@@ -143,10 +143,15 @@ class GDNState:
   oldest first; a decode step shifts it. `ssm` is the full recurrent state
   [batch, HV, K, V] (baseline, transformers' layout: o = S^T q) or a
   `replayssm_jax.gdn.GDNReplayState` (checkpoint + buffers of corrected
-  updates, keys and log-decays, flushed every buffer_len steps).
+  updates, keys and log-decays, flushed every buffer_len steps), built and
+  stepped under `precision` (static; None: no policy). A baseline state
+  takes plain policies only (no read copy, no stochastic rounding): it is
+  the state stored in the policy's checkpoint dtype.
   """
   conv: jax.Array  # [batch, conv_kernel - 1, gdn_conv_dim]
   ssm: Any  # gdn.GDNReplayState | jax.Array [batch, HV, K, V]
+  precision: P.PrecisionPolicy | None = dataclasses.field(
+      default=None, metadata=dict(static=True))
 
   def ordered_conv(self) -> jax.Array:
     """The conv inputs oldest first (as `MambaState.ordered_conv`)."""
@@ -164,19 +169,33 @@ class GDNState:
 
 
 def init_gdn_state(cfg, batch: int, ssm_mode: str, buffer_len: int,
-                   checkpoint_dtype, buffer_dtype, conv_dtype) -> GDNState:
-  """An empty GDNState (zero state, empty buffer)."""
+                   checkpoint_dtype, buffer_dtype, conv_dtype,
+                   precision: P.PrecisionPolicy | None = None,
+                   row_ids=None) -> GDNState:
+  """An empty GDNState (zero state, empty buffer); with `precision` laid
+  out per the policy (row_ids: [batch] int32, stochastic rounding)."""
   conv = jnp.zeros((batch, cfg.conv_kernel - 1, cfg.gdn_conv_dim), conv_dtype)
-  if ssm_mode == "replay":
-    ssm = gdn.init_gdn_replay_state(
-        batch, num_v_heads=cfg.gdn_num_v_heads,
-        num_k_heads=cfg.gdn_num_k_heads, key_dim=cfg.gdn_k_dim,
-        value_dim=cfg.gdn_v_dim, buffer_len=buffer_len,
-        checkpoint_dtype=checkpoint_dtype, buffer_dtype=buffer_dtype)
+  sizes = dict(num_v_heads=cfg.gdn_num_v_heads,
+               num_k_heads=cfg.gdn_num_k_heads, key_dim=cfg.gdn_k_dim,
+               value_dim=cfg.gdn_v_dim, buffer_len=buffer_len)
+  if ssm_mode == "replay" and precision is None:
+    ssm = gdn.init_gdn_replay_state(batch, checkpoint_dtype=checkpoint_dtype,
+                                    buffer_dtype=buffer_dtype, **sizes)
+  elif ssm_mode == "replay":
+    if row_ids is not None:  # a buffer of this layer's own (donated)
+      row_ids = jnp.array(row_ids, jnp.int32, copy=True)
+    ssm = gdn.init_gdn_replay_state(batch, policy=precision, row_id=row_ids,
+                                    **sizes)
   else:
+    if precision is not None and not precision.plain:
+      raise ValueError(
+          f"precision {precision.name!r} (a read copy or stochastic "
+          f"rounding) is not supported by a baseline Gated DeltaNet state; "
+          f"use ssm_mode='replay' or a plain policy (e.g. "
+          f"PrecisionPolicy.preset('bf16')).")
     ssm = jnp.zeros((batch, cfg.gdn_num_v_heads, cfg.gdn_k_dim,
                      cfg.gdn_v_dim), checkpoint_dtype)
-  return GDNState(conv=conv, ssm=ssm)
+  return GDNState(conv=conv, ssm=ssm, precision=precision)
 
 
 @jax.tree_util.register_dataclass
@@ -217,9 +236,10 @@ class ModelState:
 
   @property
   def precision(self) -> P.PrecisionPolicy | None:
-    """The PrecisionPolicy of the Mamba layers (None: none given)."""
+    """The PrecisionPolicy of the Mamba / Gated DeltaNet layers (None: none
+    given)."""
     for s in self.layers:
-      if isinstance(s, MambaState):
+      if isinstance(s, (MambaState, GDNState)):
         return s.precision
     return None
 
