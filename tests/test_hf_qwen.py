@@ -93,6 +93,25 @@ def test_layer_pattern_and_fields():
   assert cfg.pattern == "GEGE*EGE" and cfg.norm_topk_prob
 
 
+def test_published_config_forms():
+  """Keys the published configs carry: Qwen3.5's multimodal RoPE section
+  and attn_output_gate, Qwen3-Next's top-level rope_theta /
+  partial_rotary_factor (transformers 4's form)."""
+  c = read_config("qwen3_5")
+  c["rope_parameters"].update(mrope_section=[11, 11, 10],
+                              mrope_interleaved=True)
+  c.update(attn_output_gate=True, mtp_num_hidden_layers=1,
+           mamba_ssm_dtype="float32")
+  assert hf.config_from_hf(c)[0] == hf.config_from_hf(
+      read_config("qwen3_5"))[0]
+  c = read_config("qwen3_next")
+  rp = c.pop("rope_parameters")
+  c.update(rope_theta=rp["rope_theta"], rope_scaling=None,
+           partial_rotary_factor=0.25, use_sliding_window=False)
+  assert hf.config_from_hf(c)[0] == hf.config_from_hf(
+      read_config("qwen3_next"))[0]
+
+
 def test_layer_types_from_full_attention_interval():
   c = read_config("qwen3_5")
   del c["layer_types"]
@@ -154,6 +173,8 @@ def test_tensor_map_round_trip(case):
 @pytest.mark.parametrize("case,edit,match", [
     ("qwen3_5", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ("qwen3_5", {"attention_bias": True}, "attention_bias=True"),
+    ("qwen3_5", {"attn_output_gate": False}, "attn_output_gate=False"),
+    ("qwen3_next", {"use_sliding_window": True}, "use_sliding_window=True"),
     ("qwen3_5", {"layer_types": ["linear_attention", "sliding_attention",
                                  "full_attention", "linear_attention"]},
      "'sliding_attention'"),

@@ -163,6 +163,10 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "float32",
   n = G.get(hf, "num_hidden_layers", kind="int")
   kinds = layer_kinds(hf, n)
   G.refuse(hf, "attention_bias", (False,), False)
+  # transformers' Qwen3.5 / Qwen3-Next attention is always gated, never
+  # windowed: a config saying otherwise describes another model.
+  G.refuse(hf, "attn_output_gate", (True,), True)
+  G.refuse(hf, "use_sliding_window", (False,), False)
   is_moe, moe = ([False] * n, {})
   if arch in _MOE:
     is_moe, moe = _moe_layers(hf, n)
