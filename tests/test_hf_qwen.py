@@ -157,13 +157,12 @@ def test_conditional_generation_directory_loads_its_text_model(tmp_path):
 @pytest.mark.parametrize("case", PARITY)
 def test_tensor_map_round_trip(case):
   """Exporting the loaded model under the tensor map gives the checkpoint's
-  tensors back (interleaved in_proj_qkvz / q_proj rows, 1 + w norms)."""
+  tensors back as `pack_tensors` lays them out (1 + w norms)."""
   d = fixture_dir(case)
   model = hf.from_pretrained(d)
-  tensors = hf_qwen.pack_tensors(load_file(os.path.join(d,
-                                                        "model.safetensors")))
-  out = hf_tensors.export_tensors(
-      model, hf_qwen.tensor_map(model.config, hf_qwen.fused_gdn(tensors)))
+  tensors = hf_qwen.pack_tensors(model.config, load_file(
+      os.path.join(d, "model.safetensors")))
+  out = hf_tensors.export_tensors(model, hf_qwen.tensor_map(model.config))
   assert sorted(out) == sorted(tensors)
   for name, arr in tensors.items():
     np.testing.assert_allclose(out[name], arr, atol=1e-6, err_msg=name)
@@ -208,16 +207,25 @@ def test_wrong_tensor_shapes_and_names_are_listed(tmp_path):
     cj = json.load(f)
   with open(tmp_path / "config.json", "w") as f:
     json.dump(cj, f)
-  tensors = load_file(os.path.join(src, "model.safetensors"))
-  tensors["model.layers.0.linear_attn.in_proj_qkvz.weight"] = np.zeros(
-      (95, 32), np.float32)
-  del tensors["model.layers.2.self_attn.k_norm.weight"]
-  save_file(tensors, str(tmp_path / "model.safetensors"))
-  with pytest.raises(ValueError, match="self_attn.k_norm.weight"):
-    hf.from_pretrained(str(tmp_path))
-  tensors["model.layers.2.self_attn.k_norm.weight"] = np.zeros((16,),
-                                                               np.float32)
-  save_file(tensors, str(tmp_path / "model.safetensors"))
-  with pytest.raises(ValueError, match=r"in_proj_qkvz.weight: expected "
-                     r"\(96, 32\), got \(95, 32\)"):
-    hf.from_pretrained(str(tmp_path))
+  good = load_file(os.path.join(src, "model.safetensors"))
+  for edit, match in (
+      ({"model.layers.0.linear_attn.in_proj_qkvz.weight": np.zeros(
+          (95, 32), np.float32)},
+       r"layers.0.linear_attn.in_proj_qkvz.weight: expected \(96, 32\), "
+       r"got \(95, 32\)"),
+      ({"model.layers.3.linear_attn.in_proj_ba.weight": None},
+       r"missing \['model.layers.3.linear_attn.in_proj_ba.weight'\]"),
+      ({"model.layers.2.self_attn.k_norm.weight": None},
+       "self_attn.k_norm.weight"),
+      ({"model.layers.2.self_attn.q_proj.weight": np.zeros(
+          (64, 32), np.float32)},
+       r"q_proj.weight: expected \(128, 32\), got \(64, 32\)")):
+    tensors = dict(good)
+    for k, v in edit.items():
+      if v is None:
+        del tensors[k]
+      else:
+        tensors[k] = v
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=match):
+      hf.from_pretrained(str(tmp_path))

@@ -1,8 +1,8 @@
 """The Gated DeltaNet mixer ('G' in the layer pattern): Qwen3.5 / Qwen3-Next's
 linear-attention layer.
 
-  qkv = in_proj_qkv(h)                  [.., 2 HK K + HV V]  (q, k, v channels)
-  z = in_proj_z(h) [.., HV, V];  b, a = in_proj_b(h), in_proj_a(h)  [.., HV]
+  [qkv | z | b | a] = in_proj(h)   qkv [.., 2 HK K + HV V] (q, k, v channels),
+                                   z [.., HV V], b, a [.., HV]
   q, k, v = split(silu(causal_conv(qkv)))      (depthwise, no bias)
   g = -exp(A_log) * softplus(a + dt_bias),  beta = sigmoid(b)   (float32)
   o = delta rule (q, k L2-normalised, q scaled by K ** -0.5;
@@ -15,8 +15,9 @@ decode: the full [batch, HV, K, V] state), `gdn_replay_step` (replay decode:
 checkpoint + buffers), and the speculative window ops `gdn_replay_verify` /
 `gdn_baseline_verify` (committed by `models.verify_commit`).
 
-Qwen3-Next's fused in_proj_qkvz / in_proj_ba tensors are split into these
-four projections when loaded (`hf_qwen.pack_tensors`).
+in_proj is one matmul: transformers' in_proj_qkv / in_proj_z / in_proj_b /
+in_proj_a (Qwen3.5) or, rows regrouped, in_proj_qkvz / in_proj_ba
+(Qwen3-Next) are fused into it when loaded (`hf_qwen.pack_tensors`).
 """
 
 from __future__ import annotations
@@ -42,10 +43,8 @@ class GDNMixer(nnx.Module):
     self.cfg = cfg
     d, hv = cfg.d_model, cfg.gdn_num_v_heads
     self.eps = float(cfg.norm_eps)
-    self.in_proj_qkv = Linear(d, cfg.gdn_conv_dim, cfg, rngs=rngs)
-    self.in_proj_z = Linear(d, cfg.gdn_value_dim, cfg, rngs=rngs)
-    self.in_proj_b = Linear(d, hv, cfg, rngs=rngs)
-    self.in_proj_a = Linear(d, hv, cfg, rngs=rngs)
+    self.in_proj = Linear(d, cfg.gdn_conv_dim + cfg.gdn_value_dim + 2 * hv,
+                          cfg, rngs=rngs)  # [qkv | z | b | a]
     k = cfg.conv_kernel
     self.conv_weight = nnx.Param(_normal(rngs, (cfg.gdn_conv_dim, k),
                                          k ** -0.5, cfg.jnp_param_dtype))
@@ -64,11 +63,12 @@ class GDNMixer(nnx.Module):
     [.., HV] float32)."""
     c = self.cfg
     lead = h.shape[:-1]
-    qkv = self.in_proj_qkv(h)
-    z = self.in_proj_z(h).reshape(lead + (c.gdn_num_v_heads, c.gdn_v_dim))
-    g, beta = gdn.gdn_gates(self.in_proj_a(h), self.in_proj_b(h),
-                            self.A_log[...], self.dt_bias[...])
-    return qkv, z, g, beta
+    x = self.in_proj(h)
+    cd, vd, hv = c.gdn_conv_dim, c.gdn_value_dim, c.gdn_num_v_heads
+    z = x[..., cd:cd + vd].reshape(lead + (hv, c.gdn_v_dim))
+    b, a = x[..., cd + vd:cd + vd + hv], x[..., cd + vd + hv:]
+    g, beta = gdn.gdn_gates(a, b, self.A_log[...], self.dt_bias[...])
+    return x[..., :cd], z, g, beta
 
   def _split(self, x):
     """Conv output [.., conv_dim] -> q, k [.., HK, K], v [.., HV, V]."""

@@ -274,9 +274,9 @@ def from_pretrained(directory: str, dtype: str = "float32",
   except ValueError as e:  # name the file, not just "config.json"
     raise ValueError(str(e).replace("config.json:", f"{path}:", 1)) from None
   if arch in hf_qwen.ARCHITECTURES:
-    tensors = hf_qwen.pack_tensors(_read_tensors(directory))
     return hf_tensors.load_tensors(
-        cfg, tensors, hf_qwen.tensor_map(cfg, hf_qwen.fused_gdn(tensors)))
+        cfg, hf_qwen.pack_tensors(cfg, _read_tensors(directory)),
+        hf_qwen.tensor_map(cfg))
   if arch in FAMILIES:
     return hf_tensors.load_tensors(cfg, _read_tensors(directory),
                                    FAMILIES[arch].tensor_map(cfg))

@@ -25,18 +25,19 @@ A decoder layer is two residual sublayers, as Granite's (`hf_granite`):
 so HF layer i is our blocks 2i and 2i + 1. Numerics:
   * every RMSNorm but the GDN's gated one is zero-centred: x / rms(x) *
     (1 + w) (transform "plus1": stored as 1 + w);
-  * attention: q_proj yields [query; gate] per head (split into q_proj and
-    gate_proj), q_norm / k_norm over each head, RoPE on the first
+  * attention: q_proj yields [query; gate] per head, q_norm / k_norm over
+    each head, RoPE on the first
     partial_rotary_factor * head_dim dims (rotate-half), softmax scale
     head_dim ** -0.5, output times sigmoid(gate) before o_proj. Qwen3.5's
     multimodal RoPE (mrope_section) rotates text tokens as plain RoPE: all
     three position components of a text token are its position;
-  * Gated DeltaNet: `gdn_block` (Qwen3-Next's in_proj_qkvz rows are
-    grouped per key head, [q, k, v, z] of the key head's value heads, and
-    in_proj_ba [b, a] per key head: split into in_proj_qkv / z / b / a);
+  * Gated DeltaNet: `gdn_block`, whose one in_proj [qkv | z | b | a] fuses
+    Qwen3.5's in_proj_qkv / z / b / a (`pack_tensors`); Qwen3-Next's
+    in_proj_qkvz rows are grouped per key head ([q, k, v, z] of the key
+    head's value heads) and in_proj_ba's ([b, a]) likewise: regrouped;
   * MoE: softmax over all experts, top num_experts_per_tok, renormalised
-    when norm_topk_prob (Qwen3.5-MoE: always); SwiGLU experts; the shared expert (SwiGLU) times
-    sigmoid(shared_expert_gate(h)).
+    when norm_topk_prob (Qwen3.5-MoE: always); SwiGLU experts; the shared
+    expert (SwiGLU) times sigmoid(shared_expert_gate(h)).
 
 Tensor names (under `model.`; Qwen3_5ForConditionalGeneration:
 `model.language_model.`):
@@ -207,50 +208,77 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "float32",
 
 
 # ------------------------------------------------------------- tensors
-def _qkvz_rows(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-  """Qwen3-Next: rows of in_proj_qkvz ([q, k, v, z] per key head) and of
-  in_proj_ba ([b, a] per key head) that make our in_proj_qkv / z / b / a."""
+def _qkvz_rows(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+  """Qwen3-Next: the rows of in_proj_qkvz ([q, k, v, z] per key head) in
+  our [q | k | v | z] order, and of in_proj_ba ([b, a] per key head) in
+  [b | a] order."""
   hk, kd, vd = cfg.gdn_num_k_heads, cfg.gdn_k_dim, cfg.gdn_v_dim
   r = cfg.gdn_num_v_heads // hk
   w = 2 * kd + 2 * r * vd  # rows per key head
-  q = [g * w + j for g in range(hk) for j in range(kd)]
-  k = [g * w + kd + j for g in range(hk) for j in range(kd)]
-  v = [g * w + 2 * kd + j for g in range(hk) for j in range(r * vd)]
-  z = [g * w + 2 * kd + r * vd + j for g in range(hk) for j in range(r * vd)]
-  b = [g * 2 * r + j for g in range(hk) for j in range(r)]
-  a = [g * 2 * r + r + j for g in range(hk) for j in range(r)]
-  return dict(qkv=tuple(q + k + v), z=tuple(z), b=tuple(b), a=tuple(a))
+  qkvz = np.arange(hk * w).reshape(hk, w)
+  ba = np.arange(hk * 2 * r).reshape(hk, 2 * r)
+  pieces = (qkvz[:, :kd], qkvz[:, kd:2 * kd], qkvz[:, 2 * kd:2 * kd + r * vd],
+            qkvz[:, 2 * kd + r * vd:])
+  return (np.concatenate([p.reshape(-1) for p in pieces]),
+          np.concatenate([ba[:, :r].reshape(-1), ba[:, r:].reshape(-1)]))
 
 
-def _gdn_tensors(cfg: ModelConfig, p: str, mx: tuple, fused: bool):
-  m = {}
-  if fused:
-    rows = _qkvz_rows(cfg)
-    m[p + "in_proj_qkvz.weight"] = (
-        (mx + ("in_proj_qkv", "kernel"), ("Tidx", rows["qkv"])),
-        (mx + ("in_proj_z", "kernel"), ("Tidx", rows["z"])))
-    m[p + "in_proj_ba.weight"] = (
-        (mx + ("in_proj_b", "kernel"), ("Tidx", rows["b"])),
-        (mx + ("in_proj_a", "kernel"), ("Tidx", rows["a"])))
-  else:
-    for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"):
-      m[p + f"{n}.weight"] = ((mx + (n, "kernel"), "T"),)
-  m[p + "out_proj.weight"] = ((mx + ("out_proj", "kernel"), "T"),)
-  m[p + "conv1d.weight"] = ((mx + ("conv_weight",), "conv"),)
-  m[p + "A_log"] = ((mx + ("A_log",), "id"),)
-  m[p + "dt_bias"] = ((mx + ("dt_bias",), "id"),)
+_SPLIT = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+_FUSED = ("in_proj_qkvz", "in_proj_ba")
+
+
+def _fuse_gdn_in_proj(cfg: ModelConfig, tensors: dict[str, Any]) -> None:
+  """Replaces each GDN layer's input projections by one
+  linear_attn.in_proj.weight [qkv | z | b | a] (in place); a missing or
+  misshapen one is a ValueError naming it."""
+  d, cd, vd = cfg.d_model, cfg.gdn_conv_dim, cfg.gdn_value_dim
+  hv = cfg.gdn_num_v_heads
+  rows = {"in_proj_qkv": cd, "in_proj_z": vd, "in_proj_b": hv,
+          "in_proj_a": hv, "in_proj_qkvz": cd + vd, "in_proj_ba": 2 * hv}
+  missing, bad = [], []
+  for i, kind in enumerate(cfg.block_kinds[::2]):
+    p = f"model.layers.{i}.linear_attn."
+    if kind != "gdn" or p + "in_proj.weight" in tensors:
+      continue
+    fused = any(p + n + ".weight" in tensors for n in _FUSED)
+    names = _FUSED if fused else _SPLIT
+    parts = []
+    for n in names:
+      arr = tensors.get(p + n + ".weight")
+      if arr is None:
+        missing.append(p + n + ".weight")
+      elif tuple(arr.shape) != (rows[n], d):
+        bad.append(f"{p}{n}.weight: expected {(rows[n], d)}, got "
+                   f"{tuple(arr.shape)}")
+      parts.append(arr)
+    if any(a is None or tuple(a.shape) != (rows[n], d)
+           for a, n in zip(parts, names)):
+      continue
+    for n in names:
+      del tensors[p + n + ".weight"]
+    parts = [np.asarray(a) for a in parts]
+    if fused:
+      qkvz, ba = _qkvz_rows(cfg)
+      parts = [parts[0][qkvz], parts[1][ba]]
+    tensors[p + "in_proj.weight"] = np.concatenate(parts, axis=0)
+  if missing or bad:
+    raise ValueError(f"checkpoint tensors do not match the config: missing "
+                     f"{missing}; wrong shapes {bad}.")
+
+
+def _gdn_tensors(p: str, mx: tuple):
+  m = {p + "in_proj.weight": ((mx + ("in_proj", "kernel"), "T"),),
+       p + "out_proj.weight": ((mx + ("out_proj", "kernel"), "T"),),
+       p + "conv1d.weight": ((mx + ("conv_weight",), "conv"),)}
+  for n in ("A_log", "dt_bias"):
+    m[p + n] = ((mx + (n,), "id"),)
   m[p + "norm.weight"] = ((mx + ("norm_weight",), "id"),)
   return m
 
 
-def _attention_tensors(cfg: ModelConfig, p: str, mx: tuple):
-  nh, hd = cfg.num_heads, cfg.attn_head_dim
-  query = tuple(h * 2 * hd + j for h in range(nh) for j in range(hd))
-  gate = tuple(h * 2 * hd + hd + j for h in range(nh) for j in range(hd))
-  m = {p + "q_proj.weight": ((mx + ("q_proj", "kernel"), ("Tidx", query)),
-                             (mx + ("gate_proj", "kernel"), ("Tidx", gate)))}
-  for n in ("k_proj", "v_proj", "o_proj"):
-    m[p + f"{n}.weight"] = ((mx + (n, "kernel"), "T"),)
+def _attention_tensors(p: str, mx: tuple):
+  m = {p + f"{n}.weight": ((mx + (n, "kernel"), "T"),)
+       for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
   for n in ("q_norm", "k_norm"):
     m[p + f"{n}.weight"] = ((mx + (n, "weight"), "plus1"),)
   return m
@@ -270,11 +298,9 @@ def _ffn_tensors(p: str, kind: str, mx: tuple):
           p + "shared_expert_gate.weight": ((mx + ("shared_gate",), "T"),)}
 
 
-def tensor_map(cfg: ModelConfig, fused_gdn: bool = False
-               ) -> dict[str, tuple]:
-  """HF tensor name -> ((parameter path, transform), ...) under model.*
-  (after `pack_tensors`); fused_gdn: Qwen3-Next's in_proj_qkvz /
-  in_proj_ba."""
+def tensor_map(cfg: ModelConfig) -> dict[str, tuple]:
+  """HF tensor name -> ((parameter path, transform), ...) under model.*,
+  as `pack_tensors` names them."""
   m = {"model.embed_tokens.weight": ((("embeddings", "weight"), "id"),),
        "model.norm.weight": ((("norm_f", "weight"), "plus1"),)}
   if not cfg.tie_embeddings:
@@ -286,10 +312,9 @@ def tensor_map(cfg: ModelConfig, fused_gdn: bool = False
     m[hf + "input_layernorm.weight"] = ((mix + ("norm", "weight"),
                                          "plus1"),)
     if kinds[2 * i] == "gdn":
-      m.update(_gdn_tensors(cfg, hf + "linear_attn.", mix + ("mixer",),
-                            fused_gdn))
+      m.update(_gdn_tensors(hf + "linear_attn.", mix + ("mixer",)))
     else:
-      m.update(_attention_tensors(cfg, hf + "self_attn.", mix + ("mixer",)))
+      m.update(_attention_tensors(hf + "self_attn.", mix + ("mixer",)))
     m[hf + "post_attention_layernorm.weight"] = ((ffn + ("norm", "weight"),
                                                   "plus1"),)
     m.update(_ffn_tensors(hf + "mlp.", kinds[2 * i + 1], ffn + ("mixer",)))
@@ -301,12 +326,15 @@ _EXPERT = re.compile(
 _SKIPPED = ("model.visual.", "mtp.")
 
 
-def pack_tensors(tensors: dict[str, Any]) -> dict[str, Any]:
+def pack_tensors(cfg: ModelConfig, tensors: dict[str, Any]
+                 ) -> dict[str, Any]:
   """Checkpoint tensors as `tensor_map` names them: model.language_model.*
-  -> model.* (model.visual.* and mtp.* dropped), per-expert weights
-  stacked (experts.gate_up_proj [E, 2I, d] with each expert's [gate; up]
-  rows, experts.down_proj [E, d, I]), the shared expert's gate_proj /
-  up_proj rows as one shared_expert.gate_up_proj.weight [gate; up]."""
+  -> model.* (model.visual.* and mtp.* dropped), each GDN layer's input
+  projections fused into linear_attn.in_proj.weight [qkv | z | b | a],
+  per-expert weights stacked (experts.gate_up_proj [E, 2I, d] with each
+  expert's [gate; up] rows, experts.down_proj [E, d, I]), the shared
+  expert's gate_proj / up_proj rows as one
+  shared_expert.gate_up_proj.weight [gate; up]."""
   out, experts = {}, {}
   for name, arr in tensors.items():
     if name.startswith("model.language_model."):
@@ -346,9 +374,5 @@ def pack_tensors(tensors: dict[str, Any]) -> dict[str, Any]:
     if up in out and out[up].shape == out[name].shape:
       out[name.replace(".gate_proj.", ".gate_up_proj.")] = np.concatenate(
           [np.asarray(out.pop(name)), np.asarray(out.pop(up))], axis=0)
+  _fuse_gdn_in_proj(cfg, out)
   return out
-
-
-def fused_gdn(tensors: dict[str, Any]) -> bool:
-  """The checkpoint holds Qwen3-Next's fused in_proj_qkvz / in_proj_ba."""
-  return any(k.endswith(".linear_attn.in_proj_qkvz.weight") for k in tensors)

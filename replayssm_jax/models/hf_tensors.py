@@ -6,9 +6,8 @@ HF tensor feeds one parameter or, split by rows, several (a fused
 [gate; up] projection). Transforms: "id", "T" (a linear's [out, in] <->
 [in, out]), "T3" (stacked experts: the last two axes swapped), "conv"
 ([C, 1, k] <-> [C, k]), "plus1" (a zero-centred norm's weight w, applied
-as 1 + w: stored here as 1 + w in float32), ("T", lo, hi) (rows lo:hi of
-the HF tensor, transposed) or ("Tidx", rows) (the HF tensor's rows at the
-indices `rows`, a tuple, transposed: a per-head interleaved fused tensor).
+as 1 + w: stored here as 1 + w in float32), or ("T", lo, hi) (rows lo:hi
+of the HF tensor, transposed).
 """
 
 from __future__ import annotations
@@ -43,20 +42,10 @@ def to_ours(arr, transform):
     return arr[:, 0, :]
   if transform == "plus1":
     return arr.astype(jnp.float32) + 1.0
-  if isinstance(transform, tuple) and transform[0] == "Tidx":
-    return jnp.take(arr, jnp.asarray(transform[1]), axis=0).T
   if isinstance(transform, tuple):
     _, lo, hi = transform
     return arr[lo:hi].T
   return arr
-
-
-def piece_rows(transform) -> int:
-  """Rows of the HF tensor a fused piece ("T", lo, hi) / ("Tidx", rows)
-  takes."""
-  if transform[0] == "Tidx":
-    return len(transform[1])
-  return transform[2] - transform[1]
 
 
 def hf_shape(shape, transform, full_rows=None):
@@ -96,7 +85,7 @@ def load_tensors(cfg: ModelConfig, tensors: dict[str, Any],
     want = var.get_value()
     rows = None
     if isinstance(tr, tuple):  # a fused tensor: check its full shape
-      rows = sum(piece_rows(t) for _, t in tmap[name])
+      rows = sum(t[2] - t[1] for _, t in tmap[name])
     expected = hf_shape(want.shape, tr, rows)
     if tuple(src.shape) != tuple(expected):
       bad.append(f"{name}: expected {expected}, got {tuple(src.shape)}")
@@ -116,19 +105,6 @@ def export_tensors(model: HybridLM, tmap: dict[str, tuple]
   flat = {p: v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
   out = {}
   for name, pieces in tmap.items():
-    if any(isinstance(tr, tuple) and tr[0] == "Tidx" for _, tr in pieces):
-      rows = sum(piece_rows(tr) for _, tr in pieces)
-      full = None
-      for path, tr in pieces:
-        a = np.asarray(flat[path].get_value()).T
-        if full is None:
-          full = np.zeros((rows,) + a.shape[1:], a.dtype)
-        if tr[0] == "Tidx":
-          full[np.asarray(tr[1])] = a
-        else:
-          full[tr[1]:tr[2]] = a
-      out[name] = full
-      continue
     parts = []
     for path, tr in pieces:
       a = np.asarray(flat[path].get_value())

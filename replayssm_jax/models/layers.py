@@ -386,10 +386,14 @@ class Attention(nnx.Module):
       k = _partial_rope(k, positions, c.rope_theta, c.rotary_dim)
     return q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
 
-  def _output(self, o, h):
-    """The heads' output o [.., num_heads * attn_head_dim] -> [.., d] (h:
-    the block's normed input, which `GatedAttention`'s gate reads)."""
-    del h
+  def _project(self, h, positions):
+    """(q, k, v as `_qkv`, ctx): ctx is what `_output` needs besides the
+    heads' output (None here; `GatedAttention`'s gate)."""
+    return self._qkv(h, positions) + (None,)
+
+  def _output(self, o, ctx):
+    """The heads' output o [.., num_heads * attn_head_dim] -> [.., d]."""
+    del ctx
     return self.o_proj(o)
 
   def _attend(self, q, k, v, mask):
@@ -415,10 +419,10 @@ class Attention(nnx.Module):
   def prefill(self, h, lengths, state: AttentionState | None):
     b, t, _ = h.shape
     positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
-    q, k, v = self._qkv(h, positions)
+    q, k, v, ctx = self._project(h, positions)
     causal = jnp.tril(jnp.ones((t, t), bool))[None]  # [1, T, T]
     mask = causal & (jnp.arange(t)[None, None, :] < lengths[:, None, None])
-    out = self._output(self._attend(q, k, v, mask), h)
+    out = self._output(self._attend(q, k, v, mask), ctx)
     if state is None:
       return out, None
     if t > state.max_len:
@@ -442,7 +446,8 @@ class Attention(nnx.Module):
     b = h.shape[0]
     pos = state.length  # [b]
     with jax.named_scope("qkv"):
-      q, k, v = self._qkv(h[:, None], pos[:, None])  # k, v [b, Hk, 1, D]
+      # k, v [b, Hk, 1, D]
+      q, k, v, ctx = self._project(h[:, None], pos[:, None])
     with jax.named_scope("kv_write"):
       rows = jnp.arange(b)
       kc = state.k.at[rows, :, pos].set(k[:, :, 0].astype(state.k.dtype),
@@ -455,7 +460,7 @@ class Attention(nnx.Module):
                                self.cfg.attention_multiplier,
                                implementation=implementation)
     with jax.named_scope("o_proj"):
-      out = self._output(o.reshape(b, -1), h)
+      out = self._output(o.reshape(b, -1), ctx)
     return out, AttentionState(k=kc, v=vc, length=pos + 1)
 
   def verify(self, h, state: AttentionState,
@@ -471,7 +476,7 @@ class Attention(nnx.Module):
     """
     b, t, _ = h.shape
     pos = state.length[:, None] + jnp.arange(t)[None, :]  # [b, T]
-    q, k, v = self._qkv(h, pos)  # k, v [b, Hk, T, D]
+    q, k, v, ctx = self._project(h, pos)  # k, v [b, Hk, T, D]
     rows = jnp.arange(b)[:, None]
     kc = state.k.at[rows, :, pos].set(jnp.swapaxes(k, 1, 2).astype(
         state.k.dtype), mode="drop")
@@ -481,7 +486,7 @@ class Attention(nnx.Module):
                              jnp.minimum(state.length + 1, state.max_len),
                              self.cfg.attention_multiplier,
                              implementation=implementation)
-    out = self._output(o.reshape(b, t, -1), h)
+    out = self._output(o.reshape(b, t, -1), ctx)
     return out, AttentionState(k=kc, v=vc, length=state.length)
 
 
