@@ -157,6 +157,9 @@ def test_precision_policies(model, toks, full, mode, preset):
     got += [np.asarray(lg)[:, 0], np.asarray(lg)[:, 1]]
     runs.append(np.stack(got, 1))
     assert state.precision == policy
+    ssm = state.layers[0].ssm
+    assert (ssm.checkpoint if mode == "replay" else ssm).dtype == (
+        policy.checkpoint_dtype)
   np.testing.assert_allclose(runs[0], full[:, 4:10], atol=5e-2, rtol=5e-2)
   for r in runs[1:]:
     np.testing.assert_array_equal(r, runs[0])

@@ -193,8 +193,10 @@ def init_gdn_state(cfg, batch: int, ssm_mode: str, buffer_len: int,
           f"rounding) is not supported by a baseline Gated DeltaNet state; "
           f"use ssm_mode='replay' or a plain policy (e.g. "
           f"PrecisionPolicy.preset('bf16')).")
+    dtype = (checkpoint_dtype if precision is None
+             else precision.checkpoint_dtype)
     ssm = jnp.zeros((batch, cfg.gdn_num_v_heads, cfg.gdn_k_dim,
-                     cfg.gdn_v_dim), checkpoint_dtype)
+                     cfg.gdn_v_dim), dtype)
   return GDNState(conv=conv, ssm=ssm, precision=precision)
 
 
