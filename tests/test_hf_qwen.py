@@ -229,3 +229,18 @@ def test_wrong_tensor_shapes_and_names_are_listed(tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=match):
       hf.from_pretrained(str(tmp_path))
+
+
+def test_softmax_router():
+  """route(router="softmax"): the softmax over all experts, its top k,
+  renormalised with norm_topk_prob (Qwen3-Next / Qwen3.5-MoE)."""
+  from replayssm_jax.models.moe import route
+  logits = np.random.default_rng(0).normal(size=(5, 6)).astype(np.float32)
+  p = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+  idx = np.argsort(-p, -1)[:, :2]
+  top = np.take_along_axis(p, idx, -1)
+  for norm, want in ((False, top), (True, top / top.sum(-1, keepdims=True))):
+    w, e = route(jnp.asarray(logits), top_k=2, router="softmax",
+                 norm_topk_prob=norm)
+    np.testing.assert_array_equal(np.asarray(e), idx)
+    np.testing.assert_allclose(np.asarray(w), want, rtol=1e-6)
