@@ -43,9 +43,10 @@ def full(model, toks):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_prefill_then_steps_equal_full_forward(model, toks, full, mode):
-  """Prompts of 6 and 4 tokens (right-padded), then each row decodes its
-  own continuation; buffer_len 3 flushes the replay state twice."""
-  lengths = np.array([6, 4])
+  """Prompts of 6 and 2 tokens (right-padded; 2 < conv_kernel - 1), then
+  each row decodes its own continuation; buffer_len 3 flushes the replay
+  state twice."""
+  lengths = np.array([6, 2])
   state = model.init_state(2, 16, ssm_mode=mode, buffer_len=3)
   last, state = models.prefill(model, toks[:, :6], jnp.asarray(lengths),
                                state)

@@ -24,7 +24,9 @@ A decoder layer is two residual sublayers, as Granite's (`hf_granite`):
 
 so HF layer i is our blocks 2i and 2i + 1. Numerics:
   * every RMSNorm but the GDN's gated one is zero-centred: x / rms(x) *
-    (1 + w) (transform "plus1": stored as 1 + w);
+    (1 + w) (transform "plus1": stored as 1 + w, exact in float32; with
+    param_dtype bfloat16, 1 + w is rounded to it, where transformers adds
+    the 1 in float32);
   * attention: q_proj yields [query; gate] per head, q_norm / k_norm over
     each head, RoPE on the first
     partial_rotary_factor * head_dim dims (rotate-half), softmax scale
