@@ -90,15 +90,15 @@ def test_verify_commit_equal_stepping(model, toks, full, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_speculative_greedy_equals_generate(model, mode):
-  """With a different draft model (rejections happen) and with the model
-  as its own draft (all accepted)."""
+  """With a different draft model (rejections happen), the model as its
+  own draft (all accepted) and n-gram drafts."""
   prompt = (jnp.arange(12).reshape(2, 6) * 7) % 64
   lengths = jnp.array([6, 4])
   want = np.asarray(models.generate(model, prompt, lengths, 9,
                                     ssm_mode=mode, buffer_len=5)[0])
   draft = models.HybridLM(CFG, rngs=nnx.Rngs(5))
   for proposer in (models.DraftModelProposer(draft),
-                   models.DraftModelProposer(model)):
+                   models.DraftModelProposer(model), models.NgramProposer(2)):
     out = models.speculative_generate(model, proposer, prompt, lengths, 9,
                                       3, ssm_mode=mode, buffer_len=5)[0]
     np.testing.assert_array_equal(np.asarray(out), want)
