@@ -33,6 +33,7 @@ references `reference`, `verify_reference`, `attention`, `conv`, `norm`,
 the dispatcher `dispatch` and its entry type `registry.Implementation`.
 """
 
+from replayssm_jax import gdn
 from replayssm_jax import precision
 from replayssm_jax import traffic
 from replayssm_jax._validation import debug_checks
