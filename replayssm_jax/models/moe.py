@@ -27,10 +27,10 @@ The shared expert is a dense MLP of width moe_shared_expert_intermediate_size
 `routed_experts` dispatches in one of three ways (see its docstring): by
 gathering each (token, expert) pair's weights (a decode step of a few
 rows), into per-expert slots of a static capacity run as one batched
-einsum over all experts (the default otherwise: every expert's weights are
-read once), or by sorting the pairs by expert and running the expert
-matmuls as `jax.lax.ragged_dot` over the groups (the exact fallback when an
-expert receives more tokens than the capacity);
+einsum over all experts per round (the default otherwise: every expert's
+weights are read once per round, and more rounds run only when an expert
+has more tokens than slots), or by sorting the pairs by expert and running
+the expert matmuls as `jax.lax.ragged_dot` over the groups;
 `routed_experts_reference` runs every expert on every token and keeps the
 routed outputs (tests). Routing is per token, so every position's output
 depends on that position only: prefill [b, T, d], a decode step [b, d]
@@ -109,9 +109,10 @@ def routed_experts(x, weights, experts, up, down, activation: str,
   dispatch:
     "gather": each (token, expert) pair gathers its expert's weights (reads
       only the picked experts; for a few tokens, as in a decode step);
-    "capacity": `routed_experts_capacity` (every expert's weights read
-      once, one batched matmul over fixed-size expert slots; exact, with
-      the sorted dispatch as its overflow fallback);
+    "capacity": `routed_experts_capacity` (one batched matmul over
+      fixed-size slots of every expert, reading every expert's weights
+      once per round; more rounds when an expert has more tokens than
+      slots);
     "sorted": `routed_experts_sorted` (`jax.lax.ragged_dot` over the
       tokens sorted by expert);
     "auto": "gather" when n * k <= E (the gathered weights are then no
@@ -153,15 +154,15 @@ def routed_experts_capacity(x, weights, experts, up, down, activation: str,
   """Capacity dispatch: the same arguments and result as
   `routed_experts_sorted`.
 
-  Each expert gets `capacity` slots (default `expert_capacity`): its
-  tokens, in token order, fill its first slots ([E, C, d_in], gathered) and
-  the expert matmuls run as one batched einsum over all experts, reading
-  each expert's weights once (a decode step of many rows touches almost
-  every expert anyway). Each (token, expert) pair then reads its slot's
-  output back; empty slots hold zero rows whose outputs are never read.
-  If an expert receives more than `capacity` tokens, the step takes the
-  sorted dispatch instead (`lax.cond` on the largest group), so the
-  result never depends on the capacity.
+  Each expert gets `capacity` slots (default `expert_capacity`): in round
+  r, the tokens of rank [r C, (r + 1) C) among an expert's tokens (in token
+  order) fill its slots ([E, C, d_in], gathered) and the expert matmuls run
+  as one batched einsum over all experts, reading each expert's weights
+  once; each (token, expert) pair reads its slot's output back in the round
+  of its rank. The loop runs ceil(largest group / C) rounds (one when the
+  load is within the capacity; n slots need exactly one), so an
+  imbalanced routing costs more weight reads, never a wrong result. Slots
+  no token fills hold zero rows whose outputs are never read.
   """
   n, k = experts.shape
   num_experts = up.shape[0]
@@ -173,33 +174,34 @@ def routed_experts_capacity(x, weights, experts, up, down, activation: str,
   sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
   starts = jnp.cumsum(sizes) - sizes
   pairs = jnp.arange(n * k, dtype=jnp.int32)
-  # Slot (e, j) holds the j-th token of expert e, or the zero row n.
-  src = starts[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
-  filled = jnp.arange(c)[None, :] < sizes[:, None]  # [E, C]
-  slot_tok = jnp.where(filled, jnp.take(order, jnp.minimum(src, n * k - 1))
-                       // k, n)
   # Each pair's rank among its expert's tokens, in the original order.
   rank = jnp.zeros_like(pairs).at[order].set(pairs - starts[flat[order]])
-  slot = flat * c + rank  # [n*k]
+  xz = jnp.concatenate([x, jnp.zeros((1, x.shape[-1]), x.dtype)])
 
-  def fast():
-    xz = jnp.concatenate([x, jnp.zeros((1, x.shape[-1]), x.dtype)])
+  def one_round(r, pair_out):
+    # Slot (e, j) holds expert e's token of rank r C + j, or the zero row n.
+    j = r * c + jnp.arange(c, dtype=jnp.int32)[None, :]
+    filled = j < sizes[:, None]  # [E, C]
+    src = jnp.minimum(starts[:, None] + j, n * k - 1)
+    slot_tok = jnp.where(filled, jnp.take(order, src) // k, n)
     buf = jnp.take(xz, slot_tok, axis=0)  # [E, C, d_in]
     hid = jnp.einsum("ecd,edf->ecf", buf, up.astype(x.dtype),
                      preferred_element_type=F32)
     hid = activate(hid, activation).astype(x.dtype)
     out = jnp.einsum("ecf,efd->ecd", hid, down.astype(x.dtype),
                      preferred_element_type=F32)
-    pair_out = jnp.take(out.reshape(num_experts * c, -1), slot, axis=0)
-    y = jnp.sum(pair_out.reshape(n, k, -1) * weights[..., None], axis=1)
-    return y.astype(x.dtype)
+    mine = jnp.take(out.reshape(num_experts * c, -1), flat * c + rank % c,
+                    axis=0)
+    return jnp.where((rank // c == r)[:, None], mine, pair_out)
 
-  if c >= n:  # cannot overflow
-    return fast()
-  return jax.lax.cond(
-      jnp.max(sizes) > c,
-      lambda: routed_experts_sorted(x, weights, experts, up, down,
-                                    activation), fast)
+  pair_out = jnp.zeros((n * k, x.shape[-1]), F32)
+  if c >= n:  # one round holds every group
+    pair_out = one_round(0, pair_out)
+  else:
+    rounds = (jnp.max(sizes) + c - 1) // c
+    pair_out = jax.lax.fori_loop(0, rounds, one_round, pair_out)
+  y = jnp.sum(pair_out.reshape(n, k, -1) * weights[..., None], axis=1)
+  return y.astype(x.dtype)
 
 
 def routed_experts_sorted(x, weights, experts, up, down, activation: str):
