@@ -24,8 +24,10 @@ compile + warm-up run; tokens/s of the decode (prefill subtracted) and end
 to end.
 
 Records are written after each one, so a run cut short keeps what it has;
-`--budget_s` starts no new batch after that many seconds. `--small`
-shrinks the model to run on a CPU.
+`--budget_s` starts no new batch after that many seconds. The MoE routing
+bias is set to zeros (transformers' initial value; `--random_router_bias`
+keeps the library's random one). `--small` shrinks the model to run on a
+CPU.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def main():
   ap.add_argument("--spec_batches", default="256,64,1")
   ap.add_argument("--modes", default="baseline,replay")
   ap.add_argument("--small", action="store_true")
+  ap.add_argument("--random_router_bias", action="store_true",
+                  help="keep the random MoE routing bias (default: zeros)")
   ap.add_argument("--prng_impl", default="",
                   help="jax_default_prng_impl for the random weights "
                   "(e.g. rbg); default: jax's")
@@ -85,11 +89,20 @@ def main():
                       intermediate_size=32, pattern="MEM*E")
   model = build_model(cfg, seed=0)
   graphdef, params = nnx.split(model)
+  if not a.random_router_bias:
+    # transformers initialises e_score_correction_bias to zeros, and a
+    # trained one balances the experts' load; a random one (the library's
+    # init, so that tests exercise it) sends most tokens to a few experts.
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, v: jnp.zeros_like(v) if "router_bias" in
+        jax.tree_util.keystr(path) else v, params)
+    model = nnx.merge(graphdef, params)
   jax.block_until_ready(params)
   n_params = sum(v.size for v in jax.tree.leaves(params))
   res = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
              date=time.strftime("%Y-%m-%d"), params=int(n_params),
              prng_impl=jax.config.jax_default_prng_impl,
+             router_bias="random" if a.random_router_bias else "zeros",
              config="configs/nemotron3_nano_30b_a3b.json" + (
                  " (--small)" if a.small else ""),
              init_s=time.time() - t_start, records=[])
