@@ -7,7 +7,10 @@ import re
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import numpy as np
+
+from replayssm_jax.testing import tolerance
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -178,3 +181,18 @@ def test_nemotron3_nano_decode_small(tmp_path):
              for r in res["records"] if r["part"] == "step")
   assert all(r["e2e_tokens_per_s"] > 0 and r["mean_accepted_length"] >= 1
              for r in res["records"] if r["part"] == "spec")
+
+
+def test_moe_dispatch_small(tmp_path):
+  # Every dispatch agrees with the dense reference; an imbalanced router
+  # (bias std 0.5) gives a largest group beyond the capacity, which the
+  # capacity dispatch covers in more rounds.
+  out = tmp_path / "moe.json"
+  _run("moe_dispatch.py", "--small", "--tokens=1,64",
+       "--router_bias_std=0.5", f"--out={out}")
+  recs = json.loads(out.read_text())["records"]
+  assert [(r["tokens"], r["dispatch"]) for r in recs] == [
+      (n, d) for n in (1, 64) for d in ("gather", "capacity", "sorted")]
+  tol = tolerance(jnp.bfloat16).rtol  # bf16 weights and hidden states
+  assert all(r["rel_error"] < tol and r["us_per_layer"] > 0 for r in recs)
+  assert recs[-1]["largest_group"] > recs[-1]["capacity"]
