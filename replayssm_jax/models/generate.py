@@ -228,8 +228,8 @@ def generate(model: M.HybridLM, prompt_tokens, prompt_lengths,
     prompt_tokens: [batch, T] int, right-padded.
     prompt_lengths: [batch] int in [1, T].
     max_new_tokens: tokens to generate per row (static).
-    ssm_mode, buffer_len: decode state of the Mamba layers ("replay" or
-      "baseline"); further `init_state` keywords (checkpoint_dtype,
+    ssm_mode, buffer_len: decode state of the Mamba-2 and Gated DeltaNet
+      layers ("replay" or "baseline"); further `init_state` keywords (checkpoint_dtype,
       buffer_dtype, kv_dtype, precision, row_ids) go through
       **state_kwargs.
     temperature, top_k, top_p: sampling; temperature 0 (default) is greedy.

@@ -158,8 +158,8 @@ class HybridLM(nnx.Module):
       kv_dtype: KV-cache dtype (default config.dtype).
       conv_dtype: conv-state dtype (default config.dtype).
       precision: None (the dtypes above, round to nearest), or a
-        `PrecisionPolicy` for the SSM states of the Mamba layers. Replay
-        mode: each layer's ReplayState is built with the policy (master
+        `PrecisionPolicy` for the SSM states of the Mamba-2 and Gated
+        DeltaNet layers. Replay mode: each layer's replay state is built with the policy (master
         checkpoint, buffers, read copy, stochastic-rounding counters);
         prefill stores the checkpoint (and read copy) per the policy and
         every decode step passes the policy and the layer's Mamba index
@@ -417,8 +417,9 @@ def prefill(model: HybridLM, tokens, lengths, state: S.ModelState):
 
   Mamba layers use the chunked SSD scan (padded positions have dt' = 0 and
   x = 0, so they never touch the SSM state; the conv state is gathered at
-  each row's true end); replay-mode SSM states become checkpoint = final
-  state with an empty buffer. Attention layers fill their KV cache. The
+  each row's true end); Gated DeltaNet layers the chunked delta-rule
+  prefill (padded positions masked out); replay-mode states become
+  checkpoint = final state with an empty buffer. Attention layers fill their KV cache. The
   given `state` (from `init_state`; donated) only fixes the storage layout:
   prefill starts every row from an empty state.
 
