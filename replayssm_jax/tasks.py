@@ -1,6 +1,6 @@
-"""Synthetic training tasks for small hybrid LMs, with evaluation helpers.
+"""Training tasks for small hybrid LMs, with evaluation helpers.
 
-Two tasks, both deterministic given a seed (batches are drawn with numpy,
+Three tasks, all deterministic given a seed (batches are drawn with numpy,
 whose generators give the same bits on every platform and jax version):
 
   MQARTask   multi-query associative recall (Zoology / Based papers):
@@ -11,6 +11,10 @@ whose generators give the same bits on every platform and jax version):
              templated English sentences and arithmetic facts (generated
              here, no download); train/val split, random crops; scored by
              per-character cross-entropy / perplexity.
+  TextTask   byte-level language modelling of a built real-text corpus
+             (`experiments/build_corpus.py`: the Python standard library's
+             sources and the installed manual pages, fixed train /
+             validation / test split); random crops; nats per byte.
 
 A batch is a dict of numpy arrays (next-token prediction):
   inputs   [batch, seq_len] int32 token ids fed to the model;
@@ -48,6 +52,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from replayssm_jax import _validation as V
+from replayssm_jax import text_corpus
 from replayssm_jax.corpus import (CHARS, char_corpus, decode_chars,
                                   encode_chars)
 from replayssm_jax.task_eval import (Batch, aggregate, decode_accuracy,
@@ -58,6 +63,7 @@ from replayssm_jax.task_eval import (Batch, aggregate, decode_accuracy,
 
 __all__ = [
     "CHARS", "Batch", "CharTask", "MQARTask", "SPLITS", "TASKS", "Task",
+    "TextTask", "crop_batch",
     "char_corpus", "decode_accuracy", "decode_chars", "decode_logits",
     "decode_metrics", "decode_sums", "encode_chars", "finalize",
     "forward_logits", "forward_metrics", "forward_sums", "make_task",
@@ -295,23 +301,94 @@ class CharTask(Task):
 
   def batch(self, index: int, batch_size: int, split: str = "train") -> Batch:
     """Batch `index` of `split` (a pure function of the arguments)."""
-    index = V.int_at_least("index", index, 0)
-    b = V.int_at_least("batch_size", batch_size)
-    ids = self._splits[_split_id(split)]
-    hi = len(ids) - self.seq_len - 1  # last valid crop start
-    if split == "train":
-      rng = np.random.default_rng((self.seed, 0, index))
-      starts = rng.integers(0, hi + 1, b)
-    else:  # consecutive non-overlapping windows, wrapping around
-      windows = (hi + self.seq_len) // self.seq_len
-      starts = ((index * b + np.arange(b)) % windows) * self.seq_len
-    crops = ids[starts[:, None] + np.arange(self.seq_len + 1)[None, :]]
-    return dict(inputs=crops[:, :-1].astype(np.int32),
-                targets=crops[:, 1:].astype(np.int32),
-                mask=np.ones((b, self.seq_len), np.float32))
+    return crop_batch(self._splits[_split_id(split)], self.seq_len,
+                      self.seed, index, batch_size, split == "train")
 
 
-TASKS = {"mqar": MQARTask, "char": CharTask}
+def crop_batch(ids, seq_len: int, seed: int, index: int, batch_size: int,
+               train: bool) -> Batch:
+  """Batch `index` of a token stream: random crops of seq_len + 1 tokens
+  (train: drawn from (seed, index)), or consecutive non-overlapping
+  windows index * batch_size .. (index + 1) * batch_size - 1, seq_len
+  apart, wrapping around (evaluation). Every position is scored."""
+  index = V.int_at_least("index", index, 0)
+  b = V.int_at_least("batch_size", batch_size)
+  hi = len(ids) - seq_len - 1  # last valid crop start
+  if train:
+    rng = np.random.default_rng((seed, 0, index))
+    starts = rng.integers(0, hi + 1, b)
+  else:
+    windows = (hi + seq_len) // seq_len
+    starts = ((index * b + np.arange(b)) % windows) * seq_len
+  crops = np.asarray(ids[starts[:, None] + np.arange(seq_len + 1)[None, :]])
+  return dict(inputs=crops[:, :-1].astype(np.int32),
+              targets=crops[:, 1:].astype(np.int32),
+              mask=np.ones((b, seq_len), np.float32))
+
+
+@dataclasses.dataclass(frozen=True)
+class TextTask(Task):
+  """Next-byte prediction on a built real-text corpus
+  (`experiments/build_corpus.py`, `replayssm_jax.text_corpus`).
+
+  Splits "train", "val" (the corpus's validation split) and "test";
+  batches as `crop_batch` (random crops of train, consecutive windows of
+  val / test). Scored at every position: loss is nats per byte.
+
+  Attributes:
+    corpus_dir: the built corpus directory.
+    seq_len: model input length.
+    vocab_size: model vocab (>= 256, the byte vocabulary).
+    seed: data seed (crops).
+    corpus_sha256: if set, the corpus's hash must equal it (a model's
+      task.json records the hash of the corpus it was trained on).
+  """
+  corpus_dir: str = ""
+  seq_len: int = 256
+  vocab_size: int = 256
+  seed: int = 0
+  corpus_sha256: str = ""
+  name = "text"
+  headline_metric = "loss"
+
+  def __post_init__(self):
+    V.int_at_least("seq_len", self.seq_len)
+    V.int_at_least("seed", self.seed, 0)
+    if self.vocab_size < 256:
+      raise ValueError(f"vocab_size must be >= 256 (the byte vocabulary), "
+                       f"got {self.vocab_size!r}.")
+    actual = text_corpus.corpus_hash(self.corpus_dir)
+    if self.corpus_sha256 and actual != self.corpus_sha256:
+      raise ValueError(f"corpus_dir {self.corpus_dir!r} holds corpus "
+                       f"{actual}, not corpus_sha256 {self.corpus_sha256}.")
+    for split, ids in self._splits.items():
+      if len(ids) < self.seq_len + 1:
+        raise ValueError(f"the {split} split of {self.corpus_dir!r} holds "
+                         f"{len(ids)} bytes, fewer than seq_len + 1 = "
+                         f"{self.seq_len + 1}.")
+
+  @functools.cached_property
+  def _splits(self) -> dict[str, np.ndarray]:
+    data = text_corpus.load_corpus(self.corpus_dir)
+    return dict(train=data["train"], val=data["validation"],
+                test=data["test"])
+
+  def to_dict(self) -> dict:
+    return dict(name=self.name, corpus_dir=self.corpus_dir,
+                seq_len=self.seq_len, vocab_size=self.vocab_size,
+                seed=self.seed,
+                corpus_sha256=text_corpus.corpus_hash(self.corpus_dir))
+
+  def batch(self, index: int, batch_size: int, split: str = "train") -> Batch:
+    """Batch `index` of `split` ("train", "val" or "test")."""
+    if split not in self._splits:
+      raise ValueError(f"split must be one of {tuple(self._splits)}, got "
+                       f"{split!r}.")
+    return crop_batch(self._splits[split], self.seq_len, self.seed, index,
+                      batch_size, split == "train")
+
+
+TASKS = {"mqar": MQARTask, "char": CharTask, "text": TextTask}
 
 
 def make_task(spec: dict) -> Task:
