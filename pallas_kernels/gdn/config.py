@@ -118,3 +118,16 @@ def precision_problem(rstate, policy=None) -> str | None:
     return ("policy.stochastic_rounding needs rstate.row_id and rstate.step "
             "(they key the random bits).")
   return None
+
+
+def step_problem(state, **_) -> str | None:
+  """`Implementation.supports` of the baseline step kernel."""
+  return pow2_problem(key_dim=state.shape[2], value_dim=state.shape[3])
+
+
+def replay_problem(rstate, policy=None, **_) -> str | None:
+  """`Implementation.supports` of the replay step kernel."""
+  return (precision_problem(rstate, policy)
+          or pow2_problem(key_dim=rstate.checkpoint.shape[2],
+                          value_dim=rstate.checkpoint.shape[3],
+                          buffer_len=rstate.d_buf.shape[1]))
