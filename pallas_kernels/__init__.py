@@ -6,7 +6,7 @@
 `replayssm_jax.ops.decode_attention`, `replayssm_jax.ops.causal_conv1d_step`,
 `replayssm_jax.ops.causal_conv1d_window`, `replayssm_jax.ops.gated_rms_norm`,
 `replayssm_jax.ops.add_rms_norm` and the Gated DeltaNet ops `gdn_step`,
-`gdn_replay_step` (`pallas_kernels.gdn`); the dispatcher
+`gdn_replay_step`, `gdn_replay_verify` (`pallas_kernels.gdn`); the dispatcher
 (`replayssm_jax.dispatch`) imports this package on first use and registers
 that table (this package does not import the dispatcher). The kernels use
 the Pallas Triton backend on GPU and Pallas interpret mode elsewhere, so the same kernel
@@ -220,6 +220,11 @@ def _gdn_replay(*, config=None, **args):
                                     interpret=not on_gpu())
 
 
+def _gdn_verify(*, config=None, **args):
+  return gdn_kernel.gdn_replay_verify(**args, config=config,
+                                      interpret=not on_gpu())
+
+
 # The table the dispatcher registers: (op, Implementation) pairs. The
 # Pallas kernels are the dispatcher's default on a GPU (priority 10); the
 # Mosaic GPU baseline kernel runs only on request.
@@ -237,7 +242,8 @@ IMPLEMENTATIONS = tuple(
         ("causal_conv1d_step", _conv, _conv_supports),
         ("causal_conv1d_window", _conv_window, _conv_supports),
         ("gdn_step", _gdn_step, gdn_kernel.step_problem),
-        ("gdn_replay_step", _gdn_replay, gdn_kernel.replay_problem))) + (
+        ("gdn_replay_step", _gdn_replay, gdn_kernel.replay_problem),
+        ("gdn_replay_verify", _gdn_verify, gdn_kernel.verify_problem))) + (
     ("selective_state_update",
      Implementation("pallas_mosaic_gpu", _x32(_mosaic_ssu),
                     supports=_mosaic_supports, preferred=lambda: False,

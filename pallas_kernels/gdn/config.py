@@ -131,3 +131,13 @@ def replay_problem(rstate, policy=None, **_) -> str | None:
           or pow2_problem(key_dim=rstate.checkpoint.shape[2],
                           value_dim=rstate.checkpoint.shape[3],
                           buffer_len=rstate.d_buf.shape[1]))
+
+
+def verify_problem(rstate, q, policy=None, **_) -> str | None:
+  """`Implementation.supports` of the verify kernels (q: [batch, T, ...])."""
+  T = q.shape[1]
+  if T > MAX_VERIFY_WINDOW:
+    return (f"the window length T = {T} exceeds {MAX_VERIFY_WINDOW} (the "
+            f"verify kernel unrolls the forward substitution in "
+            f"registers); use implementation='reference'.")
+  return replay_problem(rstate, policy)
