@@ -24,8 +24,9 @@ def _aliases(text, name):
   """{output index: operand index} of the Triton call named `name`."""
   line = next(ln for ln in text.splitlines()
               if "__gpu$xla.gpu.triton" in ln and f'name = "{name}"' in ln)
-  return {int(o): int(i) for o, i in re.findall(
-      r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", line)}
+  # (a call with one output has no tuple index: output 0)
+  return {int(o or 0): int(i) for o, i in re.findall(
+      r"output_tuple_indices = \[(\d*)\], operand_index = (\d+)", line)}
 
 
 @pytest.mark.parametrize("state_dtype,config", [
@@ -69,3 +70,30 @@ def test_replay_kernel_lowers_in_place(policy):
   assert launched_warps(text) == {
       "replayssm_gdn_replay_step": kg.plan(None, K, VD,
                                            whole_rows).num_warps}
+
+
+@pytest.mark.parametrize("T,policy", [(3, None), (8, None), (1, "f16"),
+                                      (4, "f32+int8"), (2, "f16+fp8+sr"),
+                                      (3, "bf16+sr")], ids=str)
+def test_verify_kernels_lower_in_place(T, policy):
+  pol = None if policy is None else PrecisionPolicy.preset(policy)
+  rstate, _ = GT.random_gdn_replay_state(
+      jax.random.PRNGKey(3), B, HK, HV, K, VD, 16, (0, 15, 4, 9),
+      checkpoint_dtype=jnp.float32 if pol is None else pol.checkpoint_dtype,
+      buffer_dtype=jnp.bfloat16)
+  if pol is not None:
+    rstate = rstate.with_policy(pol)
+  win = GT.random_inputs(jax.random.PRNGKey(4), B, HK, HV, K, VD, T=T,
+                         dtype=jnp.bfloat16)
+  text = lower_for_cuda(
+      lambda r, t: kg.gdn_replay_verify(r, t["q"], t["k"], t["v"], t["g"],
+                                        t["beta"], policy=pol), rstate, win)
+  copy = pol is not None and pol.read_dtype is not None
+  scaled = copy and pol.read_dtype in ("int8", "float8_e4m3fn")
+  # The fold stores the checkpoint (and copy, scales) in place; the
+  # window kernel the rings.
+  assert set(_aliases(text, "replayssm_gdn_verify_fold")) == {0} | (
+      {1} if copy else set()) | ({2} if scaled else set())
+  assert set(_aliases(text, "replayssm_gdn_verify_window")) == {1, 2, 3}
+  assert set(launched_warps(text)) == {"replayssm_gdn_verify_fold",
+                                       "replayssm_gdn_verify_window"}
