@@ -140,6 +140,26 @@ def test_replay_kernel_matches_reference(ck_dtype, buf_dtype, dims, config):
     r = GT.fill_stale_slots(new)  # poison the next step's stale slots
 
 
+def test_replay_kernel_donated_state():
+  """The replay state donated to a jitted step (checkpoint and rings
+  aliased to the kernel's outputs): L steps (every row flushes once) equal
+  the reference's."""
+  r = _rstate(21, 1, 2, 8, 8, GT.ragged_counts(B, L))
+  r_ref = r
+  step = jax.jit(lambda r, t: gdn.gdn_replay_step(r, **t,
+                                                  implementation="pallas"),
+                 donate_argnums=0)
+  r = jax.tree.map(lambda x: jnp.array(x, copy=True), r)
+  for seed in range(L):
+    tok = _inputs(40 + seed, 1, 2, 8, 8)
+    o_ref, r_ref = gdn.gdn_replay_step(r_ref, **tok,
+                                       implementation="reference")
+    o, r = step(r, tok)
+    testing.assert_close(o, o_ref, F32, f"o (step {seed})")
+  testing.assert_close(gdn.gdn_materialize(r), gdn.gdn_materialize(r_ref),
+                       F32, "state")
+
+
 def test_replay_kernel_buffer_length_one():
   """L = 1: every row flushes every step (the baseline step stored in the
   checkpoint dtype)."""
