@@ -15,8 +15,8 @@ from pallas_kernels import triton_utils as tu
 from pallas_kernels.config_base import _check_pow2
 from replayssm_jax import precision as P
 
-# The window lengths the verify kernel unrolls (forward substitution in
-# registers).
+# The longest window the verify kernel takes (it unrolls the forward
+# substitution in registers).
 MAX_VERIFY_WINDOW = 8
 
 
@@ -100,7 +100,6 @@ def precision_problem(rstate, policy=None) -> str | None:
   None. Supported: plain f32/bf16/f16 checkpoints; read copies
   (bfloat16/float16, float8_e4m3fn/int8 with scales; fp8 on sm_89+) and
   stochastic rounding of the flush stores (needs row_id / step)."""
-
   read_copy = getattr(rstate, "read_copy", None)
   if read_copy is not None:
     name = jnp.dtype(read_copy.dtype).name
