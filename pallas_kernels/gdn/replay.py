@@ -88,7 +88,7 @@ def _fold(st, row, t, db_ref, kb_ref, gb_ref):
 
 def _replay_kernel(*refs, heads_per_key, block_v, use_l2norm, scale,
                    spec):
-  n_in, n_out = copy_counts(spec)
+  n_in, _ = copy_counts(spec)
   ins, outs = refs[:_N_IN + n_in], refs[_N_IN + n_in:]
   (ck_ref, db_ref, kb_ref, gb_ref, cnt_ref, q_ref, k_ref, v_ref, g_ref,
    beta_ref) = ins[:_N_IN]
