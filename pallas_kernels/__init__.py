@@ -4,8 +4,9 @@
 `replayssm_jax.selective_state_update`, `replayssm_jax.replay_state_update`,
 `replayssm_jax.replay_verify`, `replayssm_jax.baseline_verify`,
 `replayssm_jax.ops.decode_attention`, `replayssm_jax.ops.causal_conv1d_step`,
-`replayssm_jax.ops.causal_conv1d_window`, `replayssm_jax.ops.gated_rms_norm`
-and `replayssm_jax.ops.add_rms_norm`; the dispatcher
+`replayssm_jax.ops.causal_conv1d_window`, `replayssm_jax.ops.gated_rms_norm`,
+`replayssm_jax.ops.add_rms_norm` and the Gated DeltaNet ops `gdn_step`,
+`gdn_replay_step`, `gdn_replay_verify` (`pallas_kernels.gdn`); the dispatcher
 (`replayssm_jax.dispatch`) imports this package on first use and registers
 that table (this package does not import the dispatcher). The kernels use
 the Pallas Triton backend on GPU and Pallas interpret mode elsewhere, so the same kernel
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import attention as attention_kernel
 from pallas_kernels import conv as conv_kernel
+from pallas_kernels import gdn as gdn_kernel
 from pallas_kernels import norm as norm_kernel
 from pallas_kernels import replay as replay_kernel
 from pallas_kernels import ssu as ssu_kernel
@@ -32,6 +34,7 @@ from pallas_kernels import triton_utils
 from pallas_kernels import verify as verify_kernel
 from pallas_kernels.attention import AttentionConfig
 from pallas_kernels.conv import ConvConfig
+from pallas_kernels.gdn import GDNConfig
 from pallas_kernels.norm import NormConfig
 from pallas_kernels.replay import ReplayConfig
 from pallas_kernels.ssu import MosaicSSUConfig, SSUConfig
@@ -208,6 +211,20 @@ def _x32(fn):
   return wrapped
 
 
+def _gdn_step(*, config=None, **args):
+  return gdn_kernel.gdn_step(**args, config=config, interpret=not on_gpu())
+
+
+def _gdn_replay(*, config=None, **args):
+  return gdn_kernel.gdn_replay_step(**args, config=config,
+                                    interpret=not on_gpu())
+
+
+def _gdn_verify(*, config=None, **args):
+  return gdn_kernel.gdn_replay_verify(**args, config=config,
+                                      interpret=not on_gpu())
+
+
 # The table the dispatcher registers: (op, Implementation) pairs. The
 # Pallas kernels are the dispatcher's default on a GPU (priority 10); the
 # Mosaic GPU baseline kernel runs only on request.
@@ -223,12 +240,15 @@ IMPLEMENTATIONS = tuple(
         ("gated_rms_norm", _norm, _norm_supports),
         ("add_rms_norm", _add_norm, _add_norm_supports),
         ("causal_conv1d_step", _conv, _conv_supports),
-        ("causal_conv1d_window", _conv_window, _conv_supports))) + (
+        ("causal_conv1d_window", _conv_window, _conv_supports),
+        ("gdn_step", _gdn_step, gdn_kernel.step_problem),
+        ("gdn_replay_step", _gdn_replay, gdn_kernel.replay_problem),
+        ("gdn_replay_verify", _gdn_verify, gdn_kernel.verify_problem))) + (
     ("selective_state_update",
      Implementation("pallas_mosaic_gpu", _x32(_mosaic_ssu),
                     supports=_mosaic_supports, preferred=lambda: False,
                     priority=5)),)
 
-__all__ = ["IMPLEMENTATIONS", "AttentionConfig", "ConvConfig",
+__all__ = ["IMPLEMENTATIONS", "AttentionConfig", "ConvConfig", "GDNConfig",
            "MosaicSSUConfig", "NormConfig", "ReplayConfig", "SSUConfig",
            "VerifyConfig", "on_gpu", "triton_utils"]

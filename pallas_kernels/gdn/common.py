@@ -1,0 +1,52 @@
+"""In-kernel pieces shared by the GDN kernels: a program's tile, the
+token's normalised q / k, and readouts of a [key_dim, block_v] tile."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from replayssm_jax.gdn.reference import L2NORM_EPS
+
+F32 = jnp.float32
+
+
+class Tile:
+  """Program (value block, value head, row) of the grid (value_dim //
+  block_v, num_v_heads, batch): its row b, value head h, key head hk and
+  value columns vs."""
+
+  def __init__(self, *, heads_per_key, block_v):
+    self.vblk, self.h, self.b = (pl.program_id(0), pl.program_id(1),
+                                 pl.program_id(2))
+    self.hk = self.h // heads_per_key
+    self.vs = pl.ds(self.vblk * block_v, block_v)
+    self.first_of_key = (self.h % heads_per_key == 0) & (self.vblk == 0)
+
+
+def normalise(x, use_l2norm: bool, scale=1.0):
+  """`gdn.reference.prepare_qk` of one [key_dim] vector (f32)."""
+  x = x.astype(F32)
+  if use_l2norm:
+    x = x * lax.rsqrt(jnp.sum(x * x) + L2NORM_EPS)
+  return x * scale if scale != 1.0 else x
+
+
+def qk_scale(key_dim: int, scale):
+  return key_dim ** -0.5 if scale is None else float(scale)
+
+
+def token_qk(q_ref, k_ref, b, hk, *, use_l2norm, scale):
+  """(q normalised and scaled, k normalised) [key_dim] f32 of row b's key
+  head hk; the k as loaded (for the ring append) is normalised too."""
+  K = q_ref.shape[-1]
+  q = normalise(q_ref[b, hk, :], use_l2norm, qk_scale(K, scale))
+  k = normalise(k_ref[b, hk, :], use_l2norm)
+  return q, k
+
+
+def readout(tile, x):
+  """tile^T x: tile [key_dim, block_v] f32, x [key_dim] f32 -> [block_v]."""
+  return jnp.sum(tile * x[:, None], axis=0)
+

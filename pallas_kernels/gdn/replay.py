@@ -1,0 +1,222 @@
+"""Pallas (Triton backend) kernel: the GDN ReplaySSM decode step.
+
+One launch, grid (value blocks, value heads, rows); a row's route is data
+(no host branch). Row b with count c (research notes §10, the GDN form of
+the replay step; `replayssm_jax.gdn.replay` has the derivation):
+
+* output route (c < L-1): from the checkpoint tile S_0 (or the read copy)
+  and the rings' live slots j < c (masked loads: stale slots are never
+  read), kv = exp(G) S_0^T k + sum_j w_j (k_j . k) d_j, the corrected
+  update d = beta (v - kv) and o = exp(G) S_0^T q + sum_j w_j (k_j . q) d_j
+  + (k . q) d; (d, k, g) appended at slot c. The checkpoint is only read:
+  it is aliased input -> output and never stored on these rows.
+* flush route (c == L-1): the L-1 buffered tokens and the current one are
+  folded into the master tile by exact f32 rank-1 updates, the new
+  checkpoint stored (with a read copy re-stored from it and stochastic
+  rounding as the reference's flush, `replay.program.FlushStores`) and o
+  read from it.
+* a counter outside [0, L) (only under jit): NaN output, nothing written,
+  count kept.
+
+The rings are aliased input -> output (only slot c of appending rows is
+stored); the counters go to a fresh output. Matches
+`replayssm_jax.gdn.replay.gdn_replay_step`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import triton_utils as tu
+from pallas_kernels.gdn import common
+from pallas_kernels.gdn.config import GDNConfig, plan
+from pallas_kernels.replay.program import (FlushStores, copy_counts,
+                                           copy_operands, copy_spec,
+                                           step_fields)
+
+F32 = jnp.float32
+_N_IN = 10  # checkpoint, d / k / g rings, counters, q, k, v, g, beta
+_N_OUT = 6  # o, d / k / g rings, counters, checkpoint
+
+
+class _Row:
+  """The ring window of a program's row: counter, route masks and the
+  log-decay weights w_j = exp(G - H_j) of the live slots, exp(G)."""
+
+  def __init__(self, cnt_ref, gb_ref, g_ref, b, h, L):
+    self.L = L
+    self.c = cnt_ref[b]
+    self.valid = (self.c >= 0) & (self.c < L)
+    self.flush = self.c == L - 1
+    self.j = jnp.arange(L)
+    self.hist = self.j < self.c
+    cur = self.j == self.c
+    self.g_cur = g_ref[b, h].astype(F32)
+    g_hist = plgpu.load(gb_ref.at[b, :, h], mask=self.hist, other=0.0)
+    gw = jnp.where(cur, self.g_cur, g_hist)  # zero past the current slot
+    self.w = jnp.where(self.hist, jnp.exp(tu.suffix_sums(gw, self.j)), 0.0)
+    self.decay = jnp.exp(jnp.sum(gw))
+
+  def window(self, ref, shape):
+    """The live slots of a ring window ref ([L, n]) in f32, zeros past."""
+    m = jnp.broadcast_to(self.hist[:, None], shape)
+    return plgpu.load(ref, mask=m, other=0.0).astype(F32)
+
+
+def _fold(st, row, t, db_ref, kb_ref, gb_ref):
+  """st + sum_{j < L-1} w_j k_j d_j^T (newest first), the weights from a
+  running suffix sum of the log-decays (no vector reduction in the loop;
+  its body is one FMA per tile element)."""
+  b, h, hk, vs = t.b, t.h, t.hk, t.vs
+
+  def body(i, carry):
+    st, suffix = carry
+    j = row.L - 2 - i
+    kj = kb_ref[b, j, hk, :].astype(F32)
+    dj = db_ref[b, j, h, vs].astype(F32)
+    st = st + (jnp.exp(suffix) * kj)[:, None] * dj[None, :]
+    return st, suffix + gb_ref[b, j, h]
+
+  return lax.fori_loop(0, row.L - 1, body, (st, row.g_cur))[0]
+
+
+def _replay_kernel(*refs, heads_per_key, block_v, use_l2norm, scale,
+                   spec):
+  n_in, _ = copy_counts(spec)
+  ins, outs = refs[:_N_IN + n_in], refs[_N_IN + n_in:]
+  (ck_ref, db_ref, kb_ref, gb_ref, cnt_ref, q_ref, k_ref, v_ref, g_ref,
+   beta_ref) = ins[:_N_IN]
+  extra = ins[_N_IN:]
+  o_ref, db_out, kb_out, gb_out, cnt_out, ck_out = outs[:_N_OUT]
+  t = common.Tile(heads_per_key=heads_per_key, block_v=block_v)
+  b, h, hk, vs = t.b, t.h, t.hk, t.vs
+  K = ck_ref.shape[2]
+  row = _Row(cnt_ref, gb_ref, g_ref, b, h, db_ref.shape[1])
+  copy = spec is not None and spec.copy
+
+  # The state tile: the master on flush rows (and on plain states), the
+  # read copy (dequantized) on the others; masked loads, so a row reads
+  # one of the two only.
+  if copy:
+    master = plgpu.load(ck_ref.at[b, h, :, vs], mask=jnp.broadcast_to(
+        row.flush, (K, block_v)), other=0.0, eviction_policy="evict_first")
+    rc_ref = extra[0]
+    read = plgpu.load(rc_ref.at[b, h, :, vs], mask=jnp.broadcast_to(
+        ~row.flush, (K, block_v)), other=0.0, eviction_policy="evict_first")
+    read = read.astype(F32)
+    if spec.scaled:
+      read = read * extra[1][b, h, :][:, None]  # precision.dequantize
+    s0 = jnp.where(row.flush, master.astype(F32), read)
+  else:
+    s0 = plgpu.load(ck_ref.at[b, h, :, vs],
+                    eviction_policy="evict_first").astype(F32)
+  qn, kn = common.token_qk(q_ref, k_ref, b, hk, use_l2norm=use_l2norm,
+                           scale=scale)
+  k_hist = row.window(kb_ref.at[b, :, hk, :], (row.L, K))
+  d_hist = row.window(db_ref.at[b, :, h, vs], (row.L, block_v))
+  kk = jnp.sum(k_hist * kn[None, :], axis=1)  # [L]
+  kq = jnp.sum(k_hist * qn[None, :], axis=1)
+  hist_k = jnp.sum((row.w * kk)[:, None] * d_hist, axis=0)  # [block_v]
+  hist_q = jnp.sum((row.w * kq)[:, None] * d_hist, axis=0)
+  decay = row.decay
+  d = beta_ref[b, h].astype(F32) * (
+      v_ref[b, h, vs].astype(F32)
+      - (decay * common.readout(s0, kn) + hist_k))
+  appends = row.valid & ~row.flush
+
+  @pl.when(~row.flush)
+  def _output():
+    o = (decay * common.readout(s0, qn) + hist_q
+         + jnp.sum(kn * qn) * d)
+    o_ref[b, h, vs] = jnp.where(row.valid, o, jnp.nan).astype(o_ref.dtype)
+
+  @pl.when(row.flush)
+  def _flush():
+    st = _fold(decay * s0 + kn[:, None] * d[None, :], row, t, db_ref,
+               kb_ref, gb_ref)
+    o_ref[b, h, vs] = common.readout(st, qn).astype(o_ref.dtype)
+    if spec is None:
+      plgpu.store(ck_out.at[b, h, :, vs], st.astype(ck_out.dtype))
+    else:  # whole rows (block_v == value_dim): the Mamba-2 flush stores
+      stores = FlushStores(outs[_N_OUT - 1:], extra, spec)
+      stores.store(_Item(b, K), h, st)
+
+  @pl.when(appends)
+  def _append_d():
+    db_out[b, row.c, h, vs] = d.astype(db_out.dtype)
+
+  @pl.when(appends & (t.vblk == 0))
+  def _append_g():
+    gb_out[b, row.c, h] = row.g_cur
+
+  @pl.when(appends & t.first_of_key)
+  def _append_k():
+    kb_out[b, row.c, hk, :] = kn.astype(kb_out.dtype)
+
+  @pl.when((h == 0) & (t.vblk == 0))
+  def _count():
+    new = jnp.where(row.flush, 0, row.c + 1)
+    cnt_out[b] = jnp.where(row.valid, new, row.c).astype(cnt_out.dtype)
+
+
+class _Item:
+  """The (row, whole [key_dim, value_dim] tile) item `FlushStores.store`
+  takes: its rows are the key rows, its columns the whole value row."""
+
+  def __init__(self, b, key_dim):
+    self.b, self.pblk, self.ps = b, 0, pl.ds(0, key_dim)
+
+
+@functools.partial(jax.jit, static_argnames=("use_qk_l2norm", "scale",
+                                             "policy", "config",
+                                             "interpret"))
+def gdn_replay_step(rstate, q, k, v, g, beta, use_qk_l2norm=True,
+                    scale=None, policy=None, layer=0, *,
+                    config: GDNConfig | None = None,
+                    interpret: bool = False):
+  """Same signature and results as `gdn.replay.gdn_replay_step`, plus a
+  tuning config. A read copy (bf16/f16, or fp8/int8 with scales) is read
+  by output-route rows in place of the master; flush rows store master
+  and copy (stochastically with `policy.stochastic_rounding`, with the
+  reference's bits); these need block_v = value_dim."""
+  spec = copy_spec(rstate, policy, interpret)
+  batch, hv, K, Vd = rstate.checkpoint.shape
+  hk = rstate.k_buf.shape[2]
+  p = plan(config, K, Vd, whole_rows=spec is not None)
+  sds = jax.ShapeDtypeStruct
+  out_shape = (sds(v.shape, v.dtype),
+               sds(rstate.d_buf.shape, rstate.d_buf.dtype),
+               sds(rstate.k_buf.shape, rstate.k_buf.dtype),
+               sds(rstate.g_buf.shape, rstate.g_buf.dtype),
+               sds(rstate.count.shape, rstate.count.dtype),
+               sds(rstate.checkpoint.shape, rstate.checkpoint.dtype))
+  copy_in, copy_aliases, copy_shapes = copy_operands(
+      spec, policy, layer, rstate, _N_IN, _N_OUT)
+  kernel = functools.partial(
+      _replay_kernel, heads_per_key=hv // hk, block_v=p.block_v,
+      use_l2norm=use_qk_l2norm, scale=scale, spec=spec)
+  outs = pl.pallas_call(
+      kernel,
+      grid=(Vd // p.block_v, hv, batch),
+      out_shape=out_shape + copy_shapes,
+      input_output_aliases={0: 5, 1: 1, 2: 2, 3: 3, **copy_aliases},
+      compiler_params=plgpu.CompilerParams(num_warps=p.num_warps,
+                                           num_stages=p.num_stages),
+      interpret=interpret,
+      name="replayssm_gdn_replay_step",
+  )(rstate.checkpoint, rstate.d_buf, rstate.k_buf, rstate.g_buf,
+    rstate.count, q, k, v, g, beta, *copy_in)
+  o, db, kb, gb, cnt, ck = outs[:_N_OUT]
+  fields = {}
+  if spec is not None and spec.copy:
+    fields["read_copy"] = outs[_N_OUT]
+    if spec.scaled:
+      fields["read_scale"] = outs[_N_OUT + 1]
+  return o, rstate.replace(checkpoint=ck, d_buf=db, k_buf=kb, g_buf=gb,
+                           count=cnt, **fields, **step_fields(rstate))

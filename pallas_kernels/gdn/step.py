@@ -1,0 +1,69 @@
+"""Pallas (Triton backend) kernel: the baseline GDN decode step.
+
+One program per (value block, value head, row): read the [key_dim, block_v]
+state tile, decay it, form the corrected update d = beta (v - S^T k) of
+its columns, add k d^T, write the tile back in place (the state is aliased
+input -> output: donated, the step updates it without a copy) and write
+o = S^T q. q and k (key head h // (HV // HK)) are L2-normalised in f32
+inside the kernel. Matches `replayssm_jax.gdn.reference.gdn_step`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.gdn import common
+from pallas_kernels.gdn.config import GDNConfig, plan
+
+F32 = jnp.float32
+
+
+def _step_kernel(state_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref,
+                 state_out_ref, *, heads_per_key, block_v, use_l2norm,
+                 scale):
+  # state_out_ref aliases state_ref (one HBM buffer on the GPU; a copy of
+  # the input in interpret mode): read one, write the other.
+  t = common.Tile(heads_per_key=heads_per_key, block_v=block_v)
+  b, h, vs = t.b, t.h, t.vs
+  s = plgpu.load(state_ref.at[b, h, :, vs], eviction_policy="evict_first")
+  qn, kn = common.token_qk(q_ref, k_ref, b, t.hk, use_l2norm=use_l2norm,
+                           scale=scale)
+  s = s.astype(F32) * jnp.exp(g_ref[b, h].astype(F32))  # [K, block_v]
+  d = beta_ref[b, h].astype(F32) * (v_ref[b, h, vs].astype(F32)
+                                    - common.readout(s, kn))
+  s = s + kn[:, None] * d[None, :]
+  o = common.readout(s, qn)
+  plgpu.store(state_out_ref.at[b, h, :, vs], s.astype(state_out_ref.dtype))
+  o_ref[b, h, vs] = o.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("use_qk_l2norm", "scale",
+                                             "config", "interpret"))
+def gdn_step(state, q, k, v, g, beta, use_qk_l2norm=True, scale=None, *,
+             config: GDNConfig | None = None, interpret: bool = False):
+  """Same signature and results as `gdn.reference.gdn_step`, plus a tuning
+  config; the state is updated in place (input_output_aliases: donate it
+  to skip XLA's copy)."""
+  batch, hv, K, Vd = state.shape
+  hk = q.shape[1]
+  p = plan(config, K, Vd)
+  kernel = functools.partial(
+      _step_kernel, heads_per_key=hv // hk, block_v=p.block_v,
+      use_l2norm=use_qk_l2norm, scale=scale)
+  o, new_state = pl.pallas_call(
+      kernel,
+      grid=(Vd // p.block_v, hv, batch),
+      out_shape=(jax.ShapeDtypeStruct((batch, hv, Vd), v.dtype),
+                 jax.ShapeDtypeStruct(state.shape, state.dtype)),
+      input_output_aliases={0: 1},
+      compiler_params=plgpu.CompilerParams(num_warps=p.num_warps,
+                                           num_stages=p.num_stages),
+      interpret=interpret,
+      name="replayssm_gdn_step",
+  )(state, q, k, v, g, beta)
+  return o, new_state

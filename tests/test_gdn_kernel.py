@@ -1,0 +1,273 @@
+"""The GDN Pallas kernels (`pallas_kernels.gdn`, implementation "pallas"
+of the GDN ops; interpret mode on CPU) against the references: the
+baseline step (state updated in place) and the replay step (ragged
+counters, flush rows, GQA, poisoned stale slots, precision policies, the
+traced-value policy) and the configs and inputs they refuse."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from pallas_kernels import gdn as kg
+from replayssm_jax import PrecisionPolicy
+from replayssm_jax import dispatch
+from replayssm_jax import gdn
+from replayssm_jax import testing
+from replayssm_jax.gdn import testing as GT
+
+B, L = 4, 4
+F32 = testing.TOLERANCES["float32"]
+
+
+def _inputs(seed, hk, hv, K, Vd, dtype=jnp.float32, T=None):
+  return GT.random_inputs(jax.random.PRNGKey(seed), B, hk, hv, K, Vd, T=T,
+                          dtype=dtype)
+
+
+# (state dtype, input dtype, (HK, HV, K, V), config): GQA (HV = 2 HK and
+# 4 HK), value blocks below value_dim, every state dtype.
+STEP_CASES = [
+    ("float32", "float32", (1, 2, 16, 16), kg.GDNConfig()),
+    ("float32", "bfloat16", (2, 4, 8, 16), kg.GDNConfig(block_v=4)),
+    ("bfloat16", "float32", (1, 4, 16, 8), kg.GDNConfig(num_warps=2)),
+    ("float16", "bfloat16", (2, 2, 8, 8), kg.GDNConfig(block_v=2)),
+]
+
+
+@pytest.mark.parametrize("state_dtype,dtype,dims,config", STEP_CASES,
+                         ids=str)
+def test_step_kernel_matches_reference(state_dtype, dtype, dims, config):
+  hk, hv, K, Vd = dims
+  tok = _inputs(1, hk, hv, K, Vd, jnp.dtype(dtype))
+  state = jax.random.normal(jax.random.PRNGKey(2), (B, hv, K, Vd)).astype(
+      state_dtype)
+  before = np.asarray(state)
+  o_ref, s_ref = gdn.gdn_step(state, **tok, implementation="reference")
+  o, s = gdn.gdn_step(state, **tok, implementation="pallas", config=config)
+  assert o.dtype == o_ref.dtype and s.dtype == s_ref.dtype
+  tol = testing.tolerance(state_dtype, dtype)
+  testing.assert_close(o, o_ref, tol, "o")
+  testing.assert_close(s, s_ref, testing.tolerance(state_dtype), "state")
+  np.testing.assert_array_equal(np.asarray(state), before)  # not mutated
+
+
+def test_step_kernel_options():
+  """use_qk_l2norm=False and an explicit scale reach the kernel."""
+  tok = _inputs(3, 1, 2, 8, 8)
+  state = jax.random.normal(jax.random.PRNGKey(4), (B, 2, 8, 8))
+  kw = dict(use_qk_l2norm=False, scale=0.25)
+  o_ref, s_ref = gdn.gdn_step(state, **tok, **kw, implementation="reference")
+  o, s = gdn.gdn_step(state, **tok, **kw, implementation="pallas")
+  testing.assert_close(o, o_ref, F32, "o")
+  testing.assert_close(s, s_ref, F32, "state")
+
+
+def test_step_kernel_donated_state():
+  """The state argument donated to a jitted step (aliased to the kernel's
+  state output): outputs still equal the reference's, over two steps."""
+  tok = _inputs(5, 2, 4, 8, 8)
+  state = jax.random.normal(jax.random.PRNGKey(6), (B, 4, 8, 8))
+  expected = gdn.gdn_step(state, **tok, implementation="reference")
+  expected = (expected[0],) + gdn.gdn_step(expected[1], **tok,
+                                           implementation="reference")
+  step = jax.jit(lambda s, t: gdn.gdn_step(s, **t, implementation="pallas"),
+                 donate_argnums=0)
+  o1, s1 = step(jnp.array(state, copy=True), tok)
+  o2, s2 = step(s1, tok)
+  testing.assert_close(o1, expected[0], F32, "o (step 1)")
+  testing.assert_close(o2, expected[1], F32, "o (step 2)")
+  testing.assert_close(s2, expected[2], F32, "state")
+
+
+# ------------------------------------------------------------ replay step
+def _rstate(seed, hk, hv, K, Vd, counts, ck_dtype=jnp.float32,
+            buf_dtype=jnp.float32):
+  rstate, _ = GT.random_gdn_replay_state(
+      jax.random.PRNGKey(seed), B, hk, hv, K, Vd, L, counts,
+      checkpoint_dtype=ck_dtype, buffer_dtype=buf_dtype)
+  return rstate
+
+
+def _check_replay(new, new_ref, old, o, o_ref, tol, ck_tol=None):
+  """Outputs, counters, the live ring slots, the flushed checkpoints;
+  non-flush rows' checkpoints keep their bits."""
+  testing.assert_close(o, o_ref, tol, "o")
+  np.testing.assert_array_equal(np.asarray(new.count),
+                                np.asarray(new_ref.count))
+  c = np.asarray(new_ref.count)
+  for r in (r for r in range(B) if c[r]):
+    for name in ("d_buf", "k_buf", "g_buf"):
+      testing.assert_close(getattr(new, name)[r, :c[r]],
+                           getattr(new_ref, name)[r, :c[r]], tol,
+                           f"{name} row {r}")
+  flush = np.asarray(old.count) == L - 1
+  ck, ck_ref = np.asarray(new.checkpoint), np.asarray(new_ref.checkpoint)
+  testing.assert_close(ck[flush], ck_ref[flush], ck_tol or tol,
+                       "flushed checkpoint")
+  np.testing.assert_array_equal(ck[~flush], np.asarray(old.checkpoint)[~flush])
+
+
+REPLAY_CASES = [
+    ("float32", "float32", (1, 2, 16, 16), kg.GDNConfig()),
+    ("float32", "bfloat16", (2, 4, 8, 16), kg.GDNConfig(block_v=4)),
+    ("bfloat16", "bfloat16", (1, 4, 16, 8), kg.GDNConfig(block_v=8)),
+    ("float16", "float32", (2, 2, 8, 8), kg.GDNConfig(block_v=2)),
+]
+
+
+@pytest.mark.parametrize("ck_dtype,buf_dtype,dims,config", REPLAY_CASES,
+                         ids=str)
+def test_replay_kernel_matches_reference(ck_dtype, buf_dtype, dims, config):
+  """Ragged counters (0, L-1 = flush, L//2, ...), stale slots poisoned
+  with NaN / inf (GT.random_gdn_replay_state), GQA, value blocks; then a
+  second step from the kernel's own state (rows that just flushed start
+  over, others flush now)."""
+  hk, hv, K, Vd = dims
+  r = _rstate(7, hk, hv, K, Vd, GT.ragged_counts(B, L), jnp.dtype(ck_dtype),
+              jnp.dtype(buf_dtype))
+  tol = testing.tolerance(ck_dtype, buf_dtype)
+  for seed in (8, 9):
+    tok = _inputs(seed, hk, hv, K, Vd)
+    o_ref, new_ref = gdn.gdn_replay_step(r, **tok, implementation="reference")
+    o, new = gdn.gdn_replay_step(r, **tok, implementation="pallas",
+                                 config=config)
+    _check_replay(new, new_ref, r, o, o_ref, tol,
+                  testing.tolerance(ck_dtype))
+    r = GT.fill_stale_slots(new)  # poison the next step's stale slots
+
+
+def test_replay_kernel_donated_state():
+  """The replay state donated to a jitted step (checkpoint and rings
+  aliased to the kernel's outputs): L steps (every row flushes once) equal
+  the reference's."""
+  r = _rstate(21, 1, 2, 8, 8, GT.ragged_counts(B, L))
+  r_ref = r
+  step = jax.jit(lambda r, t: gdn.gdn_replay_step(r, **t,
+                                                  implementation="pallas"),
+                 donate_argnums=0)
+  r = jax.tree.map(lambda x: jnp.array(x, copy=True), r)
+  for seed in range(L):
+    tok = _inputs(40 + seed, 1, 2, 8, 8)
+    o_ref, r_ref = gdn.gdn_replay_step(r_ref, **tok,
+                                       implementation="reference")
+    o, r = step(r, tok)
+    testing.assert_close(o, o_ref, F32, f"o (step {seed})")
+  testing.assert_close(gdn.gdn_materialize(r), gdn.gdn_materialize(r_ref),
+                       F32, "state")
+
+
+def test_replay_kernel_buffer_length_one():
+  """L = 1: every row flushes every step (the baseline step stored in the
+  checkpoint dtype)."""
+  rstate, _ = GT.random_gdn_replay_state(jax.random.PRNGKey(10), B, 1, 2, 8,
+                                         8, 1, (0,) * B)
+  tok = _inputs(11, 1, 2, 8, 8)
+  o_ref, new_ref = gdn.gdn_replay_step(rstate, **tok,
+                                       implementation="reference")
+  o, new = gdn.gdn_replay_step(rstate, **tok, implementation="pallas")
+  testing.assert_close(o, o_ref, F32, "o")
+  testing.assert_close(new.checkpoint, new_ref.checkpoint, F32, "checkpoint")
+
+
+@pytest.mark.parametrize("name", ["f32+bf16", "f32+int8", "f16+fp8+sr",
+                                  "bf16+sr"])
+def test_replay_kernel_precision_policies(name):
+  """Read copies (output-route rows read only the copy: a NaN master
+  never reaches their outputs), 8-bit copies with scales, stochastic
+  rounding of the flush stores (the reference's bits; the fold's f32 sums
+  may differ by an ulp, so a stored element may round the other way)."""
+  policy = PrecisionPolicy.preset(name).replace(buffer_dtype="float32")
+  r = _rstate(12, 1, 2, 8, 8, GT.ragged_counts(B, L),
+              jnp.dtype(policy.checkpoint_dtype)).with_policy(policy)
+  tok = _inputs(13, 1, 2, 8, 8)
+  o_ref, new_ref = gdn.gdn_replay_step(r, **tok, policy=policy,
+                                       implementation="reference")
+  o, new = gdn.gdn_replay_step(r, **tok, policy=policy,
+                               implementation="pallas")
+  dtypes = [policy.checkpoint_dtype] + (
+      [policy.read_dtype] if policy.read_dtype else [])
+  tol = testing.tolerance(*dtypes)
+  _check_replay(new, new_ref, r, o, o_ref, tol)
+  flush = np.asarray(r.count) == L - 1
+  if policy.read_dtype is not None:
+    testing.assert_close(P_load(new)[flush], P_load(new_ref)[flush], tol,
+                         "flushed read copy")
+    np.testing.assert_array_equal(np.asarray(new.read_copy)[~flush],
+                                  np.asarray(r.read_copy)[~flush])
+    nan_master = jnp.where(jnp.asarray(flush)[:, None, None, None],
+                           r.checkpoint, jnp.nan).astype(r.checkpoint.dtype)
+    o_nan, _ = gdn.gdn_replay_step(r.replace(checkpoint=nan_master), **tok,
+                                   policy=policy, implementation="pallas")
+    np.testing.assert_array_equal(np.asarray(o_nan), np.asarray(o))
+  if policy.stochastic_rounding:
+    np.testing.assert_array_equal(np.asarray(new.step),
+                                  np.asarray(new_ref.step))
+
+
+def P_load(rstate):
+  from replayssm_jax import precision as P  # pylint: disable=g-import-not-at-top
+  return np.asarray(P.load(rstate.read_copy, rstate.read_scale))
+
+
+def test_replay_kernel_out_of_range_counters():
+  """Under jit a counter outside [0, L) gives NaN outputs, keeps the
+  count and writes nothing (the kernel called directly: the op raises
+  on concrete bad counters)."""
+  r = _rstate(14, 1, 2, 8, 8, (1, L - 1, 0, 2))
+  r = r.replace(count=jnp.array([L, L - 1, -1, 2], jnp.int32))
+  tok = _inputs(15, 1, 2, 8, 8)
+  o, new = kg.gdn_replay_step(r, **tok, interpret=True)
+  o = np.asarray(o)
+  assert np.isnan(o[[0, 2]]).all() and np.isfinite(o[[1, 3]]).all()
+  np.testing.assert_array_equal(np.asarray(new.count), [L, 0, -1, 3])
+  for name in ("checkpoint", "d_buf", "k_buf", "g_buf"):
+    np.testing.assert_array_equal(np.asarray(getattr(new, name))[[0, 2]],
+                                  np.asarray(getattr(r, name))[[0, 2]])
+
+
+# ----------------------------------------------------------- refusals
+def test_kernels_refuse_by_name():
+  tok = _inputs(16, 1, 2, 8, 6)
+  state = jax.random.normal(jax.random.PRNGKey(17), (B, 2, 8, 6))
+  with pytest.raises(NotImplementedError, match="value_dim = 6 is not a "
+                     "power of two"):
+    gdn.gdn_step(state, **tok, implementation="pallas")
+  gdn.gdn_step(state, **tok)  # implementation=None: the reference
+  with pytest.raises(ValueError, match="block_v must be a power of two"):
+    kg.GDNConfig(block_v=3)
+  with pytest.raises(ValueError, match="num_stages must be"):
+    kg.GDNConfig(num_stages=0)
+  tok = _inputs(18, 1, 2, 8, 8)
+  r = _rstate(19, 1, 2, 8, 8, GT.ragged_counts(B, L))
+  r3 = GT.random_gdn_replay_state(jax.random.PRNGKey(19), B, 1, 2, 8, 8, 3,
+                                  (0, 1, 2, 0))[0]
+  with pytest.raises(NotImplementedError, match="buffer_len = 3"):
+    gdn.gdn_replay_step(r3, **tok, implementation="pallas")
+  policy = PrecisionPolicy.preset("f32+bf16").replace(buffer_dtype="float32")
+  with pytest.raises(NotImplementedError, match="block_v=4 does not apply"):
+    gdn.gdn_replay_step(r.with_policy(policy), **tok, policy=policy,
+                        implementation="pallas",
+                        config=kg.GDNConfig(block_v=4))
+
+
+def test_fp8_copy_refused_below_sm89(monkeypatch):
+  from pallas_kernels import triton_utils  # pylint: disable=g-import-not-at-top
+  policy = PrecisionPolicy.preset("f32+fp8").replace(buffer_dtype="float32")
+  r = _rstate(20, 1, 2, 8, 8, GT.ragged_counts(B, L)).with_policy(policy)
+  assert kg.replay_problem(r, policy) is None
+  monkeypatch.setattr(triton_utils, "compute_capability", lambda: (8, 0))
+  assert "compute capability >= 8.9" in kg.replay_problem(r, policy)
+
+
+def test_registered_with_the_dispatcher():
+  """Implementation "pallas" of gdn_step / gdn_replay_step, preferred on a
+  GPU only (implementation=None runs the reference here)."""
+  for op in ("gdn_step", "gdn_replay_step"):
+    assert dispatch.implementations(op)[0] == "pallas"
+    assert any(o == op for o, _ in pk.IMPLEMENTATIONS)
+    impl = dispatch._REGISTRY[op]["pallas"]  # pylint: disable=protected-access
+    assert impl.preferred() == pk.on_gpu()

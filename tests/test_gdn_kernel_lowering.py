@@ -1,0 +1,99 @@
+"""The GDN Pallas kernels lowered for CUDA on this CPU machine (jax.export
+cross-lowering through the Pallas Triton backend, which interpret mode
+skips): every state dtype, precision policy and launch field lowers, the
+warps reach the launch, and the state / checkpoint and rings are aliased
+input -> output (the in-place updates)."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels import gdn as kg
+from replayssm_jax import PrecisionPolicy
+from replayssm_jax.gdn import testing as GT
+from tests.kernel_harness import launched_warps, lower_for_cuda
+
+B, HK, HV, K, VD, L = 4, 2, 4, 16, 32, 8
+
+
+def _aliases(text, name):
+  """{output index: operand index} of the Triton call named `name`."""
+  line = next(ln for ln in text.splitlines()
+              if "__gpu$xla.gpu.triton" in ln and f'name = "{name}"' in ln)
+  # (a call with one output has no tuple index: output 0)
+  return {int(o or 0): int(i) for o, i in re.findall(
+      r"output_tuple_indices = \[(\d*)\], operand_index = (\d+)", line)}
+
+
+@pytest.mark.parametrize("state_dtype,config", [
+    ("float32", kg.GDNConfig()), ("bfloat16", kg.GDNConfig(block_v=8)),
+    ("float16", kg.GDNConfig(block_v=32, num_warps=8))], ids=str)
+def test_step_kernel_lowers_in_place(state_dtype, config):
+  tok = GT.random_inputs(jax.random.PRNGKey(0), B, HK, HV, K, VD,
+                         dtype=jnp.bfloat16)
+  state = jax.ShapeDtypeStruct((B, HV, K, VD), jnp.dtype(state_dtype))
+  text = lower_for_cuda(
+      lambda s, t: kg.gdn_step(s, t["q"], t["k"], t["v"], t["g"], t["beta"],
+                               config=config), state, tok)
+  p = kg.plan(config, K, VD)
+  assert launched_warps(text) == {"replayssm_gdn_step": p.num_warps}
+  assert _aliases(text, "replayssm_gdn_step") == {1: 0}  # state -> state
+
+
+@pytest.mark.parametrize("policy", [None, "f16", "f32+bf16", "f32+int8",
+                                    "f32+fp8", "f16+fp8+sr", "bf16+sr"])
+def test_replay_kernel_lowers_in_place(policy):
+  pol = None if policy is None else PrecisionPolicy.preset(policy)
+  rstate, _ = GT.random_gdn_replay_state(
+      jax.random.PRNGKey(1), B, HK, HV, K, VD, L, GT.ragged_counts(B, L),
+      checkpoint_dtype=jnp.float32 if pol is None else pol.checkpoint_dtype,
+      buffer_dtype=jnp.bfloat16)
+  if pol is not None:
+    rstate = rstate.with_policy(pol)
+  tok = GT.random_inputs(jax.random.PRNGKey(2), B, HK, HV, K, VD,
+                         dtype=jnp.bfloat16)
+  text = lower_for_cuda(
+      lambda r, t: kg.gdn_replay_step(r, t["q"], t["k"], t["v"], t["g"],
+                                      t["beta"], policy=pol), rstate, tok)
+  aliases = _aliases(text, "replayssm_gdn_replay_step")
+  # o and the counters are fresh; rings and checkpoint in place, and the
+  # read copy (and its scales) with a copy.
+  copy = pol is not None and pol.read_dtype is not None
+  scaled = copy and pol.read_dtype in ("int8", "float8_e4m3fn")
+  assert set(aliases) == {1, 2, 3, 5} | ({6} if copy else set()) | (
+      {7} if scaled else set())
+  whole_rows = copy or (pol is not None and pol.stochastic_rounding)
+  assert launched_warps(text) == {
+      "replayssm_gdn_replay_step": kg.plan(None, K, VD,
+                                           whole_rows).num_warps}
+
+
+@pytest.mark.parametrize("T,policy", [(3, None), (8, None), (1, "f16"),
+                                      (4, "f32+int8"), (2, "f16+fp8+sr"),
+                                      (3, "bf16+sr")], ids=str)
+def test_verify_kernels_lower_in_place(T, policy):
+  pol = None if policy is None else PrecisionPolicy.preset(policy)
+  rstate, _ = GT.random_gdn_replay_state(
+      jax.random.PRNGKey(3), B, HK, HV, K, VD, 16, (0, 15, 4, 9),
+      checkpoint_dtype=jnp.float32 if pol is None else pol.checkpoint_dtype,
+      buffer_dtype=jnp.bfloat16)
+  if pol is not None:
+    rstate = rstate.with_policy(pol)
+  win = GT.random_inputs(jax.random.PRNGKey(4), B, HK, HV, K, VD, T=T,
+                         dtype=jnp.bfloat16)
+  text = lower_for_cuda(
+      lambda r, t: kg.gdn_replay_verify(r, t["q"], t["k"], t["v"], t["g"],
+                                        t["beta"], policy=pol), rstate, win)
+  copy = pol is not None and pol.read_dtype is not None
+  scaled = copy and pol.read_dtype in ("int8", "float8_e4m3fn")
+  # The fold stores the checkpoint (and copy, scales) in place; the
+  # window kernel the rings.
+  assert set(_aliases(text, "replayssm_gdn_verify_fold")) == {0} | (
+      {1} if copy else set()) | ({2} if scaled else set())
+  assert set(_aliases(text, "replayssm_gdn_verify_window")) == {1, 2, 3}
+  assert set(launched_warps(text)) == {"replayssm_gdn_verify_fold",
+                                       "replayssm_gdn_verify_window"}
