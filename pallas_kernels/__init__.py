@@ -63,56 +63,14 @@ def _ssu_supports(ssm_state, **_):
   return _shape_problem(ssm_state.shape[2], ssm_state.shape[3])
 
 
-_compute_capability = triton_utils.compute_capability  # a name tests can patch
-
-
-def _fp8_capability_problem():
-  """float8_e4m3fn loads/stores need sm_89+ (Triton's fp8e4nv); interpret
-  mode (off-GPU) runs them anywhere."""
-  cc = _compute_capability()
-  if cc is not None and cc < (8, 9):
-    return (f"rstate.read_copy is float8_e4m3fn, which Triton converts only "
-            f"on compute capability >= 8.9 (this GPU: {cc[0]}.{cc[1]}); use "
-            f"a bfloat16/float16/int8 read_dtype or "
-            f"implementation='reference'.")
-  return None
-
-
-def _precision_problem(rstate, policy=None):
-  """Why the kernels cannot run this state's precision policy, or None.
-
-  Supported: every read copy (bfloat16, float16, float8_e4m3fn with scales,
-  int8 with scales; fp8 on sm_89+), stochastic rounding of the flush stores
-  (needs rstate.row_id and rstate.step), and row_id/step counters (advanced
-  like the reference's).
-  """
-  read_copy = getattr(rstate, "read_copy", None)
-  if read_copy is not None:
-    name = jnp.dtype(read_copy.dtype).name
-    if name not in P.READ_DTYPES:
-      return (f"rstate.read_copy has dtype {name}; the kernels store read "
-              f"copies in ({', '.join(P.READ_DTYPES)}); use "
-              f"implementation='reference'.")
-    if name == "float8_e4m3fn":
-      problem = _fp8_capability_problem()
-      if problem is not None:
-        return problem
-  if (getattr(policy, "stochastic_rounding", False)
-      and getattr(rstate, "step", None) is None):
-    return ("policy.stochastic_rounding needs rstate.row_id and rstate.step "
-            "(they key the random bits); build the state with "
-            "ReplayState.create/from_ssm_state(..., policy=policy).")
-  return None
-
-
 def _replay_supports(rstate, policy=None, **_):
-  return (_precision_problem(rstate, policy)
+  return (triton_utils.precision_problem(rstate, policy)
           or _shape_problem(rstate.headdim, rstate.dstate,
                             rstate.buffer_len))
 
 
 def _verify_supports(rstate, x, policy=None, **_):
-  problem = (_precision_problem(rstate, policy)
+  problem = (triton_utils.precision_problem(rstate, policy)
              or _shape_problem(rstate.headdim, rstate.dstate,
                                rstate.buffer_len))
   if problem is None and not _pow2(x.shape[1]):
@@ -133,7 +91,7 @@ def _ssu(*, config=None, **args):
 
 
 def _mosaic_supports(ssm_state, **_):
-  cc = _compute_capability()
+  cc = triton_utils.compute_capability()
   if cc is not None and cc < (9, 0):
     return (f"the Mosaic GPU kernel needs compute capability >= 9.0 (TMA, "
             f"Hopper; this GPU: {cc[0]}.{cc[1]}); use implementation="

@@ -256,3 +256,34 @@ def quantize_rows(xf, dtype, bits=None):
     q = P.round_to(jnp.minimum(jnp.maximum(v, -qmax), qmax), dt, bits)
   scale = jnp.where(finite, 1.0 / enc, jnp.nan).astype(F32)
   return q, scale
+
+
+def precision_problem(rstate, policy=None) -> str | None:
+  """Why the replay kernels (Mamba-2 and Gated DeltaNet) cannot run this
+  state's precision policy, or None.
+
+  Supported: every read copy (bfloat16, float16, float8_e4m3fn with scales,
+  int8 with scales; fp8 on sm_89+: Triton's fp8e4nv), stochastic rounding of
+  the flush stores (needs rstate.row_id and rstate.step, which key the
+  random bits), and row_id/step counters (advanced like the reference's).
+  Interpret mode (off-GPU) runs fp8 anywhere.
+  """
+  read_copy = getattr(rstate, "read_copy", None)
+  if read_copy is not None:
+    name = jnp.dtype(read_copy.dtype).name
+    if name not in P.READ_DTYPES:
+      return (f"rstate.read_copy has dtype {name}; the kernels store read "
+              f"copies in ({', '.join(P.READ_DTYPES)}); use "
+              f"implementation='reference'.")
+    cc = compute_capability()
+    if name == "float8_e4m3fn" and cc is not None and cc < (8, 9):
+      return (f"rstate.read_copy is float8_e4m3fn, which Triton converts "
+              f"only on compute capability >= 8.9 (this GPU: {cc[0]}."
+              f"{cc[1]}); use a bfloat16/float16/int8 read_dtype or "
+              f"implementation='reference'.")
+  if (getattr(policy, "stochastic_rounding", False)
+      and getattr(rstate, "step", None) is None):
+    return ("policy.stochastic_rounding needs rstate.row_id and rstate.step "
+            "(they key the random bits); build the state with the policy "
+            "(e.g. ReplayState.create(..., policy=policy)).")
+  return None

@@ -1,7 +1,9 @@
 """The op dispatcher: the implementation table and the choice of entry.
 
 Every dispatched op has an entry "reference" (its pure-JAX reference, which
-takes every input) and the entries of the kernel packages in `PLUGINS`. A
+takes every input) and the entries of the kernel packages in `PLUGINS`.
+The ops are those of the table below plus those that the modules of
+`OP_MODULES` add with `register_op` (the Gated DeltaNet ops). A
 kernel package exports a plain table `IMPLEMENTATIONS` of
 (op name, `registry.Implementation`) pairs; the dispatcher imports the
 package and reads that table on first use, so the package never imports
@@ -57,6 +59,19 @@ _plugins_loaded = False
 _plugin_errors: dict[str, str] = {}
 
 
+# Modules that register further ops with `register_op` when imported (their
+# ops import this module, so they cannot be listed in the table above);
+# imported before the kernel packages' tables are read.
+OP_MODULES = ("replayssm_jax.gdn.ops",)
+
+
+def register_op(op: str, reference_fn) -> None:
+  """Adds op `op` with its pure-JAX reference as entry "reference" (kept if
+  the op exists already)."""
+  _REGISTRY.setdefault(op, {}).setdefault(
+      "reference", Implementation("reference", reference_fn, priority=-1))
+
+
 def register_implementation(op: str, impl: Implementation) -> None:
   """Adds (or replaces) the entry `impl.name` of `op`."""
   if op not in _REGISTRY:
@@ -77,6 +92,8 @@ def _load_plugins() -> None:
   if _plugins_loaded:
     return
   _plugins_loaded = True
+  for module in OP_MODULES:
+    importlib.import_module(module)
   for module in PLUGINS:
     try:
       table = importlib.import_module(module).IMPLEMENTATIONS

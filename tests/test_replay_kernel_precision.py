@@ -242,14 +242,14 @@ def test_replay_kernel_precision_refusals(monkeypatch):
                      match=r"fused_launch=True does not support a read copy"):
     rs.replay_state_update(rstate, **kw, implementation="pallas",
                            config=pk.ReplayConfig(fused_launch=True))
-  monkeypatch.setattr(pk, "_compute_capability", lambda: (8, 0))
+  monkeypatch.setattr(pk.triton_utils, "compute_capability", lambda: (8, 0))
   with pytest.raises(NotImplementedError,
                      match=r"rstate.read_copy is float8_e4m3fn.*8\.0"):
     rs.replay_state_update(rstate, **kw, implementation="pallas")
   int8 = P.PrecisionPolicy.preset("f32+int8")
   _, r8, _ = _policy_state(int8, seed=94)
   assert pk._replay_supports(rstate=r8, policy=int8) is None  # sm_80: ok
-  monkeypatch.setattr(pk, "_compute_capability", lambda: (9, 0))
+  monkeypatch.setattr(pk.triton_utils, "compute_capability", lambda: (9, 0))
   assert pk._replay_supports(rstate=rstate, policy=pol) is None
   sr = P.PrecisionPolicy.preset("f32+fp8+sr")
   why = pk._replay_supports(rstate=rstate, policy=sr)

@@ -95,30 +95,6 @@ def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
   return GDNPlan(block_v=bv, num_warps=warps, num_stages=config.num_stages)
 
 
-def precision_problem(rstate, policy=None) -> str | None:
-  """Why the replay kernels cannot run this state's precision fields, or
-  None. Supported: plain f32/bf16/f16 checkpoints; read copies
-  (bfloat16/float16, float8_e4m3fn/int8 with scales; fp8 on sm_89+) and
-  stochastic rounding of the flush stores (needs row_id / step)."""
-  read_copy = getattr(rstate, "read_copy", None)
-  if read_copy is not None:
-    name = jnp.dtype(read_copy.dtype).name
-    if name not in P.READ_DTYPES:
-      return (f"rstate.read_copy has dtype {name}; the kernels store read "
-              f"copies in ({', '.join(P.READ_DTYPES)}); use "
-              f"implementation='reference'.")
-    cc = tu.compute_capability()
-    if name == "float8_e4m3fn" and cc is not None and cc < (8, 9):
-      return (f"rstate.read_copy is float8_e4m3fn, which Triton converts "
-              f"only on compute capability >= 8.9 (this GPU: {cc[0]}."
-              f"{cc[1]}); use implementation='reference'.")
-  if (getattr(policy, "stochastic_rounding", False)
-      and getattr(rstate, "step", None) is None):
-    return ("policy.stochastic_rounding needs rstate.row_id and rstate.step "
-            "(they key the random bits).")
-  return None
-
-
 def step_problem(state, **_) -> str | None:
   """`Implementation.supports` of the baseline step kernel."""
   return pow2_problem(key_dim=state.shape[2], value_dim=state.shape[3])
@@ -126,7 +102,7 @@ def step_problem(state, **_) -> str | None:
 
 def replay_problem(rstate, policy=None, **_) -> str | None:
   """`Implementation.supports` of the replay step kernel."""
-  return (precision_problem(rstate, policy)
+  return (tu.precision_problem(rstate, policy)
           or pow2_problem(key_dim=rstate.checkpoint.shape[2],
                           value_dim=rstate.checkpoint.shape[3],
                           buffer_len=rstate.d_buf.shape[1]))

@@ -30,7 +30,6 @@ from replayssm_jax.gdn import reference
 from replayssm_jax.gdn import replay
 from replayssm_jax.gdn import verify
 from replayssm_jax.gdn.state import GDNReplayState, policy_args
-from replayssm_jax.registry import Implementation
 from replayssm_jax.speculative import baseline_commit
 
 OPS = {
@@ -42,13 +41,8 @@ OPS = {
 }
 
 
-def _register_references(table) -> None:
-  for op, fn in table.items():
-    _dispatch._REGISTRY.setdefault(op, {}).setdefault(
-        "reference", Implementation("reference", fn, priority=-1))
-
-
-_register_references(OPS)
+for _op, _fn in OPS.items():
+  _dispatch.register_op(_op, _fn)
 
 
 def gdn_gates(a, b, A_log, dt_bias):
