@@ -20,7 +20,8 @@ then
       --config=configs/precision_accuracy.py --workdir=runs/precision_accuracy
 
 `:tiny` / `:medium` / `:large` evaluate the `<task>_<size>_ssm` runs
-instead (same workdir layout); `--config.train_missing=True` trains the
+instead (same workdir layout); `:text` the real-text models of
+configs/train_text.py (trained into runs/train_text/<family>_<size>); `--config.train_missing=True` trains the
 missing ones first. Smoke variant (CPU, about a minute;
 trains a two-layer pure Mamba-2 model on the char smoke task first; used by
 tests/test_precision_accuracy.py):
@@ -32,7 +33,9 @@ tests/test_precision_accuracy.py):
 Fields (override any with --config.<field>=...):
   models: one entry per evaluation: name, workdir (of the training run;
     "" = <workdir>/train/<name>), train_config (the configs/train.py arg
-    used when the run is missing and train_missing is True), eval_seq_len
+    used when the run is missing and train_missing is True),
+    train_config_file ("train" or "train_text": configs/<file>.py),
+    eval_seq_len
     (0: the task's own seq_len; longer sequences make more flushes: a row
     flushes floor((eval_seq_len - 1) / L) times), train_overrides (flat
     dict applied to the train config, e.g. {"train.num_steps": 100}).
@@ -50,6 +53,9 @@ Fields (override any with --config.<field>=...):
     runs the baselines without the replay rows of the other presets.
   eval_batches, eval_batch_size: validation batches per model.
   within_points: the accuracy band (percentage points) reported as "within".
+  generation: long generations per model against the f32 baseline's
+    (num_prompts prompts of prompt_len validation tokens, new_tokens each;
+    modes "greedy" and / or "sampled" at temperature); new_tokens 0: none.
 """
 
 import ml_collections
@@ -61,17 +67,19 @@ POLICIES = ("f32", "bf16", "f16", "bf16+sr", "f16+sr", "f32+bf16", "f32+f16",
             "f16+fp8+sr")
 
 
-def _model(name: str, eval_seq_len: int = 0) -> dict:
+def _model(name: str, eval_seq_len: int = 0, file: str = "train") -> dict:
   train_arg = name.split("@")[0]
-  return dict(name=name, workdir=f"runs/train/{train_arg}",
-              train_config=train_arg, eval_seq_len=eval_seq_len,
-              train_overrides={})
+  runs = "runs/train" if file == "train" else f"runs/{file}"
+  return dict(name=name, workdir=f"{runs}/{train_arg}",
+              train_config=train_arg, train_config_file=file,
+              eval_seq_len=eval_seq_len, train_overrides={})
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The accuracy study; arg "smoke" (CPU test), "tiny", "medium" or
-  "large" (model size; default small)."""
-  _args.check_arg(arg, "tiny", "medium", "large")
+  "large" (model size; default small), or "text" (the real-text models of
+  configs/train_text.py)."""
+  _args.check_arg(arg, "tiny", "medium", "large", "text")
   size = arg if arg in ("tiny", "medium", "large") else "small"
   config = ml_collections.ConfigDict()
   config.seed = 0
@@ -92,6 +100,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.eval_batches = 4
   config.eval_batch_size = 32
   config.within_points = 1.0
+  if arg == "text":
+    # Byte-level Mamba-2 and Gated DeltaNet hybrids of 18-293M parameters
+    # on the real-text corpus, scored at 1024 bytes (1023 decode steps).
+    config.models = [_model(f"{family}_{size}", 1024, "train_text")
+                     for family in ("mamba2", "gdn")
+                     for size in ("s20m", "s60m", "s160m", "s300m")]
+    config.buffer_lens = (8, 16, 32)
+  # Long generations per model (experiments/precision_generation.py):
+  # new_tokens 0 skips them.
+  config.generation = ml_collections.ConfigDict(dict(
+      num_prompts=8, prompt_len=64, new_tokens=2048, temperature=1.0,
+      modes=("greedy", "sampled")))
   if arg == "smoke":
     # Next-character prediction (every position scored) by a two-layer
     # pure Mamba-2 model trained for 200 steps here.
@@ -107,4 +127,5 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.buffer_lens = (4, 8)
     config.eval_batches = 1
     config.eval_batch_size = 16
+    config.generation.update(num_prompts=4, prompt_len=8, new_tokens=24)
   return config

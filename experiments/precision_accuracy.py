@@ -16,25 +16,30 @@ times. Decodes:
              else checkpoint_dtype) and rounding, for contrast (one run per
              distinct dtype x rounding).
 
-Reported per decode: accuracy (MQAR: at the queries; char: next-character
-accuracy), loss / perplexity, the accuracy delta vs the reference in
-percentage points and whether it lies within config.within_points, the
-greedy-prediction agreement with the reference at the scored positions,
-and max |logit - reference logit| / max |reference logit|.
+Reported per decode: accuracy (MQAR: at the queries; char / text:
+next-token accuracy), loss / perplexity and the perplexity's relative
+change, the accuracy delta vs the reference in percentage points and
+whether it lies within config.within_points, the greedy-prediction
+agreement with the reference at the scored positions, and max |logit -
+reference logit| / max |reference logit|. Then, per decode, long
+generations against the f32 baseline's (`experiments.precision_generation`:
+greedy and sampled token agreement, first divergence).
 
 Usage (see configs/precision_accuracy.py):
   python -m experiments.precision_accuracy \
       --config=configs/precision_accuracy.py --workdir=runs/precision_accuracy
 
 Outputs in --workdir: config.json, metrics.jsonl (kind = environment |
-model | reference | replay | baseline), summary.md (per model a policy x L
-table of accuracy deltas, then all runs), accuracy_delta.png; trained smoke
-models under train/<name>/.
+model | reference | replay | baseline | generation), summary.md (per model
+a policy x L table of accuracy deltas, then all runs and the long
+generations), accuracy_delta.png; trained smoke models under
+train/<name>/.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import time
 
@@ -44,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import common
+from experiments import precision_generation
 from experiments import train as train_lib
 from replayssm_jax import tasks
 from replayssm_jax.models import states as S
@@ -51,6 +57,7 @@ from replayssm_jax.precision import PrecisionPolicy
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))), "configs", "precision_accuracy.py")
+TRAIN_CONFIG_FILES = ("train", "train_text")
 _SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16",
           "float8_e4m3fn": "fp8", "int8": "int8"}
 
@@ -61,6 +68,7 @@ class ModelEntry:
   """One config.models entry (see configs/precision_accuracy.py)."""
   name: str
   train_config: str
+  train_config_file: str = "train"
   workdir: str = ""
   eval_seq_len: int = 0
   train_overrides: dict = dataclasses.field(default_factory=dict)
@@ -73,15 +81,20 @@ def model_entry(raw) -> ModelEntry:
   unknown = sorted(set(d) - set(fields))
   if unknown or "name" not in d or "train_config" not in d:
     raise ValueError(f"config.models entries need 'name' and "
-                     f"'train_config' (optional: workdir, eval_seq_len, "
-                     f"train_overrides); got fields {sorted(d)}.")
+                     f"'train_config' (optional: train_config_file, "
+                     f"workdir, eval_seq_len, train_overrides); got fields "
+                     f"{sorted(d)}.")
   d["train_overrides"] = dict(d.get("train_overrides") or {})
   return ModelEntry(**d)
 
 
 def _train_config(entry):
-  from configs import train as train_configs  # pylint: disable=g-import-not-at-top
-  config = train_configs.get_config(entry.train_config)
+  if entry.train_config_file not in TRAIN_CONFIG_FILES:
+    raise ValueError(f"models[{entry.name!r}].train_config_file must be "
+                     f"one of {TRAIN_CONFIG_FILES}, got "
+                     f"{entry.train_config_file!r}.")
+  module = importlib.import_module(f"configs.{entry.train_config_file}")
+  config = module.get_config(entry.train_config)
   if entry.train_overrides:
     config.update_from_flattened_dict(dict(entry.train_overrides))
   return config
@@ -96,8 +109,9 @@ def load_model(entry, workdir: str, train_missing: bool):
     if not train_missing:
       raise FileNotFoundError(
           f"model {entry.name!r}: no checkpoint under {path}. Train it "
-          f"first: python -m experiments.train --config=configs/train.py:"
-          f"{entry.train_config} --workdir={path} (or set "
+          f"first: python -m experiments.train --config=configs/"
+          f"{entry.train_config_file}.py:{entry.train_config} "
+          f"--workdir={path} (or set "
           f"--config.train_missing=True).")
     logging.info("model %s: no checkpoint in %s, training %s", entry.name,
                  path, entry.train_config)
@@ -193,6 +207,7 @@ def evaluate_model(entry, model, task, config, writer) -> list[dict]:
     delta = 100.0 * (m["accuracy"] - ref["accuracy"])
     rec.update(m, delta_accuracy_points=delta,
                delta_loss=m["loss"] - ref["loss"],
+               rel_perplexity=m["perplexity"] / ref["perplexity"] - 1.0,
                within=bool(abs(delta) <= config.within_points),
                eval_s=time.perf_counter() - t0)
     records.append(writer.write(rec))
@@ -226,6 +241,12 @@ def evaluate_model(entry, model, task, config, writer) -> list[dict]:
       finish(dict(base, kind="baseline",
                   label=f"{_SHORT[key[0]]}+{key[1]}", policy=name, L=None,
                   storage_dtype=key[0], rounding=key[1]), m, t0)
+  if config.generation.new_tokens:
+    runs = [(r["kind"], r["label"], make_policy(r["policy"], config),
+             "replay" if r["kind"] == "replay" else "baseline", r["L"] or 1)
+            for r in records if r["kind"] in ("replay", "baseline")]
+    records += precision_generation.generation_agreement(
+        entry.name, model, task, config, runs, writer)
   return records
 
 
@@ -296,18 +317,36 @@ def _report(config, workdir, models, records) -> str:
     ]
   cols = ["model", "kind", "label", "L", "flushes_per_row", "accuracy",
           "delta_accuracy_points", "within", "agreement", "loss",
-          "delta_loss", "perplexity", "max_rel_logit_diff"]
+          "delta_loss", "perplexity", "rel_perplexity", "max_rel_logit_diff"]
   fmts = {"accuracy": ".4f", "delta_accuracy_points": "+.2f",
           "agreement": ".4f", "loss": ".4f", "delta_loss": "+.4f",
-          "perplexity": ".3f", "max_rel_logit_diff": ".2e"}
+          "perplexity": ".3f", "rel_perplexity": "+.2e",
+          "max_rel_logit_diff": ".2e"}
   lines += ["## All runs", "",
             "agreement: share of scored positions where the greedy "
             "prediction equals the reference's; max_rel_logit_diff: max "
             "|logit - reference logit| / max |reference logit| over all "
             "positions.", "",
             common.markdown_table([r for r in records
-                                   if r["kind"] != "reference"], cols, fmts),
+                                   if r["kind"] in ("replay", "baseline")],
+                                  cols, fmts),
             ""]
+  gen = [r for r in records if r["kind"] == "generation"]
+  if gen:
+    g = config.generation
+    lines += [
+        "## Long generation", "",
+        f"{g.num_prompts} prompts of {g.prompt_len} tokens, "
+        f"{g.new_tokens} new tokens each, against the f32 baseline's; "
+        f"sampled at temperature {g.temperature:g} with the same PRNG key "
+        "in every run. agreement: share of tokens equal to the "
+        "reference's; first divergence: index of a row's first differing "
+        "token (median / min over rows).", "",
+        common.markdown_table(gen, [
+            "model", "mode", "run_kind", "label", "L", "agreement",
+            "first_divergence_median", "first_divergence_min",
+            "never_diverged"], dict(agreement=".4f", never_diverged=".2f",
+                                    first_divergence_median=".0f")), ""]
   return common.write_summary(workdir, "\n".join(lines))
 
 

@@ -94,8 +94,24 @@ def test_precision_accuracy_smoke(tmp_path):
     assert r["max_rel_logit_diff"] < testing.TOLERANCES["float32"].rtol
     # The int8 read copy is really read: its logits differ.
     assert replay[("f32+int8+sr", L)]["max_rel_logit_diff"] > 1e-4
+  # Long generations (greedy and sampled) of every run against the f32
+  # baseline's: in f32 the replay state generates the same tokens.
+  g = config.generation
+  gen = {(r["mode"], r["label"], r["L"]): r for r in records
+         if r["kind"] == "generation"}
+  runs = [(k[0], k[1]) for k in replay] + [("int8+sr", 1)]
+  assert set(gen) == {(m, lbl, L) for m in g.modes for lbl, L in runs}
+  for r in gen.values():
+    assert r["rows"] == g.num_prompts and r["new_tokens"] == g.new_tokens
+    assert 0.0 <= r["agreement"] <= 1.0
+    assert (r["first_divergence_min"] <= r["first_divergence_median"]
+            <= g.new_tokens)
+  for L in config.buffer_lens:
+    assert gen[("greedy", "f32", L)]["never_diverged"] == 1.0
+    assert gen[("sampled", "f32", L)]["agreement"] == 1.0
   with open(os.path.join(workdir, "summary.md")) as f:
     summary = f.read()
+  assert "## Long generation" in summary
   assert "| policy | L=4 | L=8 | baseline (every step) |" in summary
   assert "| f32 | +0.00 (yes) | +0.00 (yes) | = reference |" in summary
   # The trained model is reused by a second run (no retraining).
@@ -109,10 +125,11 @@ def test_precision_accuracy_smoke(tmp_path):
   config.baseline_policies = ("f32+int8+sr",)
   again = precision_accuracy.run(config, workdir)
   assert os.path.getmtime(os.path.join(train_dir, "metrics.jsonl")) == mtime
-  kinds = [(r["kind"], r["label"], r["L"]) for r in again["records"]]
+  scored = [r for r in again["records"] if r["kind"] != "generation"]
+  kinds = [(r["kind"], r["label"], r["L"]) for r in scored]
   assert kinds == [("reference", "f32 baseline", None),
                    ("replay", "f32", 4), ("baseline", "int8+sr", None)]
-  r2, b2 = again["records"][1:]
+  r2, b2 = scored[1:]
   assert r2["accuracy"] == replay[("f32", 4)]["accuracy"]
   assert b2["accuracy"] == base["int8+sr"]["accuracy"]
   with open(os.path.join(workdir, "summary.md")) as f:
