@@ -1,4 +1,5 @@
-"""Hybrid Mamba-2 / attention / MLP language models on the replayssm_jax ops.
+"""Hybrid Mamba-2 / Gated DeltaNet / attention / MLP language models on the
+replayssm_jax ops.
 
   ModelConfig       architecture (Nemotron-H style layer pattern).
   HybridLM          the Flax NNX model (parameters only).
@@ -16,7 +17,7 @@
   kv_cache_len      a KV-cache length the attention kernel tiles (the
                     loops' own caches use it; so should a caller's).
   from_pretrained   Hugging Face Mamba2 / NemotronH / Granite 4.0 hybrid /
-                    Bamba checkpoint directory.
+                    Bamba / Qwen3.5 (text) / Qwen3-Next checkpoint directory.
 """
 
 from replayssm_jax.models.config import ModelConfig
@@ -28,13 +29,14 @@ from replayssm_jax.models.speculative import (DraftModelProposer,
                                               Proposal, ProposalContext,
                                               Proposer, SpecStats, commit,
                                               speculative_generate, verify)
-from replayssm_jax.models.states import (AttentionState, MambaState,
-                                         ModelState, StoredSSMState,
-                                         kv_cache_len)
+from replayssm_jax.models.states import (AttentionState, GDNState,
+                                         MambaState, ModelState,
+                                         StoredSSMState, kv_cache_len)
 
 __all__ = [
     "AttentionState",
     "DraftModelProposer",
+    "GDNState",
     "HybridLM",
     "MambaState",
     "ModelConfig",

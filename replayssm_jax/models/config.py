@@ -2,8 +2,10 @@
 
 The layer pattern follows Nemotron-H's `hybrid_override_pattern`: one
 character per block, 'M' a Mamba-2 mixer, '*' grouped-query attention, '-' an
-MLP, 'E' a mixture-of-experts MLP (replayssm_jax.models.moe). Every block is pre-norm residual (x + mixer(norm(x))). A pure Mamba-2 LM
-(Hugging Face `Mamba2ForCausalLM`) is the pattern "M" * n_layers.
+MLP, 'E' a mixture-of-experts MLP (replayssm_jax.models.moe), 'G' a Gated
+DeltaNet mixer (replayssm_jax.models.gdn_block). Every block is pre-norm
+residual (x + mixer(norm(x))). A pure Mamba-2 LM (Hugging Face
+`Mamba2ForCausalLM`) is the pattern "M" * n_layers.
 
 This module is plain Python (no ml_collections): the `configs/` files build a
 `ModelConfig` from plain values.
@@ -16,9 +18,10 @@ import math
 
 import jax.numpy as jnp
 
-PATTERN_CHARS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+PATTERN_CHARS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe",
+                 "G": "gdn"}
 MLP_ACTIVATIONS = ("relu2", "swiglu")
-MOE_ROUTERS = ("sigmoid", "softmax_topk")
+MOE_ROUTERS = ("sigmoid", "softmax_topk", "softmax")
 MOE_ACTIVATIONS = ("relu2", "swiglu")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -31,12 +34,13 @@ class ModelConfig:
     vocab_size: number of token ids.
     d_model: width of the residual stream.
     pattern: one char per block: 'M' Mamba-2, '*' attention, '-' MLP, 'E'
-      MoE.
+      MoE, 'G' Gated DeltaNet.
     ssm_heads: Mamba-2 heads H (d_inner = ssm_heads * head_dim).
     head_dim: Mamba-2 head dim P.
     d_state: SSM state size N.
     n_groups: B/C groups G (ssm_heads % n_groups == 0).
-    conv_kernel: width of the causal depthwise conv.
+    conv_kernel: width of the causal depthwise conv (Mamba-2 and Gated
+      DeltaNet mixers).
     chunk_size: SSD chunk length used by prefill.
     num_heads: attention query heads.
     num_kv_heads: attention key/value heads (num_heads % num_kv_heads == 0).
@@ -60,7 +64,8 @@ class ModelConfig:
     topk_group: groups kept per token (grouped top-k).
     norm_topk_prob: divide the k routing weights by their sum.
     routed_scaling_factor: multiplies the routing weights.
-    moe_router: "sigmoid" (NemotronH) or "softmax_topk" (Granite MoE).
+    moe_router: "sigmoid" (NemotronH), "softmax_topk" (Granite MoE) or
+      "softmax" (Qwen3-Next: softmax over all experts, then top-k).
     moe_router_bias: the sigmoid router's e_score_correction_bias.
     moe_latent_size: width of the experts' latent projections (Nemotron 3),
       or None (the experts work at d_model).
@@ -78,6 +83,20 @@ class ModelConfig:
     rotary_dim: RoPE rotates the first rotary_dim dims of each attention
       head (rotate-half within them) and passes the rest, or None for all
       attn_head_dim dims (Bamba's partial_rotary_factor * head_dim).
+    moe_shared_expert_gate: the shared expert's output is multiplied by
+      sigmoid(h @ w) with a [d_model, 1] weight w (Qwen3-Next's
+      shared_expert_gate).
+    attn_qk_norm: RMSNorm over each query and key head (attn_head_dim
+      channels, before RoPE), as Qwen3.5 / Qwen3-Next's q_norm / k_norm.
+    attn_output_gate: the attention output (before o_proj) is multiplied by
+      sigmoid of a second query-shaped projection (Qwen3.5 / Qwen3-Next's
+      gated attention; `models.gated_attention`).
+    gdn_num_k_heads: Gated DeltaNet query / key heads HK.
+    gdn_num_v_heads: Gated DeltaNet value heads HV (HV % HK == 0; value head
+      h reads key head h // (HV // HK)).
+    gdn_k_dim: Gated DeltaNet key (and query) head dim K.
+    gdn_v_dim: Gated DeltaNet value head dim V.
+    gdn_chunk_size: chunk length of the Gated DeltaNet prefill.
   """
   vocab_size: int
   d_model: int
@@ -116,6 +135,16 @@ class ModelConfig:
   attention_multiplier: float | None = None
   logits_scaling: float = 1.0
   rotary_dim: int | None = None
+  moe_shared_expert_gate: bool = False
+  # Gated attention ('*' blocks of Qwen3.5 / Qwen3-Next).
+  attn_qk_norm: bool = False
+  attn_output_gate: bool = False
+  # Gated DeltaNet blocks ('G'; replayssm_jax.models.gdn_block).
+  gdn_num_k_heads: int = 2
+  gdn_num_v_heads: int = 4
+  gdn_k_dim: int = 128
+  gdn_v_dim: int = 128
+  gdn_chunk_size: int = 64
 
   def __post_init__(self):
     self.validate()
@@ -144,6 +173,20 @@ class ModelConfig:
     return self.d_inner + self.conv_dim + self.ssm_heads
 
   @property
+  def gdn_key_dim(self) -> int:
+    """Channels of a Gated DeltaNet mixer's queries (and of its keys)."""
+    return self.gdn_num_k_heads * self.gdn_k_dim
+
+  @property
+  def gdn_value_dim(self) -> int:
+    return self.gdn_num_v_heads * self.gdn_v_dim
+
+  @property
+  def gdn_conv_dim(self) -> int:
+    """Channels of a Gated DeltaNet conv: q, k and v together."""
+    return 2 * self.gdn_key_dim + self.gdn_value_dim
+
+  @property
   def jnp_dtype(self):
     return jnp.dtype(self.dtype)
 
@@ -169,8 +212,8 @@ class ModelConfig:
     bad = sorted(set(self.pattern) - set(PATTERN_CHARS))
     if bad:
       raise ValueError(f"ModelConfig.pattern may only hold 'M' (Mamba-2), "
-                       f"'*' (attention), '-' (MLP), 'E' (MoE); got {bad} in "
-                       f"{self.pattern!r}.")
+                       f"'*' (attention), '-' (MLP), 'E' (MoE), 'G' (Gated "
+                       f"DeltaNet); got {bad} in {self.pattern!r}.")
     positive("vocab_size")
     positive("d_model")
     if "M" in self.pattern:
@@ -199,6 +242,22 @@ class ModelConfig:
         if self.attn_head_dim % 2:
           raise ValueError(f"ModelConfig.attn_head_dim must be even with "
                            f"RoPE, got {self.attn_head_dim}.")
+    if "G" in self.pattern:
+      for name in ("gdn_num_k_heads", "gdn_num_v_heads", "gdn_k_dim",
+                   "gdn_v_dim", "gdn_chunk_size", "conv_kernel"):
+        positive(name)
+      if self.gdn_num_v_heads % self.gdn_num_k_heads:
+        raise ValueError(f"ModelConfig.gdn_num_k_heads "
+                         f"({self.gdn_num_k_heads}) must divide "
+                         f"ModelConfig.gdn_num_v_heads "
+                         f"({self.gdn_num_v_heads}).")
+      if self.conv_kernel < 2:
+        raise ValueError(f"ModelConfig.conv_kernel must be >= 2, got "
+                         f"{self.conv_kernel}.")
+    for name in ("attn_qk_norm", "attn_output_gate", "moe_shared_expert_gate"):
+      if not isinstance(getattr(self, name), bool):
+        raise TypeError(f"ModelConfig.{name} must be a bool, got "
+                        f"{getattr(self, name)!r}.")
     if "-" in self.pattern:
       positive("intermediate_size")
       if self.mlp_activation not in MLP_ACTIVATIONS:

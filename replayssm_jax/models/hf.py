@@ -1,6 +1,7 @@
 """Hugging Face checkpoints: `Mamba2ForCausalLM` and `NemotronHForCausalLM`
 (NemotronH's config forms and MoE tensors: `hf_nemotron`), Granite 4.0
-hybrid and Bamba (`hf_granite`, `hf_bamba`).
+hybrid and Bamba (`hf_granite`, `hf_bamba`), Qwen3.5 / Qwen3.5-MoE text
+and Qwen3-Next (`hf_qwen`).
 
 `from_pretrained(directory)` reads config.json and the *.safetensors files
 (one file or sharded with model.safetensors.index.json) and returns a ready
@@ -34,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from replayssm_jax import _validation as V
-from replayssm_jax.models import hf_bamba, hf_granite, hf_nemotron
+from replayssm_jax.models import hf_bamba, hf_granite, hf_nemotron, hf_qwen
 from replayssm_jax.models import hf_tensors
 from replayssm_jax.models.config import ModelConfig
 from replayssm_jax.models.model import HybridLM
@@ -42,8 +43,14 @@ from replayssm_jax.models.model import HybridLM
 # Architectures read by their own module (its config_from_hf and
 # tensor_map).
 FAMILIES = {m.ARCHITECTURE: m for m in (hf_granite, hf_bamba)}
+FAMILIES.update({a: hf_qwen for a in hf_qwen.ARCHITECTURES})
 ARCHITECTURES = ("Mamba2ForCausalLM", "NemotronHForCausalLM") + tuple(
     FAMILIES)
+MODEL_TYPES = {"mamba2": "Mamba2ForCausalLM",
+               "nemotron_h": "NemotronHForCausalLM",
+               **{m.MODEL_TYPE: m.ARCHITECTURE for m in (hf_granite,
+                                                         hf_bamba)},
+               **hf_qwen.MODEL_TYPES}
 
 _LINEARS = {
     "mamba": ("in_proj", "out_proj"),
@@ -115,11 +122,7 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "float32",
                    param_dtype: str | None = None) -> tuple[ModelConfig, str]:
   """(ModelConfig, architecture) from a parsed config.json."""
   archs = hf.get("architectures") or []
-  arch = archs[0] if archs else {"mamba2": "Mamba2ForCausalLM",
-                                 "nemotron_h": "NemotronHForCausalLM",
-                                 **{m.MODEL_TYPE: a
-                                    for a, m in FAMILIES.items()}}.get(
-                                        hf.get("model_type"))
+  arch = archs[0] if archs else MODEL_TYPES.get(hf.get("model_type"))
   if arch not in ARCHITECTURES:
     raise ValueError(f"config.json: architecture must be one of "
                      f"{ARCHITECTURES}, got {archs or hf.get('model_type')!r}.")
@@ -240,7 +243,9 @@ def load_tensors(model_cfg: ModelConfig, tensors: dict[str, Any]) -> HybridLM:
 def from_pretrained(directory: str, dtype: str = "float32",
                     param_dtype: str | None = None) -> HybridLM:
   """Loads a HF Mamba2ForCausalLM / NemotronHForCausalLM /
-  GraniteMoeHybridForCausalLM / BambaForCausalLM directory.
+  GraniteMoeHybridForCausalLM / BambaForCausalLM / Qwen3_5ForCausalLM /
+  Qwen3_5MoeForCausalLM / Qwen3_5(Moe)ForConditionalGeneration (its text
+  model) / Qwen3NextForCausalLM directory.
 
   Args:
     directory: holds config.json and model.safetensors (or shards listed in
@@ -268,6 +273,10 @@ def from_pretrained(directory: str, dtype: str = "float32",
     cfg, arch = config_from_hf(hf, dtype=dtype, param_dtype=param_dtype)
   except ValueError as e:  # name the file, not just "config.json"
     raise ValueError(str(e).replace("config.json:", f"{path}:", 1)) from None
+  if arch in hf_qwen.ARCHITECTURES:
+    return hf_tensors.load_tensors(
+        cfg, hf_qwen.pack_tensors(cfg, _read_tensors(directory)),
+        hf_qwen.tensor_map(cfg))
   if arch in FAMILIES:
     return hf_tensors.load_tensors(cfg, _read_tensors(directory),
                                    FAMILIES[arch].tensor_map(cfg))

@@ -5,8 +5,9 @@ A tensor map is {HF tensor name: ((parameter path, transform), ...)}: one
 HF tensor feeds one parameter or, split by rows, several (a fused
 [gate; up] projection). Transforms: "id", "T" (a linear's [out, in] <->
 [in, out]), "T3" (stacked experts: the last two axes swapped), "conv"
-([C, 1, k] <-> [C, k]), or ("T", lo, hi) (rows lo:hi of the HF tensor,
-transposed).
+([C, 1, k] <-> [C, k]), "plus1" (a zero-centred norm's weight w, applied
+as 1 + w: stored here as 1 + w in float32), or ("T", lo, hi) (rows lo:hi
+of the HF tensor, transposed).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def to_ours(arr, transform):
     return arr.swapaxes(-1, -2)
   if transform == "conv":
     return arr[:, 0, :]
+  if transform == "plus1":
+    return arr.astype(jnp.float32) + 1.0
   if isinstance(transform, tuple):
     _, lo, hi = transform
     return arr[lo:hi].T
@@ -107,7 +110,8 @@ def export_tensors(model: HybridLM, tmap: dict[str, tuple]
       a = np.asarray(flat[path].get_value())
       parts.append(a.T if tr == "T" or isinstance(tr, tuple)
                    else a.swapaxes(-1, -2) if tr == "T3"
-                   else a[:, None, :] if tr == "conv" else a)
+                   else a[:, None, :] if tr == "conv"
+                   else a - 1 if tr == "plus1" else a)
     out[name] = np.ascontiguousarray(np.concatenate(parts, 0)
                                      if len(parts) > 1 else parts[0])
   return out

@@ -9,9 +9,7 @@ Every mixer has two entry points:
   verify(h [b, T, d], state) -> (y [b, T, d], pending)
       a speculative window of T tokens per row, in one parallel pass from
       the committed state (see replayssm_jax.models.speculative).
-`Block` (pre-norm residual) dispatches on h.ndim; `Block.mix` and
-`Block.verify` run its mixer on a normed input (a decode step and a window:
-the model adds the residual, fused with the next norm). Linear kernels are
+`models.blocks.Block` (pre-norm residual) wraps a mixer. Linear kernels are
 stored [in, out]; matmuls run in `config.dtype`, norms/softmax in float32.
 """
 
@@ -26,7 +24,6 @@ from flax import nnx
 from replayssm_jax import ops
 from replayssm_jax.conv import causal_conv1d, causal_conv1d_update
 from replayssm_jax.models.config import ModelConfig
-from replayssm_jax.models.moe import MoE
 from replayssm_jax.models.states import (AttentionState, MambaState,
                                          StoredSSMState, store_baseline)
 from replayssm_jax.norm import rms_norm
@@ -389,6 +386,16 @@ class Attention(nnx.Module):
       k = _partial_rope(k, positions, c.rope_theta, c.rotary_dim)
     return q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
 
+  def _project(self, h, positions):
+    """(q, k, v as `_qkv`, ctx): ctx is what `_output` needs besides the
+    heads' output (None here; `GatedAttention`'s gate)."""
+    return self._qkv(h, positions) + (None,)
+
+  def _output(self, o, ctx):
+    """The heads' output o [.., num_heads * attn_head_dim] -> [.., d]."""
+    del ctx
+    return self.o_proj(o)
+
   def _attend(self, q, k, v, mask):
     """q [b, Tq, Hq, D], k/v [b, Hk, S, D], mask [b, Tq, S] -> [b, Tq, Hq*D]
     (prefill; decode steps and verify windows use ops.decode_attention).
@@ -412,10 +419,10 @@ class Attention(nnx.Module):
   def prefill(self, h, lengths, state: AttentionState | None):
     b, t, _ = h.shape
     positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
-    q, k, v = self._qkv(h, positions)
+    q, k, v, ctx = self._project(h, positions)
     causal = jnp.tril(jnp.ones((t, t), bool))[None]  # [1, T, T]
     mask = causal & (jnp.arange(t)[None, None, :] < lengths[:, None, None])
-    out = self.o_proj(self._attend(q, k, v, mask))
+    out = self._output(self._attend(q, k, v, mask), ctx)
     if state is None:
       return out, None
     if t > state.max_len:
@@ -439,7 +446,8 @@ class Attention(nnx.Module):
     b = h.shape[0]
     pos = state.length  # [b]
     with jax.named_scope("qkv"):
-      q, k, v = self._qkv(h[:, None], pos[:, None])  # k, v [b, Hk, 1, D]
+      # k, v [b, Hk, 1, D]
+      q, k, v, ctx = self._project(h[:, None], pos[:, None])
     with jax.named_scope("kv_write"):
       rows = jnp.arange(b)
       kc = state.k.at[rows, :, pos].set(k[:, :, 0].astype(state.k.dtype),
@@ -452,7 +460,7 @@ class Attention(nnx.Module):
                                self.cfg.attention_multiplier,
                                implementation=implementation)
     with jax.named_scope("o_proj"):
-      out = self.o_proj(o.reshape(b, -1))
+      out = self._output(o.reshape(b, -1), ctx)
     return out, AttentionState(k=kc, v=vc, length=pos + 1)
 
   def verify(self, h, state: AttentionState,
@@ -468,7 +476,7 @@ class Attention(nnx.Module):
     """
     b, t, _ = h.shape
     pos = state.length[:, None] + jnp.arange(t)[None, :]  # [b, T]
-    q, k, v = self._qkv(h, pos)  # k, v [b, Hk, T, D]
+    q, k, v, ctx = self._project(h, pos)  # k, v [b, Hk, T, D]
     rows = jnp.arange(b)[:, None]
     kc = state.k.at[rows, :, pos].set(jnp.swapaxes(k, 1, 2).astype(
         state.k.dtype), mode="drop")
@@ -478,7 +486,7 @@ class Attention(nnx.Module):
                              jnp.minimum(state.length + 1, state.max_len),
                              self.cfg.attention_multiplier,
                              implementation=implementation)
-    out = self.o_proj(o.reshape(b, t, -1))
+    out = self._output(o.reshape(b, t, -1), ctx)
     return out, AttentionState(k=kc, v=vc, length=state.length)
 
 
@@ -502,66 +510,3 @@ class MLP(nnx.Module):
     else:
       a = jnp.square(jax.nn.relu(u))
     return self.down_proj(a)
-
-
-MIXERS = {"mamba": Mamba2Mixer, "attention": Attention, "mlp": MLP,
-          "moe": MoE}
-STATELESS = ("mlp", "moe")  # mixers without a decode state
-
-
-class Block(nnx.Module):
-  """Pre-norm residual block: x + mixer(norm(x)); residual in float32."""
-
-  def __init__(self, kind: str, cfg: ModelConfig, *, rngs):
-    self.kind = kind
-    self.norm = RMSNorm(cfg.d_model, cfg)
-    self.residual_multiplier = float(cfg.residual_multiplier)
-    self.mixer = MIXERS[kind](cfg, rngs=rngs)
-
-  def __call__(self, x, state, lengths=None, implementation=None, layer=0):
-    """x [b, T, d] (with lengths [b]) or [b, d] -> (x', new_state); `layer`:
-    a Mamba block's index among the Mamba blocks (keys stochastic
-    rounding)."""
-    with jax.named_scope(self.kind):  # names the ops in profiles
-      y, state = self.mix(self.norm(x), state, lengths, implementation,
-                          layer)
-      return x.astype(F32) + y.astype(F32), state
-
-  def mix(self, h, state, lengths=None, implementation=None, layer=0):
-    """The mixer on the normed input h [b, T, d] (prefill, with lengths)
-    or [b, d] (a decode step) -> (y, new_state), without the residual;
-    y times config.residual_multiplier."""
-    y, state = self._mix(h, state, lengths, implementation, layer)
-    return self._scale(y), state
-
-  def _scale(self, y):
-    """y * config.residual_multiplier (in y's dtype)."""
-    if self.residual_multiplier == 1.0:
-      return y
-    return y * jnp.asarray(self.residual_multiplier, y.dtype)
-
-  def _mix(self, h, state, lengths=None, implementation=None, layer=0):
-    """`mix` before the residual multiplier."""
-    if self.kind in STATELESS:
-      return self.mixer(h), state
-    if self.kind == "attention":
-      return (self.mixer.prefill(h, lengths, state) if h.ndim == 3
-              else self.mixer.step(h, state, implementation))
-    if h.ndim == 3:
-      return self.mixer.prefill(h, lengths, state, layer)
-    return self.mixer.step(h, state, implementation, layer)
-
-  def verify(self, h, state, implementation=None, layer=0):
-    """The mixer on a speculative window's normed input h [b, T, d] ->
-    (y, the mixer's pending state), without the residual (y times
-    config.residual_multiplier, as `mix`); `layer` as in `__call__`."""
-    y, state = self._verify(h, state, implementation, layer)
-    return self._scale(y), state
-
-  def _verify(self, h, state, implementation=None, layer=0):
-    """`verify` before the residual multiplier."""
-    if self.kind in STATELESS:
-      return self.mixer(h), state
-    if self.kind == "mamba":
-      return self.mixer.verify(h, state, implementation, layer)
-    return self.mixer.verify(h, state, implementation)

@@ -25,7 +25,8 @@ from replayssm_jax import ops
 from replayssm_jax import precision as P
 from replayssm_jax.models import states as S
 from replayssm_jax.models.config import ModelConfig
-from replayssm_jax.models.layers import Block, Embedding, Linear, RMSNorm
+from replayssm_jax.models.blocks import Block
+from replayssm_jax.models.layers import Embedding, Linear, RMSNorm
 from replayssm_jax.state import ReplayState
 
 F32 = jnp.float32
@@ -52,12 +53,14 @@ class HybridLM(nnx.Module):
                             rngs=rngs)
 
   def mamba_indices(self) -> tuple[int | None, ...]:
-    """Per block: its index among the Mamba blocks (0, 1, ... in pattern
-    order; keys the stochastic rounding of its state), None for others."""
+    """Per block: its index among the recurrent (Mamba-2 and Gated
+    DeltaNet) blocks (0, 1, ... in pattern order; keys the stochastic
+    rounding of its state), None for others."""
     out, m = [], 0
     for kind in self.config.block_kinds:
-      out.append(m if kind == "mamba" else None)
-      m += kind == "mamba"
+      rec = kind in ("mamba", "gdn")
+      out.append(m if rec else None)
+      m += rec
     return tuple(out)
 
   def logits(self, h):
@@ -145,8 +148,8 @@ class HybridLM(nnx.Module):
       batch: rows.
       max_len: KV-cache length (prompt + generated tokens) of attention
         layers.
-      ssm_mode: "replay" (ReplayState checkpoint + buffer) or "baseline"
-        (full SSM state).
+      ssm_mode: "replay" (ReplayState checkpoint + buffer; Gated DeltaNet
+        layers: GDNReplayState) or "baseline" (full SSM state).
       buffer_len: L of the replay buffer (replay mode only).
       checkpoint_dtype: the replay checkpoint / baseline SSM state dtype
         (default float32, or the policy's).
@@ -197,6 +200,10 @@ class HybridLM(nnx.Module):
         layers.append(S.init_mamba_state(cfg, batch, ssm_mode, buffer_len,
                                          checkpoint_dtype, buffer_dtype,
                                          conv_dtype, precision, row_ids))
+      elif kind == "gdn":
+        layers.append(S.init_gdn_state(cfg, batch, ssm_mode, buffer_len,
+                                       checkpoint_dtype, buffer_dtype,
+                                       conv_dtype, precision, row_ids))
       elif kind == "attention":
         layers.append(S.init_attention_state(cfg, batch, max_len, kv_dtype))
       else:
@@ -308,7 +315,7 @@ def _check_state(state, batch, cfg):
 
 
 _LAYER_STATES = {"mamba": S.MambaState, "attention": S.AttentionState,
-                 "mlp": type(None), "moe": type(None)}
+                 "mlp": type(None), "moe": type(None), "gdn": S.GDNState}
 
 
 def _check_layer_state(i, kind, s, cfg):
@@ -341,6 +348,12 @@ def _check_layer_state(i, kind, s, cfg):
     else:
       arr = ssm.state if isinstance(ssm, S.StoredSSMState) else ssm
       expect("ssm [nheads, headdim, dstate]", arr.shape[1:], heads)
+  elif kind == "gdn":
+    expect("conv [kernel - 1, gdn_conv_dim]", s.conv.shape[1:],
+           (cfg.conv_kernel - 1, cfg.gdn_conv_dim))
+    heads = (cfg.gdn_num_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim)
+    arr = s.ssm.checkpoint if s.is_replay else s.ssm
+    expect("ssm [HV, K, V]", arr.shape[1:], heads)
   elif kind == "attention":
     expect("k [num_kv_heads, attn_head_dim]",
            (s.k.shape[1], s.k.shape[3]), (cfg.num_kv_heads, cfg.attn_head_dim))

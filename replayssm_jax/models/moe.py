@@ -11,13 +11,18 @@ Router (`ModelConfig.moe_router`):
     when `norm_topk_prob`, times `routed_scaling_factor`.
   "softmax_topk" (Granite MoE): the top-k router logits, softmaxed over the
     k picked (then `norm_topk_prob` / `routed_scaling_factor` as above).
+  "softmax" (Qwen3-Next): the softmax over all E logits, the top k of it
+    picked and weighted by their probabilities (then `norm_topk_prob` /
+    `routed_scaling_factor` as above).
 
 Routed experts: "relu2" (NemotronH: down(relu(up(x))^2)) or "swiglu"
 (down(silu(g) * u), [g, u] = up(x) with the gate in the first half, as
 Granite's fused input_linear). fc1 / fc2 are the latent projections
 d -> moe_latent_size -> d (Nemotron 3), identities when the size is None.
 The shared expert is a dense MLP of width moe_shared_expert_intermediate_size
-(0: none) with the experts' activation.
+(0: none) with the experts' activation; with `moe_shared_expert_gate`
+(Qwen3-Next) its output is multiplied by sigmoid(h @ shared_gate), a
+[d, 1] weight, per token.
 
 `routed_experts` dispatches by sorting the (token, expert) pairs by expert
 and running the expert matmuls as `jax.lax.ragged_dot` over the groups (each
@@ -67,6 +72,8 @@ def route(logits, *, top_k: int, router: str = "sigmoid", bias=None,
   if router == "softmax_topk":
     top, idx = jax.lax.top_k(logits, top_k)
     w = jax.nn.softmax(top, axis=-1)
+  elif router == "softmax":
+    w, idx = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
   elif router == "sigmoid":
     scores = jax.nn.sigmoid(logits)
     choice = scores if bias is None else scores + bias.astype(F32)
@@ -199,6 +206,9 @@ class MoE(nnx.Module):
       self.shared_up = _Linear(
           d, 2 * s if cfg.moe_activation == "swiglu" else s, cfg, rngs=rngs)
       self.shared_down = _Linear(s, d, cfg, rngs=rngs)
+      if cfg.moe_shared_expert_gate:
+        self.shared_gate = nnx.Param(_normal(rngs, (d, 1), d ** -0.5,
+                                             cfg.jnp_param_dtype))
 
   def routing(self, h2):
     """h2 [n, d] -> (weights [n, k] float32, experts [n, k] int32)."""
@@ -224,8 +234,12 @@ class MoE(nnx.Module):
     if c.moe_latent_size:
       y = self.fc2_latent(y)
     if c.moe_shared_expert_intermediate_size:
-      y = y.astype(F32) + self.shared_down(
+      shared = self.shared_down(
           activate(self.shared_up(h2), c.moe_activation)).astype(F32)
+      if c.moe_shared_expert_gate:
+        shared = shared * jax.nn.sigmoid(jnp.dot(
+            h2.astype(F32), self.shared_gate[...].astype(F32)))
+      y = y.astype(F32) + shared
     return y.astype(c.jnp_dtype).reshape(lead + (c.d_model,))
 
 

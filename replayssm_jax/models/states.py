@@ -13,6 +13,11 @@ The modules hold parameters only; these states are passed in and returned.
                         with stochastic rounding, see below)
                   precision: the PrecisionPolicy the state was built with
                         (static; None: no policy)
+  GDNState        conv: [batch, conv_kernel - 1, gdn_conv_dim] the last conv
+                        inputs, oldest first
+                  ssm:  GDNReplayState (ssm_mode="replay",
+                        replayssm_jax.gdn) or [batch, HV, K, V] array
+                        (ssm_mode="baseline")
   AttentionState  k, v: [batch, num_kv_heads, max_len, attn_head_dim]
                   length: [batch] int32, valid cache entries per row
   MLP blocks      None (stateless)
@@ -39,6 +44,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from replayssm_jax import gdn
 from replayssm_jax import precision as P
 from replayssm_jax.conv import conv_ring_ordered
 from replayssm_jax.state import ReplayState
@@ -130,6 +136,72 @@ class MambaState:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class GDNState:
+  """Conv window + delta-rule state of one Gated DeltaNet layer.
+
+  `conv` holds the last conv_kernel - 1 pre-conv inputs (q, k, v channels)
+  oldest first; a decode step shifts it. `ssm` is the full recurrent state
+  [batch, HV, K, V] (baseline, transformers' layout: o = S^T q) or a
+  `replayssm_jax.gdn.GDNReplayState` (checkpoint + buffers of corrected
+  updates, keys and log-decays, flushed every buffer_len steps), built and
+  stepped under `precision` (static; None: no policy). A baseline state
+  takes plain policies only (no read copy, no stochastic rounding): it is
+  the state stored in the policy's checkpoint dtype.
+  """
+  conv: jax.Array  # [batch, conv_kernel - 1, gdn_conv_dim]
+  ssm: Any  # gdn.GDNReplayState | jax.Array [batch, HV, K, V]
+  precision: P.PrecisionPolicy | None = dataclasses.field(
+      default=None, metadata=dict(static=True))
+
+  def ordered_conv(self) -> jax.Array:
+    """The conv inputs oldest first (as `MambaState.ordered_conv`)."""
+    return self.conv
+
+  def with_ordered_conv(self, conv) -> "GDNState":
+    return self.replace(conv=conv)
+
+  @property
+  def is_replay(self) -> bool:
+    return isinstance(self.ssm, gdn.GDNReplayState)
+
+  def replace(self, **kwargs) -> "GDNState":
+    return dataclasses.replace(self, **kwargs)
+
+
+def init_gdn_state(cfg, batch: int, ssm_mode: str, buffer_len: int,
+                   checkpoint_dtype, buffer_dtype, conv_dtype,
+                   precision: P.PrecisionPolicy | None = None,
+                   row_ids=None) -> GDNState:
+  """An empty GDNState (zero state, empty buffer); with `precision` laid
+  out per the policy (row_ids: [batch] int32, stochastic rounding)."""
+  conv = jnp.zeros((batch, cfg.conv_kernel - 1, cfg.gdn_conv_dim), conv_dtype)
+  sizes = dict(num_v_heads=cfg.gdn_num_v_heads,
+               num_k_heads=cfg.gdn_num_k_heads, key_dim=cfg.gdn_k_dim,
+               value_dim=cfg.gdn_v_dim, buffer_len=buffer_len)
+  if ssm_mode == "replay" and precision is None:
+    ssm = gdn.init_gdn_replay_state(batch, checkpoint_dtype=checkpoint_dtype,
+                                    buffer_dtype=buffer_dtype, **sizes)
+  elif ssm_mode == "replay":
+    if row_ids is not None:  # a buffer of this layer's own (donated)
+      row_ids = jnp.array(row_ids, jnp.int32, copy=True)
+    ssm = gdn.init_gdn_replay_state(batch, policy=precision, row_id=row_ids,
+                                    **sizes)
+  else:
+    if precision is not None and not precision.plain:
+      raise ValueError(
+          f"precision {precision.name!r} (a read copy or stochastic "
+          f"rounding) is not supported by a baseline Gated DeltaNet state; "
+          f"use ssm_mode='replay' or a plain policy (e.g. "
+          f"PrecisionPolicy.preset('bf16')).")
+    dtype = (checkpoint_dtype if precision is None
+             else precision.checkpoint_dtype)
+    ssm = jnp.zeros((batch, cfg.gdn_num_v_heads, cfg.gdn_k_dim,
+                     cfg.gdn_v_dim), dtype)
+  return GDNState(conv=conv, ssm=ssm, precision=precision)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class AttentionState:
   """KV cache of one attention layer with per-row lengths."""
   k: jax.Array  # [batch, num_kv_heads, max_len, attn_head_dim]
@@ -160,13 +232,16 @@ class ModelState:
     for s in self.layers:
       if isinstance(s, MambaState):
         return "replay" if isinstance(s.ssm, ReplayState) else "baseline"
+      if isinstance(s, GDNState):
+        return "replay" if s.is_replay else "baseline"
     return None
 
   @property
   def precision(self) -> P.PrecisionPolicy | None:
-    """The PrecisionPolicy of the Mamba layers (None: none given)."""
+    """The PrecisionPolicy of the Mamba / Gated DeltaNet layers (None: none
+    given)."""
     for s in self.layers:
-      if isinstance(s, MambaState):
+      if isinstance(s, (MambaState, GDNState)):
         return s.precision
     return None
 

@@ -10,13 +10,17 @@ committed decode state:
     outputs from `replayssm_jax.replay_verify` (replay mode: checkpoint +
     buffer, no per-token state) or `baseline_verify` (baseline mode: one
     full SSM state snapshot per window position);
+  * Gated DeltaNet: the same from its conv state, the delta-rule outputs from
+    `replayssm_jax.gdn.gdn_replay_verify` (replay mode) or
+    `gdn_baseline_verify` (baseline mode: one state snapshot per position);
   * attention: the T new keys/values go to positions length .. length+T-1
     of the KV cache and each query attends to the cache prefix plus the
     window up to itself;
   * MLP: position-wise.
 `commit` makes the first num_accepted window tokens of each row history:
-the replay SSM state by a counter move (`replay_commit`), the baseline one by
-picking a snapshot (`baseline_commit`), the conv state by taking the last
+the replay SSM state by a counter move (`replay_commit`; Gated DeltaNet:
+`gdn_replay_commit`), the baseline one by picking a snapshot
+(`baseline_commit` / `gdn_baseline_commit`), the conv state by taking the last
 conv_kernel - 1 inputs of (committed window ++ accepted inputs), the KV cache
 by setting length (rejected entries are overwritten later) and positions by
 += num_accepted.
@@ -38,6 +42,7 @@ import numpy as np
 from flax import nnx
 
 from replayssm_jax import _validation as V
+from replayssm_jax import gdn
 from replayssm_jax.models import model as M
 from replayssm_jax.models import states as S
 from replayssm_jax.models.layers import check_speculative_precision
@@ -57,9 +62,10 @@ class PendingState:
       window's keys/values past `length` (length unchanged); conv states,
       baseline SSM states and positions are the committed ones.
     window_conv_inputs: per layer, [batch, T, conv_dim] pre-conv inputs of
-      the window (Mamba layers, conv-state dtype) or None.
+      the window (Mamba and Gated DeltaNet layers, conv-state dtype) or None.
     snapshots: per layer, [batch, T, H, P, N] SSM state after each window
-      position (baseline-mode Mamba layers) or None.
+      position (baseline-mode Mamba layers; Gated DeltaNet: [batch, T, HV,
+      K, V]) or None.
     window: T (static).
   """
   state: S.ModelState
@@ -89,7 +95,7 @@ def verify_fn(model: M.HybridLM, tokens, state: S.ModelState,
     # As the decode step: each residual add and the next norm as one op.
     x, h = model.add_norm(x, y, block.norm, implementation)
     y, pend = block.verify(h, s, implementation, layer)
-    if block.kind == "mamba":
+    if block.kind in ("mamba", "gdn"):
       ssm, win, snap = pend
       layers.append(s.replace(ssm=ssm))
       convs.append(win)
@@ -118,13 +124,15 @@ def commit_fn(pending: PendingState, num_accepted, active=None):
   layers = []
   for s, win, snap in zip(pending.state.layers, pending.window_conv_inputs,
                           pending.snapshots):
-    if isinstance(s, S.MambaState):
+    if isinstance(s, (S.MambaState, S.GDNState)):
       k1 = s.conv.shape[1]
       # [b, k-1+T, conv_dim], oldest first
       cat = jnp.concatenate([s.ordered_conv(), win], axis=1)
       idx = moved[:, None] + jnp.arange(k1)[None, :]  # [b, k-1]
       conv = jnp.take_along_axis(cat, idx[..., None], axis=1)
-      if isinstance(s.ssm, ReplayState):
+      if isinstance(s, S.GDNState):
+        ssm = _gdn_commit(s.ssm, snap, n, active)
+      elif isinstance(s.ssm, ReplayState):
         ssm = replay_commit(s.ssm, n if active is None
                             else jnp.where(active, n, 1), t)
         if active is not None:  # inactive: the committed history only
@@ -150,6 +158,27 @@ def commit_fn(pending: PendingState, num_accepted, active=None):
                       positions=jnp.where(bad, -1, pos + moved))
 
 
+def _gdn_commit(ssm, snapshots, n, active):
+  """A Gated DeltaNet layer's committed state: the replay state's counter
+  moved by n (`gdn_replay_commit`) or the baseline snapshot after n window
+  tokens (`gdn_baseline_commit`); inactive rows keep their committed
+  history (the pending state's count / step: the window slots stay
+  stale)."""
+  if isinstance(ssm, gdn.GDNReplayState):
+    new = gdn.gdn_replay_commit(ssm, n if active is None
+                                else jnp.where(active, n, 1))
+    if active is not None:
+      new = new.replace(**{f: jnp.where(active, getattr(new, f),
+                                        getattr(ssm, f))
+                           for f in ("count", "step")
+                           if getattr(new, f) is not None})
+    return new
+  new = gdn.gdn_baseline_commit(snapshots, n)
+  if active is not None:
+    new = jnp.where(active[:, None, None, None], new, ssm)
+  return new
+
+
 @functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=(3,))
 def _verify_jit(graphdef, params, tokens, state, implementation):
   M.TRACE_COUNTS["verify"] += 1
@@ -172,6 +201,12 @@ def _check_window_room(state: S.ModelState, t: int, what: str) -> None:
   for i, s in enumerate(state.layers):
     if isinstance(s, S.MambaState):
       check_speculative_precision(s, what)
+    if isinstance(s, S.GDNState) and s.is_replay:
+      if s.ssm.d_buf.shape[1] <= t:
+        raise ValueError(
+            f"{what}: the replay buffer_len ({s.ssm.d_buf.shape[1]}, layer "
+            f"{i}) must exceed the window T ({t}); create the state with "
+            f"buffer_len > T.")
     if isinstance(s, S.MambaState) and isinstance(s.ssm, ReplayState):
       if s.ssm.buffer_len <= t:
         raise ValueError(

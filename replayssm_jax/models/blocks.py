@@ -1,0 +1,101 @@
+"""`Block`: a pre-norm residual block of the hybrid LM around one mixer.
+
+  Block(kind, cfg)(x, state, lengths)  x + mixer(norm(x)), the mixer's prefill
+                                       (x [b, T, d]) or decode step ([b, d])
+  Block.mix(h, state)                  the mixer on a normed input (the model
+                                       adds the residual, fused with the next
+                                       norm)
+  Block.verify(h, state)               the mixer on a speculative window
+
+Mixers by kind: "mamba" (`layers.Mamba2Mixer`), "attention"
+(`layers.Attention`, or `gated_attention.GatedAttention` with q/k norms or
+an output gate), "mlp" (`layers.MLP`), "moe" (`moe.MoE`), "gdn"
+(`gdn_block.GDNMixer`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from replayssm_jax.models.config import ModelConfig
+from replayssm_jax.models.gated_attention import GatedAttention
+from replayssm_jax.models.gdn_block import GDNMixer
+from replayssm_jax.models.layers import (MLP, Attention, Mamba2Mixer,
+                                         RMSNorm)
+from replayssm_jax.models.moe import MoE
+
+F32 = jnp.float32
+
+
+MIXERS = {"mamba": Mamba2Mixer, "attention": Attention, "mlp": MLP,
+          "moe": MoE, "gdn": GDNMixer}
+STATELESS = ("mlp", "moe")  # mixers without a decode state
+RECURRENT = ("mamba", "gdn")  # mixers with a conv + recurrent state
+
+
+def mixer_class(kind: str, cfg: ModelConfig):
+  """The mixer module of a block of `kind` under `cfg` (attention with q/k
+  norms or an output gate: `GatedAttention`)."""
+  if kind == "attention" and (cfg.attn_qk_norm or cfg.attn_output_gate):
+    return GatedAttention
+  return MIXERS[kind]
+
+
+class Block(nnx.Module):
+  """Pre-norm residual block: x + mixer(norm(x)); residual in float32."""
+
+  def __init__(self, kind: str, cfg: ModelConfig, *, rngs):
+    self.kind = kind
+    self.norm = RMSNorm(cfg.d_model, cfg)
+    self.residual_multiplier = float(cfg.residual_multiplier)
+    self.mixer = mixer_class(kind, cfg)(cfg, rngs=rngs)
+
+  def __call__(self, x, state, lengths=None, implementation=None, layer=0):
+    """x [b, T, d] (with lengths [b]) or [b, d] -> (x', new_state); `layer`:
+    a Mamba block's index among the Mamba blocks (keys stochastic
+    rounding)."""
+    with jax.named_scope(self.kind):  # names the ops in profiles
+      y, state = self.mix(self.norm(x), state, lengths, implementation,
+                          layer)
+      return x.astype(F32) + y.astype(F32), state
+
+  def mix(self, h, state, lengths=None, implementation=None, layer=0):
+    """The mixer on the normed input h [b, T, d] (prefill, with lengths)
+    or [b, d] (a decode step) -> (y, new_state), without the residual;
+    y times config.residual_multiplier."""
+    y, state = self._mix(h, state, lengths, implementation, layer)
+    return self._scale(y), state
+
+  def _scale(self, y):
+    """y * config.residual_multiplier (in y's dtype)."""
+    if self.residual_multiplier == 1.0:
+      return y
+    return y * jnp.asarray(self.residual_multiplier, y.dtype)
+
+  def _mix(self, h, state, lengths=None, implementation=None, layer=0):
+    """`mix` before the residual multiplier."""
+    if self.kind in STATELESS:
+      return self.mixer(h), state
+    if self.kind == "attention":
+      return (self.mixer.prefill(h, lengths, state) if h.ndim == 3
+              else self.mixer.step(h, state, implementation))
+    if h.ndim == 3:
+      return self.mixer.prefill(h, lengths, state, layer)
+    return self.mixer.step(h, state, implementation, layer)
+
+  def verify(self, h, state, implementation=None, layer=0):
+    """The mixer on a speculative window's normed input h [b, T, d] ->
+    (y, the mixer's pending state), without the residual (y times
+    config.residual_multiplier, as `mix`); `layer` as in `__call__`."""
+    y, state = self._verify(h, state, implementation, layer)
+    return self._scale(y), state
+
+  def _verify(self, h, state, implementation=None, layer=0):
+    """`verify` before the residual multiplier."""
+    if self.kind in STATELESS:
+      return self.mixer(h), state
+    if self.kind in RECURRENT:
+      return self.mixer.verify(h, state, implementation, layer)
+    return self.mixer.verify(h, state, implementation)

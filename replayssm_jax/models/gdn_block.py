@@ -1,0 +1,177 @@
+"""The Gated DeltaNet mixer ('G' in the layer pattern): Qwen3.5 / Qwen3-Next's
+linear-attention layer.
+
+  [qkv | z | b | a] = in_proj(h)   qkv [.., 2 HK K + HV V] (q, k, v channels),
+                                   z [.., HV V], b, a [.., HV]
+  q, k, v = split(silu(causal_conv(qkv)))      (depthwise, no bias)
+  g = -exp(A_log) * softplus(a + dt_bias),  beta = sigmoid(b)   (float32)
+  o = delta rule (q, k L2-normalised, q scaled by K ** -0.5;
+      `replayssm_jax.gdn`)                                 [.., HV, V]
+  y = out_proj(weight * rmsnorm(o) * silu(z))   (per value head, float32)
+
+The delta-rule ops come from `replayssm_jax.gdn`: `gdn_chunked_prefill`
+(prefill; padded positions leave the state unchanged), `gdn_step` (baseline
+decode: the full [batch, HV, K, V] state), `gdn_replay_step` (replay decode:
+checkpoint + buffers), and the speculative window ops `gdn_replay_verify` /
+`gdn_baseline_verify` (committed by `models.verify_commit`).
+
+in_proj is one matmul: transformers' in_proj_qkv / in_proj_z / in_proj_b /
+in_proj_a (Qwen3.5) or, rows regrouped, in_proj_qkvz / in_proj_ba
+(Qwen3-Next) are fused into it when loaded (`hf_qwen.pack_tensors`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from replayssm_jax import gdn
+from replayssm_jax.conv import causal_conv1d, causal_conv1d_update
+from replayssm_jax.models.config import ModelConfig
+from replayssm_jax.models.layers import Linear, _normal
+from replayssm_jax.models.states import GDNState
+
+F32 = jnp.float32
+
+
+class GDNMixer(nnx.Module):
+  """Gated DeltaNet: projections -> conv + SiLU -> delta rule -> gated
+  per-head RMSNorm -> out_proj."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs):
+    self.cfg = cfg
+    d, hv = cfg.d_model, cfg.gdn_num_v_heads
+    self.eps = float(cfg.norm_eps)
+    self.in_proj = Linear(d, cfg.gdn_conv_dim + cfg.gdn_value_dim + 2 * hv,
+                          cfg, rngs=rngs)  # [qkv | z | b | a]
+    k = cfg.conv_kernel
+    self.conv_weight = nnx.Param(_normal(rngs, (cfg.gdn_conv_dim, k),
+                                         k ** -0.5, cfg.jnp_param_dtype))
+    # A_log and dt_bias in float32 whatever param_dtype (the gates are
+    # computed in float32, as transformers does).
+    self.A_log = nnx.Param(jnp.log(jax.random.uniform(
+        rngs.params(), (hv,), F32, 1.0, 16.0)))
+    self.dt_bias = nnx.Param(_normal(rngs, (hv,), 0.5, F32))
+    self.norm_weight = nnx.Param(jnp.ones((cfg.gdn_v_dim,),
+                                          cfg.jnp_param_dtype))  # [V]
+    self.out_proj = Linear(cfg.gdn_value_dim, d, cfg, rngs=rngs)
+
+  # ------------------------------------------------------------ pieces
+  def _project(self, h):
+    """h [.., d] -> (pre-conv qkv [.., conv_dim], z [.., HV, V], g, beta
+    [.., HV] float32)."""
+    c = self.cfg
+    lead = h.shape[:-1]
+    x = self.in_proj(h)
+    cd, vd, hv = c.gdn_conv_dim, c.gdn_value_dim, c.gdn_num_v_heads
+    z = x[..., cd:cd + vd].reshape(lead + (hv, c.gdn_v_dim))
+    b, a = x[..., cd + vd:cd + vd + hv], x[..., cd + vd + hv:]
+    g, beta = gdn.gdn_gates(a, b, self.A_log[...], self.dt_bias[...])
+    return x[..., :cd], z, g, beta
+
+  def _split(self, x):
+    """Conv output [.., conv_dim] -> q, k [.., HK, K], v [.., HV, V]."""
+    c = self.cfg
+    lead = x.shape[:-1]
+    kd = c.gdn_key_dim
+    return (x[..., :kd].reshape(lead + (c.gdn_num_k_heads, c.gdn_k_dim)),
+            x[..., kd:2 * kd].reshape(lead + (c.gdn_num_k_heads, c.gdn_k_dim)),
+            x[..., 2 * kd:].reshape(lead + (c.gdn_num_v_heads, c.gdn_v_dim)))
+
+  def _out(self, o, z):
+    """Gated RMSNorm over each value head (normalise, weight, times
+    silu(z); float32), then out_proj: o, z [.., HV, V] -> [.., d]."""
+    of = o.astype(F32)
+    of = of * jax.lax.rsqrt(jnp.mean(of * of, -1, keepdims=True) + self.eps)
+    y = (self.norm_weight[...].astype(F32) * of
+         * jax.nn.silu(z.astype(F32))).astype(self.cfg.jnp_dtype)
+    return self.out_proj(y.reshape(y.shape[:-2] + (-1,)))
+
+  # ----------------------------------------------------------- entries
+  def prefill(self, h, lengths, state: GDNState | None, layer: int = 0):
+    """The right-padded prompt h [b, T, d] (positions >= lengths are
+    padding: they leave the state unchanged) -> (y [b, T, d], state); the
+    replay state stored per state.precision (`layer`: the recurrent-block
+    index keying stochastic rounding)."""
+    c = self.cfg
+    bsz, t, _ = h.shape
+    qkv, z, g, beta = self._project(h)
+    x, _ = causal_conv1d(qkv, self.conv_weight[...], None, activation="silu")
+    q, k, v = self._split(x)
+    valid = jnp.arange(t)[None, :] < lengths[:, None]  # [b, T]
+    o, final = gdn.gdn_chunked_prefill(q, k, v, g, beta,
+                                       chunk_size=c.gdn_chunk_size,
+                                       valid=valid)
+    out = self._out(o, z)
+    if state is None:
+      return out, None
+    # Conv state: the k-1 inputs before each row's end (zeros before t=0).
+    k1 = c.conv_kernel - 1
+    xp = jnp.concatenate([jnp.zeros((bsz, k1, qkv.shape[-1]), qkv.dtype),
+                          qkv], axis=1)  # [b, k-1+T, conv_dim]
+    idx = lengths[:, None] + jnp.arange(k1)[None, :]  # [b, k-1]
+    conv = jnp.take_along_axis(xp, idx[..., None], axis=1).astype(
+        state.conv.dtype)
+    policy = state.precision
+    if state.is_replay and policy is None:
+      r = state.ssm
+      ssm = gdn.gdn_replay_state_from(
+          final, r.buffer_len, num_k_heads=c.gdn_num_k_heads,
+          checkpoint_dtype=r.checkpoint.dtype, buffer_dtype=r.d_buf.dtype)
+    elif state.is_replay:  # master (and read copy) stored per the policy
+      sr = policy.stochastic_rounding
+      ssm = gdn.gdn_replay_state_from(
+          final, state.ssm.buffer_len, num_k_heads=c.gdn_num_k_heads,
+          policy=policy, row_id=state.ssm.row_id if sr else None,
+          step=lengths.astype(jnp.int32) if sr else None, layer=layer)
+    else:
+      ssm = final.astype(state.ssm.dtype)
+    return out, state.replace(conv=conv, ssm=ssm)
+
+  def step(self, h, state: GDNState, implementation: str | None = None,
+           layer: int = 0):
+    """One token per row: h [b, d] -> (y [b, d], state); `implementation`
+    goes to the delta-rule op's dispatcher; replay states step under
+    state.precision with `layer` (keys stochastic rounding)."""
+    qkv, z, g, beta = self._project(h)
+    x, conv = causal_conv1d_update(qkv, state.conv, self.conv_weight[...],
+                                   None, activation="silu")
+    q, k, v = self._split(x)
+    if state.is_replay:
+      o, ssm = gdn.gdn_replay_step(state.ssm, q, k, v, g, beta,
+                                   policy=state.precision, layer=layer,
+                                   implementation=implementation)
+    else:
+      o, ssm = gdn.gdn_step(state.ssm, q, k, v, g, beta,
+                            implementation=implementation)
+    return self._out(o, z), state.replace(conv=conv, ssm=ssm)
+
+  def verify(self, h, state: GDNState, implementation: str | None = None,
+             layer: int = 0):
+    """A window of T tokens per row from the committed state.
+
+    Returns (y [b, T, d], (ssm, window_conv_inputs, snapshots)) as
+    `Mamba2Mixer.verify`: ssm the replay state with the window pending
+    (`gdn_replay_verify`) or, baseline, the committed state unchanged;
+    window_conv_inputs [b, T, conv_dim] the window's pre-conv inputs in the
+    conv-state dtype; snapshots [b, T, HV, K, V] (baseline,
+    `gdn_baseline_verify`) or None. `implementation` goes to the window
+    op's dispatcher; a replay window runs under state.precision with
+    `layer`.
+    """
+    qkv, z, g, beta = self._project(h)
+    x, _ = causal_conv1d(qkv, self.conv_weight[...], None,
+                         initial_state=state.conv.astype(qkv.dtype),
+                         activation="silu")
+    q, k, v = self._split(x)
+    if state.is_replay:
+      o, ssm = gdn.gdn_replay_verify(state.ssm, q, k, v, g, beta,
+                                     policy=state.precision, layer=layer,
+                                     implementation=implementation)
+      snapshots = None
+    else:
+      o, snapshots = gdn.gdn_baseline_verify(state.ssm, q, k, v, g, beta,
+                                             implementation=implementation)
+      ssm = state.ssm
+    return self._out(o, z), (ssm, qkv.astype(state.conv.dtype), snapshots)
