@@ -266,16 +266,29 @@ def _stack_experts(experts: dict, out: dict) -> None:
       out[f"{prefix}.{w}.weight"] = arr
 
 
-def _pack_kda(cfg: ModelConfig, p: str, out: dict) -> None:
+def _pack_kda(cfg: ModelConfig, p: str, out: dict, missing: list,
+              bad: list) -> None:
   """One KDA layer's tensors under p = model.layers.{i}.self_attn.: the six
-  input projections fused into in_proj.weight (when all are there and fit),
-  the three convs into conv1d.weight, A_log / dt_bias reshaped."""
+  input projections fused into in_proj.weight (a missing or misshapen one
+  is added to `missing` / `bad`), the three convs into conv1d.weight, A_log
+  / dt_bias reshaped."""
   hv, K = cfg.gdn_num_v_heads, cfg.gdn_k_dim
-  names = [p + n + ".weight" for n in _KDA_IN]
-  if all(n in out for n in names) and len(
-      {np.asarray(out[n]).shape[1:] for n in names}) == 1:
-    out[p + "in_proj.weight"] = np.concatenate(
-        [np.asarray(out.pop(n)) for n in names], axis=0)
+  kd = cfg.gdn_key_dim
+  rows = dict(q_proj=kd, k_proj=kd, v_proj=cfg.gdn_value_dim, f_a_proj=K,
+              g_a_proj=cfg.gdn_v_dim, b_proj=hv)
+  if p + "in_proj.weight" not in out:
+    ok = True
+    for n in _KDA_IN:
+      arr, want = out.get(p + n + ".weight"), (rows[n], cfg.d_model)
+      if arr is None:
+        missing.append(p + n + ".weight")
+      elif tuple(np.shape(arr)) != want:
+        bad.append(f"{p}{n}.weight: expected {want}, got "
+                   f"{tuple(np.shape(arr))}")
+      ok = ok and arr is not None and tuple(np.shape(arr)) == want
+    if ok:
+      out[p + "in_proj.weight"] = np.concatenate(
+          [np.asarray(out.pop(p + n + ".weight")) for n in _KDA_IN], axis=0)
   convs = [p + f"{c}_conv1d.weight" for c in "qkv"]
   if all(n in out for n in convs):
     out[p + "conv1d.weight"] = np.concatenate(
@@ -293,8 +306,9 @@ def pack_tensors(cfg: ModelConfig, tensors: dict[str, Any]
   tensors at self_attn., per-expert w1 / w3 stacked as experts.gate_up_proj
   [E, 2I, d] ([gate; up] rows), w2 as experts.down_proj [E, d, I], the
   shared experts' gate_proj / up_proj as shared_experts.gate_up_proj.weight,
-  each KDA layer's projections / convs fused (`_pack_kda`). Anything that
-  does not fit is left as it is, for `hf_tensors.load_tensors` to report."""
+  each KDA layer's projections / convs fused (`_pack_kda`; a missing or
+  misshapen projection is a ValueError naming it). Anything else that does
+  not fit is left as it is, for `hf_tensors.load_tensors` to report."""
   out, experts = {}, {}
   for name, arr in tensors.items():
     name = name.replace(".block_sparse_moe.", ".mlp.").replace(
@@ -312,7 +326,11 @@ def pack_tensors(cfg: ModelConfig, tensors: dict[str, Any]
     if up in out and np.shape(out[up]) == np.shape(out[name]):
       out[name.replace(".gate_proj.", ".gate_up_proj.")] = np.concatenate(
           [np.asarray(out.pop(name)), np.asarray(out.pop(up))], axis=0)
+  missing, bad = [], []
   for i, kind in enumerate(cfg.block_kinds[::2]):
     if kind == "kda":
-      _pack_kda(cfg, f"model.layers.{i}.self_attn.", out)
+      _pack_kda(cfg, f"model.layers.{i}.self_attn.", out, missing, bad)
+  if missing or bad:
+    raise ValueError(f"checkpoint tensors do not match the config: missing "
+                     f"{missing}; wrong shapes {bad}.")
   return out
