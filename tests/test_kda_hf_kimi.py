@@ -201,3 +201,22 @@ def test_speculative_verify_is_refused_for_kda_layers(loaded):
     models.speculative_generate(model, models.DraftModelProposer(model), ids,
                                 jnp.full((2,), 8), 4, 2, ssm_mode="replay",
                                 buffer_len=4)
+
+
+def test_replay_under_a_precision_policy_stays_close(loaded):
+  """A bf16 read copy and bf16 rings (PrecisionPolicy "f32+bf16"): every
+  decode step's logits stay within bf16 rounding of transformers'."""
+  from replayssm_jax import PrecisionPolicy  # pylint: disable=g-import-not-at-top
+  model, exp = loaded
+  ids, greedy, want = exp["input_ids"], exp["greedy"], exp["greedy_logits"]
+  policy = PrecisionPolicy.preset("f32+bf16")
+  state = model.init_state(2, 32, ssm_mode="replay", buffer_len=4,
+                           precision=policy)
+  r = state.layers[0].ssm
+  assert r.read_copy.dtype == jnp.bfloat16 and r.k_buf.dtype == jnp.bfloat16
+  logits, state = models.prefill(model, jnp.asarray(ids), jnp.full((2,), 8),
+                                 state)
+  for i in range(greedy.shape[1]):
+    assert rel_err(logits, want[:, i]) <= 1e-2, f"step {i}"
+    logits, state = models.decode_step(model, jnp.asarray(greedy[:, i]),
+                                       state)
