@@ -107,7 +107,8 @@ def kda_chunked_prefill(q, k, v, g, beta, chunk_size=64, initial_state=None,
   [b, T] bool. An invalid position leaves the state unchanged and outputs
   zeros: its inputs are selected away before any product (inf / NaN never
   reach the outputs or the state). Any T: the sequence is padded
-  internally to a multiple of min(chunk_size, T).
+  internally to a multiple of min(chunk_size, T). The chunks are scanned:
+  one chunk's pairwise decays [b, C, C, HV, K] are live at a time.
 
   Returns (o [b, T, HV, V] in v.dtype, final state [b, HV, K, V] f32).
   """
@@ -131,40 +132,39 @@ def kda_chunked_prefill(q, k, v, g, beta, chunk_size=64, initial_state=None,
     x = x.reshape((b, n, C) + x.shape[2:])
     return jnp.moveaxis(x, 1, 0)
 
-  qc, kc, vc, gc, bc = (chunks(x) for x in (qh, kh, vf, gf, bf))
-  G = jnp.cumsum(gc, axis=2)  # [n, b, C, h, K]
   i_ge_j = (jnp.arange(C)[:, None] >= jnp.arange(C)[None, :])[
-      None, None, :, :, None, None]  # [1, 1, C(i), C(j), 1, 1]
-  diff = G[:, :, :, None] - G[:, :, None, :]  # [n, b, i, j, h, K]
-  # Pairs j > i are selected away before the exp (their diff is positive).
-  decay = jnp.where(i_ge_j, jnp.exp(jnp.where(i_ge_j, diff, 0.0)), 0.0)
-  kk = jnp.einsum("nbihc,nbijhc,nbjhc->nbijh", kc, decay, kc,
-                  precision=HIGHEST)
-  qk = jnp.einsum("nbihc,nbijhc,nbjhc->nbijh", qc, decay, kc,
-                  precision=HIGHEST)
-  a = bc[:, :, :, None, :] * kk  # diagonal ignored by the solve
-  # One solve for both right-hand sides: beta v and beta exp(G) k.
-  rhs = jnp.concatenate([bc[..., None] * vc,
-                         bc[..., None] * jnp.exp(G) * kc], axis=-1)
-  to_mat = lambda x: jnp.moveaxis(x, 4, 2)  # noqa: E731  [n, b, h, i, j]
-  rhs = jnp.moveaxis(rhs, 3, 2)  # [n, b, h, C, V + K]
-  sol = jnp.moveaxis(solve_unit_lower(to_mat(a), rhs), 2, 3)
-  u, w = sol[..., :V], sol[..., V:]  # [n, b, C, h, V], [n, b, C, h, K]
-  q_dec = qc * jnp.exp(G)
-  g_last = G[:, :, -1]  # [n, b, h, K]
-  k_dec = kc * jnp.exp(g_last[:, :, None] - G)
+      None, :, :, None, None]  # [1, C(i), C(j), 1, 1]
 
-  def body(s, xs):
-    u, w, q_dec, k_dec, qk, g_last = xs
+  def body(s, xs):  # one chunk: the [C, C, K] pairwise decays live here only
+    qc, kc, vc, gc, bc = xs  # [b, C, h, K] / [b, C, h, V] / [b, C, h]
+    G = jnp.cumsum(gc, axis=1)  # [b, C, h, K]
+    diff = G[:, :, None] - G[:, None, :]  # [b, i, j, h, K]
+    # Pairs j > i are selected away before the exp (their diff is positive).
+    decay = jnp.where(i_ge_j, jnp.exp(jnp.where(i_ge_j, diff, 0.0)), 0.0)
+    kk = jnp.einsum("bihc,bijhc,bjhc->bijh", kc, decay, kc,
+                    precision=HIGHEST)
+    qk = jnp.einsum("bihc,bijhc,bjhc->bijh", qc, decay, kc,
+                    precision=HIGHEST)
+    a = bc[:, :, None, :] * kk  # diagonal ignored by the solve
+    # One solve for both right-hand sides: beta v and beta exp(G) k.
+    rhs = jnp.concatenate([bc[..., None] * vc,
+                           bc[..., None] * jnp.exp(G) * kc], axis=-1)
+    sol = solve_unit_lower(jnp.moveaxis(a, 3, 1),  # [b, h, i, j]
+                           jnp.moveaxis(rhs, 2, 1))  # [b, h, C, V + K]
+    sol = jnp.moveaxis(sol, 1, 2)
+    u, w = sol[..., :V], sol[..., V:]  # [b, C, h, V], [b, C, h, K]
+    g_last = G[:, -1]  # [b, h, K]
     d = u - jnp.einsum("bchk,bhkv->bchv", w, s, precision=HIGHEST)
-    o = (jnp.einsum("bchk,bhkv->bchv", q_dec, s, precision=HIGHEST)
+    o = (jnp.einsum("bchk,bhkv->bchv", qc * jnp.exp(G), s, precision=HIGHEST)
          + jnp.einsum("bijh,bjhv->bihv", qk, d, precision=HIGHEST))
+    k_dec = kc * jnp.exp(g_last[:, None] - G)
     s = (jnp.exp(g_last)[..., None] * s
          + jnp.einsum("bchk,bchv->bhkv", k_dec, d, precision=HIGHEST))
     return s, o
 
   s0 = (jnp.zeros((b, hv, K, V), F32) if initial_state is None
         else initial_state.astype(F32))
-  s, o = jax.lax.scan(body, s0, (u, w, q_dec, k_dec, qk, g_last))
+  s, o = jax.lax.scan(body, s0, tuple(chunks(x)
+                                      for x in (qh, kh, vf, gf, bf)))
   o = jnp.moveaxis(o, 0, 1).reshape((b, n * C, hv, V))[:, :T]
   return o.astype(v.dtype), s
