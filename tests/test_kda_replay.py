@@ -169,6 +169,9 @@ def test_gate_bound_is_checked_against_buffer_len():
   with pytest.raises(ValueError, match="gate_lower_bound"):
     kda.kda_replay_step(r.replace(gate_lower_bound=-3.0), *(
         x[0, :2] for x in steps_for(1, 1).values()))
+  with pytest.raises(ValueError, match="gate_lower_bound is required"):
+    kda.KDAReplayState(checkpoint=r.checkpoint, d_buf=r.d_buf,
+                       k_buf=r.k_buf, g_sum=r.g_sum, count=r.count)
 
 
 def _one_step_setup(L=8):

@@ -46,7 +46,8 @@ Shapes (L = buffer_len):
   count:      [batch]             int32, in [0, L)
   read_copy, read_scale, row_id, step: a `precision.PrecisionPolicy`'s
                                   fields, as in `ReplayState`.
-  gate_lower_bound                static float < 0 (-inf only for L = 1).
+  gate_lower_bound                static float < 0 (-inf only for L = 1),
+                                  required.
 
 Slots at or past a row's count are stale (anything, inf and NaN included:
 every op selects them away).
@@ -125,13 +126,16 @@ class KDAReplayState:
   read_scale: jax.Array | None = None
   row_id: jax.Array | None = None
   step: jax.Array | None = None
-  gate_lower_bound: float = dataclasses.field(
-      default=-80.0, metadata=dict(static=True))
+  gate_lower_bound: float | None = dataclasses.field(
+      default=None, metadata=dict(static=True))
 
   def __post_init__(self):
     lb = self.gate_lower_bound
     if isinstance(lb, bool) or not isinstance(lb, float) or not lb < 0:
-      raise ValueError(f"gate_lower_bound must be a float < 0, got {lb!r}.")
+      raise ValueError(f"gate_lower_bound is required: a float < 0 with "
+                       f"(buffer_len - 1) * |gate_lower_bound| <= "
+                       f"MAX_LOG_DECAY (see safe_gate_lower_bound), got "
+                       f"{lb!r}.")
 
   @property
   def batch(self) -> int:
