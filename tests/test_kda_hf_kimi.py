@@ -160,6 +160,8 @@ def test_published_config_form():
 
 @pytest.mark.parametrize("key,value,match", [
     ("q_lora_rank", 8, "q_lora_rank"),
+    ("mla_use_nope", False, "mla_use_nope"),
+    ("moe_router_activation_func", "softmax", "moe_router_activation_func"),
     ("num_key_value_heads", 1, "num_key_value_heads"),
     ("attention_bias", True, "attention_bias"),
     ("hidden_act", "gelu", "hidden_act"),

@@ -125,6 +125,9 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "float32",
   G.refuse(hf, "attention_bias", (False,), False)
   G.refuse(hf, "q_lora_rank", (None,), None)
   G.refuse(hf, "moe_router_activation_func", ("sigmoid",), "sigmoid")
+  # The published remote code rotates k_rot / q's rope channels unless
+  # mla_use_nope; transformers (the reference here) never does.
+  G.refuse(hf, "mla_use_nope", (True,), True)
   nh = G.get(hf, "num_attention_heads", 32, "int")
   nkv = G.get(hf, "num_key_value_heads", nh, "int")
   if nkv != nh:
