@@ -9,8 +9,9 @@
 
 Mixers by kind: "mamba" (`layers.Mamba2Mixer`), "attention"
 (`layers.Attention`, or `gated_attention.GatedAttention` with q/k norms or
-an output gate), "mlp" (`layers.MLP`), "moe" (`moe.MoE`), "gdn"
-(`gdn_block.GDNMixer`).
+an output gate, `mla_attention.MLAttention` with a latent KV), "mlp"
+(`layers.MLP`), "moe" (`moe.MoE`), "gdn" (`gdn_block.GDNMixer`), "kda"
+(`kda_block.KDAMixer`).
 """
 
 from __future__ import annotations
@@ -22,22 +23,26 @@ from flax import nnx
 from replayssm_jax.models.config import ModelConfig
 from replayssm_jax.models.gated_attention import GatedAttention
 from replayssm_jax.models.gdn_block import GDNMixer
+from replayssm_jax.models.kda_block import KDAMixer
 from replayssm_jax.models.layers import (MLP, Attention, Mamba2Mixer,
                                          RMSNorm)
+from replayssm_jax.models.mla_attention import MLAttention
 from replayssm_jax.models.moe import MoE
 
 F32 = jnp.float32
 
 
 MIXERS = {"mamba": Mamba2Mixer, "attention": Attention, "mlp": MLP,
-          "moe": MoE, "gdn": GDNMixer}
+          "moe": MoE, "gdn": GDNMixer, "kda": KDAMixer}
 STATELESS = ("mlp", "moe")  # mixers without a decode state
-RECURRENT = ("mamba", "gdn")  # mixers with a conv + recurrent state
+RECURRENT = ("mamba", "gdn", "kda")  # mixers with a conv + recurrent state
 
 
 def mixer_class(kind: str, cfg: ModelConfig):
   """The mixer module of a block of `kind` under `cfg` (attention with q/k
   norms or an output gate: `GatedAttention`)."""
+  if kind == "attention" and cfg.mla_kv_lora_rank is not None:
+    return MLAttention
   if kind == "attention" and (cfg.attn_qk_norm or cfg.attn_output_gate):
     return GatedAttention
   return MIXERS[kind]

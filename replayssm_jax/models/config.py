@@ -3,7 +3,8 @@
 The layer pattern follows Nemotron-H's `hybrid_override_pattern`: one
 character per block, 'M' a Mamba-2 mixer, '*' grouped-query attention, '-' an
 MLP, 'E' a mixture-of-experts MLP (replayssm_jax.models.moe), 'G' a Gated
-DeltaNet mixer (replayssm_jax.models.gdn_block). Every block is pre-norm
+DeltaNet mixer (replayssm_jax.models.gdn_block), 'K' a Kimi Delta Attention
+mixer (replayssm_jax.models.kda_block). Every block is pre-norm
 residual (x + mixer(norm(x))). A pure Mamba-2 LM (Hugging Face
 `Mamba2ForCausalLM`) is the pattern "M" * n_layers.
 
@@ -19,7 +20,7 @@ import math
 import jax.numpy as jnp
 
 PATTERN_CHARS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe",
-                 "G": "gdn"}
+                 "G": "gdn", "K": "kda"}
 MLP_ACTIVATIONS = ("relu2", "swiglu")
 MOE_ROUTERS = ("sigmoid", "softmax_topk", "softmax")
 MOE_ACTIVATIONS = ("relu2", "swiglu")
@@ -34,7 +35,7 @@ class ModelConfig:
     vocab_size: number of token ids.
     d_model: width of the residual stream.
     pattern: one char per block: 'M' Mamba-2, '*' attention, '-' MLP, 'E'
-      MoE, 'G' Gated DeltaNet.
+      MoE, 'G' Gated DeltaNet, 'K' Kimi Delta Attention.
     ssm_heads: Mamba-2 heads H (d_inner = ssm_heads * head_dim).
     head_dim: Mamba-2 head dim P.
     d_state: SSM state size N.
@@ -97,6 +98,14 @@ class ModelConfig:
     gdn_k_dim: Gated DeltaNet key (and query) head dim K.
     gdn_v_dim: Gated DeltaNet value head dim V.
     gdn_chunk_size: chunk length of the Gated DeltaNet prefill.
+      The gdn_* fields size the Kimi Delta Attention ('K') mixers too.
+    mla_kv_lora_rank: None, or the latent width of multi-head latent
+      attention ('*' blocks become `mla_attention.MLAttention`, Kimi
+      Linear's: no RoPE, num_kv_heads == num_heads, attn_head_dim =
+      max(mla_qk_nope_head_dim + mla_qk_rope_head_dim, mla_v_head_dim)).
+    mla_qk_nope_head_dim: MLA per-head query / key channels from the latent.
+    mla_qk_rope_head_dim: MLA query / key channels shared by the heads.
+    mla_v_head_dim: MLA value head dim.
   """
   vocab_size: int
   d_model: int
@@ -145,6 +154,11 @@ class ModelConfig:
   gdn_k_dim: int = 128
   gdn_v_dim: int = 128
   gdn_chunk_size: int = 64
+  # Multi-head latent attention ('*' blocks of Kimi Linear).
+  mla_kv_lora_rank: int | None = None
+  mla_qk_nope_head_dim: int = 128
+  mla_qk_rope_head_dim: int = 64
+  mla_v_head_dim: int = 128
 
   def __post_init__(self):
     self.validate()
@@ -213,7 +227,8 @@ class ModelConfig:
     if bad:
       raise ValueError(f"ModelConfig.pattern may only hold 'M' (Mamba-2), "
                        f"'*' (attention), '-' (MLP), 'E' (MoE), 'G' (Gated "
-                       f"DeltaNet); got {bad} in {self.pattern!r}.")
+                       f"DeltaNet), 'K' (Kimi Delta Attention); got {bad} in "
+                       f"{self.pattern!r}.")
     positive("vocab_size")
     positive("d_model")
     if "M" in self.pattern:
@@ -242,7 +257,7 @@ class ModelConfig:
         if self.attn_head_dim % 2:
           raise ValueError(f"ModelConfig.attn_head_dim must be even with "
                            f"RoPE, got {self.attn_head_dim}.")
-    if "G" in self.pattern:
+    if "G" in self.pattern or "K" in self.pattern:
       for name in ("gdn_num_k_heads", "gdn_num_v_heads", "gdn_k_dim",
                    "gdn_v_dim", "gdn_chunk_size", "conv_kernel"):
         positive(name)
@@ -254,6 +269,8 @@ class ModelConfig:
       if self.conv_kernel < 2:
         raise ValueError(f"ModelConfig.conv_kernel must be >= 2, got "
                          f"{self.conv_kernel}.")
+    if "*" in self.pattern and self.mla_kv_lora_rank is not None:
+      self._validate_mla(positive)
     for name in ("attn_qk_norm", "attn_output_gate", "moe_shared_expert_gate"):
       if not isinstance(getattr(self, name), bool):
         raise TypeError(f"ModelConfig.{name} must be a bool, got "
@@ -279,6 +296,25 @@ class ModelConfig:
                          f"name), got {v!r}.")
     self._validate_scales()
     return self
+
+  def _validate_mla(self, positive):
+    for name in ("mla_kv_lora_rank", "mla_qk_nope_head_dim",
+                 "mla_qk_rope_head_dim", "mla_v_head_dim"):
+      positive(name)
+    qk = self.mla_qk_nope_head_dim + self.mla_qk_rope_head_dim
+    width = max(qk, self.mla_v_head_dim)
+    for what, ok in (
+        (f"attn_head_dim ({self.attn_head_dim}) must be max(mla_qk_nope_"
+         f"head_dim + mla_qk_rope_head_dim, mla_v_head_dim) = {width} (the "
+         f"KV cache width)", self.attn_head_dim == width),
+        (f"num_kv_heads ({self.num_kv_heads}) must equal num_heads "
+         f"({self.num_heads})", self.num_kv_heads == self.num_heads),
+        (f"rope_theta must be None (got {self.rope_theta!r}): the MLA "
+         f"layer applies no RoPE", self.rope_theta is None),
+        ("attn_qk_norm and attn_output_gate must be False",
+         not (self.attn_qk_norm or self.attn_output_gate))):
+      if not ok:
+        raise ValueError(f"ModelConfig with mla_kv_lora_rank set: {what}.")
 
   def _validate_moe(self, positive):
     for name in ("n_routed_experts", "num_experts_per_tok",

@@ -1,7 +1,7 @@
 """Hugging Face checkpoints: `Mamba2ForCausalLM` and `NemotronHForCausalLM`
 (NemotronH's config forms and MoE tensors: `hf_nemotron`), Granite 4.0
 hybrid and Bamba (`hf_granite`, `hf_bamba`), Qwen3.5 / Qwen3.5-MoE text
-and Qwen3-Next (`hf_qwen`).
+and Qwen3-Next (`hf_qwen`), Kimi Linear (`hf_kimi`).
 
 `from_pretrained(directory)` reads config.json and the *.safetensors files
 (one file or sharded with model.safetensors.index.json) and returns a ready
@@ -35,21 +35,22 @@ from typing import Any
 import numpy as np
 
 from replayssm_jax import _validation as V
-from replayssm_jax.models import hf_bamba, hf_granite, hf_nemotron, hf_qwen
+from replayssm_jax.models import (hf_bamba, hf_granite, hf_kimi,
+                                  hf_nemotron, hf_qwen)
 from replayssm_jax.models import hf_tensors
 from replayssm_jax.models.config import ModelConfig
 from replayssm_jax.models.model import HybridLM
 
 # Architectures read by their own module (its config_from_hf and
 # tensor_map).
-FAMILIES = {m.ARCHITECTURE: m for m in (hf_granite, hf_bamba)}
+FAMILIES = {m.ARCHITECTURE: m for m in (hf_granite, hf_bamba, hf_kimi)}
 FAMILIES.update({a: hf_qwen for a in hf_qwen.ARCHITECTURES})
 ARCHITECTURES = ("Mamba2ForCausalLM", "NemotronHForCausalLM") + tuple(
     FAMILIES)
 MODEL_TYPES = {"mamba2": "Mamba2ForCausalLM",
                "nemotron_h": "NemotronHForCausalLM",
                **{m.MODEL_TYPE: m.ARCHITECTURE for m in (hf_granite,
-                                                         hf_bamba)},
+                                                         hf_bamba, hf_kimi)},
                **hf_qwen.MODEL_TYPES}
 
 _LINEARS = {
@@ -245,7 +246,7 @@ def from_pretrained(directory: str, dtype: str = "float32",
   """Loads a HF Mamba2ForCausalLM / NemotronHForCausalLM /
   GraniteMoeHybridForCausalLM / BambaForCausalLM / Qwen3_5ForCausalLM /
   Qwen3_5MoeForCausalLM / Qwen3_5(Moe)ForConditionalGeneration (its text
-  model) / Qwen3NextForCausalLM directory.
+  model) / Qwen3NextForCausalLM / KimiLinearForCausalLM directory.
 
   Args:
     directory: holds config.json and model.safetensors (or shards listed in
@@ -277,6 +278,10 @@ def from_pretrained(directory: str, dtype: str = "float32",
     return hf_tensors.load_tensors(
         cfg, hf_qwen.pack_tensors(cfg, _read_tensors(directory)),
         hf_qwen.tensor_map(cfg))
+  if arch == hf_kimi.ARCHITECTURE:
+    return hf_tensors.load_tensors(
+        cfg, hf_kimi.pack_tensors(cfg, _read_tensors(directory)),
+        hf_kimi.tensor_map(cfg))
   if arch in FAMILIES:
     return hf_tensors.load_tensors(cfg, _read_tensors(directory),
                                    FAMILIES[arch].tensor_map(cfg))

@@ -26,6 +26,7 @@ from replayssm_jax import precision as P
 from replayssm_jax.models import states as S
 from replayssm_jax.models.config import ModelConfig
 from replayssm_jax.models.blocks import Block
+from replayssm_jax.models.kda_block import init_kda_state
 from replayssm_jax.models.layers import Embedding, Linear, RMSNorm
 from replayssm_jax.state import ReplayState
 
@@ -58,7 +59,7 @@ class HybridLM(nnx.Module):
     rounding of its state), None for others."""
     out, m = [], 0
     for kind in self.config.block_kinds:
-      rec = kind in ("mamba", "gdn")
+      rec = kind in ("mamba", "gdn", "kda")
       out.append(m if rec else None)
       m += rec
     return tuple(out)
@@ -204,6 +205,10 @@ class HybridLM(nnx.Module):
         layers.append(S.init_gdn_state(cfg, batch, ssm_mode, buffer_len,
                                        checkpoint_dtype, buffer_dtype,
                                        conv_dtype, precision, row_ids))
+      elif kind == "kda":
+        layers.append(init_kda_state(cfg, batch, ssm_mode, buffer_len,
+                                     checkpoint_dtype, buffer_dtype,
+                                     conv_dtype, precision, row_ids))
       elif kind == "attention":
         layers.append(S.init_attention_state(cfg, batch, max_len, kv_dtype))
       else:
@@ -315,7 +320,8 @@ def _check_state(state, batch, cfg):
 
 
 _LAYER_STATES = {"mamba": S.MambaState, "attention": S.AttentionState,
-                 "mlp": type(None), "moe": type(None), "gdn": S.GDNState}
+                 "mlp": type(None), "moe": type(None), "gdn": S.GDNState,
+                 "kda": S.GDNState}
 
 
 def _check_layer_state(i, kind, s, cfg):
@@ -348,7 +354,7 @@ def _check_layer_state(i, kind, s, cfg):
     else:
       arr = ssm.state if isinstance(ssm, S.StoredSSMState) else ssm
       expect("ssm [nheads, headdim, dstate]", arr.shape[1:], heads)
-  elif kind == "gdn":
+  elif kind in ("gdn", "kda"):
     expect("conv [kernel - 1, gdn_conv_dim]", s.conv.shape[1:],
            (cfg.conv_kernel - 1, cfg.gdn_conv_dim))
     heads = (cfg.gdn_num_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim)

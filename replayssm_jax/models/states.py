@@ -17,7 +17,9 @@ The modules hold parameters only; these states are passed in and returned.
                         inputs, oldest first
                   ssm:  GDNReplayState (ssm_mode="replay",
                         replayssm_jax.gdn) or [batch, HV, K, V] array
-                        (ssm_mode="baseline")
+                        (ssm_mode="baseline"); Kimi Delta Attention
+                        layers: KDAReplayState (replayssm_jax.kda) or the
+                        array
   AttentionState  k, v: [batch, num_kv_heads, max_len, attn_head_dim]
                   length: [batch] int32, valid cache entries per row
   MLP blocks      None (stateless)
@@ -45,6 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from replayssm_jax import gdn
+from replayssm_jax import kda
 from replayssm_jax import precision as P
 from replayssm_jax.conv import conv_ring_ordered
 from replayssm_jax.state import ReplayState
@@ -162,7 +165,7 @@ class GDNState:
 
   @property
   def is_replay(self) -> bool:
-    return isinstance(self.ssm, gdn.GDNReplayState)
+    return isinstance(self.ssm, (gdn.GDNReplayState, kda.KDAReplayState))
 
   def replace(self, **kwargs) -> "GDNState":
     return dataclasses.replace(self, **kwargs)

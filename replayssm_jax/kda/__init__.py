@@ -1,0 +1,38 @@
+"""Kimi Delta Attention (KDA) layers' decode state: baseline and ReplaySSM
+ops (reference level).
+
+KDA is Gated DeltaNet (`replayssm_jax.gdn`) with a per-key-channel decay:
+g is [..., num_v_heads, key_dim] per token. Public API (validated,
+dispatched; pure-JAX references in `reference` / `replay`):
+  kda_gates              Kimi Linear's gate -exp(A_log) softplus(f +
+                         dt_bias) (or fla's bounded safe gate) and beta.
+  kda_step               baseline decode step (full state read + written).
+  kda_chunked_prefill    chunked (WY / UT) prefill, any length, right
+                         padding by a `valid` mask; == stepwise kda_step.
+  KDAReplayState         checkpoint + rings of corrected updates d and
+                         PRE-DECAYED keys exp(-G_j) k_j + running log-decay
+                         + per-row counter, under a gate bound with
+                         (buffer_len - 1) |gate_lower_bound| <= 80
+                         (init_kda_replay_state, kda_replay_state_from,
+                         safe_gate_lower_bound).
+  kda_replay_step        ReplaySSM decode step (checkpoint written 1/L).
+  kda_materialize        the full current state of a KDAReplayState.
+
+State layout [batch, num_v_heads, key_dim, value_dim] (o = S^T q,
+S <- diag(exp(g)) S + k d^T), as the GDN ops.
+"""
+
+from replayssm_jax.kda.ops import (kda_chunked_prefill, kda_gates,
+                                   kda_materialize, kda_replay_step,
+                                   kda_step)
+from replayssm_jax.kda.state import (MAX_LOG_DECAY, KDAReplayState,
+                                     init_kda_replay_state,
+                                     kda_replay_state_from,
+                                     safe_gate_lower_bound)
+
+__all__ = [
+    "KDAReplayState", "MAX_LOG_DECAY", "init_kda_replay_state",
+    "kda_chunked_prefill", "kda_gates", "kda_materialize",
+    "kda_replay_state_from", "kda_replay_step", "kda_step",
+    "safe_gate_lower_bound",
+]

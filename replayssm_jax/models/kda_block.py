@@ -1,0 +1,185 @@
+"""The Kimi Delta Attention mixer ('K' in the layer pattern): Kimi Linear's
+linear-attention layer, built as `gdn_block.GDNMixer` with a per-channel
+gate.
+
+  [qkv | f_lo | g_lo | b] = in_proj(h)  qkv [.., 2 HK K + HV V] (q, k, v
+                                        channels), f_lo [.., K], g_lo
+                                        [.., V], b [.., HV]
+  q, k, v = split(silu(causal_conv(qkv)))      (depthwise, no bias)
+  g = -exp(A_log) * softplus(f_b_proj(f_lo) + dt_bias)   [.., HV, K] f32
+  beta = sigmoid(b)
+  o = KDA delta rule (q, k L2-normalised, q scaled by K ** -0.5;
+      `replayssm_jax.kda`)                                 [.., HV, V]
+  y = out_proj(weight * rmsnorm(o) * sigmoid(g_b_proj(g_lo)))  (per value
+      head, float32)
+
+in_proj fuses transformers' q_proj, k_proj, v_proj, f_a_proj, g_a_proj and
+b_proj (`hf_kimi.pack_tensors`). The decode state is a `states.GDNState`
+whose ssm is a [batch, HV, K, V] array (baseline) or a
+`kda.KDAReplayState` (replay: pre-decayed keys under the gate bound
+`kda.safe_gate_lower_bound(buffer_len)`; Kimi Linear's gate is unbounded
+below, and a token below the bound flushes its row early, exactly).
+Speculative verify windows are not implemented for KDA layers.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from replayssm_jax import kda
+from replayssm_jax import precision as P
+from replayssm_jax.conv import causal_conv1d, causal_conv1d_update
+from replayssm_jax.models.config import ModelConfig
+from replayssm_jax.models.layers import Linear, _normal
+from replayssm_jax.models.states import GDNState
+
+F32 = jnp.float32
+
+
+def init_kda_state(cfg: ModelConfig, batch: int, ssm_mode: str,
+                   buffer_len: int, checkpoint_dtype, buffer_dtype,
+                   conv_dtype, precision: P.PrecisionPolicy | None = None,
+                   row_ids=None) -> GDNState:
+  """An empty KDA layer state (zero state, empty rings), as
+  `states.init_gdn_state`."""
+  conv = jnp.zeros((batch, cfg.conv_kernel - 1, cfg.gdn_conv_dim), conv_dtype)
+  sizes = dict(num_v_heads=cfg.gdn_num_v_heads, key_dim=cfg.gdn_k_dim,
+               value_dim=cfg.gdn_v_dim, buffer_len=buffer_len)
+  if ssm_mode == "replay" and precision is None:
+    ssm = kda.init_kda_replay_state(batch, checkpoint_dtype=checkpoint_dtype,
+                                    buffer_dtype=buffer_dtype, **sizes)
+  elif ssm_mode == "replay":
+    if row_ids is not None:  # a buffer of this layer's own (donated)
+      row_ids = jnp.array(row_ids, jnp.int32, copy=True)
+    ssm = kda.init_kda_replay_state(batch, policy=precision, row_id=row_ids,
+                                    **sizes)
+  else:
+    if precision is not None and not precision.plain:
+      raise ValueError(
+          f"precision {precision.name!r} (a read copy or stochastic "
+          f"rounding) is not supported by a baseline KDA state; use "
+          f"ssm_mode='replay' or a plain policy (e.g. "
+          f"PrecisionPolicy.preset('bf16')).")
+    dtype = (checkpoint_dtype if precision is None
+             else precision.checkpoint_dtype)
+    ssm = jnp.zeros((batch, cfg.gdn_num_v_heads, cfg.gdn_k_dim,
+                     cfg.gdn_v_dim), dtype)
+  return GDNState(conv=conv, ssm=ssm, precision=precision)
+
+
+class KDAMixer(nnx.Module):
+  """Kimi Delta Attention: projections -> conv + SiLU -> KDA rule -> gated
+  (sigmoid) per-head RMSNorm -> out_proj."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs):
+    self.cfg = cfg
+    d, hv, K, Vd = (cfg.d_model, cfg.gdn_num_v_heads, cfg.gdn_k_dim,
+                    cfg.gdn_v_dim)
+    self.eps = float(cfg.norm_eps)
+    self.in_proj = Linear(d, cfg.gdn_conv_dim + K + Vd + hv, cfg,
+                          rngs=rngs)  # [qkv | f_lo | g_lo | b]
+    self.f_b_proj = Linear(K, hv * K, cfg, rngs=rngs)
+    self.g_b_proj = Linear(Vd, hv * Vd, cfg, rngs=rngs)
+    k = cfg.conv_kernel
+    self.conv_weight = nnx.Param(_normal(rngs, (cfg.gdn_conv_dim, k),
+                                         k ** -0.5, cfg.jnp_param_dtype))
+    # A_log and dt_bias in float32 whatever param_dtype (the gate is
+    # computed in float32, as transformers does).
+    self.A_log = nnx.Param(jnp.log(jax.random.uniform(
+        rngs.params(), (hv,), F32, 1.0, 16.0)))
+    self.dt_bias = nnx.Param(_normal(rngs, (hv, K), 0.5, F32))
+    self.norm_weight = nnx.Param(jnp.ones((Vd,), cfg.jnp_param_dtype))
+    self.out_proj = Linear(cfg.gdn_value_dim, d, cfg, rngs=rngs)
+
+  def _project(self, h):
+    """h [.., d] -> (pre-conv qkv [.., conv_dim], output gate [.., HV, V],
+    g [.., HV, K], beta [.., HV] float32)."""
+    c = self.cfg
+    lead = h.shape[:-1]
+    x = self.in_proj(h)
+    cd, K, Vd, hv = c.gdn_conv_dim, c.gdn_k_dim, c.gdn_v_dim, c.gdn_num_v_heads
+    f = self.f_b_proj(x[..., cd:cd + K]).reshape(lead + (hv, K))
+    gate = self.g_b_proj(x[..., cd + K:cd + K + Vd]).reshape(lead + (hv, Vd))
+    g, beta = kda.kda_gates(f, x[..., cd + K + Vd:], self.A_log[...],
+                            self.dt_bias[...])
+    return x[..., :cd], gate, g, beta
+
+  def _split(self, x):
+    """Conv output [.., conv_dim] -> q, k [.., HK, K], v [.., HV, V]."""
+    c = self.cfg
+    lead = x.shape[:-1]
+    kd = c.gdn_key_dim
+    return (x[..., :kd].reshape(lead + (c.gdn_num_k_heads, c.gdn_k_dim)),
+            x[..., kd:2 * kd].reshape(lead + (c.gdn_num_k_heads, c.gdn_k_dim)),
+            x[..., 2 * kd:].reshape(lead + (c.gdn_num_v_heads, c.gdn_v_dim)))
+
+  def _out(self, o, gate):
+    """RMSNorm over each value head, weight, times sigmoid(gate) (float32),
+    then out_proj: o, gate [.., HV, V] -> [.., d]."""
+    of = o.astype(F32)
+    of = of * jax.lax.rsqrt(jnp.mean(of * of, -1, keepdims=True) + self.eps)
+    y = (self.norm_weight[...].astype(F32) * of
+         * jax.nn.sigmoid(gate.astype(F32))).astype(self.cfg.jnp_dtype)
+    return self.out_proj(y.reshape(y.shape[:-2] + (-1,)))
+
+  def prefill(self, h, lengths, state: GDNState | None, layer: int = 0):
+    """The right-padded prompt h [b, T, d] (positions >= lengths leave the
+    state unchanged) -> (y [b, T, d], state), as `GDNMixer.prefill`."""
+    c = self.cfg
+    bsz, t, _ = h.shape
+    qkv, gate, g, beta = self._project(h)
+    x, _ = causal_conv1d(qkv, self.conv_weight[...], None, activation="silu")
+    q, k, v = self._split(x)
+    valid = jnp.arange(t)[None, :] < lengths[:, None]  # [b, T]
+    o, final = kda.kda_chunked_prefill(q, k, v, g, beta,
+                                       chunk_size=c.gdn_chunk_size,
+                                       valid=valid)
+    out = self._out(o, gate)
+    if state is None:
+      return out, None
+    k1 = c.conv_kernel - 1
+    xp = jnp.concatenate([jnp.zeros((bsz, k1, qkv.shape[-1]), qkv.dtype),
+                          qkv], axis=1)  # [b, k-1+T, conv_dim]
+    idx = lengths[:, None] + jnp.arange(k1)[None, :]  # [b, k-1]
+    conv = jnp.take_along_axis(xp, idx[..., None], axis=1).astype(
+        state.conv.dtype)
+    policy = state.precision
+    if state.is_replay:
+      r = state.ssm
+      if policy is None:
+        ssm = kda.kda_replay_state_from(
+            final, r.buffer_len, gate_lower_bound=r.gate_lower_bound,
+            checkpoint_dtype=r.checkpoint.dtype, buffer_dtype=r.d_buf.dtype)
+      else:  # master (and read copy) stored per the policy
+        sr = policy.stochastic_rounding
+        ssm = kda.kda_replay_state_from(
+            final, r.buffer_len, gate_lower_bound=r.gate_lower_bound,
+            policy=policy, row_id=r.row_id if sr else None,
+            step=lengths.astype(jnp.int32) if sr else None, layer=layer)
+    else:
+      ssm = final.astype(state.ssm.dtype)
+    return out, state.replace(conv=conv, ssm=ssm)
+
+  def step(self, h, state: GDNState, implementation: str | None = None,
+           layer: int = 0):
+    """One token per row: h [b, d] -> (y [b, d], state)."""
+    qkv, gate, g, beta = self._project(h)
+    x, conv = causal_conv1d_update(qkv, state.conv, self.conv_weight[...],
+                                   None, activation="silu")
+    q, k, v = self._split(x)
+    if state.is_replay:
+      o, ssm = kda.kda_replay_step(state.ssm, q, k, v, g, beta,
+                                   policy=state.precision, layer=layer,
+                                   implementation=implementation)
+    else:
+      o, ssm = kda.kda_step(state.ssm, q, k, v, g, beta,
+                            implementation=implementation)
+    return self._out(o, gate), state.replace(conv=conv, ssm=ssm)
+
+  def verify(self, h, state, implementation=None, layer=0):
+    del h, state, implementation, layer
+    raise ValueError("speculative verify windows are not implemented for "
+                     "Kimi Delta Attention ('K') layers: decode them with "
+                     "generate / decode_step.")

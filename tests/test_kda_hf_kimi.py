@@ -1,0 +1,224 @@
+"""Kimi Linear checkpoints: `from_pretrained` against transformers' outputs
+(tests/fixtures/hf/kimi_linear: config.json, model.safetensors and
+expected.npz with the prompt tokens, transformers' float32 logits and greedy
+tokens), right-padded prompts, the published / runtime tensor names and
+config forms, and the refusals of what is not implemented."""
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from replayssm_jax import kda
+from replayssm_jax import models
+from replayssm_jax.models import hf, hf_kimi, hf_tensors
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "hf",
+                       "kimi_linear")
+
+
+def read_config():
+  with open(os.path.join(FIXTURE, "config.json")) as f:
+    return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def loaded():
+  assert os.path.isfile(os.path.join(FIXTURE, "expected.npz")), (
+      f"{FIXTURE} is missing: the committed transformers fixture "
+      f"(tests/fixtures/make_hf_fixtures.py writes it).")
+  return (hf.from_pretrained(FIXTURE),
+          dict(np.load(os.path.join(FIXTURE, "expected.npz"))))
+
+
+def rel_err(a, b):
+  return np.abs(np.asarray(a) - b).max() / np.abs(b).max()
+
+
+def test_full_forward_logits_equal_transformers(loaded):
+  model, exp = loaded
+  assert model.config.pattern == "K-*EKE"
+  logits = np.asarray(model(jnp.asarray(exp["input_ids"])))
+  assert logits.shape == exp["logits"].shape
+  assert rel_err(logits, exp["logits"]) <= 1e-4
+
+
+@pytest.mark.parametrize("ssm_mode,buffer_len", [("replay", 3),
+                                                 ("replay", 16),
+                                                 ("baseline", 4)])
+def test_greedy_generate_equals_transformers(loaded, ssm_mode, buffer_len):
+  """Prefill, then decode steps (replay buffer_len 3: flushes on the way;
+  16: gates below its bound -80/15 flush rows early)."""
+  model, exp = loaded
+  ids, want = exp["input_ids"], exp["greedy"]
+  out, n = models.generate(model, jnp.asarray(ids),
+                           jnp.full((ids.shape[0],), ids.shape[1]),
+                           want.shape[1], ssm_mode=ssm_mode,
+                           buffer_len=buffer_len)
+  np.testing.assert_array_equal(np.asarray(out), want)
+  np.testing.assert_array_equal(np.asarray(n), want.shape[1])
+
+
+def test_decode_logits_follow_transformers_and_state_kinds(loaded):
+  """Each replay decode step's logits equal the greedy step's logits of
+  transformers; the KDA layers hold KDAReplayStates."""
+  model, exp = loaded
+  ids, greedy, want = exp["input_ids"], exp["greedy"], exp["greedy_logits"]
+  b, t = ids.shape
+  state = model.init_state(b, 32, ssm_mode="replay", buffer_len=4,
+                           buffer_dtype=jnp.float32)
+  kinds = [type(s.ssm).__name__ for s in state.layers
+           if isinstance(s, models.GDNState)]
+  assert kinds == ["KDAReplayState"] * 2
+  assert state.layers[0].ssm.gate_lower_bound == kda.safe_gate_lower_bound(4)
+  logits, state = models.prefill(model, jnp.asarray(ids),
+                                 jnp.full((b,), t), state)
+  for i in range(greedy.shape[1]):
+    assert rel_err(logits, want[:, i]) <= 1e-4, f"step {i}"
+    logits, state = models.decode_step(model, jnp.asarray(greedy[:, i]),
+                                       state)
+
+
+def test_right_padded_prompts_match_their_own_full_forward(loaded):
+  """Row 1's prompt cut to 5 tokens (right padding): prefill and one decode
+  step give the logits of the unpadded sequences (transformers' causal
+  logits, then one full forward)."""
+  model, exp = loaded
+  ids = exp["input_ids"]
+  lengths = np.array([8, 5])
+  state = model.init_state(2, 16, ssm_mode="replay", buffer_len=3)
+  last, state = models.prefill(model, jnp.asarray(ids), jnp.asarray(lengths),
+                               state)
+  for r, n in enumerate(lengths):
+    assert rel_err(last[r], exp["logits"][r, n - 1]) <= 1e-4, f"row {r}"
+  nxt = np.asarray(jnp.argmax(last, -1))
+  logits, _ = models.decode_step(model, jnp.asarray(nxt), state)
+  seq = np.concatenate([ids, ids[:, :1]], 1)  # row 1 past 6: causal filler
+  seq[np.arange(2), lengths] = nxt
+  full = np.asarray(model(jnp.asarray(seq)))
+  for r, n in enumerate(lengths):
+    assert rel_err(logits[r], full[r, n]) <= 1e-4, f"decode row {r}"
+
+
+def runtime_names(tensors):
+  """The fixture's tensors under transformers' runtime names (mlp.*,
+  forget_gate.*, one conv1d, stacked experts)."""
+  out = {}
+  for name, arr in tensors.items():
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    for n in ("f_a_proj", "f_b_proj", "dt_bias", "A_log"):
+      name = name.replace(f".self_attn.{n}", f".self_attn.forget_gate.{n}")
+    out[name] = arr
+  for i in (0, 2):
+    p = f"model.layers.{i}.self_attn."
+    out[p + "conv1d.weight"] = np.concatenate(
+        [out.pop(p + f"{c}_conv1d.weight") for c in "qkv"], 0)
+  for i in (1, 2):
+    p = f"model.layers.{i}.mlp.experts."
+    w = {k: np.stack([out.pop(f"{p}{e}.{k}.weight") for e in range(4)])
+         for k in ("w1", "w2", "w3")}
+    out[p + "gate_up_proj"] = np.concatenate([w["w1"], w["w3"]], 1)
+    out[p + "down_proj"] = w["w2"]
+  return out
+
+
+def test_runtime_tensor_names_load_the_same_model(loaded):
+  model, exp = loaded
+  tensors = load_file(os.path.join(FIXTURE, "model.safetensors"))
+  cfg = model.config
+  other = hf_tensors.load_tensors(
+      cfg, hf_kimi.pack_tensors(cfg, runtime_names(tensors)),
+      hf_kimi.tensor_map(cfg))
+  ids = jnp.asarray(exp["input_ids"])
+  np.testing.assert_array_equal(np.asarray(other(ids)),
+                                np.asarray(model(ids)))
+
+
+def test_published_config_form():
+  """linear_attn_config (1-indexed layer lists, head_dim, num_heads,
+  short_conv_kernel_size) and first_k_dense_replace give the same config."""
+  want, _ = hf.config_from_hf(read_config())
+  c = read_config()
+  for k in ("layer_types", "mlp_layer_types", "linear_head_dim",
+            "linear_num_heads", "linear_conv_kernel_dim"):
+    c.pop(k)
+  c["linear_attn_config"] = dict(full_attn_layers=[2], kda_layers=[1, 3],
+                                 head_dim=8, num_heads=2,
+                                 short_conv_kernel_size=4)
+  c["first_k_dense_replace"] = 1
+  got, arch = hf.config_from_hf(c)
+  assert arch == "KimiLinearForCausalLM" and got == want
+  assert want.attention_multiplier == pytest.approx(12 ** -0.5)
+  assert want.attn_head_dim == 12 and want.mla_kv_lora_rank == 16
+  assert want.n_group == 2 and want.routed_scaling_factor == 2.446
+  c.pop("architectures")
+  assert hf.config_from_hf(c)[1] == "KimiLinearForCausalLM"
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("q_lora_rank", 8, "q_lora_rank"),
+    ("mla_use_nope", False, "mla_use_nope"),
+    ("moe_router_activation_func", "softmax", "moe_router_activation_func"),
+    ("num_key_value_heads", 1, "num_key_value_heads"),
+    ("attention_bias", True, "attention_bias"),
+    ("hidden_act", "gelu", "hidden_act"),
+    ("layer_types", ["linear_attention"] * 2, "layer_types"),
+    ("mlp_layer_types", ["dense", "moe", "dense"], "mlp_layer_types"),
+])
+def test_unsupported_configs_are_refused(key, value, match):
+  c = read_config()
+  c[key] = value
+  with pytest.raises(ValueError, match=match):
+    hf.config_from_hf(c)
+
+
+def test_missing_and_misshapen_tensors_are_named(loaded):
+  model, _ = loaded
+  cfg = model.config
+  tensors = load_file(os.path.join(FIXTURE, "model.safetensors"))
+  t = dict(tensors)
+  del t["model.layers.1.self_attn.kv_b_proj.weight"]
+  with pytest.raises(ValueError, match="kv_b_proj"):
+    hf_tensors.load_tensors(cfg, hf_kimi.pack_tensors(cfg, t),
+                            hf_kimi.tensor_map(cfg))
+  t = dict(tensors)
+  del t["model.layers.0.self_attn.g_a_proj.weight"]
+  with pytest.raises(ValueError, match="g_a_proj"):
+    hf_tensors.load_tensors(cfg, hf_kimi.pack_tensors(cfg, t),
+                            hf_kimi.tensor_map(cfg))
+  t = dict(tensors)
+  t["model.layers.2.self_attn.dt_bias"] = np.zeros((15,), np.float32)
+  with pytest.raises(ValueError, match="dt_bias"):
+    hf_tensors.load_tensors(cfg, hf_kimi.pack_tensors(cfg, t),
+                            hf_kimi.tensor_map(cfg))
+
+
+def test_speculative_verify_is_refused_for_kda_layers(loaded):
+  model, exp = loaded
+  ids = jnp.asarray(exp["input_ids"])
+  with pytest.raises(ValueError, match="Kimi Delta Attention"):
+    models.speculative_generate(model, models.DraftModelProposer(model), ids,
+                                jnp.full((2,), 8), 4, 2, ssm_mode="replay",
+                                buffer_len=4)
+
+
+def test_replay_under_a_precision_policy_stays_close(loaded):
+  """A bf16 read copy and bf16 rings (PrecisionPolicy "f32+bf16"): every
+  decode step's logits stay within bf16 rounding of transformers'."""
+  from replayssm_jax import PrecisionPolicy  # pylint: disable=g-import-not-at-top
+  model, exp = loaded
+  ids, greedy, want = exp["input_ids"], exp["greedy"], exp["greedy_logits"]
+  policy = PrecisionPolicy.preset("f32+bf16")
+  state = model.init_state(2, 32, ssm_mode="replay", buffer_len=4,
+                           precision=policy)
+  r = state.layers[0].ssm
+  assert r.read_copy.dtype == jnp.bfloat16 and r.k_buf.dtype == jnp.bfloat16
+  logits, state = models.prefill(model, jnp.asarray(ids), jnp.full((2,), 8),
+                                 state)
+  for i in range(greedy.shape[1]):
+    assert rel_err(logits, want[:, i]) <= 1e-2, f"step {i}"
+    logits, state = models.decode_step(model, jnp.asarray(greedy[:, i]),
+                                       state)
