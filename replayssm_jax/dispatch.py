@@ -3,7 +3,8 @@
 Every dispatched op has an entry "reference" (its pure-JAX reference, which
 takes every input) and the entries of the kernel packages in `PLUGINS`.
 The ops are those of the table below plus those that the modules of
-`OP_MODULES` add with `register_op` (the Gated DeltaNet ops). A
+`OP_MODULES` add with `register_op` (the Gated DeltaNet and Kimi Delta
+Attention ops). A
 kernel package exports a plain table `IMPLEMENTATIONS` of
 (op name, `registry.Implementation`) pairs; the dispatcher imports the
 package and reads that table on first use, so the package never imports
@@ -62,7 +63,7 @@ _plugin_errors: dict[str, str] = {}
 # Modules that register further ops with `register_op` when imported (their
 # ops import this module, so they cannot be listed in the table above);
 # imported before the kernel packages' tables are read.
-OP_MODULES = ("replayssm_jax.gdn.ops",)
+OP_MODULES = ("replayssm_jax.gdn.ops", "replayssm_jax.kda.ops")
 
 
 def register_op(op: str, reference_fn) -> None:

@@ -267,13 +267,14 @@ def resolve_policy(rstate: GDNReplayState, policy) -> P.PrecisionPolicy:
       raise ValueError(
           f"rstate does not match policy {policy.name!r}: its {what} is "
           f"{mine} but the policy's is {theirs}; build the state with "
-          f"init_gdn_replay_state/gdn_replay_state_from(..., policy=policy).")
+          f"its constructor's policy argument (init_gdn_replay_state / "
+          f"init_kda_replay_state(..., policy=policy)).")
   if policy.stochastic_rounding and rstate.step is None:
     raise ValueError(
         f"policy {policy.name!r} rounds stochastically, which needs "
         f"rstate.row_id and rstate.step ([batch] int32); build the state "
-        f"with init_gdn_replay_state/gdn_replay_state_from(..., "
-        f"policy=policy).")
+        f"with its constructor's policy argument (init_gdn_replay_state / "
+        f"init_kda_replay_state(..., policy=policy)).")
   return policy
 
 

@@ -17,7 +17,6 @@ from replayssm_jax import dispatch as _dispatch
 from replayssm_jax import precision as P
 from replayssm_jax.dispatch import dispatch
 from replayssm_jax.gdn import checks
-from replayssm_jax.gdn.ops import _register_references
 from replayssm_jax.gdn.state import policy_args
 from replayssm_jax.kda import reference
 from replayssm_jax.kda import replay
@@ -28,7 +27,8 @@ OPS = {
     "kda_chunked_prefill": reference.kda_chunked_prefill,
     "kda_replay_step": replay.kda_replay_step,
 }
-_register_references(OPS)
+for _op, _fn in OPS.items():
+  _dispatch.register_op(_op, _fn)
 
 
 def kda_gates(f, b, A_log, dt_bias, *, lower_bound=None):
