@@ -196,3 +196,17 @@ def test_moe_dispatch_small(tmp_path):
   tol = tolerance(jnp.bfloat16).rtol  # bf16 weights and hidden states
   assert all(r["rel_error"] < tol and r["us_per_layer"] > 0 for r in recs)
   assert recs[-1]["largest_group"] > recs[-1]["capacity"]
+
+
+def test_gdn_kernels_check_small(tmp_path):
+  # The GDN kernels' device check runs every op in interpret mode and
+  # finds them equal to the references.
+  out = tmp_path / "gdn.json"
+  _run("gdn_kernels_check.py", "--small", f"--out={out}")
+  recs = json.loads(out.read_text())["records"]
+  assert [r["op"] for r in recs] == ["gdn_step", "gdn_replay_step",
+                                     "gdn_replay_verify"]
+  tol = tolerance(jnp.float32).rtol
+  for r in recs:
+    assert "error" not in r, r
+    assert r["output_rel_error"] < tol and r["state_rel_error"] < tol, r
