@@ -22,6 +22,9 @@
 #   bash benchmarks/scripts/run_h200.sh precision SIZE  # precision_accuracy at one model size (tiny, small, medium, large)
 #   bash benchmarks/scripts/run_h200.sh ncu_flush  # Nsight Compute of the all-rows flush (f16 checkpoint, b 256, L 16)
 #   bash benchmarks/scripts/run_h200.sh ncu_flush_fp8 [config_json]  # the same on the f16 master + fp8 copy
+#   bash benchmarks/scripts/run_h200.sh moe_dispatch  # one Nemotron 3 Nano MoE layer per dispatch, balanced and imbalanced routing
+#   bash benchmarks/scripts/run_h200.sh nano [parts] [batches]  # the Nemotron 3 Nano-shaped model: decode step, generate / speculative_generate
+#   bash benchmarks/scripts/run_h200.sh gdn_kernels  # the Gated DeltaNet kernels vs their references at Qwen3.5 shapes, then their tests on the GPU
 #
 # Several parts in one call within a total budget: run_h200_chain.sh.
 #
@@ -133,6 +136,25 @@ case "$1" in
   attention_window)
     timeout "$T" python benchmarks/scripts/attend_micro.py --window 4 \
       --variants default,s1,split128 --out "$OUT/attend_micro_window4.json" ;;
+  moe_dispatch)
+    for std in 0 0.1; do
+      timeout "$T" python -u benchmarks/scripts/moe_dispatch.py \
+        --router_bias_std=$std --out="$OUT/moe_dispatch_bias$std.json"
+    done ;;
+  nano)
+    # Argument 2: the parts (default step,spec); 3: the batches of both.
+    b=${3:-256,64,1}
+    timeout "$T" python -u benchmarks/scripts/nemotron3_nano_decode.py \
+      --parts="${2:-step,spec}" --batches="$b" --spec_batches="$b" \
+      --prng_impl=rbg --budget_s=$(( T - 120 )) \
+      --out="$OUT/nemotron3_nano.json" ;;
+  gdn_kernels)
+    timeout "$T" python -u benchmarks/scripts/gdn_kernels_check.py \
+      --out="$OUT/gdn_kernels.json"
+    REPLAYSSM_TEST_CACHE=0 timeout "$T" python -m pytest -q \
+      -p no:cacheprovider tests/test_gdn_kernel.py \
+      tests/test_gdn_kernel_verify.py > "$OUT/gdn_kernel_tests.txt" 2>&1 \
+      || echo "gdn_kernels: failures (see $OUT/gdn_kernel_tests.txt)" ;;
   gpu_tests)
     # Kernel-vs-reference tests that run the real kernels on the GPU (the
     # conv step, the gated norm, the decode attention, and the model's
