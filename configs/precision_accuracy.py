@@ -107,8 +107,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                      for family in ("mamba2", "gdn")
                      for size in ("s20m", "s60m", "s160m", "s300m")]
     config.buffer_lens = (8, 16, 32)
-  # Long generations per model (experiments/precision_generation.py):
-  # new_tokens 0 skips them.
+  # Long generations per model against the f32 baseline's (see
+  # experiments/precision_accuracy.py); new_tokens 0 skips them.
   config.generation = ml_collections.ConfigDict(dict(
       num_prompts=8, prompt_len=64, new_tokens=2048, temperature=1.0,
       modes=("greedy", "sampled")))

@@ -22,8 +22,8 @@ change, the accuracy delta vs the reference in percentage points and
 whether it lies within config.within_points, the greedy-prediction
 agreement with the reference at the scored positions, and max |logit -
 reference logit| / max |reference logit|. Then, per decode, long
-generations against the f32 baseline's (`experiments.precision_generation`:
-greedy and sampled token agreement, first divergence).
+generations against the f32 baseline's (greedy and sampled token agreement,
+first divergence).
 
 Usage (see configs/precision_accuracy.py):
   python -m experiments.precision_accuracy \
@@ -49,9 +49,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import common
-from experiments import precision_generation
 from experiments import train as train_lib
 from replayssm_jax import tasks
+from replayssm_jax.models import generate
 from replayssm_jax.models import states as S
 from replayssm_jax.precision import PrecisionPolicy
 
@@ -245,7 +245,7 @@ def evaluate_model(entry, model, task, config, writer) -> list[dict]:
     runs = [(r["kind"], r["label"], make_policy(r["policy"], config),
              "replay" if r["kind"] == "replay" else "baseline", r["L"] or 1)
             for r in records if r["kind"] in ("replay", "baseline")]
-    records += precision_generation.generation_agreement(
+    records += generation_agreement(
         entry.name, model, task, config, runs, writer)
   return records
 
@@ -260,6 +260,78 @@ def _table_policies(config) -> tuple:
   """The report's rows: the replay presets, then any baseline-only ones."""
   extra = [n for n in _baseline_policies(config) if n not in config.policies]
   return tuple(config.policies) + tuple(dict.fromkeys(extra))
+
+
+# --------------------------------------------------------- long generation
+# Per model: prompts are the first `generation.prompt_len` tokens of
+# validation windows; `generate` runs `generation.new_tokens` tokens per
+# prompt with the f32 baseline state (the reference) and with each decode
+# configuration, greedy and sampled (temperature `generation.temperature`,
+# the same PRNG key in every run, so two runs draw the same random numbers
+# and part only where their distributions do). Greedy agreement measures
+# how often rounding flips an argmax and sends the continuation elsewhere;
+# sampled agreement, how often it moves a draw.
+
+
+def prompts(task, config):
+  """[n, prompt_len] int32 prompts: validation windows' first tokens."""
+  g = config.generation
+  return task.batch(0, g.num_prompts, "val")["inputs"][:, :g.prompt_len]
+
+
+def divergence(tokens, ref) -> dict:
+  """Agreement and first-divergence statistics of [n, T] tokens vs ref."""
+  tokens, ref = np.asarray(tokens), np.asarray(ref)
+  same = tokens == ref
+  n, t = same.shape
+  first = np.where(same.all(1), t, np.argmin(same, axis=1))
+  return dict(agreement=float(same.mean()),
+              first_divergence_median=float(np.median(first)),
+              first_divergence_min=int(first.min()),
+              never_diverged=float(np.mean(first == t)), rows=int(n),
+              new_tokens=int(t))
+
+
+def _generate_run(model, p, config, mode, ssm_mode, buffer_len, policy):
+  g = config.generation
+  lengths = jnp.full((p.shape[0],), p.shape[1], jnp.int32)
+  kw = {}
+  if policy is not None:
+    kw["precision"] = policy
+    if policy.stochastic_rounding:
+      kw["row_ids"] = np.arange(p.shape[0], dtype=np.int32)
+  if mode == "sampled":
+    kw.update(temperature=float(g.temperature),
+              rng=jax.random.PRNGKey(config.seed + 7))
+  tokens, _ = generate(model, jnp.asarray(p), lengths, int(g.new_tokens),
+                       ssm_mode=ssm_mode, buffer_len=buffer_len, **kw)
+  return np.asarray(tokens)
+
+
+def generation_agreement(name, model, task, config, runs, writer):
+  """Long-generation records of one model (agreement: share of tokens
+  equal to the reference's at the same position; first divergence per
+  row: the index of its first differing token, new_tokens if none). runs: (kind, label, policy or None,
+  ssm_mode, L) per decode configuration besides the reference."""
+  p = prompts(task, config)
+  records = []
+  for mode in config.generation.modes:
+    ref = _generate_run(model, p, config, mode, "baseline", 1, None)
+    for kind, label, policy, ssm_mode, L in runs:
+      t0 = time.perf_counter()
+      out = _generate_run(model, p, config, mode, ssm_mode, L, policy)
+      rec = writer.write(dict(
+          kind="generation", model=name, mode=mode, run_kind=kind,
+          label=label, L=L, prompt_len=p.shape[1],
+          temperature=(float(config.generation.temperature)
+                       if mode == "sampled" else 0.0),
+          eval_s=time.perf_counter() - t0, **divergence(out, ref)))
+      records.append(rec)
+      logging.info("%s %s %-8s %-12s L=%-4s agreement %.4f, first "
+                   "divergence median %.0f", name, mode, kind, label,
+                   L or "-", rec["agreement"],
+                   rec["first_divergence_median"])
+  return records
 
 
 # ---------------------------------------------------------------- reports
