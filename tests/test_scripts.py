@@ -9,6 +9,7 @@ import sys
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from replayssm_jax.testing import tolerance
 
@@ -165,13 +166,14 @@ def test_compare_trees_kernels_small():
   assert all(v > 0 for v in times.values())
 
 
-def test_nemotron3_nano_decode_small(tmp_path):
-  # The published Nemotron 3 Nano config loads; the decode-step loop and
-  # the generate / speculative_generate runs go on a shrunk model in both
-  # SSM modes.
-  out = tmp_path / "n3.json"
-  _run("nemotron3_nano_decode.py", "--small", "--batches=2",
-       "--spec_batches=2", f"--out={out}")
+@pytest.mark.parametrize("hf_config", ["nemotron3_nano_30b_a3b.json",
+                                       "qwen3_5_4b_text.json"])
+def test_random_weight_decode_small(tmp_path, hf_config):
+  # The published config loads; the decode-step loop and the generate /
+  # speculative_generate runs go on a shrunk model in both SSM modes.
+  out = tmp_path / "decode.json"
+  _run("random_weight_decode.py", "--small", "--batches=2",
+       "--spec_batches=2", f"--hf_config=configs/{hf_config}", f"--out={out}")
   res = json.loads(out.read_text())
   assert [(r["part"], r["batch"], r["mode"]) for r in res["records"]] == [
       ("step", 2, "baseline"), ("step", 2, "replay"),

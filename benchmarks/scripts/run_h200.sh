@@ -24,6 +24,7 @@
 #   bash benchmarks/scripts/run_h200.sh ncu_flush_fp8 [config_json]  # the same on the f16 master + fp8 copy
 #   bash benchmarks/scripts/run_h200.sh moe_dispatch  # one Nemotron 3 Nano MoE layer per dispatch, balanced and imbalanced routing
 #   bash benchmarks/scripts/run_h200.sh nano [parts] [batches]  # the Nemotron 3 Nano-shaped model: decode step, generate / speculative_generate
+#   bash benchmarks/scripts/run_h200.sh qwen35_4b [parts] [batches]  # the same on the Qwen3.5-4B text shape (Gated DeltaNet)
 #   bash benchmarks/scripts/run_h200.sh gdn_kernels  # the Gated DeltaNet kernels vs their references at Qwen3.5 shapes, then their tests on the GPU
 #
 # Several parts in one call within a total budget: run_h200_chain.sh.
@@ -141,13 +142,15 @@ case "$1" in
       timeout "$T" python -u benchmarks/scripts/moe_dispatch.py \
         --router_bias_std=$std --out="$OUT/moe_dispatch_bias$std.json"
     done ;;
-  nano)
+  nano|qwen35_4b)
     # Argument 2: the parts (default step,spec); 3: the batches of both.
     b=${3:-256,64,1}
-    timeout "$T" python -u benchmarks/scripts/nemotron3_nano_decode.py \
-      --parts="${2:-step,spec}" --batches="$b" --spec_batches="$b" \
-      --prng_impl=rbg --budget_s=$(( T - 120 )) \
-      --out="$OUT/nemotron3_nano.json" ;;
+    cfg=configs/nemotron3_nano_30b_a3b.json
+    [ "$1" = qwen35_4b ] && cfg=configs/qwen3_5_4b_text.json
+    timeout "$T" python -u benchmarks/scripts/random_weight_decode.py \
+      --hf_config=$cfg --parts="${2:-step,spec}" --batches="$b" \
+      --spec_batches="$b" --prng_impl=rbg --budget_s=$(( T - 120 )) \
+      --out="$OUT/$1.json" ;;
   gdn_kernels)
     timeout "$T" python -u benchmarks/scripts/gdn_kernels_check.py \
       --out="$OUT/gdn_kernels.json"

@@ -1,11 +1,15 @@
-"""Decode throughput of a Nemotron 3 Nano-shaped model (random bf16
-weights at NVIDIA's published config, configs/nemotron3_nano_30b_a3b.json:
-52 blocks, 23 Mamba-2 / 23 MoE (128 routed experts, top 6, one shared) / 6
-attention, d_model 2688), baseline and replay SSM states, per batch.
+"""Decode throughput of a model of a published shape with random bf16
+weights, baseline and replay SSM states, per batch. The shape comes from a
+transformers config.json (`--hf_config`):
+configs/nemotron3_nano_30b_a3b.json (NVIDIA's published Nemotron 3 Nano
+config: 52 blocks, 23 Mamba-2 / 23 MoE (128 routed experts, top 6, one
+shared) / 6 attention, d_model 2688) or configs/qwen3_5_4b_text.json
+(Qwen3.5-4B's text model: 32 layers, 24 Gated DeltaNet (16 key / 32 value
+heads of 128) and 8 gated attention layers, each with a dense MLP).
 
-  python benchmarks/scripts/nemotron3_nano_decode.py --out=result.json \
-      [--parts=step,spec] [--batches=1,64,256] [--spec_batches=256,64,1] \
-      [--small]
+  python benchmarks/scripts/random_weight_decode.py --out=result.json \
+      [--hf_config=configs/nemotron3_nano_30b_a3b.json] [--parts=step,spec] \
+      [--batches=1,64,256] [--spec_batches=256,64,1] [--small]
 
 Part "step" (records with part "step"), per (batch, mode): the state
 starts empty (position 0) and each row gets its own random first token;
@@ -21,13 +25,13 @@ snapshot baseline and replay, sampling at a high temperature with its
 oracle proposer at acceptance 0.7 per draft (random weights give no
 meaningful drafts of their own; see that module). Best of 2 runs after a
 compile + warm-up run; tokens/s of the decode (prefill subtracted) and end
-to end.
+to end. A run that does not fit in device memory is recorded as such.
 
 Records are written after each one, so a run cut short keeps what it has;
-`--budget_s` starts no new batch after that many seconds. The MoE routing
+`--budget_s` starts no new batch after that many seconds. A MoE routing
 bias is set to zeros (transformers' initial value; `--random_router_bias`
-keeps the library's random one). `--small` shrinks the model to run on a
-CPU.
+keeps the library's random one). `--small` shrinks the model (its first
+eight blocks at toy widths) to run on a CPU.
 """
 
 from __future__ import annotations
@@ -53,11 +57,17 @@ SPEC = dict(windows=(4,), compactions=(0,), ssm_modes=("baseline", "replay"),
 
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("--out", default="nemotron3_nano_decode.json")
+  ap.add_argument("--out", default="random_weight_decode.json")
+  ap.add_argument("--hf_config", default="configs/nemotron3_nano_30b_a3b.json",
+                  help="a transformers config.json, relative to the "
+                  "repository root or absolute")
   ap.add_argument("--parts", default="step,spec")
   ap.add_argument("--batches", default="1,64,256")
   ap.add_argument("--spec_batches", default="256,64,1")
   ap.add_argument("--modes", default="baseline,replay")
+  ap.add_argument("--implementation", default="",
+                  help="the SSM ops' implementation (default: the "
+                  "dispatcher's choice; 'reference': pure JAX)")
   ap.add_argument("--small", action="store_true")
   ap.add_argument("--random_router_bias", action="store_true",
                   help="keep the random MoE routing bias (default: zeros)")
@@ -77,7 +87,7 @@ def main():
   from replayssm_jax import models  # pylint: disable=g-import-not-at-top
   from replayssm_jax.models import hf  # pylint: disable=g-import-not-at-top
   t_start = time.time()
-  with open(os.path.join(ROOT, "configs", "nemotron3_nano_30b_a3b.json")) as f:
+  with open(os.path.join(ROOT, a.hf_config)) as f:
     cfg, _ = hf.config_from_hf(json.load(f))
   cfg = cfg.replace(dtype="bfloat16", param_dtype="bfloat16")
   if a.small:
@@ -85,8 +95,13 @@ def main():
                       d_state=16, n_groups=2, num_heads=4, num_kv_heads=2,
                       attn_head_dim=16, n_routed_experts=8,
                       num_experts_per_tok=2, moe_intermediate_size=32,
-                      moe_shared_expert_intermediate_size=64,
-                      intermediate_size=32, pattern="MEM*E")
+                      moe_shared_expert_intermediate_size=(
+                          64 if cfg.moe_shared_expert_intermediate_size
+                          else 0),
+                      intermediate_size=32, gdn_num_k_heads=1,
+                      gdn_num_v_heads=2, gdn_k_dim=16, gdn_v_dim=16,
+                      rotary_dim=(8 if cfg.rotary_dim else cfg.rotary_dim),
+                      pattern=cfg.pattern[:8])
   model = build_model(cfg, seed=0)
   graphdef, params = nnx.split(model)
   if not a.random_router_bias:
@@ -103,8 +118,8 @@ def main():
              date=time.strftime("%Y-%m-%d"), params=int(n_params),
              prng_impl=jax.config.jax_default_prng_impl,
              router_bias="random" if a.random_router_bias else "zeros",
-             config="configs/nemotron3_nano_30b_a3b.json" + (
-                 " (--small)" if a.small else ""),
+             implementation=a.implementation or "default",
+             config=a.hf_config + (" (--small)" if a.small else ""),
              init_s=time.time() - t_start, records=[])
   print(f"{n_params / 1e9:.2f}B parameters, init {res['init_s']:.0f} s",
         flush=True)
@@ -119,7 +134,8 @@ def main():
     return rec
 
   def loop(tok, st):
-    return decode_loop(graphdef, params, tok, st, STEPS, None)
+    return decode_loop(graphdef, params, tok, st, STEPS,
+                       a.implementation or None)
 
   for batch in map(int, a.batches.split(",")) if "step" in parts else ():
     for mode in a.modes.split(","):
@@ -148,8 +164,9 @@ def main():
                 times_us=times, first_call_s=compile_s))
       del st
 
-  spec = dict(SPEC, **(dict(prompt_len=4, new_tokens=8, repeats=1)
-                       if a.small else {}))
+  spec = dict(SPEC, implementation=a.implementation,
+              **(dict(prompt_len=4, new_tokens=8, repeats=1)
+                 if a.small else {}))
   config = types.SimpleNamespace(seed=0, bench=types.SimpleNamespace(**spec))
   res["spec_settings"] = spec
   writer = types.SimpleNamespace(
