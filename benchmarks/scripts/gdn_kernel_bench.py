@@ -198,7 +198,13 @@ def _split(tree, n, batch):
 
 
 # ------------------------------------------------------------- variants
-def baseline(bench, batch, impl, pname):
+def _config(config):
+  """A GDNConfig from its fields (None: the kernels' defaults)."""
+  from pallas_kernels.gdn import GDNConfig  # pylint: disable=g-import-not-at-top
+  return GDNConfig(**config) if config else None
+
+
+def baseline(bench, batch, impl, pname, config=None):
   d, ck = bench.d, jnp.dtype(PrecisionPolicy.preset(pname).checkpoint_dtype)
   nbytes = 2 * batch * d["hv"] * d["k"] * d["v"] * _size(ck)
   R = bench.rotation(nbytes)
@@ -206,14 +212,16 @@ def baseline(bench, batch, impl, pname):
                                               d["v"]), F32).astype(ck)
   states = _split(full, R, batch)
   del full
-  step = lambda s, t: gdn.gdn_step(s, **t, implementation=impl)
+  cfg = _config(config) if impl == "pallas" else None
+  step = lambda s, t: gdn.gdn_step(s, **t, implementation=impl, config=cfg)
   res = bench.loop(step, states, bench.inputs(batch, R), _ref_step,
                    lambda s: s, [("step", None)], 1)["step"]
   variant = "baseline_pallas" if impl == "pallas" else "baseline_xla"
-  if impl == "pallas":
+  if impl == "pallas" and not config:
     bench.base[(batch, ck.name)] = res["us"]
+  kw = dict(config=config) if config else {}
   return [bench.record(batch, variant, pname, res.pop("us"), nbytes,
-                       ck.name, **res)]
+                       ck.name, **kw, **res)]
 
 
 def replay_bytes(d, batch, L, policy, counts):
@@ -235,7 +243,7 @@ def replay_bytes(d, batch, L, policy, counts):
   return float(per_row.sum())
 
 
-def replay(bench, batch, L, pname):
+def replay(bench, batch, L, pname, config=None):
   d = bench.d
   policy = PrecisionPolicy.preset(pname)
   ck = jnp.dtype(policy.checkpoint_dtype)
@@ -244,13 +252,18 @@ def replay(bench, batch, L, pname):
                                            (stag + s) % L) for s in range(L)]))
   nf_bytes = replay_bytes(d, batch, L, policy, np.zeros(batch, int))
   fl_bytes = replay_bytes(d, batch, L, policy, np.full(batch, L - 1))
+  cfg = _config(config)
+  kw = dict(config=config) if config else {}
   step = lambda s, t: gdn.gdn_replay_step(s, **t, policy=policy,
-                                          implementation="pallas")
+                                          implementation="pallas",
+                                          config=cfg)
   ref = lambda s, t: _ref_replay(s, t, policy)
   recs = []
   for layout, counts, nbytes in (("staggered", stag, stag_bytes),
                                  ("aligned", np.full(batch, L - 1),
                                   nf_bytes)):
+    if layout not in bench.a.layouts.split(","):
+      continue
     R = bench.rotation(nbytes)
     rs, _ = GT.random_gdn_replay_state(
         bench.next_key(), R * batch, d["hk"], d["hv"], d["k"], d["v"], L,
@@ -264,7 +277,7 @@ def replay(bench, batch, L, pname):
                        _materialize, [("staggered", None)], L)["staggered"]
       recs.append(bench.record(batch, "replay_pallas", pname,
                                res.pop("us"), nbytes, ck.name,
-                               buffer_len=L, layout=layout, **res))
+                               buffer_len=L, layout=layout, **kw, **res))
       continue
     res = bench.loop(step, states, bench.inputs(batch, R), ref, _materialize,
                      [("nonflush", jnp.zeros(batch, jnp.int32)),
@@ -278,7 +291,7 @@ def replay(bench, batch, L, pname):
         ck.name, buffer_len=L, layout=layout, rotation=nf["rotation"],
         nonflush_bytes=int(nf_bytes), flush_bytes=int(fl_bytes),
         nonflush_gb_s=nf_bytes / nf["us"] / 1e3,
-        flush_gb_s=fl_bytes / fl["us"] / 1e3, **extra))
+        flush_gb_s=fl_bytes / fl["us"] / 1e3, **kw, **extra))
   return recs
 
 
@@ -373,6 +386,8 @@ def write(res, out):
     if r["variant"] == "replay_pallas":
       lay = "staggered" if r["layout"] == "staggered" else "aligned-amortized"
       label += f" L={r['buffer_len']} {lay}"
+    if r.get("config"):
+      label += f" {r['config']}"
     cell = f"{r['us_per_step']:.1f}"
     if r.get("speedup"):
       cell += f" ({r['speedup']:.2f}x)"
@@ -403,6 +418,13 @@ def main():
   ap.add_argument("--max_rotation", type=int, default=128)
   ap.add_argument("--copy_mb", type=int, default=1024)
   ap.add_argument("--no_fla", action="store_true")
+  ap.add_argument("--no_xla", action="store_true")
+  ap.add_argument("--layouts", default="staggered,aligned")
+  ap.add_argument("--configs", default="[{}]",
+                  help="JSON list of GDNConfig fields for the Pallas "
+                  "variants, each timed; {} is the defaults (the speed-ups' "
+                  "baseline), a config a replay state cannot take records "
+                  "its error")
   ap.add_argument("--budget_s", type=float, default=1e9)
   ap.add_argument("--small", action="store_true")
   a = ap.parse_args()
@@ -443,14 +465,16 @@ def main():
       print(f"budget: batch {batch} and later not started", flush=True)
       res["budget_stop"] = batch
       break
-    jobs = [(f"baseline_pallas {c}", baseline, ("pallas", c))
-            for c in checkpoints]
-    jobs.append(("baseline_xla f32", baseline, ("reference", "f32")))
+    configs = json.loads(a.configs)
+    jobs = [(f"baseline_pallas {c} {cf or ''}", baseline, ("pallas", c, cf))
+            for cf in configs for c in checkpoints]
+    if not a.no_xla:
+      jobs.append(("baseline_xla f32", baseline, ("reference", "f32")))
     if not a.no_fla:
       jobs.append(("fla", fla, ()))
-    jobs += [(f"replay_pallas L={L} {p}", replay, (L, p))
+    jobs += [(f"replay_pallas L={L} {p} {cf or ''}", replay, (L, p, cf))
              for L in (int(x) for x in a.buffer_lens.split(","))
-             for p in precisions]
+             for cf in configs for p in precisions]
     for name, fn, args in jobs:
       print(f"[{time.time() - start:6.0f}s] B={batch} {name}", flush=True)
       try:
