@@ -39,7 +39,7 @@ def test_step_kernel_lowers_in_place(state_dtype, config):
   text = lower_for_cuda(
       lambda s, t: kg.gdn_step(s, t["q"], t["k"], t["v"], t["g"], t["beta"],
                                config=config), state, tok)
-  p = kg.plan(config, K, VD)
+  p = kg.plan(config, K, VD, rows=B * HV)
   assert launched_warps(text) == {"replayssm_gdn_step": p.num_warps}
   assert _aliases(text, "replayssm_gdn_step") == {1: 0}  # state -> state
 
@@ -68,8 +68,8 @@ def test_replay_kernel_lowers_in_place(policy):
       {7} if scaled else set())
   whole_rows = copy or (pol is not None and pol.stochastic_rounding)
   assert launched_warps(text) == {
-      "replayssm_gdn_replay_step": kg.plan(None, K, VD,
-                                           whole_rows).num_warps}
+      "replayssm_gdn_replay_step": kg.plan(None, K, VD, whole_rows,
+                                           rows=B * HV).num_warps}
 
 
 @pytest.mark.parametrize("T,policy", [(3, None), (8, None), (1, "f16"),
@@ -97,3 +97,26 @@ def test_verify_kernels_lower_in_place(T, policy):
   assert set(_aliases(text, "replayssm_gdn_verify_window")) == {1, 2, 3}
   assert set(launched_warps(text)) == {"replayssm_gdn_verify_fold",
                                        "replayssm_gdn_verify_window"}
+
+
+def test_default_plans():
+  # The step kernels' defaults at the Qwen3.5-shaped layer the H200 sweep
+  # timed (value heads 32, key_dim = value_dim = 128): [128, 64] tiles
+  # with 4 warps; batch 1 (32 rows) halves the tile to keep >= 256
+  # programs; whole rows (a read copy) with 4 warps. The verify kernels
+  # keep their untuned [128, 16] tiles (8 warps over whole rows).
+  step = lambda batch, **kw: kg.plan(None, 128, 128, rows=batch * 32, **kw)
+  assert (step(1).block_v, step(1).num_warps) == (16, 4)
+  assert (step(64).block_v, step(256).block_v, step(512).block_v) == (
+      64, 64, 64)
+  assert step(256, whole_rows=True) == kg.GDNPlan(128, 4, 1)
+  assert kg.plan(None, 128, 128).block_v == 64  # rows unknown
+  verify = lambda **kw: kg.plan(None, 128, 128, kernel="verify", **kw)
+  assert (verify().block_v, verify().num_warps) == (16, 4)
+  assert verify(whole_rows=True) == kg.GDNPlan(128, 8, 1)
+  # Explicit fields win over the defaults.
+  mine = kg.plan(kg.GDNConfig(block_v=32, num_warps=2), 128, 128,
+                 rows=256 * 32)
+  assert (mine.block_v, mine.num_warps) == (32, 2)
+  with pytest.raises(ValueError, match="kernel"):
+    kg.plan(None, 128, 128, kernel="fold")

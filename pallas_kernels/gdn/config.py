@@ -1,8 +1,12 @@
 """Tuning of the GDN kernels and the checks that refuse what they cannot
 run (by name, so the dispatcher falls back to the reference or says why).
 
-The defaults are untuned: the GDN kernels have been run in interpret mode
-only (no GPU measurement backs a value yet).
+The step kernels' defaults (baseline and replay step) were chosen on an
+H200 at a Qwen3.5-shaped layer (benchmarks/README.md, "Gated DeltaNet
+kernels"): [128, 64] state tiles with 4 warps, smaller tiles only when the
+grid would otherwise hold fewer than 256 programs (batch 1), and whole
+rows with 4 warps where a read copy needs them. The verify kernels' are
+untuned.
 """
 
 from __future__ import annotations
@@ -53,14 +57,34 @@ class GDNPlan:
   num_stages: int
 
 
-def default_block_v(key_dim: int, value_dim: int) -> int:
-  """Tiles of about 2048 elements ([key_dim, block_v]), as the Mamba-2
-  baseline kernel's [16, 128] tiles (untuned for GDN)."""
-  return max(1, min(value_dim, 2048 // key_dim))
+# Tile elements ([key_dim, block_v]) of the step kernels' default, and of
+# the verify kernels' (untuned); the step tile is halved, down to
+# MIN_TILE, while the grid has fewer than MIN_PROGRAMS programs.
+STEP_TILE, VERIFY_TILE, MIN_TILE = 8192, 2048, 2048
+MIN_PROGRAMS = 256
 
 
-def default_num_warps(key_dim: int, block_v: int) -> int:
-  """4 warps up to 4096 tile elements, 8 above (untuned)."""
+def default_block_v(key_dim: int, value_dim: int, rows: int | None = None,
+                    kernel: str = "step") -> int:
+  """Value columns per program. kernel "step": tiles of STEP_TILE elements
+  (block_v 64 at key_dim 128), halved while rows * (value_dim // block_v)
+  programs (rows: batch x value heads) are fewer than MIN_PROGRAMS, down to
+  MIN_TILE elements; "verify": VERIFY_TILE elements."""
+  tile = STEP_TILE if kernel == "step" else VERIFY_TILE
+  bv = max(1, min(value_dim, tile // key_dim))
+  if kernel == "step" and rows is not None:
+    floor = max(1, min(value_dim, MIN_TILE // key_dim))
+    while bv > floor and rows * (value_dim // bv) < MIN_PROGRAMS:
+      bv //= 2
+  return bv
+
+
+def default_num_warps(key_dim: int, block_v: int, kernel: str = "step") -> int:
+  """4 warps for the step kernels (the fastest or tied at every tile the
+  H200 sweep timed, whole rows included); the verify kernels: 4 up to 4096
+  tile elements, 8 above (untuned)."""
+  if kernel == "step":
+    return 4
   return 4 if key_dim * block_v <= 4096 else 8
 
 
@@ -74,12 +98,18 @@ def pow2_problem(**sizes) -> str | None:
 
 
 def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
-         whole_rows: bool = False) -> GDNPlan:
+         whole_rows: bool = False, rows: int | None = None,
+         kernel: str = "step") -> GDNPlan:
   """The plan of config for a [.., key_dim, value_dim] state; whole_rows:
-  the call needs block_v = value_dim (refused by name otherwise)."""
+  the call needs block_v = value_dim (refused by name otherwise); rows:
+  batch x value heads (the grid's programs per value block); kernel:
+  "step" (baseline and replay step) or "verify"."""
+  if kernel not in ("step", "verify"):
+    raise ValueError(f"kernel must be 'step' or 'verify', got {kernel!r}.")
   config = config or GDNConfig()
   if config.block_v is None:
-    bv = value_dim if whole_rows else default_block_v(key_dim, value_dim)
+    bv = (value_dim if whole_rows
+          else default_block_v(key_dim, value_dim, rows, kernel))
   else:
     bv = min(config.block_v, value_dim)
   if value_dim % bv:
@@ -91,7 +121,7 @@ def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
         f"state with a read copy or stochastic rounding stores whole "
         f"checkpoint rows (block_v = value_dim = {value_dim}); leave "
         f"block_v None.")
-  warps = config.num_warps or default_num_warps(key_dim, bv)
+  warps = config.num_warps or default_num_warps(key_dim, bv, kernel)
   return GDNPlan(block_v=bv, num_warps=warps, num_stages=config.num_stages)
 
 

@@ -204,7 +204,7 @@ def gdn_replay_verify(rstate, q, k, v, g, beta, use_qk_l2norm=True,
   batch, hv, K, Vd = rstate.checkpoint.shape
   T = q.shape[1]
   hk = rstate.k_buf.shape[2]
-  p = plan(config, K, Vd, whole_rows=spec is not None)
+  p = plan(config, K, Vd, whole_rows=spec is not None, kernel="verify")
   sds = jax.ShapeDtypeStruct
   grid = (Vd // p.block_v, hv, batch)
   params = plgpu.CompilerParams(num_warps=p.num_warps,
