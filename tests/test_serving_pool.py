@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 
 from replayssm_jax import models, serving, testing
+from replayssm_jax.precision import PrecisionPolicy
 from replayssm_jax.serving import pool as pool_mod
 
 CFG = models.ModelConfig(
@@ -47,10 +48,11 @@ def prompt(seed, length):
                             CFG.vocab_size, jnp.int32)
 
 
-def reference(model, tokens, n, ssm_mode):
+def reference(model, tokens, n, ssm_mode, **state_kwargs):
   """Greedy tokens [n] and logits [n, vocab] of a batch-1 prefill +
   decode_step run (first: the prefill's)."""
-  state = model.init_state(1, MAX_LEN, ssm_mode=ssm_mode, buffer_len=L)
+  state = model.init_state(1, MAX_LEN, ssm_mode=ssm_mode, buffer_len=L,
+                           **state_kwargs)
   logits, state = models.prefill(model, tokens[None],
                                  jnp.array([tokens.shape[0]]), state)
   toks, lgs = [], []
@@ -65,17 +67,19 @@ def reference(model, tokens, n, ssm_mode):
 class Driver:
   """Runs a pool and records each request's (token, logits) stream."""
 
-  def __init__(self, model, ssm_mode):
+  def __init__(self, model, ssm_mode, **state_kwargs):
     self.model = model
     self.pool = serving.init_pool(model, CAP, MAX_LEN, ssm_mode=ssm_mode,
-                                  buffer_len=L)
+                                  buffer_len=L, **state_kwargs)
+    self.row_ids = {}  # name -> row_id given to insert
     self.owner = {}  # slot -> request name
     self.out = {}  # name -> ([tokens], [logits])
 
-  def insert(self, name, slot, tokens, traced_slot=False):
+  def insert(self, name, slot, tokens, traced_slot=False, row_id=None):
     s = jnp.int32(slot) if traced_slot else slot
     self.pool, tok, logits = serving.insert(self.model, self.pool, s, tokens,
-                                            return_logits=True)
+                                            row_id=row_id, return_logits=True)
+    self.row_ids[name] = row_id
     self.owner[slot] = name
     self.out[name] = ([int(tok)], [np.asarray(logits)])
 
@@ -100,12 +104,15 @@ class Driver:
       t.extend(toks[slot].tolist())
       lg.extend(logits[slot])
 
-  def check(self, model, prompts, ssm_mode):
+  def check(self, model, prompts, ssm_mode, tol=TOL, **state_kwargs):
     for name, (toks, lgs) in self.out.items():
-      ref_t, ref_l = reference(model, prompts[name], len(toks), ssm_mode)
+      if self.row_ids[name] is not None:
+        state_kwargs["row_ids"] = np.array([self.row_ids[name]])
+      ref_t, ref_l = reference(model, prompts[name], len(toks), ssm_mode,
+                               **state_kwargs)
       np.testing.assert_array_equal(np.array(toks), ref_t,
                                     err_msg=f"request {name} tokens")
-      testing.assert_close(np.stack(lgs), ref_l, TOL, f"request {name}")
+      testing.assert_close(np.stack(lgs), ref_l, tol, f"request {name}")
 
 
 def row_bytes(tree, row):
@@ -150,6 +157,24 @@ def test_staggered_requests_match_independent_runs(model, ssm_mode):
     counts = np.asarray(d.pool.state.layers[0].ssm.count)
     assert len(set(counts.tolist())) > 1, counts  # staggered counters
   d.check(model, prompts, ssm_mode)
+
+
+def test_stochastic_rounding_keys_on_the_request_row_id(model):
+  """With a stochastically rounding policy, insert stores the given row_id
+  in the slot: each request decodes as a batch-1 run built with that row
+  id (to the policy's tolerance: matmuls of another batch size may
+  associate differently)."""
+  pol = PrecisionPolicy.preset("bf16+sr").replace(seed=5)
+  prompts = {"a": prompt(31, 7), "b": prompt(32, 5)}
+  d = Driver(model, "replay", precision=pol)
+  d.insert("a", 1, prompts["a"], row_id=9)
+  d.step_n(3)
+  d.insert("b", 3, prompts["b"], row_id=40)
+  d.step_n(5)
+  np.testing.assert_array_equal(
+      np.asarray(d.pool.state.layers[0].ssm.row_id)[[1, 3]], [9, 40])
+  d.check(model, prompts, "replay", tol=testing.tolerance(jnp.bfloat16),
+          precision=pol)
 
 
 def test_insert_writes_only_its_slot_and_compiles_once(model):

@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import operator
 
 import jax
 import jax.numpy as jnp
@@ -212,7 +211,7 @@ def insert(model: M.HybridLM, pool: Pool, slot, prompt_tokens, *,
 
   Only row `slot` of the pool's state changes, all of it (see the module
   docstring); the other slots keep their states, counters mid-buffer
-  included.
+  included. A request already in the slot is replaced.
 
   Args:
     model: the HybridLM the pool was built for.
@@ -373,8 +372,7 @@ def step_n(model: M.HybridLM, pool: Pool, n: int, *,
      [capacity, n, vocab] float32]).
   """
   _check_pool(pool)
-  n = V.positive_int("n", operator.index(n) if isinstance(
-      n, np.integer) else n)
+  n = V.positive_int("n", n)
   _check_room(pool, n)
   sampling, rng = _sampling(temperature, top_k, top_p, rng)
   graphdef, params = nnx.split(model)
