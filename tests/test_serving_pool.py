@@ -256,3 +256,23 @@ def test_bad_arguments_are_named(model):
   pool, _ = serving.insert(model, pool, 0, prompt(0, 6))
   with pytest.raises(ValueError, match="n: slots \\[0\\]"):
     serving.step_n(model, pool, 3)  # 6 + 3 > max_len 8
+
+
+def test_traced_slot_under_jit_out_of_range_writes_nothing(model):
+  """insert under a caller's jit takes a traced slot: in range it writes
+  that slot; out of range (not checkable on the host) nothing."""
+  tokens = prompt(41, 5)
+
+  @jax.jit
+  def put(pool, slot):
+    return serving.insert(model, pool, slot, tokens)
+
+  pool = serving.init_pool(model, CAP, MAX_LEN, buffer_len=L)
+  pool, _ = serving.insert(model, pool, 0, prompt(42, 6))
+  for slot in (CAP, -1):
+    before = [row_bytes(pool, r) for r in range(CAP)]
+    pool, _ = put(pool, jnp.int32(slot))
+    assert [row_bytes(pool, r) for r in range(CAP)] == before, slot
+  pool, first = put(pool, jnp.int32(2))
+  assert np.asarray(pool.active).tolist() == [True, False, True, False]
+  assert int(first) == reference(model, tokens, 1, "replay")[0][0]
