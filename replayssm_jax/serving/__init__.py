@@ -1,0 +1,15 @@
+"""Serving helpers on the hybrid LM's decode state.
+
+  Pool / init_pool   a fixed-capacity ModelState, one request per batch row
+                     ("slot").
+  insert             prefill a prompt into one slot (jitted, traced slot).
+  evict              free a slot.
+  step / step_n      one / n decode steps over all slots (dense batch;
+                     inactive slots selected back unchanged).
+"""
+
+from replayssm_jax.serving.pool import (Pool, bucket_len, evict, init_pool,
+                                        insert, step, step_n)
+
+__all__ = ["Pool", "bucket_len", "evict", "init_pool", "insert", "step",
+           "step_n"]

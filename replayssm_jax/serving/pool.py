@@ -1,0 +1,382 @@
+"""A slot-indexed decode-state pool: one request per batch row.
+
+  pool = init_pool(model, capacity=8, max_len=256, ssm_mode="replay")
+  pool, first = insert(model, pool, slot, prompt_tokens)  # prefill a slot
+  pool, tokens = step(model, pool)           # one token per active slot
+  pool, tokens = step_n(model, pool, n)      # n tokens, one dispatch
+  pool = evict(pool, slot)                   # the slot is free again
+
+Design.
+
+* Dense batch. The pool is one `ModelState` of batch = capacity (every leaf
+  of a ModelState is batch-leading: `init_pool` checks it), and a decode
+  step runs `HybridLM.step` over all `capacity` rows at once, active or
+  not, so that one compiled step serves any mix of requests. Each slot
+  keeps its own replay counter, KV length and position: requests inserted
+  at different times sit at different points of their replay buffers
+  (the decode ops take per-row counters), and a new request does not wait
+  for the others to flush.
+
+* `where` selection. A free slot is still decoded (the batch is dense),
+  but its new state is thrown away: every leaf of the new state is
+  `jnp.where(active, new, old)` with `active` broadcast over the leaf's
+  trailing axes, and its token is reported as -1. A select, never a
+  product with a 0/1 mask: a free slot may hold anything (NaN, inf,
+  garbage counters), and 0 * NaN is NaN, while `where` takes the other
+  operand bit for bit. The select costs one pass over the pool's state per
+  step (the KV caches included); in exchange a slot's state only ever
+  changes through its own request.
+
+* What `insert` overwrites. `insert` prefills the prompt into a fresh
+  batch-1 state whose layout (dtypes, shapes, static policy) is the
+  pool's but whose contents are zeros built inside the jitted function
+  (never read from the pool), then scatters that state into row `slot`
+  of every leaf: the conv windows, the replay checkpoints, the whole
+  buffers (slots past the counter too), read copies and scales, counters,
+  the whole KV cache row (entries past the prompt too), KV lengths and
+  the position. Nothing of a slot's previous request survives, so a slot
+  may be reused after `evict` whatever it holds; the other slots' rows
+  are not touched (a scatter into one row of each buffer, in place when
+  the pool is donated).
+
+* Compilation. `insert` takes the slot as a traced int32, so one compile
+  serves every slot; prompts are right-padded to a bucket (a power of two
+  >= 16, at most max_len) and passed with their length, as `prefill`
+  takes them: one compile per bucket. `step` compiles once per pool
+  shape and sampling mode; `step_n` once per n (a `lax.fori_loop`).
+
+The pool's state is donated by `insert`, `step` and `step_n` (as
+`decode_step` donates its state): use the returned pool, not the one
+passed in. Out-of-range traced values follow the project's policy
+(`replayssm_jax._validation`): a traced slot outside [0, capacity) writes
+nothing; a slot whose prompt or tokens are out of range, or whose KV cache
+is full, gets NaN logits and tokens -1 from then on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from replayssm_jax import _validation as V
+from replayssm_jax.models.generate import sample_logits, sampling_settings
+from replayssm_jax.models import model as M
+from replayssm_jax.models import states as S
+
+# Number of times each jitted entry point was traced (tests assert on it).
+TRACE_COUNTS = {"insert": 0, "step": 0, "step_n": 0}
+MIN_BUCKET = 16
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Pool:
+  """A fixed-capacity decode state: row `slot` of every leaf of `state`
+  belongs to the request in that slot.
+
+  state:   ModelState of batch = capacity.
+  active:  [capacity] bool, the slot holds a request.
+  tokens:  [capacity] int32, each slot's next input token (its last
+           sampled token; -1 for a slot whose request became invalid).
+  max_len: the longest prompt + generated tokens a slot holds (static).
+  """
+  state: S.ModelState
+  active: jax.Array
+  tokens: jax.Array
+  max_len: int = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def capacity(self) -> int:
+    return self.active.shape[0]
+
+  def replace(self, **kwargs) -> "Pool":
+    return dataclasses.replace(self, **kwargs)
+
+
+def init_pool(model: M.HybridLM, capacity: int, max_len: int, *,
+              ssm_mode: str = "replay", buffer_len: int = 16,
+              **state_kwargs) -> Pool:
+  """An empty pool (no slot active).
+
+  Args:
+    model: the HybridLM.
+    capacity: slots (the decode batch).
+    max_len: prompt + generated tokens per slot (the KV-cache length;
+      `models.kv_cache_len` rounds a length to one the attention kernel
+      tiles).
+    ssm_mode, buffer_len, **state_kwargs: as `HybridLM.init_state`
+      (checkpoint_dtype, buffer_dtype, kv_dtype, conv_dtype, precision,
+      row_ids).
+  """
+  capacity = V.positive_int("capacity", capacity)
+  max_len = V.positive_int("max_len", max_len)
+  state = model.init_state(capacity, max_len, ssm_mode=ssm_mode,
+                           buffer_len=buffer_len, **state_kwargs)
+  for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+    if leaf.ndim < 1 or leaf.shape[0] != capacity:
+      raise ValueError(
+          f"state leaf {jax.tree_util.keystr(path)} of shape {leaf.shape} "
+          f"is not batch-leading; the pool writes slots along axis 0.")
+  return Pool(state=state, active=jnp.zeros((capacity,), bool),
+              tokens=jnp.zeros((capacity,), jnp.int32), max_len=max_len)
+
+
+# ------------------------------------------------------------ validation
+def _check_pool(pool):
+  if not isinstance(pool, Pool):
+    raise TypeError(f"pool must be a Pool (from init_pool), got "
+                    f"{type(pool).__name__}.")
+
+
+def _check_slot(slot, capacity: int):
+  """A Python / NumPy int slot in [0, capacity) as an int; a jax integer
+  scalar (possibly traced) as int32."""
+  if isinstance(slot, (bool, np.bool_)):
+    raise ValueError(f"slot must be an int in [0, {capacity}), got "
+                     f"{slot!r}.")
+  if isinstance(slot, (int, np.integer)):
+    if not 0 <= slot < capacity:
+      raise ValueError(f"slot must lie in [0, capacity) = [0, {capacity}), "
+                       f"got {slot}.")
+    return jnp.int32(slot)
+  V.check_integer("slot", slot)
+  if jnp.ndim(slot) != 0:
+    raise ValueError(f"slot must be a scalar, got shape "
+                     f"{tuple(jnp.shape(slot))}.")
+  if V.is_concrete(slot) and not 0 <= int(slot) < capacity:
+    raise ValueError(f"slot must lie in [0, capacity) = [0, {capacity}), "
+                     f"got {int(slot)}.")
+  return jnp.asarray(slot, jnp.int32)
+
+
+def bucket_len(length: int, max_len: int) -> int:
+  """The padded prompt length `insert` compiles for: the smallest power of
+  two >= max(length, MIN_BUCKET), at most max_len."""
+  return min(max_len, max(MIN_BUCKET, 1 << (length - 1).bit_length()))
+
+
+def _sampling(temperature, top_k, top_p, rng):
+  sampling = sampling_settings(temperature, top_k, top_p, None, rng)
+  return sampling, jax.random.PRNGKey(0) if rng is None else rng
+
+
+# ----------------------------------------------------------------- insert
+def _fresh_row(state: S.ModelState, row_id):
+  """A batch-1 ModelState laid out as `state`, all zeros (row_id leaves:
+  `row_id`): built from shapes only, never from the pool's contents."""
+  def zero(path, x):
+    last = path[-1]
+    if isinstance(last, jax.tree_util.GetAttrKey) and last.name == "row_id":
+      return jnp.full((1,) + x.shape[1:], row_id, x.dtype)
+    return jnp.zeros((1,) + x.shape[1:], x.dtype)
+  return jax.tree_util.tree_map_with_path(zero, state)
+
+
+def _write_row(pool_leaf, row_leaf, idx):
+  if pool_leaf.dtype != row_leaf.dtype:
+    raise AssertionError(f"prefill returned a {row_leaf.dtype} leaf for "
+                         f"the pool's {pool_leaf.dtype}.")
+  # mode="drop": an out-of-range (traced) slot writes nothing.
+  return pool_leaf.at[idx].set(row_leaf[0], mode="drop")
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def _insert_jit(graphdef, params, pool, slot, tokens, length, row_id,
+                sampling, rng):
+  TRACE_COUNTS["insert"] += 1
+  model = nnx.merge(graphdef, params)
+  fresh = _fresh_row(pool.state, row_id)
+  logits, row = M.prefill_fn(model, tokens[None], length[None], fresh)
+  tok = sample_logits(logits, rng, *sampling)
+  tok = jnp.where(row.positions < 0, -1, tok)
+  cap = pool.capacity
+  idx = jnp.where((slot >= 0) & (slot < cap), slot, cap)  # cap: dropped
+  state = jax.tree.map(lambda p, r: _write_row(p, r, idx), pool.state, row)
+  pool = pool.replace(state=state,
+                      active=pool.active.at[idx].set(True, mode="drop"),
+                      tokens=pool.tokens.at[idx].set(tok[0], mode="drop"))
+  return pool, tok[0], logits[0]
+
+
+def insert(model: M.HybridLM, pool: Pool, slot, prompt_tokens, *,
+           bucket: int | None = None, row_id=None, temperature: float = 0.0,
+           top_k: int | None = None, top_p: float | None = None, rng=None,
+           return_logits: bool = False):
+  """Prefills one prompt into `slot` and marks it active.
+
+  Only row `slot` of the pool's state changes, all of it (see the module
+  docstring); the other slots keep their states, counters mid-buffer
+  included. A request already in the slot is replaced.
+
+  Args:
+    model: the HybridLM the pool was built for.
+    pool: the Pool (donated).
+    slot: int in [0, capacity), a Python int or an int32 scalar (traced:
+      one compile serves every slot; out of range: nothing is written).
+    prompt_tokens: [T] int token ids, 1 <= T <= pool.max_len.
+    bucket: the padded length to compile for (default `bucket_len(T,
+      max_len)`), T <= bucket <= max_len.
+    row_id: the request's identity for stochastic rounding (default: the
+      slot); unused without such a precision policy.
+    temperature, top_k, top_p, rng: sampling of the first token, as
+      `generate` (default greedy).
+    return_logits: also return the prefill's last logits [vocab] f32.
+
+  Returns:
+    (pool, first token int32 scalar [, logits [vocab] float32]); the first
+    token is also the slot's next input token.
+  """
+  _check_pool(pool)
+  slot = _check_slot(slot, pool.capacity)
+  V.check_integer("prompt_tokens", prompt_tokens)
+  M._check_tokens("prompt_tokens", prompt_tokens, 1, "[seqlen]",
+                  model.config)
+  t = prompt_tokens.shape[0]
+  if not 1 <= t <= pool.max_len:
+    raise ValueError(f"prompt_tokens must hold 1 to the pool's max_len "
+                     f"({pool.max_len}) tokens, got {t}.")
+  if bucket is None:
+    bucket = bucket_len(t, pool.max_len)
+  bucket = V.positive_int("bucket", bucket)
+  if not t <= bucket <= pool.max_len:
+    raise ValueError(f"bucket must lie in [len(prompt_tokens), max_len] = "
+                     f"[{t}, {pool.max_len}], got {bucket}.")
+  sampling, rng = _sampling(temperature, top_k, top_p, rng)
+  if row_id is None:
+    row_id = slot
+  V.check_integer("row_id", jnp.asarray(row_id))
+  tokens = jnp.zeros((bucket,), jnp.int32).at[:t].set(
+      jnp.asarray(prompt_tokens, jnp.int32))
+  graphdef, params = nnx.split(model)
+  pool, tok, logits = _insert_jit(graphdef, params, pool, slot, tokens,
+                                  jnp.int32(t), jnp.asarray(row_id,
+                                                            jnp.int32),
+                                  sampling, rng)
+  return (pool, tok, logits) if return_logits else (pool, tok)
+
+
+def evict(pool: Pool, slot) -> Pool:
+  """Marks `slot` free. Its state stays as it is (stale, never read for
+  another request: `step` keeps it unchanged and `insert` overwrites all of
+  it)."""
+  _check_pool(pool)
+  slot = _check_slot(slot, pool.capacity)
+  cap = pool.capacity
+  idx = jnp.where((slot >= 0) & (slot < cap), slot, cap)
+  return pool.replace(active=pool.active.at[idx].set(False, mode="drop"))
+
+
+# ------------------------------------------------------------------- step
+def _select(active, new, old):
+  """Leaf-wise where(active, new, old), active [capacity] broadcast over
+  each leaf's trailing axes."""
+  def pick(n, o):
+    return jnp.where(active.reshape((-1,) + (1,) * (n.ndim - 1)), n, o)
+  return jax.tree.map(pick, new, old)
+
+
+def _step_body(model, pool, sampling, rng, implementation):
+  """One decode step of every slot -> (pool, tokens [capacity] int32,
+  logits [capacity, vocab] f32); inactive slots: old state, token -1."""
+  active = pool.active
+  feed = jnp.where(active, pool.tokens, 0)
+  logits, new = model.step(feed, pool.state, implementation)
+  tok = sample_logits(logits, rng, *sampling)
+  tok = jnp.where(new.positions < 0, -1, tok)
+  state = _select(active, new, pool.state)
+  tokens = jnp.where(active, tok, pool.tokens)
+  out = jnp.where(active, tok, -1)
+  return pool.replace(state=state, tokens=tokens), out, logits
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=(2,))
+def _step_jit(graphdef, params, pool, sampling, rng, implementation):
+  TRACE_COUNTS["step"] += 1
+  model = nnx.merge(graphdef, params)
+  return _step_body(model, pool, sampling, rng, implementation)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 4, 7),
+                   donate_argnums=(2,))
+def _step_n_jit(graphdef, params, pool, n, with_logits, sampling, rng,
+                implementation):
+  TRACE_COUNTS["step_n"] += 1
+  model = nnx.merge(graphdef, params)
+  cap, vocab = pool.capacity, model.config.vocab_size
+  out = jnp.full((cap, n), -1, jnp.int32)
+  all_logits = (jnp.zeros((cap, n, vocab), jnp.float32) if with_logits
+                else None)
+
+  def body(i, carry):
+    pool, out, all_logits, rng = carry
+    rng, sub = jax.random.split(rng)
+    pool, tok, logits = _step_body(model, pool, sampling, sub,
+                                   implementation)
+    out = out.at[:, i].set(tok)
+    if with_logits:
+      all_logits = all_logits.at[:, i].set(logits)
+    return pool, out, all_logits, rng
+
+  pool, out, all_logits, _ = jax.lax.fori_loop(
+      0, n, body, (pool, out, all_logits, rng))
+  return pool, out, all_logits
+
+
+def _check_room(pool: Pool, n: int):
+  pos = pool.state.positions
+  if V.is_concrete(pos) and V.is_concrete(pool.active):
+    full = np.asarray(pool.active) & (np.asarray(pos) + n > pool.max_len)
+    if full.any():
+      raise ValueError(f"n: slots {np.nonzero(full)[0].tolist()} would "
+                       f"run past the pool's max_len {pool.max_len} "
+                       f"within {n} step(s); evict them or build the pool "
+                       f"with a larger max_len.")
+
+
+def step(model: M.HybridLM, pool: Pool, *, temperature: float = 0.0,
+         top_k: int | None = None, top_p: float | None = None, rng=None,
+         implementation: str | None = None, return_logits: bool = False):
+  """One decode step over all slots (dense batch = capacity).
+
+  Each active slot feeds its next input token and samples its next one
+  (greedy by default; temperature / top_k / top_p / rng as `generate`).
+  Inactive slots' states are selected back unchanged (`jnp.where`) and
+  their tokens are -1.
+
+  Returns:
+    (pool, tokens [capacity] int32 [, logits [capacity, vocab] float32;
+     rows of inactive slots are meaningless]).
+  """
+  _check_pool(pool)
+  _check_room(pool, 1)
+  sampling, rng = _sampling(temperature, top_k, top_p, rng)
+  graphdef, params = nnx.split(model)
+  pool, tokens, logits = _step_jit(graphdef, params, pool, sampling, rng,
+                                   implementation)
+  return (pool, tokens, logits) if return_logits else (pool, tokens)
+
+
+def step_n(model: M.HybridLM, pool: Pool, n: int, *,
+           temperature: float = 0.0, top_k: int | None = None,
+           top_p: float | None = None, rng=None,
+           implementation: str | None = None, return_logits: bool = False):
+  """`n` decode steps in one jitted `lax.fori_loop` (one dispatch).
+
+  Returns:
+    (pool, tokens [capacity, n] int32 (-1 for inactive slots) [, logits
+     [capacity, n, vocab] float32]).
+  """
+  _check_pool(pool)
+  n = V.positive_int("n", n)
+  _check_room(pool, n)
+  sampling, rng = _sampling(temperature, top_k, top_p, rng)
+  graphdef, params = nnx.split(model)
+  pool, tokens, logits = _step_n_jit(graphdef, params, pool, n,
+                                     bool(return_logits), sampling, rng,
+                                     implementation)
+  return (pool, tokens, logits) if return_logits else (pool, tokens)
