@@ -6,10 +6,14 @@
   evict              free a slot.
   step / step_n      one / n decode steps over all slots (dense batch;
                      inactive slots selected back unchanged).
+  Engine / Request   continuous batching: a request queue admitted into
+                     free slots, several steps per dispatch with stopping
+                     on the device, streamed tokens.
 """
 
+from replayssm_jax.serving.engine import Engine, EngineStats, Request
 from replayssm_jax.serving.pool import (Pool, bucket_len, evict, init_pool,
                                         insert, step, step_n)
 
-__all__ = ["Pool", "bucket_len", "evict", "init_pool", "insert", "step",
+__all__ = ["Engine", "EngineStats", "Request", "Pool", "bucket_len", "evict", "init_pool", "insert", "step",
            "step_n"]

@@ -1,0 +1,298 @@
+"""A continuous-batching engine over the slot pool.
+
+  engine = Engine(model, capacity=64, max_len=512, steps_per_dispatch=8)
+  engine.submit(Request("a", prompt_a, max_new_tokens=100, eos_id=2))
+  engine.submit(Request("b", prompt_b, max_new_tokens=20, temperature=0.8,
+                        seed=1))
+  results = engine.run(on_tokens=lambda rid, toks: print(rid, toks))
+
+Each `dispatch` (one iteration of `run`): admit queued requests into free
+slots (`pool.insert`: a batch-1 prefill written into the slot, its first
+token sampled), then run `steps_per_dispatch` decode steps of the whole
+pool in one jitted `lax.fori_loop`, then read the tokens back once and
+stream them to `on_tokens`, and evict the requests that finished.
+
+Where the host waits. One dispatch is one compiled call and one device ->
+host copy of its [capacity, n] tokens: the host is synchronised once per n
+steps, not per step. The stopping rules run on the device inside the loop:
+each slot keeps a budget of tokens still to generate and its eos id; a
+slot that emits its eos or exhausts its budget goes inactive at once (its
+state is selected back unchanged, as `pool.step` does for free slots), so
+a dispatch never decodes past a request's end or its slot's KV cache. A
+request that finishes early in a dispatch leaves its slot idle for the
+rest of it; a smaller `steps_per_dispatch` admits sooner, a larger one
+pays fewer host round trips (the trade-off `stats` measures: host time
+per step against the device's).
+
+Sampling per request. Each slot carries its own temperature (0: greedy)
+and its own PRNG key stream (from `Request.seed`, split once per step),
+so a request's tokens do not depend on which slot or batch it ran in
+(up to the batch's effect on matmul rounding). top_k and top_p, being
+static shapes of the sampling filter, are set per engine.
+
+Speculative decoding inside the engine is not implemented (use
+`models.speculative_generate` on a static batch).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from replayssm_jax import _validation as V
+from replayssm_jax.models import model as M
+from replayssm_jax.models.generate import check_sampling, filter_logits
+from replayssm_jax.serving import pool as P
+
+F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """One generation request.
+
+  id: any hashable name (results and streamed tokens are keyed by it).
+  prompt: [T] int token ids.
+  max_new_tokens: tokens to generate (the first, from the prefill,
+    included), >= 1.
+  eos_id: the request stops after emitting it (None: never).
+  temperature: 0 greedy, > 0 sampling.
+  seed: the request's PRNG seed (sampling).
+  """
+  id: object
+  prompt: object
+  max_new_tokens: int
+  eos_id: int | None = None
+  temperature: float = 0.0
+  seed: int = 0
+
+
+@dataclasses.dataclass
+class EngineStats:
+  """Counters of `Engine.run`: dispatches, decode steps (loop iterations),
+  tokens streamed, requests finished, and the wall time split into the
+  host's own work (admission, launching, streaming) and its waits for the
+  device's tokens."""
+  dispatches: int = 0
+  steps: int = 0
+  tokens: int = 0
+  finished: int = 0
+  admissions: int = 0
+  wall_s: float = 0.0
+  wait_s: float = 0.0
+  admit_s: float = 0.0
+
+  @property
+  def host_us_per_step(self) -> float:
+    """Host time per decode step, waits for the device excluded."""
+    return (self.wall_s - self.wait_s) / max(self.steps, 1) * 1e6
+
+  @property
+  def wall_us_per_step(self) -> float:
+    return self.wall_s / max(self.steps, 1) * 1e6
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 6, 7),
+                   donate_argnums=(2,))
+def _dispatch(graphdef, params, pool, n, sampled, top_k, top_p,
+              implementation, left, eos, temps, keys):
+  """n decode steps of every slot with on-device stopping.
+
+  left [cap] int32: tokens each slot may still emit (0: stop); eos [cap]
+  int32 (-1: none); temps [cap] f32 (0: greedy); keys [cap, ...] raw uint32 keys;
+  sampled (static): some slot samples (else the loop is argmax only, with
+  no conditional: an XLA GPU conditional reads its predicate on the host).
+  Returns (pool, tokens [cap, n] (-1 where a slot emitted nothing), left,
+  keys).
+  """
+  model = nnx.merge(graphdef, params)
+  cap = pool.capacity
+
+  def body(i, carry):
+    pool, out, left, keys = carry
+    active = pool.active & (left > 0)
+    feed = jnp.where(active, pool.tokens, 0)
+    logits, new = model.step(feed, pool.state, implementation)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    split = jax.vmap(jax.random.split)(keys)  # [cap, 2, 2]
+    keys, sub = split[:, 0], split[:, 1]
+
+    def sample():
+      t = jnp.where(temps > 0, temps, 1.0)[:, None]
+      masked = filter_logits(logits, False, t, top_k, top_p)
+      draw = jax.vmap(lambda k, lg: jax.random.categorical(k, lg))(sub,
+                                                                    masked)
+      return jnp.where(temps > 0, draw.astype(jnp.int32), greedy)
+
+    tok = sample() if sampled else greedy
+    tok = jnp.where(new.positions < 0, -1, tok)
+    state = P._select(active, new, pool.state)  # pylint: disable=protected-access
+    emitted = jnp.where(active, tok, -1)
+    stop = (tok < 0) | ((eos >= 0) & (tok == eos))
+    left = jnp.where(active, jnp.where(stop, 0, left - 1), left)
+    pool = pool.replace(state=state,
+                        tokens=jnp.where(active, tok, pool.tokens))
+    return pool, out.at[:, i].set(emitted), left, keys
+
+  out = jnp.full((cap, n), -1, jnp.int32)
+  return jax.lax.fori_loop(0, n, body, (pool, out, left, keys))
+
+
+class Engine:
+  """Continuous batching over a `Pool` (see the module docstring).
+
+  Args:
+    model: the HybridLM.
+    capacity: slots (the decode batch).
+    max_len: prompt + generated tokens a slot holds.
+    steps_per_dispatch: decode steps per compiled call (one host sync
+      each).
+    top_k, top_p: the sampling filters of every sampled request (None:
+      off).
+    implementation: the ops' implementation (dispatcher name).
+    ssm_mode, buffer_len, **state_kwargs: the pool's decode state
+      (`serving.init_pool`).
+  """
+
+  def __init__(self, model: M.HybridLM, capacity: int, max_len: int, *,
+               steps_per_dispatch: int = 8, top_k: int | None = None,
+               top_p: float | None = None, implementation=None,
+               ssm_mode: str = "replay", buffer_len: int = 16,
+               **state_kwargs):
+    self.model = model
+    self.n = V.positive_int("steps_per_dispatch", steps_per_dispatch)
+    check_sampling(1.0, top_k, top_p)
+    self.top_k = None if top_k is None else int(top_k)
+    self.top_p = None if top_p is None else float(top_p)
+    self.implementation = implementation
+    self.pool = P.init_pool(model, capacity, max_len, ssm_mode=ssm_mode,
+                            buffer_len=buffer_len, **state_kwargs)
+    cap = self.pool.capacity
+    self.queue = collections.deque()
+    self.slots: list[Request | None] = [None] * cap
+    self.results: dict = {}
+    self.stats = EngineStats()
+    self._left = np.zeros(cap, np.int32)
+    self._eos = np.full(cap, -1, np.int32)
+    self._temps = np.zeros(cap, np.float32)
+    # Raw PRNG keys per slot (the default impl's shape), kept on the device.
+    self._keys = jnp.zeros((cap,) + jax.random.PRNGKey(0).shape, jnp.uint32)
+
+  # ------------------------------------------------------------ requests
+  def submit(self, request: Request):
+    """Queues a request (checked now: a bad one never reaches a slot)."""
+    if not isinstance(request, Request):
+      raise TypeError(f"request must be a Request, got "
+                      f"{type(request).__name__}.")
+    prompt = np.asarray(request.prompt)
+    if prompt.ndim != 1 or not 1 <= prompt.shape[0] <= self.pool.max_len:
+      raise ValueError(f"Request {request.id!r}: prompt must be a [T] "
+                       f"token array with 1 <= T <= max_len "
+                       f"({self.pool.max_len}), got shape {prompt.shape}.")
+    n = V.positive_int("max_new_tokens", request.max_new_tokens)
+    if prompt.shape[0] + n > self.pool.max_len:
+      raise ValueError(
+          f"Request {request.id!r}: prompt ({prompt.shape[0]} tokens) + "
+          f"max_new_tokens ({n}) exceeds the engine's max_len "
+          f"({self.pool.max_len}).")
+    check_sampling(request.temperature, None, None)
+    if request.id in self.results or any(
+        r.id == request.id for r in self.queue) or any(
+            r is not None and r.id == request.id for r in self.slots):
+      raise ValueError(f"Request id {request.id!r} is already in use.")
+    self.queue.append(request)
+
+  @property
+  def busy(self) -> bool:
+    return bool(self.queue) or any(r is not None for r in self.slots)
+
+  def _admit(self, on_tokens):
+    t0 = time.perf_counter()
+    for slot in range(self.pool.capacity):
+      if not self.queue:
+        break
+      if self.slots[slot] is not None:
+        continue
+      req = self.queue.popleft()
+      key = jax.random.PRNGKey(req.seed)
+      key, first_key = jax.random.split(key)
+      self.pool, tok = P.insert(
+          self.model, self.pool, slot, jnp.asarray(req.prompt, jnp.int32),
+          temperature=req.temperature, top_k=self.top_k, top_p=self.top_p,
+          rng=first_key if req.temperature > 0 else None)
+      tok = int(tok)  # the first token (the prefill's): one sync per admit
+      self.stats.admissions += 1
+      self.results[req.id] = []
+      self.slots[slot] = req
+      self._eos[slot] = -1 if req.eos_id is None else req.eos_id
+      self._temps[slot] = req.temperature
+      self._keys = self._keys.at[slot].set(key)
+      self._left[slot] = req.max_new_tokens
+      self._emit(slot, [tok], on_tokens)
+    self.stats.admit_s += time.perf_counter() - t0
+
+  def _emit(self, slot, toks, on_tokens):
+    """Streams a slot's new tokens and applies the stopping rules (the
+    device applied the same ones inside the dispatch)."""
+    req = self.slots[slot]
+    kept = []
+    for t in toks:
+      if t < 0 or self._left[slot] <= 0:
+        break
+      kept.append(int(t))
+      self._left[slot] -= 1
+      if t == self._eos[slot]:
+        self._left[slot] = 0
+    if kept:
+      self.results[req.id].extend(kept)
+      self.stats.tokens += len(kept)
+      if on_tokens is not None:
+        on_tokens(req.id, kept)
+    if self._left[slot] <= 0 or (toks and toks[0] < 0):
+      self.pool = P.evict(self.pool, slot)
+      self.slots[slot] = None
+      self._left[slot] = 0
+      self.stats.finished += 1
+
+  # ----------------------------------------------------------------- run
+  def dispatch(self, on_tokens: Callable | None = None):
+    """Admits what fits, then one compiled call of `steps_per_dispatch`
+    decode steps; streams its tokens and evicts finished requests."""
+    t_start = time.perf_counter()
+    self._admit(on_tokens)
+    if not any(r is not None for r in self.slots):
+      self.stats.wall_s += time.perf_counter() - t_start
+      return
+    graphdef, params = nnx.split(self.model)
+    sampled = bool(np.any(self._temps[[r is not None for r in self.slots]]
+                          > 0))
+    self.pool, out, left, self._keys = _dispatch(
+        graphdef, params, self.pool, self.n, sampled, self.top_k,
+        self.top_p, self.implementation, jnp.asarray(self._left),
+        jnp.asarray(self._eos), jnp.asarray(self._temps), self._keys)
+    t_wait = time.perf_counter()
+    out = np.asarray(out)  # the dispatch's one device -> host copy
+    self.stats.wait_s += time.perf_counter() - t_wait
+    del left  # recomputed on the host from the tokens (same rules)
+    self.stats.dispatches += 1
+    self.stats.steps += self.n
+    for slot, req in enumerate(self.slots):
+      if req is not None:
+        self._emit(slot, out[slot].tolist(), on_tokens)
+    self.stats.wall_s += time.perf_counter() - t_start
+
+  def run(self, on_tokens: Callable | None = None) -> dict:
+    """Dispatches until every submitted request finished; returns {id:
+    generated tokens}. on_tokens(id, tokens) streams each request's new
+    tokens as they arrive, in order."""
+    while self.busy:
+      self.dispatch(on_tokens)
+    return dict(self.results)
