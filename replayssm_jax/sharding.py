@@ -99,10 +99,11 @@ def make_mesh(data: int, model: int, devices=None) -> Mesh:
 
 
 def _size(mesh, axis: str) -> int:
-  if not isinstance(mesh, Mesh):
+  shape = getattr(mesh, "shape", None)
+  if not hasattr(shape, "keys"):
     raise TypeError(f"mesh must be a jax.sharding.Mesh, got "
                     f"{type(mesh).__name__}.")
-  if axis not in mesh.shape:
+  if axis not in shape:
     raise ValueError(f"mesh must have the axes {AXES}, got "
                      f"{tuple(mesh.axis_names)}.")
   return int(mesh.shape[axis])
@@ -125,10 +126,9 @@ def _spec(shape, axes) -> P:
 
 
 # ------------------------------------------------------------ parameters
-def _mixer_param_spec(mixer, kind, names, shape, m, expert_parallel):
+def _mixer_param_spec(cfg, mixer, kind, names, m, expert_parallel):
   """The PartitionSpec of a mixer's parameter at `names` (path below the
-  mixer) of `shape`; m: the "model" axis size."""
-  cfg = mixer.cfg if hasattr(mixer, "cfg") else None
+  mixer); m: the "model" axis size."""
   col = lambda ok: P(None, "model") if ok else REPLICATED
   row = lambda ok: P("model", None) if ok else REPLICATED
   if kind == "mamba":
@@ -151,7 +151,7 @@ def _mixer_param_spec(mixer, kind, names, shape, m, expert_parallel):
       return row(heads)
     return REPLICATED
   if kind == "mlp":
-    f = _splits(shape[0] if names == ("down_proj", "kernel") else shape[-1], m)
+    f = _splits(cfg.intermediate_size, m)
     if names in (("up_proj", "kernel"), ("gate_proj", "kernel")):
       return col(f)
     if names == ("down_proj", "kernel"):
@@ -159,8 +159,8 @@ def _mixer_param_spec(mixer, kind, names, shape, m, expert_parallel):
     return REPLICATED
   if kind == "moe":
     if names in (("up",), ("down",)):
-      return (P("model") if expert_parallel and _splits(shape[0], m)
-              else REPLICATED)
+      return (P("model") if expert_parallel
+              and _splits(cfg.n_routed_experts, m) else REPLICATED)
     s = cfg.moe_shared_expert_intermediate_size
     shared = cfg.moe_activation == "relu2" and _splits(s, m)
     if names == ("shared_up", "kernel"):
@@ -171,19 +171,21 @@ def _mixer_param_spec(mixer, kind, names, shape, m, expert_parallel):
   return REPLICATED  # gdn, kda
 
 
-def param_spec(model, path, shape, mesh_model_size: int,
+def param_spec(model, path, mesh_model_size: int,
                expert_parallel: bool = False) -> P:
   """The PartitionSpec of the HybridLM parameter at `path` (a tuple of
   `nnx.state(model)` keys, e.g. ("blocks", 0, "mixer", "out_proj",
-  "kernel")) of `shape`, on a "model" axis of size mesh_model_size."""
+  "kernel")) on a "model" axis of size mesh_model_size (the split sizes
+  come from model.config)."""
   m = int(mesh_model_size)
   cfg = model.config
   path = tuple(path)
   if path and path[0] == "blocks":
     i = int(path[1])
     if len(path) > 3 and path[2] == "mixer":
-      return _mixer_param_spec(model.blocks[i].mixer, cfg.block_kinds[i],
-                               path[3:], shape, m, expert_parallel)
+      return _mixer_param_spec(cfg, model.blocks[i].mixer,
+                               cfg.block_kinds[i],
+                               path[3:], m, expert_parallel)
     return REPLICATED  # the block's pre-norm
   if path == ("embeddings", "weight"):
     return (P("model", None) if cfg.tie_embeddings
@@ -198,9 +200,8 @@ def param_specs(model, mesh: Mesh, *, expert_parallel: bool = False) -> dict:
   `nnx.to_flat_state(nnx.state(model))`)."""
   m = _size(mesh, "model")
   flat = nnx.to_flat_state(nnx.state(model))
-  return {tuple(path): param_spec(model, path, np.shape(v.get_value()), m,
-                                  expert_parallel)
-          for path, v in flat}
+  return {tuple(path): param_spec(model, path, m, expert_parallel)
+          for path, _ in flat}
 
 
 def shard_model(model, mesh: Mesh, *, expert_parallel: bool = False):
