@@ -1,0 +1,305 @@
+"""Multi-device decoding: a ("data", "model") mesh, the PartitionSpec of
+every HybridLM parameter and decode-state leaf, and placement.
+
+  mesh = make_mesh(data=2, model=4)
+  model = shard_model(model, mesh)                 # parameters placed
+  state = shard_state(model.init_state(8, 128), mesh, config=model.config)
+  logits, state = prefill(model, tokens, lengths, state)
+
+The jitted entry points (`prefill`, `decode_step`, `generate`,
+`speculative_generate`) are unchanged: they compile for the inputs'
+shardings and XLA's SPMD partitioner inserts the collectives (the psum
+after a row-parallel matmul, the gathers where a replicated operand meets a
+split one). Any placement gives the single-device result up to the
+summation order of the split reductions; the rules below only choose where
+the memory and the work go.
+
+"data" splits the batch (every state leaf's leading axis, the prompts);
+"model" splits heads / hidden units (tensor parallelism, Megatron-style
+column-parallel in, row-parallel out). With m the "model" axis size:
+
+  Mamba-2     heads split when ssm_heads % m == 0: A_log, D, dt_bias [H]
+              P("model"); out_proj [d_inner, d] rows P("model", None)
+              (row-parallel); the gated norm's weight [d_inner] P("model")
+              only when n_groups % m == 0 (each shard then holds whole norm
+              groups), else replicated (the norm's group reduction is
+              gathered by XLA). The fused in_proj kernel [d, z|x|B|C|dt]
+              and the conv over [x|B|C] are replicated: a contiguous split
+              of a fused axis does not follow heads, so each shard computes
+              the whole (small) projection and slices its heads locally (no
+              communication); B/C groups are replicated. Splitting in_proj
+              per head needs a head-major column layout (future work).
+  attention   q/k/v column-parallel P(None, "model") and o_proj row-parallel
+              when num_kv_heads % m == 0 (the gated attention's [q; gate]
+              columns are per head, so they split the same way); q/k norms
+              replicated; multi-head latent attention replicated.
+  MLP         up/gate P(None, "model"), down P("model", None) when
+              intermediate_size % m == 0.
+  MoE         experts replicated; `expert_parallel=True` splits the expert
+              axis of up/down ([E, ...]) over "model" when E % m == 0. A
+              relu2 shared expert splits as an MLP; a swiglu one (fused
+              [gate|up] columns), the router and the latent projections are
+              replicated.
+  GDN / KDA   replicated (fused in_proj layouts as Mamba's); their states
+              split the batch only.
+  embeddings  untied: the table replicated (the lookup stays local) and the
+              LM head [d, vocab] P(None, "model") (vocab-parallel logits);
+              tied: the table [vocab, d] P("model", None) (the head matmul
+              dominates; the lookup costs one all-reduce of [b, d]).
+  the rest    replicated (norms, biases not listed).
+
+Any dimension the axis size does not divide is replicated (never an error).
+
+State leaves: the batch axis over "data" (when batch % data == 0), and the
+head axis over "model" where the layer's parameters split heads: replay
+checkpoint / read copy [b, H, P, N] P("data", "model"), x_buf / dt_buf
+[b, L, H, ...] P("data", None, "model"), read_scale [b, H, P]
+P("data", "model"), b_buf [b, L, G, N] and the conv ring [b, k-1, conv_dim]
+P("data"), per-row counters P("data"); a baseline state [b, H, P, N] (or
+its StoredSSMState) as the checkpoint; KV caches [b, Hk, S, D]
+P("data", "model").
+
+Pallas kernels are not partitioned here: on CPU the dispatcher runs the
+reference implementations, which XLA partitions like any jnp code; running
+the kernels per shard under `shard_map` is future work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from replayssm_jax.models import states as S
+from replayssm_jax.models.layers import Attention
+from replayssm_jax.models.mla_attention import MLAttention
+from replayssm_jax.state import ReplayState
+
+AXES = ("data", "model")
+REPLICATED = P()
+
+
+def make_mesh(data: int, model: int, devices=None) -> Mesh:
+  """A Mesh of data * model devices with axes ("data", "model").
+
+  devices: a sequence of jax devices (default the first data * model of
+  `jax.devices()`)."""
+  for name, v in (("data", data), ("model", model)):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+      raise ValueError(f"{name} must be a positive int, got {v!r}.")
+  n = int(data) * int(model)
+  devs = list(jax.devices() if devices is None else devices)
+  if len(devs) < n:
+    raise ValueError(f"devices: a {data}x{model} mesh needs {n} devices, "
+                     f"got {len(devs)}.")
+  return Mesh(np.array(devs[:n], dtype=object).reshape(data, model), AXES)
+
+
+def _size(mesh, axis: str) -> int:
+  shape = getattr(mesh, "shape", None)
+  if not hasattr(shape, "keys"):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh, got "
+                    f"{type(mesh).__name__}.")
+  if axis not in shape:
+    raise ValueError(f"mesh must have the axes {AXES}, got "
+                     f"{tuple(mesh.axis_names)}.")
+  return int(mesh.shape[axis])
+
+
+def _splits(n: int, m: int) -> bool:
+  """Whether an axis of size n is split over a mesh axis of size m."""
+  return m > 1 and n % m == 0
+
+
+def _spec(shape, axes) -> P:
+  """P(*axes) with the axes whose size the mesh axis does not divide
+  replaced by None; axes: (mesh axis name or None, its size) per dim."""
+  out = []
+  for n, (name, m) in zip(shape, axes):
+    out.append(name if name is not None and _splits(n, m) else None)
+  while out and out[-1] is None:
+    out.pop()
+  return P(*out)
+
+
+# ------------------------------------------------------------ parameters
+def _mixer_param_spec(cfg, mixer, kind, names, m, expert_parallel):
+  """The PartitionSpec of a mixer's parameter at `names` (path below the
+  mixer); m: the "model" axis size."""
+  col = lambda ok: P(None, "model") if ok else REPLICATED
+  row = lambda ok: P("model", None) if ok else REPLICATED
+  if kind == "mamba":
+    heads = _splits(cfg.ssm_heads, m)
+    if names in (("A_log",), ("D",), ("dt_bias",)):
+      return P("model") if heads else REPLICATED
+    if names == ("norm", "weight"):
+      return P("model") if heads and _splits(cfg.n_groups, m) else REPLICATED
+    if names == ("out_proj", "kernel"):
+      return row(heads)
+    return REPLICATED  # in_proj, conv (fused layouts)
+  if kind == "attention":
+    if isinstance(mixer, MLAttention) or not isinstance(mixer, Attention):
+      return REPLICATED
+    heads = _splits(cfg.num_kv_heads, m)
+    if names in (("q_proj", "kernel"), ("k_proj", "kernel"),
+                 ("v_proj", "kernel")):
+      return col(heads)
+    if names == ("o_proj", "kernel"):
+      return row(heads)
+    return REPLICATED
+  if kind == "mlp":
+    f = _splits(cfg.intermediate_size, m)
+    if names in (("up_proj", "kernel"), ("gate_proj", "kernel")):
+      return col(f)
+    if names == ("down_proj", "kernel"):
+      return row(f)
+    return REPLICATED
+  if kind == "moe":
+    if names in (("up",), ("down",)):
+      return (P("model") if expert_parallel
+              and _splits(cfg.n_routed_experts, m) else REPLICATED)
+    s = cfg.moe_shared_expert_intermediate_size
+    shared = cfg.moe_activation == "relu2" and _splits(s, m)
+    if names == ("shared_up", "kernel"):
+      return col(shared)
+    if names == ("shared_down", "kernel"):
+      return row(shared)
+    return REPLICATED
+  return REPLICATED  # gdn, kda
+
+
+def param_spec(model, path, mesh_model_size: int,
+               expert_parallel: bool = False) -> P:
+  """The PartitionSpec of the HybridLM parameter at `path` (a tuple of
+  `nnx.state(model)` keys, e.g. ("blocks", 0, "mixer", "out_proj",
+  "kernel")) on a "model" axis of size mesh_model_size (the split sizes
+  come from model.config)."""
+  m = int(mesh_model_size)
+  cfg = model.config
+  path = tuple(path)
+  if path and path[0] == "blocks":
+    i = int(path[1])
+    if len(path) > 3 and path[2] == "mixer":
+      return _mixer_param_spec(cfg, model.blocks[i].mixer,
+                               cfg.block_kinds[i],
+                               path[3:], m, expert_parallel)
+    return REPLICATED  # the block's pre-norm
+  if path == ("embeddings", "weight"):
+    return (P("model", None) if cfg.tie_embeddings
+            and _splits(cfg.vocab_size, m) else REPLICATED)
+  if path == ("lm_head", "kernel"):
+    return P(None, "model") if _splits(cfg.vocab_size, m) else REPLICATED
+  return REPLICATED
+
+
+def param_specs(model, mesh: Mesh, *, expert_parallel: bool = False) -> dict:
+  """{path: PartitionSpec} for every parameter of `model` (paths as in
+  `nnx.to_flat_state(nnx.state(model))`)."""
+  m = _size(mesh, "model")
+  flat = nnx.to_flat_state(nnx.state(model))
+  return {tuple(path): param_spec(model, path, m, expert_parallel)
+          for path, _ in flat}
+
+
+def shard_model(model, mesh: Mesh, *, expert_parallel: bool = False):
+  """A copy of `model` (an nnx HybridLM) with every parameter placed on
+  `mesh` per `param_specs` (jax.device_put with a NamedSharding). The
+  given model is not modified.
+
+  expert_parallel: split the MoE experts over "model" (default replicated).
+  """
+  if not isinstance(expert_parallel, bool):
+    raise TypeError(f"expert_parallel must be a bool, got "
+                    f"{expert_parallel!r}.")
+  specs = param_specs(model, mesh, expert_parallel=expert_parallel)
+  graphdef, state = nnx.split(model)
+  flat = []
+  for path, v in nnx.to_flat_state(state):
+    x = jax.device_put(v.get_value(),
+                       NamedSharding(mesh, specs[tuple(path)]))
+    flat.append((path, v.replace(x)))
+  return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+# ---------------------------------------------------------------- states
+def _leaf_spec(x, layout, d, m):
+  """P for an array leaf with `layout`: a tuple naming each leading dim
+  "b" (batch), "h" (a head axis split over "model") or None."""
+  if x is None:
+    return None
+  axes = [(("data", d) if a == "b" else ("model", m) if a == "h"
+           else (None, 1)) for a in layout]
+  return _spec(np.shape(x)[:len(axes)], axes)
+
+
+def _mamba_state_specs(s: S.MambaState, d, m):
+  ssm = s.ssm
+  heads = "h"
+  if isinstance(ssm, ReplayState):
+    lay = dict(checkpoint=("b", heads), x_buf=("b", None, heads),
+               dt_buf=("b", None, heads), read_copy=("b", heads),
+               read_scale=("b", heads))
+    fields = {f.name: getattr(ssm, f.name) for f in dataclasses.fields(ssm)
+              if not f.metadata.get("static")}
+    ssm_spec = ssm.replace(**{k: _leaf_spec(v, lay.get(k, ("b",)), d, m)
+                              for k, v in fields.items()})
+  elif isinstance(ssm, S.StoredSSMState):
+    ssm_spec = ssm.replace(state=_leaf_spec(ssm.state, ("b", heads), d, m),
+                           scale=_leaf_spec(ssm.scale, ("b", heads), d, m),
+                           row_id=_leaf_spec(ssm.row_id, ("b",), d, m),
+                           step=_leaf_spec(ssm.step, ("b",), d, m))
+  else:
+    ssm_spec = _leaf_spec(ssm, ("b", heads), d, m)
+  return s.replace(conv=_leaf_spec(s.conv, ("b",), d, m), ssm=ssm_spec,
+                   conv_start=_leaf_spec(s.conv_start, ("b",), d, m))
+
+
+def state_specs(state: S.ModelState, mesh: Mesh, *, config=None):
+  """A ModelState-shaped pytree of PartitionSpecs for `state` on `mesh`.
+
+  config: the model's ModelConfig; with it, the KV caches of multi-head
+  latent attention layers (whose parameters stay replicated) split the
+  batch only. Without it every KV cache splits its heads when it can."""
+  if not isinstance(state, S.ModelState):
+    raise TypeError(f"state must be a ModelState, got "
+                    f"{type(state).__name__}.")
+  d, m = _size(mesh, "data"), _size(mesh, "model")
+  mla = config is not None and config.mla_kv_lora_rank is not None
+  batch_only = lambda t: jax.tree.map(lambda x: _leaf_spec(x, ("b",), d, m),
+                                      t)
+  layers = []
+  for s in state.layers:
+    if isinstance(s, S.MambaState):
+      layers.append(_mamba_state_specs(s, d, m))
+    elif isinstance(s, S.AttentionState):
+      kv = ("b",) if mla else ("b", "h")
+      layers.append(s.replace(k=_leaf_spec(s.k, kv, d, m),
+                              v=_leaf_spec(s.v, kv, d, m),
+                              length=_leaf_spec(s.length, ("b",), d, m)))
+    elif s is None:
+      layers.append(None)
+    else:  # GDNState / KDA states: every leaf batch-leading
+      layers.append(batch_only(s))
+  return state.replace(layers=tuple(layers),
+                       positions=_leaf_spec(state.positions, ("b",), d, m))
+
+
+def shard_state(state: S.ModelState, mesh: Mesh, *, config=None):
+  """A copy of the decode `state` placed on `mesh` per `state_specs` (the
+  given state is not modified; its buffers stay valid)."""
+  specs = jax.tree.leaves(state_specs(state, mesh, config=config),
+                          is_leaf=lambda x: isinstance(x, P))
+  leaves, treedef = jax.tree.flatten(state)
+  return jax.tree.unflatten(treedef, [
+      jax.device_put(x, NamedSharding(mesh, spec))
+      for x, spec in zip(leaves, specs, strict=True)])
+
+
+def shard_batch(x, mesh: Mesh):
+  """An input array with a leading batch axis (tokens, lengths) split over
+  "data" (replicated when the axis size does not divide it)."""
+  spec = _leaf_spec(x, ("b",), _size(mesh, "data"), _size(mesh, "model"))
+  return jax.device_put(x, NamedSharding(mesh, spec))

@@ -1,0 +1,209 @@
+"""replayssm_jax.sharding: the PartitionSpec rules, and decoding on 8 host
+devices against one.
+
+The device count must be set before jax starts, so `test_meshes` runs this
+module's multi-device checks in subprocesses (one per ssm_mode, side by
+side) with XLA_FLAGS=--xla_force_host_platform_device_count=8; in the
+normal run (one CPU device) they skip, and the rule tests run.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from replayssm_jax import sharding as SH
+from replayssm_jax.models.config import ModelConfig
+from replayssm_jax.models.generate import generate
+from replayssm_jax.models.model import HybridLM, prefill
+from replayssm_jax.models.proposers import NgramProposer
+from replayssm_jax.models.speculative import speculative_generate
+
+MULTI = jax.device_count() >= 8
+only_multi = pytest.mark.skipif(not MULTI, reason="runs on 8 host devices")
+MESHES = ((1, 8), (2, 4), (4, 2), (8, 1))
+TINY = dict(vocab_size=64, d_model=32, pattern="M*-E", ssm_heads=8,
+            head_dim=4, d_state=8, n_groups=1, num_heads=8, num_kv_heads=8,
+            attn_head_dim=4, intermediate_size=32, n_routed_experts=8,
+            moe_intermediate_size=16, chunk_size=8)
+
+
+def _model(**overrides):
+  return HybridLM(ModelConfig(**{**TINY, **overrides}), rngs=nnx.Rngs(0))
+
+
+class _Mesh:
+  """The rules read only mesh.shape and axis names: a stand-in of any
+  size for the one-device process."""
+
+  def __init__(self, data, model):
+    self.shape = {"data": data, "model": model}
+    self.axis_names = SH.AXES
+
+
+# ------------------------------------------------------------------ rules
+def test_param_rules():
+  model = _model()
+  specs = SH.param_specs(model, _Mesh(1, 4), expert_parallel=True)
+  mamba = ("blocks", 0, "mixer")
+  assert specs[mamba + ("A_log",)] == P("model")
+  assert specs[mamba + ("dt_bias",)] == P("model")
+  assert specs[mamba + ("out_proj", "kernel")] == P("model", None)
+  assert specs[mamba + ("in_proj", "kernel")] == P()  # fused layout
+  assert specs[mamba + ("conv_weight",)] == P()
+  assert specs[mamba + ("norm", "weight")] == P()  # 1 group over 4 shards
+  att = ("blocks", 1, "mixer")
+  assert specs[att + ("k_proj", "kernel")] == P(None, "model")
+  assert specs[att + ("o_proj", "kernel")] == P("model", None)
+  assert specs[("blocks", 2, "mixer", "up_proj", "kernel")] == P(None,
+                                                                 "model")
+  assert specs[("blocks", 2, "mixer", "down_proj", "kernel")] == P("model",
+                                                                   None)
+  assert specs[("blocks", 3, "mixer", "up")] == P("model")
+  assert specs[("blocks", 3, "mixer", "router")] == P()
+  assert specs[("lm_head", "kernel")] == P(None, "model")
+  assert specs[("embeddings", "weight")] == P()
+  assert specs[("blocks", 0, "norm", "weight")] == P()
+  # Experts replicated by default; norm groups split when they divide.
+  assert SH.param_spec(model, ("blocks", 3, "mixer", "up"), 4) == P()
+  grouped = _model(n_groups=4)
+  assert SH.param_spec(grouped, mamba + ("norm", "weight"),
+                       4) == P("model")
+
+
+def test_param_rules_replicate_what_does_not_divide():
+  model = _model(ssm_heads=6, num_kv_heads=2, intermediate_size=30,
+                 n_routed_experts=6, vocab_size=66, tie_embeddings=True)
+  for path in (("blocks", 0, "mixer", "A_log"),
+               ("blocks", 0, "mixer", "out_proj", "kernel"),
+               ("blocks", 1, "mixer", "q_proj", "kernel"),
+               ("blocks", 2, "mixer", "down_proj", "kernel"),
+               ("blocks", 3, "mixer", "up"),
+               ("embeddings", "weight")):
+    assert SH.param_spec(model, path, 4, expert_parallel=True) == P()
+  # One model shard: nothing split.
+  assert SH.param_spec(_model(), ("lm_head", "kernel"), 1) == P()
+
+
+@pytest.mark.parametrize("ssm_mode", ["replay", "baseline"])
+def test_state_rules(ssm_mode):
+  model = _model()
+  state = model.init_state(4, 16, ssm_mode=ssm_mode, buffer_len=4)
+  specs = SH.state_specs(state, _Mesh(2, 4))
+  mamba, att = specs.layers[0], specs.layers[1]
+  if ssm_mode == "replay":
+    assert mamba.ssm.checkpoint == P("data", "model")
+    assert mamba.ssm.x_buf == P("data", None, "model")
+    assert mamba.ssm.dt_buf == P("data", None, "model")
+    assert mamba.ssm.b_buf == P("data")
+    assert mamba.ssm.count == P("data")
+  else:
+    assert mamba.ssm == P("data", "model")
+  assert mamba.conv == P("data") and mamba.conv_start == P("data")
+  assert att.k == P("data", "model") and att.length == P("data")
+  assert specs.layers[2] is None and specs.positions == P("data")
+  # A batch of 3 on 2 data shards and 8 heads on 3 model shards: replicated.
+  odd = SH.state_specs(model.init_state(3, 16, ssm_mode=ssm_mode),
+                       _Mesh(2, 3))
+  leaves = jax.tree.leaves(odd, is_leaf=lambda x: isinstance(x, P))
+  assert leaves and all(s == P() for s in leaves)
+
+
+def test_one_device_mesh_and_no_mutation():
+  model = _model(pattern="M*")
+  mesh = SH.make_mesh(1, 1)
+  before = jax.tree.map(np.asarray, nnx.state(model))
+  sharded = SH.shard_model(model, mesh)
+  assert sharded is not model
+  state = model.init_state(2, 16)
+  placed = SH.shard_state(state, mesh, config=model.config)
+  assert placed is not state and placed.layers[0].ssm.checkpoint.sharding.mesh
+  jax.tree.map(np.testing.assert_array_equal, before,
+               jax.tree.map(np.asarray, nnx.state(model)))
+  tok = jnp.array([[1, 2, 3], [4, 5, 0]])
+  ln = jnp.array([3, 2])
+  want, _ = prefill(model, tok, ln, model.init_state(2, 16))
+  got, _ = prefill(sharded, tok, ln, placed)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_argument_errors():
+  with pytest.raises(ValueError, match="model"):
+    SH.make_mesh(1, 0)
+  with pytest.raises(ValueError, match="devices"):
+    SH.make_mesh(1, jax.device_count() + 1)
+  with pytest.raises(TypeError, match="state"):
+    SH.shard_state({}, SH.make_mesh(1, 1))
+  with pytest.raises(TypeError, match="expert_parallel"):
+    SH.shard_model(_model(pattern="M"), SH.make_mesh(1, 1),
+                   expert_parallel=1)
+
+
+# ----------------------------------------------------------- 8 devices
+@pytest.mark.skipif(MULTI, reason="the subprocess itself")
+def test_meshes():
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=root,
+             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  procs = [subprocess.Popen(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+       f"{__file__}::{name}"], cwd=root, env=env, stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT, text=True)
+           for name in ("test_multi_device[replay]",
+                        "test_multi_device[baseline]")]
+  for p in procs:
+    out, _ = p.communicate(timeout=900)
+    assert p.returncode == 0, out[-3000:]
+    assert "1 passed" in out, out[-3000:]
+
+
+def _prompts():
+  tok = jax.random.randint(jax.random.PRNGKey(1), (8, 6), 1, 64)
+  return tok, jnp.array([6, 5, 4, 6, 3, 6, 2, 1], jnp.int32)
+
+
+@only_multi
+@pytest.mark.parametrize("ssm_mode", ["replay", "baseline"])
+def test_multi_device(ssm_mode):
+  model = _model()
+  tok, ln = _prompts()
+  want_tokens, want_n = generate(model, tok, ln, 4, ssm_mode=ssm_mode,
+                                 buffer_len=4)
+  want_logits, _ = prefill(model, tok, ln, model.init_state(
+      8, 16, ssm_mode=ssm_mode, buffer_len=4))
+  for data, m in MESHES:
+    mesh = SH.make_mesh(data, m)
+    sharded = SH.shard_model(model, mesh, expert_parallel=data == 2)
+    stok, sln = SH.shard_batch(tok, mesh), SH.shard_batch(ln, mesh)
+    got, n = generate(sharded, stok, sln, 4, ssm_mode=ssm_mode,
+                      buffer_len=4)
+    np.testing.assert_array_equal(got, want_tokens, err_msg=f"{mesh.shape}")
+    np.testing.assert_array_equal(n, want_n)
+    state = SH.shard_state(model.init_state(8, 16, ssm_mode=ssm_mode,
+                                            buffer_len=4), mesh,
+                           config=model.config)
+    logits, state = prefill(sharded, stok, sln, state)
+    np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-6,
+                               err_msg=f"{mesh.shape}")
+    ckpt = state.layers[0].ssm
+    ckpt = ckpt.checkpoint if ssm_mode == "replay" else ckpt
+    assert len(ckpt.sharding.device_set) == 8
+  if ssm_mode == "replay":  # one speculative case, on a 2x4 mesh
+    proposer = NgramProposer(n=2)
+    want, want_n, _ = speculative_generate(model, proposer, tok, ln, 4, 3,
+                                           buffer_len=4)
+    mesh = SH.make_mesh(2, 4)
+    got, n, _ = speculative_generate(
+        SH.shard_model(model, mesh), proposer, SH.shard_batch(tok, mesh),
+        SH.shard_batch(ln, mesh), 4, 3, buffer_len=4)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(n, want_n)
+    np.testing.assert_array_equal(got, want_tokens)
