@@ -589,3 +589,28 @@ def test_every_config_names_its_run_command():
       with open(os.path.join(_ROOT, "configs", f)) as fh:
         text = fh.read()
       assert "python -m experiments." in text, f
+
+
+def test_serve_bench_smoke(tmp_path):
+  """The serving benchmark's smoke run: both modes serve every request of
+  the workload to its full output length (greedy, no eos), the latency
+  percentiles are ordered, and the outputs are written."""
+  from configs import serve_bench as serve_config  # pylint: disable=g-import-not-at-top
+  from experiments import serve_bench  # pylint: disable=g-import-not-at-top
+  config = serve_config.get_config("smoke")
+  assert "python -m experiments.serve_bench" in serve_config.__doc__
+  out = serve_bench.run(config, str(tmp_path))
+  recs = out["records"]
+  assert [r["mode"] for r in recs] == list(config.serve.ssm_modes)
+  want = serve_bench.workload(config, config.model.vocab_size)
+  for r in recs:
+    assert r["requests"] == len(want)
+    assert r["tokens"] == sum(w["max_new_tokens"] for w in want)
+    assert r["tokens_per_s"] > 0 and r["state_bytes"] > 0
+    assert 0 <= r["ttft_p50_ms"] <= r["ttft_p99_ms"]
+    assert 0 <= r["tpot_p50_ms"] <= r["tpot_p99_ms"]
+    assert r["steps"] == r["dispatches"] * config.serve.steps_per_dispatch
+  _assert_config_json(out["workdir"], config)
+  lines = common.read_metrics(os.path.join(out["workdir"], "metrics.jsonl"))
+  assert lines[0]["kind"] == "environment" and len(lines) == 1 + len(recs)
+  _assert_png(os.path.join(out["workdir"], "latency.png"))

@@ -26,6 +26,7 @@
 #   bash benchmarks/scripts/run_h200.sh nano [parts] [batches]  # the Nemotron 3 Nano-shaped model: decode step, generate / speculative_generate
 #   bash benchmarks/scripts/run_h200.sh qwen35_4b [parts] [batches]  # the same on the Qwen3.5-4B text shape (Gated DeltaNet)
 #   bash benchmarks/scripts/run_h200.sh gdn_kernels  # the Gated DeltaNet kernels vs their references at Qwen3.5 shapes, then their tests on the GPU
+#   bash benchmarks/scripts/run_h200.sh serve [hf_config]  # serve_bench: continuous batching, Poisson arrivals, baseline vs replay (hybrid_1b, or a transformers config's shape)
 #   bash benchmarks/scripts/run_h200.sh gdn_bench    # the GDN step kernels timed: baseline (Pallas, XLA, flash-linear-attention) vs replay, b {256,64,1,512} x L {16,8,32}
 #
 # Several parts in one call within a total budget: run_h200_chain.sh.
@@ -165,6 +166,10 @@ case "$1" in
     timeout "$T" python -u benchmarks/scripts/gdn_kernel_bench.py \
       --batches=256,64,1,512 --buffer_lens=16,8,32 --budget_s=$(( T - 120 )) \
       --out="$OUT/gdn_kernel_bench.json" ;;
+  serve)
+    timeout "$T" python -m experiments.serve_bench \
+      --config=configs/serve_bench.py --workdir="$OUT/serve" \
+      ${2:+--config.hf_config=$2} ;;
   gpu_tests)
     # Kernel-vs-reference tests that run the real kernels on the GPU (the
     # conv step, the gated norm, the decode attention, and the model's

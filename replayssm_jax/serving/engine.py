@@ -234,7 +234,8 @@ class Engine:
       self.slots[slot] = req
       self._eos[slot] = -1 if req.eos_id is None else req.eos_id
       self._temps[slot] = req.temperature
-      self._keys = self._keys.at[slot].set(key)
+      # A traced index: one compiled update serves every slot.
+      self._keys = self._keys.at[jnp.int32(slot)].set(key)
       self._left[slot] = req.max_new_tokens
       self._emit(slot, [tok], on_tokens)
     self.stats.admit_s += time.perf_counter() - t0

@@ -250,8 +250,15 @@ def insert(model: M.HybridLM, pool: Pool, slot, prompt_tokens, *,
   if row_id is None:
     row_id = slot
   V.check_integer("row_id", jnp.asarray(row_id))
-  tokens = jnp.zeros((bucket,), jnp.int32).at[:t].set(
-      jnp.asarray(prompt_tokens, jnp.int32))
+  if V.is_concrete(prompt_tokens):
+    # Padded on the host: an eager scatter would compile once per prompt
+    # length.
+    padded = np.zeros((bucket,), np.int32)
+    padded[:t] = np.asarray(prompt_tokens)
+    tokens = jnp.asarray(padded)
+  else:
+    tokens = jnp.zeros((bucket,), jnp.int32).at[:t].set(
+        jnp.asarray(prompt_tokens, jnp.int32))
   graphdef, params = nnx.split(model)
   pool, tok, logits = _insert_jit(graphdef, params, pool, slot, tokens,
                                   jnp.int32(t), jnp.asarray(row_id,

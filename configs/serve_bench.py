@@ -1,0 +1,53 @@
+r"""Serving benchmark (experiments/serve_bench.py): continuous batching with
+Poisson arrivals, baseline vs replay decode states.
+
+Full run (one GPU; configs/hybrid_1b.py's model, random weights, bf16):
+
+  python -m experiments.serve_bench --config=configs/serve_bench.py \
+      --workdir=runs/serve_bench
+
+Smoke run (CPU, about a minute; used by tests/test_experiments.py):
+
+  python -m experiments.serve_bench --config=configs/serve_bench.py:smoke \
+      --workdir=runs/serve_bench_smoke
+
+A model of a published shape with random weights instead:
+--config.hf_config=configs/nemotron3_nano_30b_a3b.json. Useful overrides:
+--config.serve.arrival_rate=200 (requests per second),
+--config.serve.capacity=256, --config.serve.steps_per_dispatch=16.
+"""
+
+import ml_collections
+
+from configs import _args
+from configs import _decode_bench
+from configs import hybrid_1b
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  """The benchmark configuration; `arg="smoke"` is a tiny CPU run."""
+  _args.check_arg(arg)
+  smoke = arg == "smoke"
+  config = ml_collections.ConfigDict()
+  config.seed = 0
+  config.model = ml_collections.ConfigDict(
+      dict(_decode_bench.TINY_MODEL if smoke else hybrid_1b.MODEL))
+  # A transformers config.json (random bf16 weights at its shape) in place
+  # of `model`, or "".
+  config.hf_config = ""
+  s = config.serve = ml_collections.ConfigDict()
+  s.ssm_modes = ("baseline", "replay")
+  s.buffer_len = 4 if smoke else 16
+  s.precision = ""  # a replayssm_jax.precision preset for replay states
+  s.capacity = 4 if smoke else 64  # slots (the decode batch)
+  s.max_len = 64 if smoke else 1024  # prompt + output tokens per slot
+  s.steps_per_dispatch = 4 if smoke else 8
+  s.num_requests = 12 if smoke else 512
+  # Poisson arrivals (requests per second); 0: all arrive at once.
+  s.arrival_rate = 0.0 if smoke else 48.0
+  # Prompt and output lengths: uniform integers in [min, max].
+  s.prompt_len_min, s.prompt_len_max = (4, 16) if smoke else (64, 512)
+  s.output_len_min, s.output_len_max = (4, 12) if smoke else (64, 256)
+  s.temperature = 0.0  # 0: greedy; > 0: every request samples
+  s.implementation = ""  # "" = dispatcher default
+  return config

@@ -1,0 +1,216 @@
+r"""Serving benchmark: continuous batching (`replayssm_jax.serving.Engine`)
+under Poisson arrivals, baseline vs replay decode states.
+
+A workload of `serve.num_requests` requests (prompt and output lengths
+uniform in the configured ranges, random prompt tokens, arrival times of a
+Poisson process at `serve.arrival_rate` requests/s; the same workload for
+every mode) is played against one engine per SSM mode: the driver submits
+each request once the wall clock passes its arrival time and dispatches
+the engine (admissions, then `steps_per_dispatch` decode steps) until all
+finished. Every prompt-length bucket and the decode loop are compiled by
+a warm-up engine first, so the timed run compiles nothing.
+
+Per mode (one metrics.jsonl line each): output tokens/s (generated tokens
+over the time from the first arrival to the last token), time to first
+token (arrival -> first streamed token) and time per output token (a
+request's (last - first token time) / (tokens - 1)) at p50 / p99, the
+engine's host time per decode step (its wall time less its waits for the
+device's tokens) against its wall time per step, and the decode state's
+bytes. summary.md holds the table, latency.png the TTFT / TPOT
+distributions.
+
+Usage (see configs/serve_bench.py):
+  python -m experiments.serve_bench --config=configs/serve_bench.py \
+      --workdir=runs/serve_bench
+  python -m experiments.serve_bench --config=configs/serve_bench.py:smoke \
+      --workdir=runs/serve_bench_smoke   # CPU, about a minute
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from absl import logging
+import jax
+import numpy as np
+
+from experiments import common
+from experiments.decode_bench import build_model
+from replayssm_jax import serving
+from replayssm_jax.models import ModelConfig, hf
+from replayssm_jax.precision import PrecisionPolicy
+from replayssm_jax.serving import pool as pool_mod
+
+_DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), "configs", "serve_bench.py")
+
+
+def model_config(config) -> ModelConfig:
+  """The benchmark's ModelConfig: `hf_config`'s shape in bf16, or
+  `model`."""
+  if config.hf_config:
+    with open(config.hf_config) as f:
+      cfg, _ = hf.config_from_hf(json.load(f))
+    return cfg.replace(dtype="bfloat16", param_dtype="bfloat16")
+  return ModelConfig(**config.model.to_dict())
+
+
+def workload(config, vocab_size: int) -> list[dict]:
+  """The requests: id, prompt tokens, max_new_tokens, arrival time (s)."""
+  s = config.serve
+  rng = np.random.default_rng(config.seed)
+  n = s.num_requests
+  gaps = (rng.exponential(1.0 / s.arrival_rate, n) if s.arrival_rate > 0
+          else np.zeros(n))
+  arrivals = np.cumsum(gaps) - gaps[0]
+  out = []
+  for i in range(n):
+    t = int(rng.integers(s.prompt_len_min, s.prompt_len_max + 1))
+    m = int(rng.integers(s.output_len_min, s.output_len_max + 1))
+    if t + m > s.max_len:
+      raise ValueError(f"serve.max_len ({s.max_len}) is shorter than the "
+                       f"longest prompt + output ({t} + {m}).")
+    out.append(dict(id=i, prompt=rng.integers(0, vocab_size, t,
+                                              dtype=np.int32),
+                    max_new_tokens=m, arrival=float(arrivals[i])))
+  return out
+
+
+def _engine(model, config, mode: str) -> serving.Engine:
+  s = config.serve
+  kw = {}
+  if mode == "replay" and s.precision:
+    policy = PrecisionPolicy.preset(s.precision)
+    kw = dict(precision=policy, checkpoint_dtype=policy.checkpoint_dtype)
+  return serving.Engine(model, s.capacity, s.max_len,
+                        steps_per_dispatch=s.steps_per_dispatch,
+                        implementation=s.implementation or None,
+                        ssm_mode=mode, buffer_len=s.buffer_len, **kw)
+
+
+def _request(r, config) -> serving.Request:
+  return serving.Request(r["id"], r["prompt"], r["max_new_tokens"],
+                         temperature=config.serve.temperature,
+                         seed=config.seed + r["id"])
+
+
+def warm_up(model, config, mode: str, requests: list[dict]):
+  """Compiles every prompt-length bucket of the workload and the decode
+  loop: one short request per bucket through a throwaway engine."""
+  s = config.serve
+  lengths = {}
+  for r in requests:
+    lengths.setdefault(pool_mod.bucket_len(len(r["prompt"]), s.max_len),
+                       len(r["prompt"]))
+  eng = _engine(model, config, mode)
+  lengths = sorted(lengths.values())
+  for i in range(max(len(lengths), s.capacity)):  # every slot too
+    t = lengths[i % len(lengths)]
+    eng.submit(serving.Request(f"warm{i}", np.zeros(t, np.int32),
+                               max_new_tokens=min(2, s.max_len - t),
+                               temperature=s.temperature))
+  eng.run()
+
+
+def play(model, config, mode: str, requests: list[dict]) -> dict:
+  """Plays the workload against a fresh engine in real time."""
+  eng = _engine(model, config, mode)
+  first, last, count = {}, {}, {}
+
+  def on_tokens(rid, toks):
+    now = time.perf_counter()
+    first.setdefault(rid, now)
+    last[rid] = now
+    count[rid] = count.get(rid, 0) + len(toks)
+
+  t0 = time.perf_counter()
+  pending = list(requests)  # in arrival order
+  while pending or eng.busy:
+    now = time.perf_counter() - t0
+    while pending and pending[0]["arrival"] <= now:
+      eng.submit(_request(pending.pop(0), config))
+    if eng.busy:
+      eng.dispatch(on_tokens)
+    elif pending:  # idle until the next arrival
+      time.sleep(max(0.0, pending[0]["arrival"] - now))
+  end = max(last.values())
+  ttft = np.array([first[r["id"]] - t0 - r["arrival"] for r in requests])
+  tpot = np.array([(last[r["id"]] - first[r["id"]]) / (count[r["id"]] - 1)
+                   for r in requests if count[r["id"]] > 1])
+  tokens = sum(count.values())
+  st = eng.stats
+  state_bytes = sum(x.size * x.dtype.itemsize
+                    for x in jax.tree.leaves(eng.pool.state))
+  return dict(
+      kind="serve", mode=mode, requests=len(requests), tokens=tokens,
+      duration_s=end - t0, tokens_per_s=tokens / (end - t0),
+      ttft_p50_ms=float(np.percentile(ttft, 50) * 1e3),
+      ttft_p99_ms=float(np.percentile(ttft, 99) * 1e3),
+      tpot_p50_ms=float(np.percentile(tpot, 50) * 1e3) if tpot.size else None,
+      tpot_p99_ms=float(np.percentile(tpot, 99) * 1e3) if tpot.size else None,
+      host_us_per_step=st.host_us_per_step,
+      wall_us_per_step=st.wall_us_per_step, dispatches=st.dispatches,
+      steps=st.steps, admissions=st.admissions, state_bytes=int(state_bytes),
+      ttft_ms=(ttft * 1e3).tolist(), tpot_ms=(tpot * 1e3).tolist())
+
+
+def _plot(records: list[dict], path: str):
+  fig, axes = common.new_figure(1, 2, figsize=(10.0, 4.0))
+  for rec in records:
+    for ax, key in zip(axes[0], ("ttft_ms", "tpot_ms")):
+      vals = np.sort(rec[key])
+      if vals.size:
+        ax.plot(vals, np.arange(1, vals.size + 1) / vals.size,
+                label=rec["mode"])
+  for ax, title in zip(axes[0], ("time to first token (ms)",
+                                 "time per output token (ms)")):
+    ax.set_xlabel(title)
+    ax.set_ylabel("fraction of requests")
+    ax.legend()
+  common.save_plot(fig, path)
+
+
+def run(config, workdir: str) -> dict:
+  """Runs the benchmark into `workdir`; returns the records."""
+  workdir, env, writer = common.start_run(workdir, config)
+  cfg = model_config(config)
+  model = build_model(cfg, config.seed)
+  requests = workload(config, cfg.vocab_size)
+  records = []
+  for i, mode in enumerate(config.serve.ssm_modes):
+    logging.info("[%d/%d] %s: warm-up", i + 1, len(config.serve.ssm_modes),
+                 mode)
+    warm_up(model, config, mode, requests)
+    logging.info("[%d/%d] %s: %d requests", i + 1,
+                 len(config.serve.ssm_modes), mode, len(requests))
+    rec = play(model, config, mode, requests)
+    writer.write(rec)
+    records.append(rec)
+  base = next((r for r in records if r["mode"] == "baseline"), None)
+  rows = [dict(r, vs_baseline=(r["tokens_per_s"] / base["tokens_per_s"]
+                               if base else None)) for r in records]
+  s = config.serve
+  text = (f"# serve_bench\n\nmodel: {cfg.pattern[:40]} d_model "
+          f"{cfg.d_model}, {cfg.dtype}; {s.num_requests} requests at "
+          f"{s.arrival_rate} /s, capacity {s.capacity}, "
+          f"{s.steps_per_dispatch} steps per dispatch; backend "
+          f"{env['backend']} ({env['device_kind']})\n\n" +
+          common.markdown_table(
+              rows, ["mode", "tokens_per_s", "vs_baseline", "ttft_p50_ms",
+                     "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms",
+                     "host_us_per_step", "wall_us_per_step", "state_bytes"],
+              formats=dict(tokens_per_s=".1f", vs_baseline=".3f",
+                           ttft_p50_ms=".1f", ttft_p99_ms=".1f",
+                           tpot_p50_ms=".2f", tpot_p99_ms=".2f",
+                           host_us_per_step=".0f", wall_us_per_step=".0f"))
+          + "\n")
+  common.log_block(common.write_summary(workdir, text))
+  _plot(records, os.path.join(workdir, "latency.png"))
+  return dict(workdir=workdir, records=records)
+
+
+if __name__ == "__main__":
+  common.run_app(run, default_config=_DEFAULT_CONFIG,
+                 default_workdir="runs/serve_bench")
