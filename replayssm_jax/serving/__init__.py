@@ -6,10 +6,14 @@
   evict              free a slot.
   step / step_n      one / n decode steps over all slots (dense batch;
                      inactive slots selected back unchanged).
+  PrefixCache        an LRU map of decode states at block-aligned prompt
+                     prefixes (keyed by a block hash chain).
+  insert_cached      insert through a PrefixCache.
 """
 
 from replayssm_jax.serving.pool import (Pool, bucket_len, evict, init_pool,
                                         insert, step, step_n)
+from replayssm_jax.serving.prefix_cache import PrefixCache, insert_cached
 
 __all__ = ["Pool", "bucket_len", "evict", "init_pool", "insert", "step",
-           "step_n"]
+           "step_n", "PrefixCache", "insert_cached"]
