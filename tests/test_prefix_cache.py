@@ -237,3 +237,20 @@ def test_bad_arguments_are_named(model):
   with pytest.raises(ValueError, match="cache"):
     serving.insert_cached(model, other, cache, 0, prompt(0, 6))
   assert pc.TRACE_COUNTS["finish"] >= 1
+
+
+def test_a_hit_runs_only_the_rest_from_the_cached_row(model):
+  """A hit starts from the cached row: with b's 2-block state planted
+  under a's key, a's request continues b's prefix with a's tail, as
+  `insert` of b[:8] + a[8:] does."""
+  p = prompts()
+  cache = serving.PrefixCache(BLOCK, 4)
+  pool = new_pool(model, "replay")
+  pool, _ = serving.insert_cached(model, pool, cache, 0, p["a"])
+  pool, _ = serving.insert_cached(model, pool, cache, 1, p["b"])
+  ka, kb = cache.keys(p["a"])[1], cache.keys(p["b"])[1]
+  cache.put(ka, cache.get(kb))
+  mixed = jnp.concatenate([p["b"][:2 * BLOCK], p["a"][2 * BLOCK:]])
+  _, *want = run(model, "replay", [("x", 2, mixed)])
+  _, *got = run(model, "replay", [("x", 2, p["a"])], pool=pool, cache=cache)
+  assert_same(got, want, "planted row")
