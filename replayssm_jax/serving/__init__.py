@@ -6,6 +6,9 @@
   evict              free a slot.
   step / step_n      one / n decode steps over all slots (dense batch;
                      inactive slots selected back unchanged).
+  PrefixCache        an LRU map of decode states at block-aligned prompt
+                     prefixes (keyed by a block hash chain).
+  insert_cached      insert through a PrefixCache.
   Engine / Request   continuous batching: a request queue admitted into
                      free slots, several steps per dispatch with stopping
                      on the device, streamed tokens.
@@ -14,6 +17,8 @@
 from replayssm_jax.serving.engine import Engine, EngineStats, Request
 from replayssm_jax.serving.pool import (Pool, bucket_len, evict, init_pool,
                                         insert, step, step_n)
+from replayssm_jax.serving.prefix_cache import PrefixCache, insert_cached
 
-__all__ = ["Engine", "EngineStats", "Request", "Pool", "bucket_len", "evict", "init_pool", "insert", "step",
-           "step_n"]
+__all__ = ["Engine", "EngineStats", "Pool", "PrefixCache", "Request",
+           "bucket_len", "evict", "init_pool", "insert", "insert_cached",
+           "step", "step_n"]

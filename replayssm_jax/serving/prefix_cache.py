@@ -1,0 +1,323 @@
+"""Prefix caching of decode states at block-aligned prompt positions.
+
+  cache = PrefixCache(block=16, max_entries=64)
+  pool, first = insert_cached(model, pool, cache, slot, prompt_tokens)
+  cache.stats()  # lookups, hits, misses, reused_tokens, hit_rate, ...
+
+Design.
+
+* What is cached. The whole decode state of one request after a prompt
+  prefix, as a batch-1 `ModelState` row laid out as the pool's rows: the
+  SSM states (replay checkpoint + buffers and counter, or the full
+  baseline state), the conv windows, the attention layers' KV-cache rows
+  (the whole max_len row) with their lengths, and the position. Such a row
+  is a complete state: a request whose prompt starts with the prefix
+  continues from it and processes only the rest of its prompt.
+
+* Keys: a hash chain per block of `block` tokens, as vLLM's block hashes:
+  the key of the first k blocks is h_k = sha256(h_{k-1} || tokens of block
+  k), h_0 fixed by `block`. A key identifies the whole prefix (every
+  earlier block is folded into it), so the longest cached prefix of a
+  prompt is the largest k whose h_k is in the cache, found with one dict
+  lookup per block on the host. Rows are stored only at whole-block
+  prefixes, which bounds the keys a prompt can produce to len // block
+  and lets two prompts meet at the same keys whatever their lengths.
+
+* Why block-aligned states are exact. A snapshot is taken either right
+  after a prefill of the aligned prefix, whose replay states have count 0
+  (checkpoint = the full state, empty buffer: exactly what a baseline pool
+  holds), or after decode steps from an earlier snapshot, a replay state
+  mid-buffer with its buffered inputs, which is the exact state of that
+  prefix too (replay defers the update, it does not drop it). Either way
+  the row is exact for "replay" and "baseline" pools alike; a snapshot is
+  never a state that needs a flush it cannot do.
+
+* What insert_cached does. Of a prompt of T tokens, at most
+  K = (T - 1) // block whole blocks are looked up (one token at least is
+  left to produce the first token's logits). On a hit at k blocks, the
+  row starts from the cached snapshot (a copy is written into the pool:
+  the pool is donated by the pool functions and the snapshot never
+  aliases it). If k < K (a miss: k = 0), the state at K blocks is built
+  and cached: on a miss by a prefill of the K * block tokens (as `insert`
+  does, from an empty row), after a partial hit by decode steps from the
+  k-block snapshot. Then the remaining T - K * block tokens (or T - k *
+  block after a hit at K) run as decode steps (`HybridLM.step` on the
+  batch-1 row in one jitted `lax.fori_loop` whose trip count is the real
+  remainder length, a traced value: no padded step runs, so no state has
+  to be selected back), the last step's logits give the first token, and
+  the row overwrites row `slot` of every pool leaf, as `insert` does. A
+  prompt shorter than block + 1 tokens has no whole block to look up and
+  goes through `insert` directly.
+
+* Cost model. A hit saves the prefill of k * block tokens, and its
+  remainder runs as decode steps: one memory-bound step per token, so the
+  remainder should be short (< block tokens after a hit at K). A miss
+  costs one prefill of K * block tokens plus up to block decode steps;
+  a partial hit, (K - k) * block + remainder decode steps. Continuing a
+  chunked prefill from a given state (instead of decode steps) is future
+  work: `prefill` starts every row from an empty state. On a miss only the
+  last aligned boundary is cached (a prefill yields its final state only);
+  a later prompt sharing fewer blocks misses, one sharing them all hits.
+
+* Equality. The result equals `insert` of the same prompt: tokens exactly,
+  logits up to the rounding by which a prefill differs from decode steps
+  over the same tokens (the project's prefill + decode == forward
+  tolerance, 5e-5 in f32). With a stochastically rounding precision
+  policy the cached prefix keeps the rounding bits of the request that
+  filled the cache (the row_id leaves are set to the new request's id).
+
+A cache serves one model and one pool layout (ssm_mode, dtypes, max_len,
+buffer_len): a pool whose row layout differs from the cached rows' is an
+error; a different model of the same layout is not detected.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import hashlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from replayssm_jax import _validation as V
+from replayssm_jax.models import model as M
+from replayssm_jax.models.generate import sample_logits
+from replayssm_jax.serving import pool as P
+
+# Number of times each jitted entry point was traced (tests assert on it).
+TRACE_COUNTS = {"prefill": 0, "advance": 0, "finish": 0}
+
+
+class PrefixCache:
+  """Host-side LRU map: block-hash-chain key -> batch-1 ModelState row.
+
+  Args:
+    block: tokens per block (> 0); rows are cached at whole-block prefixes.
+    max_entries: the most rows held (> 0); the least recently used row is
+      dropped past it.
+  """
+
+  def __init__(self, block: int, max_entries: int):
+    self.block = V.positive_int("block", block)
+    self.max_entries = V.positive_int("max_entries", max_entries)
+    self._rows: collections.OrderedDict = collections.OrderedDict()
+    self._layout = None
+    self.lookups = self.hits = self.misses = 0
+    self.reused_tokens = self.evictions = 0
+
+  def __len__(self) -> int:
+    return len(self._rows)
+
+  def __contains__(self, key) -> bool:
+    return key in self._rows
+
+  def keys(self, prompt_tokens) -> list[bytes]:
+    """The chain keys h_1 .. h_n of the whole blocks of `prompt_tokens`
+    [T] (n = T // block)."""
+    toks = np.asarray(prompt_tokens).astype(np.int64)
+    h = hashlib.sha256(f"prefix-cache/block={self.block}".encode()).digest()
+    out = []
+    for k in range(len(toks) // self.block):
+      blk = toks[k * self.block:(k + 1) * self.block]
+      h = hashlib.sha256(h + blk.tobytes()).digest()
+      out.append(h)
+    return out
+
+  def get(self, key):
+    """The row cached under `key` (now the most recently used), or None."""
+    row = self._rows.get(key)
+    if row is not None:
+      self._rows.move_to_end(key)
+    return row
+
+  def put(self, key, row) -> None:
+    """Caches `row` (a batch-1 ModelState, not to be modified afterwards)
+    under `key`, dropping the least recently used rows past max_entries."""
+    self._rows[key] = row
+    self._rows.move_to_end(key)
+    while len(self._rows) > self.max_entries:
+      self._rows.popitem(last=False)
+      self.evictions += 1
+
+  def clear(self) -> None:
+    self._rows.clear()
+
+  def stats(self) -> dict:
+    """lookups (insert_cached calls), hits (a cached prefix was reused),
+    misses, reused_tokens (prompt tokens taken from the cache instead of
+    being processed), hit_rate (hits / lookups), entries, evictions."""
+    return dict(lookups=self.lookups, hits=self.hits, misses=self.misses,
+                reused_tokens=self.reused_tokens,
+                hit_rate=self.hits / self.lookups if self.lookups else 0.0,
+                entries=len(self._rows), evictions=self.evictions)
+
+  def _check_layout(self, pool: P.Pool):
+    """The pool's row layout (tree structure, per-row shapes and dtypes)
+    must be the cached rows'."""
+    leaves, treedef = jax.tree_util.tree_flatten(pool.state)
+    layout = (treedef, tuple((x.shape[1:], x.dtype) for x in leaves))
+    if self._layout is None:
+      self._layout = layout
+    elif layout != self._layout:
+      raise ValueError("cache holds rows of another pool layout (ssm_mode, "
+                       "dtypes, max_len or buffer_len differ); use one "
+                       "PrefixCache per pool layout.")
+
+
+# --------------------------------------------------------------- jitted
+def _set_row_id(row, row_id):
+  def put(path, x):
+    last = path[-1]
+    if isinstance(last, jax.tree_util.GetAttrKey) and last.name == "row_id":
+      return jnp.full(x.shape, row_id, x.dtype)
+    return x
+  return jax.tree_util.tree_map_with_path(put, row)
+
+
+def _run_steps(model, row, tokens, n, implementation):
+  """Decode steps over tokens[:n] (n traced) of the batch-1 row ->
+  (logits [1, vocab] f32 of the last step, row)."""
+  def body(i, carry):
+    row, _ = carry
+    logits, row = model.step(tokens[i][None], row, implementation)
+    return row, logits
+  init = jnp.full((1, model.config.vocab_size), jnp.nan, jnp.float32)
+  row, logits = jax.lax.fori_loop(0, n, body, (row, init))
+  return logits, row
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(4,))
+def _prefill_jit(graphdef, params, tokens, length, fresh):
+  TRACE_COUNTS["prefill"] += 1
+  model = nnx.merge(graphdef, params)
+  return M.prefill_fn(model, tokens[None], length[None], fresh)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _advance_jit(graphdef, params, row, tokens, n, implementation):
+  """Decode steps from a cached row (not donated: it stays cached)."""
+  TRACE_COUNTS["advance"] += 1
+  model = nnx.merge(graphdef, params)
+  return _run_steps(model, row, tokens, n, implementation)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 10), donate_argnums=(2,))
+def _finish_jit(graphdef, params, pool, row, slot, tokens, n, row_id,
+                sampling, rng, implementation):
+  """The remaining prompt tokens as decode steps from `row`, the first
+  token sampled, the row written into `slot` of the (donated) pool."""
+  TRACE_COUNTS["finish"] += 1
+  model = nnx.merge(graphdef, params)
+  row = _set_row_id(row, row_id)
+  logits, row = _run_steps(model, row, tokens, n, implementation)
+  tok = sample_logits(logits, rng, *sampling)
+  tok = jnp.where(row.positions < 0, -1, tok)
+  cap = pool.capacity
+  idx = jnp.where((slot >= 0) & (slot < cap), slot, cap)  # cap: dropped
+  state = jax.tree.map(lambda p, r: P._write_row(p, r, idx), pool.state,
+                       row)
+  pool = pool.replace(state=state,
+                      active=pool.active.at[idx].set(True, mode="drop"),
+                      tokens=pool.tokens.at[idx].set(tok[0], mode="drop"))
+  return pool, tok[0], logits[0]
+
+
+def _padded(tokens: np.ndarray, max_len: int):
+  """tokens [n] right-padded with zeros to `bucket_len(n, max_len)`."""
+  n = tokens.shape[0]
+  out = np.zeros((P.bucket_len(n, max_len),), np.int32)
+  out[:n] = tokens
+  return jnp.asarray(out), jnp.int32(n)
+
+
+# ------------------------------------------------------------------ API
+def insert_cached(model: M.HybridLM, pool: P.Pool, cache: PrefixCache, slot,
+                  prompt_tokens, *, row_id=None, temperature: float = 0.0,
+                  top_k: int | None = None, top_p: float | None = None,
+                  rng=None, implementation: str | None = None,
+                  return_logits: bool = False):
+  """`insert` through a prefix cache (see the module docstring).
+
+  Starts from the longest cached whole-block prefix of the prompt (at most
+  len - 1 tokens), caches the state at the prompt's last whole-block
+  boundary (len - 1) // block * block if it was not cached, runs the rest
+  of the prompt as decode steps and writes the row into `slot`.
+
+  Args:
+    model: the HybridLM the pool (and the cache) was built for.
+    pool: the Pool (donated).
+    cache: the PrefixCache (updated: rows, LRU order, counters).
+    slot: int in [0, capacity), or an int32 scalar (out of range: nothing
+      is written).
+    prompt_tokens: [T] int token ids on the host (concrete: the keys are
+      hashed on the host), 1 <= T <= pool.max_len; not modified.
+    row_id, temperature, top_k, top_p, rng, return_logits: as `insert`.
+    implementation: the decode steps' kernel choice, as `decode_step`.
+
+  Returns:
+    (pool, first token int32 scalar [, logits [vocab] float32]), as
+    `insert`.
+  """
+  P._check_pool(pool)
+  if not isinstance(cache, PrefixCache):
+    raise TypeError(f"cache must be a PrefixCache, got "
+                    f"{type(cache).__name__}.")
+  slot = P._check_slot(slot, pool.capacity)
+  V.check_integer("prompt_tokens", prompt_tokens)
+  if not V.is_concrete(prompt_tokens):
+    raise TypeError("prompt_tokens must be concrete (not traced): "
+                    "insert_cached hashes its blocks on the host.")
+  M._check_tokens("prompt_tokens", prompt_tokens, 1, "[seqlen]",
+                  model.config)
+  toks = np.asarray(prompt_tokens).astype(np.int32)  # a copy
+  t = toks.shape[0]
+  if not 1 <= t <= pool.max_len:
+    raise ValueError(f"prompt_tokens must hold 1 to the pool's max_len "
+                     f"({pool.max_len}) tokens, got {t}.")
+  cache._check_layout(pool)
+  if row_id is None:
+    row_id = slot
+  V.check_integer("row_id", jnp.asarray(row_id))
+  row_id = jnp.asarray(row_id, jnp.int32)
+
+  block = cache.block
+  n_blocks = (t - 1) // block
+  keys = cache.keys(toks[:n_blocks * block])
+  hit, row = 0, None
+  for k in range(n_blocks, 0, -1):
+    row = cache.get(keys[k - 1])
+    if row is not None:
+      hit = k
+      break
+  cache.lookups += 1
+  if hit:
+    cache.hits += 1
+    cache.reused_tokens += hit * block
+  else:
+    cache.misses += 1
+  if n_blocks == 0:  # no whole block before the last token
+    return P.insert(model, pool, slot, prompt_tokens, row_id=row_id,
+                    temperature=temperature, top_k=top_k, top_p=top_p,
+                    rng=rng, return_logits=return_logits)
+
+  graphdef, params = nnx.split(model)
+  start = hit * block
+  if hit < n_blocks:
+    end = n_blocks * block
+    seg, n = _padded(toks[start:end], pool.max_len)
+    if row is None:
+      fresh = P._fresh_row(pool.state, row_id)
+      _, row = _prefill_jit(graphdef, params, seg, n, fresh)
+    else:
+      _, row = _advance_jit(graphdef, params, row, seg, n, implementation)
+    if int(row.positions[0]) >= 0:  # an invalid row is not cached
+      cache.put(keys[n_blocks - 1], row)
+    start = end
+  sampling, rng = P._sampling(temperature, top_k, top_p, rng)
+  rest, n = _padded(toks[start:], pool.max_len)
+  pool, tok, logits = _finish_jit(graphdef, params, pool, row, slot, rest,
+                                  n, row_id, sampling, rng, implementation)
+  return (pool, tok, logits) if return_logits else (pool, tok)

@@ -1,0 +1,256 @@
+"""Prefix caching (replayssm_jax.serving.insert_cached): a request that
+starts from a cached block-aligned state decodes as `insert` of its whole
+prompt; the counters, the LRU order and the snapshots' isolation from the
+(donated) pool; a poisoned slot reused; bad arguments are named.
+
+A tiny hybrid model with Mamba-2 ('M'), attention ('*'), Gated DeltaNet
+('G') and MLP ('-') blocks, random weights (norm weights randomized too),
+f32, as tests/test_serving_pool.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from replayssm_jax import models, serving
+from replayssm_jax.serving import prefix_cache as pc
+
+CFG = models.ModelConfig(
+    vocab_size=64, d_model=32, pattern="M*G-M", ssm_heads=4, head_dim=8,
+    d_state=8, n_groups=2, conv_kernel=4, chunk_size=8, num_heads=4,
+    num_kv_heads=2, attn_head_dim=8, intermediate_size=48,
+    gdn_num_k_heads=2, gdn_num_v_heads=4, gdn_k_dim=8, gdn_v_dim=8,
+    gdn_chunk_size=4)
+CAP, MAX_LEN, L, BLOCK = 4, 48, 4, 4
+MODES = ("replay", "baseline")
+# Prefill vs decode steps over the same tokens differ by rounding only:
+# the project's "prefill + decode == full forward" tolerance
+# (tests/test_models.py::test_ragged_prefill_and_decode_equal_full_forward).
+ATOL = RTOL = 5e-5
+
+
+@pytest.fixture(scope="module")
+def model():
+  m = models.HybridLM(CFG, rngs=nnx.Rngs(3))
+  key = jax.random.PRNGKey(7)
+  for i, (path, var) in enumerate(nnx.to_flat_state(nnx.state(m))):
+    if path[-1] == "weight" and path[-2] in ("norm", "norm_f"):
+      val = var.get_value()
+      var.set_value(val + 0.5 * jax.random.normal(
+          jax.random.fold_in(key, i), val.shape, val.dtype))
+  return m
+
+
+def prompt(seed, length):
+  return jax.random.randint(jax.random.PRNGKey(seed), (length,), 0,
+                            CFG.vocab_size, jnp.int32)
+
+
+def prompts():
+  a = prompt(1, 11)  # ends inside a block (K = 2)
+  b = prompt(2, 2 * BLOCK + 1)  # a block boundary + 1
+  c = jnp.concatenate([a[:2 * BLOCK], prompt(3, 5)])  # shares a's 2 blocks
+  return {"a": a, "b": b, "c": c}
+
+
+def new_pool(model, ssm_mode):
+  return serving.init_pool(model, CAP, MAX_LEN, ssm_mode=ssm_mode,
+                           buffer_len=L)
+
+
+def run(model, ssm_mode, inserts, n=5, pool=None, cache=None):
+  """Inserts (name, slot, tokens) through `insert_cached` (cache given) or
+  `insert`, then n steps -> (pool, {name: tokens [1 + n]}, {name: logits
+  [1 + n, vocab]})."""
+  pool = new_pool(model, ssm_mode) if pool is None else pool
+  toks, lgs, slots = {}, {}, {}
+  for name, slot, tokens in inserts:
+    if cache is None:
+      pool, t, lg = serving.insert(model, pool, slot, tokens,
+                                   return_logits=True)
+    else:
+      pool, t, lg = serving.insert_cached(model, pool, cache, slot, tokens,
+                                          return_logits=True)
+    toks[name], lgs[name], slots[name] = [int(t)], [np.asarray(lg)], slot
+  pool, st, sl = serving.step_n(model, pool, n, return_logits=True)
+  for name, slot in slots.items():
+    toks[name] = np.array(toks[name] + np.asarray(st)[slot].tolist())
+    lgs[name] = np.concatenate([np.stack(lgs[name]),
+                                np.asarray(sl)[slot]])
+  return pool, toks, lgs
+
+
+def assert_same(got, want, what):
+  (gt, gl), (wt, wl) = got, want
+  for name in wt:
+    np.testing.assert_array_equal(gt[name], wt[name],
+                                  err_msg=f"{what}: {name} tokens")
+    np.testing.assert_allclose(gl[name], wl[name], atol=ATOL, rtol=RTOL,
+                               err_msg=f"{what}: {name} logits")
+
+
+def leaf_bytes(tree):
+  return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+@pytest.mark.parametrize("ssm_mode", MODES)
+def test_cache_hits_equal_plain_insert(model, ssm_mode):
+  """a (ends inside a block), b (block boundary + 1) and c (a's first two
+  blocks + its own tail) through the cache, once filling it, then again
+  hitting it: the same first tokens, step_n tokens and logits as `insert`
+  without a cache."""
+  p = prompts()
+  inserts = [("a", 0, p["a"]), ("b", 1, p["b"]), ("c", 2, p["c"])]
+  _, *want = run(model, ssm_mode, inserts)
+  cache = serving.PrefixCache(BLOCK, 8)
+  pool, *got = run(model, ssm_mode, inserts, cache=cache)
+  assert_same(got, want, "filling")
+  assert cache.stats()["hits"] == 1  # c hit a's blocks
+  for s in range(3):
+    pool = serving.evict(pool, s)
+  # Other slots this time (the rows go wherever asked).
+  again = [("a", 3, p["a"]), ("b", 0, p["b"]), ("c", 1, p["c"])]
+  _, *want2 = run(model, ssm_mode, again)
+  _, *got2 = run(model, ssm_mode, again, pool=pool, cache=cache)
+  assert_same(got2, want2, "hitting")
+  st = cache.stats()
+  assert (st["lookups"], st["hits"], st["misses"]) == (6, 4, 2), st
+
+
+def test_stats_count_hits_misses_and_reused_tokens(model):
+  p = prompts()
+  cache = serving.PrefixCache(BLOCK, 8)
+  pool = new_pool(model, "replay")
+  seq = [(p["a"], False, 0), (p["a"], True, 8), (p["c"], True, 8),
+         (prompt(4, 3), False, 0), (p["b"], False, 0), (p["c"], True, 12)]
+  lookups = hits = reused = 0
+  for i, (tokens, hit, saved) in enumerate(seq):
+    pool, _ = serving.insert_cached(model, pool, cache, i % CAP, tokens)
+    lookups, hits, reused = lookups + 1, hits + hit, reused + saved
+    st = cache.stats()
+    assert (st["lookups"], st["hits"], st["misses"],
+            st["reused_tokens"]) == (lookups, hits, lookups - hits,
+                                     reused), (i, st)
+  assert st["hit_rate"] == pytest.approx(3 / 6)
+  # a at 2 blocks, c at 3 (extended from a's 2), b at 2; the 3-token
+  # prompt has no whole block before its last token.
+  assert st["entries"] == 3 and st["evictions"] == 0
+  ka, kc, kb = cache.keys(p["a"]), cache.keys(p["c"]), cache.keys(p["b"])
+  assert ka[:2] == kc[:2] and ka[0] != kb[0]
+  assert all(k in cache for k in (ka[1], kc[2], kb[1]))
+  assert ka[0] not in cache  # only the last aligned boundary is stored
+
+
+def test_lru_eviction_at_max_entries(model):
+  cache = serving.PrefixCache(BLOCK, 2)
+  pool = new_pool(model, "replay")
+  p1, p2, p3 = prompt(11, 6), prompt(12, 7), prompt(13, 5)  # 1 block each
+  k1, k2, k3 = (cache.keys(q)[0] for q in (p1, p2, p3))
+  pool, _ = serving.insert_cached(model, pool, cache, 0, p1)
+  pool, _ = serving.insert_cached(model, pool, cache, 1, p2)
+  assert k1 in cache and k2 in cache
+  pool, _ = serving.insert_cached(model, pool, cache, 2, p1)  # p1 used last
+  pool, _ = serving.insert_cached(model, pool, cache, 3, p3)
+  assert k1 in cache and k3 in cache and k2 not in cache
+  st = cache.stats()
+  assert st["entries"] == 2 and st["evictions"] == 1 and st["hits"] == 1
+
+
+@pytest.mark.parametrize("ssm_mode", MODES)
+def test_snapshot_unchanged_by_later_pool_work(model, ssm_mode):
+  """The pool is donated by insert / step_n: the cached row is a copy that
+  later steps, inserts into the same slot and hits never change."""
+  tokens = prompt(21, 10)
+  cache = serving.PrefixCache(BLOCK, 4)
+  pool = new_pool(model, ssm_mode)
+  pool, _ = serving.insert_cached(model, pool, cache, 0, tokens)
+  key = cache.keys(tokens)[1]
+  before = leaf_bytes(cache.get(key))
+  pool, _ = serving.step_n(model, pool, 6)
+  pool, _ = serving.insert_cached(model, pool, cache, 0, tokens)  # a hit
+  pool, _ = serving.step_n(model, pool, 3)
+  pool, _ = serving.insert_cached(model, pool, cache, 1, tokens)
+  pool, _ = serving.step(model, pool)
+  assert leaf_bytes(cache.get(key)) == before
+  assert cache.stats()["hits"] == 2
+
+
+def poison(pool, slot):
+  """Every leaf of `slot` NaN / inf (floats) or out-of-range (ints)."""
+  def bad(x):
+    if jnp.issubdtype(x.dtype, jnp.floating):
+      fill = jnp.where(jnp.arange(x[slot].size).reshape(x[slot].shape) % 2,
+                       jnp.inf, jnp.nan).astype(x.dtype)
+    elif x.dtype == jnp.bool_:
+      fill = jnp.ones_like(x[slot])
+    else:
+      fill = jnp.full_like(x[slot], 1_000_003)
+    return x.at[slot].set(fill)
+  return pool.replace(state=jax.tree.map(bad, pool.state),
+                      tokens=pool.tokens.at[slot].set(-77))
+
+
+@pytest.mark.parametrize("ssm_mode", MODES)
+def test_poisoned_slot_reused_through_the_cache(model, ssm_mode):
+  p = prompts()
+  cache = serving.PrefixCache(BLOCK, 4)
+  pool = new_pool(model, ssm_mode)
+  pool, _ = serving.insert_cached(model, pool, cache, 0, p["a"])
+  pool, _ = serving.step_n(model, pool, 2)
+  pool = serving.evict(pool, 0)
+  pool = poison(pool, 1)
+  pool = poison(pool, 0)
+  inserts = [("c", 1, p["c"]), ("a", 0, p["a"])]  # both hit
+  _, *want = run(model, ssm_mode, inserts)
+  _, *got = run(model, ssm_mode, inserts, pool=pool, cache=cache)
+  for name in ("a", "c"):
+    assert np.isfinite(got[1][name]).all() and (got[0][name] >= 0).all()
+  assert_same(got, want, "poisoned slots")
+  assert cache.stats()["hits"] == 2
+
+
+def test_bad_arguments_are_named(model):
+  with pytest.raises(ValueError, match="block"):
+    serving.PrefixCache(0, 4)
+  with pytest.raises(ValueError, match="block"):
+    serving.PrefixCache(-2, 4)
+  with pytest.raises(ValueError, match="max_entries"):
+    serving.PrefixCache(4, 0)
+  cache = serving.PrefixCache(BLOCK, 4)
+  pool = serving.init_pool(model, CAP, 8, buffer_len=L)
+  with pytest.raises(ValueError, match="prompt_tokens"):
+    serving.insert_cached(model, pool, cache, 0, prompt(0, 9))  # > 8
+  with pytest.raises(ValueError, match="prompt_tokens"):
+    serving.insert_cached(model, pool, cache, 0, jnp.zeros((0,), jnp.int32))
+  with pytest.raises(TypeError, match="prompt_tokens"):
+    serving.insert_cached(model, pool, cache, 0, jnp.ones((3,), jnp.float32))
+  with pytest.raises(ValueError, match="slot"):
+    serving.insert_cached(model, pool, cache, CAP, prompt(0, 3))
+  with pytest.raises(TypeError, match="cache"):
+    serving.insert_cached(model, pool, {}, 0, prompt(0, 3))
+  pool, _ = serving.insert_cached(model, pool, cache, 0, prompt(0, 6))
+  other = serving.init_pool(model, CAP, 16, buffer_len=L)  # another max_len
+  with pytest.raises(ValueError, match="cache"):
+    serving.insert_cached(model, other, cache, 0, prompt(0, 6))
+  assert pc.TRACE_COUNTS["finish"] >= 1
+
+
+def test_a_hit_runs_only_the_rest_from_the_cached_row(model):
+  """A hit starts from the cached row: with b's 2-block state planted
+  under a's key, a's request continues b's prefix with a's tail, as
+  `insert` of b[:8] + a[8:] does."""
+  p = prompts()
+  cache = serving.PrefixCache(BLOCK, 4)
+  pool = new_pool(model, "replay")
+  pool, _ = serving.insert_cached(model, pool, cache, 0, p["a"])
+  pool, _ = serving.insert_cached(model, pool, cache, 1, p["b"])
+  ka, kb = cache.keys(p["a"])[1], cache.keys(p["b"])[1]
+  cache.put(ka, cache.get(kb))
+  mixed = jnp.concatenate([p["b"][:2 * BLOCK], p["a"][2 * BLOCK:]])
+  _, *want = run(model, "replay", [("x", 2, mixed)])
+  _, *got = run(model, "replay", [("x", 2, p["a"])], pool=pool, cache=cache)
+  assert_same(got, want, "planted row")
