@@ -123,3 +123,25 @@ def test_bad_requests_are_named(model):
     eng.submit(serving.Request("e", prompt(2, 4), max_new_tokens=2))
   with pytest.raises(ValueError, match="steps_per_dispatch"):
     serving.Engine(model, CAP, 16, steps_per_dispatch=0)
+
+
+@pytest.mark.parametrize("ssm_mode", ["replay", "baseline"])
+def test_prefix_cache_in_the_engine(model, ssm_mode):
+  # Requests sharing a 2-block system prompt: the later ones hit the cache
+  # and still produce the tokens of independent runs.
+  system = prompt(41, 8).tolist()
+  tails = [prompt(42 + i, 3 + i).tolist() for i in range(4)]
+  cache = serving.PrefixCache(block=4, max_entries=8)
+  eng = serving.Engine(model, 2, MAX_LEN, steps_per_dispatch=3,
+                       prefix_cache=cache, ssm_mode=ssm_mode, buffer_len=L)
+  want = {}
+  for i, tail in enumerate(tails):
+    p = np.array(system + tail)
+    want[i] = reference(model, p, 6, ssm_mode)
+    eng.submit(serving.Request(i, p, max_new_tokens=6))
+  assert eng.run() == want
+  st = cache.stats()
+  assert st["hits"] >= len(tails) - 2  # two slots fill the cache first
+  assert st["reused_tokens"] >= st["hits"] * len(system)
+  with pytest.raises(TypeError, match="prefix_cache"):
+    serving.Engine(model, 2, MAX_LEN, prefix_cache={})

@@ -30,6 +30,11 @@ so a request's tokens do not depend on which slot or batch it ran in
 (up to the batch's effect on matmul rounding). top_k and top_p, being
 static shapes of the sampling filter, are set per engine.
 
+With a `prefix_cache` (`serving.PrefixCache`), admissions go through
+`insert_cached`: a prompt sharing cached whole blocks with an earlier one
+starts from the cached state (`engine.prefix_cache.stats()` counts the
+hits).
+
 Speculative decoding inside the engine is not implemented (use
 `models.speculative_generate` on a static batch).
 """
@@ -51,6 +56,7 @@ from replayssm_jax import _validation as V
 from replayssm_jax.models import model as M
 from replayssm_jax.models.generate import check_sampling, filter_logits
 from replayssm_jax.serving import pool as P
+from replayssm_jax.serving.prefix_cache import PrefixCache, insert_cached
 
 F32 = jnp.float32
 
@@ -158,6 +164,8 @@ class Engine:
     top_k, top_p: the sampling filters of every sampled request (None:
       off).
     implementation: the ops' implementation (dispatcher name).
+    prefix_cache: a `PrefixCache` the admissions go through (None: plain
+      `insert`).
     ssm_mode, buffer_len, **state_kwargs: the pool's decode state
       (`serving.init_pool`).
   """
@@ -165,6 +173,7 @@ class Engine:
   def __init__(self, model: M.HybridLM, capacity: int, max_len: int, *,
                steps_per_dispatch: int = 8, top_k: int | None = None,
                top_p: float | None = None, implementation=None,
+               prefix_cache: PrefixCache | None = None,
                ssm_mode: str = "replay", buffer_len: int = 16,
                **state_kwargs):
     self.model = model
@@ -173,6 +182,11 @@ class Engine:
     self.top_k = None if top_k is None else int(top_k)
     self.top_p = None if top_p is None else float(top_p)
     self.implementation = implementation
+    if prefix_cache is not None and not isinstance(prefix_cache,
+                                                   PrefixCache):
+      raise TypeError(f"prefix_cache must be a PrefixCache or None, got "
+                      f"{type(prefix_cache).__name__}.")
+    self.prefix_cache = prefix_cache
     self.pool = P.init_pool(model, capacity, max_len, ssm_mode=ssm_mode,
                             buffer_len=buffer_len, **state_kwargs)
     cap = self.pool.capacity
@@ -224,10 +238,17 @@ class Engine:
       req = self.queue.popleft()
       key = jax.random.PRNGKey(req.seed)
       key, first_key = jax.random.split(key)
-      self.pool, tok = P.insert(
-          self.model, self.pool, slot, jnp.asarray(req.prompt, jnp.int32),
-          temperature=req.temperature, top_k=self.top_k, top_p=self.top_p,
-          rng=first_key if req.temperature > 0 else None)
+      kw = dict(temperature=req.temperature, top_k=self.top_k,
+                top_p=self.top_p,
+                rng=first_key if req.temperature > 0 else None)
+      prompt = jnp.asarray(req.prompt, jnp.int32)
+      if self.prefix_cache is None:
+        self.pool, tok = P.insert(self.model, self.pool, slot, prompt, **kw)
+      else:
+        self.pool, tok = insert_cached(self.model, self.pool,
+                                       self.prefix_cache, slot, prompt,
+                                       implementation=self.implementation,
+                                       **kw)
       tok = int(tok)  # the first token (the prefill's): one sync per admit
       self.stats.admissions += 1
       self.results[req.id] = []
