@@ -195,10 +195,16 @@ def check_compatible(saved: dict, template: dict, where: str) -> None:
         f"saved {saved.get('static')}, template {template['static']}.")
 
 
-def _sharding(x):
-  if isinstance(x, jax.Array) or getattr(x, "sharding", None) is not None:
-    return x.sharding
-  return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+def _placement(x):
+  """The sharding a restored leaf takes from its template leaf `x`: its own
+  if it is committed to devices (or an abstract leaf with a sharding);
+  None for an uncommitted array (as `init_state` makes): the restored leaf
+  is then uncommitted too, on the default device, so that a jitted
+  function that took the template's arrays takes it without compiling
+  again."""
+  if isinstance(x, jax.Array):
+    return x.sharding if x.committed else None
+  return getattr(x, "sharding", None)
 
 
 def restore_state(path, template: S.ModelState) -> S.ModelState:
@@ -210,8 +216,11 @@ def restore_state(path, template: S.ModelState) -> S.ModelState:
       state's layout and static metadata, e.g. `model.init_state(...)` with
       the same arguments (batch, max_len, ssm_mode, buffer_len, dtypes,
       precision). Its structure gives the result's static fields; each
-      restored leaf takes the template leaf's sharding (one device if it
-      has none). The template's arrays are not modified or deleted.
+      restored leaf takes the template leaf's sharding if that leaf is
+      committed to devices (or is a ShapeDtypeStruct with a sharding), and
+      is otherwise an uncommitted array on the default device, as
+      `init_state` makes them. The template's arrays are not modified or
+      deleted.
 
   Returns:
     A new ModelState whose every leaf equals the saved one bit for bit, in
@@ -229,14 +238,20 @@ def restore_state(path, template: S.ModelState) -> S.ModelState:
   info = describe(template)
   check_compatible(saved, info, repr(path))
   leaves, treedef = jax.tree.flatten(template)
-  abstract, restore_args = {}, {}
+  abstract, restore_args, placements = {}, {}, []
   for leaf, x in zip(info["leaves"], leaves):
     shape, dtype = tuple(leaf["shape"]), np.dtype(leaf["stored_dtype"])
-    sharding = _sharding(x)
-    abstract[leaf["key"]] = jax.ShapeDtypeStruct(shape, dtype,
-                                                 sharding=sharding)
-    restore_args[leaf["key"]] = ocp.ArrayRestoreArgs(
-        sharding=sharding, global_shape=shape, dtype=dtype)
+    sharding = _placement(x)
+    placements.append(sharding)
+    if sharding is None:  # read to the host, then placed as jnp.asarray
+      abstract[leaf["key"]] = np.zeros(0, dtype)
+      restore_args[leaf["key"]] = ocp.RestoreArgs(restore_type=np.ndarray,
+                                                  dtype=dtype)
+    else:
+      abstract[leaf["key"]] = jax.ShapeDtypeStruct(shape, dtype,
+                                                   sharding=sharding)
+      restore_args[leaf["key"]] = ocp.ArrayRestoreArgs(
+          sharding=sharding, global_shape=shape, dtype=dtype)
   arrays_dir = os.path.join(path, ARRAYS_DIR)
   try:
     with ocp.PyTreeCheckpointer() as ckpt:
@@ -247,14 +262,16 @@ def restore_state(path, template: S.ModelState) -> S.ModelState:
                      f"{arrays_dir!r} could not be restored "
                      f"({type(e).__name__}: {e}).") from e
   out = []
-  for leaf in info["leaves"]:
+  for leaf, sharding in zip(info["leaves"], placements):
     x = arrays.get(leaf["key"]) if isinstance(arrays, dict) else None
     if x is None or tuple(x.shape) != tuple(leaf["shape"]) or (
         np.dtype(x.dtype) != np.dtype(leaf["stored_dtype"])):
       raise ValueError(f"corrupt decode-state checkpoint at path {path!r}: "
                        f"leaf {leaf['path']} was not restored as "
                        f"{leaf['stored_dtype']}{leaf['shape']}.")
-    if leaf["dtype"] != leaf["stored_dtype"]:
+    if sharding is None:  # numpy: reinterpret the bits on the host
+      x = jnp.asarray(x.view(np.dtype(leaf["dtype"])))
+    elif leaf["dtype"] != leaf["stored_dtype"]:
       x = jax.lax.bitcast_convert_type(x, leaf["dtype"])
     out.append(x)
   return jax.tree.unflatten(treedef, out)
