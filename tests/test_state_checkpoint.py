@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -22,9 +23,9 @@ from flax import nnx
 pytest.importorskip("orbax.checkpoint")
 
 from replayssm_jax import PrecisionPolicy  # pylint: disable=g-import-not-at-top
-from replayssm_jax.models import (HybridLM, ModelConfig, decode_step,
-                                  generate, generate_from_state, prefill,
-                                  restore_state, save_state)
+from replayssm_jax.models import (HybridLM, ModelConfig, commit, generate,
+                                  generate_from_state, prefill,
+                                  restore_state, save_state, verify)
 from replayssm_jax.models import checkpointing
 from replayssm_jax.models.states import kv_cache_len
 
@@ -162,6 +163,42 @@ def test_resume_after_eos(tmp_path):
                                     ref[r, N1:N1 + min(stop, N2)])
 
 
+def test_ragged_counters_resume(tmp_path):
+  """Replay counters ragged across rows (a speculative commit of 3, 1 and 2
+  window tokens): the restored state resumes exactly as the original."""
+  model = model_for("M*-G")
+  kw = dict(buffer_len=L, **state_kwargs("f32+int8+sr"))
+  state = model.init_state(B, MAX_LEN, **kw)
+  _, state = prefill(model, PROMPTS, jnp.asarray(LENGTHS), state)
+  _, pending = verify(model, PROMPTS[:, ::-1][:, :3], state)
+  state = commit(pending, jnp.array([3, 1, 2]))
+  counts = np.asarray(state.layers[0].ssm.count)
+  assert len(set(counts.tolist())) == B, counts
+  save_state(tmp_path / "ragged", state)
+  restored = restore_state(tmp_path / "ragged",
+                           model.init_state(B, MAX_LEN, **kw))
+  assert_bits_equal(restored, state)
+  sampling = dict(temperature=1.0, rng=jax.random.PRNGKey(7))
+  last = PROMPTS[:, 0]
+  want = generate_from_state(model, state, last, K, start_step=4,
+                             **sampling)
+  got = generate_from_state(model, restored, last, K, start_step=4,
+                            **sampling)
+  assert_bits_equal(got, want)
+
+
+def test_generate_from_state_refusals():
+  model = model_for("M*-G")
+  state = model.init_state(B, 16, buffer_len=L)
+  last = jnp.zeros((B,), jnp.int32)
+  with pytest.raises(ValueError, match="max_new_tokens.*max_len"):
+    generate_from_state(model, state, last, 17)
+  with pytest.raises(ValueError, match="start_step"):
+    generate_from_state(model, state, last, 2, start_step=-1)
+  with pytest.raises(ValueError, match="last_tokens"):
+    generate_from_state(model, state, last[:, None], 2)
+
+
 # ------------------------------------------------------------ refusals
 def small_state(**kwargs):
   model = model_for("M*-G")
@@ -217,6 +254,14 @@ def test_refuses_missing_or_corrupt_directory(tmp_path, saved):
     restore_state(saved, template)
 
 
+def test_refuses_missing_arrays(saved):
+  template = small_state(precision=PrecisionPolicy.preset("f32+fp8"))
+  arrays = saved / checkpointing.ARRAYS_DIR
+  shutil.rmtree(arrays)
+  with pytest.raises(ValueError, match=f"corrupt.*{arrays}"):
+    restore_state(saved, template)
+
+
 def test_refuses_to_overwrite(saved):
   state = small_state(precision=PrecisionPolicy.preset("f32+fp8"))
   with pytest.raises(ValueError, match=f"{saved}.*overwrite"):
@@ -230,11 +275,12 @@ def test_special_values_survive(tmp_path):
   in every float dtype, and bool / uint32 leaves, round-trip bit for bit
   (the sidecar records the stored unsigned-integer dtypes)."""
   state = small_state(precision=PrecisionPolicy.preset("f32+fp8"))
+  stored_dtype = checkpointing._stored_dtype  # pylint: disable=protected-access
+
   def poison(x):
     if not jnp.issubdtype(x.dtype, jnp.floating):
       return x
-    bits = jax.lax.bitcast_convert_type(x, checkpointing._stored_dtype(  # pylint: disable=protected-access
-        x.dtype))
+    bits = jax.lax.bitcast_convert_type(x, stored_dtype(x.dtype))
     raw = (np.arange(bits.size, dtype=np.uint32) * np.uint32(2654435761))
     return jax.lax.bitcast_convert_type(jnp.asarray(raw.reshape(
         bits.shape).astype(bits.dtype)), x.dtype)

@@ -363,8 +363,10 @@ def generate_from_state(model: M.HybridLM, state: S.ModelState, last_tokens,
   sampling = sampling_settings(temperature, top_k, top_p, greedy, rng)
   if eos_id is not None and not 0 <= eos_id < model.config.vocab_size:
     raise ValueError(f"eos_id must lie in [0, vocab_size), got {eos_id!r}.")
-  M._check_tokens("last_tokens", last_tokens, 1, "[batch]", model.config)  # pylint: disable=protected-access
-  M._check_state(state, last_tokens.shape[0], model.config)  # pylint: disable=protected-access
+  # pylint: disable=protected-access
+  M._check_tokens("last_tokens", last_tokens, 1, "[batch]", model.config)
+  M._check_state(state, last_tokens.shape[0], model.config)
+  # pylint: enable=protected-access
   if state.max_len is not None and V.is_concrete(state.positions):
     pos = np.asarray(state.positions)
     full = pos + max_new_tokens > state.max_len
