@@ -6,6 +6,11 @@ params; the jitted function (graphdef static) merges them inside, so
 filters are on: `SamplingSettings`; the values of temperature, top_k, top_p
 and eos_id are traced) and never retraces the model. The decode state is
 created outside and donated.
+
+`generate_from_state` runs the same loop from a given decode state and
+each row's pending token (e.g. a state restored by
+`models.checkpointing.restore_state`), with generate's per-token keys: a
+resumed run reproduces the uninterrupted one.
 """
 
 from __future__ import annotations
