@@ -10,6 +10,9 @@ replayssm_jax ops.
   prefill           right-padded prompts -> decode state.
   decode_step       one token per row.
   generate          jit-compiled sampling loop (lax.while_loop).
+  generate_from_state  that loop continued from a decode state.
+  save_state / restore_state  exact save / restore of a ModelState
+                    (orbax; `replayssm_jax.models.checkpointing`).
   verify / commit   speculative window: one parallel pass, then rollback
                     (replay: counter move; baseline: snapshot per position).
   speculative_generate  jit-compiled speculative decoding loop with a
@@ -20,8 +23,9 @@ replayssm_jax ops.
                     Bamba / Qwen3.5 (text) / Qwen3-Next checkpoint directory.
 """
 
+from replayssm_jax.models.checkpointing import restore_state, save_state
 from replayssm_jax.models.config import ModelConfig
-from replayssm_jax.models.generate import generate
+from replayssm_jax.models.generate import generate, generate_from_state
 from replayssm_jax.models.hf import from_pretrained
 from replayssm_jax.models.model import HybridLM, decode_step, prefill
 from replayssm_jax.models.speculative import (DraftModelProposer,
@@ -52,8 +56,11 @@ __all__ = [
     "decode_step",
     "from_pretrained",
     "generate",
+    "generate_from_state",
     "kv_cache_len",
     "prefill",
+    "restore_state",
+    "save_state",
     "speculative_generate",
     "verify",
 ]

@@ -6,6 +6,11 @@ params; the jitted function (graphdef static) merges them inside, so
 filters are on: `SamplingSettings`; the values of temperature, top_k, top_p
 and eos_id are traced) and never retraces the model. The decode state is
 created outside and donated.
+
+`generate_from_state` runs the same loop from a given decode state and
+each row's pending token (e.g. a state restored by
+`models.checkpointing.restore_state`), with generate's per-token keys: a
+resumed run reproduces the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -265,3 +270,122 @@ def generate(model: M.HybridLM, prompt_tokens, prompt_lengths,
                                 rng)
   V.raise_if_invalid(state.positions < 0, "generate")
   return (out, n, state) if return_state else (out, n)
+
+
+def _resume_body(graphdef, params, last_tokens, state, max_new_tokens,
+                 implementation, sampling, eos_id, rng, start_step):
+  M.TRACE_COUNTS["generate_from_state"] += 1
+  model = nnx.merge(graphdef, params)
+  b = last_tokens.shape[0]
+  pad = jnp.maximum(eos_id, 0)  # eos_id < 0: no eos.
+  # generate's loop splits its key once per token: the key carried into
+  # iteration start_step of that loop.
+  rng = jax.lax.fori_loop(0, start_step,
+                          lambda _, r: jax.random.split(r)[0], rng)
+
+  def cond(carry):
+    i, _, _, _, done, _, _ = carry
+    return (i < max_new_tokens) & ~jnp.all(done)
+
+  def body(carry):
+    i, tok, state, out, done, n, rng = carry
+    logits, state = model.step(tok, state, implementation)
+    rng, sub = jax.random.split(rng)
+    tok = sample_logits(logits, sub, *sampling)
+    tok = jnp.where(done, pad, tok)
+    out = out.at[:, i].set(tok)
+    n = n + (~done).astype(jnp.int32)
+    done = done | (tok == eos_id)
+    return i + 1, tok, state, out, done, n, rng
+
+  out = jnp.full((b, max_new_tokens), pad, jnp.int32)
+  invalid = state.positions < 0
+  # A row whose last token is eos_id has stopped: generate pads it with
+  # eos_id from there on.
+  done = invalid | (last_tokens == eos_id)
+  carry = (jnp.int32(0), last_tokens, state, out, done,
+           jnp.zeros((b,), jnp.int32), rng)
+  _, _, state, out, _, n, _ = jax.lax.while_loop(cond, body, carry)
+  return jnp.where(invalid[:, None], -1, out), n, state
+
+
+# The state is not donated: the caller's state (e.g. a restored one that
+# is resumed more than once) stays alive.
+_resume_jit = jax.jit(_resume_body, static_argnums=(0, 4, 5))
+
+
+def generate_from_state(model: M.HybridLM, state: S.ModelState, last_tokens,
+                        max_new_tokens: int, *, start_step: int = 0,
+                        temperature: float = 0.0, top_k: int | None = None,
+                        top_p: float | None = None,
+                        greedy: bool | None = None, rng=None,
+                        eos_id: int | None = None,
+                        implementation: str | None = None):
+  """Continues a generation from a decode state (e.g. a restored one).
+
+  `state` holds every token of each row up to, not including, its
+  `last_tokens` (the token sampled last, not yet decoded). Each of the
+  `max_new_tokens` iterations decodes the pending token and samples the
+  next one, so that the returned state again holds everything but the
+  last returned token: `(state, tokens[:, -1], start_step +
+  max_new_tokens)` is the next resume point, and resumed runs chain
+  without decoding a token twice.
+
+  Resuming a `generate` run: after its first n1 tokens t_1..t_n1, the
+  state of `prefill` followed by `decode_step` of t_1..t_{n1-1} (or the
+  state a previous `generate_from_state` returned), last_tokens t_n1 and
+  start_step=n1 give exactly the tokens n1.. of the uninterrupted
+  `generate(..., max_new_tokens=n1 + n2)` with the same rng and settings,
+  greedy or sampled: `generate` splits its key once per token, and the
+  resumed loop first advances `rng` by start_step splits (a traced count:
+  no recompilation per start_step). `generate` itself is unchanged (its
+  returned state has also decoded its last token).
+
+  Args:
+    model: the HybridLM.
+    state: a ModelState (not donated: it stays alive, unchanged).
+    last_tokens: [batch] int, each row's pending token. A row whose
+      pending token is eos_id has stopped: it yields eos_id (length 0) and,
+      as in `generate`, its state keeps decoding eos_id.
+    max_new_tokens: tokens to sample per row (static).
+    start_step: tokens the run sampled before last_tokens' successor, i.e.
+      the index of the first returned token in the uninterrupted run
+      (keys the sampling; no effect when greedy).
+    temperature, top_k, top_p, greedy, rng, eos_id, implementation: as in
+      `generate` (rng: the base key of the uninterrupted run).
+
+  Returns:
+    (tokens [batch, max_new_tokens] int32, lengths [batch] int32 tokens
+     generated per row, eos included, the ModelState holding last_tokens
+     and tokens[:, :-1]). The loop stops early once every row has emitted
+     eos_id (the state then holds the tokens before the stopping one).
+  """
+  max_new_tokens = V.positive_int("max_new_tokens", max_new_tokens)
+  if isinstance(start_step, bool) or not isinstance(
+      start_step, (int, np.integer)) or start_step < 0:
+    raise ValueError(f"start_step must be an int >= 0, got "
+                     f"{start_step!r}.")
+  sampling = sampling_settings(temperature, top_k, top_p, greedy, rng)
+  if eos_id is not None and not 0 <= eos_id < model.config.vocab_size:
+    raise ValueError(f"eos_id must lie in [0, vocab_size), got {eos_id!r}.")
+  # pylint: disable=protected-access
+  M._check_tokens("last_tokens", last_tokens, 1, "[batch]", model.config)
+  M._check_state(state, last_tokens.shape[0], model.config)
+  # pylint: enable=protected-access
+  if state.max_len is not None and V.is_concrete(state.positions):
+    pos = np.asarray(state.positions)
+    full = pos + max_new_tokens > state.max_len
+    if full.any():
+      raise ValueError(
+          f"max_new_tokens {max_new_tokens} exceeds the KV cache: rows "
+          f"{np.nonzero(full)[0].tolist()} at positions "
+          f"{pos[full].tolist()} would pass max_len {state.max_len}.")
+  rng = jax.random.PRNGKey(0) if rng is None else rng
+  graphdef, params = nnx.split(model)
+  out, n, state = _resume_jit(graphdef, params,
+                              jnp.asarray(last_tokens, jnp.int32), state,
+                              max_new_tokens, implementation, sampling,
+                              jnp.int32(-1 if eos_id is None else eos_id),
+                              rng, jnp.int32(start_step))
+  V.raise_if_invalid(state.positions < 0, "generate_from_state")
+  return out, n, state

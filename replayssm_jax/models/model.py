@@ -33,8 +33,9 @@ from replayssm_jax.state import ReplayState
 F32 = jnp.float32
 
 # Number of times each jitted entry point was traced (tests assert on it).
-TRACE_COUNTS = {"prefill": 0, "decode_step": 0, "generate": 0, "verify": 0,
-                "commit": 0, "speculative_generate": 0}
+TRACE_COUNTS = {"prefill": 0, "decode_step": 0, "generate": 0,
+                "generate_from_state": 0, "verify": 0, "commit": 0,
+                "speculative_generate": 0}
 
 
 class HybridLM(nnx.Module):
