@@ -14,7 +14,9 @@ Smoke run (CPU, about a minute; used by tests/test_experiments.py):
 A model of a published shape with random weights instead:
 --config.hf_config=configs/nemotron3_nano_30b_a3b.json. Useful overrides:
 --config.serve.arrival_rate=200 (requests per second),
---config.serve.capacity=256, --config.serve.steps_per_dispatch=16.
+--config.serve.capacity=256, --config.serve.steps_per_dispatch=16,
+--config.serve.shared_prefixes=4 (a shared-prefix workload, with and
+without a prefix cache).
 """
 
 import ml_collections
@@ -48,6 +50,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Prompt and output lengths: uniform integers in [min, max].
   s.prompt_len_min, s.prompt_len_max = (4, 16) if smoke else (64, 512)
   s.output_len_min, s.output_len_max = (4, 12) if smoke else (64, 256)
+  # Shared-prefix workload: prompts start with one of `shared_prefixes`
+  # random prefixes of `shared_prefix_len` tokens (then a random tail of
+  # the drawn length); every mode also runs with a prefix cache of
+  # `prefix_block`-token blocks. 0: off.
+  s.shared_prefixes = 2 if smoke else 0
+  s.shared_prefix_len = 8 if smoke else 256
+  s.prefix_block = 4 if smoke else 16
   s.temperature = 0.0  # 0: greedy; > 0: every request samples
   s.implementation = ""  # "" = dispatcher default
   return config

@@ -7,8 +7,12 @@ Poisson process at `serve.arrival_rate` requests/s; the same workload for
 every mode) is played against one engine per SSM mode: the driver submits
 each request once the wall clock passes its arrival time and dispatches
 the engine (admissions, then `steps_per_dispatch` decode steps) until all
-finished. Every prompt-length bucket and the decode loop are compiled by
-a warm-up engine first, so the timed run compiles nothing.
+finished. The same workload played once at full speed through a
+throwaway engine compiles every prompt bucket and the decode loop first,
+so the timed run compiles nothing. With `serve.shared_prefixes` > 0 the
+prompts start with one of a few shared prefixes, and each mode runs
+twice: without and with a `serving.PrefixCache` (its hit rate and the
+prompt tokens it saved recorded).
 
 Per mode (one metrics.jsonl line each): output tokens/s (generated tokens
 over the time from the first arrival to the last token), time to first
@@ -65,20 +69,25 @@ def workload(config, vocab_size: int) -> list[dict]:
   gaps = (rng.exponential(1.0 / s.arrival_rate, n) if s.arrival_rate > 0
           else np.zeros(n))
   arrivals = np.cumsum(gaps) - gaps[0]
+  prefixes = [rng.integers(0, vocab_size, s.shared_prefix_len,
+                           dtype=np.int32) for _ in range(s.shared_prefixes)]
   out = []
   for i in range(n):
     t = int(rng.integers(s.prompt_len_min, s.prompt_len_max + 1))
     m = int(rng.integers(s.output_len_min, s.output_len_max + 1))
-    if t + m > s.max_len:
-      raise ValueError(f"serve.max_len ({s.max_len}) is shorter than the "
-                       f"longest prompt + output ({t} + {m}).")
-    out.append(dict(id=i, prompt=rng.integers(0, vocab_size, t,
-                                              dtype=np.int32),
-                    max_new_tokens=m, arrival=float(arrivals[i])))
+    prompt = rng.integers(0, vocab_size, t, dtype=np.int32)
+    if prefixes:  # the shared prefix, then a tail of >= 1 token
+      prompt = np.concatenate([prefixes[i % len(prefixes)],
+                               prompt[:max(1, t - s.shared_prefix_len)]])
+    if len(prompt) + m > s.max_len:
+      raise ValueError(f"serve.max_len ({s.max_len}) is shorter than a "
+                       f"prompt + output ({len(prompt)} + {m}).")
+    out.append(dict(id=i, prompt=prompt, max_new_tokens=m,
+                    arrival=float(arrivals[i])))
   return out
 
 
-def _engine(model, config, mode: str) -> serving.Engine:
+def _engine(model, config, mode: str, cached: bool) -> serving.Engine:
   s = config.serve
   kw = {}
   if mode == "replay" and s.precision:
@@ -87,6 +96,9 @@ def _engine(model, config, mode: str) -> serving.Engine:
   return serving.Engine(model, s.capacity, s.max_len,
                         steps_per_dispatch=s.steps_per_dispatch,
                         implementation=s.implementation or None,
+                        prefix_cache=(serving.PrefixCache(
+                            s.prefix_block, max_entries=64)
+                                      if cached else None),
                         ssm_mode=mode, buffer_len=s.buffer_len, **kw)
 
 
@@ -96,27 +108,19 @@ def _request(r, config) -> serving.Request:
                          seed=config.seed + r["id"])
 
 
-def warm_up(model, config, mode: str, requests: list[dict]):
-  """Compiles every prompt-length bucket of the workload and the decode
-  loop: one short request per bucket through a throwaway engine."""
-  s = config.serve
-  lengths = {}
+def warm_up(model, config, mode: str, cached: bool, requests: list[dict]):
+  """Compiles what the timed run runs: the workload at once (no arrival
+  times) through a throwaway engine."""
+  eng = _engine(model, config, mode, cached)
   for r in requests:
-    lengths.setdefault(pool_mod.bucket_len(len(r["prompt"]), s.max_len),
-                       len(r["prompt"]))
-  eng = _engine(model, config, mode)
-  lengths = sorted(lengths.values())
-  for i in range(max(len(lengths), s.capacity)):  # every slot too
-    t = lengths[i % len(lengths)]
-    eng.submit(serving.Request(f"warm{i}", np.zeros(t, np.int32),
-                               max_new_tokens=min(2, s.max_len - t),
-                               temperature=s.temperature))
+    eng.submit(_request(r, config))
   eng.run()
 
 
-def play(model, config, mode: str, requests: list[dict]) -> dict:
+def play(model, config, mode: str, cached: bool,
+         requests: list[dict]) -> dict:
   """Plays the workload against a fresh engine in real time."""
-  eng = _engine(model, config, mode)
+  eng = _engine(model, config, mode, cached)
   first, last, count = {}, {}, {}
 
   def on_tokens(rid, toks):
@@ -143,8 +147,13 @@ def play(model, config, mode: str, requests: list[dict]) -> dict:
   st = eng.stats
   state_bytes = sum(x.size * x.dtype.itemsize
                     for x in jax.tree.leaves(eng.pool.state))
+  cache = eng.prefix_cache.stats() if cached else {}
   return dict(
-      kind="serve", mode=mode, requests=len(requests), tokens=tokens,
+      kind="serve", mode=mode, prefix_cache=cached,
+      cache_hit_rate=cache.get("hit_rate"),
+      cache_reused_tokens=cache.get("reused_tokens"),
+      prompt_tokens=sum(len(r["prompt"]) for r in requests),
+      requests=len(requests), tokens=tokens,
       duration_s=end - t0, tokens_per_s=tokens / (end - t0),
       ttft_p50_ms=float(np.percentile(ttft, 50) * 1e3),
       ttft_p99_ms=float(np.percentile(ttft, 99) * 1e3),
@@ -163,7 +172,8 @@ def _plot(records: list[dict], path: str):
       vals = np.sort(rec[key])
       if vals.size:
         ax.plot(vals, np.arange(1, vals.size + 1) / vals.size,
-                label=rec["mode"])
+                label=rec["mode"] + (" + prefix cache"
+                                     if rec["prefix_cache"] else ""))
   for ax, title in zip(axes[0], ("time to first token (ms)",
                                  "time per output token (ms)")):
     ax.set_xlabel(title)
@@ -179,18 +189,22 @@ def run(config, workdir: str) -> dict:
   model = build_model(cfg, config.seed)
   requests = workload(config, cfg.vocab_size)
   records = []
-  for i, mode in enumerate(config.serve.ssm_modes):
-    logging.info("[%d/%d] %s: warm-up", i + 1, len(config.serve.ssm_modes),
-                 mode)
-    warm_up(model, config, mode, requests)
-    logging.info("[%d/%d] %s: %d requests", i + 1,
-                 len(config.serve.ssm_modes), mode, len(requests))
-    rec = play(model, config, mode, requests)
+  runs = [(mode, cached) for mode in config.serve.ssm_modes
+          for cached in ((False, True) if config.serve.shared_prefixes
+                         else (False,))]
+  for i, (mode, cached) in enumerate(runs):
+    name = mode + (" + prefix cache" if cached else "")
+    logging.info("[%d/%d] %s: warm-up", i + 1, len(runs), name)
+    warm_up(model, config, mode, cached, requests)
+    logging.info("[%d/%d] %s: %d requests", i + 1, len(runs), name,
+                 len(requests))
+    rec = play(model, config, mode, cached, requests)
     writer.write(rec)
     records.append(rec)
-  base = next((r for r in records if r["mode"] == "baseline"), None)
-  rows = [dict(r, vs_baseline=(r["tokens_per_s"] / base["tokens_per_s"]
-                               if base else None)) for r in records]
+  base = {r["prefix_cache"]: r for r in records if r["mode"] == "baseline"}
+  rows = [dict(r, vs_baseline=(
+      r["tokens_per_s"] / base[r["prefix_cache"]]["tokens_per_s"]
+      if r["prefix_cache"] in base else None)) for r in records]
   s = config.serve
   text = (f"# serve_bench\n\nmodel: {cfg.pattern[:40]} d_model "
           f"{cfg.d_model}, {cfg.dtype}; {s.num_requests} requests at "
@@ -198,10 +212,12 @@ def run(config, workdir: str) -> dict:
           f"{s.steps_per_dispatch} steps per dispatch; backend "
           f"{env['backend']} ({env['device_kind']})\n\n" +
           common.markdown_table(
-              rows, ["mode", "tokens_per_s", "vs_baseline", "ttft_p50_ms",
+              rows, ["mode", "prefix_cache", "cache_hit_rate",
+                     "tokens_per_s", "vs_baseline", "ttft_p50_ms",
                      "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms",
                      "host_us_per_step", "wall_us_per_step", "state_bytes"],
               formats=dict(tokens_per_s=".1f", vs_baseline=".3f",
+                           cache_hit_rate=".2f",
                            ttft_p50_ms=".1f", ttft_p99_ms=".1f",
                            tpot_p50_ms=".2f", tpot_p99_ms=".2f",
                            host_us_per_step=".0f", wall_us_per_step=".0f"))

@@ -601,9 +601,25 @@ def test_serve_bench_smoke(tmp_path):
   assert "python -m experiments.serve_bench" in serve_config.__doc__
   out = serve_bench.run(config, str(tmp_path))
   recs = out["records"]
-  assert [r["mode"] for r in recs] == list(config.serve.ssm_modes)
+  assert config.serve.shared_prefixes  # the smoke run tests the cache too
+  assert [(r["mode"], r["prefix_cache"]) for r in recs] == [
+      (m, c) for m in config.serve.ssm_modes for c in (False, True)]
   want = serve_bench.workload(config, config.model.vocab_size)
+  shared = config.serve.shared_prefix_len
+  hit_rates = {r["cache_hit_rate"] for r in recs if r["prefix_cache"]}
+  assert len(hit_rates) == 1  # the same workload in both modes
   for r in recs:
+    if r["prefix_cache"]:
+      # Hits reuse whole blocks of a shared prefix (which of them hit
+      # depends on the prompts' lengths: a miss caches its last aligned
+      # boundary only).
+      block = config.serve.prefix_block
+      hits = round(r["cache_hit_rate"] * len(want))
+      assert 0 < hits < len(want)
+      assert r["cache_reused_tokens"] % block == 0
+      assert r["cache_reused_tokens"] >= hits * (shared // block) * block
+    else:
+      assert r["cache_hit_rate"] is None
     assert r["requests"] == len(want)
     assert r["tokens"] == sum(w["max_new_tokens"] for w in want)
     assert r["tokens_per_s"] > 0 and r["state_bytes"] > 0
