@@ -140,7 +140,7 @@ def _dispatch(graphdef, params, pool, n, sampled, top_k, top_p,
 
     tok = sample() if sampled else greedy
     tok = jnp.where(new.positions < 0, -1, tok)
-    state = P._select(active, new, pool.state)  # pylint: disable=protected-access
+    state = P.select(active, new, pool.state)
     emitted = jnp.where(active, tok, -1)
     stop = (tok < 0) | ((eos >= 0) & (tok == eos))
     left = jnp.where(active, jnp.where(stop, 0, left - 1), left)

@@ -127,13 +127,13 @@ def init_pool(model: M.HybridLM, capacity: int, max_len: int, *,
 
 
 # ------------------------------------------------------------ validation
-def _check_pool(pool):
+def check_pool(pool):
   if not isinstance(pool, Pool):
     raise TypeError(f"pool must be a Pool (from init_pool), got "
                     f"{type(pool).__name__}.")
 
 
-def _check_slot(slot, capacity: int):
+def check_slot(slot, capacity: int):
   """A Python / NumPy int slot in [0, capacity) as an int; a jax integer
   scalar (possibly traced) as int32."""
   if isinstance(slot, (bool, np.bool_)):
@@ -160,13 +160,13 @@ def bucket_len(length: int, max_len: int) -> int:
   return min(max_len, max(MIN_BUCKET, 1 << (length - 1).bit_length()))
 
 
-def _sampling(temperature, top_k, top_p, rng):
+def resolve_sampling(temperature, top_k, top_p, rng):
   sampling = sampling_settings(temperature, top_k, top_p, None, rng)
   return sampling, jax.random.PRNGKey(0) if rng is None else rng
 
 
 # ----------------------------------------------------------------- insert
-def _fresh_row(state: S.ModelState, row_id):
+def fresh_row(state: S.ModelState, row_id):
   """A batch-1 ModelState laid out as `state`, all zeros (row_id leaves:
   `row_id`): built from shapes only, never from the pool's contents."""
   def zero(path, x):
@@ -177,7 +177,7 @@ def _fresh_row(state: S.ModelState, row_id):
   return jax.tree_util.tree_map_with_path(zero, state)
 
 
-def _write_row(pool_leaf, row_leaf, idx):
+def write_row(pool_leaf, row_leaf, idx):
   if pool_leaf.dtype != row_leaf.dtype:
     raise AssertionError(f"prefill returned a {row_leaf.dtype} leaf for "
                          f"the pool's {pool_leaf.dtype}.")
@@ -190,13 +190,13 @@ def _insert_jit(graphdef, params, pool, slot, tokens, length, row_id,
                 sampling, rng):
   TRACE_COUNTS["insert"] += 1
   model = nnx.merge(graphdef, params)
-  fresh = _fresh_row(pool.state, row_id)
+  fresh = fresh_row(pool.state, row_id)
   logits, row = M.prefill_fn(model, tokens[None], length[None], fresh)
   tok = sample_logits(logits, rng, *sampling)
   tok = jnp.where(row.positions < 0, -1, tok)
   cap = pool.capacity
   idx = jnp.where((slot >= 0) & (slot < cap), slot, cap)  # cap: dropped
-  state = jax.tree.map(lambda p, r: _write_row(p, r, idx), pool.state, row)
+  state = jax.tree.map(lambda p, r: write_row(p, r, idx), pool.state, row)
   pool = pool.replace(state=state,
                       active=pool.active.at[idx].set(True, mode="drop"),
                       tokens=pool.tokens.at[idx].set(tok[0], mode="drop"))
@@ -231,8 +231,8 @@ def insert(model: M.HybridLM, pool: Pool, slot, prompt_tokens, *,
     (pool, first token int32 scalar [, logits [vocab] float32]); the first
     token is also the slot's next input token.
   """
-  _check_pool(pool)
-  slot = _check_slot(slot, pool.capacity)
+  check_pool(pool)
+  slot = check_slot(slot, pool.capacity)
   V.check_integer("prompt_tokens", prompt_tokens)
   M._check_tokens("prompt_tokens", prompt_tokens, 1, "[seqlen]",
                   model.config)
@@ -246,7 +246,7 @@ def insert(model: M.HybridLM, pool: Pool, slot, prompt_tokens, *,
   if not t <= bucket <= pool.max_len:
     raise ValueError(f"bucket must lie in [len(prompt_tokens), max_len] = "
                      f"[{t}, {pool.max_len}], got {bucket}.")
-  sampling, rng = _sampling(temperature, top_k, top_p, rng)
+  sampling, rng = resolve_sampling(temperature, top_k, top_p, rng)
   if row_id is None:
     row_id = slot
   V.check_integer("row_id", jnp.asarray(row_id))
@@ -271,15 +271,15 @@ def evict(pool: Pool, slot) -> Pool:
   """Marks `slot` free. Its state stays as it is (stale, never read for
   another request: `step` keeps it unchanged and `insert` overwrites all of
   it)."""
-  _check_pool(pool)
-  slot = _check_slot(slot, pool.capacity)
+  check_pool(pool)
+  slot = check_slot(slot, pool.capacity)
   cap = pool.capacity
   idx = jnp.where((slot >= 0) & (slot < cap), slot, cap)
   return pool.replace(active=pool.active.at[idx].set(False, mode="drop"))
 
 
 # ------------------------------------------------------------------- step
-def _select(active, new, old):
+def select(active, new, old):
   """Leaf-wise where(active, new, old), active [capacity] broadcast over
   each leaf's trailing axes."""
   def pick(n, o):
@@ -295,7 +295,7 @@ def _step_body(model, pool, sampling, rng, implementation):
   logits, new = model.step(feed, pool.state, implementation)
   tok = sample_logits(logits, rng, *sampling)
   tok = jnp.where(new.positions < 0, -1, tok)
-  state = _select(active, new, pool.state)
+  state = select(active, new, pool.state)
   tokens = jnp.where(active, tok, pool.tokens)
   out = jnp.where(active, tok, -1)
   return pool.replace(state=state, tokens=tokens), out, logits
@@ -359,9 +359,9 @@ def step(model: M.HybridLM, pool: Pool, *, temperature: float = 0.0,
     (pool, tokens [capacity] int32 [, logits [capacity, vocab] float32;
      rows of inactive slots are meaningless]).
   """
-  _check_pool(pool)
+  check_pool(pool)
   _check_room(pool, 1)
-  sampling, rng = _sampling(temperature, top_k, top_p, rng)
+  sampling, rng = resolve_sampling(temperature, top_k, top_p, rng)
   graphdef, params = nnx.split(model)
   pool, tokens, logits = _step_jit(graphdef, params, pool, sampling, rng,
                                    implementation)
@@ -378,10 +378,10 @@ def step_n(model: M.HybridLM, pool: Pool, n: int, *,
     (pool, tokens [capacity, n] int32 (-1 for inactive slots) [, logits
      [capacity, n, vocab] float32]).
   """
-  _check_pool(pool)
+  check_pool(pool)
   n = V.positive_int("n", n)
   _check_room(pool, n)
-  sampling, rng = _sampling(temperature, top_k, top_p, rng)
+  sampling, rng = resolve_sampling(temperature, top_k, top_p, rng)
   graphdef, params = nnx.split(model)
   pool, tokens, logits = _step_n_jit(graphdef, params, pool, n,
                                      bool(return_logits), sampling, rng,

@@ -217,7 +217,7 @@ def _finish_jit(graphdef, params, pool, row, slot, tokens, n, row_id,
   tok = jnp.where(row.positions < 0, -1, tok)
   cap = pool.capacity
   idx = jnp.where((slot >= 0) & (slot < cap), slot, cap)  # cap: dropped
-  state = jax.tree.map(lambda p, r: P._write_row(p, r, idx), pool.state,
+  state = jax.tree.map(lambda p, r: P.write_row(p, r, idx), pool.state,
                        row)
   pool = pool.replace(state=state,
                       active=pool.active.at[idx].set(True, mode="drop"),
@@ -261,11 +261,11 @@ def insert_cached(model: M.HybridLM, pool: P.Pool, cache: PrefixCache, slot,
     (pool, first token int32 scalar [, logits [vocab] float32]), as
     `insert`.
   """
-  P._check_pool(pool)
+  P.check_pool(pool)
   if not isinstance(cache, PrefixCache):
     raise TypeError(f"cache must be a PrefixCache, got "
                     f"{type(cache).__name__}.")
-  slot = P._check_slot(slot, pool.capacity)
+  slot = P.check_slot(slot, pool.capacity)
   V.check_integer("prompt_tokens", prompt_tokens)
   if not V.is_concrete(prompt_tokens):
     raise TypeError("prompt_tokens must be concrete (not traced): "
@@ -309,14 +309,14 @@ def insert_cached(model: M.HybridLM, pool: P.Pool, cache: PrefixCache, slot,
     end = n_blocks * block
     seg, n = _padded(toks[start:end], pool.max_len)
     if row is None:
-      fresh = P._fresh_row(pool.state, row_id)
+      fresh = P.fresh_row(pool.state, row_id)
       _, row = _prefill_jit(graphdef, params, seg, n, fresh)
     else:
       _, row = _advance_jit(graphdef, params, row, seg, n, implementation)
     if int(row.positions[0]) >= 0:  # an invalid row is not cached
       cache.put(keys[n_blocks - 1], row)
     start = end
-  sampling, rng = P._sampling(temperature, top_k, top_p, rng)
+  sampling, rng = P.resolve_sampling(temperature, top_k, top_p, rng)
   rest, n = _padded(toks[start:], pool.max_len)
   pool, tok, logits = _finish_jit(graphdef, params, pool, row, slot, rest,
                                   n, row_id, sampling, rng, implementation)
