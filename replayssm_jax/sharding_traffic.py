@@ -1,0 +1,335 @@
+"""Per-device memory, HBM traffic and communication of one sharded decode
+step (the placement rules of `replayssm_jax.sharding`).
+
+  cost = decode_step_cost(cfg, data=2, model=4, batch=64, ssm_mode="replay",
+                          buffer_len=16)
+  cost.state_bytes["total"], cost.ssm_traffic_bytes, cost.psum_bytes
+  compiled_collectives(step_fn, params, token, state)   # what XLA emitted
+
+With b = the global batch, d / m the "data" / "model" axis sizes:
+  b_l = b / d when d divides b, else b (the batch is replicated);
+  a Mamba layer's heads H_l = H / m when m divides ssm_heads, else H;
+  an attention layer's KV heads Hk / m when m divides num_kv_heads (not for
+  multi-head latent attention, whose cache splits the batch only).
+
+State bytes per device (per layer, summed over layers):
+  Mamba baseline   b_l*H_l*P*N*s (+ the conv ring b_l*(k-1)*conv_dim*c,
+                   never head-split, and its int32 start b_l*4);
+  Mamba replay     checkpoint b_l*H_l*P*N*s + x_buf b_l*L*H_l*P*u
+                   + dt_buf b_l*L*H_l*4 + b_buf b_l*L*G*N*u (groups are
+                   replicated) + count b_l*4 (+ the conv ring as above);
+  attention        k and v 2*b_l*Hk_l*S*D*kv + length b_l*4;
+  positions        b_l*4.
+  (s, u, c, kv: the checkpoint, buffer, conv and KV itemsizes.)
+
+SSM traffic per device: `replayssm_jax.traffic` on the shard (H_l heads,
+the groups those heads touch, b_l rows): `baseline_step_bytes` or
+`replay_amortized_bytes`, times the Mamba layers.
+
+Collectives implied by the rules (per step, per device; `bytes` is the size
+of the op's result buffer on one device, the figure XLA's HLO shows;
+`wire_bytes` what a ring moves per device: 2(m-1)/m of it for an
+all-reduce, (m-1)/m for an all-gather):
+  * an all-reduce (psum over "model") of the residual stream [b_l, d_model]
+    in the activation dtype (config.dtype) after every row-parallel
+    projection: Mamba out_proj when its heads split, attention o_proj when
+    its KV heads split, MLP down_proj when intermediate_size splits, MoE
+    experts with expert_parallel (and a split relu2 shared expert's
+    shared_down, one more);
+  * the LM head: vocab-parallel logits [b_l, V/m]; a caller that needs the
+    whole row gathers [b_l, V] float32 ("logits all-gather", counted apart:
+    a greedy argmax only reduces b_l (value, index) pairs); a tied table
+    split over the vocabulary also costs one all-reduce [b_l, d_model] for
+    the embedding lookup.
+Not modeled (XLA adds them around the split SSM op and the MoE dispatch;
+small next to the psums at realistic sizes): the gated norm's group
+reduction when the norm weight is replicated (an all-reduce [b_l, G]), the
+all-gathers of replicated B/C into a head-split op, the KV-cache write's
+gather of the new token, and the MoE's routing gathers / all-to-alls.
+GDN / KDA layers are replicated (no collective, state split by batch only).
+
+Pure Python except `compiled_collectives` (which compiles with jax).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+
+from replayssm_jax import traffic as T
+
+_I32 = 4
+SSM_MODES = ("baseline", "replay")
+
+
+def _pos(name, v):
+  if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+    raise ValueError(f"{name} must be a positive int, got {v!r}.")
+  return v
+
+
+def _itemsize(dtype, name):
+  try:
+    return jnp.dtype(dtype).itemsize
+  except TypeError as e:
+    raise TypeError(f"{name} must be a dtype, got {dtype!r}.") from e
+
+
+def _splits(n: int, m: int) -> bool:
+  return m > 1 and n % m == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective of a decode step.
+
+  op: "all-reduce", "all-gather", "reduce-scatter", "collective-permute" or
+    "all-to-all"; where: the layer / part it belongs to ("" when parsed);
+  shape, dtype: its result on one device; bytes: that result's size;
+  count: how many such ops per step (layers of the kind)."""
+  op: str
+  shape: tuple
+  dtype: str
+  bytes: int
+  where: str = ""
+  count: int = 1
+  wire_bytes: float | None = None
+
+  def asdict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCost:
+  """Per device, one decode step (see `decode_step_cost`)."""
+  data: int
+  model: int
+  batch: int
+  local_batch: int
+  ssm_mode: str
+  state_bytes: dict  # {"mamba", "conv", "attention", "other", "total"}
+  ssm_traffic_bytes: float
+  collectives: tuple  # of Collective
+  psum_bytes: int  # the residual-stream all-reduces of the layers
+  head_bytes: int  # the LM head's lookup all-reduce + logits all-gather
+
+  def asdict(self) -> dict:
+    d = dataclasses.asdict(self)
+    d["collectives"] = [c.asdict() for c in self.collectives]
+    return d
+
+
+def local_sizes(cfg, data: int, model: int, batch: int) -> dict:
+  """Rows, Mamba heads / groups and KV heads held by one device."""
+  d, m, b = _pos("data", data), _pos("model", model), _pos("batch", batch)
+  h = cfg.ssm_heads
+  h_l = h // m if _splits(h, m) else h
+  gs = h // cfg.n_groups  # heads per group
+  if h_l % gs == 0:
+    g_l = h_l // gs
+  elif gs % h_l == 0:
+    g_l = 1
+  else:
+    g_l = cfg.n_groups
+  mla = getattr(cfg, "mla_kv_lora_rank", None) is not None
+  hk = cfg.num_kv_heads
+  return dict(batch=b // d if _splits(b, d) else b, ssm_heads=h_l,
+              ssm_groups=g_l,
+              kv_heads=hk // m if _splits(hk, m) and not mla else hk,
+              mla=mla)
+
+
+def state_bytes_per_device(cfg, data: int, model: int, batch: int, *,
+                           ssm_mode: str = "replay", buffer_len: int = 16,
+                           max_len: int = 128, checkpoint_dtype="float32",
+                           buffer_dtype=None, kv_dtype=None,
+                           conv_dtype=None) -> dict:
+  """Decode-state bytes on one device (dtypes default as in
+  `HybridLM.init_state`: buffers, KV and conv in config.dtype).
+
+  Returns {"mamba": SSM states, "conv": conv rings, "attention": KV caches,
+  "other": positions, "total"}."""
+  if ssm_mode not in SSM_MODES:
+    raise ValueError(f"ssm_mode must be one of {SSM_MODES}, got "
+                     f"{ssm_mode!r}.")
+  _pos("buffer_len", buffer_len)
+  _pos("max_len", max_len)
+  loc = local_sizes(cfg, data, model, batch)
+  b, h = loc["batch"], loc["ssm_heads"]
+  s = _itemsize(checkpoint_dtype, "checkpoint_dtype")
+  u = _itemsize(buffer_dtype or cfg.dtype, "buffer_dtype")
+  kv = _itemsize(kv_dtype or cfg.dtype, "kv_dtype")
+  c = _itemsize(conv_dtype or cfg.dtype, "conv_dtype")
+  P, N, G, L = cfg.head_dim, cfg.d_state, cfg.n_groups, buffer_len
+  out = dict(mamba=0, conv=0, attention=0, other=b * _I32)
+  for kind in cfg.block_kinds:
+    if kind == "mamba":
+      ssm = b * h * P * N * s
+      if ssm_mode == "replay":
+        ssm += (b * L * h * P * u + b * L * h * 4 + b * L * G * N * u
+                + b * _I32)
+      out["mamba"] += ssm
+      out["conv"] += b * (cfg.conv_kernel - 1) * cfg.conv_dim * c + b * _I32
+    elif kind == "attention":
+      if loc["mla"]:
+        raise ValueError("cfg: multi-head latent attention caches are not "
+                         "modeled.")
+      out["attention"] += (2 * b * loc["kv_heads"] * max_len
+                           * cfg.attn_head_dim * kv + b * _I32)
+    elif kind in ("gdn", "kda"):
+      raise ValueError(f"cfg: {kind} layer states are not modeled.")
+  out["total"] = sum(out.values())
+  return out
+
+
+def ssm_traffic_per_device(cfg, data: int, model: int, batch: int, *,
+                           ssm_mode: str = "replay", buffer_len: int = 16,
+                           checkpoint_dtype="float32", buffer_dtype=None,
+                           act_dtype=None) -> float:
+  """HBM bytes of the SSM op of every Mamba layer on one device (replay:
+  amortized over the L-step cycle)."""
+  if ssm_mode not in SSM_MODES:
+    raise ValueError(f"ssm_mode must be one of {SSM_MODES}, got "
+                     f"{ssm_mode!r}.")
+  loc = local_sizes(cfg, data, model, batch)
+  dims = T.LayerDims(nheads=loc["ssm_heads"], headdim=cfg.head_dim,
+                     dstate=cfg.d_state, ngroups=loc["ssm_groups"])
+  act = act_dtype or cfg.dtype
+  if ssm_mode == "baseline":
+    per = T.baseline_step_bytes(dims, loc["batch"], checkpoint_dtype, act)
+  else:
+    per = T.replay_amortized_bytes(dims, loc["batch"], buffer_len,
+                                   checkpoint_dtype, buffer_dtype or cfg.dtype,
+                                   act)
+  return per * sum(k == "mamba" for k in cfg.block_kinds)
+
+
+def _ring(op, nbytes, m):
+  if m <= 1:
+    return 0.0
+  return nbytes * (2 if op == "all-reduce" else 1) * (m - 1) / m
+
+
+def layer_collectives(cfg, data: int, model: int, batch: int, *,
+                      expert_parallel: bool = False,
+                      gather_logits: bool = True) -> list[Collective]:
+  """The collectives the rules imply for one decode step on one device (one
+  entry per kind of layer, `count` = its layers; see the module
+  docstring)."""
+  m = _pos("model", model)
+  loc = local_sizes(cfg, data, model, batch)
+  b, dm = loc["batch"], cfg.d_model
+  a = jnp.dtype(cfg.dtype)
+  nbytes = b * dm * a.itemsize
+  kinds = cfg.block_kinds
+  row_parallel = dict(
+      mamba=_splits(cfg.ssm_heads, m),
+      attention=_splits(cfg.num_kv_heads, m) and not loc["mla"],
+      mlp=_splits(cfg.intermediate_size, m),
+      moe=expert_parallel and _splits(cfg.n_routed_experts, m))
+  out = []
+  for kind, split in row_parallel.items():
+    n = sum(k == kind for k in kinds)
+    shared = cfg.moe_shared_expert_intermediate_size
+    if kind == "moe" and n and shared > 0 and _splits(shared, m) and (
+            cfg.moe_activation == "relu2"):
+      out.append(Collective("all-reduce", (b, dm), a.name, nbytes,
+                            "moe shared_down", n, _ring("all-reduce",
+                                                        nbytes, m)))
+    if n and split:
+      out.append(Collective("all-reduce", (b, dm), a.name, nbytes,
+                            f"{kind} row-parallel out", n,
+                            _ring("all-reduce", nbytes, m)))
+  if _splits(cfg.vocab_size, m):
+    if cfg.tie_embeddings:
+      out.append(Collective("all-reduce", (b, dm), a.name, nbytes,
+                            "embedding lookup", 1,
+                            _ring("all-reduce", nbytes, m)))
+    if gather_logits:
+      lb = b * cfg.vocab_size * 4
+      out.append(Collective("all-gather", (b, cfg.vocab_size), "float32", lb,
+                            "logits", 1, _ring("all-gather", lb, m)))
+  return out
+
+
+def decode_step_cost(cfg, data: int, model: int, batch: int, *,
+                     ssm_mode: str = "replay", buffer_len: int = 16,
+                     max_len: int = 128, checkpoint_dtype="float32",
+                     buffer_dtype=None, kv_dtype=None, act_dtype=None,
+                     expert_parallel: bool = False,
+                     gather_logits: bool = True) -> DecodeCost:
+  """State bytes, SSM traffic and collectives per device of one step."""
+  if not isinstance(expert_parallel, bool):
+    raise TypeError(f"expert_parallel must be a bool, got "
+                    f"{expert_parallel!r}.")
+  state = state_bytes_per_device(
+      cfg, data, model, batch, ssm_mode=ssm_mode, buffer_len=buffer_len,
+      max_len=max_len, checkpoint_dtype=checkpoint_dtype,
+      buffer_dtype=buffer_dtype, kv_dtype=kv_dtype)
+  ssm = ssm_traffic_per_device(
+      cfg, data, model, batch, ssm_mode=ssm_mode, buffer_len=buffer_len,
+      checkpoint_dtype=checkpoint_dtype, buffer_dtype=buffer_dtype,
+      act_dtype=act_dtype)
+  coll = tuple(layer_collectives(cfg, data, model, batch,
+                                 expert_parallel=expert_parallel,
+                                 gather_logits=gather_logits))
+  layer = [c for c in coll if c.where not in ("logits", "embedding lookup")]
+  return DecodeCost(
+      data=data, model=model, batch=batch,
+      local_batch=local_sizes(cfg, data, model, batch)["batch"],
+      ssm_mode=ssm_mode, state_bytes=state, ssm_traffic_bytes=ssm,
+      collectives=coll, psum_bytes=sum(c.bytes * c.count for c in layer),
+      head_bytes=sum(c.bytes * c.count for c in coll if c not in layer))
+
+
+# --------------------------------------------------------- compiled HLO
+COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter",
+                  "collective-permute", "all-to-all")
+_HLO_DTYPES = dict(pred=1, s8=1, u8=1, s16=2, u16=2, f16=2, bf16=2, s32=4,
+                   u32=4, f32=4, s64=8, u64=8, f64=8, c64=8, c128=16,
+                   f8e4m3fn=1, f8e5m2=1, f8e4m3=1, f8e5m2fnuz=1,
+                   f8e4m3fnuz=1, s4=1, u4=1)
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+("
+                    + "|".join(COLLECTIVE_OPS) + r")(-start)?\(")
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
+
+
+def parse_collectives(hlo_text: str) -> list[Collective]:
+  """Every collective instruction of an HLO module's text (async pairs
+  counted once, at their -start), one entry per result array (a
+  combined or tuple-shaped op gives several; an async start's tuple holds
+  its operand and result, whose last element is kept)."""
+  if not isinstance(hlo_text, str):
+    raise TypeError(f"hlo_text must be a str, got "
+                    f"{type(hlo_text).__name__}.")
+  out = []
+  for line in hlo_text.splitlines():
+    mt = _INSTR.match(line)
+    if not mt:
+      continue
+    types, op, start = mt.groups()
+    arrays = [(dt, tuple(int(x) for x in dims.split(",") if x))
+              for dt, dims in _ARRAY.findall(types) if dt in _HLO_DTYPES]
+    if start and op != "collective-permute" and len(arrays) > 1:
+      arrays = arrays[len(arrays) // 2:]  # (operands..., results...)
+    elif start:
+      arrays = arrays[1:2] or arrays
+    for dt, shape in arrays:
+      out.append(Collective(op, shape, dt,
+                            math.prod(shape) * _HLO_DTYPES[dt]))
+  return out
+
+
+def compiled_collectives(fn, *args, **jit_kw) -> list[Collective]:
+  """The collectives XLA compiles `jax.jit(fn, **jit_kw)` into for `args`
+  (their shardings pick the partitioning): `parse_collectives` of
+  `jax.jit(fn).lower(*args).compile().as_text()`. An op inside a loop body
+  appears once (per iteration)."""
+  if not callable(fn):
+    raise TypeError(f"fn must be callable, got {type(fn).__name__}.")
+  text = jax.jit(fn, **jit_kw).lower(*args).compile().as_text()
+  return parse_collectives(text)
