@@ -206,7 +206,7 @@ def markdown_table(rows: Iterable[dict], columns: Sequence[str],
   return "\n".join(lines)
 
 
-def best_of(make, repeats: int):
+def best_of(make, repeats: int, reduce=min):
   """Times `repeats` calls after one compile + warm-up call.
 
   Args:
@@ -216,7 +216,8 @@ def best_of(make, repeats: int):
     repeats: timed calls.
 
   Returns:
-    (output of the last call, best seconds, every timed call's seconds).
+    (output of the last call, best seconds (`reduce` of the timed calls:
+     min, or e.g. statistics.median), every timed call's seconds).
   """
   times = []
   for i in range(repeats + 1):
@@ -228,7 +229,7 @@ def best_of(make, repeats: int):
     out = jax.block_until_ready(thunk())
     if i:
       times.append(time.perf_counter() - t0)
-  return out, min(times), times
+  return out, reduce(times), times
 
 
 def write_summary(workdir: str, text: str) -> str:

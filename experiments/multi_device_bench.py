@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 
 from absl import logging
 import jax
@@ -48,20 +47,6 @@ from replayssm_jax.models import (ModelConfig, NgramProposer, kv_cache_len,
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))), "configs", "multi_device_bench.py")
-
-
-def _median_of(make, repeats: int):
-  """(last output, median seconds, all seconds) of `repeats` timed calls
-  after one compile + warm-up call (make: () -> thunk, run untimed)."""
-  times, out = [], None
-  for i in range(repeats + 1):
-    thunk = out = None
-    thunk = make()
-    t0 = time.perf_counter()
-    out = jax.block_until_ready(thunk())
-    if i:
-      times.append(time.perf_counter() - t0)
-  return out, statistics.median(times), times
 
 
 def _shard_bytes(tree) -> int:
@@ -115,7 +100,8 @@ def bench_decode(model, smodel, mesh, config, batch: int, mode: str,
     tok, st = fresh()
     return lambda: decode_loop(graphdef, params, tok, st, b.new_tokens, impl)
 
-  _, med, times = _median_of(make, b.repeats)
+  _, med, times = common.best_of(make, b.repeats,
+                                     reduce=statistics.median)
   cost = ST.decode_step_cost(
       cfg, shape[0], shape[1], batch, ssm_mode=mode, buffer_len=b.buffer_len,
       max_len=max_len, checkpoint_dtype=b.checkpoint_dtype,
@@ -147,12 +133,13 @@ def bench_spec(smodel, mesh, config, batch: int, mode: str, shape) -> dict:
   lengths = jnp.full((batch,), b.prompt_len, jnp.int32)
   stok, sln = SH.shard_batch(prompts, mesh), SH.shard_batch(lengths, mesh)
   proposer = NgramProposer(n=2)
-  (out, _, stats), med, times = _median_of(
+  (out, _, stats), med, times = common.best_of(
       lambda: lambda: speculative_generate(
           smodel, proposer, stok, sln, b.spec_new_tokens, b.spec_window,
           ssm_mode=mode, buffer_len=b.buffer_len,
           implementation=b.implementation or None,
-          checkpoint_dtype=b.checkpoint_dtype), b.repeats)
+          checkpoint_dtype=b.checkpoint_dtype), b.repeats,
+      reduce=statistics.median)
   del out
   rec = dict(kind="specdec", data=shape[0], model=shape[1],
              mesh=f"{shape[0]}x{shape[1]}", batch=batch, ssm_mode=mode,

@@ -45,7 +45,6 @@ from experiments.decode_bench import build_model
 from replayssm_jax import serving
 from replayssm_jax.models import ModelConfig, hf
 from replayssm_jax.precision import PrecisionPolicy
-from replayssm_jax.serving import pool as pool_mod
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))), "configs", "serve_bench.py")

@@ -6,39 +6,19 @@ of their slot; bad requests are named before they reach a slot."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from replayssm_jax import models, serving
+from tests.serving_common import CFG, build_model, prompt
 
-CFG = models.ModelConfig(
-    vocab_size=64, d_model=32, pattern="M*G-M", ssm_heads=4, head_dim=8,
-    d_state=8, n_groups=2, conv_kernel=4, chunk_size=8, num_heads=4,
-    num_kv_heads=2, attn_head_dim=8, intermediate_size=48,
-    gdn_num_k_heads=2, gdn_num_v_heads=4, gdn_k_dim=8, gdn_v_dim=8,
-    gdn_chunk_size=4)
 CAP, MAX_LEN, L = 3, 48, 4
 
 
 @pytest.fixture(scope="module")
 def model():
-  m = models.HybridLM(CFG, rngs=nnx.Rngs(5))
-  key = jax.random.PRNGKey(11)
-  # Norm weights randomized so that greedy tokens vary.
-  for i, (path, var) in enumerate(nnx.to_flat_state(nnx.state(m))):
-    if path[-1] == "weight" and path[-2] in ("norm", "norm_f"):
-      val = var.get_value()
-      var.set_value(val + 0.5 * jax.random.normal(
-          jax.random.fold_in(key, i), val.shape, val.dtype))
-  return m
-
-
-def prompt(seed, length):
-  return np.asarray(jax.random.randint(jax.random.PRNGKey(seed), (length,),
-                                       0, CFG.vocab_size, jnp.int32))
+  return build_model(5, 11)
 
 
 def reference(model, tokens, n, ssm_mode):

@@ -1,0 +1,35 @@
+"""The tiny hybrid model the serving tests share: Mamba-2 ('M'), attention
+('*'), Gated DeltaNet ('G') and MLP ('-') blocks, random weights with the
+norm weights randomized too (so that greedy tokens vary), f32."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from replayssm_jax import models
+
+CFG = models.ModelConfig(
+    vocab_size=64, d_model=32, pattern="M*G-M", ssm_heads=4, head_dim=8,
+    d_state=8, n_groups=2, conv_kernel=4, chunk_size=8, num_heads=4,
+    num_kv_heads=2, attn_head_dim=8, intermediate_size=48,
+    gdn_num_k_heads=2, gdn_num_v_heads=4, gdn_k_dim=8, gdn_v_dim=8,
+    gdn_chunk_size=4)
+
+
+def build_model(seed: int, norm_seed: int) -> models.HybridLM:
+  m = models.HybridLM(CFG, rngs=nnx.Rngs(seed))
+  key = jax.random.PRNGKey(norm_seed)
+  for i, (path, var) in enumerate(nnx.to_flat_state(nnx.state(m))):
+    if path[-1] == "weight" and path[-2] in ("norm", "norm_f"):
+      val = var.get_value()
+      var.set_value(val + 0.5 * jax.random.normal(
+          jax.random.fold_in(key, i), val.shape, val.dtype))
+  return m
+
+
+def prompt(seed, length):
+  """[length] random int32 token ids."""
+  return jax.random.randint(jax.random.PRNGKey(seed), (length,), 0,
+                            CFG.vocab_size, jnp.int32)
