@@ -40,7 +40,13 @@ column-parallel in, row-parallel out). With m the "model" axis size:
               relu2 shared expert splits as an MLP; a swiglu one (fused
               [gate|up] columns), the router and the latent projections are
               replicated.
-  GDN / KDA   replicated (fused in_proj layouts as Mamba's); their states
+  GDN         value / key heads split when gdn_num_v_heads % m == 0 and
+              gdn_num_k_heads % m == 0: A_log, dt_bias [HV] P("model");
+              out_proj [HV V, d] rows P("model", None) (row-parallel; its
+              input is the value heads' outputs concatenated head-major);
+              the gated norm's weight [V] (shared by every head), the fused
+              in_proj [d, qkv|z|b|a] and the conv replicated, as Mamba's.
+  KDA         replicated (fused in_proj layouts as Mamba's); its states
               split the batch only.
   embeddings  untied: the table replicated (the lookup stays local) and the
               LM head [d, vocab] P(None, "model") (vocab-parallel logits);
@@ -57,7 +63,13 @@ checkpoint / read copy [b, H, P, N] P("data", "model"), x_buf / dt_buf
 P("data", "model"), b_buf [b, L, G, N] and the conv ring [b, k-1, conv_dim]
 P("data"), per-row counters P("data"); a baseline state [b, H, P, N] (or
 its StoredSSMState) as the checkpoint; KV caches [b, Hk, S, D]
-P("data", "model").
+P("data", "model"). A GDN layer whose heads split: checkpoint / read copy /
+baseline state [b, HV, K, V] and read_scale [b, HV, K] P("data", "model"),
+d_buf [b, L, HV, V] and g_buf [b, L, HV] P("data", None, "model"), k_buf
+[b, L, HK, K] P("data", None, "model") (HK split), the conv ring and the
+counters P("data"). Without `config`, a GDN replay state splits when its
+own HV and HK divide and a bare baseline array (GDN or KDA) splits the
+batch only.
 
 Pallas kernels are not partitioned here: on CPU the dispatcher runs the
 reference implementations, which XLA partitions like any jnp code; running
@@ -73,6 +85,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from replayssm_jax import gdn, kda
 from replayssm_jax.models import states as S
 from replayssm_jax.models.layers import Attention
 from replayssm_jax.models.mla_attention import MLAttention
@@ -168,7 +181,19 @@ def _mixer_param_spec(cfg, mixer, kind, names, m, expert_parallel):
     if names == ("shared_down", "kernel"):
       return row(shared)
     return REPLICATED
-  return REPLICATED  # gdn, kda
+  if kind == "gdn":
+    heads = _gdn_heads(cfg.gdn_num_v_heads, cfg.gdn_num_k_heads, m)
+    if names in (("A_log",), ("dt_bias",)):
+      return P("model") if heads else REPLICATED
+    if names == ("out_proj", "kernel"):
+      return row(heads)
+    return REPLICATED  # in_proj, conv (fused layouts), norm_weight [V]
+  return REPLICATED  # kda
+
+
+def _gdn_heads(hv: int, hk: int, m: int) -> bool:
+  """Whether a GDN layer's heads split: both HV and HK over m shards."""
+  return _splits(hv, m) and _splits(hk, m)
 
 
 def param_spec(model, path, mesh_model_size: int,
@@ -257,12 +282,34 @@ def _mamba_state_specs(s: S.MambaState, d, m):
                    conv_start=_leaf_spec(s.conv_start, ("b",), d, m))
 
 
+def _gdn_state_specs(s: S.GDNState, d, m, heads):
+  """GDN layer state: heads split over "model" when `heads` (True / False;
+  None: decided from a replay state's own HV / HK, a bare array batch
+  only)."""
+  ssm = s.ssm
+  if isinstance(ssm, gdn.GDNReplayState):
+    if heads is None:
+      heads = _gdn_heads(ssm.num_v_heads, ssm.num_k_heads, m)
+    h = "h" if heads else None
+    lay = dict(checkpoint=("b", h), d_buf=("b", None, h),
+               k_buf=("b", None, h), g_buf=("b", None, h),
+               read_copy=("b", h), read_scale=("b", h))
+    fields = {f.name: getattr(ssm, f.name) for f in dataclasses.fields(ssm)
+              if not f.metadata.get("static")}
+    ssm_spec = ssm.replace(**{k: _leaf_spec(v, lay.get(k, ("b",)), d, m)
+                              for k, v in fields.items()})
+  else:
+    ssm_spec = _leaf_spec(ssm, ("b", "h" if heads else None), d, m)
+  return s.replace(conv=_leaf_spec(s.conv, ("b",), d, m), ssm=ssm_spec)
+
+
 def state_specs(state: S.ModelState, mesh: Mesh, *, config=None):
   """A ModelState-shaped pytree of PartitionSpecs for `state` on `mesh`.
 
   config: the model's ModelConfig; with it, the KV caches of multi-head
   latent attention layers (whose parameters stay replicated) split the
-  batch only. Without it every KV cache splits its heads when it can."""
+  batch only, and GDN layers are told from KDA ones (see the module
+  docstring). Without it every KV cache splits its heads when it can."""
   if not isinstance(state, S.ModelState):
     raise TypeError(f"state must be a ModelState, got "
                     f"{type(state).__name__}.")
@@ -270,8 +317,11 @@ def state_specs(state: S.ModelState, mesh: Mesh, *, config=None):
   mla = config is not None and config.mla_kv_lora_rank is not None
   batch_only = lambda t: jax.tree.map(lambda x: _leaf_spec(x, ("b",), d, m),
                                       t)
+  kinds = None if config is None else config.block_kinds
+  gdn_heads = None if config is None else _gdn_heads(
+      config.gdn_num_v_heads, config.gdn_num_k_heads, m)
   layers = []
-  for s in state.layers:
+  for i, s in enumerate(state.layers):
     if isinstance(s, S.MambaState):
       layers.append(_mamba_state_specs(s, d, m))
     elif isinstance(s, S.AttentionState):
@@ -281,6 +331,10 @@ def state_specs(state: S.ModelState, mesh: Mesh, *, config=None):
                               length=_leaf_spec(s.length, ("b",), d, m)))
     elif s is None:
       layers.append(None)
+    elif isinstance(s, S.GDNState) and (
+        kinds[i] == "gdn" if kinds is not None
+        else not isinstance(s.ssm, kda.KDAReplayState)):
+      layers.append(_gdn_state_specs(s, d, m, gdn_heads))
     else:  # GDNState / KDA states: every leaf batch-leading
       layers.append(batch_only(s))
   return state.replace(layers=tuple(layers),
