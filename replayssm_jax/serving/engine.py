@@ -125,27 +125,22 @@ def _dispatch(graphdef, params, pool, n, sampled, top_k, top_p,
   def body(i, carry):
     pool, out, left, keys = carry
     active = pool.active & (left > 0)
-    feed = jnp.where(active, pool.tokens, 0)
-    logits, new = model.step(feed, pool.state, implementation)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    split = jax.vmap(jax.random.split)(keys)  # [cap, 2, 2]
+    split = jax.vmap(jax.random.split)(keys)  # [cap, 2, key]
     keys, sub = split[:, 0], split[:, 1]
 
-    def sample():
+    def sample(logits):
+      greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+      if not sampled:
+        return greedy
       t = jnp.where(temps > 0, temps, 1.0)[:, None]
       masked = filter_logits(logits, False, t, top_k, top_p)
-      draw = jax.vmap(lambda k, lg: jax.random.categorical(k, lg))(sub,
-                                                                    masked)
+      draw = jax.vmap(jax.random.categorical)(sub, masked)
       return jnp.where(temps > 0, draw.astype(jnp.int32), greedy)
 
-    tok = sample() if sampled else greedy
-    tok = jnp.where(new.positions < 0, -1, tok)
-    state = P.select(active, new, pool.state)
-    emitted = jnp.where(active, tok, -1)
-    stop = (tok < 0) | ((eos >= 0) & (tok == eos))
+    pool, emitted, _ = P.step_rows(model, pool, active, sample,
+                                   implementation)
+    stop = (emitted < 0) | ((eos >= 0) & (emitted == eos))
     left = jnp.where(active, jnp.where(stop, 0, left - 1), left)
-    pool = pool.replace(state=state,
-                        tokens=jnp.where(active, tok, pool.tokens))
     return pool, out.at[:, i].set(emitted), left, keys
 
   out = jnp.full((cap, n), -1, jnp.int32)

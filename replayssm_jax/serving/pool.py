@@ -166,15 +166,29 @@ def resolve_sampling(temperature, top_k, top_p, rng):
 
 
 # ----------------------------------------------------------------- insert
+def set_row_id(row: S.ModelState, row_id) -> S.ModelState:
+  """`row` with every row_id leaf (stochastic rounding's request identity)
+  set to `row_id`."""
+  def put(path, x):
+    last = path[-1]
+    if isinstance(last, jax.tree_util.GetAttrKey) and last.name == "row_id":
+      return jnp.full(x.shape, row_id, x.dtype)
+    return x
+  return jax.tree_util.tree_map_with_path(put, row)
+
+
 def fresh_row(state: S.ModelState, row_id):
   """A batch-1 ModelState laid out as `state`, all zeros (row_id leaves:
   `row_id`): built from shapes only, never from the pool's contents."""
-  def zero(path, x):
-    last = path[-1]
-    if isinstance(last, jax.tree_util.GetAttrKey) and last.name == "row_id":
-      return jnp.full((1,) + x.shape[1:], row_id, x.dtype)
-    return jnp.zeros((1,) + x.shape[1:], x.dtype)
-  return jax.tree_util.tree_map_with_path(zero, state)
+  zeros = jax.tree.map(lambda x: jnp.zeros((1,) + x.shape[1:], x.dtype),
+                       state)
+  return set_row_id(zeros, row_id)
+
+
+def slot_index(slot, capacity: int):
+  """The scatter index of a (traced) slot: itself in range, else
+  `capacity`, which mode="drop" scatters drop (nothing is written)."""
+  return jnp.where((slot >= 0) & (slot < capacity), slot, capacity)
 
 
 def write_row(pool_leaf, row_leaf, idx):
@@ -185,6 +199,21 @@ def write_row(pool_leaf, row_leaf, idx):
   return pool_leaf.at[idx].set(row_leaf[0], mode="drop")
 
 
+def place_row(pool: Pool, slot, row: S.ModelState, logits, rng,
+              sampling) -> tuple[Pool, jax.Array]:
+  """Samples a request's first token from its prompt's last logits [1,
+  vocab] (-1 for an invalid row), writes the batch-1 `row` into every
+  leaf's row `slot` and marks the slot active with that token as its next
+  input -> (pool, token)."""
+  tok = sample_logits(logits, rng, *sampling)
+  tok = jnp.where(row.positions < 0, -1, tok)[0]
+  idx = slot_index(slot, pool.capacity)
+  state = jax.tree.map(lambda p, r: write_row(p, r, idx), pool.state, row)
+  return pool.replace(state=state,
+                      active=pool.active.at[idx].set(True, mode="drop"),
+                      tokens=pool.tokens.at[idx].set(tok, mode="drop")), tok
+
+
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
 def _insert_jit(graphdef, params, pool, slot, tokens, length, row_id,
                 sampling, rng):
@@ -192,15 +221,8 @@ def _insert_jit(graphdef, params, pool, slot, tokens, length, row_id,
   model = nnx.merge(graphdef, params)
   fresh = fresh_row(pool.state, row_id)
   logits, row = M.prefill_fn(model, tokens[None], length[None], fresh)
-  tok = sample_logits(logits, rng, *sampling)
-  tok = jnp.where(row.positions < 0, -1, tok)
-  cap = pool.capacity
-  idx = jnp.where((slot >= 0) & (slot < cap), slot, cap)  # cap: dropped
-  state = jax.tree.map(lambda p, r: write_row(p, r, idx), pool.state, row)
-  pool = pool.replace(state=state,
-                      active=pool.active.at[idx].set(True, mode="drop"),
-                      tokens=pool.tokens.at[idx].set(tok[0], mode="drop"))
-  return pool, tok[0], logits[0]
+  pool, tok = place_row(pool, slot, row, logits, rng, sampling)
+  return pool, tok, logits[0]
 
 
 def insert(model: M.HybridLM, pool: Pool, slot, prompt_tokens, *,
@@ -273,8 +295,7 @@ def evict(pool: Pool, slot) -> Pool:
   it)."""
   check_pool(pool)
   slot = check_slot(slot, pool.capacity)
-  cap = pool.capacity
-  idx = jnp.where((slot >= 0) & (slot < cap), slot, cap)
+  idx = slot_index(slot, pool.capacity)
   return pool.replace(active=pool.active.at[idx].set(False, mode="drop"))
 
 
@@ -287,18 +308,28 @@ def select(active, new, old):
   return jax.tree.map(pick, new, old)
 
 
-def _step_body(model, pool, sampling, rng, implementation):
-  """One decode step of every slot -> (pool, tokens [capacity] int32,
-  logits [capacity, vocab] f32); inactive slots: old state, token -1."""
-  active = pool.active
+def step_rows(model, pool, active, sample, implementation):
+  """One decode step of every slot, kept for the `active` [capacity] rows
+  -> (pool, tokens [capacity] int32, logits [capacity, vocab] f32).
+
+  sample(logits) -> [capacity] int32 picks each row's next token (-1 for
+  an invalid row); rows not active keep their old state (`select`) and
+  next input, and report -1."""
   feed = jnp.where(active, pool.tokens, 0)
   logits, new = model.step(feed, pool.state, implementation)
-  tok = sample_logits(logits, rng, *sampling)
-  tok = jnp.where(new.positions < 0, -1, tok)
+  tok = jnp.where(new.positions < 0, -1, sample(logits))
   state = select(active, new, pool.state)
   tokens = jnp.where(active, tok, pool.tokens)
   out = jnp.where(active, tok, -1)
   return pool.replace(state=state, tokens=tokens), out, logits
+
+
+def _step_body(model, pool, sampling, rng, implementation):
+  """One decode step of every active slot (`step_rows` with the pool's
+  sampling settings)."""
+  return step_rows(model, pool, pool.active,
+                   lambda lg: sample_logits(lg, rng, *sampling),
+                   implementation)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=(2,))

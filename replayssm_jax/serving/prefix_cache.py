@@ -84,7 +84,6 @@ from flax import nnx
 
 from replayssm_jax import _validation as V
 from replayssm_jax.models import model as M
-from replayssm_jax.models.generate import sample_logits
 from replayssm_jax.serving import pool as P
 
 # Number of times each jitted entry point was traced (tests assert on it).
@@ -168,15 +167,6 @@ class PrefixCache:
 
 
 # --------------------------------------------------------------- jitted
-def _set_row_id(row, row_id):
-  def put(path, x):
-    last = path[-1]
-    if isinstance(last, jax.tree_util.GetAttrKey) and last.name == "row_id":
-      return jnp.full(x.shape, row_id, x.dtype)
-    return x
-  return jax.tree_util.tree_map_with_path(put, row)
-
-
 def _run_steps(model, row, tokens, n, implementation):
   """Decode steps over tokens[:n] (n traced) of the batch-1 row ->
   (logits [1, vocab] f32 of the last step, row)."""
@@ -211,18 +201,10 @@ def _finish_jit(graphdef, params, pool, row, slot, tokens, n, row_id,
   token sampled, the row written into `slot` of the (donated) pool."""
   TRACE_COUNTS["finish"] += 1
   model = nnx.merge(graphdef, params)
-  row = _set_row_id(row, row_id)
+  row = P.set_row_id(row, row_id)
   logits, row = _run_steps(model, row, tokens, n, implementation)
-  tok = sample_logits(logits, rng, *sampling)
-  tok = jnp.where(row.positions < 0, -1, tok)
-  cap = pool.capacity
-  idx = jnp.where((slot >= 0) & (slot < cap), slot, cap)  # cap: dropped
-  state = jax.tree.map(lambda p, r: P.write_row(p, r, idx), pool.state,
-                       row)
-  pool = pool.replace(state=state,
-                      active=pool.active.at[idx].set(True, mode="drop"),
-                      tokens=pool.tokens.at[idx].set(tok[0], mode="drop"))
-  return pool, tok[0], logits[0]
+  pool, tok = P.place_row(pool, slot, row, logits, rng, sampling)
+  return pool, tok, logits[0]
 
 
 def _padded(tokens: np.ndarray, max_len: int):
