@@ -181,6 +181,26 @@ def check_prompts_and_eos(model: M.HybridLM, prompt_tokens,
   return prompt_tokens.shape
 
 
+def _not_finished(max_new_tokens):
+  """The decode loops' condition: tokens left and a row not done."""
+  def cond(carry):
+    i, _, _, _, done, _, _ = carry
+    return (i < max_new_tokens) & ~jnp.all(done)
+  return cond
+
+
+def _sample_token(logits, rng, i, out, done, n, sampling, eos_id, pad):
+  """One token per row from logits, recorded at column i of out: rows
+  already done get pad; a row emitting eos_id is done from then on ->
+  (tok, rng, out, done, n)."""
+  rng, sub = jax.random.split(rng)
+  tok = sample_logits(logits, sub, *sampling)
+  tok = jnp.where(done, pad, tok)
+  out = out.at[:, i].set(tok)
+  n = n + (~done).astype(jnp.int32)
+  return tok, rng, out, done | (tok == eos_id), n
+
+
 def _generate_body(graphdef, params, tokens, lengths, state, max_new_tokens,
                    implementation, sampling, eos_id, rng):
   M.TRACE_COUNTS["generate"] += 1
@@ -189,18 +209,10 @@ def _generate_body(graphdef, params, tokens, lengths, state, max_new_tokens,
   logits, state = M.prefill_fn(model, tokens, lengths, state)
   pad = jnp.maximum(eos_id, 0)  # eos_id < 0: no eos.
 
-  def cond(carry):
-    i, _, _, _, done, _, _ = carry
-    return (i < max_new_tokens) & ~jnp.all(done)
-
   def body(carry):
     i, logits, state, out, done, n, rng = carry
-    rng, sub = jax.random.split(rng)
-    tok = sample_logits(logits, sub, *sampling)
-    tok = jnp.where(done, pad, tok)
-    out = out.at[:, i].set(tok)
-    n = n + (~done).astype(jnp.int32)
-    done = done | (tok == eos_id)
+    tok, rng, out, done, n = _sample_token(logits, rng, i, out, done, n,
+                                           sampling, eos_id, pad)
     logits, state = model.step(tok, state, implementation)
     return i + 1, logits, state, out, done, n, rng
 
@@ -210,7 +222,8 @@ def _generate_body(graphdef, params, tokens, lengths, state, max_new_tokens,
   invalid = state.positions < 0
   carry = (jnp.int32(0), logits, state, out, invalid,
            jnp.zeros((b,), jnp.int32), rng)
-  _, _, state, out, _, n, _ = jax.lax.while_loop(cond, body, carry)
+  _, _, state, out, _, n, _ = jax.lax.while_loop(
+      _not_finished(max_new_tokens), body, carry)
   return jnp.where(invalid[:, None], -1, out), n, state
 
 
@@ -283,19 +296,11 @@ def _resume_body(graphdef, params, last_tokens, state, max_new_tokens,
   rng = jax.lax.fori_loop(0, start_step,
                           lambda _, r: jax.random.split(r)[0], rng)
 
-  def cond(carry):
-    i, _, _, _, done, _, _ = carry
-    return (i < max_new_tokens) & ~jnp.all(done)
-
   def body(carry):
     i, tok, state, out, done, n, rng = carry
     logits, state = model.step(tok, state, implementation)
-    rng, sub = jax.random.split(rng)
-    tok = sample_logits(logits, sub, *sampling)
-    tok = jnp.where(done, pad, tok)
-    out = out.at[:, i].set(tok)
-    n = n + (~done).astype(jnp.int32)
-    done = done | (tok == eos_id)
+    tok, rng, out, done, n = _sample_token(logits, rng, i, out, done, n,
+                                           sampling, eos_id, pad)
     return i + 1, tok, state, out, done, n, rng
 
   out = jnp.full((b, max_new_tokens), pad, jnp.int32)
@@ -305,7 +310,8 @@ def _resume_body(graphdef, params, last_tokens, state, max_new_tokens,
   done = invalid | (last_tokens == eos_id)
   carry = (jnp.int32(0), last_tokens, state, out, done,
            jnp.zeros((b,), jnp.int32), rng)
-  _, _, state, out, _, n, _ = jax.lax.while_loop(cond, body, carry)
+  _, _, state, out, _, n, _ = jax.lax.while_loop(
+      _not_finished(max_new_tokens), body, carry)
   return jnp.where(invalid[:, None], -1, out), n, state
 
 
