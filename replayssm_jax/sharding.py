@@ -85,6 +85,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from replayssm_jax import _validation as V
 from replayssm_jax import gdn, kda
 from replayssm_jax.models import states as S
 from replayssm_jax.models.layers import Attention
@@ -100,10 +101,9 @@ def make_mesh(data: int, model: int, devices=None) -> Mesh:
 
   devices: a sequence of jax devices (default the first data * model of
   `jax.devices()`)."""
-  for name, v in (("data", data), ("model", model)):
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-      raise ValueError(f"{name} must be a positive int, got {v!r}.")
-  n = int(data) * int(model)
+  data = V.positive_int("data", data)
+  model = V.positive_int("model", model)
+  n = data * model
   devs = list(jax.devices() if devices is None else devices)
   if len(devs) < n:
     raise ValueError(f"devices: a {data}x{model} mesh needs {n} devices, "
