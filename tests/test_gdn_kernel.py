@@ -2,7 +2,8 @@
 of the GDN ops; interpret mode on CPU) against the references: the
 baseline step (state updated in place) and the replay step (ragged
 counters, flush rows, GQA, poisoned stale slots, precision policies, the
-traced-value policy) and the configs and inputs they refuse."""
+traced-value policy; with and without its ring-weights launch,
+`GDNConfig.ring_weights`) and the configs and inputs they refuse."""
 
 from __future__ import annotations
 
@@ -13,11 +14,15 @@ import pytest
 
 import pallas_kernels as pk
 from pallas_kernels import gdn as kg
+from pallas_kernels.gdn.ring_weights import gdn_ring_weights
 from replayssm_jax import PrecisionPolicy
 from replayssm_jax import dispatch
 from replayssm_jax import gdn
 from replayssm_jax import testing
+from replayssm_jax.gdn import replay as RR
 from replayssm_jax.gdn import testing as GT
+from replayssm_jax.gdn.reference import prepare_qk
+from replayssm_jax.reference import heads_from_groups
 
 B, L = 4, 4
 F32 = testing.TOLERANCES["float32"]
@@ -119,25 +124,77 @@ REPLAY_CASES = [
 ]
 
 
-@pytest.mark.parametrize("ck_dtype,buf_dtype,dims,config", REPLAY_CASES,
-                         ids=str)
-def test_replay_kernel_matches_reference(ck_dtype, buf_dtype, dims, config):
+def _two_steps(ck_dtype, buf_dtype, dims, config, dtype=jnp.float32):
   """Ragged counters (0, L-1 = flush, L//2, ...), stale slots poisoned
-  with NaN / inf (GT.random_gdn_replay_state), GQA, value blocks; then a
+  with NaN / inf (GT.random_gdn_replay_state), inputs of `dtype`; then a
   second step from the kernel's own state (rows that just flushed start
   over, others flush now)."""
   hk, hv, K, Vd = dims
   r = _rstate(7, hk, hv, K, Vd, GT.ragged_counts(B, L), jnp.dtype(ck_dtype),
               jnp.dtype(buf_dtype))
-  tol = testing.tolerance(ck_dtype, buf_dtype)
+  tol = testing.tolerance(ck_dtype, buf_dtype, dtype)
   for seed in (8, 9):
-    tok = _inputs(seed, hk, hv, K, Vd)
+    tok = _inputs(seed, hk, hv, K, Vd, dtype)
     o_ref, new_ref = gdn.gdn_replay_step(r, **tok, implementation="reference")
     o, new = gdn.gdn_replay_step(r, **tok, implementation="pallas",
                                  config=config)
     _check_replay(new, new_ref, r, o, o_ref, tol,
                   testing.tolerance(ck_dtype))
     r = GT.fill_stale_slots(new)  # poison the next step's stale slots
+
+
+@pytest.mark.parametrize("ck_dtype,buf_dtype,dims,config", REPLAY_CASES,
+                         ids=str)
+def test_replay_kernel_matches_reference(ck_dtype, buf_dtype, dims, config):
+  """GQA, value blocks, every checkpoint dtype (_two_steps)."""
+  _two_steps(ck_dtype, buf_dtype, dims, config)
+
+
+# The ring-weights launch: f32 and f16 checkpoints, f32 and bf16 inputs
+# and rings, GQA (2 and 4 value heads per key head), value blocks and
+# whole rows.
+RING_WEIGHTS_CASES = [
+    ("float32", "bfloat16", (2, 4, 8, 16), 4),
+    ("float32", "float32", (1, 2, 16, 16), None),
+    ("float16", "float32", (2, 2, 8, 8), 2),
+    ("float16", "bfloat16", (1, 4, 16, 8), 8),
+]
+
+
+@pytest.mark.parametrize("ck_dtype,buf_dtype,dims,block_v",
+                         RING_WEIGHTS_CASES, ids=str)
+def test_replay_kernel_ring_weights_matches_reference(ck_dtype, buf_dtype,
+                                                      dims, block_v):
+  _two_steps(ck_dtype, buf_dtype, dims,
+             kg.GDNConfig(block_v=block_v, ring_weights=True),
+             jnp.dtype(buf_dtype))
+
+
+def test_ring_weights_kernel():
+  """The weights of the live slots equal the reference's pieces (w_j
+  (k_j . k), w_j (k_j . q), exp(G), k . q); stale slots (NaN / inf) give
+  zeros, finite, on every row."""
+  counts = GT.ragged_counts(B, L)
+  r = _rstate(30, 2, 4, 16, 8, counts, buf_dtype=jnp.bfloat16)
+  tok = _inputs(31, 2, 4, 16, 8, jnp.bfloat16)
+  w, s = gdn_ring_weights(r.k_buf, r.g_buf, r.count, tok["q"], tok["k"],
+                          tok["g"], interpret=True)
+  assert w.shape == (B, 4, 2, L) and s.shape == (B, 4, 2)
+  assert np.isfinite(np.asarray(w)).all() and np.isfinite(np.asarray(s)).all()
+  qn, kn = prepare_qk(tok["q"], tok["k"], True, None)
+  qh, kh = (heads_from_groups(x, 4, axis=1) for x in (qn, kn))
+  _, k_h, g_h, live = RR.history(r.d_buf, r.k_buf, r.g_buf, r.count)
+  H = jnp.cumsum(g_h, axis=1)
+  G = H[:, -1] + tok["g"]
+  ww = jnp.where(live[..., None], jnp.exp(G[:, None] - H), 0.0)
+  expect = jnp.stack([jnp.swapaxes(ww * RR.window_dots(k_h, x), 1, 2)
+                      for x in (kh, qh)], axis=2)  # [b, HV, 2, L]
+  testing.assert_close(w, expect, F32, "weights")
+  stale = ~np.asarray(live)[:, None, None, :]
+  np.testing.assert_array_equal(np.asarray(w)[np.broadcast_to(stale, w.shape)],
+                                0.0)
+  testing.assert_close(s[..., 0], jnp.exp(G), F32, "exp(G)")
+  testing.assert_close(s[..., 1], jnp.sum(kh * qh, axis=-1), F32, "k . q")
 
 
 def test_replay_kernel_donated_state():
@@ -173,9 +230,10 @@ def test_replay_kernel_buffer_length_one():
   testing.assert_close(new.checkpoint, new_ref.checkpoint, F32, "checkpoint")
 
 
+@pytest.mark.parametrize("ring_weights", [False, True])
 @pytest.mark.parametrize("name", ["f32+bf16", "f32+int8", "f16+fp8+sr",
                                   "bf16+sr"])
-def test_replay_kernel_precision_policies(name):
+def test_replay_kernel_precision_policies(name, ring_weights):
   """Read copies (output-route rows read only the copy: a NaN master
   never reaches their outputs), 8-bit copies with scales, stochastic
   rounding of the flush stores (the reference's bits; the fold's f32 sums
@@ -184,10 +242,11 @@ def test_replay_kernel_precision_policies(name):
   r = _rstate(12, 1, 2, 8, 8, GT.ragged_counts(B, L),
               jnp.dtype(policy.checkpoint_dtype)).with_policy(policy)
   tok = _inputs(13, 1, 2, 8, 8)
+  config = kg.GDNConfig(ring_weights=ring_weights)
   o_ref, new_ref = gdn.gdn_replay_step(r, **tok, policy=policy,
                                        implementation="reference")
   o, new = gdn.gdn_replay_step(r, **tok, policy=policy,
-                               implementation="pallas")
+                               implementation="pallas", config=config)
   dtypes = [policy.checkpoint_dtype] + (
       [policy.read_dtype] if policy.read_dtype else [])
   tol = testing.tolerance(*dtypes)
@@ -201,7 +260,8 @@ def test_replay_kernel_precision_policies(name):
     nan_master = jnp.where(jnp.asarray(flush)[:, None, None, None],
                            r.checkpoint, jnp.nan).astype(r.checkpoint.dtype)
     o_nan, _ = gdn.gdn_replay_step(r.replace(checkpoint=nan_master), **tok,
-                                   policy=policy, implementation="pallas")
+                                   policy=policy, implementation="pallas",
+                                   config=config)
     np.testing.assert_array_equal(np.asarray(o_nan), np.asarray(o))
   if policy.stochastic_rounding:
     np.testing.assert_array_equal(np.asarray(new.step),
@@ -213,14 +273,17 @@ def P_load(rstate):
   return np.asarray(P.load(rstate.read_copy, rstate.read_scale))
 
 
-def test_replay_kernel_out_of_range_counters():
+@pytest.mark.parametrize("ring_weights", [False, True])
+def test_replay_kernel_out_of_range_counters(ring_weights):
   """Under jit a counter outside [0, L) gives NaN outputs, keeps the
   count and writes nothing (the kernel called directly: the op raises
   on concrete bad counters)."""
   r = _rstate(14, 1, 2, 8, 8, (1, L - 1, 0, 2))
   r = r.replace(count=jnp.array([L, L - 1, -1, 2], jnp.int32))
   tok = _inputs(15, 1, 2, 8, 8)
-  o, new = kg.gdn_replay_step(r, **tok, interpret=True)
+  o, new = kg.gdn_replay_step(
+      r, **tok, config=kg.GDNConfig(ring_weights=ring_weights),
+      interpret=True)
   o = np.asarray(o)
   assert np.isnan(o[[0, 2]]).all() and np.isfinite(o[[1, 3]]).all()
   np.testing.assert_array_equal(np.asarray(new.count), [L, 0, -1, 3])
@@ -251,7 +314,18 @@ def test_kernels_refuse_by_name():
   with pytest.raises(NotImplementedError, match="block_v=4 does not apply"):
     gdn.gdn_replay_step(r.with_policy(policy), **tok, policy=policy,
                         implementation="pallas",
-                        config=kg.GDNConfig(block_v=4))
+                        config=kg.GDNConfig(block_v=4, ring_weights=True))
+  # ring_weights: the replay step's option, refused by the other kernels.
+  with pytest.raises(ValueError, match="ring_weights must be a bool"):
+    kg.GDNConfig(ring_weights=1)
+  rw = kg.GDNConfig(ring_weights=True)
+  with pytest.raises(NotImplementedError, match="ring_weights applies to "
+                     "the replay step kernel only .* baseline step"):
+    gdn.gdn_step(state[..., :4, :4], **_inputs(18, 1, 2, 4, 4),
+                 implementation="pallas", config=rw)
+  win = _inputs(22, 1, 2, 8, 8, T=2)
+  with pytest.raises(NotImplementedError, match="verify kernels"):
+    gdn.gdn_replay_verify(r, **win, implementation="pallas", config=rw)
 
 
 def test_fp8_copy_refused_below_sm89(monkeypatch):

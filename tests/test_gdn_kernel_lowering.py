@@ -1,8 +1,9 @@
 """The GDN Pallas kernels lowered for CUDA on this CPU machine (jax.export
 cross-lowering through the Pallas Triton backend, which interpret mode
-skips): every state dtype, precision policy and launch field lowers, the
-warps reach the launch, and the state / checkpoint and rings are aliased
-input -> output (the in-place updates)."""
+skips): every state dtype, precision policy and launch field lowers (the
+replay step's ring-weights launch included), the warps reach the launch,
+and the state / checkpoint and rings are aliased input -> output (the
+in-place updates)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import gdn as kg
+from pallas_kernels.gdn.ring_weights import NUM_WARPS as RING_WEIGHTS_WARPS
 from replayssm_jax import PrecisionPolicy
 from replayssm_jax.gdn import testing as GT
 from tests.kernel_harness import launched_warps, lower_for_cuda
@@ -44,9 +46,12 @@ def test_step_kernel_lowers_in_place(state_dtype, config):
   assert _aliases(text, "replayssm_gdn_step") == {1: 0}  # state -> state
 
 
-@pytest.mark.parametrize("policy", [None, "f16", "f32+bf16", "f32+int8",
-                                    "f32+fp8", "f16+fp8+sr", "bf16+sr"])
-def test_replay_kernel_lowers_in_place(policy):
+@pytest.mark.parametrize("policy,ring_weights", [
+    (None, False), ("f16", False), ("f32+bf16", False), ("f32+int8", False),
+    ("f32+fp8", False), ("f16+fp8+sr", False), ("bf16+sr", False),
+    (None, True), ("f16", True), ("f32+fp8", True), ("f16+fp8+sr", True)],
+                         ids=str)
+def test_replay_kernel_lowers_in_place(policy, ring_weights):
   pol = None if policy is None else PrecisionPolicy.preset(policy)
   rstate, _ = GT.random_gdn_replay_state(
       jax.random.PRNGKey(1), B, HK, HV, K, VD, L, GT.ragged_counts(B, L),
@@ -56,9 +61,11 @@ def test_replay_kernel_lowers_in_place(policy):
     rstate = rstate.with_policy(pol)
   tok = GT.random_inputs(jax.random.PRNGKey(2), B, HK, HV, K, VD,
                          dtype=jnp.bfloat16)
+  config = kg.GDNConfig(ring_weights=ring_weights)
   text = lower_for_cuda(
       lambda r, t: kg.gdn_replay_step(r, t["q"], t["k"], t["v"], t["g"],
-                                      t["beta"], policy=pol), rstate, tok)
+                                      t["beta"], policy=pol, config=config),
+      rstate, tok)
   aliases = _aliases(text, "replayssm_gdn_replay_step")
   # o and the counters are fresh; rings and checkpoint in place, and the
   # read copy (and its scales) with a copy.
@@ -67,9 +74,12 @@ def test_replay_kernel_lowers_in_place(policy):
   assert set(aliases) == {1, 2, 3, 5} | ({6} if copy else set()) | (
       {7} if scaled else set())
   whole_rows = copy or (pol is not None and pol.stochastic_rounding)
-  assert launched_warps(text) == {
-      "replayssm_gdn_replay_step": kg.plan(None, K, VD, whole_rows,
-                                           rows=B * HV).num_warps}
+  warps = {"replayssm_gdn_replay_step": kg.plan(None, K, VD, whole_rows,
+                                                rows=B * HV).num_warps}
+  if ring_weights:  # the weights launch writes fresh outputs only
+    warps["replayssm_gdn_ring_weights"] = RING_WEIGHTS_WARPS
+    assert not _aliases(text, "replayssm_gdn_ring_weights")
+  assert launched_warps(text) == warps
 
 
 @pytest.mark.parametrize("T,policy", [(3, None), (8, None), (1, "f16"),
@@ -120,3 +130,8 @@ def test_default_plans():
   assert (mine.block_v, mine.num_warps) == (32, 2)
   with pytest.raises(ValueError, match="kernel"):
     kg.plan(None, 128, 128, kernel="fold")
+  # The ring-weights launch is off unless asked for.
+  assert not (step(256).ring_weights
+              or step(256, whole_rows=True).ring_weights)
+  assert kg.plan(kg.GDNConfig(ring_weights=True), 128, 128, rows=256 * 32,
+                 kernel="replay") == kg.GDNPlan(64, 4, 1, ring_weights=True)

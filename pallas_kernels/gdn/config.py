@@ -6,7 +6,9 @@ H200 at a Qwen3.5-shaped layer (benchmarks/README.md, "Gated DeltaNet
 kernels"): [128, 64] state tiles with 4 warps, smaller tiles only when the
 grid would otherwise hold fewer than 256 programs (batch 1), and whole
 rows with 4 warps where a read copy needs them. The verify kernels' are
-untuned.
+untuned. `GDNConfig.ring_weights` (the replay step's ring weights computed
+once per row and value head, `ring_weights.py`) is off by default until a
+GPU has timed it.
 """
 
 from __future__ import annotations
@@ -35,10 +37,21 @@ class GDNConfig:
       copy's scales and the random bits' element indices span a row).
     num_warps: Triton warps per program; None: `default_num_warps`.
     num_stages: Triton pipelining stages.
+    ring_weights: replay step only. True: a first launch
+      (`ring_weights.gdn_ring_weights`, one program per row and key head)
+      forms the scalar weights of each (row, value head) over its ring
+      slots -- the coefficients of the live d_j in the correction and in
+      the output, the checkpoint's decay and the token's k . q -- and the
+      step's value-block programs read them, streaming only the
+      checkpoint tile and the d ring instead of each reducing the key
+      ring against q and k and forming the decays again. Every precision
+      policy the step takes; refused by the baseline step and the verify
+      kernels. False (default): one launch.
   """
   block_v: int | None = None
   num_warps: int | None = None
   num_stages: int = 1
+  ring_weights: bool = False
 
   def __post_init__(self):
     for name in ("block_v", "num_warps"):
@@ -47,6 +60,9 @@ class GDNConfig:
     if not isinstance(self.num_stages, int) or self.num_stages < 1:
       raise ValueError(f"num_stages must be an int >= 1, got "
                        f"{self.num_stages!r}.")
+    if not isinstance(self.ring_weights, bool):
+      raise ValueError(f"ring_weights must be a bool, got "
+                       f"{self.ring_weights!r}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +71,7 @@ class GDNPlan:
   block_v: int
   num_warps: int
   num_stages: int
+  ring_weights: bool = False
 
 
 # Tile elements ([key_dim, block_v]) of the step kernels' default, and of
@@ -103,13 +120,21 @@ def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
   """The plan of config for a [.., key_dim, value_dim] state; whole_rows:
   the call needs block_v = value_dim (refused by name otherwise); rows:
   batch x value heads (the grid's programs per value block); kernel:
-  "step" (baseline and replay step) or "verify"."""
-  if kernel not in ("step", "verify"):
-    raise ValueError(f"kernel must be 'step' or 'verify', got {kernel!r}.")
+  "replay" (the replay step: every field), "step" (the baseline step) or
+  "verify" (these two refuse ring_weights by name)."""
+  if kernel not in ("step", "replay", "verify"):
+    raise ValueError(f"kernel must be 'step', 'replay' or 'verify', got "
+                     f"{kernel!r}.")
   config = config or GDNConfig()
+  if config.ring_weights and kernel != "replay":
+    which = "baseline step" if kernel == "step" else "verify kernels"
+    raise NotImplementedError(
+        f"GDNConfig.ring_weights applies to the replay step kernel only "
+        f"(gdn_replay_step), not to the {which}; leave it False.")
+  tile_kernel = "verify" if kernel == "verify" else "step"
   if config.block_v is None:
     bv = (value_dim if whole_rows
-          else default_block_v(key_dim, value_dim, rows, kernel))
+          else default_block_v(key_dim, value_dim, rows, tile_kernel))
   else:
     bv = min(config.block_v, value_dim)
   if value_dim % bv:
@@ -121,8 +146,9 @@ def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
         f"state with a read copy or stochastic rounding stores whole "
         f"checkpoint rows (block_v = value_dim = {value_dim}); leave "
         f"block_v None.")
-  warps = config.num_warps or default_num_warps(key_dim, bv, kernel)
-  return GDNPlan(block_v=bv, num_warps=warps, num_stages=config.num_stages)
+  warps = config.num_warps or default_num_warps(key_dim, bv, tile_kernel)
+  return GDNPlan(block_v=bv, num_warps=warps, num_stages=config.num_stages,
+                 ring_weights=config.ring_weights)
 
 
 def step_problem(state, **_) -> str | None:

@@ -18,6 +18,12 @@ the replay step; `replayssm_jax.gdn.replay` has the derivation):
 * a counter outside [0, L) (only under jit): NaN output, nothing written,
   count kept.
 
+With `GDNConfig(ring_weights=True)` a first launch
+(`ring_weights.gdn_ring_weights`) forms each (row, value head)'s weights of
+the live d_j in kv and o, exp(G) and k . q once, and the step's programs
+read them instead of the key ring (which only flush rows then read, to
+fold); the routes are otherwise the same.
+
 The rings are aliased input -> output (only slot c of appending rows is
 stored); the counters go to a fresh output. Matches
 `replayssm_jax.gdn.replay.gdn_replay_step`.
@@ -36,6 +42,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import triton_utils as tu
 from pallas_kernels.gdn import common
 from pallas_kernels.gdn.config import GDNConfig, plan
+from pallas_kernels.gdn.ring_weights import gdn_ring_weights
 from pallas_kernels.replay.program import (FlushStores, copy_counts,
                                            copy_operands, copy_spec,
                                            step_fields)
@@ -47,21 +54,24 @@ _N_OUT = 6  # o, d / k / g rings, counters, checkpoint
 
 class _Row:
   """The ring window of a program's row: counter, route masks and the
-  log-decay weights w_j = exp(G - H_j) of the live slots, exp(G)."""
+  token's log-decay."""
 
-  def __init__(self, cnt_ref, gb_ref, g_ref, b, h, L):
+  def __init__(self, cnt_ref, g_ref, b, h, L):
     self.L = L
     self.c = cnt_ref[b]
     self.valid = (self.c >= 0) & (self.c < L)
     self.flush = self.c == L - 1
     self.j = jnp.arange(L)
     self.hist = self.j < self.c
-    cur = self.j == self.c
     self.g_cur = g_ref[b, h].astype(F32)
+
+  def decays(self, gb_ref, b, h):
+    """(w_j = exp(G - H_j) of the live slots, zeros past; exp(G))."""
     g_hist = plgpu.load(gb_ref.at[b, :, h], mask=self.hist, other=0.0)
-    gw = jnp.where(cur, self.g_cur, g_hist)  # zero past the current slot
-    self.w = jnp.where(self.hist, jnp.exp(tu.suffix_sums(gw, self.j)), 0.0)
-    self.decay = jnp.exp(jnp.sum(gw))
+    # zero past the current slot
+    gw = jnp.where(self.j == self.c, self.g_cur, g_hist)
+    w = jnp.where(self.hist, jnp.exp(tu.suffix_sums(gw, self.j)), 0.0)
+    return w, jnp.exp(jnp.sum(gw))
 
   def window(self, ref, shape):
     """The live slots of a ring window ref ([L, n]) in f32, zeros past."""
@@ -86,18 +96,35 @@ def _fold(st, row, t, db_ref, kb_ref, gb_ref):
   return lax.fori_loop(0, row.L - 1, body, (st, row.g_cur))[0]
 
 
+def _ring_coefficients(row, t, qn, kn, kb_ref, gb_ref, weights):
+  """(coefficients of the live d_j [L] in kv and in o, exp(G), k . q):
+  read from the ring-weights launch's outputs `weights` (weights, scalars)
+  or, without it (None), formed here from the key and log-decay rings."""
+  b, h = t.b, t.h
+  if weights is not None:
+    w_ref, s_ref = weights
+    return (w_ref[b, h, 0, :], w_ref[b, h, 1, :], s_ref[b, h, 0],
+            s_ref[b, h, 1])
+  w, decay = row.decays(gb_ref, b, h)
+  k_hist = row.window(kb_ref.at[b, :, t.hk, :], (row.L, kn.shape[0]))
+  kk = jnp.sum(k_hist * kn[None, :], axis=1)  # [L]
+  kq = jnp.sum(k_hist * qn[None, :], axis=1)
+  return w * kk, w * kq, decay, jnp.sum(kn * qn)
+
+
 def _replay_kernel(*refs, heads_per_key, block_v, use_l2norm, scale,
-                   spec):
+                   spec, ring_weights):
   n_in, _ = copy_counts(spec)
-  ins, outs = refs[:_N_IN + n_in], refs[_N_IN + n_in:]
+  n_w = 2 if ring_weights else 0  # the ring-weights launch's outputs
+  ins, outs = refs[:_N_IN + n_in + n_w], refs[_N_IN + n_in + n_w:]
   (ck_ref, db_ref, kb_ref, gb_ref, cnt_ref, q_ref, k_ref, v_ref, g_ref,
    beta_ref) = ins[:_N_IN]
-  extra = ins[_N_IN:]
+  extra = ins[_N_IN:_N_IN + n_in]
   o_ref, db_out, kb_out, gb_out, cnt_out, ck_out = outs[:_N_OUT]
   t = common.Tile(heads_per_key=heads_per_key, block_v=block_v)
   b, h, hk, vs = t.b, t.h, t.hk, t.vs
   K = ck_ref.shape[2]
-  row = _Row(cnt_ref, gb_ref, g_ref, b, h, db_ref.shape[1])
+  row = _Row(cnt_ref, g_ref, b, h, db_ref.shape[1])
   copy = spec is not None and spec.copy
 
   # The state tile: the master on flush rows (and on plain states), the
@@ -118,13 +145,11 @@ def _replay_kernel(*refs, heads_per_key, block_v, use_l2norm, scale,
                     eviction_policy="evict_first").astype(F32)
   qn, kn = common.token_qk(q_ref, k_ref, b, hk, use_l2norm=use_l2norm,
                            scale=scale)
-  k_hist = row.window(kb_ref.at[b, :, hk, :], (row.L, K))
+  coef_k, coef_q, decay, own = _ring_coefficients(
+      row, t, qn, kn, kb_ref, gb_ref, ins[_N_IN + n_in:] or None)
   d_hist = row.window(db_ref.at[b, :, h, vs], (row.L, block_v))
-  kk = jnp.sum(k_hist * kn[None, :], axis=1)  # [L]
-  kq = jnp.sum(k_hist * qn[None, :], axis=1)
-  hist_k = jnp.sum((row.w * kk)[:, None] * d_hist, axis=0)  # [block_v]
-  hist_q = jnp.sum((row.w * kq)[:, None] * d_hist, axis=0)
-  decay = row.decay
+  hist_k = jnp.sum(coef_k[:, None] * d_hist, axis=0)  # [block_v]
+  hist_q = jnp.sum(coef_q[:, None] * d_hist, axis=0)
   d = beta_ref[b, h].astype(F32) * (
       v_ref[b, h, vs].astype(F32)
       - (decay * common.readout(s0, kn) + hist_k))
@@ -132,8 +157,7 @@ def _replay_kernel(*refs, heads_per_key, block_v, use_l2norm, scale,
 
   @pl.when(~row.flush)
   def _output():
-    o = (decay * common.readout(s0, qn) + hist_q
-         + jnp.sum(kn * qn) * d)
+    o = decay * common.readout(s0, qn) + hist_q + own * d
     o_ref[b, h, vs] = jnp.where(row.valid, o, jnp.nan).astype(o_ref.dtype)
 
   @pl.when(row.flush)
@@ -184,11 +208,14 @@ def gdn_replay_step(rstate, q, k, v, g, beta, use_qk_l2norm=True,
   tuning config. A read copy (bf16/f16, or fp8/int8 with scales) is read
   by output-route rows in place of the master; flush rows store master
   and copy (stochastically with `policy.stochastic_rounding`, with the
-  reference's bits); these need block_v = value_dim."""
+  reference's bits); these need block_v = value_dim. config.ring_weights:
+  the ring weights from a first launch (`ring_weights.gdn_ring_weights`),
+  then the step."""
   spec = copy_spec(rstate, policy, interpret)
   batch, hv, K, Vd = rstate.checkpoint.shape
   hk = rstate.k_buf.shape[2]
-  p = plan(config, K, Vd, whole_rows=spec is not None, rows=batch * hv)
+  p = plan(config, K, Vd, whole_rows=spec is not None, rows=batch * hv,
+           kernel="replay")
   sds = jax.ShapeDtypeStruct
   out_shape = (sds(v.shape, v.dtype),
                sds(rstate.d_buf.shape, rstate.d_buf.dtype),
@@ -200,7 +227,13 @@ def gdn_replay_step(rstate, q, k, v, g, beta, use_qk_l2norm=True,
       spec, policy, layer, rstate, _N_IN, _N_OUT)
   kernel = functools.partial(
       _replay_kernel, heads_per_key=hv // hk, block_v=p.block_v,
-      use_l2norm=use_qk_l2norm, scale=scale, spec=spec)
+      use_l2norm=use_qk_l2norm, scale=scale, spec=spec,
+      ring_weights=p.ring_weights)
+  weights = ()
+  if p.ring_weights:  # after the copy operands: their aliases keep numbers
+    weights = gdn_ring_weights(rstate.k_buf, rstate.g_buf, rstate.count, q,
+                               k, g, use_qk_l2norm=use_qk_l2norm,
+                               scale=scale, interpret=interpret)
   outs = pl.pallas_call(
       kernel,
       grid=(Vd // p.block_v, hv, batch),
@@ -211,7 +244,7 @@ def gdn_replay_step(rstate, q, k, v, g, beta, use_qk_l2norm=True,
       interpret=interpret,
       name="replayssm_gdn_replay_step",
   )(rstate.checkpoint, rstate.d_buf, rstate.k_buf, rstate.g_buf,
-    rstate.count, q, k, v, g, beta, *copy_in)
+    rstate.count, q, k, v, g, beta, *copy_in, *weights)
   o, db, kb, gb, cnt, ck = outs[:_N_OUT]
   fields = {}
   if spec is not None and spec.copy:
