@@ -217,11 +217,13 @@ def test_gdn_kernels_check_small(tmp_path):
 def test_gdn_kernel_bench_small(tmp_path):
   # Each variant is checked against the reference before it is timed; a
   # config a read copy cannot take is recorded as an error by name, and
-  # the run goes on.
+  # the run goes on; a replay-only field (ring_weights) times the replay
+  # step only, beside the defaults.
   out = tmp_path / "gdn_bench.json"
   _run("gdn_kernel_bench.py", "--small", "--batches=2", "--no_fla",
        "--checkpoints=f32", "--policies=f16+fp8", "--layouts=staggered",
-       '--configs=[{}, {"block_v": 8}]', f"--out={out}")
+       '--configs=[{}, {"block_v": 8}, {"ring_weights": true}]',
+       f"--out={out}")
   recs = json.loads(out.read_text())["records"]
   timed = [r for r in recs if "us_per_step" in r]
   assert {(r["variant"], r["precision"], bool(r.get("config")))
@@ -229,10 +231,14 @@ def test_gdn_kernel_bench_small(tmp_path):
               ("baseline_pallas", "f32", False), ("baseline_pallas", "f32", True),
               ("baseline_xla", "f32", False), ("replay_pallas", "f32", False),
               ("replay_pallas", "f16+fp8", False),
-              ("replay_pallas", "f32", True)}
+              ("replay_pallas", "f32", True),
+              ("replay_pallas", "f16+fp8", True)}
   tol = tolerance(jnp.bfloat16).rtol  # bf16 inputs and rings
   assert all(r["us_per_step"] > 0 and r["output_rel_error"] < tol
              and r["state_rel_error"] < tol for r in timed), timed
   errors = [r for r in recs if "error" in r]
   assert len(errors) == 1 and "block_v" in errors[0]["error"]
-  assert (tmp_path / "gdn_bench.md").read_text().count("| replay_pallas") == 3
+  assert sorted((r["variant"], r["precision"]) for r in timed
+                if r.get("config") == {"ring_weights": True}) == [
+                    ("replay_pallas", "f16+fp8"), ("replay_pallas", "f32")]
+  assert (tmp_path / "gdn_bench.md").read_text().count("| replay_pallas") == 5

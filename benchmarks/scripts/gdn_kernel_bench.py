@@ -6,6 +6,7 @@ flash-linear-attention's Triton kernel) against the ReplaySSM step.
   python benchmarks/scripts/gdn_kernel_bench.py --out=gdn_kernel_bench.json \
       [--batches=1,64,256,512] [--buffer_lens=8,16,32] \
       [--checkpoints=f32,f16] [--policies=f16+fp8] [--budget_s=1e9] [--small]
+      [--configs='[{}, {"ring_weights": true}]']
 
 Variants per batch B:
   baseline_pallas  gdn.gdn_step(implementation="pallas"), state [B, HV, K, V]
@@ -26,6 +27,14 @@ Variants per batch B:
                    non-flush step; every row at L-1: flush step; the count
                    is reset before each step; amortized = ((L-1) nonflush +
                    flush) / L).
+
+--configs: a JSON list of GDNConfig fields; every Pallas variant is checked
+and timed once per config, side by side ({} is the defaults, the speed-ups'
+baseline). Replay-only fields (REPLAY_ONLY: ring_weights, the ring weights
+formed by a first launch) are dropped for the baseline step, which times
+each remaining field set once: `--configs='[{}, {"ring_weights": true}]'`
+times the replay step with and without the ring-weights launch against
+one baseline.
 
 Method: each variant is jitted as a lax.fori_loop whose body steps R
 independent states in turn (each with its own fixed random token inputs,
@@ -198,6 +207,21 @@ def _split(tree, n, batch):
 
 
 # ------------------------------------------------------------- variants
+# GDNConfig fields of the replay step only (the baseline step refuses them).
+REPLAY_ONLY = ("ring_weights",)
+
+
+def baseline_configs(configs):
+  """The --configs as the baseline step takes them: replay-only fields
+  dropped, each remaining field set once, in order."""
+  out = []
+  for cf in configs:
+    base = {k: v for k, v in cf.items() if k not in REPLAY_ONLY}
+    if base not in out:
+      out.append(base)
+  return out
+
+
 def _config(config):
   """A GDNConfig from its fields (None: the kernels' defaults)."""
   from pallas_kernels.gdn import GDNConfig  # pylint: disable=g-import-not-at-top
@@ -467,7 +491,7 @@ def main():
       break
     configs = json.loads(a.configs)
     jobs = [(f"baseline_pallas {c} {cf or ''}", baseline, ("pallas", c, cf))
-            for cf in configs for c in checkpoints]
+            for cf in baseline_configs(configs) for c in checkpoints]
     if not a.no_xla:
       jobs.append(("baseline_xla f32", baseline, ("reference", "f32")))
     if not a.no_fla:

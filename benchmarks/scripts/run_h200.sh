@@ -28,6 +28,7 @@
 #   bash benchmarks/scripts/run_h200.sh gdn_kernels  # the Gated DeltaNet kernels vs their references at Qwen3.5 shapes, then their tests on the GPU
 #   bash benchmarks/scripts/run_h200.sh serve [hf_config]  # serve_bench: continuous batching, Poisson arrivals, baseline vs replay (hybrid_1b, or a transformers config's shape)
 #   bash benchmarks/scripts/run_h200.sh gdn_bench    # the GDN step kernels timed: baseline (Pallas, XLA, flash-linear-attention) vs replay, b {256,64,1,512} x L {16,8,32}
+#   bash benchmarks/scripts/run_h200.sh gdn_ring_weights  # the GDN replay step with and without its ring-weights launch (GDNConfig.ring_weights) vs the Pallas baseline, b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
 #
 # Several parts in one call within a total budget: run_h200_chain.sh.
 #
@@ -166,6 +167,12 @@ case "$1" in
     timeout "$T" python -u benchmarks/scripts/gdn_kernel_bench.py \
       --batches=256,64,1,512 --buffer_lens=16,8,32 --budget_s=$(( T - 120 )) \
       --out="$OUT/gdn_kernel_bench.json" ;;
+  gdn_ring_weights)
+    timeout "$T" python -u benchmarks/scripts/gdn_kernel_bench.py \
+      --batches=256,64 --buffer_lens=16 --checkpoints=f32,f16 \
+      --policies=f16+fp8 --no_fla --no_xla \
+      --configs='[{}, {"ring_weights": true}]' --budget_s=$(( T - 120 )) \
+      --out="$OUT/gdn_ring_weights.json" ;;
   serve)
     timeout "$T" python -m experiments.serve_bench \
       --config=configs/serve_bench.py --workdir="$OUT/serve" \
