@@ -18,12 +18,17 @@ verify_reference, state, _validation). `dispatch` runs an op:
                               cannot take the inputs it raises
                               NotImplementedError saying why.
 
+Under `jax.set_mesh` with a ("data", "model") mesh the chosen
+implementation runs per shard (`per_shard.call`: a `jax.shard_map` with
+the op's specs).
+
 The helpers at the end build the arguments the replay ops (decode step and
 verify) pass to their implementations.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 
@@ -34,6 +39,7 @@ import numpy as np
 from replayssm_jax import attention
 from replayssm_jax import conv
 from replayssm_jax import norm
+from replayssm_jax import per_shard
 from replayssm_jax import precision as P
 from replayssm_jax import reference
 from replayssm_jax import verify_reference
@@ -108,7 +114,8 @@ def _load_plugins() -> None:
 
 
 def dispatch(op: str, implementation: str | None, config, args: dict):
-  """Runs `op` (validated args) with the chosen implementation."""
+  """Runs `op` (validated args) with the chosen implementation, per shard
+  under `jax.set_mesh` (`per_shard.call`)."""
   _load_plugins()
   table = _REGISTRY[op]
   if implementation is not None:
@@ -125,17 +132,18 @@ def dispatch(op: str, implementation: str | None, config, args: dict):
           f"{op}: implementation {implementation!r} cannot run these inputs: "
           f"{why}")
     if config is None:
-      return impl.fn(**args)
+      return per_shard.call(op, impl.fn, args)
     if "config" not in inspect.signature(impl.fn).parameters:
       raise ValueError(f"{op}: implementation {implementation!r} takes no "
                        f"config, got {config!r}.")
-    return impl.fn(**args, config=config)
+    return per_shard.call(op, functools.partial(impl.fn, config=config),
+                          args)
   if config is not None:
     raise ValueError("config can only be given with a named implementation.")
   for name in implementations(op):
     impl = table[name]
     if impl.preferred() and impl.supports(**args) is None:
-      return impl.fn(**args)
+      return per_shard.call(op, impl.fn, args)
   raise AssertionError("unreachable: the reference supports every input")
 
 

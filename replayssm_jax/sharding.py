@@ -18,7 +18,9 @@ the memory and the work go.
 "model" splits heads / hidden units (tensor parallelism, Megatron-style
 column-parallel in, row-parallel out). With m the "model" axis size:
 
-  Mamba-2     heads split when ssm_heads % m == 0: A_log, D, dt_bias [H]
+  Mamba-2     heads split when ssm_heads % m == 0 and the B/C groups are
+              one or split with them (n_groups % m == 0; else a shard's
+              heads would span groups): A_log, D, dt_bias [H]
               P("model"); out_proj [d_inner, d] rows P("model", None)
               (row-parallel); the gated norm's weight [d_inner] P("model")
               only when n_groups % m == 0 (each shard then holds whole norm
@@ -27,8 +29,8 @@ column-parallel in, row-parallel out). With m the "model" axis size:
               and the conv over [x|B|C] are replicated: a contiguous split
               of a fused axis does not follow heads, so each shard computes
               the whole (small) projection and slices its heads locally (no
-              communication); B/C groups are replicated. Splitting in_proj
-              per head needs a head-major column layout (future work).
+              communication). Splitting in_proj per head needs a head-major
+              column layout (future work).
   attention   q/k/v column-parallel P(None, "model") and o_proj row-parallel
               when num_kv_heads % m == 0 (the gated attention's [q; gate]
               columns are per head, so they split the same way); q/k norms
@@ -60,8 +62,9 @@ State leaves: the batch axis over "data" (when batch % data == 0), and the
 head axis over "model" where the layer's parameters split heads: replay
 checkpoint / read copy [b, H, P, N] P("data", "model"), x_buf / dt_buf
 [b, L, H, ...] P("data", None, "model"), read_scale [b, H, P]
-P("data", "model"), b_buf [b, L, G, N] and the conv ring [b, k-1, conv_dim]
-P("data"), per-row counters P("data"); a baseline state [b, H, P, N] (or
+P("data", "model"), b_buf [b, L, G, N] P("data", None, "model") when the
+groups split (else P("data")), the conv ring [b, k-1, conv_dim] P("data"),
+per-row counters P("data"); a baseline state [b, H, P, N] (or
 its StoredSSMState) as the checkpoint; KV caches [b, Hk, S, D]
 P("data", "model"). A GDN layer whose heads split: checkpoint / read copy /
 baseline state [b, HV, K, V] and read_scale [b, HV, K] P("data", "model"),
@@ -71,14 +74,13 @@ counters P("data"). Without `config`, a GDN replay state splits when its
 own HV and HK divide and a bare baseline array (GDN or KDA) splits the
 batch only.
 
-Pallas kernels are not partitioned here: on CPU the dispatcher runs the
-reference implementations, which XLA partitions like any jnp code; running
-the kernels per shard under `shard_map` is future work.
+Under `jax.set_mesh(mesh)` the dispatched ops (and so the Pallas kernels)
+run per shard under `jax.shard_map` with the specs of
+`replayssm_jax.per_shard`, which shares the state layouts below; without
+it XLA partitions them like any jnp code (a kernel then runs whole).
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import numpy as np
@@ -90,9 +92,11 @@ from replayssm_jax import gdn, kda
 from replayssm_jax.models import states as S
 from replayssm_jax.models.layers import Attention
 from replayssm_jax.models.mla_attention import MLAttention
+from replayssm_jax.per_shard import (AXES, fields_spec, gdn_heads,
+                                    gdn_replay_layouts, leaf_spec,
+                                    mamba_heads, replay_layouts, splits)
 from replayssm_jax.state import ReplayState
 
-AXES = ("data", "model")
 REPLICATED = P()
 
 
@@ -122,22 +126,6 @@ def _size(mesh, axis: str) -> int:
   return int(mesh.shape[axis])
 
 
-def _splits(n: int, m: int) -> bool:
-  """Whether an axis of size n is split over a mesh axis of size m."""
-  return m > 1 and n % m == 0
-
-
-def _spec(shape, axes) -> P:
-  """P(*axes) with the axes whose size the mesh axis does not divide
-  replaced by None; axes: (mesh axis name or None, its size) per dim."""
-  out = []
-  for n, (name, m) in zip(shape, axes):
-    out.append(name if name is not None and _splits(n, m) else None)
-  while out and out[-1] is None:
-    out.pop()
-  return P(*out)
-
-
 # ------------------------------------------------------------ parameters
 def _mixer_param_spec(cfg, mixer, kind, names, m, expert_parallel):
   """The PartitionSpec of a mixer's parameter at `names` (path below the
@@ -145,18 +133,18 @@ def _mixer_param_spec(cfg, mixer, kind, names, m, expert_parallel):
   col = lambda ok: P(None, "model") if ok else REPLICATED
   row = lambda ok: P("model", None) if ok else REPLICATED
   if kind == "mamba":
-    heads = _splits(cfg.ssm_heads, m)
+    heads = mamba_heads(cfg.ssm_heads, cfg.n_groups, m)
     if names in (("A_log",), ("D",), ("dt_bias",)):
       return P("model") if heads else REPLICATED
     if names == ("norm", "weight"):
-      return P("model") if heads and _splits(cfg.n_groups, m) else REPLICATED
+      return P("model") if heads and splits(cfg.n_groups, m) else REPLICATED
     if names == ("out_proj", "kernel"):
       return row(heads)
     return REPLICATED  # in_proj, conv (fused layouts)
   if kind == "attention":
     if isinstance(mixer, MLAttention) or not isinstance(mixer, Attention):
       return REPLICATED
-    heads = _splits(cfg.num_kv_heads, m)
+    heads = splits(cfg.num_kv_heads, m)
     if names in (("q_proj", "kernel"), ("k_proj", "kernel"),
                  ("v_proj", "kernel")):
       return col(heads)
@@ -164,7 +152,7 @@ def _mixer_param_spec(cfg, mixer, kind, names, m, expert_parallel):
       return row(heads)
     return REPLICATED
   if kind == "mlp":
-    f = _splits(cfg.intermediate_size, m)
+    f = splits(cfg.intermediate_size, m)
     if names in (("up_proj", "kernel"), ("gate_proj", "kernel")):
       return col(f)
     if names == ("down_proj", "kernel"):
@@ -173,27 +161,22 @@ def _mixer_param_spec(cfg, mixer, kind, names, m, expert_parallel):
   if kind == "moe":
     if names in (("up",), ("down",)):
       return (P("model") if expert_parallel
-              and _splits(cfg.n_routed_experts, m) else REPLICATED)
+              and splits(cfg.n_routed_experts, m) else REPLICATED)
     s = cfg.moe_shared_expert_intermediate_size
-    shared = cfg.moe_activation == "relu2" and _splits(s, m)
+    shared = cfg.moe_activation == "relu2" and splits(s, m)
     if names == ("shared_up", "kernel"):
       return col(shared)
     if names == ("shared_down", "kernel"):
       return row(shared)
     return REPLICATED
   if kind == "gdn":
-    heads = _gdn_heads(cfg.gdn_num_v_heads, cfg.gdn_num_k_heads, m)
+    heads = gdn_heads(cfg.gdn_num_v_heads, cfg.gdn_num_k_heads, m)
     if names in (("A_log",), ("dt_bias",)):
       return P("model") if heads else REPLICATED
     if names == ("out_proj", "kernel"):
       return row(heads)
     return REPLICATED  # in_proj, conv (fused layouts), norm_weight [V]
   return REPLICATED  # kda
-
-
-def _gdn_heads(hv: int, hk: int, m: int) -> bool:
-  """Whether a GDN layer's heads split: both HV and HK over m shards."""
-  return _splits(hv, m) and _splits(hk, m)
 
 
 def param_spec(model, path, mesh_model_size: int,
@@ -214,9 +197,9 @@ def param_spec(model, path, mesh_model_size: int,
     return REPLICATED  # the block's pre-norm
   if path == ("embeddings", "weight"):
     return (P("model", None) if cfg.tie_embeddings
-            and _splits(cfg.vocab_size, m) else REPLICATED)
+            and splits(cfg.vocab_size, m) else REPLICATED)
   if path == ("lm_head", "kernel"):
-    return P(None, "model") if _splits(cfg.vocab_size, m) else REPLICATED
+    return P(None, "model") if splits(cfg.vocab_size, m) else REPLICATED
   return REPLICATED
 
 
@@ -250,36 +233,25 @@ def shard_model(model, mesh: Mesh, *, expert_parallel: bool = False):
 
 
 # ---------------------------------------------------------------- states
-def _leaf_spec(x, layout, d, m):
-  """P for an array leaf with `layout`: a tuple naming each leading dim
-  "b" (batch), "h" (a head axis split over "model") or None."""
-  if x is None:
-    return None
-  axes = [(("data", d) if a == "b" else ("model", m) if a == "h"
-           else (None, 1)) for a in layout]
-  return _spec(np.shape(x)[:len(axes)], axes)
-
-
-def _mamba_state_specs(s: S.MambaState, d, m):
+def _mamba_state_specs(s: S.MambaState, d, m, heads_groups):
+  """Mamba layer state; heads_groups: (H, G) from the config, or None (a
+  replay state's own H and G; a baseline state splits its heads when they
+  divide)."""
   ssm = s.ssm
-  heads = "h"
   if isinstance(ssm, ReplayState):
-    lay = dict(checkpoint=("b", heads), x_buf=("b", None, heads),
-               dt_buf=("b", None, heads), read_copy=("b", heads),
-               read_scale=("b", heads))
-    fields = {f.name: getattr(ssm, f.name) for f in dataclasses.fields(ssm)
-              if not f.metadata.get("static")}
-    ssm_spec = ssm.replace(**{k: _leaf_spec(v, lay.get(k, ("b",)), d, m)
-                              for k, v in fields.items()})
-  elif isinstance(ssm, S.StoredSSMState):
-    ssm_spec = ssm.replace(state=_leaf_spec(ssm.state, ("b", heads), d, m),
-                           scale=_leaf_spec(ssm.scale, ("b", heads), d, m),
-                           row_id=_leaf_spec(ssm.row_id, ("b",), d, m),
-                           step=_leaf_spec(ssm.step, ("b",), d, m))
+    hg = heads_groups or (ssm.nheads, ssm.ngroups)
+    split = mamba_heads(*hg, m)
+    ssm_spec = fields_spec(ssm, replay_layouts(split, split and hg[1] > 1),
+                           d, m)
   else:
-    ssm_spec = _leaf_spec(ssm, ("b", heads), d, m)
-  return s.replace(conv=_leaf_spec(s.conv, ("b",), d, m), ssm=ssm_spec,
-                   conv_start=_leaf_spec(s.conv_start, ("b",), d, m))
+    heads = ("h" if heads_groups is None or mamba_heads(*heads_groups, m)
+             else None)
+    if isinstance(ssm, S.StoredSSMState):
+      ssm_spec = fields_spec(ssm, dict(state=("b", heads),
+                                       scale=("b", heads)), d, m)
+    else:
+      ssm_spec = leaf_spec(ssm, ("b", heads), d, m)
+  return fields_spec(s.replace(ssm=None), {}, d, m).replace(ssm=ssm_spec)
 
 
 def _gdn_state_specs(s: S.GDNState, d, m, heads):
@@ -289,18 +261,11 @@ def _gdn_state_specs(s: S.GDNState, d, m, heads):
   ssm = s.ssm
   if isinstance(ssm, gdn.GDNReplayState):
     if heads is None:
-      heads = _gdn_heads(ssm.num_v_heads, ssm.num_k_heads, m)
-    h = "h" if heads else None
-    lay = dict(checkpoint=("b", h), d_buf=("b", None, h),
-               k_buf=("b", None, h), g_buf=("b", None, h),
-               read_copy=("b", h), read_scale=("b", h))
-    fields = {f.name: getattr(ssm, f.name) for f in dataclasses.fields(ssm)
-              if not f.metadata.get("static")}
-    ssm_spec = ssm.replace(**{k: _leaf_spec(v, lay.get(k, ("b",)), d, m)
-                              for k, v in fields.items()})
+      heads = gdn_heads(ssm.num_v_heads, ssm.num_k_heads, m)
+    ssm_spec = fields_spec(ssm, gdn_replay_layouts(heads), d, m)
   else:
-    ssm_spec = _leaf_spec(ssm, ("b", "h" if heads else None), d, m)
-  return s.replace(conv=_leaf_spec(s.conv, ("b",), d, m), ssm=ssm_spec)
+    ssm_spec = leaf_spec(ssm, ("b", "h" if heads else None), d, m)
+  return fields_spec(s.replace(ssm=None), {}, d, m).replace(ssm=ssm_spec)
 
 
 def state_specs(state: S.ModelState, mesh: Mesh, *, config=None):
@@ -315,30 +280,31 @@ def state_specs(state: S.ModelState, mesh: Mesh, *, config=None):
                     f"{type(state).__name__}.")
   d, m = _size(mesh, "data"), _size(mesh, "model")
   mla = config is not None and config.mla_kv_lora_rank is not None
-  batch_only = lambda t: jax.tree.map(lambda x: _leaf_spec(x, ("b",), d, m),
+  batch_only = lambda t: jax.tree.map(lambda x: leaf_spec(x, ("b",), d, m),
                                       t)
   kinds = None if config is None else config.block_kinds
-  gdn_heads = None if config is None else _gdn_heads(
+  gdn_split = None if config is None else gdn_heads(
       config.gdn_num_v_heads, config.gdn_num_k_heads, m)
+  mamba_hg = None if config is None else (config.ssm_heads, config.n_groups)
   layers = []
   for i, s in enumerate(state.layers):
     if isinstance(s, S.MambaState):
-      layers.append(_mamba_state_specs(s, d, m))
+      layers.append(_mamba_state_specs(s, d, m, mamba_hg))
     elif isinstance(s, S.AttentionState):
       kv = ("b",) if mla else ("b", "h")
-      layers.append(s.replace(k=_leaf_spec(s.k, kv, d, m),
-                              v=_leaf_spec(s.v, kv, d, m),
-                              length=_leaf_spec(s.length, ("b",), d, m)))
+      layers.append(s.replace(k=leaf_spec(s.k, kv, d, m),
+                              v=leaf_spec(s.v, kv, d, m),
+                              length=leaf_spec(s.length, ("b",), d, m)))
     elif s is None:
       layers.append(None)
     elif isinstance(s, S.GDNState) and (
         kinds[i] == "gdn" if kinds is not None
         else not isinstance(s.ssm, kda.KDAReplayState)):
-      layers.append(_gdn_state_specs(s, d, m, gdn_heads))
+      layers.append(_gdn_state_specs(s, d, m, gdn_split))
     else:  # GDNState / KDA states: every leaf batch-leading
       layers.append(batch_only(s))
   return state.replace(layers=tuple(layers),
-                       positions=_leaf_spec(state.positions, ("b",), d, m))
+                       positions=leaf_spec(state.positions, ("b",), d, m))
 
 
 def shard_state(state: S.ModelState, mesh: Mesh, *, config=None):
@@ -355,5 +321,5 @@ def shard_state(state: S.ModelState, mesh: Mesh, *, config=None):
 def shard_batch(x, mesh: Mesh):
   """An input array with a leading batch axis (tokens, lengths) split over
   "data" (replicated when the axis size does not divide it)."""
-  spec = _leaf_spec(x, ("b",), _size(mesh, "data"), _size(mesh, "model"))
+  spec = leaf_spec(x, ("b",), _size(mesh, "data"), _size(mesh, "model"))
   return jax.device_put(x, NamedSharding(mesh, spec))

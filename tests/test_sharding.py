@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from replayssm_jax import sharding as SH
 from replayssm_jax.models.config import ModelConfig
 from replayssm_jax.models.generate import generate
+from replayssm_jax.models import model as M
 from replayssm_jax.models.model import HybridLM, prefill
 from replayssm_jax.models.proposers import NgramProposer
 from replayssm_jax.models.speculative import speculative_generate
@@ -194,7 +195,8 @@ def test_meshes():
        f"{__file__}::{name}"], cwd=root, env=env, stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT, text=True)
            for name in ("test_multi_device[replay]",
-                        "test_multi_device[baseline]")]
+                        "test_multi_device[baseline]",
+                        "test_kernels_per_shard")]
   for p in procs:
     out, _ = p.communicate(timeout=900)
     assert p.returncode == 0, out[-3000:]
@@ -250,3 +252,50 @@ def test_multi_device(ssm_mode):
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(n, want_n)
     np.testing.assert_array_equal(got, want_tokens)
+
+
+# The kernels' shapes (power-of-two channel blocks of >= 16); n_groups 2:
+# Mamba heads split with their groups at model 2, replicated at model 4.
+KERNEL = dict(TINY, head_dim=16, d_state=16, n_groups=2,
+              attn_head_dim=16, gdn_k_dim=16, gdn_v_dim=16)
+
+
+@only_multi
+def test_kernels_per_shard():
+  """Under jax.set_mesh every dispatched op runs per shard (a
+  shard_map in the compiled step), the Pallas kernels (interpret mode)
+  included: tokens equal the single-device reference's."""
+  model = _model(**KERNEL)
+  tok, ln = _prompts()
+  proposer = NgramProposer(n=2)
+  for ssm_mode in ("replay", "baseline"):
+    want, want_n = generate(model, tok, ln, 4, ssm_mode=ssm_mode,
+                            buffer_len=4)
+    want_spec, _, _ = speculative_generate(model, proposer, tok, ln, 6, 2,
+                                           ssm_mode=ssm_mode, buffer_len=4)
+    for data, m in ((2, 4), (4, 2)):
+      mesh = SH.make_mesh(data, m)
+      sharded = SH.shard_model(model, mesh)
+      stok, sln = SH.shard_batch(tok, mesh), SH.shard_batch(ln, mesh)
+      with jax.set_mesh(mesh):
+        got, n = generate(sharded, stok, sln, 4, ssm_mode=ssm_mode,
+                          buffer_len=4, implementation="pallas")
+        # (the GDN snapshot verify has no kernel: its reference runs per
+        # shard)
+        spec, _, _ = speculative_generate(
+            sharded, proposer, stok, sln, 6, 2, ssm_mode=ssm_mode,
+            buffer_len=4,
+            implementation="pallas" if ssm_mode == "replay" else None)
+      where = f"{ssm_mode} {mesh.shape}"
+      np.testing.assert_array_equal(got, want, err_msg=where)
+      np.testing.assert_array_equal(n, want_n, err_msg=where)
+      np.testing.assert_array_equal(spec, want_spec, err_msg=where)
+  state = SH.shard_state(model.init_state(8, 16, buffer_len=4), mesh,
+                         config=model.config)
+  graphdef, params = nnx.split(sharded)
+  with jax.set_mesh(mesh):
+    text = M._decode_jit.lower(graphdef, params, stok[:, 0], state,
+                               "pallas").as_text()
+  # At least the Mamba conv, SSM and gated norm, the attention and the GDN
+  # step.
+  assert text.count("sdy.manual_computation") >= 5, text[:2000]

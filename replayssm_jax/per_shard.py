@@ -1,0 +1,257 @@
+"""Dispatched ops per shard: each op's PartitionSpecs on a ("data",
+"model") mesh, and running an implementation under `jax.shard_map`.
+
+Under `jax.set_mesh(mesh)` with a mesh of more than one device whose axes
+include "data" and "model" (`sharding.make_mesh`), `dispatch.dispatch`
+runs the chosen implementation of an op listed in `RULES` under
+`jax.shard_map`: each device runs it (a Pallas kernel, or the reference) on
+its own rows (split over "data") and heads (split over "model"), with no
+communication inside the op. Without that context the op runs as written
+and XLA's SPMD partitioner places it: right for the pure-JAX references,
+but a Pallas kernel is an opaque custom call that the partitioner can only
+run whole, on gathered operands.
+
+The splits follow the placement rules of `replayssm_jax.sharding` (which
+builds its state specs from the layouts below), so a state placed by
+`shard_state` enters and leaves an op without moving:
+
+  Mamba-2 ops    heads over "model" when `mamba_heads(H, G, m)`: H % m == 0
+                 and the B/C groups either one (replicated) or split with
+                 the heads (G % m == 0), so every shard holds the groups of
+                 its heads; else replicated.
+  GDN ops        value and key heads over "model" when HV % m == 0 and
+                 HK % m == 0.
+  decode attention  KV heads (and their query heads) over "model" when
+                 kv_heads % m == 0.
+  conv, norms, KDA  rows only. The gated norm's groups may span shards,
+                 so its input is gathered over "model" (one [b, d_inner]
+                 all-gather per Mamba layer) and its output is replicated.
+
+Rows split over "data" when the batch divides; an axis the mesh does not
+divide is replicated. Per-row and per-head ops compute the same numbers on
+a shard as on the whole batch, so sharded == single device exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+AXES = ("data", "model")
+
+
+def splits(n: int, m: int) -> bool:
+  """Whether an axis of size n is split over a mesh axis of size m."""
+  return m > 1 and n % m == 0
+
+
+def mamba_heads(nheads: int, ngroups: int, m: int) -> bool:
+  """Whether a Mamba-2 layer's heads split over m "model" shards: H % m ==
+  0 with one (replicated) B/C group or groups split with the heads."""
+  return splits(nheads, m) and (ngroups == 1 or splits(ngroups, m))
+
+
+def gdn_heads(hv: int, hk: int, m: int) -> bool:
+  """Whether a GDN layer's heads split: both HV and HK over m shards."""
+  return splits(hv, m) and splits(hk, m)
+
+
+def leaf_spec(x, layout, d: int, m: int):
+  """P for an array with `layout`, a tuple naming its leading dims: "b"
+  (rows, over "data"), "h" (heads, over "model") or None; an axis the mesh
+  does not divide stays replicated. None for x None."""
+  if x is None:
+    return None
+  out = []
+  for n, a in zip(np.shape(x), layout):
+    if a == "b" and splits(n, d):
+      out.append("data")
+    elif a == "h" and splits(n, m):
+      out.append("model")
+    else:
+      out.append(None)
+  while out and out[-1] is None:
+    out.pop()
+  return P(*out)
+
+
+def fields_spec(state, layouts: dict, d: int, m: int):
+  """A spec pytree shaped like the dataclass `state`: field f gets
+  layouts.get(f, ("b",)) (static fields kept)."""
+  return state.replace(**{
+      f.name: leaf_spec(getattr(state, f.name),
+                        layouts.get(f.name, ("b",)), d, m)
+      for f in dataclasses.fields(state) if not f.metadata.get("static")})
+
+
+def replay_layouts(heads: bool, groups: bool) -> dict:
+  """Field layouts of a Mamba-2 `ReplayState` (heads / groups split)."""
+  h, g = ("h" if heads else None), ("h" if groups else None)
+  return dict(checkpoint=("b", h), x_buf=("b", None, h),
+              b_buf=("b", None, g), dt_buf=("b", None, h),
+              read_copy=("b", h), read_scale=("b", h))
+
+
+def gdn_replay_layouts(heads: bool) -> dict:
+  """Field layouts of a `GDNReplayState` (value and key heads split)."""
+  h = "h" if heads else None
+  return dict(checkpoint=("b", h), d_buf=("b", None, h), k_buf=("b", None, h),
+              g_buf=("b", None, h), read_copy=("b", h), read_scale=("b", h))
+
+
+# ------------------------------------------------------------- op rules
+# A rule maps (args, d, m) to ({arg name: spec tree}, out) where out maps
+# the op's output (abstract shapes) to its spec tree. Array arguments a
+# rule does not name are replicated; other arguments are passed as they
+# are.
+def _batch(x) -> int:
+  return np.shape(x)[0]
+
+
+def _rows_only(*names):
+  """Every named argument and every output split by rows only."""
+  def rule(args, d, m):
+    rows = lambda t: jax.tree.map(lambda x: leaf_spec(x, ("b",), d, m), t)
+    return {k: rows(args[k]) for k in names if args.get(k) is not None}, rows
+  return rule
+
+
+def _mamba(state_arg: str, window: bool):
+  """selective_state_update / replay_state_update (window=False),
+  baseline_verify / replay_verify (window=True)."""
+  t = (None,) if window else ()
+
+  def rule(args, d, m):
+    G = np.shape(args["B"])[-2]
+    heads = mamba_heads(np.shape(args["x"])[-2], G, m)
+    h, g = ("h" if heads else None), ("h" if heads and G > 1 else None)
+    tok = ("b",) + t + (h,)
+    specs = {k: leaf_spec(args[k], tok, d, m) for k in ("x", "dt", "z")}
+    specs.update({k: leaf_spec(args[k], ("b",) + t + (g,), d, m)
+                  for k in ("B", "C")})
+    specs.update({k: leaf_spec(args[k], (h,), d, m)
+                  for k in ("A", "D", "dt_bias")})
+    lay = replay_layouts(heads, g is not None)
+    state = args[state_arg]
+    specs[state_arg] = (fields_spec(state, lay, d, m)
+                        if state_arg == "rstate"
+                        else leaf_spec(state, ("b", h), d, m))
+
+    def out(shapes):
+      y, second = shapes
+      if state_arg == "rstate":
+        second = fields_spec(second, lay, d, m)
+      else:  # the new state [b, H, P, N] or the snapshots [b, T, H, P, N]
+        second = leaf_spec(second, ("b",) + t + (h,), d, m)
+      return leaf_spec(y, tok, d, m), second
+    return specs, out
+  return rule
+
+
+def _gdn(state_arg: str | None, window: bool):
+  """gdn_step / gdn_replay_step (window=False), gdn_baseline_verify /
+  gdn_replay_verify / gdn_chunked_prefill (window=True; state_arg None:
+  the prefill's initial_state)."""
+  t = (None,) if window else ()
+
+  def rule(args, d, m):
+    heads = gdn_heads(np.shape(args["v"])[-2], np.shape(args["q"])[-2], m)
+    h = "h" if heads else None
+    tok = ("b",) + t + (h,)
+    specs = {k: leaf_spec(args[k], tok, d, m)
+             for k in ("q", "k", "v", "g", "beta")}
+    lay = gdn_replay_layouts(heads)
+    if state_arg == "rstate":
+      specs["rstate"] = fields_spec(args["rstate"], lay, d, m)
+    else:
+      name = state_arg or "initial_state"
+      specs[name] = leaf_spec(args.get(name), ("b", h), d, m)
+      specs["valid"] = leaf_spec(args.get("valid"), ("b",), d, m)
+
+    def out(shapes):
+      o, second = shapes
+      if state_arg == "rstate":
+        second = fields_spec(second, lay, d, m)
+      elif state_arg is None or not window:  # final / new state
+        second = leaf_spec(second, ("b", h), d, m)
+      else:  # the baseline verify's snapshots [b, T, HV, K, V]
+        second = leaf_spec(second, tok, d, m)
+      return leaf_spec(o, tok, d, m), second
+    return specs, out
+  return rule
+
+
+def _attention(args, d, m):
+  heads = splits(np.shape(args["k_cache"])[1], m)
+  h = "h" if heads else None
+  q = ("b", h) if np.ndim(args["q"]) == 3 else ("b", None, h)
+  specs = dict(q=leaf_spec(args["q"], q, d, m),
+               k_cache=leaf_spec(args["k_cache"], ("b", h), d, m),
+               v_cache=leaf_spec(args["v_cache"], ("b", h), d, m),
+               lengths=leaf_spec(args["lengths"], ("b",), d, m))
+  return specs, lambda o: leaf_spec(o, q, d, m)
+
+
+_KDA = ("state", "rstate", "q", "k", "v", "g", "beta", "initial_state",
+        "valid")
+RULES = {
+    "selective_state_update": _mamba("ssm_state", False),
+    "replay_state_update": _mamba("rstate", False),
+    "baseline_verify": _mamba("ssm_state", True),
+    "replay_verify": _mamba("rstate", True),
+    "decode_attention": _attention,
+    "causal_conv1d_step": _rows_only("x", "conv_state", "start"),
+    "causal_conv1d_window": _rows_only("x", "conv_state", "start"),
+    "gated_rms_norm": _rows_only("y", "z"),
+    "add_rms_norm": _rows_only("x", "y"),
+    "gdn_step": _gdn("state", False),
+    "gdn_replay_step": _gdn("rstate", False),
+    "gdn_baseline_verify": _gdn("state", True),
+    "gdn_replay_verify": _gdn("rstate", True),
+    "gdn_chunked_prefill": _gdn(None, True),
+    "kda_step": _rows_only(*_KDA),
+    "kda_replay_step": _rows_only(*_KDA),
+    "kda_chunked_prefill": _rows_only(*_KDA),
+}
+
+
+# ------------------------------------------------------------- running
+def active_mesh():
+  """The context mesh (`jax.set_mesh`) when ops run per shard on it: more
+  than one device, axes "data" and "model" both automatic (not already
+  inside a shard_map over them); else None."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1 or not set(AXES) <= set(mesh.axis_names):
+    return None
+  manual = getattr(mesh, "manual_axes", ())
+  if any(a in manual for a in AXES):
+    return None
+  return mesh
+
+
+def _is_array(x) -> bool:
+  """An array, or a pytree (a state) whose leaves all are."""
+  leaves = jax.tree.leaves(x)
+  return bool(leaves) and all(isinstance(v, (jax.Array, np.ndarray))
+                              for v in leaves)
+
+
+def call(op: str, fn, args: dict):
+  """fn(**args), per shard under jax.shard_map when a mesh is active (see
+  the module docstring) and `op` has a rule; else as is."""
+  mesh = active_mesh()
+  rule = RULES.get(op)
+  if mesh is None or rule is None:
+    return fn(**args)
+  d, m = int(mesh.shape["data"]), int(mesh.shape["model"])
+  specs, out = rule(args, d, m)
+  arrays = {k: v for k, v in args.items() if _is_array(v)}
+  static = {k: v for k, v in args.items() if k not in arrays}
+  in_specs = {k: specs.get(k) or P() for k in arrays}
+  out_specs = out(jax.eval_shape(lambda a: fn(**a, **static), arrays))
+  body = lambda a: fn(**a, **static)
+  return jax.shard_map(body, mesh=mesh, in_specs=(in_specs,),
+                       out_specs=out_specs, check_vma=False)(arrays)
