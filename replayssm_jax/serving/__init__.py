@@ -12,13 +12,17 @@
   Engine / Request   continuous batching: a request queue admitted into
                      free slots, several steps per dispatch with stopping
                      on the device, streamed tokens.
+  Speculation        Engine(speculative=...): speculative decoding rounds
+                     (a proposer's drafts, one verify of the pool, per-row
+                     acceptance and commit) inside the engine's dispatch.
 """
 
 from replayssm_jax.serving.engine import Engine, EngineStats, Request
 from replayssm_jax.serving.pool import (Pool, bucket_len, evict, init_pool,
                                         insert, step, step_n)
 from replayssm_jax.serving.prefix_cache import PrefixCache, insert_cached
+from replayssm_jax.serving.spec import Speculation
 
 __all__ = ["Engine", "EngineStats", "Pool", "PrefixCache", "Request",
-           "bucket_len", "evict", "init_pool", "insert", "insert_cached",
-           "step", "step_n"]
+           "Speculation", "bucket_len", "evict", "init_pool", "insert",
+           "insert_cached", "step", "step_n"]

@@ -35,8 +35,23 @@ With a `prefix_cache` (`serving.PrefixCache`), admissions go through
 starts from the cached state (`engine.prefix_cache.stats()` counts the
 hits).
 
-Speculative decoding inside the engine is not implemented (use
-`models.speculative_generate` on a static batch).
+Speculative decoding. With `speculative=Speculation(proposer, window)`
+each of a dispatch's `steps_per_dispatch` iterations is a speculative
+round of every active slot instead of one decode step: the proposer
+drafts up to window - 1 tokens per slot (`NgramProposer` from the slot's
+own token history, `DraftModelProposer` from a draft model whose per-slot
+state is written at admission), one `verify` of the pool checks them, each
+row accepts (greedy: the longest prefix of drafts equal to the target's
+argmax; sampled: speculative sampling with the request's temperature and
+key stream), and target and proposer commit the accepted prefix (replay
+states by a counter move, baseline states by a snapshot). Budgets and eos
+ids are applied per round on the device as in the plain loop: a slot
+never emits past its budget or its eos, and the tokens of an accepted
+window after either are dropped. Greedy requests get `generate`'s tokens
+(up to argmax near-ties that a parallel verify rounds differently); the
+host loop is the plain one (one compiled call, one device -> host
+copy per dispatch); `stats` adds verify rounds, drafts and accepted drafts
+(`acceptance_rate`, `mean_accepted_length`). See `serving.spec`.
 """
 
 from __future__ import annotations
@@ -56,7 +71,9 @@ from replayssm_jax import _validation as V
 from replayssm_jax.models import model as M
 from replayssm_jax.models.generate import check_sampling, filter_logits
 from replayssm_jax.serving import pool as P
+from replayssm_jax.serving import spec as SP
 from replayssm_jax.serving.prefix_cache import PrefixCache, insert_cached
+from replayssm_jax.serving.spec import Speculation
 
 F32 = jnp.float32
 
@@ -83,10 +100,12 @@ class Request:
 
 @dataclasses.dataclass
 class EngineStats:
-  """Counters of `Engine.run`: dispatches, decode steps (loop iterations),
-  tokens streamed, requests finished, and the wall time split into the
-  host's own work (admission, launching, streaming) and its waits for the
-  device's tokens."""
+  """Counters of `Engine.run`: dispatches, decode steps (loop iterations:
+  speculative rounds with `speculative`), tokens streamed, requests
+  finished, and the wall time split into the host's own work (admission,
+  launching, streaming) and its waits for the device's tokens. With
+  `speculative`: slot-rounds verified (`verify_rounds`), drafts proposed
+  and drafts accepted (before the cut at a budget or an eos)."""
   dispatches: int = 0
   steps: int = 0
   tokens: int = 0
@@ -95,6 +114,21 @@ class EngineStats:
   wall_s: float = 0.0
   wait_s: float = 0.0
   admit_s: float = 0.0
+  verify_rounds: int = 0
+  drafts: int = 0
+  accepted_drafts: int = 0
+
+  @property
+  def acceptance_rate(self) -> float:
+    """Accepted drafts over proposed drafts (0 without drafts)."""
+    return self.accepted_drafts / max(self.drafts, 1)
+
+  @property
+  def mean_accepted_length(self) -> float:
+    """Tokens per slot and verify round: accepted drafts + the target's
+    own token (before the cut at a budget or an eos)."""
+    return (self.accepted_drafts + self.verify_rounds) / max(
+        self.verify_rounds, 1)
 
   @property
   def host_us_per_step(self) -> float:
@@ -154,21 +188,27 @@ class Engine:
     model: the HybridLM.
     capacity: slots (the decode batch).
     max_len: prompt + generated tokens a slot holds.
-    steps_per_dispatch: decode steps per compiled call (one host sync
-      each).
+    steps_per_dispatch: decode steps (speculative rounds with
+      `speculative`) per compiled call (one host sync each).
     top_k, top_p: the sampling filters of every sampled request (None:
       off).
     implementation: the ops' implementation (dispatcher name).
     prefix_cache: a `PrefixCache` the admissions go through (None: plain
       `insert`).
+    speculative: a `Speculation` (a proposer and a window) for speculative
+      decoding inside the engine, or None (plain decode steps). The pool's
+      state must be one `verify` takes: replay buffer_len > window, a
+      baseline state's precision policy plain.
     ssm_mode, buffer_len, **state_kwargs: the pool's decode state
-      (`serving.init_pool`).
+      (`serving.init_pool`; with `speculative`, its KV caches hold max_len
+      + window - 1 entries, rounded up to `models.kv_cache_len`).
   """
 
   def __init__(self, model: M.HybridLM, capacity: int, max_len: int, *,
                steps_per_dispatch: int = 8, top_k: int | None = None,
                top_p: float | None = None, implementation=None,
                prefix_cache: PrefixCache | None = None,
+               speculative: Speculation | None = None,
                ssm_mode: str = "replay", buffer_len: int = 16,
                **state_kwargs):
     self.model = model
@@ -182,8 +222,23 @@ class Engine:
       raise TypeError(f"prefix_cache must be a PrefixCache or None, got "
                       f"{type(prefix_cache).__name__}.")
     self.prefix_cache = prefix_cache
-    self.pool = P.init_pool(model, capacity, max_len, ssm_mode=ssm_mode,
+    self.max_len = V.positive_int("max_len", max_len)
+    if speculative is not None and not isinstance(speculative, Speculation):
+      raise TypeError(f"speculative must be a serving.Speculation (a "
+                      f"proposer and a window) or None, got "
+                      f"{type(speculative).__name__}.")
+    self.speculative = speculative
+    self._ssm = dict(ssm_mode=ssm_mode, buffer_len=buffer_len)
+    kv_len = (max_len if speculative is None
+              else SP.kv_len(self.max_len, speculative.window))
+    self.pool = P.init_pool(model, capacity, kv_len, ssm_mode=ssm_mode,
                             buffer_len=buffer_len, **state_kwargs)
+    if speculative is not None:
+      SP.check_speculation(speculative, model, self.pool, ssm_mode,
+                           buffer_len)
+      self._spec_slots = SP.init_slots(speculative, self.pool, self.max_len,
+                                       ssm_mode, buffer_len)
+      self._batch_key = jax.random.PRNGKey(0)
     cap = self.pool.capacity
     self.queue = collections.deque()
     self.slots: list[Request | None] = [None] * cap
@@ -202,16 +257,16 @@ class Engine:
       raise TypeError(f"request must be a Request, got "
                       f"{type(request).__name__}.")
     prompt = np.asarray(request.prompt)
-    if prompt.ndim != 1 or not 1 <= prompt.shape[0] <= self.pool.max_len:
+    if prompt.ndim != 1 or not 1 <= prompt.shape[0] <= self.max_len:
       raise ValueError(f"Request {request.id!r}: prompt must be a [T] "
                        f"token array with 1 <= T <= max_len "
-                       f"({self.pool.max_len}), got shape {prompt.shape}.")
+                       f"({self.max_len}), got shape {prompt.shape}.")
     n = V.positive_int("max_new_tokens", request.max_new_tokens)
-    if prompt.shape[0] + n > self.pool.max_len:
+    if prompt.shape[0] + n > self.max_len:
       raise ValueError(
           f"Request {request.id!r}: prompt ({prompt.shape[0]} tokens) + "
           f"max_new_tokens ({n}) exceeds the engine's max_len "
-          f"({self.pool.max_len}).")
+          f"({self.max_len}).")
     check_sampling(request.temperature, None, None)
     if request.id in self.results or any(
         r.id == request.id for r in self.queue) or any(
@@ -244,6 +299,10 @@ class Engine:
                                        self.prefix_cache, slot, prompt,
                                        implementation=self.implementation,
                                        **kw)
+      if self.speculative is not None:
+        self._spec_slots = SP.insert_slot(self.speculative, self._spec_slots,
+                                          self.pool, slot, req.prompt, tok,
+                                          **self._ssm)
       tok = int(tok)  # the first token (the prefill's): one sync per admit
       self.stats.admissions += 1
       self.results[req.id] = []
@@ -291,14 +350,30 @@ class Engine:
     graphdef, params = nnx.split(self.model)
     sampled = bool(np.any(self._temps[[r is not None for r in self.slots]]
                           > 0))
-    self.pool, out, left, self._keys = _dispatch(
-        graphdef, params, self.pool, self.n, sampled, self.top_k,
-        self.top_p, self.implementation, jnp.asarray(self._left),
-        jnp.asarray(self._eos), jnp.asarray(self._temps), self._keys)
+    args = (jnp.asarray(self._left), jnp.asarray(self._eos),
+            jnp.asarray(self._temps), self._keys)
+    if self.speculative is None:
+      self.pool, out, left, self._keys = _dispatch(
+          graphdef, params, self.pool, self.n, sampled, self.top_k,
+          self.top_p, self.implementation, *args)
+      del left  # recomputed on the host from the tokens (same rules)
+    else:
+      spec = self.speculative
+      (self.pool, self._spec_slots, out, self._keys,
+       self._batch_key) = SP.dispatch(
+           graphdef, params, self.pool, self._spec_slots, spec.proposer,
+           self.n, spec.window, sampled, self.top_k, self.top_p,
+           self.implementation, *args, self._batch_key)
     t_wait = time.perf_counter()
     out = np.asarray(out)  # the dispatch's one device -> host copy
     self.stats.wait_s += time.perf_counter() - t_wait
-    del left  # recomputed on the host from the tokens (same rules)
+    if self.speculative is not None:
+      # The per-slot statistics columns after the tokens.
+      out, counts = out[:, :-SP.STAT_COLUMNS], out[:, -SP.STAT_COLUMNS:]
+      rounds, drafts, accepted = counts.sum(axis=0).tolist()
+      self.stats.verify_rounds += rounds
+      self.stats.drafts += drafts
+      self.stats.accepted_drafts += accepted
     self.stats.dispatches += 1
     self.stats.steps += self.n
     for slot, req in enumerate(self.slots):
