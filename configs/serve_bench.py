@@ -1,5 +1,6 @@
 r"""Serving benchmark (experiments/serve_bench.py): continuous batching with
-Poisson arrivals, baseline vs replay decode states.
+Poisson arrivals, baseline vs replay decode states, plain vs speculative
+decoding.
 
 Full run (one GPU; configs/hybrid_1b.py's model, random weights, bf16):
 
@@ -16,7 +17,11 @@ A model of a published shape with random weights instead:
 --config.serve.arrival_rate=200 (requests per second),
 --config.serve.capacity=256, --config.serve.steps_per_dispatch=16,
 --config.serve.shared_prefixes=4 (a shared-prefix workload, with and
-without a prefix cache).
+without a prefix cache), --config.serve.speculative_window=0 (no
+speculative runs). Speculative decoding at a set acceptance rate (sampling
+at a high temperature, where the target is nearly uniform):
+--config.serve.proposer=flat_sampling --config.serve.temperature=1000
+--config.serve.accept_prob=0.7.
 """
 
 import ml_collections
@@ -57,6 +62,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   s.shared_prefixes = 2 if smoke else 0
   s.shared_prefix_len = 8 if smoke else 256
   s.prefix_block = 4 if smoke else 16
+  # Speculative decoding inside the engine: every mode also runs with
+  # serving.Speculation(proposer, window=speculative_window) (0: off),
+  # steps_per_dispatch rounds per dispatch. proposer: "ngram"
+  # (NgramProposer(n=ngram_n), prompt lookup in each slot's history) or
+  # "flat_sampling" (specdec_bench's FlatOracleProposer: each draft accepted
+  # with probability accept_prob when sampling at a high temperature).
+  s.speculative_window = 3 if smoke else 4  # < buffer_len (replay)
+  s.proposer = "ngram"
+  s.ngram_n = 3
+  s.accept_prob = 0.7
   s.temperature = 0.0  # 0: greedy; > 0: every request samples
   s.implementation = ""  # "" = dispatcher default
   return config

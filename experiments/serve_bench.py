@@ -1,5 +1,6 @@
 r"""Serving benchmark: continuous batching (`replayssm_jax.serving.Engine`)
-under Poisson arrivals, baseline vs replay decode states.
+under Poisson arrivals, baseline vs replay decode states, plain vs
+speculative decoding.
 
 A workload of `serve.num_requests` requests (prompt and output lengths
 uniform in the configured ranges, random prompt tokens, arrival times of a
@@ -12,7 +13,21 @@ throwaway engine compiles every prompt bucket and the decode loop first,
 so the timed run compiles nothing. With `serve.shared_prefixes` > 0 the
 prompts start with one of a few shared prefixes, and each mode runs
 twice: without and with a `serving.PrefixCache` (its hit rate and the
-prompt tokens it saved recorded).
+prompt tokens it saved recorded). With `serve.speculative_window` > 0 each
+mode also runs with speculative decoding inside the engine
+(`serving.Speculation`: `steps_per_dispatch` rounds per dispatch, each a
+window of drafts per slot, one verify of the pool, acceptance and commit
+per slot). `serve.proposer` picks the drafts:
+  * "ngram": `NgramProposer` (prompt lookup in each slot's own history);
+    its acceptance is whatever the model's text repeats (low for random
+    weights and random prompts);
+  * "flat_sampling": experiments/specdec_bench.py's `FlatOracleProposer`,
+    for sampling at a high `serve.temperature` (the target nearly uniform):
+    each draft is accepted with probability `serve.accept_prob` whatever
+    the numerics, so the run measures the engine at a set acceptance.
+The speculative record adds the acceptance rate, the mean accepted length
+(tokens per slot and verify round) and, for greedy workloads, the
+fraction of requests whose tokens equal the plain run's.
 
 Per mode (one metrics.jsonl line each): output tokens/s (generated tokens
 over the time from the first arrival to the last token), time to first
@@ -42,8 +57,9 @@ import numpy as np
 
 from experiments import common
 from experiments.decode_bench import build_model
+from experiments.specdec_bench import FlatOracleProposer
 from replayssm_jax import serving
-from replayssm_jax.models import ModelConfig, hf
+from replayssm_jax.models import ModelConfig, NgramProposer, hf
 from replayssm_jax.precision import PrecisionPolicy
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(
@@ -86,12 +102,33 @@ def workload(config, vocab_size: int) -> list[dict]:
   return out
 
 
-def _engine(model, config, mode: str, cached: bool) -> serving.Engine:
+def speculation(config, vocab_size: int) -> serving.Speculation:
+  """The speculative runs' `serving.Speculation` (serve.proposer,
+  serve.speculative_window)."""
+  s = config.serve
+  if s.proposer == "ngram":
+    proposer = NgramProposer(n=s.ngram_n)
+  elif s.proposer == "flat_sampling":
+    if not s.temperature > 0:
+      raise ValueError(f"serve.proposer 'flat_sampling' needs sampling: "
+                       f"serve.temperature must be > 0 (a high one, e.g. "
+                       f"1000), got {s.temperature!r}.")
+    proposer = FlatOracleProposer(s.accept_prob, vocab_size)
+  else:
+    raise ValueError(f"serve.proposer must be 'ngram' or 'flat_sampling', "
+                     f"got {s.proposer!r}.")
+  return serving.Speculation(proposer, window=s.speculative_window)
+
+
+def _engine(model, config, mode: str, cached: bool,
+            spec: bool) -> serving.Engine:
   s = config.serve
   kw = {}
   if mode == "replay" and s.precision:
     policy = PrecisionPolicy.preset(s.precision)
     kw = dict(precision=policy, checkpoint_dtype=policy.checkpoint_dtype)
+  if spec:
+    kw["speculative"] = speculation(config, model.config.vocab_size)
   return serving.Engine(model, s.capacity, s.max_len,
                         steps_per_dispatch=s.steps_per_dispatch,
                         implementation=s.implementation or None,
@@ -107,19 +144,21 @@ def _request(r, config) -> serving.Request:
                          seed=config.seed + r["id"])
 
 
-def warm_up(model, config, mode: str, cached: bool, requests: list[dict]):
+def warm_up(model, config, mode: str, cached: bool, spec: bool,
+            requests: list[dict]):
   """Compiles what the timed run runs: the workload at once (no arrival
   times) through a throwaway engine."""
-  eng = _engine(model, config, mode, cached)
+  eng = _engine(model, config, mode, cached, spec)
   for r in requests:
     eng.submit(_request(r, config))
   eng.run()
 
 
-def play(model, config, mode: str, cached: bool,
-         requests: list[dict]) -> dict:
-  """Plays the workload against a fresh engine in real time."""
-  eng = _engine(model, config, mode, cached)
+def play(model, config, mode: str, cached: bool, spec: bool,
+         requests: list[dict]) -> tuple[dict, dict]:
+  """Plays the workload against a fresh engine in real time -> (record,
+  {request id: tokens})."""
+  eng = _engine(model, config, mode, cached, spec)
   first, last, count = {}, {}, {}
 
   def on_tokens(rid, toks):
@@ -147,8 +186,16 @@ def play(model, config, mode: str, cached: bool,
   state_bytes = sum(x.size * x.dtype.itemsize
                     for x in jax.tree.leaves(eng.pool.state))
   cache = eng.prefix_cache.stats() if cached else {}
+  window = config.serve.speculative_window if spec else None
+  spec_fields = dict(
+      proposer=config.serve.proposer if spec else None,
+      acceptance_rate=st.acceptance_rate if spec else None,
+      mean_accepted_length=st.mean_accepted_length if spec else None,
+      verify_rounds=st.verify_rounds, drafts=st.drafts,
+      accepted_drafts=st.accepted_drafts)
   return dict(
-      kind="serve", mode=mode, prefix_cache=cached,
+      kind="serve", mode=mode, prefix_cache=cached, speculative=window,
+      **spec_fields,
       cache_hit_rate=cache.get("hit_rate"),
       cache_reused_tokens=cache.get("reused_tokens"),
       prompt_tokens=sum(len(r["prompt"]) for r in requests),
@@ -161,7 +208,13 @@ def play(model, config, mode: str, cached: bool,
       host_us_per_step=st.host_us_per_step,
       wall_us_per_step=st.wall_us_per_step, dispatches=st.dispatches,
       steps=st.steps, admissions=st.admissions, state_bytes=int(state_bytes),
-      ttft_ms=(ttft * 1e3).tolist(), tpot_ms=(tpot * 1e3).tolist())
+      ttft_ms=(ttft * 1e3).tolist(), tpot_ms=(tpot * 1e3).tolist()), dict(
+          eng.results)
+
+
+def _name(rec: dict) -> str:
+  return rec["mode"] + (" + prefix cache" if rec["prefix_cache"] else "") + (
+      f" + spec T={rec['speculative']}" if rec["speculative"] else "")
 
 
 def _plot(records: list[dict], path: str):
@@ -171,8 +224,7 @@ def _plot(records: list[dict], path: str):
       vals = np.sort(rec[key])
       if vals.size:
         ax.plot(vals, np.arange(1, vals.size + 1) / vals.size,
-                label=rec["mode"] + (" + prefix cache"
-                                     if rec["prefix_cache"] else ""))
+                label=_name(rec))
   for ax, title in zip(axes[0], ("time to first token (ms)",
                                  "time per output token (ms)")):
     ax.set_xlabel(title)
@@ -188,35 +240,67 @@ def run(config, workdir: str) -> dict:
   model = build_model(cfg, config.seed)
   requests = workload(config, cfg.vocab_size)
   records = []
-  runs = [(mode, cached) for mode in config.serve.ssm_modes
-          for cached in ((False, True) if config.serve.shared_prefixes
-                         else (False,))]
-  for i, (mode, cached) in enumerate(runs):
-    name = mode + (" + prefix cache" if cached else "")
+  s = config.serve
+  # Per mode: plain, with a prefix cache (shared-prefix workloads), with
+  # speculative decoding.
+  runs = [(mode, cached, spec) for mode in s.ssm_modes
+          for cached, spec in ([(False, False)]
+                               + [(True, False)] * bool(s.shared_prefixes)
+                               + [(False, True)] * bool(
+                                   s.speculative_window))]
+  plain = {}  # mode -> the plain run's tokens
+  for i, (mode, cached, spec) in enumerate(runs):
+    name = _name(dict(mode=mode, prefix_cache=cached,
+                      speculative=s.speculative_window if spec else None))
     logging.info("[%d/%d] %s: warm-up", i + 1, len(runs), name)
-    warm_up(model, config, mode, cached, requests)
+    warm_up(model, config, mode, cached, spec, requests)
     logging.info("[%d/%d] %s: %d requests", i + 1, len(runs), name,
                  len(requests))
-    rec = play(model, config, mode, cached, requests)
+    rec, results = play(model, config, mode, cached, spec, requests)
+    if not cached and not spec:
+      plain[mode] = results
+    # Greedy speculative decoding must give the plain tokens (up to
+    # near-ties a parallel verify rounds differently, so it is reported).
+    rec["match_plain"] = (
+        float(np.mean([results[k] == plain[mode][k] for k in results]))
+        if spec and s.temperature == 0 and mode in plain else None)
+    if spec:
+      logging.info("%s: acceptance %.3f, %.2f tokens per verify round, "
+                   "match %s", name, rec["acceptance_rate"],
+                   rec["mean_accepted_length"], rec["match_plain"])
     writer.write(rec)
     records.append(rec)
-  base = {r["prefix_cache"]: r for r in records if r["mode"] == "baseline"}
+  key = lambda r: (r["prefix_cache"], r["speculative"])
+  base = {key(r): r for r in records if r["mode"] == "baseline"}
+  plain_recs = {r["mode"]: r for r in records
+                if not r["prefix_cache"] and not r["speculative"]}
   rows = [dict(r, vs_baseline=(
-      r["tokens_per_s"] / base[r["prefix_cache"]]["tokens_per_s"]
-      if r["prefix_cache"] in base else None)) for r in records]
-  s = config.serve
+      r["tokens_per_s"] / base[key(r)]["tokens_per_s"]
+      if key(r) in base else None), vs_plain=(
+          r["tokens_per_s"] / plain_recs[r["mode"]]["tokens_per_s"]))
+          for r in records]
   text = (f"# serve_bench\n\nmodel: {cfg.pattern[:40]} d_model "
           f"{cfg.d_model}, {cfg.dtype}; {s.num_requests} requests at "
           f"{s.arrival_rate} /s, capacity {s.capacity}, "
-          f"{s.steps_per_dispatch} steps per dispatch; backend "
+          f"{s.steps_per_dispatch} steps (speculative rounds) per "
+          f"dispatch; "
+          + (f"speculative: {s.proposer} proposer"
+             + (f" at accept_prob {s.accept_prob}"
+                if s.proposer == "flat_sampling" else "") + ", "
+             if s.speculative_window else "")
+          + f"temperature {s.temperature}; backend "
           f"{env['backend']} ({env['device_kind']})\n\n" +
           common.markdown_table(
-              rows, ["mode", "prefix_cache", "cache_hit_rate",
-                     "tokens_per_s", "vs_baseline", "ttft_p50_ms",
+              rows, ["mode", "prefix_cache", "cache_hit_rate", "speculative",
+                     "acceptance_rate", "mean_accepted_length",
+                     "match_plain", "tokens_per_s", "vs_baseline",
+                     "vs_plain", "ttft_p50_ms",
                      "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms",
                      "host_us_per_step", "wall_us_per_step", "state_bytes"],
               formats=dict(tokens_per_s=".1f", vs_baseline=".3f",
-                           cache_hit_rate=".2f",
+                           vs_plain=".3f", cache_hit_rate=".2f",
+                           acceptance_rate=".3f",
+                           mean_accepted_length=".2f", match_plain=".2f",
                            ttft_p50_ms=".1f", ttft_p99_ms=".1f",
                            tpot_p50_ms=".2f", tpot_p99_ms=".2f",
                            host_us_per_step=".0f", wall_us_per_step=".0f"))

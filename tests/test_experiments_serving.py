@@ -14,8 +14,10 @@ from tests.test_experiments import _assert_config_json, _assert_png  # noqa: E40
 
 def test_serve_bench_smoke(tmp_path):
   """The serving benchmark's smoke run: both modes serve every request of
-  the workload to its full output length (greedy, no eos), the latency
-  percentiles are ordered, and the outputs are written."""
+  the workload to its full output length (greedy, no eos), plain, with a
+  prefix cache and with speculative decoding (whose greedy tokens equal
+  the plain run's), the latency percentiles are ordered, and the outputs
+  are written."""
   from configs import serve_bench as serve_config  # pylint: disable=g-import-not-at-top
   from experiments import serve_bench  # pylint: disable=g-import-not-at-top
   config = serve_config.get_config("smoke")
@@ -23,8 +25,11 @@ def test_serve_bench_smoke(tmp_path):
   out = serve_bench.run(config, str(tmp_path))
   recs = out["records"]
   assert config.serve.shared_prefixes  # the smoke run tests the cache too
-  assert [(r["mode"], r["prefix_cache"]) for r in recs] == [
-      (m, c) for m in config.serve.ssm_modes for c in (False, True)]
+  window = config.serve.speculative_window
+  assert window  # and speculative decoding
+  assert [(r["mode"], r["prefix_cache"], r["speculative"]) for r in recs] == [
+      (m, c, w) for m in config.serve.ssm_modes
+      for c, w in ((False, None), (True, None), (False, window))]
   want = serve_bench.workload(config, config.model.vocab_size)
   shared = config.serve.shared_prefix_len
   hit_rates = {r["cache_hit_rate"] for r in recs if r["prefix_cache"]}
@@ -47,7 +52,48 @@ def test_serve_bench_smoke(tmp_path):
     assert 0 <= r["ttft_p50_ms"] <= r["ttft_p99_ms"]
     assert 0 <= r["tpot_p50_ms"] <= r["tpot_p99_ms"]
     assert r["steps"] == r["dispatches"] * config.serve.steps_per_dispatch
+    if r["speculative"]:
+      assert r["match_plain"] == 1.0  # greedy: the plain run's tokens
+      assert 0 < r["verify_rounds"] <= r["tokens"] - len(want)
+      assert 0 <= r["accepted_drafts"] <= r["drafts"]
+      assert 1.0 <= r["mean_accepted_length"] <= window
+    else:
+      assert r["match_plain"] is None and r["acceptance_rate"] is None
   _assert_config_json(out["workdir"], config)
   lines = common.read_metrics(os.path.join(out["workdir"], "metrics.jsonl"))
   assert lines[0]["kind"] == "environment" and len(lines) == 1 + len(recs)
   _assert_png(os.path.join(out["workdir"], "latency.png"))
+
+
+def test_serve_bench_smoke_set_acceptance(tmp_path):
+  """Speculative serving at a set acceptance rate: sampling at a high
+  temperature with the flat oracle proposer, whose drafts are accepted
+  with probability accept_prob each."""
+  from configs import serve_bench as serve_config  # pylint: disable=g-import-not-at-top
+  from experiments import serve_bench  # pylint: disable=g-import-not-at-top
+  config = serve_config.get_config("smoke")
+  s = config.serve
+  s.proposer, s.temperature, s.accept_prob = "flat_sampling", 1000.0, 0.7
+  s.shared_prefixes, s.ssm_modes = 0, ("replay",)
+  recs = serve_bench.run(config, str(tmp_path))["records"]
+  assert [r["speculative"] for r in recs] == [None, s.speculative_window]
+  want = serve_bench.workload(config, config.model.vocab_size)
+  spec = recs[1]
+  assert spec["tokens"] == sum(w["max_new_tokens"] for w in want)
+  assert spec["match_plain"] is None  # sampled: nothing to compare
+  # Drafts after a window's first rejection count as proposed, not
+  # accepted: the rate is the mean of a, a^2, ... over the window's drafts
+  # (0.595 for a = 0.7, T = 3); about 80 drafts, so within a few binomial
+  # standard deviations.
+  a, t = s.accept_prob, s.speculative_window
+  assert spec["drafts"] > 50
+  rate = sum(a ** k for k in range(1, t)) / (t - 1)
+  assert abs(spec["acceptance_rate"] - rate) < 0.2
+  expected = sum(a ** k for k in range(t))  # tokens per verify round
+  assert abs(spec["mean_accepted_length"] - expected) < 0.4
+  s.proposer = "draft"
+  with pytest.raises(ValueError, match="serve.proposer"):
+    serve_bench.speculation(config, config.model.vocab_size)
+  s.proposer, s.temperature = "flat_sampling", 0.0
+  with pytest.raises(ValueError, match="serve.temperature"):
+    serve_bench.speculation(config, config.model.vocab_size)
