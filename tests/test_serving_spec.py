@@ -26,12 +26,21 @@ from tests.serving_common import CFG, build_model, prompt
 
 MAX_LEN, L, T = 40, 6, 4  # slot length, replay buffer, speculative window
 CAP, STEPS = 2, 2  # slots, rounds per dispatch
-# The prompts of the tests: name -> (seed, length); N_REF reference tokens.
+# The prompts of the tests: name -> (seed, length) of a random prompt, or
+# a tuple of them concatenated (a shared system prompt, then a tail);
+# N_REF reference tokens each.
 PROMPTS = {1: (1, 5), 2: (2, 9), 3: (3, 3), 4: (4, 12), 5: (5, 6),
            "e": (21, 6), "f": (22, 9), "g": (23, 4), "a": (31, 9),
            "b": (32, 5), "c": (33, 6), "s": (41, 7), "s1": (42, 5),
-           "s2": (43, 4)}
+           "s2": (43, 4), "p0": ((51, 8), (52, 3)),
+           "p1": ((51, 8), (53, 5)), "p2": ((51, 8), (54, 2))}
 N_REF = 18
+
+
+def tokens(name) -> np.ndarray:
+  spec = PROMPTS[name]
+  parts = spec if isinstance(spec[0], tuple) else (spec,)
+  return np.concatenate([np.asarray(prompt(*p)) for p in parts])
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +57,7 @@ def refs(model):
 
   def get(ssm_mode):
     if ssm_mode not in done:
-      ps = [prompt(*PROMPTS[k]) for k in PROMPTS]
+      ps = [tokens(k) for k in PROMPTS]
       toks = np.zeros((len(ps), max(len(p) for p in ps)), np.int32)
       for i, p in enumerate(ps):
         toks[i, :len(p)] = np.asarray(p)
@@ -61,7 +70,7 @@ def refs(model):
 
 
 def request(name, n, **kw):
-  return serving.Request(name, prompt(*PROMPTS[name]), max_new_tokens=n,
+  return serving.Request(name, tokens(name), max_new_tokens=n,
                          **kw)
 
 
@@ -118,6 +127,18 @@ def test_draft_model_eos_inside_an_accepted_window(model, refs):
   # Tokens the accepted windows held but the slots did not emit (after
   # the eos, past a budget): the cut happened on the device.
   assert st.accepted_drafts + st.verify_rounds > st.tokens - 3
+
+
+def test_prefix_cache_with_speculation(model, refs):
+  # Prompts sharing a two-block system prompt: later admissions start from
+  # the cached target state; the slot's history still holds the whole
+  # prompt, so the n-gram proposer sees it.
+  cache = serving.PrefixCache(block=4, max_entries=8)
+  eng = engine(model, models.NgramProposer(n=2), prefix_cache=cache)
+  for name in ("p0", "p1", "p2"):
+    eng.submit(request(name, 7))
+  assert eng.run() == {k: refs("replay")[k][:7] for k in ("p0", "p1", "p2")}
+  assert cache.stats()["hits"] >= 1
 
 
 def _poison_row(tree, slot):

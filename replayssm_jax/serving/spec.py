@@ -117,8 +117,9 @@ def check_speculation(speculative: Speculation, model: M.HybridLM,
                       pool: P.Pool, ssm_mode: str,
                       buffer_len: int) -> Speculation:
   """`speculative` checked against the model and the pool's state: a
-  proposer that serves the model, a state `verify` can take (replay buffers longer than the window; a baseline state's
-  precision policy plain)."""
+  proposer that serves the model, a state `verify` can take (replay
+  buffers longer than the window; a baseline state's precision policy
+  plain)."""
   _check_window_room(pool.state, speculative.window,
                      "Engine(speculative=...)")
   speculative.proposer.validate(model, window=speculative.window,
@@ -140,7 +141,9 @@ def _init_args(spec: Speculation, pool: P.Pool, ssm_mode, buffer_len):
 def init_slots(spec: Speculation, pool: P.Pool, max_len: int, ssm_mode: str,
                buffer_len: int) -> SpecSlots:
   """Empty per-slot state (zeros; the proposer state laid out as
-  `Proposer.init` returns it for one prompt, `capacity` rows)."""
+  `Proposer.init` returns it for one prompt, `capacity` rows). The
+  proposer's state must be batch-leading and its shapes must not depend on
+  the prompt's length (every admission writes one row of it)."""
   cap = pool.capacity
   kw = _init_args(spec, pool, ssm_mode, buffer_len)
   shapes = jax.eval_shape(
