@@ -24,7 +24,7 @@ from configs import hybrid_1b
 
 # Heads, KV heads, MLP units and vocabulary all divide 8 (every rule splits).
 SMOKE_MODEL = dict(vocab_size=64, d_model=32, pattern="M*-M", ssm_heads=8,
-                   head_dim=4, d_state=8, n_groups=2, conv_kernel=4,
+                   head_dim=4, d_state=8, n_groups=1, conv_kernel=4,
                    chunk_size=8, num_heads=8, num_kv_heads=8,
                    attn_head_dim=4, rope_theta=10000.0, intermediate_size=32,
                    mlp_activation="relu2", norm_eps=1e-5,
@@ -58,4 +58,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   b.spec_new_tokens = 8 if smoke else 128
   b.repeats = 2 if smoke else 5  # timed calls after the warm-up (median)
   b.implementation = "reference" if smoke else ""  # "": dispatcher default
+  # Run the dispatched ops (the Pallas kernels) per shard under
+  # jax.set_mesh (replayssm_jax.per_shard); False: XLA partitions them.
+  b.per_shard = True
   return config

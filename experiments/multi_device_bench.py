@@ -30,6 +30,7 @@ per run or skipped mesh), summary.md, tokens_per_s.png.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 
@@ -107,7 +108,8 @@ def bench_decode(model, smodel, mesh, config, batch: int, mode: str,
       max_len=max_len, checkpoint_dtype=b.checkpoint_dtype,
       expert_parallel=b.expert_parallel, gather_logits=False)
   rec = dict(kind="decode", data=shape[0], model=shape[1],
-             mesh=f"{shape[0]}x{shape[1]}", batch=batch,
+             mesh=f"{shape[0]}x{shape[1]}", per_shard=b.per_shard,
+             batch=batch,
              local_batch=cost.local_batch, ssm_mode=mode,
              buffer_len=b.buffer_len if mode == "replay" else None,
              new_tokens=b.new_tokens, tokens_per_s=batch * b.new_tokens / med,
@@ -204,14 +206,16 @@ def run(config, workdir: str) -> dict:
     logging.info("[%d/%d] mesh %dx%d", i + 1, len(meshes), *shape)
     mesh = SH.make_mesh(*shape)
     smodel = SH.shard_model(model, mesh, expert_parallel=b.expert_parallel)
-    for batch in b.global_batches:
-      for mode in b.ssm_modes:
-        records.append(writer.write(
-            bench_decode(model, smodel, mesh, config, batch, mode, shape)))
-    if b.spec_new_tokens:
-      for mode in b.ssm_modes:
-        records.append(writer.write(bench_spec(
-            smodel, mesh, config, b.global_batches[0], mode, shape)))
+    # per_shard: the ops (kernels) run per shard under the context mesh.
+    with (jax.set_mesh(mesh) if b.per_shard else contextlib.nullcontext()):
+      for batch in b.global_batches:
+        for mode in b.ssm_modes:
+          records.append(writer.write(
+              bench_decode(model, smodel, mesh, config, batch, mode, shape)))
+      if b.spec_new_tokens:
+        for mode in b.ssm_modes:
+          records.append(writer.write(bench_spec(
+              smodel, mesh, config, b.global_batches[0], mode, shape)))
   decode = [dict(r, state_MB=r["state_bytes_per_device"] / 2**20)
             for r in records if r["kind"] == "decode"]
   spec = [r for r in records if r["kind"] == "specdec"]

@@ -21,11 +21,18 @@ builds its state specs from the layouts below), so a state placed by
                  its heads; else replicated.
   GDN ops        value and key heads over "model" when HV % m == 0 and
                  HK % m == 0.
+                 Under a stochastic-rounding policy both keep their heads
+                 whole (rows only): the rounding bits are keyed by the
+                 element's index in the whole row, so a split op would
+                 round differently from one device.
   decode attention  KV heads (and their query heads) over "model" when
                  kv_heads % m == 0.
-  conv, norms, KDA  rows only. The gated norm's groups may span shards,
-                 so its input is gathered over "model" (one [b, d_inner]
-                 all-gather per Mamba layer) and its output is replicated.
+  gated norm     channels over "model" when its groups split (each shard
+                 holds whole groups, its heads' own; the gate is cut from
+                 the replicated in_proj output locally); else rows only:
+                 the groups span shards, so its input is gathered over
+                 "model" (one [b, d_inner] all-gather per Mamba layer).
+  conv, add-norm, KDA  rows only.
 
 Rows split over "data" when the batch divides; an axis the mesh does not
 divide is replicated. Per-row and per-head ops compute the same numbers on
@@ -103,12 +110,20 @@ def gdn_replay_layouts(heads: bool) -> dict:
 
 
 # ------------------------------------------------------------- op rules
-# A rule maps (args, d, m) to ({arg name: spec tree}, out) where out maps
-# the op's output (abstract shapes) to its spec tree. Array arguments a
-# rule does not name are replicated; other arguments are passed as they
-# are.
+# A rule maps (args, d, m) to ({arg name: spec tree}, out) or ({...}, out,
+# local): out maps the op's output (abstract shapes) to its spec tree;
+# local(args) rewrites the arguments on each shard (inside the shard_map).
+# Array arguments a rule does not name are replicated; other arguments are
+# passed as they are.
 def _batch(x) -> int:
   return np.shape(x)[0]
+
+
+def _sr(args) -> bool:
+  """Stochastic rounding: its bits are keyed by an element's index in the
+  whole row, which a shard holding some of the heads cannot form, so such
+  an op keeps its heads whole (split by rows only)."""
+  return bool(getattr(args.get("policy"), "stochastic_rounding", False))
 
 
 def _rows_only(*names):
@@ -126,7 +141,7 @@ def _mamba(state_arg: str, window: bool):
 
   def rule(args, d, m):
     G = np.shape(args["B"])[-2]
-    heads = mamba_heads(np.shape(args["x"])[-2], G, m)
+    heads = mamba_heads(np.shape(args["x"])[-2], G, m) and not _sr(args)
     h, g = ("h" if heads else None), ("h" if heads and G > 1 else None)
     tok = ("b",) + t + (h,)
     specs = {k: leaf_spec(args[k], tok, d, m) for k in ("x", "dt", "z")}
@@ -158,7 +173,8 @@ def _gdn(state_arg: str | None, window: bool):
   t = (None,) if window else ()
 
   def rule(args, d, m):
-    heads = gdn_heads(np.shape(args["v"])[-2], np.shape(args["q"])[-2], m)
+    heads = (gdn_heads(np.shape(args["v"])[-2], np.shape(args["q"])[-2], m)
+             and not _sr(args))
     h = "h" if heads else None
     tok = ("b",) + t + (h,)
     specs = {k: leaf_spec(args[k], tok, d, m)
@@ -184,6 +200,27 @@ def _gdn(state_arg: str | None, window: bool):
   return rule
 
 
+def _gated_norm(args, d, m):
+  """Mamba-2's gated norm: the channel axis split over "model" when its
+  groups do (each shard then holds whole groups: the heads' own), the gate
+  cut from the replicated in_proj output on each shard; else rows only
+  (the channels gathered)."""
+  y = args["y"]
+  dim = np.shape(y)[-1]
+  if not splits(dim // args["group_size"], m):
+    return _rows_only("y", "z")(args, d, m)
+  lay = ("b",) + (None,) * (np.ndim(y) - 2) + ("h",)
+  specs = dict(y=leaf_spec(y, lay, d, m), z=leaf_spec(args["z"], ("b",), d, m),
+               weight=leaf_spec(args["weight"], ("h",), d, m))
+  width = dim // m
+
+  def local(a):
+    start = a["z_offset"] + jax.lax.axis_index("model") * width
+    z = jax.lax.dynamic_slice_in_dim(a["z"], start, width, axis=-1)
+    return dict(a, z=z, z_offset=0)
+  return specs, lambda o: leaf_spec(o, lay, d, m), local
+
+
 def _attention(args, d, m):
   heads = splits(np.shape(args["k_cache"])[1], m)
   h = "h" if heads else None
@@ -205,7 +242,7 @@ RULES = {
     "decode_attention": _attention,
     "causal_conv1d_step": _rows_only("x", "conv_state", "start"),
     "causal_conv1d_window": _rows_only("x", "conv_state", "start"),
-    "gated_rms_norm": _rows_only("y", "z"),
+    "gated_rms_norm": _gated_norm,
     "add_rms_norm": _rows_only("x", "y"),
     "gdn_step": _gdn("state", False),
     "gdn_replay_step": _gdn("rstate", False),
@@ -247,11 +284,12 @@ def call(op: str, fn, args: dict):
   if mesh is None or rule is None:
     return fn(**args)
   d, m = int(mesh.shape["data"]), int(mesh.shape["model"])
-  specs, out = rule(args, d, m)
+  specs, out, *local = rule(args, d, m)
+  local = local[0] if local else (lambda a: a)
   arrays = {k: v for k, v in args.items() if _is_array(v)}
   static = {k: v for k, v in args.items() if k not in arrays}
   in_specs = {k: specs.get(k) or P() for k in arrays}
   out_specs = out(jax.eval_shape(lambda a: fn(**a, **static), arrays))
-  body = lambda a: fn(**a, **static)
+  body = lambda a: fn(**local(dict(a, **static)))
   return jax.shard_map(body, mesh=mesh, in_specs=(in_specs,),
                        out_specs=out_specs, check_vma=False)(arrays)

@@ -64,7 +64,9 @@ checkpoint / read copy [b, H, P, N] P("data", "model"), x_buf / dt_buf
 [b, L, H, ...] P("data", None, "model"), read_scale [b, H, P]
 P("data", "model"), b_buf [b, L, G, N] P("data", None, "model") when the
 groups split (else P("data")), the conv ring [b, k-1, conv_dim] P("data"),
-per-row counters P("data"); a baseline state [b, H, P, N] (or
+per-row counters P("data") (a replay state under stochastic rounding keeps
+its heads whole: its rounding is keyed by the element's index in the
+whole row); a baseline state [b, H, P, N] (or
 its StoredSSMState) as the checkpoint; KV caches [b, Hk, S, D]
 P("data", "model"). A GDN layer whose heads split: checkpoint / read copy /
 baseline state [b, HV, K, V] and read_scale [b, HV, K] P("data", "model"),
@@ -233,6 +235,14 @@ def shard_model(model, mesh: Mesh, *, expert_parallel: bool = False):
 
 
 # ---------------------------------------------------------------- states
+def _sr(layer_state) -> bool:
+  """A replay state under stochastic rounding keeps its heads whole (the
+  rounding bits are keyed by the element's index in the whole row:
+  `per_shard`)."""
+  p = layer_state.precision
+  return p is not None and p.stochastic_rounding
+
+
 def _mamba_state_specs(s: S.MambaState, d, m, heads_groups):
   """Mamba layer state; heads_groups: (H, G) from the config, or None (a
   replay state's own H and G; a baseline state splits its heads when they
@@ -240,7 +250,7 @@ def _mamba_state_specs(s: S.MambaState, d, m, heads_groups):
   ssm = s.ssm
   if isinstance(ssm, ReplayState):
     hg = heads_groups or (ssm.nheads, ssm.ngroups)
-    split = mamba_heads(*hg, m)
+    split = mamba_heads(*hg, m) and not _sr(s)
     ssm_spec = fields_spec(ssm, replay_layouts(split, split and hg[1] > 1),
                            d, m)
   else:
@@ -262,6 +272,7 @@ def _gdn_state_specs(s: S.GDNState, d, m, heads):
   if isinstance(ssm, gdn.GDNReplayState):
     if heads is None:
       heads = gdn_heads(ssm.num_v_heads, ssm.num_k_heads, m)
+    heads = heads and not _sr(s)
     ssm_spec = fields_spec(ssm, gdn_replay_layouts(heads), d, m)
   else:
     ssm_spec = leaf_spec(ssm, ("b", "h" if heads else None), d, m)

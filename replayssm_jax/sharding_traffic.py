@@ -8,7 +8,11 @@ step (the placement rules of `replayssm_jax.sharding`).
 
 With b = the global batch, d / m the "data" / "model" axis sizes:
   b_l = b / d when d divides b, else b (the batch is replicated);
-  a Mamba layer's heads H_l = H / m when m divides ssm_heads, else H;
+  a Mamba layer's heads H_l = H / m and groups G_l = G / m (G_l = 1 for
+  one group) when its heads split (`per_shard.mamba_heads`: m divides H
+  and G is one or divides too), else H and G;
+  a GDN layer's value / key heads HV_l = HV / m, HK_l = HK / m when m
+  divides both, else HV, HK (KDA layers: never split);
   an attention layer's KV heads Hk / m when m divides num_kv_heads (not for
   multi-head latent attention, whose cache splits the batch only).
 
@@ -16,15 +20,20 @@ State bytes per device (per layer, summed over layers):
   Mamba baseline   b_l*H_l*P*N*s (+ the conv ring b_l*(k-1)*conv_dim*c,
                    never head-split, and its int32 start b_l*4);
   Mamba replay     checkpoint b_l*H_l*P*N*s + x_buf b_l*L*H_l*P*u
-                   + dt_buf b_l*L*H_l*4 + b_buf b_l*L*G*N*u (groups are
-                   replicated) + count b_l*4 (+ the conv ring as above);
+                   + dt_buf b_l*L*H_l*4 + b_buf b_l*L*G_l*N*u + count
+                   b_l*4 (+ the conv ring as above);
+  GDN / KDA        ("delta") baseline b_l*HV_l*K*V*s; replay checkpoint
+                   b_l*HV_l*K*V*s + d ring b_l*L*HV_l*V*u + k ring
+                   b_l*L*HK_l*K*u + count b_l*4 + the log-decay ring
+                   b_l*L*HV_l*4 (GDN) or sum b_l*HV*K*4 (KDA, HK = HV)
+                   (+ the conv ring b_l*(k-1)*gdn_conv_dim*c);
   attention        k and v 2*b_l*Hk_l*S*D*kv + length b_l*4;
   positions        b_l*4.
   (s, u, c, kv: the checkpoint, buffer, conv and KV itemsizes.)
 
 SSM traffic per device: `replayssm_jax.traffic` on the shard (H_l heads,
-the groups those heads touch, b_l rows): `baseline_step_bytes` or
-`replay_amortized_bytes`, times the Mamba layers.
+G_l groups, b_l rows): `baseline_step_bytes` or `replay_amortized_bytes`,
+times the Mamba layers (the GDN / KDA ops' traffic is not modeled).
 
 Collectives implied by the rules (per step, per device; `bytes` is the size
 of the op's result buffer on one device, the figure XLA's HLO shows;
@@ -32,9 +41,9 @@ of the op's result buffer on one device, the figure XLA's HLO shows;
 all-reduce, (m-1)/m for an all-gather):
   * an all-reduce (psum over "model") of the residual stream [b_l, d_model]
     in the activation dtype (config.dtype) after every row-parallel
-    projection: Mamba out_proj when its heads split, attention o_proj when
-    its KV heads split, MLP down_proj when intermediate_size splits, MoE
-    experts with expert_parallel (and a split relu2 shared expert's
+    projection: Mamba / GDN out_proj when its heads split, attention o_proj
+    when its KV heads split, MLP down_proj when intermediate_size splits,
+    MoE experts with expert_parallel (and a split relu2 shared expert's
     shared_down, one more);
   * the LM head: vocab-parallel logits [b_l, V/m]; a caller that needs the
     whole row gathers [b_l, V] float32 ("logits all-gather", counted apart:
@@ -43,10 +52,10 @@ all-reduce, (m-1)/m for an all-gather):
     the embedding lookup.
 Not modeled (XLA adds them around the split SSM op and the MoE dispatch;
 small next to the psums at realistic sizes): the gated norm's group
-reduction when the norm weight is replicated (an all-reduce [b_l, G]), the
-all-gathers of replicated B/C into a head-split op, the KV-cache write's
-gather of the new token, and the MoE's routing gathers / all-to-alls.
-GDN / KDA layers are replicated (no collective, state split by batch only).
+reduction when its groups span shards (an all-reduce [b_l, G]; with the
+ops per shard under `jax.set_mesh`, an all-gather of its [b_l, d_inner]
+input instead), the KV-cache write's gather of the new token, and the
+MoE's routing gathers / all-to-alls.
 
 Pure Python except `compiled_collectives` (which compiles with jax).
 """
@@ -61,6 +70,7 @@ import jax
 import jax.numpy as jnp
 
 from replayssm_jax import traffic as T
+from replayssm_jax.per_shard import gdn_heads, mamba_heads, splits
 
 _I32 = 4
 SSM_MODES = ("baseline", "replay")
@@ -77,10 +87,6 @@ def _itemsize(dtype, name):
     return jnp.dtype(dtype).itemsize
   except TypeError as e:
     raise TypeError(f"{name} must be a dtype, got {dtype!r}.") from e
-
-
-def _splits(n: int, m: int) -> bool:
-  return m > 1 and n % m == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +117,8 @@ class DecodeCost:
   batch: int
   local_batch: int
   ssm_mode: str
-  state_bytes: dict  # {"mamba", "conv", "attention", "other", "total"}
+  state_bytes: dict  # {"mamba", "delta", "conv", "attention", "other",
+  #                      "total"}
   ssm_traffic_bytes: float
   collectives: tuple  # of Collective
   psum_bytes: int  # the residual-stream all-reduces of the layers
@@ -124,22 +131,20 @@ class DecodeCost:
 
 
 def local_sizes(cfg, data: int, model: int, batch: int) -> dict:
-  """Rows, Mamba heads / groups and KV heads held by one device."""
+  """Rows, Mamba heads / groups, GDN value / key heads and KV heads held
+  by one device."""
   d, m, b = _pos("data", data), _pos("model", model), _pos("batch", batch)
-  h = cfg.ssm_heads
-  h_l = h // m if _splits(h, m) else h
-  gs = h // cfg.n_groups  # heads per group
-  if h_l % gs == 0:
-    g_l = h_l // gs
-  elif gs % h_l == 0:
-    g_l = 1
-  else:
-    g_l = cfg.n_groups
+  h, g = cfg.ssm_heads, cfg.n_groups
+  mamba = mamba_heads(h, g, m)
+  gdn = gdn_heads(cfg.gdn_num_v_heads, cfg.gdn_num_k_heads, m)
   mla = getattr(cfg, "mla_kv_lora_rank", None) is not None
   hk = cfg.num_kv_heads
-  return dict(batch=b // d if _splits(b, d) else b, ssm_heads=h_l,
-              ssm_groups=g_l,
-              kv_heads=hk // m if _splits(hk, m) and not mla else hk,
+  return dict(batch=b // d if splits(b, d) else b,
+              ssm_heads=h // m if mamba else h,
+              ssm_groups=g // m if mamba and g > 1 else g,
+              gdn_v_heads=cfg.gdn_num_v_heads // (m if gdn else 1),
+              gdn_k_heads=cfg.gdn_num_k_heads // (m if gdn else 1),
+              kv_heads=hk // m if splits(hk, m) and not mla else hk,
               mla=mla)
 
 
@@ -151,8 +156,8 @@ def state_bytes_per_device(cfg, data: int, model: int, batch: int, *,
   """Decode-state bytes on one device (dtypes default as in
   `HybridLM.init_state`: buffers, KV and conv in config.dtype).
 
-  Returns {"mamba": SSM states, "conv": conv rings, "attention": KV caches,
-  "other": positions, "total"}."""
+  Returns {"mamba": Mamba SSM states, "delta": GDN / KDA states, "conv":
+  conv rings, "attention": KV caches, "other": positions, "total"}."""
   if ssm_mode not in SSM_MODES:
     raise ValueError(f"ssm_mode must be one of {SSM_MODES}, got "
                      f"{ssm_mode!r}.")
@@ -164,8 +169,9 @@ def state_bytes_per_device(cfg, data: int, model: int, batch: int, *,
   u = _itemsize(buffer_dtype or cfg.dtype, "buffer_dtype")
   kv = _itemsize(kv_dtype or cfg.dtype, "kv_dtype")
   c = _itemsize(conv_dtype or cfg.dtype, "conv_dtype")
-  P, N, G, L = cfg.head_dim, cfg.d_state, cfg.n_groups, buffer_len
-  out = dict(mamba=0, conv=0, attention=0, other=b * _I32)
+  P, N, G, L = cfg.head_dim, cfg.d_state, loc["ssm_groups"], buffer_len
+  K, Vd = cfg.gdn_k_dim, cfg.gdn_v_dim
+  out = dict(mamba=0, delta=0, conv=0, attention=0, other=b * _I32)
   for kind in cfg.block_kinds:
     if kind == "mamba":
       ssm = b * h * P * N * s
@@ -174,14 +180,21 @@ def state_bytes_per_device(cfg, data: int, model: int, batch: int, *,
                 + b * _I32)
       out["mamba"] += ssm
       out["conv"] += b * (cfg.conv_kernel - 1) * cfg.conv_dim * c + b * _I32
+    elif kind in ("gdn", "kda"):
+      hv, hk = ((loc["gdn_v_heads"], loc["gdn_k_heads"]) if kind == "gdn"
+                else (cfg.gdn_num_v_heads,) * 2)  # KDA: replicated
+      ssm = b * hv * K * Vd * s
+      if ssm_mode == "replay":  # d, k rings; g ring (GDN) / sum (KDA)
+        ssm += (b * L * hv * Vd * u + b * L * hk * K * u + b * _I32
+                + (b * L * hv * 4 if kind == "gdn" else b * hv * K * 4))
+      out["delta"] += ssm
+      out["conv"] += b * (cfg.conv_kernel - 1) * cfg.gdn_conv_dim * c
     elif kind == "attention":
       if loc["mla"]:
         raise ValueError("cfg: multi-head latent attention caches are not "
                          "modeled.")
       out["attention"] += (2 * b * loc["kv_heads"] * max_len
                            * cfg.attn_head_dim * kv + b * _I32)
-    elif kind in ("gdn", "kda"):
-      raise ValueError(f"cfg: {kind} layer states are not modeled.")
   out["total"] = sum(out.values())
   return out
 
@@ -227,15 +240,16 @@ def layer_collectives(cfg, data: int, model: int, batch: int, *,
   nbytes = b * dm * a.itemsize
   kinds = cfg.block_kinds
   row_parallel = dict(
-      mamba=_splits(cfg.ssm_heads, m),
-      attention=_splits(cfg.num_kv_heads, m) and not loc["mla"],
-      mlp=_splits(cfg.intermediate_size, m),
-      moe=expert_parallel and _splits(cfg.n_routed_experts, m))
+      mamba=mamba_heads(cfg.ssm_heads, cfg.n_groups, m),
+      gdn=gdn_heads(cfg.gdn_num_v_heads, cfg.gdn_num_k_heads, m),
+      attention=splits(cfg.num_kv_heads, m) and not loc["mla"],
+      mlp=splits(cfg.intermediate_size, m),
+      moe=expert_parallel and splits(cfg.n_routed_experts, m))
   out = []
   for kind, split in row_parallel.items():
     n = sum(k == kind for k in kinds)
     shared = cfg.moe_shared_expert_intermediate_size
-    if kind == "moe" and n and shared > 0 and _splits(shared, m) and (
+    if kind == "moe" and n and shared > 0 and splits(shared, m) and (
             cfg.moe_activation == "relu2"):
       out.append(Collective("all-reduce", (b, dm), a.name, nbytes,
                             "moe shared_down", n, _ring("all-reduce",
@@ -244,7 +258,7 @@ def layer_collectives(cfg, data: int, model: int, batch: int, *,
       out.append(Collective("all-reduce", (b, dm), a.name, nbytes,
                             f"{kind} row-parallel out", n,
                             _ring("all-reduce", nbytes, m)))
-  if _splits(cfg.vocab_size, m):
+  if splits(cfg.vocab_size, m):
     if cfg.tie_embeddings:
       out.append(Collective("all-reduce", (b, dm), a.name, nbytes,
                             "embedding lookup", 1,

@@ -123,3 +123,19 @@ def test_ops_run_per_shard_only_on_a_context_mesh():
   calls = []
   assert per_shard.call("no_such_op", lambda **a: calls.append(a) or 1,
                         dict(x=1)) == 1 and calls == [dict(x=1)]
+
+
+@pytest.mark.parametrize("m,split", [(2, True), (4, False)])
+def test_gated_norm_rule(m, split):
+  # 2 groups of 16 channels: split over 2 shards, gathered over 4.
+  args = dict(y=jnp.ones((B, 32)), z=jnp.ones((B, 80)), weight=jnp.ones(32),
+              group_size=16, eps=1e-6, z_offset=0, out_dtype=None)
+  specs, out, *local = per_shard.RULES["gated_rms_norm"](args, 2, m)
+  assert specs["z"] == P("data")  # the in_proj output, replicated
+  if split:
+    assert specs["y"] == P("data", "model")
+    assert specs["weight"] == P("model")
+    assert out(args["y"]) == P("data", "model") and len(local) == 1
+  else:
+    assert specs["y"] == P("data") and "weight" not in specs
+    assert out(args["y"]) == P("data") and not local

@@ -22,8 +22,9 @@ from replayssm_jax.models.model import HybridLM
 
 MULTI = jax.device_count() >= 8
 TINY = dict(vocab_size=64, d_model=32, pattern="M*-", ssm_heads=8,
-            head_dim=4, d_state=8, n_groups=2, num_heads=8, num_kv_heads=8,
-            attn_head_dim=4, intermediate_size=32, chunk_size=8)
+            head_dim=4, d_state=8, n_groups=1, num_heads=8, num_kv_heads=8,
+            attn_head_dim=4, intermediate_size=32, chunk_size=8,
+            gdn_num_k_heads=4, gdn_num_v_heads=8, gdn_k_dim=4, gdn_v_dim=4)
 
 
 def _cfg(**kw):
@@ -31,29 +32,42 @@ def _cfg(**kw):
 
 
 # --------------------------------------------------------------- formulas
+# (mesh, n_groups) -> the Mamba heads and groups one device holds: the
+# heads split when m divides them and the groups are one or divide too.
+MAMBA_LOCAL = {((1, 1), 1): (8, 1), ((2, 4), 1): (2, 1), ((1, 8), 1): (1, 1),
+               ((4, 2), 1): (4, 1), ((3, 3), 1): (8, 1), ((1, 1), 2): (8, 2),
+               ((2, 4), 2): (8, 2), ((1, 8), 2): (8, 2), ((4, 2), 2): (4, 1),
+               ((3, 3), 2): (8, 2)}
+
+
 @pytest.mark.parametrize("ssm_mode", ["replay", "baseline"])
-@pytest.mark.parametrize("mesh", [(1, 1), (2, 4), (1, 8), (4, 2), (3, 3)])
-def test_state_bytes_by_hand(ssm_mode, mesh):
+@pytest.mark.parametrize("mesh,groups", sorted(MAMBA_LOCAL))
+def test_state_bytes_by_hand(ssm_mode, mesh, groups):
   d, m = mesh
-  cfg, b, L, S = _cfg(), 8, 4, 16
+  cfg, b, L, S = _cfg(pattern="M*-G", n_groups=groups), 8, 4, 16
   got = ST.state_bytes_per_device(cfg, d, m, b, ssm_mode=ssm_mode,
                                   buffer_len=L, max_len=S)
   b_l = b // d if b % d == 0 else b
-  h = cfg.ssm_heads // m if m > 1 and cfg.ssm_heads % m == 0 else 8
+  h, g = MAMBA_LOCAL[mesh, groups]
   hk = 8 // m if m > 1 and 8 % m == 0 else 8
-  P, N, G = cfg.head_dim, cfg.d_state, cfg.n_groups
+  # GDN: HV 8, HK 4 split when m divides both.
+  hv, hkk = (8 // m, 4 // m) if m in (2, 4) else (8, 4)
+  P, N, K = cfg.head_dim, cfg.d_state, cfg.gdn_k_dim
   ssm = b_l * h * P * N * 4
+  delta = b_l * hv * K * K * 4
   if ssm_mode == "replay":  # f32 model: buffers in f32
-    ssm += b_l * L * (h * P * 4 + h * 4 + G * N * 4) + 4 * b_l
-  conv = b_l * (cfg.conv_kernel - 1) * cfg.conv_dim * 4 + 4 * b_l
+    ssm += b_l * L * (h * P * 4 + h * 4 + g * N * 4) + 4 * b_l
+    delta += b_l * L * (hv * K * 4 + hkk * K * 4 + hv * 4) + 4 * b_l
+  conv = (b_l * (cfg.conv_kernel - 1) * (cfg.conv_dim + cfg.gdn_conv_dim) * 4
+          + 4 * b_l)
   kv = 2 * b_l * hk * S * cfg.attn_head_dim * 4 + 4 * b_l
-  assert got == dict(mamba=ssm, conv=conv, attention=kv, other=4 * b_l,
-                     total=ssm + conv + kv + 4 * b_l)
+  assert got == dict(mamba=ssm, delta=delta, conv=conv, attention=kv,
+                     other=4 * b_l, total=ssm + delta + conv + kv + 4 * b_l)
 
 
 @pytest.mark.parametrize("ssm_mode", ["replay", "baseline"])
 def test_state_bytes_match_init_state_on_one_device(ssm_mode):
-  cfg = _cfg(pattern="M*M-")
+  cfg = _cfg(pattern="M*M-GK")
   model = HybridLM(cfg, rngs=nnx.Rngs(0))
   st = model.init_state(3, 16, ssm_mode=ssm_mode, buffer_len=4)
   want = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(st))
@@ -65,8 +79,7 @@ def test_state_bytes_match_init_state_on_one_device(ssm_mode):
 def test_ssm_traffic_uses_the_shard():
   cfg, b, L = _cfg(), 8, 4
   for d, m in ((1, 1), (2, 4), (1, 8)):
-    dims = T.LayerDims(nheads=8 // m, headdim=4, dstate=8,
-                       ngroups=max(1, 2 // m))
+    dims = T.LayerDims(nheads=8 // m, headdim=4, dstate=8, ngroups=1)
     want_b = T.baseline_step_bytes(dims, b // d, "float32", "float32")
     want_r = T.replay_amortized_bytes(dims, b // d, L, "float32", "float32",
                                       "float32")
@@ -154,7 +167,7 @@ def test_meshes():
 @pytest.mark.skipif(not MULTI, reason="runs on 8 host devices")
 @pytest.mark.parametrize("ssm_mode", ["replay", "baseline"])
 def test_compiled_step(ssm_mode):
-  cfg = _cfg()
+  cfg = _cfg(pattern="M*-G")
   model = HybridLM(cfg, rngs=nnx.Rngs(0))
   b = 8
   for d, m in ((1, 8), (2, 4)):
