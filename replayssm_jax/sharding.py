@@ -5,6 +5,7 @@ every HybridLM parameter and decode-state leaf, and placement.
   model = shard_model(model, mesh)                 # parameters placed
   state = shard_state(model.init_state(8, 128), mesh, config=model.config)
   logits, state = prefill(model, tokens, lengths, state)
+  engine = serving.Engine(model, 64, 512, mesh=mesh)  # a placed slot pool
 
 The jitted entry points (`prefill`, `decode_step`, `generate`,
 `speculative_generate`) are unchanged: they compile for the inputs'
@@ -327,6 +328,18 @@ def shard_state(state: S.ModelState, mesh: Mesh, *, config=None):
   return jax.tree.unflatten(treedef, [
       jax.device_put(x, NamedSharding(mesh, spec))
       for x, spec in zip(leaves, specs, strict=True)])
+
+
+def shard_pool(pool, mesh: Mesh, *, config=None):
+  """A copy of a serving `Pool` placed on `mesh`: its ModelState per
+  `state_specs` (slots are rows: over "data"), its per-slot arrays over
+  "data". The given pool is not modified."""
+  if not isinstance(getattr(pool, "state", None), S.ModelState):
+    raise TypeError(f"pool must be a serving.Pool, got "
+                    f"{type(pool).__name__}.")
+  return pool.replace(state=shard_state(pool.state, mesh, config=config),
+                      active=shard_batch(pool.active, mesh),
+                      tokens=shard_batch(pool.tokens, mesh))
 
 
 def shard_batch(x, mesh: Mesh):

@@ -20,6 +20,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from replayssm_jax import serving
 from replayssm_jax import sharding as SH
 from replayssm_jax.models.config import ModelConfig
 from replayssm_jax.models.generate import generate
@@ -183,6 +184,8 @@ def test_argument_errors():
     SH.make_mesh(1, jax.device_count() + 1)
   with pytest.raises(TypeError, match="state"):
     SH.shard_state({}, SH.make_mesh(1, 1))
+  with pytest.raises(TypeError, match="pool must be a serving.Pool"):
+    SH.shard_pool(_model(pattern="M").init_state(2, 8), SH.make_mesh(1, 1))
   with pytest.raises(TypeError, match="expert_parallel"):
     SH.shard_model(_model(pattern="M"), SH.make_mesh(1, 1),
                    expert_parallel=1)
@@ -200,7 +203,8 @@ def test_meshes():
       stderr=subprocess.STDOUT, text=True)
            for name in ("test_multi_device[replay]",
                         "test_multi_device[baseline]",
-                        "test_kernels_per_shard")]
+                        "test_kernels_per_shard",
+                        "test_engine_on_a_mesh")]
   for p in procs:
     out, _ = p.communicate(timeout=900)
     assert p.returncode == 0, out[-3000:]
@@ -321,3 +325,27 @@ def test_kernels_per_shard():
   # At least the Mamba conv, SSM and gated norm, the attention and the GDN
   # step.
   assert text.count("sdy.manual_computation") >= 5, text[:2000]
+
+
+@only_multi
+def test_engine_on_a_mesh():
+  """The continuous-batching engine on a 4x2 mesh (its pool placed, the
+  kernels per shard), plain and speculative: each request's tokens are
+  the single-device engine's."""
+  model = _model(**KERNEL)
+  mesh = SH.make_mesh(4, 2)
+  sharded = SH.shard_model(model, mesh)
+  tok, ln = _prompts()
+  reqs = [(i, np.asarray(tok[i, :int(ln[i])]), 3 + i) for i in range(6)]
+  for spec in (None, serving.Speculation(NgramProposer(n=2), window=2)):
+    outs = []
+    for m, mesh_ in ((model, None), (sharded, mesh)):
+      eng = serving.Engine(m, 4, 32, steps_per_dispatch=3, buffer_len=4,
+                           implementation="pallas", speculative=spec,
+                           mesh=mesh_)
+      for rid, p, n in reqs:  # 6 requests through 4 slots
+        eng.submit(serving.Request(rid, p, max_new_tokens=n))
+      outs.append(eng.run())
+    assert outs[0] == outs[1], spec
+    ckpt = eng.pool.state.layers[0].ssm.checkpoint
+    assert ckpt.sharding.spec == P("data", "model"), ckpt.sharding

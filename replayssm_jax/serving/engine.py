@@ -68,6 +68,7 @@ import numpy as np
 from flax import nnx
 
 from replayssm_jax import _validation as V
+from replayssm_jax import sharding as SH
 from replayssm_jax.models import model as M
 from replayssm_jax.models.generate import check_sampling, filter_logits
 from replayssm_jax.serving import pool as P
@@ -199,6 +200,10 @@ class Engine:
       decoding inside the engine, or None (plain decode steps). The pool's
       state must be one `verify` takes: replay buffer_len > window, a
       baseline state's precision policy plain.
+    mesh: a ("data", "model") `jax.sharding.Mesh` (`sharding.make_mesh`)
+      or None: the pool placed on it (`sharding.shard_pool`) and every
+      dispatch run under `jax.set_mesh(mesh)`, so the ops run per shard;
+      pass a model placed by `sharding.shard_model` on the same mesh.
     ssm_mode, buffer_len, **state_kwargs: the pool's decode state
       (`serving.init_pool`; with `speculative`, its KV caches hold max_len
       + window - 1 entries, rounded up to `models.kv_cache_len`).
@@ -208,10 +213,11 @@ class Engine:
                steps_per_dispatch: int = 8, top_k: int | None = None,
                top_p: float | None = None, implementation=None,
                prefix_cache: PrefixCache | None = None,
-               speculative: Speculation | None = None,
+               speculative: Speculation | None = None, mesh=None,
                ssm_mode: str = "replay", buffer_len: int = 16,
                **state_kwargs):
     self.model = model
+    self.mesh = mesh
     self.n = V.positive_int("steps_per_dispatch", steps_per_dispatch)
     check_sampling(1.0, top_k, top_p)
     self.top_k = None if top_k is None else int(top_k)
@@ -233,6 +239,8 @@ class Engine:
               else SP.kv_len(self.max_len, speculative.window))
     self.pool = P.init_pool(model, capacity, kv_len, ssm_mode=ssm_mode,
                             buffer_len=buffer_len, **state_kwargs)
+    if mesh is not None:
+      self.pool = SH.shard_pool(self.pool, mesh, config=model.config)
     if speculative is not None:
       SP.check_speculation(speculative, model, self.pool, ssm_mode,
                            buffer_len)
@@ -341,7 +349,14 @@ class Engine:
   # ----------------------------------------------------------------- run
   def dispatch(self, on_tokens: Callable | None = None):
     """Admits what fits, then one compiled call of `steps_per_dispatch`
-    decode steps; streams its tokens and evicts finished requests."""
+    decode steps; streams its tokens and evicts finished requests (under
+    `jax.set_mesh(mesh)` with a mesh: the ops per shard)."""
+    if self.mesh is None:
+      return self._dispatch_once(on_tokens)
+    with jax.set_mesh(self.mesh):
+      return self._dispatch_once(on_tokens)
+
+  def _dispatch_once(self, on_tokens):
     t_start = time.perf_counter()
     self._admit(on_tokens)
     if not any(r is not None for r in self.slots):
