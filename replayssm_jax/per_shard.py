@@ -19,7 +19,7 @@ builds its state specs from the layouts below), so a state placed by
                  and the B/C groups either one (replicated) or split with
                  the heads (G % m == 0), so every shard holds the groups of
                  its heads; else replicated.
-  GDN ops        value and key heads over "model" when HV % m == 0 and
+  GDN, KDA ops   value and key heads over "model" when HV % m == 0 and
                  HK % m == 0.
                  Under a stochastic-rounding policy both keep their heads
                  whole (rows only): the rounding bits are keyed by the
@@ -32,7 +32,7 @@ builds its state specs from the layouts below), so a state placed by
                  the replicated in_proj output locally); else rows only:
                  the groups span shards, so its input is gathered over
                  "model" (one [b, d_inner] all-gather per Mamba layer).
-  conv, add-norm, KDA  rows only.
+  conv, add-norm  rows only.
 
 Rows split over "data" when the batch divides; an axis the mesh does not
 divide is replicated. Per-row and per-head ops compute the same numbers on
@@ -103,10 +103,12 @@ def replay_layouts(heads: bool, groups: bool) -> dict:
 
 
 def gdn_replay_layouts(heads: bool) -> dict:
-  """Field layouts of a `GDNReplayState` (value and key heads split)."""
+  """Field layouts of a `GDNReplayState` or `KDAReplayState` (value and key
+  heads split; g_buf is GDN's log-decay ring, g_sum KDA's decay sum)."""
   h = "h" if heads else None
   return dict(checkpoint=("b", h), d_buf=("b", None, h), k_buf=("b", None, h),
-              g_buf=("b", None, h), read_copy=("b", h), read_scale=("b", h))
+              g_buf=("b", None, h), g_sum=("b", h), read_copy=("b", h),
+              read_scale=("b", h))
 
 
 # ------------------------------------------------------------- op rules
@@ -167,9 +169,10 @@ def _mamba(state_arg: str, window: bool):
 
 
 def _gdn(state_arg: str | None, window: bool):
-  """gdn_step / gdn_replay_step (window=False), gdn_baseline_verify /
-  gdn_replay_verify / gdn_chunked_prefill (window=True; state_arg None:
-  the prefill's initial_state)."""
+  """gdn_step / gdn_replay_step / the KDA steps (window=False),
+  gdn_baseline_verify / gdn_replay_verify / the chunked prefills
+  (window=True; state_arg None: the prefill's initial_state). KDA's g
+  [.., HV, K] is laid out as GDN's [.., HV]."""
   t = (None,) if window else ()
 
   def rule(args, d, m):
@@ -232,8 +235,6 @@ def _attention(args, d, m):
   return specs, lambda o: leaf_spec(o, q, d, m)
 
 
-_KDA = ("state", "rstate", "q", "k", "v", "g", "beta", "initial_state",
-        "valid")
 RULES = {
     "selective_state_update": _mamba("ssm_state", False),
     "replay_state_update": _mamba("rstate", False),
@@ -249,9 +250,9 @@ RULES = {
     "gdn_baseline_verify": _gdn("state", True),
     "gdn_replay_verify": _gdn("rstate", True),
     "gdn_chunked_prefill": _gdn(None, True),
-    "kda_step": _rows_only(*_KDA),
-    "kda_replay_step": _rows_only(*_KDA),
-    "kda_chunked_prefill": _rows_only(*_KDA),
+    "kda_step": _gdn("state", False),
+    "kda_replay_step": _gdn("rstate", False),
+    "kda_chunked_prefill": _gdn(None, True),
 }
 
 

@@ -49,8 +49,11 @@ column-parallel in, row-parallel out). With m the "model" axis size:
               input is the value heads' outputs concatenated head-major);
               the gated norm's weight [V] (shared by every head), the fused
               in_proj [d, qkv|z|b|a] and the conv replicated, as Mamba's.
-  KDA         replicated (fused in_proj layouts as Mamba's); its states
-              split the batch only.
+  KDA         as GDN (heads split when both head counts divide): A_log
+              [HV] and dt_bias [HV, K] P("model"), the per-head gate
+              up-projections f_b_proj [K, HV K] / g_b_proj [V, HV V]
+              column-parallel P(None, "model"), out_proj rows P("model",
+              None); the fused in_proj, the conv and the norm replicated.
   embeddings  untied: the table replicated (the lookup stays local) and the
               LM head [d, vocab] P(None, "model") (vocab-parallel logits);
               tied: the table [vocab, d] P("model", None) (the head matmul
@@ -73,9 +76,10 @@ P("data", "model"). A GDN layer whose heads split: checkpoint / read copy /
 baseline state [b, HV, K, V] and read_scale [b, HV, K] P("data", "model"),
 d_buf [b, L, HV, V] and g_buf [b, L, HV] P("data", None, "model"), k_buf
 [b, L, HK, K] P("data", None, "model") (HK split), the conv ring and the
-counters P("data"). Without `config`, a GDN replay state splits when its
-own HV and HK divide and a bare baseline array (GDN or KDA) splits the
-batch only.
+counters P("data"); a KDA layer's likewise (its k_buf [b, L, HV, K] and
+per-key-channel decay sum g_sum [b, HV, K] with the heads). Without
+`config`, a GDN / KDA replay state splits when its own head counts divide
+and a bare baseline array (GDN or KDA) splits the batch only.
 
 Under `jax.set_mesh(mesh)` the dispatched ops (and so the Pallas kernels)
 run per shard under `jax.shard_map` with the specs of
@@ -179,7 +183,15 @@ def _mixer_param_spec(cfg, mixer, kind, names, m, expert_parallel):
     if names == ("out_proj", "kernel"):
       return row(heads)
     return REPLICATED  # in_proj, conv (fused layouts), norm_weight [V]
-  return REPLICATED  # kda
+  if kind == "kda":
+    heads = gdn_heads(cfg.gdn_num_v_heads, cfg.gdn_num_k_heads, m)
+    if names in (("A_log",), ("dt_bias",)):
+      return P("model") if heads else REPLICATED
+    if names in (("f_b_proj", "kernel"), ("g_b_proj", "kernel")):
+      return col(heads)
+    if names == ("out_proj", "kernel"):
+      return row(heads)
+  return REPLICATED  # in_proj, conv, norm
 
 
 def param_spec(model, path, mesh_model_size: int,
@@ -266,13 +278,13 @@ def _mamba_state_specs(s: S.MambaState, d, m, heads_groups):
 
 
 def _gdn_state_specs(s: S.GDNState, d, m, heads):
-  """GDN layer state: heads split over "model" when `heads` (True / False;
-  None: decided from a replay state's own HV / HK, a bare array batch
-  only)."""
+  """GDN / KDA layer state: heads split over "model" when `heads` (True /
+  False; None: decided from a replay state's own HV / HK, a bare array
+  batch only)."""
   ssm = s.ssm
-  if isinstance(ssm, gdn.GDNReplayState):
+  if isinstance(ssm, (gdn.GDNReplayState, kda.KDAReplayState)):
     if heads is None:
-      heads = gdn_heads(ssm.num_v_heads, ssm.num_k_heads, m)
+      heads = gdn_heads(ssm.num_v_heads, ssm.k_buf.shape[2], m)
     heads = heads and not _sr(s)
     ssm_spec = fields_spec(ssm, gdn_replay_layouts(heads), d, m)
   else:
@@ -285,8 +297,8 @@ def state_specs(state: S.ModelState, mesh: Mesh, *, config=None):
 
   config: the model's ModelConfig; with it, the KV caches of multi-head
   latent attention layers (whose parameters stay replicated) split the
-  batch only, and GDN layers are told from KDA ones (see the module
-  docstring). Without it every KV cache splits its heads when it can."""
+  batch only (see the module docstring). Without it every KV cache splits
+  its heads when it can."""
   if not isinstance(state, S.ModelState):
     raise TypeError(f"state must be a ModelState, got "
                     f"{type(state).__name__}.")
@@ -294,12 +306,11 @@ def state_specs(state: S.ModelState, mesh: Mesh, *, config=None):
   mla = config is not None and config.mla_kv_lora_rank is not None
   batch_only = lambda t: jax.tree.map(lambda x: leaf_spec(x, ("b",), d, m),
                                       t)
-  kinds = None if config is None else config.block_kinds
   gdn_split = None if config is None else gdn_heads(
       config.gdn_num_v_heads, config.gdn_num_k_heads, m)
   mamba_hg = None if config is None else (config.ssm_heads, config.n_groups)
   layers = []
-  for i, s in enumerate(state.layers):
+  for s in state.layers:
     if isinstance(s, S.MambaState):
       layers.append(_mamba_state_specs(s, d, m, mamba_hg))
     elif isinstance(s, S.AttentionState):
@@ -309,11 +320,9 @@ def state_specs(state: S.ModelState, mesh: Mesh, *, config=None):
                               length=leaf_spec(s.length, ("b",), d, m)))
     elif s is None:
       layers.append(None)
-    elif isinstance(s, S.GDNState) and (
-        kinds[i] == "gdn" if kinds is not None
-        else not isinstance(s.ssm, kda.KDAReplayState)):
+    elif isinstance(s, S.GDNState):  # GDN and KDA layers
       layers.append(_gdn_state_specs(s, d, m, gdn_split))
-    else:  # GDNState / KDA states: every leaf batch-leading
+    else:
       layers.append(batch_only(s))
   return state.replace(layers=tuple(layers),
                        positions=leaf_spec(state.positions, ("b",), d, m))

@@ -11,8 +11,8 @@ With b = the global batch, d / m the "data" / "model" axis sizes:
   a Mamba layer's heads H_l = H / m and groups G_l = G / m (G_l = 1 for
   one group) when its heads split (`per_shard.mamba_heads`: m divides H
   and G is one or divides too), else H and G;
-  a GDN layer's value / key heads HV_l = HV / m, HK_l = HK / m when m
-  divides both, else HV, HK (KDA layers: never split);
+  a GDN / KDA layer's value / key heads HV_l = HV / m, HK_l = HK / m when
+  m divides both, else HV, HK;
   an attention layer's KV heads Hk / m when m divides num_kv_heads (not for
   multi-head latent attention, whose cache splits the batch only).
 
@@ -25,7 +25,8 @@ State bytes per device (per layer, summed over layers):
   GDN / KDA        ("delta") baseline b_l*HV_l*K*V*s; replay checkpoint
                    b_l*HV_l*K*V*s + d ring b_l*L*HV_l*V*u + k ring
                    b_l*L*HK_l*K*u + count b_l*4 + the log-decay ring
-                   b_l*L*HV_l*4 (GDN) or sum b_l*HV*K*4 (KDA, HK = HV)
+                   b_l*L*HV_l*4 (GDN), or (KDA: keys per value head) k ring
+                   b_l*L*HV_l*K*u and decay sum b_l*HV_l*K*4
                    (+ the conv ring b_l*(k-1)*gdn_conv_dim*c);
   attention        k and v 2*b_l*Hk_l*S*D*kv + length b_l*4;
   positions        b_l*4.
@@ -41,8 +42,9 @@ of the op's result buffer on one device, the figure XLA's HLO shows;
 all-reduce, (m-1)/m for an all-gather):
   * an all-reduce (psum over "model") of the residual stream [b_l, d_model]
     in the activation dtype (config.dtype) after every row-parallel
-    projection: Mamba / GDN out_proj when its heads split, attention o_proj
-    when its KV heads split, MLP down_proj when intermediate_size splits,
+    projection: Mamba / GDN / KDA out_proj when its heads split, attention
+    o_proj when its KV heads split, MLP down_proj when intermediate_size
+    splits,
     MoE experts with expert_parallel (and a split relu2 shared expert's
     shared_down, one more);
   * the LM head: vocab-parallel logits [b_l, V/m]; a caller that needs the
@@ -181,8 +183,8 @@ def state_bytes_per_device(cfg, data: int, model: int, batch: int, *,
       out["mamba"] += ssm
       out["conv"] += b * (cfg.conv_kernel - 1) * cfg.conv_dim * c + b * _I32
     elif kind in ("gdn", "kda"):
-      hv, hk = ((loc["gdn_v_heads"], loc["gdn_k_heads"]) if kind == "gdn"
-                else (cfg.gdn_num_v_heads,) * 2)  # KDA: replicated
+      hv = loc["gdn_v_heads"]
+      hk = loc["gdn_k_heads"] if kind == "gdn" else hv  # KDA: k per v head
       ssm = b * hv * K * Vd * s
       if ssm_mode == "replay":  # d, k rings; g ring (GDN) / sum (KDA)
         ssm += (b * L * hv * Vd * u + b * L * hk * K * u + b * _I32
@@ -242,6 +244,7 @@ def layer_collectives(cfg, data: int, model: int, batch: int, *,
   row_parallel = dict(
       mamba=mamba_heads(cfg.ssm_heads, cfg.n_groups, m),
       gdn=gdn_heads(cfg.gdn_num_v_heads, cfg.gdn_num_k_heads, m),
+      kda=gdn_heads(cfg.gdn_num_v_heads, cfg.gdn_num_k_heads, m),
       attention=splits(cfg.num_kv_heads, m) and not loc["mla"],
       mlp=splits(cfg.intermediate_size, m),
       moe=expert_parallel and splits(cfg.n_routed_experts, m))

@@ -80,6 +80,14 @@ def test_param_rules():
   assert specs[GDN + ("A_log",)] == P("model")
   assert specs[GDN + ("dt_bias",)] == P("model")
   assert specs[GDN + ("out_proj", "kernel")] == P("model", None)
+  kda = _model(pattern="K")
+  kspecs = SH.param_specs(kda, _Mesh(1, 4))
+  mixer = ("blocks", 0, "mixer")
+  assert kspecs[mixer + ("A_log",)] == kspecs[mixer + ("dt_bias",)] == P(
+      "model")
+  assert kspecs[mixer + ("f_b_proj", "kernel")] == P(None, "model")
+  assert kspecs[mixer + ("out_proj", "kernel")] == P("model", None)
+  assert kspecs[mixer + ("in_proj", "kernel")] == P()
   for name in (("in_proj", "kernel"), ("conv_weight",), ("norm_weight",)):
     assert specs[GDN + name] == P()  # fused layouts; the norm is per V
   # Experts replicated by default; norm groups split when they divide.
@@ -318,6 +326,13 @@ def test_kernels_per_shard():
       assert off.mean() < 0.01, (preset, a.shape, off.mean())
   state = SH.shard_state(model.init_state(8, 16, buffer_len=4), mesh,
                          config=model.config)
+  # A KDA block (reference ops, heads split) beside the others.
+  kda_model = _model(**dict(KERNEL, pattern="M*GK"))
+  want, _ = generate(kda_model, tok, ln, 4, buffer_len=4)
+  with jax.set_mesh(mesh):
+    got, _ = generate(SH.shard_model(kda_model, mesh), stok, sln, 4,
+                      buffer_len=4)
+  np.testing.assert_array_equal(got, want)
   graphdef, params = nnx.split(sharded)
   with jax.set_mesh(mesh):
     text = M._decode_jit.lower(graphdef, params, stok[:, 0], state,

@@ -44,7 +44,7 @@ MAMBA_LOCAL = {((1, 1), 1): (8, 1), ((2, 4), 1): (2, 1), ((1, 8), 1): (1, 1),
 @pytest.mark.parametrize("mesh,groups", sorted(MAMBA_LOCAL))
 def test_state_bytes_by_hand(ssm_mode, mesh, groups):
   d, m = mesh
-  cfg, b, L, S = _cfg(pattern="M*-G", n_groups=groups), 8, 4, 16
+  cfg, b, L, S = _cfg(pattern="M*-GK", n_groups=groups), 8, 4, 16
   got = ST.state_bytes_per_device(cfg, d, m, b, ssm_mode=ssm_mode,
                                   buffer_len=L, max_len=S)
   b_l = b // d if b % d == 0 else b
@@ -54,12 +54,14 @@ def test_state_bytes_by_hand(ssm_mode, mesh, groups):
   hv, hkk = (8 // m, 4 // m) if m in (2, 4) else (8, 4)
   P, N, K = cfg.head_dim, cfg.d_state, cfg.gdn_k_dim
   ssm = b_l * h * P * N * 4
-  delta = b_l * hv * K * K * 4
+  delta = 2 * b_l * hv * K * K * 4  # GDN and KDA
   if ssm_mode == "replay":  # f32 model: buffers in f32
     ssm += b_l * L * (h * P * 4 + h * 4 + g * N * 4) + 4 * b_l
-    delta += b_l * L * (hv * K * 4 + hkk * K * 4 + hv * 4) + 4 * b_l
-  conv = (b_l * (cfg.conv_kernel - 1) * (cfg.conv_dim + cfg.gdn_conv_dim) * 4
-          + 4 * b_l)
+    delta += b_l * L * (hv * K * 4 + hkk * K * 4 + hv * 4) + 4 * b_l  # GDN
+    # KDA: a key per value head, a [HV, K] decay sum.
+    delta += b_l * L * (hv * K * 4 + hv * K * 4) + b_l * hv * K * 4 + 4 * b_l
+  conv = (b_l * (cfg.conv_kernel - 1)
+          * (cfg.conv_dim + 2 * cfg.gdn_conv_dim) * 4 + 4 * b_l)
   kv = 2 * b_l * hk * S * cfg.attn_head_dim * 4 + 4 * b_l
   assert got == dict(mamba=ssm, delta=delta, conv=conv, attention=kv,
                      other=4 * b_l, total=ssm + delta + conv + kv + 4 * b_l)
@@ -167,7 +169,7 @@ def test_meshes():
 @pytest.mark.skipif(not MULTI, reason="runs on 8 host devices")
 @pytest.mark.parametrize("ssm_mode", ["replay", "baseline"])
 def test_compiled_step(ssm_mode):
-  cfg = _cfg(pattern="M*-G")
+  cfg = _cfg(pattern="M*-GK")
   model = HybridLM(cfg, rngs=nnx.Rngs(0))
   b = 8
   for d, m in ((1, 8), (2, 4)):
