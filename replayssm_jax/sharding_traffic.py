@@ -57,7 +57,13 @@ small next to the psums at realistic sizes): the gated norm's group
 reduction when its groups span shards (an all-reduce [b_l, G]; with the
 ops per shard under `jax.set_mesh`, an all-gather of its [b_l, d_inner]
 input instead), the KV-cache write's gather of the new token, and the
-MoE's routing gathers / all-to-alls.
+MoE's routing gathers / all-to-alls. With expert_parallel the model counts
+one [b_l, d_model] psum per MoE layer, but XLA compiles the capacity
+dispatch's combine as a psum of the routed copies (on 8 host devices,
+b 8, top-2 of 8 experts: [16, 32] at 1x8, [2, 8, 32] at 2x4, 2x and 4x
+the counted bytes) plus collective-permutes and all-to-alls of the routing
+(`compiled_collectives` lists them): the expert-parallel MoE's
+communication is measured, not modeled.
 
 Pure Python except `compiled_collectives` (which compiles with jax).
 """
