@@ -29,6 +29,7 @@
 #   bash benchmarks/scripts/run_h200.sh serve [hf_config]  # serve_bench: continuous batching, Poisson arrivals, baseline vs replay (hybrid_1b, or a transformers config's shape)
 #   bash benchmarks/scripts/run_h200.sh gdn_bench    # the GDN step kernels timed: baseline (Pallas, XLA, flash-linear-attention) vs replay, b {256,64,1,512} x L {16,8,32}
 #   bash benchmarks/scripts/run_h200.sh gdn_ring_weights  # the GDN replay step with and without its ring-weights launch (GDNConfig.ring_weights) vs the Pallas baseline, b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
+#   bash benchmarks/scripts/run_h200.sh multi_gpu [meshes]  # multi_device_bench on every GPU of a multi-GPU host (hybrid_1b, random weights, global b {256,512}, the ops per shard), e.g. meshes "((1,1),(1,4),(4,1))"
 #
 # Several parts in one call within a total budget: run_h200_chain.sh.
 #
@@ -173,6 +174,15 @@ case "$1" in
       --policies=f16+fp8 --no_fla --no_xla \
       --configs='[{}, {"ring_weights": true}]' --budget_s=$(( T - 120 )) \
       --out="$OUT/gdn_ring_weights.json" ;;
+  multi_gpu)
+    # NVLink multicast stays off (the device notes: a program using it can
+    # take the host's shared GPUs out of service).
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
+      NVSHMEM_DISABLE_NVLS=1
+    timeout "$T" python -m experiments.multi_device_bench \
+      --config=configs/multi_device_bench.py --workdir="$OUT/multi_gpu" \
+      --config.bench.global_batches="(256,512)" \
+      ${2:+--config.bench.meshes=$2} ;;
   serve)
     timeout "$T" python -m experiments.serve_bench \
       --config=configs/serve_bench.py --workdir="$OUT/serve" \
