@@ -121,6 +121,29 @@ def causal_conv1d_update(x, conv_state, weight, bias=None,
   return y.astype(x.dtype), new_state
 
 
+def conv_state_after(x, lengths, history, dtype=None):
+  """The conv state after each row's first lengths[r] inputs of a
+  right-padded sequence (a prefill's conv state).
+
+  Args:
+    x: [batch, T, dim] pre-conv inputs (positions >= lengths[r] are
+      padding: never read, so they may hold anything).
+    lengths: [batch] int in [0, T].
+    history: [batch, kernel_size - 1, dim] the inputs before x, oldest
+      first: a continued prefill's conv window, zeros for an empty row.
+    dtype: the state's dtype (default history's).
+
+  Returns:
+    [batch, kernel_size - 1, dim]: the kernel_size - 1 inputs of
+    concat(history, x) before position lengths[r] of x, oldest first.
+  """
+  dtype = history.dtype if dtype is None else dtype
+  k1 = history.shape[1]
+  xp = jnp.concatenate([history.astype(dtype), x.astype(dtype)], axis=1)
+  idx = lengths.astype(jnp.int32)[:, None] + jnp.arange(k1)[None, :]
+  return jnp.take_along_axis(xp, idx[..., None], axis=1)
+
+
 def conv_ring_ordered(conv_state, start):
   """A ring-buffer conv state laid out oldest first.
 

@@ -8,6 +8,8 @@ replayssm_jax ops.
                     states per a precision policy (StoredSSMState: a
                     baseline state stored in 8 bits / with SR).
   prefill           right-padded prompts -> decode state.
+  prefill_from_state  a right-padded chunk appended to each row of a decode
+                    state in one parallel pass (chunked prefill).
   decode_step       one token per row.
   generate          jit-compiled sampling loop (lax.while_loop).
   generate_from_state  that loop continued from a decode state.
@@ -24,6 +26,7 @@ replayssm_jax ops.
 """
 
 from replayssm_jax.models.checkpointing import restore_state, save_state
+from replayssm_jax.models.chunked_prefill import prefill_from_state
 from replayssm_jax.models.config import ModelConfig
 from replayssm_jax.models.generate import generate, generate_from_state
 from replayssm_jax.models.hf import from_pretrained
@@ -59,6 +62,7 @@ __all__ = [
     "generate_from_state",
     "kv_cache_len",
     "prefill",
+    "prefill_from_state",
     "restore_state",
     "save_state",
     "speculative_generate",

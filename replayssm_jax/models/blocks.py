@@ -57,20 +57,23 @@ class Block(nnx.Module):
     self.residual_multiplier = float(cfg.residual_multiplier)
     self.mixer = mixer_class(kind, cfg)(cfg, rngs=rngs)
 
-  def __call__(self, x, state, lengths=None, implementation=None, layer=0):
+  def __call__(self, x, state, lengths=None, implementation=None, layer=0,
+               resume=False):
     """x [b, T, d] (with lengths [b]) or [b, d] -> (x', new_state); `layer`:
     a Mamba block's index among the Mamba blocks (keys stochastic
-    rounding)."""
+    rounding); resume: a prefill continues each row of `state` (the
+    mixers' `prefill(..., resume=True)`)."""
     with jax.named_scope(self.kind):  # names the ops in profiles
       y, state = self.mix(self.norm(x), state, lengths, implementation,
-                          layer)
+                          layer, resume)
       return x.astype(F32) + y.astype(F32), state
 
-  def mix(self, h, state, lengths=None, implementation=None, layer=0):
+  def mix(self, h, state, lengths=None, implementation=None, layer=0,
+          resume=False):
     """The mixer on the normed input h [b, T, d] (prefill, with lengths)
     or [b, d] (a decode step) -> (y, new_state), without the residual;
     y times config.residual_multiplier."""
-    y, state = self._mix(h, state, lengths, implementation, layer)
+    y, state = self._mix(h, state, lengths, implementation, layer, resume)
     return self._scale(y), state
 
   def _scale(self, y):
@@ -79,15 +82,16 @@ class Block(nnx.Module):
       return y
     return y * jnp.asarray(self.residual_multiplier, y.dtype)
 
-  def _mix(self, h, state, lengths=None, implementation=None, layer=0):
+  def _mix(self, h, state, lengths=None, implementation=None, layer=0,
+           resume=False):
     """`mix` before the residual multiplier."""
     if self.kind in STATELESS:
       return self.mixer(h), state
     if self.kind == "attention":
-      return (self.mixer.prefill(h, lengths, state) if h.ndim == 3
-              else self.mixer.step(h, state, implementation))
+      return (self.mixer.prefill(h, lengths, state, resume=resume)
+              if h.ndim == 3 else self.mixer.step(h, state, implementation))
     if h.ndim == 3:
-      return self.mixer.prefill(h, lengths, state, layer)
+      return self.mixer.prefill(h, lengths, state, layer, resume=resume)
     return self.mixer.step(h, state, implementation, layer)
 
   def verify(self, h, state, implementation=None, layer=0):

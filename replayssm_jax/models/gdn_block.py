@@ -27,10 +27,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from replayssm_jax import gdn
-from replayssm_jax.conv import causal_conv1d, causal_conv1d_update
+from replayssm_jax.conv import (causal_conv1d, causal_conv1d_update,
+                                conv_state_after)
 from replayssm_jax.models.config import ModelConfig
 from replayssm_jax.models.layers import Linear, _normal
-from replayssm_jax.models.states import GDNState
+from replayssm_jax.models.states import (GDNState, full_ssm_state,
+                                         tokens_after)
 
 F32 = jnp.float32
 
@@ -89,30 +91,39 @@ class GDNMixer(nnx.Module):
     return self.out_proj(y.reshape(y.shape[:-2] + (-1,)))
 
   # ----------------------------------------------------------- entries
-  def prefill(self, h, lengths, state: GDNState | None, layer: int = 0):
+  def prefill(self, h, lengths, state: GDNState | None, layer: int = 0,
+              resume: bool = False):
     """The right-padded prompt h [b, T, d] (positions >= lengths are
     padding: they leave the state unchanged) -> (y [b, T, d], state); the
     replay state stored per state.precision (`layer`: the recurrent-block
-    index keying stochastic rounding)."""
+    index keying stochastic rounding).
+
+    resume False: every row starts empty (`state` only fixes the layout).
+    resume True: each row continues `state` (its conv window precedes the
+    chunk, its delta-rule state, materialized, is the chunked prefill's
+    initial state; the rounding step counts on from the state's own), as
+    `Mamba2Mixer.prefill`."""
     c = self.cfg
     bsz, t, _ = h.shape
     qkv, z, g, beta = self._project(h)
-    x, _ = causal_conv1d(qkv, self.conv_weight[...], None, activation="silu")
+    hist = state.conv if resume else None  # the window before the chunk
+    x, _ = causal_conv1d(qkv, self.conv_weight[...], None,
+                         initial_state=hist, activation="silu")
     q, k, v = self._split(x)
     valid = jnp.arange(t)[None, :] < lengths[:, None]  # [b, T]
+    s0 = (full_ssm_state(state.ssm, where="the Gated DeltaNet state")
+          if resume else None)
     o, final = gdn.gdn_chunked_prefill(q, k, v, g, beta,
                                        chunk_size=c.gdn_chunk_size,
-                                       valid=valid)
+                                       initial_state=s0, valid=valid)
     out = self._out(o, z)
     if state is None:
       return out, None
-    # Conv state: the k-1 inputs before each row's end (zeros before t=0).
-    k1 = c.conv_kernel - 1
-    xp = jnp.concatenate([jnp.zeros((bsz, k1, qkv.shape[-1]), qkv.dtype),
-                          qkv], axis=1)  # [b, k-1+T, conv_dim]
-    idx = lengths[:, None] + jnp.arange(k1)[None, :]  # [b, k-1]
-    conv = jnp.take_along_axis(xp, idx[..., None], axis=1).astype(
-        state.conv.dtype)
+    # Conv state: the k-1 inputs before each row's end.
+    if hist is None:  # an empty row: zeros before t=0
+      hist = jnp.zeros((bsz, c.conv_kernel - 1, qkv.shape[-1]),
+                       state.conv.dtype)
+    conv = conv_state_after(qkv, lengths, hist, state.conv.dtype)
     policy = state.precision
     if state.is_replay and policy is None:
       r = state.ssm
@@ -124,7 +135,8 @@ class GDNMixer(nnx.Module):
       ssm = gdn.gdn_replay_state_from(
           final, state.ssm.buffer_len, num_k_heads=c.gdn_num_k_heads,
           policy=policy, row_id=state.ssm.row_id if sr else None,
-          step=lengths.astype(jnp.int32) if sr else None, layer=layer)
+          step=tokens_after(state.ssm, lengths, resume) if sr else None,
+          layer=layer)
     else:
       ssm = final.astype(state.ssm.dtype)
     return out, state.replace(conv=conv, ssm=ssm)

@@ -30,10 +30,12 @@ from flax import nnx
 
 from replayssm_jax import kda
 from replayssm_jax import precision as P
-from replayssm_jax.conv import causal_conv1d, causal_conv1d_update
+from replayssm_jax.conv import (causal_conv1d, causal_conv1d_update,
+                                conv_state_after)
 from replayssm_jax.models.config import ModelConfig
 from replayssm_jax.models.layers import Linear, _normal
-from replayssm_jax.models.states import GDNState
+from replayssm_jax.models.states import (GDNState, full_ssm_state,
+                                         tokens_after)
 
 F32 = jnp.float32
 
@@ -124,27 +126,31 @@ class KDAMixer(nnx.Module):
          * jax.nn.sigmoid(gate.astype(F32))).astype(self.cfg.jnp_dtype)
     return self.out_proj(y.reshape(y.shape[:-2] + (-1,)))
 
-  def prefill(self, h, lengths, state: GDNState | None, layer: int = 0):
+  def prefill(self, h, lengths, state: GDNState | None, layer: int = 0,
+              resume: bool = False):
     """The right-padded prompt h [b, T, d] (positions >= lengths leave the
-    state unchanged) -> (y [b, T, d], state), as `GDNMixer.prefill`."""
+    state unchanged) -> (y [b, T, d], state), as `GDNMixer.prefill` (and
+    its `resume`)."""
     c = self.cfg
     bsz, t, _ = h.shape
     qkv, gate, g, beta = self._project(h)
-    x, _ = causal_conv1d(qkv, self.conv_weight[...], None, activation="silu")
+    hist = state.conv if resume else None  # the window before the chunk
+    x, _ = causal_conv1d(qkv, self.conv_weight[...], None,
+                         initial_state=hist, activation="silu")
     q, k, v = self._split(x)
     valid = jnp.arange(t)[None, :] < lengths[:, None]  # [b, T]
+    s0 = (full_ssm_state(state.ssm, where="the KDA state")
+          if resume else None)
     o, final = kda.kda_chunked_prefill(q, k, v, g, beta,
                                        chunk_size=c.gdn_chunk_size,
-                                       valid=valid)
+                                       initial_state=s0, valid=valid)
     out = self._out(o, gate)
     if state is None:
       return out, None
-    k1 = c.conv_kernel - 1
-    xp = jnp.concatenate([jnp.zeros((bsz, k1, qkv.shape[-1]), qkv.dtype),
-                          qkv], axis=1)  # [b, k-1+T, conv_dim]
-    idx = lengths[:, None] + jnp.arange(k1)[None, :]  # [b, k-1]
-    conv = jnp.take_along_axis(xp, idx[..., None], axis=1).astype(
-        state.conv.dtype)
+    if hist is None:  # an empty row: zeros before t=0
+      hist = jnp.zeros((bsz, c.conv_kernel - 1, qkv.shape[-1]),
+                       state.conv.dtype)
+    conv = conv_state_after(qkv, lengths, hist, state.conv.dtype)
     policy = state.precision
     if state.is_replay:
       r = state.ssm
@@ -157,7 +163,8 @@ class KDAMixer(nnx.Module):
         ssm = kda.kda_replay_state_from(
             final, r.buffer_len, gate_lower_bound=r.gate_lower_bound,
             policy=policy, row_id=r.row_id if sr else None,
-            step=lengths.astype(jnp.int32) if sr else None, layer=layer)
+            step=tokens_after(r, lengths, resume) if sr else None,
+            layer=layer)
     else:
       ssm = final.astype(state.ssm.dtype)
     return out, state.replace(conv=conv, ssm=ssm)

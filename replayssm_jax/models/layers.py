@@ -4,6 +4,8 @@ Every mixer has two entry points:
   prefill(h [b, T, d], lengths [b], state) -> (y [b, T, d], new_state)
       the whole right-padded prompt (positions t >= lengths[r] are padding:
       they never touch the state); `state` None: no decode state is built.
+      With resume=True the prompt continues each row of `state` (a chunked
+      prefill: `models.chunked_prefill`).
   step(h [b, d], state) -> (y [b, d], new_state)
       one decode token per row.
   verify(h [b, T, d], state) -> (y [b, T, d], pending)
@@ -22,10 +24,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from replayssm_jax import ops
-from replayssm_jax.conv import causal_conv1d, causal_conv1d_update
+from replayssm_jax.conv import (causal_conv1d, causal_conv1d_update,
+                                conv_state_after)
 from replayssm_jax.models.config import ModelConfig
 from replayssm_jax.models.states import (AttentionState, MambaState,
-                                         StoredSSMState, store_baseline)
+                                         StoredSSMState, full_ssm_state,
+                                         store_baseline, tokens_after)
 from replayssm_jax.norm import rms_norm
 from replayssm_jax.reference import process_dt
 from replayssm_jax.speculative import baseline_verify, replay_verify
@@ -172,35 +176,48 @@ class Mamba2Mixer(nnx.Module):
     A = -jnp.exp(self.A_log[...].astype(F32))  # [H]
     return A, self.D[...].astype(F32), self.dt_bias[...].astype(F32)
 
-  def prefill(self, h, lengths, state: MambaState | None, layer: int = 0):
+  def prefill(self, h, lengths, state: MambaState | None, layer: int = 0,
+              resume: bool = False):
     """The prompt; the decode state per state.precision (`layer`: the Mamba
-    index keying stochastic rounding)."""
+    index keying stochastic rounding).
+
+    resume False: every row starts empty (`state` only fixes the layout).
+    resume True: each row continues `state`: its conv window precedes the
+    chunk, its SSM state (materialized) is the scan's initial state, and
+    the stored state's rounding step counts on from the state's own.
+    """
     c = self.cfg
     bsz, t, _ = h.shape
     z, xbc, dt = self._split(self.in_proj(h))
     conv_w, conv_b = self.conv_weight[...], self.conv_bias[...]
-    xbc_act, _ = causal_conv1d(xbc, conv_w, conv_b, activation="silu")
+    hist = state.ordered_conv() if resume else None
+    xbc_act, _ = causal_conv1d(xbc, conv_w, conv_b, initial_state=hist,
+                               activation="silu")
     x, b, cc = self._split_xbc(xbc_act)  # [b, T, H, P], [b, T, G, N] x2
     A, D, dt_bias = self._ssm_params()
     valid = jnp.arange(t)[None, :] < lengths[:, None]  # [b, T]
-    # Padded positions: dt' = 0 (no decay, no input) and x = 0.
+    # Padded positions: dt' = 0 (no decay, no input) and x = B = C = 0,
+    # selected (never multiplied by a 0/1 mask), so that a pad holding inf
+    # or NaN reaches neither the state nor a valid position's output.
     dtp = jnp.where(valid[..., None], process_dt(dt, dt_bias, True), 0.0)
-    x = jnp.where(valid[..., None, None], x, jnp.zeros((), x.dtype))
+    x, b, cc = (jnp.where(valid[..., None, None], v, jnp.zeros((), v.dtype))
+                for v in (x, b, cc))
+    s0 = (full_ssm_state(state.ssm, A, "the Mamba state") if resume
+          else None)
     y, final = ssd_chunked_scan(x, dtp, A, b, cc, c.chunk_size, D=D,
-                                dt_softplus=False)  # final: [b, H, P, N] f32
+                                dt_softplus=False,
+                                initial_state=s0)  # final: [b, H, P, N] f32
     y = self.norm(y.reshape(bsz, t, c.d_inner), z)
     out = self.out_proj(y)
     if state is None:
       return out, None
-    # Conv state: the k-1 inputs before each row's end (zeros before t=0).
-    k1 = c.conv_kernel - 1
-    xp = jnp.concatenate([jnp.zeros((bsz, k1, c.conv_dim), xbc.dtype), xbc],
-                         axis=1)  # [b, k-1+T, conv_dim]
-    idx = lengths[:, None] + jnp.arange(k1)[None, :]  # [b, k-1]
-    conv = jnp.take_along_axis(xp, idx[..., None], axis=1)
-    conv = conv.astype(state.conv.dtype)
+    # Conv state: the k-1 inputs before each row's end (the window before
+    # the chunk, or zeros before t=0).
+    if hist is None:
+      hist = jnp.zeros((bsz, c.conv_kernel - 1, c.conv_dim), state.conv.dtype)
+    conv = conv_state_after(xbc, lengths, hist, state.conv.dtype)
     policy = state.precision
-    lengths = lengths.astype(jnp.int32)
+    steps = tokens_after(state.ssm, lengths, resume)
     if isinstance(state.ssm, ReplayState):
       if policy is None:
         ssm = ReplayState.from_ssm_state(
@@ -212,10 +229,10 @@ class Mamba2Mixer(nnx.Module):
         ssm = ReplayState.from_ssm_state(
             final, c.n_groups, state.ssm.buffer_len, policy=policy,
             row_id=state.ssm.row_id if sr else None,
-            step=lengths if sr else None, layer=layer)
+            step=steps if sr else None, layer=layer)
     elif isinstance(state.ssm, StoredSSMState):
       ssm = store_baseline(final, policy, state.ssm.dtype, state.ssm.row_id,
-                           lengths if state.ssm.step is not None else None,
+                           steps if state.ssm.step is not None else None,
                            layer)
     else:
       ssm = final.astype(state.ssm.dtype)
@@ -416,7 +433,13 @@ class Attention(nnx.Module):
     o = jnp.einsum("bkrqs,bksd->bqkrd", p, v.astype(F32))
     return o.reshape(b, tq, c.num_heads * c.attn_head_dim).astype(c.jnp_dtype)
 
-  def prefill(self, h, lengths, state: AttentionState | None):
+  def prefill(self, h, lengths, state: AttentionState | None,
+              resume: bool = False):
+    """The right-padded prompt h [b, T, d] (lengths [b]) -> (y [b, T, d],
+    the KV cache holding it). resume: each row's chunk continues its cache
+    (`_prefill_resume`); otherwise every row starts at position 0."""
+    if resume:
+      return self._prefill_resume(h, lengths, state)
     b, t, _ = h.shape
     positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
     q, k, v, ctx = self._project(h, positions)
@@ -435,6 +458,34 @@ class Attention(nnx.Module):
                                               0, axis=2),
         length=lengths.astype(jnp.int32))
     return out, new
+
+  def _prefill_resume(self, h, lengths, state: AttentionState):
+    """A chunk appended to each row's cache: the queries at positions
+    length .. length + T - 1 (RoPE'd there) attend to the cache's first
+    `length` entries and causally within the chunk; the chunk's keys and
+    values of its valid positions are written at those positions (a pad
+    writes nothing) and length grows by lengths."""
+    b, t, _ = h.shape
+    pos = state.length[:, None] + jnp.arange(t)[None, :]  # [b, T]
+    q, k, v, ctx = self._project(h, pos)  # k, v [b, Hk, T, D]
+    valid = jnp.arange(t)[None, :] < lengths[:, None]
+    # Pads (and positions past max_len) scatter to max_len: dropped.
+    idx = jnp.where(valid, pos, state.max_len)
+    rows = jnp.arange(b)[:, None]
+    kc = state.k.at[rows, :, idx].set(jnp.swapaxes(k, 1, 2).astype(
+        state.k.dtype), mode="drop")
+    vc = state.v.at[rows, :, idx].set(jnp.swapaxes(v, 1, 2).astype(
+        state.v.dtype), mode="drop")
+    new_len = (state.length + lengths).astype(jnp.int32)
+    keys = jnp.arange(state.max_len)
+    live = keys[None, :] < new_len[:, None]  # [b, S] entries of the row
+    mask = live[:, None, :] & (keys[None, None, :] <= pos[:, :, None])
+    # Entries past a row's length are stale (anything, inf / NaN included):
+    # the scores select them away, the values are selected to zero before
+    # the product with the (zero) weights, as 0 * NaN is NaN.
+    vs = jnp.where(live[:, None, :, None], vc, jnp.zeros((), vc.dtype))
+    out = self._output(self._attend(q, kc, vs, mask), ctx)
+    return out, AttentionState(k=kc, v=vc, length=new_len)
 
   def step(self, h, state: AttentionState, implementation: str | None = None):
     """One query per row against its cache (no recompute): the cache's

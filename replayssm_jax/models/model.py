@@ -80,8 +80,12 @@ class HybridLM(nnx.Module):
       logits = logits / self.config.logits_scaling
     return logits
 
-  def forward(self, tokens, lengths=None, state: S.ModelState | None = None):
+  def forward(self, tokens, lengths=None, state: S.ModelState | None = None,
+              resume: bool = False):
     """Runs a right-padded sequence. tokens [b, T] int, lengths [b].
+
+    resume: each row continues `state` (at its position) instead of
+    starting empty (`chunked_prefill.prefill_from_state`).
 
     Returns (hidden [b, T, d] float32 before the final norm, new state or
     None).
@@ -94,12 +98,14 @@ class HybridLM(nnx.Module):
     for i, (block, layer) in enumerate(zip(self.blocks,
                                            self.mamba_indices())):
       s = None if state is None else state.layers[i]
-      x, s = block(x, s, lengths=lengths, layer=layer)
+      x, s = block(x, s, lengths=lengths, layer=layer, resume=resume)
       new_layers.append(s)
     if state is None:
       return x, None
-    return x, S.ModelState(layers=tuple(new_layers),
-                           positions=lengths.astype(jnp.int32))
+    positions = lengths.astype(jnp.int32)
+    if resume:
+      positions = state.positions + positions
+    return x, S.ModelState(layers=tuple(new_layers), positions=positions)
 
   def __call__(self, tokens):
     """Full-sequence logits [b, T, vocab] float32 (no decode state)."""

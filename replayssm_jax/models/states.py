@@ -50,6 +50,7 @@ from replayssm_jax import gdn
 from replayssm_jax import kda
 from replayssm_jax import precision as P
 from replayssm_jax.conv import conv_ring_ordered
+from replayssm_jax.reference import materialize
 from replayssm_jax.state import ReplayState
 
 SSM_MODES = ("replay", "baseline")
@@ -101,6 +102,39 @@ def store_baseline(state, policy: P.PrecisionPolicy, dtype, row_id, step,
   return StoredSSMState(state=stored, scale=scale,
                         row_id=row_id if sr else None,
                         step=step if sr else None)
+
+
+def full_ssm_state(ssm, A=None, where: str = "state"):
+  """The current full SSM state of a recurrent layer's `ssm` leaf in
+  float32, the state a continued prefill starts from: a replay state
+  materialized (its checkpoint advanced over the buffered tokens; A: the
+  Mamba layer's [H] decay rates, unused by Gated DeltaNet / KDA), a stored
+  baseline state loaded (dequantized), a plain array converted. A replay
+  state with a speculative window pending (from `verify`) is refused: its
+  window is neither committed nor dropped."""
+  if getattr(ssm, "pending_window", None) is not None:
+    raise ValueError(
+        f"{where} holds a speculative window pending (from verify); "
+        f"commit it (models.commit) before continuing a prefill from it.")
+  if isinstance(ssm, ReplayState):
+    return materialize(ssm, A)
+  if isinstance(ssm, gdn.GDNReplayState):
+    return gdn.gdn_materialize(ssm)
+  if isinstance(ssm, kda.KDAReplayState):
+    return kda.kda_materialize(ssm)
+  if isinstance(ssm, StoredSSMState):
+    return P.load(ssm.state, ssm.scale)
+  return ssm.astype(jnp.float32)
+
+
+def tokens_after(ssm, lengths, resume: bool):
+  """[batch] int32 tokens in a recurrent layer's state after a prefill of
+  `lengths` tokens, the step keying the stochastic rounding of the state it
+  stores: lengths from an empty row, or the state's own step counter (when
+  it has one) plus lengths when the prefill continues `ssm`."""
+  lengths = lengths.astype(jnp.int32)
+  step = getattr(ssm, "step", None) if resume else None
+  return lengths if step is None else step + lengths
 
 
 @jax.tree_util.register_dataclass
