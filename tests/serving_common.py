@@ -33,3 +33,24 @@ def prompt(seed, length):
   """[length] random int32 token ids."""
   return jax.random.randint(jax.random.PRNGKey(seed), (length,), 0,
                             CFG.vocab_size, jnp.int32)
+
+
+def poison_rows(tree, slot):
+  """Row `slot` of every leaf of `tree` NaN / inf (floats) or garbage
+  (ints, bools)."""
+  def bad(x):
+    if jnp.issubdtype(x.dtype, jnp.floating):
+      fill = jnp.where(jnp.arange(x[slot].size).reshape(x[slot].shape) % 2,
+                       jnp.inf, jnp.nan).astype(x.dtype)
+    elif x.dtype == jnp.bool_:
+      fill = jnp.ones_like(x[slot])
+    else:
+      fill = jnp.full_like(x[slot], 1_000_003)
+    return x.at[slot].set(fill)
+  return jax.tree.map(bad, tree)
+
+
+def poison(pool, slot):
+  """A pool whose slot `slot` holds garbage state and next token."""
+  return pool.replace(state=poison_rows(pool.state, slot),
+                      tokens=pool.tokens.at[slot].set(-77))

@@ -18,7 +18,7 @@ import pytest
 from replayssm_jax import models, serving, testing
 from replayssm_jax.precision import PrecisionPolicy
 from replayssm_jax.serving import pool as pool_mod
-from tests.serving_common import CFG, build_model, prompt
+from tests.serving_common import CFG, build_model, poison, prompt
 
 CAP, MAX_LEN, L = 4, 48, 4
 MODES = ("replay", "baseline")
@@ -99,21 +99,6 @@ class Driver:
 
 def row_bytes(tree, row):
   return [np.asarray(x)[row].tobytes() for x in jax.tree.leaves(tree)]
-
-
-def poison(pool, slot):
-  """Every leaf of `slot` NaN / inf (floats) or out-of-range (ints)."""
-  def bad(path, x):
-    if jnp.issubdtype(x.dtype, jnp.floating):
-      fill = jnp.where(jnp.arange(x[slot].size).reshape(x[slot].shape) % 2,
-                       jnp.inf, jnp.nan).astype(x.dtype)
-    elif x.dtype == jnp.bool_:
-      fill = jnp.ones_like(x[slot])
-    else:
-      fill = jnp.full_like(x[slot], 1_000_003)
-    return x.at[slot].set(fill)
-  state = jax.tree_util.tree_map_with_path(bad, pool.state)
-  return pool.replace(state=state, tokens=pool.tokens.at[slot].set(-77))
 
 
 @pytest.mark.parametrize("ssm_mode", MODES)

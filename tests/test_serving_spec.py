@@ -22,7 +22,7 @@ from flax import nnx
 
 from replayssm_jax import models, serving
 from replayssm_jax.precision import PrecisionPolicy
-from tests.serving_common import CFG, build_model, prompt
+from tests.serving_common import CFG, build_model, poison_rows, prompt
 
 MAX_LEN, L, T = 40, 6, 4  # slot length, replay buffer, speculative window
 CAP, STEPS = 2, 2  # slots, rounds per dispatch
@@ -141,20 +141,6 @@ def test_prefix_cache_with_speculation(model, refs):
   assert cache.stats()["hits"] >= 1
 
 
-def _poison_row(tree, slot):
-  """Row `slot` of every leaf NaN / inf (floats) or garbage (ints)."""
-  def bad(x):
-    if jnp.issubdtype(x.dtype, jnp.floating):
-      fill = jnp.where(jnp.arange(x[slot].size).reshape(x[slot].shape) % 2,
-                       jnp.inf, jnp.nan).astype(x.dtype)
-    elif x.dtype == jnp.bool_:
-      fill = jnp.ones_like(x[slot])
-    else:
-      fill = jnp.full_like(x[slot], 1_000_003)
-    return x.at[slot].set(fill)
-  return jax.tree.map(bad, tree)
-
-
 def _row_bytes(tree, slot):
   return [np.asarray(x)[slot].tobytes() for x in jax.tree.leaves(tree)]
 
@@ -171,9 +157,9 @@ def test_poisoned_free_slot_is_never_read(model, refs):
   assert eng.slots[0] is not None  # a still runs
   # The freed slot holds garbage everywhere: target and draft states, the
   # next input token, the token history.
-  eng.pool = eng.pool.replace(state=_poison_row(eng.pool.state, 1),
+  eng.pool = eng.pool.replace(state=poison_rows(eng.pool.state, 1),
                               tokens=eng.pool.tokens.at[1].set(-77))
-  eng._spec_slots = _poison_row(eng._spec_slots, 1)  # pylint: disable=protected-access
+  eng._spec_slots = poison_rows(eng._spec_slots, 1)  # pylint: disable=protected-access
   before = (_row_bytes(eng.pool.state, 1),
             _row_bytes(eng._spec_slots, 1))  # pylint: disable=protected-access
   eng.dispatch()  # a runs beside the poisoned free slot
