@@ -23,14 +23,14 @@ Design.
   prefixes, which bounds the keys a prompt can produce to len // block
   and lets two prompts meet at the same keys whatever their lengths.
 
-* Why block-aligned states are exact. A snapshot is taken either right
-  after a prefill of the aligned prefix, whose replay states have count 0
+* Why block-aligned states are exact. A snapshot is taken right after a
+  prefill of the aligned prefix, from an empty row or continued from an
+  earlier snapshot; either way its replay states have count 0
   (checkpoint = the full state, empty buffer: exactly what a baseline pool
-  holds), or after decode steps from an earlier snapshot, a replay state
-  mid-buffer with its buffered inputs, which is the exact state of that
-  prefix too (replay defers the update, it does not drop it). Either way
-  the row is exact for "replay" and "baseline" pools alike; a snapshot is
-  never a state that needs a flush it cannot do.
+  holds). The row is exact for "replay" and "baseline" pools alike; a
+  snapshot is never a state that needs a flush it cannot do. (A continued
+  prefill also starts from a replay state mid-buffer, materializing it, so
+  a row planted from a decoded state would serve as well.)
 
 * What insert_cached does. Of a prompt of T tokens, at most
   K = (T - 1) // block whole blocks are looked up (one token at least is
@@ -39,32 +39,35 @@ Design.
   the pool is donated by the pool functions and the snapshot never
   aliases it). If k < K (a miss: k = 0), the state at K blocks is built
   and cached: on a miss by a prefill of the K * block tokens (as `insert`
-  does, from an empty row), after a partial hit by decode steps from the
-  k-block snapshot. Then the remaining T - K * block tokens (or T - k *
-  block after a hit at K) run as decode steps (`HybridLM.step` on the
-  batch-1 row in one jitted `lax.fori_loop` whose trip count is the real
-  remainder length, a traced value: no padded step runs, so no state has
-  to be selected back), the last step's logits give the first token, and
-  the row overwrites row `slot` of every pool leaf, as `insert` does. A
-  prompt shorter than block + 1 tokens has no whole block to look up and
-  goes through `insert` directly.
+  does, from an empty row), after a partial hit by a chunked prefill of
+  blocks k + 1 .. K continued from the k-block snapshot
+  (`models.prefill_from_state`). Then the remaining T - K * block tokens
+  (or T - k * block after a hit at K) run as one chunked prefill
+  continued from that state, whose last logits give the first token, and
+  the row overwrites row `slot` of every pool leaf, as `insert` does.
+  Every state kind continues (Mamba-2, attention, Gated DeltaNet, KDA; replay
+  and baseline), so no prompt token runs as a decode step. A prompt
+  shorter than block + 1 tokens has no whole block to look up and goes
+  through `insert` directly.
 
-* Cost model. A hit saves the prefill of k * block tokens, and its
-  remainder runs as decode steps: one memory-bound step per token, so the
-  remainder should be short (< block tokens after a hit at K). A miss
-  costs one prefill of K * block tokens plus up to block decode steps;
-  a partial hit, (K - k) * block + remainder decode steps. Continuing a
-  chunked prefill from a given state (instead of decode steps) is future
-  work: `prefill` starts every row from an empty state. On a miss only the
-  last aligned boundary is cached (a prefill yields its final state only);
-  a later prompt sharing fewer blocks misses, one sharing them all hits.
+* Cost model. A hit saves the prefill of k * block tokens: the rest runs
+  as one parallel pass of T - k * block tokens (its attention layers also
+  read the k * block cached entries), so the time to the first token falls
+  with the cached fraction. A miss costs a prefill of K * block tokens and
+  a continued one of the rest; a partial hit two continued prefills. The
+  passes are padded to the pool's buckets (`pool.bucket_len`: a power of
+  two >= 16, at most max_len) and take the real lengths as traced values:
+  one compile per bucket. On a miss only the last aligned boundary is
+  cached (a prefill yields its final state only); a later prompt sharing
+  fewer blocks misses, one sharing them all hits.
 
 * Equality. The result equals `insert` of the same prompt: tokens exactly,
-  logits up to the rounding by which a prefill differs from decode steps
-  over the same tokens (the project's prefill + decode == forward
-  tolerance, 5e-5 in f32). With a stochastically rounding precision
-  policy the cached prefix keeps the rounding bits of the request that
-  filled the cache (the row_id leaves are set to the new request's id).
+  logits up to the summation order by which a prefill split at the block
+  boundary differs from one over the whole prompt
+  (tests/test_chunked_prefill.py). With a stochastically rounding
+  precision policy the cached prefix keeps the rounding bits of the
+  request that filled the cache (the row_id leaves are set to the new
+  request's id).
 
 A cache serves one model and one pool layout (ssm_mode, dtypes, max_len,
 buffer_len): a pool whose row layout differs from the cached rows' is an
@@ -83,11 +86,12 @@ import numpy as np
 from flax import nnx
 
 from replayssm_jax import _validation as V
+from replayssm_jax.models import chunked_prefill as CP
 from replayssm_jax.models import model as M
 from replayssm_jax.serving import pool as P
 
 # Number of times each jitted entry point was traced (tests assert on it).
-TRACE_COUNTS = {"prefill": 0, "advance": 0, "finish": 0}
+TRACE_COUNTS = {"prefill": 0, "extend": 0, "finish": 0}
 
 
 class PrefixCache:
@@ -167,18 +171,6 @@ class PrefixCache:
 
 
 # --------------------------------------------------------------- jitted
-def _run_steps(model, row, tokens, n, implementation):
-  """Decode steps over tokens[:n] (n traced) of the batch-1 row ->
-  (logits [1, vocab] f32 of the last step, row)."""
-  def body(i, carry):
-    row, _ = carry
-    logits, row = model.step(tokens[i][None], row, implementation)
-    return row, logits
-  init = jnp.full((1, model.config.vocab_size), jnp.nan, jnp.float32)
-  row, logits = jax.lax.fori_loop(0, n, body, (row, init))
-  return logits, row
-
-
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(4,))
 def _prefill_jit(graphdef, params, tokens, length, fresh):
   TRACE_COUNTS["prefill"] += 1
@@ -186,23 +178,26 @@ def _prefill_jit(graphdef, params, tokens, length, fresh):
   return M.prefill_fn(model, tokens[None], length[None], fresh)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5))
-def _advance_jit(graphdef, params, row, tokens, n, implementation):
-  """Decode steps from a cached row (not donated: it stays cached)."""
-  TRACE_COUNTS["advance"] += 1
+@functools.partial(jax.jit, static_argnums=(0,))
+def _extend_jit(graphdef, params, row, tokens, length):
+  """tokens[:length] (length traced) continued from a cached row, which is
+  not donated: it stays cached."""
+  TRACE_COUNTS["extend"] += 1
   model = nnx.merge(graphdef, params)
-  return _run_steps(model, row, tokens, n, implementation)
+  return CP.prefill_from_state_fn(model, tokens[None], length[None], row)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 10), donate_argnums=(2,))
-def _finish_jit(graphdef, params, pool, row, slot, tokens, n, row_id,
-                sampling, rng, implementation):
-  """The remaining prompt tokens as decode steps from `row`, the first
-  token sampled, the row written into `slot` of the (donated) pool."""
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def _finish_jit(graphdef, params, pool, row, slot, tokens, length, row_id,
+                sampling, rng):
+  """The rest of the prompt continued from `row` (not donated: it may be
+  a cached row), the first token sampled, the row written into `slot` of
+  the (donated) pool."""
   TRACE_COUNTS["finish"] += 1
   model = nnx.merge(graphdef, params)
   row = P.set_row_id(row, row_id)
-  logits, row = _run_steps(model, row, tokens, n, implementation)
+  logits, row = CP.prefill_from_state_fn(model, tokens[None], length[None],
+                                         row)
   pool, tok = P.place_row(pool, slot, row, logits, rng, sampling)
   return pool, tok, logits[0]
 
@@ -226,7 +221,8 @@ def insert_cached(model: M.HybridLM, pool: P.Pool, cache: PrefixCache, slot,
   Starts from the longest cached whole-block prefix of the prompt (at most
   len - 1 tokens), caches the state at the prompt's last whole-block
   boundary (len - 1) // block * block if it was not cached, runs the rest
-  of the prompt as decode steps and writes the row into `slot`.
+  of the prompt as a prefill continued from it and writes the row into
+  `slot`.
 
   Args:
     model: the HybridLM the pool (and the cache) was built for.
@@ -237,7 +233,9 @@ def insert_cached(model: M.HybridLM, pool: P.Pool, cache: PrefixCache, slot,
     prompt_tokens: [T] int token ids on the host (concrete: the keys are
       hashed on the host), 1 <= T <= pool.max_len; not modified.
     row_id, temperature, top_k, top_p, rng, return_logits: as `insert`.
-    implementation: the decode steps' kernel choice, as `decode_step`.
+    implementation: no effect: the prompt runs as prefill passes, whose
+      ops have one implementation each (kept so that callers passing their
+      decode setting, such as `Engine`, run unchanged).
 
   Returns:
     (pool, first token int32 scalar [, logits [vocab] float32]), as
@@ -294,12 +292,12 @@ def insert_cached(model: M.HybridLM, pool: P.Pool, cache: PrefixCache, slot,
       fresh = P.fresh_row(pool.state, row_id)
       _, row = _prefill_jit(graphdef, params, seg, n, fresh)
     else:
-      _, row = _advance_jit(graphdef, params, row, seg, n, implementation)
+      _, row = _extend_jit(graphdef, params, row, seg, n)
     if int(row.positions[0]) >= 0:  # an invalid row is not cached
       cache.put(keys[n_blocks - 1], row)
     start = end
   sampling, rng = P.resolve_sampling(temperature, top_k, top_p, rng)
   rest, n = _padded(toks[start:], pool.max_len)
   pool, tok, logits = _finish_jit(graphdef, params, pool, row, slot, rest,
-                                  n, row_id, sampling, rng, implementation)
+                                  n, row_id, sampling, rng)
   return (pool, tok, logits) if return_logits else (pool, tok)
