@@ -32,7 +32,10 @@ builds its state specs from the layouts below), so a state placed by
                  the replicated in_proj output locally); else rows only:
                  the groups span shards, so its input is gathered over
                  "model" (one [b, d_inner] all-gather per Mamba layer).
-  conv, add-norm  rows only.
+  conv ops       rows, and channels over "model" when they run on a whole
+                 conv input (the shard-major Mamba layout's joined xBC:
+                 `models.shard_layout`); else rows only.
+  add-norm       rows only.
 
 Rows split over "data" when the batch divides; an axis the mesh does not
 divide is replicated. Per-row and per-head ops compute the same numbers on
@@ -224,6 +227,32 @@ def _gated_norm(args, d, m):
   return specs, lambda o: leaf_spec(o, lay, d, m), local
 
 
+def _conv(args, d, m):
+  """The conv ops: channels over "model" too when the op runs on a whole
+  conv input (one piece, x_offset 0: the shard-major Mamba layout's joined
+  xBC, each shard's own channels) that m divides; else rows only (the
+  input read inside a replicated in_proj output)."""
+  chans = np.shape(args["conv_state"])[-1]
+  if not (args.get("split") is None and args.get("x_offset", 0) == 0
+          and np.shape(args["x"])[-1] == chans and splits(chans, m)):
+    return _rows_only("x", "conv_state", "start")(args, d, m)
+  x_lay = ("b",) + (None,) * (np.ndim(args["x"]) - 2) + ("h",)
+  specs = dict(x=leaf_spec(args["x"], x_lay, d, m),
+               conv_state=leaf_spec(args["conv_state"], ("b", None, "h"), d,
+                                    m),
+               start=leaf_spec(args["start"], ("b",), d, m),
+               weight=leaf_spec(args["weight"], ("h",), d, m),
+               bias=leaf_spec(args.get("bias"), ("h",), d, m))
+
+  def out(shapes):
+    if len(shapes) == 1:  # the window: (pieces,)
+      return (leaf_spec(shapes[0], x_lay, d, m),)
+    (piece,), _, _ = shapes
+    return ((leaf_spec(piece, x_lay, d, m),), specs["conv_state"],
+            specs["start"])
+  return specs, out
+
+
 def _attention(args, d, m):
   heads = splits(np.shape(args["k_cache"])[1], m)
   h = "h" if heads else None
@@ -241,8 +270,8 @@ RULES = {
     "baseline_verify": _mamba("ssm_state", True),
     "replay_verify": _mamba("rstate", True),
     "decode_attention": _attention,
-    "causal_conv1d_step": _rows_only("x", "conv_state", "start"),
-    "causal_conv1d_window": _rows_only("x", "conv_state", "start"),
+    "causal_conv1d_step": _conv,
+    "causal_conv1d_window": _conv,
     "gated_rms_norm": _gated_norm,
     "add_rms_norm": _rows_only("x", "y"),
     "gdn_step": _gdn("state", False),

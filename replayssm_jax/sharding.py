@@ -19,19 +19,22 @@ the memory and the work go.
 "model" splits heads / hidden units (tensor parallelism, Megatron-style
 column-parallel in, row-parallel out). With m the "model" axis size:
 
-  Mamba-2     heads split when ssm_heads % m == 0 and the B/C groups are
-              one or split with them (n_groups % m == 0; else a shard's
-              heads would span groups): A_log, D, dt_bias [H]
-              P("model"); out_proj [d_inner, d] rows P("model", None)
-              (row-parallel); the gated norm's weight [d_inner] P("model")
-              only when n_groups % m == 0 (each shard then holds whole norm
-              groups), else replicated (the norm's group reduction is
-              gathered by XLA). The fused in_proj kernel [d, z|x|B|C|dt]
-              and the conv over [x|B|C] are replicated: a contiguous split
-              of a fused axis does not follow heads, so each shard computes
-              the whole (small) projection and slices its heads locally (no
-              communication). Splitting in_proj per head needs a head-major
-              column layout (future work).
+  Mamba-2     heads split when m divides ssm_heads and m and n_groups
+              divide one the other: `shard_model` first lays the model out
+              in shard-major blocks (`models.shard_layout`: config
+              .mamba_shards = m; block i of the in_proj columns [z_i | x_i
+              | B_i | C_i | dt_i] holds shard i's heads and their groups,
+              a shared group copied into each of its shards, as vLLM
+              does), then the in_proj kernel splits its columns P(None,
+              "model") and the conv weight / bias their channels
+              P("model"), so each shard projects and convolves only its
+              own heads; A_log, D, dt_bias [H] P("model"); out_proj
+              [d_inner, d] rows P("model", None) (row-parallel); the gated
+              norm's weight [d_inner] P("model") only when n_groups % m ==
+              0 (each shard then holds whole norm groups), else replicated
+              (its input gathered). A model already laid out
+              (mamba_shards > 1) keeps its layout; otherwise (heads that do
+              not split) everything Mamba is replicated.
   attention   q/k/v column-parallel P(None, "model") and o_proj row-parallel
               when num_kv_heads % m == 0 (the gated attention's [q; gate]
               columns are per head, so they split the same way); q/k norms
@@ -66,8 +69,10 @@ State leaves: the batch axis over "data" (when batch % data == 0), and the
 head axis over "model" where the layer's parameters split heads: replay
 checkpoint / read copy [b, H, P, N] P("data", "model"), x_buf / dt_buf
 [b, L, H, ...] P("data", None, "model"), read_scale [b, H, P]
-P("data", "model"), b_buf [b, L, G, N] P("data", None, "model") when the
-groups split (else P("data")), the conv ring [b, k-1, conv_dim] P("data"),
+P("data", "model"), b_buf [b, L, G', N] P("data", None, "model") when the
+groups split (G' = config.bc_groups, else P("data")), the conv ring [b,
+k-1, conv_dim] P("data", None, "model") in the shard-major layout (else
+P("data")),
 per-row counters P("data") (a replay state under stochastic rounding keeps
 its heads whole: its rounding is keyed by the element's index in the
 whole row); a baseline state [b, H, P, N] (or
@@ -96,6 +101,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from replayssm_jax import _validation as V
 from replayssm_jax import gdn, kda
+from replayssm_jax.models import shard_layout as SL
 from replayssm_jax.models import states as S
 from replayssm_jax.models.layers import Attention
 from replayssm_jax.models.mla_attention import MLAttention
@@ -140,14 +146,21 @@ def _mixer_param_spec(cfg, mixer, kind, names, m, expert_parallel):
   col = lambda ok: P(None, "model") if ok else REPLICATED
   row = lambda ok: P("model", None) if ok else REPLICATED
   if kind == "mamba":
-    heads = mamba_heads(cfg.ssm_heads, cfg.n_groups, m)
+    heads = mamba_heads(cfg.ssm_heads, cfg.bc_groups, m)
+    blocks = _mamba_blocks(cfg, m)
     if names in (("A_log",), ("D",), ("dt_bias",)):
       return P("model") if heads else REPLICATED
     if names == ("norm", "weight"):
       return P("model") if heads and splits(cfg.n_groups, m) else REPLICATED
     if names == ("out_proj", "kernel"):
       return row(heads)
-    return REPLICATED  # in_proj, conv (fused layouts)
+    if names == ("in_proj", "kernel"):
+      return col(blocks)
+    if names == ("conv_weight",):
+      return row(blocks)
+    if names == ("conv_bias",):
+      return P("model") if blocks else REPLICATED
+    return REPLICATED
   if kind == "attention":
     if isinstance(mixer, MLAttention) or not isinstance(mixer, Attention):
       return REPLICATED
@@ -194,6 +207,13 @@ def _mixer_param_spec(cfg, mixer, kind, names, m, expert_parallel):
   return REPLICATED  # in_proj, conv, norm
 
 
+def _mamba_blocks(cfg, m: int) -> bool:
+  """Whether the Mamba in_proj / conv split over m shards: laid out in
+  shard-major blocks (config.mamba_shards) that m divides."""
+  t = cfg.mamba_shards
+  return m > 1 and t > 1 and t % m == 0
+
+
 def param_spec(model, path, mesh_model_size: int,
                expert_parallel: bool = False) -> P:
   """The PartitionSpec of the HybridLM parameter at `path` (a tuple of
@@ -237,6 +257,9 @@ def shard_model(model, mesh: Mesh, *, expert_parallel: bool = False):
   if not isinstance(expert_parallel, bool):
     raise TypeError(f"expert_parallel must be a bool, got "
                     f"{expert_parallel!r}.")
+  t = SL.layout_shards(model.config, _size(mesh, "model"))
+  if model.config.mamba_shards == 1 and t > 1:
+    model = SL.to_shard_layout(model, t)
   specs = param_specs(model, mesh, expert_parallel=expert_parallel)
   graphdef, state = nnx.split(model)
   flat = []
@@ -256,10 +279,10 @@ def _sr(layer_state) -> bool:
   return p is not None and p.stochastic_rounding
 
 
-def _mamba_state_specs(s: S.MambaState, d, m, heads_groups):
-  """Mamba layer state; heads_groups: (H, G) from the config, or None (a
-  replay state's own H and G; a baseline state splits its heads when they
-  divide)."""
+def _mamba_state_specs(s: S.MambaState, d, m, heads_groups, blocks):
+  """Mamba layer state; heads_groups: (H, G') from the config, or None (a
+  replay state's own H and G'; a baseline state splits its heads when they
+  divide); blocks: the conv channels split (shard-major layout)."""
   ssm = s.ssm
   if isinstance(ssm, ReplayState):
     hg = heads_groups or (ssm.nheads, ssm.ngroups)
@@ -274,7 +297,9 @@ def _mamba_state_specs(s: S.MambaState, d, m, heads_groups):
                                        scale=("b", heads)), d, m)
     else:
       ssm_spec = leaf_spec(ssm, ("b", heads), d, m)
-  return fields_spec(s.replace(ssm=None), {}, d, m).replace(ssm=ssm_spec)
+  conv = ("b", None, "h" if blocks else None)
+  return fields_spec(s.replace(ssm=None), dict(conv=conv), d, m).replace(
+      ssm=ssm_spec)
 
 
 def _gdn_state_specs(s: S.GDNState, d, m, heads):
@@ -308,11 +333,13 @@ def state_specs(state: S.ModelState, mesh: Mesh, *, config=None):
                                       t)
   gdn_split = None if config is None else gdn_heads(
       config.gdn_num_v_heads, config.gdn_num_k_heads, m)
-  mamba_hg = None if config is None else (config.ssm_heads, config.n_groups)
+  mamba_hg = None if config is None else (config.ssm_heads,
+                                           config.bc_groups)
+  blocks = config is not None and _mamba_blocks(config, m)
   layers = []
   for s in state.layers:
     if isinstance(s, S.MambaState):
-      layers.append(_mamba_state_specs(s, d, m, mamba_hg))
+      layers.append(_mamba_state_specs(s, d, m, mamba_hg, blocks))
     elif isinstance(s, S.AttentionState):
       kv = ("b",) if mla else ("b", "h")
       layers.append(s.replace(k=leaf_spec(s.k, kv, d, m),
@@ -330,7 +357,17 @@ def state_specs(state: S.ModelState, mesh: Mesh, *, config=None):
 
 def shard_state(state: S.ModelState, mesh: Mesh, *, config=None):
   """A copy of the decode `state` placed on `mesh` per `state_specs` (the
-  given state is not modified; its buffers stay valid)."""
+  given state is not modified; its buffers stay valid).
+
+  config: the config of the model that built `state`. A state of a model
+  in Hugging Face's layout (mamba_shards 1) whose Mamba layers
+  `shard_model` lays out in shard-major blocks on this mesh is regrouped
+  to match (`models.shard_layout.to_shard_state`)."""
+  if config is not None and config.mamba_shards == 1:
+    t = SL.layout_shards(config, _size(mesh, "model"))
+    if t > 1:
+      state = SL.to_shard_state(state, config, t)
+      config = config.replace(mamba_shards=t)
   specs = jax.tree.leaves(state_specs(state, mesh, config=config),
                           is_leaf=lambda x: isinstance(x, P))
   leaves, treedef = jax.tree.flatten(state)

@@ -8,17 +8,19 @@ step (the placement rules of `replayssm_jax.sharding`).
 
 With b = the global batch, d / m the "data" / "model" axis sizes:
   b_l = b / d when d divides b, else b (the batch is replicated);
-  a Mamba layer's heads H_l = H / m and groups G_l = G / m (G_l = 1 for
-  one group) when its heads split (`per_shard.mamba_heads`: m divides H
-  and G is one or divides too), else H and G;
+  a Mamba layer in the layout `sharding.shard_model` gives it
+  (`models.shard_layout`: shard-major blocks when m divides H, and m and G
+  one the other): heads H_l = H / m, stored B/C groups G_l = max(G, m) / m
+  and conv channels conv_dim_l = conv_dim / m (conv_dim with max(G, m)
+  groups); else H, G and conv_dim;
   a GDN / KDA layer's value / key heads HV_l = HV / m, HK_l = HK / m when
   m divides both, else HV, HK;
   an attention layer's KV heads Hk / m when m divides num_kv_heads (not for
   multi-head latent attention, whose cache splits the batch only).
 
 State bytes per device (per layer, summed over layers):
-  Mamba baseline   b_l*H_l*P*N*s (+ the conv ring b_l*(k-1)*conv_dim*c,
-                   never head-split, and its int32 start b_l*4);
+  Mamba baseline   b_l*H_l*P*N*s (+ the conv ring b_l*(k-1)*conv_dim_l*c
+                   and its int32 start b_l*4);
   Mamba replay     checkpoint b_l*H_l*P*N*s + x_buf b_l*L*H_l*P*u
                    + dt_buf b_l*L*H_l*4 + b_buf b_l*L*G_l*N*u + count
                    b_l*4 (+ the conv ring as above);
@@ -78,6 +80,7 @@ import jax
 import jax.numpy as jnp
 
 from replayssm_jax import traffic as T
+from replayssm_jax.models import shard_layout as SL
 from replayssm_jax.per_shard import gdn_heads, mamba_heads, splits
 
 _I32 = 4
@@ -142,14 +145,18 @@ def local_sizes(cfg, data: int, model: int, batch: int) -> dict:
   """Rows, Mamba heads / groups, GDN value / key heads and KV heads held
   by one device."""
   d, m, b = _pos("data", data), _pos("model", model), _pos("batch", batch)
-  h, g = cfg.ssm_heads, cfg.n_groups
+  if cfg.mamba_shards == 1:  # the layout shard_model gives it
+    cfg = cfg.replace(mamba_shards=SL.layout_shards(cfg, m))
+  h, g = cfg.ssm_heads, cfg.bc_groups
   mamba = mamba_heads(h, g, m)
+  blocks = m > 1 and cfg.mamba_shards > 1 and cfg.mamba_shards % m == 0
   gdn = gdn_heads(cfg.gdn_num_v_heads, cfg.gdn_num_k_heads, m)
   mla = getattr(cfg, "mla_kv_lora_rank", None) is not None
   hk = cfg.num_kv_heads
   return dict(batch=b // d if splits(b, d) else b,
               ssm_heads=h // m if mamba else h,
               ssm_groups=g // m if mamba and g > 1 else g,
+              conv_dim=cfg.conv_dim // m if blocks else cfg.conv_dim,
               gdn_v_heads=cfg.gdn_num_v_heads // (m if gdn else 1),
               gdn_k_heads=cfg.gdn_num_k_heads // (m if gdn else 1),
               kv_heads=hk // m if splits(hk, m) and not mla else hk,
@@ -187,7 +194,8 @@ def state_bytes_per_device(cfg, data: int, model: int, batch: int, *,
         ssm += (b * L * h * P * u + b * L * h * 4 + b * L * G * N * u
                 + b * _I32)
       out["mamba"] += ssm
-      out["conv"] += b * (cfg.conv_kernel - 1) * cfg.conv_dim * c + b * _I32
+      out["conv"] += (b * (cfg.conv_kernel - 1) * loc["conv_dim"] * c
+                      + b * _I32)
     elif kind in ("gdn", "kda"):
       hv = loc["gdn_v_heads"]
       hk = loc["gdn_k_heads"] if kind == "gdn" else hv  # KDA: k per v head
@@ -248,7 +256,7 @@ def layer_collectives(cfg, data: int, model: int, batch: int, *,
   nbytes = b * dm * a.itemsize
   kinds = cfg.block_kinds
   row_parallel = dict(
-      mamba=mamba_heads(cfg.ssm_heads, cfg.n_groups, m),
+      mamba=loc["ssm_heads"] < cfg.ssm_heads,
       gdn=gdn_heads(cfg.gdn_num_v_heads, cfg.gdn_num_k_heads, m),
       kda=gdn_heads(cfg.gdn_num_v_heads, cfg.gdn_num_k_heads, m),
       attention=splits(cfg.num_kv_heads, m) and not loc["mla"],

@@ -25,6 +25,7 @@ from replayssm_jax import sharding as SH
 from replayssm_jax.models.config import ModelConfig
 from replayssm_jax.models.generate import generate
 from replayssm_jax.models import model as M
+from replayssm_jax.models import shard_layout as SL
 from replayssm_jax.models.model import HybridLM, prefill
 from replayssm_jax.models.proposers import NgramProposer
 from replayssm_jax.models.speculative import speculative_generate
@@ -316,6 +317,8 @@ def test_kernels_per_shard():
     with jax.set_mesh(mesh):
       got, _, state = generate(sharded, stok, sln, 5, **kw)
     np.testing.assert_array_equal(got, want, err_msg=preset)
+    t = sharded.config.mamba_shards  # the sharded model's Mamba layout
+    want_state = SL.to_shard_state(want_state, model.config, t)
     # The split matmuls around the ops sum in another order (~1e-7), which
     # may move an 8-bit / f16 store across a rounding boundary: a few
     # elements per 10^4 differ by one level. Rounding keyed wrongly (or a

@@ -32,12 +32,16 @@ def _cfg(**kw):
 
 
 # --------------------------------------------------------------- formulas
-# (mesh, n_groups) -> the Mamba heads and groups one device holds: the
-# heads split when m divides them and the groups are one or divide too.
-MAMBA_LOCAL = {((1, 1), 1): (8, 1), ((2, 4), 1): (2, 1), ((1, 8), 1): (1, 1),
-               ((4, 2), 1): (4, 1), ((3, 3), 1): (8, 1), ((1, 1), 2): (8, 2),
-               ((2, 4), 2): (8, 2), ((1, 8), 2): (8, 2), ((4, 2), 2): (4, 1),
-               ((3, 3), 2): (8, 2)}
+# (mesh, n_groups) -> the Mamba heads, stored B/C groups and conv channels
+# one device holds (H 8, d_inner 32, N 8). shard_model lays the Mamba
+# layers out in shard-major blocks when m divides H, and m and G one the
+# other: then max(G, m) groups are stored (a copy per shard of a shared
+# group) and the conv's d_inner + 2 max(G, m) N channels split too.
+MAMBA_LOCAL = {((1, 1), 1): (8, 1, 48), ((2, 4), 1): (2, 1, 24),
+               ((1, 8), 1): (1, 1, 20), ((4, 2), 1): (4, 1, 32),
+               ((3, 3), 1): (8, 1, 48), ((1, 1), 2): (8, 2, 64),
+               ((2, 4), 2): (2, 1, 24), ((1, 8), 2): (1, 1, 20),
+               ((4, 2), 2): (4, 1, 32), ((3, 3), 2): (8, 2, 64)}
 
 
 @pytest.mark.parametrize("ssm_mode", ["replay", "baseline"])
@@ -48,7 +52,7 @@ def test_state_bytes_by_hand(ssm_mode, mesh, groups):
   got = ST.state_bytes_per_device(cfg, d, m, b, ssm_mode=ssm_mode,
                                   buffer_len=L, max_len=S)
   b_l = b // d if b % d == 0 else b
-  h, g = MAMBA_LOCAL[mesh, groups]
+  h, g, conv_l = MAMBA_LOCAL[mesh, groups]
   hk = 8 // m if m > 1 and 8 % m == 0 else 8
   # GDN: HV 8, HK 4 split when m divides both.
   hv, hkk = (8 // m, 4 // m) if m in (2, 4) else (8, 4)
@@ -60,8 +64,8 @@ def test_state_bytes_by_hand(ssm_mode, mesh, groups):
     delta += b_l * L * (hv * K * 4 + hkk * K * 4 + hv * 4) + 4 * b_l  # GDN
     # KDA: a key per value head, a [HV, K] decay sum.
     delta += b_l * L * (hv * K * 4 + hv * K * 4) + b_l * hv * K * 4 + 4 * b_l
-  conv = (b_l * (cfg.conv_kernel - 1)
-          * (cfg.conv_dim + 2 * cfg.gdn_conv_dim) * 4 + 4 * b_l)
+  conv = (b_l * (cfg.conv_kernel - 1) * (conv_l + 2 * cfg.gdn_conv_dim) * 4
+          + 4 * b_l)
   kv = 2 * b_l * hk * S * cfg.attn_head_dim * 4 + 4 * b_l
   assert got == dict(mamba=ssm, delta=delta, conv=conv, attention=kv,
                      other=4 * b_l, total=ssm + delta + conv + kv + 4 * b_l)

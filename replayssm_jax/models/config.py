@@ -39,7 +39,16 @@ class ModelConfig:
     ssm_heads: Mamba-2 heads H (d_inner = ssm_heads * head_dim).
     head_dim: Mamba-2 head dim P.
     d_state: SSM state size N.
-    n_groups: B/C groups G (ssm_heads % n_groups == 0).
+    n_groups: B/C groups G (ssm_heads % n_groups == 0); the gated norm's
+      groups.
+    mamba_shards: the Mamba in_proj / conv channel layout. 1 (default):
+      Hugging Face's [z | x | B | C | dt] columns (conv [x | B | C]). t > 1
+      (set by `sharding.shard_model` for tensor parallelism over t
+      devices): t shard-major blocks, block i [z_i | x_i | B_i | C_i |
+      dt_i] holding heads i H/t .. (i+1) H/t - 1 with their B/C groups:
+      the G/t groups of those heads when t divides G, else (G divides t)
+      a copy of their one group, so `bc_groups` = max(G, t) groups are
+      stored (the conv [x_i | B_i | C_i] blocks alike).
     conv_kernel: width of the causal depthwise conv (Mamba-2 and Gated
       DeltaNet mixers).
     chunk_size: SSD chunk length used by prefill.
@@ -114,6 +123,7 @@ class ModelConfig:
   head_dim: int = 64
   d_state: int = 128
   n_groups: int = 1
+  mamba_shards: int = 1
   conv_kernel: int = 4
   chunk_size: int = 256
   num_heads: int = 8
@@ -177,9 +187,16 @@ class ModelConfig:
     return self.ssm_heads * self.head_dim
 
   @property
+  def bc_groups(self) -> int:
+    """B/C groups the in_proj / conv / replay buffers hold: n_groups, or
+    with `mamba_shards` t > 1 max(n_groups, t) (a copy per shard of a
+    group that t shards share)."""
+    return max(self.n_groups, self.mamba_shards)
+
+  @property
   def conv_dim(self) -> int:
     """Channels of the conv: x, B and C together."""
-    return self.d_inner + 2 * self.n_groups * self.d_state
+    return self.d_inner + 2 * self.bc_groups * self.d_state
 
   @property
   def in_proj_dim(self) -> int:
@@ -238,6 +255,12 @@ class ModelConfig:
       if self.ssm_heads % self.n_groups:
         raise ValueError(f"ModelConfig.n_groups ({self.n_groups}) must divide "
                          f"ModelConfig.ssm_heads ({self.ssm_heads}).")
+      positive("mamba_shards")
+      t, g = self.mamba_shards, self.n_groups
+      if self.ssm_heads % t or (g % t and t % g):
+        raise ValueError(
+            f"ModelConfig.mamba_shards ({t}) must divide ssm_heads "
+            f"({self.ssm_heads}), and it and n_groups ({g}) one the other.")
       if self.conv_kernel < 2:
         raise ValueError(f"ModelConfig.conv_kernel must be >= 2, got "
                          f"{self.conv_kernel}.")

@@ -122,6 +122,14 @@ def check_speculative_precision(state: MambaState, what: str) -> None:
 
 
 # --------------------------------------------------------------- Mamba-2
+def _join_blocks(v, t: int, bounds):
+  """v [..., t w] as t blocks: per bounds (a, b) (b None: the end), the
+  columns a:b of every block joined (a reshape local to each block)."""
+  blk = v.reshape(v.shape[:-1] + (t, v.shape[-1] // t))
+  return tuple(blk[..., a:b].reshape(v.shape[:-1] + (-1,))
+               for a, b in zip(bounds[:-1], bounds[1:]))
+
+
 class Mamba2Mixer(nnx.Module):
   """HF Mamba2 / Nemotron-H mixer: in_proj -> [z, xBC, dt] -> conv+silu ->
   SSM (replayssm_jax ops) -> gated grouped RMSNorm -> out_proj."""
@@ -148,29 +156,61 @@ class Mamba2Mixer(nnx.Module):
     self.out_proj = Linear(cfg.d_inner, cfg.d_model, cfg, rngs=rngs)
 
   def _split(self, zxbcdt):
+    """in_proj output -> z [..., d_inner], the conv input xbc [...,
+    conv_dim] (in the conv's channel layout) and dt [..., H]."""
     c = self.cfg
-    z = zxbcdt[..., :c.d_inner]
-    xbc = zxbcdt[..., c.d_inner:c.d_inner + c.conv_dim]
-    dt = zxbcdt[..., c.d_inner + c.conv_dim:]
-    return z, xbc, dt
+    t = c.mamba_shards
+    if t == 1:
+      z = zxbcdt[..., :c.d_inner]
+      xbc = zxbcdt[..., c.d_inner:c.d_inner + c.conv_dim]
+      dt = zxbcdt[..., c.d_inner + c.conv_dim:]
+      return z, xbc, dt
+    # Shard-major blocks [z_i | x_i B_i C_i | dt_i] (config.mamba_shards).
+    zl, cl = c.d_inner // t, c.conv_dim // t
+    return _join_blocks(zxbcdt, t, (0, zl, zl + cl, None))
 
   def _split_xbc(self, xbc):
-    """[..., conv_dim] -> x [..., H, P], B, C [..., G, N]."""
-    d, gn, _ = self._xbc_split()
-    return self._to_heads(xbc[..., :d], xbc[..., d:d + gn], xbc[..., d + gn:])
+    """[..., conv_dim] -> x [..., H, P], B, C [..., G', N] (G' =
+    config.bc_groups)."""
+    t = self.cfg.mamba_shards
+    d, gn, _ = (v // t for v in self._xbc_split())
+    return self._to_heads(*_join_blocks(xbc, t, (0, d, d + gn, None)))
 
   def _xbc_split(self) -> tuple[int, int, int]:
     """Channel counts of the conv output's x, B and C pieces."""
-    gn = self.cfg.n_groups * self.cfg.d_state
+    gn = self.cfg.bc_groups * self.cfg.d_state
     return (self.cfg.d_inner, gn, gn)
 
   def _to_heads(self, x, b, cc):
-    """x, B, C pieces [..., n] -> x [..., H, P], B, C [..., G, N]."""
+    """x, B, C pieces [..., n] -> x [..., H, P], B, C [..., G', N]."""
     c = self.cfg
     lead = x.shape[:-1]
     return (x.reshape(lead + (c.ssm_heads, c.head_dim)),
-            b.reshape(lead + (c.n_groups, c.d_state)),
-            cc.reshape(lead + (c.n_groups, c.d_state)))
+            b.reshape(lead + (c.bc_groups, c.d_state)),
+            cc.reshape(lead + (c.bc_groups, c.d_state)))
+
+  def _conv(self, zxbcdt, xbc, state, start, implementation, window):
+    """`ops.causal_conv1d_window` (window) / `_step` on the ring conv state
+    -> ((x, B, C) as heads, () / (conv, start)). The op reads the xBC
+    columns of the in_proj output in place, or (shard-major blocks) the
+    joined xbc, each shard its own channels (`per_shard`)."""
+    c = self.cfg
+    op = ops.causal_conv1d_window if window else ops.causal_conv1d_step
+    kw = dict(activation="silu", implementation=implementation)
+    w, b = self.conv_weight[...], self.conv_bias[...]
+    if c.mamba_shards == 1:
+      out = op(zxbcdt, state.conv, start, w, b, split=self._xbc_split(),
+               x_offset=c.d_inner, **kw)
+    else:
+      out = op(xbc, state.conv, start, w, b, **kw)
+    pieces, rest = (out, ()) if window else (out[0], out[1:])
+    if c.mamba_shards == 1:
+      return self._to_heads(*pieces), rest
+    return self._split_xbc(pieces[0]), rest
+
+  def _gate(self, zxbcdt):
+    """The gate (column 0 on): zxbcdt (read in place) or its joined z."""
+    return zxbcdt if self.cfg.mamba_shards == 1 else self._split(zxbcdt)[0]
 
   def _ssm_params(self):
     A = -jnp.exp(self.A_log[...].astype(F32))  # [H]
@@ -221,13 +261,13 @@ class Mamba2Mixer(nnx.Module):
     if isinstance(state.ssm, ReplayState):
       if policy is None:
         ssm = ReplayState.from_ssm_state(
-            final, c.n_groups, state.ssm.buffer_len,
+            final, c.bc_groups, state.ssm.buffer_len,
             checkpoint_dtype=state.ssm.checkpoint.dtype,
             buffer_dtype=state.ssm.x_buf.dtype)
       else:  # master (and read copy) stored per the policy
         sr = policy.stochastic_rounding
         ssm = ReplayState.from_ssm_state(
-            final, c.n_groups, state.ssm.buffer_len, policy=policy,
+            final, c.bc_groups, state.ssm.buffer_len, policy=policy,
             row_id=state.ssm.row_id if sr else None,
             step=steps if sr else None, layer=layer)
     elif isinstance(state.ssm, StoredSSMState):
@@ -257,11 +297,8 @@ class Mamba2Mixer(nnx.Module):
       else:  # one slot written in place (no shifted copy per step), the
         # input read inside the in_proj output and the output written as
         # x, B, C pieces (a kernel does both: no slice copies)
-        pieces, conv, start = ops.causal_conv1d_step(
-            zxbcdt, state.conv, state.conv_start, conv_w, conv_b,
-            activation="silu", split=self._xbc_split(), x_offset=c.d_inner,
-            implementation=implementation)
-        x, b, cc = self._to_heads(*pieces)
+        (x, b, cc), (conv, start) = self._conv(
+            zxbcdt, xbc, state, state.conv_start, implementation, False)
         state = state.replace(conv=conv, conv_start=start)
     A, D, dt_bias = self._ssm_params()
     kw = dict(D=D, dt_bias=dt_bias, dt_softplus=True,
@@ -269,7 +306,8 @@ class Mamba2Mixer(nnx.Module):
     with jax.named_scope("ssm"):
       y, ssm = self._ssm_step(state, x, dt, A, b, cc, kw, layer)
     with jax.named_scope("gated_norm"):  # the gate read in place
-      y = self.norm(y.reshape(bsz, c.d_inner), zxbcdt, 0, implementation)
+      y = self.norm(y.reshape(bsz, c.d_inner), self._gate(zxbcdt), 0,
+                    implementation)
     with jax.named_scope("out_proj"):
       out = self.out_proj(y)
     return out, state.replace(ssm=ssm)
@@ -336,10 +374,8 @@ class Mamba2Mixer(nnx.Module):
     # in_proj output and written as x, B, C pieces (as the decode step's).
     start = (jnp.zeros((bsz,), jnp.int32) if state.conv_start is None
              else state.conv_start)
-    x, b, cc = self._to_heads(*ops.causal_conv1d_window(
-        zxbcdt, state.conv, start, self.conv_weight[...],
-        self.conv_bias[...], activation="silu", split=self._xbc_split(),
-        x_offset=c.d_inner, implementation=implementation))
+    (x, b, cc), _ = self._conv(zxbcdt, xbc, state, start, implementation,
+                               True)
     A, D, dt_bias = self._ssm_params()
     if isinstance(state.ssm, ReplayState):
       y, ssm = replay_verify(state.ssm, x, dt, A, b, cc, D=D, dt_bias=dt_bias,
@@ -351,7 +387,8 @@ class Mamba2Mixer(nnx.Module):
                                      dt_bias=dt_bias, dt_softplus=True,
                                      implementation=implementation)
       ssm = state.ssm
-    y = self.norm(y.reshape(bsz, t, c.d_inner), zxbcdt, 0, implementation)
+    y = self.norm(y.reshape(bsz, t, c.d_inner), self._gate(zxbcdt), 0,
+                  implementation)
     return self.out_proj(y), (ssm, xbc.astype(state.conv.dtype), snapshots)
 
 

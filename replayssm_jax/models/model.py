@@ -357,7 +357,7 @@ def _check_layer_state(i, kind, s, cfg):
     if isinstance(ssm, ReplayState):
       expect("ssm.checkpoint [nheads, headdim, dstate]",
              ssm.checkpoint.shape[1:], heads)
-      expect("ssm.b_buf ngroups", ssm.b_buf.shape[2:3], (cfg.n_groups,))
+      expect("ssm.b_buf ngroups", ssm.b_buf.shape[2:3], (cfg.bc_groups,))
     else:
       arr = ssm.state if isinstance(ssm, S.StoredSSMState) else ssm
       expect("ssm [nheads, headdim, dstate]", arr.shape[1:], heads)

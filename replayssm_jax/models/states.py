@@ -306,12 +306,12 @@ def init_mamba_state(cfg, batch: int, ssm_mode: str, buffer_len: int,
   if ssm_mode == "replay":
     if precision is None:
       ssm = ReplayState.create(batch, cfg.ssm_heads, cfg.head_dim,
-                               cfg.d_state, cfg.n_groups, buffer_len,
+                               cfg.d_state, cfg.bc_groups, buffer_len,
                                checkpoint_dtype=checkpoint_dtype,
                                buffer_dtype=buffer_dtype)
     else:
       ssm = ReplayState.create(batch, cfg.ssm_heads, cfg.head_dim,
-                               cfg.d_state, cfg.n_groups, buffer_len,
+                               cfg.d_state, cfg.bc_groups, buffer_len,
                                policy=precision, row_id=row_ids)
   elif precision is None:
     ssm = jnp.zeros(shape, checkpoint_dtype)
