@@ -5,6 +5,7 @@ step (the placement rules of `replayssm_jax.sharding`).
                           buffer_len=16)
   cost.state_bytes["total"], cost.ssm_traffic_bytes, cost.psum_bytes
   compiled_collectives(step_fn, params, token, state)   # what XLA emitted
+  kernel_routes(cfg, 1, 4, 256, policy=PrecisionPolicy.preset("f32+fp8"))
 
 With b = the global batch, d / m the "data" / "model" axis sizes:
   b_l = b / d when d divides b, else b (the batch is replicated);
@@ -315,6 +316,36 @@ def decode_step_cost(cfg, data: int, model: int, batch: int, *,
       ssm_mode=ssm_mode, state_bytes=state, ssm_traffic_bytes=ssm,
       collectives=coll, psum_bytes=sum(c.bytes * c.count for c in layer),
       head_bytes=sum(c.bytes * c.count for c in coll if c not in layer))
+
+
+# ----------------------------------------------------------- kernel routes
+def kernel_routes(cfg, data: int, model: int, batch: int, *,
+                  buffer_len: int = 16, policy=None) -> dict:
+  """The routes the Mamba replay kernel's launch defaults
+  (`pallas_kernels.replay.config`) pick for one device's shard of a decode
+  step (b_l rows x H_l heads, `local_sizes`) on a Hopper GPU: whether the
+  one fused launch runs (few (row, head) pairs), the output route
+  ("split" for an 8-bit read copy at enough pairs, else "triton") and the
+  flush route. Tensor parallelism divides the pairs by m, so a route that
+  a batch takes on one device may change on m of them.
+
+  policy: the state's `PrecisionPolicy` (None: f32 checkpoint, bf16
+  buffers)."""
+  from pallas_kernels.replay import config as RC  # the kernels' defaults
+  from replayssm_jax.state import ReplayState
+  loc = local_sizes(cfg, data, model, batch)
+  b, h = loc["batch"], loc["ssm_heads"]
+  kw = (dict(policy=policy) if policy is not None else
+        dict(checkpoint_dtype=jnp.float32, buffer_dtype=jnp.bfloat16))
+  rstate = jax.eval_shape(lambda: ReplayState.create(
+      b, h, cfg.head_dim, cfg.d_state, loc["ssm_groups"], buffer_len, **kw))
+  output = RC.default_output_route(rstate)
+  plain = policy is None or policy.plain
+  return dict(local_batch=b, local_heads=h, pairs=b * h,
+              fused_launch=RC.default_fused_launch(b, h),
+              output_route=output,
+              flush_route=RC.default_flush_route(rstate, plain, output,
+                                                 False, (9, 0)))
 
 
 # --------------------------------------------------------- compiled HLO

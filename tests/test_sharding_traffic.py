@@ -19,6 +19,7 @@ from replayssm_jax import sharding_traffic as ST
 from replayssm_jax import traffic as T
 from replayssm_jax.models.config import ModelConfig
 from replayssm_jax.models.model import HybridLM
+from replayssm_jax.precision import PrecisionPolicy
 
 MULTI = jax.device_count() >= 8
 TINY = dict(vocab_size=64, d_model=32, pattern="M*-", ssm_heads=8,
@@ -203,3 +204,23 @@ def test_compiled_step(ssm_mode):
     # The logits stay vocab-split: no gather in the step itself.
     assert not any(c.op == "all-gather" and c.shape[-1] == cfg.vocab_size
                    for c in got)
+
+
+def test_kernel_routes_per_tensor_parallel_degree():
+  # Nemotron-H 8B's Mamba heads (128 x 64, N 128, 8 groups) at batch 256:
+  # an 8-bit read copy takes the split route at >= 256 x 128 (row, head)
+  # pairs per device, i.e. on one device only; the fused launch runs below
+  # 4 pairs per SM (528): at batch 8 on 2 devices and up.
+  cfg = _cfg(ssm_heads=128, head_dim=64, d_state=128, n_groups=8)
+  fp8 = PrecisionPolicy.preset("f32+fp8")
+  got = {m: ST.kernel_routes(cfg, 1, m, 256, policy=fp8) for m in (1, 2, 8)}
+  assert [got[m]["pairs"] for m in (1, 2, 8)] == [32768, 16384, 4096]
+  assert [got[m]["output_route"] for m in (1, 2, 8)] == ["split", "triton",
+                                                         "triton"]
+  assert not any(r["fused_launch"] for r in got.values())
+  small = {m: ST.kernel_routes(cfg, 1, m, 8) for m in (1, 2)}
+  assert not small[1]["fused_launch"] and small[2]["fused_launch"]
+  assert small[1]["output_route"] == "triton"
+  # A plain f32 checkpoint flushes on Mosaic GPU from 128 rows per device.
+  assert ST.kernel_routes(cfg, 1, 4, 256)["flush_route"] == "mosaic_gpu"
+  assert ST.kernel_routes(cfg, 4, 1, 256)["flush_route"] == "triton"
