@@ -38,7 +38,11 @@ column-parallel in, row-parallel out). With m the "model" axis size:
   attention   q/k/v column-parallel P(None, "model") and o_proj row-parallel
               when num_kv_heads % m == 0 (the gated attention's [q; gate]
               columns are per head, so they split the same way); q/k norms
-              replicated; multi-head latent attention replicated.
+              replicated. Multi-head latent attention (num_kv_heads ==
+              num_heads): q_proj and the latent up-projection kv_b_proj
+              column-parallel (per head), o_proj row-parallel, the latent
+              down-projection kv_a_proj and its norm replicated (the
+              latent is shared by the heads).
   MLP         up/gate P(None, "model"), down P("model", None) when
               intermediate_size % m == 0.
   MoE         experts replicated; `expert_parallel=True` splits the expert
@@ -162,11 +166,13 @@ def _mixer_param_spec(cfg, mixer, kind, names, m, expert_parallel):
       return P("model") if blocks else REPLICATED
     return REPLICATED
   if kind == "attention":
-    if isinstance(mixer, MLAttention) or not isinstance(mixer, Attention):
+    if not isinstance(mixer, Attention):
       return REPLICATED
     heads = splits(cfg.num_kv_heads, m)
-    if names in (("q_proj", "kernel"), ("k_proj", "kernel"),
-                 ("v_proj", "kernel")):
+    per_head = (("q_proj", "kernel"), ("kv_b_proj", "kernel")) if isinstance(
+        mixer, MLAttention) else (("q_proj", "kernel"), ("k_proj", "kernel"),
+                                  ("v_proj", "kernel"))
+    if names in per_head:
       return col(heads)
     if names == ("o_proj", "kernel"):
       return row(heads)
@@ -320,15 +326,13 @@ def _gdn_state_specs(s: S.GDNState, d, m, heads):
 def state_specs(state: S.ModelState, mesh: Mesh, *, config=None):
   """A ModelState-shaped pytree of PartitionSpecs for `state` on `mesh`.
 
-  config: the model's ModelConfig; with it, the KV caches of multi-head
-  latent attention layers (whose parameters stay replicated) split the
-  batch only (see the module docstring). Without it every KV cache splits
-  its heads when it can."""
+  config: the config of the model the state belongs to (see the module
+  docstring); without it a replay state's layout is read from its own
+  shapes."""
   if not isinstance(state, S.ModelState):
     raise TypeError(f"state must be a ModelState, got "
                     f"{type(state).__name__}.")
   d, m = _size(mesh, "data"), _size(mesh, "model")
-  mla = config is not None and config.mla_kv_lora_rank is not None
   batch_only = lambda t: jax.tree.map(lambda x: leaf_spec(x, ("b",), d, m),
                                       t)
   gdn_split = None if config is None else gdn_heads(
@@ -341,7 +345,7 @@ def state_specs(state: S.ModelState, mesh: Mesh, *, config=None):
     if isinstance(s, S.MambaState):
       layers.append(_mamba_state_specs(s, d, m, mamba_hg, blocks))
     elif isinstance(s, S.AttentionState):
-      kv = ("b",) if mla else ("b", "h")
+      kv = ("b", "h")
       layers.append(s.replace(k=leaf_spec(s.k, kv, d, m),
                               v=leaf_spec(s.v, kv, d, m),
                               length=leaf_spec(s.length, ("b",), d, m)))

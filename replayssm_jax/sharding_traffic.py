@@ -16,8 +16,8 @@ With b = the global batch, d / m the "data" / "model" axis sizes:
   groups); else H, G and conv_dim;
   a GDN / KDA layer's value / key heads HV_l = HV / m, HK_l = HK / m when
   m divides both, else HV, HK;
-  an attention layer's KV heads Hk / m when m divides num_kv_heads (not for
-  multi-head latent attention, whose cache splits the batch only).
+  an attention layer's KV heads Hk / m when m divides num_kv_heads (multi-
+  head latent attention alike: its cache holds decompressed heads).
 
 State bytes per device (per layer, summed over layers):
   Mamba baseline   b_l*H_l*P*N*s (+ the conv ring b_l*(k-1)*conv_dim_l*c
@@ -152,7 +152,6 @@ def local_sizes(cfg, data: int, model: int, batch: int) -> dict:
   mamba = mamba_heads(h, g, m)
   blocks = m > 1 and cfg.mamba_shards > 1 and cfg.mamba_shards % m == 0
   gdn = gdn_heads(cfg.gdn_num_v_heads, cfg.gdn_num_k_heads, m)
-  mla = getattr(cfg, "mla_kv_lora_rank", None) is not None
   hk = cfg.num_kv_heads
   return dict(batch=b // d if splits(b, d) else b,
               ssm_heads=h // m if mamba else h,
@@ -160,8 +159,7 @@ def local_sizes(cfg, data: int, model: int, batch: int) -> dict:
               conv_dim=cfg.conv_dim // m if blocks else cfg.conv_dim,
               gdn_v_heads=cfg.gdn_num_v_heads // (m if gdn else 1),
               gdn_k_heads=cfg.gdn_num_k_heads // (m if gdn else 1),
-              kv_heads=hk // m if splits(hk, m) and not mla else hk,
-              mla=mla)
+              kv_heads=hk // m if splits(hk, m) else hk)
 
 
 def state_bytes_per_device(cfg, data: int, model: int, batch: int, *,
@@ -207,9 +205,6 @@ def state_bytes_per_device(cfg, data: int, model: int, batch: int, *,
       out["delta"] += ssm
       out["conv"] += b * (cfg.conv_kernel - 1) * cfg.gdn_conv_dim * c
     elif kind == "attention":
-      if loc["mla"]:
-        raise ValueError("cfg: multi-head latent attention caches are not "
-                         "modeled.")
       out["attention"] += (2 * b * loc["kv_heads"] * max_len
                            * cfg.attn_head_dim * kv + b * _I32)
   out["total"] = sum(out.values())
@@ -260,7 +255,7 @@ def layer_collectives(cfg, data: int, model: int, batch: int, *,
       mamba=loc["ssm_heads"] < cfg.ssm_heads,
       gdn=gdn_heads(cfg.gdn_num_v_heads, cfg.gdn_num_k_heads, m),
       kda=gdn_heads(cfg.gdn_num_v_heads, cfg.gdn_num_k_heads, m),
-      attention=splits(cfg.num_kv_heads, m) and not loc["mla"],
+      attention=splits(cfg.num_kv_heads, m),
       mlp=splits(cfg.intermediate_size, m),
       moe=expert_parallel and splits(cfg.n_routed_experts, m))
   out = []

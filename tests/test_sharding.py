@@ -89,6 +89,12 @@ def test_param_rules():
   assert kspecs[mixer + ("f_b_proj", "kernel")] == P(None, "model")
   assert kspecs[mixer + ("out_proj", "kernel")] == P("model", None)
   assert kspecs[mixer + ("in_proj", "kernel")] == P()
+  mla = SH.param_specs(_model(pattern="*", attn_head_dim=16, **MLA),
+                       _Mesh(1, 4))
+  assert mla[mixer + ("q_proj", "kernel")] == P(None, "model")
+  assert mla[mixer + ("kv_b_proj", "kernel")] == P(None, "model")
+  assert mla[mixer + ("kv_a_proj", "kernel")] == P()  # the shared latent
+  assert mla[mixer + ("o_proj", "kernel")] == P("model", None)
   for name in (("in_proj", "kernel"), ("conv_weight",), ("norm_weight",)):
     assert specs[GDN + name] == P()  # fused layouts; the norm is per V
   # Experts replicated by default; norm groups split when they divide.
@@ -271,6 +277,8 @@ def test_multi_device(ssm_mode):
     np.testing.assert_array_equal(got, want_tokens)
 
 
+MLA = dict(mla_kv_lora_rank=16, mla_qk_nope_head_dim=8,
+           mla_qk_rope_head_dim=8, mla_v_head_dim=16, rope_theta=None)
 # The kernels' shapes (power-of-two channel blocks of >= 16); n_groups 2:
 # Mamba heads split with their groups at model 2, replicated at model 4.
 KERNEL = dict(TINY, head_dim=16, d_state=16, n_groups=2,
@@ -329,8 +337,9 @@ def test_kernels_per_shard():
       assert off.mean() < 0.01, (preset, a.shape, off.mean())
   state = SH.shard_state(model.init_state(8, 16, buffer_len=4), mesh,
                          config=model.config)
-  # A KDA block (reference ops, heads split) beside the others.
-  kda_model = _model(**dict(KERNEL, pattern="M*GK"))
+  # Kimi Linear's blocks (reference ops, heads split): KDA, and multi-head
+  # latent attention for '*'.
+  kda_model = _model(**dict(KERNEL, pattern="M*GK", **MLA))
   want, _ = generate(kda_model, tok, ln, 4, buffer_len=4)
   with jax.set_mesh(mesh):
     got, _ = generate(SH.shard_model(kda_model, mesh), stok, sln, 4,
