@@ -208,23 +208,27 @@ def _gdn(state_arg: str | None, window: bool):
 
 def _gated_norm(args, d, m):
   """Mamba-2's gated norm: the channel axis split over "model" when its
-  groups do (each shard then holds whole groups: the heads' own), the gate
-  cut from the replicated in_proj output on each shard; else rows only
-  (the channels gathered)."""
-  y = args["y"]
+  groups do (each shard then holds whole groups: its heads' own). The gate
+  splits with it when it is a [.., dim] array of its own (the shard-major
+  layout's joined z); inside the replicated in_proj output (z_offset) each
+  shard cuts its columns. Else rows only (the channels gathered)."""
+  y, z = args["y"], args["z"]
   dim = np.shape(y)[-1]
   if not splits(dim // args["group_size"], m):
     return _rows_only("y", "z")(args, d, m)
   lay = ("b",) + (None,) * (np.ndim(y) - 2) + ("h",)
-  specs = dict(y=leaf_spec(y, lay, d, m), z=leaf_spec(args["z"], ("b",), d, m),
+  specs = dict(y=leaf_spec(y, lay, d, m),
                weight=leaf_spec(args["weight"], ("h",), d, m))
+  out = lambda o: leaf_spec(o, lay, d, m)
+  if np.shape(z)[-1] == dim and args["z_offset"] == 0:
+    return dict(specs, z=leaf_spec(z, lay, d, m)), out
   width = dim // m
 
   def local(a):
     start = a["z_offset"] + jax.lax.axis_index("model") * width
     z = jax.lax.dynamic_slice_in_dim(a["z"], start, width, axis=-1)
     return dict(a, z=z, z_offset=0)
-  return specs, lambda o: leaf_spec(o, lay, d, m), local
+  return dict(specs, z=leaf_spec(z, ("b",), d, m)), out, local
 
 
 def _conv(args, d, m):

@@ -139,3 +139,7 @@ def test_gated_norm_rule(m, split):
   else:
     assert specs["y"] == P("data") and "weight" not in specs
     assert out(args["y"]) == P("data") and not local
+  # A gate of its own (the shard-major layout's joined z) splits with y.
+  specs, _, *local = per_shard.RULES["gated_rms_norm"](
+      dict(args, z=jnp.ones((B, 32))), 2, m)
+  assert specs["z"] == specs["y"] and not local
