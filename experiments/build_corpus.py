@@ -19,6 +19,8 @@ Usage (see configs/corpus.py):
       --workdir=runs/corpus
   python -m experiments.build_corpus --config=configs/corpus.py:smoke \
       --workdir=runs/corpus_smoke      # a few documents, seconds
+  python -m experiments.build_corpus --config=configs/corpus.py:excerpt \
+      --workdir=tests/fixtures/text_corpus  # the test fixture's excerpt
 
 Outputs in --workdir: train.bin, validation.bin, test.bin, manifest.json,
 documents.jsonl, tokenizer.json, config.json, metrics.jsonl (one line per
@@ -176,9 +178,25 @@ def split_of(source: str, path: str, validation: float, test: float) -> str:
 
 
 # -------------------------------------------------------------------- run
+def _excerpt(config, workdir: str) -> dict:
+  """An excerpt of a built corpus (`text_corpus.write_excerpt`)."""
+  c = config.corpus
+  workdir, _, writer = common.start_run(workdir, config)
+  manifest = TC.write_excerpt(c.excerpt_of, workdir, dict(c.excerpt_bytes))
+  writer.write(kind="excerpt", **manifest)
+  common.log_block(common.write_summary(workdir, (
+      f"# corpus excerpt\n\n" + ", ".join(
+          f"{s} {v['bytes']} bytes" for s, v in manifest["splits"].items())
+      + f"\n\ncorpus sha256 {manifest['corpus_sha256']}, an excerpt of "
+      f"{manifest['excerpt_of']['corpus_sha256']}\n")))
+  return manifest
+
+
 def run(config, workdir: str) -> dict:
   """Builds the corpus into `workdir`; returns its manifest."""
   c = config.corpus
+  if c.get("excerpt_of"):
+    return _excerpt(config, workdir)
   unknown = sorted(set(c.sources) - set(SOURCES))
   if unknown:
     raise ValueError(f"corpus.sources: unknown {unknown}; choose from "

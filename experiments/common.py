@@ -232,6 +232,53 @@ def best_of(make, repeats: int, reduce=min):
   return out, reduce(times), times
 
 
+def _accelerator_plugins() -> list[str]:
+  """Names of the installed jax accelerator plugins (jax_plugins.*,
+  jax_cuda*_plugin), without starting a backend."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import pkgutil  # pylint: disable=g-import-not-at-top
+  names = [m.name for m in pkgutil.iter_modules()
+           if m.name.startswith(("jax_cuda", "jax_rocm"))]
+  if importlib.util.find_spec("jax_plugins") is not None:
+    import jax_plugins  # pylint: disable=g-import-not-at-top
+    names += [m.name for m in pkgutil.iter_modules(jax_plugins.__path__)]
+  return names
+
+
+def avoid_cpu_lapack_stall(block_kinds) -> None:
+  """Runs a CPU-only process on one core when its model has Gated DeltaNet
+  / KDA blocks (their chunked form solves triangular systems through
+  jaxlib's LAPACK kernels) and no backend has started yet; warns when it
+  is too late.
+
+  jaxlib's batched triangular solve (jax 0.10.2) hands its batch to XLA's
+  intra-op thread pool and blocks until it is done. When as many solves
+  run at once as the pool has threads (XLA runs independent ops
+  concurrently; two on a two-core machine), every pool thread waits for
+  work that no thread is left to run: a GDN train step stalled for good,
+  every thread asleep. A pool of one thread (the process pinned to one
+  core before jax starts, which sizes the pool from the affinity) runs
+  each batch inline. GPU runs are left alone."""
+  if not any(k in ("gdn", "kda") for k in block_kinds):
+    return
+  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+  cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else {0}
+  if len(cpus) < 2:
+    return
+  if not xla_bridge.backends_are_initialized():
+    if os.environ.get("JAX_PLATFORMS", "") == "cpu" or not (
+        _accelerator_plugins()):
+      os.sched_setaffinity(0, {min(cpus)})
+      logging.info("Gated DeltaNet on the CPU backend: pinned to one core "
+                   "(jaxlib's triangular solve can deadlock its thread "
+                   "pool)")
+  elif jax.default_backend() == "cpu":
+    logging.warning(
+        "Gated DeltaNet / KDA blocks on the CPU backend over %d cores: "
+        "jaxlib's triangular solve can deadlock XLA's thread pool; run the "
+        "process on one core (taskset -c 0).", len(cpus))
+
+
 def write_summary(workdir: str, text: str) -> str:
   """Writes `text` to workdir/summary.md and returns it."""
   with open(os.path.join(workdir, "summary.md"), "w") as f:

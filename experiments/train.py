@@ -18,13 +18,24 @@ Outputs in --workdir:
   model_config.json   the `ModelConfig` fields; task.json the task spec;
   metrics.jsonl       kind=environment | train (loss, lr, grad_norm,
                       step_time_s, tokens_per_s) | eval (full-forward
-                      metrics) | decode_eval | final;
+                      metrics) | decode_eval | final (with `recipe`: config
+                      file and arg, seed, corpus sha256, token budget) |
+                      paused;
   training.png        train/eval loss and the task's eval metric vs step;
-  summary.md          the final metrics;
+  summary.md          the final metrics and how to rebuild the run;
   checkpoints/<step>/ the parameters, saved with orbax
                       (`orbax.checkpoint.StandardCheckpointer`, a flat dict
                       "blocks.0.mixer.A_log" -> array); the last step is
-                      always saved.
+                      always saved;
+  train_state/        with train.resume: the newest optimizer state
+                      (`experiments.train_resume`).
+
+Long runs under a per-command time limit: train.resume=True and
+train.stop_after_s=<seconds> make each call stop at a step boundary after
+that long, saving parameters and optimizer state; the same command then
+continues from there (the data order is a pure function of the step), and
+once finished returns at once. With several local devices each step runs
+data-parallel (train.data_parallel, default on).
 
 Reload for evaluation (no ml_collections config file needed):
   model, task, config = experiments.train.load_trained(workdir)
@@ -49,6 +60,7 @@ import optax
 from flax import nnx
 
 from experiments import common
+from experiments import train_resume
 from replayssm_jax import tasks
 from replayssm_jax.models import HybridLM, ModelConfig
 
@@ -168,13 +180,17 @@ def restore_model(cfg: ModelConfig, path: str) -> HybridLM:
   return nnx.merge(graphdef, nnx.from_flat_state(new))
 
 
-def load_trained(workdir: str, step: int | None = None
+def load_trained(workdir: str, step: int | None = None,
+                 task_overrides: dict | None = None
                  ) -> tuple[HybridLM, tasks.Task, ml_collections.ConfigDict]:
   """(model, task, config) of a training run's workdir.
 
   Args:
     workdir: the --workdir of an `experiments.train` run.
     step: the checkpoint step to load (default: the latest).
+    task_overrides: task fields to replace before the task is built (e.g.
+      a text model's corpus_dir, to score it on another copy or an excerpt
+      of its corpus); the returned config keeps the run's own.
 
   Returns:
     The HybridLM with the trained parameters, the task (`tasks.make_task`
@@ -186,8 +202,11 @@ def load_trained(workdir: str, step: int | None = None
     raise FileNotFoundError(f"no config.json in {workdir}: not the workdir "
                             f"of an experiments.train run.")
   with open(path) as f:
-    config = ml_collections.ConfigDict(json.load(f))
-  task, cfg = build(config)
+    raw = json.load(f)
+  config = ml_collections.ConfigDict(raw)
+  if task_overrides:
+    raw["task"] = dict(raw["task"], **task_overrides)
+  task, cfg = build(ml_collections.ConfigDict(raw))
   steps = checkpoint_steps(workdir)
   if not steps:
     raise FileNotFoundError(f"no checkpoint under "
@@ -226,6 +245,27 @@ def _plot(workdir: str, task: tasks.Task, history: list[dict],
   return common.save_plot(fig, os.path.join(workdir, "training.png"))
 
 
+def _recipe_lines(r: dict) -> list[str]:
+  """The summary's "Rebuild" section: the commands and the hashes that
+  make the same parameters again."""
+  lines = ["## Rebuild", ""]
+  if r["corpus_sha256"]:
+    lines += [f"Corpus sha256 `{r['corpus_sha256']}` "
+              "(`python -m experiments.build_corpus "
+              "--config=configs/corpus.py --workdir=runs/corpus`; "
+              "manifest.json holds the hash).", ""]
+  if r["config_file"]:
+    lines += ["```",
+              f"python -m experiments.train --config={r['config_file']}:"
+              f"{r['config_arg']} --workdir=<workdir>",
+              "```", ""]
+  lines += [f"Seed {r['seed']}; {r['num_steps']} steps x batch "
+            f"{r['batch_size']} x {r['seq_len']} tokens = "
+            f"{r['token_budget']:,} training tokens; {r['num_params']:,} "
+            "parameters.", ""]
+  return lines
+
+
 def _summary(workdir, config, cfg, n_params, final) -> str:
   rows = [dict(mode=r["mode"], **{k: r[k] for k in (
       "loss", "accuracy", "perplexity", "bits_per_token", "num_targets")})
@@ -250,39 +290,110 @@ def _summary(workdir, config, cfg, n_params, final) -> str:
       "",
       table,
       "",
-  ])
+  ] + _recipe_lines(final["recipe"]))
   return common.write_summary(workdir, text)
 
 
 # ------------------------------------------------------------------- run
+def _placement(tc, batch_size: int):
+  """(put_state, put_batch, devices): with train.data_parallel (default on)
+  and several local devices, parameters and optimizer state replicated
+  and each batch split over a one-axis "data" mesh (jit then runs the
+  step data-parallel: XLA inserts the gradient all-reduce); else
+  identities."""
+  n = jax.local_device_count()
+  if n == 1 or not tc.get("data_parallel", True):
+    return (lambda t: t), (lambda b: b), 1
+  if batch_size % n:
+    raise ValueError(f"train.batch_size ({batch_size}) must be a multiple "
+                     f"of the {n} local devices (or set "
+                     f"train.data_parallel=False).")
+  # Auto axes: XLA's sharding propagation places every intermediate (the
+  # embedding gather, the activations) after the batch split.
+  mesh = jax.make_mesh((n,), ("data",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  split = jax.sharding.NamedSharding(mesh,
+                                     jax.sharding.PartitionSpec("data"))
+  return ((lambda t: jax.device_put(t, rep)),
+          (lambda b: jax.device_put(b, split)), n)
+
+
+def recipe(config, task: tasks.Task, n_params: int) -> dict:
+  """How to rebuild the run: config file and arg, seed, the corpus hash
+  (text tasks), the token budget and the parameter count."""
+  tc = config.train
+  return dict(config_file=config.get("config_file", ""),
+              config_arg=config.get("name", ""), seed=int(config.seed),
+              corpus_sha256=task.to_dict().get("corpus_sha256", ""),
+              num_steps=int(tc.num_steps), batch_size=int(tc.batch_size),
+              seq_len=int(task.seq_len),
+              token_budget=int(tc.num_steps * tc.batch_size * task.seq_len),
+              num_params=int(n_params))
+
+
 def run(config, workdir: str) -> dict:
   """Trains per `config` into `workdir`; returns a summary dict (workdir,
-  history, evals, final, checkpoint)."""
+  history, evals, final, checkpoint, finished).
+
+  With train.resume, a workdir holding an earlier call of the same config
+  continues from its newest saved step (`experiments.train_resume`); with
+  train.stop_after_s > 0, the call stops after that many seconds at a step
+  boundary, saving the parameters and optimizer state (finished False), so
+  that a call repeated until finished trains within a per-call time limit.
+  """
   t_start = time.perf_counter()
   task, cfg = build(config)
+  common.avoid_cpu_lapack_stall(cfg.block_kinds)  # before jax starts
   tc = config.train
   for name in ("batch_size", "log_every", "eval_every", "eval_batches",
                "eval_batch_size"):
     if tc[name] < 1:
       raise ValueError(f"train.{name} must be >= 1, got {tc[name]}.")
-  workdir, _, writer = common.start_run(workdir, config)
+  stop_after = float(tc.get("stop_after_s", 0) or 0)
+  resume = bool(tc.get("resume", False))
+  workdir = os.path.abspath(workdir)
+  start = train_resume.resume_step(workdir, config, checkpoint_steps(workdir))
+  if start == tc.num_steps:
+    logging.info("%s: already trained to step %d", workdir, start)
+    return dict(workdir=workdir, finished=True, resumed_from=start,
+                checkpoint=os.path.join(workdir, CHECKPOINT_DIR, str(start)))
+  kept = train_resume.trim_metrics(workdir, start) if start else []
+  workdir = common.prepare_workdir(workdir, config)
+  env = common.log_environment()
+  writer = common.MetricsWriter(workdir, truncate=not start)
+  writer.write(kind="environment", resumed_from=start, **env)
   ckpt_root = os.path.join(workdir, CHECKPOINT_DIR)
-  if os.path.isdir(ckpt_root):  # a previous run's: would mix with ours
-    logging.info("removing old checkpoints in %s", ckpt_root)
-    shutil.rmtree(ckpt_root)
+  if not start:
+    for root in (ckpt_root, os.path.join(workdir,
+                                         train_resume.TRAIN_STATE_DIR)):
+      if os.path.isdir(root):  # a previous run's: would mix with ours
+        logging.info("removing old checkpoints in %s", root)
+        shutil.rmtree(root)
   for name, obj in (("model_config.json", cfg), ("task.json",
                                                  task.to_dict())):
     with open(os.path.join(workdir, name), "w") as f:
       json.dump(common.to_jsonable(obj), f, indent=2, sort_keys=True)
 
-  model = HybridLM(cfg, rngs=nnx.Rngs(config.seed))
+  put_state, put_batch, n_dev = _placement(tc, tc.batch_size)
+  if start:
+    model = restore_model(cfg, os.path.join(ckpt_root, str(start)))
+  else:
+    model = HybridLM(cfg, rngs=nnx.Rngs(config.seed))
   graphdef, params = nnx.split(model)
   del model
   n_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
-  logging.info("task %s, model d_model %d pattern %s: %s parameters",
-               task.name, cfg.d_model, cfg.pattern, f"{n_params:,}")
+  logging.info("task %s, model d_model %d pattern %s: %s parameters "
+               "(%d device(s))", task.name, cfg.d_model, cfg.pattern,
+               f"{n_params:,}", n_dev)
   tx, schedule = make_optimizer(tc, params)
   opt_state = tx.init(params)
+  totals = dict(train_s=0.0, steps_timed=0, compile_s=None)
+  if start:
+    opt_state, meta = train_resume.restore(workdir, start, opt_state)
+    totals.update({k: meta[k] for k in totals if k in meta})
+    logging.info("resumed from step %d (%s)", start, workdir)
+  params, opt_state = put_state(params), put_state(opt_state)
   train_step = make_train_step(graphdef, tx)
   eval_batches = task.eval_batches(tc.eval_batches, tc.eval_batch_size)
   tokens_per_step = tc.batch_size * task.seq_len
@@ -296,35 +407,48 @@ def run(config, workdir: str) -> dict:
                  m["loss"], m["accuracy"], m["perplexity"])
     return rec
 
-  evals = [evaluate(0)]
-  history = []
-  interval_losses, t_interval, compile_s, train_s = [], None, None, 0.0
-  # Step timing excludes compilation (step 1), evals and checkpoints:
-  # n_since steps ran since t_interval; int_* accumulate the log interval.
-  steps_timed = n_since = int_steps = 0
+  def save(step):
+    path = save_checkpoint(workdir, step, params)
+    if resume:
+      train_resume.save(workdir, step, opt_state, totals)
+    return path
+
+  history = [r for r in kept if r.get("kind") == "train"]
+  evals = [r for r in kept if r.get("kind") == "eval"] or [evaluate(0)]
+  interval_losses, t_interval = [], None
+  # Step timing excludes compilation (the call's first step), evals and
+  # checkpoints: n_since steps ran since t_interval; int_* accumulate the
+  # log interval; totals sum over every call of a resumed run.
+  n_since = int_steps = 0
   int_time = 0.0
-  for step in range(1, tc.num_steps + 1):
-    batch = task.batch(step - 1, tc.batch_size, "train")
-    if step == 1:
+  first = (start or 0) + 1
+  stopped = None
+  for step in range(first, tc.num_steps + 1):
+    batch = put_batch(task.batch(step - 1, tc.batch_size, "train"))
+    if step == first:
       t0 = time.perf_counter()
       params, opt_state, m = train_step(params, opt_state, batch)
       jax.block_until_ready(m)
       compile_s = time.perf_counter() - t0
+      if totals["compile_s"] is None:
+        totals["compile_s"] = compile_s
       logging.info("first step (compilation included): %.2fs", compile_s)
       t_interval = time.perf_counter()
     else:
       params, opt_state, m = train_step(params, opt_state, batch)
       n_since += 1
     interval_losses.append(m["loss"])
-    if step % tc.log_every == 0 or step == tc.num_steps:
+    stop = (stop_after > 0 and step < tc.num_steps
+            and time.perf_counter() - t_start > stop_after)
+    if step % tc.log_every == 0 or step == tc.num_steps or stop:
       losses = np.asarray(jax.device_get(interval_losses), np.float64)
       now = time.perf_counter()
       int_time += now - t_interval
       int_steps += n_since
       t_interval, n_since = now, 0
       dt = int_time / int_steps if int_steps else float("nan")
-      train_s += int_time
-      steps_timed += int_steps
+      totals["train_s"] += int_time
+      totals["steps_timed"] += int_steps
       rec = writer.write(kind="train", step=step, loss=float(losses.mean()),
                          last_loss=float(losses[-1]),
                          lr=float(schedule(step - 1)),
@@ -335,9 +459,14 @@ def run(config, workdir: str) -> dict:
         raise FloatingPointError(f"training loss is {rec['loss']} at step "
                                  f"{step}; lower train.learning_rate.")
       logging.info("step %d/%d: loss %.4f, lr %.2e, grad norm %.3f, "
-                   "%.1f ms/step", step, tc.num_steps, rec["loss"], rec["lr"],
-                   rec["grad_norm"], dt * 1e3)
+                   "%.1f ms/step, %.0f tokens/s", step, tc.num_steps,
+                   rec["loss"], rec["lr"], rec["grad_norm"], dt * 1e3,
+                   rec["tokens_per_s"])
       interval_losses, int_time, int_steps = [], 0.0, 0
+    if stop:
+      save(step)
+      stopped = step
+      break
     do_eval = step % tc.eval_every == 0 or step == tc.num_steps
     do_ckpt = bool(tc.checkpoint_every) and step % tc.checkpoint_every == 0 \
         and step != tc.num_steps
@@ -349,8 +478,23 @@ def run(config, workdir: str) -> dict:
       if do_eval:
         evals.append(evaluate(step))
       if do_ckpt:
-        save_checkpoint(workdir, step, params)
+        save(step)
       t_interval, n_since = time.perf_counter(), 0
+  if stopped is not None:
+    wall = time.perf_counter() - t_start
+    writer.write(kind="paused", step=stopped, num_steps=tc.num_steps,
+                 wall_s=wall, resume=resume)
+    _plot(workdir, task, history, evals)
+    common.write_summary(workdir, (
+        f"# Training run `{config.name}` (paused)\n\nStopped at step "
+        f"{stopped} of {tc.num_steps} after {wall:.0f} s "
+        f"(train.stop_after_s {stop_after:g}); the same command continues "
+        f"it.\n"))
+    logging.info("stopped at step %d of %d after %.0f s (stop_after_s); "
+                 "run again to continue", stopped, tc.num_steps, wall)
+    return dict(workdir=workdir, history=history, evals=evals,
+                finished=False, step=stopped,
+                checkpoint=os.path.join(ckpt_root, str(stopped)))
   ckpt = save_checkpoint(workdir, tc.num_steps, params)
 
   # Decode-mode cross-check of the trained model (f32 states).
@@ -371,13 +515,15 @@ def run(config, workdir: str) -> dict:
       logging.info("decode eval (%s): loss %.4f, accuracy %.4f", mode,
                    m["loss"], m["accuracy"])
       final_evals.append(dict(mode=f"decode {mode}", **m))
-  step_time = train_s / max(steps_timed, 1)
+  step_time = totals["train_s"] / max(totals["steps_timed"], 1)
   final = dict(kind="final", step=tc.num_steps, num_params=n_params,
-               compile_s=compile_s, train_s=train_s, step_time_s=step_time,
+               compile_s=totals["compile_s"], train_s=totals["train_s"],
+               step_time_s=step_time, resumed_from=start,
                initial_eval_loss=evals[0]["loss"],
                final_eval_loss=evals[-1]["loss"],
                final_eval_accuracy=evals[-1]["accuracy"],
                evals=final_evals, checkpoint=ckpt,
+               recipe=recipe(config, task, n_params),
                wall_s=time.perf_counter() - t_start)
   writer.write(final)
   _plot(workdir, task, history, evals)
@@ -385,7 +531,7 @@ def run(config, workdir: str) -> dict:
   logging.info("train finished in %.1fs; outputs in %s", final["wall_s"],
                workdir)
   return dict(workdir=workdir, history=history, evals=evals, final=final,
-              checkpoint=ckpt, model=model, task=task)
+              checkpoint=ckpt, model=model, task=task, finished=True)
 
 
 if __name__ == "__main__":

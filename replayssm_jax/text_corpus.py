@@ -17,6 +17,12 @@
                            size and sha256 checked against the manifest.
   corpus_hash(directory)   the manifest's corpus hash (recorded by models
                            trained on it).
+  write_excerpt(src, dst, max_bytes)
+                           a small corpus of each split's leading whole
+                           documents (test fixtures); its manifest names the
+                           corpus it was cut from.
+  lineage(directory)       the corpus's own hash and, for an excerpt, its
+                           source's.
 """
 
 from __future__ import annotations
@@ -121,3 +127,53 @@ def load_corpus(directory: str, verify: bool = True) -> dict[str, np.ndarray]:
     out[split] = (np.memmap(path, np.uint8, mode="r") if size else
                   np.zeros((0,), np.uint8))
   return out
+
+
+def _write_manifest(directory: str, manifest: dict) -> None:
+  with open(os.path.join(directory, MANIFEST), "w") as f:
+    json.dump(manifest, f, indent=1)
+
+
+def _combined_hash(splits: dict) -> str:
+  return hashlib.sha256("".join(splits[s]["sha256"]
+                                for s in SPLITS).encode()).hexdigest()
+
+
+def write_excerpt(src: str, dst: str, max_bytes: dict[str, int]) -> dict:
+  """Writes to `dst` a corpus of each split's leading whole documents of
+  the corpus `src`, at most max_bytes[split] bytes per split (at least one
+  document, cut at max_bytes if the first is longer); returns its
+  manifest, whose `excerpt_of` holds the source's corpus hash and the
+  bytes taken (`lineage`)."""
+  data = load_corpus(src)
+  parent = read_manifest(src)
+  os.makedirs(dst, exist_ok=True)
+  splits = {}
+  for split in SPLITS:
+    ids = np.asarray(data[split][:max_bytes[split] + 1])
+    cut = len(ids)
+    if len(ids) > max_bytes[split]:  # end at the last separator in range
+      seps = np.flatnonzero(ids[:max_bytes[split] + 1] == DOC_SEP)
+      cut = int(seps[-1]) if len(seps) else max_bytes[split]
+    path = os.path.join(dst, f"{split}.bin")
+    with open(path, "wb") as f:
+      f.write(ids[:cut].tobytes())
+    splits[split] = dict(bytes=cut, sha256=sha256_file(path))
+  manifest = dict(
+      excerpt_of=dict(corpus_sha256=parent["corpus_sha256"],
+                      max_bytes=dict(max_bytes),
+                      rule="each split's leading documents up to max_bytes"),
+      sources=parent.get("sources", {}), splits=splits,
+      total_bytes=sum(v["bytes"] for v in splits.values()),
+      tokenizer=parent["tokenizer"], corpus_sha256=_combined_hash(splits))
+  _write_manifest(dst, manifest)
+  ByteTokenizer.from_dict(parent["tokenizer"]).save(
+      os.path.join(dst, "tokenizer.json"))
+  return manifest
+
+
+def lineage(directory: str) -> tuple[str, ...]:
+  """(own corpus hash,) or, for an excerpt, (own hash, source's hash)."""
+  manifest = read_manifest(directory)
+  parent = manifest.get("excerpt_of", {}).get("corpus_sha256")
+  return (manifest["corpus_sha256"],) + ((parent,) if parent else ())
