@@ -20,9 +20,10 @@ then
       --config=configs/precision_accuracy.py --workdir=runs/precision_accuracy
 
 `:tiny` / `:medium` / `:large` evaluate the `<task>_<size>_ssm` runs
-instead (same workdir layout); `:text` the real-text models of
-configs/train_text.py (trained into runs/train_text/<family>_<size>); `--config.train_missing=True` trains the
-missing ones first. Smoke variant (CPU, about a minute;
+instead (same workdir layout); `--config.train_missing=True` trains the
+missing ones first. The real-text models (configs/train_text.py) have
+their own study config, configs/precision_text.py. Smoke variant (CPU,
+about a minute;
 trains a two-layer pure Mamba-2 model on the char smoke task first; used by
 tests/test_precision_accuracy.py):
 
@@ -53,9 +54,20 @@ Fields (override any with --config.<field>=...):
     runs the baselines without the replay rows of the other presets.
   eval_batches, eval_batch_size: validation batches per model.
   within_points: the accuracy band (percentage points) reported as "within".
+  ppl_tolerance: the relative perplexity change reported as "within_ppl".
+  agreement_target: the greedy generation agreement the report's targets
+    ask of the 16-bit-master presets.
+  stages: which of "scores", "generation", "state_error" run.
   generation: long generations per model against the f32 baseline's
     (num_prompts prompts of prompt_len validation tokens, new_tokens each;
-    modes "greedy" and / or "sampled" at temperature); new_tokens 0: none.
+    modes "greedy" and / or "sampled" at temperature; policies and
+    buffer_lens: None = config's; baselines: the every-step baselines
+    too); new_tokens 0: none.
+  state_error: the recorded recurrent layers' state against float64 along
+    a decode of `steps` tokens (see experiments/precision_lib/
+    state_error.py); steps 0: none (the default here).
+  merge_workdirs: report the records of these study workdirs together
+    instead of evaluating (stages or policy slices run apart).
 """
 
 import ml_collections
@@ -75,11 +87,25 @@ def _model(name: str, eval_seq_len: int = 0, file: str = "train") -> dict:
               eval_seq_len=eval_seq_len, train_overrides={})
 
 
+def state_error_config(steps: int, **kw) -> ml_collections.ConfigDict:
+  """The state_error stage's fields: a decode of `steps` tokens (source
+  "generation": the f32 baseline's greedy continuation of validation
+  prompts; "text": validation windows) by `rows` rows, the recurrent
+  `layers` recorded (indices among the recurrent blocks), measured at
+  `num_points` log-spaced steps against a `reference_dtype` recurrence;
+  policies / buffer_lens None = config's; baselines: the every-step
+  baselines too; capture_check: compare the recording loop's logits with
+  the model's decode."""
+  return ml_collections.ConfigDict(dict(dict(
+      steps=steps, rows=4, source="generation", layers=(0, -1),
+      num_points=24, reference_dtype="float64", policies=None,
+      buffer_lens=(16,), baselines=True, capture_check=True), **kw))
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The accuracy study; arg "smoke" (CPU test), "tiny", "medium" or
-  "large" (model size; default small), or "text" (the real-text models of
-  configs/train_text.py)."""
-  _args.check_arg(arg, "tiny", "medium", "large", "text")
+  "large" (model size; default small)."""
+  _args.check_arg(arg, "tiny", "medium", "large")
   size = arg if arg in ("tiny", "medium", "large") else "small"
   config = ml_collections.ConfigDict()
   config.seed = 0
@@ -100,18 +126,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.eval_batches = 4
   config.eval_batch_size = 32
   config.within_points = 1.0
-  if arg == "text":
-    # Byte-level Mamba-2 and Gated DeltaNet hybrids of 18-293M parameters
-    # on the real-text corpus, scored at 1024 bytes (1023 decode steps).
-    config.models = [_model(f"{family}_{size}", 1024, "train_text")
-                     for family in ("mamba2", "gdn")
-                     for size in ("s20m", "s60m", "s160m", "s300m")]
-    config.buffer_lens = (8, 16, 32)
+  config.ppl_tolerance = 0.01
+  config.agreement_target = 0.99
+  config.stages = ("scores", "generation", "state_error")
+  config.merge_workdirs = ()
   # Long generations per model against the f32 baseline's (see
-  # experiments/precision_accuracy.py); new_tokens 0 skips them.
+  # experiments/precision_lib/generation.py); new_tokens 0 skips them.
   config.generation = ml_collections.ConfigDict(dict(
       num_prompts=8, prompt_len=64, new_tokens=2048, temperature=1.0,
-      modes=("greedy", "sampled")))
+      modes=("greedy", "sampled"), policies=None, buffer_lens=None,
+      baselines=True))
+  config.state_error = state_error_config(steps=0)
   if arg == "smoke":
     # Next-character prediction (every position scored) by a two-layer
     # pure Mamba-2 model trained for 200 steps here.

@@ -1,45 +1,52 @@
-r"""Task accuracy under decode-state precision policies.
+r"""Decode accuracy, perplexity, long generations and state error of trained
+models under decode-state precision policies.
 
 For each trained model (experiments/train.py checkpoints; the smoke config
-trains a tiny one first) the validation batches are scored in decode mode:
-prefill of the first token, then teacher-forced `decode_step`s over the
-rest of the sequence (`tasks.decode_logits`), so every Mamba layer runs
-seq_len - 1 decode steps and a replay row flushes floor((seq_len - 1) / L)
-times. Decodes:
+trains a tiny one first) the study runs its stages (config.stages):
 
-  reference  ssm_mode="baseline", float32 state (no policy);
-  replay     ssm_mode="replay" with `init_state(precision=policy)` for each
-             policy x buffer length L (buffers config.buffer_dtype, SR seed
-             config.sr_seed, SR row ids = the global row index);
-  baseline   ssm_mode="baseline" with the same policy: the full state
-             stored every step in the policy's storage dtype (read_dtype,
-             else checkpoint_dtype) and rounding, for contrast (one run per
-             distinct dtype x rounding).
+  scores       the validation batches in decode mode: prefill of the first
+               token, then teacher-forced `decode_step`s over the rest
+               (`tasks.decode_logits`), so every recurrent layer runs
+               seq_len - 1 decode steps and a replay row flushes
+               floor((seq_len - 1) / L) times. Decodes
+                 reference  ssm_mode="baseline", float32 state (no policy);
+                 replay     ssm_mode="replay" with `init_state(precision=
+                            policy)` for each policy x buffer length L;
+                 baseline   the full state stored every step in a policy's
+                            storage dtype and rounding, for contrast
+               (`precision_lib.runs`). Reported per decode: accuracy,
+               loss / perplexity, the accuracy delta vs the reference in
+               percentage points (within config.within_points?) and the
+               perplexity's relative change (within config.ppl_tolerance?),
+               the greedy-prediction agreement with the reference and
+               max |logit - reference logit| / max |reference logit|;
+  generation   long generations against the f32 baseline's, greedy and
+               sampled: token agreement, first divergence
+               (`precision_lib.generation`);
+  state_error  the recorded recurrent layers' states along a long decode
+               against a float64 recurrence over the same inputs
+               (`precision_lib.state_error`).
 
-Reported per decode: accuracy (MQAR: at the queries; char / text:
-next-token accuracy), loss / perplexity and the perplexity's relative
-change, the accuracy delta vs the reference in percentage points and
-whether it lies within config.within_points, the greedy-prediction
-agreement with the reference at the scored positions, and max |logit -
-reference logit| / max |reference logit|. Then, per decode, long
-generations against the f32 baseline's (greedy and sampled token agreement,
-first divergence).
+With config.merge_workdirs set, nothing is evaluated: the records of those
+workdirs (stages run apart, e.g. one device call each) are read and the
+combined report written.
 
-Usage (see configs/precision_accuracy.py):
+Usage (see configs/precision_accuracy.py and configs/precision_text.py):
   python -m experiments.precision_accuracy \
       --config=configs/precision_accuracy.py --workdir=runs/precision_accuracy
 
 Outputs in --workdir: config.json, metrics.jsonl (kind = environment |
-model | reference | replay | baseline | generation), summary.md (per model
-a policy x L table of accuracy deltas, then all runs and the long
-generations), accuracy_delta.png; trained smoke models under
-train/<name>/.
+model | reference | replay | baseline | generation | state_error_stream |
+state_error | final), summary.md (`precision_lib.report`),
+accuracy_delta.png, perplexity.png, generation.png, state_error.png;
+trained smoke models under train/<name>/.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import os
 import time
 
@@ -47,19 +54,21 @@ from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from experiments import common
 from experiments import train as train_lib
+from experiments.precision_lib import generation
+from experiments.precision_lib import report
+from experiments.precision_lib import runs as R
+from experiments.precision_lib import state_error
 from replayssm_jax import tasks
-from replayssm_jax.models import generate
-from replayssm_jax.models import states as S
-from replayssm_jax.precision import PrecisionPolicy
+from replayssm_jax import text_corpus
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))), "configs", "precision_accuracy.py")
 TRAIN_CONFIG_FILES = ("train", "train_text")
-_SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16",
-          "float8_e4m3fn": "fp8", "int8": "int8"}
+STAGES = ("scores", "generation", "state_error")
 
 
 # ------------------------------------------------------------------ models
@@ -72,6 +81,7 @@ class ModelEntry:
   workdir: str = ""
   eval_seq_len: int = 0
   train_overrides: dict = dataclasses.field(default_factory=dict)
+  corpus_dir: str = ""
 
 
 def model_entry(raw) -> ModelEntry:
@@ -82,8 +92,8 @@ def model_entry(raw) -> ModelEntry:
   if unknown or "name" not in d or "train_config" not in d:
     raise ValueError(f"config.models entries need 'name' and "
                      f"'train_config' (optional: train_config_file, "
-                     f"workdir, eval_seq_len, train_overrides); got fields "
-                     f"{sorted(d)}.")
+                     f"workdir, eval_seq_len, train_overrides, corpus_dir); "
+                     f"got fields {sorted(d)}.")
   d["train_overrides"] = dict(d.get("train_overrides") or {})
   return ModelEntry(**d)
 
@@ -98,6 +108,22 @@ def _train_config(entry):
   if entry.train_overrides:
     config.update_from_flattened_dict(dict(entry.train_overrides))
   return config
+
+
+def _corpus_override(entry, path: str) -> dict | None:
+  """Task overrides scoring a text model on `entry.corpus_dir` (e.g. a
+  committed excerpt of the corpus it was trained on); the corpus must be
+  the training corpus or an excerpt of it (`text_corpus.lineage`)."""
+  if not entry.corpus_dir:
+    return None
+  with open(os.path.join(path, "task.json")) as f:
+    trained_on = json.load(f).get("corpus_sha256", "")
+  if trained_on not in text_corpus.lineage(entry.corpus_dir):
+    raise ValueError(f"models[{entry.name!r}].corpus_dir "
+                     f"{entry.corpus_dir!r} is neither the corpus the "
+                     f"model was trained on ({trained_on}) nor an excerpt "
+                     f"of it.")
+  return dict(corpus_dir=os.path.abspath(entry.corpus_dir), corpus_sha256="")
 
 
 def load_model(entry, workdir: str, train_missing: bool):
@@ -116,7 +142,8 @@ def load_model(entry, workdir: str, train_missing: bool):
     logging.info("model %s: no checkpoint in %s, training %s", entry.name,
                  path, entry.train_config)
     train_lib.run(_train_config(entry), path)
-  model, task, _ = train_lib.load_trained(path)
+  model, task, _ = train_lib.load_trained(
+      path, task_overrides=_corpus_override(entry, path))
   if entry.eval_seq_len:
     if entry.eval_seq_len < 2:
       raise ValueError(f"models[{entry.name!r}].eval_seq_len must be 0 or "
@@ -125,16 +152,25 @@ def load_model(entry, workdir: str, train_missing: bool):
   return model, task, path
 
 
-def make_policy(name: str, config) -> PrecisionPolicy:
-  return PrecisionPolicy.preset(name).replace(
-      buffer_dtype=config.buffer_dtype, seed=config.sr_seed)
+def _block_kinds(entry, workdir: str) -> tuple[str, ...]:
+  """The block kinds of an entry's model, from its training workdir's
+  model_config.json or its train config (no jax computation)."""
+  path = os.path.join(entry.workdir or os.path.join(workdir, "train",
+                                                    entry.name),
+                      "model_config.json")
+  if os.path.exists(path):
+    with open(path) as f:
+      return train_lib.ModelConfig(**json.load(f)).block_kinds
+  return train_lib.model_config(_train_config(entry)).block_kinds
 
 
-def baseline_key(policy: PrecisionPolicy) -> tuple[str, str]:
-  """(storage dtype, rounding) of the every-step baseline of `policy`;
-  rounding "rn", "sr", or "sr:<sr_rng>" for a non-default hash."""
-  dtype = S.baseline_storage_dtype(policy)
-  return dtype, "rn" if dtype == "float32" else policy.rounding
+def _training_record(path: str) -> dict:
+  """The final record of a training workdir's metrics.jsonl ({} if none)."""
+  mpath = os.path.join(path, "metrics.jsonl")
+  if not os.path.exists(mpath):
+    return {}
+  finals = [r for r in common.read_metrics(mpath) if r["kind"] == "final"]
+  return finals[-1] if finals else {}
 
 
 # -------------------------------------------------------------- evaluation
@@ -185,8 +221,9 @@ def decode_eval(model, batches, refs, ssm_mode, buffer_len, policy=None):
   return m, all_logits
 
 
-def evaluate_model(entry, model, task, config, writer) -> list[dict]:
-  """The reference, replay and baseline decodes of one model."""
+def score_model(entry, model, task, config, writer) -> list[dict]:
+  """The reference, replay and every-step baseline decodes of one model
+  on its validation batches."""
   batches = task.eval_batches(config.eval_batches, config.eval_batch_size)
   steps = task.seq_len - 1  # prefill 1 token, then decode steps
   base = dict(model=entry.name, task=task.name, seq_len=task.seq_len,
@@ -200,307 +237,129 @@ def evaluate_model(entry, model, task, config, writer) -> list[dict]:
                           rounding="rn", eval_s=time.perf_counter() - t0,
                           **ref))
   records.append(rec)
-  logging.info("%s reference (f32 baseline): accuracy %.4f, loss %.4f",
-               entry.name, ref["accuracy"], ref["loss"])
+  logging.info("%s reference (f32 baseline): accuracy %.4f, loss %.4f, "
+               "perplexity %.4f", entry.name, ref["accuracy"], ref["loss"],
+               ref["perplexity"])
 
-  def finish(rec, m, t0):
+  runs = R.replay_runs(config, config.policies, config.buffer_lens)
+  if config.baseline_contrast:
+    runs += R.baseline_runs(config, model, R.baseline_policies(config))[0]
+  for run in runs:
+    t0 = time.perf_counter()
+    m, _ = decode_eval(model, batches, refs, run.ssm_mode, run.buffer_len,
+                       run.policy)
+    rec = dict(base, kind=run.kind, label=run.label, policy=run.policy_name,
+               L=run.L)
+    if run.kind == "replay":
+      rec.update(checkpoint_dtype=run.policy.checkpoint_dtype,
+                 read_dtype=run.policy.read_dtype,
+                 buffer_dtype=run.policy.buffer_dtype,
+                 rounding=run.policy.rounding, flushes_per_row=steps // run.L)
+    else:
+      rec.update(storage_dtype=run.storage_dtype, rounding=run.rounding)
     delta = 100.0 * (m["accuracy"] - ref["accuracy"])
+    rel = m["perplexity"] / ref["perplexity"] - 1.0
     rec.update(m, delta_accuracy_points=delta,
-               delta_loss=m["loss"] - ref["loss"],
-               rel_perplexity=m["perplexity"] / ref["perplexity"] - 1.0,
+               delta_loss=m["loss"] - ref["loss"], rel_perplexity=rel,
                within=bool(abs(delta) <= config.within_points),
+               within_ppl=bool(abs(rel) <= config.ppl_tolerance),
                eval_s=time.perf_counter() - t0)
     records.append(writer.write(rec))
     logging.info("%s %-8s %-12s L=%-4s accuracy %.4f (%+.2f points), "
-                 "agreement %.4f, max rel logit diff %.2e", entry.name,
-                 rec["kind"], rec["label"], rec["L"] or "-", m["accuracy"],
-                 delta, m["agreement"], m["max_rel_logit_diff"])
-
-  for name in config.policies:
-    policy = make_policy(name, config)
-    for L in config.buffer_lens:
-      t0 = time.perf_counter()
-      m, _ = decode_eval(model, batches, refs, "replay", L, policy)
-      finish(dict(base, kind="replay", label=name, policy=name, L=L,
-                  checkpoint_dtype=policy.checkpoint_dtype,
-                  read_dtype=policy.read_dtype,
-                  buffer_dtype=policy.buffer_dtype,
-                  rounding=policy.rounding,
-                  flushes_per_row=steps // L), m, t0)
-
-  if config.baseline_contrast:
-    done = {("float32", "rn")}  # the reference itself
-    for name in _baseline_policies(config):
-      policy = make_policy(name, config)
-      key = baseline_key(policy)
-      if key in done:
-        continue
-      done.add(key)
-      t0 = time.perf_counter()
-      m, _ = decode_eval(model, batches, refs, "baseline", 1, policy)
-      finish(dict(base, kind="baseline",
-                  label=f"{_SHORT[key[0]]}+{key[1]}", policy=name, L=None,
-                  storage_dtype=key[0], rounding=key[1]), m, t0)
-  if config.generation.new_tokens:
-    runs = [(r["kind"], r["label"], make_policy(r["policy"], config),
-             "replay" if r["kind"] == "replay" else "baseline", r["L"] or 1)
-            for r in records if r["kind"] in ("replay", "baseline")]
-    records += generation_agreement(
-        entry.name, model, task, config, runs, writer)
+                 "perplexity %+.3f%%, agreement %.4f, max rel logit diff "
+                 "%.2e", entry.name, rec["kind"], rec["label"],
+                 rec["L"] or "-", m["accuracy"], delta, 100 * rel,
+                 m["agreement"], m["max_rel_logit_diff"])
   return records
 
 
-def _baseline_policies(config) -> tuple:
-  """The presets whose every-step baselines run."""
-  names = config.get("baseline_policies")
-  return tuple(config.policies if names is None else names)
-
-
-def _table_policies(config) -> tuple:
-  """The report's rows: the replay presets, then any baseline-only ones."""
-  extra = [n for n in _baseline_policies(config) if n not in config.policies]
-  return tuple(config.policies) + tuple(dict.fromkeys(extra))
-
-
-# --------------------------------------------------------- long generation
-# Per model: prompts are the first `generation.prompt_len` tokens of
-# validation windows; `generate` runs `generation.new_tokens` tokens per
-# prompt with the f32 baseline state (the reference) and with each decode
-# configuration, greedy and sampled (temperature `generation.temperature`,
-# the same PRNG key in every run, so two runs draw the same random numbers
-# and part only where their distributions do). Greedy agreement measures
-# how often rounding flips an argmax and sends the continuation elsewhere;
-# sampled agreement, how often it moves a draw.
-
-
-def prompts(task, config):
-  """[n, prompt_len] int32 prompts: validation windows' first tokens."""
-  g = config.generation
-  return task.batch(0, g.num_prompts, "val")["inputs"][:, :g.prompt_len]
-
-
-def divergence(tokens, ref) -> dict:
-  """Agreement and first-divergence statistics of [n, T] tokens vs ref."""
-  tokens, ref = np.asarray(tokens), np.asarray(ref)
-  same = tokens == ref
-  n, t = same.shape
-  first = np.where(same.all(1), t, np.argmin(same, axis=1))
-  return dict(agreement=float(same.mean()),
-              first_divergence_median=float(np.median(first)),
-              first_divergence_min=int(first.min()),
-              never_diverged=float(np.mean(first == t)), rows=int(n),
-              new_tokens=int(t))
-
-
-def _generate_run(model, p, config, mode, ssm_mode, buffer_len, policy):
-  g = config.generation
-  lengths = jnp.full((p.shape[0],), p.shape[1], jnp.int32)
-  kw = {}
-  if policy is not None:
-    kw["precision"] = policy
-    if policy.stochastic_rounding:
-      kw["row_ids"] = np.arange(p.shape[0], dtype=np.int32)
-  if mode == "sampled":
-    kw.update(temperature=float(g.temperature),
-              rng=jax.random.PRNGKey(config.seed + 7))
-  tokens, _ = generate(model, jnp.asarray(p), lengths, int(g.new_tokens),
-                       ssm_mode=ssm_mode, buffer_len=buffer_len, **kw)
-  return np.asarray(tokens)
-
-
-def generation_agreement(name, model, task, config, runs, writer):
-  """Long-generation records of one model (agreement: share of tokens
-  equal to the reference's at the same position; first divergence per
-  row: the index of its first differing token, new_tokens if none). runs: (kind, label, policy or None,
-  ssm_mode, L) per decode configuration besides the reference."""
-  p = prompts(task, config)
+def evaluate_model(entry, model, task, config, writer) -> list[dict]:
+  """The study's stages (config.stages) on one model."""
+  stages = tuple(config.get("stages", STAGES))
   records = []
-  for mode in config.generation.modes:
-    ref = _generate_run(model, p, config, mode, "baseline", 1, None)
-    for kind, label, policy, ssm_mode, L in runs:
-      t0 = time.perf_counter()
-      out = _generate_run(model, p, config, mode, ssm_mode, L, policy)
-      rec = writer.write(dict(
-          kind="generation", model=name, mode=mode, run_kind=kind,
-          label=label, L=L, prompt_len=p.shape[1],
-          temperature=(float(config.generation.temperature)
-                       if mode == "sampled" else 0.0),
-          eval_s=time.perf_counter() - t0, **divergence(out, ref)))
-      records.append(rec)
-      logging.info("%s %s %-8s %-12s L=%-4s agreement %.4f, first "
-                   "divergence median %.0f", name, mode, kind, label,
-                   L or "-", rec["agreement"],
-                   rec["first_divergence_median"])
+  if "scores" in stages:
+    records += score_model(entry, model, task, config, writer)
+  if "generation" in stages and config.generation.new_tokens:
+    records += generation.agreement(entry.name, model, task, config, writer)
+  se = config.get("state_error")
+  if "state_error" in stages and se is not None and se.steps:
+    records += state_error.measure(entry.name, model, task, config, writer)
   return records
-
-
-# ---------------------------------------------------------------- reports
-def _cell(r):
-  return f"{r['delta_accuracy_points']:+.2f} ({'yes' if r['within'] else 'no'})"
-
-
-def _report(config, workdir, models, records) -> str:
-  lines = [
-      "# Decode accuracy under precision policies",
-      "",
-      "Decode mode: prefill 1 token, then teacher-forced decode steps over "
-      "each sequence. Reference: the f32 baseline decode. Cells: accuracy "
-      "delta vs the reference in percentage points, and whether it lies "
-      f"within {config.within_points:g} point(s). Replay buffers "
-      f"{config.buffer_dtype}; SR seed {config.sr_seed}. 'baseline' = the "
-      "full state stored every step in the policy's storage dtype "
-      "(read_dtype, else checkpoint_dtype) with its rounding.",
-      "",
-  ]
-  Ls = list(config.buffer_lens)
-  for info in models:
-    name = info["model"]
-    mine = [r for r in records if r["model"] == name]
-    ref = next(r for r in mine if r["kind"] == "reference")
-    baselines = {(r["storage_dtype"], r["rounding"]): r for r in mine
-                 if r["kind"] == "baseline"}
-    rows = []
-    for pname in _table_policies(config):
-      row = {"policy": pname}
-      for r in mine:
-        if r["kind"] == "replay" and r["policy"] == pname:
-          row[f"L={r['L']}"] = _cell(r)
-      key = baseline_key(make_policy(pname, config))
-      b = baselines.get(key)
-      row["baseline (every step)"] = (
-          f"{b['label']}: {_cell(b)}" if b is not None else
-          "= reference" if key == ("float32", "rn") else "-")
-      rows.append(row)
-    cols = ["policy"] + [f"L={L}" for L in Ls]
-    if config.baseline_contrast:
-      cols.append("baseline (every step)")
-    lines += [
-        f"## {name} ({ref['task']}, seq_len {ref['seq_len']}, "
-        f"{ref['decode_steps']} decode steps, {ref['num_targets']} scored "
-        f"targets)",
-        "",
-        f"Reference accuracy {ref['accuracy']:.4f}, loss {ref['loss']:.4f} "
-        f"(perplexity {ref['perplexity']:.3f}); trained in "
-        f"`{info['train_workdir']}`. Flushes per row: "
-        + ", ".join(f"L={L}: {ref['decode_steps'] // L}" for L in Ls) + ".",
-        "",
-        common.markdown_table(rows, cols),
-        "",
-    ]
-  cols = ["model", "kind", "label", "L", "flushes_per_row", "accuracy",
-          "delta_accuracy_points", "within", "agreement", "loss",
-          "delta_loss", "perplexity", "rel_perplexity", "max_rel_logit_diff"]
-  fmts = {"accuracy": ".4f", "delta_accuracy_points": "+.2f",
-          "agreement": ".4f", "loss": ".4f", "delta_loss": "+.4f",
-          "perplexity": ".3f", "rel_perplexity": "+.2e",
-          "max_rel_logit_diff": ".2e"}
-  lines += ["## All runs", "",
-            "agreement: share of scored positions where the greedy "
-            "prediction equals the reference's; max_rel_logit_diff: max "
-            "|logit - reference logit| / max |reference logit| over all "
-            "positions.", "",
-            common.markdown_table([r for r in records
-                                   if r["kind"] in ("replay", "baseline")],
-                                  cols, fmts),
-            ""]
-  gen = [r for r in records if r["kind"] == "generation"]
-  if gen:
-    g = config.generation
-    lines += [
-        "## Long generation", "",
-        f"{g.num_prompts} prompts of {g.prompt_len} tokens, "
-        f"{g.new_tokens} new tokens each, against the f32 baseline's; "
-        f"sampled at temperature {g.temperature:g} with the same PRNG key "
-        "in every run. agreement: share of tokens equal to the "
-        "reference's; first divergence: index of a row's first differing "
-        "token (median / min over rows).", "",
-        common.markdown_table(gen, [
-            "model", "mode", "run_kind", "label", "L", "agreement",
-            "first_divergence_median", "first_divergence_min",
-            "never_diverged"], dict(agreement=".4f", never_diverged=".2f",
-                                    first_divergence_median=".0f")), ""]
-  return common.write_summary(workdir, "\n".join(lines))
-
-
-def _plot(config, workdir, models, records) -> str:
-  n = len(models)
-  fig, axes = common.new_figure(2, n, figsize=(6.5 * n, 8.0))
-  Ls = list(config.buffer_lens)
-  for j, info in enumerate(models):
-    mine = [r for r in records if r["model"] == info["model"]]
-    bl = {(r["storage_dtype"], r["rounding"]): r for r in mine
-          if r["kind"] == "baseline"}
-    for i, (metric, ylabel) in enumerate((
-        ("delta_accuracy_points", "accuracy - f32 reference (points)"),
-        ("disagreement_pct", "greedy predictions != f32 reference (%)"))):
-      ax = axes[i][j]
-      for k, pname in enumerate(_table_policies(config)):
-        color = f"C{k % 10}"
-        rs = sorted((r for r in mine if r["kind"] == "replay"
-                     and r["policy"] == pname), key=lambda r: r["L"])
-
-        def val(r):
-          if metric == "disagreement_pct":
-            return 100.0 * (1.0 - r["agreement"])
-          return r[metric]
-
-        ax.plot([r["L"] for r in rs], [val(r) for r in rs], "o-",
-                color=color, label=pname)
-        key = baseline_key(make_policy(pname, config))
-        b = bl.get(key)
-        if b is None and key == ("float32", "rn"):  # the reference itself
-          b = dict(delta_accuracy_points=0.0, agreement=1.0)
-        if b is not None and config.baseline_contrast:
-          ax.plot([1], [val(b)], "s", mfc="none", color=color)
-      if metric == "delta_accuracy_points":
-        ax.axhspan(-config.within_points, config.within_points,
-                   color="0.9", zorder=0)
-      ax.set_xscale("log", base=2)
-      ax.set_xticks([1] + Ls)
-      ax.set_xticklabels(["1 (baseline)"] + [str(L) for L in Ls])
-      ax.set_xlabel("buffer length L (hollow squares: baseline stored "
-                    "every step)")
-      ax.set_ylabel(ylabel)
-      ax.grid(True, alpha=0.3)
-      if i == 0:
-        ax.set_title(f"{info['model']} (seq_len {info['seq_len']})")
-        ax.legend(fontsize=7, ncol=2)
-  return common.save_plot(fig, os.path.join(workdir, "accuracy_delta.png"))
 
 
 # ------------------------------------------------------------------- run
 def _check_config(config):
-  if not config.models:
+  if not config.models and not config.get("merge_workdirs"):
     raise ValueError("config.models must list at least one model.")
   for raw in config.models:
     model_entry(raw)
   for L in config.buffer_lens:
     if isinstance(L, bool) or not isinstance(L, int) or L < 1:
       raise ValueError(f"config.buffer_lens must hold ints >= 1, got {L!r}.")
-  for name in _table_policies(config):
-    make_policy(name, config)  # raises naming the preset / field
+  for name in R.table_policies(config):
+    R.make_policy(name, config)  # raises naming the preset / field
+  unknown = sorted(set(config.get("stages", STAGES)) - set(STAGES))
+  if unknown:
+    raise ValueError(f"config.stages: unknown {unknown}; choose from "
+                     f"{STAGES}.")
+
+
+_IDENTITY = ("kind", "model", "label", "L", "mode", "run_kind", "block")
+
+
+def _merged(config) -> tuple[list[dict], list[dict]]:
+  """(model infos, records) of the workdirs in config.merge_workdirs; a
+  record that several hold (the reference decode of each preset slice)
+  is kept once."""
+  models, records, seen = {}, [], set()
+  for wd in config.merge_workdirs:
+    for r in common.read_metrics(os.path.join(wd, "metrics.jsonl")):
+      if r["kind"] == "model":
+        models.setdefault(r["model"], r)
+        continue
+      key = tuple(str(r.get(k)) for k in _IDENTITY)
+      if r["kind"] not in ("environment", "final") and key not in seen:
+        seen.add(key)
+        records.append(r)
+  return list(models.values()), records
 
 
 def run(config, workdir: str) -> dict:
-  """Runs the accuracy study into `workdir`; returns the records."""
+  """Runs the study into `workdir`; returns the records."""
   t_start = time.perf_counter()
   _check_config(config)
+  for entry in map(model_entry, config.models):  # before jax starts
+    common.avoid_cpu_lapack_stall(_block_kinds(entry, workdir))
   workdir, _, writer = common.start_run(workdir, config)
-  records, models = [], []
-  for entry in map(model_entry, config.models):
-    model, task, path = load_model(entry, workdir, config.train_missing)
-    info = writer.write(kind="model", model=entry.name, task=task.name,
-                        seq_len=task.seq_len, train_workdir=path,
-                        pattern=model.config.pattern,
-                        d_model=model.config.d_model,
-                        task_spec=task.to_dict())
-    info = dict(info)
-    models.append(info)
-    logging.info("model %s: %s, pattern %s, eval seq_len %d", entry.name,
-                 task.name, model.config.pattern, task.seq_len)
-    records += evaluate_model(entry, model, task, config, writer)
-  text = _report(config, workdir, models, records)
-  _plot(config, workdir, models, records)
+  if config.get("merge_workdirs"):
+    models, records = _merged(config)
+    for r in models + records:
+      writer.write(r)
+  else:
+    records, models = [], []
+    for entry in map(model_entry, config.models):
+      model, task, path = load_model(entry, workdir, config.train_missing)
+      trained = _training_record(path)
+      n_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(
+          nnx.split(model)[1])))
+      skipped = R.baseline_runs(config, model, R.baseline_policies(
+          config))[1] if config.baseline_contrast else []
+      info = writer.write(kind="model", model=entry.name, task=task.name,
+                          seq_len=task.seq_len, train_workdir=path,
+                          pattern=model.config.pattern,
+                          d_model=model.config.d_model, num_params=n_params,
+                          recipe=trained.get("recipe"),
+                          baselines_not_supported=skipped,
+                          task_spec=task.to_dict())
+      models.append(dict(info))
+      logging.info("model %s: %s, pattern %s, %s parameters, eval seq_len "
+                   "%d", entry.name, task.name, model.config.pattern,
+                   f"{n_params:,}", task.seq_len)
+      records += evaluate_model(entry, model, task, config, writer)
+  text = report.write_summary(config, workdir, models, records)
+  report.plot_scores(config, workdir, models, records)
+  report.plot_generation(workdir, models, records)
+  report.plot_state_error(workdir, models, records)
   common.log_block(text)
   wall = time.perf_counter() - t_start
   writer.write(kind="final", wall_s=wall)

@@ -83,7 +83,7 @@ def measure_points(steps: int, num: int) -> np.ndarray:
 
 
 @contextlib.contextmanager
-def _precision_context(ref_dtype: str):
+def precision_context(ref_dtype: str):
   """float64 enabled for the run when the reference is float64."""
   if jnp.dtype(ref_dtype) != jnp.float64:
     yield
@@ -95,7 +95,12 @@ def _precision_context(ref_dtype: str):
     yield
 
 
-def _tokens(key, t, dims):
+def _tokens(key, t, dims, inputs=None):
+  """Step t's inputs: drawn from fold_in(key, t), or (inputs: a dict of
+  [steps, batch, ...] arrays recorded from a model, e.g. by
+  experiments/precision_lib/state_error.py) their row t."""
+  if inputs is not None:
+    return {k: v[t] for k, v in inputs.items()}
   b, h, p, n, g = dims
   return testing.random_step_inputs(jax.random.fold_in(key, t), b, h, p, n,
                                     g, with_z=False)
@@ -119,7 +124,7 @@ def _ref_step(S, tok, params):
   return S, y
 
 
-def _rel(a, ref):
+def rel_errors(a, ref):
   """(max-norm, Frobenius) relative errors, computed in ref's dtype."""
   diff = a.astype(ref.dtype) - ref
   mx = jnp.max(jnp.abs(diff)) / jnp.maximum(jnp.max(jnp.abs(ref)), 1e-30)
@@ -136,11 +141,13 @@ def _out_err(y, y_ref):
 
 # ---------------------------------------------------------------- runners
 @functools.partial(jax.jit, static_argnames=("dims", "policy", "layer"))
-def advance_replay(carry, t0, n, key, params, *, dims, policy, layer):
-  """n replay steps from step t0; returns (carry, stats of the chunk)."""
+def advance_replay(carry, t0, n, key, params, *, dims, policy, layer,
+                   inputs=None):
+  """n replay steps from step t0; returns (carry, stats of the chunk).
+  inputs: recorded step inputs (see `_tokens`), else random ones."""
   def body(t, c):
     S, rst, mx, sm = c
-    tok = _tokens(key, t, dims)
+    tok = _tokens(key, t, dims, inputs)
     S, y_ref = _ref_step(S, tok, params)
     y, rst = rs.replay_state_update(
         rst, tok["x"], tok["dt"], params["A"], tok["B"], tok["C"],
@@ -152,7 +159,7 @@ def advance_replay(carry, t0, n, key, params, *, dims, policy, layer):
   S, rst = carry
   zero = jnp.zeros((), S.dtype)
   S, rst, mx, sm = jax.lax.fori_loop(t0, t0 + n, body, (S, rst, zero, zero))
-  st_max, st_fro = _rel(reference.materialize(rst, params["A"]), S)
+  st_max, st_fro = rel_errors(reference.materialize(rst, params["A"]), S)
   return (S, rst), dict(out_max=mx, out_mean=sm / n, state_max=st_max,
                         state_fro=st_fro)
 
@@ -160,14 +167,15 @@ def advance_replay(carry, t0, n, key, params, *, dims, policy, layer):
 @functools.partial(jax.jit, static_argnames=("dims", "sr", "seed", "layer",
                                              "sr_rng"))
 def advance_baseline(carry, t0, n, key, params, *, dims, sr, seed, layer,
-                     sr_rng):
-  """n steps of the stored-state baseline (rounded every step)."""
+                     sr_rng, inputs=None):
+  """n steps of the stored-state baseline (rounded every step); inputs as
+  in `advance_replay`."""
   b = dims[0]
   row_id = jnp.arange(b, dtype=jnp.int32)
 
   def body(t, c):
     S, stored, scale, mx, sm = c
-    tok = _tokens(key, t, dims)
+    tok = _tokens(key, t, dims, inputs)
     S, y_ref = _ref_step(S, tok, params)
     y, stored, scale = reference.selective_state_update_stored(
         stored, tok["x"], tok["dt"], params["A"], tok["B"], tok["C"],
@@ -181,12 +189,12 @@ def advance_baseline(carry, t0, n, key, params, *, dims, sr, seed, layer,
   zero = jnp.zeros((), S.dtype)
   S, stored, scale, mx, sm = jax.lax.fori_loop(
       t0, t0 + n, body, (S, stored, scale, zero, zero))
-  st_max, st_fro = _rel(P.load(stored, scale), S)
+  st_max, st_fro = rel_errors(P.load(stored, scale), S)
   return (S, stored, scale), dict(out_max=mx, out_mean=sm / n,
                                   state_max=st_max, state_fro=st_fro)
 
 
-def _drive(advance, carry, points, **kw):
+def drive(advance, carry, points, **kw):
   """Runs chunk by chunk to each measurement point; per-point stats."""
   rows, t = [], 0
   for pt in points:
@@ -238,7 +246,7 @@ def run_all(config, writer) -> list[dict]:
       rst = rst.replace(count=jnp.asarray(np.arange(b) % L, jnp.int32),
                         dt_buf=jnp.zeros_like(rst.dt_buf))
       carry = (s0.astype(ref_dt), rst)
-      _, stats = _drive(advance_replay, carry, points, key=k_in,
+      _, stats = drive(advance_replay, carry, points, key=k_in,
                         params=params, dims=dims, policy=policy,
                         layer=config.layer)
       finish(dict(kind="replay", label=name, policy=name, L=L,
@@ -253,7 +261,7 @@ def run_all(config, writer) -> list[dict]:
       t0 = time.perf_counter()
       stored, scale = P.store(s0, dtype)
       carry = (s0.astype(ref_dt), stored, scale)
-      _, stats = _drive(advance_baseline, carry, points, key=k_in,
+      _, stats = drive(advance_baseline, carry, points, key=k_in,
                         params=params, dims=dims, sr=(kind == "sr"),
                         seed=config.sr_seed, layer=config.layer,
                         sr_rng=sr_rng or "threefry")
@@ -349,7 +357,7 @@ def run(config, workdir: str) -> dict:
   env = common.log_environment()
   writer = common.MetricsWriter(workdir)
   writer.write(kind="environment", **env)
-  with _precision_context(config.reference_dtype):
+  with precision_context(config.reference_dtype):
     records = run_all(config, writer)
   text = _report(config, workdir, records)
   _plots(config, workdir, records)

@@ -1,0 +1,75 @@
+r"""The decode-precision study on the real-text models of
+configs/train_text.py (experiments/precision_accuracy.py).
+
+Per model: decode-mode validation perplexity (1024 bytes, 1023 decode
+steps) of every precision preset x L in {8, 16, 32} and of the every-step
+baselines against the f32 baseline-mode model, with the 1% criterion;
+greedy and sampled generations of 2048 tokens against the f32 baseline's
+(first divergence, token agreement; `--config.generation.new_tokens=16384`
+for longer ones); the state of the first and last recurrent layers along a
+4096-token decode against a float64 recurrence. One model per run:
+
+  python -m experiments.precision_accuracy \
+      --config=configs/precision_text.py:mamba2_s20m \
+      --workdir=runs/precision_text/mamba2_s20m
+
+(`:all` lists the eight models.) The stages run apart with
+`--config.stages="('scores',)"` etc. and the presets in slices with
+`--config.policies=...` (benchmarks/scripts/run_h200.sh text_study splits
+them over processes); `--config.merge_workdirs="('a','b')"` writes the
+combined report of such runs.
+
+`:fixture`: the committed real-text fixture models
+(tests/fixtures/text_models, both families) on the committed corpus
+excerpt (tests/fixtures/text_corpus), a few presets and short decodes; CPU,
+under a minute; run by tests/test_precision_text.py.
+"""
+
+import ml_collections
+
+from configs import precision_accuracy as base
+from configs import train_text
+
+FIXTURES = "tests/fixtures/text_models"
+FIXTURE_CORPUS = "tests/fixtures/text_corpus"
+
+
+def text_model(name: str, eval_seq_len: int = 1024, workdir: str = "",
+               corpus_dir: str = "") -> dict:
+  """A config.models entry of configs/train_text.py:<name>."""
+  return dict(name=name, workdir=workdir or f"runs/train_text/{name}",
+              train_config=name, train_config_file="train_text",
+              eval_seq_len=eval_seq_len, train_overrides={},
+              corpus_dir=corpus_dir)
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  """arg: "<family>_<size>", "all" or "fixture"."""
+  arg = arg or "mamba2_s20m"
+  names = [f"{f}_{s}" for f in train_text.FAMILIES for s in train_text.SIZES]
+  if arg not in names + ["all", "fixture"]:
+    raise ValueError(f"config arg must be 'all', 'fixture' or one of "
+                     f"{names}, got {arg!r}.")
+  config = base.get_config()
+  config.models = [text_model(n) for n in (names if arg == "all"
+                                           else [arg])]
+  config.buffer_lens = (8, 16, 32)
+  config.eval_batches = 2
+  config.eval_batch_size = 32
+  config.generation.update(num_prompts=8, prompt_len=64, new_tokens=2048,
+                           buffer_lens=(16,))
+  config.state_error = base.state_error_config(steps=4096)
+  if arg == "fixture":
+    config.models = [text_model(n, 128, f"{FIXTURES}/{n}", FIXTURE_CORPUS)
+                     for n in ("fixture", "gdn_fixture")]
+    config.policies = ("f32", "f32+bf16")
+    config.baseline_policies = ("bf16", "f32+int8+sr")
+    config.buffer_lens = (8,)
+    config.eval_batches = 1
+    config.eval_batch_size = 8
+    config.generation.update(num_prompts=2, prompt_len=16, new_tokens=48,
+                             modes=("greedy",), policies=("f32",),
+                             buffer_lens=(8,), baselines=False)
+    config.state_error.update(steps=96, rows=2, layers=(0,),
+                              policies=("f32+bf16",), buffer_lens=(8,))
+  return config

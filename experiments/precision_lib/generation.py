@@ -1,0 +1,96 @@
+"""Long generations of each decode configuration against the f32
+baseline's.
+
+Per model: prompts are the first `generation.prompt_len` tokens of
+validation windows; `generate` runs `generation.new_tokens` tokens per
+prompt with the f32 baseline state (the reference) and with each decode
+configuration (`runs.sub_runs(config, model, config.generation)`), greedy
+and sampled (temperature `generation.temperature`, the same PRNG key in
+every run, so two runs draw the same random numbers and part only where
+their distributions do). Greedy agreement measures how often rounding
+flips an argmax and sends the continuation elsewhere; sampled agreement,
+how often it moves a draw.
+"""
+
+from __future__ import annotations
+
+import time
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments.precision_lib import runs as R
+from replayssm_jax.models import generate
+
+
+def prompts(task, config, rows: int | None = None):
+  """[rows, prompt_len] int32 prompts (rows default generation.num_prompts):
+  validation windows' first tokens."""
+  g = config.generation
+  n = rows or g.num_prompts
+  return task.batch(0, n, "val")["inputs"][:, :g.prompt_len]
+
+
+def divergence(tokens, ref) -> dict:
+  """Agreement and first-divergence statistics of [n, T] tokens vs ref."""
+  tokens, ref = np.asarray(tokens), np.asarray(ref)
+  same = tokens == ref
+  n, t = same.shape
+  first = np.where(same.all(1), t, np.argmin(same, axis=1))
+  return dict(agreement=float(same.mean()),
+              first_divergence_median=float(np.median(first)),
+              first_divergence_min=int(first.min()),
+              never_diverged=float(np.mean(first == t)), rows=int(n),
+              new_tokens=int(t))
+
+
+def generate_run(model, p, config, mode, run: R.Run | None,
+                 new_tokens: int | None = None):
+  """[n, new_tokens] tokens of one run (None: the f32 baseline)."""
+  g = config.generation
+  lengths = jnp.full((p.shape[0],), p.shape[1], jnp.int32)
+  kw = {}
+  if run is not None:
+    kw["precision"] = run.policy
+    if run.policy.stochastic_rounding:
+      kw["row_ids"] = np.arange(p.shape[0], dtype=np.int32)
+  if mode == "sampled":
+    kw.update(temperature=float(g.temperature),
+              rng=jax.random.PRNGKey(config.seed + 7))
+  tokens, _ = generate(
+      model, jnp.asarray(p), lengths, int(new_tokens or g.new_tokens),
+      ssm_mode="baseline" if run is None else run.ssm_mode,
+      buffer_len=1 if run is None else run.buffer_len, **kw)
+  return np.asarray(tokens)
+
+
+def agreement(name, model, task, config, writer) -> list[dict]:
+  """Long-generation records of one model (agreement: share of tokens
+  equal to the reference's at the same position; first divergence per
+  row: the index of its first differing token, new_tokens if none)."""
+  p = prompts(task, config)
+  runs = R.sub_runs(config, model, config.generation)
+  records = []
+  for mode in config.generation.modes:
+    t0 = time.perf_counter()
+    ref = generate_run(model, p, config, mode, None)
+    logging.info("%s %s reference generation: %d x %d tokens in %.1fs", name,
+                 mode, *ref.shape, time.perf_counter() - t0)
+    for run in runs:
+      t0 = time.perf_counter()
+      out = generate_run(model, p, config, mode, run)
+      rec = writer.write(dict(
+          kind="generation", model=name, mode=mode, run_kind=run.kind,
+          label=run.label, policy=run.policy_name, L=run.buffer_len,
+          prompt_len=p.shape[1],
+          temperature=(float(config.generation.temperature)
+                       if mode == "sampled" else 0.0),
+          eval_s=time.perf_counter() - t0, **divergence(out, ref)))
+      records.append(rec)
+      logging.info("%s %s %-8s %-12s L=%-4s agreement %.4f, first "
+                   "divergence median %.0f", name, mode, run.kind,
+                   run.label, run.L or "-", rec["agreement"],
+                   rec["first_divergence_median"])
+  return records
