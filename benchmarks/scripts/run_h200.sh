@@ -20,6 +20,8 @@
 #   bash benchmarks/scripts/run_h200.sh poisoned   # poisoned stale slots and verify causality, and their tests on the GPU
 #   bash benchmarks/scripts/run_h200.sh drift      # precision_drift: every policy x L {4,16,64} + baselines, 100k steps
 #   bash benchmarks/scripts/run_h200.sh precision SIZE  # precision_accuracy at one model size (tiny, small, medium, large)
+#   bash benchmarks/scripts/run_h200.sh text_train NAME  # configs/train_text.py:NAME (mamba2|gdn _ s20m|s60m|s120m|s300m), stops before the limit, the next call resumes (carry runs/carry: the corpus archive)
+#   bash benchmarks/scripts/run_h200.sh text_study NAME [STAGES]  # configs/precision_text.py:NAME: presets split over processes, merged into $OUT/text_NAME (benchmarks/scripts/text_precision.sh)
 #   bash benchmarks/scripts/run_h200.sh ncu_flush  # Nsight Compute of the all-rows flush (f16 checkpoint, b 256, L 16)
 #   bash benchmarks/scripts/run_h200.sh ncu_flush_fp8 [config_json]  # the same on the f16 master + fp8 copy
 #   bash benchmarks/scripts/run_h200.sh moe_dispatch  # one Nemotron 3 Nano MoE layer per dispatch, balanced and imbalanced routing
@@ -231,5 +233,9 @@ case "$1" in
     timeout "$T" python -m pytest -q -p no:cacheprovider \
       tests/test_poisoned_inputs.py tests/test_traced_policy.py \
       > "$OUT/poisoned_tests.txt" 2>&1 || echo "poisoned: test failures" ;;
+  text_corpus|text_train|text_study)
+    # The real-text precision study (benchmarks/scripts/text_precision.sh
+    # says what each does and how the corpus travels).
+    T="$T" OUT="$OUT" bash benchmarks/scripts/text_precision.sh "$@" ;;
   *) echo "unknown part: $1" >&2; exit 2 ;;
 esac

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# The real-text precision study's GPU steps, behind run_h200.sh's parts
+# text_corpus, text_train and text_study (run it through run_h200.sh, which
+# sets PYTHONPATH, OUT and the part limit T):
+#
+#   text_corpus                 runs/corpus from the carried archive
+#   text_train NAME [flags]     configs/train_text.py:NAME, resumable
+#   text_study NAME [STAGES]    configs/precision_text.py:NAME, the presets
+#                               split over processes, then one merged report
+#
+# NAME: <family>_<size>, family mamba2 | gdn, size s20m | s60m | s120m |
+# s300m (text_study also takes "fixture", the CPU fixtures of the tests). Everything under runs/ stays on the machine for as long as it is
+# held (a later call of the same session sees it); what comes back is under
+# $OUT.
+#
+# The corpus travels as runs/carry/corpus.tar.xz (carry ["runs/carry",
+# "wheels"]), made on the CPU machine:
+#   python -m experiments.build_corpus --config=configs/corpus.py \
+#       --workdir=runs/corpus
+#   mkdir -p runs/carry && tar -C runs/corpus -cJf runs/carry/corpus.tar.xz \
+#       train.bin validation.bin test.bin manifest.json tokenizer.json
+# (about 13 MB; configs/train_text.py pins the corpus hash, and every load
+# checks each split's sha256 against the manifest).
+set -euo pipefail
+OUT=${OUT:-runs}
+T=${T:-560}
+
+text_corpus() {
+  if [ ! -f runs/corpus/manifest.json ]; then
+    mkdir -p runs/corpus
+    python -c "import tarfile; tarfile.open('runs/carry/corpus.tar.xz').extractall('runs/corpus')"
+  fi
+  python -c "from replayssm_jax import text_corpus as t; t.load_corpus('runs/corpus'); print('corpus', t.corpus_hash('runs/corpus'))"
+}
+
+case "$1" in
+  text_corpus)
+    text_corpus ;;
+  text_train)
+    name=${2:?text_train needs <family>_<size>, e.g. mamba2_s20m}
+    text_corpus
+    # The run stops STOP_MARGIN s (default 150: the last eval, the
+    # checkpoint and optimizer-state save, and, when it finishes, the
+    # decode-mode cross-check) before the part's limit, with its optimizer
+    # state saved; the same part in the next call continues it, and once
+    # finished returns at once. The log says "paused" or "finished".
+    stop=$(( T - ${STOP_MARGIN:-150} ))
+    timeout "$T" python -m experiments.train \
+      --config=configs/train_text.py:"$name" --workdir="runs/train_text/$name" \
+      --config.train.stop_after_s="$stop" "${@:3}"
+    mkdir -p "$OUT/text_train_$name"
+    for f in config.json metrics.jsonl summary.md training.png; do
+      cp "runs/train_text/$name/$f" "$OUT/text_train_$name/" 2>/dev/null || true
+    done
+    grep -q '"kind": "final"' "runs/train_text/$name/metrics.jsonl" \
+      && echo "text_train $name: finished" || echo "text_train $name: paused" ;;
+  text_study)
+    name=${2:?text_study needs <family>_<size>, e.g. mamba2_s20m}
+    stages=${3:-scores,generation,state_error}
+    # ("fixture": the committed CPU fixtures on their own corpus excerpt.)
+    [ "$name" = fixture ] || text_corpus
+    # STUDY_PROCS processes (default three per GPU: compiles dominate a
+    # small model's study, and they run on the host) each take a slice of
+    # the presets, with their every-step baselines, into
+    # $STUDY_DIR/NAME/<stages>/part<i> (STUDY_DIR default
+    # runs/precision_text); then every part of every call so far is merged
+    # into $OUT/text_NAME.
+    ngpu=$( (nvidia-smi -L 2>/dev/null || true) | wc -l)
+    ngpu=$(( ngpu > 0 ? ngpu : 1 ))
+    procs=${STUDY_PROCS:-$(( 3 * ngpu ))}
+    study=${STUDY_DIR:-runs/precision_text}/$name
+    base="$study/${stages//,/_}"
+    mkdir -p "$base"
+    mapfile -t slices < <(python -c "
+import sys
+from configs import precision_text
+names = tuple(precision_text.get_config(sys.argv[2]).policies)
+n = int(sys.argv[1])
+for i in range(min(n, len(names))):
+  print(repr(names[i::n]))" "$procs" "$name")
+    pids=()
+    for i in "${!slices[@]}"; do
+      CUDA_VISIBLE_DEVICES=$(( i % ngpu )) XLA_PYTHON_CLIENT_PREALLOCATE=false \
+        timeout "$T" python -m experiments.precision_accuracy \
+        --config=configs/precision_text.py:"$name" --workdir="$base/part$i" \
+        --config.stages="('${stages//,/\',\'}',)" \
+        --config.policies="${slices[$i]}" \
+        --config.baseline_policies="${slices[$i]}" \
+        > "$base/part$i.log" 2>&1 &
+      pids+=($!)
+    done
+    for p in "${pids[@]}"; do
+      wait "$p" || echo "text_study $name: a slice exited $? (see $base/part*.log)"
+    done
+    tail -n 3 "$base"/part*.log
+    parts=$(find "$study" -name metrics.jsonl -path '*part*' \
+      -printf "'%h',\n" | sort | tr -d '\n')
+    python -m experiments.precision_accuracy \
+      --config=configs/precision_text.py:"$name" --workdir="$OUT/text_$name" \
+      --config.merge_workdirs="($parts)" ;;
+  *) echo "text_precision.sh: unknown part: $1" >&2; exit 2 ;;
+esac
