@@ -39,6 +39,8 @@ def _tracked():
 
 
 def _text(path):
+  if path.endswith(".bin"):
+    return None  # token-id streams (a corpus's splits): data, not our text
   with open(os.path.join(ROOT, path), "rb") as f:
     data = f.read()
   if b"\0" in data[:4096]:
