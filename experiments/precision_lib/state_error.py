@@ -18,7 +18,11 @@ those of storing the state, not of activations that drift apart.
 Measured at log-spaced steps: max |S - S64| / max |S64| and the Frobenius
 ratio of the materialized state (replay: the master advanced over the
 buffer), and per step the output's max |y - y64| / max |y64| (maximum and
-mean over each chunk).
+mean over each chunk). A read copy shows in the outputs (read between
+flushes) and, for Gated DeltaNet, in the master too (each step's update
+d = beta (v - S^T k) reads the state). Outputs leave the op in the model's
+activation dtype (bf16 for the text models): the f32 baseline's row gives
+that floor.
 
 The recording loop is `HybridLM.step` with the layer inputs read on the
 side; `capture_check` records the largest difference between its logits
