@@ -21,6 +21,20 @@
 #       train.bin validation.bin test.bin manifest.json tokenizer.json
 # (about 13 MB; configs/train_text.py pins the corpus hash, and every load
 # checks each split's sha256 against the manifest).
+#
+# Planning (assumed, not measured: the first text_train call logs the real
+# tokens/s). At a conservative 3-5% of the H200's bf16 matrix rate, one
+# GPU trains about 150k / 90k / 45k / 22k tokens/s at s20m / s60m / s120m
+# / s300m, so the token budgets of configs/train_text.py (65.5M, 65.5M,
+# 32.8M, 32.8M) take about 440 / 730 / 730 / 1490 s: 2, 2, 2 and 4 calls
+# of text_train at PART_TIMEOUT=590 (about 380 s of steps each), then
+# text_study in 2 calls per model (scores; generation,state_error). A
+# machine and its runs/ last one session (30 minutes of device time), so a
+# model's training and study share a session: s20m and s60m fit one
+# session per model on one H200; s120m and s300m need the data-parallel
+# path of a several-GPU kind (train.py splits each batch over the local
+# GPUs; text_study runs three slices per GPU) or a smaller
+# --config.train.num_steps, said beside its results.
 set -euo pipefail
 OUT=${OUT:-runs}
 T=${T:-560}
