@@ -22,10 +22,18 @@ Parameters (exact, vocab 256), token budget (steps x batch x 1024):
 
   size    d_model  units  mamba2       gdn          steps x batch  tokens
   s20m        384      3   17,693,892   19,914,732  2000 x 32      65.5 M
-  s60m        640      3   48,455,580   55,109,172  2000 x 32      65.5 M
-  s120m      1024      3  123,249,120  140,975,520  2000 x 16      32.8 M
-  s300m      1280      4  255,780,000  293,189,856  2000 x 16      32.8 M
+  s60m        640      3   48,455,580   55,109,172  1500 x 32      49.2 M
+  s120m      1024      3  123,249,120  140,975,520  1500 x 16      24.6 M
+  s300m      1280      4  255,780,000  293,189,856  1500 x 8       12.3 M
   fixture      64      1      184,804      197,752  1500 x 16 x 128 (3.1 M)
+
+The budgets are sized so that one model trains in about ten minutes of
+one H200 under a conservative throughput assumption (not a measurement;
+benchmarks/scripts/text_precision.sh states it), so that its training and
+its study share one device session; they are small for the larger models
+(12-65M bytes against the ~20 tokens per parameter of compute-optimal
+training): these are models to measure decode-state precision on, not
+strong language models.
 
 The corpus is pinned (task.corpus_sha256 = CORPUS_SHA256, the corpus that
 configs/corpus.py builds from Python 3.11.7's standard library and the
@@ -49,9 +57,9 @@ UNIT = "M-M-M*-"
 CORPUS_SHA256 = (
     "78b8fd97fd0730e1866d9e4f13498c95aae44e252a9842d2a923ed7483812727")
 # (d_model, units, num_steps, batch_size, peak learning rate)
-_SIZES = dict(s20m=(384, 3, 2000, 32, 2e-3), s60m=(640, 3, 2000, 32, 1.2e-3),
-              s120m=(1024, 3, 2000, 16, 8e-4),
-              s300m=(1280, 4, 2000, 16, 5e-4))
+_SIZES = dict(s20m=(384, 3, 2000, 32, 2e-3), s60m=(640, 3, 1500, 32, 1.2e-3),
+              s120m=(1024, 3, 1500, 16, 8e-4),
+              s300m=(1280, 4, 1500, 8, 4e-4))
 SEQ_LEN = 1024
 
 

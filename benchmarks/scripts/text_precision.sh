@@ -7,6 +7,8 @@
 #   text_train NAME [flags]     configs/train_text.py:NAME, resumable
 #   text_study NAME [STAGES]    configs/precision_text.py:NAME, the presets
 #                               split over processes, then one merged report
+#                               (STAGES: scores, generation, state_error;
+#                               default all three)
 #
 # NAME: <family>_<size>, family mamba2 | gdn, size s20m | s60m | s120m |
 # s300m (text_study also takes "fixture", the CPU fixtures of the tests). Everything under runs/ stays on the machine for as long as it is
@@ -25,16 +27,19 @@
 # Planning (assumed, not measured: the first text_train call logs the real
 # tokens/s). At a conservative 3-5% of the H200's bf16 matrix rate, one
 # GPU trains about 150k / 90k / 45k / 22k tokens/s at s20m / s60m / s120m
-# / s300m, so the token budgets of configs/train_text.py (65.5M, 65.5M,
-# 32.8M, 32.8M) take about 440 / 730 / 730 / 1490 s: 2, 2, 2 and 4 calls
-# of text_train at PART_TIMEOUT=590 (about 380 s of steps each), then
-# text_study in 2 calls per model (scores; generation,state_error). A
-# machine and its runs/ last one session (30 minutes of device time), so a
-# model's training and study share a session: s20m and s60m fit one
-# session per model on one H200; s120m and s300m need the data-parallel
-# path of a several-GPU kind (train.py splits each batch over the local
-# GPUs; text_study runs three slices per GPU) or a smaller
-# --config.train.num_steps, said beside its results.
+# / s300m, so the token budgets of configs/train_text.py (65.5M, 49.2M,
+# 24.6M, 12.3M) take about 440 / 550 / 550 / 560 s of steps. A machine and
+# its runs/ last one session (30 minutes of device time, a call at most 10
+# minutes), so a model's training and study share a session: three calls
+# of run_h200_chain.sh (carry ["runs/carry", "wheels"]),
+#   580 text_train,NAME
+#   580 text_train,NAME:280 text_study,NAME,scores:290
+#   480 text_study,NAME,generation,state_error
+# (about 460 + 160 s of steps; a finished training returns at once): eight
+# sessions for the eight models. Where the first call's tokens/s says the
+# budget will not fit, a several-GPU kind splits each batch over its GPUs
+# (train.py, data-parallel) and runs three study slices per GPU; or a
+# smaller --config.train.num_steps, said beside the results.
 set -euo pipefail
 OUT=${OUT:-runs}
 T=${T:-560}
@@ -53,12 +58,12 @@ case "$1" in
   text_train)
     name=${2:?text_train needs <family>_<size>, e.g. mamba2_s20m}
     text_corpus
-    # The run stops STOP_MARGIN s (default 150: the last eval, the
+    # The run stops STOP_MARGIN s (default 120: the last eval, the
     # checkpoint and optimizer-state save, and, when it finishes, the
     # decode-mode cross-check) before the part's limit, with its optimizer
     # state saved; the same part in the next call continues it, and once
     # finished returns at once. The log says "paused" or "finished".
-    stop=$(( T - ${STOP_MARGIN:-150} ))
+    stop=$(( T - ${STOP_MARGIN:-120} ))
     timeout "$T" python -m experiments.train \
       --config=configs/train_text.py:"$name" --workdir="runs/train_text/$name" \
       --config.train.stop_after_s="$stop" "${@:3}"
@@ -70,7 +75,10 @@ case "$1" in
       && echo "text_train $name: finished" || echo "text_train $name: paused" ;;
   text_study)
     name=${2:?text_study needs <family>_<size>, e.g. mamba2_s20m}
-    stages=${3:-scores,generation,state_error}
+    # Stages as one comma-separated word or as words (run_h200_chain.sh
+    # turns a part's commas into spaces).
+    stages=$(IFS=,; echo "${*:3}")
+    stages=${stages:-scores,generation,state_error}
     # ("fixture": the committed CPU fixtures on their own corpus excerpt.)
     [ "$name" = fixture ] || text_corpus
     # STUDY_PROCS processes (default three per GPU: compiles dominate a

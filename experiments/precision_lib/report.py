@@ -105,6 +105,7 @@ def _targets(config, models, records) -> list[str]:
             and PrecisionPolicy.preset(r["policy"]).read_dtype]
     greedy = [r for r in mine if r["kind"] == "generation"
               and r["mode"] == "greedy" and r["run_kind"] == "replay"
+              and r.get("policy")
               and PrecisionPolicy.preset(r["policy"]).checkpoint_dtype
               in SIXTEEN_BIT]
     row = {"model": info["model"]}
