@@ -22,7 +22,10 @@ combined report of such runs.
 `:fixture`: the committed real-text fixture models
 (tests/fixtures/text_models, both families) on the committed corpus
 excerpt (tests/fixtures/text_corpus), a few presets and short decodes; CPU,
-under a minute; run by tests/test_precision_text.py.
+under a minute; run by tests/test_precision_text.py. `:fixture_full`: the
+same models under every preset, L in {8, 16, 32}, every baseline, 512-token
+generations and a 1024-step state decode (CPU, a quarter of an hour;
+benchmarks/text_precision/fixture_cpu).
 """
 
 import ml_collections
@@ -44,12 +47,12 @@ def text_model(name: str, eval_seq_len: int = 1024, workdir: str = "",
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  """arg: "<family>_<size>", "all" or "fixture"."""
+  """arg: "<family>_<size>", "all", "fixture" or "fixture_full"."""
   arg = arg or "mamba2_s20m"
   names = [f"{f}_{s}" for f in train_text.FAMILIES for s in train_text.SIZES]
-  if arg not in names + ["all", "fixture"]:
-    raise ValueError(f"config arg must be 'all', 'fixture' or one of "
-                     f"{names}, got {arg!r}.")
+  if arg not in names + ["all", "fixture", "fixture_full"]:
+    raise ValueError(f"config arg must be 'all', 'fixture', 'fixture_full' "
+                     f"or one of {names}, got {arg!r}.")
   config = base.get_config()
   config.models = [text_model(n) for n in (names if arg == "all"
                                            else [arg])]
@@ -59,6 +62,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.generation.update(num_prompts=8, prompt_len=64, new_tokens=2048,
                            buffer_lens=(16,))
   config.state_error = base.state_error_config(steps=4096)
+  if arg == "fixture_full":
+    config.models = [text_model(n, 256, f"{FIXTURES}/{n}", FIXTURE_CORPUS)
+                     for n in ("fixture", "gdn_fixture")]
+    config.eval_batches = 1
+    config.eval_batch_size = 16
+    config.generation.update(num_prompts=4, prompt_len=32, new_tokens=512)
+    config.state_error.update(steps=1024, rows=2)
   if arg == "fixture":
     config.models = [text_model(n, 128, f"{FIXTURES}/{n}", FIXTURE_CORPUS)
                      for n in ("fixture", "gdn_fixture")]

@@ -265,6 +265,7 @@ def score_model(entry, model, task, config, writer) -> list[dict]:
                within_ppl=bool(abs(rel) <= config.ppl_tolerance),
                eval_s=time.perf_counter() - t0)
     records.append(writer.write(rec))
+    R.release_compiled()
     logging.info("%s %-8s %-12s L=%-4s accuracy %.4f (%+.2f points), "
                  "perplexity %+.3f%%, agreement %.4f, max rel logit diff "
                  "%.2e", entry.name, rec["kind"], rec["label"],

@@ -16,6 +16,7 @@ after training a decode-mode cross-check (prefill + teacher-forced
 Outputs in --workdir:
   config.json         the full ml_collections config;
   model_config.json   the `ModelConfig` fields; task.json the task spec;
+  tokenizer.json      text tasks: the corpus's tokenizer;
   metrics.jsonl       kind=environment | train (loss, lr, grad_norm,
                       step_time_s, tokens_per_s) | eval (full-forward
                       metrics) | decode_eval | final (with `recipe`: config
@@ -374,6 +375,9 @@ def run(config, workdir: str) -> dict:
                                                  task.to_dict())):
     with open(os.path.join(workdir, name), "w") as f:
       json.dump(common.to_jsonable(obj), f, indent=2, sort_keys=True)
+  tokenizer = os.path.join(getattr(task, "corpus_dir", ""), "tokenizer.json")
+  if getattr(task, "corpus_dir", "") and os.path.exists(tokenizer):
+    shutil.copy(tokenizer, workdir)  # the text model's tokenizer beside it
 
   put_state, put_batch, n_dev = _placement(tc, tc.batch_size)
   if start:

@@ -161,6 +161,8 @@ def test_fixture_files_and_rebuild_record():
     d = os.path.join(FIXTURES, name)
     with open(os.path.join(d, "task.json")) as f:
       assert json.load(f)["corpus_sha256"] == train_text.CORPUS_SHA256
+    with open(os.path.join(d, "tokenizer.json")) as f:
+      assert TC.ByteTokenizer.from_dict(json.load(f)) == TC.ByteTokenizer()
     final = common.read_metrics(os.path.join(d, "metrics.jsonl"))[-1]
     assert final["kind"] == "final"
     recipe = final["recipe"]

@@ -84,6 +84,8 @@ def test_stopped_run_resumes_to_the_same_parameters(corpus, tmp_path):
   assert final["recipe"]["config_file"] == "configs/train_text.py"
   assert final["recipe"]["corpus_sha256"] == TC.corpus_hash(corpus)
   assert final["recipe"]["token_budget"] == 24 * 8 * 32
+  with open(os.path.join(part, "tokenizer.json")) as f:  # beside the model
+    assert TC.ByteTokenizer.from_dict(json.load(f)) == TC.ByteTokenizer()
   with open(os.path.join(part, "summary.md")) as f:
     summary = f.read()
   assert "## Rebuild" in summary and TC.corpus_hash(corpus) in summary

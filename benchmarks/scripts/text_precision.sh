@@ -68,7 +68,7 @@ case "$1" in
       --config=configs/train_text.py:"$name" --workdir="runs/train_text/$name" \
       --config.train.stop_after_s="$stop" "${@:3}"
     mkdir -p "$OUT/text_train_$name"
-    for f in config.json metrics.jsonl summary.md training.png; do
+    for f in config.json metrics.jsonl summary.md training.png tokenizer.json; do
       cp "runs/train_text/$name/$f" "$OUT/text_train_$name/" 2>/dev/null || true
     done
     grep -q '"kind": "final"' "runs/train_text/$name/metrics.jsonl" \

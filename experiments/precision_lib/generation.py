@@ -89,6 +89,7 @@ def agreement(name, model, task, config, writer) -> list[dict]:
                        if mode == "sampled" else 0.0),
           eval_s=time.perf_counter() - t0, **divergence(out, ref)))
       records.append(rec)
+      R.release_compiled()
       logging.info("%s %s %-8s %-12s L=%-4s agreement %.4f, first "
                    "divergence median %.0f", name, mode, run.kind,
                    run.label, run.L or "-", rec["agreement"],

@@ -283,12 +283,14 @@ def plot_state_error(workdir, models, records) -> str | None:
     runs = {}
     for r in mine:
       runs.setdefault((r["run_kind"], r["label"], r["L"]), []).append(r)
+    from matplotlib import colormaps  # pylint: disable=g-import-not-at-top
+    colors = colormaps["tab20"]
     for k, ((kind, label, L), rs) in enumerate(sorted(
         runs.items(), key=lambda kv: (kv[0][0] != "replay", kv[0][1],
                                       kv[0][2] or 0))):
       err = np.max([r["state_max_rel"] for r in rs], axis=0)
       ax.plot(rs[0]["points"], np.maximum(err, 1e-17),
-              "-" if kind == "replay" else "--", color=f"C{k % 10}",
+              "-" if kind == "replay" else "--", color=colors(k % 20),
               label=f"{label} L={L}" if kind == "replay" else
               f"baseline {label}")
     ax.set_xscale("log")

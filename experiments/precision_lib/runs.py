@@ -19,6 +19,9 @@ ones are reported as not supported (`baseline_runs`' second result).
 from __future__ import annotations
 
 import dataclasses
+import gc
+
+import jax
 
 from replayssm_jax import precision as P
 from replayssm_jax.models import states as S
@@ -135,3 +138,13 @@ def sub_runs(config, model, part) -> list[Run]:
   if part.get("baselines", True) and config.baseline_contrast:
     runs += baseline_runs(config, model, baseline_policies(config))[0]
   return runs
+
+
+def release_compiled() -> None:
+  """Drops jax's compiled programs between runs. Each decode configuration
+  compiles programs of its own (a static policy), used by that run only;
+  kept, the programs of a few hundred runs exhausted the CPU backend's
+  memory mappings (LLVM "Cannot allocate memory", then a crash, at the
+  default vm.max_map_count of 65530)."""
+  jax.clear_caches()
+  gc.collect()

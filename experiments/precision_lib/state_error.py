@@ -291,6 +291,7 @@ def measure(name, model, task, config, writer) -> list[dict]:
             wall_s=time.perf_counter() - t1,
             **{f"{k}_rel": v for k, v in stats.items()}))
         records.append(r)
+        R.release_compiled()
         logging.info("%s block %d (%s) %-8s %-12s L=%-3s: final state err "
                      "%.2e, max output err %.2e", name, block, r["mixer"],
                      run.kind, run.label, run.L or "-",
