@@ -35,7 +35,9 @@
 #   580 text_train,NAME
 #   580 text_train,NAME:280 text_study,NAME,scores:290
 #   480 text_study,NAME,generation,state_error
-# (about 460 + 160 s of steps; a finished training returns at once): eight
+# (about 460 + 160 s of training, compilation included; a finished
+# training returns at once; the second and third calls' reports hold every
+# part so far, the third's all of them): eight
 # sessions for the eight models. Where the first call's tokens/s says the
 # budget will not fit, a several-GPU kind splits each batch over its GPUs
 # (train.py, data-parallel) and runs three study slices per GPU; or a
