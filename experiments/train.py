@@ -29,7 +29,7 @@ Outputs in --workdir:
                       "blocks.0.mixer.A_log" -> array); the last step is
                       always saved;
   train_state/        with train.resume: the newest optimizer state
-                      (`experiments.train_resume`).
+                      (`experiments.train_lib.resume`).
 
 Long runs under a per-command time limit: train.resume=True and
 train.stop_after_s=<seconds> make each call stop at a step boundary after
@@ -61,7 +61,7 @@ import optax
 from flax import nnx
 
 from experiments import common
-from experiments import train_resume
+from experiments.train_lib import resume as train_resume
 from replayssm_jax import tasks
 from replayssm_jax.models import HybridLM, ModelConfig
 
@@ -338,7 +338,7 @@ def run(config, workdir: str) -> dict:
   history, evals, final, checkpoint, finished).
 
   With train.resume, a workdir holding an earlier call of the same config
-  continues from its newest saved step (`experiments.train_resume`); with
+  continues from its newest saved step (`experiments.train_lib.resume`); with
   train.stop_after_s > 0, the call stops after that many seconds at a step
   boundary, saving the parameters and optimizer state (finished False), so
   that a call repeated until finished trains within a per-call time limit.

@@ -22,7 +22,7 @@ from configs import train_text  # noqa: E402
 from experiments import build_corpus  # noqa: E402
 from experiments import common  # noqa: E402
 from experiments import train  # noqa: E402
-from experiments import train_resume  # noqa: E402
+from experiments.train_lib import resume as train_resume  # noqa: E402
 from replayssm_jax import tasks  # noqa: E402
 from replayssm_jax import text_corpus as TC  # noqa: E402
 from tests.test_text_corpus import _sources  # noqa: E402

@@ -1,0 +1,5 @@
+"""Parts of experiments/train.py.
+
+  resume       continuing a run from its last saved step (optimizer state
+               beside the parameter checkpoints)
+"""
