@@ -18,8 +18,9 @@ CFG = models.ModelConfig(
     gdn_chunk_size=4)
 
 
-def build_model(seed: int, norm_seed: int) -> models.HybridLM:
-  m = models.HybridLM(CFG, rngs=nnx.Rngs(seed))
+def build_model(seed: int, norm_seed: int, cfg=CFG) -> models.HybridLM:
+  """A random model of `cfg` whose norm weights are randomized too."""
+  m = models.HybridLM(cfg, rngs=nnx.Rngs(seed))
   key = jax.random.PRNGKey(norm_seed)
   for i, (path, var) in enumerate(nnx.to_flat_state(nnx.state(m))):
     if path[-1] == "weight" and path[-2] in ("norm", "norm_f"):

@@ -26,6 +26,7 @@ from replayssm_jax.gdn import testing as gdn_testing
 from replayssm_jax.kda import testing as kda_testing
 from replayssm_jax.models import chunked_prefill as CP
 from replayssm_jax.models import states as S
+from tests.serving_common import build_model
 
 ALL = models.ModelConfig(  # every block kind: M * G K - E
     vocab_size=64, d_model=32, pattern="M*GK-E", ssm_heads=4, head_dim=8,
@@ -49,14 +50,7 @@ LOGITS_TOL = dict(atol=2e-5, rtol=2e-5)
 
 
 def build(cfg, seed=0):
-  m = models.HybridLM(cfg, rngs=nnx.Rngs(seed))
-  key = jax.random.PRNGKey(seed + 100)
-  for i, (path, var) in enumerate(nnx.to_flat_state(nnx.state(m))):
-    if path[-1] == "weight" and path[-2] in ("norm", "norm_f"):
-      val = var.get_value()
-      var.set_value(val + 0.5 * jax.random.normal(
-          jax.random.fold_in(key, i), val.shape, val.dtype))
-  return m
+  return build_model(seed, seed + 100, cfg)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import pytest
 
 from replayssm_jax import serving
 from replayssm_jax.serving import prefix_cache as pc
-from tests.serving_common import build_model, prompt
+from tests.serving_common import build_model, poison, prompt
 
 CAP, MAX_LEN, L, BLOCK = 4, 48, 4, 4
 MODES = ("replay", "baseline")
@@ -160,21 +160,6 @@ def test_snapshot_unchanged_by_later_pool_work(model, ssm_mode):
   pool, _ = serving.step(model, pool)
   assert leaf_bytes(cache.get(key)) == before
   assert cache.stats()["hits"] == 2
-
-
-def poison(pool, slot):
-  """Every leaf of `slot` NaN / inf (floats) or out-of-range (ints)."""
-  def bad(x):
-    if jnp.issubdtype(x.dtype, jnp.floating):
-      fill = jnp.where(jnp.arange(x[slot].size).reshape(x[slot].shape) % 2,
-                       jnp.inf, jnp.nan).astype(x.dtype)
-    elif x.dtype == jnp.bool_:
-      fill = jnp.ones_like(x[slot])
-    else:
-      fill = jnp.full_like(x[slot], 1_000_003)
-    return x.at[slot].set(fill)
-  return pool.replace(state=jax.tree.map(bad, pool.state),
-                      tokens=pool.tokens.at[slot].set(-77))
 
 
 @pytest.mark.parametrize("ssm_mode", MODES)
