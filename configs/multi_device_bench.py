@@ -34,12 +34,7 @@ SMOKE_MODEL = dict(vocab_size=64, d_model=32, pattern="M*-M", ssm_heads=8,
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The benchmark configuration; `arg="smoke"` is a tiny CPU run."""
-  _args.check_arg(arg)
-  smoke = arg == "smoke"
-  config = ml_collections.ConfigDict()
-  config.seed = 0
-  config.model = ml_collections.ConfigDict(
-      dict(SMOKE_MODEL if smoke else hybrid_1b.MODEL))
+  config, smoke = _args.bench_config(arg, SMOKE_MODEL, hybrid_1b.MODEL)
   b = config.bench = ml_collections.ConfigDict()
   # (data, model) mesh shapes, in order.
   b.meshes = (((1, 8), (2, 4), (8, 1)) if smoke else

@@ -33,12 +33,7 @@ from configs import hybrid_1b
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The benchmark configuration; `arg="smoke"` is a tiny CPU run."""
-  _args.check_arg(arg)
-  smoke = arg == "smoke"
-  config = ml_collections.ConfigDict()
-  config.seed = 0
-  config.model = ml_collections.ConfigDict(
-      dict(_decode_bench.TINY_MODEL if smoke else hybrid_1b.MODEL))
+  config, smoke = _args.bench_config(arg, _decode_bench.TINY_MODEL, hybrid_1b.MODEL)
   # A transformers config.json (random bf16 weights at its shape) in place
   # of `model`, or "".
   config.hf_config = ""

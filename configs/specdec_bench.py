@@ -26,12 +26,7 @@ from configs import hybrid_1b
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The benchmark configuration; `arg="smoke"` is a tiny CPU run."""
-  _args.check_arg(arg)
-  smoke = arg == "smoke"
-  config = ml_collections.ConfigDict()
-  config.seed = 0
-  config.model = ml_collections.ConfigDict(
-      dict(_decode_bench.TINY_MODEL if smoke else hybrid_1b.MODEL))
+  config, smoke = _args.bench_config(arg, _decode_bench.TINY_MODEL, hybrid_1b.MODEL)
   b = config.bench = ml_collections.ConfigDict()
   b.batches = (2,) if smoke else (1, 64, 256, 512)
   b.windows = (4,) if smoke else (4, 2, 8)  # T: last token + T-1 drafts
