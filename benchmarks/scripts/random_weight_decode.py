@@ -65,6 +65,9 @@ def main():
   ap.add_argument("--batches", default="1,64,256")
   ap.add_argument("--spec_batches", default="256,64,1")
   ap.add_argument("--modes", default="baseline,replay")
+  ap.add_argument("--spec_modes", default="replay,baseline",
+                  help="speculative decoding's state modes, in this order "
+                  "(baseline: the snapshot-per-draft state)")
   ap.add_argument("--implementation", default="",
                   help="the SSM ops' implementation (default: the "
                   "dispatcher's choice; 'reference': pure JAX)")
@@ -165,6 +168,7 @@ def main():
       del st
 
   spec = dict(SPEC, implementation=a.implementation,
+              ssm_modes=tuple(a.spec_modes.split(",")),
               **(dict(prompt_len=4, new_tokens=8, repeats=1)
                  if a.small else {}))
   config = types.SimpleNamespace(seed=0, bench=types.SimpleNamespace(**spec))
