@@ -1,7 +1,8 @@
 """The slot pool (replayssm_jax.serving): requests inserted at different
 times decode exactly as independent batch-1 runs; insert writes only its
 slot; a reused slot's stale (poisoned) contents never reach the new
-request; inactive slots do not change; bad arguments are named.
+request; free slots never reach active rows and the step updates the
+pool in place; bad arguments are named.
 
 A tiny hybrid model with Mamba-2 ('M'), attention ('*'), Gated DeltaNet
 ('G') and MLP ('-') blocks, random weights (norm weights randomized too,
@@ -14,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from replayssm_jax import models, serving, testing
 from replayssm_jax.precision import PrecisionPolicy
@@ -181,22 +183,47 @@ def test_poisoned_evicted_slot_reuse(model, ssm_mode):
   d.check(model, prompts, ssm_mode)
 
 
-def test_inactive_slots_unchanged_by_step(model):
-  pool = serving.init_pool(model, CAP, MAX_LEN, buffer_len=L)
+@pytest.mark.parametrize("ssm_mode", MODES)
+def test_free_slots_never_reach_active_rows(model, ssm_mode):
+  """Free slots are decoded with the pool and their states left as the
+  step makes them: an active row's state and tokens are bit for bit the
+  same whether the free slots hold stale rows or NaN / inf / garbage."""
+  pool = serving.init_pool(model, CAP, MAX_LEN, ssm_mode=ssm_mode,
+                           buffer_len=L)
   pool, _ = serving.insert(model, pool, 0, prompt(21, 6))
   pool, _ = serving.insert(model, pool, 2, prompt(22, 4))
   pool, _ = serving.step_n(model, pool, 2)
   pool = serving.evict(pool, 2)
-  pool = poison(pool, 3)  # a never-used slot holding garbage
-  before = [row_bytes(pool.state, r) for r in range(CAP)]
-  pool, toks = serving.step(model, pool)
-  pool, toks_n = serving.step_n(model, pool, 3)
-  for r in (1, 2, 3):
-    assert row_bytes(pool.state, r) == before[r], r
-  assert row_bytes(pool.state, 0) != before[0]
-  assert (np.asarray(toks)[1:] == -1).all()
-  assert (np.asarray(toks_n)[1:] == -1).all()
-  assert (np.asarray(toks_n)[0] >= 0).all()
+  runs = []
+  for poisoned in (False, True):
+    p = jax.tree.map(jnp.copy, pool)
+    if poisoned:
+      for slot in (1, 2, 3):
+        p = poison(p, slot)
+    p, toks = serving.step(model, p)
+    p, toks_n = serving.step_n(model, p, 3)
+    runs.append((row_bytes(p.state, 0), np.asarray(toks), np.asarray(toks_n)))
+  (clean, toks, toks_n), (dirty, toks_p, toks_np) = runs
+  assert clean == dirty
+  np.testing.assert_array_equal(toks, toks_p)
+  np.testing.assert_array_equal(toks_n, toks_np)
+  assert (toks[1:] == -1).all() and (toks_n[1:] == -1).all()
+  assert (toks_n[0] >= 0).all()
+
+
+def test_step_does_not_copy_the_pool(model):
+  """The compiled step_n updates the donated pool in place: its temporary
+  buffers stay well below the pool's state bytes (selecting free slots'
+  old state back would keep a second copy of every leaf live)."""
+  pool = serving.init_pool(model, 16, 256, buffer_len=L)
+  graphdef, params = nnx.split(model)
+  sampling, rng = pool_mod.resolve_sampling(0.0, None, None, None)
+  compiled = pool_mod._step_n_jit.lower(  # pylint: disable=protected-access
+      graphdef, params, pool, 4, False, sampling, rng, None).compile()
+  mem = compiled.memory_analysis()
+  state_bytes = sum(x.nbytes for x in jax.tree.leaves(pool.state))
+  assert mem.temp_size_in_bytes < 0.5 * state_bytes, (
+      mem.temp_size_in_bytes, state_bytes)
 
 
 def test_bad_arguments_are_named(model):

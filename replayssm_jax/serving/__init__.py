@@ -5,7 +5,7 @@
   insert             prefill a prompt into one slot (jitted, traced slot).
   evict              free a slot.
   step / step_n      one / n decode steps over all slots (dense batch;
-                     inactive slots selected back unchanged).
+                     inactive slots' states left unspecified).
   PrefixCache        an LRU map of decode states at block-aligned prompt
                      prefixes (keyed by a block hash chain).
   insert_cached      insert through a PrefixCache.

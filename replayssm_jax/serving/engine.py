@@ -16,9 +16,10 @@ Where the host waits. One dispatch is one compiled call and one device ->
 host copy of its [capacity, n] tokens: the host is synchronised once per n
 steps, not per step. The stopping rules run on the device inside the loop:
 each slot keeps a budget of tokens still to generate and its eos id; a
-slot that emits its eos or exhausts its budget goes inactive at once (its
-state is selected back unchanged, as `pool.step` does for free slots), so
-a dispatch never decodes past a request's end or its slot's KV cache. A
+slot that emits its eos or exhausts its budget goes inactive at once: it
+emits nothing more, and its row is decoded on as a free slot's is
+(`pool.step`: contents unspecified, never read, overwritten by the next
+`insert`). A
 request that finishes early in a dispatch leaves its slot idle for the
 rest of it; a smaller `steps_per_dispatch` admits sooner, a larger one
 pays fewer host round trips (the trade-off `stats` measures: host time

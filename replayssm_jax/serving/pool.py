@@ -17,15 +17,20 @@ Design.
   (the decode ops take per-row counters), and a new request does not wait
   for the others to flush.
 
-* `where` selection. A free slot is still decoded (the batch is dense),
-  but its new state is thrown away: every leaf of the new state is
-  `jnp.where(active, new, old)` with `active` broadcast over the leaf's
-  trailing axes, and its token is reported as -1. A select, never a
-  product with a 0/1 mask: a free slot may hold anything (NaN, inf,
-  garbage counters), and 0 * NaN is NaN, while `where` takes the other
-  operand bit for bit. The select costs one pass over the pool's state per
-  step (the KV caches included); in exchange a slot's state only ever
-  changes through its own request.
+* Free slots are decoded too, and their state is not kept. A step runs
+  every row, active or not, and keeps each row's new state: a slot that is
+  not active (free, or finished and awaiting eviction) holds unspecified
+  contents after a step. Keeping its old state instead (a
+  `where(active, new, old)` over every leaf) would cost a read of both and
+  a write of the whole pool per step, KV caches included, since the old
+  value stays live past the kernels that update the state in place; XLA
+  then copies the pool each step. Nothing reads a free slot: the decode
+  ops are row-wise (the MoE dispatch never drops a token, whatever the
+  other rows route), a free slot's token is reported as -1, its next input
+  is selected (`where`, never a 0/1 product: it may hold NaN or garbage
+  ids) and `insert` overwrites every leaf of its row before it is used
+  again. Tests fill free slots with NaN / inf / garbage integers and check
+  that the active rows decode bit for bit as beside clean ones.
 
 * What `insert` overwrites. `insert` prefills the prompt into a fresh
   batch-1 state whose layout (dtypes, shapes, static policy) is the
@@ -300,28 +305,19 @@ def evict(pool: Pool, slot) -> Pool:
 
 
 # ------------------------------------------------------------------- step
-def select(active, new, old):
-  """Leaf-wise where(active, new, old), active [capacity] broadcast over
-  each leaf's trailing axes."""
-  def pick(n, o):
-    return jnp.where(active.reshape((-1,) + (1,) * (n.ndim - 1)), n, o)
-  return jax.tree.map(pick, new, old)
-
-
 def step_rows(model, pool, active, sample, implementation):
   """One decode step of every slot, kept for the `active` [capacity] rows
   -> (pool, tokens [capacity] int32, logits [capacity, vocab] f32).
 
   sample(logits) -> [capacity] int32 picks each row's next token (-1 for
-  an invalid row); rows not active keep their old state (`select`) and
-  next input, and report -1."""
+  an invalid row); rows not active keep their next input and report -1,
+  and their state is left unspecified (see the module docstring)."""
   feed = jnp.where(active, pool.tokens, 0)
   logits, new = model.step(feed, pool.state, implementation)
   tok = jnp.where(new.positions < 0, -1, sample(logits))
-  state = select(active, new, pool.state)
   tokens = jnp.where(active, tok, pool.tokens)
   out = jnp.where(active, tok, -1)
-  return pool.replace(state=state, tokens=tokens), out, logits
+  return pool.replace(state=new, tokens=tokens), out, logits
 
 
 def _step_body(model, pool, sampling, rng, implementation):
@@ -383,8 +379,8 @@ def step(model: M.HybridLM, pool: Pool, *, temperature: float = 0.0,
 
   Each active slot feeds its next input token and samples its next one
   (greedy by default; temperature / top_k / top_p / rng as `generate`).
-  Inactive slots' states are selected back unchanged (`jnp.where`) and
-  their tokens are -1.
+  Inactive slots report -1; their states are left unspecified (the module
+  docstring).
 
   Returns:
     (pool, tokens [capacity] int32 [, logits [capacity, vocab] float32;

@@ -21,10 +21,11 @@ compiled call. One round, for every slot at once:
   5. `commit_fn` of the tokens that became history (replay: a counter
      move; baseline: the snapshot after them) and `Proposer.update`.
 
-Rows that are free, finished or out of budget are selected back unchanged
-(`pool.select`: the target's state, the proposer's state, the history, the
-next input token), as the plain loop keeps them; a free slot may hold
-anything (NaN included) and `where` never lets it through.
+Rows that are free, finished or out of budget emit nothing and keep their
+history and next input token; their target and proposer states are left
+unspecified, as the plain loop leaves a free slot's (`pool.step_rows`). A
+free slot may hold anything (NaN included) and `where` never lets it
+through.
 
 Per-slot device state beside the pool (`SpecSlots`): the token history
 (prompt, then generated tokens; `NgramProposer` searches it), its length,
@@ -302,12 +303,10 @@ def dispatch(graphdef, params, pool, slots, proposer, n, window, sampled,
     invalid = active & (committed.positions < 0)
     ok = active & ~invalid
     count = jnp.where(ok, count, 0)
-    state = P.select(active, committed, pool.state)
-    new_p = proposer.update(pstate, ctx, win, n_commit, active)
-    pstate = P.select(active, new_p, slots.pstate)
+    pstate = proposer.update(pstate, ctx, win, n_commit, active)
     nxt_in = emitted[rows, jnp.maximum(count - 1, 0)]
     tokens = jnp.where(ok, nxt_in, jnp.where(invalid, -1, pool.tokens))
-    pool = pool.replace(state=state, tokens=tokens)
+    pool = pool.replace(state=committed, tokens=tokens)
     # Tokens to the output (packed per slot) and to the history.
     opos = jnp.where(j < count[:, None], cursor[:, None] + j, ncols)
     out = out.at[rows[:, None], opos].set(emitted, mode="drop")
