@@ -241,13 +241,15 @@ def run(config, workdir: str) -> dict:
   requests = workload(config, cfg.vocab_size)
   records = []
   s = config.serve
-  # Per mode: plain, with a prefix cache (shared-prefix workloads), with
-  # speculative decoding.
-  runs = [(mode, cached, spec) for mode in s.ssm_modes
+  # Plain, with a prefix cache (shared-prefix workloads), with speculative
+  # decoding; each for every mode in turn (a run cut short keeps whole
+  # comparisons).
+  runs = [(mode, cached, spec)
           for cached, spec in ([(False, False)]
                                + [(True, False)] * bool(s.shared_prefixes)
                                + [(False, True)] * bool(
-                                   s.speculative_window))]
+                                   s.speculative_window))
+          for mode in s.ssm_modes]
   plain = {}  # mode -> the plain run's tokens
   for i, (mode, cached, spec) in enumerate(runs):
     name = _name(dict(mode=mode, prefix_cache=cached,
