@@ -30,7 +30,7 @@
 #   bash benchmarks/scripts/run_h200.sh gdn_kernels  # the Gated DeltaNet kernels vs their references at Qwen3.5 shapes, then their tests on the GPU
 #   bash benchmarks/scripts/run_h200.sh serve [hf_config]  # serve_bench: continuous batching, Poisson arrivals, baseline vs replay (hybrid_1b, or a transformers config's shape)
 #   bash benchmarks/scripts/run_h200.sh gdn_bench    # the GDN step kernels timed: baseline (Pallas, XLA, flash-linear-attention) vs replay, b {256,64,1,512} x L {16,8,32}
-#   bash benchmarks/scripts/run_h200.sh gdn_ring_weights  # the GDN replay step with and without its ring-weights launch (GDNConfig.ring_weights) vs the Pallas baseline, b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
+#   bash benchmarks/scripts/run_h200.sh gdn_ring_weights  # the GDN step kernels with and without the replay step's ring-weights launch (GDNConfig.ring_weights) and at 2 / 3 pipelining stages, beside flash-linear-attention's kernel, b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
 #   bash benchmarks/scripts/run_h200.sh multi_gpu [meshes]  # multi_device_bench on every GPU of a multi-GPU host (hybrid_1b, random weights, global b {256,512}, the ops per shard), e.g. meshes "((1,1),(1,4),(4,1))"
 #
 # Several parts in one call within a total budget: run_h200_chain.sh.
@@ -171,11 +171,13 @@ case "$1" in
       --batches=256,64,1,512 --buffer_lens=16,8,32 --budget_s=$(( T - 120 )) \
       --out="$OUT/gdn_kernel_bench.json" ;;
   gdn_ring_weights)
+    # Staggered counters only; flash-linear-attention's kernel beside the
+    # baselines (its wheels in wheels/).
     timeout "$T" python -u benchmarks/scripts/gdn_kernel_bench.py \
       --batches=256,64 --buffer_lens=16 --checkpoints=f32,f16 \
-      --policies=f16+fp8 --no_fla --no_xla \
-      --configs='[{}, {"ring_weights": true}]' --budget_s=$(( T - 120 )) \
-      --out="$OUT/gdn_ring_weights.json" ;;
+      --policies=f16+fp8 --no_xla --layouts=staggered \
+      --configs='[{}, {"ring_weights": true}, {"num_stages": 2}, {"num_stages": 3}]' \
+      --budget_s=$(( T - 60 )) --out="$OUT/gdn_ring_weights.json" ;;
   multi_gpu)
     # NVLink multicast stays off (the device notes: a program using it can
     # take the host's shared GPUs out of service).
