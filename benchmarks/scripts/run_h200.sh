@@ -29,6 +29,8 @@
 #   bash benchmarks/scripts/run_h200.sh qwen35_4b [parts] [batches]  # the same on the Qwen3.5-4B text shape (Gated DeltaNet)
 #   bash benchmarks/scripts/run_h200.sh gdn_kernels  # the Gated DeltaNet kernels vs their references at Qwen3.5 shapes, then their tests on the GPU
 #   bash benchmarks/scripts/run_h200.sh serve [hf_config]  # serve_bench: continuous batching, Poisson arrivals, baseline vs replay (hybrid_1b, or a transformers config's shape)
+#   bash benchmarks/scripts/run_h200.sh serve_b256 [hf_config]  # serve_bench saturated at 256 slots (512 requests at once), plain and speculative at acceptance 0.7
+#   bash benchmarks/scripts/run_h200.sh pool_occupancy [active rows]  # a pool of 256 slots partly occupied: dense step vs gathered active rows (hybrid_1b)
 #   bash benchmarks/scripts/run_h200.sh gdn_bench    # the GDN step kernels timed: baseline (Pallas, XLA, flash-linear-attention) vs replay, b {256,64,1,512} x L {16,8,32}
 #   bash benchmarks/scripts/run_h200.sh gdn_ring_weights  # the GDN step kernels with and without the replay step's ring-weights launch (GDNConfig.ring_weights) and at 2 / 3 pipelining stages, beside flash-linear-attention's kernel, b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
 #   bash benchmarks/scripts/run_h200.sh multi_gpu [meshes]  # multi_device_bench on every GPU of a multi-GPU host (hybrid_1b, random weights, global b {256,512}, the ops per shard), e.g. meshes "((1,1),(1,4),(4,1))"
@@ -191,6 +193,19 @@ case "$1" in
     timeout "$T" python -m experiments.serve_bench \
       --config=configs/serve_bench.py --workdir="$OUT/serve" \
       ${2:+--config.hf_config=$2} ;;
+  serve_b256)
+    # Saturated: 512 requests at once into 256 slots, outputs of 128-512
+    # tokens, plain and speculative (flat oracle at acceptance 0.7).
+    timeout "$T" python -m experiments.serve_bench \
+      --config=configs/serve_bench.py --workdir="$OUT/serve_b256" \
+      --config.serve.capacity=256 --config.serve.arrival_rate=0 \
+      --config.serve.num_requests=512 --config.serve.output_len_min=128 \
+      --config.serve.output_len_max=512 \
+      --config.serve.proposer=flat_sampling --config.serve.temperature=1000 \
+      --config.serve.accept_prob=0.7 ${2:+--config.hf_config=$2} ;;
+  pool_occupancy)
+    timeout "$T" python -u benchmarks/scripts/pool_occupancy_bench.py \
+      --occupancies="${2:-64,256}" --out="$OUT/pool_occupancy.json" ;;
   gpu_tests)
     # Kernel-vs-reference tests that run the real kernels on the GPU (the
     # conv step, the gated norm, the decode attention, and the model's
