@@ -28,8 +28,8 @@ def test_serve_bench_smoke(tmp_path):
   window = config.serve.speculative_window
   assert window  # and speculative decoding
   assert [(r["mode"], r["prefix_cache"], r["speculative"]) for r in recs] == [
-      (m, c, w) for m in config.serve.ssm_modes
-      for c, w in ((False, None), (True, None), (False, window))]
+      (m, c, w) for c, w in ((False, None), (True, None), (False, window))
+      for m in config.serve.ssm_modes]
   want = serve_bench.workload(config, config.model.vocab_size)
   shared = config.serve.shared_prefix_len
   hit_rates = {r["cache_hit_rate"] for r in recs if r["prefix_cache"]}

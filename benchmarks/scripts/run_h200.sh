@@ -30,6 +30,7 @@
 #   bash benchmarks/scripts/run_h200.sh gdn_kernels  # the Gated DeltaNet kernels vs their references at Qwen3.5 shapes, then their tests on the GPU
 #   bash benchmarks/scripts/run_h200.sh serve [hf_config]  # serve_bench: continuous batching, Poisson arrivals, baseline vs replay (hybrid_1b, or a transformers config's shape)
 #   bash benchmarks/scripts/run_h200.sh serve_b256 [hf_config]  # serve_bench saturated at 256 slots (512 requests at once), plain and speculative at acceptance 0.7
+#   bash benchmarks/scripts/run_h200.sh serve_prefix [hf_config]  # serve_bench on a shared-prefix workload at a light load, without and with a prefix cache
 #   bash benchmarks/scripts/run_h200.sh pool_occupancy [active rows]  # a pool of 256 slots partly occupied: dense step vs gathered active rows (hybrid_1b)
 #   bash benchmarks/scripts/run_h200.sh gdn_bench    # the GDN step kernels timed: baseline (Pallas, XLA, flash-linear-attention) vs replay, b {256,64,1,512} x L {16,8,32}
 #   bash benchmarks/scripts/run_h200.sh gdn_ring_weights  # the GDN step kernels with and without the replay step's ring-weights launch (GDNConfig.ring_weights) and at 2 / 3 pipelining stages, beside flash-linear-attention's kernel, b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
@@ -203,6 +204,17 @@ case "$1" in
       --config.serve.output_len_max=512 \
       --config.serve.proposer=flat_sampling --config.serve.temperature=1000 \
       --config.serve.accept_prob=0.7 ${2:+--config.hf_config=$2} ;;
+  serve_prefix)
+    # Prefill-bound requests at a light load (no queueing): prompts of
+    # 464-512 tokens, 448 of them one of 4 shared prefixes, 16-32 new
+    # tokens; each mode without and with a prefix cache of 16-token blocks.
+    timeout "$T" python -m experiments.serve_bench \
+      --config=configs/serve_bench.py --workdir="$OUT/serve_prefix" \
+      --config.serve.num_requests=192 --config.serve.arrival_rate=16 \
+      --config.serve.prompt_len_min=464 --config.serve.prompt_len_max=512 \
+      --config.serve.output_len_min=16 --config.serve.output_len_max=32 \
+      --config.serve.shared_prefixes=4 --config.serve.shared_prefix_len=448 \
+      --config.serve.speculative_window=0 ${2:+--config.hf_config=$2} ;;
   pool_occupancy)
     timeout "$T" python -u benchmarks/scripts/pool_occupancy_bench.py \
       --occupancies="${2:-64,256}" --out="$OUT/pool_occupancy.json" ;;
