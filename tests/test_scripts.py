@@ -178,11 +178,26 @@ def test_random_weight_decode_small(tmp_path, hf_config):
   assert [(r["part"], r["batch"], r["mode"]) for r in res["records"]] == [
       ("step", 2, "baseline"), ("step", 2, "replay"),
       ("spec", 2, "plain"), ("spec", 2, "plain_baseline"),
-      ("spec", 2, "baseline"), ("spec", 2, "replay")]
+      ("spec", 2, "replay"), ("spec", 2, "baseline")]
   assert all(r["step_us"] > 0 and r["state_bytes"] > 0
              for r in res["records"] if r["part"] == "step")
   assert all(r["e2e_tokens_per_s"] > 0 and r["mean_accepted_length"] >= 1
              for r in res["records"] if r["part"] == "spec")
+
+
+def test_pool_occupancy_bench_small(tmp_path):
+  # The gathered pool's tokens and active rows equal the dense step's
+  # (f32 tiny model) before either is timed.
+  out = tmp_path / "pool.json"
+  _run("pool_occupancy_bench.py", "--small", f"--out={out}")
+  recs = json.loads(out.read_text())["records"]
+  assert [(r["mode"], r["active"]) for r in recs] == [
+      (m, n) for m in ("replay", "baseline") for n in (2, 4, 8)]
+  for r in recs:
+    assert r["tokens_equal"] == 1.0
+    assert r["state_rel_err"] < tolerance(jnp.float32).rtol, r
+    assert min(r["dense_us_per_step"], r["gathered_us_per_step"],
+               r["steps_us_per_step"]) > 0
 
 
 def test_moe_dispatch_small(tmp_path):

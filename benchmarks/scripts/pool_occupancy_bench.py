@@ -35,7 +35,6 @@ import functools
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -48,6 +47,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
 sys.path.insert(0, ROOT)
 
 from configs import _decode_bench, hybrid_1b  # pylint: disable=g-import-not-at-top,wrong-import-position
+from experiments import common  # pylint: disable=g-import-not-at-top,wrong-import-position
 from experiments.decode_bench import build_model  # pylint: disable=g-import-not-at-top,wrong-import-position
 from replayssm_jax import models, serving  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -129,14 +129,7 @@ def main():
     cfg = models.ModelConfig(**_decode_bench.TINY_MODEL)
   else:
     cfg = models.ModelConfig(**hybrid_1b.MODEL)
-  try:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True,
-                            check=True).stdout.strip()
-  except Exception:  # pylint: disable=broad-except
-    commit = None
-  res = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-             date=time.strftime("%Y-%m-%d %H:%M:%S"), commit=commit,
+  res = dict(env=common.log_environment(),
              command=" ".join([sys.executable] + sys.argv),
              capacity=a.capacity, steps_per_dispatch=a.steps,
              max_len=a.max_len, records=[])
