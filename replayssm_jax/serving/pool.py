@@ -295,9 +295,9 @@ def insert(model: M.HybridLM, pool: Pool, slot, prompt_tokens, *,
 
 
 def evict(pool: Pool, slot) -> Pool:
-  """Marks `slot` free. Its state stays as it is (stale, never read for
-  another request: `step` keeps it unchanged and `insert` overwrites all of
-  it)."""
+  """Marks `slot` free. Its row is never read for another request: later
+  steps decode it as a free row (contents unspecified) and `insert`
+  overwrites all of it."""
   check_pool(pool)
   slot = check_slot(slot, pool.capacity)
   idx = slot_index(slot, pool.capacity)
