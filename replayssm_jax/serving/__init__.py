@@ -3,6 +3,7 @@
   Pool / init_pool   a fixed-capacity ModelState, one request per batch row
                      ("slot").
   insert             prefill a prompt into one slot (jitted, traced slot).
+  insert_many        prefill k prompts into k slots in one batched call.
   evict              free a slot.
   step / step_n      one / n decode steps over all slots (dense batch;
                      inactive slots' states left unspecified).
@@ -19,10 +20,10 @@
 
 from replayssm_jax.serving.engine import Engine, EngineStats, Request
 from replayssm_jax.serving.pool import (Pool, bucket_len, evict, init_pool,
-                                        insert, step, step_n)
+                                        insert, insert_many, step, step_n)
 from replayssm_jax.serving.prefix_cache import PrefixCache, insert_cached
 from replayssm_jax.serving.spec import Speculation
 
 __all__ = ["Engine", "EngineStats", "Pool", "PrefixCache", "Request",
            "Speculation", "bucket_len", "evict", "init_pool", "insert",
-           "insert_cached", "step", "step_n"]
+           "insert_cached", "insert_many", "step", "step_n"]

@@ -71,7 +71,7 @@ from flax import nnx
 from replayssm_jax import _validation as V
 from replayssm_jax import sharding as SH
 from replayssm_jax.models import model as M
-from replayssm_jax.models.generate import check_sampling, filter_logits
+from replayssm_jax.models.generate import check_sampling
 from replayssm_jax.serving import pool as P
 from replayssm_jax.serving import spec as SP
 from replayssm_jax.serving.prefix_cache import PrefixCache, insert_cached
@@ -165,13 +165,7 @@ def _dispatch(graphdef, params, pool, n, sampled, top_k, top_p,
     keys, sub = split[:, 0], split[:, 1]
 
     def sample(logits):
-      greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-      if not sampled:
-        return greedy
-      t = jnp.where(temps > 0, temps, 1.0)[:, None]
-      masked = filter_logits(logits, False, t, top_k, top_p)
-      draw = jax.vmap(jax.random.categorical)(sub, masked)
-      return jnp.where(temps > 0, draw.astype(jnp.int32), greedy)
+      return P.sample_rows(logits, sub, temps, sampled, top_k, top_p)
 
     pool, emitted, _ = P.step_rows(model, pool, active, sample,
                                    implementation)
@@ -195,8 +189,10 @@ class Engine:
     top_k, top_p: the sampling filters of every sampled request (None:
       off).
     implementation: the ops' implementation (dispatcher name).
-    prefix_cache: a `PrefixCache` the admissions go through (None: plain
-      `insert`).
+    prefix_cache: a `PrefixCache` the admissions go through, one prompt
+      at a time (None: batched prefills, `prefill_batch`).
+    prefill_batch: the most queued prompts of one length bucket admitted
+      in one batched prefill (`pool.insert_many`; 1: one at a time).
     speculative: a `Speculation` (a proposer and a window) for speculative
       decoding inside the engine, or None (plain decode steps). The pool's
       state must be one `verify` takes: replay buffer_len > window, a
@@ -214,12 +210,14 @@ class Engine:
                steps_per_dispatch: int = 8, top_k: int | None = None,
                top_p: float | None = None, implementation=None,
                prefix_cache: PrefixCache | None = None,
+               prefill_batch: int = 8,
                speculative: Speculation | None = None, mesh=None,
                ssm_mode: str = "replay", buffer_len: int = 16,
                **state_kwargs):
     self.model = model
     self.mesh = mesh
     self.n = V.positive_int("steps_per_dispatch", steps_per_dispatch)
+    self.prefill_batch = V.positive_int("prefill_batch", prefill_batch)
     check_sampling(1.0, top_k, top_p)
     self.top_k = None if top_k is None else int(top_k)
     self.top_p = None if top_p is None else float(top_p)
@@ -289,30 +287,24 @@ class Engine:
 
   def _admit(self, on_tokens):
     t0 = time.perf_counter()
+    admitted = []  # (slot, request, its key stream, its first token's key)
     for slot in range(self.pool.capacity):
       if not self.queue:
         break
-      if self.slots[slot] is not None:
-        continue
-      req = self.queue.popleft()
-      key = jax.random.PRNGKey(req.seed)
-      key, first_key = jax.random.split(key)
-      kw = dict(temperature=req.temperature, top_k=self.top_k,
-                top_p=self.top_p,
-                rng=first_key if req.temperature > 0 else None)
-      prompt = jnp.asarray(req.prompt, jnp.int32)
-      if self.prefix_cache is None:
-        self.pool, tok = P.insert(self.model, self.pool, slot, prompt, **kw)
-      else:
-        self.pool, tok = insert_cached(self.model, self.pool,
-                                       self.prefix_cache, slot, prompt,
-                                       implementation=self.implementation,
-                                       **kw)
-      if self.speculative is not None:
+      if self.slots[slot] is None:
+        req = self.queue.popleft()
+        key, first_key = jax.random.split(jax.random.PRNGKey(req.seed))
+        admitted.append((slot, req, key, first_key))
+    if not admitted:
+      return
+    # The first tokens (the prefills'): one sync per admission round.
+    firsts = self._prefill(admitted)
+    if self.speculative is not None:
+      for (slot, req, _, _), tok in zip(admitted, firsts):
         self._spec_slots = SP.insert_slot(self.speculative, self._spec_slots,
                                           self.pool, slot, req.prompt, tok,
                                           **self._ssm)
-      tok = int(tok)  # the first token (the prefill's): one sync per admit
+    for (slot, req, key, _), tok in zip(admitted, firsts):
       self.stats.admissions += 1
       self.results[req.id] = []
       self.slots[slot] = req
@@ -323,6 +315,43 @@ class Engine:
       self._left[slot] = req.max_new_tokens
       self._emit(slot, [tok], on_tokens)
     self.stats.admit_s += time.perf_counter() - t0
+
+  def _prefill(self, admitted) -> list[int]:
+    """Prefills the admitted requests into their slots -> each one's first
+    token (in `admitted` order), read back in one device -> host copy."""
+    parts, order = [], []  # device token arrays, and whose tokens they are
+    if self.prefix_cache is not None:  # a cache lookup per prompt
+      for i, (slot, req, _, first_key) in enumerate(admitted):
+        self.pool, tok = insert_cached(
+            self.model, self.pool, self.prefix_cache, slot,
+            jnp.asarray(req.prompt, jnp.int32),
+            implementation=self.implementation,
+            temperature=req.temperature, top_k=self.top_k, top_p=self.top_p,
+            rng=first_key if req.temperature > 0 else None)
+        parts.append(jnp.reshape(tok, (1,)))
+        order.append(i)
+    else:
+      # Batched prefills: prompts of one length bucket together, at most
+      # prefill_batch per call.
+      groups = collections.defaultdict(list)
+      for i, (_, req, _, _) in enumerate(admitted):
+        groups[P.bucket_len(len(req.prompt), self.pool.max_len)].append(i)
+      for members in groups.values():
+        for c in range(0, len(members), self.prefill_batch):
+          chunk = members[c:c + self.prefill_batch]
+          rows = [admitted[i] for i in chunk]
+          self.pool, toks = P.insert_many(
+              self.model, self.pool, [a[0] for a in rows],
+              [a[1].prompt for a in rows],
+              temperatures=[a[1].temperature for a in rows],
+              keys=[a[3] for a in rows], top_k=self.top_k, top_p=self.top_p)
+          parts.append(toks)
+          order += chunk
+    toks = np.asarray(jnp.concatenate(parts)).tolist()
+    firsts = [0] * len(admitted)
+    for i, t in zip(order, toks):
+      firsts[i] = t
+    return firsts
 
   def _emit(self, slot, toks, on_tokens):
     """Streams a slot's new tokens and applies the stopping rules (the

@@ -2,6 +2,7 @@
 
   pool = init_pool(model, capacity=8, max_len=256, ssm_mode="replay")
   pool, first = insert(model, pool, slot, prompt_tokens)  # prefill a slot
+  pool, firsts = insert_many(model, pool, slots, prompts)  # k at once
   pool, tokens = step(model, pool)           # one token per active slot
   pool, tokens = step_n(model, pool, n)      # n tokens, one dispatch
   pool = evict(pool, slot)                   # the slot is free again
@@ -69,12 +70,13 @@ import numpy as np
 from flax import nnx
 
 from replayssm_jax import _validation as V
-from replayssm_jax.models.generate import sample_logits, sampling_settings
+from replayssm_jax.models.generate import (check_sampling, filter_logits,
+                                           sample_logits, sampling_settings)
 from replayssm_jax.models import model as M
 from replayssm_jax.models import states as S
 
 # Number of times each jitted entry point was traced (tests assert on it).
-TRACE_COUNTS = {"insert": 0, "step": 0, "step_n": 0}
+TRACE_COUNTS = {"insert": 0, "insert_many": 0, "step": 0, "step_n": 0}
 MIN_BUCKET = 16
 
 
@@ -190,6 +192,35 @@ def fresh_row(state: S.ModelState, row_id):
   return set_row_id(zeros, row_id)
 
 
+def fresh_rows(state: S.ModelState, row_ids):
+  """`fresh_row` for k rows at once: row_ids [k] -> a batch-k ModelState."""
+  k = row_ids.shape[0]
+  zeros = jax.tree.map(lambda x: jnp.zeros((k,) + x.shape[1:], x.dtype),
+                       state)
+
+  def put(path, x):
+    last = path[-1]
+    if isinstance(last, jax.tree_util.GetAttrKey) and last.name == "row_id":
+      ids = row_ids.reshape((k,) + (1,) * (x.ndim - 1)).astype(x.dtype)
+      return jnp.broadcast_to(ids, x.shape)
+    return x
+  return jax.tree_util.tree_map_with_path(put, zeros)
+
+
+def sample_rows(logits, keys, temps, sampled: bool, top_k, top_p):
+  """Each row's next token from logits [b, vocab] f32 with its own
+  temperature (temps [b]; 0: greedy) and key (keys [b, ...]): the argmax,
+  or with `sampled` (static: some row samples) a draw from
+  `filter_logits` for the rows whose temperature is > 0."""
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  if not sampled:
+    return greedy
+  t = jnp.where(temps > 0, temps, 1.0)[:, None]
+  masked = filter_logits(logits, False, t, top_k, top_p)
+  draw = jax.vmap(jax.random.categorical)(keys, masked)
+  return jnp.where(temps > 0, draw.astype(jnp.int32), greedy)
+
+
 def slot_index(slot, capacity: int):
   """The scatter index of a (traced) slot: itself in range, else
   `capacity`, which mode="drop" scatters drop (nothing is written)."""
@@ -292,6 +323,95 @@ def insert(model: M.HybridLM, pool: Pool, slot, prompt_tokens, *,
                                                             jnp.int32),
                                   sampling, rng)
   return (pool, tok, logits) if return_logits else (pool, tok)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 8, 9, 10),
+                   donate_argnums=(2,))
+def _insert_many_jit(graphdef, params, pool, idx, tokens, lengths, row_ids,
+                     temps_keys, sampled, top_k, top_p):
+  TRACE_COUNTS["insert_many"] += 1
+  model = nnx.merge(graphdef, params)
+  fresh = fresh_rows(pool.state, row_ids)
+  logits, rows = M.prefill_fn(model, tokens, lengths, fresh)
+  tok = sample_rows(logits, temps_keys[1], temps_keys[0], sampled, top_k,
+                    top_p)
+  tok = jnp.where(rows.positions < 0, -1, tok)
+  state = jax.tree.map(lambda p, r: p.at[idx].set(r, mode="drop"),
+                       pool.state, rows)
+  return pool.replace(state=state,
+                      active=pool.active.at[idx].set(True, mode="drop"),
+                      tokens=pool.tokens.at[idx].set(tok, mode="drop")), tok
+
+
+def insert_many(model: M.HybridLM, pool: Pool, slots, prompts, *,
+                temperatures=None, keys=None, top_k: int | None = None,
+                top_p: float | None = None):
+  """Prefills k prompts into k distinct slots in one call (one batched
+  prefill): `insert` for each (slot, prompt) pair, with the same effect
+  on the pool up to the batch's effect on matmul rounding.
+
+  The batch is padded to a power of two and the prompts to one length
+  bucket (`bucket_len` of the longest): one compile per (batch, bucket)
+  pair; padding rows write nothing.
+
+  Args:
+    model, pool: as `insert` (the pool donated).
+    slots: k distinct ints in [0, capacity).
+    prompts: k [T_i] int token arrays (on the host), 1 <= T_i <= max_len.
+    temperatures: [k] floats (0: greedy; default all greedy).
+    keys: [k] PRNG keys of the rows that sample (any for greedy rows);
+      required when a temperature is > 0.
+    top_k, top_p: the sampling filters of every sampling row.
+
+  Returns:
+    (pool, first tokens [k] int32 on the device).
+  """
+  check_pool(pool)
+  slots = [int(check_slot(s, pool.capacity)) for s in slots]
+  k = len(slots)
+  if k == 0 or len(set(slots)) != k:
+    raise ValueError(f"slots must be one or more distinct slots, got "
+                     f"{slots}.")
+  prompts = [np.asarray(p) for p in prompts]
+  if len(prompts) != k:
+    raise ValueError(f"prompts must hold one prompt per slot ({k}), got "
+                     f"{len(prompts)}.")
+  for i, p in enumerate(prompts):
+    V.check_integer(f"prompts[{i}]", p)
+    M._check_tokens(f"prompts[{i}]", p, 1, "[seqlen]", model.config)
+    if not 1 <= p.shape[0] <= pool.max_len:
+      raise ValueError(f"prompts[{i}] must hold 1 to the pool's max_len "
+                       f"({pool.max_len}) tokens, got {p.shape[0]}.")
+  temps = np.zeros(k, np.float32) if temperatures is None else np.asarray(
+      temperatures, np.float32)
+  if temps.shape != (k,) or not (np.isfinite(temps) & (temps >= 0)).all():
+    raise ValueError(f"temperatures must be {k} finite floats >= 0, got "
+                     f"{temperatures!r}.")
+  sampled = bool((temps > 0).any())
+  if sampled and keys is None:
+    raise ValueError("keys are required when a temperature is > 0.")
+  check_sampling(1.0, top_k, top_p)
+  kp = 1 << (k - 1).bit_length()  # the batch, padded to a power of two
+  bucket = bucket_len(max(p.shape[0] for p in prompts), pool.max_len)
+  tokens = np.zeros((kp, bucket), np.int32)
+  lengths = np.ones(kp, np.int32)
+  for i, p in enumerate(prompts):
+    tokens[i, :p.shape[0]] = p
+    lengths[i] = p.shape[0]
+  # Padding rows scatter to index `capacity`: dropped.
+  idx = np.full(kp, pool.capacity, np.int32)
+  idx[:k] = slots
+  row_ids = idx.copy()
+  key_rows = jnp.zeros((kp,) + jax.random.PRNGKey(0).shape, jnp.uint32)
+  if keys is not None:
+    key_rows = key_rows.at[:k].set(jnp.stack(list(keys)))
+  graphdef, params = nnx.split(model)
+  pool, tok = _insert_many_jit(
+      graphdef, params, pool, jnp.asarray(idx), jnp.asarray(tokens),
+      jnp.asarray(lengths), jnp.asarray(row_ids),
+      (jnp.asarray(np.pad(temps, (0, kp - k))), key_rows), sampled, top_k,
+      top_p)
+  return pool, tok[:k]
 
 
 def evict(pool: Pool, slot) -> Pool:

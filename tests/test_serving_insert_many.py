@@ -1,0 +1,146 @@
+"""Batched admission (`serving.insert_many`): k prompts prefilled into k
+slots in one call act as k `insert`s (first tokens, the slots' states,
+the decoding after), write nothing else, compile once per (padded batch,
+bucket), sample each row with its own key; the engine admits through it.
+
+The serving tests' tiny hybrid model (Mamba-2, attention, Gated DeltaNet
+and MLP blocks), f32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from replayssm_jax import serving, testing
+from replayssm_jax.serving import pool as pool_mod
+from tests.serving_common import CFG, build_model, poison, prompt
+
+CAP, MAX_LEN, L = 6, 48, 4
+TOL = testing.tolerance(jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return build_model(5, 9)
+
+
+def rows(tree, slots):
+  return jax.tree.map(lambda x: np.asarray(x)[np.asarray(slots)], tree)
+
+
+def row_bytes(tree, row):
+  return [np.asarray(x)[row].tobytes() for x in jax.tree.leaves(tree)]
+
+
+@pytest.mark.parametrize("ssm_mode", ("replay", "baseline"))
+def test_insert_many_acts_as_inserts(model, ssm_mode):
+  """Three prompts of one bucket (lengths 9, 3, 12) into slots 3, 1, 2 (2
+  poisoned) beside a request mid-buffer in slot 0: first tokens equal,
+  states within the f32 tolerance, slot 0 and the free slots untouched,
+  and the next steps' tokens equal."""
+  slots, lens = [3, 1, 2], [9, 3, 12]
+  prompts = [prompt(60 + i, t) for i, t in enumerate(lens)]
+  base = serving.init_pool(model, CAP, MAX_LEN, ssm_mode=ssm_mode,
+                           buffer_len=L)
+  base, _ = serving.insert(model, base, 0, prompt(59, 5))
+  base, _ = serving.step_n(model, base, 2)
+  base = poison(base, 2)
+  one = jax.tree.map(jnp.copy, base)
+  firsts = []
+  for s, p in zip(slots, prompts):
+    one, tok = serving.insert(model, one, s, p)
+    firsts.append(int(tok))
+  before = [row_bytes(base.state, r) for r in range(CAP)]
+  traces = pool_mod.TRACE_COUNTS["insert_many"]
+  many, toks = serving.insert_many(model, base, slots, prompts)
+  assert np.asarray(toks).tolist() == firsts
+  assert pool_mod.TRACE_COUNTS["insert_many"] == traces + 1
+  for r in range(CAP):
+    if r not in slots:
+      assert row_bytes(many.state, r) == before[r], r
+  for a, b in zip(jax.tree.leaves(rows(many.state, slots)),
+                  jax.tree.leaves(rows(one.state, slots))):
+    if jnp.issubdtype(a.dtype, jnp.floating):
+      testing.assert_close(a, b, TOL, "inserted rows")
+    else:
+      np.testing.assert_array_equal(a, b)
+  np.testing.assert_array_equal(many.active, one.active)
+  _, t_many = serving.step_n(model, many, 4)
+  _, t_one = serving.step_n(model, one, 4)
+  np.testing.assert_array_equal(t_many, t_one)
+
+
+def test_insert_many_compiles_per_padded_batch_and_bucket(model):
+  # A pool layout of its own (max_len 40), so nothing is compiled yet.
+  pool = serving.init_pool(model, CAP, 40, buffer_len=L)
+  traces = pool_mod.TRACE_COUNTS["insert_many"]
+  pool, _ = serving.insert_many(model, pool, [0, 1, 2],
+                                [prompt(1, 4), prompt(2, 7), prompt(3, 2)])
+  assert pool_mod.TRACE_COUNTS["insert_many"] == traces + 1
+  # 3 rows padded to 4 compiled what 4 rows of that bucket (16) run; two
+  # rows of bucket 32 compile once more.
+  pool, _ = serving.insert_many(model, pool, [5, 4, 3, 0],
+                                [prompt(4, 6), prompt(5, 1), prompt(6, 16),
+                                 prompt(7, 3)])
+  assert pool_mod.TRACE_COUNTS["insert_many"] == traces + 1
+  pool, _ = serving.insert_many(model, pool, [1, 2],
+                                [prompt(8, 20), prompt(9, 30)])
+  assert pool_mod.TRACE_COUNTS["insert_many"] == traces + 2
+  assert np.asarray(pool.active).all()
+
+
+def test_insert_many_samples_each_row_with_its_key(model):
+  """A sampled row draws the token `insert` draws with the same key and
+  temperature; a greedy row beside it takes the argmax."""
+  prompts = [prompt(70 + i, 6 + i) for i in range(3)]
+  keys = [jax.random.PRNGKey(100 + i) for i in range(3)]
+  temps = [1.5, 0.0, 2.0]
+  pool = serving.init_pool(model, CAP, MAX_LEN, buffer_len=L)
+  _, toks = serving.insert_many(model, pool, [0, 1, 2], prompts,
+                                temperatures=temps, keys=keys)
+  for i, (p, k, t) in enumerate(zip(prompts, keys, temps)):
+    one = serving.init_pool(model, CAP, MAX_LEN, buffer_len=L)
+    _, tok = serving.insert(model, one, i, p, temperature=t,
+                            rng=k if t > 0 else None)
+    assert int(toks[i]) == int(tok), i
+
+
+def test_insert_many_bad_arguments_are_named(model):
+  pool = serving.init_pool(model, CAP, 8, buffer_len=L)
+  with pytest.raises(ValueError, match="distinct"):
+    serving.insert_many(model, pool, [1, 1], [prompt(0, 3), prompt(1, 3)])
+  with pytest.raises(ValueError, match="one prompt per slot"):
+    serving.insert_many(model, pool, [0, 1], [prompt(0, 3)])
+  with pytest.raises(ValueError, match="slot"):
+    serving.insert_many(model, pool, [CAP], [prompt(0, 3)])
+  with pytest.raises(ValueError, match=r"prompts\[1\]"):
+    serving.insert_many(model, pool, [0, 1], [prompt(0, 3), prompt(1, 9)])
+  with pytest.raises(ValueError, match=r"prompts\[0\]"):
+    serving.insert_many(model, pool, [0], [np.array([CFG.vocab_size])])
+  with pytest.raises(ValueError, match="temperatures"):
+    serving.insert_many(model, pool, [0], [prompt(0, 3)],
+                        temperatures=[-1.0])
+  with pytest.raises(ValueError, match="keys"):
+    serving.insert_many(model, pool, [0], [prompt(0, 3)],
+                        temperatures=[0.5])
+
+
+def test_engine_batches_its_admissions(model):
+  """Eight requests at once: admitted in batched prefills (prefill_batch
+  4) or one by one, the same greedy tokens."""
+  reqs = [(f"r{i}", prompt(80 + i, 3 + 2 * i), 4 + i % 3) for i in range(8)]
+  out = {}
+  for batch in (4, 1):
+    eng = serving.Engine(model, CAP, MAX_LEN, steps_per_dispatch=3,
+                         buffer_len=L, prefill_batch=batch)
+    for rid, p, n in reqs:
+      eng.submit(serving.Request(rid, p, n))
+    traces = pool_mod.TRACE_COUNTS["insert_many"]
+    out[batch] = eng.run()
+    assert eng.stats.admissions == len(reqs)
+    if batch == 4:
+      assert pool_mod.TRACE_COUNTS["insert_many"] > traces
+  assert out[4] == out[1]
