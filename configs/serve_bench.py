@@ -44,6 +44,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   s.capacity = 4 if smoke else 64  # slots (the decode batch)
   s.max_len = 64 if smoke else 1024  # prompt + output tokens per slot
   s.steps_per_dispatch = 4 if smoke else 8
+  # Queued prompts of one length bucket prefilled together (1: one by one;
+  # a prefix cache admits one by one).
+  s.prefill_batch = 2 if smoke else 8
   s.num_requests = 12 if smoke else 512
   # Poisson arrivals (requests per second); 0: all arrive at once.
   s.arrival_rate = 0.0 if smoke else 48.0

@@ -133,6 +133,7 @@ def _engine(model, config, mode: str, cached: bool,
     kw["speculative"] = speculation(config, model.config.vocab_size)
   return serving.Engine(model, s.capacity, s.max_len,
                         steps_per_dispatch=s.steps_per_dispatch,
+                        prefill_batch=s.prefill_batch,
                         implementation=s.implementation or None,
                         prefix_cache=(serving.PrefixCache(
                             s.prefix_block, max_entries=64)
@@ -288,7 +289,7 @@ def run(config, workdir: str) -> dict:
           f"{cfg.d_model}, {cfg.dtype}; {s.num_requests} requests at "
           f"{s.arrival_rate} /s, capacity {s.capacity}, "
           f"{s.steps_per_dispatch} steps (speculative rounds) per "
-          f"dispatch; "
+          f"dispatch, prefills of up to {s.prefill_batch} prompts; "
           + (f"speculative: {s.proposer} proposer"
              + (f" at accept_prob {s.accept_prob}"
                 if s.proposer == "flat_sampling" else "") + ", "
