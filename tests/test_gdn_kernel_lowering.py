@@ -120,6 +120,10 @@ def test_default_plans():
   assert (step(64).block_v, step(256).block_v, step(512).block_v) == (
       64, 64, 64)
   assert step(256, whole_rows=True) == kg.GDNPlan(128, 4, 1)
+  # The baseline step's stages follow its state dtype.
+  stages = lambda dt: kg.plan(None, 128, 128, rows=256 * 32,
+                              state_dtype=dt).num_stages
+  assert (stages(jnp.float32), stages(jnp.float16), stages(None)) == (3, 2, 1)
   assert kg.plan(None, 128, 128).block_v == 64  # rows unknown
   verify = lambda **kw: kg.plan(None, 128, 128, kernel="verify", **kw)
   assert (verify().block_v, verify().num_warps) == (16, 4)
@@ -130,8 +134,15 @@ def test_default_plans():
   assert (mine.block_v, mine.num_warps) == (32, 2)
   with pytest.raises(ValueError, match="kernel"):
     kg.plan(None, 128, 128, kernel="fold")
-  # The ring-weights launch is off unless asked for.
-  assert not (step(256).ring_weights
-              or step(256, whole_rows=True).ring_weights)
+  # The replay step's ring-weights launch: on by default without a read
+  # copy from batch x value heads 2048; never for the other kernels.
+  replay = lambda rows, **kw: kg.plan(None, 128, 128, rows=rows,
+                                      kernel="replay", **kw).ring_weights
+  assert (replay(64 * 32), replay(256 * 32), replay(32 * 32),
+          replay(256 * 32, whole_rows=True)) == (True, True, False, False)
+  assert not (step(256).ring_weights or verify().ring_weights)
+  off = kg.plan(kg.GDNConfig(ring_weights=False), 128, 128, rows=256 * 32,
+                kernel="replay")
+  assert not off.ring_weights
   assert kg.plan(kg.GDNConfig(ring_weights=True), 128, 128, rows=256 * 32,
                  kernel="replay") == kg.GDNPlan(64, 4, 1, ring_weights=True)

@@ -5,10 +5,14 @@ The step kernels' defaults (baseline and replay step) were chosen on an
 H200 at a Qwen3.5-shaped layer (benchmarks/README.md, "Gated DeltaNet
 kernels"): [128, 64] state tiles with 4 warps, smaller tiles only when the
 grid would otherwise hold fewer than 256 programs (batch 1), and whole
-rows with 4 warps where a read copy needs them. The verify kernels' are
-untuned. `GDNConfig.ring_weights` (the replay step's ring weights computed
-once per row and value head, `ring_weights.py`) is off by default until a
-GPU has timed it.
+rows with 4 warps where a read copy needs them; the baseline step
+pipelined over 3 stages for an f32 state and 2 for a 16-bit one (1 for the
+other kernels); the replay step's ring weights formed once per row and
+value head in a first launch (`ring_weights.py`) when the state has no
+read copy and the grid has at least RING_WEIGHTS_MIN_ROWS rows x value
+heads (timed at batch 64 and 256; a read copy's step was slower with it,
+and at smaller batches the second launch is untimed). The verify kernels'
+defaults are untuned.
 """
 
 from __future__ import annotations
@@ -36,8 +40,9 @@ class GDNConfig:
       or stochastic rounding needs whole rows (block_v = value_dim: the
       copy's scales and the random bits' element indices span a row).
     num_warps: Triton warps per program; None: `default_num_warps`.
-    num_stages: Triton pipelining stages.
-    ring_weights: replay step only. True: a first launch
+    num_stages: Triton pipelining stages; None: `default_num_stages`.
+    ring_weights: replay step only. None: `default_ring_weights`. True: a
+      first launch
       (`ring_weights.gdn_ring_weights`, one program per row and key head)
       forms the scalar weights of each (row, value head) over its ring
       slots -- the coefficients of the live d_j in the correction and in
@@ -46,22 +51,24 @@ class GDNConfig:
       checkpoint tile and the d ring instead of each reducing the key
       ring against q and k and forming the decays again. Every precision
       policy the step takes; refused by the baseline step and the verify
-      kernels. False (default): one launch.
+      kernels. False: one launch.
   """
   block_v: int | None = None
   num_warps: int | None = None
-  num_stages: int = 1
-  ring_weights: bool = False
+  num_stages: int | None = None
+  ring_weights: bool | None = None
 
   def __post_init__(self):
     for name in ("block_v", "num_warps"):
       if getattr(self, name) is not None:
         _check_pow2(name, getattr(self, name))
-    if not isinstance(self.num_stages, int) or self.num_stages < 1:
-      raise ValueError(f"num_stages must be an int >= 1, got "
+    if self.num_stages is not None and (
+        not isinstance(self.num_stages, int) or self.num_stages < 1):
+      raise ValueError(f"num_stages must be None or an int >= 1, got "
                        f"{self.num_stages!r}.")
-    if not isinstance(self.ring_weights, bool):
-      raise ValueError(f"ring_weights must be a bool, got "
+    if self.ring_weights is not None and not isinstance(self.ring_weights,
+                                                        bool):
+      raise ValueError(f"ring_weights must be None or a bool, got "
                        f"{self.ring_weights!r}.")
 
 
@@ -79,6 +86,9 @@ class GDNPlan:
 # MIN_TILE, while the grid has fewer than MIN_PROGRAMS programs.
 STEP_TILE, VERIFY_TILE, MIN_TILE = 8192, 2048, 2048
 MIN_PROGRAMS = 256
+# Rows x value heads from which the replay step forms its ring weights in a
+# first launch by default (batch 64 at 32 value heads).
+RING_WEIGHTS_MIN_ROWS = 2048
 
 
 def default_block_v(key_dim: int, value_dim: int, rows: int | None = None,
@@ -105,6 +115,22 @@ def default_num_warps(key_dim: int, block_v: int, kernel: str = "step") -> int:
   return 4 if key_dim * block_v <= 4096 else 8
 
 
+def default_num_stages(kernel: str = "step", state_dtype=None) -> int:
+  """The baseline step: 3 stages for an f32 state, 2 for a 16-bit one (the
+  H200 timings at batch 64 and 256); 1 otherwise."""
+  if kernel != "step" or state_dtype is None:
+    return 1
+  return 3 if jnp.dtype(state_dtype).itemsize >= 4 else 2
+
+
+def default_ring_weights(whole_rows: bool, rows: int | None) -> bool:
+  """The replay step's ring-weights launch: on for a state without read
+  copy or stochastic rounding (whole_rows False) over at least
+  RING_WEIGHTS_MIN_ROWS rows x value heads."""
+  return (not whole_rows and rows is not None
+          and rows >= RING_WEIGHTS_MIN_ROWS)
+
+
 def pow2_problem(**sizes) -> str | None:
   """Why a shape is refused (Triton blocks are powers of two), or None."""
   for name, v in sizes.items():
@@ -116,12 +142,13 @@ def pow2_problem(**sizes) -> str | None:
 
 def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
          whole_rows: bool = False, rows: int | None = None,
-         kernel: str = "step") -> GDNPlan:
+         kernel: str = "step", state_dtype=None) -> GDNPlan:
   """The plan of config for a [.., key_dim, value_dim] state; whole_rows:
   the call needs block_v = value_dim (refused by name otherwise); rows:
   batch x value heads (the grid's programs per value block); kernel:
   "replay" (the replay step: every field), "step" (the baseline step) or
-  "verify" (these two refuse ring_weights by name)."""
+  "verify" (these two refuse ring_weights=True by name); state_dtype: the
+  baseline step's state dtype (its default stages)."""
   if kernel not in ("step", "replay", "verify"):
     raise ValueError(f"kernel must be 'step', 'replay' or 'verify', got "
                      f"{kernel!r}.")
@@ -147,8 +174,11 @@ def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
         f"checkpoint rows (block_v = value_dim = {value_dim}); leave "
         f"block_v None.")
   warps = config.num_warps or default_num_warps(key_dim, bv, tile_kernel)
-  return GDNPlan(block_v=bv, num_warps=warps, num_stages=config.num_stages,
-                 ring_weights=config.ring_weights)
+  stages = config.num_stages or default_num_stages(kernel, state_dtype)
+  ring = (config.ring_weights if config.ring_weights is not None
+          else kernel == "replay" and default_ring_weights(whole_rows, rows))
+  return GDNPlan(block_v=bv, num_warps=warps, num_stages=stages,
+                 ring_weights=ring)
 
 
 def step_problem(state, **_) -> str | None:

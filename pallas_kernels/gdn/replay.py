@@ -18,7 +18,8 @@ the replay step; `replayssm_jax.gdn.replay` has the derivation):
 * a counter outside [0, L) (only under jit): NaN output, nothing written,
   count kept.
 
-With `GDNConfig(ring_weights=True)` a first launch
+With ring weights (`GDNConfig.ring_weights`; by default for a state
+without read copy at batch x value heads >= 2048) a first launch
 (`ring_weights.gdn_ring_weights`) forms each (row, value head)'s weights of
 the live d_j in kv and o, exp(G) and k . q once, and the step's programs
 read them instead of the key ring (which only flush rows then read, to

@@ -51,7 +51,7 @@ def gdn_step(state, q, k, v, g, beta, use_qk_l2norm=True, scale=None, *,
   to skip XLA's copy)."""
   batch, hv, K, Vd = state.shape
   hk = q.shape[1]
-  p = plan(config, K, Vd, rows=batch * hv)
+  p = plan(config, K, Vd, rows=batch * hv, state_dtype=state.dtype)
   kernel = functools.partial(
       _step_kernel, heads_per_key=hv // hk, block_v=p.block_v,
       use_l2norm=use_qk_l2norm, scale=scale)
