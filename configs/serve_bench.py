@@ -47,6 +47,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Queued prompts of one length bucket prefilled together (1: one by one;
   # a prefix cache admits one by one).
   s.prefill_batch = 2 if smoke else 8
+  # Dispatches decode only the running slots' rows when they fit in this
+  # fraction of the slots (0: always the whole pool).
+  s.compact_below = 0.5
   s.num_requests = 12 if smoke else 512
   # Poisson arrivals (requests per second); 0: all arrive at once.
   s.arrival_rate = 0.0 if smoke else 48.0

@@ -8,10 +8,10 @@ Poisson process at `serve.arrival_rate` requests/s; the same workload for
 every mode) is played against one engine per SSM mode: the driver submits
 each request once the wall clock passes its arrival time and dispatches
 the engine (admissions, then `steps_per_dispatch` decode steps) until all
-finished. The same workload played once at full speed through a
-throwaway engine compiles every prompt bucket and the decode loop first,
-so the timed run compiles nothing. With `serve.shared_prefixes` > 0 the
-prompts start with one of a few shared prefixes, and each mode runs
+finished. A throwaway engine's `precompile` and the same workload played
+once at full speed through it compile every prefill and decode shape
+first, so the timed run compiles nothing. With `serve.shared_prefixes` >
+0 the prompts start with one of a few shared prefixes, and each mode runs
 twice: without and with a `serving.PrefixCache` (its hit rate and the
 prompt tokens it saved recorded). With `serve.speculative_window` > 0 each
 mode also runs with speculative decoding inside the engine
@@ -134,6 +134,7 @@ def _engine(model, config, mode: str, cached: bool,
   return serving.Engine(model, s.capacity, s.max_len,
                         steps_per_dispatch=s.steps_per_dispatch,
                         prefill_batch=s.prefill_batch,
+                        compact_below=s.compact_below,
                         implementation=s.implementation or None,
                         prefix_cache=(serving.PrefixCache(
                             s.prefix_block, max_entries=64)
@@ -149,9 +150,12 @@ def _request(r, config) -> serving.Request:
 
 def warm_up(model, config, mode: str, cached: bool, spec: bool,
             requests: list[dict]):
-  """Compiles what the timed run runs: the workload at once (no arrival
-  times) through a throwaway engine."""
+  """Compiles what the timed run runs through a throwaway engine:
+  `Engine.precompile` (every prefill and decode shape real-time arrivals
+  may need), then the workload at once (no arrival times)."""
   eng = _engine(model, config, mode, cached, spec)
+  eng.precompile(max(len(r["prompt"]) for r in requests),
+                 sampled=config.serve.temperature > 0)
   for r in requests:
     eng.submit(_request(r, config))
   eng.run()
@@ -211,6 +215,7 @@ def play(model, config, mode: str, cached: bool, spec: bool,
       admit_ms_per_request=st.admit_s / max(st.admissions, 1) * 1e3,
       host_us_per_step=st.host_us_per_step,
       wall_us_per_step=st.wall_us_per_step, dispatches=st.dispatches,
+      compacted_dispatches=st.compacted,
       steps=st.steps, admissions=st.admissions, state_bytes=int(state_bytes),
       ttft_ms=(ttft * 1e3).tolist(), tpot_ms=(tpot * 1e3).tolist()), dict(
           eng.results)

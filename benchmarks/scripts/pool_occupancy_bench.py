@@ -7,8 +7,9 @@ dispatch (the active set only changes between dispatches: admissions and
 evictions happen there), decodes that batch and scatters it back:
 
   dense     `serving.step_n(model, pool, n)` over all `capacity` rows
-  gathered  gather the active rows (one `take` per state leaf), `step_n`
-            on that batch, scatter the rows back (donated)
+  gathered  gather the active rows (`serving.pool.gather_rows`),
+            `step_n` on that batch, scatter the rows back (donated):
+            what `Engine(compact_below=...)` runs
   steps     the gathered form's `step_n` alone: what a kernel that reads
             and writes the pool through a slot index per row would cost
             at best (the same rows, no copies)
@@ -31,7 +32,6 @@ dispatches of `--steps` steps after a warm-up.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import statistics
@@ -50,21 +50,7 @@ from configs import _decode_bench, hybrid_1b  # pylint: disable=g-import-not-at-
 from experiments import common  # pylint: disable=g-import-not-at-top,wrong-import-position
 from experiments.decode_bench import build_model  # pylint: disable=g-import-not-at-top,wrong-import-position
 from replayssm_jax import models, serving  # pylint: disable=g-import-not-at-top,wrong-import-position
-
-
-@functools.partial(jax.jit, static_argnums=(2,))
-def gather(pool, idx, max_len):
-  """The rows `idx` of `pool` as a pool of their own, all active."""
-  state = jax.tree.map(lambda x: jnp.take(x, idx, axis=0), pool.state)
-  return serving.Pool(state=state, active=jnp.ones(idx.shape, bool),
-                      tokens=pool.tokens[idx], max_len=max_len)
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def scatter(pool, sub, idx):
-  """`pool` with rows `idx` replaced by `sub`'s."""
-  state = jax.tree.map(lambda x, y: x.at[idx].set(y), pool.state, sub.state)
-  return pool.replace(state=state, tokens=pool.tokens.at[idx].set(sub.tokens))
+from replayssm_jax.serving import pool as P  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def filled_pool(model, capacity, max_len, prompt_len, mode, seed):
@@ -152,8 +138,8 @@ def main():
         return serving.step_n(model, pool, steps)[0]
 
       def gathered(pool, idx=idx):
-        sub, _ = serving.step_n(model, gather(pool, idx, a.max_len), steps)
-        return scatter(pool, sub, idx)
+        sub, _ = serving.step_n(model, P.gather_rows(pool, idx), steps)
+        return P.scatter_rows(pool, sub, idx)
 
       def steps_only(sub):
         return serving.step_n(model, sub, steps)[0]
@@ -161,9 +147,9 @@ def main():
       # Check: the same dispatch both ways from the same pool.
       pool = base.replace(active=active)
       ref, ref_toks = serving.step_n(model, copy(pool), steps)
-      sub, toks = serving.step_n(model, gather(copy(pool), idx, a.max_len),
+      sub, toks = serving.step_n(model, P.gather_rows(copy(pool), idx),
                                  steps)
-      out = scatter(copy(pool), sub, idx)
+      out = P.scatter_rows(copy(pool), sub, idx)
       rows = lambda p: jax.tree.map(lambda x: x[idx], p.state)  # pylint: disable=cell-var-from-loop
       tokens_equal = float(np.mean(np.asarray(ref_toks)[np.asarray(idx)]
                                    == np.asarray(toks)))
@@ -174,7 +160,7 @@ def main():
       for name, fn, p in (
           ("dense", dense, copy(pool)),
           ("gathered", gathered, copy(pool)),
-          ("steps", steps_only, gather(copy(pool), idx, a.max_len))):
+          ("steps", steps_only, P.gather_rows(copy(pool), idx))):
         us, times = time_us(fn, p, a.repeats, steps)
         rec[f"{name}_us_per_step"] = us
         rec[f"{name}_times_us"] = times

@@ -107,7 +107,9 @@ class EngineStats:
   finished, and the wall time split into the host's own work (admission,
   launching, streaming) and its waits for the device's tokens. With
   `speculative`: slot-rounds verified (`verify_rounds`), drafts proposed
-  and drafts accepted (before the cut at a budget or an eos)."""
+  and drafts accepted (before the cut at a budget or an eos). compacted:
+  the dispatches that decoded only the running slots' rows
+  (`compact_below`)."""
   dispatches: int = 0
   steps: int = 0
   tokens: int = 0
@@ -119,6 +121,7 @@ class EngineStats:
   verify_rounds: int = 0
   drafts: int = 0
   accepted_drafts: int = 0
+  compacted: int = 0
 
   @property
   def acceptance_rate(self) -> float:
@@ -193,6 +196,12 @@ class Engine:
       at a time (None: batched prefills, `prefill_batch`).
     prefill_batch: the most queued prompts of one length bucket admitted
       in one batched prefill (`pool.insert_many`; 1: one at a time).
+    compact_below: a dispatch decodes only the running slots' rows
+      (gathered into a batch of their number rounded up to a power of
+      two, scattered back after) when that batch is at most this fraction
+      of the capacity, and the whole pool otherwise (0: always the whole
+      pool; the same tokens up to the batch size's effect on matmul
+      rounding). Without a mesh only.
     speculative: a `Speculation` (a proposer and a window) for speculative
       decoding inside the engine, or None (plain decode steps). The pool's
       state must be one `verify` takes: replay buffer_len > window, a
@@ -210,7 +219,7 @@ class Engine:
                steps_per_dispatch: int = 8, top_k: int | None = None,
                top_p: float | None = None, implementation=None,
                prefix_cache: PrefixCache | None = None,
-               prefill_batch: int = 8,
+               prefill_batch: int = 8, compact_below: float = 0.5,
                speculative: Speculation | None = None, mesh=None,
                ssm_mode: str = "replay", buffer_len: int = 16,
                **state_kwargs):
@@ -218,6 +227,10 @@ class Engine:
     self.mesh = mesh
     self.n = V.positive_int("steps_per_dispatch", steps_per_dispatch)
     self.prefill_batch = V.positive_int("prefill_batch", prefill_batch)
+    if not 0 <= compact_below <= 1:
+      raise ValueError(f"compact_below must lie in [0, 1], got "
+                       f"{compact_below!r}.")
+    self.compact_below = float(compact_below)
     check_sampling(1.0, top_k, top_p)
     self.top_k = None if top_k is None else int(top_k)
     self.top_p = None if top_p is None else float(top_p)
@@ -389,26 +402,12 @@ class Engine:
   def _dispatch_once(self, on_tokens):
     t_start = time.perf_counter()
     self._admit(on_tokens)
-    if not any(r is not None for r in self.slots):
+    live = [i for i, r in enumerate(self.slots) if r is not None]
+    if not live:
       self.stats.wall_s += time.perf_counter() - t_start
       return
-    graphdef, params = nnx.split(self.model)
-    sampled = bool(np.any(self._temps[[r is not None for r in self.slots]]
-                          > 0))
-    args = (jnp.asarray(self._left), jnp.asarray(self._eos),
-            jnp.asarray(self._temps), self._keys)
-    if self.speculative is None:
-      self.pool, out, left, self._keys = _dispatch(
-          graphdef, params, self.pool, self.n, sampled, self.top_k,
-          self.top_p, self.implementation, *args)
-      del left  # recomputed on the host from the tokens (same rules)
-    else:
-      spec = self.speculative
-      (self.pool, self._spec_slots, out, self._keys,
-       self._batch_key) = SP.dispatch(
-           graphdef, params, self.pool, self._spec_slots, spec.proposer,
-           self.n, spec.window, sampled, self.top_k, self.top_p,
-           self.implementation, *args, self._batch_key)
+    sampled = bool(np.any(self._temps[live] > 0))
+    out = self._decode(self._rows(live), sampled)
     t_wait = time.perf_counter()
     out = np.asarray(out)  # the dispatch's one device -> host copy
     self.stats.wait_s += time.perf_counter() - t_wait
@@ -420,11 +419,103 @@ class Engine:
       self.stats.drafts += drafts
       self.stats.accepted_drafts += accepted
     self.stats.dispatches += 1
+    self.stats.compacted += len(self._last_rows) < self.pool.capacity
     self.stats.steps += self.n
-    for slot, req in enumerate(self.slots):
-      if req is not None:
-        self._emit(slot, out[slot].tolist(), on_tokens)
+    for row, slot in enumerate(self._last_rows):
+      if self.slots[slot] is not None:
+        self._emit(slot, out[row].tolist(), on_tokens)
     self.stats.wall_s += time.perf_counter() - t_start
+
+  def _rows(self, live: list[int]):
+    """The slots a dispatch decodes: None (the whole pool), or, when the
+    live slots padded to a power of two fit in compact_below x capacity,
+    those slots (padded with free ones) as an int32 array."""
+    cap = self.pool.capacity
+    k = 1 << (len(live) - 1).bit_length()
+    if self.mesh is not None or k > self.compact_below * cap:
+      return None
+    free = [i for i in range(cap) if self.slots[i] is None]
+    return np.array(live + free[:k - len(live)], np.int32)
+
+  def _decode(self, rows, sampled: bool):
+    """One compiled call of n steps (speculative rounds) over the pool, or
+    over its `rows` gathered into a smaller batch and scattered back ->
+    the device's [len(rows) or capacity, cols] int32 output, row r for
+    slot self._last_rows[r]."""
+    graphdef, params = nnx.split(self.model)
+    spec = self.speculative
+    carried = (self.pool, self._keys,
+               self._spec_slots if spec is not None else None)
+    left, eos, temps = self._left, self._eos, self._temps
+    if rows is not None:
+      idx = jnp.asarray(rows)
+      carried = P.gather_rows(carried, idx)
+      left, eos, temps = left[rows], eos[rows], temps[rows]
+    pool, keys, slots = carried
+    args = (jnp.asarray(left), jnp.asarray(eos), jnp.asarray(temps), keys)
+    if spec is None:
+      pool, out, _, keys = _dispatch(
+          graphdef, params, pool, self.n, sampled, self.top_k, self.top_p,
+          self.implementation, *args)
+    else:
+      pool, slots, out, keys, self._batch_key = SP.dispatch(
+          graphdef, params, pool, slots, spec.proposer, self.n, spec.window,
+          sampled, self.top_k, self.top_p, self.implementation, *args,
+          self._batch_key)
+    if rows is None:
+      self._last_rows = range(self.pool.capacity)
+      self.pool, self._keys = pool, keys
+    else:
+      self._last_rows = rows.tolist()
+      self.pool, self._keys, slots = P.scatter_rows(
+          (self.pool, self._keys, self._spec_slots if spec is not None
+           else None), (pool, keys, slots), idx)
+    if spec is not None:
+      self._spec_slots = slots
+    return out
+
+  def precompile(self, max_prompt_len: int, sampled: bool = False):
+    """Compiles what serving prompts of up to `max_prompt_len` tokens may
+    run, so that no later dispatch compiles: the batched prefills of every
+    length bucket and padded batch size up to `prefill_batch`, and the
+    decode call over the whole pool and over every compacted batch size
+    (`compact_below`), greedy or with `sampled` rows. An idle engine only
+    (nothing queued or running); the slots stay free and the statistics
+    zero. Prefix-cache admissions still compile per remainder bucket on
+    first use."""
+    if self.busy:
+      raise ValueError("precompile needs an idle engine (no queued or "
+                       "running requests).")
+    cap, max_prompt_len = self.pool.capacity, V.positive_int(
+        "max_prompt_len", max_prompt_len)
+    if max_prompt_len > self.max_len:
+      raise ValueError(f"max_prompt_len ({max_prompt_len}) exceeds the "
+                       f"engine's max_len ({self.max_len}).")
+    buckets = sorted({P.bucket_len(t, self.pool.max_len)
+                      for t in range(1, max_prompt_len + 1)})
+    key = jax.random.PRNGKey(0)
+    k = 1
+    while k <= min(self.prefill_batch, cap):
+      for b in buckets:
+        self.pool, _ = P.insert_many(
+            self.model, self.pool, list(range(k)),
+            [np.zeros(b, np.int32)] * k, keys=[key] * k,
+            temperatures=[1.0 if sampled else 0.0] * k, top_k=self.top_k,
+            top_p=self.top_p)
+      k *= 2
+    if self.speculative is not None:
+      for b in buckets:
+        self._spec_slots = SP.insert_slot(self.speculative, self._spec_slots,
+                                          self.pool, 0, np.zeros(b, np.int32),
+                                          0, **self._ssm)
+    self.pool = self.pool.replace(active=jnp.zeros_like(self.pool.active))
+    sizes = [cap] + [1 << j for j in range(cap.bit_length())
+                     if (1 << j) <= self.compact_below * cap
+                     and (1 << j) < cap]
+    for size in sizes:
+      rows = None if size == cap else np.arange(size, dtype=np.int32)
+      jax.block_until_ready(self._decode(rows, sampled))
+    self.stats = EngineStats()
 
   def run(self, on_tokens: Callable | None = None) -> dict:
     """Dispatches until every submitted request finished; returns {id:

@@ -2,6 +2,9 @@
 slots in one call act as k `insert`s (first tokens, the slots' states,
 the decoding after), write nothing else, compile once per (padded batch,
 bucket), sample each row with its own key; the engine admits through it.
+The engine's compacted dispatches (only the running slots' rows, beside
+poisoned free slots) give the whole pool's tokens, and `precompile`
+leaves nothing to compile.
 
 The serving tests' tiny hybrid model (Mamba-2, attention, Gated DeltaNet
 and MLP blocks), f32.
@@ -13,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from replayssm_jax.serving import engine as engine_mod
 
 from replayssm_jax import serving, testing
 from replayssm_jax.serving import pool as pool_mod
@@ -144,3 +149,62 @@ def test_engine_batches_its_admissions(model):
     if batch == 4:
       assert pool_mod.TRACE_COUNTS["insert_many"] > traces
   assert out[4] == out[1]
+
+
+def run_engine(model, reqs, poison_free=False, **kw):
+  eng = serving.Engine(model, 8, MAX_LEN, steps_per_dispatch=3,
+                       buffer_len=L, **kw)
+  for rid, p, n, temp in reqs:
+    eng.submit(serving.Request(rid, p, n, temperature=temp, seed=len(rid)))
+  eng.dispatch()
+  if poison_free:  # every free slot's row NaN / inf / garbage
+    for slot, req in enumerate(eng.slots):
+      if req is None:
+        eng.pool = poison(eng.pool, slot)
+  return eng, eng.run()
+
+
+@pytest.mark.parametrize("ssm_mode", ("replay", "baseline"))
+def test_compacted_dispatches_give_the_pools_tokens(model, ssm_mode):
+  """Three requests in eight slots, one sampled: decoded as a batch of 4
+  gathered rows (padded with a poisoned free slot) or as the whole pool,
+  the same tokens."""
+  reqs = [("a", prompt(90, 5), 7, 0.0), ("bb", prompt(91, 9), 4, 0.0),
+          ("ccc", prompt(92, 3), 8, 1.3)]
+  eng, compact = run_engine(model, reqs, poison_free=True,
+                            ssm_mode=ssm_mode)
+  assert eng.stats.compacted == eng.stats.dispatches > 0
+  eng, whole = run_engine(model, reqs, compact_below=0.0, ssm_mode=ssm_mode)
+  assert eng.stats.compacted == 0
+  assert compact == whole
+
+
+def test_precompile_leaves_nothing_to_compile(model):
+  reqs = [(f"r{i}", prompt(95 + i, 2 + 3 * i), 3 + i, 0.0) for i in range(5)]
+  eng = serving.Engine(model, 8, MAX_LEN, steps_per_dispatch=2,
+                       buffer_len=L, prefill_batch=2)
+  eng.precompile(max(len(p) for _, p, _, _ in reqs))
+  assert not eng.busy and eng.stats.dispatches == 0
+  jitted = (engine_mod._dispatch, pool_mod._insert_many_jit,  # pylint: disable=protected-access
+            pool_mod.gather_rows, pool_mod.scatter_rows)
+  sizes = [f._cache_size() for f in jitted]  # pylint: disable=protected-access
+  for i, (rid, p, n, temp) in enumerate(reqs):  # arrivals one by one
+    eng.submit(serving.Request(rid, p, n, temperature=temp))
+    if i % 2:
+      eng.dispatch()
+  eng.run()
+  assert [f._cache_size() for f in jitted] == sizes  # pylint: disable=protected-access
+  assert eng.stats.compacted > 0
+
+
+def test_engine_arguments_are_named(model):
+  with pytest.raises(ValueError, match="compact_below"):
+    serving.Engine(model, 4, MAX_LEN, compact_below=1.5)
+  with pytest.raises(ValueError, match="prefill_batch"):
+    serving.Engine(model, 4, MAX_LEN, prefill_batch=0)
+  eng = serving.Engine(model, 4, MAX_LEN, buffer_len=L)
+  with pytest.raises(ValueError, match="max_prompt_len"):
+    eng.precompile(MAX_LEN + 1)
+  eng.submit(serving.Request("x", prompt(1, 3), 2))
+  with pytest.raises(ValueError, match="idle"):
+    eng.precompile(8)
