@@ -7,9 +7,11 @@
   results = engine.run(on_tokens=lambda rid, toks: print(rid, toks))
 
 Each `dispatch` (one iteration of `run`): admit queued requests into free
-slots (`pool.insert`: a batch-1 prefill written into the slot, its first
-token sampled), then run `steps_per_dispatch` decode steps of the whole
-pool in one jitted `lax.fori_loop`, then read the tokens back once and
+slots (`pool.insert_many`: prompts of one length bucket prefilled together
+and written into their slots, first tokens sampled), then run
+`steps_per_dispatch` decode steps in one jitted `lax.fori_loop` over the
+whole pool, or over the running slots' rows gathered into a smaller batch
+when few slots run (`compact_below`), then read the tokens back once and
 stream them to `on_tokens`, and evict the requests that finished.
 
 Where the host waits. One dispatch is one compiled call and one device ->
