@@ -107,7 +107,9 @@ class EngineStats:
   """Counters of `Engine.run`: dispatches, decode steps (loop iterations:
   speculative rounds with `speculative`), tokens streamed, requests
   finished, and the wall time split into the host's own work (admission,
-  launching, streaming) and its waits for the device's tokens. With
+  launching, streaming) and its waits for the device's tokens (the
+  dispatches' and the prefills' first tokens; `admit_s`: the admissions'
+  wall time, their waits included). With
   `speculative`: slot-rounds verified (`verify_rounds`), drafts proposed
   and drafts accepted (before the cut at a budget or an eos). compacted:
   the dispatches that decoded only the running slots' rows
@@ -362,7 +364,9 @@ class Engine:
               keys=[a[3] for a in rows], top_k=self.top_k, top_p=self.top_p)
           parts.append(toks)
           order += chunk
+    t_wait = time.perf_counter()
     toks = np.asarray(jnp.concatenate(parts)).tolist()
+    self.stats.wait_s += time.perf_counter() - t_wait
     firsts = [0] * len(admitted)
     for i, t in zip(order, toks):
       firsts[i] = t
