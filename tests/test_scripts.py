@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -120,6 +121,22 @@ def test_decode_step_profile_and_attend_micro_tiny(tmp_path):
         r["by_scope"]), sorted(r["by_scope"])
     assert abs(sum(r["by_scope"].values()) - r["ms_per_step"]) < 1e-6 * max(
         1.0, r["ms_per_step"])
+  # A transformers config.json: a 4-layer Qwen3.5-like model at toy
+  # widths, whose Gated DeltaNet layers reach the profile by scope.
+  hf = json.loads((Path(ROOT) / "configs" / "qwen3_5_4b_text.json")
+                  .read_text())
+  hf.update(hidden_size=64, intermediate_size=64, head_dim=16,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+            linear_key_head_dim=16, linear_value_head_dim=16,
+            linear_num_key_heads=2, linear_num_value_heads=4,
+            num_hidden_layers=4, layer_types=hf["layer_types"][:4])
+  (tmp_path / "qwen.json").write_text(json.dumps(hf))
+  _run("decode_step_profile.py", "--config", str(tmp_path / "qwen.json"),
+       "--batch", "2", "--prompt_len", "8", "--steps", "2", "--iters", "1",
+       "--modes", "replay", "--out", str(out))
+  scopes = json.loads(out.read_text())["modes"]["replay"]["by_scope"]
+  assert {"gdn/ssm", "gdn/conv", "gdn/in_proj", "gdn/out_proj"} <= set(
+      scopes), sorted(scopes)
   out = tmp_path / "am.json"
   _run("attend_micro.py", "--batch", "2", "--max_len", "16", "--sets", "1",
        "--iters", "1", "--variants", "default,split64", "--out", str(out))

@@ -13,6 +13,9 @@ decode_bench's.
   XLA_FLAGS=--xla_gpu_enable_command_buffer= PYTHONPATH=. python \
       benchmarks/scripts/decode_step_profile.py --config configs/hybrid_1b.py \
       --batch 256 --out $OUT/decode_step_profile.json
+
+`--config` also takes a transformers config.json (random bf16 weights at
+its shape), e.g. configs/qwen3_5_4b_text.json.
 """
 
 import argparse
@@ -32,9 +35,9 @@ from flax import nnx
 
 from experiments.decode_bench import build_model
 from replayssm_jax import profiling
-from replayssm_jax.models import ModelConfig, prefill
+from replayssm_jax.models import ModelConfig, hf, prefill
 
-_BLOCKS = ("mamba", "attention", "mlp", "lm_head")
+_BLOCKS = ("mamba", "gdn", "kda", "attention", "mlp", "moe", "lm_head")
 _PIECES = ("in_proj", "conv", "ssm", "gated_norm", "out_proj", "qkv",
            "kv_write", "attend", "o_proj")
 _INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{([^}]*)\}")
@@ -66,7 +69,13 @@ def load_config(path: str):
 
 
 def load_model_config(path: str) -> ModelConfig:
-  """The ModelConfig of a configs/*.py file (its get_config().model)."""
+  """The ModelConfig of a configs/*.py file (its get_config().model), or
+  of a transformers config.json (its shape in bf16, as
+  random_weight_decode.py builds it)."""
+  if path.endswith(".json"):
+    with open(path) as f:
+      cfg, _ = hf.config_from_hf(json.load(f))
+    return cfg.replace(dtype="bfloat16", param_dtype="bfloat16")
   return ModelConfig(**load_config(path).model.to_dict())
 
 

@@ -10,6 +10,7 @@
 #   bash benchmarks/scripts/run_h200.sh decode_b256  # hybrid_1b decode step at b 256, L 16 only
 #   bash benchmarks/scripts/run_h200.sh decode_policies  # the same with dual-precision replay states (f32 master + bf16 / fp8 read copy)
 #   bash benchmarks/scripts/run_h200.sh decode_profile  # hybrid_1b's decode step at b 256 by named scope (XLA's CUDA graphs off)
+#   bash benchmarks/scripts/run_h200.sh qwen35_4b_profile  # the same on the Qwen3.5-4B text shape (GDN layers by scope), b 256
 #   bash benchmarks/scripts/run_h200.sh specdec    # speculative decoding, hybrid_1b, b {256,512}, window 4
 #   bash benchmarks/scripts/run_h200.sh specdec_fp8  # the same with f32 master + fp8 copy states (the snapshot baseline stays f32)
 #   bash benchmarks/scripts/run_h200.sh specdec_accept  # plain and replay spec decoding at proposer acceptance 0.8 and 0.9
@@ -105,6 +106,12 @@ case "$1" in
     XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout "$T" \
       python benchmarks/scripts/decode_step_profile.py --top 400 \
       --hlo_dir "$OUT/decode_step_hlo" --out "$OUT/decode_step_profile.json" ;;
+  qwen35_4b_profile)
+    # The same on the Qwen3.5-4B text shape (random bf16 weights), b 256.
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout "$T" \
+      python benchmarks/scripts/decode_step_profile.py \
+      --config configs/qwen3_5_4b_text.json --prompt_len 32 --top 200 \
+      --out "$OUT/qwen35_4b_profile.json" ;;
   specdec)
     specdec_bench specdec --config.bench.batches='(256,512)' \
       --config.bench.windows='(4,)' ;;

@@ -146,18 +146,23 @@ class GDNMixer(nnx.Module):
     """One token per row: h [b, d] -> (y [b, d], state); `implementation`
     goes to the delta-rule op's dispatcher; replay states step under
     state.precision with `layer` (keys stochastic rounding)."""
-    qkv, z, g, beta = self._project(h)
-    x, conv = causal_conv1d_update(qkv, state.conv, self.conv_weight[...],
-                                   None, activation="silu")
+    with jax.named_scope("in_proj"):  # scopes name the ops in profiles
+      qkv, z, g, beta = self._project(h)
+    with jax.named_scope("conv"):
+      x, conv = causal_conv1d_update(qkv, state.conv, self.conv_weight[...],
+                                     None, activation="silu")
     q, k, v = self._split(x)
-    if state.is_replay:
-      o, ssm = gdn.gdn_replay_step(state.ssm, q, k, v, g, beta,
-                                   policy=state.precision, layer=layer,
-                                   implementation=implementation)
-    else:
-      o, ssm = gdn.gdn_step(state.ssm, q, k, v, g, beta,
-                            implementation=implementation)
-    return self._out(o, z), state.replace(conv=conv, ssm=ssm)
+    with jax.named_scope("ssm"):
+      if state.is_replay:
+        o, ssm = gdn.gdn_replay_step(state.ssm, q, k, v, g, beta,
+                                     policy=state.precision, layer=layer,
+                                     implementation=implementation)
+      else:
+        o, ssm = gdn.gdn_step(state.ssm, q, k, v, g, beta,
+                              implementation=implementation)
+    with jax.named_scope("out_proj"):  # the gated norm and the projection
+      y = self._out(o, z)
+    return y, state.replace(conv=conv, ssm=ssm)
 
   def verify(self, h, state: GDNState, implementation: str | None = None,
              layer: int = 0):
