@@ -39,6 +39,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.hf_config = ""
   s = config.serve = ml_collections.ConfigDict()
   s.ssm_modes = ("baseline", "replay")
+  # Which runs per mode: plain decoding, with a prefix cache (needs
+  # shared_prefixes), speculative (needs speculative_window).
+  s.variants = ("plain", "prefix_cache", "speculative")
   s.buffer_len = 4 if smoke else 16
   s.precision = ""  # a replayssm_jax.precision preset for replay states
   s.capacity = 4 if smoke else 64  # slots (the decode batch)

@@ -253,11 +253,17 @@ def run(config, workdir: str) -> dict:
   # Plain, with a prefix cache (shared-prefix workloads), with speculative
   # decoding; each for every mode in turn (a run cut short keeps whole
   # comparisons).
+  unknown = set(s.variants) - {"plain", "prefix_cache", "speculative"}
+  if unknown:
+    raise ValueError(f"serve.variants: unknown {sorted(unknown)}; choose "
+                     f"from 'plain', 'prefix_cache', 'speculative'.")
   runs = [(mode, cached, spec)
-          for cached, spec in ([(False, False)]
-                               + [(True, False)] * bool(s.shared_prefixes)
-                               + [(False, True)] * bool(
-                                   s.speculative_window))
+          for cached, spec in (
+              [(False, False)] * ("plain" in s.variants)
+              + [(True, False)] * bool("prefix_cache" in s.variants
+                                       and s.shared_prefixes)
+              + [(False, True)] * bool("speculative" in s.variants
+                                       and s.speculative_window))
           for mode in s.ssm_modes]
   plain = {}  # mode -> the plain run's tokens
   for i, (mode, cached, spec) in enumerate(runs):
@@ -288,7 +294,8 @@ def run(config, workdir: str) -> dict:
   rows = [dict(r, vs_baseline=(
       r["tokens_per_s"] / base[key(r)]["tokens_per_s"]
       if key(r) in base else None), vs_plain=(
-          r["tokens_per_s"] / plain_recs[r["mode"]]["tokens_per_s"]))
+          r["tokens_per_s"] / plain_recs[r["mode"]]["tokens_per_s"]
+          if r["mode"] in plain_recs else None))
           for r in records]
   text = (f"# serve_bench\n\nmodel: {cfg.pattern[:40]} d_model "
           f"{cfg.d_model}, {cfg.dtype}; {s.num_requests} requests at "

@@ -197,6 +197,13 @@ def test_precompile_leaves_nothing_to_compile(model):
   assert eng.stats.compacted > 0
 
 
+def test_compacted_batches_are_at_least_a_sixteenth(model):
+  eng = serving.Engine(model, 64, MAX_LEN, buffer_len=L)
+  assert eng._rows([3]).tolist() == [3, 0, 1, 2]  # pylint: disable=protected-access
+  assert len(eng._rows(list(range(5)))) == 8  # pylint: disable=protected-access
+  assert eng._rows(list(range(33))) is None  # pylint: disable=protected-access
+
+
 def test_engine_arguments_are_named(model):
   with pytest.raises(ValueError, match="compact_below"):
     serving.Engine(model, 4, MAX_LEN, compact_below=1.5)

@@ -30,7 +30,7 @@
 #   bash benchmarks/scripts/run_h200.sh qwen35_4b [parts] [batches]  # the same on the Qwen3.5-4B text shape (Gated DeltaNet)
 #   bash benchmarks/scripts/run_h200.sh gdn_kernels  # the Gated DeltaNet kernels vs their references at Qwen3.5 shapes, then their tests on the GPU
 #   bash benchmarks/scripts/run_h200.sh serve [hf_config]  # serve_bench: continuous batching, Poisson arrivals, baseline vs replay (hybrid_1b, or a transformers config's shape)
-#   bash benchmarks/scripts/run_h200.sh serve_b256 [hf_config]  # serve_bench saturated at 256 slots (512 requests at once), plain and speculative at acceptance 0.7
+#   bash benchmarks/scripts/run_h200.sh serve_b256 [plain|speculative|plain+speculative] [hf_config]  # serve_bench saturated at 256 slots (512 requests at once); speculative: at acceptance 0.7
 #   bash benchmarks/scripts/run_h200.sh serve_prefix [hf_config]  # serve_bench on a shared-prefix workload at a light load, without and with a prefix cache
 #   bash benchmarks/scripts/run_h200.sh pool_occupancy [active rows]  # a pool of 256 slots partly occupied: dense step vs gathered active rows (hybrid_1b)
 #   bash benchmarks/scripts/run_h200.sh gdn_bench    # the GDN step kernels timed: baseline (Pallas, XLA, flash-linear-attention) vs replay, b {256,64,1,512} x L {16,8,32}
@@ -203,14 +203,17 @@ case "$1" in
       ${2:+--config.hf_config=$2} ;;
   serve_b256)
     # Saturated: 512 requests at once into 256 slots, outputs of 128-512
-    # tokens, plain and speculative (flat oracle at acceptance 0.7).
+    # tokens; argument 2: the variants, "+"-separated (default plain;
+    # speculative: the flat oracle at acceptance 0.7), each about 5 min.
+    v=${2:-plain}
     timeout "$T" python -m experiments.serve_bench \
-      --config=configs/serve_bench.py --workdir="$OUT/serve_b256" \
+      --config=configs/serve_bench.py --workdir="$OUT/serve_b256_${v//+/_}" \
+      --config.serve.variants="('${v//+/\',\'}',)" \
       --config.serve.capacity=256 --config.serve.arrival_rate=0 \
       --config.serve.num_requests=512 --config.serve.output_len_min=128 \
       --config.serve.output_len_max=512 \
       --config.serve.proposer=flat_sampling --config.serve.temperature=1000 \
-      --config.serve.accept_prob=0.7 ${2:+--config.hf_config=$2} ;;
+      --config.serve.accept_prob=0.7 ${3:+--config.hf_config=$3} ;;
   serve_prefix)
     # Prefill-bound requests at a light load (no queueing): prompts of
     # 464-512 tokens, 448 of them one of 4 shared prefixes, 16-32 new

@@ -202,10 +202,10 @@ class Engine:
       in one batched prefill (`pool.insert_many`; 1: one at a time).
     compact_below: a dispatch decodes only the running slots' rows
       (gathered into a batch of their number rounded up to a power of
-      two, scattered back after) when that batch is at most this fraction
-      of the capacity, and the whole pool otherwise (0: always the whole
-      pool; the same tokens up to the batch size's effect on matmul
-      rounding). Without a mesh only.
+      two, at least capacity / 16, scattered back after) when that batch
+      is at most this fraction of the capacity, and the whole pool
+      otherwise (0: always the whole pool; the same tokens up to the batch
+      size's effect on matmul rounding). Without a mesh only.
     speculative: a `Speculation` (a proposer and a window) for speculative
       decoding inside the engine, or None (plain decode steps). The pool's
       state must be one `verify` takes: replay buffer_len > window, a
@@ -437,11 +437,16 @@ class Engine:
     live slots padded to a power of two fit in compact_below x capacity,
     those slots (padded with free ones) as an int32 array."""
     cap = self.pool.capacity
-    k = 1 << (len(live) - 1).bit_length()
+    k = max(1 << (len(live) - 1).bit_length(), self._min_rows())
     if self.mesh is not None or k > self.compact_below * cap:
       return None
     free = [i for i in range(cap) if self.slots[i] is None]
     return np.array(live + free[:k - len(live)], np.int32)
+
+  def _min_rows(self) -> int:
+    """The smallest compacted batch: capacity / 16 rounded down to a power
+    of two (at least 1), which bounds the decode shapes to compile."""
+    return 1 << max(0, (self.pool.capacity // 16).bit_length() - 1)
 
   def _decode(self, rows, sampled: bool):
     """One compiled call of n steps (speculative rounds) over the pool, or
@@ -516,8 +521,8 @@ class Engine:
                                           0, **self._ssm)
     self.pool = self.pool.replace(active=jnp.zeros_like(self.pool.active))
     sizes = [cap] + [1 << j for j in range(cap.bit_length())
-                     if (1 << j) <= self.compact_below * cap
-                     and (1 << j) < cap]
+                     if self._min_rows() <= (1 << j) < cap
+                     and (1 << j) <= self.compact_below * cap]
     for size in sizes:
       rows = None if size == cap else np.arange(size, dtype=np.int32)
       jax.block_until_ready(self._decode(rows, sampled))
