@@ -175,11 +175,14 @@ def resolve_sampling(temperature, top_k, top_p, rng):
 # ----------------------------------------------------------------- insert
 def set_row_id(row: S.ModelState, row_id) -> S.ModelState:
   """`row` with every row_id leaf (stochastic rounding's request identity)
-  set to `row_id`."""
+  set to `row_id`: a scalar, or one per row ([batch])."""
   def put(path, x):
     last = path[-1]
     if isinstance(last, jax.tree_util.GetAttrKey) and last.name == "row_id":
-      return jnp.full(x.shape, row_id, x.dtype)
+      ids = jnp.asarray(row_id, x.dtype)
+      if ids.ndim:
+        ids = ids.reshape((-1,) + (1,) * (x.ndim - 1))
+      return jnp.broadcast_to(ids, x.shape)
     return x
   return jax.tree_util.tree_map_with_path(put, row)
 
@@ -187,24 +190,14 @@ def set_row_id(row: S.ModelState, row_id) -> S.ModelState:
 def fresh_row(state: S.ModelState, row_id):
   """A batch-1 ModelState laid out as `state`, all zeros (row_id leaves:
   `row_id`): built from shapes only, never from the pool's contents."""
-  zeros = jax.tree.map(lambda x: jnp.zeros((1,) + x.shape[1:], x.dtype),
-                       state)
-  return set_row_id(zeros, row_id)
+  return fresh_rows(state, jnp.reshape(jnp.asarray(row_id, jnp.int32), (1,)))
 
 
 def fresh_rows(state: S.ModelState, row_ids):
   """`fresh_row` for k rows at once: row_ids [k] -> a batch-k ModelState."""
   k = row_ids.shape[0]
-  zeros = jax.tree.map(lambda x: jnp.zeros((k,) + x.shape[1:], x.dtype),
-                       state)
-
-  def put(path, x):
-    last = path[-1]
-    if isinstance(last, jax.tree_util.GetAttrKey) and last.name == "row_id":
-      ids = row_ids.reshape((k,) + (1,) * (x.ndim - 1)).astype(x.dtype)
-      return jnp.broadcast_to(ids, x.shape)
-    return x
-  return jax.tree_util.tree_map_with_path(put, zeros)
+  return set_row_id(jax.tree.map(
+      lambda x: jnp.zeros((k,) + x.shape[1:], x.dtype), state), row_ids)
 
 
 def sample_rows(logits, keys, temps, sampled: bool, top_k, top_p):
@@ -402,9 +395,9 @@ def insert_many(model: M.HybridLM, pool: Pool, slots, prompts, *,
   idx = np.full(kp, pool.capacity, np.int32)
   idx[:k] = slots
   row_ids = idx.copy()
-  key_rows = jnp.zeros((kp,) + jax.random.PRNGKey(0).shape, jnp.uint32)
-  if keys is not None:
-    key_rows = key_rows.at[:k].set(jnp.stack(list(keys)))
+  zero_key = jnp.zeros(jax.random.PRNGKey(0).shape, jnp.uint32)
+  key_rows = jnp.stack((list(keys) if keys is not None else [zero_key] * k)
+                       + [zero_key] * (kp - k))  # shapes: one per kp
   graphdef, params = nnx.split(model)
   pool, tok = _insert_many_jit(
       graphdef, params, pool, jnp.asarray(idx), jnp.asarray(tokens),
