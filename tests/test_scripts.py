@@ -137,6 +137,13 @@ def test_decode_step_profile_and_attend_micro_tiny(tmp_path):
   scopes = json.loads(out.read_text())["modes"]["replay"]["by_scope"]
   assert {"gdn/ssm", "gdn/conv", "gdn/in_proj", "gdn/out_proj"} <= set(
       scopes), sorted(scopes)
+  # A batched prefill, by block.
+  _run("decode_step_profile.py", "--config", "configs/tiny.py", "--batch",
+       "2", "--prompt_len", "16", "--iters", "1", "--modes", "replay",
+       "--part", "prefill", "--out", str(out))
+  r = json.loads(out.read_text())["modes"]["replay"]
+  assert r["ms_per_step"] > 0 and {"mamba (rest)", "attention (rest)"} <= set(
+      r["by_scope"]), sorted(r["by_scope"])
   out = tmp_path / "am.json"
   _run("attend_micro.py", "--batch", "2", "--max_len", "16", "--sets", "1",
        "--iters", "1", "--variants", "default,split64", "--out", str(out))

@@ -15,7 +15,9 @@ decode_bench's.
       --batch 256 --out $OUT/decode_step_profile.json
 
 `--config` also takes a transformers config.json (random bf16 weights at
-its shape), e.g. configs/qwen3_5_4b_text.json.
+its shape), e.g. configs/qwen3_5_4b_text.json. `--part prefill` profiles
+one batched prefill of [batch, prompt_len] instead (what the serving
+engine's admission runs), by block.
 """
 
 import argparse
@@ -36,6 +38,7 @@ from flax import nnx
 from experiments.decode_bench import build_model
 from replayssm_jax import profiling
 from replayssm_jax.models import ModelConfig, hf, prefill
+from replayssm_jax.models.model import prefill_fn
 
 _BLOCKS = ("mamba", "gdn", "kda", "attention", "mlp", "moe", "lm_head")
 _PIECES = ("in_proj", "conv", "ssm", "gated_norm", "out_proj", "qkv",
@@ -101,6 +104,10 @@ def main():
   ap.add_argument("--iters", type=int, default=3)
   ap.add_argument("--top", type=int, default=60)
   ap.add_argument("--out", required=True)
+  ap.add_argument("--part", default="decode", choices=("decode", "prefill"),
+                  help="prefill: profile one batched prefill of "
+                  "[batch, prompt_len] from a fresh state instead (times "
+                  "per prefill call; --steps unused)")
   ap.add_argument("--hlo_dir", default="",
                   help="also write each mode's optimized HLO (gzipped) here")
   a = ap.parse_args()
@@ -125,13 +132,18 @@ def main():
 
     return jax.lax.fori_loop(0, a.steps, body, (tok, st))
 
+  @jax.jit
+  def prefill_loop(params, tokens, lens, st):
+    return prefill_fn(nnx.merge(graphdef, params), tokens, lens, st)
+
   result = dict(
       command=" ".join([os.path.basename(sys.executable)] + sys.argv),
       date=datetime.datetime.now(datetime.timezone.utc).isoformat(
           timespec="seconds"),
       device=jax.devices()[0].device_kind, jax=jax.__version__,
       xla_flags=os.environ.get("XLA_FLAGS", ""), config=a.config,
-      batch=a.batch, prompt_len=a.prompt_len, steps=a.steps, modes={})
+      batch=a.batch, prompt_len=a.prompt_len, steps=a.steps, part=a.part,
+      modes={})
   # A KV cache of a multiple of 16 entries, so the Pallas decode attention
   # takes it (at 273 entries the dispatcher runs XLA's attention), with
   # room for the untimed call and the `iters` timed ones: each call
@@ -141,23 +153,31 @@ def main():
     st = model.init_state(a.batch, max_len, ssm_mode=mode,
                           buffer_len=a.buffer_len,
                           checkpoint_dtype=jnp.float32)
-    logits, st = prefill(model, prompts, lengths, st)
-    tok = jnp.argmax(logits, -1).astype(jnp.int32)
-    hlo = loop.lower(params, tok, st).compile().as_text()
+    if a.part == "prefill":
+      fresh = st
+      hlo = prefill_loop.lower(params, prompts, lengths, fresh).compile(
+      ).as_text()
+
+      def call():
+        return prefill_loop(params, prompts, lengths, fresh)[0]
+    else:
+      logits, st = prefill(model, prompts, lengths, st)
+      tok = jnp.argmax(logits, -1).astype(jnp.int32)
+      hlo = loop.lower(params, tok, st).compile().as_text()
+      carry = [tok, st]
+
+      def call():
+        carry[:] = loop(params, *carry)
+        return carry[0]
     sources = op_sources(hlo)
     if a.hlo_dir:
       os.makedirs(a.hlo_dir, exist_ok=True)
       with gzip.open(os.path.join(a.hlo_dir, f"decode_loop_{mode}.hlo.gz"),
                      "wt") as f:
         f.write(hlo)
-    carry = [tok, st]
-
-    def call():
-      carry[:] = loop(params, *carry)
-      return carry[0]
-
     t = profiling.op_times(call, iters=a.iters, top=10**6)
-    per_step = lambda ms: ms / a.steps  # noqa: E731
+    calls_per_step = 1 if a.part == "prefill" else a.steps
+    per_step = lambda ms: ms / calls_per_step  # noqa: E731
     by_source = collections.defaultdict(lambda: [0.0, 0, set(), 0.0])
     by_scope = collections.defaultdict(float)
     for row in t["top"]:
@@ -167,7 +187,7 @@ def main():
       agg[0] += row["ms"]
       agg[1] += 1
       agg[2].add(row["category"])
-      agg[3] += row["events_per_call"] / a.steps
+      agg[3] += row["events_per_call"] / calls_per_step
       by_scope[scope(row["source"])] += row["ms"]
     ranked = sorted(by_source.items(), key=lambda kv: -kv[1][0])
     result["modes"][mode] = dict(
@@ -179,7 +199,9 @@ def main():
                         launches_per_step=v[3], categories=sorted(v[2]))
                    for s, v in ranked[:a.top]],
         top_ops=t["top"][:a.top])
-    print(f"== {mode}: {per_step(t['device_ms']):.3f} ms/step on the device",
+    unit = "prefill" if a.part == "prefill" else "step"
+    print(f"== {mode}: {per_step(t['device_ms']):.3f} ms/{unit} on the "
+          f"device",
           {k: round(per_step(v), 3) for k, v in t["by_category"].items()})
     for s, ms in sorted(by_scope.items(), key=lambda kv: -kv[1]):
       print(f"  scope {s:28s} {ms:8.4f} ms")
@@ -191,7 +213,7 @@ def main():
       print(f"  op {row['hlo_op'][:40]:40s} {row['events_per_call']:5.1f} "
             f"launches/call, µs min {row['min_us']:.1f} median "
             f"{row['median_us']:.1f} max {row['max_us']:.1f}")
-    del st, logits, carry
+    del st
   with open(a.out, "w") as f:
     json.dump(result, f, indent=1)
 

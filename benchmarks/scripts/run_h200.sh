@@ -10,6 +10,7 @@
 #   bash benchmarks/scripts/run_h200.sh decode_b256  # hybrid_1b decode step at b 256, L 16 only
 #   bash benchmarks/scripts/run_h200.sh decode_policies  # the same with dual-precision replay states (f32 master + bf16 / fp8 read copy)
 #   bash benchmarks/scripts/run_h200.sh decode_profile  # hybrid_1b's decode step at b 256 by named scope (XLA's CUDA graphs off)
+#   bash benchmarks/scripts/run_h200.sh prefill_profile  # one batched prefill (8 x 512 tokens, hybrid_1b) by block: the serving engine's admission
 #   bash benchmarks/scripts/run_h200.sh qwen35_4b_profile  # the same on the Qwen3.5-4B text shape (GDN layers by scope), b 256
 #   bash benchmarks/scripts/run_h200.sh specdec    # speculative decoding, hybrid_1b, b {256,512}, window 4
 #   bash benchmarks/scripts/run_h200.sh specdec_fp8  # the same with f32 master + fp8 copy states (the snapshot baseline stays f32)
@@ -106,6 +107,13 @@ case "$1" in
     XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout "$T" \
       python benchmarks/scripts/decode_step_profile.py --top 400 \
       --hlo_dir "$OUT/decode_step_hlo" --out "$OUT/decode_step_profile.json" ;;
+  prefill_profile)
+    # One batched prefill as the serving engine admits (hybrid_1b, 8
+    # prompts of 512 tokens), by block.
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout "$T" \
+      python benchmarks/scripts/decode_step_profile.py --part prefill \
+      --batch 8 --prompt_len 512 --top 200 \
+      --out "$OUT/prefill_profile.json" ;;
   qwen35_4b_profile)
     # The same on the Qwen3.5-4B text shape (random bf16 weights), b 256.
     XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout "$T" \
