@@ -34,10 +34,10 @@ over the time from the first arrival to the last token), time to first
 token (arrival -> first streamed token), the engine's admission time per
 request (its prefill, through the prefix cache if any, and first token)
 and time per output token (a request's (last - first token time) /
-(tokens - 1)) at p50 / p99, the
-engine's host time per decode step (its wall time less its waits for the
-device's tokens) against its wall time per step, and the decode state's
-bytes. summary.md holds the table, latency.png the TTFT / TPOT
+(tokens - 1)) at p50 / p99, the engine's host time per decode step (its
+wall time less its waits for the device's tokens) against its wall time
+per step, the dispatches compacted to the running slots' rows, and the
+decode state's bytes. summary.md holds the table, latency.png the TTFT / TPOT
 distributions.
 
 Usage (see configs/serve_bench.py):

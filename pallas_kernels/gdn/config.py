@@ -42,16 +42,15 @@ class GDNConfig:
     num_warps: Triton warps per program; None: `default_num_warps`.
     num_stages: Triton pipelining stages; None: `default_num_stages`.
     ring_weights: replay step only. None: `default_ring_weights`. True: a
-      first launch
-      (`ring_weights.gdn_ring_weights`, one program per row and key head)
-      forms the scalar weights of each (row, value head) over its ring
-      slots -- the coefficients of the live d_j in the correction and in
-      the output, the checkpoint's decay and the token's k . q -- and the
-      step's value-block programs read them, streaming only the
-      checkpoint tile and the d ring instead of each reducing the key
-      ring against q and k and forming the decays again. Every precision
-      policy the step takes; refused by the baseline step and the verify
-      kernels. False: one launch.
+      first launch (`ring_weights.gdn_ring_weights`, one program per row
+      and key head) forms the scalar weights of each (row, value head)
+      over its ring slots -- the coefficients of the live d_j in the
+      correction and in the output, the checkpoint's decay and the
+      token's k . q -- and the step's value-block programs read them,
+      streaming only the checkpoint tile and the d ring instead of each
+      reducing the key ring against q and k and forming the decays again.
+      Every precision policy the step takes; refused by the baseline step
+      and the verify kernels. False: one launch.
   """
   block_v: int | None = None
   num_warps: int | None = None
