@@ -161,6 +161,18 @@ def check_slot(slot, capacity: int):
   return jnp.asarray(slot, jnp.int32)
 
 
+def check_prompt(name: str, tokens, model: M.HybridLM, pool: Pool) -> int:
+  """A [T] integer prompt of valid token ids with 1 <= T <= the pool's
+  max_len, errors naming `name` -> T."""
+  V.check_integer(name, tokens)
+  M._check_tokens(name, tokens, 1, "[seqlen]", model.config)  # pylint: disable=protected-access
+  t = tokens.shape[0]
+  if not 1 <= t <= pool.max_len:
+    raise ValueError(f"{name} must hold 1 to the pool's max_len "
+                     f"({pool.max_len}) tokens, got {t}.")
+  return t
+
+
 def bucket_len(length: int, max_len: int) -> int:
   """The padded prompt length `insert` compiles for: the smallest power of
   two >= max(length, MIN_BUCKET), at most max_len."""
@@ -284,13 +296,7 @@ def insert(model: M.HybridLM, pool: Pool, slot, prompt_tokens, *,
   """
   check_pool(pool)
   slot = check_slot(slot, pool.capacity)
-  V.check_integer("prompt_tokens", prompt_tokens)
-  M._check_tokens("prompt_tokens", prompt_tokens, 1, "[seqlen]",
-                  model.config)
-  t = prompt_tokens.shape[0]
-  if not 1 <= t <= pool.max_len:
-    raise ValueError(f"prompt_tokens must hold 1 to the pool's max_len "
-                     f"({pool.max_len}) tokens, got {t}.")
+  t = check_prompt("prompt_tokens", prompt_tokens, model, pool)
   if bucket is None:
     bucket = bucket_len(t, pool.max_len)
   bucket = V.positive_int("bucket", bucket)
@@ -370,11 +376,7 @@ def insert_many(model: M.HybridLM, pool: Pool, slots, prompts, *,
     raise ValueError(f"prompts must hold one prompt per slot ({k}), got "
                      f"{len(prompts)}.")
   for i, p in enumerate(prompts):
-    V.check_integer(f"prompts[{i}]", p)
-    M._check_tokens(f"prompts[{i}]", p, 1, "[seqlen]", model.config)
-    if not 1 <= p.shape[0] <= pool.max_len:
-      raise ValueError(f"prompts[{i}] must hold 1 to the pool's max_len "
-                       f"({pool.max_len}) tokens, got {p.shape[0]}.")
+    check_prompt(f"prompts[{i}]", p, model, pool)
   temps = np.zeros(k, np.float32) if temperatures is None else np.asarray(
       temperatures, np.float32)
   if temps.shape != (k,) or not (np.isfinite(temps) & (temps >= 0)).all():

@@ -250,13 +250,8 @@ def insert_cached(model: M.HybridLM, pool: P.Pool, cache: PrefixCache, slot,
   if not V.is_concrete(prompt_tokens):
     raise TypeError("prompt_tokens must be concrete (not traced): "
                     "insert_cached hashes its blocks on the host.")
-  M._check_tokens("prompt_tokens", prompt_tokens, 1, "[seqlen]",
-                  model.config)
+  t = P.check_prompt("prompt_tokens", prompt_tokens, model, pool)
   toks = np.asarray(prompt_tokens).astype(np.int32)  # a copy
-  t = toks.shape[0]
-  if not 1 <= t <= pool.max_len:
-    raise ValueError(f"prompt_tokens must hold 1 to the pool's max_len "
-                     f"({pool.max_len}) tokens, got {t}.")
   cache._check_layout(pool)
   if row_id is None:
     row_id = slot
