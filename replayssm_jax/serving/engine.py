@@ -413,7 +413,7 @@ class Engine:
       self.stats.wall_s += time.perf_counter() - t_start
       return
     sampled = bool(np.any(self._temps[live] > 0))
-    out = self._decode(self._rows(live), sampled)
+    out, slots = self._decode(self._rows(live), sampled)
     t_wait = time.perf_counter()
     out = np.asarray(out)  # the dispatch's one device -> host copy
     self.stats.wait_s += time.perf_counter() - t_wait
@@ -425,9 +425,9 @@ class Engine:
       self.stats.drafts += drafts
       self.stats.accepted_drafts += accepted
     self.stats.dispatches += 1
-    self.stats.compacted += len(self._last_rows) < self.pool.capacity
+    self.stats.compacted += len(slots) < self.pool.capacity
     self.stats.steps += self.n
-    for row, slot in enumerate(self._last_rows):
+    for row, slot in enumerate(slots):
       if self.slots[slot] is not None:
         self._emit(slot, out[row].tolist(), on_tokens)
     self.stats.wall_s += time.perf_counter() - t_start
@@ -451,8 +451,8 @@ class Engine:
   def _decode(self, rows, sampled: bool):
     """One compiled call of n steps (speculative rounds) over the pool, or
     over its `rows` gathered into a smaller batch and scattered back ->
-    the device's [len(rows) or capacity, cols] int32 output, row r for
-    slot self._last_rows[r]."""
+    (the device's [len(rows) or capacity, cols] int32 output, the slot of
+    each of its rows)."""
     graphdef, params = nnx.split(self.model)
     spec = self.speculative
     carried = (self.pool, self._keys,
@@ -474,16 +474,15 @@ class Engine:
           sampled, self.top_k, self.top_p, self.implementation, *args,
           self._batch_key)
     if rows is None:
-      self._last_rows = range(self.pool.capacity)
       self.pool, self._keys = pool, keys
     else:
-      self._last_rows = rows.tolist()
       self.pool, self._keys, slots = P.scatter_rows(
           (self.pool, self._keys, self._spec_slots if spec is not None
            else None), (pool, keys, slots), idx)
     if spec is not None:
       self._spec_slots = slots
-    return out
+    return out, (range(self.pool.capacity) if rows is None
+                 else rows.tolist())
 
   def precompile(self, max_prompt_len: int, sampled: bool = False):
     """Compiles what serving prompts of up to `max_prompt_len` tokens may
@@ -525,7 +524,7 @@ class Engine:
                      and (1 << j) <= self.compact_below * cap]
     for size in sizes:
       rows = None if size == cap else np.arange(size, dtype=np.int32)
-      jax.block_until_ready(self._decode(rows, sampled))
+      jax.block_until_ready(self._decode(rows, sampled)[0])
     self.stats = EngineStats()
 
   def run(self, on_tokens: Callable | None = None) -> dict:
