@@ -3,7 +3,8 @@ of the GDN ops; interpret mode on CPU) against the references: the
 baseline step (state updated in place) and the replay step (ragged
 counters, flush rows, GQA, poisoned stale slots, precision policies, the
 traced-value policy; with and without its ring-weights launch,
-`GDNConfig.ring_weights`) and the configs and inputs they refuse."""
+`GDNConfig.ring_weights`, and in one launch or two, `GDNConfig.split_routes`)
+and the configs and inputs they refuse."""
 
 from __future__ import annotations
 
@@ -170,6 +171,20 @@ def test_replay_kernel_ring_weights_matches_reference(ck_dtype, buf_dtype,
              jnp.dtype(buf_dtype))
 
 
+@pytest.mark.parametrize("ck_dtype,buf_dtype,dims,block_v",
+                         RING_WEIGHTS_CASES[:2], ids=str)
+@pytest.mark.parametrize("ring_weights", [False, True])
+def test_replay_kernel_split_routes_matches_reference(ck_dtype, buf_dtype,
+                                                      dims, block_v,
+                                                      ring_weights):
+  """The output and flush routes in two launches (the flush launch stores
+  into the output launch's o; both read the same counters)."""
+  _two_steps(ck_dtype, buf_dtype, dims,
+             kg.GDNConfig(block_v=block_v, ring_weights=ring_weights,
+                          split_routes=True),
+             jnp.dtype(buf_dtype))
+
+
 def test_ring_weights_kernel():
   """The weights of the live slots equal the reference's pieces (w_j
   (k_j . k), w_j (k_j . q), exp(G), k . q); stale slots (NaN / inf) give
@@ -197,15 +212,16 @@ def test_ring_weights_kernel():
   testing.assert_close(s[..., 1], jnp.sum(kh * qh, axis=-1), F32, "k . q")
 
 
-def test_replay_kernel_donated_state():
+@pytest.mark.parametrize("split_routes", [False, True])
+def test_replay_kernel_donated_state(split_routes):
   """The replay state donated to a jitted step (checkpoint and rings
   aliased to the kernel's outputs): L steps (every row flushes once) equal
   the reference's."""
   r = _rstate(21, 1, 2, 8, 8, GT.ragged_counts(B, L))
   r_ref = r
-  step = jax.jit(lambda r, t: gdn.gdn_replay_step(r, **t,
-                                                  implementation="pallas"),
-                 donate_argnums=0)
+  config = kg.GDNConfig(split_routes=split_routes)
+  step = jax.jit(lambda r, t: gdn.gdn_replay_step(
+      r, **t, implementation="pallas", config=config), donate_argnums=0)
   r = jax.tree.map(lambda x: jnp.array(x, copy=True), r)
   for seed in range(L):
     tok = _inputs(40 + seed, 1, 2, 8, 8)
@@ -230,10 +246,17 @@ def test_replay_kernel_buffer_length_one():
   testing.assert_close(new.checkpoint, new_ref.checkpoint, F32, "checkpoint")
 
 
-@pytest.mark.parametrize("ring_weights", [False, True])
+# The replay step's launch forms: one launch, the ring-weights launch
+# first, the two routes in two launches.
+LAUNCHES = [kg.GDNConfig(ring_weights=False),
+            kg.GDNConfig(ring_weights=True),
+            kg.GDNConfig(ring_weights=False, split_routes=True)]
+
+
+@pytest.mark.parametrize("config", LAUNCHES, ids=str)
 @pytest.mark.parametrize("name", ["f32+bf16", "f32+int8", "f16+fp8+sr",
                                   "bf16+sr"])
-def test_replay_kernel_precision_policies(name, ring_weights):
+def test_replay_kernel_precision_policies(name, config):
   """Read copies (output-route rows read only the copy: a NaN master
   never reaches their outputs), 8-bit copies with scales, stochastic
   rounding of the flush stores (the reference's bits; the fold's f32 sums
@@ -242,7 +265,6 @@ def test_replay_kernel_precision_policies(name, ring_weights):
   r = _rstate(12, 1, 2, 8, 8, GT.ragged_counts(B, L),
               jnp.dtype(policy.checkpoint_dtype)).with_policy(policy)
   tok = _inputs(13, 1, 2, 8, 8)
-  config = kg.GDNConfig(ring_weights=ring_weights)
   o_ref, new_ref = gdn.gdn_replay_step(r, **tok, policy=policy,
                                        implementation="reference")
   o, new = gdn.gdn_replay_step(r, **tok, policy=policy,
@@ -273,17 +295,15 @@ def P_load(rstate):
   return np.asarray(P.load(rstate.read_copy, rstate.read_scale))
 
 
-@pytest.mark.parametrize("ring_weights", [False, True])
-def test_replay_kernel_out_of_range_counters(ring_weights):
+@pytest.mark.parametrize("config", LAUNCHES, ids=str)
+def test_replay_kernel_out_of_range_counters(config):
   """Under jit a counter outside [0, L) gives NaN outputs, keeps the
   count and writes nothing (the kernel called directly: the op raises
   on concrete bad counters)."""
   r = _rstate(14, 1, 2, 8, 8, (1, L - 1, 0, 2))
   r = r.replace(count=jnp.array([L, L - 1, -1, 2], jnp.int32))
   tok = _inputs(15, 1, 2, 8, 8)
-  o, new = kg.gdn_replay_step(
-      r, **tok, config=kg.GDNConfig(ring_weights=ring_weights),
-      interpret=True)
+  o, new = kg.gdn_replay_step(r, **tok, config=config, interpret=True)
   o = np.asarray(o)
   assert np.isnan(o[[0, 2]]).all() and np.isfinite(o[[1, 3]]).all()
   np.testing.assert_array_equal(np.asarray(new.count), [L, 0, -1, 3])
@@ -326,6 +346,13 @@ def test_kernels_refuse_by_name():
   win = _inputs(22, 1, 2, 8, 8, T=2)
   with pytest.raises(NotImplementedError, match="verify kernels"):
     gdn.gdn_replay_verify(r, **win, implementation="pallas", config=rw)
+  with pytest.raises(ValueError, match="split_routes must be None or a bool"):
+    kg.GDNConfig(split_routes="yes")
+  with pytest.raises(NotImplementedError, match="split_routes applies to "
+                     "the replay step kernel only .* baseline step"):
+    gdn.gdn_step(state[..., :4, :4], **_inputs(18, 1, 2, 4, 4),
+                 implementation="pallas",
+                 config=kg.GDNConfig(split_routes=True))
 
 
 def test_fp8_copy_refused_below_sm89(monkeypatch):

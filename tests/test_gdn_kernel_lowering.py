@@ -1,9 +1,9 @@
 """The GDN Pallas kernels lowered for CUDA on this CPU machine (jax.export
 cross-lowering through the Pallas Triton backend, which interpret mode
 skips): every state dtype, precision policy and launch field lowers (the
-replay step's ring-weights launch included), the warps reach the launch,
-and the state / checkpoint and rings are aliased input -> output (the
-in-place updates)."""
+replay step's ring-weights launch and its two-launch form included), the
+warps reach the launch, and the state / checkpoint and rings are aliased
+input -> output (the in-place updates)."""
 
 from __future__ import annotations
 
@@ -82,6 +82,39 @@ def test_replay_kernel_lowers_in_place(policy, ring_weights):
   assert launched_warps(text) == warps
 
 
+@pytest.mark.parametrize("policy", [None, "f32+int8", "f16+fp8+sr"], ids=str)
+def test_replay_kernel_split_routes_lower_in_place(policy):
+  """`GDNConfig(split_routes=True)`: the output launch appends to the rings
+  in place and leaves the checkpoint (and copy) aliased; the flush launch
+  stores into all of them and into the output launch's o and counters
+  (its last two operands)."""
+  pol = None if policy is None else PrecisionPolicy.preset(policy)
+  rstate, _ = GT.random_gdn_replay_state(
+      jax.random.PRNGKey(1), B, HK, HV, K, VD, L, GT.ragged_counts(B, L),
+      checkpoint_dtype=jnp.float32 if pol is None else pol.checkpoint_dtype,
+      buffer_dtype=jnp.bfloat16)
+  if pol is not None:
+    rstate = rstate.with_policy(pol)
+  tok = GT.random_inputs(jax.random.PRNGKey(2), B, HK, HV, K, VD,
+                         dtype=jnp.bfloat16)
+  config = kg.GDNConfig(split_routes=True)
+  text = lower_for_cuda(
+      lambda r, t: kg.gdn_replay_step(r, t["q"], t["k"], t["v"], t["g"],
+                                      t["beta"], policy=pol, config=config),
+      rstate, tok)
+  n_copy = 0 if pol is None or pol.read_dtype is None else (
+      2 if pol.read_dtype in ("int8", "float8_e4m3fn") else 1)
+  out = _aliases(text, "replayssm_gdn_replay_output")
+  flush = _aliases(text, "replayssm_gdn_replay_flush")
+  state = {1, 2, 3, 5} | set(range(6, 6 + n_copy))
+  assert set(out) == state
+  assert set(flush) == state | {0, 4}
+  n_ops = max(flush.values()) + 1
+  assert (flush[0], flush[4]) == (n_ops - 2, n_ops - 1)
+  assert set(launched_warps(text)) == {"replayssm_gdn_replay_output",
+                                       "replayssm_gdn_replay_flush"}
+
+
 @pytest.mark.parametrize("T,policy", [(3, None), (8, None), (1, "f16"),
                                       (4, "f32+int8"), (2, "f16+fp8+sr"),
                                       (3, "bf16+sr")], ids=str)
@@ -146,3 +179,8 @@ def test_default_plans():
   assert not off.ring_weights
   assert kg.plan(kg.GDNConfig(ring_weights=True), 128, 128, rows=256 * 32,
                  kernel="replay") == kg.GDNPlan(64, 4, 1, ring_weights=True)
+  # The replay step's two-launch form: off by default, on when asked.
+  assert not kg.plan(None, 128, 128, rows=256 * 32,
+                     kernel="replay").split_routes
+  assert kg.plan(kg.GDNConfig(split_routes=True), 128, 128,
+                 kernel="replay").split_routes

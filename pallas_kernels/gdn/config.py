@@ -51,11 +51,17 @@ class GDNConfig:
       reducing the key ring against q and k and forming the decays again.
       Every precision policy the step takes; refused by the baseline step
       and the verify kernels. False: one launch.
+    split_routes: replay step only. None: `default_split_routes`. True:
+      the output route (rows with count < L-1) and the flush route (count
+      == L-1) in two launches over the same grid, the programs of the
+      other route's rows exiting at once, so each compiled program holds
+      one route's code and registers; False: both routes in one launch.
   """
   block_v: int | None = None
   num_warps: int | None = None
   num_stages: int | None = None
   ring_weights: bool | None = None
+  split_routes: bool | None = None
 
   def __post_init__(self):
     for name in ("block_v", "num_warps"):
@@ -65,10 +71,10 @@ class GDNConfig:
         not isinstance(self.num_stages, int) or self.num_stages < 1):
       raise ValueError(f"num_stages must be None or an int >= 1, got "
                        f"{self.num_stages!r}.")
-    if self.ring_weights is not None and not isinstance(self.ring_weights,
-                                                        bool):
-      raise ValueError(f"ring_weights must be None or a bool, got "
-                       f"{self.ring_weights!r}.")
+    for name in ("ring_weights", "split_routes"):
+      value = getattr(self, name)
+      if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{name} must be None or a bool, got {value!r}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +84,7 @@ class GDNPlan:
   num_warps: int
   num_stages: int
   ring_weights: bool = False
+  split_routes: bool = False
 
 
 # Tile elements ([key_dim, block_v]) of the step kernels' default, and of
@@ -130,6 +137,12 @@ def default_ring_weights(whole_rows: bool, rows: int | None) -> bool:
           and rows >= RING_WEIGHTS_MIN_ROWS)
 
 
+def default_split_routes() -> bool:
+  """The replay step's routes in one launch (the two-launch form is
+  untimed)."""
+  return False
+
+
 def pow2_problem(**sizes) -> str | None:
   """Why a shape is refused (Triton blocks are powers of two), or None."""
   for name, v in sizes.items():
@@ -152,11 +165,12 @@ def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
     raise ValueError(f"kernel must be 'step', 'replay' or 'verify', got "
                      f"{kernel!r}.")
   config = config or GDNConfig()
-  if config.ring_weights and kernel != "replay":
-    which = "baseline step" if kernel == "step" else "verify kernels"
-    raise NotImplementedError(
-        f"GDNConfig.ring_weights applies to the replay step kernel only "
-        f"(gdn_replay_step), not to the {which}; leave it False.")
+  for name in ("ring_weights", "split_routes"):
+    if getattr(config, name) and kernel != "replay":
+      which = "baseline step" if kernel == "step" else "verify kernels"
+      raise NotImplementedError(
+          f"GDNConfig.{name} applies to the replay step kernel only "
+          f"(gdn_replay_step), not to the {which}; leave it False.")
   tile_kernel = "verify" if kernel == "verify" else "step"
   if config.block_v is None:
     bv = (value_dim if whole_rows
@@ -176,8 +190,10 @@ def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
   stages = config.num_stages or default_num_stages(kernel, state_dtype)
   ring = (config.ring_weights if config.ring_weights is not None
           else kernel == "replay" and default_ring_weights(whole_rows, rows))
+  split = (config.split_routes if config.split_routes is not None
+           else kernel == "replay" and default_split_routes())
   return GDNPlan(block_v=bv, num_warps=warps, num_stages=stages,
-                 ring_weights=ring)
+                 ring_weights=ring, split_routes=split)
 
 
 def step_problem(state, **_) -> str | None:

@@ -114,13 +114,17 @@ def _ring_coefficients(row, t, qn, kn, kb_ref, gb_ref, weights):
 
 
 def _replay_kernel(*refs, heads_per_key, block_v, use_l2norm, scale,
-                   spec, ring_weights):
+                   spec, ring_weights, route):
   n_in, _ = copy_counts(spec)
   n_w = 2 if ring_weights else 0  # the ring-weights launch's outputs
-  ins, outs = refs[:_N_IN + n_in + n_w], refs[_N_IN + n_in + n_w:]
+  # The flush launch of split routes takes two more inputs, the output
+  # launch's o and counters, aliased to its own (it stores neither).
+  n_x = 2 if route == "flush" else 0
+  ins, outs = refs[:_N_IN + n_in + n_w + n_x], refs[_N_IN + n_in + n_w + n_x:]
   (ck_ref, db_ref, kb_ref, gb_ref, cnt_ref, q_ref, k_ref, v_ref, g_ref,
    beta_ref) = ins[:_N_IN]
   extra = ins[_N_IN:_N_IN + n_in]
+  weights = ins[_N_IN + n_in:_N_IN + n_in + n_w] or None
   o_ref, db_out, kb_out, gb_out, cnt_out, ck_out = outs[:_N_OUT]
   t = common.Tile(heads_per_key=heads_per_key, block_v=block_v)
   b, h, hk, vs = t.b, t.h, t.hk, t.vs
@@ -128,61 +132,76 @@ def _replay_kernel(*refs, heads_per_key, block_v, use_l2norm, scale,
   row = _Row(cnt_ref, g_ref, b, h, db_ref.shape[1])
   copy = spec is not None and spec.copy
 
-  # The state tile: the master on flush rows (and on plain states), the
-  # read copy (dequantized) on the others; masked loads, so a row reads
-  # one of the two only.
-  if copy:
-    master = plgpu.load(ck_ref.at[b, h, :, vs], mask=jnp.broadcast_to(
-        row.flush, (K, block_v)), other=0.0, eviction_policy="evict_first")
-    rc_ref = extra[0]
-    read = plgpu.load(rc_ref.at[b, h, :, vs], mask=jnp.broadcast_to(
-        ~row.flush, (K, block_v)), other=0.0, eviction_policy="evict_first")
-    read = read.astype(F32)
-    if spec.scaled:
-      read = read * extra[1][b, h, :][:, None]  # precision.dequantize
-    s0 = jnp.where(row.flush, master.astype(F32), read)
-  else:
-    s0 = plgpu.load(ck_ref.at[b, h, :, vs],
-                    eviction_policy="evict_first").astype(F32)
-  qn, kn = common.token_qk(q_ref, k_ref, b, hk, use_l2norm=use_l2norm,
-                           scale=scale)
-  coef_k, coef_q, decay, own = _ring_coefficients(
-      row, t, qn, kn, kb_ref, gb_ref, ins[_N_IN + n_in:] or None)
-  d_hist = row.window(db_ref.at[b, :, h, vs], (row.L, block_v))
-  hist_k = jnp.sum(coef_k[:, None] * d_hist, axis=0)  # [block_v]
-  hist_q = jnp.sum(coef_q[:, None] * d_hist, axis=0)
-  d = beta_ref[b, h].astype(F32) * (
-      v_ref[b, h, vs].astype(F32)
-      - (decay * common.readout(s0, kn) + hist_k))
-  appends = row.valid & ~row.flush
+  def routes():
+    # The state tile: the master on flush rows (and on plain states), the
+    # read copy (dequantized) on the others; masked loads, so a row reads
+    # one of the two only.
+    if copy:
+      master = plgpu.load(ck_ref.at[b, h, :, vs], mask=jnp.broadcast_to(
+          row.flush, (K, block_v)), other=0.0, eviction_policy="evict_first")
+      rc_ref = extra[0]
+      read = plgpu.load(rc_ref.at[b, h, :, vs], mask=jnp.broadcast_to(
+          ~row.flush, (K, block_v)), other=0.0,
+                        eviction_policy="evict_first")
+      read = read.astype(F32)
+      if spec.scaled:
+        read = read * extra[1][b, h, :][:, None]  # precision.dequantize
+      s0 = jnp.where(row.flush, master.astype(F32), read)
+    else:
+      s0 = plgpu.load(ck_ref.at[b, h, :, vs],
+                      eviction_policy="evict_first").astype(F32)
+    qn, kn = common.token_qk(q_ref, k_ref, b, hk, use_l2norm=use_l2norm,
+                             scale=scale)
+    coef_k, coef_q, decay, own = _ring_coefficients(
+        row, t, qn, kn, kb_ref, gb_ref, weights)
+    d_hist = row.window(db_ref.at[b, :, h, vs], (row.L, block_v))
+    hist_k = jnp.sum(coef_k[:, None] * d_hist, axis=0)  # [block_v]
+    d = beta_ref[b, h].astype(F32) * (
+        v_ref[b, h, vs].astype(F32)
+        - (decay * common.readout(s0, kn) + hist_k))
 
-  @pl.when(~row.flush)
-  def _output():
-    o = decay * common.readout(s0, qn) + hist_q + own * d
-    o_ref[b, h, vs] = jnp.where(row.valid, o, jnp.nan).astype(o_ref.dtype)
+    def output():
+      hist_q = jnp.sum(coef_q[:, None] * d_hist, axis=0)
+      o = decay * common.readout(s0, qn) + hist_q + own * d
+      o_ref[b, h, vs] = jnp.where(row.valid, o, jnp.nan).astype(o_ref.dtype)
 
-  @pl.when(row.flush)
-  def _flush():
-    st = _fold(decay * s0 + kn[:, None] * d[None, :], row, t, db_ref,
-               kb_ref, gb_ref)
-    o_ref[b, h, vs] = common.readout(st, qn).astype(o_ref.dtype)
-    if spec is None:
-      plgpu.store(ck_out.at[b, h, :, vs], st.astype(ck_out.dtype))
-    else:  # whole rows (block_v == value_dim): the Mamba-2 flush stores
-      stores = FlushStores(outs[_N_OUT - 1:], extra, spec)
-      stores.store(_Item(b, K), h, st)
+    def flush():
+      st = _fold(decay * s0 + kn[:, None] * d[None, :], row, t, db_ref,
+                 kb_ref, gb_ref)
+      o_ref[b, h, vs] = common.readout(st, qn).astype(o_ref.dtype)
+      if spec is None:
+        plgpu.store(ck_out.at[b, h, :, vs], st.astype(ck_out.dtype))
+      else:  # whole rows (block_v == value_dim): the Mamba-2 flush stores
+        stores = FlushStores(outs[_N_OUT - 1:], extra, spec)
+        stores.store(_Item(b, K), h, st)
 
-  @pl.when(appends)
-  def _append_d():
-    db_out[b, row.c, h, vs] = d.astype(db_out.dtype)
+    if route == "both":
+      pl.when(~row.flush)(output)
+      pl.when(row.flush)(flush)
+    else:
+      (output if route == "output" else flush)()
+    if route == "flush":
+      return
+    appends = row.valid & ~row.flush
 
-  @pl.when(appends & (t.vblk == 0))
-  def _append_g():
-    gb_out[b, row.c, h] = row.g_cur
+    @pl.when(appends)
+    def _append_d():
+      db_out[b, row.c, h, vs] = d.astype(db_out.dtype)
 
-  @pl.when(appends & t.first_of_key)
-  def _append_k():
-    kb_out[b, row.c, hk, :] = kn.astype(kb_out.dtype)
+    @pl.when(appends & (t.vblk == 0))
+    def _append_g():
+      gb_out[b, row.c, h] = row.g_cur
+
+    @pl.when(appends & t.first_of_key)
+    def _append_k():
+      kb_out[b, row.c, hk, :] = kn.astype(kb_out.dtype)
+
+  if route == "both":
+    routes()
+  else:  # a split launch's programs of the other route's rows exit at once
+    pl.when(row.flush if route == "flush" else ~row.flush)(routes)
+  if route == "flush":
+    return
 
   @pl.when((h == 0) & (t.vblk == 0))
   def _count():
@@ -226,26 +245,45 @@ def gdn_replay_step(rstate, q, k, v, g, beta, use_qk_l2norm=True,
                sds(rstate.checkpoint.shape, rstate.checkpoint.dtype))
   copy_in, copy_aliases, copy_shapes = copy_operands(
       spec, policy, layer, rstate, _N_IN, _N_OUT)
-  kernel = functools.partial(
-      _replay_kernel, heads_per_key=hv // hk, block_v=p.block_v,
-      use_l2norm=use_qk_l2norm, scale=scale, spec=spec,
-      ring_weights=p.ring_weights)
   weights = ()
   if p.ring_weights:  # after the copy operands: their aliases keep numbers
     weights = gdn_ring_weights(rstate.k_buf, rstate.g_buf, rstate.count, q,
                                k, g, use_qk_l2norm=use_qk_l2norm,
                                scale=scale, interpret=interpret)
-  outs = pl.pallas_call(
-      kernel,
-      grid=(Vd // p.block_v, hv, batch),
-      out_shape=out_shape + copy_shapes,
-      input_output_aliases={0: 5, 1: 1, 2: 2, 3: 3, **copy_aliases},
-      compiler_params=plgpu.CompilerParams(num_warps=p.num_warps,
-                                           num_stages=p.num_stages),
-      interpret=interpret,
-      name="replayssm_gdn_replay_step",
-  )(rstate.checkpoint, rstate.d_buf, rstate.k_buf, rstate.g_buf,
-    rstate.count, q, k, v, g, beta, *copy_in, *weights)
+
+  def launch(route, state_ins, copy_ins, more_ins=(), more_aliases=None):
+    kernel = functools.partial(
+        _replay_kernel, heads_per_key=hv // hk, block_v=p.block_v,
+        use_l2norm=use_qk_l2norm, scale=scale, spec=spec,
+        ring_weights=p.ring_weights, route=route)
+    return pl.pallas_call(
+        kernel,
+        grid=(Vd // p.block_v, hv, batch),
+        out_shape=out_shape + copy_shapes,
+        input_output_aliases={0: 5, 1: 1, 2: 2, 3: 3, **copy_aliases,
+                              **(more_aliases or {})},
+        compiler_params=plgpu.CompilerParams(num_warps=p.num_warps,
+                                             num_stages=p.num_stages),
+        interpret=interpret,
+        name=("replayssm_gdn_replay_step" if route == "both"
+              else f"replayssm_gdn_replay_{route}"),
+    )(*state_ins, rstate.count, q, k, v, g, beta, *copy_ins, *weights,
+      *more_ins)
+
+  state_ins = (rstate.checkpoint, rstate.d_buf, rstate.k_buf, rstate.g_buf)
+  if not p.split_routes:
+    outs = launch("both", state_ins, copy_in)
+  else:
+    # The output launch appends and counts; the flush launch reads the same
+    # (old) counters, folds the flush rows into the checkpoint (and copy)
+    # and stores their o into the output launch's o.
+    outs = launch("output", state_ins, copy_in)
+    n_copy = len(copy_shapes)
+    first_more = _N_IN + len(copy_in) + len(weights)
+    outs = launch(
+        "flush", (outs[5], *outs[1:4]),
+        [*outs[_N_OUT:], *copy_in[n_copy:]], more_ins=(outs[0], outs[4]),
+        more_aliases={first_more: 0, first_more + 1: 4})
   o, db, kb, gb, cnt, ck = outs[:_N_OUT]
   fields = {}
   if spec is not None and spec.copy:
