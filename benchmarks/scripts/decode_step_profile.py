@@ -17,7 +17,11 @@ decode_bench's.
 `--config` also takes a transformers config.json (random bf16 weights at
 its shape), e.g. configs/qwen3_5_4b_text.json. `--part prefill` profiles
 one batched prefill of [batch, prompt_len] instead (what the serving
-engine's admission runs), by block.
+engine's admission runs), by block; `--part pool` the serving pool's
+dispatch of `steps` greedy steps (`serving.step_n`) over `batch` slots of
+`--max_len` entries, every slot active after a prefill of prompt_len
+tokens (what the engine decodes; the ops outside the model's blocks are
+its bookkeeping). `--max_len` also sets the decode part's KV cache length.
 """
 
 import argparse
@@ -37,6 +41,7 @@ from flax import nnx
 
 from experiments.decode_bench import build_model
 from replayssm_jax import profiling
+from replayssm_jax import serving
 from replayssm_jax.models import ModelConfig, hf, prefill
 from replayssm_jax.models.model import prefill_fn
 
@@ -104,10 +109,15 @@ def main():
   ap.add_argument("--iters", type=int, default=3)
   ap.add_argument("--top", type=int, default=60)
   ap.add_argument("--out", required=True)
-  ap.add_argument("--part", default="decode", choices=("decode", "prefill"),
+  ap.add_argument("--part", default="decode",
+                  choices=("decode", "prefill", "pool"),
                   help="prefill: profile one batched prefill of "
                   "[batch, prompt_len] from a fresh state instead (times "
-                  "per prefill call; --steps unused)")
+                  "per prefill call; --steps unused); pool: the serving "
+                  "pool's step_n dispatch")
+  ap.add_argument("--max_len", type=int, default=0,
+                  help="KV cache entries per row (0: the decode part's "
+                  "shortest that fits its calls; 1024 for the pool part)")
   ap.add_argument("--hlo_dir", default="",
                   help="also write each mode's optimized HLO (gzipped) here")
   a = ap.parse_args()
@@ -149,6 +159,8 @@ def main():
   # room for the untimed call and the `iters` timed ones: each call
   # continues the decode from the state the last one returned.
   max_len = -(-(a.prompt_len + a.steps * (a.iters + 1) + 1) // 16) * 16
+  max_len = max(max_len, a.max_len or (1024 if a.part == "pool" else 0))
+  result["max_len"] = max_len
   for mode in a.modes.split(","):
     st = model.init_state(a.batch, max_len, ssm_mode=mode,
                           buffer_len=a.buffer_len,
@@ -160,6 +172,20 @@ def main():
 
       def call():
         return prefill_loop(params, prompts, lengths, fresh)[0]
+    elif a.part == "pool":
+      logits, st = prefill(model, prompts, lengths, st)
+      pool = serving.Pool(state=st, active=jnp.ones((a.batch,), bool),
+                          tokens=jnp.argmax(logits, -1).astype(jnp.int32),
+                          max_len=max_len)
+      sampling, rng = serving.pool.resolve_sampling(0.0, None, None, None)
+      hlo = serving.pool._step_n_jit.lower(  # pylint: disable=protected-access
+          graphdef, params, pool, a.steps, False, sampling, rng,
+          None).compile().as_text()
+      carry = [pool]
+
+      def call():
+        carry[0] = serving.step_n(model, carry[0], a.steps)[0]
+        return carry[0].tokens
     else:
       logits, st = prefill(model, prompts, lengths, st)
       tok = jnp.argmax(logits, -1).astype(jnp.int32)
@@ -172,7 +198,7 @@ def main():
     sources = op_sources(hlo)
     if a.hlo_dir:
       os.makedirs(a.hlo_dir, exist_ok=True)
-      with gzip.open(os.path.join(a.hlo_dir, f"decode_loop_{mode}.hlo.gz"),
+      with gzip.open(os.path.join(a.hlo_dir, f"{a.part}_loop_{mode}.hlo.gz"),
                      "wt") as f:
         f.write(hlo)
     t = profiling.op_times(call, iters=a.iters, top=10**6)

@@ -11,6 +11,7 @@
 #   bash benchmarks/scripts/run_h200.sh decode_policies  # the same with dual-precision replay states (f32 master + bf16 / fp8 read copy)
 #   bash benchmarks/scripts/run_h200.sh decode_profile  # hybrid_1b's decode step at b 256 by named scope (XLA's CUDA graphs off)
 #   bash benchmarks/scripts/run_h200.sh prefill_profile  # one batched prefill (8 x 512 tokens, hybrid_1b) by block: the serving engine's admission
+#   bash benchmarks/scripts/run_h200.sh pool_profile  # the serving pool's dispatch (256 slots of 1024 entries, replay) by scope, beside the static decode step at the same KV length
 #   bash benchmarks/scripts/run_h200.sh qwen35_4b_profile  # the same on the Qwen3.5-4B text shape (GDN layers by scope), b 256
 #   bash benchmarks/scripts/run_h200.sh specdec    # speculative decoding, hybrid_1b, b {256,512}, window 4
 #   bash benchmarks/scripts/run_h200.sh specdec_fp8  # the same with f32 master + fp8 copy states (the snapshot baseline stays f32)
@@ -116,6 +117,15 @@ case "$1" in
       python benchmarks/scripts/decode_step_profile.py --part prefill \
       --batch 8 --prompt_len 512 --top 200 \
       --out "$OUT/prefill_profile.json" ;;
+  pool_profile)
+    # Why the pool's step is slower than decode_bench's static one: both
+    # at 256 rows after 64-token prompts, KV caches of 1024 entries.
+    for part in pool decode; do
+      XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout "$T" \
+        python benchmarks/scripts/decode_step_profile.py --part $part \
+        --modes replay --prompt_len 64 --max_len 1024 --steps 8 --top 200 \
+        --out "$OUT/${part}_profile_1024.json"
+    done ;;
   qwen35_4b_profile)
     # The same on the Qwen3.5-4B text shape (random bf16 weights), b 256.
     XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout "$T" \
