@@ -247,10 +247,13 @@ def test_replay_kernel_buffer_length_one():
 
 
 # The replay step's launch forms: one launch, the ring-weights launch
-# first, the two routes in two launches.
+# first, the two routes in two launches (whole rows in both; value tiles
+# in the output launch, whole rows in the flush launch where a state needs
+# them).
 LAUNCHES = [kg.GDNConfig(ring_weights=False),
             kg.GDNConfig(ring_weights=True),
-            kg.GDNConfig(ring_weights=False, split_routes=True)]
+            kg.GDNConfig(ring_weights=False, split_routes=True),
+            kg.GDNConfig(ring_weights=True, split_routes=True, block_v=4)]
 
 
 @pytest.mark.parametrize("config", LAUNCHES, ids=str)

@@ -184,3 +184,12 @@ def test_default_plans():
                      kernel="replay").split_routes
   assert kg.plan(kg.GDNConfig(split_routes=True), 128, 128,
                  kernel="replay").split_routes
+  # A state that flushes whole rows: only the flush launch takes them, the
+  # output launch value tiles (its default, or block_v).
+  whole = lambda **kw: kg.plan(kg.GDNConfig(split_routes=True, **kw), 128,
+                               128, whole_rows=True, rows=256 * 32,
+                               kernel="replay")
+  assert (whole().block_v, whole().output_block_v) == (128, 64)
+  assert whole(block_v=32).output_block_v == 32
+  assert kg.plan(None, 128, 128, whole_rows=True, rows=256 * 32,
+                 kernel="replay").output_block_v == 0

@@ -37,7 +37,7 @@
 #   bash benchmarks/scripts/run_h200.sh pool_occupancy [active rows]  # a pool of 256 slots partly occupied: dense step vs gathered active rows (hybrid_1b)
 #   bash benchmarks/scripts/run_h200.sh gdn_bench    # the GDN step kernels timed: baseline (Pallas, XLA, flash-linear-attention) vs replay, b {256,64,1,512} x L {16,8,32}
 #   bash benchmarks/scripts/run_h200.sh gdn_ring_weights  # the GDN step kernels with and without the replay step's ring-weights launch (GDNConfig.ring_weights) and at 2 / 3 pipelining stages, beside flash-linear-attention's kernel, b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
-#   bash benchmarks/scripts/run_h200.sh gdn_split  # the GDN replay step in one launch or two (GDNConfig.split_routes), with and without ring weights, beside the baselines and flash-linear-attention, b {256,64}, L 16, f32 / f16 masters
+#   bash benchmarks/scripts/run_h200.sh gdn_split  # the GDN replay step in one launch or two (GDNConfig.split_routes), with and without ring weights, beside the baselines and flash-linear-attention, b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
 #   bash benchmarks/scripts/run_h200.sh gdn_ncu    # Nsight Compute of the GDN baseline step and the replay step's launch forms (f32, b 256, L 16)
 #   bash benchmarks/scripts/run_h200.sh multi_gpu [meshes]  # multi_device_bench on every GPU of a multi-GPU host (hybrid_1b, random weights, global b {256,512}, the ops per shard), e.g. meshes "((1,1),(1,4),(4,1))"
 #
@@ -211,7 +211,7 @@ case "$1" in
   gdn_split)
     timeout "$T" python -u benchmarks/scripts/gdn_kernel_bench.py \
       --batches=256,64 --buffer_lens=16 --checkpoints=f32,f16 \
-      --policies= --no_xla --layouts=staggered \
+      --policies=f16+fp8 --no_xla --layouts=staggered \
       --configs='[{}, {"split_routes": true}, {"split_routes": true, "ring_weights": false}, {"split_routes": true, "num_stages": 2}, {"split_routes": true, "block_v": 32}, {"split_routes": true, "block_v": 128, "num_warps": 8}]' \
       --budget_s=$(( T - 60 )) --out="$OUT/gdn_split.json" ;;
   gdn_ncu)

@@ -38,7 +38,9 @@ class GDNConfig:
     block_v: value columns per program (the state tile is [key_dim,
       block_v]); None: `default_block_v`. A replay state with a read copy
       or stochastic rounding needs whole rows (block_v = value_dim: the
-      copy's scales and the random bits' element indices span a row).
+      copy's scales and the random bits' element indices span a row) where
+      it flushes: in its one launch, or in the flush launch of split
+      routes, whose output launch takes block_v.
     num_warps: Triton warps per program; None: `default_num_warps`.
     num_stages: Triton pipelining stages; None: `default_num_stages`.
     ring_weights: replay step only. None: `default_ring_weights`. True: a
@@ -53,9 +55,12 @@ class GDNConfig:
       and the verify kernels. False: one launch.
     split_routes: replay step only. None: `default_split_routes`. True:
       the output route (rows with count < L-1) and the flush route (count
-      == L-1) in two launches over the same grid, the programs of the
-      other route's rows exiting at once, so each compiled program holds
-      one route's code and registers; False: both routes in one launch.
+      == L-1) in two launches, the programs of the other route's rows
+      exiting at once, so each compiled program holds one route's code
+      and registers; a state that needs whole rows (a read copy,
+      stochastic rounding) needs them in the flush launch only, and the
+      output launch reads value tiles (`GDNPlan.output_block_v`). False:
+      both routes in one launch.
   """
   block_v: int | None = None
   num_warps: int | None = None
@@ -85,6 +90,9 @@ class GDNPlan:
   num_stages: int
   ring_weights: bool = False
   split_routes: bool = False
+  # The output launch's value columns under split_routes (block_v, or
+  # value tiles where only the flush launch needs whole rows); 0: block_v.
+  output_block_v: int = 0
 
 
 # Tile elements ([key_dim, block_v]) of the step kernels' default, and of
@@ -156,7 +164,9 @@ def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
          whole_rows: bool = False, rows: int | None = None,
          kernel: str = "step", state_dtype=None) -> GDNPlan:
   """The plan of config for a [.., key_dim, value_dim] state; whole_rows:
-  the call needs block_v = value_dim (refused by name otherwise); rows:
+  the call needs block_v = value_dim where it flushes (refused by name
+  otherwise; under split_routes config.block_v is the output launch's);
+  rows:
   batch x value heads (the grid's programs per value block); kernel:
   "replay" (the replay step: every field), "step" (the baseline step) or
   "verify" (these two refuse ring_weights=True by name); state_dtype: the
@@ -172,28 +182,36 @@ def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
           f"GDNConfig.{name} applies to the replay step kernel only "
           f"(gdn_replay_step), not to the {which}; leave it False.")
   tile_kernel = "verify" if kernel == "verify" else "step"
+  split = (config.split_routes if config.split_routes is not None
+           else kernel == "replay" and default_split_routes())
+  out_bv = 0
+  if split and whole_rows:  # block_v: the output launch's (value tiles)
+    out_bv = (default_block_v(key_dim, value_dim, rows, tile_kernel)
+              if config.block_v is None else min(config.block_v, value_dim))
+    config = dataclasses.replace(config, block_v=None)
   if config.block_v is None:
     bv = (value_dim if whole_rows
           else default_block_v(key_dim, value_dim, rows, tile_kernel))
   else:
     bv = min(config.block_v, value_dim)
-  if value_dim % bv:
-    raise NotImplementedError(
-        f"GDNConfig.block_v ({bv}) must divide value_dim ({value_dim}).")
+  for b in (bv, out_bv or bv):
+    if value_dim % b:
+      raise NotImplementedError(
+          f"GDNConfig.block_v ({b}) must divide value_dim ({value_dim}).")
   if whole_rows and bv != value_dim:
     raise NotImplementedError(
         f"GDNConfig.block_v={config.block_v} does not apply: a replay "
         f"state with a read copy or stochastic rounding stores whole "
         f"checkpoint rows (block_v = value_dim = {value_dim}); leave "
-        f"block_v None.")
+        f"block_v None, or split the routes (split_routes=True: block_v "
+        f"is then the output launch's).")
   warps = config.num_warps or default_num_warps(key_dim, bv, tile_kernel)
   stages = config.num_stages or default_num_stages(kernel, state_dtype)
   ring = (config.ring_weights if config.ring_weights is not None
           else kernel == "replay" and default_ring_weights(whole_rows, rows))
-  split = (config.split_routes if config.split_routes is not None
-           else kernel == "replay" and default_split_routes())
   return GDNPlan(block_v=bv, num_warps=warps, num_stages=stages,
-                 ring_weights=ring, split_routes=split)
+                 ring_weights=ring, split_routes=split,
+                 output_block_v=out_bv)
 
 
 def step_problem(state, **_) -> str | None:

@@ -25,6 +25,13 @@ the live d_j in kv and o, exp(G) and k . q once, and the step's programs
 read them instead of the key ring (which only flush rows then read, to
 fold); the routes are otherwise the same.
 
+With split routes (`GDNConfig.split_routes`) the two routes are two
+launches over the grid: the output launch (programs of flush rows exit at
+once) appends and counts; the flush launch (programs of the other rows
+exit at once) reads the same counters and stores the flush rows' o into
+the output launch's o. Only the flush launch stores whole rows, so with a
+read copy the output launch reads the copy in value tiles.
+
 The rings are aliased input -> output (only slot c of appending rows is
 stored); the counters go to a fresh output. Matches
 `replayssm_jax.gdn.replay.gdn_replay_step`.
@@ -228,9 +235,10 @@ def gdn_replay_step(rstate, q, k, v, g, beta, use_qk_l2norm=True,
   tuning config. A read copy (bf16/f16, or fp8/int8 with scales) is read
   by output-route rows in place of the master; flush rows store master
   and copy (stochastically with `policy.stochastic_rounding`, with the
-  reference's bits); these need block_v = value_dim. config.ring_weights:
-  the ring weights from a first launch (`ring_weights.gdn_ring_weights`),
-  then the step."""
+  reference's bits); these need block_v = value_dim (under
+  config.split_routes in the flush launch only). config.ring_weights: the
+  ring weights from a first launch (`ring_weights.gdn_ring_weights`), then
+  the step."""
   spec = copy_spec(rstate, policy, interpret)
   batch, hv, K, Vd = rstate.checkpoint.shape
   hk = rstate.k_buf.shape[2]
@@ -252,13 +260,15 @@ def gdn_replay_step(rstate, q, k, v, g, beta, use_qk_l2norm=True,
                                scale=scale, interpret=interpret)
 
   def launch(route, state_ins, copy_ins, more_ins=(), more_aliases=None):
+    bv = p.output_block_v if route == "output" and p.output_block_v else (
+        p.block_v)
     kernel = functools.partial(
-        _replay_kernel, heads_per_key=hv // hk, block_v=p.block_v,
+        _replay_kernel, heads_per_key=hv // hk, block_v=bv,
         use_l2norm=use_qk_l2norm, scale=scale, spec=spec,
         ring_weights=p.ring_weights, route=route)
     return pl.pallas_call(
         kernel,
-        grid=(Vd // p.block_v, hv, batch),
+        grid=(Vd // bv, hv, batch),
         out_shape=out_shape + copy_shapes,
         input_output_aliases={0: 5, 1: 1, 2: 2, 3: 3, **copy_aliases,
                               **(more_aliases or {})},
