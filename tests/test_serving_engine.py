@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from replayssm_jax import models, serving
+from replayssm_jax.serving import pool as pool_mod
 from tests.serving_common import CFG, build_model, prompt
 
 CAP, MAX_LEN, L = 3, 48, 4
@@ -103,6 +104,22 @@ def test_bad_requests_are_named(model):
     eng.submit(serving.Request("e", prompt(2, 4), max_new_tokens=2))
   with pytest.raises(ValueError, match="steps_per_dispatch"):
     serving.Engine(model, CAP, 16, steps_per_dispatch=0)
+
+
+def test_engine_splits_the_model_once(model, monkeypatch):
+  """Dispatches and admissions reuse the engine's nnx.split of the model
+  (a split traverses the module graph on the host each time)."""
+  eng = serving.Engine(model, CAP, MAX_LEN, steps_per_dispatch=2,
+                       buffer_len=L)
+  calls = []
+  real = pool_mod.nnx.split
+  monkeypatch.setattr(pool_mod.nnx, "split",
+                      lambda *a: calls.append(1) or real(*a))
+  for i in range(4):
+    eng.submit(serving.Request(i, prompt(70 + i, 4 + i), max_new_tokens=3))
+  eng.run()
+  assert eng.stats.finished == 4 and not calls
+  assert not np.asarray(eng.pool.active).any()  # evicted in batches
 
 
 @pytest.mark.parametrize("ssm_mode", ["replay", "baseline"])

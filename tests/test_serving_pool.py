@@ -250,6 +250,30 @@ def test_bad_arguments_are_named(model):
   pool, _ = serving.insert(model, pool, 0, prompt(0, 6))
   with pytest.raises(ValueError, match="n: slots \\[0\\]"):
     serving.step_n(model, pool, 3)  # 6 + 3 > max_len 8
+  with pytest.raises(ValueError, match="slot"):
+    serving.evict_many(pool, [0, CAP])
+  with pytest.raises(ValueError, match="slots must be Python ints"):
+    serving.evict_many(pool, [jnp.int32(0)])
+
+
+def test_evict_many_equals_evicts_and_parts_are_reused(model):
+  """evict_many frees exactly its slots, as one evict each; insert with
+  parts= (a kept nnx.split) equals insert without."""
+  pool = serving.init_pool(model, CAP, 16, buffer_len=L)
+  parts = serving.model_parts(model)
+  for slot in range(CAP):
+    pool, tok = serving.insert(model, pool, slot, prompt(60 + slot, 5),
+                               parts=parts)
+    _, want = serving.insert(model, serving.init_pool(model, CAP, 16,
+                                                      buffer_len=L),
+                             slot, prompt(60 + slot, 5))
+    assert int(tok) == int(want)
+  one_by_one = serving.evict(serving.evict(pool, 0), 2)
+  both = serving.evict_many(pool, [0, 2])
+  np.testing.assert_array_equal(np.asarray(both.active),
+                                np.asarray(one_by_one.active))
+  np.testing.assert_array_equal(np.asarray(both.active),
+                                [s not in (0, 2) for s in range(CAP)])
 
 
 def test_traced_slot_under_jit_out_of_range_writes_nothing(model):

@@ -4,7 +4,9 @@
                      ("slot").
   insert             prefill a prompt into one slot (jitted, traced slot).
   insert_many        prefill k prompts into k slots in one batched call.
-  evict              free a slot.
+  model_parts        a model's nnx.split, kept to skip the split per call
+                     (parts= of the insert functions).
+  evict / evict_many free a slot / several slots in one op.
   step / step_n      one / n decode steps over all slots (dense batch;
                      inactive slots' states left unspecified).
   PrefixCache        an LRU map of decode states at block-aligned prompt
@@ -19,11 +21,13 @@
 """
 
 from replayssm_jax.serving.engine import Engine, EngineStats, Request
-from replayssm_jax.serving.pool import (Pool, bucket_len, evict, init_pool,
-                                        insert, insert_many, step, step_n)
+from replayssm_jax.serving.pool import (Pool, bucket_len, evict, evict_many,
+                                        init_pool, insert, insert_many,
+                                        model_parts, step, step_n)
 from replayssm_jax.serving.prefix_cache import PrefixCache, insert_cached
 from replayssm_jax.serving.spec import Speculation
 
 __all__ = ["Engine", "EngineStats", "Pool", "PrefixCache", "Request",
-           "Speculation", "bucket_len", "evict", "init_pool", "insert",
-           "insert_cached", "insert_many", "step", "step_n"]
+           "Speculation", "bucket_len", "evict", "evict_many", "init_pool",
+           "insert", "insert_cached", "insert_many", "model_parts", "step",
+           "step_n"]

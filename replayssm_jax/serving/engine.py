@@ -188,7 +188,9 @@ class Engine:
   """Continuous batching over a `Pool` (see the module docstring).
 
   Args:
-    model: the HybridLM.
+    model: the HybridLM, served with its parameters as they are when the
+      engine is built (split once; a model changed later needs a new
+      engine).
     capacity: slots (the decode batch).
     max_len: prompt + generated tokens a slot holds.
     steps_per_dispatch: decode steps (speculative rounds with
@@ -228,6 +230,8 @@ class Engine:
                ssm_mode: str = "replay", buffer_len: int = 16,
                **state_kwargs):
     self.model = model
+    # Split once: every dispatch and admission reuses the parts.
+    self._parts = nnx.split(model)
     self.mesh = mesh
     self.n = V.positive_int("steps_per_dispatch", steps_per_dispatch)
     self.prefill_batch = V.positive_int("prefill_batch", prefill_batch)
@@ -269,6 +273,7 @@ class Engine:
     self.results: dict = {}
     self.stats = EngineStats()
     self._left = np.zeros(cap, np.int32)
+    self._finished = []  # slots freed on the host, not yet on the device
     self._eos = np.full(cap, -1, np.int32)
     self._temps = np.zeros(cap, np.float32)
     # Raw PRNG keys per slot (the default impl's shape), kept on the device.
@@ -331,6 +336,7 @@ class Engine:
       self._keys = self._keys.at[jnp.int32(slot)].set(key)
       self._left[slot] = req.max_new_tokens
       self._emit(slot, [tok], on_tokens)
+    self._evict_finished()
     self.stats.admit_s += time.perf_counter() - t0
 
   def _prefill(self, admitted) -> list[int]:
@@ -344,7 +350,7 @@ class Engine:
             jnp.asarray(req.prompt, jnp.int32),
             implementation=self.implementation,
             temperature=req.temperature, top_k=self.top_k, top_p=self.top_p,
-            rng=first_key if req.temperature > 0 else None)
+            rng=first_key if req.temperature > 0 else None, parts=self._parts)
         parts.append(jnp.reshape(tok, (1,)))
         order.append(i)
     else:
@@ -361,11 +367,13 @@ class Engine:
               self.model, self.pool, [a[0] for a in rows],
               [a[1].prompt for a in rows],
               temperatures=[a[1].temperature for a in rows],
-              keys=[a[3] for a in rows], top_k=self.top_k, top_p=self.top_p)
+              keys=[a[3] for a in rows], top_k=self.top_k, top_p=self.top_p,
+              parts=self._parts)
           parts.append(toks)
           order += chunk
     t_wait = time.perf_counter()
-    toks = np.asarray(jnp.concatenate(parts)).tolist()
+    # (device_get of the parts: a concatenate would compile per count)
+    toks = np.concatenate(jax.device_get(parts)).tolist()
     self.stats.wait_s += time.perf_counter() - t_wait
     firsts = [0] * len(admitted)
     for i, t in zip(order, toks):
@@ -390,10 +398,16 @@ class Engine:
       if on_tokens is not None:
         on_tokens(req.id, kept)
     if self._left[slot] <= 0 or (toks and toks[0] < 0):
-      self.pool = P.evict(self.pool, slot)
+      self._finished.append(slot)  # freed on the device by _evict_finished
       self.slots[slot] = None
       self._left[slot] = 0
       self.stats.finished += 1
+
+  def _evict_finished(self):
+    """Frees the slots that finished since the last call, in one op."""
+    if self._finished:
+      self.pool = P.evict_many(self.pool, self._finished)
+      self._finished = []
 
   # ----------------------------------------------------------------- run
   def dispatch(self, on_tokens: Callable | None = None):
@@ -430,6 +444,7 @@ class Engine:
     for row, slot in enumerate(slots):
       if self.slots[slot] is not None:
         self._emit(slot, out[row].tolist(), on_tokens)
+    self._evict_finished()
     self.stats.wall_s += time.perf_counter() - t_start
 
   def _rows(self, live: list[int]):
@@ -453,7 +468,7 @@ class Engine:
     over its `rows` gathered into a smaller batch and scattered back ->
     (the device's [len(rows) or capacity, cols] int32 output, the slot of
     each of its rows)."""
-    graphdef, params = nnx.split(self.model)
+    graphdef, params = self._parts
     spec = self.speculative
     carried = (self.pool, self._keys,
                self._spec_slots if spec is not None else None)
@@ -511,7 +526,7 @@ class Engine:
             self.model, self.pool, list(range(k)),
             [np.zeros(b, np.int32)] * k, keys=[key] * k,
             temperatures=[1.0 if sampled else 0.0] * k, top_k=self.top_k,
-            top_p=self.top_p)
+            top_p=self.top_p, parts=self._parts)
       k *= 2
     if self.speculative is not None:
       for b in buckets:

@@ -212,6 +212,14 @@ def fresh_rows(state: S.ModelState, row_ids):
       lambda x: jnp.zeros((k,) + x.shape[1:], x.dtype), state), row_ids)
 
 
+def model_parts(model: M.HybridLM, parts=None):
+  """(graphdef, params) of `model`: `parts` when given (the `nnx.split` of
+  this model, kept by a caller that serves it unchanged, as `Engine`
+  does), else `nnx.split(model)`, which traverses the module graph on the
+  host on every call (milliseconds for a model of tens of blocks)."""
+  return nnx.split(model) if parts is None else parts
+
+
 def sample_rows(logits, keys, temps, sampled: bool, top_k, top_p):
   """Each row's next token from logits [b, vocab] f32 with its own
   temperature (temps [b]; 0: greedy) and key (keys [b, ...]): the argmax,
@@ -269,7 +277,7 @@ def _insert_jit(graphdef, params, pool, slot, tokens, length, row_id,
 def insert(model: M.HybridLM, pool: Pool, slot, prompt_tokens, *,
            bucket: int | None = None, row_id=None, temperature: float = 0.0,
            top_k: int | None = None, top_p: float | None = None, rng=None,
-           return_logits: bool = False):
+           return_logits: bool = False, parts=None):
   """Prefills one prompt into `slot` and marks it active.
 
   Only row `slot` of the pool's state changes, all of it (see the module
@@ -289,6 +297,7 @@ def insert(model: M.HybridLM, pool: Pool, slot, prompt_tokens, *,
     temperature, top_k, top_p, rng: sampling of the first token, as
       `generate` (default greedy).
     return_logits: also return the prefill's last logits [vocab] f32.
+    parts: `nnx.split(model)`, kept by the caller (`model_parts`).
 
   Returns:
     (pool, first token int32 scalar [, logits [vocab] float32]); the first
@@ -316,7 +325,7 @@ def insert(model: M.HybridLM, pool: Pool, slot, prompt_tokens, *,
   else:
     tokens = jnp.zeros((bucket,), jnp.int32).at[:t].set(
         jnp.asarray(prompt_tokens, jnp.int32))
-  graphdef, params = nnx.split(model)
+  graphdef, params = model_parts(model, parts)
   pool, tok, logits = _insert_jit(graphdef, params, pool, slot, tokens,
                                   jnp.int32(t), jnp.asarray(row_id,
                                                             jnp.int32),
@@ -344,7 +353,7 @@ def _insert_many_jit(graphdef, params, pool, idx, tokens, lengths, row_ids,
 
 def insert_many(model: M.HybridLM, pool: Pool, slots, prompts, *,
                 temperatures=None, keys=None, top_k: int | None = None,
-                top_p: float | None = None):
+                top_p: float | None = None, parts=None):
   """Prefills k prompts into k distinct slots in one call (one batched
   prefill): `insert` for each (slot, prompt) pair, with the same effect
   on the pool up to the batch's effect on matmul rounding.
@@ -361,6 +370,7 @@ def insert_many(model: M.HybridLM, pool: Pool, slots, prompts, *,
     keys: [k] PRNG keys of the rows that sample (any for greedy rows);
       required when a temperature is > 0.
     top_k, top_p: the sampling filters of every sampling row.
+    parts: `nnx.split(model)`, kept by the caller (`model_parts`).
 
   Returns:
     (pool, first tokens [k] int32 on the device).
@@ -400,7 +410,7 @@ def insert_many(model: M.HybridLM, pool: Pool, slots, prompts, *,
   zero_key = jnp.zeros(jax.random.PRNGKey(0).shape, jnp.uint32)
   key_rows = jnp.stack((list(keys) if keys is not None else [zero_key] * k)
                        + [zero_key] * (kp - k))  # shapes: one per kp
-  graphdef, params = nnx.split(model)
+  graphdef, params = model_parts(model, parts)
   pool, tok = _insert_many_jit(
       graphdef, params, pool, jnp.asarray(idx), jnp.asarray(tokens),
       jnp.asarray(lengths), jnp.asarray(row_ids),
@@ -417,6 +427,24 @@ def evict(pool: Pool, slot) -> Pool:
   slot = check_slot(slot, pool.capacity)
   idx = slot_index(slot, pool.capacity)
   return pool.replace(active=pool.active.at[idx].set(False, mode="drop"))
+
+
+@jax.jit
+def _clear_active(active, free):
+  return active & ~free
+
+
+def evict_many(pool: Pool, slots) -> Pool:
+  """`evict` of several slots (Python ints) in one op, compiled once for
+  any number of them."""
+  check_pool(pool)
+  free = np.zeros(pool.capacity, bool)
+  for s in slots:
+    if not isinstance(s, (int, np.integer)) or isinstance(s, bool):
+      raise ValueError(f"slots must be Python ints, got {s!r}.")
+    check_slot(s, pool.capacity)
+    free[s] = True
+  return pool.replace(active=_clear_active(pool.active, jnp.asarray(free)))
 
 
 # ------------------------------------------------------------ compaction

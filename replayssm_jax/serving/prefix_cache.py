@@ -215,7 +215,7 @@ def insert_cached(model: M.HybridLM, pool: P.Pool, cache: PrefixCache, slot,
                   prompt_tokens, *, row_id=None, temperature: float = 0.0,
                   top_k: int | None = None, top_p: float | None = None,
                   rng=None, implementation: str | None = None,
-                  return_logits: bool = False):
+                  return_logits: bool = False, parts=None):
   """`insert` through a prefix cache (see the module docstring).
 
   Starts from the longest cached whole-block prefix of the prompt (at most
@@ -232,7 +232,8 @@ def insert_cached(model: M.HybridLM, pool: P.Pool, cache: PrefixCache, slot,
       is written).
     prompt_tokens: [T] int token ids on the host (concrete: the keys are
       hashed on the host), 1 <= T <= pool.max_len; not modified.
-    row_id, temperature, top_k, top_p, rng, return_logits: as `insert`.
+    row_id, temperature, top_k, top_p, rng, return_logits, parts: as
+      `insert`.
     implementation: no effect: the prompt runs as prefill passes, whose
       ops have one implementation each (kept so that callers passing their
       decode setting, such as `Engine`, run unchanged).
@@ -276,9 +277,9 @@ def insert_cached(model: M.HybridLM, pool: P.Pool, cache: PrefixCache, slot,
   if n_blocks == 0:  # no whole block before the last token
     return P.insert(model, pool, slot, prompt_tokens, row_id=row_id,
                     temperature=temperature, top_k=top_k, top_p=top_p,
-                    rng=rng, return_logits=return_logits)
+                    rng=rng, return_logits=return_logits, parts=parts)
 
-  graphdef, params = nnx.split(model)
+  graphdef, params = P.model_parts(model, parts)
   start = hit * block
   if hit < n_blocks:
     end = n_blocks * block
