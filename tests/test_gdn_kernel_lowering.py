@@ -179,9 +179,16 @@ def test_default_plans():
   assert not off.ring_weights
   assert kg.plan(kg.GDNConfig(ring_weights=True), 128, 128, rows=256 * 32,
                  kernel="replay") == kg.GDNPlan(64, 4, 1, ring_weights=True)
-  # The replay step's two-launch form: off by default, on when asked.
-  assert not kg.plan(None, 128, 128, rows=256 * 32,
-                     kernel="replay").split_routes
+  # The replay step's two-launch form: by default for a read copy from
+  # batch x value heads 2048 (its output launch in value tiles), else off.
+  split = lambda rows, **kw: kg.plan(None, 128, 128, rows=rows,
+                                     kernel="replay", **kw)
+  assert not split(256 * 32).split_routes
+  assert not split(256 * 32, whole_rows=True).split_routes  # SR, no copy
+  copy = split(64 * 32, whole_rows=True, read_copy=True)
+  assert (copy.split_routes, copy.block_v, copy.output_block_v) == (
+      True, 128, 64)
+  assert not split(32 * 32, whole_rows=True, read_copy=True).split_routes
   assert kg.plan(kg.GDNConfig(split_routes=True), 128, 128,
                  kernel="replay").split_routes
   # A state that flushes whole rows: only the flush launch takes them, the
@@ -192,4 +199,4 @@ def test_default_plans():
   assert (whole().block_v, whole().output_block_v) == (128, 64)
   assert whole(block_v=32).output_block_v == 32
   assert kg.plan(None, 128, 128, whole_rows=True, rows=256 * 32,
-                 kernel="replay").output_block_v == 0
+                 kernel="replay").output_block_v == 0  # one launch

@@ -11,8 +11,10 @@ other kernels); the replay step's ring weights formed once per row and
 value head in a first launch (`ring_weights.py`) when the state has no
 read copy and the grid has at least RING_WEIGHTS_MIN_ROWS rows x value
 heads (timed at batch 64 and 256; a read copy's step was slower with it,
-and at smaller batches the second launch is untimed). The verify kernels'
-defaults are untuned.
+and at smaller batches the second launch is untimed); and a state with a
+read copy stepped in two launches from the same size (`split_routes`:
+whole rows only where it flushes, the copy read in [128, 64] tiles). The
+verify kernels' defaults are untuned.
 """
 
 from __future__ import annotations
@@ -145,10 +147,13 @@ def default_ring_weights(whole_rows: bool, rows: int | None) -> bool:
           and rows >= RING_WEIGHTS_MIN_ROWS)
 
 
-def default_split_routes() -> bool:
-  """The replay step's routes in one launch (the two-launch form is
-  untimed)."""
-  return False
+def default_split_routes(read_copy: bool, rows: int | None) -> bool:
+  """The replay step's routes in two launches for a state with a read copy
+  over at least RING_WEIGHTS_MIN_ROWS rows x value heads (its output
+  launch then reads the copy in value tiles: f16 + fp8 at batch 64 and
+  256 on the H200); one launch otherwise (a plain f32 state gained 3% at
+  batch 256 and lost 16% at batch 64, an f16 one lost at both)."""
+  return read_copy and rows is not None and rows >= RING_WEIGHTS_MIN_ROWS
 
 
 def pow2_problem(**sizes) -> str | None:
@@ -162,7 +167,8 @@ def pow2_problem(**sizes) -> str | None:
 
 def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
          whole_rows: bool = False, rows: int | None = None,
-         kernel: str = "step", state_dtype=None) -> GDNPlan:
+         kernel: str = "step", state_dtype=None,
+         read_copy: bool = False) -> GDNPlan:
   """The plan of config for a [.., key_dim, value_dim] state; whole_rows:
   the call needs block_v = value_dim where it flushes (refused by name
   otherwise; under split_routes config.block_v is the output launch's);
@@ -170,7 +176,8 @@ def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
   batch x value heads (the grid's programs per value block); kernel:
   "replay" (the replay step: every field), "step" (the baseline step) or
   "verify" (these two refuse ring_weights=True by name); state_dtype: the
-  baseline step's state dtype (its default stages)."""
+  baseline step's state dtype (its default stages); read_copy: the replay
+  state has a read copy (its default split_routes)."""
   if kernel not in ("step", "replay", "verify"):
     raise ValueError(f"kernel must be 'step', 'replay' or 'verify', got "
                      f"{kernel!r}.")
@@ -183,7 +190,7 @@ def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
           f"(gdn_replay_step), not to the {which}; leave it False.")
   tile_kernel = "verify" if kernel == "verify" else "step"
   split = (config.split_routes if config.split_routes is not None
-           else kernel == "replay" and default_split_routes())
+           else kernel == "replay" and default_split_routes(read_copy, rows))
   out_bv = 0
   if split and whole_rows:  # block_v: the output launch's (value tiles)
     out_bv = (default_block_v(key_dim, value_dim, rows, tile_kernel)

@@ -243,7 +243,7 @@ def gdn_replay_step(rstate, q, k, v, g, beta, use_qk_l2norm=True,
   batch, hv, K, Vd = rstate.checkpoint.shape
   hk = rstate.k_buf.shape[2]
   p = plan(config, K, Vd, whole_rows=spec is not None, rows=batch * hv,
-           kernel="replay")
+           kernel="replay", read_copy=spec is not None and spec.copy)
   sds = jax.ShapeDtypeStruct
   out_shape = (sds(v.shape, v.dtype),
                sds(rstate.d_buf.shape, rstate.d_buf.dtype),
