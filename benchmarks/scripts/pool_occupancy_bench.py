@@ -125,6 +125,7 @@ def main():
       json.dump(res, f, indent=1)
 
   model = build_model(cfg, seed=0)
+  parts = serving.model_parts(model)  # split once, as the engine does
   steps = a.steps
   for mode in a.modes.split(","):
     base = filled_pool(model, a.capacity, a.max_len, a.prompt_len, mode, 1)
@@ -135,14 +136,15 @@ def main():
       active = jnp.zeros((a.capacity,), bool).at[idx].set(True)
 
       def dense(pool):
-        return serving.step_n(model, pool, steps)[0]
+        return serving.step_n(model, pool, steps, parts=parts)[0]
 
       def gathered(pool, idx=idx):
-        sub, _ = serving.step_n(model, P.gather_rows(pool, idx), steps)
+        sub, _ = serving.step_n(model, P.gather_rows(pool, idx), steps,
+                                parts=parts)
         return P.scatter_rows(pool, sub, idx)
 
       def steps_only(sub):
-        return serving.step_n(model, sub, steps)[0]
+        return serving.step_n(model, sub, steps, parts=parts)[0]
 
       # Check: the same dispatch both ways from the same pool.
       pool = base.replace(active=active)

@@ -532,13 +532,15 @@ def _check_room(pool: Pool, n: int):
 
 def step(model: M.HybridLM, pool: Pool, *, temperature: float = 0.0,
          top_k: int | None = None, top_p: float | None = None, rng=None,
-         implementation: str | None = None, return_logits: bool = False):
+         implementation: str | None = None, return_logits: bool = False,
+         parts=None):
   """One decode step over all slots (dense batch = capacity).
 
   Each active slot feeds its next input token and samples its next one
   (greedy by default; temperature / top_k / top_p / rng as `generate`).
   Inactive slots report -1; their states are left unspecified (the module
-  docstring).
+  docstring). parts: `nnx.split(model)`, kept by the caller
+  (`model_parts`).
 
   Returns:
     (pool, tokens [capacity] int32 [, logits [capacity, vocab] float32;
@@ -547,7 +549,7 @@ def step(model: M.HybridLM, pool: Pool, *, temperature: float = 0.0,
   check_pool(pool)
   _check_room(pool, 1)
   sampling, rng = resolve_sampling(temperature, top_k, top_p, rng)
-  graphdef, params = nnx.split(model)
+  graphdef, params = model_parts(model, parts)
   pool, tokens, logits = _step_jit(graphdef, params, pool, sampling, rng,
                                    implementation)
   return (pool, tokens, logits) if return_logits else (pool, tokens)
@@ -556,8 +558,10 @@ def step(model: M.HybridLM, pool: Pool, *, temperature: float = 0.0,
 def step_n(model: M.HybridLM, pool: Pool, n: int, *,
            temperature: float = 0.0, top_k: int | None = None,
            top_p: float | None = None, rng=None,
-           implementation: str | None = None, return_logits: bool = False):
-  """`n` decode steps in one jitted `lax.fori_loop` (one dispatch).
+           implementation: str | None = None, return_logits: bool = False,
+           parts=None):
+  """`n` decode steps in one jitted `lax.fori_loop` (one dispatch); parts
+  as `step`.
 
   Returns:
     (pool, tokens [capacity, n] int32 (-1 for inactive slots) [, logits
@@ -567,7 +571,7 @@ def step_n(model: M.HybridLM, pool: Pool, n: int, *,
   n = V.positive_int("n", n)
   _check_room(pool, n)
   sampling, rng = resolve_sampling(temperature, top_k, top_p, rng)
-  graphdef, params = nnx.split(model)
+  graphdef, params = model_parts(model, parts)
   pool, tokens, logits = _step_n_jit(graphdef, params, pool, n,
                                      bool(return_logits), sampling, rng,
                                      implementation)

@@ -1,0 +1,66 @@
+"""The serving engine's host time, on a model whose device work is small.
+
+hybrid_1b's block pattern (25 blocks: Mamba-2, attention, MLP) at a tiny
+width (d_model 128, f32), so that on any machine the engine's Python and
+dispatch costs dominate what is measured: `--requests` requests of 8-31
+prompt tokens and 16-47 new tokens through `--capacity` slots, 8 steps
+per dispatch, batched admissions of up to 8 prompts, after
+`Engine.precompile`. Prints one JSON line: wall seconds of `Engine.run`,
+its statistics, wall ms per dispatch and per admission.
+
+  PYTHONPATH=. python benchmarks/scripts/engine_host_bench.py --repeats 3
+
+Compare two commits by pointing PYTHONPATH at each tree in turn (the
+script uses only `serving.Engine`, `Request` and `EngineStats`).
+"""
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+
+import numpy as np
+
+from configs import hybrid_1b
+from experiments.decode_bench import build_model
+from replayssm_jax import models, serving
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--capacity", type=int, default=64)
+  ap.add_argument("--requests", type=int, default=128)
+  ap.add_argument("--repeats", type=int, default=3)
+  a = ap.parse_args()
+  cfg = models.ModelConfig(**dict(
+      hybrid_1b.MODEL, d_model=128, ssm_heads=4, head_dim=32, d_state=16,
+      n_groups=1, num_heads=2, num_kv_heads=1, attn_head_dim=64,
+      intermediate_size=256, vocab_size=256, dtype="float32",
+      param_dtype="float32"))
+  model = build_model(cfg, 0)
+  walls, stats = [], None
+  for rep in range(a.repeats + 1):  # the first run warms up
+    eng = serving.Engine(model, a.capacity, 128, steps_per_dispatch=8,
+                         prefill_batch=8, buffer_len=16)
+    eng.precompile(31)
+    rng = np.random.default_rng(rep)
+    for i in range(a.requests):
+      eng.submit(serving.Request(
+          id=i, prompt=rng.integers(0, 256, rng.integers(8, 32)).astype(
+              np.int32), max_new_tokens=int(rng.integers(16, 48))))
+    t0 = time.perf_counter()
+    eng.run()
+    if rep:
+      walls.append(time.perf_counter() - t0)
+      stats = dataclasses.asdict(eng.stats)
+  wall = statistics.median(walls)
+  print(json.dumps(dict(
+      capacity=a.capacity, requests=a.requests, wall_s=wall, walls_s=walls,
+      ms_per_dispatch=1e3 * wall / stats["dispatches"],
+      admit_ms_per_request=1e3 * stats["admit_s"] / stats["admissions"],
+      stats=stats)))
+
+
+if __name__ == "__main__":
+  main()
