@@ -46,13 +46,9 @@ def test_step_kernel_lowers_in_place(state_dtype, config):
   assert _aliases(text, "replayssm_gdn_step") == {1: 0}  # state -> state
 
 
-@pytest.mark.parametrize("policy,ring_weights", [
-    (None, False), ("f16", False), ("f32+bf16", False), ("f32+int8", False),
-    ("f32+fp8", False), ("f16+fp8+sr", False), ("bf16+sr", False),
-    (None, True), ("f16", True), ("f32+fp8", True), ("f16+fp8+sr", True)],
-                         ids=str)
-def test_replay_kernel_lowers_in_place(policy, ring_weights):
-  pol = None if policy is None else PrecisionPolicy.preset(policy)
+def _lowered_replay_step(pol, config):
+  """The CUDA lowering (text) of the replay step on a ragged state stored
+  per `pol` (None: f32)."""
   rstate, _ = GT.random_gdn_replay_state(
       jax.random.PRNGKey(1), B, HK, HV, K, VD, L, GT.ragged_counts(B, L),
       checkpoint_dtype=jnp.float32 if pol is None else pol.checkpoint_dtype,
@@ -61,11 +57,20 @@ def test_replay_kernel_lowers_in_place(policy, ring_weights):
     rstate = rstate.with_policy(pol)
   tok = GT.random_inputs(jax.random.PRNGKey(2), B, HK, HV, K, VD,
                          dtype=jnp.bfloat16)
-  config = kg.GDNConfig(ring_weights=ring_weights)
-  text = lower_for_cuda(
+  return lower_for_cuda(
       lambda r, t: kg.gdn_replay_step(r, t["q"], t["k"], t["v"], t["g"],
                                       t["beta"], policy=pol, config=config),
       rstate, tok)
+
+
+@pytest.mark.parametrize("policy,ring_weights", [
+    (None, False), ("f16", False), ("f32+bf16", False), ("f32+int8", False),
+    ("f32+fp8", False), ("f16+fp8+sr", False), ("bf16+sr", False),
+    (None, True), ("f16", True), ("f32+fp8", True), ("f16+fp8+sr", True)],
+                         ids=str)
+def test_replay_kernel_lowers_in_place(policy, ring_weights):
+  pol = None if policy is None else PrecisionPolicy.preset(policy)
+  text = _lowered_replay_step(pol, kg.GDNConfig(ring_weights=ring_weights))
   aliases = _aliases(text, "replayssm_gdn_replay_step")
   # o and the counters are fresh; rings and checkpoint in place, and the
   # read copy (and its scales) with a copy.
@@ -89,19 +94,7 @@ def test_replay_kernel_split_routes_lower_in_place(policy):
   stores into all of them and into the output launch's o and counters
   (its last two operands)."""
   pol = None if policy is None else PrecisionPolicy.preset(policy)
-  rstate, _ = GT.random_gdn_replay_state(
-      jax.random.PRNGKey(1), B, HK, HV, K, VD, L, GT.ragged_counts(B, L),
-      checkpoint_dtype=jnp.float32 if pol is None else pol.checkpoint_dtype,
-      buffer_dtype=jnp.bfloat16)
-  if pol is not None:
-    rstate = rstate.with_policy(pol)
-  tok = GT.random_inputs(jax.random.PRNGKey(2), B, HK, HV, K, VD,
-                         dtype=jnp.bfloat16)
-  config = kg.GDNConfig(split_routes=True)
-  text = lower_for_cuda(
-      lambda r, t: kg.gdn_replay_step(r, t["q"], t["k"], t["v"], t["g"],
-                                      t["beta"], policy=pol, config=config),
-      rstate, tok)
+  text = _lowered_replay_step(pol, kg.GDNConfig(split_routes=True))
   n_copy = 0 if pol is None or pol.read_dtype is None else (
       2 if pol.read_dtype in ("int8", "float8_e4m3fn") else 1)
   out = _aliases(text, "replayssm_gdn_replay_output")
