@@ -173,15 +173,17 @@ def test_replay_kernel_ring_weights_matches_reference(ck_dtype, buf_dtype,
 
 @pytest.mark.parametrize("ck_dtype,buf_dtype,dims,block_v",
                          RING_WEIGHTS_CASES[:2], ids=str)
-@pytest.mark.parametrize("ring_weights", [False, True])
-def test_replay_kernel_split_routes_matches_reference(ck_dtype, buf_dtype,
-                                                      dims, block_v,
-                                                      ring_weights):
+@pytest.mark.parametrize("ring_weights,heads_per_program",
+                         [(False, None), (True, None), (True, 2)])
+def test_replay_kernel_split_routes_matches_reference(
+    ck_dtype, buf_dtype, dims, block_v, ring_weights, heads_per_program):
   """The output and flush routes in two launches (the flush launch stores
-  into the output launch's o; both read the same counters)."""
+  into the output launch's o; both read the same counters), the output
+  launch's programs stepping through one or two value heads."""
   _two_steps(ck_dtype, buf_dtype, dims,
              kg.GDNConfig(block_v=block_v, ring_weights=ring_weights,
-                          split_routes=True),
+                          split_routes=True,
+                          heads_per_program=heads_per_program),
              jnp.dtype(buf_dtype))
 
 
@@ -249,11 +251,13 @@ def test_replay_kernel_buffer_length_one():
 # The replay step's launch forms: one launch, the ring-weights launch
 # first, the two routes in two launches (whole rows in both; value tiles
 # in the output launch, whole rows in the flush launch where a state needs
-# them).
+# them; the output launch's programs stepping through two heads).
 LAUNCHES = [kg.GDNConfig(ring_weights=False),
             kg.GDNConfig(ring_weights=True),
             kg.GDNConfig(ring_weights=False, split_routes=True),
-            kg.GDNConfig(ring_weights=True, split_routes=True, block_v=4)]
+            kg.GDNConfig(ring_weights=True, split_routes=True, block_v=4),
+            kg.GDNConfig(ring_weights=False, split_routes=True,
+                         heads_per_program=2)]
 
 
 @pytest.mark.parametrize("config", LAUNCHES, ids=str)
@@ -356,6 +360,17 @@ def test_kernels_refuse_by_name():
     gdn.gdn_step(state[..., :4, :4], **_inputs(18, 1, 2, 4, 4),
                  implementation="pallas",
                  config=kg.GDNConfig(split_routes=True))
+  with pytest.raises(NotImplementedError, match="heads_per_program=2 "
+                     "applies to the output launch of split routes"):
+    gdn.gdn_replay_step(r, **tok, implementation="pallas",
+                        config=kg.GDNConfig(heads_per_program=2))
+  with pytest.raises(NotImplementedError, match="heads_per_program \\(4\\) "
+                     "must divide the value heads \\(2\\)"):
+    gdn.gdn_replay_step(r, **tok, implementation="pallas",
+                        config=kg.GDNConfig(heads_per_program=4,
+                                            split_routes=True))
+  with pytest.raises(ValueError, match="heads_per_program must be a power"):
+    kg.GDNConfig(heads_per_program=3)
 
 
 def test_fp8_copy_refused_below_sm89(monkeypatch):

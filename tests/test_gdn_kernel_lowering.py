@@ -87,14 +87,19 @@ def test_replay_kernel_lowers_in_place(policy, ring_weights):
   assert launched_warps(text) == warps
 
 
-@pytest.mark.parametrize("policy", [None, "f32+int8", "f16+fp8+sr"], ids=str)
-def test_replay_kernel_split_routes_lower_in_place(policy):
+@pytest.mark.parametrize("policy,heads_per_program", [
+    (None, None), ("f32+int8", None), ("f16+fp8+sr", None), (None, 2),
+    ("f32+int8", 4)], ids=str)
+def test_replay_kernel_split_routes_lower_in_place(policy, heads_per_program):
   """`GDNConfig(split_routes=True)`: the output launch appends to the rings
   in place and leaves the checkpoint (and copy) aliased; the flush launch
   stores into all of them and into the output launch's o and counters
-  (its last two operands)."""
+  (its last two operands). With heads_per_program the output launch's
+  head loop lowers, pipelined over 3 stages."""
   pol = None if policy is None else PrecisionPolicy.preset(policy)
-  text = _lowered_replay_step(pol, kg.GDNConfig(split_routes=True))
+  text = _lowered_replay_step(pol, kg.GDNConfig(
+      split_routes=True, heads_per_program=heads_per_program,
+      num_stages=3 if heads_per_program else None))
   n_copy = 0 if pol is None or pol.read_dtype is None else (
       2 if pol.read_dtype in ("int8", "float8_e4m3fn") else 1)
   out = _aliases(text, "replayssm_gdn_replay_output")

@@ -38,6 +38,7 @@
 #   bash benchmarks/scripts/run_h200.sh gdn_bench    # the GDN step kernels timed: baseline (Pallas, XLA, flash-linear-attention) vs replay, b {256,64,1,512} x L {16,8,32}
 #   bash benchmarks/scripts/run_h200.sh gdn_ring_weights  # the GDN step kernels with and without the replay step's ring-weights launch (GDNConfig.ring_weights) and at 2 / 3 pipelining stages, beside flash-linear-attention's kernel, b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
 #   bash benchmarks/scripts/run_h200.sh gdn_split  # the GDN replay step in one launch or two (GDNConfig.split_routes), with and without ring weights, beside the baselines and flash-linear-attention, b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
+#   bash benchmarks/scripts/run_h200.sh gdn_heads  # the split replay step's output launch stepping through 2 or 4 value heads per program at 2 / 3 pipelining stages (GDNConfig.heads_per_program), b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
 #   bash benchmarks/scripts/run_h200.sh gdn_ncu    # Nsight Compute of the GDN baseline step and the replay step in one launch and two, without ring weights (f32, b 256, L 16)
 #   bash benchmarks/scripts/run_h200.sh multi_gpu [meshes]  # multi_device_bench on every GPU of a multi-GPU host (hybrid_1b, random weights, global b {256,512}, the ops per shard), e.g. meshes "((1,1),(1,4),(4,1))"
 #
@@ -214,6 +215,12 @@ case "$1" in
       --policies=f16+fp8 --no_xla --layouts=staggered \
       --configs='[{}, {"split_routes": true}, {"split_routes": true, "ring_weights": false}, {"split_routes": true, "num_stages": 2}, {"split_routes": true, "block_v": 32}, {"split_routes": true, "block_v": 128, "num_warps": 8}]' \
       --budget_s=$(( T - 60 )) --out="$OUT/gdn_split.json" ;;
+  gdn_heads)
+    timeout "$T" python -u benchmarks/scripts/gdn_kernel_bench.py \
+      --batches=256,64 --buffer_lens=16 --checkpoints=f32,f16 \
+      --policies=f16+fp8 --no_xla --layouts=staggered \
+      --configs='[{}, {"split_routes": true}, {"split_routes": true, "heads_per_program": 2, "num_stages": 2}, {"split_routes": true, "heads_per_program": 2, "num_stages": 3}, {"split_routes": true, "heads_per_program": 4, "num_stages": 3}]' \
+      --budget_s=$(( T - 60 )) --out="$OUT/gdn_heads.json" ;;
   gdn_ncu)
     # Not the ring-weights launch: Nsight Compute failed on it (and stopped
     # the run there), so the replay step runs without it, in one launch

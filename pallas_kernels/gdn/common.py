@@ -3,6 +3,8 @@ token's normalised q / k, and readouts of a [key_dim, block_v] tile."""
 
 from __future__ import annotations
 
+import copy
+
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -15,14 +17,23 @@ F32 = jnp.float32
 class Tile:
   """Program (value block, value head, row) of the grid (value_dim //
   block_v, num_v_heads, batch): its row b, value head h, key head hk and
-  value columns vs."""
+  value columns vs. (A grid of value-head blocks: `at_head` gives the tile
+  of each of the program's heads.)"""
 
   def __init__(self, *, heads_per_key, block_v):
     self.vblk, self.h, self.b = (pl.program_id(0), pl.program_id(1),
                                  pl.program_id(2))
+    self.heads_per_key = heads_per_key
     self.hk = self.h // heads_per_key
     self.vs = pl.ds(self.vblk * block_v, block_v)
     self.first_of_key = (self.h % heads_per_key == 0) & (self.vblk == 0)
+
+  def at_head(self, h):
+    """This tile at value head h (possibly traced)."""
+    t = copy.copy(self)
+    t.h, t.hk = h, h // self.heads_per_key
+    t.first_of_key = (h % self.heads_per_key == 0) & (self.vblk == 0)
+    return t
 
 
 def normalise(x, use_l2norm: bool, scale=1.0):

@@ -63,15 +63,20 @@ class GDNConfig:
       stochastic rounding) needs them in the flush launch only, and the
       output launch reads value tiles (`GDNPlan.output_block_v`). False:
       both routes in one launch.
+    heads_per_program: split routes' output launch only (None: 1). Value
+      heads each of its programs steps through in a loop (a divisor of
+      the value heads), so that with num_stages > 1 the next head's tile
+      loads while the program works on this one.
   """
   block_v: int | None = None
   num_warps: int | None = None
   num_stages: int | None = None
   ring_weights: bool | None = None
   split_routes: bool | None = None
+  heads_per_program: int | None = None
 
   def __post_init__(self):
-    for name in ("block_v", "num_warps"):
+    for name in ("block_v", "num_warps", "heads_per_program"):
       if getattr(self, name) is not None:
         _check_pow2(name, getattr(self, name))
     if self.num_stages is not None and (
@@ -95,6 +100,7 @@ class GDNPlan:
   # The output launch's value columns under split_routes (block_v, or
   # value tiles where only the flush launch needs whole rows); 0: block_v.
   output_block_v: int = 0
+  heads_per_program: int = 1  # the output launch's, under split_routes
 
 
 # Tile elements ([key_dim, block_v]) of the step kernels' default, and of
@@ -191,6 +197,12 @@ def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
   tile_kernel = "verify" if kernel == "verify" else "step"
   split = (config.split_routes if config.split_routes is not None
            else kernel == "replay" and default_split_routes(read_copy, rows))
+  hpp = config.heads_per_program or 1
+  if hpp > 1 and not split:
+    raise NotImplementedError(
+        f"GDNConfig.heads_per_program={hpp} applies to the output launch of "
+        f"split routes only; set split_routes=True (replay step) or leave "
+        f"it None.")
   out_bv = 0
   if split and whole_rows:  # block_v: the output launch's (value tiles)
     out_bv = (default_block_v(key_dim, value_dim, rows, tile_kernel)
@@ -218,7 +230,7 @@ def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
           else kernel == "replay" and default_ring_weights(whole_rows, rows))
   return GDNPlan(block_v=bv, num_warps=warps, num_stages=stages,
                  ring_weights=ring, split_routes=split,
-                 output_block_v=out_bv)
+                 output_block_v=out_bv, heads_per_program=hpp)
 
 
 def step_problem(state, **_) -> str | None:

@@ -30,7 +30,9 @@ launches over the grid: the output launch (programs of flush rows exit at
 once) appends and counts; the flush launch (programs of the other rows
 exit at once) reads the same counters and stores the flush rows' o into
 the output launch's o. Only the flush launch stores whole rows, so with a
-read copy the output launch reads the copy in value tiles.
+read copy the output launch reads the copy in value tiles; its programs
+may step through several value heads in a loop
+(`GDNConfig.heads_per_program`).
 
 The rings are aliased input -> output (only slot c of appending rows is
 stored); the counters go to a fresh output. Matches
@@ -121,7 +123,7 @@ def _ring_coefficients(row, t, qn, kn, kb_ref, gb_ref, weights):
 
 
 def _replay_kernel(*refs, heads_per_key, block_v, use_l2norm, scale,
-                   spec, ring_weights, route):
+                   spec, ring_weights, route, heads_per_program=1):
   n_in, _ = copy_counts(spec)
   n_w = 2 if ring_weights else 0  # the ring-weights launch's outputs
   # The flush launch of split routes takes two more inputs, the output
@@ -133,13 +135,15 @@ def _replay_kernel(*refs, heads_per_key, block_v, use_l2norm, scale,
   extra = ins[_N_IN:_N_IN + n_in]
   weights = ins[_N_IN + n_in:_N_IN + n_in + n_w] or None
   o_ref, db_out, kb_out, gb_out, cnt_out, ck_out = outs[:_N_OUT]
-  t = common.Tile(heads_per_key=heads_per_key, block_v=block_v)
-  b, h, hk, vs = t.b, t.h, t.hk, t.vs
-  K = ck_ref.shape[2]
-  row = _Row(cnt_ref, g_ref, b, h, db_ref.shape[1])
+  # With heads_per_program > 1 (the output launch only) the grid's second
+  # axis is blocks of value heads, stepped through in a loop.
+  tile = common.Tile(heads_per_key=heads_per_key, block_v=block_v)
+  b, K, L = tile.b, ck_ref.shape[2], db_ref.shape[1]
   copy = spec is not None and spec.copy
 
-  def routes():
+  def routes(t):
+    h, hk, vs = t.h, t.hk, t.vs
+    row = _Row(cnt_ref, g_ref, b, h, L)
     # The state tile: the master on flush rows (and on plain states), the
     # read copy (dequantized) on the others; masked loads, so a row reads
     # one of the two only.
@@ -203,14 +207,23 @@ def _replay_kernel(*refs, heads_per_key, block_v, use_l2norm, scale,
     def _append_k():
       kb_out[b, row.c, hk, :] = kn.astype(kb_out.dtype)
 
+  row = _Row(cnt_ref, g_ref, b, 0, L)  # the row's counter and routes
+
+  def heads():
+    if heads_per_program == 1:
+      routes(tile)
+    else:
+      lax.fori_loop(0, heads_per_program, lambda i, c: routes(tile.at_head(
+          tile.h * heads_per_program + i)) or c, 0)
+
   if route == "both":
-    routes()
+    heads()
   else:  # a split launch's programs of the other route's rows exit at once
-    pl.when(row.flush if route == "flush" else ~row.flush)(routes)
+    pl.when(row.flush if route == "flush" else ~row.flush)(heads)
   if route == "flush":
     return
 
-  @pl.when((h == 0) & (t.vblk == 0))
+  @pl.when((tile.h == 0) & (tile.vblk == 0))
   def _count():
     new = jnp.where(row.flush, 0, row.c + 1)
     cnt_out[b] = jnp.where(row.valid, new, row.c).astype(cnt_out.dtype)
@@ -259,16 +272,22 @@ def gdn_replay_step(rstate, q, k, v, g, beta, use_qk_l2norm=True,
                                k, g, use_qk_l2norm=use_qk_l2norm,
                                scale=scale, interpret=interpret)
 
+  if hv % p.heads_per_program:
+    raise NotImplementedError(
+        f"GDNConfig.heads_per_program ({p.heads_per_program}) must divide "
+        f"the value heads ({hv}).")
+
   def launch(route, state_ins, copy_ins, more_ins=(), more_aliases=None):
     bv = p.output_block_v if route == "output" and p.output_block_v else (
         p.block_v)
+    hpp = p.heads_per_program if route == "output" else 1
     kernel = functools.partial(
         _replay_kernel, heads_per_key=hv // hk, block_v=bv,
         use_l2norm=use_qk_l2norm, scale=scale, spec=spec,
-        ring_weights=p.ring_weights, route=route)
+        ring_weights=p.ring_weights, route=route, heads_per_program=hpp)
     return pl.pallas_call(
         kernel,
-        grid=(Vd // bv, hv, batch),
+        grid=(Vd // bv, hv // hpp, batch),
         out_shape=out_shape + copy_shapes,
         input_output_aliases={0: 5, 1: 1, 2: 2, 3: 3, **copy_aliases,
                               **(more_aliases or {})},
