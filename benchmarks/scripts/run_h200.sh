@@ -66,6 +66,16 @@ specdec_bench() {
   timeout "$T" python -m experiments.specdec_bench \
     --config=configs/specdec_bench.py --workdir="$OUT/$1" "${@:2}"
 }
+# gdn_kernel_bench side by side per GDNConfig field set (argument 2, a JSON
+# list) into $OUT/<argument 1>.json: b {256,64}, L 16, staggered counters,
+# f32 / f16 masters and the f16 + fp8 copy, flash-linear-attention's kernel
+# beside the baselines (its wheels in wheels/).
+gdn_configs() {
+  timeout "$T" python -u benchmarks/scripts/gdn_kernel_bench.py \
+    --batches=256,64 --buffer_lens=16 --checkpoints=f32,f16 \
+    --policies=f16+fp8 --no_xla --layouts=staggered --configs="$2" \
+    --budget_s=$(( T - 60 )) --out="$OUT/$1.json"
+}
 # Nsight Compute: clocks as they run and the sections every ncu part reads
 # (a part adds its own).
 NCU=(ncu --clock-control none --section SpeedOfLight --section Occupancy
@@ -202,25 +212,11 @@ case "$1" in
       --batches=256,64,1,512 --buffer_lens=16,8,32 --budget_s=$(( T - 120 )) \
       --out="$OUT/gdn_kernel_bench.json" ;;
   gdn_ring_weights)
-    # Staggered counters only; flash-linear-attention's kernel beside the
-    # baselines (its wheels in wheels/).
-    timeout "$T" python -u benchmarks/scripts/gdn_kernel_bench.py \
-      --batches=256,64 --buffer_lens=16 --checkpoints=f32,f16 \
-      --policies=f16+fp8 --no_xla --layouts=staggered \
-      --configs='[{}, {"ring_weights": true}, {"num_stages": 2}, {"num_stages": 3}]' \
-      --budget_s=$(( T - 60 )) --out="$OUT/gdn_ring_weights.json" ;;
+    gdn_configs gdn_ring_weights '[{}, {"ring_weights": true}, {"num_stages": 2}, {"num_stages": 3}]' ;;
   gdn_split)
-    timeout "$T" python -u benchmarks/scripts/gdn_kernel_bench.py \
-      --batches=256,64 --buffer_lens=16 --checkpoints=f32,f16 \
-      --policies=f16+fp8 --no_xla --layouts=staggered \
-      --configs='[{}, {"split_routes": true}, {"split_routes": true, "ring_weights": false}, {"split_routes": true, "num_stages": 2}, {"split_routes": true, "block_v": 32}, {"split_routes": true, "block_v": 128, "num_warps": 8}]' \
-      --budget_s=$(( T - 60 )) --out="$OUT/gdn_split.json" ;;
+    gdn_configs gdn_split '[{}, {"split_routes": true}, {"split_routes": true, "ring_weights": false}, {"split_routes": true, "num_stages": 2}, {"split_routes": true, "block_v": 32}, {"split_routes": true, "block_v": 128, "num_warps": 8}]' ;;
   gdn_heads)
-    timeout "$T" python -u benchmarks/scripts/gdn_kernel_bench.py \
-      --batches=256,64 --buffer_lens=16 --checkpoints=f32,f16 \
-      --policies=f16+fp8 --no_xla --layouts=staggered \
-      --configs='[{}, {"split_routes": true}, {"split_routes": true, "heads_per_program": 2, "num_stages": 2}, {"split_routes": true, "heads_per_program": 2, "num_stages": 3}, {"split_routes": true, "heads_per_program": 4, "num_stages": 3}]' \
-      --budget_s=$(( T - 60 )) --out="$OUT/gdn_heads.json" ;;
+    gdn_configs gdn_heads '[{}, {"split_routes": true}, {"split_routes": true, "heads_per_program": 2, "num_stages": 2}, {"split_routes": true, "heads_per_program": 2, "num_stages": 3}, {"split_routes": true, "heads_per_program": 4, "num_stages": 3}]' ;;
   gdn_ncu)
     # Not the ring-weights launch: Nsight Compute failed on it (and stopped
     # the run there), so the replay step runs without it, in one launch
