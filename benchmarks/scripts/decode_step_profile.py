@@ -184,7 +184,8 @@ def main():
       carry = [pool]
 
       def call():
-        carry[0] = serving.step_n(model, carry[0], a.steps)[0]
+        carry[0] = serving.step_n(model, carry[0], a.steps,
+                                  parts=(graphdef, params))[0]
         return carry[0].tokens
     else:
       logits, st = prefill(model, prompts, lengths, st)

@@ -5,9 +5,12 @@ heads, key_dim = value_dim = 128, bf16 q / k / v), one baseline step
 (a JSON list of `pallas_kernels.gdn.GDNConfig` fields) with counts
 arange(batch) % L (1/L of the rows flush), bf16 rings.
 
-  ncu --clock-control none -k regex:replayssm_gdn --section SpeedOfLight \\
-      ... python benchmarks/scripts/gdn_ncu_profile.py \\
-      --configs='[{}, {"split_routes": true}]'
+  ncu --clock-control none -k 'regex:replayssm_gdn_(step|replay)' \\
+      --section SpeedOfLight ... python benchmarks/scripts/gdn_ncu_profile.py \\
+      --configs='[{"ring_weights": false}, {"split_routes": true}]'
+
+(Nsight Compute failed on the ring-weights launch, replayssm_gdn_ring_weights,
+on the H200; the pattern above leaves it out.)
 """
 
 import argparse
