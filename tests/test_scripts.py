@@ -144,6 +144,15 @@ def test_decode_step_profile_and_attend_micro_tiny(tmp_path):
   r = json.loads(out.read_text())["modes"]["replay"]
   assert r["ms_per_step"] > 0 and {"mamba (rest)", "attention (rest)"} <= set(
       r["by_scope"]), sorted(r["by_scope"])
+  # The serving pool's dispatch, by the same scopes, at a set KV length.
+  _run("decode_step_profile.py", "--config", "configs/tiny.py", "--batch",
+       "2", "--prompt_len", "8", "--steps", "2", "--iters", "1", "--modes",
+       "replay", "--part", "pool", "--max_len", "64", "--out", str(out))
+  res = json.loads(out.read_text())
+  r = res["modes"]["replay"]
+  assert res["max_len"] == 64 and r["ms_per_step"] > 0
+  assert {"mamba/ssm", "attention/attend"} <= set(r["by_scope"]), sorted(
+      r["by_scope"])
   out = tmp_path / "am.json"
   _run("attend_micro.py", "--batch", "2", "--max_len", "16", "--sets", "1",
        "--iters", "1", "--variants", "default,split64", "--out", str(out))
