@@ -41,6 +41,9 @@ STEP_CASES = [
     ("float32", "bfloat16", (2, 4, 8, 16), kg.GDNConfig(block_v=4)),
     ("bfloat16", "float32", (1, 4, 16, 8), kg.GDNConfig(num_warps=2)),
     ("float16", "bfloat16", (2, 2, 8, 8), kg.GDNConfig(block_v=2)),
+    ("float32", "bfloat16", (2, 4, 8, 16),
+     kg.GDNConfig(block_v=8, heads_per_program=2)),  # heads in a loop
+    ("float16", "float32", (1, 4, 8, 8), kg.GDNConfig(heads_per_program=4)),
 ]
 
 
@@ -361,7 +364,8 @@ def test_kernels_refuse_by_name():
                  implementation="pallas",
                  config=kg.GDNConfig(split_routes=True))
   with pytest.raises(NotImplementedError, match="heads_per_program=2 "
-                     "applies to the output launch of split routes"):
+                     "applies to the baseline step and to the output launch "
+                     "of split routes"):
     gdn.gdn_replay_step(r, **tok, implementation="pallas",
                         config=kg.GDNConfig(heads_per_program=2))
   with pytest.raises(NotImplementedError, match="heads_per_program \\(4\\) "

@@ -33,7 +33,8 @@ def _aliases(text, name):
 
 @pytest.mark.parametrize("state_dtype,config", [
     ("float32", kg.GDNConfig()), ("bfloat16", kg.GDNConfig(block_v=8)),
-    ("float16", kg.GDNConfig(block_v=32, num_warps=8))], ids=str)
+    ("float16", kg.GDNConfig(block_v=32, num_warps=8)),
+    ("float32", kg.GDNConfig(heads_per_program=2, num_stages=3))], ids=str)
 def test_step_kernel_lowers_in_place(state_dtype, config):
   tok = GT.random_inputs(jax.random.PRNGKey(0), B, HK, HV, K, VD,
                          dtype=jnp.bfloat16)

@@ -32,8 +32,7 @@ Variants per batch B:
 and timed once per config, side by side ({} is the defaults, the speed-ups'
 baseline). Replay-only fields (REPLAY_ONLY: ring_weights, the ring weights
 formed by a first launch; split_routes, the output and flush routes in two
-launches; heads_per_program, value heads per program of the split output
-launch) are dropped for the baseline step, which times
+launches) are dropped for the baseline step, which times
 each remaining field set once: `--configs='[{}, {"ring_weights": true}]'`
 times the replay step with and without the ring-weights launch against
 one baseline.
@@ -210,7 +209,7 @@ def _split(tree, n, batch):
 
 # ------------------------------------------------------------- variants
 # GDNConfig fields of the replay step only (the baseline step refuses them).
-REPLAY_ONLY = ("ring_weights", "split_routes", "heads_per_program")
+REPLAY_ONLY = ("ring_weights", "split_routes")
 
 
 def baseline_configs(configs):

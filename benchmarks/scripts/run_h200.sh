@@ -38,7 +38,7 @@
 #   bash benchmarks/scripts/run_h200.sh gdn_bench    # the GDN step kernels timed: baseline (Pallas, XLA, flash-linear-attention) vs replay, b {256,64,1,512} x L {16,8,32}
 #   bash benchmarks/scripts/run_h200.sh gdn_ring_weights  # the GDN step kernels with and without the replay step's ring-weights launch (GDNConfig.ring_weights) and at 2 / 3 pipelining stages, beside flash-linear-attention's kernel, b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
 #   bash benchmarks/scripts/run_h200.sh gdn_split  # the GDN replay step in one launch or two (GDNConfig.split_routes), with and without ring weights, beside the baselines and flash-linear-attention, b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
-#   bash benchmarks/scripts/run_h200.sh gdn_heads  # the split replay step's output launch stepping through 2 or 4 value heads per program at 2 / 3 pipelining stages (GDNConfig.heads_per_program), b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
+#   bash benchmarks/scripts/run_h200.sh gdn_heads  # the split replay step's output launch stepping through 2 or 4 value heads per program at 2 / 3 pipelining stages (GDNConfig.heads_per_program; the baseline step too), b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
 #   bash benchmarks/scripts/run_h200.sh gdn_ncu    # Nsight Compute of the GDN baseline step and the replay step in one launch and two, without ring weights (f32, b 256, L 16)
 #   bash benchmarks/scripts/run_h200.sh multi_gpu [meshes]  # multi_device_bench on every GPU of a multi-GPU host (hybrid_1b, random weights, global b {256,512}, the ops per shard), e.g. meshes "((1,1),(1,4),(4,1))"
 #

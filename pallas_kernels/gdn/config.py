@@ -63,10 +63,10 @@ class GDNConfig:
       stochastic rounding) needs them in the flush launch only, and the
       output launch reads value tiles (`GDNPlan.output_block_v`). False:
       both routes in one launch.
-    heads_per_program: split routes' output launch only (None: 1). Value
-      heads each of its programs steps through in a loop (a divisor of
-      the value heads), so that with num_stages > 1 the next head's tile
-      loads while the program works on this one.
+    heads_per_program: the baseline step and split routes' output launch
+      (None: 1). Value heads each of its programs steps through in a loop
+      (a divisor of the value heads), so that with num_stages > 1 the
+      next head's tile loads while the program works on this one.
   """
   block_v: int | None = None
   num_warps: int | None = None
@@ -100,7 +100,9 @@ class GDNPlan:
   # The output launch's value columns under split_routes (block_v, or
   # value tiles where only the flush launch needs whole rows); 0: block_v.
   output_block_v: int = 0
-  heads_per_program: int = 1  # the output launch's, under split_routes
+  # Value heads per program: the baseline step's, or the output launch's
+  # under split_routes.
+  heads_per_program: int = 1
 
 
 # Tile elements ([key_dim, block_v]) of the step kernels' default, and of
@@ -198,11 +200,11 @@ def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
   split = (config.split_routes if config.split_routes is not None
            else kernel == "replay" and default_split_routes(read_copy, rows))
   hpp = config.heads_per_program or 1
-  if hpp > 1 and not split:
+  if hpp > 1 and kernel != "step" and not split:
     raise NotImplementedError(
-        f"GDNConfig.heads_per_program={hpp} applies to the output launch of "
-        f"split routes only; set split_routes=True (replay step) or leave "
-        f"it None.")
+        f"GDNConfig.heads_per_program={hpp} applies to the baseline step "
+        f"and to the output launch of split routes only; set "
+        f"split_routes=True (replay step) or leave it None.")
   out_bv = 0
   if split and whole_rows:  # block_v: the output launch's (value tiles)
     out_bv = (default_block_v(key_dim, value_dim, rows, tile_kernel)

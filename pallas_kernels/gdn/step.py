@@ -5,7 +5,8 @@ state tile, decay it, form the corrected update d = beta (v - S^T k) of
 its columns, add k d^T, write the tile back in place (the state is aliased
 input -> output: donated, the step updates it without a copy) and write
 o = S^T q. q and k (key head h // (HV // HK)) are L2-normalised in f32
-inside the kernel. Matches `replayssm_jax.gdn.reference.gdn_step`.
+inside the kernel. With `GDNConfig.heads_per_program` each program steps
+through that many value heads in a loop. Matches `replayssm_jax.gdn.reference.gdn_step`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -25,21 +27,30 @@ F32 = jnp.float32
 
 def _step_kernel(state_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref,
                  state_out_ref, *, heads_per_key, block_v, use_l2norm,
-                 scale):
+                 scale, heads_per_program=1):
   # state_out_ref aliases state_ref (one HBM buffer on the GPU; a copy of
   # the input in interpret mode): read one, write the other.
-  t = common.Tile(heads_per_key=heads_per_key, block_v=block_v)
-  b, h, vs = t.b, t.h, t.vs
-  s = plgpu.load(state_ref.at[b, h, :, vs], eviction_policy="evict_first")
-  qn, kn = common.token_qk(q_ref, k_ref, b, t.hk, use_l2norm=use_l2norm,
-                           scale=scale)
-  s = s.astype(F32) * jnp.exp(g_ref[b, h].astype(F32))  # [K, block_v]
-  d = beta_ref[b, h].astype(F32) * (v_ref[b, h, vs].astype(F32)
-                                    - common.readout(s, kn))
-  s = s + kn[:, None] * d[None, :]
-  o = common.readout(s, qn)
-  plgpu.store(state_out_ref.at[b, h, :, vs], s.astype(state_out_ref.dtype))
-  o_ref[b, h, vs] = o.astype(o_ref.dtype)
+  tile = common.Tile(heads_per_key=heads_per_key, block_v=block_v)
+
+  def head(t):
+    b, h, vs = t.b, t.h, t.vs
+    s = plgpu.load(state_ref.at[b, h, :, vs], eviction_policy="evict_first")
+    qn, kn = common.token_qk(q_ref, k_ref, b, t.hk, use_l2norm=use_l2norm,
+                             scale=scale)
+    s = s.astype(F32) * jnp.exp(g_ref[b, h].astype(F32))  # [K, block_v]
+    d = beta_ref[b, h].astype(F32) * (v_ref[b, h, vs].astype(F32)
+                                      - common.readout(s, kn))
+    s = s + kn[:, None] * d[None, :]
+    o = common.readout(s, qn)
+    plgpu.store(state_out_ref.at[b, h, :, vs],
+                s.astype(state_out_ref.dtype))
+    o_ref[b, h, vs] = o.astype(o_ref.dtype)
+
+  if heads_per_program == 1:
+    head(tile)
+  else:  # the grid's second axis: blocks of value heads, stepped through
+    lax.fori_loop(0, heads_per_program, lambda i, c: head(tile.at_head(
+        tile.h * heads_per_program + i)) or c, 0)
 
 
 @functools.partial(jax.jit, static_argnames=("use_qk_l2norm", "scale",
@@ -52,12 +63,17 @@ def gdn_step(state, q, k, v, g, beta, use_qk_l2norm=True, scale=None, *,
   batch, hv, K, Vd = state.shape
   hk = q.shape[1]
   p = plan(config, K, Vd, rows=batch * hv, state_dtype=state.dtype)
+  if hv % p.heads_per_program:
+    raise NotImplementedError(
+        f"GDNConfig.heads_per_program ({p.heads_per_program}) must divide "
+        f"the value heads ({hv}).")
   kernel = functools.partial(
       _step_kernel, heads_per_key=hv // hk, block_v=p.block_v,
-      use_l2norm=use_qk_l2norm, scale=scale)
+      use_l2norm=use_qk_l2norm, scale=scale,
+      heads_per_program=p.heads_per_program)
   o, new_state = pl.pallas_call(
       kernel,
-      grid=(Vd // p.block_v, hv, batch),
+      grid=(Vd // p.block_v, hv // p.heads_per_program, batch),
       out_shape=(jax.ShapeDtypeStruct((batch, hv, Vd), v.dtype),
                  jax.ShapeDtypeStruct(state.shape, state.dtype)),
       input_output_aliases={0: 1},
