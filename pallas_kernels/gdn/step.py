@@ -6,7 +6,8 @@ its columns, add k d^T, write the tile back in place (the state is aliased
 input -> output: donated, the step updates it without a copy) and write
 o = S^T q. q and k (key head h // (HV // HK)) are L2-normalised in f32
 inside the kernel. With `GDNConfig.heads_per_program` each program steps
-through that many value heads in a loop. Matches `replayssm_jax.gdn.reference.gdn_step`.
+through that many value heads in a loop. Matches
+`replayssm_jax.gdn.reference.gdn_step`.
 """
 
 from __future__ import annotations
