@@ -36,6 +36,17 @@ class Tile:
     return t
 
 
+def each_head(tile: Tile, heads_per_program: int, fn):
+  """fn(t) for each value head of the program: `tile` itself, or with
+  heads_per_program > 1 (the grid's head axis in blocks of that many) the
+  block's heads in a loop (`GDNConfig.heads_per_program`)."""
+  if heads_per_program == 1:
+    fn(tile)
+  else:
+    lax.fori_loop(0, heads_per_program, lambda i, c: fn(tile.at_head(
+        tile.h * heads_per_program + i)) or c, 0)
+
+
 def normalise(x, use_l2norm: bool, scale=1.0):
   """`gdn.reference.prepare_qk` of one [key_dim] vector (f32)."""
   x = x.astype(F32)

@@ -176,7 +176,7 @@ def pow2_problem(**sizes) -> str | None:
 def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
          whole_rows: bool = False, rows: int | None = None,
          kernel: str = "step", state_dtype=None,
-         read_copy: bool = False) -> GDNPlan:
+         read_copy: bool = False, num_v_heads: int | None = None) -> GDNPlan:
   """The plan of config for a [.., key_dim, value_dim] state; whole_rows:
   the call needs block_v = value_dim where it flushes (refused by name
   otherwise; under split_routes config.block_v is the output launch's);
@@ -185,7 +185,8 @@ def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
   "replay" (the replay step: every field), "step" (the baseline step) or
   "verify" (these two refuse ring_weights=True by name); state_dtype: the
   baseline step's state dtype (its default stages); read_copy: the replay
-  state has a read copy (its default split_routes)."""
+  state has a read copy (its default split_routes); num_v_heads: the value
+  heads, which heads_per_program must divide."""
   if kernel not in ("step", "replay", "verify"):
     raise ValueError(f"kernel must be 'step', 'replay' or 'verify', got "
                      f"{kernel!r}.")
@@ -205,6 +206,10 @@ def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
         f"GDNConfig.heads_per_program={hpp} applies to the baseline step "
         f"and to the output launch of split routes only; set "
         f"split_routes=True (replay step) or leave it None.")
+  if num_v_heads is not None and num_v_heads % hpp:
+    raise NotImplementedError(
+        f"GDNConfig.heads_per_program ({hpp}) must divide the value heads "
+        f"({num_v_heads}).")
   out_bv = 0
   if split and whole_rows:  # block_v: the output launch's (value tiles)
     out_bv = (default_block_v(key_dim, value_dim, rows, tile_kernel)

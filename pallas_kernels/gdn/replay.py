@@ -209,13 +209,7 @@ def _replay_kernel(*refs, heads_per_key, block_v, use_l2norm, scale,
 
   row = _Row(cnt_ref, g_ref, b, 0, L)  # the row's counter and routes
 
-  def heads():
-    if heads_per_program == 1:
-      routes(tile)
-    else:
-      lax.fori_loop(0, heads_per_program, lambda i, c: routes(tile.at_head(
-          tile.h * heads_per_program + i)) or c, 0)
-
+  heads = lambda: common.each_head(tile, heads_per_program, routes)
   if route == "both":
     heads()
   else:  # a split launch's programs of the other route's rows exit at once
@@ -256,7 +250,8 @@ def gdn_replay_step(rstate, q, k, v, g, beta, use_qk_l2norm=True,
   batch, hv, K, Vd = rstate.checkpoint.shape
   hk = rstate.k_buf.shape[2]
   p = plan(config, K, Vd, whole_rows=spec is not None, rows=batch * hv,
-           kernel="replay", read_copy=spec is not None and spec.copy)
+           kernel="replay", read_copy=spec is not None and spec.copy,
+           num_v_heads=hv)
   sds = jax.ShapeDtypeStruct
   out_shape = (sds(v.shape, v.dtype),
                sds(rstate.d_buf.shape, rstate.d_buf.dtype),
@@ -271,11 +266,6 @@ def gdn_replay_step(rstate, q, k, v, g, beta, use_qk_l2norm=True,
     weights = gdn_ring_weights(rstate.k_buf, rstate.g_buf, rstate.count, q,
                                k, g, use_qk_l2norm=use_qk_l2norm,
                                scale=scale, interpret=interpret)
-
-  if hv % p.heads_per_program:
-    raise NotImplementedError(
-        f"GDNConfig.heads_per_program ({p.heads_per_program}) must divide "
-        f"the value heads ({hv}).")
 
   def launch(route, state_ins, copy_ins, more_ins=(), more_aliases=None):
     bv = p.output_block_v if route == "output" and p.output_block_v else (

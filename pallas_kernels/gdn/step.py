@@ -16,7 +16,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -47,11 +46,7 @@ def _step_kernel(state_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref,
                 s.astype(state_out_ref.dtype))
     o_ref[b, h, vs] = o.astype(o_ref.dtype)
 
-  if heads_per_program == 1:
-    head(tile)
-  else:  # the grid's second axis: blocks of value heads, stepped through
-    lax.fori_loop(0, heads_per_program, lambda i, c: head(tile.at_head(
-        tile.h * heads_per_program + i)) or c, 0)
+  common.each_head(tile, heads_per_program, head)
 
 
 @functools.partial(jax.jit, static_argnames=("use_qk_l2norm", "scale",
@@ -63,11 +58,8 @@ def gdn_step(state, q, k, v, g, beta, use_qk_l2norm=True, scale=None, *,
   to skip XLA's copy)."""
   batch, hv, K, Vd = state.shape
   hk = q.shape[1]
-  p = plan(config, K, Vd, rows=batch * hv, state_dtype=state.dtype)
-  if hv % p.heads_per_program:
-    raise NotImplementedError(
-        f"GDNConfig.heads_per_program ({p.heads_per_program}) must divide "
-        f"the value heads ({hv}).")
+  p = plan(config, K, Vd, rows=batch * hv, state_dtype=state.dtype,
+           num_v_heads=hv)
   kernel = functools.partial(
       _step_kernel, heads_per_key=hv // hk, block_v=p.block_v,
       use_l2norm=use_qk_l2norm, scale=scale,
