@@ -252,7 +252,7 @@ def test_bad_arguments_are_named(model):
     serving.step_n(model, pool, 3)  # 6 + 3 > max_len 8
   with pytest.raises(ValueError, match="slot"):
     serving.evict_many(pool, [0, CAP])
-  with pytest.raises(ValueError, match="slots must be Python ints"):
+  with pytest.raises(ValueError, match="slots\\[0\\] must be a Python int"):
     serving.evict_many(pool, [jnp.int32(0)])
 
 

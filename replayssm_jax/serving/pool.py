@@ -140,17 +140,24 @@ def check_pool(pool):
                     f"{type(pool).__name__}.")
 
 
+def host_slot(slot, capacity: int, name: str = "slot") -> int:
+  """A Python / NumPy int slot in [0, capacity) as an int, checked on the
+  host alone (no device array is made or read); errors name `name`."""
+  if (isinstance(slot, (bool, np.bool_))
+      or not isinstance(slot, (int, np.integer))):
+    raise ValueError(f"{name} must be a Python int in [0, {capacity}), "
+                     f"got {slot!r}.")
+  if not 0 <= slot < capacity:
+    raise ValueError(f"{name} must lie in [0, capacity) = [0, {capacity}), "
+                     f"got {slot}.")
+  return int(slot)
+
+
 def check_slot(slot, capacity: int):
-  """A Python / NumPy int slot in [0, capacity) as an int; a jax integer
-  scalar (possibly traced) as int32."""
-  if isinstance(slot, (bool, np.bool_)):
-    raise ValueError(f"slot must be an int in [0, {capacity}), got "
-                     f"{slot!r}.")
-  if isinstance(slot, (int, np.integer)):
-    if not 0 <= slot < capacity:
-      raise ValueError(f"slot must lie in [0, capacity) = [0, {capacity}), "
-                       f"got {slot}.")
-    return jnp.int32(slot)
+  """A Python / NumPy int slot in [0, capacity) as an int32 scalar; a jax
+  integer scalar (possibly traced) as int32."""
+  if isinstance(slot, (bool, np.bool_, int, np.integer)):
+    return jnp.int32(host_slot(slot, capacity))
   V.check_integer("slot", slot)
   if jnp.ndim(slot) != 0:
     raise ValueError(f"slot must be a scalar, got shape "
@@ -353,7 +360,8 @@ def _insert_many_jit(graphdef, params, pool, idx, tokens, lengths, row_ids,
 
 def insert_many(model: M.HybridLM, pool: Pool, slots, prompts, *,
                 temperatures=None, keys=None, top_k: int | None = None,
-                top_p: float | None = None, parts=None):
+                top_p: float | None = None, parts=None,
+                padded: bool = False):
   """Prefills k prompts into k distinct slots in one call (one batched
   prefill): `insert` for each (slot, prompt) pair, with the same effect
   on the pool up to the batch's effect on matmul rounding.
@@ -367,16 +375,21 @@ def insert_many(model: M.HybridLM, pool: Pool, slots, prompts, *,
     slots: k distinct ints in [0, capacity).
     prompts: k [T_i] int token arrays (on the host), 1 <= T_i <= max_len.
     temperatures: [k] floats (0: greedy; default all greedy).
-    keys: [k] PRNG keys of the rows that sample (any for greedy rows);
-      required when a temperature is > 0.
+    keys: [k] PRNG keys (a sequence, or one [k, ...] or padded [kp, ...]
+      array) of the rows that sample (any for greedy rows); required when
+      a temperature is > 0.
     top_k, top_p: the sampling filters of every sampling row.
     parts: `nnx.split(model)`, kept by the caller (`model_parts`).
+    padded: return the first tokens of the padded batch ([kp], kp the
+      power of two >= k; the padding rows' are unspecified), which saves
+      an op that slices them.
 
   Returns:
-    (pool, first tokens [k] int32 on the device).
+    (pool, first tokens [k] (padded: [kp]) int32 on the device).
   """
   check_pool(pool)
-  slots = [int(check_slot(s, pool.capacity)) for s in slots]
+  slots = [host_slot(s, pool.capacity, f"slots[{i}]")
+           for i, s in enumerate(slots)]
   k = len(slots)
   if k == 0 or len(set(slots)) != k:
     raise ValueError(f"slots must be one or more distinct slots, got "
@@ -406,17 +419,31 @@ def insert_many(model: M.HybridLM, pool: Pool, slots, prompts, *,
   # Padding rows scatter to index `capacity`: dropped.
   idx = np.full(kp, pool.capacity, np.int32)
   idx[:k] = slots
-  row_ids = idx.copy()
-  zero_key = jnp.zeros(jax.random.PRNGKey(0).shape, jnp.uint32)
-  key_rows = jnp.stack((list(keys) if keys is not None else [zero_key] * k)
-                       + [zero_key] * (kp - k))  # shapes: one per kp
+  key_rows = _key_rows(keys, k, kp)
   graphdef, params = model_parts(model, parts)
-  pool, tok = _insert_many_jit(
-      graphdef, params, pool, jnp.asarray(idx), jnp.asarray(tokens),
-      jnp.asarray(lengths), jnp.asarray(row_ids),
-      (jnp.asarray(np.pad(temps, (0, kp - k))), key_rows), sampled, top_k,
-      top_p)
-  return pool, tok[:k]
+  idx, tokens, lengths, temps = jax.device_put(  # one host -> device call
+      (idx, tokens, lengths, np.pad(temps, (0, kp - k))))
+  pool, tok = _insert_many_jit(graphdef, params, pool, idx, tokens, lengths,
+                               idx, (temps, key_rows), sampled, top_k, top_p)
+  return pool, (tok if padded else tok[:k])
+
+
+def _key_rows(keys, k: int, kp: int):
+  """keys (k keys, or a [k, ...] array of them; None: zeros) as a
+  [kp, ...] uint32 array, zero keys in the padding rows (an array of kp
+  keys, already padded, is taken as it is)."""
+  shape = jax.random.PRNGKey(0).shape
+  if keys is None:
+    return jnp.zeros((kp,) + shape, jnp.uint32)
+  if not isinstance(keys, (jax.Array, np.ndarray)):
+    keys = jnp.stack(list(keys))
+  if tuple(keys.shape) not in ((k,) + shape, (kp,) + shape):
+    raise ValueError(f"keys must hold {k} PRNG keys of shape {shape}, got "
+                     f"shape {tuple(keys.shape)}.")
+  if keys.shape[0] == kp:
+    return jnp.asarray(keys, jnp.uint32)
+  return jnp.concatenate([jnp.asarray(keys, jnp.uint32),
+                          jnp.zeros((kp - k,) + shape, jnp.uint32)])
 
 
 def evict(pool: Pool, slot) -> Pool:
@@ -439,11 +466,8 @@ def evict_many(pool: Pool, slots) -> Pool:
   any number of them."""
   check_pool(pool)
   free = np.zeros(pool.capacity, bool)
-  for s in slots:
-    if not isinstance(s, (int, np.integer)) or isinstance(s, bool):
-      raise ValueError(f"slots must be Python ints, got {s!r}.")
-    check_slot(s, pool.capacity)
-    free[s] = True
+  for i, s in enumerate(slots):
+    free[host_slot(s, pool.capacity, f"slots[{i}]")] = True
   return pool.replace(active=_clear_active(pool.active, jnp.asarray(free)))
 
 
