@@ -53,6 +53,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Dispatches decode only the running slots' rows when they fit in this
   # fraction of the slots (0: always the whole pool).
   s.compact_below = 0.5
+  # Launch each dispatch before reading the previous one's tokens (False:
+  # launch, then wait).
+  s.overlap = True
   s.num_requests = 12 if smoke else 512
   # Poisson arrivals (requests per second); 0: all arrive at once.
   s.arrival_rate = 0.0 if smoke else 48.0

@@ -135,6 +135,7 @@ def _engine(model, config, mode: str, cached: bool,
                         steps_per_dispatch=s.steps_per_dispatch,
                         prefill_batch=s.prefill_batch,
                         compact_below=s.compact_below,
+                        overlap=s.overlap,
                         implementation=s.implementation or None,
                         prefix_cache=(serving.PrefixCache(
                             s.prefix_block, max_entries=64)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from replayssm_jax.serving import engine as engine_mod
+from replayssm_jax.serving import controls
 
 from replayssm_jax import serving, testing
 from replayssm_jax.serving import pool as pool_mod
@@ -185,7 +185,8 @@ def test_precompile_leaves_nothing_to_compile(model):
                        buffer_len=L, prefill_batch=2)
   eng.precompile(max(len(p) for _, p, _, _ in reqs))
   assert not eng.busy and eng.stats.dispatches == 0
-  jitted = (engine_mod._dispatch, pool_mod._insert_many_jit,  # pylint: disable=protected-access
+  jitted = (controls.decode, controls.admit, controls.request_keys,
+            pool_mod._insert_many_jit,  # pylint: disable=protected-access
             pool_mod.gather_rows, pool_mod.scatter_rows)
   sizes = [f._cache_size() for f in jitted]  # pylint: disable=protected-access
   for i, (rid, p, n, temp) in enumerate(reqs):  # arrivals one by one

@@ -192,8 +192,9 @@ def test_sampled_requests_reproducible_in_any_slot(model, refs, kind):
 
   def on_tokens(rid, toks):
     del toks
-    slot_of.setdefault(rid, [r is not None and r.id == rid
-                             for r in eng.slots].index(True))
+    if rid not in slot_of:  # its first token: its slot holds it
+      slot_of[rid] = [r is not None and r.id == rid
+                      for r in eng.slots].index(True)
 
   got = eng.run(on_tokens)
   # s2 finished first (two rounds give its 2 tokens); s took its slot.

@@ -11,7 +11,8 @@ its statistics, wall ms per dispatch and per admission.
   PYTHONPATH=. python benchmarks/scripts/engine_host_bench.py --repeats 3
 
 Compare two commits by pointing PYTHONPATH at each tree in turn (the
-script uses only `serving.Engine`, `Request` and `EngineStats`).
+script uses only `serving.Engine`, `Request` and `EngineStats`), or the
+engine with and without overlap (`--overlap 0` / `--overlap 1`).
 """
 
 import argparse
@@ -32,6 +33,9 @@ def main():
   ap.add_argument("--capacity", type=int, default=64)
   ap.add_argument("--requests", type=int, default=128)
   ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--overlap", type=int, choices=(0, 1), default=None,
+                  help="Engine(overlap=...); unset: the engine's default "
+                  "(a tree whose engine has no such argument)")
   a = ap.parse_args()
   cfg = models.ModelConfig(**dict(
       hybrid_1b.MODEL, d_model=128, ssm_heads=4, head_dim=32, d_state=16,
@@ -41,8 +45,9 @@ def main():
   model = build_model(cfg, 0)
   walls, stats = [], None
   for rep in range(a.repeats + 1):  # the first run warms up
+    kw = {} if a.overlap is None else dict(overlap=bool(a.overlap))
     eng = serving.Engine(model, a.capacity, 128, steps_per_dispatch=8,
-                         prefill_batch=8, buffer_len=16)
+                         prefill_batch=8, buffer_len=16, **kw)
     eng.precompile(31)
     rng = np.random.default_rng(rep)
     for i in range(a.requests):
@@ -56,7 +61,8 @@ def main():
       stats = dataclasses.asdict(eng.stats)
   wall = statistics.median(walls)
   print(json.dumps(dict(
-      capacity=a.capacity, requests=a.requests, wall_s=wall, walls_s=walls,
+      capacity=a.capacity, requests=a.requests, overlap=a.overlap,
+      wall_s=wall, walls_s=walls,
       ms_per_dispatch=1e3 * wall / stats["dispatches"],
       admit_ms_per_request=1e3 * stats["admit_s"] / stats["admissions"],
       stats=stats)))

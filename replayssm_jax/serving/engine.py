@@ -8,24 +8,44 @@
 
 Each `dispatch` (one iteration of `run`): admit queued requests into free
 slots (`pool.insert_many`: prompts of one length bucket prefilled together
-and written into their slots, first tokens sampled), then run
+and written into their slots, first tokens sampled), launch
 `steps_per_dispatch` decode steps in one jitted `lax.fori_loop` over the
 whole pool, or over the running slots' rows gathered into a smaller batch
-when few slots run (`compact_below`), then read the tokens back once and
-stream them to `on_tokens`, and evict the requests that finished.
+when few slots run (`compact_below`), then read tokens back once, stream
+them to `on_tokens`, and evict the requests that finished.
 
 Where the host waits. One dispatch is one compiled call and one device ->
 host copy of its [capacity, n] tokens: the host is synchronised once per n
 steps, not per step. The stopping rules run on the device inside the loop:
-each slot keeps a budget of tokens still to generate and its eos id; a
-slot that emits its eos or exhausts its budget goes inactive at once: it
-emits nothing more, and its row is decoded on as a free slot's is
-(`pool.step`: contents unspecified, never read, overwritten by the next
-`insert`). A
-request that finishes early in a dispatch leaves its slot idle for the
-rest of it; a smaller `steps_per_dispatch` admits sooner, a larger one
-pays fewer host round trips (the trade-off `stats` measures: host time
-per step against the device's).
+each slot keeps a budget of tokens still to generate and its eos id
+(`serving.controls`); a slot that emits its eos or exhausts its budget
+goes inactive at once: it emits nothing more, and its row is decoded on as
+a free slot's is (`pool.step`: contents unspecified, never read,
+overwritten by the next `insert`). A request that finishes early in a
+dispatch leaves its slot idle for the rest of it; a smaller
+`steps_per_dispatch` admits sooner, a larger one pays fewer host round
+trips (the trade-off `stats` measures: host time per step against the
+device's).
+
+Overlap (`overlap=True`, the default). A dispatch launches its decode call
+and then reads the previous dispatch's tokens, so the device has the next
+call queued while the host streams, evicts, admits and launches: the host's
+work per dispatch hides behind the device's instead of adding to it. What
+makes that safe: the budgets, eos ids, temperatures and keys live on the
+device and are carried from call to call (`controls.SlotControls`); an
+admission writes its slots' controls with one compiled op whose budget
+takes the prefill's first token into account on the device, and that
+token is read with the next batch of tokens instead of at admission; and
+each launched call remembers which request each of its rows held, so a
+row's tokens go to that request only while it still runs in that slot.
+The cost: the host learns that a request stopped one dispatch late. A
+request that runs out of budget costs nothing, since the host knows its
+budget: a slot whose request the dispatch in flight surely finishes is
+admitted into at once (the device runs that dispatch first) and left out
+of the next launch. A slot whose request stops at its eos idles one more
+dispatch before it is admitted into again.
+The tokens are the same as with `overlap=False` (launch, then wait): a
+request's key stream and rows do not depend on when it was admitted.
 
 Sampling per request. Each slot carries its own temperature (0: greedy)
 and its own PRNG key stream (from `Request.seed`, split once per step),
@@ -74,6 +94,7 @@ from replayssm_jax import _validation as V
 from replayssm_jax import sharding as SH
 from replayssm_jax.models import model as M
 from replayssm_jax.models.generate import check_sampling
+from replayssm_jax.serving import controls as C
 from replayssm_jax.serving import pool as P
 from replayssm_jax.serving import spec as SP
 from replayssm_jax.serving.prefix_cache import PrefixCache, insert_cached
@@ -108,8 +129,9 @@ class EngineStats:
   speculative rounds with `speculative`), tokens streamed, requests
   finished, and the wall time split into the host's own work (admission,
   launching, streaming) and its waits for the device's tokens (the
-  dispatches' and the prefills' first tokens; `admit_s`: the admissions'
-  wall time, their waits included). With
+  dispatches' and the prefills' first tokens, read together; `admit_s`:
+  the admissions' host time, launching their prefills, which the device
+  runs before the next decode call). With
   `speculative`: slot-rounds verified (`verify_rounds`), drafts proposed
   and drafts accepted (before the cut at a budget or an eos). compacted:
   the dispatches that decoded only the running slots' rows
@@ -149,41 +171,6 @@ class EngineStats:
     return self.wall_s / max(self.steps, 1) * 1e6
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 6, 7),
-                   donate_argnums=(2,))
-def _dispatch(graphdef, params, pool, n, sampled, top_k, top_p,
-              implementation, left, eos, temps, keys):
-  """n decode steps of every slot with on-device stopping.
-
-  left [cap] int32: tokens each slot may still emit (0: stop); eos [cap]
-  int32 (-1: none); temps [cap] f32 (0: greedy); keys [cap, ...] raw uint32 keys;
-  sampled (static): some slot samples (else the loop is argmax only, with
-  no conditional: an XLA GPU conditional reads its predicate on the host).
-  Returns (pool, tokens [cap, n] (-1 where a slot emitted nothing), left,
-  keys).
-  """
-  model = nnx.merge(graphdef, params)
-  cap = pool.capacity
-
-  def body(i, carry):
-    pool, out, left, keys = carry
-    active = pool.active & (left > 0)
-    split = jax.vmap(jax.random.split)(keys)  # [cap, 2, key]
-    keys, sub = split[:, 0], split[:, 1]
-
-    def sample(logits):
-      return P.sample_rows(logits, sub, temps, sampled, top_k, top_p)
-
-    pool, emitted, _ = P.step_rows(model, pool, active, sample,
-                                   implementation)
-    stop = (emitted < 0) | ((eos >= 0) & (emitted == eos))
-    left = jnp.where(active, jnp.where(stop, 0, left - 1), left)
-    return pool, out.at[:, i].set(emitted), left, keys
-
-  out = jnp.full((cap, n), -1, jnp.int32)
-  return jax.lax.fori_loop(0, n, body, (pool, out, left, keys))
-
-
 class Engine:
   """Continuous batching over a `Pool` (see the module docstring).
 
@@ -216,6 +203,10 @@ class Engine:
       or None: the pool placed on it (`sharding.shard_pool`) and every
       dispatch run under `jax.set_mesh(mesh)`, so the ops run per shard;
       pass a model placed by `sharding.shard_model` on the same mesh.
+    overlap: launch each dispatch before reading the previous one's
+      tokens, so that the host's streaming, admissions and launches run
+      while the device decodes (False: launch, then wait for its tokens;
+      the same tokens either way, see the module docstring).
     ssm_mode, buffer_len, **state_kwargs: the pool's decode state
       (`serving.init_pool`; with `speculative`, its KV caches hold max_len
       + window - 1 entries, rounded up to `models.kv_cache_len`).
@@ -227,8 +218,8 @@ class Engine:
                prefix_cache: PrefixCache | None = None,
                prefill_batch: int = 8, compact_below: float = 0.5,
                speculative: Speculation | None = None, mesh=None,
-               ssm_mode: str = "replay", buffer_len: int = 16,
-               **state_kwargs):
+               overlap: bool = True, ssm_mode: str = "replay",
+               buffer_len: int = 16, **state_kwargs):
     self.model = model
     # Split once: every dispatch and admission reuses the parts.
     self._parts = nnx.split(model)
@@ -254,6 +245,7 @@ class Engine:
                       f"proposer and a window) or None, got "
                       f"{type(speculative).__name__}.")
     self.speculative = speculative
+    self.overlap = bool(overlap)
     self._ssm = dict(ssm_mode=ssm_mode, buffer_len=buffer_len)
     kv_len = (max_len if speculative is None
               else SP.kv_len(self.max_len, speculative.window))
@@ -272,12 +264,15 @@ class Engine:
     self.slots: list[Request | None] = [None] * cap
     self.results: dict = {}
     self.stats = EngineStats()
-    self._left = np.zeros(cap, np.int32)
+    # Tokens each running request may still stream, by id (the host's
+    # mirror of the device's budgets in self._ctl).
+    self._budget = {}
+    self._ctl = C.init_controls(cap)
+    if mesh is not None:
+      self._ctl = jax.tree.map(lambda x: SH.shard_batch(x, mesh), self._ctl)
     self._finished = []  # slots freed on the host, not yet on the device
-    self._eos = np.full(cap, -1, np.int32)
-    self._temps = np.zeros(cap, np.float32)
-    # Raw PRNG keys per slot (the default impl's shape), kept on the device.
-    self._keys = jnp.zeros((cap,) + jax.random.PRNGKey(0).shape, jnp.uint32)
+    self._firsts = []  # admissions' first tokens, not yet read
+    self._inflight = None  # the launched dispatch not yet read (overlap)
 
   # ------------------------------------------------------------ requests
   def submit(self, request: Request):
@@ -305,103 +300,129 @@ class Engine:
 
   @property
   def busy(self) -> bool:
-    return bool(self.queue) or any(r is not None for r in self.slots)
+    """Requests queued or running, or tokens not yet read."""
+    return (bool(self.queue) or any(r is not None for r in self.slots)
+            or self._inflight is not None or bool(self._firsts))
 
-  def _admit(self, on_tokens):
+  def _admit(self):
+    """Admits queued requests into free slots: prefills launched, their
+    controls written on the device (`controls.admit`); the first tokens
+    are read with the next dispatch's tokens (`_collect`)."""
     t0 = time.perf_counter()
-    admitted = []  # (slot, request, its key stream, its first token's key)
-    for slot in range(self.pool.capacity):
+    admitted = []  # (slot, request)
+    for slot in self._free_slots():
       if not self.queue:
         break
-      if self.slots[slot] is None:
-        req = self.queue.popleft()
-        key, first_key = jax.random.split(jax.random.PRNGKey(req.seed))
-        admitted.append((slot, req, key, first_key))
+      admitted.append((slot, self.queue.popleft()))
     if not admitted:
       return
-    # The first tokens (the prefills'): one sync per admission round.
-    firsts = self._prefill(admitted)
-    if self.speculative is not None:
-      for (slot, req, _, _), tok in zip(admitted, firsts):
-        self._spec_slots = SP.insert_slot(self.speculative, self._spec_slots,
-                                          self.pool, slot, req.prompt, tok,
-                                          **self._ssm)
-    for (slot, req, key, _), tok in zip(admitted, firsts):
-      self.stats.admissions += 1
-      self.results[req.id] = []
-      self.slots[slot] = req
-      self._eos[slot] = -1 if req.eos_id is None else req.eos_id
-      self._temps[slot] = req.temperature
-      # A traced index: one compiled update serves every slot.
-      self._keys = self._keys.at[jnp.int32(slot)].set(key)
-      self._left[slot] = req.max_new_tokens
-      self._emit(slot, [tok], on_tokens)
-    self._evict_finished()
-    self.stats.admit_s += time.perf_counter() - t0
-
-  def _prefill(self, admitted) -> list[int]:
-    """Prefills the admitted requests into their slots -> each one's first
-    token (in `admitted` order), read back in one device -> host copy."""
-    parts, order = [], []  # device token arrays, and whose tokens they are
     if self.prefix_cache is not None:  # a cache lookup per prompt
-      for i, (slot, req, _, first_key) in enumerate(admitted):
-        self.pool, tok = insert_cached(
-            self.model, self.pool, self.prefix_cache, slot,
-            jnp.asarray(req.prompt, jnp.int32),
-            implementation=self.implementation,
-            temperature=req.temperature, top_k=self.top_k, top_p=self.top_p,
-            rng=first_key if req.temperature > 0 else None, parts=self._parts)
-        parts.append(jnp.reshape(tok, (1,)))
-        order.append(i)
+      groups = [[i] for i in range(len(admitted))]
     else:
       # Batched prefills: prompts of one length bucket together, at most
       # prefill_batch per call.
-      groups = collections.defaultdict(list)
-      for i, (_, req, _, _) in enumerate(admitted):
-        groups[P.bucket_len(len(req.prompt), self.pool.max_len)].append(i)
-      for members in groups.values():
-        for c in range(0, len(members), self.prefill_batch):
-          chunk = members[c:c + self.prefill_batch]
-          rows = [admitted[i] for i in chunk]
-          self.pool, toks = P.insert_many(
-              self.model, self.pool, [a[0] for a in rows],
-              [a[1].prompt for a in rows],
-              temperatures=[a[1].temperature for a in rows],
-              keys=[a[3] for a in rows], top_k=self.top_k, top_p=self.top_p,
-              parts=self._parts)
-          parts.append(toks)
-          order += chunk
-    t_wait = time.perf_counter()
-    # (device_get of the parts: a concatenate would compile per count)
-    toks = np.concatenate(jax.device_get(parts)).tolist()
-    self.stats.wait_s += time.perf_counter() - t_wait
-    firsts = [0] * len(admitted)
-    for i, t in zip(order, toks):
-      firsts[i] = t
+      buckets = collections.defaultdict(list)
+      for i, (_, req) in enumerate(admitted):
+        buckets[P.bucket_len(len(req.prompt), self.pool.max_len)].append(i)
+      groups = [m[c:c + self.prefill_batch] for m in buckets.values()
+                for c in range(0, len(m), self.prefill_batch)]
+    for group in groups:
+      rows = [admitted[i] for i in group]
+      firsts = self._admit_rows([s for s, _ in rows], [r for _, r in rows])
+      self._firsts.append((firsts, rows))
+    for slot, req in admitted:
+      self.stats.admissions += 1
+      self.results[req.id] = []
+      self.slots[slot] = req
+      self._budget[req.id] = req.max_new_tokens
+    self.stats.admit_s += time.perf_counter() - t0
+
+  def _admit_rows(self, slots, reqs, via_cache: bool = True):
+    """Prefills k requests into `slots` (one batched prefill, or with a
+    prefix cache and `via_cache` one prompt through it) and writes their
+    controls -> their first tokens on the device ([kp], kp the power of
+    two >= k)."""
+    k = len(slots)
+    kp = 1 << (k - 1).bit_length()
+    pad = lambda vals, fill, dtype: np.array(
+        list(vals) + [fill] * (kp - k), dtype)
+    idx, budgets, eos_ids, temps, seeds = jax.device_put((
+        pad(slots, self.pool.capacity, np.int32),
+        pad([r.max_new_tokens for r in reqs], 0, np.int32),
+        pad([-1 if r.eos_id is None else r.eos_id for r in reqs], -1,
+            np.int32),
+        pad([r.temperature for r in reqs], 0.0, np.float32),
+        C.seed_words([r.seed for r in reqs] + [0] * (kp - k))))
+    stream, first_keys = C.request_keys(seeds)
+    if self.prefix_cache is not None and via_cache:
+      (slot,), (req,) = slots, reqs
+      self.pool, tok = insert_cached(
+          self.model, self.pool, self.prefix_cache, slot,
+          jnp.asarray(req.prompt, jnp.int32),
+          implementation=self.implementation, temperature=req.temperature,
+          top_k=self.top_k, top_p=self.top_p,
+          rng=first_keys[0] if req.temperature > 0 else None,
+          parts=self._parts)
+      firsts = jnp.reshape(tok, (1,))
+    else:
+      self.pool, firsts = P.insert_many(
+          self.model, self.pool, slots, [r.prompt for r in reqs],
+          temperatures=[r.temperature for r in reqs], keys=first_keys,
+          top_k=self.top_k, top_p=self.top_p,
+          parts=self._parts, padded=True)
+    self._ctl = C.admit(self._ctl, idx, stream, budgets, eos_ids, temps,
+                        firsts)
+    if self.speculative is not None:
+      for i, (slot, req) in enumerate(zip(slots, reqs)):
+        self._spec_slots = SP.insert_slot(self.speculative, self._spec_slots,
+                                          self.pool, slot, req.prompt,
+                                          firsts[i], **self._ssm)
     return firsts
 
-  def _emit(self, slot, toks, on_tokens):
-    """Streams a slot's new tokens and applies the stopping rules (the
-    device applied the same ones inside the dispatch)."""
-    req = self.slots[slot]
-    kept = []
+  def _finishing(self) -> set[int]:
+    """The slots whose request the dispatch in flight surely finishes: a
+    budget of at most n tokens (every step or round emits one at least).
+    An admission may fill them (the device runs that dispatch before the
+    prefill overwrites the row, and the dispatch's tokens still go to the
+    old request) and the next launch leaves them out."""
+    if self._inflight is None:
+      return set()
+    launched = set(map(id, self._inflight[2]))
+    return {s for s, r in enumerate(self.slots)
+            if r is not None and id(r) in launched
+            and self._budget[r.id] <= self.n}
+
+  def _free_slots(self) -> list[int]:
+    """The slots an admission may fill: the free ones, then those the
+    dispatch in flight frees (`_finishing`)."""
+    return ([s for s, r in enumerate(self.slots) if r is None]
+            + sorted(self._finishing()))
+
+  def _emit(self, slot, req, toks, on_tokens):
+    """Streams request `req`'s new tokens (from row `slot`) and applies
+    the stopping rules (the device applied the same ones inside the
+    dispatch); a finished request frees its slot unless an admission
+    already took it."""
+    left, kept = self._budget[req.id], []
     for t in toks:
-      if t < 0 or self._left[slot] <= 0:
+      if t < 0 or left <= 0:
         break
       kept.append(int(t))
-      self._left[slot] -= 1
-      if t == self._eos[slot]:
-        self._left[slot] = 0
+      left -= 1
+      if t == req.eos_id:
+        left = 0
+    self._budget[req.id] = left
     if kept:
       self.results[req.id].extend(kept)
       self.stats.tokens += len(kept)
       if on_tokens is not None:
         on_tokens(req.id, kept)
-    if self._left[slot] <= 0 or (toks and toks[0] < 0):
-      self._finished.append(slot)  # freed on the device by _evict_finished
-      self.slots[slot] = None
-      self._left[slot] = 0
+    if left <= 0 or (toks and toks[0] < 0):
+      del self._budget[req.id]
       self.stats.finished += 1
+      if self.slots[slot] is req:
+        self._finished.append(slot)  # freed on the device by _evict_finished
+        self.slots[slot] = None
 
   def _evict_finished(self):
     """Frees the slots that finished since the last call, in one op."""
@@ -421,16 +442,48 @@ class Engine:
 
   def _dispatch_once(self, on_tokens):
     t_start = time.perf_counter()
-    self._admit(on_tokens)
-    live = [i for i, r in enumerate(self.slots) if r is not None]
+    self._admit()
+    launched = self._launch()
+    if self.overlap:  # read the previous dispatch while this one runs
+      launched, self._inflight = self._inflight, launched
+    self._collect(launched, on_tokens)
+    self._evict_finished()
+    self.stats.wall_s += time.perf_counter() - t_start
+
+  def _launch(self):
+    """Launches one compiled call of n steps over the running slots ->
+    (its device output, the slot of each output row, the request each
+    row held at launch), or None when no slot runs."""
+    finishing = self._finishing()
+    live = [i for i, r in enumerate(self.slots)
+            if r is not None and i not in finishing]
     if not live:
-      self.stats.wall_s += time.perf_counter() - t_start
-      return
-    sampled = bool(np.any(self._temps[live] > 0))
+      return None
+    sampled = any(self.slots[s].temperature > 0 for s in live)
     out, slots = self._decode(self._rows(live), sampled)
+    self.stats.dispatches += 1
+    self.stats.compacted += len(slots) < self.pool.capacity
+    self.stats.steps += self.n
+    return out, slots, [self.slots[s] for s in slots]
+
+  def _collect(self, launched, on_tokens):
+    """Reads the admissions' first tokens and a launched dispatch's tokens
+    in one device -> host copy, streams them and applies the stopping
+    rules. A row's tokens go to the request its slot held at launch, and
+    only while that request runs."""
+    firsts, self._firsts = self._firsts, []
+    arrays = [f for f, _ in firsts] + ([launched[0]] if launched else [])
+    if not arrays:
+      return
     t_wait = time.perf_counter()
-    out = np.asarray(out)  # the dispatch's one device -> host copy
+    host = jax.device_get(arrays)
     self.stats.wait_s += time.perf_counter() - t_wait
+    for (_, rows), toks in zip(firsts, host):
+      for (slot, req), tok in zip(rows, toks.tolist()):
+        self._emit(slot, req, [tok], on_tokens)
+    if launched is None:
+      return
+    out, slots, reqs = host[-1], launched[1], launched[2]
     if self.speculative is not None:
       # The per-slot statistics columns after the tokens.
       out, counts = out[:, :-SP.STAT_COLUMNS], out[:, -SP.STAT_COLUMNS:]
@@ -438,14 +491,9 @@ class Engine:
       self.stats.verify_rounds += rounds
       self.stats.drafts += drafts
       self.stats.accepted_drafts += accepted
-    self.stats.dispatches += 1
-    self.stats.compacted += len(slots) < self.pool.capacity
-    self.stats.steps += self.n
-    for row, slot in enumerate(slots):
-      if self.slots[slot] is not None:
-        self._emit(slot, out[row].tolist(), on_tokens)
-    self._evict_finished()
-    self.stats.wall_s += time.perf_counter() - t_start
+    for row, (slot, req) in enumerate(zip(slots, reqs)):
+      if req is not None and req.id in self._budget:
+        self._emit(slot, req, out[row].tolist(), on_tokens)
 
   def _rows(self, live: list[int]):
     """The slots a dispatch decodes: None (the whole pool), or, when the
@@ -470,33 +518,29 @@ class Engine:
     each of its rows)."""
     graphdef, params = self._parts
     spec = self.speculative
-    carried = (self.pool, self._keys,
+    carried = (self.pool, self._ctl,
                self._spec_slots if spec is not None else None)
-    left, eos, temps = self._left, self._eos, self._temps
     if rows is not None:
       idx = jnp.asarray(rows)
       carried = P.gather_rows(carried, idx)
-      left, eos, temps = left[rows], eos[rows], temps[rows]
-    pool, keys, slots = carried
-    args = (jnp.asarray(left), jnp.asarray(eos), jnp.asarray(temps), keys)
+    pool, ctl, slots = carried
     if spec is None:
-      pool, out, _, keys = _dispatch(
-          graphdef, params, pool, self.n, sampled, self.top_k, self.top_p,
-          self.implementation, *args)
+      pool, out, ctl = C.decode(graphdef, params, pool, ctl, self.n, sampled,
+                                self.top_k, self.top_p, self.implementation)
     else:
-      pool, slots, out, keys, self._batch_key = SP.dispatch(
+      pool, slots, out, ctl, self._batch_key = SP.dispatch(
           graphdef, params, pool, slots, spec.proposer, self.n, spec.window,
-          sampled, self.top_k, self.top_p, self.implementation, *args,
+          sampled, self.top_k, self.top_p, self.implementation, ctl,
           self._batch_key)
     if rows is None:
-      self.pool, self._keys = pool, keys
+      self.pool, self._ctl = pool, ctl
     else:
-      self.pool, self._keys, slots = P.scatter_rows(
-          (self.pool, self._keys, self._spec_slots if spec is not None
-           else None), (pool, keys, slots), idx)
+      self.pool, self._ctl, slots = P.scatter_rows(
+          (self.pool, self._ctl, self._spec_slots if spec is not None
+           else None), (pool, ctl, slots), idx)
     if spec is not None:
       self._spec_slots = slots
-    return out, (range(self.pool.capacity) if rows is None
+    return out, (list(range(self.pool.capacity)) if rows is None
                  else rows.tolist())
 
   def precompile(self, max_prompt_len: int, sampled: bool = False):
@@ -507,7 +551,7 @@ class Engine:
     (`compact_below`), greedy or with `sampled` rows. An idle engine only
     (nothing queued or running); the slots stay free and the statistics
     zero. Prefix-cache admissions still compile per remainder bucket on
-    first use."""
+    first use (the cache is not touched here)."""
     if self.busy:
       raise ValueError("precompile needs an idle engine (no queued or "
                        "running requests).")
@@ -518,21 +562,16 @@ class Engine:
                        f"engine's max_len ({self.max_len}).")
     buckets = sorted({P.bucket_len(t, self.pool.max_len)
                       for t in range(1, max_prompt_len + 1)})
-    key = jax.random.PRNGKey(0)
+    temp = 1.0 if sampled else 0.0
     k = 1
     while k <= min(self.prefill_batch, cap):
       for b in buckets:
-        self.pool, _ = P.insert_many(
-            self.model, self.pool, list(range(k)),
-            [np.zeros(b, np.int32)] * k, keys=[key] * k,
-            temperatures=[1.0 if sampled else 0.0] * k, top_k=self.top_k,
-            top_p=self.top_p, parts=self._parts)
+        self._admit_rows(list(range(k)), [Request(
+            None, np.zeros(b, np.int32), 1, temperature=temp)] * k,
+                         via_cache=False)
       k *= 2
-    if self.speculative is not None:
-      for b in buckets:
-        self._spec_slots = SP.insert_slot(self.speculative, self._spec_slots,
-                                          self.pool, 0, np.zeros(b, np.int32),
-                                          0, **self._ssm)
+    self._firsts = []
+    self._ctl = self._ctl.replace(left=jnp.zeros_like(self._ctl.left))
     self.pool = self.pool.replace(active=jnp.zeros_like(self.pool.active))
     sizes = [cap] + [1 << j for j in range(cap.bit_length())
                      if self._min_rows() <= (1 << j) < cap

@@ -242,22 +242,22 @@ def _accept(logits, drafts, nd, q, keys, sampled, temps, top_k, top_p):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5, 6, 7, 8, 9, 10),
-                   donate_argnums=(2, 3))
+                   donate_argnums=(2, 3, 11))
 def dispatch(graphdef, params, pool, slots, proposer, n, window, sampled,
-             top_k, top_p, implementation, left, eos, temps, keys,
-             batch_key):
+             top_k, top_p, implementation, ctl, batch_key):
   """n speculative rounds of every slot with on-device stopping.
 
-  left [cap] int32: tokens each slot may still emit (0: stop); eos [cap]
-  int32 (-1: none); temps [cap] f32 (0: greedy); keys [cap, ...] raw
-  uint32 per-slot keys; batch_key: the key of whole-pool proposals;
-  sampled (static): some slot samples.
+  ctl: the slots' `controls.SlotControls` (budgets, eos ids, temperatures
+  (0: greedy), raw uint32 key streams); batch_key: the key of whole-pool
+  proposals; sampled (static): some slot samples.
   Returns (pool, slots, out [cap, n * window + STAT_COLUMNS] int32: each
   slot's emitted tokens packed from column 0 (-1 after them; a -1 first
   for a slot whose row became invalid), then its verify rounds, drafts
-  proposed and drafts accepted; keys, batch_key).
+  proposed and drafts accepted; ctl with the budgets and keys after the
+  rounds, batch_key).
   """
   model = nnx.merge(graphdef, params)
+  eos, temps = ctl.eos, ctl.temps
   cap, width = slots.history.shape
   t, t1 = window, window - 1
   ncols = n * t
@@ -326,8 +326,9 @@ def dispatch(graphdef, params, pool, slots, proposer, n, window, sampled,
 
   zeros = jnp.zeros((cap,), jnp.int32)
   carry = (pool, slots, jnp.full((cap, ncols), -1, jnp.int32), zeros,
-           jnp.zeros((cap, STAT_COLUMNS), jnp.int32), left, keys, batch_key)
-  pool, slots, out, _, stats, _, keys, batch_key = jax.lax.fori_loop(
+           jnp.zeros((cap, STAT_COLUMNS), jnp.int32), ctl.left, ctl.keys,
+           batch_key)
+  pool, slots, out, _, stats, left, keys, batch_key = jax.lax.fori_loop(
       0, n, body, carry)
-  return (pool, slots, jnp.concatenate([out, stats], axis=1), keys,
-          batch_key)
+  return (pool, slots, jnp.concatenate([out, stats], axis=1),
+          ctl.replace(left=left, keys=keys), batch_key)
