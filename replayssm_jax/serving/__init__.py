@@ -15,6 +15,9 @@
   Engine / Request   continuous batching: a request queue admitted into
                      free slots, several steps per dispatch with stopping
                      on the device, streamed tokens.
+  controls           the engine's per-slot budgets, eos ids, temperatures
+                     and key streams on the device (its overlap of host
+                     and device rests on them).
   Speculation        Engine(speculative=...): speculative decoding rounds
                      (a proposer's drafts, one verify of the pool, per-row
                      acceptance and commit) inside the engine's dispatch.

@@ -289,8 +289,11 @@ def insert_cached(model: M.HybridLM, pool: P.Pool, cache: PrefixCache, slot,
       _, row = _prefill_jit(graphdef, params, seg, n, fresh)
     else:
       _, row = _extend_jit(graphdef, params, row, seg, n)
-    if int(row.positions[0]) >= 0:  # an invalid row is not cached
-      cache.put(keys[n_blocks - 1], row)
+    # The prompt's tokens and length were checked above, so the row is
+    # valid (positions >= 0) without reading it back: a read here would
+    # wait for this prefill and for everything the device runs before it
+    # (an engine's decode call in flight).
+    cache.put(keys[n_blocks - 1], row)
     start = end
   sampling, rng = P.resolve_sampling(temperature, top_k, top_p, rng)
   rest, n = _padded(toks[start:], pool.max_len)
