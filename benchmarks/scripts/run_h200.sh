@@ -33,6 +33,7 @@
 #   bash benchmarks/scripts/run_h200.sh gdn_kernels  # the Gated DeltaNet kernels vs their references at Qwen3.5 shapes, then their tests on the GPU
 #   bash benchmarks/scripts/run_h200.sh serve [hf_config]  # serve_bench: continuous batching, Poisson arrivals, baseline vs replay (hybrid_1b, or a transformers config's shape)
 #   bash benchmarks/scripts/run_h200.sh serve_b256 [plain|speculative|plain+speculative] [hf_config]  # serve_bench saturated at 256 slots (512 requests at once); speculative: at acceptance 0.7
+#   bash benchmarks/scripts/run_h200.sh serve_decode [on|off] [hf_config]  # serve_bench saturated at 256 slots on a decode-bound workload (prompts of 16-64, outputs of 256-768 tokens), the engine's overlap on or off
 #   bash benchmarks/scripts/run_h200.sh serve_prefix [hf_config]  # serve_bench on a shared-prefix workload at a light load, without and with a prefix cache
 #   bash benchmarks/scripts/run_h200.sh pool_occupancy [active rows]  # a pool of 256 slots partly occupied: dense step vs gathered active rows (hybrid_1b)
 #   bash benchmarks/scripts/run_h200.sh gdn_bench    # the GDN step kernels timed: baseline (Pallas, XLA, flash-linear-attention) vs replay, b {256,64,1,512} x L {16,8,32}
@@ -252,6 +253,19 @@ case "$1" in
       --config.serve.output_len_max=512 \
       --config.serve.proposer=flat_sampling --config.serve.temperature=1000 \
       --config.serve.accept_prob=0.7 ${3:+--config.hf_config=$3} ;;
+  serve_decode)
+    # Saturated and decode-bound: 512 requests at once into 256 slots,
+    # prompts of 16-64 tokens, outputs of 256-768, greedy; argument 2: the
+    # engine's overlap of host and device, on (default) or off.
+    o=${2:-on}
+    timeout "$T" python -m experiments.serve_bench \
+      --config=configs/serve_bench.py --workdir="$OUT/serve_decode_$o" \
+      --config.serve.variants="('plain',)" --config.serve.capacity=256 \
+      --config.serve.arrival_rate=0 --config.serve.num_requests=512 \
+      --config.serve.prompt_len_min=16 --config.serve.prompt_len_max=64 \
+      --config.serve.output_len_min=256 --config.serve.output_len_max=768 \
+      --config.serve.overlap=$([ "$o" = off ] && echo False || echo True) \
+      ${3:+--config.hf_config=$3} ;;
   serve_prefix)
     # Prefill-bound requests at a light load (no queueing): prompts of
     # 464-512 tokens, 448 of them one of 4 shared prefixes, 16-32 new
