@@ -9,8 +9,8 @@ every mode) is played against one engine per SSM mode: the driver submits
 each request once the wall clock passes its arrival time and dispatches
 the engine (admissions, then `steps_per_dispatch` decode steps) until all
 finished. A throwaway engine's `precompile` and the same workload played
-once at full speed through it compile every prefill and decode shape
-first, so the timed run compiles nothing. With `serve.shared_prefixes` >
+once at full speed through it (outputs cut to two dispatches) compile
+every prefill and decode shape first, so the timed run compiles nothing. With `serve.shared_prefixes` >
 0 the prompts start with one of a few shared prefixes, and each mode runs
 twice: without and with a `serving.PrefixCache` (its hit rate and the
 prompt tokens it saved recorded). With `serve.speculative_window` > 0 each
@@ -153,12 +153,16 @@ def warm_up(model, config, mode: str, cached: bool, spec: bool,
             requests: list[dict]):
   """Compiles what the timed run runs through a throwaway engine:
   `Engine.precompile` (every prefill and decode shape real-time arrivals
-  may need), then the workload at once (no arrival times)."""
+  may need), then the workload at once (no arrival times) with its
+  outputs cut to two dispatches: every prompt's admission path (the
+  prefix cache's remainders included) runs, and little decoding."""
   eng = _engine(model, config, mode, cached, spec)
   eng.precompile(max(len(r["prompt"]) for r in requests),
                  sampled=config.serve.temperature > 0)
+  cap = 2 * config.serve.steps_per_dispatch
   for r in requests:
-    eng.submit(_request(r, config))
+    eng.submit(_request(dict(r, max_new_tokens=min(r["max_new_tokens"],
+                                                   cap)), config))
   eng.run()
 
 
