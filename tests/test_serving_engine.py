@@ -6,6 +6,8 @@ of their slot; bad requests are named before they reach a slot."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -104,6 +106,54 @@ def test_bad_requests_are_named(model):
     eng.submit(serving.Request("e", prompt(2, 4), max_new_tokens=2))
   with pytest.raises(ValueError, match="steps_per_dispatch"):
     serving.Engine(model, CAP, 16, steps_per_dispatch=0)
+  vocab = CFG.vocab_size
+  for field, bad, match in (
+      ("prompt", np.array([1, vocab]), "'f': prompt tokens must lie in"),
+      ("prompt", np.array([-1, 2]), "'f': prompt tokens must lie in"),
+      ("prompt", np.array([1.0, 2.0]), "'f': prompt must be a \\[T\\] "
+       "integer"),
+      ("eos_id", vocab, "'f': eos_id must be None or an int"),
+      ("eos_id", True, "'f': eos_id"),
+      ("seed", 1.5, "'f': seed must be an int")):
+    req = serving.Request("f", prompt(1, 4), max_new_tokens=2)
+    with pytest.raises(ValueError, match=match):
+      eng.submit(dataclasses.replace(req, **{field: bad}))
+  assert [r.id for r in eng.queue] == ["e"]  # none of them was queued
+
+
+def test_the_engine_keeps_its_own_prompt(model):
+  p = np.asarray(prompt(3, 6)).copy()
+  want = reference(model, p, 4, "replay")
+  eng = serving.Engine(model, CAP, MAX_LEN, buffer_len=L)
+  eng.submit(serving.Request("a", p, max_new_tokens=4))
+  p[:] = 0  # the caller reuses its array
+  assert eng.run()["a"] == want
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_cancel(model, overlap):
+  """A queued request cancelled is never admitted; a running one stops
+  with a prefix of its tokens, its slot is freed at once and taken by a
+  queued request, which gets exactly its own tokens."""
+  specs = {"a": (50, 5, 20), "b": (51, 7, 6), "c": (52, 4, 20),
+           "d": (53, 6, 9), "e": (54, 3, 7)}  # id -> seed, length, budget
+  eng = serving.Engine(model, 2, MAX_LEN, steps_per_dispatch=2,
+                       buffer_len=L, overlap=overlap)
+  for rid, (seed, t, n) in specs.items():
+    eng.submit(serving.Request(rid, prompt(seed, t), max_new_tokens=n))
+  assert eng.cancel("d")  # queued
+  eng.dispatch()
+  eng.dispatch()
+  assert eng.cancel("a")  # running
+  assert not eng.cancel("a") and not eng.cancel("zz")
+  got = eng.run()
+  want = {rid: reference(model, prompt(seed, t), n, "replay")
+          for rid, (seed, t, n) in specs.items()}
+  assert got["d"] == []
+  assert 1 <= len(got["a"]) < 20 and got["a"] == want["a"][:len(got["a"])]
+  assert {k: got[k] for k in "bce"} == {k: want[k] for k in "bce"}
+  assert eng.stats.cancelled == 2 and eng.stats.finished == 3
+  assert not eng.busy and not np.asarray(eng.pool.active).any()
 
 
 def test_engine_splits_the_model_once(model, monkeypatch):

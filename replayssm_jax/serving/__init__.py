@@ -23,11 +23,12 @@
                      acceptance and commit) inside the engine's dispatch.
 """
 
-from replayssm_jax.serving.engine import Engine, EngineStats, Request
+from replayssm_jax.serving.engine import Engine
 from replayssm_jax.serving.pool import (Pool, bucket_len, evict, evict_many,
                                         init_pool, insert, insert_many,
                                         model_parts, step, step_n)
 from replayssm_jax.serving.prefix_cache import PrefixCache, insert_cached
+from replayssm_jax.serving.requests import EngineStats, Request
 from replayssm_jax.serving.spec import Speculation
 
 __all__ = ["Engine", "EngineStats", "Pool", "PrefixCache", "Request",

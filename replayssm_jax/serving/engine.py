@@ -5,6 +5,7 @@
   engine.submit(Request("b", prompt_b, max_new_tokens=20, temperature=0.8,
                         seed=1))
   results = engine.run(on_tokens=lambda rid, toks: print(rid, toks))
+  engine.cancel("a")  # between dispatches: stop a queued or running request
 
 Each `dispatch` (one iteration of `run`): admit queued requests into free
 slots (`pool.insert_many`: prompts of one length bucket prefilled together
@@ -80,8 +81,7 @@ copy per dispatch); `stats` adds verify rounds, drafts and accepted drafts
 from __future__ import annotations
 
 import collections
-import dataclasses
-import functools
+import contextlib
 import time
 from typing import Callable
 
@@ -98,77 +98,8 @@ from replayssm_jax.serving import controls as C
 from replayssm_jax.serving import pool as P
 from replayssm_jax.serving import spec as SP
 from replayssm_jax.serving.prefix_cache import PrefixCache, insert_cached
+from replayssm_jax.serving.requests import EngineStats, Request, check_request
 from replayssm_jax.serving.spec import Speculation
-
-F32 = jnp.float32
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-  """One generation request.
-
-  id: any hashable name (results and streamed tokens are keyed by it).
-  prompt: [T] int token ids.
-  max_new_tokens: tokens to generate (the first, from the prefill,
-    included), >= 1.
-  eos_id: the request stops after emitting it (None: never).
-  temperature: 0 greedy, > 0 sampling.
-  seed: the request's PRNG seed (sampling).
-  """
-  id: object
-  prompt: object
-  max_new_tokens: int
-  eos_id: int | None = None
-  temperature: float = 0.0
-  seed: int = 0
-
-
-@dataclasses.dataclass
-class EngineStats:
-  """Counters of `Engine.run`: dispatches, decode steps (loop iterations:
-  speculative rounds with `speculative`), tokens streamed, requests
-  finished, and the wall time split into the host's own work (admission,
-  launching, streaming) and its waits for the device's tokens (the
-  dispatches' and the prefills' first tokens, read together; `admit_s`:
-  the admissions' host time, launching their prefills, which the device
-  runs before the next decode call). With
-  `speculative`: slot-rounds verified (`verify_rounds`), drafts proposed
-  and drafts accepted (before the cut at a budget or an eos). compacted:
-  the dispatches that decoded only the running slots' rows
-  (`compact_below`)."""
-  dispatches: int = 0
-  steps: int = 0
-  tokens: int = 0
-  finished: int = 0
-  admissions: int = 0
-  wall_s: float = 0.0
-  wait_s: float = 0.0
-  admit_s: float = 0.0
-  verify_rounds: int = 0
-  drafts: int = 0
-  accepted_drafts: int = 0
-  compacted: int = 0
-
-  @property
-  def acceptance_rate(self) -> float:
-    """Accepted drafts over proposed drafts (0 without drafts)."""
-    return self.accepted_drafts / max(self.drafts, 1)
-
-  @property
-  def mean_accepted_length(self) -> float:
-    """Tokens per slot and verify round: accepted drafts + the target's
-    own token (before the cut at a budget or an eos)."""
-    return (self.accepted_drafts + self.verify_rounds) / max(
-        self.verify_rounds, 1)
-
-  @property
-  def host_us_per_step(self) -> float:
-    """Host time per decode step, waits for the device excluded."""
-    return (self.wall_s - self.wait_s) / max(self.steps, 1) * 1e6
-
-  @property
-  def wall_us_per_step(self) -> float:
-    return self.wall_s / max(self.steps, 1) * 1e6
 
 
 class Engine:
@@ -276,27 +207,44 @@ class Engine:
 
   # ------------------------------------------------------------ requests
   def submit(self, request: Request):
-    """Queues a request (checked now: a bad one never reaches a slot)."""
-    if not isinstance(request, Request):
-      raise TypeError(f"request must be a Request, got "
-                      f"{type(request).__name__}.")
-    prompt = np.asarray(request.prompt)
-    if prompt.ndim != 1 or not 1 <= prompt.shape[0] <= self.max_len:
-      raise ValueError(f"Request {request.id!r}: prompt must be a [T] "
-                       f"token array with 1 <= T <= max_len "
-                       f"({self.max_len}), got shape {prompt.shape}.")
-    n = V.positive_int("max_new_tokens", request.max_new_tokens)
-    if prompt.shape[0] + n > self.max_len:
-      raise ValueError(
-          f"Request {request.id!r}: prompt ({prompt.shape[0]} tokens) + "
-          f"max_new_tokens ({n}) exceeds the engine's max_len "
-          f"({self.max_len}).")
-    check_sampling(request.temperature, None, None)
-    if request.id in self.results or any(
-        r.id == request.id for r in self.queue) or any(
-            r is not None and r.id == request.id for r in self.slots):
-      raise ValueError(f"Request id {request.id!r} is already in use.")
+    """Queues a request (checked now: a bad one never reaches a slot). The
+    engine keeps its own copy of the prompt: changing the caller's array
+    later changes nothing."""
+    request = check_request(request, self.max_len,
+                            self.model.config.vocab_size)
+    rid = request.id
+    if rid in self.results or any(r.id == rid for r in self.queue) or any(
+        r is not None and r.id == rid for r in self.slots):
+      raise ValueError(f"Request id {rid!r} is already in use.")
     self.queue.append(request)
+
+  def cancel(self, request_id) -> bool:
+    """Stops a queued or running request: it is admitted no more, or its
+    slot is freed now (what it streamed stays in `results`; tokens of a
+    dispatch in flight are dropped). Returns False for an id that is
+    neither queued nor running (unknown, finished or cancelled)."""
+    for req in self.queue:
+      if req.id == request_id:
+        self.queue.remove(req)
+        self.results[req.id] = []
+        self.stats.cancelled += 1
+        return True
+    if request_id not in self._budget:
+      return False
+    del self._budget[request_id]
+    self.stats.cancelled += 1
+    for slot, req in enumerate(self.slots):
+      if req is not None and req.id == request_id:
+        self.slots[slot] = None
+        self._finished.append(slot)
+        with self._on_mesh():  # evicted before an admission refills it
+          self._evict_finished()
+    return True
+
+  def _on_mesh(self):
+    """`jax.set_mesh(mesh)` with a mesh (the ops then run per shard)."""
+    return (contextlib.nullcontext() if self.mesh is None
+            else jax.set_mesh(self.mesh))
 
   @property
   def busy(self) -> bool:
@@ -357,8 +305,7 @@ class Engine:
     if self.prefix_cache is not None and via_cache:
       (slot,), (req,) = slots, reqs
       self.pool, tok = insert_cached(
-          self.model, self.pool, self.prefix_cache, slot,
-          jnp.asarray(req.prompt, jnp.int32),
+          self.model, self.pool, self.prefix_cache, slot, req.prompt,
           implementation=self.implementation, temperature=req.temperature,
           top_k=self.top_k, top_p=self.top_p,
           rng=first_keys[0] if req.temperature > 0 else None,
@@ -435,9 +382,7 @@ class Engine:
     """Admits what fits, then one compiled call of `steps_per_dispatch`
     decode steps; streams its tokens and evicts finished requests (under
     `jax.set_mesh(mesh)` with a mesh: the ops per shard)."""
-    if self.mesh is None:
-      return self._dispatch_once(on_tokens)
-    with jax.set_mesh(self.mesh):
+    with self._on_mesh():
       return self._dispatch_once(on_tokens)
 
   def _dispatch_once(self, on_tokens):
@@ -480,7 +425,8 @@ class Engine:
     self.stats.wait_s += time.perf_counter() - t_wait
     for (_, rows), toks in zip(firsts, host):
       for (slot, req), tok in zip(rows, toks.tolist()):
-        self._emit(slot, req, [tok], on_tokens)
+        if req.id in self._budget:  # not cancelled
+          self._emit(slot, req, [tok], on_tokens)
     if launched is None:
       return
     out, slots, reqs = host[-1], launched[1], launched[2]

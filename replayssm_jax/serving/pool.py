@@ -380,9 +380,8 @@ def insert_many(model: M.HybridLM, pool: Pool, slots, prompts, *,
       a temperature is > 0.
     top_k, top_p: the sampling filters of every sampling row.
     parts: `nnx.split(model)`, kept by the caller (`model_parts`).
-    padded: return the first tokens of the padded batch ([kp], kp the
-      power of two >= k; the padding rows' are unspecified), which saves
-      an op that slices them.
+    padded: return the padded batch's first tokens ([kp], kp the power
+      of two >= k; padding rows' unspecified), sparing a slicing op.
 
   Returns:
     (pool, first tokens [k] (padded: [kp]) int32 on the device).
@@ -440,10 +439,9 @@ def _key_rows(keys, k: int, kp: int):
   if tuple(keys.shape) not in ((k,) + shape, (kp,) + shape):
     raise ValueError(f"keys must hold {k} PRNG keys of shape {shape}, got "
                      f"shape {tuple(keys.shape)}.")
-  if keys.shape[0] == kp:
-    return jnp.asarray(keys, jnp.uint32)
-  return jnp.concatenate([jnp.asarray(keys, jnp.uint32),
-                          jnp.zeros((kp - k,) + shape, jnp.uint32)])
+  keys = jnp.asarray(keys, jnp.uint32)
+  return keys if keys.shape[0] == kp else jnp.concatenate(
+      [keys, jnp.zeros((kp - k,) + shape, jnp.uint32)])
 
 
 def evict(pool: Pool, slot) -> Pool:
