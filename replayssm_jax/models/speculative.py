@@ -40,7 +40,8 @@ from replayssm_jax.models.layers import check_speculative_precision
 from replayssm_jax.models.proposers import (DraftModelProposer,
                                             NgramProposer, Proposal,
                                             ProposalContext, Proposer)
-from replayssm_jax.models.verify_commit import (PendingState, commit,
+from replayssm_jax.models.verify_commit import (PendingState,
+                                                check_verifiable, commit,
                                                 commit_fn, verify, verify_fn)
 
 __all__ = [
@@ -393,6 +394,7 @@ def speculative_generate(target: M.HybridLM, proposer: Proposer,
     raise ValueError(f"buffer_len ({buffer_len}) must exceed window "
                      f"({window}) in replay mode: a window is placed behind "
                      f"the committed history in the replay buffer.")
+  check_verifiable(target.config, "speculative_generate")
   sampling = sampling_settings(temperature, top_k, top_p, greedy, rng)
   b, p_len = check_prompts_and_eos(target, prompt_tokens, eos_id)
   # Room: verify writes up to position P + max_new_tokens + window - 3.

@@ -194,6 +194,17 @@ def _commit_jit(state, window_data, num_accepted, window):
                    num_accepted)
 
 
+def check_verifiable(config, what: str) -> None:
+  """Refuses, before anything is traced, a model with layers that have no
+  verify window (Kimi Delta Attention)."""
+  kda_layers = [i for i, k in enumerate(config.block_kinds) if k == "kda"]
+  if kda_layers:
+    raise ValueError(
+        f"{what}: speculative verify windows are not implemented for Kimi "
+        f"Delta Attention ('K') layers (layers {kda_layers[:8]}): decode "
+        f"them with generate / decode_step.")
+
+
 def _check_window_room(state: S.ModelState, t: int, what: str) -> None:
   """Replay buffers must exceed T; KV caches need T free slots per row;
   baseline states' precision policies must be plain
@@ -254,6 +265,7 @@ def verify(model: M.HybridLM, tokens, state: S.ModelState,
     raise ValueError("tokens must hold a window of T >= 1 tokens per row, "
                      "got T = 0.")
   M._check_state(state, b, model.config)
+  check_verifiable(model.config, "verify")
   _check_window_room(state, t, "verify")
   graphdef, params = nnx.split(model)
   logits, pending = _verify_jit(graphdef, params,

@@ -66,7 +66,8 @@ from replayssm_jax.models import states as S
 from replayssm_jax.models.proposers import ProposalContext, Proposer
 from replayssm_jax.models.speculative import accept
 from replayssm_jax.models.verify_commit import (_check_window_room,
-                                                commit_fn, verify_fn)
+                                                check_verifiable, commit_fn,
+                                                verify_fn)
 from replayssm_jax.serving import pool as P
 
 # Per-slot statistics columns after the tokens of a dispatch's output:
@@ -121,6 +122,7 @@ def check_speculation(speculative: Speculation, model: M.HybridLM,
   proposer that serves the model, a state `verify` can take (replay
   buffers longer than the window; a baseline state's precision policy
   plain)."""
+  check_verifiable(model.config, "Engine(speculative=...)")
   _check_window_room(pool.state, speculative.window,
                      "Engine(speculative=...)")
   speculative.proposer.validate(model, window=speculative.window,

@@ -1,0 +1,71 @@
+"""The serving engine on every model family the loaders take: each tiny
+transformers checkpoint of tests/fixtures/hf (Mamba-2 hybrids with dense
+or MoE MLPs and latent experts, Gated DeltaNet with gated attention,
+Kimi Delta Attention with MLA) served from a pool in replay mode gives
+transformers' greedy tokens; a request admitted into a slot poisoned with
+NaN / inf / garbage gets `generate`'s tokens; speculative serving (n-gram
+drafts) gives the same tokens for the families whose verify differs (MoE
+routers, delta-rule layers). Kimi Delta Attention has no verify window: the
+engine refuses speculation for it by name."""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from replayssm_jax import models, serving
+from replayssm_jax.models import hf
+from tests.serving_common import poison
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
+# Every case but the legacy config (the same checkpoint as nemotron_h).
+FAMILIES = ("bamba", "granite_hybrid_dense", "granite_hybrid_moe",
+            "kimi_linear", "nemotron_h", "nemotron_h_moe",
+            "nemotron_h_moe_latent", "qwen3_5", "qwen3_5_moe", "qwen3_next")
+SPECULATIVE = ("granite_hybrid_moe", "nemotron_h_moe_latent", "qwen3_5_moe",
+               "qwen3_next")
+L = 4
+
+
+def load(name):
+  model = hf.from_pretrained(os.path.join(FIXTURES, name))
+  expected = np.load(os.path.join(FIXTURES, name, "expected.npz"))
+  return model, expected["input_ids"].astype(np.int32), expected["greedy"]
+
+
+def serve(model, prompts, n, spec=None):
+  """The prompts' first two through a 3-slot engine, then the third
+  admitted into the free slot after it was poisoned -> {index: tokens}."""
+  eng = serving.Engine(model, 3, 32, steps_per_dispatch=3, buffer_len=L,
+                       speculative=spec)
+  for i in range(2):
+    eng.submit(serving.Request(i, prompts[i], n[i]))
+  eng.dispatch()
+  assert eng.slots[2] is None
+  eng.pool = poison(eng.pool, 2)
+  eng.submit(serving.Request(2, prompts[2], n[2]))
+  return eng.run()
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_engine_gives_transformers_greedy_tokens(name):
+  model, ids, greedy = load(name)
+  prompts = [ids[0], ids[1], ids[0, :5]]
+  third, _ = models.generate(model, jnp.asarray(prompts[2])[None],
+                             jnp.array([5]), 6, buffer_len=L)
+  want = {0: greedy[0].tolist(), 1: greedy[1].tolist(),
+          2: np.asarray(third[0]).tolist()}
+  assert serve(model, prompts, (8, 8, 6)) == want
+  if name in SPECULATIVE:
+    spec = serving.Speculation(models.NgramProposer(n=2), window=3)
+    assert serve(model, prompts, (8, 8, 6), spec) == want
+
+
+def test_speculation_is_refused_for_kimi_delta_attention():
+  model, _, _ = load("kimi_linear")
+  with pytest.raises(ValueError, match="Kimi Delta Attention"):
+    serving.Engine(model, 2, 32, buffer_len=L, speculative=serving.Speculation(
+        models.NgramProposer(n=2), window=3))
