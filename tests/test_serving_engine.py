@@ -69,6 +69,26 @@ def test_eos_stops_a_request(model):
   assert got["f"] == full
 
 
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_request_stops_at_any_of_its_eos_ids(model, speculative):
+  p = prompt(22, 5)
+  full = reference(model, p, 12, "replay")
+  stops = (full[7], full[3])  # the earlier of the two ends the request
+  cut = min(full.index(t) for t in stops) + 1
+  spec = (serving.Speculation(models.NgramProposer(n=2), window=3)
+          if speculative else None)
+  eng = serving.Engine(model, CAP, MAX_LEN, steps_per_dispatch=2,
+                       buffer_len=L, max_eos_ids=2, speculative=spec)
+  eng.submit(serving.Request("two", p, max_new_tokens=12, eos_id=stops))
+  eng.submit(serving.Request("one", p, max_new_tokens=12,
+                             eos_id=np.int64(stops[0])))
+  got = eng.run()
+  assert got["two"] == full[:cut]
+  assert got["one"] == full[:full.index(stops[0]) + 1]
+  with pytest.raises(ValueError, match="at most max_eos_ids = 2"):
+    eng.submit(serving.Request("x", p, 3, eos_id=[1, 2, 3]))
+
+
 def test_sampled_requests_reproducible_in_any_slot(model):
   # The same sampled request alone and behind other requests (another
   # slot, other batch-mates) draws the same tokens.
@@ -112,8 +132,9 @@ def test_bad_requests_are_named(model):
       ("prompt", np.array([-1, 2]), "'f': prompt tokens must lie in"),
       ("prompt", np.array([1.0, 2.0]), "'f': prompt must be a \\[T\\] "
        "integer"),
-      ("eos_id", vocab, "'f': eos_id must be None or an int"),
+      ("eos_id", vocab, "'f': eos_id must be None, an int or a sequence"),
       ("eos_id", True, "'f': eos_id"),
+      ("eos_id", [3, -1], "'f': eos_id must be"),
       ("seed", 1.5, "'f': seed must be an int")):
     req = serving.Request("f", prompt(1, 4), max_new_tokens=2)
     with pytest.raises(ValueError, match=match):

@@ -150,19 +150,20 @@ def test_request_keys_are_prngkey_splits(seed):
 
 def test_admit_writes_the_rows_budgets_after_the_first_token():
   cap = 5
-  ctl = C.init_controls(cap)
+  ctl = C.init_controls(cap, max_eos_ids=2)
   keys = jax.random.split(jax.random.PRNGKey(3), 4)
   idx = jnp.array([4, 0, 2, cap], jnp.int32)  # the last: dropped
   ctl = C.admit(ctl, idx, keys, budgets=jnp.array([6, 3, 1, 9]),
-                eos_ids=jnp.array([11, -1, 8, 2]),
+                eos_ids=jnp.array([[7, 11], [-1, -1], [8, -1], [2, -1]]),
                 temps=jnp.array([0.5, 0.0, 2.0, 1.0], jnp.float32),
                 first=jnp.array([11, 40, 3, 5]))
-  # Row 4: first == eos -> 0; row 0: 3 - 1; row 2: budget 1 -> 0.
+  # Row 4: first is its second eos -> 0; row 0: 3 - 1; row 2: budget 1.
   assert np.asarray(ctl.left).tolist() == [2, 0, 0, 0, 0]
-  assert np.asarray(ctl.eos).tolist() == [-1, -1, 8, -1, 11]
+  assert np.asarray(ctl.eos).tolist() == [[-1, -1], [-1, -1], [8, -1],
+                                          [-1, -1], [7, 11]]
   np.testing.assert_array_equal(ctl.keys[4], keys[0])
   np.testing.assert_array_equal(ctl.keys[1], 0)  # untouched rows
   ctl = C.admit(ctl, jnp.array([1], jnp.int32), keys[:1], jnp.array([4]),
-                jnp.array([-1]), jnp.array([0.0], jnp.float32),
+                jnp.array([[-1, -1]]), jnp.array([0.0], jnp.float32),
                 jnp.array([-1]))  # an invalid row's -1: no budget
   assert int(ctl.left[1]) == 0

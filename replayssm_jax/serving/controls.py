@@ -1,7 +1,7 @@
 """The engine's per-slot controls on the device, and its plain decode call.
 
 `SlotControls` holds what the engine's compiled decode loop reads per slot
-besides the pool: the tokens each slot may still emit (`left`), its eos id,
+besides the pool: the tokens each slot may still emit (`left`), its eos ids,
 its temperature and its PRNG key stream. They live on the device and are
 carried from one dispatch to the next, so that a dispatch can be launched
 before the host has read the previous one's tokens (`Engine(overlap=True)`):
@@ -35,7 +35,7 @@ class SlotControls:
   so that `pool.gather_rows` / `scatter_rows` take them with the pool).
 
   left [cap] int32: tokens the slot may still emit (0: it emits nothing).
-  eos [cap] int32: its eos id (-1: none).
+  eos [cap, E] int32: its eos ids (-1: an unused column).
   temps [cap] f32: its temperature (0: greedy).
   keys [cap, ...] uint32: its raw PRNG key (split once per decode step).
   """
@@ -48,12 +48,13 @@ class SlotControls:
     return dataclasses.replace(self, **kwargs)
 
 
-def init_controls(capacity: int) -> SlotControls:
-  """Controls of `capacity` idle slots (no budget, greedy, zero keys)."""
+def init_controls(capacity: int, max_eos_ids: int = 1) -> SlotControls:
+  """Controls of `capacity` idle slots (no budget, greedy, zero keys), up
+  to `max_eos_ids` eos ids per slot."""
   key_shape = jax.random.PRNGKey(0).shape
   # Separate buffers: `admit` and the decode calls donate every leaf.
   return SlotControls(left=jnp.zeros((capacity,), jnp.int32),
-                      eos=jnp.full((capacity,), -1, jnp.int32),
+                      eos=jnp.full((capacity, max_eos_ids), -1, jnp.int32),
                       temps=jnp.zeros((capacity,), jnp.float32),
                       keys=jnp.zeros((capacity,) + key_shape, jnp.uint32))
 
@@ -74,16 +75,23 @@ def request_keys(seeds):
   return split[:, 0], split[:, 1]
 
 
+def is_eos(tokens, eos):
+  """tokens [k] (or [k, T]) against each row's eos ids eos [k, E] (-1:
+  unused) -> bool [k] (or [k, T])."""
+  eos = eos.reshape(eos.shape[:1] + (1,) * (tokens.ndim - 1) + eos.shape[1:])
+  return jnp.any((eos >= 0) & (tokens[..., None] == eos), axis=-1)
+
+
 @functools.partial(jax.jit, donate_argnums=(0,))
 def admit(ctl: SlotControls, idx, keys, budgets, eos_ids, temps,
           first) -> SlotControls:
   """Writes the controls of k admitted requests (rows idx [k]; an index of
   `capacity` or more writes nothing): their key streams keys [k, ...],
-  eos ids [k] (-1: none) and temperatures [k], and their budgets [k]
+  eos ids [k, E] (-1: unused) and temperatures [k], and their budgets [k]
   (max_new_tokens) less the first token first [k] (the prefill's, still on
-  the device): 0 when that token is the request's eos or -1 (an invalid
-  row), the budget - 1 otherwise."""
-  stop = (first < 0) | ((eos_ids >= 0) & (first == eos_ids))
+  the device): 0 when that token is one of the request's eos ids or -1 (an
+  invalid row), the budget - 1 otherwise."""
+  stop = (first < 0) | is_eos(first, eos_ids)
   left = jnp.where(stop, 0, budgets - 1)
   put = lambda x, v: x.at[idx].set(v.astype(x.dtype), mode="drop")
   return SlotControls(left=put(ctl.left, left), eos=put(ctl.eos, eos_ids),
@@ -100,7 +108,7 @@ def decode(graphdef, params, pool, ctl: SlotControls, n, sampled, top_k,
   step splits every slot's key, samples its token (sampled (static): some
   slot samples, else the loop is argmax only, with no conditional: an XLA
   GPU conditional reads its predicate on the host) and spends one token of
-  its budget, all of it at its eos or an invalid row.
+  its budget, all of it at one of its eos ids or an invalid row.
   Returns (pool, tokens [cap, n] int32 (-1 where a slot emitted nothing),
   ctl with the budgets and keys after the n steps).
   """
@@ -119,7 +127,7 @@ def decode(graphdef, params, pool, ctl: SlotControls, n, sampled, top_k,
 
     pool, emitted, _ = P.step_rows(model, pool, active, sample,
                                    implementation)
-    stop = (emitted < 0) | ((eos >= 0) & (emitted == eos))
+    stop = (emitted < 0) | is_eos(emitted, eos)
     left = jnp.where(active, jnp.where(stop, 0, left - 1), left)
     return pool, out.at[:, i].set(emitted), left, keys
 

@@ -134,6 +134,8 @@ class Engine:
       or None: the pool placed on it (`sharding.shard_pool`) and every
       dispatch run under `jax.set_mesh(mesh)`, so the ops run per shard;
       pass a model placed by `sharding.shard_model` on the same mesh.
+    max_eos_ids: the most eos ids a request may stop at (`Request.eos_id`
+      as a sequence); each step compares a slot's token with this many.
     overlap: launch each dispatch before reading the previous one's
       tokens, so that the host's streaming, admissions and launches run
       while the device decodes (False: launch, then wait for its tokens;
@@ -149,8 +151,9 @@ class Engine:
                prefix_cache: PrefixCache | None = None,
                prefill_batch: int = 8, compact_below: float = 0.5,
                speculative: Speculation | None = None, mesh=None,
-               overlap: bool = True, ssm_mode: str = "replay",
-               buffer_len: int = 16, **state_kwargs):
+               overlap: bool = True, max_eos_ids: int = 4,
+               ssm_mode: str = "replay", buffer_len: int = 16,
+               **state_kwargs):
     self.model = model
     # Split once: every dispatch and admission reuses the parts.
     self._parts = nnx.split(model)
@@ -177,6 +180,7 @@ class Engine:
                       f"{type(speculative).__name__}.")
     self.speculative = speculative
     self.overlap = bool(overlap)
+    self.max_eos_ids = V.positive_int("max_eos_ids", max_eos_ids)
     self._ssm = dict(ssm_mode=ssm_mode, buffer_len=buffer_len)
     kv_len = (max_len if speculative is None
               else SP.kv_len(self.max_len, speculative.window))
@@ -198,7 +202,7 @@ class Engine:
     # Tokens each running request may still stream, by id (the host's
     # mirror of the device's budgets in self._ctl).
     self._budget = {}
-    self._ctl = C.init_controls(cap)
+    self._ctl = C.init_controls(cap, self.max_eos_ids)
     if mesh is not None:
       self._ctl = jax.tree.map(lambda x: SH.shard_batch(x, mesh), self._ctl)
     self._finished = []  # slots freed on the host, not yet on the device
@@ -211,7 +215,7 @@ class Engine:
     engine keeps its own copy of the prompt: changing the caller's array
     later changes nothing."""
     request = check_request(request, self.max_len,
-                            self.model.config.vocab_size)
+                            self.model.config.vocab_size, self.max_eos_ids)
     rid = request.id
     if rid in self.results or any(r.id == rid for r in self.queue) or any(
         r is not None and r.id == rid for r in self.slots):
@@ -297,8 +301,8 @@ class Engine:
     idx, budgets, eos_ids, temps, seeds = jax.device_put((
         pad(slots, self.pool.capacity, np.int32),
         pad([r.max_new_tokens for r in reqs], 0, np.int32),
-        pad([-1 if r.eos_id is None else r.eos_id for r in reqs], -1,
-            np.int32),
+        pad([r.eos_id + (-1,) * (self.max_eos_ids - len(r.eos_id))
+             for r in reqs], (-1,) * self.max_eos_ids, np.int32),
         pad([r.temperature for r in reqs], 0.0, np.float32),
         C.seed_words([r.seed for r in reqs] + [0] * (kp - k))))
     stream, first_keys = C.request_keys(seeds)
@@ -356,7 +360,7 @@ class Engine:
         break
       kept.append(int(t))
       left -= 1
-      if t == req.eos_id:
+      if t in req.eos_id:
         left = 0
     self._budget[req.id] = left
     if kept:
@@ -513,8 +517,8 @@ class Engine:
     while k <= min(self.prefill_batch, cap):
       for b in buckets:
         self._admit_rows(list(range(k)), [Request(
-            None, np.zeros(b, np.int32), 1, temperature=temp)] * k,
-                         via_cache=False)
+            None, np.zeros(b, np.int32), 1, eos_id=(),
+            temperature=temp)] * k, via_cache=False)
       k *= 2
     self._firsts = []
     self._ctl = self._ctl.replace(left=jnp.zeros_like(self._ctl.left))

@@ -25,14 +25,15 @@ class Request:
   prompt: [T] int token ids.
   max_new_tokens: tokens to generate (the first, from the prefill,
     included), >= 1.
-  eos_id: the request stops after emitting it (None: never).
+  eos_id: the request stops after emitting it: one token id, or several
+    (a sequence: it stops at any of them), or None (never).
   temperature: 0 greedy, > 0 sampling.
   seed: the request's PRNG seed (sampling).
   """
   id: object
   prompt: object
   max_new_tokens: int
-  eos_id: int | None = None
+  eos_id: int | tuple[int, ...] | None = None
   temperature: float = 0.0
   seed: int = 0
 
@@ -86,10 +87,29 @@ class EngineStats:
     return self.wall_s / max(self.steps, 1) * 1e6
 
 
-def check_request(request, max_len: int, vocab_size: int) -> Request:
-  """Checks a request against an engine's max_len and its model's
-  vocabulary, errors naming the request and the field -> a copy whose
-  prompt is the engine's own int32 array (the caller's is not kept)."""
+def eos_ids(eos, vocab_size: int, most: int, name: str) -> tuple[int, ...]:
+  """An eos_id (None, an int, or a sequence of ints in [0, vocab_size),
+  at most `most` of them) as a tuple of distinct ints (empty: none)."""
+  ids = () if eos is None else (eos,) if np.ndim(eos) == 0 else tuple(eos)
+  for i in ids:
+    if (not isinstance(i, (int, np.integer)) or isinstance(i, bool)
+        or not 0 <= i < vocab_size):
+      raise ValueError(f"{name} must be None, an int or a sequence of ints "
+                       f"in [0, vocab_size) = [0, {vocab_size}), got "
+                       f"{eos!r}.")
+  ids = tuple(dict.fromkeys(int(i) for i in ids))
+  if len(ids) > most:
+    raise ValueError(f"{name} holds {len(ids)} token ids; the engine takes "
+                     f"at most max_eos_ids = {most}.")
+  return ids
+
+
+def check_request(request, max_len: int, vocab_size: int,
+                  max_eos_ids: int) -> Request:
+  """Checks a request against an engine's max_len and max_eos_ids and its
+  model's vocabulary, errors naming the request and the field -> a copy
+  whose prompt is the engine's own int32 array (the caller's is not kept)
+  and whose eos_id is a tuple of distinct ids (empty: none)."""
   if not isinstance(request, Request):
     raise TypeError(f"request must be a Request, got "
                     f"{type(request).__name__}.")
@@ -109,17 +129,13 @@ def check_request(request, max_len: int, vocab_size: int) -> Request:
     raise ValueError(
         f"Request {rid!r}: prompt ({prompt.shape[0]} tokens) + "
         f"max_new_tokens ({n}) exceeds the engine's max_len ({max_len}).")
-  eos = request.eos_id
-  if eos is not None and (not isinstance(eos, (int, np.integer))
-                          or isinstance(eos, bool)
-                          or not 0 <= eos < vocab_size):
-    raise ValueError(f"Request {rid!r}: eos_id must be None or an int in "
-                     f"[0, vocab_size) = [0, {vocab_size}), got {eos!r}.")
+  eos = eos_ids(request.eos_id, vocab_size, max_eos_ids,
+                f"Request {rid!r}: eos_id")
   seed = request.seed
   if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
     raise ValueError(f"Request {rid!r}: seed must be an int, got {seed!r}.")
   check_sampling(request.temperature, None, None)
   return dataclasses.replace(request, prompt=prompt.astype(np.int32),
                              max_new_tokens=n,
-                             eos_id=None if eos is None else int(eos),
+                             eos_id=eos,
                              seed=int(seed))

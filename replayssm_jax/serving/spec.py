@@ -68,6 +68,7 @@ from replayssm_jax.models.speculative import accept
 from replayssm_jax.models.verify_commit import (_check_window_room,
                                                 check_verifiable, commit_fn,
                                                 verify_fn)
+from replayssm_jax.serving import controls as C
 from replayssm_jax.serving import pool as P
 
 # Per-slot statistics columns after the tokens of a dispatch's output:
@@ -294,8 +295,7 @@ def dispatch(graphdef, params, pool, slots, proposer, n, window, sampled,
     emitted = jnp.where(j < a[:, None], jnp.roll(win, -1, axis=1),
                         jnp.asarray(nxt, jnp.int32)[:, None])
     count = jnp.minimum(a + 1, left)
-    is_eos = (eos[:, None] >= 0) & (emitted == eos[:, None]) & (
-        j < count[:, None])
+    is_eos = C.is_eos(emitted, eos) & (j < count[:, None])
     hit = jnp.any(is_eos, axis=1)
     count = jnp.where(hit, jnp.argmax(is_eos, axis=1) + 1, count)
     # Window tokens that become history: the first count (last + the
