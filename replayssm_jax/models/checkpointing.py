@@ -8,6 +8,8 @@
                                  with the same layout (e.g.
                                  `model.init_state(...)` with the arguments
                                  of the saved one).
+  save_tree / restore_tree       the same for any pytree of arrays (the
+                                 serving engine's snapshot).
 
 Bit exactness: every floating-point leaf (float32, bfloat16, float16,
 float8_e4m3fn, ...) is stored as the unsigned integers of its bits
@@ -67,13 +69,13 @@ def _key(i: int) -> str:
   return f"leaf_{i:05d}"
 
 
-def describe(tree) -> dict:
+def describe(tree, fmt: str = FORMAT) -> dict:
   """The sidecar's description of a state (or of a template): leaf paths
   with their shapes, dtypes and stored dtypes, and the structure with the
   static metadata as text."""
   leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
   return dict(
-      format=FORMAT,
+      format=fmt,
       static=str(treedef),
       leaves=[dict(path=jax.tree_util.keystr(p), key=_key(i),
                    shape=list(np.shape(x)), dtype=np.dtype(x.dtype).name,
@@ -85,7 +87,11 @@ def _check_state(name, state):
   if not isinstance(state, S.ModelState):
     raise TypeError(f"{name} must be a ModelState, got "
                     f"{type(state).__name__}.")
-  for p, x in jax.tree_util.tree_leaves_with_path(state):
+  _check_leaves(name, state)
+
+
+def _check_leaves(name, tree):
+  for p, x in jax.tree_util.tree_leaves_with_path(tree):
     if not hasattr(x, "dtype") or not hasattr(x, "shape"):
       raise TypeError(f"{name} leaf {jax.tree_util.keystr(p)} is not an "
                       f"array (got {type(x).__name__}).")
@@ -106,6 +112,15 @@ def save_state(path, state: S.ModelState, *, overwrite: bool = False):
     The sidecar's description of the state (a dict, as in `TREE_FILE`).
   """
   _check_state("state", state)
+  return save_tree(path, state, overwrite=overwrite)
+
+
+def save_tree(path, tree, *, overwrite: bool = False, fmt: str = FORMAT,
+              extra: dict | None = None) -> dict:
+  """`save_state` of any pytree of arrays (its leaves bit for bit, its
+  structure in the sidecar, tagged `fmt`); `extra` (JSON) is kept in the
+  sidecar under "extra"."""
+  _check_leaves("tree", tree)
   ocp = _orbax()
   path = os.path.abspath(os.fspath(path))
   if os.path.exists(path) and not overwrite:
@@ -114,9 +129,9 @@ def save_state(path, state: S.ModelState, *, overwrite: bool = False):
   if not os.path.isdir(os.path.dirname(path)):
     raise ValueError(f"the parent directory of path {path!r} does not "
                      f"exist.")
-  info = describe(state)
+  info = describe(tree, fmt)
   arrays = {}
-  for leaf, x in zip(info["leaves"], jax.tree.leaves(state)):
+  for leaf, x in zip(info["leaves"], jax.tree.leaves(tree)):
     x = jnp.asarray(x)
     if x.dtype != np.dtype(leaf["stored_dtype"]):
       x = jax.lax.bitcast_convert_type(x, leaf["stored_dtype"])
@@ -130,14 +145,15 @@ def save_state(path, state: S.ModelState, *, overwrite: bool = False):
   # The sidecar is written last: a directory without it is incomplete.
   tmp = os.path.join(path, TREE_FILE + ".tmp")
   with open(tmp, "w") as f:
-    json.dump(info, f, indent=1)
+    json.dump(info if extra is None else dict(info, extra=extra), f,
+              indent=1)
   os.replace(tmp, os.path.join(path, TREE_FILE))
   return info
 
 
-def read_description(path) -> dict:
+def read_description(path, fmt: str = FORMAT) -> dict:
   """The sidecar of the checkpoint directory `path` (ValueError naming the
-  path if it is missing or unreadable)."""
+  path if it is missing or unreadable, or not of format `fmt`)."""
   path = os.path.abspath(os.fspath(path))
   if not os.path.isdir(path):
     raise ValueError(f"no decode-state checkpoint at path {path!r}: not a "
@@ -152,10 +168,10 @@ def read_description(path) -> dict:
   except (OSError, ValueError) as e:
     raise ValueError(f"corrupt decode-state checkpoint: {tree_file!r} is "
                      f"not readable JSON ({e}).") from e
-  if not isinstance(info, dict) or info.get("format") != FORMAT or (
+  if not isinstance(info, dict) or info.get("format") != fmt or (
       not isinstance(info.get("leaves"), list)):
     raise ValueError(f"corrupt decode-state checkpoint: {tree_file!r} is "
-                     f"not a {FORMAT} description.")
+                     f"not a {fmt} description.")
   return info
 
 
@@ -232,10 +248,17 @@ def restore_state(path, template: S.ModelState) -> S.ModelState:
       template.
   """
   _check_state("template", template)
+  return restore_tree(path, template)
+
+
+def restore_tree(path, template, fmt: str = FORMAT):
+  """`restore_state` of any pytree saved by `save_tree` with format `fmt`,
+  onto `template` (the same structure, shapes, dtypes)."""
+  _check_leaves("template", template)
   ocp = _orbax()
   path = os.path.abspath(os.fspath(path))
-  saved = read_description(path)
-  info = describe(template)
+  saved = read_description(path, fmt)
+  info = describe(template, fmt)
   check_compatible(saved, info, repr(path))
   leaves, treedef = jax.tree.flatten(template)
   abstract, restore_args, placements = {}, {}, []

@@ -18,6 +18,8 @@
   controls           the engine's per-slot budgets, eos ids, temperatures
                      and key streams on the device (its overlap of host
                      and device rests on them).
+  snapshot           Engine.save / Engine.restore: an engine written
+                     between dispatches and resumed exactly.
   Speculation        Engine(speculative=...): speculative decoding rounds
                      (a proposer's drafts, one verify of the pool, per-row
                      acceptance and commit) inside the engine's dispatch.

@@ -96,6 +96,7 @@ from replayssm_jax.models import model as M
 from replayssm_jax.models.generate import check_sampling
 from replayssm_jax.serving import controls as C
 from replayssm_jax.serving import pool as P
+from replayssm_jax.serving import snapshot
 from replayssm_jax.serving import spec as SP
 from replayssm_jax.serving.prefix_cache import PrefixCache, insert_cached
 from replayssm_jax.serving.requests import EngineStats, Request, check_request
@@ -244,6 +245,25 @@ class Engine:
         with self._on_mesh():  # evicted before an admission refills it
           self._evict_finished()
     return True
+
+  def save(self, path, on_tokens: Callable | None = None, *,
+           overwrite: bool = False) -> dict:
+    """Writes the engine to the directory `path` between dispatches (the
+    decode call in flight read first, its tokens streamed to `on_tokens`);
+    `restore` on a new engine built with the same arguments resumes it
+    exactly. See `serving.snapshot`."""
+    return snapshot.save(self, path, on_tokens, overwrite)
+
+  def restore(self, path) -> None:
+    """Loads a snapshot written by `save` into this new engine (built with
+    the saved engine's arguments; nothing submitted or run yet)."""
+    snapshot.restore(self, path)
+
+  def _drain(self, on_tokens):
+    """Reads the decode call in flight and the pending first tokens."""
+    launched, self._inflight = self._inflight, None
+    self._collect(launched, on_tokens)
+    self._evict_finished()
 
   def _on_mesh(self):
     """`jax.set_mesh(mesh)` with a mesh (the ops then run per shard)."""
