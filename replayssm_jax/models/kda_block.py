@@ -29,7 +29,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from replayssm_jax import kda
-from replayssm_jax import precision as P
 from replayssm_jax.conv import (causal_conv1d, causal_conv1d_update,
                                 conv_state_after)
 from replayssm_jax.models.config import ModelConfig
@@ -38,37 +37,6 @@ from replayssm_jax.models.states import (GDNState, full_ssm_state,
                                          tokens_after)
 
 F32 = jnp.float32
-
-
-def init_kda_state(cfg: ModelConfig, batch: int, ssm_mode: str,
-                   buffer_len: int, checkpoint_dtype, buffer_dtype,
-                   conv_dtype, precision: P.PrecisionPolicy | None = None,
-                   row_ids=None) -> GDNState:
-  """An empty KDA layer state (zero state, empty rings), as
-  `states.init_gdn_state`."""
-  conv = jnp.zeros((batch, cfg.conv_kernel - 1, cfg.gdn_conv_dim), conv_dtype)
-  sizes = dict(num_v_heads=cfg.gdn_num_v_heads, key_dim=cfg.gdn_k_dim,
-               value_dim=cfg.gdn_v_dim, buffer_len=buffer_len)
-  if ssm_mode == "replay" and precision is None:
-    ssm = kda.init_kda_replay_state(batch, checkpoint_dtype=checkpoint_dtype,
-                                    buffer_dtype=buffer_dtype, **sizes)
-  elif ssm_mode == "replay":
-    if row_ids is not None:  # a buffer of this layer's own (donated)
-      row_ids = jnp.array(row_ids, jnp.int32, copy=True)
-    ssm = kda.init_kda_replay_state(batch, policy=precision, row_id=row_ids,
-                                    **sizes)
-  else:
-    if precision is not None and not precision.plain:
-      raise ValueError(
-          f"precision {precision.name!r} (a read copy or stochastic "
-          f"rounding) is not supported by a baseline KDA state; use "
-          f"ssm_mode='replay' or a plain policy (e.g. "
-          f"PrecisionPolicy.preset('bf16')).")
-    dtype = (checkpoint_dtype if precision is None
-             else precision.checkpoint_dtype)
-    ssm = jnp.zeros((batch, cfg.gdn_num_v_heads, cfg.gdn_k_dim,
-                     cfg.gdn_v_dim), dtype)
-  return GDNState(conv=conv, ssm=ssm, precision=precision)
 
 
 class KDAMixer(nnx.Module):

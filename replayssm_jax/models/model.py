@@ -26,7 +26,6 @@ from replayssm_jax import precision as P
 from replayssm_jax.models import states as S
 from replayssm_jax.models.config import ModelConfig
 from replayssm_jax.models.blocks import Block
-from replayssm_jax.models.kda_block import init_kda_state
 from replayssm_jax.models.layers import Embedding, Linear, RMSNorm
 from replayssm_jax.state import ReplayState
 
@@ -208,14 +207,10 @@ class HybridLM(nnx.Module):
         layers.append(S.init_mamba_state(cfg, batch, ssm_mode, buffer_len,
                                          checkpoint_dtype, buffer_dtype,
                                          conv_dtype, precision, row_ids))
-      elif kind == "gdn":
+      elif kind in ("gdn", "kda"):
         layers.append(S.init_gdn_state(cfg, batch, ssm_mode, buffer_len,
                                        checkpoint_dtype, buffer_dtype,
-                                       conv_dtype, precision, row_ids))
-      elif kind == "kda":
-        layers.append(init_kda_state(cfg, batch, ssm_mode, buffer_len,
-                                     checkpoint_dtype, buffer_dtype,
-                                     conv_dtype, precision, row_ids))
+                                       conv_dtype, precision, row_ids, kind))
       elif kind == "attention":
         layers.append(S.init_attention_state(cfg, batch, max_len, kv_dtype))
       else:

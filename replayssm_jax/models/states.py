@@ -208,27 +208,32 @@ class GDNState:
 def init_gdn_state(cfg, batch: int, ssm_mode: str, buffer_len: int,
                    checkpoint_dtype, buffer_dtype, conv_dtype,
                    precision: P.PrecisionPolicy | None = None,
-                   row_ids=None) -> GDNState:
-  """An empty GDNState (zero state, empty buffer); with `precision` laid
-  out per the policy (row_ids: [batch] int32, stochastic rounding)."""
+                   row_ids=None, kind: str = "gdn") -> GDNState:
+  """An empty GDNState (zero state, empty buffer) of a Gated DeltaNet
+  layer, or with kind "kda" of a Kimi Delta Attention layer (per-channel
+  gates: `kda.init_kda_replay_state`); with `precision` laid out per the
+  policy (row_ids: [batch] int32, stochastic rounding)."""
   conv = jnp.zeros((batch, cfg.conv_kernel - 1, cfg.gdn_conv_dim), conv_dtype)
-  sizes = dict(num_v_heads=cfg.gdn_num_v_heads,
-               num_k_heads=cfg.gdn_num_k_heads, key_dim=cfg.gdn_k_dim,
+  sizes = dict(num_v_heads=cfg.gdn_num_v_heads, key_dim=cfg.gdn_k_dim,
                value_dim=cfg.gdn_v_dim, buffer_len=buffer_len)
+  if kind == "kda":
+    init_replay, family = kda.init_kda_replay_state, "KDA"
+  else:
+    init_replay, family = gdn.init_gdn_replay_state, "Gated DeltaNet"
+    sizes["num_k_heads"] = cfg.gdn_num_k_heads
   if ssm_mode == "replay" and precision is None:
-    ssm = gdn.init_gdn_replay_state(batch, checkpoint_dtype=checkpoint_dtype,
-                                    buffer_dtype=buffer_dtype, **sizes)
+    ssm = init_replay(batch, checkpoint_dtype=checkpoint_dtype,
+                      buffer_dtype=buffer_dtype, **sizes)
   elif ssm_mode == "replay":
     if row_ids is not None:  # a buffer of this layer's own (donated)
       row_ids = jnp.array(row_ids, jnp.int32, copy=True)
-    ssm = gdn.init_gdn_replay_state(batch, policy=precision, row_id=row_ids,
-                                    **sizes)
+    ssm = init_replay(batch, policy=precision, row_id=row_ids, **sizes)
   else:
     if precision is not None and not precision.plain:
       raise ValueError(
           f"precision {precision.name!r} (a read copy or stochastic "
-          f"rounding) is not supported by a baseline Gated DeltaNet state; "
-          f"use ssm_mode='replay' or a plain policy (e.g. "
+          f"rounding) is not supported by a baseline {family} state; use "
+          f"ssm_mode='replay' or a plain policy (e.g. "
           f"PrecisionPolicy.preset('bf16')).")
     dtype = (checkpoint_dtype if precision is None
              else precision.checkpoint_dtype)
