@@ -87,17 +87,24 @@ def gdn_step(state, q, k, v, g, beta, use_qk_l2norm=True, scale=None):
   return o.astype(v.dtype), s.astype(state.dtype)
 
 
-def gdn_step_scan(state, q, k, v, g, beta, use_qk_l2norm=True, scale=None):
-  """T baseline steps over [b, T, ...] inputs -> (o [b, T, HV, V],
+def step_scan(step, state, q, k, v, g, beta, use_qk_l2norm=True,
+              scale=None):
+  """T baseline steps of `step` (a delta-rule decode step: `gdn_step`,
+  `kda.reference.kda_step`) over [b, T, ...] inputs -> (o [b, T, HV, V],
   snapshots [b, T, HV, K, V] in state.dtype: the state after each
   position)."""
   def body(s, tok):
-    o, s = gdn_step(s, *tok, use_qk_l2norm=use_qk_l2norm, scale=scale)
+    o, s = step(s, *tok, use_qk_l2norm=use_qk_l2norm, scale=scale)
     return s, (o, s)
 
   toks = tuple(jnp.swapaxes(x, 0, 1) for x in (q, k, v, g, beta))
   _, (o, snaps) = jax.lax.scan(body, state, toks)
   return jnp.swapaxes(o, 0, 1), jnp.swapaxes(snaps, 0, 1)
+
+
+def gdn_step_scan(state, q, k, v, g, beta, use_qk_l2norm=True, scale=None):
+  """`step_scan` of `gdn_step`."""
+  return step_scan(gdn_step, state, q, k, v, g, beta, use_qk_l2norm, scale)
 
 
 def solve_unit_lower(a, y):

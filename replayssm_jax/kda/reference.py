@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from replayssm_jax.gdn.reference import (F32, HIGHEST, prepare_qk, readout,
-                                         solve_unit_lower)
+                                         solve_unit_lower, step_scan)
 from replayssm_jax.reference import heads_from_groups, process_dt
 
 SOFTPLUS_THRESHOLD = 20.0
@@ -86,16 +86,9 @@ def delta_rule(s, qh, kh, v, g, beta):
 
 
 def kda_step_scan(state, q, k, v, g, beta, use_qk_l2norm=True, scale=None):
-  """T baseline steps over [b, T, ...] inputs -> (o [b, T, HV, V],
-  snapshots [b, T, HV, K, V] in state.dtype: the state after each
-  position)."""
-  def body(s, tok):
-    o, s = kda_step(s, *tok, use_qk_l2norm=use_qk_l2norm, scale=scale)
-    return s, (o, s)
-
-  toks = tuple(jnp.swapaxes(x, 0, 1) for x in (q, k, v, g, beta))
-  _, (o, snaps) = jax.lax.scan(body, state, toks)
-  return jnp.swapaxes(o, 0, 1), jnp.swapaxes(snaps, 0, 1)
+  """`gdn.reference.step_scan` of `kda_step`: T baseline steps ->
+  (o [b, T, HV, V], snapshots [b, T, HV, K, V] in state.dtype)."""
+  return step_scan(kda_step, state, q, k, v, g, beta, use_qk_l2norm, scale)
 
 
 def kda_chunked_prefill(q, k, v, g, beta, chunk_size=64, initial_state=None,
