@@ -154,7 +154,7 @@ def test_decode_loops_hold_no_conditional(model, setting):
   assert sampling.greedy == (setting["temperature"] == 0)
   tokens, lengths = random_tokens(3, (B, P)), jnp.asarray(LENGTHS, jnp.int32)
   graphdef, params = nnx.split(model)
-  eos, rng = jnp.int32(-1), jax.random.PRNGKey(1)
+  eos, rng = jnp.array([-1], jnp.int32), jax.random.PRNGKey(1)
   state = model.init_state(B, kv_cache_len(P + 8 + WINDOW),
                            buffer_len=BUFFER_LEN)
   plain = G._generate_jit.lower(graphdef, params, tokens, lengths, state, 8,  # pylint: disable=protected-access
@@ -264,6 +264,16 @@ def test_forced_acceptance_patterns(model, prompts, reference, ssm_mode):
   np.testing.assert_array_equal(out, ref_eos)
   np.testing.assert_array_equal(n, n_eos)
   assert int(n[0]) <= 10
+  # Two eos ids: a row stops at either (as generate does).
+  two = (int(reference[1, 4]), eos)
+  ref_two, n_two = generate(model, *prompts, MAX_NEW, buffer_len=BUFFER_LEN,
+                            eos_id=two)
+  out, n, _ = speculative_generate(
+      model, ScriptedProposer(reference, sched), *prompts, MAX_NEW, WINDOW,
+      ssm_mode=ssm_mode, buffer_len=BUFFER_LEN, eos_id=two)
+  np.testing.assert_array_equal(out, ref_two)
+  np.testing.assert_array_equal(n, n_two)
+  assert int(n[1]) <= 5
 
 
 def test_ngram_proposer_lookup():

@@ -336,6 +336,35 @@ def test_decode_compiles_once(model, monkeypatch):
 
 
 # -------------------------------------------------------------- sampling
+def test_several_eos_ids(model):
+  """eos_id as a sequence: a row stops at the first of its ids it emits;
+  its later slots hold the first id; a resumed row whose pending token is
+  any of them has stopped; a bad id is named."""
+  prompts, lengths = random_tokens(11, (B, T)), jnp.asarray(LENGTHS)
+  greedy, _ = generate(model, prompts, lengths, MAX_NEW)
+  g = np.asarray(greedy)
+  ids = (int(g[1, 5]), int(g[0, 2]))
+  out, n = generate(model, prompts, lengths, MAX_NEW, eos_id=ids)
+  o, n = np.asarray(out), np.asarray(n)
+  for r in range(B):
+    hits = np.nonzero(np.isin(g[r], ids))[0]
+    stop = int(hits[0]) + 1 if hits.size else MAX_NEW
+    assert n[r] == stop
+    np.testing.assert_array_equal(o[r, :stop], g[r, :stop])
+    assert (o[r, stop:] == ids[0]).all()
+  assert n[0] <= 3 and n[1] <= 6
+  state = model.init_state(B, MAX_LEN, buffer_len=BUFFER_LEN)
+  _, state = prefill(model, prompts, lengths, state)
+  rest, m, _ = G.generate_from_state(model, state, jnp.asarray(
+      [ids[1], ids[0], ids[1]]), 3, eos_id=ids)
+  np.testing.assert_array_equal(m, 0)
+  np.testing.assert_array_equal(rest, ids[0])
+  with pytest.raises(ValueError, match="eos_id must be None, an int or a "
+                     "sequence"):
+    generate(model, prompts, lengths, MAX_NEW,
+             eos_id=(1, model.config.vocab_size))
+
+
 def test_eos_stops_rows_and_top_k_1_is_greedy(model):
   prompts = random_tokens(10, (B, T))
   lengths = jnp.asarray(LENGTHS)

@@ -171,11 +171,41 @@ def sample_logits(logits, rng, greedy, temperature, top_k, top_p):
   return jax.lax.cond(greedy, argmax, sample)
 
 
+def eos_tuple(eos_id, vocab_size: int, name: str = "eos_id"):
+  """eos_id (None, an int, or a sequence of ints in [0, vocab_size)) as a
+  tuple of distinct ints (empty: no eos); errors name `name`."""
+  ids = (() if eos_id is None else (eos_id,) if np.ndim(eos_id) == 0
+         else tuple(eos_id))
+  for i in ids:
+    if (isinstance(i, (bool, np.bool_)) or not isinstance(
+        i, (int, np.integer)) or not 0 <= i < vocab_size):
+      raise ValueError(f"{name} must be None, an int or a sequence of ints "
+                       f"in [0, vocab_size) = [0, {vocab_size}), got "
+                       f"{eos_id!r}.")
+  return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def eos_array(eos_id, vocab_size: int):
+  """eos_id (as `eos_tuple` takes it) as the [E] int32 array the decode
+  loops trace (-1: no eos; E >= 1, so changing the ids' values does not
+  recompile, their number does)."""
+  return jnp.asarray(list(eos_tuple(eos_id, vocab_size)) or [-1], jnp.int32)
+
+
+def is_eos(tokens, eos):
+  """tokens (any shape) against the eos ids eos [E] (-1: none) -> bool."""
+  return jnp.any((eos >= 0) & (tokens[..., None] == eos), axis=-1)
+
+
+def eos_pad(eos):
+  """What a stopped row's later slots hold: the first eos id, 0 without."""
+  return jnp.maximum(eos[0], 0)
+
+
 def check_prompts_and_eos(model: M.HybridLM, prompt_tokens,
                           eos_id) -> tuple[int, int]:
   """Checks the prompt array's rank and eos_id's range -> (batch, P)."""
-  if eos_id is not None and not 0 <= eos_id < model.config.vocab_size:
-    raise ValueError(f"eos_id must lie in [0, vocab_size), got {eos_id!r}.")
+  eos_array(eos_id, model.config.vocab_size)
   V.check_array("prompt_tokens", prompt_tokens)
   V.check_ndim("prompt_tokens", prompt_tokens, 2, "[batch, seqlen]")
   return prompt_tokens.shape
@@ -191,14 +221,14 @@ def _not_finished(max_new_tokens):
 
 def _sample_token(logits, rng, i, out, done, n, sampling, eos_id, pad):
   """One token per row from logits, recorded at column i of out: rows
-  already done get pad; a row emitting eos_id is done from then on ->
-  (tok, rng, out, done, n)."""
+  already done get pad; a row emitting one of the eos ids (eos_id [E]) is
+  done from then on -> (tok, rng, out, done, n)."""
   rng, sub = jax.random.split(rng)
   tok = sample_logits(logits, sub, *sampling)
   tok = jnp.where(done, pad, tok)
   out = out.at[:, i].set(tok)
   n = n + (~done).astype(jnp.int32)
-  return tok, rng, out, done | (tok == eos_id), n
+  return tok, rng, out, done | is_eos(tok, eos_id), n
 
 
 def _generate_body(graphdef, params, tokens, lengths, state, max_new_tokens,
@@ -207,7 +237,7 @@ def _generate_body(graphdef, params, tokens, lengths, state, max_new_tokens,
   model = nnx.merge(graphdef, params)
   b = tokens.shape[0]
   logits, state = M.prefill_fn(model, tokens, lengths, state)
-  pad = jnp.maximum(eos_id, 0)  # eos_id < 0: no eos.
+  pad = eos_pad(eos_id)
 
   def body(carry):
     i, logits, state, out, done, n, rng = carry
@@ -236,7 +266,7 @@ def generate(model: M.HybridLM, prompt_tokens, prompt_lengths,
              max_new_tokens: int, *, ssm_mode: str = "replay",
              buffer_len: int = 16, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None,
-             greedy: bool | None = None, rng=None, eos_id: int | None = None,
+             greedy: bool | None = None, rng=None, eos_id=None,
              implementation: str | None = None, return_state: bool = False,
              **state_kwargs):
   """Samples `max_new_tokens` per row after right-padded prompts.
@@ -255,7 +285,8 @@ def generate(model: M.HybridLM, prompt_tokens, prompt_lengths,
       between greedy and sampling, or a filter on or off, does once.
     greedy: force greedy (True) or sampling (False); default temperature==0.
     rng: PRNG key (required when sampling).
-    eos_id: a row stops after emitting it; later slots hold eos_id.
+    eos_id: a row stops after emitting it (an int, or a sequence of ints:
+      after any of them); its later slots hold the (first) eos id.
     implementation: implementation of the SSM decode op and the decode
       attention (dispatcher name, see `decode_step`).
     return_state: also return the final decode state.
@@ -279,7 +310,7 @@ def generate(model: M.HybridLM, prompt_tokens, prompt_lengths,
   out, n, state = _generate_jit(graphdef, params, jnp.asarray(prompt_tokens),
                                 lengths, state, max_new_tokens,
                                 implementation, sampling,
-                                jnp.int32(-1 if eos_id is None else eos_id),
+                                eos_array(eos_id, model.config.vocab_size),
                                 rng)
   V.raise_if_invalid(state.positions < 0, "generate")
   return (out, n, state) if return_state else (out, n)
@@ -290,7 +321,7 @@ def _resume_body(graphdef, params, last_tokens, state, max_new_tokens,
   M.TRACE_COUNTS["generate_from_state"] += 1
   model = nnx.merge(graphdef, params)
   b = last_tokens.shape[0]
-  pad = jnp.maximum(eos_id, 0)  # eos_id < 0: no eos.
+  pad = eos_pad(eos_id)
   # generate's loop splits its key once per token: the key carried into
   # iteration start_step of that loop.
   rng = jax.lax.fori_loop(0, start_step,
@@ -305,9 +336,9 @@ def _resume_body(graphdef, params, last_tokens, state, max_new_tokens,
 
   out = jnp.full((b, max_new_tokens), pad, jnp.int32)
   invalid = state.positions < 0
-  # A row whose last token is eos_id has stopped: generate pads it with
-  # eos_id from there on.
-  done = invalid | (last_tokens == eos_id)
+  # A row whose last token is an eos id has stopped: generate pads it with
+  # the first eos id from there on.
+  done = invalid | is_eos(last_tokens, eos_id)
   carry = (jnp.int32(0), last_tokens, state, out, done,
            jnp.zeros((b,), jnp.int32), rng)
   _, _, state, out, _, n, _ = jax.lax.while_loop(
@@ -325,8 +356,7 @@ def generate_from_state(model: M.HybridLM, state: S.ModelState, last_tokens,
                         temperature: float = 0.0, top_k: int | None = None,
                         top_p: float | None = None,
                         greedy: bool | None = None, rng=None,
-                        eos_id: int | None = None,
-                        implementation: str | None = None):
+                        eos_id=None, implementation: str | None = None):
   """Continues a generation from a decode state (e.g. a restored one).
 
   `state` holds every token of each row up to, not including, its
@@ -351,8 +381,8 @@ def generate_from_state(model: M.HybridLM, state: S.ModelState, last_tokens,
     model: the HybridLM.
     state: a ModelState (not donated: it stays alive, unchanged).
     last_tokens: [batch] int, each row's pending token. A row whose
-      pending token is eos_id has stopped: it yields eos_id (length 0) and,
-      as in `generate`, its state keeps decoding eos_id.
+      pending token is an eos id has stopped: it yields the (first) eos id
+      (length 0) and, as in `generate`, its state keeps decoding it.
     max_new_tokens: tokens to sample per row (static).
     start_step: tokens the run sampled before last_tokens' successor, i.e.
       the index of the first returned token in the uninterrupted run
@@ -372,8 +402,7 @@ def generate_from_state(model: M.HybridLM, state: S.ModelState, last_tokens,
     raise ValueError(f"start_step must be an int >= 0, got "
                      f"{start_step!r}.")
   sampling = sampling_settings(temperature, top_k, top_p, greedy, rng)
-  if eos_id is not None and not 0 <= eos_id < model.config.vocab_size:
-    raise ValueError(f"eos_id must lie in [0, vocab_size), got {eos_id!r}.")
+  eos_array(eos_id, model.config.vocab_size)
   # pylint: disable=protected-access
   M._check_tokens("last_tokens", last_tokens, 1, "[batch]", model.config)
   M._check_state(state, last_tokens.shape[0], model.config)
@@ -391,7 +420,7 @@ def generate_from_state(model: M.HybridLM, state: S.ModelState, last_tokens,
   out, n, state = _resume_jit(graphdef, params,
                               jnp.asarray(last_tokens, jnp.int32), state,
                               max_new_tokens, implementation, sampling,
-                              jnp.int32(-1 if eos_id is None else eos_id),
+                              eos_array(eos_id, model.config.vocab_size),
                               rng, jnp.int32(start_step))
   V.raise_if_invalid(state.positions < 0, "generate_from_state")
   return out, n, state

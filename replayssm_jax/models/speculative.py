@@ -34,7 +34,8 @@ from replayssm_jax import _validation as V
 from replayssm_jax.models import model as M
 from replayssm_jax.models import states as S
 from replayssm_jax.models.generate import (check_prompts_and_eos,
-                                           filter_logits, is_static_flag,
+                                           eos_array, eos_pad, filter_logits,
+                                           is_eos, is_static_flag,
                                            sample_logits, sampling_settings)
 from replayssm_jax.models.layers import check_speculative_precision
 from replayssm_jax.models.proposers import (DraftModelProposer,
@@ -202,7 +203,7 @@ def _spec_jit(graphdef, params, tokens, lengths, state, max_new_tokens,
   w = p_len + max_new_tokens  # history width
   max_len = state.max_len if state.max_len is not None else w + t
   rows = jnp.arange(b)
-  pad = jnp.maximum(eos_id, 0)  # eos_id < 0: no eos
+  pad = eos_pad(eos_id)
 
   logits, state = M.prefill_fn(target, tokens, lengths, state)
   pstate = proposer.init(tokens, lengths, max_len=max_len, window=t,
@@ -214,7 +215,7 @@ def _spec_jit(graphdef, params, tokens, lengths, state, max_new_tokens,
                    jnp.pad(tokens, ((0, 0), (0, max_new_tokens))), 0)
   hist = hist.at[rows, lengths].set(first).astype(jnp.int32)
   invalid = state.positions < 0  # (the traced-value policy) never run
-  done = (first == eos_id) | (max_new_tokens <= 1) | invalid
+  done = is_eos(first, eos_id) | (max_new_tokens <= 1) | invalid
   zeros = jnp.zeros((b,), jnp.int32)
   carry = (jnp.int32(0), first, hist, lengths + 1, zeros + 1, done, state,
            pstate, rng, zeros, zeros)
@@ -244,9 +245,9 @@ def _spec_jit(graphdef, params, tokens, lengths, state, max_new_tokens,
     emitted = jnp.where(j < a[:, None], jnp.roll(win, -1, axis=1),
                         nxt[:, None])
     count = jnp.minimum(a + 1, max_new_tokens - gen)
-    is_eos = (emitted == eos_id) & (j < count[:, None])
-    hit = jnp.any(is_eos, axis=1)
-    count = jnp.where(hit, jnp.argmax(is_eos, axis=1) + 1, count)
+    at_eos = is_eos(emitted, eos_id) & (j < count[:, None])
+    hit = jnp.any(at_eos, axis=1)
+    count = jnp.where(hit, jnp.argmax(at_eos, axis=1) + 1, count)
     count = jnp.where(active, count, 0).astype(jnp.int32)
     pos = jnp.where(j < count[:, None], hlen[:, None] + j, w)
     hist = hist.at[rows[:, None], pos].set(emitted, mode="drop")
@@ -314,7 +315,7 @@ def speculative_generate(target: M.HybridLM, proposer: Proposer,
                          buffer_len: int = 16, temperature: float = 0.0,
                          top_k: int | None = None, top_p: float | None = None,
                          greedy: bool | None = None, rng=None,
-                         eos_id: int | None = None,
+                         eos_id=None,
                          implementation: str | None = None,
                          return_state: bool = False, compaction: int = 0,
                          **state_kwargs):
@@ -347,7 +348,8 @@ def speculative_generate(target: M.HybridLM, proposer: Proposer,
       `init_state` keywords (checkpoint_dtype, buffer_dtype, kv_dtype,
       precision and row_ids: see `verify`) via **state_kwargs.
     temperature, top_k, top_p, greedy, rng: sampling, as in `generate`.
-    eos_id: a row stops after emitting it; later slots hold eos_id.
+    eos_id: a row stops after emitting it (an int, or a sequence of ints:
+      after any of them); its later slots hold the (first) eos id.
     implementation: implementation of the target's kernel ops (SSM op and
       decode attention; dispatcher name).
     return_state: also return the target's final ModelState: it holds the
@@ -413,7 +415,7 @@ def speculative_generate(target: M.HybridLM, proposer: Proposer,
   out, n, stats, state = _spec_jit(
       graphdef, params, jnp.asarray(prompt_tokens, jnp.int32), lengths, state,
       max_new_tokens, window, implementation, ssm_mode, buffer_len, proposer,
-      sampling, jnp.int32(-1 if eos_id is None else eos_id), rng, compaction,
+      sampling, eos_array(eos_id, target.config.vocab_size), rng, compaction,
       bool(return_state))
   V.raise_if_invalid(out[:, 0] < 0, "speculative_generate")
   return (out, n, stats, state) if return_state else (out, n, stats)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from replayssm_jax.models.generate import is_eos as eos_hit
 from replayssm_jax.serving import pool as P
 
 
@@ -78,8 +79,7 @@ def request_keys(seeds):
 def is_eos(tokens, eos):
   """tokens [k] (or [k, T]) against each row's eos ids eos [k, E] (-1:
   unused) -> bool [k] (or [k, T])."""
-  eos = eos.reshape(eos.shape[:1] + (1,) * (tokens.ndim - 1) + eos.shape[1:])
-  return jnp.any((eos >= 0) & (tokens[..., None] == eos), axis=-1)
+  return jax.vmap(eos_hit)(tokens, eos)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

@@ -14,7 +14,7 @@ import dataclasses
 import numpy as np
 
 from replayssm_jax import _validation as V
-from replayssm_jax.models.generate import check_sampling
+from replayssm_jax.models.generate import check_sampling, eos_tuple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,16 +88,9 @@ class EngineStats:
 
 
 def eos_ids(eos, vocab_size: int, most: int, name: str) -> tuple[int, ...]:
-  """An eos_id (None, an int, or a sequence of ints in [0, vocab_size),
-  at most `most` of them) as a tuple of distinct ints (empty: none)."""
-  ids = () if eos is None else (eos,) if np.ndim(eos) == 0 else tuple(eos)
-  for i in ids:
-    if (not isinstance(i, (int, np.integer)) or isinstance(i, bool)
-        or not 0 <= i < vocab_size):
-      raise ValueError(f"{name} must be None, an int or a sequence of ints "
-                       f"in [0, vocab_size) = [0, {vocab_size}), got "
-                       f"{eos!r}.")
-  ids = tuple(dict.fromkeys(int(i) for i in ids))
+  """An eos_id (`models.generate.eos_tuple`'s forms) as a tuple of
+  distinct ids, at most `most` of them."""
+  ids = eos_tuple(eos, vocab_size, name)
   if len(ids) > most:
     raise ValueError(f"{name} holds {len(ids)} token ids; the engine takes "
                      f"at most max_eos_ids = {most}.")
