@@ -489,6 +489,26 @@ def test_from_pretrained_round_trip(tmp_path, architecture, overrides,
                                 forward(model, tokens))
 
 
+def test_eos_ids_of_a_checkpoint(tmp_path):
+  fixture = os.path.join(os.path.dirname(__file__), "fixtures", "hf",
+                         "qwen3_5")
+  assert hf.eos_ids(fixture) == (2,)  # generation_config.json
+
+  def write(name, d):
+    with open(tmp_path / name, "w") as f:
+      json.dump(d, f)
+
+  assert hf.eos_ids(str(tmp_path)) == ()  # neither file
+  write("config.json", dict(text_config=dict(eos_token_id=7)))
+  assert hf.eos_ids(str(tmp_path)) == (7,)  # a multimodal config's text
+  write("generation_config.json", dict(eos_token_id=[5, 9, 5]))
+  assert hf.eos_ids(str(tmp_path)) == (5, 9)  # generation config first
+  write("generation_config.json", dict(eos_token_id="5"))
+  with pytest.raises(ValueError, match="generation_config.json: "
+                     "eos_token_id must be"):
+    hf.eos_ids(str(tmp_path))
+
+
 def test_from_pretrained_lists_bad_tensors(tmp_path):
   model = make_model(4, rope_theta=None)
   tensors = _write_checkpoint(str(tmp_path), model, "NemotronHForCausalLM")

@@ -286,3 +286,37 @@ def from_pretrained(directory: str, dtype: str = "float32",
     return hf_tensors.load_tensors(cfg, _read_tensors(directory),
                                    FAMILIES[arch].tensor_map(cfg))
   return load_tensors(cfg, _read_tensors(directory))
+
+
+def eos_ids(directory: str) -> tuple[int, ...]:
+  """The eos token ids of a checkpoint directory, for `generate(eos_id=)`
+  and `serving.Request(eos_id=)`: generation_config.json's eos_token_id
+  (an int or a list), else config.json's (a multimodal config's
+  text_config too); () when neither names one.
+
+  Raises:
+    ValueError: naming the file whose eos_token_id is not an int >= 0 or a
+      list of them, or that is not valid JSON.
+  """
+  for name in ("generation_config.json", "config.json"):
+    path = os.path.join(directory, name)
+    if not os.path.isfile(path):
+      continue
+    try:
+      with open(path) as f:
+        d = json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+      continue
+    eos = d.get("eos_token_id", (d.get("text_config") or {}).get(
+        "eos_token_id"))
+    if eos is None:
+      continue
+    ids = [eos] if not isinstance(eos, list) else eos
+    if not ids or any(isinstance(i, bool) or not isinstance(i, int)
+                      or i < 0 for i in ids):
+      raise ValueError(f"{path}: eos_token_id must be an int >= 0 or a "
+                       f"list of them, got {eos!r}.")
+    return tuple(dict.fromkeys(ids))
+  return ()
