@@ -10,9 +10,10 @@ each request once the wall clock passes its arrival time and dispatches
 the engine (admissions, then `steps_per_dispatch` decode steps) until all
 finished. A throwaway engine's `precompile` and the same workload played
 once at full speed through it (outputs cut to two dispatches) compile
-every prefill and decode shape first, so the timed run compiles nothing. With `serve.shared_prefixes` >
-0 the prompts start with one of a few shared prefixes, and each mode runs
-twice: without and with a `serving.PrefixCache` (its hit rate and the
+every prefill and decode shape first, so the timed run compiles nothing.
+With `serve.shared_prefixes` > 0 the prompts start with one of a few
+shared prefixes, and each mode runs twice: without and with a
+`serving.PrefixCache` (its hit rate and the
 prompt tokens it saved recorded). With `serve.speculative_window` > 0 each
 mode also runs with speculative decoding inside the engine
 (`serving.Speculation`: `steps_per_dispatch` rounds per dispatch, each a
