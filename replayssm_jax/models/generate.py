@@ -176,13 +176,23 @@ def eos_tuple(eos_id, vocab_size: int, name: str = "eos_id"):
   tuple of distinct ints (empty: no eos); errors name `name`."""
   ids = (() if eos_id is None else (eos_id,) if np.ndim(eos_id) == 0
          else tuple(eos_id))
-  for i in ids:
-    if (isinstance(i, (bool, np.bool_)) or not isinstance(
-        i, (int, np.integer)) or not 0 <= i < vocab_size):
-      raise ValueError(f"{name} must be None, an int or a sequence of ints "
-                       f"in [0, vocab_size) = [0, {vocab_size}), got "
-                       f"{eos_id!r}.")
-  return tuple(dict.fromkeys(int(i) for i in ids))
+
+  def as_int(i):  # a Python / NumPy int or a concrete integer scalar
+    if isinstance(i, (bool, np.bool_)):
+      return None
+    if isinstance(i, (int, np.integer)):
+      return int(i)
+    if (hasattr(i, "dtype") and np.ndim(i) == 0 and V.is_concrete(i)
+        and np.issubdtype(i.dtype, np.integer)):
+      return int(i)
+    return None
+
+  out = [as_int(i) for i in ids]
+  if any(i is None or not 0 <= i < vocab_size for i in out):
+    raise ValueError(f"{name} must be None, an int or a sequence of ints "
+                     f"in [0, vocab_size) = [0, {vocab_size}), got "
+                     f"{eos_id!r}.")
+  return tuple(dict.fromkeys(out))
 
 
 def eos_array(eos_id, vocab_size: int):
