@@ -21,6 +21,7 @@ from replayssm_jax.serving import controls
 
 from replayssm_jax import serving, testing
 from replayssm_jax.serving import pool as pool_mod
+from replayssm_jax.serving import prefix_cache as pc_mod
 from tests.serving_common import CFG, build_model, poison, prompt
 
 CAP, MAX_LEN, L = 6, 48, 4
@@ -196,6 +197,30 @@ def test_precompile_leaves_nothing_to_compile(model):
   eng.run()
   assert [f._cache_size() for f in jitted] == sizes  # pylint: disable=protected-access
   assert eng.stats.compacted > 0
+
+
+def test_precompile_covers_the_prefix_cache(model):
+  """With a prefix cache: precompile runs every shape its admissions need
+  (misses, hits, extensions of a cached prefix, prompts shorter than a
+  block) on a throwaway cache, leaving the engine's cache empty."""
+  cache = serving.PrefixCache(block=4, max_entries=8)
+  eng = serving.Engine(model, 4, MAX_LEN, steps_per_dispatch=2,
+                       buffer_len=L, prefix_cache=cache)
+  system = np.asarray(prompt(130, 9))
+  reqs = [np.concatenate([system[:n], np.asarray(prompt(131 + i, t))])
+          for i, (n, t) in enumerate([(9, 3), (9, 6), (4, 1), (0, 3),
+                                      (8, 9), (0, 14)])]
+  eng.precompile(max(len(p) for p in reqs))
+  assert len(cache) == 0 and cache.stats()["lookups"] == 0
+  jitted = (pc_mod._prefill_jit, pc_mod._extend_jit, pc_mod._finish_jit,  # pylint: disable=protected-access
+            pool_mod._insert_jit, controls.admit, controls.request_keys)  # pylint: disable=protected-access
+  sizes = [f._cache_size() for f in jitted]  # pylint: disable=protected-access
+  for i, p in enumerate(reqs):  # one by one: hits, misses, extensions
+    eng.submit(serving.Request(i, p, 3))
+    eng.dispatch()
+  eng.run()
+  assert cache.stats()["hits"] > 0
+  assert [f._cache_size() for f in jitted] == sizes  # pylint: disable=protected-access
 
 
 def test_compacted_batches_are_at_least_a_sixteenth(model):

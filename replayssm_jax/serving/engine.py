@@ -98,7 +98,8 @@ from replayssm_jax.serving import controls as C
 from replayssm_jax.serving import pool as P
 from replayssm_jax.serving import snapshot
 from replayssm_jax.serving import spec as SP
-from replayssm_jax.serving.prefix_cache import PrefixCache, insert_cached
+from replayssm_jax.serving.prefix_cache import (PrefixCache, insert_cached,
+                                                warmup_prompts)
 from replayssm_jax.serving.requests import EngineStats, Request, check_request
 from replayssm_jax.serving.spec import Speculation
 
@@ -520,8 +521,8 @@ class Engine:
     decode call over the whole pool and over every compacted batch size
     (`compact_below`), greedy or with `sampled` rows. An idle engine only
     (nothing queued or running); the slots stay free and the statistics
-    zero. Prefix-cache admissions still compile per remainder bucket on
-    first use (the cache is not touched here)."""
+    zero. With a prefix cache, its paths too (`warmup_prompts`, run on a
+    throwaway cache: the engine's is not touched)."""
     if self.busy:
       raise ValueError("precompile needs an idle engine (no queued or "
                        "running requests).")
@@ -540,6 +541,18 @@ class Engine:
             None, np.zeros(b, np.int32), 1, eos_id=(),
             temperature=temp)] * k, via_cache=False)
       k *= 2
+    if self.prefix_cache is not None:  # its paths, on a throwaway cache
+      real = self.prefix_cache
+      self.prefix_cache = PrefixCache(real.block, max_entries=2)
+      try:
+        for t, hit in warmup_prompts(real.block, max_prompt_len,
+                                     self.pool.max_len):
+          self.prefix_cache.clear()
+          for length in (real.block + 1, t) if hit else (t,):
+            self._admit_rows([0], [Request(None, np.zeros(length, np.int32),
+                                           1, eos_id=(), temperature=temp)])
+      finally:
+        self.prefix_cache = real
     self._firsts = []
     self._ctl = self._ctl.replace(left=jnp.zeros_like(self._ctl.left))
     self.pool = self.pool.replace(active=jnp.zeros_like(self.pool.active))

@@ -210,6 +210,30 @@ def _padded(tokens: np.ndarray, max_len: int):
   return jnp.asarray(out), jnp.int32(n)
 
 
+def warmup_prompts(block: int, max_prompt_len: int,
+                   max_len: int) -> list[tuple[int, bool]]:
+  """(prompt length, hit) pairs whose `insert_cached` calls, each on an
+  emptied cache (hit: after a prompt of block + 1 tokens that caches one
+  block of the same prefix), run every jitted shape that prompts of up to
+  max_prompt_len tokens can need: the plain insert (no whole block), the
+  prefix's prefill and the rest's prefill per bucket pair (a miss), and
+  the extension of a cached prefix (a hit short of the last block)."""
+  seen, out = set(), []
+  for t in range(1, max_prompt_len + 1):
+    n = (t - 1) // block
+    rest = P.bucket_len(t - n * block, max_len)
+    shapes = [(("insert", P.bucket_len(t, max_len)) if n == 0 else
+               ("miss", P.bucket_len(n * block, max_len), rest), False)]
+    if n >= 2:
+      shapes.append((("hit", P.bucket_len((n - 1) * block, max_len), rest),
+                     True))
+    for key, hit in shapes:
+      if key not in seen:
+        seen.add(key)
+        out.append((t, hit))
+  return out
+
+
 # ------------------------------------------------------------------ API
 def insert_cached(model: M.HybridLM, pool: P.Pool, cache: PrefixCache, slot,
                   prompt_tokens, *, row_id=None, temperature: float = 0.0,
