@@ -30,6 +30,15 @@ def build_model(seed: int, norm_seed: int, cfg=CFG) -> models.HybridLM:
   return m
 
 
+def greedy_tokens(model, tokens, n, ssm_mode="replay", buffer_len=4):
+  """The n tokens of an independent greedy `generate` of one prompt (the
+  reference a served request must match)."""
+  out, _ = models.generate(model, jnp.asarray(tokens)[None],
+                           jnp.array([len(tokens)]), n, ssm_mode=ssm_mode,
+                           buffer_len=buffer_len)
+  return [int(t) for t in out[0]]
+
+
 def prompt(seed, length):
   """[length] random int32 token ids."""
   return jax.random.randint(jax.random.PRNGKey(seed), (length,), 0,

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from replayssm_jax import models, serving
 from replayssm_jax.serving import pool as pool_mod
-from tests.serving_common import CFG, build_model, prompt
+from tests.serving_common import CFG, build_model, greedy_tokens, prompt
 
 CAP, MAX_LEN, L = 3, 48, 4
 
@@ -25,10 +24,7 @@ def model():
 
 
 def reference(model, tokens, n, ssm_mode):
-  out, _ = models.generate(model, jnp.asarray(tokens)[None],
-                           jnp.array([len(tokens)]), n, ssm_mode=ssm_mode,
-                           buffer_len=L)
-  return np.asarray(out[0]).tolist()
+  return greedy_tokens(model, tokens, n, ssm_mode, buffer_len=L)
 
 
 @pytest.mark.parametrize("ssm_mode", ["replay", "baseline"])

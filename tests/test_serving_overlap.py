@@ -18,7 +18,7 @@ import pytest
 
 from replayssm_jax import models, serving
 from replayssm_jax.serving import controls as C
-from tests.serving_common import build_model, prompt
+from tests.serving_common import build_model, greedy_tokens, prompt
 
 CAP, MAX_LEN, L = 3, 48, 4
 
@@ -29,9 +29,7 @@ def model():
 
 
 def reference(model, tokens, n):
-  out, _ = models.generate(model, jnp.asarray(tokens)[None],
-                           jnp.array([len(tokens)]), n, buffer_len=L)
-  return np.asarray(out[0]).tolist()
+  return greedy_tokens(model, tokens, n, buffer_len=L)
 
 
 def run(model, reqs, **kw):
