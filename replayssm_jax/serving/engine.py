@@ -239,12 +239,13 @@ class Engine:
       return False
     del self._budget[request_id]
     self.stats.cancelled += 1
-    for slot, req in enumerate(self.slots):
-      if req is not None and req.id == request_id:
-        self.slots[slot] = None
-        self._finished.append(slot)
-        with self._on_mesh():  # evicted before an admission refills it
-          self._evict_finished()
+    slot = next((s for s, r in enumerate(self.slots)
+                 if r is not None and r.id == request_id), None)
+    if slot is not None:  # (not if an admission already took its slot)
+      self.slots[slot] = None
+      self._finished.append(slot)
+      with self._on_mesh():  # evicted before an admission refills it
+        self._evict_finished()
     return True
 
   def save(self, path, on_tokens: Callable | None = None, *,
