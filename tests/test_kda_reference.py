@@ -197,8 +197,25 @@ def test_matches_transformers_kda_recurrence():
   testing.assert_close(s64, HF_STATE, TOL, "float64 loop state")
 
 
+def test_baseline_verify_snapshots_equal_the_float64_loop():
+  """`kda_baseline_verify`: each window position's output and state
+  snapshot equal the float64 loop's after that many tokens; bad windows
+  are named."""
+  T = 4
+  inp, state = make_inputs(45, T=T)
+  o, snaps = kda.kda_baseline_verify(state, **inp)
+  assert snaps.shape == (B, T, HV, K, VD) and snaps.dtype == state.dtype
+  for t in range(1, T + 1):
+    want_o, want_s = numpy_loop(state, *(inp[n][:, :t] for n in TOKS))
+    testing.assert_close(o[:, t - 1], want_o[:, -1], TOL, f"o at {t}")
+    testing.assert_close(snaps[:, t - 1], want_s, TOL, f"snapshot {t}")
+  with pytest.raises(ValueError, match="g"):
+    kda.kda_baseline_verify(state, **{**inp, "g": inp["g"][..., :-1]})
+
+
 def test_dispatch_table():
-  for op in ("kda_step", "kda_chunked_prefill", "kda_replay_step"):
+  for op in ("kda_step", "kda_chunked_prefill", "kda_replay_step",
+             "kda_baseline_verify"):
     assert "reference" in rs.implementations(op)
   inp, state = make_inputs(50)
   o, _ = kda.kda_step(state, **inp, implementation="reference")

@@ -5,8 +5,9 @@ Kimi Delta Attention with MLA) served from a pool in replay mode gives
 transformers' greedy tokens; a request admitted into a slot poisoned with
 NaN / inf / garbage gets `generate`'s tokens; speculative serving (n-gram
 drafts) gives the same tokens for the families whose verify differs (MoE
-routers, delta-rule layers). Kimi Delta Attention has no verify window: the
-engine refuses speculation for it by name."""
+routers, delta-rule layers). Kimi Delta Attention verifies from baseline
+states only: the engine speculates on it in baseline mode and refuses
+replay mode by name."""
 
 from __future__ import annotations
 
@@ -61,8 +62,16 @@ def test_engine_gives_transformers_greedy_tokens(name):
     assert serve(model, prompts, (8, 8, 6), spec) == want
 
 
-def test_speculation_is_refused_for_kimi_delta_attention():
-  model, _, _ = load("kimi_linear")
-  with pytest.raises(ValueError, match="Kimi Delta Attention"):
-    serving.Engine(model, 2, 32, buffer_len=L, speculative=serving.Speculation(
-        models.NgramProposer(n=2), window=3))
+def test_kimi_delta_attention_speculates_from_baseline_states():
+  """KDA layers verify from baseline states (one snapshot per window
+  position): speculative serving in baseline mode gives transformers'
+  greedy tokens; in replay mode the engine refuses speculation by name."""
+  model, ids, greedy = load("kimi_linear")
+  spec = serving.Speculation(models.NgramProposer(n=2), window=3)
+  with pytest.raises(ValueError, match="Kimi Delta Attention .* baseline "
+                     "state only"):
+    serving.Engine(model, 2, 32, buffer_len=L, speculative=spec)
+  eng = serving.Engine(model, 2, 32, ssm_mode="baseline", speculative=spec)
+  for i in range(2):
+    eng.submit(serving.Request(i, ids[i], 8))
+  assert eng.run() == {i: greedy[i].tolist() for i in range(2)}

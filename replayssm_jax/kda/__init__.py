@@ -7,6 +7,9 @@ dispatched; pure-JAX references in `reference` / `replay`):
   kda_gates              Kimi Linear's gate -exp(A_log) softplus(f +
                          dt_bias) (or fla's bounded safe gate) and beta.
   kda_step               baseline decode step (full state read + written).
+  kda_baseline_verify    a speculative window stepped from the baseline
+                         state, one state snapshot per position (commit:
+                         gdn.gdn_baseline_commit).
   kda_chunked_prefill    chunked (WY / UT) prefill, any length, right
                          padding by a `valid` mask; == stepwise kda_step.
   KDAReplayState         checkpoint + rings of corrected updates d and
@@ -22,7 +25,8 @@ State layout [batch, num_v_heads, key_dim, value_dim] (o = S^T q,
 S <- diag(exp(g)) S + k d^T), as the GDN ops.
 """
 
-from replayssm_jax.kda.ops import (kda_chunked_prefill, kda_gates,
+from replayssm_jax.kda.ops import (kda_baseline_verify, kda_chunked_prefill,
+                                   kda_gates,
                                    kda_materialize, kda_replay_step,
                                    kda_step)
 from replayssm_jax.kda.state import (MAX_LOG_DECAY, KDAReplayState,
@@ -32,6 +36,7 @@ from replayssm_jax.kda.state import (MAX_LOG_DECAY, KDAReplayState,
 
 __all__ = [
     "KDAReplayState", "MAX_LOG_DECAY", "init_kda_replay_state",
+    "kda_baseline_verify",
     "kda_chunked_prefill", "kda_gates", "kda_materialize",
     "kda_replay_state_from", "kda_replay_step", "kda_step",
     "safe_gate_lower_bound",

@@ -4,8 +4,9 @@ As `replayssm_jax.gdn.ops`: each op checks its arguments once at trace
 time (errors name the argument), then runs an implementation through
 `replayssm_jax.dispatch` (implementation=None: the fastest registered one
 that supports the inputs; "reference": the pure-JAX reference). The table
-entries "kda_step", "kda_chunked_prefill" and "kda_replay_step" are added
-with their references when this module is imported.
+entries "kda_step", "kda_chunked_prefill", "kda_replay_step" and
+"kda_baseline_verify" are added with their references when this module is
+imported.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ OPS = {
     "kda_step": reference.kda_step,
     "kda_chunked_prefill": reference.kda_chunked_prefill,
     "kda_replay_step": replay.kda_replay_step,
+    "kda_baseline_verify": reference.kda_step_scan,
 }
 for _op, _fn in OPS.items():
   _dispatch.register_op(_op, _fn)
@@ -115,6 +117,33 @@ def kda_step(state, q, k, v, g, beta, *, use_qk_l2norm: bool = True,
   args = dict(state=state, q=q, k=k, v=v, g=g, beta=beta,
               use_qk_l2norm=bool(use_qk_l2norm), scale=scale)
   return dispatch("kda_step", implementation, config, args)
+
+
+def kda_baseline_verify(state, q, k, v, g, beta, *,
+                        use_qk_l2norm: bool = True, scale=None,
+                        implementation: str | None = None, config=None):
+  """Snapshot-per-draft verify of a speculative window (the baseline
+  state's): steps the full state through the window, keeping one state per
+  position; commit picks one (`gdn.gdn_baseline_commit`).
+
+  Args:
+    state: [batch, num_v_heads, key_dim, value_dim] committed state.
+    q, k: [batch, T, num_k_heads, key_dim]; v [batch, T, num_v_heads,
+      value_dim]; g [batch, T, num_v_heads, key_dim]; beta [batch, T,
+      num_v_heads]: the window.
+    use_qk_l2norm, scale, implementation, config: as `kda_step`.
+
+  Returns:
+    (o [batch, T, num_v_heads, value_dim] in v.dtype, snapshots [batch, T,
+     num_v_heads, key_dim, value_dim] in state.dtype: the state after each
+     window position).
+  """
+  b, hv, K, Vd = checks.check_state("state", state)
+  check_token(b, hv, K, Vd, q, k, v, g, beta, window=True)
+  checks.check_options(use_qk_l2norm, scale)
+  args = dict(state=state, q=q, k=k, v=v, g=g, beta=beta,
+              use_qk_l2norm=bool(use_qk_l2norm), scale=scale)
+  return dispatch("kda_baseline_verify", implementation, config, args)
 
 
 def kda_chunked_prefill(q, k, v, g, beta, *, chunk_size: int = 64,

@@ -19,7 +19,9 @@ whose ssm is a [batch, HV, K, V] array (baseline) or a
 `kda.KDAReplayState` (replay: pre-decayed keys under the gate bound
 `kda.safe_gate_lower_bound(buffer_len)`; Kimi Linear's gate is unbounded
 below, and a token below the bound flushes its row early, exactly).
-Speculative verify windows are not implemented for KDA layers.
+Speculative verify windows run from a baseline state only (one state
+snapshot per window position); a replay state is refused
+(`REPLAY_VERIFY_REFUSAL`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,12 @@ from replayssm_jax.models.states import (GDNState, full_ssm_state,
                                          tokens_after)
 
 F32 = jnp.float32
+REPLAY_VERIFY_REFUSAL = (
+    "speculative verify windows of Kimi Delta Attention ('K') layers run "
+    "from a baseline state only (ssm_mode='baseline'): a replay state's "
+    "pre-decayed keys exp(-G) k overflow once a window token's gate falls "
+    "below the state's gate bound, so such a window cannot be committed by "
+    "a counter move")
 
 
 class KDAMixer(nnx.Module):
@@ -153,8 +161,24 @@ class KDAMixer(nnx.Module):
                             implementation=implementation)
     return self._out(o, gate), state.replace(conv=conv, ssm=ssm)
 
-  def verify(self, h, state, implementation=None, layer=0):
-    del h, state, implementation, layer
-    raise ValueError("speculative verify windows are not implemented for "
-                     "Kimi Delta Attention ('K') layers: decode them with "
-                     "generate / decode_step.")
+  def verify(self, h, state: GDNState, implementation: str | None = None,
+             layer: int = 0):
+    """A window of T tokens per row from the committed baseline state ->
+    (y [b, T, d], (ssm, window_conv_inputs, snapshots)) as
+    `GDNMixer.verify`'s baseline form (`kda.kda_baseline_verify`: one state
+    snapshot per position). A replay state has no verify window: its
+    pre-decayed keys cannot take a window whose gate falls below the
+    state's bound by a counter move (`verify_commit.check_verifiable`
+    refuses it first)."""
+    del layer
+    if state.is_replay:
+      raise ValueError(REPLAY_VERIFY_REFUSAL)
+    qkv, gate, g, beta = self._project(h)
+    x, _ = causal_conv1d(qkv, self.conv_weight[...], None,
+                         initial_state=state.conv.astype(qkv.dtype),
+                         activation="silu")
+    q, k, v = self._split(x)
+    o, snapshots = kda.kda_baseline_verify(state.ssm, q, k, v, g, beta,
+                                           implementation=implementation)
+    return self._out(o, gate), (state.ssm, qkv.astype(state.conv.dtype),
+                                snapshots)

@@ -396,7 +396,7 @@ def speculative_generate(target: M.HybridLM, proposer: Proposer,
     raise ValueError(f"buffer_len ({buffer_len}) must exceed window "
                      f"({window}) in replay mode: a window is placed behind "
                      f"the committed history in the replay buffer.")
-  check_verifiable(target.config, "speculative_generate")
+  check_verifiable(target.config, "speculative_generate", ssm_mode)
   sampling = sampling_settings(temperature, top_k, top_p, greedy, rng)
   b, p_len = check_prompts_and_eos(target, prompt_tokens, eos_id)
   # Room: verify writes up to position P + max_new_tokens + window - 3.

@@ -13,6 +13,8 @@ committed decode state:
   * Gated DeltaNet: the same from its conv state, the delta-rule outputs from
     `replayssm_jax.gdn.gdn_replay_verify` (replay mode) or
     `gdn_baseline_verify` (baseline mode: one state snapshot per position);
+  * Kimi Delta Attention: as Gated DeltaNet's baseline mode
+    (`kda.kda_baseline_verify`); replay states are refused;
   * attention: the T new keys/values go to positions length .. length+T-1
     of the KV cache and each query attends to the cache prefix plus the
     window up to itself;
@@ -45,6 +47,7 @@ from replayssm_jax import _validation as V
 from replayssm_jax import gdn
 from replayssm_jax.models import model as M
 from replayssm_jax.models import states as S
+from replayssm_jax.models.kda_block import REPLAY_VERIFY_REFUSAL
 from replayssm_jax.models.layers import check_speculative_precision
 from replayssm_jax.speculative import baseline_commit, replay_commit
 from replayssm_jax.state import ReplayState
@@ -95,7 +98,7 @@ def verify_fn(model: M.HybridLM, tokens, state: S.ModelState,
     # As the decode step: each residual add and the next norm as one op.
     x, h = model.add_norm(x, y, block.norm, implementation)
     y, pend = block.verify(h, s, implementation, layer)
-    if block.kind in ("mamba", "gdn"):
+    if block.kind in ("mamba", "gdn", "kda"):
       ssm, win, snap = pend
       layers.append(s.replace(ssm=ssm))
       convs.append(win)
@@ -194,15 +197,16 @@ def _commit_jit(state, window_data, num_accepted, window):
                    num_accepted)
 
 
-def check_verifiable(config, what: str) -> None:
-  """Refuses, before anything is traced, a model with layers that have no
-  verify window (Kimi Delta Attention)."""
+def check_verifiable(config, what: str,
+                     ssm_mode: str | None = None) -> None:
+  """Refuses, before anything is traced, a model whose layers have no
+  verify window in `ssm_mode` (None: the state's mode is not known yet,
+  `_check_window_room` checks it): Kimi Delta Attention layers verify
+  from baseline states only."""
   kda_layers = [i for i, k in enumerate(config.block_kinds) if k == "kda"]
-  if kda_layers:
-    raise ValueError(
-        f"{what}: speculative verify windows are not implemented for Kimi "
-        f"Delta Attention ('K') layers (layers {kda_layers[:8]}): decode "
-        f"them with generate / decode_step.")
+  if kda_layers and ssm_mode == "replay":
+    raise ValueError(f"{what}: {REPLAY_VERIFY_REFUSAL} (layers "
+                     f"{kda_layers[:8]}).")
 
 
 def _check_window_room(state: S.ModelState, t: int, what: str) -> None:
@@ -213,6 +217,8 @@ def _check_window_room(state: S.ModelState, t: int, what: str) -> None:
     if isinstance(s, S.MambaState):
       check_speculative_precision(s, what)
     if isinstance(s, S.GDNState) and s.is_replay:
+      if not isinstance(s.ssm, gdn.GDNReplayState):
+        raise ValueError(f"{what}: {REPLAY_VERIFY_REFUSAL} (layer {i}).")
       if s.ssm.d_buf.shape[1] <= t:
         raise ValueError(
             f"{what}: the replay buffer_len ({s.ssm.d_buf.shape[1]}, layer "
@@ -265,7 +271,6 @@ def verify(model: M.HybridLM, tokens, state: S.ModelState,
     raise ValueError("tokens must hold a window of T >= 1 tokens per row, "
                      "got T = 0.")
   M._check_state(state, b, model.config)
-  check_verifiable(model.config, "verify")
   _check_window_room(state, t, "verify")
   graphdef, params = nnx.split(model)
   logits, pending = _verify_jit(graphdef, params,
