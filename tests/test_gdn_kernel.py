@@ -190,20 +190,6 @@ def test_replay_kernel_split_routes_matches_reference(
              jnp.dtype(buf_dtype))
 
 
-@pytest.mark.parametrize("ck_dtype,buf_dtype,dims,block_v",
-                         RING_WEIGHTS_CASES, ids=str)
-@pytest.mark.parametrize("fields", [
-    {"key_chunk": 4}, {"key_chunk": 2, "ring_weights": True},
-    {"key_chunk": 4, "split_routes": True, "num_stages": 2}], ids=str)
-def test_replay_kernel_key_chunk_matches_reference(ck_dtype, buf_dtype,
-                                                   dims, block_v, fields):
-  """The output route streaming its state tile in chunks of key rows (2 to
-  8 chunks here), in one launch and in the output launch of split
-  routes."""
-  _two_steps(ck_dtype, buf_dtype, dims,
-             kg.GDNConfig(block_v=block_v, **fields), jnp.dtype(buf_dtype))
-
-
 def test_ring_weights_kernel():
   """The weights of the live slots equal the reference's pieces (w_j
   (k_j . k), w_j (k_j . q), exp(G), k . q); stale slots (NaN / inf) give
@@ -274,10 +260,7 @@ LAUNCHES = [kg.GDNConfig(ring_weights=False),
             kg.GDNConfig(ring_weights=False, split_routes=True),
             kg.GDNConfig(ring_weights=True, split_routes=True, block_v=4),
             kg.GDNConfig(ring_weights=False, split_routes=True,
-                         heads_per_program=2),
-            kg.GDNConfig(key_chunk=2),
-            kg.GDNConfig(ring_weights=True, split_routes=True, block_v=4,
-                         key_chunk=4)]
+                         heads_per_program=2)]
 
 
 @pytest.mark.parametrize("config", LAUNCHES, ids=str)
@@ -392,16 +375,6 @@ def test_kernels_refuse_by_name():
                                             split_routes=True))
   with pytest.raises(ValueError, match="heads_per_program must be a power"):
     kg.GDNConfig(heads_per_program=3)
-  with pytest.raises(ValueError, match="key_chunk must be a power"):
-    kg.GDNConfig(key_chunk=6)
-  with pytest.raises(NotImplementedError, match="key_chunk applies to the "
-                     "replay step kernel only .* leave it None"):
-    gdn.gdn_step(state[..., :4, :4], **_inputs(18, 1, 2, 4, 4),
-                 implementation="pallas", config=kg.GDNConfig(key_chunk=2))
-  with pytest.raises(NotImplementedError, match="key_chunk \\(16\\) must "
-                     "divide key_dim \\(8\\)"):
-    gdn.gdn_replay_step(r, **tok, implementation="pallas",
-                        config=kg.GDNConfig(key_chunk=16))
 
 
 def test_fp8_copy_refused_below_sm89(monkeypatch):

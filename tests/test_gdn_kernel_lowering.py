@@ -199,19 +199,3 @@ def test_default_plans():
   assert whole(block_v=32).output_block_v == 32
   assert kg.plan(None, 128, 128, whole_rows=True, rows=256 * 32,
                  kernel="replay").output_block_v == 0  # one launch
-
-
-@pytest.mark.parametrize("policy,split", [
-    (None, False), ("f32+int8", False), ("f16+fp8+sr", True)], ids=str)
-def test_replay_kernel_key_chunk_lowers_in_place(policy, split):
-  """`GDNConfig(key_chunk=4)`: the output route's loop over key chunks
-  (pipelined over 3 stages) lowers, reading the checkpoint or the scaled
-  read copy, and the state stays aliased."""
-  pol = None if policy is None else PrecisionPolicy.preset(policy)
-  text = _lowered_replay_step(pol, kg.GDNConfig(
-      key_chunk=4, num_stages=3, split_routes=split))
-  name = ("replayssm_gdn_replay_output" if split
-          else "replayssm_gdn_replay_step")
-  n_copy = 0 if pol is None else 2
-  assert set(_aliases(text, name)) == {1, 2, 3, 5} | set(
-      range(6, 6 + n_copy))

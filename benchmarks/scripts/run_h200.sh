@@ -40,8 +40,7 @@
 #   bash benchmarks/scripts/run_h200.sh gdn_ring_weights  # the GDN step kernels with and without the replay step's ring-weights launch (GDNConfig.ring_weights) and at 2 / 3 pipelining stages, beside flash-linear-attention's kernel, b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
 #   bash benchmarks/scripts/run_h200.sh gdn_split  # the GDN replay step in one launch or two (GDNConfig.split_routes), with and without ring weights, beside the baselines and flash-linear-attention, b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
 #   bash benchmarks/scripts/run_h200.sh gdn_heads  # the split replay step's output launch stepping through 2 or 4 value heads per program at 2 / 3 pipelining stages (GDNConfig.heads_per_program; the baseline step too), b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
-#   bash benchmarks/scripts/run_h200.sh gdn_chunks  # the GDN replay step's output route streaming its state tile in chunks of 16 / 32 key rows (GDNConfig.key_chunk) at 3 stages, value tiles and whole rows, one launch and split routes, b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
-#   bash benchmarks/scripts/run_h200.sh gdn_ncu    # Nsight Compute of the GDN baseline step and the replay step in one launch, in two, and streaming key chunks, without ring weights (f32, b 256, L 16)
+#   bash benchmarks/scripts/run_h200.sh gdn_ncu    # Nsight Compute of the GDN baseline step and the replay step in one launch and two, without ring weights (f32, b 256, L 16)
 #   bash benchmarks/scripts/run_h200.sh multi_gpu [meshes]  # multi_device_bench on every GPU of a multi-GPU host (hybrid_1b, random weights, global b {256,512}, the ops per shard), e.g. meshes "((1,1),(1,4),(4,1))"
 #
 # Several parts in one call within a total budget: run_h200_chain.sh.
@@ -219,8 +218,6 @@ case "$1" in
     gdn_configs gdn_split '[{}, {"split_routes": true}, {"split_routes": true, "ring_weights": false}, {"split_routes": true, "num_stages": 2}, {"split_routes": true, "block_v": 32}, {"split_routes": true, "block_v": 128, "num_warps": 8}]' ;;
   gdn_heads)
     gdn_configs gdn_heads '[{}, {"split_routes": true}, {"split_routes": true, "heads_per_program": 2, "num_stages": 2}, {"split_routes": true, "heads_per_program": 2, "num_stages": 3}, {"split_routes": true, "heads_per_program": 4, "num_stages": 3}]' ;;
-  gdn_chunks)
-    gdn_configs gdn_chunks '[{}, {"key_chunk": 32, "num_stages": 3}, {"key_chunk": 16, "num_stages": 3}, {"key_chunk": 32, "num_stages": 3, "block_v": 128}, {"split_routes": true, "key_chunk": 32, "num_stages": 3}]' ;;
   gdn_ncu)
     # Not the ring-weights launch: Nsight Compute failed on it (and stopped
     # the run there), so the replay step runs without it, in one launch
@@ -228,7 +225,7 @@ case "$1" in
     timeout "$T" "${NCU[@]}" -k 'regex:replayssm_gdn_(step|replay)' \
       --section SourceCounters \
       python benchmarks/scripts/gdn_ncu_profile.py --configs \
-      '[{"ring_weights": false}, {"ring_weights": false, "split_routes": true}, {"ring_weights": false, "key_chunk": 32, "num_stages": 3}]' \
+      '[{"ring_weights": false}, {"ring_weights": false, "split_routes": true}]' \
       > "$OUT/gdn_ncu.txt" 2>&1 ;;
   multi_gpu)
     # NVLink multicast stays off (the device notes: a program using it can

@@ -8,7 +8,6 @@ import copy
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from replayssm_jax.gdn.reference import L2NORM_EPS
 
@@ -56,15 +55,6 @@ def normalise(x, use_l2norm: bool, scale=1.0):
   return x * scale if scale != 1.0 else x
 
 
-def norm_factor(x, use_l2norm: bool):
-  """The factor `normalise` multiplies a [key_dim] vector by before its
-  scale (1 without the L2 norm)."""
-  if not use_l2norm:
-    return jnp.float32(1.0)
-  x = x.astype(F32)
-  return lax.rsqrt(jnp.sum(x * x) + L2NORM_EPS)
-
-
 def qk_scale(key_dim: int, scale):
   return key_dim ** -0.5 if scale is None else float(scale)
 
@@ -76,29 +66,6 @@ def token_qk(q_ref, k_ref, b, hk, *, use_l2norm, scale):
   q = normalise(q_ref[b, hk, :], use_l2norm, qk_scale(K, scale))
   k = normalise(k_ref[b, hk, :], use_l2norm)
   return q, k
-
-
-def chunked_readouts(src_ref, q_ref, k_ref, t, *, key_chunk, block_v,
-                     scale_ref=None):
-  """(tile^T k, tile^T q) of the raw (unnormalised) q / k of tile t's key
-  head against its [key_dim, block_v] state tile src_ref[b, h, :, vs],
-  streamed key_chunk key rows at a time in a loop (which Triton pipelines
-  over num_stages), so one chunk sits in registers instead of the tile;
-  scale_ref: the per-key-row scales of a quantized tile. The caller applies
-  `norm_factor` and the q scale."""
-  b, h, hk, vs = t.b, t.h, t.hk, t.vs
-
-  def body(i, acc):
-    ks = pl.ds(pl.multiple_of(i * key_chunk, key_chunk), key_chunk)
-    s = plgpu.load(src_ref.at[b, h, ks, vs],
-                   eviction_policy="evict_first").astype(F32)
-    if scale_ref is not None:
-      s = s * scale_ref[b, h, ks][:, None]
-    return (acc[0] + readout(s, k_ref[b, hk, ks].astype(F32)),
-            acc[1] + readout(s, q_ref[b, hk, ks].astype(F32)))
-
-  zero = jnp.zeros((block_v,), F32)
-  return lax.fori_loop(0, src_ref.shape[2] // key_chunk, body, (zero, zero))
 
 
 def readout(tile, x):

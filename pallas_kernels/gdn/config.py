@@ -67,12 +67,6 @@ class GDNConfig:
       (None: 1). Value heads each of its programs steps through in a loop
       (a divisor of the value heads), so that with num_stages > 1 the
       next head's tile loads while the program works on this one.
-    key_chunk: replay step only (None: the whole tile). Key rows per
-      chunk in which the output route streams its state tile (checkpoint
-      or read copy) through a loop, accumulating the two readouts, so
-      one [key_chunk, block_v] chunk sits in registers and with
-      num_stages > 1 the next chunk loads while this one is reduced;
-      flush rows still load whole tiles. A power of two dividing key_dim.
   """
   block_v: int | None = None
   num_warps: int | None = None
@@ -80,10 +74,9 @@ class GDNConfig:
   ring_weights: bool | None = None
   split_routes: bool | None = None
   heads_per_program: int | None = None
-  key_chunk: int | None = None
 
   def __post_init__(self):
-    for name in ("block_v", "num_warps", "heads_per_program", "key_chunk"):
+    for name in ("block_v", "num_warps", "heads_per_program"):
       if getattr(self, name) is not None:
         _check_pow2(name, getattr(self, name))
     if self.num_stages is not None and (
@@ -110,8 +103,6 @@ class GDNPlan:
   # Value heads per program: the baseline step's, or the output launch's
   # under split_routes.
   heads_per_program: int = 1
-  # Key rows per streamed chunk of the output route; 0: whole tiles.
-  key_chunk: int = 0
 
 
 # Tile elements ([key_dim, block_v]) of the step kernels' default, and of
@@ -200,13 +191,12 @@ def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
     raise ValueError(f"kernel must be 'step', 'replay' or 'verify', got "
                      f"{kernel!r}.")
   config = config or GDNConfig()
-  for name in ("ring_weights", "split_routes", "key_chunk"):
+  for name in ("ring_weights", "split_routes"):
     if getattr(config, name) and kernel != "replay":
       which = "baseline step" if kernel == "step" else "verify kernels"
       raise NotImplementedError(
           f"GDNConfig.{name} applies to the replay step kernel only "
-          f"(gdn_replay_step), not to the {which}; leave it "
-          f"{'None' if name == 'key_chunk' else 'False'}.")
+          f"(gdn_replay_step), not to the {which}; leave it False.")
   tile_kernel = "verify" if kernel == "verify" else "step"
   split = (config.split_routes if config.split_routes is not None
            else kernel == "replay" and default_split_routes(read_copy, rows))
@@ -216,11 +206,6 @@ def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
         f"GDNConfig.heads_per_program={hpp} applies to the baseline step "
         f"and to the output launch of split routes only; set "
         f"split_routes=True (replay step) or leave it None.")
-  key_chunk = config.key_chunk or 0
-  if key_chunk and key_dim % key_chunk:
-    raise NotImplementedError(
-        f"GDNConfig.key_chunk ({key_chunk}) must divide key_dim "
-        f"({key_dim}).")
   if num_v_heads is not None and num_v_heads % hpp:
     raise NotImplementedError(
         f"GDNConfig.heads_per_program ({hpp}) must divide the value heads "
@@ -252,8 +237,7 @@ def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
           else kernel == "replay" and default_ring_weights(whole_rows, rows))
   return GDNPlan(block_v=bv, num_warps=warps, num_stages=stages,
                  ring_weights=ring, split_routes=split,
-                 output_block_v=out_bv, heads_per_program=hpp,
-                 key_chunk=key_chunk)
+                 output_block_v=out_bv, heads_per_program=hpp)
 
 
 def step_problem(state, **_) -> str | None:

@@ -123,8 +123,7 @@ def _ring_coefficients(row, t, qn, kn, kb_ref, gb_ref, weights):
 
 
 def _replay_kernel(*refs, heads_per_key, block_v, use_l2norm, scale,
-                   spec, ring_weights, route, heads_per_program=1,
-                   key_chunk=0):
+                   spec, ring_weights, route, heads_per_program=1):
   n_in, _ = copy_counts(spec)
   n_w = 2 if ring_weights else 0  # the ring-weights launch's outputs
   # The flush launch of split routes takes two more inputs, the output
@@ -145,19 +144,10 @@ def _replay_kernel(*refs, heads_per_key, block_v, use_l2norm, scale,
   def routes(t):
     h, hk, vs = t.h, t.hk, t.vs
     row = _Row(cnt_ref, g_ref, b, h, L)
-    streamed = key_chunk and route != "flush"
-
-    def load_master():
-      return plgpu.load(ck_ref.at[b, h, :, vs],
-                        eviction_policy="evict_first").astype(F32)
-
     # The state tile: the master on flush rows (and on plain states), the
     # read copy (dequantized) on the others; masked loads, so a row reads
-    # one of the two only. With key_chunk the output route streams it
-    # instead (`common.chunked_readouts`) and flush rows load the master.
-    if streamed:
-      s0 = None
-    elif copy:
+    # one of the two only.
+    if copy:
       master = plgpu.load(ck_ref.at[b, h, :, vs], mask=jnp.broadcast_to(
           row.flush, (K, block_v)), other=0.0, eviction_policy="evict_first")
       rc_ref = extra[0]
@@ -169,52 +159,25 @@ def _replay_kernel(*refs, heads_per_key, block_v, use_l2norm, scale,
         read = read * extra[1][b, h, :][:, None]  # precision.dequantize
       s0 = jnp.where(row.flush, master.astype(F32), read)
     else:
-      s0 = load_master()
+      s0 = plgpu.load(ck_ref.at[b, h, :, vs],
+                      eviction_policy="evict_first").astype(F32)
     qn, kn = common.token_qk(q_ref, k_ref, b, hk, use_l2norm=use_l2norm,
                              scale=scale)
     coef_k, coef_q, decay, own = _ring_coefficients(
         row, t, qn, kn, kb_ref, gb_ref, weights)
     d_hist = row.window(db_ref.at[b, :, h, vs], (row.L, block_v))
     hist_k = jnp.sum(coef_k[:, None] * d_hist, axis=0)  # [block_v]
-
-    def corrected(s0_k):
-      """d = beta (v - kv) from the state's readout of k."""
-      return beta_ref[b, h].astype(F32) * (
-          v_ref[b, h, vs].astype(F32) - (decay * s0_k + hist_k))
+    d = beta_ref[b, h].astype(F32) * (
+        v_ref[b, h, vs].astype(F32)
+        - (decay * common.readout(s0, kn) + hist_k))
 
     def output():
-      if s0 is None:
-        src = extra[0] if copy else ck_ref
-        s0_k, s0_q = common.chunked_readouts(
-            src, q_ref, k_ref, t, key_chunk=key_chunk, block_v=block_v,
-            scale_ref=extra[1] if copy and spec.scaled else None)
-        s0_k = s0_k * common.norm_factor(k_ref[b, hk, :], use_l2norm)
-        s0_q = s0_q * (common.norm_factor(q_ref[b, hk, :], use_l2norm)
-                       * common.qk_scale(K, scale))
-      else:
-        s0_k, s0_q = common.readout(s0, kn), common.readout(s0, qn)
-      d = corrected(s0_k)
       hist_q = jnp.sum(coef_q[:, None] * d_hist, axis=0)
-      o = decay * s0_q + hist_q + own * d
+      o = decay * common.readout(s0, qn) + hist_q + own * d
       o_ref[b, h, vs] = jnp.where(row.valid, o, jnp.nan).astype(o_ref.dtype)
-      appends = row.valid & ~row.flush
-
-      @pl.when(appends)
-      def _append_d():
-        db_out[b, row.c, h, vs] = d.astype(db_out.dtype)
-
-      @pl.when(appends & (t.vblk == 0))
-      def _append_g():
-        gb_out[b, row.c, h] = row.g_cur
-
-      @pl.when(appends & t.first_of_key)
-      def _append_k():
-        kb_out[b, row.c, hk, :] = kn.astype(kb_out.dtype)
 
     def flush():
-      s_m = load_master() if s0 is None else s0
-      d = corrected(common.readout(s_m, kn))
-      st = _fold(decay * s_m + kn[:, None] * d[None, :], row, t, db_ref,
+      st = _fold(decay * s0 + kn[:, None] * d[None, :], row, t, db_ref,
                  kb_ref, gb_ref)
       o_ref[b, h, vs] = common.readout(st, qn).astype(o_ref.dtype)
       if spec is None:
@@ -228,6 +191,21 @@ def _replay_kernel(*refs, heads_per_key, block_v, use_l2norm, scale,
       pl.when(row.flush)(flush)
     else:
       (output if route == "output" else flush)()
+    if route == "flush":
+      return
+    appends = row.valid & ~row.flush
+
+    @pl.when(appends)
+    def _append_d():
+      db_out[b, row.c, h, vs] = d.astype(db_out.dtype)
+
+    @pl.when(appends & (t.vblk == 0))
+    def _append_g():
+      gb_out[b, row.c, h] = row.g_cur
+
+    @pl.when(appends & t.first_of_key)
+    def _append_k():
+      kb_out[b, row.c, hk, :] = kn.astype(kb_out.dtype)
 
   row = _Row(cnt_ref, g_ref, b, 0, L)  # the row's counter and routes
 
@@ -296,8 +274,7 @@ def gdn_replay_step(rstate, q, k, v, g, beta, use_qk_l2norm=True,
     kernel = functools.partial(
         _replay_kernel, heads_per_key=hv // hk, block_v=bv,
         use_l2norm=use_qk_l2norm, scale=scale, spec=spec,
-        ring_weights=p.ring_weights, route=route, heads_per_program=hpp,
-        key_chunk=p.key_chunk)
+        ring_weights=p.ring_weights, route=route, heads_per_program=hpp)
     return pl.pallas_call(
         kernel,
         grid=(Vd // bv, hv // hpp, batch),
