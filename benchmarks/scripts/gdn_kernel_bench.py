@@ -32,8 +32,7 @@ Variants per batch B:
 and timed once per config, side by side ({} is the defaults, the speed-ups'
 baseline). Replay-only fields (REPLAY_ONLY: ring_weights, the ring weights
 formed by a first launch; split_routes, the output and flush routes in two
-launches; key_chunk, the output route streaming its tile in chunks of key
-rows) are dropped for the baseline step, which times
+launches) are dropped for the baseline step, which times
 each remaining field set once: `--configs='[{}, {"ring_weights": true}]'`
 times the replay step with and without the ring-weights launch against
 one baseline.
@@ -60,7 +59,9 @@ at count c < L-1 reads the read copy (N rd + 4 HV K scales; the master
 without a copy) and c ring slots, writes one slot; a flush row reads the
 master and L-1 slots, writes the master (and the copy). Inputs and outputs
 are left out. GB/s = model bytes / time; copy_fraction = GB/s over a
-measured device copy (x + 1 in place on a --copy_mb array, read + write).
+measured device copy (x + 1 in place on a --copy_mb array, read + write;
+--warmup_s of such copies first, so the GPU's clocks have risen before
+anything is timed).
 speedup = baseline_pallas µs (same master dtype, same batch) / variant µs.
 
 --budget_s: no batch is started after that many seconds. Writes --out
@@ -210,7 +211,7 @@ def _split(tree, n, batch):
 
 # ------------------------------------------------------------- variants
 # GDNConfig fields of the replay step only (the baseline step refuses them).
-REPLAY_ONLY = ("ring_weights", "split_routes", "key_chunk")
+REPLAY_ONLY = ("ring_weights", "split_routes")
 
 
 def baseline_configs(configs):
@@ -387,13 +388,20 @@ def fla(bench, batch):
 
 
 def copy_bandwidth(bench) -> float:
-  """GB/s of x + 1 in place on a --copy_mb float32 array (read + write)."""
+  """GB/s of x + 1 in place on a --copy_mb float32 array (read + write),
+  after --warmup_s of the same copies: an idle GPU's clocks take a moment
+  to rise, and without it the first variant timed after this one ran up
+  to 19% slower than the same kernel later in the run."""
   n = bench.a.copy_mb * MB // 4
   x = jax.random.normal(bench.next_key(), (n,), F32)
   run = jax.jit(lambda xs, _, m, __: (lax.fori_loop(
       0, m, lambda i, ys: tuple(y + 1.0 for y in ys), xs), jnp.zeros(())),
                 donate_argnums=0)
-  us = bench.timing(run, (x,), None, 1, None)[0]
+  end = time.perf_counter() + bench.a.warmup_s
+  xs = (x,)
+  while time.perf_counter() < end:
+    xs = jax.block_until_ready(run(xs, None, 10, None)[0])
+  us = bench.timing(run, xs, None, 1, None)[0]
   return 2 * n * 4 / us / 1e3
 
 
@@ -443,6 +451,8 @@ def main():
   ap.add_argument("--rotation_mb", type=float, default=512.0)
   ap.add_argument("--max_rotation", type=int, default=128)
   ap.add_argument("--copy_mb", type=int, default=1024)
+  ap.add_argument("--warmup_s", type=float, default=None,
+                  help="default 3 (0 with --small)")
   ap.add_argument("--no_fla", action="store_true")
   ap.add_argument("--no_xla", action="store_true")
   ap.add_argument("--layouts", default="staggered,aligned")
@@ -458,6 +468,7 @@ def main():
   a.batches = a.batches or ("1,2" if small else "1,64,256,512")
   a.buffer_lens = a.buffer_lens or ("4" if small else "8,16,32")
   a.repeats = a.repeats or (3 if small else 20)
+  a.warmup_s = (0.0 if small else 3.0) if a.warmup_s is None else a.warmup_s
   if small:
     a.max_rotation, a.copy_mb, a.target_ms = 2, 4, 1.0
   dims = (dict(hk=1, hv=2, k=16, v=16) if small
