@@ -26,9 +26,8 @@ S <- diag(exp(g)) S + k d^T), as the GDN ops.
 """
 
 from replayssm_jax.kda.ops import (kda_baseline_verify, kda_chunked_prefill,
-                                   kda_gates,
-                                   kda_materialize, kda_replay_step,
-                                   kda_step)
+                                   kda_gates, kda_materialize,
+                                   kda_replay_step, kda_step)
 from replayssm_jax.kda.state import (MAX_LOG_DECAY, KDAReplayState,
                                      init_kda_replay_state,
                                      kda_replay_state_from,
@@ -36,8 +35,8 @@ from replayssm_jax.kda.state import (MAX_LOG_DECAY, KDAReplayState,
 
 __all__ = [
     "KDAReplayState", "MAX_LOG_DECAY", "init_kda_replay_state",
-    "kda_baseline_verify",
-    "kda_chunked_prefill", "kda_gates", "kda_materialize",
+    "kda_baseline_verify", "kda_chunked_prefill", "kda_gates",
+    "kda_materialize",
     "kda_replay_state_from", "kda_replay_step", "kda_step",
     "safe_gate_lower_bound",
 ]
