@@ -18,7 +18,13 @@ import json
 import os
 import sys
 
-import jax
+# Nsight Compute saves and restores the device memory of a kernel that
+# writes its inputs (the steps update their states in place) on every
+# replay pass; with JAX's default preallocation that is most of the GPU's
+# memory and the replay step's passes outran the part's time limit.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax.numpy as jnp
 import numpy as np
 
