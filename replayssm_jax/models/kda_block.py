@@ -168,7 +168,7 @@ class KDAMixer(nnx.Module):
     `GDNMixer.verify`'s baseline form (`kda.kda_baseline_verify`: one state
     snapshot per position). A replay state has no verify window: its
     pre-decayed keys cannot take a window whose gate falls below the
-    state's bound by a counter move (`verify_commit.check_verifiable`
+    state's bound by a counter move (`verify_commit._check_window_room`
     refuses it first)."""
     del layer
     if state.is_replay:

@@ -37,12 +37,11 @@ from replayssm_jax.models.generate import (check_prompts_and_eos,
                                            eos_array, eos_pad, filter_logits,
                                            is_eos, is_static_flag,
                                            sample_logits, sampling_settings)
-from replayssm_jax.models.layers import check_speculative_precision
 from replayssm_jax.models.proposers import (DraftModelProposer,
                                             NgramProposer, Proposal,
                                             ProposalContext, Proposer)
 from replayssm_jax.models.verify_commit import (PendingState,
-                                                check_verifiable, commit,
+                                                _check_window_room, commit,
                                                 commit_fn, verify, verify_fn)
 
 __all__ = [
@@ -396,16 +395,13 @@ def speculative_generate(target: M.HybridLM, proposer: Proposer,
     raise ValueError(f"buffer_len ({buffer_len}) must exceed window "
                      f"({window}) in replay mode: a window is placed behind "
                      f"the committed history in the replay buffer.")
-  check_verifiable(target.config, "speculative_generate", ssm_mode)
   sampling = sampling_settings(temperature, top_k, top_p, greedy, rng)
   b, p_len = check_prompts_and_eos(target, prompt_tokens, eos_id)
   # Room: verify writes up to position P + max_new_tokens + window - 3.
   max_len = S.kv_cache_len(p_len + max_new_tokens + window)
   state = target.init_state(b, max_len, ssm_mode=ssm_mode,
                             buffer_len=buffer_len, **state_kwargs)
-  for s in state.layers:
-    if isinstance(s, S.MambaState):
-      check_speculative_precision(s, "speculative_generate")
+  _check_window_room(state, window, "speculative_generate")
   lengths = jnp.asarray(prompt_lengths, jnp.int32)
   M.check_prefill_inputs(target, prompt_tokens, lengths, state)
   proposer.validate(target, window=window, ssm_mode=ssm_mode,

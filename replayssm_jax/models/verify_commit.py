@@ -197,22 +197,11 @@ def _commit_jit(state, window_data, num_accepted, window):
                    num_accepted)
 
 
-def check_verifiable(config, what: str,
-                     ssm_mode: str | None = None) -> None:
-  """Refuses, before anything is traced, a model whose layers have no
-  verify window in `ssm_mode` (None: the state's mode is not known yet,
-  `_check_window_room` checks it): Kimi Delta Attention layers verify
-  from baseline states only."""
-  kda_layers = [i for i, k in enumerate(config.block_kinds) if k == "kda"]
-  if kda_layers and ssm_mode == "replay":
-    raise ValueError(f"{what}: {REPLAY_VERIFY_REFUSAL} (layers "
-                     f"{kda_layers[:8]}).")
-
-
 def _check_window_room(state: S.ModelState, t: int, what: str) -> None:
-  """Replay buffers must exceed T; KV caches need T free slots per row;
-  baseline states' precision policies must be plain
-  (`check_speculative_precision`)."""
+  """Replay buffers must exceed T; Kimi Delta Attention layers verify from
+  baseline states only; KV caches need T free slots per row; baseline
+  states' precision policies must be plain (`check_speculative_precision`).
+  Refused by name, before anything is traced."""
   for i, s in enumerate(state.layers):
     if isinstance(s, S.MambaState):
       check_speculative_precision(s, what)

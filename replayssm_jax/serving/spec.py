@@ -66,8 +66,7 @@ from replayssm_jax.models import states as S
 from replayssm_jax.models.proposers import ProposalContext, Proposer
 from replayssm_jax.models.speculative import accept
 from replayssm_jax.models.verify_commit import (_check_window_room,
-                                                check_verifiable, commit_fn,
-                                                verify_fn)
+                                                commit_fn, verify_fn)
 from replayssm_jax.serving import controls as C
 from replayssm_jax.serving import pool as P
 
@@ -123,7 +122,6 @@ def check_speculation(speculative: Speculation, model: M.HybridLM,
   proposer that serves the model, a state `verify` can take (replay
   buffers longer than the window, no Kimi Delta Attention replay layers;
   a baseline state's precision policy plain)."""
-  check_verifiable(model.config, "Engine(speculative=...)", ssm_mode)
   _check_window_room(pool.state, speculative.window,
                      "Engine(speculative=...)")
   speculative.proposer.validate(model, window=speculative.window,
