@@ -1,5 +1,10 @@
 """In-kernel pieces shared by the GDN kernels: a program's tile, the
-token's normalised q / k, and readouts of a [key_dim, block_v] tile."""
+token's normalised q / k, and readouts of a [key_dim, block_v] tile.
+
+The step kernels issue every global load of a program before its first
+reduction: a reduction across warps puts a barrier in the program, which
+no later load is moved above, so a load written after one waits for it
+and adds a memory latency to the program's chain of waits."""
 
 from __future__ import annotations
 
@@ -59,13 +64,25 @@ def qk_scale(key_dim: int, scale):
   return key_dim ** -0.5 if scale is None else float(scale)
 
 
+def load_qk(q_ref, k_ref, b, hk):
+  """Row b's q and k [key_dim] of key head hk, as stored (the loads alone,
+  so that a kernel can issue them with its others before any reduction)."""
+  return q_ref[b, hk, :], k_ref[b, hk, :]
+
+
+def normalise_qk(qk, *, use_l2norm, scale):
+  """(q normalised and scaled, k normalised) [key_dim] f32 from
+  `load_qk`'s pair; the k as loaded (for the ring append) is normalised
+  too."""
+  q, k = qk
+  return (normalise(q, use_l2norm, qk_scale(q.shape[-1], scale)),
+          normalise(k, use_l2norm))
+
+
 def token_qk(q_ref, k_ref, b, hk, *, use_l2norm, scale):
-  """(q normalised and scaled, k normalised) [key_dim] f32 of row b's key
-  head hk; the k as loaded (for the ring append) is normalised too."""
-  K = q_ref.shape[-1]
-  q = normalise(q_ref[b, hk, :], use_l2norm, qk_scale(K, scale))
-  k = normalise(k_ref[b, hk, :], use_l2norm)
-  return q, k
+  """`normalise_qk` of `load_qk`."""
+  return normalise_qk(load_qk(q_ref, k_ref, b, hk), use_l2norm=use_l2norm,
+                      scale=scale)
 
 
 def readout(tile, x):

@@ -75,13 +75,17 @@ class _Row:
     self.hist = self.j < self.c
     self.g_cur = g_ref[b, h].astype(F32)
 
-  def decays(self, gb_ref, b, h):
-    """(w_j = exp(G - H_j) of the live slots, zeros past; exp(G))."""
-    g_hist = plgpu.load(gb_ref.at[b, :, h], mask=self.hist, other=0.0)
+  def decays(self, g_hist):
+    """(w_j = exp(G - H_j) of the live slots, zeros past; exp(G)) from the
+    log-decay ring's live slots g_hist (`load_g`)."""
     # zero past the current slot
     gw = jnp.where(self.j == self.c, self.g_cur, g_hist)
     w = jnp.where(self.hist, jnp.exp(tu.suffix_sums(gw, self.j)), 0.0)
     return w, jnp.exp(jnp.sum(gw))
+
+  def load_g(self, gb_ref, b, h):
+    """The log-decay ring's live slots [L] (zeros past)."""
+    return plgpu.load(gb_ref.at[b, :, h], mask=self.hist, other=0.0)
 
   def window(self, ref, shape):
     """The live slots of a ring window ref ([L, n]) in f32, zeros past."""
@@ -106,17 +110,27 @@ def _fold(st, row, t, db_ref, kb_ref, gb_ref):
   return lax.fori_loop(0, row.L - 1, body, (st, row.g_cur))[0]
 
 
-def _ring_coefficients(row, t, qn, kn, kb_ref, gb_ref, weights):
-  """(coefficients of the live d_j [L] in kv and in o, exp(G), k . q):
-  read from the ring-weights launch's outputs `weights` (weights, scalars)
-  or, without it (None), formed here from the key and log-decay rings."""
+def _load_ring(row, t, kb_ref, gb_ref, weights, key_dim):
+  """The loads behind `_ring_coefficients`: the ring-weights launch's
+  outputs of this (row, value head), or without it (weights None) the live
+  slots of the key and log-decay rings."""
   b, h = t.b, t.h
   if weights is not None:
     w_ref, s_ref = weights
     return (w_ref[b, h, 0, :], w_ref[b, h, 1, :], s_ref[b, h, 0],
             s_ref[b, h, 1])
-  w, decay = row.decays(gb_ref, b, h)
-  k_hist = row.window(kb_ref.at[b, :, t.hk, :], (row.L, kn.shape[0]))
+  return (row.window(kb_ref.at[b, :, t.hk, :], (row.L, key_dim)),
+          row.load_g(gb_ref, b, h))
+
+
+def _ring_coefficients(row, ring, qn, kn, weights):
+  """(coefficients of the live d_j [L] in kv and in o, exp(G), k . q):
+  `_load_ring`'s weights as loaded (weights given), or formed here from
+  its key and log-decay windows."""
+  if weights is not None:
+    return ring
+  k_hist, g_hist = ring
+  w, decay = row.decays(g_hist)
   kk = jnp.sum(k_hist * kn[None, :], axis=1)  # [L]
   kq = jnp.sum(k_hist * qn[None, :], axis=1)
   return w * kk, w * kq, decay, jnp.sum(kn * qn)
@@ -161,15 +175,17 @@ def _replay_kernel(*refs, heads_per_key, block_v, use_l2norm, scale,
     else:
       s0 = plgpu.load(ck_ref.at[b, h, :, vs],
                       eviction_policy="evict_first").astype(F32)
-    qn, kn = common.token_qk(q_ref, k_ref, b, hk, use_l2norm=use_l2norm,
-                             scale=scale)
-    coef_k, coef_q, decay, own = _ring_coefficients(
-        row, t, qn, kn, kb_ref, gb_ref, weights)
+    qk = common.load_qk(q_ref, k_ref, b, hk)
+    beta, v = beta_ref[b, h], v_ref[b, h, vs]
+    ring = _load_ring(row, t, kb_ref, gb_ref, weights, K)
     d_hist = row.window(db_ref.at[b, :, h, vs], (row.L, block_v))
+    # Every load above, the math below (common's docstring).
+    qn, kn = common.normalise_qk(qk, use_l2norm=use_l2norm, scale=scale)
+    coef_k, coef_q, decay, own = _ring_coefficients(row, ring, qn, kn,
+                                                    weights)
     hist_k = jnp.sum(coef_k[:, None] * d_hist, axis=0)  # [block_v]
-    d = beta_ref[b, h].astype(F32) * (
-        v_ref[b, h, vs].astype(F32)
-        - (decay * common.readout(s0, kn) + hist_k))
+    d = beta.astype(F32) * (
+        v.astype(F32) - (decay * common.readout(s0, kn) + hist_k))
 
     def output():
       hist_q = jnp.sum(coef_q[:, None] * d_hist, axis=0)

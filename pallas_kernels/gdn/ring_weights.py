@@ -50,25 +50,26 @@ def _weights_kernel(kb_ref, gb_ref, cnt_ref, q_ref, k_ref, g_ref, w_ref,
   c = cnt_ref[b]
   j = jnp.arange(L)
   hist = j < c
-  qn, kn = common.token_qk(q_ref, k_ref, b, hk, use_l2norm=use_l2norm,
-                           scale=scale)
+  # Every load first (common's docstring), then the math.
+  qk = common.load_qk(q_ref, k_ref, b, hk)
   k_hist = plgpu.load(kb_ref.at[b, :, hk, :], other=0.0,
                       mask=jnp.broadcast_to(hist[:, None], (L, K)))
+  heads = [hk * heads_per_key + i for i in range(heads_per_key)]
+  g_cur = [g_ref[b, h] for h in heads]
+  g_hist = [plgpu.load(gb_ref.at[b, :, h], mask=hist, other=0.0)
+            for h in heads]
+  qn, kn = common.normalise_qk(qk, use_l2norm=use_l2norm, scale=scale)
   k_hist = k_hist.astype(F32)
   kk = jnp.sum(k_hist * kn[None, :], axis=1)  # [L]
   kq = jnp.sum(k_hist * qn[None, :], axis=1)
   own = jnp.sum(kn * qn)
-  for i in range(heads_per_key):
-    h = hk * heads_per_key + i
-    g_cur = g_ref[b, h].astype(F32)
-    g_hist = plgpu.load(gb_ref.at[b, :, h], mask=hist, other=0.0)
-    gw = jnp.where(j == c, g_cur, g_hist)  # zero past the current slot
+  for h, gc, gh in zip(heads, g_cur, g_hist):
+    gw = jnp.where(j == c, gc.astype(F32), gh)  # zero past the current slot
     w = jnp.exp(tu.suffix_sums(gw, j))
     w_ref[b, h, 0, :] = jnp.where(hist, w * kk, 0.0)
     w_ref[b, h, 1, :] = jnp.where(hist, w * kq, 0.0)
     s_ref[b, h, 0] = jnp.exp(jnp.sum(gw))
     s_ref[b, h, 1] = own
-
 
 def gdn_ring_weights(k_buf, g_buf, count, q, k, g, *, use_qk_l2norm=True,
                      scale=None, interpret=False):

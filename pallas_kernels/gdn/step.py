@@ -34,12 +34,13 @@ def _step_kernel(state_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref,
 
   def head(t):
     b, h, vs = t.b, t.h, t.vs
+    # Every load first (common's docstring), then the math.
     s = plgpu.load(state_ref.at[b, h, :, vs], eviction_policy="evict_first")
-    qn, kn = common.token_qk(q_ref, k_ref, b, t.hk, use_l2norm=use_l2norm,
-                             scale=scale)
-    s = s.astype(F32) * jnp.exp(g_ref[b, h].astype(F32))  # [K, block_v]
-    d = beta_ref[b, h].astype(F32) * (v_ref[b, h, vs].astype(F32)
-                                      - common.readout(s, kn))
+    qk = common.load_qk(q_ref, k_ref, b, t.hk)
+    g, beta, v = g_ref[b, h], beta_ref[b, h], v_ref[b, h, vs]
+    qn, kn = common.normalise_qk(qk, use_l2norm=use_l2norm, scale=scale)
+    s = s.astype(F32) * jnp.exp(g.astype(F32))  # [K, block_v]
+    d = beta.astype(F32) * (v.astype(F32) - common.readout(s, kn))
     s = s + kn[:, None] * d[None, :]
     o = common.readout(s, qn)
     plgpu.store(state_out_ref.at[b, h, :, vs],
