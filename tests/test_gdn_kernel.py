@@ -192,14 +192,15 @@ def test_replay_kernel_split_routes_matches_reference(
 
 def test_ring_weights_kernel():
   """The weights of the live slots equal the reference's pieces (w_j
-  (k_j . k), w_j (k_j . q), exp(G), k . q); stale slots (NaN / inf) give
-  zeros, finite, on every row."""
+  (k_j . k), w_j (k_j . q), exp(G), k . q, and the factors that normalise
+  the token's q and k); stale slots (NaN / inf) give zeros, finite, on
+  every row."""
   counts = GT.ragged_counts(B, L)
   r = _rstate(30, 2, 4, 16, 8, counts, buf_dtype=jnp.bfloat16)
   tok = _inputs(31, 2, 4, 16, 8, jnp.bfloat16)
   w, s = gdn_ring_weights(r.k_buf, r.g_buf, r.count, tok["q"], tok["k"],
                           tok["g"], interpret=True)
-  assert w.shape == (B, 4, 2, L) and s.shape == (B, 4, 2)
+  assert w.shape == (B, 4, 2, L) and s.shape == (B, 4, 4)
   assert np.isfinite(np.asarray(w)).all() and np.isfinite(np.asarray(s)).all()
   qn, kn = prepare_qk(tok["q"], tok["k"], True, None)
   qh, kh = (heads_from_groups(x, 4, axis=1) for x in (qn, kn))
@@ -215,6 +216,9 @@ def test_ring_weights_kernel():
                                 0.0)
   testing.assert_close(s[..., 0], jnp.exp(G), F32, "exp(G)")
   testing.assert_close(s[..., 1], jnp.sum(kh * qh, axis=-1), F32, "k . q")
+  for i, x, xn in ((2, tok["q"], qh), (3, tok["k"], kh)):
+    raw = heads_from_groups(x.astype(jnp.float32), 4, axis=1)
+    testing.assert_close(raw * s[..., i, None], xn, F32, f"factor {i}")
 
 
 @pytest.mark.parametrize("split_routes", [False, True])

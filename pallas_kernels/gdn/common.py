@@ -60,6 +60,18 @@ def normalise(x, use_l2norm: bool, scale=1.0):
   return x * scale if scale != 1.0 else x
 
 
+def norm_factors(qk, *, use_l2norm, scale):
+  """(f_q, f_k) f32 scalars with q f_q and k f_k `normalise_qk`'s vectors
+  (up to rounding), from `load_qk`'s pair: a kernel that reads them needs
+  no reduction of its own before its tile's readouts."""
+  q, k = (x.astype(F32) for x in qk)
+  fq, fk = jnp.float32(qk_scale(q.shape[-1], scale)), jnp.float32(1.0)
+  if use_l2norm:
+    fq = fq * lax.rsqrt(jnp.sum(q * q) + L2NORM_EPS)
+    fk = lax.rsqrt(jnp.sum(k * k) + L2NORM_EPS)
+  return fq, fk
+
+
 def qk_scale(key_dim: int, scale):
   return key_dim ** -0.5 if scale is None else float(scale)
 

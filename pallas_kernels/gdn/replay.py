@@ -88,9 +88,11 @@ class _Row:
     return plgpu.load(gb_ref.at[b, :, h], mask=self.hist, other=0.0)
 
   def window(self, ref, shape):
-    """The live slots of a ring window ref ([L, n]) in f32, zeros past."""
+    """The live slots of a ring window ref ([L, n]) in f32, zeros past:
+    the whole window is loaded (its load waits for nothing) and the stale
+    slots are selected away."""
     m = jnp.broadcast_to(self.hist[:, None], shape)
-    return plgpu.load(ref, mask=m, other=0.0).astype(F32)
+    return jnp.where(m, plgpu.load(ref).astype(F32), 0.0)
 
 
 def _fold(st, row, t, db_ref, kb_ref, gb_ref):
@@ -118,7 +120,7 @@ def _load_ring(row, t, kb_ref, gb_ref, weights, key_dim):
   if weights is not None:
     w_ref, s_ref = weights
     return (w_ref[b, h, 0, :], w_ref[b, h, 1, :], s_ref[b, h, 0],
-            s_ref[b, h, 1])
+            s_ref[b, h, 1], s_ref[b, h, 2], s_ref[b, h, 3])
   return (row.window(kb_ref.at[b, :, t.hk, :], (row.L, key_dim)),
           row.load_g(gb_ref, b, h))
 
@@ -128,7 +130,7 @@ def _ring_coefficients(row, ring, qn, kn, weights):
   `_load_ring`'s weights as loaded (weights given), or formed here from
   its key and log-decay windows."""
   if weights is not None:
-    return ring
+    return ring[:4]
   k_hist, g_hist = ring
   w, decay = row.decays(g_hist)
   kk = jnp.sum(k_hist * kn[None, :], axis=1)  # [L]
@@ -180,7 +182,10 @@ def _replay_kernel(*refs, heads_per_key, block_v, use_l2norm, scale,
     ring = _load_ring(row, t, kb_ref, gb_ref, weights, K)
     d_hist = row.window(db_ref.at[b, :, h, vs], (row.L, block_v))
     # Every load above, the math below (common's docstring).
-    qn, kn = common.normalise_qk(qk, use_l2norm=use_l2norm, scale=scale)
+    if weights is not None:  # normalised by the launch's factors
+      qn, kn = qk[0].astype(F32) * ring[4], qk[1].astype(F32) * ring[5]
+    else:
+      qn, kn = common.normalise_qk(qk, use_l2norm=use_l2norm, scale=scale)
     coef_k, coef_q, decay, own = _ring_coefficients(row, ring, qn, kn,
                                                     weights)
     hist_k = jnp.sum(coef_k[:, None] * d_hist, axis=0)  # [block_v]

@@ -11,6 +11,8 @@ need, besides the checkpoint tile and the d ring,
   weights[b, h, 1, j] = w_j (k_j . q)  the coefficient of d_j in the output
   scalars[b, h, 0]    = exp(G)         the checkpoint readouts' decay
   scalars[b, h, 1]    = k . q          the current token's own d's weight
+  scalars[b, h, 2:4]  = f_q, f_k       q f_q and k f_k are the normalised q
+                                       and k (`common.norm_factors`)
 
 (q, k normalised and q scaled as the step does), zero at slots j >= c:
 the key and log-decay rings are loaded masked and the weights selected by
@@ -58,7 +60,8 @@ def _weights_kernel(kb_ref, gb_ref, cnt_ref, q_ref, k_ref, g_ref, w_ref,
   g_cur = [g_ref[b, h] for h in heads]
   g_hist = [plgpu.load(gb_ref.at[b, :, h], mask=hist, other=0.0)
             for h in heads]
-  qn, kn = common.normalise_qk(qk, use_l2norm=use_l2norm, scale=scale)
+  fq, fk = common.norm_factors(qk, use_l2norm=use_l2norm, scale=scale)
+  qn, kn = qk[0].astype(F32) * fq, qk[1].astype(F32) * fk
   k_hist = k_hist.astype(F32)
   kk = jnp.sum(k_hist * kn[None, :], axis=1)  # [L]
   kq = jnp.sum(k_hist * qn[None, :], axis=1)
@@ -70,10 +73,13 @@ def _weights_kernel(kb_ref, gb_ref, cnt_ref, q_ref, k_ref, g_ref, w_ref,
     w_ref[b, h, 1, :] = jnp.where(hist, w * kq, 0.0)
     s_ref[b, h, 0] = jnp.exp(jnp.sum(gw))
     s_ref[b, h, 1] = own
+    s_ref[b, h, 2] = fq
+    s_ref[b, h, 3] = fk
+
 
 def gdn_ring_weights(k_buf, g_buf, count, q, k, g, *, use_qk_l2norm=True,
                      scale=None, interpret=False):
-  """(weights [batch, HV, 2, L] f32, scalars [batch, HV, 2] f32) of the
+  """(weights [batch, HV, 2, L] f32, scalars [batch, HV, 4] f32) of the
   module docstring, from the key and log-decay rings ([batch, L, HK, K],
   [batch, L, HV]), the counters and the token's q, k ([batch, HK, K]) and
   g ([batch, HV]). A counter outside [0, L) gives meaningless weights (the
@@ -86,7 +92,7 @@ def gdn_ring_weights(k_buf, g_buf, count, q, k, g, *, use_qk_l2norm=True,
       kernel,
       grid=(hk, batch),
       out_shape=(jax.ShapeDtypeStruct((batch, hv, 2, L), F32),
-                 jax.ShapeDtypeStruct((batch, hv, 2), F32)),
+                 jax.ShapeDtypeStruct((batch, hv, 4), F32)),
       compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS,
                                            num_stages=1),
       interpret=interpret,
