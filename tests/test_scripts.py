@@ -290,3 +290,18 @@ def test_gdn_kernel_bench_small(tmp_path):
                 if r.get("config") == {"ring_weights": True}) == [
                     ("replay_pallas", "f16+fp8"), ("replay_pallas", "f32")]
   assert (tmp_path / "gdn_bench.md").read_text().count("| replay_pallas") == 5
+
+
+def test_gdn_readout_layout_small(tmp_path):
+  # Both layouts' Pallas readouts (interpret mode) and XLA's equal the f32
+  # einsum of the [K, V] state: the transposed copy is the same state.
+  out = tmp_path / "readout.json"
+  _run("gdn_readout_layout.py", "--small", "--dtypes=float32",
+       "--configs=64:4,32:2", f"--out={out}")
+  recs = json.loads(out.read_text())["records"]
+  assert sorted({r["form"] for r in recs}) == [
+      "pallas_kv", "pallas_vk", "plain_read", "xla_kv", "xla_vk"]
+  checked = [r for r in recs if r["form"] != "plain_read"]
+  assert len(checked) == 6
+  tol = tolerance(jnp.float32).rtol
+  assert all("error" not in r and r["rel_error"] < tol for r in checked), recs
