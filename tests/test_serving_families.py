@@ -5,9 +5,8 @@ Kimi Delta Attention with MLA) served from a pool in replay mode gives
 transformers' greedy tokens; a request admitted into a slot poisoned with
 NaN / inf / garbage gets `generate`'s tokens; speculative serving (n-gram
 drafts) gives the same tokens for the families whose verify differs (MoE
-routers, delta-rule layers). Kimi Delta Attention verifies from baseline
-states only: the engine speculates on it in baseline mode and refuses
-replay mode by name."""
+routers, delta-rule layers, Kimi Delta Attention's gate bound), in replay
+mode and, for Kimi Delta Attention, in baseline mode too."""
 
 from __future__ import annotations
 
@@ -25,8 +24,8 @@ FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
 FAMILIES = ("bamba", "granite_hybrid_dense", "granite_hybrid_moe",
             "kimi_linear", "nemotron_h", "nemotron_h_moe",
             "nemotron_h_moe_latent", "qwen3_5", "qwen3_5_moe", "qwen3_next")
-SPECULATIVE = ("granite_hybrid_moe", "nemotron_h_moe_latent", "qwen3_5_moe",
-               "qwen3_next")
+SPECULATIVE = ("granite_hybrid_moe", "kimi_linear", "nemotron_h_moe_latent",
+               "qwen3_5_moe", "qwen3_next")
 L = 4
 
 
@@ -63,14 +62,11 @@ def test_engine_gives_transformers_greedy_tokens(name):
 
 
 def test_kimi_delta_attention_speculates_from_baseline_states():
-  """KDA layers verify from baseline states (one snapshot per window
+  """KDA layers verify from baseline states too (one snapshot per window
   position): speculative serving in baseline mode gives transformers'
-  greedy tokens; in replay mode the engine refuses speculation by name."""
+  greedy tokens."""
   model, ids, greedy = load("kimi_linear")
   spec = serving.Speculation(models.NgramProposer(n=2), window=3)
-  with pytest.raises(ValueError, match="Kimi Delta Attention .* baseline "
-                     "state only"):
-    serving.Engine(model, 2, 32, buffer_len=L, speculative=spec)
   eng = serving.Engine(model, 2, 32, ssm_mode="baseline", speculative=spec)
   for i in range(2):
     eng.submit(serving.Request(i, ids[i], 8))

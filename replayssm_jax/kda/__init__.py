@@ -19,6 +19,12 @@ dispatched; pure-JAX references in `reference` / `replay`):
                          (init_kda_replay_state, kda_replay_state_from,
                          safe_gate_lower_bound).
   kda_replay_step        ReplaySSM decode step (checkpoint written 1/L).
+  kda_replay_verify      a speculative window from checkpoint + ring in one
+                         pass, written behind the history (KDAWindow: what
+                         commit needs besides the state);
+  kda_replay_commit      a counter move where the accepted tokens kept
+                         their gates within the bound, else a refold of
+                         them into a new checkpoint.
   kda_materialize        the full current state of a KDAReplayState.
 
 State layout [batch, num_v_heads, key_dim, value_dim] (o = S^T q,
@@ -27,16 +33,19 @@ S <- diag(exp(g)) S + k d^T), as the GDN ops.
 
 from replayssm_jax.kda.ops import (kda_baseline_verify, kda_chunked_prefill,
                                    kda_gates, kda_materialize,
-                                   kda_replay_step, kda_step)
+                                   kda_replay_commit, kda_replay_step,
+                                   kda_replay_verify, kda_step)
 from replayssm_jax.kda.state import (MAX_LOG_DECAY, KDAReplayState,
                                      init_kda_replay_state,
                                      kda_replay_state_from,
                                      safe_gate_lower_bound)
+from replayssm_jax.kda.verify import KDAWindow
 
 __all__ = [
-    "KDAReplayState", "MAX_LOG_DECAY", "init_kda_replay_state",
+    "KDAReplayState", "KDAWindow", "MAX_LOG_DECAY", "init_kda_replay_state",
     "kda_baseline_verify", "kda_chunked_prefill", "kda_gates",
     "kda_materialize",
-    "kda_replay_state_from", "kda_replay_step", "kda_step",
+    "kda_replay_commit", "kda_replay_state_from", "kda_replay_step",
+    "kda_replay_verify", "kda_step",
     "safe_gate_lower_bound",
 ]

@@ -4,9 +4,9 @@ As `replayssm_jax.gdn.ops`: each op checks its arguments once at trace
 time (errors name the argument), then runs an implementation through
 `replayssm_jax.dispatch` (implementation=None: the fastest registered one
 that supports the inputs; "reference": the pure-JAX reference). The table
-entries "kda_step", "kda_chunked_prefill", "kda_replay_step" and
-"kda_baseline_verify" are added with their references when this module is
-imported.
+entries "kda_step", "kda_chunked_prefill", "kda_replay_step",
+"kda_replay_verify" and "kda_baseline_verify" are added with their
+references when this module is imported.
 """
 
 from __future__ import annotations
@@ -21,12 +21,14 @@ from replayssm_jax.gdn import checks
 from replayssm_jax.gdn.state import policy_args
 from replayssm_jax.kda import reference
 from replayssm_jax.kda import replay
+from replayssm_jax.kda import verify
 from replayssm_jax.kda.state import KDAReplayState
 
 OPS = {
     "kda_step": reference.kda_step,
     "kda_chunked_prefill": reference.kda_chunked_prefill,
     "kda_replay_step": replay.kda_replay_step,
+    "kda_replay_verify": verify.kda_replay_verify_reference,
     "kda_baseline_verify": reference.kda_step_scan,
 }
 for _op, _fn in OPS.items():
@@ -241,3 +243,86 @@ def kda_materialize(rstate: KDAReplayState, dtype=None):
     V.check_dtype_arg("dtype", dtype)
   return replay.kda_materialize(rstate, reference.F32 if dtype is None
                                 else dtype)
+
+
+def kda_replay_verify(rstate: KDAReplayState, q, k, v, g, beta, *,
+                      use_qk_l2norm: bool = True, scale=None,
+                      policy: P.PrecisionPolicy | None = None, layer=0,
+                      implementation: str | None = None, config=None):
+  """Outputs of a T-token speculative window from checkpoint + ring, in one
+  pass (`kda.verify` has the math).
+
+  The window's corrected updates come from one forward substitution; the
+  window is written behind the committed history (count unchanged), its
+  keys pre-decayed up to the first position whose gate leaves the state's
+  gate bound. A row whose window would not fit (count + T >= L) first
+  folds its history into the checkpoint (early flush). Needs
+  buffer_len > T.
+
+  Args:
+    rstate: the committed state.
+    q, k: [batch, T, num_k_heads, key_dim]; v [batch, T, num_v_heads,
+      value_dim]; g [batch, T, num_v_heads, key_dim]; beta [batch, T,
+      num_v_heads] (position 0 first).
+    use_qk_l2norm, scale, policy, layer, implementation, config: as
+      `kda_replay_step` (an early flush stores as a decode step's flush).
+
+  Returns:
+    (o [batch, T, num_v_heads, value_dim] in v.dtype: o[:, s] given the
+     committed history and window positions 0..s; the state with the
+     window written; a `KDAWindow` for `kda_replay_commit`).
+  """
+  check_rstate(rstate)
+  T = check_token(rstate.batch, rstate.num_v_heads, rstate.key_dim,
+                  rstate.value_dim, q, k, v, g, beta, window=True)
+  if rstate.buffer_len <= T:
+    raise ValueError(
+        f"rstate.buffer_len ({rstate.buffer_len}) must exceed the window "
+        f"length T ({T}): a window is placed behind the committed history "
+        f"and the count must stay below buffer_len after any acceptance.")
+  checks.check_options(use_qk_l2norm, scale)
+  args = dict(rstate=rstate, q=q, k=k, v=v, g=g, beta=beta,
+              use_qk_l2norm=bool(use_qk_l2norm), scale=scale,
+              **policy_args(rstate, policy, layer))
+  o, pending, window = dispatch("kda_replay_verify", implementation, config,
+                                args)
+  V.raise_if_invalid(_dispatch.invalid_rows(pending), "kda_replay_verify")
+  return o, pending, window
+
+
+def kda_replay_commit(rstate: KDAReplayState, window: verify.KDAWindow,
+                      num_accepted, *,
+                      policy: P.PrecisionPolicy | None = None, layer=0):
+  """Makes the first num_accepted window tokens of each row history.
+
+  Args:
+    rstate, window: the state and `KDAWindow` from `kda_replay_verify`.
+    num_accepted: [batch] int32 in [1, T]: accepted tokens per row,
+      counting the window's first (already sampled) token.
+    policy, layer: as the verify's (a refold stores as a flush does).
+
+  Returns:
+    The committed state: a counter move (count + n, g_sum the log-decay
+    through the last accepted token) for rows whose accepted tokens all
+    kept their gates within the bound; the others store the state after
+    their accepted tokens as a new checkpoint (count 0). Under jit a row
+    whose num_accepted lies outside [1, T] gets count -1: every later
+    output of the row is NaN.
+  """
+  check_rstate(rstate)
+  if not isinstance(window, verify.KDAWindow):
+    raise TypeError(f"window must be the KDAWindow from kda_replay_verify, "
+                    f"got {type(window).__name__}.")
+  b, T = window.k.shape[:2]
+  if b != rstate.batch or window.k.shape[2:] != (rstate.num_v_heads,
+                                                  rstate.key_dim):
+    raise ValueError(
+        f"window (keys {window.k.shape}) does not belong to rstate (batch "
+        f"{rstate.batch}, {rstate.num_v_heads} value heads, key_dim "
+        f"{rstate.key_dim}).")
+  V.check_num_accepted(num_accepted, rstate.batch, T)
+  new = verify.kda_replay_commit_reference(
+      rstate, window, num_accepted,
+      **policy_args(rstate, policy, layer))
+  V.raise_if_invalid(new.count < 0, "kda_replay_commit (num_accepted)")
+  return new

@@ -19,9 +19,11 @@ whose ssm is a [batch, HV, K, V] array (baseline) or a
 `kda.KDAReplayState` (replay: pre-decayed keys under the gate bound
 `kda.safe_gate_lower_bound(buffer_len)`; Kimi Linear's gate is unbounded
 below, and a token below the bound flushes its row early, exactly).
-Speculative verify windows run from a baseline state only (one state
-snapshot per window position); a replay state is refused
-(`REPLAY_VERIFY_REFUSAL`).
+Speculative verify windows run from either state: a baseline one keeps a
+state snapshot per window position (`kda.kda_baseline_verify`), a replay
+one writes the window behind its history (`kda.kda_replay_verify`) and
+hands a `kda.KDAWindow` to commit (a counter move, or a refold where an
+accepted token's gate left the bound).
 """
 
 from __future__ import annotations
@@ -39,12 +41,6 @@ from replayssm_jax.models.states import (GDNState, full_ssm_state,
                                          tokens_after)
 
 F32 = jnp.float32
-REPLAY_VERIFY_REFUSAL = (
-    "speculative verify windows of Kimi Delta Attention ('K') layers run "
-    "from a baseline state only (ssm_mode='baseline'): a replay state's "
-    "pre-decayed keys exp(-G) k overflow once a window token's gate falls "
-    "below the state's gate bound, so such a window cannot be committed by "
-    "a counter move")
 
 
 class KDAMixer(nnx.Module):
@@ -163,22 +159,24 @@ class KDAMixer(nnx.Module):
 
   def verify(self, h, state: GDNState, implementation: str | None = None,
              layer: int = 0):
-    """A window of T tokens per row from the committed baseline state ->
-    (y [b, T, d], (ssm, window_conv_inputs, snapshots)) as
-    `GDNMixer.verify`'s baseline form (`kda.kda_baseline_verify`: one state
-    snapshot per position). A replay state has no verify window: its
-    pre-decayed keys cannot take a window whose gate falls below the
-    state's bound by a counter move (`verify_commit._check_window_room`
-    refuses it first)."""
-    del layer
-    if state.is_replay:
-      raise ValueError(REPLAY_VERIFY_REFUSAL)
+    """A window of T tokens per row from the committed state ->
+    (y [b, T, d], (ssm, window_conv_inputs, window data)) as
+    `GDNMixer.verify`: replay, the state with the window written and its
+    `kda.KDAWindow` (`kda.kda_replay_verify` under state.precision with
+    `layer`); baseline, the committed state and one state snapshot per
+    position (`kda.kda_baseline_verify`)."""
     qkv, gate, g, beta = self._project(h)
     x, _ = causal_conv1d(qkv, self.conv_weight[...], None,
                          initial_state=state.conv.astype(qkv.dtype),
                          activation="silu")
     q, k, v = self._split(x)
-    o, snapshots = kda.kda_baseline_verify(state.ssm, q, k, v, g, beta,
+    if state.is_replay:
+      o, ssm, data = kda.kda_replay_verify(state.ssm, q, k, v, g, beta,
+                                           policy=state.precision,
+                                           layer=layer,
                                            implementation=implementation)
-    return self._out(o, gate), (state.ssm, qkv.astype(state.conv.dtype),
-                                snapshots)
+    else:
+      o, data = kda.kda_baseline_verify(state.ssm, q, k, v, g, beta,
+                                        implementation=implementation)
+      ssm = state.ssm
+    return self._out(o, gate), (ssm, qkv.astype(state.conv.dtype), data)

@@ -13,15 +13,16 @@ committed decode state:
   * Gated DeltaNet: the same from its conv state, the delta-rule outputs from
     `replayssm_jax.gdn.gdn_replay_verify` (replay mode) or
     `gdn_baseline_verify` (baseline mode: one state snapshot per position);
-  * Kimi Delta Attention: as Gated DeltaNet's baseline mode
-    (`kda.kda_baseline_verify`); replay states are refused;
+  * Kimi Delta Attention: as Gated DeltaNet (`kda.kda_replay_verify`, whose
+    `kda.KDAWindow` rides in the snapshots slot, or `kda.kda_baseline_verify`);
   * attention: the T new keys/values go to positions length .. length+T-1
     of the KV cache and each query attends to the cache prefix plus the
     window up to itself;
   * MLP: position-wise.
 `commit` makes the first num_accepted window tokens of each row history:
 the replay SSM state by a counter move (`replay_commit`; Gated DeltaNet:
-`gdn_replay_commit`), the baseline one by picking a snapshot
+`gdn_replay_commit`; Kimi Delta Attention: `kda_replay_commit`, which
+refolds rows whose accepted tokens left its gate bound), the baseline one by picking a snapshot
 (`baseline_commit` / `gdn_baseline_commit`), the conv state by taking the last
 conv_kernel - 1 inputs of (committed window ++ accepted inputs), the KV cache
 by setting length (rejected entries are overwritten later) and positions by
@@ -44,10 +45,9 @@ import numpy as np
 from flax import nnx
 
 from replayssm_jax import _validation as V
-from replayssm_jax import gdn
+from replayssm_jax import gdn, kda
 from replayssm_jax.models import model as M
 from replayssm_jax.models import states as S
-from replayssm_jax.models.kda_block import REPLAY_VERIFY_REFUSAL
 from replayssm_jax.models.layers import check_speculative_precision
 from replayssm_jax.speculative import baseline_commit, replay_commit
 from replayssm_jax.state import ReplayState
@@ -67,8 +67,9 @@ class PendingState:
     window_conv_inputs: per layer, [batch, T, conv_dim] pre-conv inputs of
       the window (Mamba and Gated DeltaNet layers, conv-state dtype) or None.
     snapshots: per layer, [batch, T, H, P, N] SSM state after each window
-      position (baseline-mode Mamba layers; Gated DeltaNet: [batch, T, HV,
-      K, V]) or None.
+      position (baseline-mode Mamba layers; Gated DeltaNet and Kimi Delta
+      Attention: [batch, T, HV, K, V]), the `kda.KDAWindow` of a replay
+      Kimi Delta Attention layer, or None.
     window: T (static).
   """
   state: S.ModelState
@@ -124,17 +125,19 @@ def commit_fn(pending: PendingState, num_accepted, active=None):
   n = jnp.asarray(num_accepted, jnp.int32)
   # Tokens that become history: n, or 0 for inactive rows.
   moved = n if active is None else jnp.where(active, n, 0)
-  layers = []
+  layers, recurrent = [], 0
   for s, win, snap in zip(pending.state.layers, pending.window_conv_inputs,
                           pending.snapshots):
     if isinstance(s, (S.MambaState, S.GDNState)):
+      layer = recurrent  # the block's index among the recurrent ones
+      recurrent += 1
       k1 = s.conv.shape[1]
       # [b, k-1+T, conv_dim], oldest first
       cat = jnp.concatenate([s.ordered_conv(), win], axis=1)
       idx = moved[:, None] + jnp.arange(k1)[None, :]  # [b, k-1]
       conv = jnp.take_along_axis(cat, idx[..., None], axis=1)
       if isinstance(s, S.GDNState):
-        ssm = _gdn_commit(s.ssm, snap, n, active)
+        ssm = _gdn_commit(s, snap, n, active, layer)
       elif isinstance(s.ssm, ReplayState):
         ssm = replay_commit(s.ssm, n if active is None
                             else jnp.where(active, n, 1), t)
@@ -161,25 +164,38 @@ def commit_fn(pending: PendingState, num_accepted, active=None):
                       positions=jnp.where(bad, -1, pos + moved))
 
 
-def _gdn_commit(ssm, snapshots, n, active):
-  """A Gated DeltaNet layer's committed state: the replay state's counter
-  moved by n (`gdn_replay_commit`) or the baseline snapshot after n window
-  tokens (`gdn_baseline_commit`); inactive rows keep their committed
-  history (the pending state's count / step: the window slots stay
-  stale)."""
-  if isinstance(ssm, gdn.GDNReplayState):
-    new = gdn.gdn_replay_commit(ssm, n if active is None
-                                else jnp.where(active, n, 1))
+def _gdn_commit(s, data, n, active, layer):
+  """A Gated DeltaNet or Kimi Delta Attention layer's committed state (s the
+  layer's pending GDNState): a replay state's counter moved by n
+  (`gdn_replay_commit`; `kda_replay_commit` with the verify's KDAWindow
+  `data`, which refolds rows whose accepted tokens left its gate bound),
+  or the baseline snapshot after n window tokens (`gdn_baseline_commit`,
+  `data` the snapshots); inactive rows keep their committed history."""
+  ssm = s.ssm
+  if isinstance(ssm, (gdn.GDNReplayState, kda.KDAReplayState)):
+    n_ok = n if active is None else jnp.where(active, n, 1)
+    if isinstance(ssm, kda.KDAReplayState):
+      new = kda.kda_replay_commit(ssm, data, n_ok, policy=s.precision,
+                                  layer=layer)
+      fields = ("checkpoint", "read_copy", "read_scale", "g_sum", "count",
+                "step")
+    else:
+      new = gdn.gdn_replay_commit(ssm, n_ok)
+      fields = ("count", "step")
     if active is not None:
-      new = new.replace(**{f: jnp.where(active, getattr(new, f),
-                                        getattr(ssm, f))
-                           for f in ("count", "step")
-                           if getattr(new, f) is not None})
+      new = new.replace(**{f: _rows(active, getattr(new, f), getattr(ssm, f))
+                           for f in fields if getattr(new, f) is not None})
     return new
-  new = gdn.gdn_baseline_commit(snapshots, n)
+  new = gdn.gdn_baseline_commit(data, n)
   if active is not None:
     new = jnp.where(active[:, None, None, None], new, ssm)
   return new
+
+
+def _rows(active, new, old):
+  """new where active (per row, any trailing dims), else old."""
+  return jnp.where(active.reshape(active.shape + (1,) * (new.ndim - 1)),
+                   new, old)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=(3,))
@@ -198,16 +214,14 @@ def _commit_jit(state, window_data, num_accepted, window):
 
 
 def _check_window_room(state: S.ModelState, t: int, what: str) -> None:
-  """Replay buffers must exceed T; Kimi Delta Attention layers verify from
-  baseline states only; KV caches need T free slots per row; baseline
-  states' precision policies must be plain (`check_speculative_precision`).
+  """Replay buffers must exceed T; KV caches need T free slots per row;
+  baseline states' precision policies must be plain
+  (`check_speculative_precision`).
   Refused by name, before anything is traced."""
   for i, s in enumerate(state.layers):
     if isinstance(s, S.MambaState):
       check_speculative_precision(s, what)
     if isinstance(s, S.GDNState) and s.is_replay:
-      if not isinstance(s.ssm, gdn.GDNReplayState):
-        raise ValueError(f"{what}: {REPLAY_VERIFY_REFUSAL} (layer {i}).")
       if s.ssm.d_buf.shape[1] <= t:
         raise ValueError(
             f"{what}: the replay buffer_len ({s.ssm.d_buf.shape[1]}, layer "

@@ -120,8 +120,8 @@ def check_speculation(speculative: Speculation, model: M.HybridLM,
                       buffer_len: int) -> Speculation:
   """`speculative` checked against the model and the pool's state: a
   proposer that serves the model, a state `verify` can take (replay
-  buffers longer than the window, no Kimi Delta Attention replay layers;
-  a baseline state's precision policy plain)."""
+  buffers longer than the window; a baseline state's precision policy
+  plain)."""
   _check_window_room(pool.state, speculative.window,
                      "Engine(speculative=...)")
   speculative.proposer.validate(model, window=speculative.window,
