@@ -173,9 +173,10 @@ def _mamba(state_arg: str, window: bool):
 
 def _gdn(state_arg: str | None, window: bool):
   """gdn_step / gdn_replay_step / the KDA steps (window=False),
-  gdn_baseline_verify / gdn_replay_verify / the chunked prefills
-  (window=True; state_arg None: the prefill's initial_state). KDA's g
-  [.., HV, K] is laid out as GDN's [.., HV]."""
+  gdn_baseline_verify / gdn_replay_verify / the KDA verifies / the chunked
+  prefills (window=True; state_arg None: the prefill's initial_state).
+  KDA's g [.., HV, K] is laid out as GDN's [.., HV]; kda_replay_verify's
+  third output, its `KDAWindow`, as the window's tokens."""
   t = (None,) if window else ()
 
   def rule(args, d, m):
@@ -194,14 +195,16 @@ def _gdn(state_arg: str | None, window: bool):
       specs["valid"] = leaf_spec(args.get("valid"), ("b",), d, m)
 
     def out(shapes):
-      o, second = shapes
+      o, second, *third = shapes
       if state_arg == "rstate":
         second = fields_spec(second, lay, d, m)
       elif state_arg is None or not window:  # final / new state
         second = leaf_spec(second, ("b", h), d, m)
       else:  # the baseline verify's snapshots [b, T, HV, K, V]
         second = leaf_spec(second, tok, d, m)
-      return leaf_spec(o, tok, d, m), second
+      third = [jax.tree.map(lambda x: leaf_spec(x, tok[:x.ndim], d, m), w)
+               for w in third]  # a KDAWindow: [b, T, HV, ..] and [b]
+      return (leaf_spec(o, tok, d, m), second, *third)
     return specs, out
   return rule
 
@@ -285,6 +288,8 @@ RULES = {
     "gdn_chunked_prefill": _gdn(None, True),
     "kda_step": _gdn("state", False),
     "kda_replay_step": _gdn("rstate", False),
+    "kda_baseline_verify": _gdn("state", True),
+    "kda_replay_verify": _gdn("rstate", True),
     "kda_chunked_prefill": _gdn(None, True),
 }
 

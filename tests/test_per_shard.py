@@ -116,6 +116,27 @@ def test_gdn_attention_and_rows_only_rules():
   assert out((conv["x"], conv["conv_state"])) == (P("data"), P("data"))
 
 
+def test_kda_replay_verify_rule_lays_out_its_window():
+  """kda_replay_verify's third output (the KDAWindow) splits as the
+  window's tokens: rows over "data", value heads over "model"."""
+  from replayssm_jax import kda  # pylint: disable=g-import-not-at-top
+  hv, hk, kd, vd, t = 8, 4, 4, 4, 2
+  st = kda.init_kda_replay_state(B, num_v_heads=hv, key_dim=kd,
+                                 value_dim=vd, buffer_len=L)
+  args = dict(rstate=st, q=jnp.ones((B, t, hk, kd)),
+              k=jnp.ones((B, t, hk, kd)), v=jnp.ones((B, t, hv, vd)),
+              g=-jnp.ones((B, t, hv, kd)), beta=jnp.ones((B, t, hv)))
+  specs, out = per_shard.RULES["kda_replay_verify"](args, 2, 4)
+  assert specs["g"] == P("data", None, "model")
+  assert specs["rstate"].g_sum == P("data", "model")
+  o, pending, window = out(jax.eval_shape(
+      lambda: kda.verify.kda_replay_verify_reference(**args)))
+  assert o == P("data", None, "model")
+  assert pending.k_buf == P("data", None, "model")
+  assert window.k == window.G == window.d == P("data", None, "model")
+  assert window.stored == P("data")
+
+
 def test_ops_run_per_shard_only_on_a_context_mesh():
   assert per_shard.active_mesh() is None
   with jax.set_mesh(SH.make_mesh(1, 1)):  # one device: run as written

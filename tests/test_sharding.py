@@ -338,13 +338,19 @@ def test_kernels_per_shard():
   state = SH.shard_state(model.init_state(8, 16, buffer_len=4), mesh,
                          config=model.config)
   # Kimi Linear's blocks (reference ops, heads split): KDA, and multi-head
-  # latent attention for '*'.
+  # latent attention for '*'; speculative decoding from KDA replay states
+  # (its verify's KDAWindow laid out per shard).
   kda_model = _model(**dict(KERNEL, pattern="M*GK", **MLA))
   want, _ = generate(kda_model, tok, ln, 4, buffer_len=4)
+  want_spec, _, _ = speculative_generate(kda_model, proposer, tok, ln, 6, 2,
+                                         buffer_len=4)
   with jax.set_mesh(mesh):
-    got, _ = generate(SH.shard_model(kda_model, mesh), stok, sln, 4,
-                      buffer_len=4)
+    kda_sharded = SH.shard_model(kda_model, mesh)
+    got, _ = generate(kda_sharded, stok, sln, 4, buffer_len=4)
+    spec, _, _ = speculative_generate(kda_sharded, proposer, stok, sln, 6, 2,
+                                      buffer_len=4)
   np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(spec, want_spec)
   graphdef, params = nnx.split(sharded)
   with jax.set_mesh(mesh):
     text = M._decode_jit.lower(graphdef, params, stok[:, 0], state,
