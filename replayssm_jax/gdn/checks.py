@@ -35,6 +35,15 @@ def check_options(use_qk_l2norm, scale) -> None:
                        f"Python float > 0, got {scale!r}.")
 
 
+def check_window_fits(buffer_len: int, T: int) -> None:
+  """A replay state's verify window of T tokens needs buffer_len > T."""
+  if buffer_len <= T:
+    raise ValueError(
+        f"rstate.buffer_len ({buffer_len}) must exceed the window length T "
+        f"({T}): a window is placed behind the committed history and the "
+        f"count must stay below buffer_len after any acceptance.")
+
+
 def check_state(name: str, state, allowed=V.STATE_DTYPES):
   """A full state [batch, HV, K, V]; returns its shape."""
   V.check_floating(name, state, allowed)

@@ -230,11 +230,7 @@ def gdn_replay_verify(rstate: GDNReplayState, q, k, v, g, beta, *,
   T, _ = checks.check_token(rstate.batch, rstate.num_v_heads,
                             rstate.key_dim, rstate.value_dim, q, k, v, g,
                             beta, hk=rstate.num_k_heads, window=True)
-  if rstate.buffer_len <= T:
-    raise ValueError(
-        f"rstate.buffer_len ({rstate.buffer_len}) must exceed the window "
-        f"length T ({T}): a window is placed behind the committed history "
-        f"and the count must stay below buffer_len after any acceptance.")
+  checks.check_window_fits(rstate.buffer_len, T)
   checks.check_options(use_qk_l2norm, scale)
   args = dict(rstate=rstate, q=q, k=k, v=v, g=g, beta=beta,
               use_qk_l2norm=bool(use_qk_l2norm), scale=scale,

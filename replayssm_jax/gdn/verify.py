@@ -46,6 +46,37 @@ def _rounded(x, dtype):
   return x.astype(dtype).astype(F32)
 
 
+def solve_window(a, qk, beta, v, hk_, hq_, kh, qh, later, ring_dtype):
+  """The forward substitution of a verify window and its outputs (the
+  delta-rule windows of GDN and KDA share it):
+
+    d_s = beta_s (v_s - h(k)_s) - sum_{i<s} a[s, i] d_i
+    o_s = h(q)_s + sum_{i<s} qk[s, i] d_i + (k_s . q_s) d_s
+
+  a, qk [b, T(s), T(i), HV] (zero where `later`: i >= s); beta [b, T, HV];
+  v, hk_, hq_ [b, T, HV, V]; kh, qh [b, T, HV, K]; earlier updates enter
+  rounded to `ring_dtype`, as the ring holds them. Returns (o, d, d as the
+  ring holds it), each [b, T, HV, V] f32."""
+  T = v.shape[1]
+  r = beta.astype(F32)[..., None] * (v.astype(F32) - hk_)
+  ds, d_prev = [], []
+  for s in range(T):
+    d = r[:, s]
+    if s:
+      d = d - jnp.einsum("bih,bihv->bhv", a[:, s, :s], jnp.stack(d_prev, 1),
+                         precision=HIGHEST)
+    ds.append(d)
+    d_prev.append(_rounded(d, ring_dtype))
+  d = jnp.stack(ds, 1)
+  d_r = jnp.stack(d_prev, 1)
+  own = jnp.sum(kh * qh, axis=-1)[..., None]  # [b, T, HV, 1]
+  # Earlier tokens' updates: a select per (s, i) pair (T x T is small), so
+  # a later token's d (NaN for a poisoned draft) never meets a zero weight.
+  prev = jnp.sum(jnp.where(later[..., None], 0.0,
+                           qk[..., None] * d_r[:, None]), axis=2)
+  return hq_ + prev + own * d, d, d_r
+
+
 def gdn_replay_verify_reference(rstate, q, k, v, g, beta, use_qk_l2norm=True,
                                 scale=None, policy=None, layer=0):
   """Pure-JAX `gdn_replay_verify` (validated inputs; f32 accumulation).
@@ -114,23 +145,7 @@ def gdn_replay_verify_reference(rstate, q, k, v, g, beta, use_qk_l2norm=True,
   a = a * beta.astype(F32)[:, :, None]
   qk = jnp.where(later, 0.0, pair * jnp.einsum(
       "bihk,bshk->bsih", k_prev, qh, precision=HIGHEST))
-  r = beta.astype(F32)[..., None] * (v.astype(F32) - hk_)  # [b, T, HV, V]
-  ds, d_prev = [], []
-  for s in range(T):
-    d = r[:, s]
-    if s:
-      d = d - jnp.einsum("bih,bihv->bhv", a[:, s, :s], jnp.stack(d_prev, 1),
-                         precision=HIGHEST)
-    ds.append(d)
-    d_prev.append(_rounded(d, bdt))
-  d = jnp.stack(ds, 1)  # [b, T, HV, V]
-  d_r = jnp.stack(d_prev, 1)
-  own = jnp.sum(kh * qh, axis=-1)[..., None]  # [b, T, HV, 1]
-  # Earlier tokens' updates: a select per (s, i) pair (T x T is small), so
-  # a later token's d (NaN for a poisoned draft) never meets a zero weight.
-  prev = jnp.sum(jnp.where(later[..., None], 0.0,
-                           qk[..., None] * d_r[:, None]), axis=2)
-  o = hq_ + prev + own * d
+  o, d, _ = solve_window(a, qk, beta, v, hk_, hq_, kh, qh, later, bdt)
   o = jnp.where(in_range[:, None, None, None], o, jnp.nan)
 
   # 4. The window's (d, k, g) into slots [base, base + T).

@@ -57,6 +57,7 @@ import jax.numpy as jnp
 
 from replayssm_jax import precision as P
 from replayssm_jax.gdn.reference import F32, HIGHEST, prepare_qk
+from replayssm_jax.gdn.verify import solve_window
 from replayssm_jax.kda.replay import history, history_state
 from replayssm_jax.kda.state import KDAReplayState
 from replayssm_jax.reference import flush_stores, heads_from_groups
@@ -87,10 +88,6 @@ class KDAWindow:
   @property
   def window(self) -> int:
     return self.k.shape[1]
-
-
-def _rounded(x, dtype):
-  return x.astype(dtype).astype(F32)
 
 
 def _pair_decays(g):
@@ -165,21 +162,7 @@ def kda_replay_verify_reference(rstate: KDAReplayState, q, k, v, g, beta,
       "bihk,bsihk->bsih", kh, D * x[:, :, None], precision=HIGHEST))
   a = pair(kh) * beta.astype(F32)[:, :, None]
   qk = pair(qh)
-  r = beta.astype(F32)[..., None] * (v.astype(F32) - hk_)
-  ds, d_prev = [], []
-  for s in range(T):
-    d = r[:, s]
-    if s:
-      d = d - jnp.einsum("bih,bihv->bhv", a[:, s, :s], jnp.stack(d_prev, 1),
-                         precision=HIGHEST)
-    ds.append(d)
-    d_prev.append(_rounded(d, bdt))
-  d = jnp.stack(ds, 1)
-  d_r = jnp.stack(d_prev, 1)
-  own = jnp.sum(kh * qh, axis=-1)[..., None]
-  prev = jnp.sum(jnp.where(later[..., None], 0.0,
-                           qk[..., None] * d_r[:, None]), axis=2)
-  o = hq_ + prev + own * d
+  o, d, d_r = solve_window(a, qk, beta, v, hk_, hq_, kh, qh, later, bdt)
   o = jnp.where(in_range[:, None, None, None], o, jnp.nan)
 
   # 4. The window into slots [base, base + T): pre-decayed keys up to the
