@@ -91,12 +91,6 @@ def normalise_qk(qk, *, use_l2norm, scale):
           normalise(k, use_l2norm))
 
 
-def token_qk(q_ref, k_ref, b, hk, *, use_l2norm, scale):
-  """`normalise_qk` of `load_qk`."""
-  return normalise_qk(load_qk(q_ref, k_ref, b, hk), use_l2norm=use_l2norm,
-                      scale=scale)
-
-
 def readout(tile, x):
   """tile^T x: tile [key_dim, block_v] f32, x [key_dim] f32 -> [block_v]."""
   return jnp.sum(tile * x[:, None], axis=0)

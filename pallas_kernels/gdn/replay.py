@@ -5,10 +5,11 @@ One launch, grid (value blocks, value heads, rows); a row's route is data
 the replay step; `replayssm_jax.gdn.replay` has the derivation):
 
 * output route (c < L-1): from the checkpoint tile S_0 (or the read copy)
-  and the rings' live slots j < c (masked loads: stale slots are never
-  read), kv = exp(G) S_0^T k + sum_j w_j (k_j . k) d_j, the corrected
-  update d = beta (v - kv) and o = exp(G) S_0^T q + sum_j w_j (k_j . q) d_j
-  + (k . q) d; (d, k, g) appended at slot c. The checkpoint is only read:
+  and the rings' live slots j < c (ring windows loaded whole, their stale
+  slots selected away before any product), kv = exp(G) S_0^T k + sum_j
+  w_j (k_j . k) d_j, the corrected update d = beta (v - kv) and o = exp(G)
+  S_0^T q + sum_j w_j (k_j . q) d_j + (k . q) d; (d, k, g) appended at
+  slot c. The checkpoint is only read:
   it is aliased input -> output and never stored on these rows.
 * flush route (c == L-1): the L-1 buffered tokens and the current one are
   folded into the master tile by exact f32 rank-1 updates, the new
