@@ -13,8 +13,9 @@ committed decode state:
   * Gated DeltaNet: the same from its conv state, the delta-rule outputs from
     `replayssm_jax.gdn.gdn_replay_verify` (replay mode) or
     `gdn_baseline_verify` (baseline mode: one state snapshot per position);
-  * Kimi Delta Attention: as Gated DeltaNet (`kda.kda_replay_verify`, whose
-    `kda.KDAWindow` rides in the snapshots slot, or `kda.kda_baseline_verify`);
+  * Kimi Delta Attention: as Gated DeltaNet (`kda.kda_replay_verify`,
+    whose `kda.KDAWindow` rides in the snapshots slot, or
+    `kda.kda_baseline_verify`);
   * attention: the T new keys/values go to positions length .. length+T-1
     of the KV cache and each query attends to the cache prefix plus the
     window up to itself;
@@ -22,11 +23,11 @@ committed decode state:
 `commit` makes the first num_accepted window tokens of each row history:
 the replay SSM state by a counter move (`replay_commit`; Gated DeltaNet:
 `gdn_replay_commit`; Kimi Delta Attention: `kda_replay_commit`, which
-refolds rows whose accepted tokens left its gate bound), the baseline one by picking a snapshot
-(`baseline_commit` / `gdn_baseline_commit`), the conv state by taking the last
-conv_kernel - 1 inputs of (committed window ++ accepted inputs), the KV cache
-by setting length (rejected entries are overwritten later) and positions by
-+= num_accepted.
+refolds rows whose accepted tokens left its gate bound), the baseline one
+by picking a snapshot (`baseline_commit` / `gdn_baseline_commit`), the conv
+state by taking the last conv_kernel - 1 inputs of (committed window ++
+accepted inputs), the KV cache by setting length (rejected entries are
+overwritten later) and positions by += num_accepted.
 
 `verify_fn` / `commit_fn` are the traceable bodies (no input checks) that the
 decode loop and `DraftModelProposer` call inside their jits.
