@@ -52,11 +52,16 @@ def each_head(tile: Tile, heads_per_program: int, fn):
         tile.h * heads_per_program + i)) or c, 0)
 
 
+def _l2_factor(x):
+  """rsqrt(|x|^2 + eps) of an f32 [key_dim] vector."""
+  return lax.rsqrt(jnp.sum(x * x) + L2NORM_EPS)
+
+
 def normalise(x, use_l2norm: bool, scale=1.0):
   """`gdn.reference.prepare_qk` of one [key_dim] vector (f32)."""
   x = x.astype(F32)
   if use_l2norm:
-    x = x * lax.rsqrt(jnp.sum(x * x) + L2NORM_EPS)
+    x = x * _l2_factor(x)
   return x * scale if scale != 1.0 else x
 
 
@@ -67,8 +72,7 @@ def norm_factors(qk, *, use_l2norm, scale):
   q, k = (x.astype(F32) for x in qk)
   fq, fk = jnp.float32(qk_scale(q.shape[-1], scale)), jnp.float32(1.0)
   if use_l2norm:
-    fq = fq * lax.rsqrt(jnp.sum(q * q) + L2NORM_EPS)
-    fk = lax.rsqrt(jnp.sum(k * k) + L2NORM_EPS)
+    fq, fk = fq * _l2_factor(q), _l2_factor(k)
   return fq, fk
 
 
@@ -82,11 +86,14 @@ def load_qk(q_ref, k_ref, b, hk):
   return q_ref[b, hk, :], k_ref[b, hk, :]
 
 
-def normalise_qk(qk, *, use_l2norm, scale):
+def normalise_qk(qk, *, use_l2norm, scale, factors=None):
   """(q normalised and scaled, k normalised) [key_dim] f32 from
-  `load_qk`'s pair; the k as loaded (for the ring append) is normalised
-  too."""
+  `load_qk`'s pair (the k as loaded, for the ring append, is normalised
+  too); with `factors` (`norm_factors`, e.g. from the ring-weights launch)
+  each vector times its factor, no reduction."""
   q, k = qk
+  if factors is not None:
+    return q.astype(F32) * factors[0], k.astype(F32) * factors[1]
   return (normalise(q, use_l2norm, qk_scale(q.shape[-1], scale)),
           normalise(k, use_l2norm))
 

@@ -114,16 +114,18 @@ def _fold(st, row, t, db_ref, kb_ref, gb_ref):
 
 
 def _load_ring(row, t, kb_ref, gb_ref, weights, key_dim):
-  """The loads behind `_ring_coefficients`: the ring-weights launch's
-  outputs of this (row, value head), or without it (weights None) the live
-  slots of the key and log-decay rings."""
+  """The loads behind `_ring_coefficients` and the token's normalisation:
+  (ring, factors), ring the ring-weights launch's weights and scalars of
+  this (row, value head) and factors its (f_q, f_k) (`common.norm_factors`),
+  or without the launch (weights None) the live slots of the key and
+  log-decay rings and None."""
   b, h = t.b, t.h
   if weights is not None:
     w_ref, s_ref = weights
-    return (w_ref[b, h, 0, :], w_ref[b, h, 1, :], s_ref[b, h, 0],
-            s_ref[b, h, 1], s_ref[b, h, 2], s_ref[b, h, 3])
+    return ((w_ref[b, h, 0, :], w_ref[b, h, 1, :], s_ref[b, h, 0],
+             s_ref[b, h, 1]), (s_ref[b, h, 2], s_ref[b, h, 3]))
   return (row.window(kb_ref.at[b, :, t.hk, :], (row.L, key_dim)),
-          row.load_g(gb_ref, b, h))
+          row.load_g(gb_ref, b, h)), None
 
 
 def _ring_coefficients(row, ring, qn, kn, weights):
@@ -131,7 +133,7 @@ def _ring_coefficients(row, ring, qn, kn, weights):
   `_load_ring`'s weights as loaded (weights given), or formed here from
   its key and log-decay windows."""
   if weights is not None:
-    return ring[:4]
+    return ring
   k_hist, g_hist = ring
   w, decay = row.decays(g_hist)
   kk = jnp.sum(k_hist * kn[None, :], axis=1)  # [L]
@@ -180,13 +182,11 @@ def _replay_kernel(*refs, heads_per_key, block_v, use_l2norm, scale,
                       eviction_policy="evict_first").astype(F32)
     qk = common.load_qk(q_ref, k_ref, b, hk)
     beta, v = beta_ref[b, h], v_ref[b, h, vs]
-    ring = _load_ring(row, t, kb_ref, gb_ref, weights, K)
+    ring, factors = _load_ring(row, t, kb_ref, gb_ref, weights, K)
     d_hist = row.window(db_ref.at[b, :, h, vs], (row.L, block_v))
     # Every load above, the math below (common's docstring).
-    if weights is not None:  # normalised by the launch's factors
-      qn, kn = qk[0].astype(F32) * ring[4], qk[1].astype(F32) * ring[5]
-    else:
-      qn, kn = common.normalise_qk(qk, use_l2norm=use_l2norm, scale=scale)
+    qn, kn = common.normalise_qk(qk, use_l2norm=use_l2norm, scale=scale,
+                                 factors=factors)
     coef_k, coef_q, decay, own = _ring_coefficients(row, ring, qn, kn,
                                                     weights)
     hist_k = jnp.sum(coef_k[:, None] * d_hist, axis=0)  # [block_v]

@@ -61,7 +61,8 @@ def _weights_kernel(kb_ref, gb_ref, cnt_ref, q_ref, k_ref, g_ref, w_ref,
   g_hist = [plgpu.load(gb_ref.at[b, :, h], mask=hist, other=0.0)
             for h in heads]
   fq, fk = common.norm_factors(qk, use_l2norm=use_l2norm, scale=scale)
-  qn, kn = qk[0].astype(F32) * fq, qk[1].astype(F32) * fk
+  qn, kn = common.normalise_qk(qk, use_l2norm=use_l2norm, scale=scale,
+                               factors=(fq, fk))
   k_hist = k_hist.astype(F32)
   kk = jnp.sum(k_hist * kn[None, :], axis=1)  # [L]
   kq = jnp.sum(k_hist * qn[None, :], axis=1)
