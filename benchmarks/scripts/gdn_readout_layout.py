@@ -24,8 +24,8 @@ them. Every form is checked against the f32 einsum first (max |err| / max
 import argparse
 import functools
 import json
-import os
 import subprocess
+import sys
 import time
 
 import jax
@@ -170,7 +170,7 @@ def main():
     commit = ""
   meta = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
               date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              commit=commit, command=" ".join(os.sys.argv),
+              commit=commit, command=" ".join(sys.argv),
               shapes=dict(num_v_heads=HV, num_k_heads=HK, key_dim=K,
                           value_dim=V), records=records,
               elapsed_s=time.time() - t0)
