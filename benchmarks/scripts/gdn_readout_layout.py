@@ -90,7 +90,8 @@ def plain_read(S):
 
 
 def _time(fn, args, min_ms=20.0, repeats=7):
-  """Median of (t(2n) - t(n)) / n in µs over jitted loops of n calls."""
+  """Median of (t(2n) - t(n)) / n in µs over jitted loops of n calls, n
+  sized from one call's time so that t(n) >= min_ms (two compilations)."""
 
   def loop(n):
     def body(_, acc):
@@ -104,13 +105,9 @@ def _time(fn, args, min_ms=20.0, repeats=7):
     f().block_until_ready()
     return time.perf_counter() - t
 
-  n = 4
-  while True:
-    f1, f2 = loop(n), loop(2 * n)
-    d = run(f2) - run(f1)
-    if d * 1e3 >= min_ms or n >= 4096:
-      break
-    n *= 2
+  one = run(loop(1))
+  n = int(min(4096, max(4, 2 ** np.ceil(np.log2(min_ms * 1e-3 / one)))))
+  f1, f2 = loop(n), loop(2 * n)
   ds = [(run(f2) - run(f1)) / n for _ in range(repeats)]
   return float(np.median(ds)) * 1e6, n
 
@@ -130,6 +127,22 @@ def main():
   configs = [tuple(int(x) for x in c.split(":")) for c in a.configs.split(",")]
   records = []
   t0 = time.time()
+  try:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                            text=True, check=False).stdout.strip()
+  except OSError:
+    commit = ""
+  meta = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+              date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              commit=commit, command=" ".join(sys.argv),
+              shapes=dict(num_v_heads=HV, num_k_heads=HK, key_dim=K,
+                          value_dim=V), records=records)
+
+  def save():  # after every record: a run cut by its time limit keeps them
+    meta["elapsed_s"] = time.time() - t0
+    with open(a.out, "w") as f:
+      json.dump(meta, f, indent=1)
+
   for batch in batches:
     for dt in a.dtypes.split(","):
       key = jax.random.PRNGKey(batch)
@@ -163,19 +176,7 @@ def main():
           rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         records.append(rec)
         print(json.dumps(rec), flush=True)
-  try:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                            text=True, check=False).stdout.strip()
-  except OSError:
-    commit = ""
-  meta = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
-              date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              commit=commit, command=" ".join(sys.argv),
-              shapes=dict(num_v_heads=HV, num_k_heads=HK, key_dim=K,
-                          value_dim=V), records=records,
-              elapsed_s=time.time() - t0)
-  with open(a.out, "w") as f:
-    json.dump(meta, f, indent=1)
+        save()
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Where a speculative-decoding iteration's time goes (GPU diagnostic).
 
 Times, per SSM mode, jitted loops of the pieces of one iteration of
-`speculative_generate` on `configs/hybrid_1b.py` (random weights) after a
-prefill: the plain decode step (step + argmax), verify of a T-token window
+`speculative_generate` on `--config` (default `configs/hybrid_1b.py`, or a
+transformers config.json at its shape in bf16, e.g.
+configs/qwen3_5_4b_text.json; random weights) after a prefill: the plain decode step (step + argmax), verify of a T-token window
 (+ commit of 2 tokens: the state advances as in decoding), and `accept` on
 [batch, T, vocab] logits (greedy and sampling), and lists the large copies
 in the optimized HLO of the verify + commit loop (a full-state copy per
@@ -11,7 +12,8 @@ the verify + commit and the window forward are also split per kernel
 (`replayssm_jax.profiling.op_times`: GEMMs, Pallas kernels, copies, other
 XLA fusions; `*_ops` in the JSON, per step). The verify is also
 split: the SSM verify op alone over every Mamba layer's state (`ssm_verify_ms`: replay_verify, or
-the snapshot baseline_verify, on random window inputs), and the model's
+the snapshot baseline_verify, on random window inputs; None for a model
+without Mamba layers), and the model's
 full forward over the [batch, T] window without a decode state
 (`window_forward_ms`: the same projections, MLPs and LM head for T tokens,
 SSD over T tokens and attention within the window only). `loops`: the
@@ -20,6 +22,9 @@ which adds what the pieces leave out (proposer, acceptance, bookkeeping).
 
   PYTHONPATH=. python benchmarks/scripts/specdec_profile.py --batch 256 \
       --out $OUT/specdec_profile.json
+  PYTHONPATH=. python benchmarks/scripts/specdec_profile.py --batch 256 \
+      --config configs/qwen3_5_4b_text.json --modes replay \
+      --loops plain,replay --out $OUT/specdec_profile_qwen35_4b.json
 """
 
 import argparse
@@ -31,8 +36,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from benchmarks.scripts.decode_step_profile import load_model_config
 from configs import _decode_bench
-from configs import hybrid_1b
 from experiments.decode_bench import build_model
 from experiments.specdec_bench import FlatOracleProposer
 from replayssm_jax.models import (ModelConfig, generate, kv_cache_len, prefill,
@@ -169,9 +174,14 @@ def main():
   ap.add_argument("--tiny", action="store_true", help="CPU check")
   ap.add_argument("--loops", default="plain,replay,baseline",
                   help="which of specdec_bench's loops to split")
+  ap.add_argument("--modes", default="replay,baseline",
+                  help="the state modes whose pieces are timed (baseline: "
+                  "the snapshot-per-draft state)")
+  ap.add_argument("--config", default="configs/hybrid_1b.py",
+                  help="a configs/*.py file or a transformers config.json")
   a = ap.parse_args()
-  cfg = ModelConfig(**(_decode_bench.TINY_MODEL if a.tiny
-                       else hybrid_1b.get_config().model.to_dict()))
+  cfg = (ModelConfig(**_decode_bench.TINY_MODEL) if a.tiny
+         else load_model_config(a.config))
   model = build_model(cfg, 0)
   graphdef, params = nnx.split(model)
   b, t, steps = a.batch, a.window, a.steps
@@ -180,7 +190,7 @@ def main():
   lengths = jnp.full((b,), 128, jnp.int32)
   policy = PrecisionPolicy.preset(a.precision) if a.precision else None
   res = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
-             batch=b, window=t, steps=steps, precision=a.precision or None,
+             config="tiny" if a.tiny else a.config, batch=b, window=t, steps=steps, precision=a.precision or None,
              modes={})
 
   @jax.jit
@@ -254,7 +264,7 @@ def main():
                                              steps=steps)
   print("window forward", res["window_forward_ms"], flush=True)
 
-  for mode in ("replay", "baseline"):
+  for mode in a.modes.split(","):
     st = model.init_state(b, kv_cache_len(128 + 4 * steps * t + 8),
                           ssm_mode=mode,
                           **_state_kw(mode, policy))
@@ -268,7 +278,7 @@ def main():
              verify_only_ms=timed(verify_only, params, win, st, steps=1),
              ssm_verify_ms=timed(ssm_verify_loop, params,
                                  tuple(st.layers[i].ssm for i in mamba),
-                                 steps=steps))
+                                 steps=steps) if mamba else None)
     # Per-kernel split (jax.profiler trace), per step / per iteration.
     for name, fn, args in (("plain_step", plain_loop, (params, tok, st)),
                            ("verify_commit", verify_loop, (params, win, st))):
@@ -278,9 +288,10 @@ def main():
     r["verify_loop_big_copies"] = big_copies(hlo)
     # Its states are loop-invariant inputs: a copy per call in the loop
     # would inflate ssm_verify_ms beyond the op's own cost.
-    hlo = ssm_verify_loop.lower(
-        params, tuple(st.layers[i].ssm for i in mamba)).compile().as_text()
-    r["ssm_verify_loop_big_copies"] = big_copies(hlo)
+    if mamba:
+      hlo = ssm_verify_loop.lower(
+          params, tuple(st.layers[i].ssm for i in mamba)).compile().as_text()
+      r["ssm_verify_loop_big_copies"] = big_copies(hlo)
     res["modes"][mode] = r
     print(mode, {k: v for k, v in r.items() if k.endswith("_ms")},
           len(r["verify_loop_big_copies"]), "big copies", flush=True)
