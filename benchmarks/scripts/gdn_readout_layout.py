@@ -96,7 +96,7 @@ def _time(fn, args, min_ms=20.0, repeats=7):
   def loop(n):
     def body(_, acc):
       out = fn(*args)
-      return acc + jnp.sum(out[..., :1]).astype(F32)
+      return acc + jnp.ravel(out)[0].astype(F32)
     return jax.jit(lambda: jax.lax.fori_loop(0, n, body, F32(0)))
 
   def run(f):
