@@ -51,6 +51,36 @@ def test_specdec_profile_tiny(tmp_path):
   assert np.isfinite(loop["idle_ms"])  # its sign means nothing on a CPU
 
 
+def _tiny_qwen_config(path):
+  """A 4-layer Qwen3.5-like transformers config.json at toy widths."""
+  hf = json.loads((Path(ROOT) / "configs" / "qwen3_5_4b_text.json")
+                  .read_text())
+  hf.update(hidden_size=64, intermediate_size=64, head_dim=16,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+            linear_key_head_dim=16, linear_value_head_dim=16,
+            linear_num_key_heads=2, linear_num_value_heads=4,
+            num_hidden_layers=4, layer_types=hf["layer_types"][:4])
+  path.write_text(json.dumps(hf))
+
+
+def test_specdec_profile_gdn_model(tmp_path):
+  # A model without Mamba layers (Gated DeltaNet, from a transformers
+  # config): the pieces and the replay loop are split, the Mamba-only
+  # SSM-verify timing is left out.
+  _tiny_qwen_config(tmp_path / "qwen.json")
+  out = tmp_path / "specdec_profile.json"
+  _run("specdec_profile.py", "--config", str(tmp_path / "qwen.json"),
+       "--batch", "2", "--steps", "2", "--modes", "replay", "--loops",
+       "replay", "--out", str(out))
+  res = json.loads(out.read_text())
+  assert res["config"].endswith("qwen.json") and set(res["modes"]) == {
+      "replay"}
+  r = res["modes"]["replay"]
+  assert r["ssm_verify_ms"] is None and "ssm_verify_loop_big_copies" not in r
+  assert r["verify_commit_ms"] > 0 and r["verify_commit_ops"]["top"]
+  assert res["loops"]["replay"]["iterations"] >= 1
+
+
 def test_triton_offline_modules():
   """triton_offline.py's CPU half: the replay step's two kernels lowered
   for CUDA, captured as Triton modules (the flush fold as tensor-core
@@ -121,16 +151,9 @@ def test_decode_step_profile_and_attend_micro_tiny(tmp_path):
         r["by_scope"]), sorted(r["by_scope"])
     assert abs(sum(r["by_scope"].values()) - r["ms_per_step"]) < 1e-6 * max(
         1.0, r["ms_per_step"])
-  # A transformers config.json: a 4-layer Qwen3.5-like model at toy
-  # widths, whose Gated DeltaNet layers reach the profile by scope.
-  hf = json.loads((Path(ROOT) / "configs" / "qwen3_5_4b_text.json")
-                  .read_text())
-  hf.update(hidden_size=64, intermediate_size=64, head_dim=16,
-            num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-            linear_key_head_dim=16, linear_value_head_dim=16,
-            linear_num_key_heads=2, linear_num_value_heads=4,
-            num_hidden_layers=4, layer_types=hf["layer_types"][:4])
-  (tmp_path / "qwen.json").write_text(json.dumps(hf))
+  # A transformers config.json, whose Gated DeltaNet layers reach the
+  # profile by scope.
+  _tiny_qwen_config(tmp_path / "qwen.json")
   _run("decode_step_profile.py", "--config", str(tmp_path / "qwen.json"),
        "--batch", "2", "--prompt_len", "8", "--steps", "2", "--iters", "1",
        "--modes", "replay", "--out", str(out))
@@ -290,6 +313,28 @@ def test_gdn_kernel_bench_small(tmp_path):
                 if r.get("config") == {"ring_weights": True}) == [
                     ("replay_pallas", "f16+fp8"), ("replay_pallas", "f32")]
   assert (tmp_path / "gdn_bench.md").read_text().count("| replay_pallas") == 5
+
+
+def test_gdn_verify_bench_small(tmp_path):
+  # Verify + commit iterations of every variant, each checked against the
+  # reference first; a tile a read copy cannot take is recorded by name.
+  out = tmp_path / "verify.json"
+  _run("gdn_verify_bench.py", "--small", "--precisions=f32,f16+fp8",
+       '--configs=[{}, {"block_v": 8}]', f"--out={out}")
+  recs = json.loads(out.read_text())["records"]
+  timed = [r for r in recs if "us_per_iteration" in r]
+  assert sorted((r["variant"], r["precision"], bool(r.get("config")))
+                for r in timed) == [
+                    ("snapshot", "f32", False),
+                    ("verify_pallas", "f16+fp8", False),
+                    ("verify_pallas", "f32", False),
+                    ("verify_pallas", "f32", True),
+                    ("verify_xla", "f32", False)]
+  tol = tolerance(jnp.bfloat16).rtol  # bf16 window inputs, rings, outputs
+  assert all(r["us_per_iteration"] > 0 and r["output_rel_error"] < tol
+             and r["state_rel_error"] < tol for r in timed), timed
+  errors = [r for r in recs if "error" in r]
+  assert len(errors) == 1 and "block_v" in errors[0]["error"]
 
 
 def test_gdn_readout_layout_small(tmp_path):
