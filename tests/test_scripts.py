@@ -337,6 +337,18 @@ def test_gdn_verify_bench_small(tmp_path):
   assert len(errors) == 1 and "block_v" in errors[0]["error"]
 
 
+def test_mlp_gemm_micro_small(tmp_path):
+  # Both forms of the SwiGLU MLP (gate / up as two weights, or packed)
+  # compute the same function of the same weights, within bf16 rounding.
+  out = tmp_path / "mlp.json"
+  _run("mlp_gemm_micro.py", "--small", "--rows=4", f"--out={out}")
+  recs = json.loads(out.read_text())["records"]
+  assert [r["form"] for r in recs] == ["separate", "packed"]
+  tol = tolerance(jnp.bfloat16).rtol
+  assert all(0 < r["rel_error"] < tol and r["us_per_mlp"] > 0
+             for r in recs), recs
+
+
 def test_gdn_readout_layout_small(tmp_path):
   # Both layouts' Pallas readouts (interpret mode) and XLA's equal the f32
   # einsum of the [K, V] state: the transposed copy is the same state.

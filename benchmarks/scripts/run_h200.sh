@@ -28,6 +28,7 @@
 #   bash benchmarks/scripts/run_h200.sh text_study NAME [STAGES]  # configs/precision_text.py:NAME: presets split over processes, merged into $OUT/text_NAME (benchmarks/scripts/text_precision.sh)
 #   bash benchmarks/scripts/run_h200.sh ncu_flush  # Nsight Compute of the all-rows flush (f16 checkpoint, b 256, L 16)
 #   bash benchmarks/scripts/run_h200.sh ncu_flush_fp8 [config_json]  # the same on the f16 master + fp8 copy
+#   bash benchmarks/scripts/run_h200.sh mlp_gemm   # the Qwen3.5-4B dense MLP's GEMMs alone, gate / up as two weights or one packed weight, rows {256,1024}, with XLA's Triton GEMMs on and off (XLA's CUDA graphs off)
 #   bash benchmarks/scripts/run_h200.sh moe_dispatch  # one Nemotron 3 Nano MoE layer per dispatch, balanced and imbalanced routing
 #   bash benchmarks/scripts/run_h200.sh nano [parts] [batches]  # the Nemotron 3 Nano-shaped model: decode step, generate / speculative_generate
 #   bash benchmarks/scripts/run_h200.sh qwen35_4b [parts] [batches]  # the same on the Qwen3.5-4B text shape (Gated DeltaNet)
@@ -194,6 +195,13 @@ case "$1" in
   attention_window)
     timeout "$T" python benchmarks/scripts/attend_micro.py --window 4 \
       --variants default,s1,split128 --out "$OUT/attend_micro_window4.json" ;;
+  mlp_gemm)
+    for triton in true false; do
+      XLA_FLAGS="--xla_gpu_enable_command_buffer= --xla_gpu_enable_triton_gemm=$triton" \
+        timeout $(( T / 2 )) python -u benchmarks/scripts/mlp_gemm_micro.py \
+        --out="$OUT/mlp_gemm_micro_triton_$triton.json" \
+        || echo "mlp_gemm: triton gemm $triton failed"
+    done ;;
   moe_dispatch)
     for std in 0 0.1; do
       timeout "$T" python -u benchmarks/scripts/moe_dispatch.py \
