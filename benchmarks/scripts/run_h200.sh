@@ -30,7 +30,7 @@
 #   bash benchmarks/scripts/run_h200.sh ncu_flush_fp8 [config_json]  # the same on the f16 master + fp8 copy
 #   bash benchmarks/scripts/run_h200.sh mlp_gemm   # the Qwen3.5-4B dense MLP's GEMMs alone, gate / up as two weights or one packed weight, rows {256,1024}, with XLA's Triton GEMMs on and off (XLA's CUDA graphs off)
 #   bash benchmarks/scripts/run_h200.sh moe_dispatch  # one Nemotron 3 Nano MoE layer per dispatch, balanced and imbalanced routing
-#   bash benchmarks/scripts/run_h200.sh nano [parts] [batches]  # the Nemotron 3 Nano-shaped model: decode step, generate / speculative_generate
+#   bash benchmarks/scripts/run_h200.sh nano [parts] [batches]  # the Nemotron 3 Nano-shaped model: decode step, generate / speculative_generate (parts and batches joined by "," or "+"; run_h200_chain.sh needs "+", e.g. qwen35_4b,step+spec,256)
 #   bash benchmarks/scripts/run_h200.sh qwen35_4b [parts] [batches]  # the same on the Qwen3.5-4B text shape (Gated DeltaNet)
 #   bash benchmarks/scripts/run_h200.sh gdn_kernels  # the Gated DeltaNet kernels vs their references at Qwen3.5 shapes, then their tests on the GPU
 #   bash benchmarks/scripts/run_h200.sh serve [hf_config]  # serve_bench: continuous batching, Poisson arrivals, baseline vs replay (hybrid_1b, or a transformers config's shape)
@@ -208,12 +208,13 @@ case "$1" in
         --router_bias_std=$std --out="$OUT/moe_dispatch_bias$std.json"
     done ;;
   nano|qwen35_4b)
-    # Argument 2: the parts (default step,spec); 3: the batches of both.
-    b=${3:-256,64,1}
+    # Argument 2: the parts (default step,spec); 3: the batches of both
+    # ("+" joins them as "," does: run_h200_chain.sh splits on commas).
+    b=${3:-256,64,1}; b=${b//+/,}; parts=${2:-step,spec}
     cfg=configs/nemotron3_nano_30b_a3b.json
     [ "$1" = qwen35_4b ] && cfg=configs/qwen3_5_4b_text.json
     timeout "$T" python -u benchmarks/scripts/random_weight_decode.py \
-      --hf_config=$cfg --parts="${2:-step,spec}" --batches="$b" \
+      --hf_config=$cfg --parts="${parts//+/,}" --batches="$b" \
       --spec_batches="$b" --prng_impl=rbg --budget_s=$(( T - 120 )) \
       --out="$OUT/$1.json" ;;
   gdn_kernels)
