@@ -16,6 +16,8 @@ ranking candidates before spending device time. Pallas' default
   pip install triton   # not a project dependency
   PYTHONPATH=. python benchmarks/scripts/triton_offline.py \\
       --dtype float16 --warps 2,4 --config flush_max_registers=168
+  PYTHONPATH=. python benchmarks/scripts/triton_offline.py --op gdn_verify \\
+      --dtype float32 --warps 1,4 --config block_v=16
 
 Prints one line per (kernel, warps): registers, spill bytes, SASS
 instruction count and the most frequent opcodes. `--out DIR` keeps each
@@ -37,8 +39,10 @@ import jax.numpy as jnp
 
 import pallas_kernels as pk
 from pallas_kernels import replay
+from pallas_kernels import gdn as gdn_kernels
 from pallas_kernels import verify as verify_kernel
 from replayssm_jax import testing
+from replayssm_jax.gdn.state import GDNReplayState
 from replayssm_jax.state import ReplayState
 
 
@@ -144,6 +148,28 @@ def verify_modules(*, batch, nheads, headdim, dstate, ngroups, buffer_len,
   return _modules(verify, rstate, win)
 
 
+def gdn_verify_modules(*, batch, buffer_len, checkpoint_dtype, window=4,
+                       config=None):
+  """The Triton modules of one Gated DeltaNet speculative verify
+  (`pallas_kernels.gdn.gdn_replay_verify`) at the Qwen3.5-shaped layer of
+  gdn_kernel_bench.py (16 key / 32 value heads of 128; bf16 window and
+  rings, f32 g)."""
+  sds, bf16, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
+  hk, hv, k, v = 16, 32, 128, 128
+  rs = GDNReplayState(
+      checkpoint=sds((batch, hv, k, v), checkpoint_dtype),
+      d_buf=sds((batch, buffer_len, hv, v), bf16),
+      k_buf=sds((batch, buffer_len, hk, k), bf16),
+      g_buf=sds((batch, buffer_len, hv), f32),
+      count=sds((batch,), jnp.int32))
+  t = (batch, window)
+  win = dict(q=sds(t + (hk, k), bf16), k=sds(t + (hk, k), bf16),
+             v=sds(t + (hv, v), bf16), g=sds(t + (hv,), f32),
+             beta=sds(t + (hv,), f32))
+  return _modules(lambda r, w: gdn_kernels.gdn_replay_verify(
+      r, **w, config=config), rs, win)
+
+
 def _tool(name):
   """A CUDA binary shipped with the pip triton package (the newest ptxas
   first: the plain one may be older than the PTX triton emits)."""
@@ -205,7 +231,7 @@ def compile_module(text, *, num_warps, num_stages, workdir):
                         capture_output=True, text=True, check=True).stdout
   ops = collections.Counter(
       m.group(1).split(".")[0] for m in re.finditer(
-          r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass))
+          r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass))
   return dict(registers=regs, spill_bytes=int(spill.group(1)) if spill else 0,
               instructions=sum(ops.values()), opcodes=ops.most_common(12))
 
@@ -222,17 +248,26 @@ def main():
   ap.add_argument("--read_dtype", default=None,
                   help="a read copy of this dtype (e.g. float8_e4m3fn)")
   ap.add_argument("--kernels", default="", help="name substrings to keep")
-  ap.add_argument("--op", default="step", choices=("step", "verify"),
+  ap.add_argument("--op", default="step",
+                  choices=("step", "verify", "gdn_verify"),
                   help="the replay step's kernels (ReplayConfig fields in "
                   "--config) or the speculative verify's at hybrid_1b's "
-                  "layer, window 4 (VerifyConfig fields)")
+                  "layer, window 4 (VerifyConfig fields); gdn_verify: the "
+                  "Gated DeltaNet verify's at the Qwen3.5-shaped layer, "
+                  "window 4 (GDNConfig fields; --warps overrides "
+                  "num_warps)")
   ap.add_argument("--out", default="", help="keep TTIR/PTX/cubin here")
   a = ap.parse_args()
   fields = {}
   for item in filter(None, a.config.split(",")):
     key, value = item.split("=", 1)
     fields[key.strip()] = ast.literal_eval(value.strip())
-  if a.op == "verify":
+  if a.op == "gdn_verify":
+    modules = gdn_verify_modules(
+        batch=a.batch, buffer_len=a.buffer_len,
+        checkpoint_dtype=jnp.dtype(a.dtype),
+        config=gdn_kernels.GDNConfig(**fields))
+  elif a.op == "verify":
     modules = verify_modules(
         batch=a.batch, nheads=64, headdim=64, dstate=128, ngroups=8,
         buffer_len=a.buffer_len, checkpoint_dtype=jnp.dtype(a.dtype),
