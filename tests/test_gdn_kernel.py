@@ -349,17 +349,21 @@ def test_kernels_refuse_by_name():
     gdn.gdn_replay_step(r.with_policy(policy), **tok, policy=policy,
                         implementation="pallas",
                         config=kg.GDNConfig(block_v=4, ring_weights=True))
-  # ring_weights: the replay step's option, refused by the other kernels.
+  # ring_weights: the replay step's and the verify's option, refused by
+  # the baseline step; split_routes: the replay step's only.
   with pytest.raises(ValueError, match="ring_weights must be None or a bool"):
     kg.GDNConfig(ring_weights=1)
   rw = kg.GDNConfig(ring_weights=True)
   with pytest.raises(NotImplementedError, match="ring_weights applies to "
-                     "the replay step kernel only .* baseline step"):
+                     "the replay step and verify kernels only .* baseline "
+                     "step"):
     gdn.gdn_step(state[..., :4, :4], **_inputs(18, 1, 2, 4, 4),
                  implementation="pallas", config=rw)
   win = _inputs(22, 1, 2, 8, 8, T=2)
-  with pytest.raises(NotImplementedError, match="verify kernels"):
-    gdn.gdn_replay_verify(r, **win, implementation="pallas", config=rw)
+  with pytest.raises(NotImplementedError, match="split_routes applies to "
+                     "the replay step kernel only .* verify kernels"):
+    gdn.gdn_replay_verify(r, **win, implementation="pallas",
+                          config=kg.GDNConfig(split_routes=True))
   with pytest.raises(ValueError, match="split_routes must be None or a bool"):
     kg.GDNConfig(split_routes="yes")
   with pytest.raises(NotImplementedError, match="split_routes applies to "

@@ -137,7 +137,10 @@ def test_verify_kernels_lower_in_place(T, policy):
   assert set(_aliases(text, "replayssm_gdn_verify_fold")) == {0} | (
       {1} if copy else set()) | ({2} if scaled else set())
   assert set(_aliases(text, "replayssm_gdn_verify_window")) == {1, 2, 3}
-  assert set(launched_warps(text)) == {"replayssm_gdn_verify_fold",
+  # The window's coefficients first (by default), writing new arrays.
+  assert not _aliases(text, "replayssm_gdn_verify_weights")
+  assert set(launched_warps(text)) == {"replayssm_gdn_verify_weights",
+                                       "replayssm_gdn_verify_fold",
                                        "replayssm_gdn_verify_window"}
 
 
@@ -159,7 +162,7 @@ def test_default_plans():
   assert kg.plan(None, 128, 128).block_v == 64  # rows unknown
   verify = lambda **kw: kg.plan(None, 128, 128, kernel="verify", **kw)
   assert (verify().block_v, verify().num_warps) == (16, 4)
-  assert verify(whole_rows=True) == kg.GDNPlan(128, 8, 1)
+  assert verify(whole_rows=True) == kg.GDNPlan(128, 8, 1, ring_weights=True)
   # Explicit fields win over the defaults.
   mine = kg.plan(kg.GDNConfig(block_v=32, num_warps=2), 128, 128,
                  rows=256 * 32)
@@ -167,12 +170,14 @@ def test_default_plans():
   with pytest.raises(ValueError, match="kernel"):
     kg.plan(None, 128, 128, kernel="fold")
   # The replay step's ring-weights launch: on by default without a read
-  # copy from batch x value heads 2048; never for the other kernels.
+  # copy from batch x value heads 2048; the verify's coefficients launch:
+  # always; the baseline step: never.
   replay = lambda rows, **kw: kg.plan(None, 128, 128, rows=rows,
                                       kernel="replay", **kw).ring_weights
   assert (replay(64 * 32), replay(256 * 32), replay(32 * 32),
           replay(256 * 32, whole_rows=True)) == (True, True, False, False)
-  assert not (step(256).ring_weights or verify().ring_weights)
+  assert not step(256).ring_weights
+  assert verify().ring_weights and verify(whole_rows=True).ring_weights
   off = kg.plan(kg.GDNConfig(ring_weights=False), 128, 128, rows=256 * 32,
                 kernel="replay")
   assert not off.ring_weights

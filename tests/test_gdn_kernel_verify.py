@@ -1,6 +1,8 @@
 """The GDN speculative verify kernels (`pallas_kernels.gdn.verify`,
-implementation "pallas" of gdn_replay_verify; interpret mode on CPU)
-against the reference: ragged counters with early-flushing rows, GQA,
+implementation "pallas" of gdn_replay_verify; interpret mode on CPU), the
+window's coefficients formed in each program or by a first launch
+(`GDNConfig.ring_weights`), against the reference: ragged counters with
+early-flushing rows, GQA,
 value blocks, bf16 rings, poisoned stale slots and a poisoned last draft,
 precision policies, commit after verify, out-of-range counters and the
 windows it refuses."""
@@ -64,6 +66,10 @@ VERIFY_CASES = [
     (3, "float32", "bfloat16", (2, 4, 8, 16), kg.GDNConfig(block_v=4)),
     (3, "float16", "float32", (1, 2, 16, 8), kg.GDNConfig(block_v=8)),
     (5, "bfloat16", "bfloat16", (2, 2, 8, 8), kg.GDNConfig(block_v=2)),
+    # The window's coefficients from the first launch.
+    (3, "float32", "bfloat16", (2, 4, 8, 16),
+     kg.GDNConfig(block_v=4, ring_weights=True)),
+    (5, "float16", "float32", (1, 2, 16, 8), kg.GDNConfig(ring_weights=True)),
 ]
 
 
@@ -86,26 +92,33 @@ def test_verify_kernel_matches_reference(T, ck_dtype, buf_dtype, dims,
                        tol, "state after commit")
 
 
-def test_poisoned_last_draft_reaches_no_earlier_output():
+@pytest.mark.parametrize("ring_weights", [False, True])
+def test_poisoned_last_draft_reaches_no_earlier_output(ring_weights):
   """Position s depends on positions <= s only: a NaN last draft leaves
   the earlier outputs finite and unchanged."""
   dims, T = (1, 2, 8, 8), 3
+  config = kg.GDNConfig(ring_weights=ring_weights)
   rstate = _setup(30, dims)
   win = _window(31, dims, T)
-  o, _ = gdn.gdn_replay_verify(rstate, **win, implementation="pallas")
+  o, _ = gdn.gdn_replay_verify(rstate, **win, implementation="pallas",
+                               config=config)
   bad = dict(win, v=win["v"].at[:, -1].set(jnp.nan),
              k=win["k"].at[:, -1].set(jnp.inf))
-  o_bad, _ = gdn.gdn_replay_verify(rstate, **bad, implementation="pallas")
+  o_bad, _ = gdn.gdn_replay_verify(rstate, **bad, implementation="pallas",
+                                   config=config)
   np.testing.assert_array_equal(np.asarray(o_bad[:, :-1]),
                                 np.asarray(o[:, :-1]))
 
 
-@pytest.mark.parametrize("name", ["f32+int8", "f16+fp8+sr", "bf16+sr"])
-def test_verify_kernel_precision_policies(name):
+@pytest.mark.parametrize("name,ring_weights", [
+    ("f32+int8", False), ("f16+fp8+sr", False), ("bf16+sr", False),
+    ("f16+fp8+sr", True)])
+def test_verify_kernel_precision_policies(name, ring_weights):
   """Folding rows store master + copy (stochastically with the
   reference's bits) and read the stored master; the others read the copy
   only (a NaN master never reaches them)."""
   dims, T = (1, 2, 8, 8), 3
+  config = kg.GDNConfig(ring_weights=ring_weights)
   policy = PrecisionPolicy.preset(name).replace(buffer_dtype="float32")
   rstate = _setup(32, dims, jnp.dtype(policy.checkpoint_dtype)).with_policy(
       policy)
@@ -113,7 +126,7 @@ def test_verify_kernel_precision_policies(name):
   o_ref, ref = gdn.gdn_replay_verify(rstate, **win, policy=policy,
                                      implementation="reference")
   o, pending = gdn.gdn_replay_verify(rstate, **win, policy=policy,
-                                     implementation="pallas")
+                                     implementation="pallas", config=config)
   dtypes = [policy.checkpoint_dtype] + (
       [policy.read_dtype] if policy.read_dtype else [])
   tol = testing.tolerance(*dtypes)
@@ -131,18 +144,21 @@ def test_verify_kernel_precision_policies(name):
                                rstate.checkpoint.dtype)
     o_nan, _ = gdn.gdn_replay_verify(rstate.replace(checkpoint=nan_master),
                                      **win, policy=policy,
-                                     implementation="pallas")
+                                     implementation="pallas", config=config)
     np.testing.assert_array_equal(np.asarray(o_nan), np.asarray(o))
 
 
-def test_verify_kernel_out_of_range_counters():
+@pytest.mark.parametrize("ring_weights", [False, True])
+def test_verify_kernel_out_of_range_counters(ring_weights):
   """Under jit (the kernel called directly) a counter outside [0, L):
   NaN outputs, count kept, nothing written."""
   dims, T = (1, 2, 8, 8), 2
   rstate = _setup(34, dims, counts=(1, 2, 3, 6, 0))
   rstate = rstate.replace(count=jnp.array([L, 2, -1, 6, 0], jnp.int32))
   win = _window(35, dims, T)
-  o, pending = kg.gdn_replay_verify(rstate, **win, interpret=True)
+  o, pending = kg.gdn_replay_verify(
+      rstate, **win, interpret=True,
+      config=kg.GDNConfig(ring_weights=ring_weights))
   o = np.asarray(o)
   assert np.isnan(o[[0, 2]]).all() and np.isfinite(o[[1, 3, 4]]).all()
   np.testing.assert_array_equal(np.asarray(pending.count), [L, 2, -1, 0, 0])

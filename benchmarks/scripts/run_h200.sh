@@ -44,7 +44,7 @@
 #   bash benchmarks/scripts/run_h200.sh gdn_heads  # the split replay step's output launch stepping through 2 or 4 value heads per program at 2 / 3 pipelining stages (GDNConfig.heads_per_program; the baseline step too), b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
 #   bash benchmarks/scripts/run_h200.sh gdn_ncu    # Nsight Compute of the GDN baseline step and the replay step in one launch and two, without ring weights (f32, b 256, L 16)
 #   bash benchmarks/scripts/run_h200.sh gdn_trees DIR... [-- FLAGS]  # the GDN step kernels of several exported trees side by side (each `git archive` of a commit in an ignored folder, carried): gdn_kernel_bench from each in turn, b {256,64}, L 16, staggered, f32 / f16 masters and the f16 + fp8 copy (FLAGS replace these), into $OUT/gdn_trees/<dir>.json
-#   bash benchmarks/scripts/run_h200.sh gdn_verify   # the GDN speculative verify + commit per iteration (window 4, L 16): the Pallas kernels at their defaults and four launch shapes (fewer warps: fewer cross-warp reductions), the reference, the snapshot baseline, b {256,64}
+#   bash benchmarks/scripts/run_h200.sh gdn_verify   # the GDN speculative verify + commit per iteration (window 4, L 16): the Pallas kernels at their defaults, without the coefficients' first launch and at four launch shapes, the reference, the snapshot baseline, b {256,64}
 #   bash benchmarks/scripts/run_h200.sh gdn_readout  # the GDN state readouts alone in the [K, V] and transposed [V, K] layouts against a plain read (b 256)
 #   bash benchmarks/scripts/run_h200.sh multi_gpu [meshes]  # multi_device_bench on every GPU of a multi-GPU host (hybrid_1b, random weights, global b {256,512}, the ops per shard), e.g. meshes "((1,1),(1,4),(4,1))"
 #
@@ -263,7 +263,7 @@ case "$1" in
     done ;;
   gdn_verify)
     timeout "$T" python -u benchmarks/scripts/gdn_verify_bench.py \
-      --configs='[{}, {"num_warps": 1, "block_v": 8}, {"num_warps": 2}, {"block_v": 32, "num_warps": 8}, {"block_v": 64}]' \
+      --configs='[{}, {"ring_weights": false}, {"block_v": 32}, {"num_warps": 2}, {"block_v": 8, "num_warps": 1}, {"block_v": 64, "num_warps": 8}]' \
       --budget_s=$(( T - 120 )) --out="$OUT/gdn_verify_bench.json" ;;
   gdn_readout)
     timeout "$T" python -u benchmarks/scripts/gdn_readout_layout.py \

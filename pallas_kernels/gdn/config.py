@@ -14,7 +14,8 @@ heads (timed at batch 64 and 256; a read copy's step was slower with it,
 and at smaller batches the second launch is untimed); and a state with a
 read copy stepped in two launches from the same size (`split_routes`:
 whole rows only where it flushes, the copy read in [128, 64] tiles). The
-verify kernels' defaults are untuned.
+verify kernels' defaults are untuned (their window coefficients from a
+first launch).
 """
 
 from __future__ import annotations
@@ -53,8 +54,15 @@ class GDNConfig:
       token's k . q -- and the step's value-block programs read them,
       streaming only the checkpoint tile and the d ring instead of each
       reducing the key ring against q and k and forming the decays again.
-      Every precision policy the step takes; refused by the baseline step
-      and the verify kernels. False: one launch.
+      Every precision policy the step takes. The verify kernels: the
+      window's coefficients (normalisation factors, the key ring and the
+      window's keys against each other, decays) formed once per key head
+      and row by a first launch (`verify_weights.gdn_verify_weights`)
+      instead of in every value-block program; None: on (untimed; compiled
+      offline for sm_90a at the Qwen3.5 layer, batch 256, f32, 4 warps,
+      the window program then holds 47 barriers and 1,400 SASS
+      instructions instead of 147 and 3,360: `triton_offline.py --op
+      gdn_verify`). Refused by the baseline step. False: no first launch.
     split_routes: replay step only. None: `default_split_routes`. True:
       the output route (rows with count < L-1) and the flush route (count
       == L-1) in two launches, the programs of the other route's rows
@@ -182,8 +190,9 @@ def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
   otherwise; under split_routes config.block_v is the output launch's);
   rows:
   batch x value heads (the grid's programs per value block); kernel:
-  "replay" (the replay step: every field), "step" (the baseline step) or
-  "verify" (these two refuse ring_weights=True by name); state_dtype: the
+  "replay" (the replay step: every field), "step" (the baseline step:
+  refuses ring_weights=True by name) or "verify" (refuses split_routes=True
+  by name); state_dtype: the
   baseline step's state dtype (its default stages); read_copy: the replay
   state has a read copy (its default split_routes); num_v_heads: the value
   heads, which heads_per_program must divide."""
@@ -191,12 +200,16 @@ def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
     raise ValueError(f"kernel must be 'step', 'replay' or 'verify', got "
                      f"{kernel!r}.")
   config = config or GDNConfig()
-  for name in ("ring_weights", "split_routes"):
-    if getattr(config, name) and kernel != "replay":
-      which = "baseline step" if kernel == "step" else "verify kernels"
-      raise NotImplementedError(
-          f"GDNConfig.{name} applies to the replay step kernel only "
-          f"(gdn_replay_step), not to the {which}; leave it False.")
+  if config.ring_weights and kernel == "step":
+    raise NotImplementedError(
+        "GDNConfig.ring_weights applies to the replay step and verify "
+        "kernels only (gdn_replay_step, gdn_replay_verify), not to the "
+        "baseline step; leave it False.")
+  if config.split_routes and kernel != "replay":
+    which = "baseline step" if kernel == "step" else "verify kernels"
+    raise NotImplementedError(
+        f"GDNConfig.split_routes applies to the replay step kernel only "
+        f"(gdn_replay_step), not to the {which}; leave it False.")
   tile_kernel = "verify" if kernel == "verify" else "step"
   split = (config.split_routes if config.split_routes is not None
            else kernel == "replay" and default_split_routes(read_copy, rows))
@@ -233,8 +246,10 @@ def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
         f"is then the output launch's).")
   warps = config.num_warps or default_num_warps(key_dim, bv, tile_kernel)
   stages = config.num_stages or default_num_stages(kernel, state_dtype)
-  ring = (config.ring_weights if config.ring_weights is not None
-          else kernel == "replay" and default_ring_weights(whole_rows, rows))
+  ring = config.ring_weights
+  if ring is None:  # the verify kernels: always (GDNConfig's docstring)
+    ring = kernel == "verify" or (kernel == "replay"
+                                  and default_ring_weights(whole_rows, rows))
   return GDNPlan(block_v=bv, num_warps=warps, num_stages=stages,
                  ring_weights=ring, split_routes=split,
                  output_block_v=out_bv, heads_per_program=hpp)

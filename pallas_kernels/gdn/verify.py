@@ -2,7 +2,9 @@
 
 Matches `replayssm_jax.gdn.verify.gdn_replay_verify_reference`. Two
 launches, rows routed by data, both on the grid (value blocks, value
-heads, rows):
+heads, rows), after, with `GDNConfig.ring_weights`, a first launch of one
+program per (key head, row) that forms the window's coefficients
+(`verify_weights.gdn_verify_weights`):
 
 * fold kernel (rows whose window does not fit behind their history,
   count + T >= L, with count > 0): folds the committed history into the
@@ -12,12 +14,14 @@ heads, rows):
   window's only checkpoint write; it runs before the window kernel, whose
   programs of the same row overwrite the ring slots the fold reads.
 * window kernel (every row): from the (folded) checkpoint tile (the read
-  copy on rows that did not fold) and the rings' live history, the
-  history terms h(k)_s, h(q)_s of the T positions; the window's corrected
-  updates by forward substitution of the unit-lower-triangular (I + A)
-  system in registers (T <= 8, unrolled: research notes §4.3); the outputs
-  o_s; then (d_s, k_s, g_s) written into the rings behind the history
-  (count unchanged; 0 on rows that folded, whose window starts at slot 0).
+  copy on rows that did not fold), the d ring's live history and the
+  window's coefficients (read from the first launch, or formed by the
+  program itself by the same functions: `verify_weights`), the history
+  terms h(k)_s, h(q)_s of the T positions; the window's corrected updates
+  by forward substitution of the unit-lower-triangular (I + A) system in
+  registers (T <= 8, unrolled: research notes §4.3); the outputs o_s;
+  then (d_s, k_s, g_s) written into the rings behind the history (count
+  unchanged; 0 on rows that folded, whose window starts at slot 0).
 
 A counter outside [0, L) (only under jit): NaN outputs, nothing written.
 """
@@ -34,6 +38,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import triton_utils as tu
 from pallas_kernels.gdn import common
+from pallas_kernels.gdn import verify_weights as VW
 from pallas_kernels.gdn.config import GDNConfig, plan
 from pallas_kernels.replay.program import (FlushStores, copy_counts,
                                            copy_operands, copy_spec)
@@ -98,11 +103,12 @@ def _fold_kernel(*refs, window, heads_per_key, block_v, spec):
 
 # ---------------------------------------------------------- window kernel
 def _window_kernel(*refs, window, heads_per_key, block_v, use_l2norm,
-                   scale, copy, scaled):
+                   scale, copy, scaled, weights):
   """Refs: checkpoint (folded), d / k / g rings, counters, q, k, v, g,
   beta ([batch, T, ...]), with `copy` the read copy (and with `scaled` its
-  scales); outputs: o, d / k / g rings, counters."""
-  n_in = 10 + copy + scaled
+  scales), with `weights` the weights launch's two outputs; outputs: o,
+  d / k / g rings, counters."""
+  n_in = 10 + copy + scaled + 2 * weights
   (ck_ref, db_ref, kb_ref, gb_ref, cnt_ref, q_ref, k_ref, v_ref, g_ref,
    beta_ref) = refs[:10]
   o_ref, db_out, kb_out, gb_out, cnt_out = refs[n_in:]
@@ -113,63 +119,58 @@ def _window_kernel(*refs, window, heads_per_key, block_v, use_l2norm,
   c = cnt_ref[b]
   valid = (c >= 0) & (c < L)
   folds = _folds(c, T, L)
-  base = jnp.where(c + T >= L, 0, c)  # committed tokens left in the rings
+  base = VW.history_base(c, T, L)  # committed tokens left in the rings
+  # Every load first (common's docstring), then the math.
   if copy:
     master = plgpu.load(ck_ref.at[b, h, :, vs], mask=jnp.broadcast_to(
         folds, (K, block_v)), other=0.0, eviction_policy="evict_first")
     read = plgpu.load(refs[10].at[b, h, :, vs], mask=jnp.broadcast_to(
         ~folds, (K, block_v)), other=0.0, eviction_policy="evict_first")
+    if scaled:
+      scales = refs[11][b, h, :]
+  else:
+    s0 = plgpu.load(ck_ref.at[b, h, :, vs], eviction_policy="evict_first")
+  hist = jnp.arange(L) < base
+  d_hist = plgpu.load(db_ref.at[b, :, h, vs], other=0.0,
+                      mask=jnp.broadcast_to(hist[:, None], (L, block_v)))
+  q_win = [q_ref[b, s, hk, :] for s in range(T)]
+  k_win = [k_ref[b, s, hk, :] for s in range(T)]
+  v_win = [v_ref[b, s, h, vs] for s in range(T)]
+  g_win = [g_ref[b, s, h] for s in range(T)]
+  beta = [beta_ref[b, s, h] for s in range(T)]
+  if weights:
+    coefficients = VW.load_weights(*refs[n_in - 2:n_in], b, h, T)
+  else:
+    k_hist, (g_hist,) = VW.load_history(kb_ref, gb_ref, b, hk, [h], hist)
+    coefficients = VW.head_terms(
+        VW.key_terms(q_win, k_win, k_hist, kb_ref.dtype,
+                     use_l2norm=use_l2norm, scale=scale),
+        g_hist, hist, g_win, beta)
+  if copy:
     read = read.astype(F32)
     if scaled:
-      read = read * refs[11][b, h, :][:, None]  # precision.dequantize
+      read = read * scales[:, None]  # precision.dequantize
     s0 = jnp.where(folds, master.astype(F32), read)
-  else:
-    s0 = plgpu.load(ck_ref.at[b, h, :, vs],
-                    eviction_policy="evict_first").astype(F32)
-  j = jnp.arange(L)
-  hist = j < base
-  g_hist = plgpu.load(gb_ref.at[b, :, h], mask=hist, other=0.0)
-  suffix = tu.suffix_sums(g_hist, j)  # sum_{j<i<base} g_i
-  h_last = jnp.sum(g_hist)
-  m2 = jnp.broadcast_to(hist[:, None], (L, K))
-  k_hist = plgpu.load(kb_ref.at[b, :, hk, :], mask=m2, other=0.0
-                      ).astype(F32)  # [L, K]
-  m2 = jnp.broadcast_to(hist[:, None], (L, block_v))
-  d_hist = plgpu.load(db_ref.at[b, :, h, vs], mask=m2, other=0.0
-                      ).astype(F32)  # [L, block_v]
+  s0 = s0.astype(F32)
+  d_hist = d_hist.astype(F32)
   bdt = db_ref.dtype
-  kscale = common.qk_scale(K, scale)
-
-  def history_term(x, w):
-    """sum_j w_j (k_j . x) d_j over the live history (h(x) less its
-    checkpoint term exp(H + G_s) S^T x)."""
-    dots = jnp.sum(k_hist * x[None, :], axis=1)  # [L]
-    return jnp.sum((w * dots)[:, None] * d_hist, axis=0)
-
-  G = jnp.float32(0.0)
-  G_prev, k_prev, d_prev = [], [], []
+  d_prev = []
   slot0 = jnp.clip(base, 0, L - T)
-  for s in range(T):  # static: T <= 8
-    qs = common.normalise(q_ref[b, s, hk, :], use_l2norm, kscale)
-    ks = common.normalise(k_ref[b, s, hk, :], use_l2norm)
-    bs = beta_ref[b, s, h].astype(F32)
-    gs = g_ref[b, s, h].astype(F32)
-    G = G + gs
-    w = jnp.where(hist, jnp.exp(G + suffix), 0.0)
-    e = jnp.exp(h_last + G)
-    d = bs * (v_ref[b, s, h, vs].astype(F32)
-              - (e * common.readout(s0, ks) + history_term(ks, w)))
-    o = e * common.readout(s0, qs) + history_term(qs, w)
+  for s, (decay, fq, fk, own, a, cq, wk, wq) in enumerate(coefficients):
+    qn = q_win[s].astype(F32) * fq
+    kn = k_win[s].astype(F32) * fk
+    hist_k = jnp.sum(wk[:, None] * d_hist, axis=0)  # [block_v]
+    d = beta[s].astype(F32) * (v_win[s].astype(F32)
+                               - (decay * common.readout(s0, kn) + hist_k))
+    o = decay * common.readout(s0, qn) + jnp.sum(wq[:, None] * d_hist,
+                                                 axis=0)
     # Forward substitution of (I + A) D = R: the earlier window tokens
     # (i < s only) as the rings hold them.
-    for i in range(s):
-      pair = jnp.exp(G - G_prev[i])
-      d = d - (bs * pair * jnp.sum(k_prev[i] * ks)) * d_prev[i]
-      o = o + (pair * jnp.sum(k_prev[i] * qs)) * d_prev[i]
-    o = o + jnp.sum(ks * qs) * d
+    for ai, ci, di in zip(a, cq, d_prev):
+      d = d - ai * di
+      o = o + ci * di
+    o = o + own * d
     o_ref[b, s, h, vs] = jnp.where(valid, o, jnp.nan).astype(o_ref.dtype)
-    G_prev.append(G)
-    k_prev.append(ks.astype(bdt).astype(F32))
     d_prev.append(d.astype(bdt).astype(F32))
     slot = slot0 + s
 
@@ -179,11 +180,11 @@ def _window_kernel(*refs, window, heads_per_key, block_v, use_l2norm,
 
     @pl.when(valid & (t.vblk == 0))
     def _append_g():
-      gb_out[b, slot, h] = gs
+      gb_out[b, slot, h] = g_win[s].astype(gb_out.dtype)
 
     @pl.when(valid & t.first_of_key)
     def _append_k():
-      kb_out[b, slot, hk, :] = ks.astype(kb_out.dtype)
+      kb_out[b, slot, hk, :] = kn.astype(kb_out.dtype)
 
   @pl.when((h == 0) & (t.vblk == 0))
   def _count():
@@ -205,6 +206,11 @@ def gdn_replay_verify(rstate, q, k, v, g, beta, use_qk_l2norm=True,
   T = q.shape[1]
   hk = rstate.k_buf.shape[2]
   p = plan(config, K, Vd, whole_rows=spec is not None, kernel="verify")
+  weights = ()
+  if p.ring_weights:
+    weights = VW.gdn_verify_weights(
+        rstate.k_buf, rstate.g_buf, rstate.count, q, k, g, beta,
+        use_qk_l2norm=use_qk_l2norm, scale=scale, interpret=interpret)
   sds = jax.ShapeDtypeStruct
   grid = (Vd // p.block_v, hv, batch)
   params = plgpu.CompilerParams(num_warps=p.num_warps,
@@ -230,7 +236,8 @@ def gdn_replay_verify(rstate, q, k, v, g, beta, use_qk_l2norm=True,
   o, db, kb, gb, cnt = pl.pallas_call(
       functools.partial(_window_kernel, use_l2norm=use_qk_l2norm,
                         scale=scale, copy="read_copy" in fields,
-                        scaled="read_scale" in fields, **kw),
+                        scaled="read_scale" in fields,
+                        weights=p.ring_weights, **kw),
       grid=grid,
       out_shape=(sds((batch, T, hv, Vd), v.dtype),
                  sds(rstate.d_buf.shape, rstate.d_buf.dtype),
@@ -241,6 +248,6 @@ def gdn_replay_verify(rstate, q, k, v, g, beta, use_qk_l2norm=True,
       compiler_params=params, interpret=interpret,
       name="replayssm_gdn_verify_window",
   )(ck, rstate.d_buf, rstate.k_buf, rstate.g_buf, rstate.count, q, k, v, g,
-    beta, *read)
+    beta, *read, *weights)
   return o, rstate.replace(checkpoint=ck, d_buf=db, k_buf=kb, g_buf=gb,
                            count=cnt, pending_window=T, **fields)
