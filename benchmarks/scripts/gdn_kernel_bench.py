@@ -439,6 +439,31 @@ def write(res, out):
     fh.write("\n".join(lines + [""] + notes) + "\n")
 
 
+def add_timing_flags(ap):
+  """Bench's timing settings (the module docstring's method)."""
+  ap.add_argument("--repeats", type=int, default=None, help="default 20")
+  ap.add_argument("--target_ms", type=float, default=3.0)
+  ap.add_argument("--rotation_mb", type=float, default=512.0)
+  ap.add_argument("--max_rotation", type=int, default=128)
+
+
+def run_jobs(bench, batch, jobs, res, start, save):
+  """Runs each (name, fn, args) of `jobs` at `batch`: its records, or its
+  error (recorded, so one variant's failure does not hide the others),
+  join res["records"], saved after each."""
+  for name, fn, args in jobs:
+    print(f"[{time.time() - start:6.0f}s] B={batch} {name}", flush=True)
+    try:
+      recs = fn(bench, batch, *args)
+    except Exception as e:  # pylint: disable=broad-except
+      recs = [dict(batch=batch, variant=name,
+                   error=f"{type(e).__name__}: {e}"[:2000])]
+      print(f"    error: {recs[0]['error'][:300]}", flush=True)
+    res["records"] += recs
+    res["elapsed_s"] = time.time() - start
+    save(res)
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default="gdn_kernel_bench.json")
@@ -446,10 +471,7 @@ def main():
   ap.add_argument("--buffer_lens", default=None, help="default 8,16,32")
   ap.add_argument("--checkpoints", default="f32,f16")
   ap.add_argument("--policies", default="f16+fp8")
-  ap.add_argument("--repeats", type=int, default=None, help="default 20")
-  ap.add_argument("--target_ms", type=float, default=3.0)
-  ap.add_argument("--rotation_mb", type=float, default=512.0)
-  ap.add_argument("--max_rotation", type=int, default=128)
+  add_timing_flags(ap)
   ap.add_argument("--copy_mb", type=int, default=1024)
   ap.add_argument("--warmup_s", type=float, default=None,
                   help="default 3 (0 with --small)")
@@ -512,18 +534,7 @@ def main():
     jobs += [(f"replay_pallas L={L} {p} {cf or ''}", replay, (L, p, cf))
              for L in (int(x) for x in a.buffer_lens.split(","))
              for cf in configs for p in precisions]
-    for name, fn, args in jobs:
-      print(f"[{time.time() - start:6.0f}s] B={batch} {name}", flush=True)
-      try:
-        recs = fn(bench, batch, *args)
-      except Exception as e:  # pylint: disable=broad-except
-        # Recorded, so one variant's failure does not hide the others.
-        recs = [dict(batch=batch, variant=name,
-                     error=f"{type(e).__name__}: {e}"[:2000])]
-        print(f"    error: {recs[0]['error'][:300]}", flush=True)
-      res["records"] += recs
-      res["elapsed_s"] = time.time() - start
-      write(res, a.out)
+    run_jobs(bench, batch, jobs, res, start, lambda r: write(r, a.out))
   write(res, a.out)
   print(f"done in {time.time() - start:.0f}s: {a.out}", flush=True)
 

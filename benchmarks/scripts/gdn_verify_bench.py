@@ -142,10 +142,7 @@ def main():
                   help="JSON list of GDNConfig fields for verify_pallas")
   ap.add_argument("--no_xla", action="store_true")
   ap.add_argument("--no_snapshot", action="store_true")
-  ap.add_argument("--repeats", type=int, default=None, help="default 20")
-  ap.add_argument("--target_ms", type=float, default=3.0)
-  ap.add_argument("--rotation_mb", type=float, default=512.0)
-  ap.add_argument("--max_rotation", type=int, default=128)
+  KB.add_timing_flags(ap)
   ap.add_argument("--budget_s", type=float, default=1e9)
   ap.add_argument("--small", action="store_true")
   a = ap.parse_args()
@@ -169,6 +166,12 @@ def main():
              records=[])
   configs = json.loads(a.configs)
   start = time.time()
+
+  def save(r):
+    print(f"    {r['records'][-1]}", flush=True)
+    with open(a.out, "w") as fh:
+      json.dump(r, fh, indent=1)
+
   for batch in (int(b) for b in a.batches.split(",")):
     if time.time() - start > a.budget_s:
       res["budget_stop"] = batch
@@ -179,18 +182,7 @@ def main():
       jobs.append(("verify_xla f32", replay, ("reference", "f32")))
     if not a.no_snapshot:
       jobs.append(("snapshot f32", snapshot, ()))
-    for name, fn, args in jobs:
-      print(f"[{time.time() - start:6.0f}s] B={batch} {name}", flush=True)
-      try:
-        recs = fn(bench, batch, *args)
-      except Exception as e:  # pylint: disable=broad-except
-        recs = [dict(batch=batch, variant=name,
-                     error=f"{type(e).__name__}: {e}"[:2000])]
-      print(f"    {recs[0]}", flush=True)
-      res["records"] += recs
-      res["elapsed_s"] = time.time() - start
-      with open(a.out, "w") as fh:
-        json.dump(res, fh, indent=1)
+    KB.run_jobs(bench, batch, jobs, res, start, save)
   print(f"done in {time.time() - start:.0f}s: {a.out}", flush=True)
 
 
