@@ -345,7 +345,9 @@ def test_mlp_gemm_micro_small(tmp_path):
   recs = json.loads(out.read_text())["records"]
   assert [r["form"] for r in recs] == ["separate", "packed"]
   tol = tolerance(jnp.bfloat16).rtol
-  assert all(0 < r["rel_error"] < tol and r["us_per_mlp"] > 0
+  # (The times are differences of loop times: on a busy CPU one may come
+  # out negative, so only their presence is checked.)
+  assert all(0 < r["rel_error"] < tol and np.isfinite(r["us_per_mlp"])
              for r in recs), recs
 
 
