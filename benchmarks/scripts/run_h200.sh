@@ -43,7 +43,7 @@
 #   bash benchmarks/scripts/run_h200.sh gdn_split  # the GDN replay step in one launch or two (GDNConfig.split_routes), with and without ring weights, beside the baselines and flash-linear-attention, b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
 #   bash benchmarks/scripts/run_h200.sh gdn_heads  # the split replay step's output launch stepping through 2 or 4 value heads per program at 2 / 3 pipelining stages (GDNConfig.heads_per_program; the baseline step too), b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
 #   bash benchmarks/scripts/run_h200.sh gdn_ncu    # Nsight Compute of the GDN baseline step and the replay step in one launch and two, without ring weights (f32, b 256, L 16)
-#   bash benchmarks/scripts/run_h200.sh gdn_trees DIR... [-- FLAGS]  # the GDN step kernels of several exported trees side by side (each `git archive` of a commit in an ignored folder, carried): gdn_kernel_bench from each in turn, b {256,64}, L 16, staggered, f32 / f16 masters and the f16 + fp8 copy (FLAGS replace these), into $OUT/gdn_trees/<dir>.json
+#   [BENCH=gdn_verify_bench.py] bash benchmarks/scripts/run_h200.sh gdn_trees DIR... [-- FLAGS]  # the GDN step (or verify) kernels of several exported trees side by side (each `git archive` of a commit in an ignored folder, carried): gdn_kernel_bench from each in turn, b {256,64}, L 16, staggered, f32 / f16 masters and the f16 + fp8 copy (FLAGS replace these), into $OUT/gdn_trees/<dir>.json
 #   bash benchmarks/scripts/run_h200.sh gdn_verify   # the GDN speculative verify + commit per iteration (window 4, L 16): the Pallas kernels at their defaults, without the coefficients' first launch and at four launch shapes, the reference, the snapshot baseline, b {256,64}
 #   bash benchmarks/scripts/run_h200.sh gdn_readout  # the GDN state readouts alone in the [K, V] and transposed [V, K] layouts against a plain read (b 256)
 #   bash benchmarks/scripts/run_h200.sh multi_gpu [meshes]  # multi_device_bench on every GPU of a multi-GPU host (hybrid_1b, random weights, global b {256,512}, the ops per shard), e.g. meshes "((1,1),(1,4),(4,1))"
@@ -246,20 +246,28 @@ case "$1" in
       '[{"ring_weights": false}, {"ring_weights": false, "split_routes": true}]' \
       > "$OUT/gdn_ncu.txt" 2>&1 ;;
   gdn_trees)
-    # Trees in turn, the time split evenly; fla's kernel in the first only.
+    # Trees in turn, the time split evenly; fla's kernel (the verify's
+    # reference and snapshot baseline) in the first only.
+    # BENCH=gdn_verify_bench.py: that script instead (FLAGS needed), the
+    # harness (it and gdn_kernel_bench.py) copied from this checkout into
+    # each tree, so that only the kernels differ.
     shift; trees=(); while [ $# -gt 0 ] && [ "$1" != -- ]; do trees+=("$1"); shift; done
     [ "${1:-}" = -- ] && shift
     flags=("$@"); [ ${#flags[@]} -eq 0 ] && flags=(--batches=256,64
       --buffer_lens=16 --checkpoints=f32,f16 --policies=f16+fp8 --no_xla
       --layouts=staggered)
-    mkdir -p "$OUT/gdn_trees"; each=$(( T / ${#trees[@]} )); fla=()
+    bench=${BENCH:-gdn_kernel_bench.py}; once=()  # after the first tree
+    mkdir -p "$OUT/gdn_trees"; each=$(( T / ${#trees[@]} ))
     for t in "${trees[@]}"; do
       name=$(basename "$t"); name=${name#.}
-      (cd "$t" && timeout "$each" python -u benchmarks/scripts/gdn_kernel_bench.py \
-        "${flags[@]}" "${fla[@]}" --budget_s=$(( each - 25 )) \
+      [ "$bench" = gdn_kernel_bench.py ] || cp benchmarks/scripts/gdn_kernel_bench.py \
+        "benchmarks/scripts/$bench" "$t/benchmarks/scripts/"
+      (cd "$t" && timeout "$each" python -u "benchmarks/scripts/$bench" \
+        "${flags[@]}" "${once[@]}" --budget_s=$(( each - 25 )) \
         --out="$OUT/gdn_trees/$name.json") \
         > "$OUT/gdn_trees/$name.log" 2>&1 || echo "gdn_trees: $t failed"
-      fla=(--no_fla)
+      once=(--no_fla)
+      [ "$bench" = gdn_kernel_bench.py ] || once=(--no_xla --no_snapshot)
     done ;;
   gdn_verify)
     timeout "$T" python -u benchmarks/scripts/gdn_verify_bench.py \
