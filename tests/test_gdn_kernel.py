@@ -3,7 +3,9 @@ of the GDN ops; interpret mode on CPU) against the references: the
 baseline step (state updated in place) and the replay step (ragged
 counters, flush rows, GQA, poisoned stale slots, precision policies, the
 traced-value policy; with and without its ring-weights launch,
-`GDNConfig.ring_weights`, and in one launch or two, `GDNConfig.split_routes`)
+`GDNConfig.ring_weights`, in one launch or two, `GDNConfig.split_routes`,
+its flush fold by rank-1 updates or tensor-core products,
+`GDNConfig.flush_fold`)
 and the configs and inputs they refuse."""
 
 from __future__ import annotations
@@ -188,6 +190,55 @@ def test_replay_kernel_split_routes_matches_reference(
                           split_routes=True,
                           heads_per_program=heads_per_program),
              jnp.dtype(buf_dtype))
+
+
+@pytest.mark.parametrize("ck_dtype,buf_dtype,config", [
+    ("float32", "bfloat16", kg.GDNConfig(flush_fold="dot", block_v=8)),
+    ("float32", "float32", kg.GDNConfig(flush_fold="dot",
+                                        ring_weights=True)),
+    ("float16", "bfloat16", kg.GDNConfig(flush_fold="dot",
+                                         split_routes=True)),
+], ids=str)
+def test_replay_kernel_dot_fold_matches_reference(ck_dtype, buf_dtype,
+                                                  config):
+  """The flush fold as tensor-core products (bf16 pieces on a bf16 d
+  ring, TF32 x3 on an f32 one; exact f32 in interpret mode) at a 16-slot
+  ring: flush rows' outputs and checkpoints equal the reference's, stale
+  slots poisoned, the other rows' checkpoints untouched."""
+  hk, hv, K, Vd, L16 = 1, 2, 16, 16, 16
+  counts = (L16 - 1, 3, L16 - 1, 0)  # two flush rows
+  r, _ = GT.random_gdn_replay_state(
+      jax.random.PRNGKey(40), B, hk, hv, K, Vd, L16, counts,
+      checkpoint_dtype=jnp.dtype(ck_dtype), buffer_dtype=jnp.dtype(buf_dtype))
+  tok = _inputs(41, hk, hv, K, Vd)
+  o_ref, new_ref = gdn.gdn_replay_step(r, **tok, implementation="reference")
+  o, new = gdn.gdn_replay_step(r, **tok, implementation="pallas",
+                               config=config)
+  tol = testing.tolerance(ck_dtype, buf_dtype)
+  testing.assert_close(o, o_ref, tol, "o")
+  flush = np.asarray(counts) == L16 - 1
+  testing.assert_close(np.asarray(new.checkpoint)[flush],
+                       np.asarray(new_ref.checkpoint)[flush],
+                       testing.tolerance(ck_dtype), "flushed checkpoint")
+  np.testing.assert_array_equal(np.asarray(new.checkpoint)[~flush],
+                                np.asarray(r.checkpoint)[~flush])
+
+
+def test_dot_fold_refusals():
+  """flush_fold="dot" needs 16-slot rings and keys (Triton dot tiles) and
+  belongs to the replay step: refused by name elsewhere."""
+  with pytest.raises(ValueError, match="flush_fold must be"):
+    kg.GDNConfig(flush_fold="tensor")
+  dot = kg.GDNConfig(flush_fold="dot")
+  r = _rstate(42, 1, 2, 16, 16, GT.ragged_counts(B, L))  # L = 4 slots
+  tok = _inputs(43, 1, 2, 16, 16)
+  with pytest.raises(NotImplementedError, match="buffer_len and key_dim "
+                     ">= 16 .* got 4 and 16"):
+    gdn.gdn_replay_step(r, **tok, implementation="pallas", config=dot)
+  with pytest.raises(NotImplementedError, match="flush_fold applies to the "
+                     "replay step kernel only"):
+    gdn.gdn_step(jnp.ones((B, 2, 16, 16)), **tok, implementation="pallas",
+                 config=dot)
 
 
 def test_ring_weights_kernel():

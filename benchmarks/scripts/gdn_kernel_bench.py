@@ -32,7 +32,8 @@ Variants per batch B:
 and timed once per config, side by side ({} is the defaults, the speed-ups'
 baseline). Replay-only fields (REPLAY_ONLY: ring_weights, the ring weights
 formed by a first launch; split_routes, the output and flush routes in two
-launches) are dropped for the baseline step, which times
+launches; flush_fold, the flush fold's form) are dropped for the baseline
+step, which times
 each remaining field set once: `--configs='[{}, {"ring_weights": true}]'`
 times the replay step with and without the ring-weights launch against
 one baseline.
@@ -211,7 +212,7 @@ def _split(tree, n, batch):
 
 # ------------------------------------------------------------- variants
 # GDNConfig fields of the replay step only (the baseline step refuses them).
-REPLAY_ONLY = ("ring_weights", "split_routes")
+REPLAY_ONLY = ("ring_weights", "split_routes", "flush_fold")
 
 
 def baseline_configs(configs):

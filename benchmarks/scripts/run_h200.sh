@@ -42,6 +42,7 @@
 #   bash benchmarks/scripts/run_h200.sh gdn_ring_weights  # the GDN step kernels with and without the replay step's ring-weights launch (GDNConfig.ring_weights) and at 2 / 3 pipelining stages, beside flash-linear-attention's kernel, b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
 #   bash benchmarks/scripts/run_h200.sh gdn_split  # the GDN replay step in one launch or two (GDNConfig.split_routes), with and without ring weights, beside the baselines and flash-linear-attention, b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
 #   bash benchmarks/scripts/run_h200.sh gdn_heads  # the split replay step's output launch stepping through 2 or 4 value heads per program at 2 / 3 pipelining stages (GDNConfig.heads_per_program; the baseline step too), b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
+#   bash benchmarks/scripts/run_h200.sh gdn_flush_fold  # the GDN replay step's flush fold by rank-1 updates or tensor-core products (GDNConfig.flush_fold), in one launch or two, b {256,64}, L 16, staggered and aligned (flush steps timed alone), f32 / f16 masters and the f16 + fp8 copy
 #   bash benchmarks/scripts/run_h200.sh gdn_ncu    # Nsight Compute of the GDN baseline step and the replay step in one launch and two, without ring weights (f32, b 256, L 16)
 #   [BENCH=gdn_verify_bench.py] bash benchmarks/scripts/run_h200.sh gdn_trees DIR... [-- FLAGS]  # the GDN step (or verify) kernels of several exported trees side by side (each `git archive` of a commit in an ignored folder, carried): gdn_kernel_bench from each in turn, b {256,64}, L 16, staggered, f32 / f16 masters and the f16 + fp8 copy (FLAGS replace these), into $OUT/gdn_trees/<dir>.json
 #   bash benchmarks/scripts/run_h200.sh gdn_verify   # the GDN speculative verify + commit per iteration (window 4, L 16): the Pallas kernels at their defaults, without the coefficients' first launch and at four launch shapes, the reference, the snapshot baseline, b {256,64}
@@ -236,6 +237,12 @@ case "$1" in
     gdn_configs gdn_split '[{}, {"split_routes": true}, {"split_routes": true, "ring_weights": false}, {"split_routes": true, "num_stages": 2}, {"split_routes": true, "block_v": 32}, {"split_routes": true, "block_v": 128, "num_warps": 8}]' ;;
   gdn_heads)
     gdn_configs gdn_heads '[{}, {"split_routes": true}, {"split_routes": true, "heads_per_program": 2, "num_stages": 2}, {"split_routes": true, "heads_per_program": 2, "num_stages": 3}, {"split_routes": true, "heads_per_program": 4, "num_stages": 3}]' ;;
+  gdn_flush_fold)
+    timeout "$T" python -u benchmarks/scripts/gdn_kernel_bench.py \
+      --batches=256,64 --buffer_lens=16 --checkpoints=f32,f16 \
+      --policies=f16+fp8 --no_xla --no_fla --layouts=staggered,aligned \
+      --configs='[{}, {"flush_fold": "dot"}, {"split_routes": true}, {"split_routes": true, "flush_fold": "dot"}]' \
+      --budget_s=$(( T - 60 )) --out="$OUT/gdn_flush_fold.json" ;;
   gdn_ncu)
     # Not the ring-weights launch: Nsight Compute failed on it (and stopped
     # the run there), so the replay step runs without it, in one launch

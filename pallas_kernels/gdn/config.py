@@ -75,6 +75,14 @@ class GDNConfig:
       (None: 1). Value heads each of its programs steps through in a loop
       (a divisor of the value heads), so that with num_stages > 1 the
       next head's tile loads while the program works on this one.
+    flush_fold: replay step only, how a flush row folds its L - 1 ring
+      slots into the checkpoint tile. None / "rank1": exact f32 rank-1
+      updates in a loop over the slots (the timed default). "dot":
+      tensor-core products of the key window [L, key_dim] and the d
+      window [L, block_v] (`replay.fold.fold_product`: bf16 pieces with f32
+      accumulation where the d ring is bf16, three pieces for an f32
+      checkpoint and two for a 16-bit one, else TF32 x3); needs
+      buffer_len and key_dim >= 16 (Triton dot tiles). Untimed.
   """
   block_v: int | None = None
   num_warps: int | None = None
@@ -82,6 +90,7 @@ class GDNConfig:
   ring_weights: bool | None = None
   split_routes: bool | None = None
   heads_per_program: int | None = None
+  flush_fold: str | None = None
 
   def __post_init__(self):
     for name in ("block_v", "num_warps", "heads_per_program"):
@@ -95,6 +104,9 @@ class GDNConfig:
       value = getattr(self, name)
       if value is not None and not isinstance(value, bool):
         raise ValueError(f"{name} must be None or a bool, got {value!r}.")
+    if self.flush_fold not in (None, "rank1", "dot"):
+      raise ValueError(f"flush_fold must be None, 'rank1' or 'dot', got "
+                       f"{self.flush_fold!r}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +123,8 @@ class GDNPlan:
   # Value heads per program: the baseline step's, or the output launch's
   # under split_routes.
   heads_per_program: int = 1
+  # The replay step's flush fold: "rank1" or "dot" (GDNConfig.flush_fold).
+  flush_fold: str = "rank1"
 
 
 # Tile elements ([key_dim, block_v]) of the step kernels' default, and of
@@ -205,6 +219,10 @@ def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
         "GDNConfig.ring_weights applies to the replay step and verify "
         "kernels only (gdn_replay_step, gdn_replay_verify), not to the "
         "baseline step; leave it False.")
+  if config.flush_fold == "dot" and kernel != "replay":
+    raise NotImplementedError(
+        "GDNConfig.flush_fold applies to the replay step kernel only "
+        "(gdn_replay_step); leave it None.")
   if config.split_routes and kernel != "replay":
     which = "baseline step" if kernel == "step" else "verify kernels"
     raise NotImplementedError(
@@ -252,7 +270,8 @@ def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
                                   and default_ring_weights(whole_rows, rows))
   return GDNPlan(block_v=bv, num_warps=warps, num_stages=stages,
                  ring_weights=ring, split_routes=split,
-                 output_block_v=out_bv, heads_per_program=hpp)
+                 output_block_v=out_bv, heads_per_program=hpp,
+                 flush_fold=config.flush_fold or "rank1")
 
 
 def step_problem(state, **_) -> str | None:

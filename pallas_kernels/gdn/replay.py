@@ -54,6 +54,7 @@ from pallas_kernels import triton_utils as tu
 from pallas_kernels.gdn import common
 from pallas_kernels.gdn.config import GDNConfig, plan
 from pallas_kernels.gdn.ring_weights import gdn_ring_weights
+from pallas_kernels.replay import fold
 from pallas_kernels.replay.program import (FlushStores, copy_counts,
                                            copy_operands, copy_spec,
                                            step_fields)
@@ -113,6 +114,16 @@ def _fold(st, row, t, db_ref, kb_ref, gb_ref):
   return lax.fori_loop(0, row.L - 1, body, (st, row.g_cur))[0]
 
 
+def _fold_dot_operands(row, t, kb_ref, gb_ref, key_dim):
+  """The key window [L, key_dim] and log-decay ring [L] of the flush
+  fold's tensor-core form, loaded on flush rows only (masked: the output
+  route's rows read neither) with the stale slots read as 0."""
+  live = row.flush & row.hist
+  k_win = plgpu.load(kb_ref.at[t.b, :, t.hk, :], other=0.0,
+                     mask=jnp.broadcast_to(live[:, None], (row.L, key_dim)))
+  return k_win, plgpu.load(gb_ref.at[t.b, :, t.h], mask=live, other=0.0)
+
+
 def _load_ring(row, t, kb_ref, gb_ref, weights, key_dim):
   """The loads behind `_ring_coefficients` and the token's normalisation:
   (ring, factors), ring the ring-weights launch's weights and scalars of
@@ -142,7 +153,8 @@ def _ring_coefficients(row, ring, qn, kn, weights):
 
 
 def _replay_kernel(*refs, heads_per_key, block_v, use_l2norm, scale,
-                   spec, ring_weights, route, heads_per_program=1):
+                   spec, ring_weights, route, heads_per_program=1,
+                   fold_dot=None):
   n_in, _ = copy_counts(spec)
   n_w = 2 if ring_weights else 0  # the ring-weights launch's outputs
   # The flush launch of split routes takes two more inputs, the output
@@ -184,6 +196,8 @@ def _replay_kernel(*refs, heads_per_key, block_v, use_l2norm, scale,
     beta, v = beta_ref[b, h], v_ref[b, h, vs]
     ring, factors = _load_ring(row, t, kb_ref, gb_ref, weights, K)
     d_hist = row.window(db_ref.at[b, :, h, vs], (row.L, block_v))
+    if fold_dot is not None and route != "output":
+      k_fold, g_fold = _fold_dot_operands(row, t, kb_ref, gb_ref, K)
     # Every load above, the math below (common's docstring).
     qn, kn = common.normalise_qk(qk, use_l2norm=use_l2norm, scale=scale,
                                  factors=factors)
@@ -199,8 +213,12 @@ def _replay_kernel(*refs, heads_per_key, block_v, use_l2norm, scale,
       o_ref[b, h, vs] = jnp.where(row.valid, o, jnp.nan).astype(o_ref.dtype)
 
     def flush():
-      st = _fold(decay * s0 + kn[:, None] * d[None, :], row, t, db_ref,
-                 kb_ref, gb_ref)
+      acc = decay * s0 + kn[:, None] * d[None, :]
+      if fold_dot is None:
+        st = _fold(acc, row, t, db_ref, kb_ref, gb_ref)
+      else:  # the live slots' w_j k_j d_j^T as tensor-core products
+        st = fold.fold_product(k_fold, row.decays(g_fold)[0],
+                               d_hist.astype(db_ref.dtype), fold_dot, acc)
       o_ref[b, h, vs] = common.readout(st, qn).astype(o_ref.dtype)
       if spec is None:
         plgpu.store(ck_out.at[b, h, :, vs], st.astype(ck_out.dtype))
@@ -283,6 +301,19 @@ def gdn_replay_step(rstate, q, k, v, g, beta, use_qk_l2norm=True,
                sds(rstate.checkpoint.shape, rstate.checkpoint.dtype))
   copy_in, copy_aliases, copy_shapes = copy_operands(
       spec, policy, layer, rstate, _N_IN, _N_OUT)
+  fold_dot = None
+  if p.flush_fold == "dot":
+    L = rstate.d_buf.shape[1]
+    mode = fold.default_fold_mode(L, K, (rstate.d_buf.dtype,),
+                                  rstate.checkpoint.dtype)
+    if mode == "rank1":
+      raise NotImplementedError(
+          f"GDNConfig.flush_fold='dot' needs buffer_len and key_dim >= 16 "
+          f"(Triton dot tiles), got {L} and {K}; leave it None.")
+    fold_dot = fold.fold_dot(mode, L, K, interpret,
+                             field="GDNConfig.flush_fold", tile="key_dim",
+                             b_dtypes=(rstate.d_buf.dtype,),
+                             ck_dtype=rstate.checkpoint.dtype)
   weights = ()
   if p.ring_weights:  # after the copy operands: their aliases keep numbers
     weights = gdn_ring_weights(rstate.k_buf, rstate.g_buf, rstate.count, q,
@@ -296,7 +327,8 @@ def gdn_replay_step(rstate, q, k, v, g, beta, use_qk_l2norm=True,
     kernel = functools.partial(
         _replay_kernel, heads_per_key=hv // hk, block_v=bv,
         use_l2norm=use_qk_l2norm, scale=scale, spec=spec,
-        ring_weights=p.ring_weights, route=route, heads_per_program=hpp)
+        ring_weights=p.ring_weights, route=route, heads_per_program=hpp,
+        fold_dot=fold_dot)
     return pl.pallas_call(
         kernel,
         grid=(Vd // bv, hv // hpp, batch),
