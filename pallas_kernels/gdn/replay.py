@@ -12,7 +12,8 @@ the replay step; `replayssm_jax.gdn.replay` has the derivation):
   slot c. The checkpoint is only read:
   it is aliased input -> output and never stored on these rows.
 * flush route (c == L-1): the L-1 buffered tokens and the current one are
-  folded into the master tile by exact f32 rank-1 updates, the new
+  folded into the master tile by exact f32 rank-1 updates (or, with
+  `GDNConfig.flush_fold="dot"`, tensor-core products), the new
   checkpoint stored (with a read copy re-stored from it and stochastic
   rounding as the reference's flush, `replay.program.FlushStores`) and o
   read from it.
