@@ -15,7 +15,8 @@ decoding):
   verify_pallas    gdn_replay_verify(implementation="pallas") +
                    gdn_replay_commit, per --precisions preset and
                    --configs entry (GDNConfig fields of the verify kernels:
-                   block_v, num_warps, num_stages; {} = their defaults).
+                   block_v, num_warps, num_stages, ring_weights; {} =
+                   their defaults).
   verify_xla       the same through the pure-JAX reference, f32.
   snapshot         the snapshot-per-draft baseline: gdn_baseline_verify
                    (reference: no kernel; T f32 states written) +
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time

@@ -36,7 +36,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import triton_utils as tu
 from pallas_kernels.gdn import common
 from pallas_kernels.gdn import verify_weights as VW
 from pallas_kernels.gdn.config import GDNConfig, plan
