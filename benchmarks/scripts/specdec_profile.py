@@ -3,8 +3,9 @@
 Times, per SSM mode, jitted loops of the pieces of one iteration of
 `speculative_generate` on `--config` (default `configs/hybrid_1b.py`, or a
 transformers config.json at its shape in bf16, e.g.
-configs/qwen3_5_4b_text.json; random weights) after a prefill: the plain decode step (step + argmax), verify of a T-token window
-(+ commit of 2 tokens: the state advances as in decoding), and `accept` on
+configs/qwen3_5_4b_text.json; random weights) after a prefill: the plain
+decode step (step + argmax), verify of a T-token window (+ commit of 2
+tokens: the state advances as in decoding), and `accept` on
 [batch, T, vocab] logits (greedy and sampling), and lists the large copies
 in the optimized HLO of the verify + commit loop (a full-state copy per
 iteration would show there) and of the SSM-verify loop. The plain step,
@@ -190,7 +191,8 @@ def main():
   lengths = jnp.full((b,), 128, jnp.int32)
   policy = PrecisionPolicy.preset(a.precision) if a.precision else None
   res = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
-             config="tiny" if a.tiny else a.config, batch=b, window=t, steps=steps, precision=a.precision or None,
+             config="tiny" if a.tiny else a.config, batch=b, window=t,
+             steps=steps, precision=a.precision or None,
              modes={})
 
   @jax.jit
