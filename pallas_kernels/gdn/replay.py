@@ -198,7 +198,10 @@ def _replay_kernel(*refs, heads_per_key, block_v, use_l2norm, scale,
     ring, factors = _load_ring(row, t, kb_ref, gb_ref, weights, K)
     d_hist = row.window(db_ref.at[b, :, h, vs], (row.L, block_v))
     if fold_dot is not None and route != "output":
-      k_fold, g_fold = _fold_dot_operands(row, t, kb_ref, gb_ref, K)
+      # Without the ring-weights launch the ring's live slots are loaded
+      # already (a flush row's live slots are the fold's).
+      k_fold, g_fold = (ring if weights is None else
+                        _fold_dot_operands(row, t, kb_ref, gb_ref, K))
     # Every load above, the math below (common's docstring).
     qn, kn = common.normalise_qk(qk, use_l2norm=use_l2norm, scale=scale,
                                  factors=factors)
