@@ -30,9 +30,10 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from loop_timing import doubling_time  # pylint: disable=g-bad-import-order
 
 F32 = jnp.float32
 HV, HK, K, V = 32, 16, 128, 128
@@ -90,8 +91,8 @@ def plain_read(S):
 
 
 def _time(fn, args, min_ms=20.0, repeats=7):
-  """Median of (t(2n) - t(n)) / n in µs over jitted loops of n calls, n
-  sized from one call's time so that t(n) >= min_ms (two compilations)."""
+  """(µs per call, n) of fn(*args) (`loop_timing.doubling_time` over
+  jitted loops of n calls)."""
 
   def loop(n):
     def body(_, acc):
@@ -99,17 +100,8 @@ def _time(fn, args, min_ms=20.0, repeats=7):
       return acc + jnp.ravel(out)[0].astype(F32)
     return jax.jit(lambda: jax.lax.fori_loop(0, n, body, F32(0)))
 
-  def run(f):
-    f().block_until_ready()
-    t = time.perf_counter()
-    f().block_until_ready()
-    return time.perf_counter() - t
-
-  one = run(loop(1))
-  n = int(min(4096, max(4, 2 ** np.ceil(np.log2(min_ms * 1e-3 / one)))))
-  f1, f2 = loop(n), loop(2 * n)
-  ds = [(run(f2) - run(f1)) / n for _ in range(repeats)]
-  return float(np.median(ds)) * 1e6, n
+  s, n = doubling_time(loop, min_ms=min_ms, repeats=repeats)
+  return s * 1e6, n
 
 
 def main():

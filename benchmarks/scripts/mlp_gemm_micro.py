@@ -23,6 +23,7 @@ alone does (`bash benchmarks/scripts/run_h200.sh mlp_gemm`).
 """
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -31,8 +32,8 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from loop_timing import doubling_time  # pylint: disable=g-bad-import-order
 from replayssm_jax import profiling
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -77,19 +78,10 @@ def loop(form, n):
 
 
 def timed(form, x, ws, min_ms, repeats):
-  """(µs per MLP, loop steps): median of (t(2n) - t(n)) / n."""
-
-  def once(f):
-    jax.block_until_ready(f(x, ws))
-    t = time.perf_counter()
-    jax.block_until_ready(f(x, ws))
-    return time.perf_counter() - t
-
-  one = once(loop(form, 1))
-  n = int(min(1024, max(2, 2 ** np.ceil(np.log2(min_ms * 1e-3 / one)))))
-  f1, f2 = loop(form, n), loop(form, 2 * n)
-  ds = [(once(f2) - once(f1)) / n for _ in range(repeats)]
-  return float(np.median(ds)) / len(ws) * 1e6, n
+  """(µs per MLP, loop steps): `loop_timing.doubling_time` of `loop`."""
+  s, n = doubling_time(lambda n: functools.partial(loop(form, n), x, ws),
+                       min_ms=min_ms, repeats=repeats, n_min=2, n_max=1024)
+  return s / len(ws) * 1e6, n
 
 
 def main():
