@@ -10,6 +10,7 @@ and the configs and inputs they refuse."""
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -194,6 +195,7 @@ def test_replay_kernel_split_routes_matches_reference(
 
 @pytest.mark.parametrize("ck_dtype,buf_dtype,config", [
     ("float32", "bfloat16", kg.GDNConfig(flush_fold="dot", block_v=8)),
+    ("float32", "bfloat16", kg.GDNConfig(flush_fold="rank1")),
     ("float32", "float32", kg.GDNConfig(flush_fold="dot",
                                         ring_weights=True)),
     ("float16", "bfloat16", kg.GDNConfig(flush_fold="dot",
@@ -222,6 +224,21 @@ def test_replay_kernel_dot_fold_matches_reference(ck_dtype, buf_dtype,
                        testing.tolerance(ck_dtype), "flushed checkpoint")
   np.testing.assert_array_equal(np.asarray(new.checkpoint)[~flush],
                                 np.asarray(r.checkpoint)[~flush])
+
+
+@pytest.mark.parametrize("buffer_len,default", [(16, "dot"), (4, "rank1")])
+def test_default_flush_fold(buffer_len, default):
+  """flush_fold=None folds by tensor-core products where the ring and the
+  keys reach 16 slots, by rank-1 updates below: the same bits as the
+  explicit choice."""
+  counts = (buffer_len - 1, 1, buffer_len - 1, 0)
+  r, _ = GT.random_gdn_replay_state(jax.random.PRNGKey(44), B, 1, 2, 16, 16,
+                                    buffer_len, counts)
+  tok = _inputs(45, 1, 2, 16, 16)
+  got = gdn.gdn_replay_step(r, **tok, implementation="pallas")
+  want = gdn.gdn_replay_step(r, **tok, implementation="pallas",
+                             config=kg.GDNConfig(flush_fold=default))
+  chex.assert_trees_all_equal(got, want)
 
 
 def test_dot_fold_refusals():

@@ -13,9 +13,10 @@ read copy and the grid has at least RING_WEIGHTS_MIN_ROWS rows x value
 heads (timed at batch 64 and 256; a read copy's step was slower with it,
 and at smaller batches the second launch is untimed); and a state with a
 read copy stepped in two launches from the same size (`split_routes`:
-whole rows only where it flushes, the copy read in [128, 64] tiles). The
-verify kernels' defaults are untuned (their window coefficients from a
-first launch).
+whole rows only where it flushes, the copy read in [128, 64] tiles); and
+the replay step's flush fold by tensor-core products (`flush_fold`, timed
+on an H100). The verify kernels' defaults are untuned (their window
+coefficients from a first launch).
 """
 
 from __future__ import annotations
@@ -76,13 +77,15 @@ class GDNConfig:
       (a divisor of the value heads), so that with num_stages > 1 the
       next head's tile loads while the program works on this one.
     flush_fold: replay step only, how a flush row folds its L - 1 ring
-      slots into the checkpoint tile. None / "rank1": exact f32 rank-1
-      updates in a loop over the slots (the timed default). "dot":
-      tensor-core products of the key window [L, key_dim] and the d
-      window [L, block_v] (`replay.fold.fold_product`: bf16 pieces with f32
-      accumulation where the d ring is bf16, three pieces for an f32
-      checkpoint and two for a 16-bit one, else TF32 x3); needs
-      buffer_len and key_dim >= 16 (Triton dot tiles). Untimed.
+      slots into the checkpoint tile. "rank1": exact f32 rank-1 updates in
+      a loop over the slots. "dot": tensor-core products of the key
+      window [L, key_dim] and the d window [L, block_v]
+      (`replay.fold.fold_product`: bf16 pieces with f32 accumulation
+      where the d ring is bf16, three pieces for an f32 checkpoint and two
+      for a 16-bit one, else TF32 x3); needs buffer_len and key_dim >= 16
+      (Triton dot tiles). None: "dot" where those reach 16, else "rank1"
+      (the flush step 23-41% faster on an H100 at batch 64 and 256, the
+      staggered step within the run's spread).
   """
   block_v: int | None = None
   num_warps: int | None = None
@@ -123,8 +126,9 @@ class GDNPlan:
   # Value heads per program: the baseline step's, or the output launch's
   # under split_routes.
   heads_per_program: int = 1
-  # The replay step's flush fold: "rank1" or "dot" (GDNConfig.flush_fold).
-  flush_fold: str = "rank1"
+  # The replay step's flush fold: "rank1", "dot" or None (the kernel's
+  # default by buffer_len and key_dim: GDNConfig.flush_fold).
+  flush_fold: str | None = None
 
 
 # Tile elements ([key_dim, block_v]) of the step kernels' default, and of
@@ -271,7 +275,7 @@ def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
   return GDNPlan(block_v=bv, num_warps=warps, num_stages=stages,
                  ring_weights=ring, split_routes=split,
                  output_block_v=out_bv, heads_per_program=hpp,
-                 flush_fold=config.flush_fold or "rank1")
+                 flush_fold=config.flush_fold)
 
 
 def step_problem(state, **_) -> str | None:

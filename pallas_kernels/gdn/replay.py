@@ -12,8 +12,9 @@ the replay step; `replayssm_jax.gdn.replay` has the derivation):
   slot c. The checkpoint is only read:
   it is aliased input -> output and never stored on these rows.
 * flush route (c == L-1): the L-1 buffered tokens and the current one are
-  folded into the master tile by exact f32 rank-1 updates (or, with
-  `GDNConfig.flush_fold="dot"`, tensor-core products), the new
+  folded into the master tile by tensor-core products where the ring and
+  the keys reach 16 (else, or with `GDNConfig.flush_fold="rank1"`, by
+  exact f32 rank-1 updates), the new
   checkpoint stored (with a read copy re-stored from it and stochastic
   rounding as the reference's flush, `replay.program.FlushStores`) and o
   read from it.
@@ -306,14 +307,14 @@ def gdn_replay_step(rstate, q, k, v, g, beta, use_qk_l2norm=True,
   copy_in, copy_aliases, copy_shapes = copy_operands(
       spec, policy, layer, rstate, _N_IN, _N_OUT)
   fold_dot = None
-  if p.flush_fold == "dot":
-    L = rstate.d_buf.shape[1]
-    mode = fold.default_fold_mode(L, K, (rstate.d_buf.dtype,),
-                                  rstate.checkpoint.dtype)
-    if mode == "rank1":
-      raise NotImplementedError(
-          f"GDNConfig.flush_fold='dot' needs buffer_len and key_dim >= 16 "
-          f"(Triton dot tiles), got {L} and {K}; leave it None.")
+  L = rstate.d_buf.shape[1]
+  mode = fold.default_fold_mode(L, K, (rstate.d_buf.dtype,),
+                                rstate.checkpoint.dtype)
+  if p.flush_fold == "dot" and mode == "rank1":
+    raise NotImplementedError(
+        f"GDNConfig.flush_fold='dot' needs buffer_len and key_dim >= 16 "
+        f"(Triton dot tiles), got {L} and {K}; leave it None.")
+  if p.flush_fold != "rank1" and mode != "rank1":
     fold_dot = fold.fold_dot(mode, L, K, interpret,
                              field="GDNConfig.flush_fold", tile="key_dim",
                              b_dtypes=(rstate.d_buf.dtype,),
