@@ -148,8 +148,8 @@ def test_default_plans():
   # The step kernels' defaults at the Qwen3.5-shaped layer the H200 sweep
   # timed (value heads 32, key_dim = value_dim = 128): [128, 64] tiles
   # with 4 warps; batch 1 (32 rows) halves the tile to keep >= 256
-  # programs; whole rows (a read copy) with 4 warps. The verify kernels
-  # keep their untuned [128, 16] tiles (8 warps over whole rows).
+  # programs; whole rows (a read copy) with 4 warps. The verify kernels:
+  # [128, 32] tiles with 4 warps (8 warps over whole rows).
   step = lambda batch, **kw: kg.plan(None, 128, 128, rows=batch * 32, **kw)
   assert (step(1).block_v, step(1).num_warps) == (16, 4)
   assert (step(64).block_v, step(256).block_v, step(512).block_v) == (
@@ -161,7 +161,7 @@ def test_default_plans():
   assert (stages(jnp.float32), stages(jnp.float16), stages(None)) == (3, 2, 1)
   assert kg.plan(None, 128, 128).block_v == 64  # rows unknown
   verify = lambda **kw: kg.plan(None, 128, 128, kernel="verify", **kw)
-  assert (verify().block_v, verify().num_warps) == (16, 4)
+  assert (verify().block_v, verify().num_warps) == (32, 4)
   assert verify(whole_rows=True) == kg.GDNPlan(128, 8, 1, ring_weights=True)
   # Explicit fields win over the defaults.
   mine = kg.plan(kg.GDNConfig(block_v=32, num_warps=2), 128, 128,
