@@ -43,7 +43,9 @@ column-parallel in, row-parallel out). With m the "model" axis size:
               column-parallel (per head), o_proj row-parallel, the latent
               down-projection kv_a_proj and its norm replicated (the
               latent is shared by the heads).
-  MLP         up/gate P(None, "model"), down P("model", None) when
+  MLP         up [d, f] P(None, "model"), the packed SwiGLU gate_up
+              [d, 2, f] P(None, None, "model") (each shard's columns of f
+              hold their gate and up halves), down P("model", None) when
               intermediate_size % m == 0.
   MoE         experts replicated; `expert_parallel=True` splits the expert
               axis of up/down ([E, ...]) over "model" when E % m == 0. A
@@ -179,8 +181,10 @@ def _mixer_param_spec(cfg, mixer, kind, names, m, expert_parallel):
     return REPLICATED
   if kind == "mlp":
     f = splits(cfg.intermediate_size, m)
-    if names in (("up_proj", "kernel"), ("gate_proj", "kernel")):
+    if names == ("up_proj", "kernel"):
       return col(f)
+    if names == ("gate_up",):  # [d, 2, f]: shards of f hold both halves
+      return P(None, None, "model") if f else REPLICATED
     if names == ("down_proj", "kernel"):
       return row(f)
     return REPLICATED

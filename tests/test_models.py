@@ -167,19 +167,20 @@ def test_ragged_prefill_and_decode_equal_full_forward(model, ssm_mode):
 
 def test_swiglu_mlp_and_its_decode(model):
   """mlp_activation="swiglu": the MLP is down(silu(gate(x)) * up(x))
-  (checked against numpy in float64), a model of such blocks has its own
-  gate weights (the relu2 model has none), and its prefill + decode logits
-  equal its full forward."""
+  with gate and up packed as gate_up [d, 2, f] ([:, 0] the gate; checked
+  against numpy in float64), the relu2 model has no gate, and the swiglu
+  model's prefill + decode logits equal its full forward."""
   swiglu = make_model(5, mlp_activation="swiglu")
   mlp = swiglu.blocks[1].mixer  # pattern "M-M*-M": block 1 is an MLP
-  assert hasattr(mlp, "gate_proj") and not hasattr(model.blocks[1].mixer,
-                                                   "gate_proj")
+  assert not hasattr(mlp, "up_proj") and not hasattr(model.blocks[1].mixer,
+                                                     "gate_up")
   h = jax.random.normal(jax.random.PRNGKey(4), (B, 32), jnp.float32)
-  w = {n: np.asarray(getattr(mlp, n).kernel[...], np.float64)
-       for n in ("gate_proj", "up_proj", "down_proj")}
+  gate_up = np.asarray(mlp.gate_up[...], np.float64)
+  assert gate_up.shape == (32, 2, swiglu.config.intermediate_size)
+  down = np.asarray(mlp.down_proj.kernel[...], np.float64)
   hn = np.asarray(h, np.float64)
-  g = hn @ w["gate_proj"]
-  expected = (g / (1 + np.exp(-g)) * (hn @ w["up_proj"])) @ w["down_proj"]
+  g = hn @ gate_up[:, 0]
+  expected = (g / (1 + np.exp(-g)) * (hn @ gate_up[:, 1])) @ down
   np.testing.assert_allclose(np.asarray(mlp(h)), expected, rtol=2e-5,
                              atol=2e-5)
   steps = 12

@@ -81,6 +81,12 @@ def test_param_rules():
   assert specs[GDN + ("A_log",)] == P("model")
   assert specs[GDN + ("dt_bias",)] == P("model")
   assert specs[GDN + ("out_proj", "kernel")] == P("model", None)
+  swiglu = SH.param_specs(_model(pattern="-", mlp_activation="swiglu"),
+                          _Mesh(1, 4))  # [d, 2, f]: shards of f
+  assert swiglu[("blocks", 0, "mixer", "gate_up")] == P(None, None, "model")
+  assert SH.param_specs(_model(pattern="-", mlp_activation="swiglu",
+                               intermediate_size=30), _Mesh(1, 4))[
+                                   ("blocks", 0, "mixer", "gate_up")] == P()
   kda = _model(pattern="K")
   kspecs = SH.param_specs(kda, _Mesh(1, 4))
   mixer = ("blocks", 0, "mixer")
@@ -234,7 +240,8 @@ def _prompts():
 @only_multi
 @pytest.mark.parametrize("ssm_mode", ["replay", "baseline"])
 def test_multi_device(ssm_mode):
-  model = _model()
+  # Both MLP forms: the packed SwiGLU kernel's shards of f hold gate and up.
+  model = _model(mlp_activation="swiglu" if ssm_mode == "replay" else "relu2")
   tok, ln = _prompts()
   want_tokens, want_n = generate(model, tok, ln, 4, ssm_mode=ssm_mode,
                                  buffer_len=4)

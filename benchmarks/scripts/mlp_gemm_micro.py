@@ -3,10 +3,12 @@ Qwen3.5-4B text MLP: d_model 2560, intermediate 9216, bfloat16), per row
 count (decode batch x tokens per row): does XLA run the gate and up
 projections as fast as one GEMM of the same size?
 
-  separate  the models' `MLP` (replayssm_jax.models.layers): gate_proj and
-            up_proj two [d, f] weights, two jnp.dot calls on the same input
-            (XLA may merge them into one GEMM over the concatenated weights)
-  packed    one [d, 2f] weight, one jnp.dot, its output split in two
+  separate  gate and up as two [d, f] weights, two jnp.dot calls on the
+            same input (XLA may merge them into one GEMM over the
+            concatenated weights)
+  packed    one [d, 2f] weight, one jnp.dot, its output split in two (the
+            same GEMM as the models' `replayssm_jax.models.mlp.MLP`, whose
+            gate_up kernel is [d, 2, f])
 
 Both then silu(gate) * up and the [f, d] down projection. Each form is
 checked against an f32 reference of the same weights (max |err| / max

@@ -10,7 +10,7 @@
 Mixers by kind: "mamba" (`layers.Mamba2Mixer`), "attention"
 (`layers.Attention`, or `gated_attention.GatedAttention` with q/k norms or
 an output gate, `mla_attention.MLAttention` with a latent KV), "mlp"
-(`layers.MLP`), "moe" (`moe.MoE`), "gdn" (`gdn_block.GDNMixer`), "kda"
+(`mlp.MLP`), "moe" (`moe.MoE`), "gdn" (`gdn_block.GDNMixer`), "kda"
 (`kda_block.KDAMixer`).
 """
 
@@ -24,9 +24,9 @@ from replayssm_jax.models.config import ModelConfig
 from replayssm_jax.models.gated_attention import GatedAttention
 from replayssm_jax.models.gdn_block import GDNMixer
 from replayssm_jax.models.kda_block import KDAMixer
-from replayssm_jax.models.layers import (MLP, Attention, Mamba2Mixer,
-                                         RMSNorm)
+from replayssm_jax.models.layers import Attention, Mamba2Mixer, RMSNorm
 from replayssm_jax.models.mla_attention import MLAttention
+from replayssm_jax.models.mlp import MLP
 from replayssm_jax.models.moe import MoE
 
 F32 = jnp.float32

@@ -62,9 +62,7 @@ _LINEARS = {
 def tensor_map(cfg: ModelConfig) -> dict[str, tuple[tuple, str]]:
   """HF tensor name -> (parameter path in HybridLM, transform).
 
-  Transforms: "id", "T" (linear [out, in] <-> [in, out]), "T3" (stacked
-  expert weights [E, out, in] <-> [E, in, out]), "conv" ([C, 1, k] <->
-  [C, k]).
+  Transforms: `hf_tensors`' ("id", "T", "T3", "conv", "gate" / "up").
   """
   m = {"backbone.embeddings.weight": (("embeddings", "weight"), "id"),
        "backbone.norm_f.weight": (("norm_f", "weight"), "id")}
@@ -78,9 +76,12 @@ def tensor_map(cfg: ModelConfig) -> dict[str, tuple[tuple, str]]:
     if kind == "moe":
       m.update(hf_nemotron.moe_tensor_map(cfg, hf, mx))
       continue
-    if kind == "mlp":
-      names = ("up_proj", "down_proj") + (
-          ("gate_proj",) if cfg.mlp_activation == "swiglu" else ())
+    if kind == "mlp" and cfg.mlp_activation == "swiglu":
+      names = ("down_proj",)
+      for n in ("gate", "up"):  # halves of the packed kernel
+        m[hf + f"mixer.{n}_proj.weight"] = (mx + ("gate_up",), n)
+    elif kind == "mlp":
+      names = ("up_proj", "down_proj")
     else:
       names = _LINEARS[kind]
     for n in names:

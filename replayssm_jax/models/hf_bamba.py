@@ -27,6 +27,7 @@ from typing import Any
 
 from replayssm_jax.models import hf_granite as G
 from replayssm_jax.models.config import ModelConfig
+from replayssm_jax.models.hf_tensors import swiglu_tensors
 
 ARCHITECTURE = "BambaForCausalLM"
 MODEL_TYPE = "bamba"
@@ -73,7 +74,6 @@ def tensor_map(cfg: ModelConfig) -> dict[str, tuple]:
   """Bamba HF tensor name -> ((parameter path, transform), ...)."""
   def ffn_tensors(hf, kind, mlp):
     del kind  # always the SwiGLU MLP
-    return {hf + f"feed_forward.{n}.weight": ((mlp + (n, "kernel"), "T"),)
-            for n in ("gate_proj", "up_proj", "down_proj")}
+    return swiglu_tensors(hf + "feed_forward.", mlp)
   return G.layer_tensor_map(cfg, "final_layernorm", "pre_ff_layernorm",
                             ffn_tensors)

@@ -34,9 +34,9 @@ router, experts and the shared MLP (as the block's shared expert) under
   model.layers.{i}.block_sparse_moe.router.layer.weight   [E, d]
 
 This module does not import `hf` (which dispatches to it): `tensor_map`
-entries are HF name -> ((parameter path, transform), ...), a fused HF
-tensor mapping onto several parameters (transform ("T", lo, hi): rows
-lo:hi of the [out, in] tensor, transposed).
+entries are HF name -> ((parameter path, transform),) (`hf_tensors`; the
+shared MLP's fused [gate; up] input_linear is the packed gate_up kernel,
+transform "gate_up").
 """
 
 from __future__ import annotations
@@ -278,14 +278,11 @@ def layer_tensor_map(cfg: ModelConfig, final_norm: str, ffn_norm: str,
 
 def tensor_map(cfg: ModelConfig) -> dict[str, tuple]:
   """Granite HF tensor name -> ((parameter path, transform), ...)."""
-  f = cfg.intermediate_size
-
   def ffn_tensors(hf, kind, mlp):
     if kind == "moe":
       return _moe_tensors(hf, mlp)
     return {hf + "shared_mlp.input_linear.weight": (  # [gate; up] rows
-                (mlp + ("gate_proj", "kernel"), ("T", 0, f)),
-                (mlp + ("up_proj", "kernel"), ("T", f, 2 * f))),
+                (mlp + ("gate_up",), "gate_up"),),
             hf + "shared_mlp.output_linear.weight": (
                 (mlp + ("down_proj", "kernel"), "T"),)}
   return layer_tensor_map(cfg, "norm", "post_attention_layernorm",

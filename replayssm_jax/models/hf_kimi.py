@@ -50,6 +50,7 @@ import numpy as np
 
 from replayssm_jax.models import hf_granite as G
 from replayssm_jax.models.config import ModelConfig
+from replayssm_jax.models.hf_tensors import swiglu_tensors
 
 ARCHITECTURE = "KimiLinearForCausalLM"
 MODEL_TYPE = "kimi_linear"
@@ -205,8 +206,7 @@ def _mla_tensors(p: str, mx: tuple):
 
 def _ffn_tensors(p: str, kind: str, mx: tuple):
   if kind == "mlp":
-    return {p + f"{n}.weight": ((mx + (n, "kernel"), "T"),)
-            for n in ("gate_proj", "up_proj", "down_proj")}
+    return swiglu_tensors(p, mx)
   m = {p + "gate.weight": ((mx + ("router",), "T"),),
        p + "gate.e_score_correction_bias": ((mx + ("router_bias",), "id"),),
        p + "experts.gate_up_proj": ((mx + ("up",), "T3"),),

@@ -69,6 +69,7 @@ import numpy as np
 from replayssm_jax import _validation as V
 from replayssm_jax.models import hf_granite as G
 from replayssm_jax.models.config import ModelConfig
+from replayssm_jax.models.hf_tensors import swiglu_tensors
 
 ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
                  "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
@@ -288,8 +289,7 @@ def _attention_tensors(p: str, mx: tuple):
 
 def _ffn_tensors(p: str, kind: str, mx: tuple):
   if kind == "mlp":
-    return {p + f"{n}.weight": ((mx + (n, "kernel"), "T"),)
-            for n in ("gate_proj", "up_proj", "down_proj")}
+    return swiglu_tensors(p, mx)
   return {p + "gate.weight": ((mx + ("router",), "T"),),
           p + "experts.gate_up_proj": ((mx + ("up",), "T3"),),
           p + "experts.down_proj": ((mx + ("down",), "T3"),),

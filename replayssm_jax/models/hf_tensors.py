@@ -1,13 +1,15 @@
 """What the Hugging Face family readers share: config.json numbers
 (`json_float`) and HF-named tensors <-> HybridLM parameters.
 
-A tensor map is {HF tensor name: ((parameter path, transform), ...)}: one
-HF tensor feeds one parameter or, split by rows, several (a fused
-[gate; up] projection). Transforms: "id", "T" (a linear's [out, in] <->
+A tensor map is {HF tensor name: ((parameter path, transform),)}: each HF
+tensor feeds one parameter, and a packed SwiGLU kernel [d, 2, f]
+(`mlp.MLP.gate_up`) is fed by two (its gate and up halves) or by one fused
+[gate; up] tensor. Transforms: "id", "T" (a linear's [out, in] <->
 [in, out]), "T3" (stacked experts: the last two axes swapped), "conv"
 ([C, 1, k] <-> [C, k]), "plus1" (a zero-centred norm's weight w, applied
-as 1 + w: stored here as 1 + w in float32), or ("T", lo, hi) (rows lo:hi
-of the HF tensor, transposed).
+as 1 + w: stored here as 1 + w in float32), "gate" / "up" (a linear
+[f, d] <-> [:, 0] / [:, 1] of a [d, 2, f] kernel), "gate_up" (a fused
+[gate; up] linear [2f, d] <-> [d, 2, f]).
 """
 
 from __future__ import annotations
@@ -33,8 +35,21 @@ def json_float(v):
   return v
 
 
+# The half of a packed [d, 2, f] kernel each transform fills.
+HALVES = {"gate": 0, "up": 1}
+
+
+def swiglu_tensors(prefix: str, mx: tuple) -> dict[str, tuple]:
+  """A SwiGLU MLP's entries: {prefix}{gate,up,down}_proj.weight onto the
+  mixer at `mx` (the halves of its packed gate_up kernel, down_proj)."""
+  m = {prefix + f"{n}_proj.weight": ((mx + ("gate_up",), n),)
+       for n in HALVES}
+  m[prefix + "down_proj.weight"] = ((mx + ("down_proj", "kernel"), "T"),)
+  return m
+
+
 def to_ours(arr, transform):
-  if transform == "T":
+  if transform in ("T", "gate", "up"):
     return arr.T
   if transform == "T3":
     return arr.swapaxes(-1, -2)
@@ -42,22 +57,42 @@ def to_ours(arr, transform):
     return arr[:, 0, :]
   if transform == "plus1":
     return arr.astype(jnp.float32) + 1.0
-  if isinstance(transform, tuple):
-    _, lo, hi = transform
-    return arr[lo:hi].T
+  if transform == "gate_up":
+    two_f, d = arr.shape
+    return arr.reshape(2, two_f // 2, d).transpose(2, 0, 1)
   return arr
 
 
-def hf_shape(shape, transform, full_rows=None):
+def to_hf(arr, transform):
+  """`to_ours` inverted (numpy)."""
+  if transform in HALVES:
+    return arr[:, HALVES[transform], :].T
+  if transform == "T":
+    return arr.T
+  if transform == "T3":
+    return arr.swapaxes(-1, -2)
+  if transform == "conv":
+    return arr[:, None, :]
+  if transform == "plus1":
+    return arr - 1
+  if transform == "gate_up":
+    d, _, f = arr.shape
+    return arr.transpose(1, 2, 0).reshape(2 * f, d)
+  return arr
+
+
+def hf_shape(shape, transform):
   """The HF tensor shape a parameter of `shape` comes from."""
   if transform == "T":
     return (shape[1], shape[0])
+  if transform in HALVES:
+    return (shape[2], shape[0])
+  if transform == "gate_up":
+    return (2 * shape[2], shape[0])
   if transform == "T3":
     return tuple(shape[:-2]) + (shape[-1], shape[-2])
   if transform == "conv":
     return (shape[0], 1, shape[1])
-  if isinstance(transform, tuple):
-    return (full_rows, shape[0])
   return tuple(shape)
 
 
@@ -77,20 +112,22 @@ def load_tensors(cfg: ModelConfig, tensors: dict[str, Any],
   by_path = {}
   for name, pieces in tmap.items():
     for path, tr in pieces:
-      by_path[path] = (name, tr)
+      by_path.setdefault(path, []).append((name, tr))
   new_flat, bad = [], []
   for path, var in nnx.to_flat_state(state):
-    name, tr = by_path[path]
-    src = tensors[name]
     want = var.get_value()
-    rows = None
-    if isinstance(tr, tuple):  # a fused tensor: check its full shape
-      rows = sum(t[2] - t[1] for _, t in tmap[name])
-    expected = hf_shape(want.shape, tr, rows)
-    if tuple(src.shape) != tuple(expected):
-      bad.append(f"{name}: expected {expected}, got {tuple(src.shape)}")
+    parts = {}
+    for name, tr in by_path[path]:
+      src = tensors[name]
+      expected = hf_shape(want.shape, tr)
+      if tuple(src.shape) != tuple(expected):
+        bad.append(f"{name}: expected {expected}, got {tuple(src.shape)}")
+        continue
+      parts[tr] = to_ours(jnp.asarray(src), tr)
+    if len(parts) < len(by_path[path]):
       continue
-    arr = to_ours(jnp.asarray(src), tr)
+    arr = (jnp.stack([parts[h] for h in HALVES], axis=1)
+           if set(parts) == set(HALVES) else parts[by_path[path][0][1]])
     new_flat.append((path, var.replace(arr.astype(want.dtype))))
   if bad:
     raise ValueError("checkpoint tensors have wrong shapes: " +
@@ -101,17 +138,11 @@ def load_tensors(cfg: ModelConfig, tensors: dict[str, Any],
 def export_tensors(model: HybridLM, tmap: dict[str, tuple]
                    ) -> dict[str, np.ndarray]:
   """The model's parameters under the HF names and layouts of `tmap`
-  (fused tensors concatenated back), numpy."""
+  (a packed gate / up kernel split back where `tmap` names its halves),
+  numpy."""
   flat = {p: v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
   out = {}
-  for name, pieces in tmap.items():
-    parts = []
-    for path, tr in pieces:
-      a = np.asarray(flat[path].get_value())
-      parts.append(a.T if tr == "T" or isinstance(tr, tuple)
-                   else a.swapaxes(-1, -2) if tr == "T3"
-                   else a[:, None, :] if tr == "conv"
-                   else a - 1 if tr == "plus1" else a)
-    out[name] = np.ascontiguousarray(np.concatenate(parts, 0)
-                                     if len(parts) > 1 else parts[0])
+  for name, ((path, tr),) in tmap.items():
+    a = np.asarray(flat[path].get_value())
+    out[name] = np.ascontiguousarray(to_hf(a, tr))
   return out

@@ -576,25 +576,3 @@ class Attention(nnx.Module):
                              implementation=implementation)
     out = self._output(o.reshape(b, t, -1), ctx)
     return out, AttentionState(k=kc, v=vc, length=state.length)
-
-
-# ------------------------------------------------------------------- MLP
-class MLP(nnx.Module):
-  """relu2: down(relu(up(x))^2) (Nemotron-H); swiglu: down(silu(gate(x)) *
-  up(x))."""
-
-  def __init__(self, cfg: ModelConfig, *, rngs):
-    self.activation = cfg.mlp_activation
-    d, f = cfg.d_model, cfg.intermediate_size
-    self.up_proj = Linear(d, f, cfg, rngs=rngs)
-    if self.activation == "swiglu":
-      self.gate_proj = Linear(d, f, cfg, rngs=rngs)
-    self.down_proj = Linear(f, d, cfg, rngs=rngs)
-
-  def __call__(self, h):
-    u = self.up_proj(h)
-    if self.activation == "swiglu":
-      a = jax.nn.silu(self.gate_proj(h)) * u
-    else:
-      a = jnp.square(jax.nn.relu(u))
-    return self.down_proj(a)
