@@ -66,13 +66,15 @@ def _tiny_qwen_config(path):
 def test_specdec_profile_gdn_model(tmp_path):
   # A model without Mamba layers (Gated DeltaNet, from a transformers
   # config): the pieces and the replay loop are split, the Mamba-only
-  # SSM-verify timing is left out.
+  # SSM-verify timing is left out; only the sections asked for run.
   _tiny_qwen_config(tmp_path / "qwen.json")
   out = tmp_path / "specdec_profile.json"
   _run("specdec_profile.py", "--config", str(tmp_path / "qwen.json"),
        "--batch", "2", "--steps", "2", "--modes", "replay", "--loops",
-       "replay", "--out", str(out))
+       "replay", "--sections", "modes,loops", "--out", str(out))
   res = json.loads(out.read_text())
+  assert "window_forward_ms" not in res and not any(
+      k.startswith("accept") for k in res)
   assert res["config"].endswith("qwen.json") and set(res["modes"]) == {
       "replay"}
   r = res["modes"]["replay"]

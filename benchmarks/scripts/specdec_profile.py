@@ -20,6 +20,8 @@ full forward over the [batch, T] window without a decode state
 SSD over T tokens and attention within the window only). `loops`: the
 same split of specdec_bench's own loops per iteration (`loop_splits`),
 which adds what the pieces leave out (proposer, acceptance, bookkeeping).
+`--sections` picks which of these run; the JSON is rewritten after each
+piece, so a run cut by a time limit keeps what it finished.
 
   PYTHONPATH=. python benchmarks/scripts/specdec_profile.py --batch 256 \
       --out $OUT/specdec_profile.json
@@ -180,7 +182,12 @@ def main():
                   "the snapshot-per-draft state)")
   ap.add_argument("--config", default="configs/hybrid_1b.py",
                   help="a configs/*.py file or a transformers config.json")
+  ap.add_argument("--sections", default="forward,modes,accept,loops",
+                  help="which parts to run, in this order (the JSON is "
+                  "written after each, so a run cut by a time limit keeps "
+                  "what it finished)")
   a = ap.parse_args()
+  sections = a.sections.split(",")
   cfg = (ModelConfig(**_decode_bench.TINY_MODEL) if a.tiny
          else load_model_config(a.config))
   model = build_model(cfg, 0)
@@ -194,6 +201,10 @@ def main():
              config="tiny" if a.tiny else a.config, batch=b, window=t,
              steps=steps, precision=a.precision or None,
              modes={})
+
+  def save():
+    with open(a.out, "w") as fh:
+      json.dump(res, fh, indent=1)
 
   @jax.jit
   def plain_loop(params, tok, st):
@@ -261,12 +272,14 @@ def main():
 
   win0 = jax.random.randint(jax.random.PRNGKey(2), (b, t), 0,
                             cfg.vocab_size, jnp.int32)
-  res["window_forward_ms"] = timed(forward_loop, params, win0, steps=steps)
-  res["window_forward_ops"] = split_per_step(forward_loop, params, win0,
-                                             steps=steps)
-  print("window forward", res["window_forward_ms"], flush=True)
+  if "forward" in sections:
+    res["window_forward_ms"] = timed(forward_loop, params, win0, steps=steps)
+    res["window_forward_ops"] = split_per_step(forward_loop, params, win0,
+                                               steps=steps)
+    print("window forward", res["window_forward_ms"], flush=True)
+    save()
 
-  for mode in a.modes.split(","):
+  for mode in a.modes.split(",") if "modes" in sections else ():
     st = model.init_state(b, kv_cache_len(128 + 4 * steps * t + 8),
                           ssm_mode=mode,
                           **_state_kw(mode, policy))
@@ -274,18 +287,20 @@ def main():
     tok = jnp.argmax(logits, -1).astype(jnp.int32)
     win = jax.random.randint(jax.random.PRNGKey(2), (b, t), 0,
                              cfg.vocab_size, jnp.int32)
-    r = dict(plain_step_ms=timed(plain_loop, params, tok, st, steps=steps),
-             verify_commit_ms=timed(verify_loop, params, win, st,
-                                    steps=steps),
-             verify_only_ms=timed(verify_only, params, win, st, steps=1),
-             ssm_verify_ms=timed(ssm_verify_loop, params,
-                                 tuple(st.layers[i].ssm for i in mamba),
-                                 steps=steps) if mamba else None)
+    r = res["modes"][mode] = dict(
+        plain_step_ms=timed(plain_loop, params, tok, st, steps=steps),
+        verify_commit_ms=timed(verify_loop, params, win, st, steps=steps),
+        verify_only_ms=timed(verify_only, params, win, st, steps=1),
+        ssm_verify_ms=timed(ssm_verify_loop, params,
+                            tuple(st.layers[i].ssm for i in mamba),
+                            steps=steps) if mamba else None)
+    save()
     # Per-kernel split (jax.profiler trace), per step / per iteration.
-    for name, fn, args in (("plain_step", plain_loop, (params, tok, st)),
-                           ("verify_commit", verify_loop, (params, win, st))):
+    for name, fn, args in (("verify_commit", verify_loop, (params, win, st)),
+                           ("plain_step", plain_loop, (params, tok, st))):
       r[f"{name}_ops"] = split_per_step(fn, *args, steps=steps)
       print(mode, name, r[f"{name}_ops"]["by_category"], flush=True)
+      save()
     hlo = verify_loop.lower(params, win, st).compile().as_text()
     r["verify_loop_big_copies"] = big_copies(hlo)
     # Its states are loop-invariant inputs: a copy per call in the loop
@@ -294,27 +309,31 @@ def main():
       hlo = ssm_verify_loop.lower(
           params, tuple(st.layers[i].ssm for i in mamba)).compile().as_text()
       r["ssm_verify_loop_big_copies"] = big_copies(hlo)
-    res["modes"][mode] = r
+    save()
     print(mode, {k: v for k, v in r.items() if k.endswith("_ms")},
           len(r["verify_loop_big_copies"]), "big copies", flush=True)
     del st
 
-  logits = jax.random.normal(jax.random.PRNGKey(3), (b, t, cfg.vocab_size))
-  drafts = jax.random.randint(jax.random.PRNGKey(4), (b, t - 1), 0,
-                              cfg.vocab_size, jnp.int32)
-  nd = jnp.full((b,), t - 1, jnp.int32)
-  q = jnp.full((b, t - 1, cfg.vocab_size), 1.0 / cfg.vocab_size)
-  for name, temp, qq in (("greedy", 0.0, None), ("sampling", 1000.0, q)):
-    sampling = sampling_settings(temp, None, None, None,
-                                 jax.random.PRNGKey(5))
-    f = jax.jit(lambda lg, qq, s=sampling: accept(lg, drafts, nd, qq, s,
-                                                  jax.random.PRNGKey(6)))
-    res[f"accept_{name}_ms"] = timed(f, logits, qq, steps=1)
-  print({k: v for k, v in res.items() if k.startswith("accept")})
-  res["loops"] = loop_splits(model, prompts, lengths, t, 16 if a.tiny else 128,
-                             a.loops.split(","), policy)
-  with open(a.out, "w") as fh:
-    json.dump(res, fh, indent=1)
+  if "accept" in sections:
+    logits = jax.random.normal(jax.random.PRNGKey(3),
+                               (b, t, cfg.vocab_size))
+    drafts = jax.random.randint(jax.random.PRNGKey(4), (b, t - 1), 0,
+                                cfg.vocab_size, jnp.int32)
+    nd = jnp.full((b,), t - 1, jnp.int32)
+    q = jnp.full((b, t - 1, cfg.vocab_size), 1.0 / cfg.vocab_size)
+    for name, temp, qq in (("greedy", 0.0, None), ("sampling", 1000.0, q)):
+      sampling = sampling_settings(temp, None, None, None,
+                                   jax.random.PRNGKey(5))
+      f = jax.jit(lambda lg, qq, s=sampling: accept(lg, drafts, nd, qq, s,
+                                                    jax.random.PRNGKey(6)))
+      res[f"accept_{name}_ms"] = timed(f, logits, qq, steps=1)
+    print({k: v for k, v in res.items() if k.startswith("accept")})
+    save()
+  if "loops" in sections:
+    res["loops"] = loop_splits(model, prompts, lengths, t,
+                               16 if a.tiny else 128, a.loops.split(","),
+                               policy)
+    save()
 
 
 if __name__ == "__main__":
