@@ -228,17 +228,24 @@ def test_compare_trees_kernels_small():
                                        "qwen3_5_4b_text.json"])
 def test_random_weight_decode_small(tmp_path, hf_config):
   # The published config loads; the decode-step loop and the generate /
-  # speculative_generate runs go on a shrunk model in both SSM modes.
+  # speculative_generate runs go on a shrunk model in both SSM modes (the
+  # GDN model's step also with an f32 master + fp8 read copy state).
   out = tmp_path / "decode.json"
+  copy = ["--precisions=f32+fp8"] if hf_config.startswith("qwen") else []
   _run("random_weight_decode.py", "--small", "--batches=2",
-       "--spec_batches=2", f"--hf_config=configs/{hf_config}", f"--out={out}")
+       "--spec_batches=2", f"--hf_config=configs/{hf_config}", f"--out={out}",
+       *copy)
   res = json.loads(out.read_text())
-  assert [(r["part"], r["batch"], r["mode"]) for r in res["records"]] == [
-      ("step", 2, "baseline"), ("step", 2, "replay"),
-      ("spec", 2, "plain"), ("spec", 2, "plain_baseline"),
-      ("spec", 2, "replay"), ("spec", 2, "baseline")]
-  assert all(r["step_us"] > 0 and r["state_bytes"] > 0
-             for r in res["records"] if r["part"] == "step")
+  steps = [("step", 2, "baseline"), ("step", 2, "replay")] + (
+      [("step", 2, "replay")] if copy else [])
+  assert [(r["part"], r["batch"], r["mode"]) for r in res["records"]] == (
+      steps + [("spec", 2, "plain"), ("spec", 2, "plain_baseline"),
+               ("spec", 2, "replay"), ("spec", 2, "baseline")])
+  step = [r for r in res["records"] if r["part"] == "step"]
+  assert all(r["step_us"] > 0 and r["state_bytes"] > 0 for r in step)
+  if copy:  # the read copy adds its bytes to the f32 master's
+    assert step[2]["precision"] == "f32+fp8"
+    assert step[2]["state_bytes"] > step[1]["state_bytes"]
   assert all(r["e2e_tokens_per_s"] > 0 and r["mean_accepted_length"] >= 1
              for r in res["records"] if r["part"] == "spec")
 

@@ -16,6 +16,9 @@ starts empty (position 0) and each row gets its own random first token;
 one jitted call runs 16 greedy decode steps
 (`experiments.decode_bench.decode_loop`, state donated); median of 5 calls
 after one warm-up call, in µs per step, and the decode state's bytes.
+`--precisions` adds replay states under precision presets (e.g. f32+fp8:
+an f32 master checkpoint with an fp8 read copy that non-flush steps read),
+timed against the same f32 baseline state.
 
 Part "spec" (records with part "spec"), per batch:
 `experiments.specdec_bench.bench_batch` with SPEC below: plain `generate`
@@ -65,6 +68,9 @@ def main():
   ap.add_argument("--batches", default="1,64,256")
   ap.add_argument("--spec_batches", default="256,64,1")
   ap.add_argument("--modes", default="baseline,replay")
+  ap.add_argument("--precisions", default="",
+                  help="part step: precision presets of further replay "
+                  "states, e.g. f32+fp8,f32+bf16")
   ap.add_argument("--spec_modes", default="replay,baseline",
                   help="speculative decoding's state modes, in this order "
                   "(baseline: the snapshot-per-draft state)")
@@ -89,6 +95,7 @@ def main():
   from experiments.specdec_bench import bench_batch  # pylint: disable=g-import-not-at-top
   from replayssm_jax import models  # pylint: disable=g-import-not-at-top
   from replayssm_jax.models import hf  # pylint: disable=g-import-not-at-top
+  from replayssm_jax.precision import PrecisionPolicy  # pylint: disable=g-import-not-at-top
   t_start = time.time()
   with open(os.path.join(ROOT, a.hf_config)) as f:
     cfg, _ = hf.config_from_hf(json.load(f))
@@ -140,14 +147,18 @@ def main():
     return decode_loop(graphdef, params, tok, st, STEPS,
                        a.implementation or None)
 
+  presets = [p for p in a.precisions.split(",") if p]
+  runs = [(m, "") for m in a.modes.split(",")] + [("replay", p)
+                                                   for p in presets]
   for batch in map(int, a.batches.split(",")) if "step" in parts else ():
-    for mode in a.modes.split(","):
+    for mode, preset in runs:
       if time.time() - t_start > a.budget_s:
         print("budget reached", flush=True)
         break
       t0 = time.time()
+      policy = PrecisionPolicy.preset(preset) if preset else None
       st = model.init_state(batch, models.kv_cache_len(STEPS * (CALLS + 2)),
-                            ssm_mode=mode, buffer_len=16)
+                            ssm_mode=mode, buffer_len=16, precision=policy)
       state_bytes = sum(v.nbytes for v in jax.tree.leaves(st))
       # Distinct rows: identical rows would all route to the same experts.
       tok = jax.random.randint(jax.random.PRNGKey(batch), (batch,), 0,
@@ -162,7 +173,8 @@ def main():
         jax.block_until_ready(st)
         times.append((time.perf_counter() - t1) / STEPS * 1e6)
       us = sorted(times)[len(times) // 2]
-      save(dict(part="step", batch=batch, mode=mode, step_us=us,
+      save(dict(part="step", batch=batch, mode=mode,
+                precision=preset or None, step_us=us,
                 tokens_per_s=batch / us * 1e6, state_bytes=int(state_bytes),
                 times_us=times, first_call_s=compile_s))
       del st
