@@ -64,6 +64,11 @@ compgen -G 'wheels/*.whl' >/dev/null || {
   exit 2; }
 pip install --no-deps --no-index -q --target /tmp/mlc wheels/*.whl 2>/dev/null
 export PYTHONPATH=.:/tmp/mlc
+# jax's persistent compilation cache, so that a later call on the same warm
+# machine loads what an earlier one compiled (the key is the program: two
+# source trees do not share entries).
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/replayssm_jax_cache}
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-1}
 OUT=${OUT:-runs}
 # Per-part limit (s); lower it to run several parts in one 10-minute call.
 T=${PART_TIMEOUT:-560}
