@@ -28,7 +28,6 @@ import jax.numpy as jnp
 
 from pallas_kernels import triton_utils as tu
 from pallas_kernels.config_base import _check_pow2
-from replayssm_jax import precision as P
 
 # The longest window the verify kernel takes (it unrolls the forward
 # substitution in registers).
