@@ -183,9 +183,9 @@ def main():
   ap.add_argument("--config", default="configs/hybrid_1b.py",
                   help="a configs/*.py file or a transformers config.json")
   ap.add_argument("--sections", default="forward,modes,accept,loops",
-                  help="which parts to run, in this order (the JSON is "
-                  "written after each, so a run cut by a time limit keeps "
-                  "what it finished)")
+                  help="which parts to run (always in the order forward, "
+                  "modes, accept, loops; the JSON is written after each, "
+                  "so a run cut by a time limit keeps what it finished)")
   a = ap.parse_args()
   sections = a.sections.split(",")
   cfg = (ModelConfig(**_decode_bench.TINY_MODEL) if a.tiny
