@@ -162,7 +162,12 @@ def test_default_plans():
   assert kg.plan(None, 128, 128).block_v == 64  # rows unknown
   verify = lambda **kw: kg.plan(None, 128, 128, kernel="verify", **kw)
   assert (verify().block_v, verify().num_warps) == (32, 4)
+  # With a read copy both launches take whole rows (8 warps) by default;
+  # block_v then sets the window launch's tiles (the fold's stay whole).
   assert verify(whole_rows=True) == kg.GDNPlan(128, 8, 1, ring_weights=True)
+  tiled = kg.plan(kg.GDNConfig(block_v=32), 128, 128, kernel="verify",
+                  whole_rows=True)
+  assert (tiled.block_v, tiled.output_block_v) == (128, 32)
   # Explicit fields win over the defaults.
   mine = kg.plan(kg.GDNConfig(block_v=32, num_warps=2), 128, 128,
                  rows=256 * 32)

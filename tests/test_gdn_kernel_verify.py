@@ -110,15 +110,17 @@ def test_poisoned_last_draft_reaches_no_earlier_output(ring_weights):
                                 np.asarray(o[:, :-1]))
 
 
-@pytest.mark.parametrize("name,ring_weights", [
-    ("f32+int8", False), ("f16+fp8+sr", False), ("bf16+sr", False),
-    ("f16+fp8+sr", True)])
-def test_verify_kernel_precision_policies(name, ring_weights):
+@pytest.mark.parametrize("name,config", [
+    ("f32+int8", kg.GDNConfig(ring_weights=False, block_v=4)),
+    ("f16+fp8+sr", kg.GDNConfig(ring_weights=False)),
+    ("bf16+sr", kg.GDNConfig(ring_weights=False, block_v=2)),
+    ("f16+fp8+sr", kg.GDNConfig(ring_weights=True, block_v=4))], ids=str)
+def test_verify_kernel_precision_policies(name, config):
   """Folding rows store master + copy (stochastically with the
   reference's bits) and read the stored master; the others read the copy
-  only (a NaN master never reaches them)."""
+  only (a NaN master never reaches them). The fold stores whole rows; the
+  window launch reads value tiles where block_v < value_dim."""
   dims, T = (1, 2, 8, 8), 3
-  config = kg.GDNConfig(ring_weights=ring_weights)
   policy = PrecisionPolicy.preset(name).replace(buffer_dtype="float32")
   rstate = _setup(32, dims, jnp.dtype(policy.checkpoint_dtype)).with_policy(
       policy)

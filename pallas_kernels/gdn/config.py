@@ -43,8 +43,10 @@ class GDNConfig:
       block_v]); None: `default_block_v`. A replay state with a read copy
       or stochastic rounding needs whole rows (block_v = value_dim: the
       copy's scales and the random bits' element indices span a row) where
-      it flushes: in its one launch, or in the flush launch of split
-      routes, whose output launch takes block_v.
+      it flushes: in the replay step's one launch, or in the flush launch
+      of split routes, whose output launch takes block_v; in the verify's
+      fold launch, whose window launch takes block_v (None: whole rows
+      there too, the timed default).
     num_warps: Triton warps per program; None: `default_num_warps`.
     num_stages: Triton pipelining stages; None: `default_num_stages`.
     ring_weights: replay step only. None: `default_ring_weights`. True: a
@@ -120,8 +122,9 @@ class GDNPlan:
   num_stages: int
   ring_weights: bool = False
   split_routes: bool = False
-  # The output launch's value columns under split_routes (block_v, or
-  # value tiles where only the flush launch needs whole rows); 0: block_v.
+  # The output launch's value columns under split_routes, or the verify
+  # window launch's (value tiles where only the flush or fold launch needs
+  # whole rows); 0: block_v.
   output_block_v: int = 0
   # Value heads per program: the baseline step's, or the output launch's
   # under split_routes.
@@ -248,9 +251,15 @@ def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
         f"GDNConfig.heads_per_program ({hpp}) must divide the value heads "
         f"({num_v_heads}).")
   out_bv = 0
-  if split and whole_rows:  # block_v: the output launch's (value tiles)
+  # Only the flush (or the verify's fold) stores whole rows: block_v is
+  # then the output (window) launch's, which reads value tiles (the
+  # verify's window launch: whole rows by default, tiles untimed).
+  if split and whole_rows:
     out_bv = (default_block_v(key_dim, value_dim, rows, tile_kernel)
               if config.block_v is None else min(config.block_v, value_dim))
+    config = dataclasses.replace(config, block_v=None)
+  elif kernel == "verify" and whole_rows and config.block_v is not None:
+    out_bv = min(config.block_v, value_dim)
     config = dataclasses.replace(config, block_v=None)
   if config.block_v is None:
     bv = (value_dim if whole_rows

@@ -23,6 +23,12 @@ program per (key head, row) that forms the window's coefficients
   then (d_s, k_s, g_s) written into the rings behind the history (count
   unchanged; 0 on rows that folded, whose window starts at slot 0).
 
+With a read copy or stochastic rounding the fold kernel stores whole
+checkpoint rows (the copy's scales and the random bits span a row); the
+window kernel, which only reads the checkpoint or copy, takes whole rows
+too by default (timed) or the value tiles of `GDNConfig.block_v`
+(`GDNPlan.output_block_v`, with its own default warps).
+
 A counter outside [0, L) (only under jit): NaN outputs, nothing written.
 """
 
@@ -38,7 +44,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.gdn import common
 from pallas_kernels.gdn import verify_weights as VW
-from pallas_kernels.gdn.config import GDNConfig, plan
+from pallas_kernels.gdn.config import GDNConfig, default_num_warps, plan
 from pallas_kernels.replay.program import (FlushStores, copy_counts,
                                            copy_operands, copy_spec)
 
@@ -205,6 +211,10 @@ def gdn_replay_verify(rstate, q, k, v, g, beta, use_qk_l2norm=True,
   T = q.shape[1]
   hk = rstate.k_buf.shape[2]
   p = plan(config, K, Vd, whole_rows=spec is not None, kernel="verify")
+  # The window launch reads value tiles (only the fold stores whole rows).
+  wbv = p.output_block_v or p.block_v
+  wwarps = ((config and config.num_warps)
+            or default_num_warps(K, wbv, "verify"))
   weights = ()
   if p.ring_weights:
     weights = VW.gdn_verify_weights(
@@ -236,16 +246,17 @@ def gdn_replay_verify(rstate, q, k, v, g, beta, use_qk_l2norm=True,
       functools.partial(_window_kernel, use_l2norm=use_qk_l2norm,
                         scale=scale, copy="read_copy" in fields,
                         scaled="read_scale" in fields,
-                        weights=p.ring_weights, **kw),
-      grid=grid,
+                        weights=p.ring_weights, **dict(kw, block_v=wbv)),
+      grid=(Vd // wbv, hv, batch),
       out_shape=(sds((batch, T, hv, Vd), v.dtype),
                  sds(rstate.d_buf.shape, rstate.d_buf.dtype),
                  sds(rstate.k_buf.shape, rstate.k_buf.dtype),
                  sds(rstate.g_buf.shape, rstate.g_buf.dtype),
                  sds(rstate.count.shape, rstate.count.dtype)),
       input_output_aliases={1: 1, 2: 2, 3: 3},
-      compiler_params=params, interpret=interpret,
-      name="replayssm_gdn_verify_window",
+      compiler_params=plgpu.CompilerParams(num_warps=wwarps,
+                                           num_stages=p.num_stages),
+      interpret=interpret, name="replayssm_gdn_verify_window",
   )(ck, rstate.d_buf, rstate.k_buf, rstate.g_buf, rstate.count, q, k, v, g,
     beta, *read, *weights)
   return o, rstate.replace(checkpoint=ck, d_buf=db, k_buf=kb, g_buf=gb,
