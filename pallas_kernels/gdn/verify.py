@@ -211,7 +211,8 @@ def gdn_replay_verify(rstate, q, k, v, g, beta, use_qk_l2norm=True,
   T = q.shape[1]
   hk = rstate.k_buf.shape[2]
   p = plan(config, K, Vd, whole_rows=spec is not None, kernel="verify")
-  # The window launch reads value tiles (only the fold stores whole rows).
+  # The window launch's tile: block_v's value tiles where a copy makes the
+  # fold store whole rows (output_block_v), else the fold's.
   wbv = p.output_block_v or p.block_v
   wwarps = ((config and config.num_warps)
             or default_num_warps(K, wbv, "verify"))
