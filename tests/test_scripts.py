@@ -326,16 +326,19 @@ def test_gdn_kernel_bench_small(tmp_path):
 
 def test_gdn_verify_bench_small(tmp_path):
   # Verify + commit iterations of every variant, each checked against the
-  # reference first; a tile a read copy cannot take is recorded by name.
+  # reference first (the read copy's window launch in value tiles too); a
+  # launch field the verify refuses is recorded by name.
   out = tmp_path / "verify.json"
   _run("gdn_verify_bench.py", "--small", "--precisions=f32,f16+fp8",
-       '--configs=[{}, {"block_v": 8}]', f"--out={out}")
+       '--configs=[{}, {"block_v": 8}, {"split_routes": true}]',
+       f"--out={out}")
   recs = json.loads(out.read_text())["records"]
   timed = [r for r in recs if "us_per_iteration" in r]
   assert sorted((r["variant"], r["precision"], bool(r.get("config")))
                 for r in timed) == [
                     ("snapshot", "f32", False),
                     ("verify_pallas", "f16+fp8", False),
+                    ("verify_pallas", "f16+fp8", True),
                     ("verify_pallas", "f32", False),
                     ("verify_pallas", "f32", True),
                     ("verify_xla", "f32", False)]
@@ -343,7 +346,8 @@ def test_gdn_verify_bench_small(tmp_path):
   assert all(r["us_per_iteration"] > 0 and r["output_rel_error"] < tol
              and r["state_rel_error"] < tol for r in timed), timed
   errors = [r for r in recs if "error" in r]
-  assert len(errors) == 1 and "block_v" in errors[0]["error"]
+  assert len(errors) == 2 and all("split_routes" in r["error"]
+                                  for r in errors)
 
 
 def test_mlp_gemm_micro_small(tmp_path):
