@@ -167,7 +167,8 @@ def test_default_plans():
   assert verify(whole_rows=True) == kg.GDNPlan(128, 8, 1, ring_weights=True)
   tiled = kg.plan(kg.GDNConfig(block_v=32), 128, 128, kernel="verify",
                   whole_rows=True)
-  assert (tiled.block_v, tiled.output_block_v) == (128, 32)
+  assert (tiled.block_v, tiled.output_block_v, tiled.num_warps,
+          tiled.output_num_warps) == (128, 32, 8, 4)
   # Explicit fields win over the defaults.
   mine = kg.plan(kg.GDNConfig(block_v=32, num_warps=2), 128, 128,
                  rows=256 * 32)

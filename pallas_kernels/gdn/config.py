@@ -124,8 +124,9 @@ class GDNPlan:
   split_routes: bool = False
   # The output launch's value columns under split_routes, or the verify
   # window launch's (value tiles where only the flush or fold launch needs
-  # whole rows); 0: block_v.
+  # whole rows); 0: block_v. Its warps (0: num_warps).
   output_block_v: int = 0
+  output_num_warps: int = 0
   # Value heads per program: the baseline step's, or the output launch's
   # under split_routes.
   heads_per_program: int = 1
@@ -278,6 +279,8 @@ def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
         f"block_v None, or split the routes (split_routes=True: block_v "
         f"is then the output launch's).")
   warps = config.num_warps or default_num_warps(key_dim, bv, tile_kernel)
+  out_warps = out_bv and (config.num_warps
+                          or default_num_warps(key_dim, out_bv, tile_kernel))
   stages = config.num_stages or default_num_stages(kernel, state_dtype)
   ring = config.ring_weights
   if ring is None:  # the verify kernels: always (GDNConfig's docstring)
@@ -285,8 +288,8 @@ def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
                                   and default_ring_weights(whole_rows, rows))
   return GDNPlan(block_v=bv, num_warps=warps, num_stages=stages,
                  ring_weights=ring, split_routes=split,
-                 output_block_v=out_bv, heads_per_program=hpp,
-                 flush_fold=config.flush_fold)
+                 output_block_v=out_bv, output_num_warps=out_warps,
+                 heads_per_program=hpp, flush_fold=config.flush_fold)
 
 
 def step_problem(state, **_) -> str | None:

@@ -326,9 +326,10 @@ def gdn_replay_step(rstate, q, k, v, g, beta, use_qk_l2norm=True,
                                scale=scale, interpret=interpret)
 
   def launch(route, state_ins, copy_ins, more_ins=(), more_aliases=None):
-    bv = p.output_block_v if route == "output" and p.output_block_v else (
-        p.block_v)
-    hpp = p.heads_per_program if route == "output" else 1
+    out = route == "output"
+    bv = (out and p.output_block_v) or p.block_v
+    warps = (out and p.output_num_warps) or p.num_warps
+    hpp = p.heads_per_program if out else 1
     kernel = functools.partial(
         _replay_kernel, heads_per_key=hv // hk, block_v=bv,
         use_l2norm=use_qk_l2norm, scale=scale, spec=spec,
@@ -340,7 +341,7 @@ def gdn_replay_step(rstate, q, k, v, g, beta, use_qk_l2norm=True,
         out_shape=out_shape + copy_shapes,
         input_output_aliases={0: 5, 1: 1, 2: 2, 3: 3, **copy_aliases,
                               **(more_aliases or {})},
-        compiler_params=plgpu.CompilerParams(num_warps=p.num_warps,
+        compiler_params=plgpu.CompilerParams(num_warps=warps,
                                              num_stages=p.num_stages),
         interpret=interpret,
         name=("replayssm_gdn_replay_step" if route == "both"

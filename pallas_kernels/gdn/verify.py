@@ -27,7 +27,7 @@ With a read copy or stochastic rounding the fold kernel stores whole
 checkpoint rows (the copy's scales and the random bits span a row); the
 window kernel, which only reads the checkpoint or copy, takes whole rows
 too by default (timed) or the value tiles of `GDNConfig.block_v`
-(`GDNPlan.output_block_v`, with its own default warps).
+(`GDNPlan.output_block_v`, `output_num_warps`).
 
 A counter outside [0, L) (only under jit): NaN outputs, nothing written.
 """
@@ -44,7 +44,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.gdn import common
 from pallas_kernels.gdn import verify_weights as VW
-from pallas_kernels.gdn.config import GDNConfig, default_num_warps, plan
+from pallas_kernels.gdn.config import GDNConfig, plan
 from pallas_kernels.replay.program import (FlushStores, copy_counts,
                                            copy_operands, copy_spec)
 
@@ -214,8 +214,7 @@ def gdn_replay_verify(rstate, q, k, v, g, beta, use_qk_l2norm=True,
   # The window launch's tile: block_v's value tiles where a copy makes the
   # fold store whole rows (output_block_v), else the fold's.
   wbv = p.output_block_v or p.block_v
-  wwarps = ((config and config.num_warps)
-            or default_num_warps(K, wbv, "verify"))
+  wwarps = p.output_num_warps or p.num_warps
   weights = ()
   if p.ring_weights:
     weights = VW.gdn_verify_weights(
