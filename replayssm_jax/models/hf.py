@@ -77,13 +77,10 @@ def tensor_map(cfg: ModelConfig) -> dict[str, tuple[tuple, str]]:
       m.update(hf_nemotron.moe_tensor_map(cfg, hf, mx))
       continue
     if kind == "mlp" and cfg.mlp_activation == "swiglu":
-      names = ("down_proj",)
-      for n in ("gate", "up"):  # halves of the packed kernel
-        m[hf + f"mixer.{n}_proj.weight"] = (mx + ("gate_up",), n)
-    elif kind == "mlp":
-      names = ("up_proj", "down_proj")
-    else:
-      names = _LINEARS[kind]
+      m.update({name: piece for name, (piece,) in
+                hf_tensors.swiglu_tensors(hf + "mixer.", mx).items()})
+      continue
+    names = ("up_proj", "down_proj") if kind == "mlp" else _LINEARS[kind]
     for n in names:
       m[hf + f"mixer.{n}.weight"] = (mx + (n, "kernel"), "T")
     if kind == "mamba":
