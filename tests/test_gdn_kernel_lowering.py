@@ -142,6 +142,11 @@ def test_verify_kernels_lower_in_place(T, policy):
   assert set(launched_warps(text)) == {"replayssm_gdn_verify_weights",
                                        "replayssm_gdn_verify_fold",
                                        "replayssm_gdn_verify_window"}
+  # The fold's warps follow the plan at the checkpoint's dtype.
+  whole = copy or (pol is not None and pol.stochastic_rounding)
+  p = kg.plan(None, K, VD, whole_rows=whole, kernel="verify",
+              state_dtype=rstate.checkpoint.dtype)
+  assert launched_warps(text)["replayssm_gdn_verify_fold"] == p.num_warps
 
 
 def test_default_plans():
@@ -149,7 +154,8 @@ def test_default_plans():
   # timed (value heads 32, key_dim = value_dim = 128): [128, 64] tiles
   # with 4 warps; batch 1 (32 rows) halves the tile to keep >= 256
   # programs; whole rows (a read copy) with 4 warps. The verify kernels:
-  # [128, 32] tiles with 4 warps (8 warps over whole rows).
+  # [128, 32] tiles with 4 warps, 2 for a 16-bit checkpoint (8 warps over
+  # whole rows, whatever the dtype).
   step = lambda batch, **kw: kg.plan(None, 128, 128, rows=batch * 32, **kw)
   assert (step(1).block_v, step(1).num_warps) == (16, 4)
   assert (step(64).block_v, step(256).block_v, step(512).block_v) == (
@@ -162,6 +168,10 @@ def test_default_plans():
   assert kg.plan(None, 128, 128).block_v == 64  # rows unknown
   verify = lambda **kw: kg.plan(None, 128, 128, kernel="verify", **kw)
   assert (verify().block_v, verify().num_warps) == (32, 4)
+  warps = lambda dt, **kw: verify(state_dtype=dt, **kw).num_warps
+  assert (warps(jnp.float32), warps(jnp.float16), warps(jnp.bfloat16)) == (
+      4, 2, 2)
+  assert warps(jnp.float16, whole_rows=True) == 8
   # With a read copy both launches take whole rows (8 warps) by default;
   # block_v then sets the window launch's tiles (the fold's stay whole).
   assert verify(whole_rows=True) == kg.GDNPlan(128, 8, 1, ring_weights=True)

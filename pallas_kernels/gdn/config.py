@@ -136,8 +136,8 @@ class GDNPlan:
 
 
 # Tile elements ([key_dim, block_v]) of the step kernels' default and of
-# the verify kernels' ([128, 32] with 4 warps: 21% (f32) and 31% (f16)
-# faster than [128, 16] on an H100 at batch 256); the step tile is halved,
+# the verify kernels' ([128, 32]: 21% (f32) and 31% (f16) faster than
+# [128, 16] with 4 warps on an H100 at batch 256); the step tile is halved,
 # down to MIN_TILE, while the grid has fewer than MIN_PROGRAMS programs.
 STEP_TILE, VERIFY_TILE, MIN_TILE = 8192, 4096, 2048
 MIN_PROGRAMS = 256
@@ -161,14 +161,21 @@ def default_block_v(key_dim: int, value_dim: int, rows: int | None = None,
   return bv
 
 
-def default_num_warps(key_dim: int, block_v: int, kernel: str = "step") -> int:
+def default_num_warps(key_dim: int, block_v: int, kernel: str = "step",
+                      state_dtype=None) -> int:
   """4 warps for the step kernels (the fastest or tied at every tile the
-  H200 sweep timed, whole rows included); the verify kernels: 4 up to 4096
-  tile elements, 8 above (whole rows; on an H100 at batch 256 2 warps
-  there took 4.3x as long)."""
+  H200 sweep timed, whole rows included); the verify kernels: up to 4096
+  tile elements 4 warps, or 2 for a 16-bit checkpoint (state_dtype; on an
+  H100 an f16 checkpoint's verify took 701 against 785 µs at batch 256
+  and 187 against 252 at batch 64, an f32 one 722 against 672 and 196
+  against 192), 8 above (whole rows; on an H100 at batch 256 2 warps there
+  took 4.3x as long)."""
   if kernel == "step":
     return 4
-  return 4 if key_dim * block_v <= 4096 else 8
+  if key_dim * block_v > 4096:
+    return 8
+  narrow = state_dtype is not None and jnp.dtype(state_dtype).itemsize == 2
+  return 2 if narrow else 4
 
 
 def default_num_stages(kernel: str = "step", state_dtype=None) -> int:
@@ -217,7 +224,8 @@ def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
   "replay" (the replay step: every field), "step" (the baseline step:
   refuses ring_weights=True by name) or "verify" (refuses split_routes=True
   by name); state_dtype: the
-  baseline step's state dtype (its default stages); read_copy: the replay
+  baseline step's state dtype (its default stages) or the verify's
+  checkpoint dtype (its default warps); read_copy: the replay
   state has a read copy (its default split_routes); num_v_heads: the value
   heads, which heads_per_program must divide."""
   if kernel not in ("step", "replay", "verify"):
@@ -278,7 +286,10 @@ def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
         f"checkpoint rows (block_v = value_dim = {value_dim}); leave "
         f"block_v None, or split the routes (split_routes=True: block_v "
         f"is then the output launch's).")
-  warps = config.num_warps or default_num_warps(key_dim, bv, tile_kernel)
+  warps = config.num_warps or default_num_warps(key_dim, bv, tile_kernel,
+                                                 state_dtype)
+  # The window launch beside a whole-row fold reads a read copy (its warps
+  # timed at 4 only).
   out_warps = out_bv and (config.num_warps
                           or default_num_warps(key_dim, out_bv, tile_kernel))
   stages = config.num_stages or default_num_stages(kernel, state_dtype)

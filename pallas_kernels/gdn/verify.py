@@ -210,7 +210,8 @@ def gdn_replay_verify(rstate, q, k, v, g, beta, use_qk_l2norm=True,
   batch, hv, K, Vd = rstate.checkpoint.shape
   T = q.shape[1]
   hk = rstate.k_buf.shape[2]
-  p = plan(config, K, Vd, whole_rows=spec is not None, kernel="verify")
+  p = plan(config, K, Vd, whole_rows=spec is not None, kernel="verify",
+           state_dtype=rstate.checkpoint.dtype)
   # The window launch's tile: block_v's value tiles where a copy makes the
   # fold store whole rows (output_block_v), else the fold's.
   wbv = p.output_block_v or p.block_v
