@@ -124,6 +124,13 @@ def test_triton_offline_modules():
   assert set(verify) == {"replayssm_verify_fold", "replayssm_verify_window"}
   for text in verify.values():
     assert "tt.func public @replayssm_verify" in text
+  # --op gdn_step / gdn_verify: the Gated DeltaNet replay step's launch
+  # (no ring-weights launch at 2 rows) and the verify's three.
+  gdn = lambda **kw: set(triton_offline.gdn_modules(
+      batch=2, buffer_len=16, checkpoint_dtype=jnp.float32, **kw))
+  assert gdn(window=None) == {"replayssm_gdn_replay_step"}
+  assert gdn() == {"replayssm_gdn_verify_weights", "replayssm_gdn_verify_fold",
+                   "replayssm_gdn_verify_window"}
 
 
 def test_spec_hlo_census_smoke(tmp_path):

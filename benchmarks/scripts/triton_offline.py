@@ -148,11 +148,12 @@ def verify_modules(*, batch, nheads, headdim, dstate, ngroups, buffer_len,
   return _modules(verify, rstate, win)
 
 
-def gdn_verify_modules(*, batch, buffer_len, checkpoint_dtype, window=4,
-                       config=None):
+def gdn_modules(*, batch, buffer_len, checkpoint_dtype, window=4,
+                config=None):
   """The Triton modules of one Gated DeltaNet speculative verify
-  (`pallas_kernels.gdn.gdn_replay_verify`) at the Qwen3.5-shaped layer of
-  gdn_kernel_bench.py (16 key / 32 value heads of 128; bf16 window and
+  (`pallas_kernels.gdn.gdn_replay_verify`), or of one replay step
+  (`gdn_replay_step`) where window is None, at the Qwen3.5-shaped layer of
+  gdn_kernel_bench.py (16 key / 32 value heads of 128; bf16 inputs and
   rings, f32 g)."""
   sds, bf16, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
   hk, hv, k, v = 16, 32, 128, 128
@@ -162,12 +163,13 @@ def gdn_verify_modules(*, batch, buffer_len, checkpoint_dtype, window=4,
       k_buf=sds((batch, buffer_len, hk, k), bf16),
       g_buf=sds((batch, buffer_len, hv), f32),
       count=sds((batch,), jnp.int32))
-  t = (batch, window)
+  t = (batch,) if window is None else (batch, window)
   win = dict(q=sds(t + (hk, k), bf16), k=sds(t + (hk, k), bf16),
              v=sds(t + (hv, v), bf16), g=sds(t + (hv,), f32),
              beta=sds(t + (hv,), f32))
-  return _modules(lambda r, w: gdn_kernels.gdn_replay_verify(
-      r, **w, config=config), rs, win)
+  fn = (gdn_kernels.gdn_replay_step if window is None
+        else gdn_kernels.gdn_replay_verify)
+  return _modules(lambda r, w: fn(r, **w, config=config), rs, win)
 
 
 def _tool(name):
@@ -249,23 +251,24 @@ def main():
                   help="a read copy of this dtype (e.g. float8_e4m3fn)")
   ap.add_argument("--kernels", default="", help="name substrings to keep")
   ap.add_argument("--op", default="step",
-                  choices=("step", "verify", "gdn_verify"),
+                  choices=("step", "verify", "gdn_verify", "gdn_step"),
                   help="the replay step's kernels (ReplayConfig fields in "
                   "--config) or the speculative verify's at hybrid_1b's "
                   "layer, window 4 (VerifyConfig fields); gdn_verify: the "
                   "Gated DeltaNet verify's at the Qwen3.5-shaped layer, "
                   "window 4 (GDNConfig fields; --warps overrides "
-                  "num_warps)")
+                  "num_warps); gdn_step: its replay step's")
   ap.add_argument("--out", default="", help="keep TTIR/PTX/cubin here")
   a = ap.parse_args()
   fields = {}
   for item in filter(None, a.config.split(",")):
     key, value = item.split("=", 1)
     fields[key.strip()] = ast.literal_eval(value.strip())
-  if a.op == "gdn_verify":
-    modules = gdn_verify_modules(
+  if a.op in ("gdn_verify", "gdn_step"):
+    modules = gdn_modules(
         batch=a.batch, buffer_len=a.buffer_len,
         checkpoint_dtype=jnp.dtype(a.dtype),
+        window=4 if a.op == "gdn_verify" else None,
         config=gdn_kernels.GDNConfig(**fields))
   elif a.op == "verify":
     modules = verify_modules(
