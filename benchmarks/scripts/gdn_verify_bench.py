@@ -168,7 +168,8 @@ def main():
   start = time.time()
 
   def save(r):
-    print(f"    {r['records'][-1]}", flush=True)
+    if "error" not in r["records"][-1]:  # run_jobs printed the error
+      print(f"    {r['records'][-1]}", flush=True)
     with open(a.out, "w") as fh:
       json.dump(r, fh, indent=1)
 
