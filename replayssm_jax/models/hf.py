@@ -77,8 +77,7 @@ def tensor_map(cfg: ModelConfig) -> dict[str, tuple[tuple, str]]:
       m.update(hf_nemotron.moe_tensor_map(cfg, hf, mx))
       continue
     if kind == "mlp" and cfg.mlp_activation == "swiglu":
-      m.update({name: piece for name, (piece,) in
-                hf_tensors.swiglu_tensors(hf + "mixer.", mx).items()})
+      m.update(hf_tensors.swiglu_tensors(hf + "mixer.", mx))
       continue
     names = ("up_proj", "down_proj") if kind == "mlp" else _LINEARS[kind]
     for n in names:
@@ -185,16 +184,11 @@ def hf_config_dict(cfg: ModelConfig, architecture: str,
 
 
 # ------------------------------------------------------------- tensors
-def _pieces(cfg: ModelConfig) -> dict[str, tuple]:
-  """`tensor_map` in `hf_tensors`' form (one parameter per tensor)."""
-  return {name: (piece,) for name, piece in tensor_map(cfg).items()}
-
-
 def export_hf_tensors(model: HybridLM) -> dict[str, np.ndarray]:
   """The model's parameters under their HF names and layouts (numpy; MoE
   experts one tensor per expert, as NVIDIA's checkpoints)."""
   return hf_nemotron.unpack_tensors(
-      hf_tensors.export_tensors(model, _pieces(model.config)))
+      hf_tensors.export_tensors(model, tensor_map(model.config)))
 
 
 def _read_tensors(directory: str) -> dict[str, Any]:
@@ -236,7 +230,7 @@ def load_tensors(model_cfg: ModelConfig, tensors: dict[str, Any]) -> HybridLM:
   NemotronH's "model." prefix and per-expert tensors are accepted:
   `hf_nemotron.pack_tensors`)."""
   return hf_tensors.load_tensors(model_cfg, hf_nemotron.pack_tensors(tensors),
-                                 _pieces(model_cfg))
+                                 tensor_map(model_cfg))
 
 
 def from_pretrained(directory: str, dtype: str = "float32",

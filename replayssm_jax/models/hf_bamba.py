@@ -71,7 +71,7 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "float32",
 
 
 def tensor_map(cfg: ModelConfig) -> dict[str, tuple]:
-  """Bamba HF tensor name -> ((parameter path, transform), ...)."""
+  """Bamba HF tensor name -> (parameter path, transform)."""
   def ffn_tensors(hf, kind, mlp):
     del kind  # always the SwiGLU MLP
     return swiglu_tensors(hf + "feed_forward.", mlp)

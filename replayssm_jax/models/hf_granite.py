@@ -34,7 +34,7 @@ router, experts and the shared MLP (as the block's shared expert) under
   model.layers.{i}.block_sparse_moe.router.layer.weight   [E, d]
 
 This module does not import `hf` (which dispatches to it): `tensor_map`
-entries are HF name -> ((parameter path, transform),) (`hf_tensors`; the
+entries are HF name -> (parameter path, transform) (`hf_tensors`; the
 shared MLP's fused [gate; up] input_linear is the packed gate_up kernel,
 transform "gate_up").
 """
@@ -244,47 +244,47 @@ def mixer_tensors(hf: str, kind: str, me: tuple):
   if kind == "mamba":
     p = hf + "mamba."
     for n in ("in_proj", "out_proj"):
-      m[p + f"{n}.weight"] = ((mx + (n, "kernel"), "T"),)
-    m[p + "conv1d.weight"] = ((mx + ("conv_weight",), "conv"),)
-    m[p + "conv1d.bias"] = ((mx + ("conv_bias",), "id"),)
+      m[p + f"{n}.weight"] = (mx + (n, "kernel"), "T")
+    m[p + "conv1d.weight"] = (mx + ("conv_weight",), "conv")
+    m[p + "conv1d.bias"] = (mx + ("conv_bias",), "id")
     for n in ("A_log", "D", "dt_bias"):
-      m[p + n] = ((mx + (n,), "id"),)
-    m[p + "norm.weight"] = ((mx + ("norm", "weight"), "id"),)
+      m[p + n] = (mx + (n,), "id")
+    m[p + "norm.weight"] = (mx + ("norm", "weight"), "id")
   else:
     for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-      m[hf + f"self_attn.{n}.weight"] = ((mx + (n, "kernel"), "T"),)
+      m[hf + f"self_attn.{n}.weight"] = (mx + (n, "kernel"), "T")
   return m
 
 
 def layer_tensor_map(cfg: ModelConfig, final_norm: str, ffn_norm: str,
                      ffn_tensors) -> dict[str, tuple]:
-  """HF tensor name -> ((parameter path, transform), ...) of a family whose
+  """HF tensor name -> (parameter path, transform) of a family whose
   layer i is our blocks 2i (its mixer) and 2i+1 (its feed-forward, named
   by `ffn_tensors(hf_prefix, kind, mixer_path)`), under model.*."""
-  m = {"model.embed_tokens.weight": ((("embeddings", "weight"), "id"),),
-       f"model.{final_norm}.weight": ((("norm_f", "weight"), "id"),)}
+  m = {"model.embed_tokens.weight": (("embeddings", "weight"), "id"),
+       f"model.{final_norm}.weight": (("norm_f", "weight"), "id")}
   if not cfg.tie_embeddings:
-    m["lm_head.weight"] = ((("lm_head", "kernel"), "T"),)
+    m["lm_head.weight"] = (("lm_head", "kernel"), "T")
   kinds = cfg.block_kinds
   for i in range(len(kinds) // 2):
     hf = f"model.layers.{i}."
     mix, ffn = ("blocks", 2 * i), ("blocks", 2 * i + 1)
-    m[hf + "input_layernorm.weight"] = ((mix + ("norm", "weight"), "id"),)
+    m[hf + "input_layernorm.weight"] = (mix + ("norm", "weight"), "id")
     m.update(mixer_tensors(hf, kinds[2 * i], mix))
-    m[hf + f"{ffn_norm}.weight"] = ((ffn + ("norm", "weight"), "id"),)
+    m[hf + f"{ffn_norm}.weight"] = (ffn + ("norm", "weight"), "id")
     m.update(ffn_tensors(hf, kinds[2 * i + 1], ffn + ("mixer",)))
   return m
 
 
 def tensor_map(cfg: ModelConfig) -> dict[str, tuple]:
-  """Granite HF tensor name -> ((parameter path, transform), ...)."""
+  """Granite HF tensor name -> (parameter path, transform)."""
   def ffn_tensors(hf, kind, mlp):
     if kind == "moe":
       return _moe_tensors(hf, mlp)
-    return {hf + "shared_mlp.input_linear.weight": (  # [gate; up] rows
-                (mlp + ("gate_up",), "gate_up"),),
-            hf + "shared_mlp.output_linear.weight": (
-                (mlp + ("down_proj", "kernel"), "T"),)}
+    return {hf + "shared_mlp.input_linear.weight":  # [gate; up] rows
+                (mlp + ("gate_up",), "gate_up"),
+            hf + "shared_mlp.output_linear.weight":
+                (mlp + ("down_proj", "kernel"), "T")}
   return layer_tensor_map(cfg, "norm", "post_attention_layernorm",
                           ffn_tensors)
 
@@ -294,10 +294,10 @@ def _moe_tensors(hf: str, mx: tuple) -> dict[str, tuple]:
   ("T3": the last two axes swapped), the router [E, d], the shared MLP
   as the block's shared expert (fused [gate; up] as the experts')."""
   p = hf + "block_sparse_moe."
-  return {p + "input_linear.weight": ((mx + ("up",), "T3"),),
-          p + "output_linear.weight": ((mx + ("down",), "T3"),),
-          p + "router.layer.weight": ((mx + ("router",), "T"),),
-          hf + "shared_mlp.input_linear.weight": (
-              (mx + ("shared_up", "kernel"), "T"),),
-          hf + "shared_mlp.output_linear.weight": (
-              (mx + ("shared_down", "kernel"), "T"),)}
+  return {p + "input_linear.weight": (mx + ("up",), "T3"),
+          p + "output_linear.weight": (mx + ("down",), "T3"),
+          p + "router.layer.weight": (mx + ("router",), "T"),
+          hf + "shared_mlp.input_linear.weight":
+              (mx + ("shared_up", "kernel"), "T"),
+          hf + "shared_mlp.output_linear.weight":
+              (mx + ("shared_down", "kernel"), "T")}

@@ -186,56 +186,56 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "float32",
 
 # ------------------------------------------------------------- tensors
 def _kda_tensors(p: str, mx: tuple):
-  m = {p + f"{n}.weight": ((mx + (ours, "kernel"), "T"),) for n, ours in (
+  m = {p + f"{n}.weight": (mx + (ours, "kernel"), "T") for n, ours in (
       ("in_proj", "in_proj"), ("f_b_proj", "f_b_proj"),
       ("g_b_proj", "g_b_proj"), ("o_proj", "out_proj"))}
-  m[p + "conv1d.weight"] = ((mx + ("conv_weight",), "conv"),)
-  m[p + "A_log"] = ((mx + ("A_log",), "id"),)
-  m[p + "dt_bias"] = ((mx + ("dt_bias",), "id"),)
-  m[p + "o_norm.weight"] = ((mx + ("norm_weight",), "id"),)
+  m[p + "conv1d.weight"] = (mx + ("conv_weight",), "conv")
+  m[p + "A_log"] = (mx + ("A_log",), "id")
+  m[p + "dt_bias"] = (mx + ("dt_bias",), "id")
+  m[p + "o_norm.weight"] = (mx + ("norm_weight",), "id")
   return m
 
 
 def _mla_tensors(p: str, mx: tuple):
-  m = {p + f"{n}.weight": ((mx + (ours, "kernel"), "T"),) for n, ours in (
+  m = {p + f"{n}.weight": (mx + (ours, "kernel"), "T") for n, ours in (
       ("q_proj", "q_proj"), ("kv_a_proj_with_mqa", "kv_a_proj"),
       ("kv_b_proj", "kv_b_proj"), ("o_proj", "o_proj"))}
-  m[p + "kv_a_layernorm.weight"] = ((mx + ("kv_a_norm", "weight"), "id"),)
+  m[p + "kv_a_layernorm.weight"] = (mx + ("kv_a_norm", "weight"), "id")
   return m
 
 
 def _ffn_tensors(p: str, kind: str, mx: tuple):
   if kind == "mlp":
     return swiglu_tensors(p, mx)
-  m = {p + "gate.weight": ((mx + ("router",), "T"),),
-       p + "gate.e_score_correction_bias": ((mx + ("router_bias",), "id"),),
-       p + "experts.gate_up_proj": ((mx + ("up",), "T3"),),
-       p + "experts.down_proj": ((mx + ("down",), "T3"),)}
-  m[p + "shared_experts.gate_up_proj.weight"] = (
-      (mx + ("shared_up", "kernel"), "T"),)
-  m[p + "shared_experts.down_proj.weight"] = (
-      (mx + ("shared_down", "kernel"), "T"),)
+  m = {p + "gate.weight": (mx + ("router",), "T"),
+       p + "gate.e_score_correction_bias": (mx + ("router_bias",), "id"),
+       p + "experts.gate_up_proj": (mx + ("up",), "T3"),
+       p + "experts.down_proj": (mx + ("down",), "T3")}
+  m[p + "shared_experts.gate_up_proj.weight"] = (mx + ("shared_up", "kernel"),
+                                                 "T")
+  m[p + "shared_experts.down_proj.weight"] = (mx + ("shared_down", "kernel"),
+                                              "T")
   return m
 
 
 def tensor_map(cfg: ModelConfig) -> dict[str, tuple]:
-  """HF tensor name -> ((parameter path, transform), ...), as
+  """HF tensor name -> (parameter path, transform), as
   `pack_tensors` names them."""
-  m = {"model.embed_tokens.weight": ((("embeddings", "weight"), "id"),),
-       "model.norm.weight": ((("norm_f", "weight"), "id"),)}
+  m = {"model.embed_tokens.weight": (("embeddings", "weight"), "id"),
+       "model.norm.weight": (("norm_f", "weight"), "id")}
   if not cfg.tie_embeddings:
-    m["lm_head.weight"] = ((("lm_head", "kernel"), "T"),)
+    m["lm_head.weight"] = (("lm_head", "kernel"), "T")
   kinds = cfg.block_kinds
   for i in range(len(kinds) // 2):
     hf = f"model.layers.{i}."
     mix, ffn = ("blocks", 2 * i), ("blocks", 2 * i + 1)
-    m[hf + "input_layernorm.weight"] = ((mix + ("norm", "weight"), "id"),)
+    m[hf + "input_layernorm.weight"] = (mix + ("norm", "weight"), "id")
     if kinds[2 * i] == "kda":
       m.update(_kda_tensors(hf + "self_attn.", mix + ("mixer",)))
     else:
       m.update(_mla_tensors(hf + "self_attn.", mix + ("mixer",)))
-    m[hf + "post_attention_layernorm.weight"] = ((ffn + ("norm", "weight"),
-                                                  "id"),)
+    m[hf + "post_attention_layernorm.weight"] = (ffn + ("norm", "weight"),
+                                                 "id")
     m.update(_ffn_tensors(hf + "mlp.", kinds[2 * i + 1], ffn + ("mixer",)))
   return m
 

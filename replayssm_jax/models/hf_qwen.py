@@ -270,55 +270,54 @@ def _fuse_gdn_in_proj(cfg: ModelConfig, tensors: dict[str, Any]) -> None:
 
 
 def _gdn_tensors(p: str, mx: tuple):
-  m = {p + "in_proj.weight": ((mx + ("in_proj", "kernel"), "T"),),
-       p + "out_proj.weight": ((mx + ("out_proj", "kernel"), "T"),),
-       p + "conv1d.weight": ((mx + ("conv_weight",), "conv"),)}
+  m = {p + "in_proj.weight": (mx + ("in_proj", "kernel"), "T"),
+       p + "out_proj.weight": (mx + ("out_proj", "kernel"), "T"),
+       p + "conv1d.weight": (mx + ("conv_weight",), "conv")}
   for n in ("A_log", "dt_bias"):
-    m[p + n] = ((mx + (n,), "id"),)
-  m[p + "norm.weight"] = ((mx + ("norm_weight",), "id"),)
+    m[p + n] = (mx + (n,), "id")
+  m[p + "norm.weight"] = (mx + ("norm_weight",), "id")
   return m
 
 
 def _attention_tensors(p: str, mx: tuple):
-  m = {p + f"{n}.weight": ((mx + (n, "kernel"), "T"),)
+  m = {p + f"{n}.weight": (mx + (n, "kernel"), "T")
        for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
   for n in ("q_norm", "k_norm"):
-    m[p + f"{n}.weight"] = ((mx + (n, "weight"), "plus1"),)
+    m[p + f"{n}.weight"] = (mx + (n, "weight"), "plus1")
   return m
 
 
 def _ffn_tensors(p: str, kind: str, mx: tuple):
   if kind == "mlp":
     return swiglu_tensors(p, mx)
-  return {p + "gate.weight": ((mx + ("router",), "T"),),
-          p + "experts.gate_up_proj": ((mx + ("up",), "T3"),),
-          p + "experts.down_proj": ((mx + ("down",), "T3"),),
-          p + "shared_expert.gate_up_proj.weight": (
-              (mx + ("shared_up", "kernel"), "T"),),
-          p + "shared_expert.down_proj.weight": (
-              (mx + ("shared_down", "kernel"), "T"),),
-          p + "shared_expert_gate.weight": ((mx + ("shared_gate",), "T"),)}
+  return {p + "gate.weight": (mx + ("router",), "T"),
+          p + "experts.gate_up_proj": (mx + ("up",), "T3"),
+          p + "experts.down_proj": (mx + ("down",), "T3"),
+          p + "shared_expert.gate_up_proj.weight":
+              (mx + ("shared_up", "kernel"), "T"),
+          p + "shared_expert.down_proj.weight":
+              (mx + ("shared_down", "kernel"), "T"),
+          p + "shared_expert_gate.weight": (mx + ("shared_gate",), "T")}
 
 
 def tensor_map(cfg: ModelConfig) -> dict[str, tuple]:
-  """HF tensor name -> ((parameter path, transform), ...) under model.*,
+  """HF tensor name -> (parameter path, transform) under model.*,
   as `pack_tensors` names them."""
-  m = {"model.embed_tokens.weight": ((("embeddings", "weight"), "id"),),
-       "model.norm.weight": ((("norm_f", "weight"), "plus1"),)}
+  m = {"model.embed_tokens.weight": (("embeddings", "weight"), "id"),
+       "model.norm.weight": (("norm_f", "weight"), "plus1")}
   if not cfg.tie_embeddings:
-    m["lm_head.weight"] = ((("lm_head", "kernel"), "T"),)
+    m["lm_head.weight"] = (("lm_head", "kernel"), "T")
   kinds = cfg.block_kinds
   for i in range(len(kinds) // 2):
     hf = f"model.layers.{i}."
     mix, ffn = ("blocks", 2 * i), ("blocks", 2 * i + 1)
-    m[hf + "input_layernorm.weight"] = ((mix + ("norm", "weight"),
-                                         "plus1"),)
+    m[hf + "input_layernorm.weight"] = (mix + ("norm", "weight"), "plus1")
     if kinds[2 * i] == "gdn":
       m.update(_gdn_tensors(hf + "linear_attn.", mix + ("mixer",)))
     else:
       m.update(_attention_tensors(hf + "self_attn.", mix + ("mixer",)))
-    m[hf + "post_attention_layernorm.weight"] = ((ffn + ("norm", "weight"),
-                                                  "plus1"),)
+    m[hf + "post_attention_layernorm.weight"] = (ffn + ("norm", "weight"),
+                                                 "plus1")
     m.update(_ffn_tensors(hf + "mlp.", kinds[2 * i + 1], ffn + ("mixer",)))
   return m
 

@@ -1,7 +1,7 @@
 """What the Hugging Face family readers share: config.json numbers
 (`json_float`) and HF-named tensors <-> HybridLM parameters.
 
-A tensor map is {HF tensor name: ((parameter path, transform),)}: each HF
+A tensor map is {HF tensor name: (parameter path, transform)}: each HF
 tensor feeds one parameter, and a packed SwiGLU kernel [d, 2, f]
 (`mlp.MLP.gate_up`) is fed by two (its gate and up halves) or by one fused
 [gate; up] tensor. Transforms: "id", "T" (a linear's [out, in] <->
@@ -14,7 +14,7 @@ as 1 + w: stored here as 1 + w in float32), "gate" / "up" (a linear
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -42,58 +42,56 @@ HALVES = {"gate": 0, "up": 1}
 def swiglu_tensors(prefix: str, mx: tuple) -> dict[str, tuple]:
   """A SwiGLU MLP's entries: {prefix}{gate,up,down}_proj.weight onto the
   mixer at `mx` (the halves of its packed gate_up kernel, down_proj)."""
-  m = {prefix + f"{n}_proj.weight": ((mx + ("gate_up",), n),)
-       for n in HALVES}
-  m[prefix + "down_proj.weight"] = ((mx + ("down_proj", "kernel"), "T"),)
+  m = {prefix + f"{n}_proj.weight": (mx + ("gate_up",), n) for n in HALVES}
+  m[prefix + "down_proj.weight"] = (mx + ("down_proj", "kernel"), "T")
   return m
 
 
+class _Transform(NamedTuple):
+  """One transform's three directions: HF tensor -> parameter (jax),
+  parameter -> HF tensor (numpy), parameter shape -> HF shape."""
+  to_ours: Callable
+  to_hf: Callable
+  hf_shape: Callable
+
+
+def _half(h):
+  """The gate (h 0) or up (h 1) half of a [d, 2, f] kernel <-> [f, d]."""
+  return _Transform(lambda a: a.T, lambda a: a[:, h, :].T,
+                    lambda s: (s[2], s[0]))
+
+
+_TRANSFORMS = {
+    "id": _Transform(lambda a: a, lambda a: a, tuple),
+    "T": _Transform(lambda a: a.T, lambda a: a.T, lambda s: (s[1], s[0])),
+    "T3": _Transform(lambda a: a.swapaxes(-1, -2),
+                     lambda a: a.swapaxes(-1, -2),
+                     lambda s: tuple(s[:-2]) + (s[-1], s[-2])),
+    "conv": _Transform(lambda a: a[:, 0, :], lambda a: a[:, None, :],
+                       lambda s: (s[0], 1, s[1])),
+    "plus1": _Transform(lambda a: a.astype(jnp.float32) + 1.0,
+                        lambda a: a - 1, tuple),
+    "gate_up": _Transform(
+        lambda a: a.reshape(2, a.shape[0] // 2, a.shape[1]).transpose(2, 0, 1),
+        lambda a: a.transpose(1, 2, 0).reshape(2 * a.shape[2], a.shape[0]),
+        lambda s: (2 * s[2], s[0])),
+    **{name: _half(h) for name, h in HALVES.items()},
+}
+
+
 def to_ours(arr, transform):
-  if transform in ("T", "gate", "up"):
-    return arr.T
-  if transform == "T3":
-    return arr.swapaxes(-1, -2)
-  if transform == "conv":
-    return arr[:, 0, :]
-  if transform == "plus1":
-    return arr.astype(jnp.float32) + 1.0
-  if transform == "gate_up":
-    two_f, d = arr.shape
-    return arr.reshape(2, two_f // 2, d).transpose(2, 0, 1)
-  return arr
+  """An HF tensor as the parameter `transform` feeds (jax)."""
+  return _TRANSFORMS[transform].to_ours(arr)
 
 
 def to_hf(arr, transform):
   """`to_ours` inverted (numpy)."""
-  if transform in HALVES:
-    return arr[:, HALVES[transform], :].T
-  if transform == "T":
-    return arr.T
-  if transform == "T3":
-    return arr.swapaxes(-1, -2)
-  if transform == "conv":
-    return arr[:, None, :]
-  if transform == "plus1":
-    return arr - 1
-  if transform == "gate_up":
-    d, _, f = arr.shape
-    return arr.transpose(1, 2, 0).reshape(2 * f, d)
-  return arr
+  return _TRANSFORMS[transform].to_hf(arr)
 
 
 def hf_shape(shape, transform):
   """The HF tensor shape a parameter of `shape` comes from."""
-  if transform == "T":
-    return (shape[1], shape[0])
-  if transform in HALVES:
-    return (shape[2], shape[0])
-  if transform == "gate_up":
-    return (2 * shape[2], shape[0])
-  if transform == "T3":
-    return tuple(shape[:-2]) + (shape[-1], shape[-2])
-  if transform == "conv":
-    return (shape[0], 1, shape[1])
-  return tuple(shape)
+  return tuple(_TRANSFORMS[transform].hf_shape(tuple(shape)))
 
 
 def load_tensors(cfg: ModelConfig, tensors: dict[str, Any],
@@ -110,9 +108,8 @@ def load_tensors(cfg: ModelConfig, tensors: dict[str, Any],
   abstract = nnx.eval_shape(lambda: HybridLM(cfg, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)
   by_path = {}
-  for name, pieces in tmap.items():
-    for path, tr in pieces:
-      by_path.setdefault(path, []).append((name, tr))
+  for name, (path, tr) in tmap.items():
+    by_path.setdefault(path, []).append((name, tr))
   new_flat, bad = [], []
   for path, var in nnx.to_flat_state(state):
     want = var.get_value()
@@ -142,7 +139,7 @@ def export_tensors(model: HybridLM, tmap: dict[str, tuple]
   numpy."""
   flat = {p: v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
   out = {}
-  for name, ((path, tr),) in tmap.items():
+  for name, (path, tr) in tmap.items():
     a = np.asarray(flat[path].get_value())
     out[name] = np.ascontiguousarray(to_hf(a, tr))
   return out
