@@ -149,20 +149,27 @@ def verify_modules(*, batch, nheads, headdim, dstate, ngroups, buffer_len,
 
 
 def gdn_modules(*, batch, buffer_len, checkpoint_dtype, window=4,
-                config=None):
+                config=None, read_dtype=None):
   """The Triton modules of one Gated DeltaNet speculative verify
   (`pallas_kernels.gdn.gdn_replay_verify`), or of one replay step
   (`gdn_replay_step`) where window is None, at the Qwen3.5-shaped layer of
   gdn_kernel_bench.py (16 key / 32 value heads of 128; bf16 inputs and
-  rings, f32 g)."""
+  rings, f32 g); read_dtype: a read copy of this dtype (8-bit ones with
+  their scales)."""
   sds, bf16, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
   hk, hv, k, v = 16, 32, 128, 128
+  copy = {}
+  if read_dtype is not None:
+    read_dtype = jnp.dtype(read_dtype)
+    copy = dict(read_copy=sds((batch, hv, k, v), read_dtype),
+                read_scale=(sds((batch, hv, k), f32)
+                            if read_dtype.itemsize == 1 else None))
   rs = GDNReplayState(
       checkpoint=sds((batch, hv, k, v), checkpoint_dtype),
       d_buf=sds((batch, buffer_len, hv, v), bf16),
       k_buf=sds((batch, buffer_len, hk, k), bf16),
       g_buf=sds((batch, buffer_len, hv), f32),
-      count=sds((batch,), jnp.int32))
+      count=sds((batch,), jnp.int32), **copy)
   t = (batch,) if window is None else (batch, window)
   win = dict(q=sds(t + (hk, k), bf16), k=sds(t + (hk, k), bf16),
              v=sds(t + (hv, v), bf16), g=sds(t + (hv,), f32),
@@ -269,7 +276,7 @@ def main():
         batch=a.batch, buffer_len=a.buffer_len,
         checkpoint_dtype=jnp.dtype(a.dtype),
         window=4 if a.op == "gdn_verify" else None,
-        config=gdn_kernels.GDNConfig(**fields))
+        config=gdn_kernels.GDNConfig(**fields), read_dtype=a.read_dtype)
   elif a.op == "verify":
     modules = verify_modules(
         batch=a.batch, nheads=64, headdim=64, dstate=128, ngroups=8,
