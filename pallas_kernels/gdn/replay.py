@@ -178,8 +178,11 @@ def _replay_kernel(*refs, heads_per_key, block_v, use_l2norm, scale,
     h, hk, vs = t.h, t.hk, t.vs
     row = _Row(cnt_ref, g_ref, b, h, L)
     # The state tile: the master on flush rows (and on plain states), the
-    # read copy (dequantized) on the others; masked loads, so a row reads
-    # one of the two only.
+    # read copy on the others; masked loads, so a row reads one of the two
+    # only. An 8-bit copy's scales (one per key row) multiply the vectors
+    # read out against it, tile^T (scale * x) (precision.dequantize: K
+    # products where the tile would take K x block_v).
+    scales = None
     if copy:
       master = plgpu.load(ck_ref.at[b, h, :, vs], mask=jnp.broadcast_to(
           row.flush, (K, block_v)), other=0.0, eviction_policy="evict_first")
@@ -187,10 +190,9 @@ def _replay_kernel(*refs, heads_per_key, block_v, use_l2norm, scale,
       read = plgpu.load(rc_ref.at[b, h, :, vs], mask=jnp.broadcast_to(
           ~row.flush, (K, block_v)), other=0.0,
                         eviction_policy="evict_first")
-      read = read.astype(F32)
       if spec.scaled:
-        read = read * extra[1][b, h, :][:, None]  # precision.dequantize
-      s0 = jnp.where(row.flush, master.astype(F32), read)
+        scales = extra[1][b, h, :]
+      s0 = jnp.where(row.flush, master.astype(F32), read.astype(F32))
     else:
       s0 = plgpu.load(ck_ref.at[b, h, :, vs],
                       eviction_policy="evict_first").astype(F32)
@@ -208,13 +210,17 @@ def _replay_kernel(*refs, heads_per_key, block_v, use_l2norm, scale,
                                  factors=factors)
     coef_k, coef_q, decay, own = _ring_coefficients(row, ring, qn, kn,
                                                     weights)
+    kr, qr = kn, qn  # the vectors read out against s0
+    if scales is not None:
+      kr = jnp.where(row.flush, kn, kn * scales)
+      qr = jnp.where(row.flush, qn, qn * scales)
     hist_k = jnp.sum(coef_k[:, None] * d_hist, axis=0)  # [block_v]
     d = beta.astype(F32) * (
-        v.astype(F32) - (decay * common.readout(s0, kn) + hist_k))
+        v.astype(F32) - (decay * common.readout(s0, kr) + hist_k))
 
     def output():
       hist_q = jnp.sum(coef_q[:, None] * d_hist, axis=0)
-      o = decay * common.readout(s0, qn) + hist_q + own * d
+      o = decay * common.readout(s0, qr) + hist_q + own * d
       o_ref[b, h, vs] = jnp.where(row.valid, o, jnp.nan).astype(o_ref.dtype)
 
     def flush():
