@@ -404,6 +404,9 @@ def test_kernels_refuse_by_name():
   gdn.gdn_step(state, **tok)  # implementation=None: the reference
   with pytest.raises(ValueError, match="block_v must be a power of two"):
     kg.GDNConfig(block_v=3)
+  with pytest.raises(ValueError,
+                     match="flush_num_warps must be a power of two"):
+    kg.GDNConfig(flush_num_warps=6)
   with pytest.raises(ValueError, match="num_stages must be"):
     kg.GDNConfig(num_stages=0)
   tok = _inputs(18, 1, 2, 8, 8)

@@ -114,6 +114,24 @@ def test_replay_kernel_split_routes_lower_in_place(policy, heads_per_program):
                                        "replayssm_gdn_replay_flush"}
 
 
+@pytest.mark.parametrize("policy", [None, "f32+fp8"], ids=str)
+def test_flush_num_warps_reach_the_flush_launch(policy):
+  # Under split routes flush_num_warps sets the flush launch's warps and
+  # leaves the output launch's as they were; one launch refuses it.
+  pol = None if policy is None else PrecisionPolicy.preset(policy)
+  base = launched_warps(_lowered_replay_step(pol, kg.GDNConfig(
+      split_routes=True)))
+  text = _lowered_replay_step(pol, kg.GDNConfig(split_routes=True,
+                                                flush_num_warps=8))
+  assert launched_warps(text) == dict(base, replayssm_gdn_replay_flush=8)
+  assert base["replayssm_gdn_replay_flush"] != 8
+  with pytest.raises(NotImplementedError, match="flush_num_warps"):
+    kg.plan(kg.GDNConfig(split_routes=False, flush_num_warps=8), K, VD,
+            rows=B * HV, kernel="replay")
+  with pytest.raises(NotImplementedError, match="flush_num_warps"):
+    kg.plan(kg.GDNConfig(flush_num_warps=8), K, VD, kernel="verify")
+
+
 @pytest.mark.parametrize("T,policy", [(3, None), (8, None), (1, "f16"),
                                       (4, "f32+int8"), (2, "f16+fp8+sr"),
                                       (3, "bf16+sr")], ids=str)

@@ -48,6 +48,11 @@ class GDNConfig:
       fold launch, whose window launch takes block_v (None: whole rows
       there too, the timed default).
     num_warps: Triton warps per program; None: `default_num_warps`.
+    flush_num_warps: the flush launch's warps under split routes (replay
+      step only; None: as num_warps). Compiled offline for sm_90a at the
+      Qwen3.5 layer with an fp8 read copy, the whole-row flush program
+      spills at 4 warps (255 registers) and not at 8 (176-199); untimed,
+      so None stays the default.
     num_stages: Triton pipelining stages; None: `default_num_stages`.
     ring_weights: replay step only. None: `default_ring_weights`. True: a
       first launch (`ring_weights.gdn_ring_weights`, one program per row
@@ -91,6 +96,7 @@ class GDNConfig:
   """
   block_v: int | None = None
   num_warps: int | None = None
+  flush_num_warps: int | None = None
   num_stages: int | None = None
   ring_weights: bool | None = None
   split_routes: bool | None = None
@@ -98,7 +104,8 @@ class GDNConfig:
   flush_fold: str | None = None
 
   def __post_init__(self):
-    for name in ("block_v", "num_warps", "heads_per_program"):
+    for name in ("block_v", "num_warps", "flush_num_warps",
+                 "heads_per_program"):
       if getattr(self, name) is not None:
         _check_pow2(name, getattr(self, name))
     if self.num_stages is not None and (
@@ -127,6 +134,8 @@ class GDNPlan:
   # whole rows); 0: block_v. Its warps (0: num_warps).
   output_block_v: int = 0
   output_num_warps: int = 0
+  # The flush launch's warps under split routes (0: num_warps).
+  flush_num_warps: int = 0
   # Value heads per program: the baseline step's, or the output launch's
   # under split_routes.
   heads_per_program: int = 1
@@ -249,6 +258,11 @@ def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
   tile_kernel = "verify" if kernel == "verify" else "step"
   split = (config.split_routes if config.split_routes is not None
            else kernel == "replay" and default_split_routes(read_copy, rows))
+  if config.flush_num_warps and not split:
+    raise NotImplementedError(
+        f"GDNConfig.flush_num_warps={config.flush_num_warps} applies to the "
+        f"flush launch of split routes only (replay step, "
+        f"split_routes=True); leave it None.")
   hpp = config.heads_per_program or 1
   if hpp > 1 and kernel != "step" and not split:
     raise NotImplementedError(
@@ -300,6 +314,7 @@ def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
   return GDNPlan(block_v=bv, num_warps=warps, num_stages=stages,
                  ring_weights=ring, split_routes=split,
                  output_block_v=out_bv, output_num_warps=out_warps,
+                 flush_num_warps=config.flush_num_warps or 0,
                  heads_per_program=hpp, flush_fold=config.flush_fold)
 
 
