@@ -15,9 +15,9 @@ and at smaller batches the second launch is untimed); and a state with a
 read copy stepped in two launches from the same size (`split_routes`:
 whole rows only where it flushes, the copy read in [128, 64] tiles); and
 the replay step's flush fold by tensor-core products (`flush_fold`). The
-verify kernels' defaults were timed on an H100 at batch 256: [128, 32]
-tiles with 4 warps, whole rows with 8, their window coefficients from a
-first launch.
+verify kernels' defaults were timed on an H100 at batch 256 (and 64):
+[128, 32] tiles with 4 warps (2 for a 16-bit checkpoint), whole rows with
+8, their window coefficients from a first launch.
 """
 
 from __future__ import annotations
