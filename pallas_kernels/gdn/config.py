@@ -174,11 +174,10 @@ def default_num_warps(key_dim: int, block_v: int, kernel: str = "step",
                       state_dtype=None) -> int:
   """4 warps for the step kernels (the fastest or tied at every tile the
   H200 sweep timed, whole rows included); the verify kernels: up to 4096
-  tile elements 4 warps, or 2 for a 16-bit checkpoint (state_dtype; on an
-  H100 an f16 checkpoint's verify took 701 against 785 µs at batch 256
-  and 187 against 252 at batch 64, an f32 one 722 against 672 and 196
-  against 192), 8 above (whole rows; on an H100 at batch 256 2 warps there
-  took 4.3x as long)."""
+  tile elements 4 warps, or 2 for a 16-bit checkpoint (state_dtype: 11-26%
+  faster on an H100 at batch 64 and 256, where an f32 checkpoint lost 1-7%
+  with them; benchmarks/README.md, "The speculative verify"), 8 above
+  (whole rows; on an H100 at batch 256 2 warps there took 4.3x as long)."""
   if kernel == "step":
     return 4
   if key_dim * block_v > 4096:
