@@ -13,7 +13,7 @@
 #   bash benchmarks/scripts/run_h200.sh prefill_profile  # one batched prefill (8 x 512 tokens, hybrid_1b) by block: the serving engine's admission
 #   bash benchmarks/scripts/run_h200.sh pool_profile  # the serving pool's dispatch (256 slots of 1024 entries, replay) by scope, beside the static decode step at the same KV length
 #   bash benchmarks/scripts/run_h200.sh qwen35_4b_profile  # the same on the Qwen3.5-4B text shape (GDN layers by scope), b 256
-#   bash benchmarks/scripts/run_h200.sh qwen35_4b_specdec_profile [batch]  # a speculative-decoding iteration on the Qwen3.5-4B text shape split by kernel, replay states, b 256 (128 fits an H100; XLA's CUDA graphs off; the window forward, timed before, left out)
+#   bash benchmarks/scripts/run_h200.sh qwen35_4b_specdec_profile [batch] [sections]  # a speculative-decoding iteration on the Qwen3.5-4B text shape split by kernel, replay states, b 256 (128 fits an H100; XLA's CUDA graphs off; the window forward, timed before, left out); sections: specdec_profile.py's --sections, "+"-joined in run_h200_chain.sh (default modes,accept,loops)
 #   bash benchmarks/scripts/run_h200.sh specdec    # speculative decoding, hybrid_1b, b {256,512}, window 4
 #   bash benchmarks/scripts/run_h200.sh specdec_fp8  # the same with f32 master + fp8 copy states (the snapshot baseline stays f32)
 #   bash benchmarks/scripts/run_h200.sh specdec_accept  # plain and replay spec decoding at proposer acceptance 0.8 and 0.9
@@ -160,7 +160,7 @@ case "$1" in
     XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout "$T" \
       python benchmarks/scripts/specdec_profile.py --batch "${2:-256}" \
       --config configs/qwen3_5_4b_text.json --modes replay \
-      --loops plain,replay --sections modes,accept,loops \
+      --loops plain,replay --sections "$(tr + , <<< "${3:-modes,accept,loops}")" \
       --out "$OUT/specdec_profile_qwen35_4b.json" ;;
   specdec)
     specdec_bench specdec --config.bench.batches='(256,512)' \
