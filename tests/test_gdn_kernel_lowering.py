@@ -132,6 +132,25 @@ def test_flush_num_warps_reach_the_flush_launch(policy):
     kg.plan(kg.GDNConfig(flush_num_warps=8), K, VD, kernel="verify")
 
 
+def test_max_registers_caps_the_replay_launches():
+  # GDNConfig.max_registers tags the replay step's launches (one, or both
+  # of split routes) for a register cap (`triton_utils.capped_name`); the
+  # ring-weights launch and the other kernels are not capped.
+  one = launched_warps(_lowered_replay_step(None, kg.GDNConfig(
+      max_registers=128, ring_weights=True)))
+  assert set(one) == {"replayssm_gdn_replay_step__maxnreg128",
+                      "replayssm_gdn_ring_weights"}
+  split = launched_warps(_lowered_replay_step(None, kg.GDNConfig(
+      max_registers=120, split_routes=True)))
+  assert set(split) == {"replayssm_gdn_replay_output__maxnreg120",
+                        "replayssm_gdn_replay_flush__maxnreg120"}
+  for kernel in ("step", "verify"):
+    with pytest.raises(NotImplementedError, match="max_registers"):
+      kg.plan(kg.GDNConfig(max_registers=128), K, VD, kernel=kernel)
+  with pytest.raises(ValueError, match="max_registers must be"):
+    kg.GDNConfig(max_registers=100)
+
+
 @pytest.mark.parametrize("T,policy", [(3, None), (8, None), (1, "f16"),
                                       (4, "f32+int8"), (2, "f16+fp8+sr"),
                                       (3, "bf16+sr")], ids=str)

@@ -212,7 +212,8 @@ def _split(tree, n, batch):
 
 # ------------------------------------------------------------- variants
 # GDNConfig fields of the replay step only (the baseline step refuses them).
-REPLAY_ONLY = ("ring_weights", "split_routes", "flush_fold")
+REPLAY_ONLY = ("ring_weights", "split_routes", "flush_fold", "flush_num_warps",
+               "max_registers")
 
 
 def baseline_configs(configs):

@@ -43,7 +43,7 @@
 #   bash benchmarks/scripts/run_h200.sh gdn_split  # the GDN replay step in one launch or two (GDNConfig.split_routes), with and without ring weights, beside the baselines and flash-linear-attention, b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
 #   bash benchmarks/scripts/run_h200.sh gdn_heads  # the split replay step's output launch stepping through 2 or 4 value heads per program at 2 / 3 pipelining stages (GDNConfig.heads_per_program; the baseline step too), b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
 #   bash benchmarks/scripts/run_h200.sh gdn_flush_fold  # the GDN replay step's flush fold by rank-1 updates or tensor-core products (GDNConfig.flush_fold), in one launch or two, b {256,64}, L 16, staggered and aligned (flush steps timed alone), f32 / f16 masters and the f16 + fp8 copy
-#   bash benchmarks/scripts/run_h200.sh gdn_flush_warps  # the GDN replay step's split routes with the flush launch at 8 warps (GDNConfig.flush_num_warps) against the default, b {256,64}, L 16, staggered and aligned, f32 / f16 masters and f16 / f32 masters with an fp8 copy
+#   bash benchmarks/scripts/run_h200.sh gdn_registers  # the GDN replay step's register budget: its launch capped at 128 registers (GDNConfig.max_registers), split routes with the flush launch at 8 warps (GDNConfig.flush_num_warps), against the defaults, b {256,64}, L 16, staggered and aligned, f32 / f16 masters and f16 / f32 masters with an fp8 copy
 #   bash benchmarks/scripts/run_h200.sh gdn_ncu    # Nsight Compute of the GDN baseline step and the replay step in one launch and two, without ring weights (f32, b 256, L 16)
 #   [BENCH=gdn_verify_bench.py] bash benchmarks/scripts/run_h200.sh gdn_trees DIR... [-- FLAGS]  # the GDN step (or verify) kernels of several exported trees side by side (each `git archive` of a commit in an ignored folder, carried): gdn_kernel_bench from each in turn, b {256,64}, L 16, staggered, f32 / f16 masters and the f16 + fp8 copy (FLAGS replace these), into $OUT/gdn_trees/<dir>.json
 #   bash benchmarks/scripts/run_h200.sh gdn_verify   # the GDN speculative verify + commit per iteration (window 4, L 16): the Pallas kernels at their defaults (f16: 2 warps), without the coefficients' first launch and at four launch shapes (4 warps among them), the reference, the snapshot baseline, b {256,64}
@@ -250,13 +250,13 @@ case "$1" in
       --policies=f16+fp8 --no_xla --no_fla --layouts=staggered,aligned \
       --configs='[{}, {"flush_fold": "dot"}, {"split_routes": true}, {"split_routes": true, "flush_fold": "dot"}]' \
       --budget_s=$(( T - 60 )) --out="$OUT/gdn_flush_fold.json" ;;
-  gdn_flush_warps)
+  gdn_registers)
     timeout "$T" python -u benchmarks/scripts/gdn_kernel_bench.py \
       --batches=256,64 --buffer_lens=16 --checkpoints=f32,f16 \
       --policies=f16+fp8,f32+fp8 --no_xla --no_fla \
       --layouts=staggered,aligned \
-      --configs='[{}, {"split_routes": true}, {"split_routes": true, "flush_num_warps": 8}]' \
-      --budget_s=$(( T - 60 )) --out="$OUT/gdn_flush_warps.json" ;;
+      --configs='[{}, {"max_registers": 128}, {"split_routes": true}, {"split_routes": true, "flush_num_warps": 8}]' \
+      --budget_s=$(( T - 60 )) --out="$OUT/gdn_registers.json" ;;
   gdn_ncu)
     # Not the ring-weights launch: Nsight Compute failed on it (and stopped
     # the run there), so the replay step runs without it, in one launch

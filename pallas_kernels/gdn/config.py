@@ -27,7 +27,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from pallas_kernels import triton_utils as tu
-from pallas_kernels.config_base import _check_pow2
+from pallas_kernels.config_base import _check_pow2, _check_registers
 
 # The longest window the verify kernel takes (it unrolls the forward
 # substitution in registers).
@@ -53,6 +53,12 @@ class GDNConfig:
       Qwen3.5 layer with an fp8 read copy, the whole-row flush program
       spills at 4 warps (255 registers) and not at 8 (176-199); untimed,
       so None stays the default.
+    max_registers: replay step only, a register cap per thread (PTX
+      .maxnreg, `triton_utils.capped_name`) of its launch (of both launches
+      under split routes); None: no cap. Offline for sm_90a the one-launch
+      program with the tensor-core flush fold holds 166 registers (f16
+      checkpoint: 174) against 128 with the rank-1 fold, one block of 4
+      warps per SM fewer; capped at 128 it spills 72-92 B. Untimed.
     num_stages: Triton pipelining stages; None: `default_num_stages`.
     ring_weights: replay step only. None: `default_ring_weights`. True: a
       first launch (`ring_weights.gdn_ring_weights`, one program per row
@@ -97,6 +103,7 @@ class GDNConfig:
   block_v: int | None = None
   num_warps: int | None = None
   flush_num_warps: int | None = None
+  max_registers: int | None = None
   num_stages: int | None = None
   ring_weights: bool | None = None
   split_routes: bool | None = None
@@ -108,6 +115,7 @@ class GDNConfig:
                  "heads_per_program"):
       if getattr(self, name) is not None:
         _check_pow2(name, getattr(self, name))
+    _check_registers("max_registers", self.max_registers)
     if self.num_stages is not None and (
         not isinstance(self.num_stages, int) or self.num_stages < 1):
       raise ValueError(f"num_stages must be None or an int >= 1, got "
@@ -136,6 +144,8 @@ class GDNPlan:
   output_num_warps: int = 0
   # The flush launch's warps under split routes (0: num_warps).
   flush_num_warps: int = 0
+  # The replay step's register cap (None: none).
+  max_registers: int | None = None
   # Value heads per program: the baseline step's, or the output launch's
   # under split_routes.
   heads_per_program: int = 1
@@ -257,6 +267,10 @@ def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
   tile_kernel = "verify" if kernel == "verify" else "step"
   split = (config.split_routes if config.split_routes is not None
            else kernel == "replay" and default_split_routes(read_copy, rows))
+  if config.max_registers is not None and kernel != "replay":
+    raise NotImplementedError(
+        "GDNConfig.max_registers applies to the replay step kernel only "
+        "(gdn_replay_step); leave it None.")
   if config.flush_num_warps and not split:
     raise NotImplementedError(
         f"GDNConfig.flush_num_warps={config.flush_num_warps} applies to the "
@@ -314,6 +328,7 @@ def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
                  ring_weights=ring, split_routes=split,
                  output_block_v=out_bv, output_num_warps=out_warps,
                  flush_num_warps=config.flush_num_warps or 0,
+                 max_registers=config.max_registers,
                  heads_per_program=hpp, flush_fold=config.flush_fold)
 
 

@@ -351,8 +351,9 @@ def gdn_replay_step(rstate, q, k, v, g, beta, use_qk_l2norm=True,
         compiler_params=plgpu.CompilerParams(num_warps=warps,
                                              num_stages=p.num_stages),
         interpret=interpret,
-        name=("replayssm_gdn_replay_step" if route == "both"
-              else f"replayssm_gdn_replay_{route}"),
+        name=tu.capped_name("replayssm_gdn_replay_step" if route == "both"
+                            else f"replayssm_gdn_replay_{route}",
+                            p.max_registers),
     )(*state_ins, rstate.count, q, k, v, g, beta, *copy_ins, *weights,
       *more_ins)
 
