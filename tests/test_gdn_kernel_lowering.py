@@ -134,8 +134,8 @@ def test_flush_num_warps_reach_the_flush_launch(policy):
 
 def test_max_registers_caps_the_replay_launches():
   # GDNConfig.max_registers tags the replay step's launches (one, or both
-  # of split routes) for a register cap (`triton_utils.capped_name`); the
-  # ring-weights launch and the other kernels are not capped.
+  # of split routes) for a register cap (`triton_utils.capped_name`), not
+  # its ring-weights launch; the other kernels refuse it by name.
   one = launched_warps(_lowered_replay_step(None, kg.GDNConfig(
       max_registers=128, ring_weights=True)))
   assert set(one) == {"replayssm_gdn_replay_step__maxnreg128",

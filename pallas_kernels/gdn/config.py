@@ -315,8 +315,8 @@ def plan(config: GDNConfig | None, key_dim: int, value_dim: int,
         f"is then the output launch's).")
   warps = config.num_warps or default_num_warps(key_dim, bv, tile_kernel,
                                                  state_dtype)
-  # The window launch beside a whole-row fold reads a read copy (its warps
-  # timed at 4 only).
+  # The output (window) launch beside whole-row stores reads value tiles of
+  # a read copy: the rule without the checkpoint dtype (timed at 4 warps).
   out_warps = out_bv and (config.num_warps
                           or default_num_warps(key_dim, out_bv, tile_kernel))
   stages = config.num_stages or default_num_stages(kernel, state_dtype)
