@@ -41,17 +41,45 @@ from flax import nnx
 from experiments import common
 from replayssm_jax import precision as P
 from replayssm_jax.models import HybridLM, ModelConfig, kv_cache_len, prefill
+from replayssm_jax.models.blocks import Block
+from replayssm_jax.models.layers import Embedding, Linear, RMSNorm
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))), "configs", "tiny.py")
 
 
 def build_model(cfg: ModelConfig, seed: int) -> HybridLM:
-  """Random-weight model, initialized under one jit (no eager op storm)."""
-  graphdef = nnx.graphdef(nnx.eval_shape(
+  """Random-weight model, initialized under jit (no eager op storm): one
+  compiled initializer per block kind, called for each block with its own
+  key, and one for the embedding and LM head, so that the compile time
+  does not grow with the number of layers (a 4B-parameter model compiled
+  as one program took most of a minute on the GPU)."""
+  graphdef, state = nnx.split(nnx.eval_shape(
       lambda: HybridLM(cfg, rngs=nnx.Rngs(0))))
-  init = jax.jit(lambda key: nnx.state(HybridLM(cfg, rngs=nnx.Rngs(key))))
-  return nnx.merge(graphdef, init(jax.random.PRNGKey(seed)))
+  pure = state.to_pure_dict()
+  kinds = cfg.block_kinds
+  keys = jax.random.split(jax.random.PRNGKey(seed), len(kinds) + 1)
+
+  @jax.jit
+  def outer(key):
+    rngs = nnx.Rngs(key)
+    out = {"embeddings": nnx.state(Embedding(cfg, rngs=rngs)),
+           "norm_f": nnx.state(RMSNorm(cfg.d_model, cfg))}
+    if not cfg.tie_embeddings:
+      out["lm_head"] = nnx.state(Linear(cfg.d_model, cfg.vocab_size, cfg,
+                                        rngs=rngs))
+    return out
+
+  for name, sub in outer(keys[-1]).items():
+    pure[name] = sub.to_pure_dict()
+  block_init = {
+      kind: jax.jit(lambda key, kind=kind: nnx.state(
+          Block(kind, cfg, rngs=nnx.Rngs(key))))
+      for kind in set(kinds)}
+  for i, kind in enumerate(kinds):
+    pure["blocks"][i] = block_init[kind](keys[i]).to_pure_dict()
+  nnx.replace_by_pure_dict(state, pure)
+  return nnx.merge(graphdef, state)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5), donate_argnums=(3,))
