@@ -52,8 +52,8 @@ def build_model(cfg: ModelConfig, seed: int) -> HybridLM:
   """Random-weight model, initialized under jit (no eager op storm): one
   compiled initializer per block kind, called for each block with its own
   key, and one for the embedding and LM head, so that the compile time
-  does not grow with the number of layers (a 4B-parameter model compiled
-  as one program took most of a minute on the GPU)."""
+  does not grow with the number of layers (the Qwen3.5-4B shape as one
+  program: about 75 s of compiling on an H100)."""
   graphdef, state = nnx.split(nnx.eval_shape(
       lambda: HybridLM(cfg, rngs=nnx.Rngs(0))))
   pure = state.to_pure_dict()
