@@ -203,15 +203,17 @@ def bench_batch(model, config, batch: int, writer) -> list[dict]:
       b.repeats)
   ref = jnp.asarray(ref)
   base = dict(kind="specdec", batch=batch, prompt_len=b.prompt_len,
-              new_tokens=n_new, prefill_s=t_prefill,
-              precision=b.precision or None)
+              new_tokens=n_new, prefill_s=t_prefill)
 
   def record(**fields):
+    # The preset of the states the run used: replay states only.
+    precision = (b.precision or None) if fields["mode"] in (
+        "plain", "replay") else None
     # Decode-only time; None when the run is too short to tell it from the
     # prefill's (CPU smoke runs).
     decode_s = fields["total_s"] - t_prefill
     decode_s = decode_s if decode_s > 0.05 * fields["total_s"] else None
-    rec = dict(base, **fields, decode_s=decode_s,
+    rec = dict(base, precision=precision, **fields, decode_s=decode_s,
                tokens_per_s=batch * n_new / decode_s if decode_s else None,
                e2e_tokens_per_s=batch * n_new / fields["total_s"])
     # Steady: as if every row stayed busy to the end (continuous batching

@@ -236,9 +236,11 @@ def test_compare_trees_kernels_small():
 def test_random_weight_decode_small(tmp_path, hf_config):
   # The published config loads; the decode-step loop and the generate /
   # speculative_generate runs go on a shrunk model in both SSM modes (the
-  # GDN model's step also with an f32 master + fp8 read copy state).
+  # GDN model's step also with an f32 master + fp8 read copy state, its
+  # speculative runs' replay states with a bf16 copy).
   out = tmp_path / "decode.json"
-  copy = ["--precisions=f32+fp8"] if hf_config.startswith("qwen") else []
+  copy = (["--precisions=f32+fp8", "--spec_precision=f32+bf16"]
+          if hf_config.startswith("qwen") else [])
   _run("random_weight_decode.py", "--small", "--batches=2",
        "--spec_batches=2", f"--hf_config=configs/{hf_config}", f"--out={out}",
        *copy)
@@ -255,6 +257,10 @@ def test_random_weight_decode_small(tmp_path, hf_config):
     assert step[2]["state_bytes"] > step[1]["state_bytes"]
   assert all(r["e2e_tokens_per_s"] > 0 and r["mean_accepted_length"] >= 1
              for r in res["records"] if r["part"] == "spec")
+  if copy:
+    assert res["spec_settings"]["precision"] == "f32+bf16"
+    assert [r["precision"] for r in res["records"] if r["part"] == "spec"] == [
+        "f32+bf16", None, "f32+bf16", None]
 
 
 def test_pool_occupancy_bench_small(tmp_path):

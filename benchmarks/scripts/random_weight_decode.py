@@ -26,7 +26,8 @@ with the replay state ("plain") and the baseline state
 ("plain_baseline"), and `speculative_generate` (window 4) with the
 snapshot baseline and replay, sampling at a high temperature with its
 oracle proposer at acceptance 0.7 per draft (random weights give no
-meaningful drafts of their own; see that module). Best of 2 runs after a
+meaningful drafts of their own; see that module); `--spec_precision`
+sets the replay states' precision preset there. Best of 2 runs after a
 compile + warm-up run; tokens/s of the decode (prefill subtracted) and end
 to end. A run that does not fit in device memory is recorded as such.
 
@@ -71,6 +72,10 @@ def main():
   ap.add_argument("--precisions", default="",
                   help="part step: precision presets of further replay "
                   "states, e.g. f32+fp8,f32+bf16")
+  ap.add_argument("--spec_precision", default="",
+                  help="part spec: a precision preset of the replay states "
+                  "(plain and speculative decoding with them; the snapshot "
+                  "baseline and plain_baseline keep f32 states)")
   ap.add_argument("--spec_modes", default="replay,baseline",
                   help="speculative decoding's state modes, in this order "
                   "(baseline: the snapshot-per-draft state)")
@@ -181,6 +186,7 @@ def main():
 
   spec = dict(SPEC, implementation=a.implementation,
               ssm_modes=tuple(a.spec_modes.split(",")),
+              precision=a.spec_precision,
               **(dict(prompt_len=4, new_tokens=8, repeats=1)
                  if a.small else {}))
   config = types.SimpleNamespace(seed=0, bench=types.SimpleNamespace(**spec))
