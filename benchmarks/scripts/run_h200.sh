@@ -43,10 +43,10 @@
 #   bash benchmarks/scripts/run_h200.sh gdn_split  # the GDN replay step in one launch or two (GDNConfig.split_routes), with and without ring weights, beside the baselines and flash-linear-attention, b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
 #   bash benchmarks/scripts/run_h200.sh gdn_heads  # the split replay step's output launch stepping through 2 or 4 value heads per program at 2 / 3 pipelining stages (GDNConfig.heads_per_program; the baseline step too), b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
 #   bash benchmarks/scripts/run_h200.sh gdn_flush_fold  # the GDN replay step's flush fold by rank-1 updates or tensor-core products (GDNConfig.flush_fold), in one launch or two, b {256,64}, L 16, staggered and aligned (flush steps timed alone), f32 / f16 masters and the f16 + fp8 copy
-#   bash benchmarks/scripts/run_h200.sh gdn_registers  # the GDN replay step's register budget: its launch capped at 128 registers (GDNConfig.max_registers), split routes with the flush launch at 8 warps (GDNConfig.flush_num_warps), against the defaults, b {256,64}, L 16, staggered and aligned, f32 / f16 masters and f16 / f32 masters with an fp8 copy
+#   bash benchmarks/scripts/run_h200.sh gdn_registers  # the GDN replay step's register budget: its launch capped at 128 registers (GDNConfig.max_registers), split routes with the flush launch at 8 warps (GDNConfig.flush_num_warps), against the defaults, b {256,64}, L 16, staggered and aligned, f32 / f16 masters, f16 / f32 masters with an fp8 copy and an f32 master with a bf16 copy
 #   bash benchmarks/scripts/run_h200.sh gdn_ncu    # Nsight Compute of the GDN baseline step and the replay step in one launch and two, without ring weights (f32, b 256, L 16)
 #   [BENCH=gdn_verify_bench.py] bash benchmarks/scripts/run_h200.sh gdn_trees DIR... [-- FLAGS]  # the GDN step (or verify) kernels of several exported trees side by side (each `git archive` of a commit in an ignored folder, carried): gdn_kernel_bench from each in turn, b {256,64}, L 16, staggered, f32 / f16 masters and the f16 + fp8 copy (FLAGS replace these), into $OUT/gdn_trees/<dir>.json
-#   bash benchmarks/scripts/run_h200.sh gdn_verify   # the GDN speculative verify + commit per iteration (window 4, L 16): the Pallas kernels at their defaults (f16: 2 warps), without the coefficients' first launch and at four launch shapes (4 warps among them), the reference, the snapshot baseline, b {256,64}
+#   bash benchmarks/scripts/run_h200.sh gdn_verify   # the GDN speculative verify + commit per iteration (window 4, L 16): the Pallas kernels at their defaults (f16: 2 warps), without the coefficients' first launch and at four launch shapes (4 warps among them), the reference, the snapshot baseline, b {256,64}; f32, f16, f16 + fp8 copy, f32 + bf16 copy
 #   bash benchmarks/scripts/run_h200.sh gdn_readout  # the GDN state readouts alone in the [K, V] and transposed [V, K] layouts against a plain read (b 256)
 #   bash benchmarks/scripts/run_h200.sh multi_gpu [meshes]  # multi_device_bench on every GPU of a multi-GPU host (hybrid_1b, random weights, global b {256,512}, the ops per shard), e.g. meshes "((1,1),(1,4),(4,1))"
 #
@@ -254,7 +254,7 @@ case "$1" in
   gdn_registers)
     timeout "$T" python -u benchmarks/scripts/gdn_kernel_bench.py \
       --batches=256,64 --buffer_lens=16 --checkpoints=f32,f16 \
-      --policies=f16+fp8,f32+fp8 --no_xla --no_fla \
+      --policies=f16+fp8,f32+fp8,f32+bf16 --no_xla --no_fla \
       --layouts=staggered,aligned \
       --configs='[{}, {"max_registers": 128}, {"split_routes": true}, {"split_routes": true, "flush_num_warps": 8}]' \
       --budget_s=$(( T - 60 )) --out="$OUT/gdn_registers.json" ;;
@@ -293,7 +293,7 @@ case "$1" in
     done ;;
   gdn_verify)
     timeout "$T" python -u benchmarks/scripts/gdn_verify_bench.py \
-      --configs='[{}, {"ring_weights": false}, {"block_v": 32}, {"num_warps": 4}, {"block_v": 8, "num_warps": 1}, {"block_v": 64, "num_warps": 8}]' \
+      --precisions=f32,f16,f16+fp8,f32+bf16 --configs='[{}, {"ring_weights": false}, {"block_v": 32}, {"num_warps": 4}, {"block_v": 8, "num_warps": 1}, {"block_v": 64, "num_warps": 8}]' \
       --budget_s=$(( T - 120 )) --out="$OUT/gdn_verify_bench.json" ;;
   gdn_readout)
     timeout "$T" python -u benchmarks/scripts/gdn_readout_layout.py \
