@@ -380,7 +380,10 @@ def test_timed_loop_stops_at_its_time_budget():
       loop, states, inputs, params, (), num_sets=1, min_call_s=3600.0,
       warmup=5, iters=50, state_shape=(2, 2, 4, 8), time_budget_s=0.5)
   assert time.perf_counter() - t0 < 60
-  assert stats["budget_hit"] and 2 <= stats["timed_calls"] < 100
+  # On a busy machine the first call alone may foresee the budget's end:
+  # the calibration then stops at one round per call and every timed pair
+  # may fit (iters=50: 100 calls); the budget is reported hit either way.
+  assert stats["budget_hit"] and 2 <= stats["timed_calls"] <= 100
   assert kernel_bench_config.get_config("smoke").time_budget_s > 0
   assert kernel_bench_config.get_config().time_budget_s == 0
 

@@ -112,7 +112,8 @@ def time_loop(loop, states, inputs, params, extra, *, num_sets,
       with the same loop and argument shapes.
     time_budget_s: > 0: the wall time after compilation at which the
       calibration stops growing the calls, the warm-up is skipped and the
-      timed pairs end (after the first); the stats say `budget_hit`. For
+      timed pairs end (after the first); the stats' `budget_hit` says the
+      budget cut a phase short (or the calibration foresaw it). For
       smoke runs on busy machines, where noise can hide the steps' time.
     label: what is timed, for the progress log lines.
 
@@ -154,9 +155,14 @@ def time_loop(loop, states, inputs, params, extra, *, num_sets,
   start = time.perf_counter()
   budget = time_budget_s if time_budget_s and time_budget_s > 0 else None
 
-  def over_budget(extra_s=0.0):
-    return budget is not None and (
+  stopped = []  # where the budget cut a phase short
+
+  def over_budget(extra_s=0.0, phase=None):
+    over = budget is not None and (
         time.perf_counter() - start + extra_s > budget)
+    if over and phase:
+      stopped.append(phase)
+    return over
 
   states, first = call(states, rounds)  # first run: allocation, autotuning
   for _ in range(8):  # calibrate the rounds per call on the steps' part
@@ -167,18 +173,18 @@ def time_loop(loop, states, inputs, params, extra, *, num_sets,
       break
     grow = max(2.0, min(64.0, 1.2 * min_call_s / max(part, 1e-6)))
     # One calibration probe runs calls of n and 2n twice: ~6 calls.
-    if over_budget(6 * grow * max(first, part)):
+    if over_budget(6 * grow * max(first, part), "calibration"):
       logging.info("  timing %s: time budget (%.1f s) reached at %d "
                    "round(s) per call", label, budget, rounds)
       break
     rounds = math.ceil(rounds * grow)
   for _ in range(warmup):
-    if over_budget():
+    if over_budget(phase="warm-up"):
       break
     states, _ = call(states, rounds)
   short, diffs = [], []
   for i in range(iters):
-    if i and over_budget():
+    if i and over_budget(phase="timing"):
       break
     states, t1 = call(states, rounds)
     states, t2 = call(states, 2 * rounds)
@@ -203,7 +209,7 @@ def time_loop(loop, states, inputs, params, extra, *, num_sets,
                                  if resolved else None),
                compile_s=compile_s, hlo_state_copies=copies,
                steps_per_call=steps_per_call, timed_calls=2 * len(diffs),
-               budget_hit=over_budget())
+               budget_hit=bool(stopped) or over_budget())
   return stats, states
 
 
