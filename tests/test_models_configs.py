@@ -1,8 +1,10 @@
-"""The model configs (configs/{tiny,mamba2_130m,hybrid_1b,nemotron_h_8b}.py)
-and the decode_bench smoke run."""
+"""The model configs (configs/{tiny,mamba2_130m,hybrid_1b,nemotron_h_8b}.py),
+the decode_bench smoke run and its random-weight models."""
 
 import os
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 pytest.importorskip("ml_collections")
@@ -102,3 +104,32 @@ def test_decode_bench_prefill_rows(mode):
     np.testing.assert_allclose(np.asarray(a, np.float32),
                                np.asarray(b, np.float32), rtol=1e-5,
                                atol=1e-6)
+
+
+def test_build_model_initializes_every_parameter():
+  """decode_bench.build_model (one compiled initializer per block kind):
+  the same parameter tree, shapes and dtypes as HybridLM's own init, every
+  leaf a concrete array, the same weights for the same seed, and blocks of
+  one kind initialized from their own keys."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from replayssm_jax import models  # pylint: disable=g-import-not-at-top
+  cfg = models.ModelConfig(
+      vocab_size=64, d_model=32, pattern="M*G-M-", ssm_heads=4, head_dim=8,
+      d_state=8, n_groups=2, num_heads=4, num_kv_heads=2, attn_head_dim=8,
+      intermediate_size=48, gdn_num_k_heads=2, gdn_num_v_heads=4,
+      gdn_k_dim=8, gdn_v_dim=8)
+  ref = nnx.state(models.HybridLM(cfg, rngs=nnx.Rngs(0)))
+  got = nnx.state(decode_bench.build_model(cfg, 3))
+  assert (jax.tree_util.tree_structure(got)
+          == jax.tree_util.tree_structure(ref))
+  for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
+    assert isinstance(b, jax.Array)
+    assert (a.shape, a.dtype) == (b.shape, b.dtype)
+  again = nnx.state(decode_bench.build_model(cfg, 3))
+  assert all(bool(jnp.array_equal(a, b)) for a, b in
+             zip(jax.tree.leaves(got), jax.tree.leaves(again)))
+  kinds = cfg.block_kinds
+  first, second = [i for i, k in enumerate(kinds) if k == kinds[0]][:2]
+  pure = got.to_pure_dict()["blocks"]
+  assert not all(bool(jnp.array_equal(a, b)) for a, b in zip(
+      jax.tree.leaves(pure[first]), jax.tree.leaves(pure[second])))
