@@ -593,5 +593,3 @@ def test_every_config_names_its_run_command():
       with open(os.path.join(_ROOT, "configs", f)) as fh:
         text = fh.read()
       assert "python -m experiments." in text, f
-
-
