@@ -153,6 +153,18 @@ class GDNPlan:
   # default by buffer_len and key_dim: GDNConfig.flush_fold).
   flush_fold: str | None = None
 
+  def launch(self, route: str) -> tuple[int, int]:
+    """(block_v, num_warps) of one launch: "output" (the split replay
+    step's output launch, the verify's window launch: output_block_v /
+    output_num_warps where set), "flush" (the split replay step's flush
+    launch: flush_num_warps where set), else the plan's own."""
+    if route == "output":
+      return (self.output_block_v or self.block_v,
+              self.output_num_warps or self.num_warps)
+    if route == "flush":
+      return self.block_v, self.flush_num_warps or self.num_warps
+    return self.block_v, self.num_warps
+
 
 # Tile elements ([key_dim, block_v]) of the step kernels' default and of
 # the verify kernels' ([128, 32]: 21% (f32) and 31% (f16) faster than

@@ -332,11 +332,8 @@ def gdn_replay_step(rstate, q, k, v, g, beta, use_qk_l2norm=True,
                                scale=scale, interpret=interpret)
 
   def launch(route, state_ins, copy_ins, more_ins=(), more_aliases=None):
-    out = route == "output"
-    bv = (out and p.output_block_v) or p.block_v
-    warps = ((out and p.output_num_warps)
-             or (route == "flush" and p.flush_num_warps) or p.num_warps)
-    hpp = p.heads_per_program if out else 1
+    bv, warps = p.launch(route)
+    hpp = p.heads_per_program if route == "output" else 1
     kernel = functools.partial(
         _replay_kernel, heads_per_key=hv // hk, block_v=bv,
         use_l2norm=use_qk_l2norm, scale=scale, spec=spec,

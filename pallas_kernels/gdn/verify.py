@@ -214,8 +214,7 @@ def gdn_replay_verify(rstate, q, k, v, g, beta, use_qk_l2norm=True,
            state_dtype=rstate.checkpoint.dtype)
   # The window launch's tile: block_v's value tiles where a copy makes the
   # fold store whole rows (output_block_v), else the fold's.
-  wbv = p.output_block_v or p.block_v
-  wwarps = p.output_num_warps or p.num_warps
+  wbv, wwarps = p.launch("output")
   weights = ()
   if p.ring_weights:
     weights = VW.gdn_verify_weights(
