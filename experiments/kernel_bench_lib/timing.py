@@ -155,13 +155,13 @@ def time_loop(loop, states, inputs, params, extra, *, num_sets,
   start = time.perf_counter()
   budget = time_budget_s if time_budget_s and time_budget_s > 0 else None
 
-  stopped = []  # where the budget cut a phase short
+  cut = False  # the budget cut a phase short (or was foreseen to)
 
-  def over_budget(extra_s=0.0, phase=None):
+  def over_budget(extra_s=0.0):
+    nonlocal cut
     over = budget is not None and (
         time.perf_counter() - start + extra_s > budget)
-    if over and phase:
-      stopped.append(phase)
+    cut = cut or over
     return over
 
   states, first = call(states, rounds)  # first run: allocation, autotuning
@@ -173,18 +173,18 @@ def time_loop(loop, states, inputs, params, extra, *, num_sets,
       break
     grow = max(2.0, min(64.0, 1.2 * min_call_s / max(part, 1e-6)))
     # One calibration probe runs calls of n and 2n twice: ~6 calls.
-    if over_budget(6 * grow * max(first, part), "calibration"):
+    if over_budget(6 * grow * max(first, part)):
       logging.info("  timing %s: time budget (%.1f s) reached at %d "
                    "round(s) per call", label, budget, rounds)
       break
     rounds = math.ceil(rounds * grow)
   for _ in range(warmup):
-    if over_budget(phase="warm-up"):
+    if over_budget():
       break
     states, _ = call(states, rounds)
   short, diffs = [], []
   for i in range(iters):
-    if i and over_budget(phase="timing"):
+    if i and over_budget():
       break
     states, t1 = call(states, rounds)
     states, t2 = call(states, 2 * rounds)
@@ -209,7 +209,7 @@ def time_loop(loop, states, inputs, params, extra, *, num_sets,
                                  if resolved else None),
                compile_s=compile_s, hlo_state_copies=copies,
                steps_per_call=steps_per_call, timed_calls=2 * len(diffs),
-               budget_hit=bool(stopped) or over_budget())
+               budget_hit=over_budget() or cut)
   return stats, states
 
 
