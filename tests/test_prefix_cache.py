@@ -109,7 +109,7 @@ def test_stats_count_hits_misses_and_reused_tokens(model):
   cache = serving.PrefixCache(BLOCK, 8)
   pool = new_pool(model, "replay")
   seq = [(p["a"], False, 0), (p["a"], True, 8), (p["c"], True, 8),
-         (prompt(4, 3), False, 0), (p["b"], False, 0), (p["c"], True, 12)]
+         (prompt(4, 3), False, 0), (p["b"], False, 0), (p["c"], True, 8)]
   lookups = hits = reused = 0
   for i, (tokens, hit, saved) in enumerate(seq):
     pool, _ = serving.insert_cached(model, pool, cache, i % CAP, tokens)
@@ -119,13 +119,15 @@ def test_stats_count_hits_misses_and_reused_tokens(model):
             st["reused_tokens"]) == (lookups, hits, lookups - hits,
                                      reused), (i, st)
   assert st["hit_rate"] == pytest.approx(3 / 6)
-  # a at 2 blocks, c at 3 (extended from a's 2), b at 2; the 3-token
-  # prompt has no whole block before its last token.
+  # a at 2 blocks, b at 2; c hit a's 2 blocks, the first time storing
+  # nothing (its third block seen in no earlier prompt), the second
+  # extending them to its third; the 3-token prompt has no whole block
+  # before its last token.
   assert st["entries"] == 3 and st["evictions"] == 0
   ka, kc, kb = cache.keys(p["a"]), cache.keys(p["c"]), cache.keys(p["b"])
   assert ka[:2] == kc[:2] and ka[0] != kb[0]
   assert all(k in cache for k in (ka[1], kc[2], kb[1]))
-  assert ka[0] not in cache  # only the last aligned boundary is stored
+  assert ka[0] not in cache  # one row per miss
 
 
 def test_lru_eviction_at_max_entries(model):
@@ -225,14 +227,55 @@ def test_a_hit_runs_only_the_rest_from_the_cached_row(model):
 
 
 @pytest.mark.parametrize("ssm_mode", MODES)
+def test_a_shared_prefix_is_stored_where_prompts_part(model, ssm_mode):
+  """Three prompts of a shared 2-block header and 3-block tails of their
+  own: the first stores its row at its last block (3), the second, which
+  misses, where it parts from the first (2: the header's state), the
+  third hits the header; each equals `insert` (tokens, logits). A cache
+  remembering too few keys stores at the last block again."""
+  header = prompt(50, 2 * BLOCK)
+  ps = [jnp.concatenate([header, prompt(51 + i, BLOCK + 1)])
+        for i in range(3)]
+  inserts = [(f"p{i}", i, p) for i, p in enumerate(ps)]
+  _, *want = run(model, ssm_mode, inserts)
+  cache = serving.PrefixCache(BLOCK, 8)
+  _, *got = run(model, ssm_mode, inserts, cache=cache)
+  assert_same(got, want, "shared header")
+  keys = [cache.keys(p) for p in ps]
+  assert keys[0][:2] == keys[1][:2] == keys[2][:2]
+  assert keys[0][2] in cache and keys[1][1] in cache
+  assert keys[1][2] not in cache and keys[2][2] not in cache
+  st = cache.stats()
+  assert (st["hits"], st["misses"], st["reused_tokens"]) == (
+      1, 2, 2 * BLOCK), st
+  # p1 again hits the header and, its third block seen before, extends the
+  # row to 3 blocks; a third time it hits those.
+  again = [("p1", 0, ps[1]), ("p1 again", 1, ps[1])]
+  _, *want = run(model, ssm_mode, again)
+  _, *got = run(model, ssm_mode, again, cache=cache)
+  assert_same(got, want, "extended")
+  assert keys[1][2] in cache
+  st = cache.stats()
+  assert (st["hits"], st["reused_tokens"]) == (3, 7 * BLOCK), st
+
+  forgetful = serving.PrefixCache(BLOCK, 8, max_seen=1)  # p0's last key
+  pool = new_pool(model, ssm_mode)
+  for i, p in enumerate(ps[:2]):
+    pool, _ = serving.insert_cached(model, pool, forgetful, i, p)
+  assert keys[1][2] in forgetful and keys[1][1] not in forgetful
+  with pytest.raises(ValueError, match="max_seen"):
+    serving.PrefixCache(BLOCK, 8, max_seen=0)
+
+
+@pytest.mark.parametrize("ssm_mode", MODES)
 def test_hits_ending_inside_a_block_equal_insert(model, ssm_mode):
   """Prompts of a shared 2-block prefix and tails of 1, 3, 5 and 7 tokens
-  (ending inside a block; the 13- and 15-token prompts extend the cached
-  2 blocks to 3 before their rest) after one request filled the cache:
-  each hit's first token is `insert`'s and its logits are within the f32
-  tolerance; the rest of the prompt runs as a continued prefill compiled
-  once for the bucket (no retrace after the filling request), the
-  extension once for both."""
+  (ending inside a block; the 13- and 15-token prompts share their third
+  block with no other prompt, so nothing extends the cached 2 blocks)
+  after one request filled the cache: each hit's first token is
+  `insert`'s and its logits are within the f32 tolerance; the rest of the
+  prompt runs as one continued prefill compiled once for the bucket (no
+  retrace after the filling request)."""
   shared = prompt(30, 2 * BLOCK)
   cache = serving.PrefixCache(BLOCK, 8)
   pool = new_pool(model, ssm_mode)
@@ -251,4 +294,4 @@ def test_hits_ending_inside_a_block_equal_insert(model, ssm_mode):
   st = cache.stats()
   assert (st["hits"], st["reused_tokens"]) == (4, 4 * 2 * BLOCK), st
   grew = {k: pc.TRACE_COUNTS[k] - before[k] for k in before}
-  assert grew["finish"] == 0 and grew["extend"] <= 1, grew
+  assert grew["finish"] == 0 and grew["extend"] == 0, grew

@@ -202,7 +202,9 @@ def test_precompile_leaves_nothing_to_compile(model):
 def test_precompile_covers_the_prefix_cache(model):
   """With a prefix cache: precompile runs every shape its admissions need
   (misses, hits, extensions of a cached prefix, prompts shorter than a
-  block) on a throwaway cache, leaving the engine's cache empty."""
+  block, a miss stored where the prompt parts from an earlier one with
+  the rest's prefill in a larger bucket) on a throwaway cache, leaving the
+  engine's cache empty."""
   cache = serving.PrefixCache(block=4, max_entries=8)
   eng = serving.Engine(model, 4, MAX_LEN, steps_per_dispatch=2,
                        buffer_len=L, prefix_cache=cache)
@@ -210,6 +212,8 @@ def test_precompile_covers_the_prefix_cache(model):
   reqs = [np.concatenate([system[:n], np.asarray(prompt(131 + i, t))])
           for i, (n, t) in enumerate([(9, 3), (9, 6), (4, 1), (0, 3),
                                       (8, 9), (0, 14)])]
+  other = np.asarray(prompt(150, 21))  # then 4 of its tokens + 17 others
+  reqs += [other, np.concatenate([other[:4], np.asarray(prompt(151, 17))])]
   eng.precompile(max(len(p) for p in reqs))
   assert len(cache) == 0 and cache.stats()["lookups"] == 0
   jitted = (pc_mod._prefill_jit, pc_mod._extend_jit, pc_mod._finish_jit,  # pylint: disable=protected-access

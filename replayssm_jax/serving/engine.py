@@ -546,12 +546,12 @@ class Engine:
       real = self.prefix_cache
       self.prefix_cache = PrefixCache(real.block, max_entries=2)
       try:
-        for t, hit in warmup_prompts(real.block, max_prompt_len,
-                                     self.pool.max_len):
+        for prompts in warmup_prompts(real.block, max_prompt_len,
+                                      self.pool.max_len):
           self.prefix_cache.clear()
-          for length in (real.block + 1, t) if hit else (t,):
-            self._admit_rows([0], [Request(None, np.zeros(length, np.int32),
-                                           1, eos_id=(), temperature=temp)])
+          for tokens in prompts:
+            self._admit_rows([0], [Request(None, tokens, 1, eos_id=(),
+                                           temperature=temp)])
       finally:
         self.prefix_cache = real
     self._firsts = []

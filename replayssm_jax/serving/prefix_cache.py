@@ -23,6 +23,18 @@ Design.
   prefixes, which bounds the keys a prompt can produce to len // block
   and lets two prompts meet at the same keys whatever their lengths.
 
+* Where rows are stored. A prefill yields the state at its end only, so
+  a prompt stores at most one row, at a boundary chosen from the keys
+  earlier prompts produced (kept without rows, a bounded LRU set, as a
+  radix tree keeps its branch points): the deepest block past the cached
+  prefix whose key an earlier prompt shared, i.e. where this prompt's
+  tokens part from a known prompt's. Without one, a miss stores its last
+  whole block (a repeated prompt then hits it whole) and a hit stores
+  nothing (its tail is its own: the rest runs from the cached row in one
+  pass). The second request of a shared system prompt or few-shot header
+  thereby stores the header's state, which every later request of it hits
+  in one pass, whatever their tails.
+
 * Why block-aligned states are exact. A snapshot is taken right after a
   prefill of the aligned prefix, from an empty row or continued from an
   earlier snapshot; either way its replay states have count 0
@@ -37,12 +49,13 @@ Design.
   left to produce the first token's logits). On a hit at k blocks, the
   row starts from the cached snapshot (a copy is written into the pool:
   the pool is donated by the pool functions and the snapshot never
-  aliases it). If k < K (a miss: k = 0), the state at K blocks is built
-  and cached: on a miss by a prefill of the K * block tokens (as `insert`
-  does, from an empty row), after a partial hit by a chunked prefill of
-  blocks k + 1 .. K continued from the k-block snapshot
-  (`models.prefill_from_state`). Then the remaining T - K * block tokens
-  (or T - k * block after a hit at K) run as one chunked prefill
+  aliases it). If a boundary K > k is chosen above (at most
+  (T - 1) // block), the state at K blocks is built and cached: on a miss
+  by a prefill of the K * block tokens (as `insert` does, from an empty
+  row), after a hit by a chunked prefill of blocks k + 1 .. K continued
+  from the k-block snapshot (`models.prefill_from_state`). Then the
+  remaining T - K * block tokens (or T - k * block with no K) run as one
+  chunked prefill
   continued from that state, whose last logits give the first token, and
   the row overwrites row `slot` of every pool leaf, as `insert` does.
   Every state kind continues (Mamba-2, attention, Gated DeltaNet, KDA; replay
@@ -57,9 +70,10 @@ Design.
   a continued one of the rest; a partial hit two continued prefills. The
   passes are padded to the pool's buckets (`pool.bucket_len`: a power of
   two >= 16, at most max_len) and take the real lengths as traced values:
-  one compile per bucket. On a miss only the last aligned boundary is
-  cached (a prefill yields its final state only); a later prompt sharing
-  fewer blocks misses, one sharing them all hits.
+  one compile per bucket. A miss stores one row (a prefill yields its
+  final state only): a later prompt sharing fewer blocks than it holds
+  misses, stores the row at the blocks they share, and is the last one
+  to miss there.
 
 * Equality. The result equals `insert` of the same prompt: tokens exactly,
   logits up to the summation order by which a prefill split at the block
@@ -101,12 +115,19 @@ class PrefixCache:
     block: tokens per block (> 0); rows are cached at whole-block prefixes.
     max_entries: the most rows held (> 0); the least recently used row is
       dropped past it.
+    max_seen: the most block keys of earlier prompts remembered without
+      rows (> 0; default 256 * max_entries, ~100 bytes each), which choose
+      where a miss stores its row (module docstring).
   """
 
-  def __init__(self, block: int, max_entries: int):
+  def __init__(self, block: int, max_entries: int,
+               max_seen: int | None = None):
     self.block = V.positive_int("block", block)
     self.max_entries = V.positive_int("max_entries", max_entries)
+    self.max_seen = (256 * self.max_entries if max_seen is None
+                     else V.positive_int("max_seen", max_seen))
     self._rows: collections.OrderedDict = collections.OrderedDict()
+    self._seen: collections.OrderedDict = collections.OrderedDict()
     self._layout = None
     self.lookups = self.hits = self.misses = 0
     self.reused_tokens = self.evictions = 0
@@ -145,8 +166,25 @@ class PrefixCache:
       self._rows.popitem(last=False)
       self.evictions += 1
 
+  def store_at(self, keys: list[bytes], hit: int) -> int:
+    """The number of blocks at which a prompt with chain keys `keys`
+    (h_1 .. h_K), whose longest cached prefix is `hit` < K blocks, stores
+    a row: the deepest k in (hit, K] whose key an earlier prompt produced;
+    else K on a miss (hit 0), `hit` (nothing to store) on a hit. Then
+    remembers the prompt's keys (the least recently seen dropped past
+    max_seen)."""
+    at = next((k for k in range(len(keys), hit, -1)
+               if keys[k - 1] in self._seen), hit or len(keys))
+    for key in keys:
+      self._seen[key] = None
+      self._seen.move_to_end(key)
+    while len(self._seen) > self.max_seen:
+      self._seen.popitem(last=False)
+    return at
+
   def clear(self) -> None:
     self._rows.clear()
+    self._seen.clear()
 
   def stats(self) -> dict:
     """lookups (insert_cached calls), hits (a cached prefix was reused),
@@ -211,26 +249,46 @@ def _padded(tokens: np.ndarray, max_len: int):
 
 
 def warmup_prompts(block: int, max_prompt_len: int,
-                   max_len: int) -> list[tuple[int, bool]]:
-  """(prompt length, hit) pairs whose `insert_cached` calls, each on an
-  emptied cache (hit: after a prompt of block + 1 tokens that caches one
-  block of the same prefix), run every jitted shape that prompts of up to
-  max_prompt_len tokens can need: the plain insert (no whole block), the
-  prefix's prefill and the rest's prefill per bucket pair (a miss), and
-  the extension of a cached prefix (a hit short of the last block)."""
+                   max_len: int) -> list[list[np.ndarray]]:
+  """Sequences of prompts whose `insert_cached` calls, each sequence on an
+  emptied cache of 2 entries, run every jitted shape that prompts of up to
+  max_prompt_len tokens can need: the plain insert per bucket (no whole
+  block), the prefill of a prefix per bucket (a miss), the extension of a
+  cached prefix per bucket (a hit short of where the prompt parts from an
+  earlier one), and the rest's prefill per bucket, up to all but one
+  block of the prompt."""
+  bucket = lambda n: P.bucket_len(n, max_len)
+  zeros = lambda t: np.zeros((t,), np.int32)
+
+  def parting(t, after):  # the zeros prompt's first `after` blocks only
+    x = zeros(t)
+    x[after * block] = 1
+    return x
+
   seen, out = set(), []
   for t in range(1, max_prompt_len + 1):
     n = (t - 1) // block
-    rest = P.bucket_len(t - n * block, max_len)
-    shapes = [(("insert", P.bucket_len(t, max_len)) if n == 0 else
-               ("miss", P.bucket_len(n * block, max_len), rest), False)]
+    if n == 0:
+      plans = [({("insert", bucket(t))}, [zeros(t)])]
+    else:
+      last = {("prefill", bucket(n * block)),
+              ("finish", bucket(t - n * block))}
+      plans = [(last, [zeros(t)])]
     if n >= 2:
-      shapes.append((("hit", P.bucket_len((n - 1) * block, max_len), rest),
-                     True))
-    for key, hit in shapes:
-      if key not in seen:
-        seen.add(key)
-        out.append((t, hit))
+      one = {("prefill", bucket(block)), ("finish", bucket(1))}
+      plans += [
+          # stored where it parts from the first prompt: 1 block
+          (last | one | {("finish", bucket(t - block))},
+           [zeros(t), parting(t, 1)]),
+          # rows at 1 block (a parting miss) and at another prompt's block
+          # evict the first prompt's row: the last one extends 1 to n
+          (last | one | {("extend", bucket((n - 1) * block))},
+           [zeros(t), zeros(block + 1), np.ones((block + 1,), np.int32),
+            zeros(t)])]
+    for shapes, prompts in plans:
+      if not shapes <= seen:
+        seen |= shapes
+        out.append(prompts)
   return out
 
 
@@ -243,10 +301,10 @@ def insert_cached(model: M.HybridLM, pool: P.Pool, cache: PrefixCache, slot,
   """`insert` through a prefix cache (see the module docstring).
 
   Starts from the longest cached whole-block prefix of the prompt (at most
-  len - 1 tokens), caches the state at the prompt's last whole-block
-  boundary (len - 1) // block * block if it was not cached, runs the rest
-  of the prompt as a prefill continued from it and writes the row into
-  `slot`.
+  len - 1 tokens), caches the state at a deeper whole-block boundary
+  where the prompt parts from an earlier one (on a miss without one, at
+  its last: `PrefixCache.store_at`), runs the rest of the prompt as a
+  prefill continued from it and writes the row into `slot`.
 
   Args:
     model: the HybridLM the pool (and the cache) was built for.
@@ -305,8 +363,9 @@ def insert_cached(model: M.HybridLM, pool: P.Pool, cache: PrefixCache, slot,
 
   graphdef, params = P.model_parts(model, parts)
   start = hit * block
-  if hit < n_blocks:
-    end = n_blocks * block
+  at = cache.store_at(keys, hit) if hit < n_blocks else hit
+  if at > hit:
+    end = at * block
     seg, n = _padded(toks[start:end], pool.max_len)
     if row is None:
       fresh = P.fresh_row(pool.state, row_id)
@@ -317,7 +376,7 @@ def insert_cached(model: M.HybridLM, pool: P.Pool, cache: PrefixCache, slot,
     # valid (positions >= 0) without reading it back: a read here would
     # wait for this prefill and for everything the device runs before it
     # (an engine's decode call in flight).
-    cache.put(keys[n_blocks - 1], row)
+    cache.put(keys[at - 1], row)
     start = end
   sampling, rng = P.resolve_sampling(temperature, top_k, top_p, rng)
   rest, n = _padded(toks[start:], pool.max_len)
