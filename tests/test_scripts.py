@@ -278,6 +278,25 @@ def test_pool_occupancy_bench_small(tmp_path):
                r["steps_us_per_step"]) > 0
 
 
+def test_prefix_ttft_bench_small(tmp_path):
+  # Every hit's first token is insert's, its logits within f32 rounding,
+  # and each cached fraction timed once.
+  out = tmp_path / "prefix.json"
+  _run("prefix_ttft_bench.py", "--small", f"--out={out}")
+  res = json.loads(out.read_text())
+  recs = res["records"]
+  assert [r["mode"] for r in recs] == ["replay", "baseline"]
+  for r in recs:
+    assert [h["cached_tokens"] for h in r["hits"]] == [16, 32, 48, 56]
+    assert min(r["insert_ms"], r["miss_ms"]) > 0
+    for h in r["hits"]:
+      # the filling miss; the check's, the warm-up's and the timed hits
+      assert h["first_token_equal"] and (h["hits"], h["misses"]) == (
+          res["repeats"] + 2, 1), h
+      assert h["logits_rel_err"] < tolerance(jnp.float32).rtol, h
+      assert h["ms"] > 0 and h["ideal_ms"] < r["insert_ms"]
+
+
 def test_moe_dispatch_small(tmp_path):
   # Every dispatch agrees with the dense reference; an imbalanced router
   # (bias std 0.5) gives a largest group beyond the capacity, which the

@@ -37,6 +37,7 @@
 #   bash benchmarks/scripts/run_h200.sh serve_b256 [plain|speculative|plain+speculative] [hf_config]  # serve_bench saturated at 256 slots (512 requests at once); speculative: at acceptance 0.7
 #   bash benchmarks/scripts/run_h200.sh serve_decode [on|off] [hf_config]  # serve_bench saturated at 256 slots on a decode-bound workload (prompts of 16-64, outputs of 256-768 tokens), the engine's overlap on or off
 #   bash benchmarks/scripts/run_h200.sh serve_prefix [hf_config]  # serve_bench on a shared-prefix workload at a light load, without and with a prefix cache
+#   bash benchmarks/scripts/run_h200.sh prefix_ttft  # time to first token on an idle pool with a cached prefix of 25-94% of a 512-token prompt against insert without one, and the ideal (1 - f) of it (hybrid_1b)
 #   bash benchmarks/scripts/run_h200.sh pool_occupancy [active rows]  # a pool of 256 slots partly occupied: dense step vs gathered active rows (hybrid_1b)
 #   bash benchmarks/scripts/run_h200.sh gdn_bench    # the GDN step kernels timed: baseline (Pallas, XLA, flash-linear-attention) vs replay, b {256,64,1,512} x L {16,8,32}
 #   bash benchmarks/scripts/run_h200.sh gdn_ring_weights  # the GDN step kernels with and without the replay step's ring-weights launch (GDNConfig.ring_weights) and at 2 / 3 pipelining stages, beside flash-linear-attention's kernel, b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
@@ -348,6 +349,9 @@ case "$1" in
       --config.serve.output_len_min=16 --config.serve.output_len_max=32 \
       --config.serve.shared_prefixes=4 --config.serve.shared_prefix_len=448 \
       --config.serve.speculative_window=0 ${2:+--config.hf_config=$2} ;;
+  prefix_ttft)
+    timeout "$T" python -u benchmarks/scripts/prefix_ttft_bench.py \
+      --out="$OUT/prefix_ttft.json" ;;
   pool_occupancy)
     timeout "$T" python -u benchmarks/scripts/pool_occupancy_bench.py \
       --occupancies="${2:-64,256}" --out="$OUT/pool_occupancy.json" ;;

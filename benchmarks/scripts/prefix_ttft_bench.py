@@ -1,0 +1,152 @@
+"""Time to first token with a cached prefix, against the ideal (GPU).
+
+A request whose prompt starts with a cached prefix prefills only the rest
+(`serving.insert_cached`), so its time to first token should fall with the
+cached fraction f of the prompt: ideally to (1 - f) of the uncached time.
+On an idle pool (nothing else queued on the device), per SSM mode:
+
+  insert     `serving.insert` of a prompt of --prompt_len tokens: the
+             uncached time t0 (and a miss through an empty cache: the
+             prefix's prefill, then the rest's)
+  hit f      `serving.insert_cached` of a prompt whose first f * T tokens
+             (whole blocks) are cached: t_f
+
+and reports t_f, the ideal (1 - f) * t0, and the share of the ideal saving
+reached, (t0 - t_f) / (f * t0). Each time runs from the call to the first
+token on the host (`block_until_ready`), median over --repeats prompts of
+fresh random tails (never zeros), after a warm-up that compiles each path.
+Before timing, each hit's first token is checked against `insert` of the
+same prompt and its logits' difference recorded (max |difference| over
+max |logit|: the prefill split at the block boundary sums in another
+order). hybrid_1b's shapes, random bf16 weights.
+
+  PYTHONPATH=. python benchmarks/scripts/prefix_ttft_bench.py \\
+      --out $OUT/prefix_ttft.json
+  PYTHONPATH=. python benchmarks/scripts/prefix_ttft_bench.py --small \\
+      --out /tmp/pt.json   # CPU: a tiny model, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__))))
+sys.path.insert(0, ROOT)
+
+from configs import _decode_bench, hybrid_1b  # pylint: disable=g-import-not-at-top,wrong-import-position
+from experiments import common  # pylint: disable=g-import-not-at-top,wrong-import-position
+from experiments.decode_bench import build_model  # pylint: disable=g-import-not-at-top,wrong-import-position
+from replayssm_jax import models, serving  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+def timed(fn, repeats):
+  """fn(i) -> (first token, ...) for repeat i: one warm-up call, then the
+  median ms of `repeats` calls to the first token on the host."""
+  jax.block_until_ready(fn(-1)[0])
+  times = []
+  for i in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(i)[0])
+    times.append((time.perf_counter() - t0) * 1e3)
+  return statistics.median(times), times
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--out", default="prefix_ttft.json")
+  ap.add_argument("--prompt_len", type=int, default=512)
+  ap.add_argument("--block", type=int, default=16)
+  ap.add_argument("--fractions", default="0.25,0.5,0.75,0.875,0.9375",
+                  help="cached fractions of the prompt, comma-separated "
+                  "(rounded down to whole blocks)")
+  ap.add_argument("--max_len", type=int, default=1024)
+  ap.add_argument("--capacity", type=int, default=8)
+  ap.add_argument("--repeats", type=int, default=10)
+  ap.add_argument("--modes", default="replay,baseline")
+  ap.add_argument("--small", action="store_true")
+  a = ap.parse_args()
+  if a.small:
+    a.prompt_len, a.block, a.max_len, a.capacity, a.repeats = 64, 8, 128, 2, 3
+    cfg = models.ModelConfig(**_decode_bench.TINY_MODEL)
+  else:
+    cfg = models.ModelConfig(**hybrid_1b.MODEL)
+  t, block = a.prompt_len, a.block
+  res = dict(env=common.log_environment(),
+             command=" ".join([sys.executable] + sys.argv), prompt_len=t,
+             block=block, max_len=a.max_len, repeats=a.repeats, records=[])
+
+  def save():
+    with open(a.out, "w") as f:
+      json.dump(res, f, indent=1)
+
+  model = build_model(cfg, seed=0)
+  parts = serving.model_parts(model)
+  rng = np.random.default_rng(1)
+  tokens = lambda n: rng.integers(0, cfg.vocab_size, n, dtype=np.int32)
+  for mode in a.modes.split(","):
+    pool = serving.init_pool(model, a.capacity, a.max_len, ssm_mode=mode,
+                             buffer_len=16)
+
+    def insert(prompt):
+      nonlocal pool
+      pool, tok, lg = serving.insert(model, pool, 0, prompt, parts=parts,
+                                     return_logits=True)
+      return tok, lg
+
+    def cached(cache, prompt):
+      nonlocal pool
+      pool, tok, lg = serving.insert_cached(model, pool, cache, 0, prompt,
+                                            parts=parts, return_logits=True)
+      return tok, lg
+
+    t0, t0_all = timed(lambda i: insert(tokens(t)), a.repeats)
+    miss, _ = timed(lambda i: cached(serving.PrefixCache(block, 2),
+                                     tokens(t)), a.repeats)
+    rec = dict(mode=mode, insert_ms=t0, insert_times_ms=t0_all,
+               miss_ms=miss, hits=[])
+    print(f"{mode}: insert {t0:.2f} ms, miss {miss:.2f} ms", flush=True)
+    done = set()
+    for f in (float(x) for x in a.fractions.split(",")):
+      k = int(f * t) // block * block
+      if not 0 < k < t or k in done:
+        continue
+      done.add(k)
+      prefix = tokens(k)
+      cache = serving.PrefixCache(block, 2)
+      cached(cache, np.concatenate([prefix, tokens(1)]))  # stores k tokens
+      prompts = [np.concatenate([prefix, tokens(t - k)])
+                 for _ in range(a.repeats + 1)]
+      want_tok, want_lg = insert(prompts[0])
+      got_tok, got_lg = cached(cache, prompts[0])
+      ok = int(got_tok) == int(want_tok)
+      err = float(np.max(np.abs(np.asarray(got_lg) - np.asarray(want_lg)))
+                  / np.max(np.abs(np.asarray(want_lg))))
+      tf, tf_all = timed(lambda i: cached(cache, prompts[i + 1]), a.repeats)
+      st = cache.stats()
+      fr = k / t
+      hit = dict(cached_tokens=k, fraction=fr, ms=tf, times_ms=tf_all,
+                 ideal_ms=(1 - fr) * t0,
+                 share_of_ideal_saving=(t0 - tf) / (fr * t0),
+                 first_token_equal=ok, logits_rel_err=err,
+                 hits=st["hits"], misses=st["misses"])
+      print(f"  cached {k}/{t}: {tf:.2f} ms (ideal {(1 - fr) * t0:.2f}), "
+            f"{hit['share_of_ideal_saving']:.2f} of the ideal saving; "
+            f"first token equal {ok}, logits err {err:.1e}", flush=True)
+      rec["hits"].append(hit)
+      save()
+    res["records"].append(rec)
+    save()
+  save()
+
+
+if __name__ == "__main__":
+  main()
