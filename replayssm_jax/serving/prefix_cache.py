@@ -209,10 +209,14 @@ class PrefixCache:
 
 
 # --------------------------------------------------------------- jitted
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(4,))
-def _prefill_jit(graphdef, params, tokens, length, fresh):
+@functools.partial(jax.jit, static_argnums=(0,))
+def _prefill_jit(graphdef, params, tokens, length, pool_state, row_id):
+  """tokens[:length] prefilled from an empty row laid out as the pool's
+  (built here from the pool state's shapes, not its contents: built
+  eagerly it takes two host dispatches per state leaf)."""
   TRACE_COUNTS["prefill"] += 1
   model = nnx.merge(graphdef, params)
+  fresh = P.fresh_row(pool_state, row_id)
   return M.prefill_fn(model, tokens[None], length[None], fresh)
 
 
@@ -241,11 +245,12 @@ def _finish_jit(graphdef, params, pool, row, slot, tokens, length, row_id,
 
 
 def _padded(tokens: np.ndarray, max_len: int):
-  """tokens [n] right-padded with zeros to `bucket_len(n, max_len)`."""
+  """tokens [n] right-padded with zeros to `bucket_len(n, max_len)`, and
+  n, on the host (the jitted call transfers them: no eager op)."""
   n = tokens.shape[0]
   out = np.zeros((P.bucket_len(n, max_len),), np.int32)
   out[:n] = tokens
-  return jnp.asarray(out), jnp.int32(n)
+  return out, np.int32(n)
 
 
 def warmup_prompts(block: int, max_prompt_len: int,
@@ -338,8 +343,12 @@ def insert_cached(model: M.HybridLM, pool: P.Pool, cache: PrefixCache, slot,
   cache._check_layout(pool)
   if row_id is None:
     row_id = slot
-  V.check_integer("row_id", jnp.asarray(row_id))
-  row_id = jnp.asarray(row_id, jnp.int32)
+  if isinstance(row_id, (int, np.integer)) and not isinstance(
+      row_id, (bool, np.bool_)):
+    row_id = np.int32(row_id)  # no eager op: the jitted calls take it
+  else:
+    V.check_integer("row_id", jnp.asarray(row_id))
+    row_id = jnp.asarray(row_id, jnp.int32)
 
   block = cache.block
   n_blocks = (t - 1) // block
@@ -368,8 +377,7 @@ def insert_cached(model: M.HybridLM, pool: P.Pool, cache: PrefixCache, slot,
     end = at * block
     seg, n = _padded(toks[start:end], pool.max_len)
     if row is None:
-      fresh = P.fresh_row(pool.state, row_id)
-      _, row = _prefill_jit(graphdef, params, seg, n, fresh)
+      _, row = _prefill_jit(graphdef, params, seg, n, pool.state, row_id)
     else:
       _, row = _extend_jit(graphdef, params, row, seg, n)
     # The prompt's tokens and length were checked above, so the row is
