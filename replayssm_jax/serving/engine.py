@@ -346,10 +346,9 @@ class Engine:
     self._ctl = C.admit(self._ctl, idx, stream, budgets, eos_ids, temps,
                         firsts)
     if self.speculative is not None:
-      for i, (slot, req) in enumerate(zip(slots, reqs)):
-        self._spec_slots = SP.insert_slot(self.speculative, self._spec_slots,
-                                          self.pool, slot, req.prompt,
-                                          firsts[i], **self._ssm)
+      self._spec_slots = SP.insert_slots(
+          self.speculative, self._spec_slots, self.pool, slots,
+          [r.prompt for r in reqs], firsts, **self._ssm)
     return firsts
 
   def _finishing(self) -> set[int]:

@@ -31,7 +31,7 @@ Per-slot device state beside the pool (`SpecSlots`): the token history
 (prompt, then generated tokens; `NgramProposer` searches it), its length,
 the tokens generated and the proposer's state (a `DraftModelProposer`'s
 draft ModelState: each leaf batch-leading, row `slot` belongs to the
-slot's request). `insert_slot` writes a whole row of it when a request is
+slot's request). `insert_slots` writes a whole row of it when a request is
 admitted (the proposer's state from `Proposer.init` on the prompt), so a
 reused slot keeps nothing of its previous request.
 
@@ -166,38 +166,47 @@ def init_slots(spec: Speculation, pool: P.Pool, max_len: int, ssm_mode: str,
 
 
 @functools.partial(jax.jit, static_argnums=(6,), donate_argnums=(1,))
-def _insert_jit(proposer, slots, slot, tokens, length, first, init_kw):
-  cap, width = slots.history.shape
-  idx = P.slot_index(slot, cap)
-  cols = jnp.arange(tokens.shape[0])
-  row = jnp.zeros((width,), jnp.int32).at[cols].set(
-      jnp.where(cols < length, tokens, 0), mode="drop")
-  row = row.at[length].set(first, mode="drop")
-  prow = proposer.init(tokens[None], length[None], **dict(init_kw))
-  pstate = jax.tree.map(lambda p, r: P.write_row(p, r, idx), slots.pstate,
-                        prow)
+def _insert_jit(proposer, slots, idx, tokens, lengths, firsts, init_kw):
+  """Rows idx [k] (out of range: nothing written) of `slots` for prompts
+  tokens [k, bucket] of `lengths` [k] and first tokens firsts [k]."""
+  cols = jnp.arange(tokens.shape[1])
+  width = slots.history.shape[1]
+  rows = jnp.zeros((tokens.shape[0], width), jnp.int32).at[:, cols].set(
+      jnp.where(cols < lengths[:, None], tokens, 0), mode="drop")
+  rows = rows.at[jnp.arange(tokens.shape[0]), lengths].set(firsts,
+                                                           mode="drop")
+  prow = proposer.init(tokens, lengths, **dict(init_kw))
+  put = lambda p, r: p.at[idx].set(r, mode="drop")
   return SpecSlots(
-      history=slots.history.at[idx].set(row, mode="drop"),
-      length=slots.length.at[idx].set(length + 1, mode="drop"),
-      generated=slots.generated.at[idx].set(1, mode="drop"),
-      pstate=pstate)
+      history=put(slots.history, rows),
+      length=put(slots.length, lengths + 1),
+      generated=put(slots.generated, jnp.ones_like(lengths)),
+      pstate=jax.tree.map(put, slots.pstate, prow))
 
 
-def insert_slot(spec: Speculation, slots: SpecSlots, pool: P.Pool, slot: int,
-                prompt, first, ssm_mode: str,
-                buffer_len: int) -> SpecSlots:
-  """Writes row `slot` of `slots` (donated) for a request admitted with
-  `prompt` ([T] tokens on the host) and first token `first` (a device
-  scalar): its history, and the proposer's state after the prompt."""
-  prompt = np.asarray(prompt, np.int32)
-  t = prompt.shape[0]
-  padded = np.zeros((P.bucket_len(t, pool.max_len),), np.int32)
-  padded[:t] = prompt
+def insert_slots(spec: Speculation, slots: SpecSlots, pool: P.Pool,
+                 slot_list, prompts, firsts, ssm_mode: str,
+                 buffer_len: int) -> SpecSlots:
+  """Writes rows `slot_list` (k distinct slots) of `slots` (donated) for
+  requests admitted with `prompts` (k [T_i] token arrays on the host) and
+  first tokens `firsts` (a device array of k or more: the first k are
+  theirs), in one call: their histories, and the proposer's states after
+  the prompts."""
+  k, kp = len(slot_list), firsts.shape[0]
+  if not 0 < k <= kp:
+    raise ValueError(f"firsts must hold a first token for each of the "
+                     f"{k} slots, got {kp}.")
+  prompts = [np.asarray(x, np.int32) for x in prompts]
+  bucket = max(P.bucket_len(x.shape[0], pool.max_len) for x in prompts)
+  tokens = np.zeros((kp, bucket), np.int32)
+  lengths = np.ones((kp,), np.int32)  # padding rows: one token, unwritten
+  idx = np.full((kp,), pool.capacity, np.int32)
+  for r, (slot, x) in enumerate(zip(slot_list, prompts)):
+    tokens[r, :x.shape[0]], lengths[r], idx[r] = x, x.shape[0], slot
   init_kw = tuple(sorted(_init_args(spec, pool, ssm_mode,
                                     buffer_len).items()))
-  return _insert_jit(spec.proposer, slots, jnp.int32(slot),
-                     jnp.asarray(padded), jnp.int32(t),
-                     jnp.asarray(first, jnp.int32), init_kw)
+  return _insert_jit(spec.proposer, slots, idx, tokens, lengths, firsts,
+                     init_kw)
 
 
 def _row_sampling(temps, top_k, top_p):
