@@ -12,7 +12,10 @@ its statistics, wall ms per dispatch and per admission.
 
 Compare two commits by pointing PYTHONPATH at each tree in turn (the
 script uses only `serving.Engine`, `Request` and `EngineStats`), or the
-engine with and without overlap (`--overlap 0` / `--overlap 1`).
+engine with and without overlap (`--overlap 0` / `--overlap 1`). With
+`--shared_prefix N` every prompt starts with one of 4 shared prefixes of N
+tokens and admissions go through a prefix cache of 16-token blocks (its
+statistics printed too).
 """
 
 import argparse
@@ -36,6 +39,9 @@ def main():
   ap.add_argument("--overlap", type=int, choices=(0, 1), default=None,
                   help="Engine(overlap=...); unset: the engine's default "
                   "(a tree whose engine has no such argument)")
+  ap.add_argument("--shared_prefix", type=int, default=0,
+                  help="tokens of a prefix shared by a quarter of the "
+                  "prompts each, admitted through a prefix cache")
   a = ap.parse_args()
   cfg = models.ModelConfig(**dict(
       hybrid_1b.MODEL, d_model=128, ssm_heads=4, head_dim=32, d_state=16,
@@ -43,25 +49,34 @@ def main():
       intermediate_size=256, vocab_size=256, dtype="float32",
       param_dtype="float32"))
   model = build_model(cfg, 0)
-  walls, stats = [], None
+  walls, stats, cache = [], None, None
+  prefixes = np.random.default_rng(99).integers(
+      0, 256, (4, a.shared_prefix)).astype(np.int32)
   for rep in range(a.repeats + 1):  # the first run warms up
     kw = {} if a.overlap is None else dict(overlap=bool(a.overlap))
-    eng = serving.Engine(model, a.capacity, 128, steps_per_dispatch=8,
-                         prefill_batch=8, buffer_len=16, **kw)
-    eng.precompile(31)
+    if a.shared_prefix:
+      kw["prefix_cache"] = serving.PrefixCache(16, max_entries=64)
+    eng = serving.Engine(model, a.capacity, 128 + a.shared_prefix,
+                         steps_per_dispatch=8, prefill_batch=8,
+                         buffer_len=16, **kw)
+    eng.precompile(31 + a.shared_prefix)
     rng = np.random.default_rng(rep)
     for i in range(a.requests):
+      tail = rng.integers(0, 256, rng.integers(8, 32)).astype(np.int32)
       eng.submit(serving.Request(
-          id=i, prompt=rng.integers(0, 256, rng.integers(8, 32)).astype(
-              np.int32), max_new_tokens=int(rng.integers(16, 48))))
+          id=i, prompt=np.concatenate([prefixes[i % 4], tail]),
+          max_new_tokens=int(rng.integers(16, 48))))
     t0 = time.perf_counter()
     eng.run()
     if rep:
       walls.append(time.perf_counter() - t0)
       stats = dataclasses.asdict(eng.stats)
+      if a.shared_prefix:
+        cache = eng.prefix_cache.stats()
   wall = statistics.median(walls)
   print(json.dumps(dict(
       capacity=a.capacity, requests=a.requests, overlap=a.overlap,
+      shared_prefix=a.shared_prefix, prefix_cache=cache,
       wall_s=wall, walls_s=walls,
       ms_per_dispatch=1e3 * wall / stats["dispatches"],
       admit_ms_per_request=1e3 * stats["admit_s"] / stats["admissions"],
