@@ -466,7 +466,7 @@ def evict_many(pool: Pool, slots) -> Pool:
   free = np.zeros(pool.capacity, bool)
   for i, s in enumerate(slots):
     free[host_slot(s, pool.capacity, f"slots[{i}]")] = True
-  return pool.replace(active=_clear_active(pool.active, jnp.asarray(free)))
+  return pool.replace(active=_clear_active(pool.active, free))
 
 
 # ------------------------------------------------------------ compaction
