@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from replayssm_jax import models, serving
-from replayssm_jax.serving import pool as pool_mod
+from replayssm_jax.serving import parts as parts_mod
 from tests.serving_common import CFG, build_model, greedy_tokens, prompt
 
 CAP, MAX_LEN, L = 3, 48, 4
@@ -179,8 +179,8 @@ def test_engine_splits_the_model_once(model, monkeypatch):
   eng = serving.Engine(model, CAP, MAX_LEN, steps_per_dispatch=2,
                        buffer_len=L)
   calls = []
-  real = pool_mod.nnx.split
-  monkeypatch.setattr(pool_mod.nnx, "split",
+  real = parts_mod.nnx.split
+  monkeypatch.setattr(parts_mod.nnx, "split",
                       lambda *a: calls.append(1) or real(*a))
   for i in range(4):
     eng.submit(serving.Request(i, prompt(70 + i, 4 + i), max_new_tokens=3))

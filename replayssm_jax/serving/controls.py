@@ -23,7 +23,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from replayssm_jax.models.generate import is_eos as eos_hit
 from replayssm_jax.serving import pool as P
@@ -112,7 +111,7 @@ def decode(graphdef, params, pool, ctl: SlotControls, n, sampled, top_k,
   Returns (pool, tokens [cap, n] int32 (-1 where a slot emitted nothing),
   ctl with the budgets and keys after the n steps).
   """
-  model = nnx.merge(graphdef, params)
+  model = P.merge(graphdef, params)
   cap = pool.capacity
   eos, temps = ctl.eos, ctl.temps
 

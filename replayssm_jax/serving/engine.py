@@ -88,7 +88,6 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from replayssm_jax import _validation as V
 from replayssm_jax import sharding as SH
@@ -158,7 +157,7 @@ class Engine:
                **state_kwargs):
     self.model = model
     # Split once: every dispatch and admission reuses the parts.
-    self._parts = nnx.split(model)
+    self._parts = P.model_parts(model)
     self.mesh = mesh
     self.n = V.positive_int("steps_per_dispatch", steps_per_dispatch)
     self.prefill_batch = V.positive_int("prefill_batch", prefill_batch)

@@ -67,13 +67,13 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from replayssm_jax import _validation as V
 from replayssm_jax.models.generate import (check_sampling, filter_logits,
                                            sample_logits, sampling_settings)
 from replayssm_jax.models import model as M
 from replayssm_jax.models import states as S
+from replayssm_jax.serving.parts import merge, model_parts  # pylint: disable=unused-import
 
 # Number of times each jitted entry point was traced (tests assert on it).
 TRACE_COUNTS = {"insert": 0, "insert_many": 0, "step": 0, "step_n": 0}
@@ -219,14 +219,6 @@ def fresh_rows(state: S.ModelState, row_ids):
       lambda x: jnp.zeros((k,) + x.shape[1:], x.dtype), state), row_ids)
 
 
-def model_parts(model: M.HybridLM, parts=None):
-  """(graphdef, params) of `model`: `parts` when given (the `nnx.split` of
-  this model, kept by a caller that serves it unchanged, as `Engine`
-  does), else `nnx.split(model)`, which traverses the module graph on the
-  host on every call (milliseconds for a model of tens of blocks)."""
-  return nnx.split(model) if parts is None else parts
-
-
 def sample_rows(logits, keys, temps, sampled: bool, top_k, top_p):
   """Each row's next token from logits [b, vocab] f32 with its own
   temperature (temps [b]; 0: greedy) and key (keys [b, ...]): the argmax,
@@ -274,7 +266,7 @@ def place_row(pool: Pool, slot, row: S.ModelState, logits, rng,
 def _insert_jit(graphdef, params, pool, slot, tokens, length, row_id,
                 sampling, rng):
   TRACE_COUNTS["insert"] += 1
-  model = nnx.merge(graphdef, params)
+  model = merge(graphdef, params)
   fresh = fresh_row(pool.state, row_id)
   logits, row = M.prefill_fn(model, tokens[None], length[None], fresh)
   pool, tok = place_row(pool, slot, row, logits, rng, sampling)
@@ -345,7 +337,7 @@ def insert(model: M.HybridLM, pool: Pool, slot, prompt_tokens, *,
 def _insert_many_jit(graphdef, params, pool, idx, tokens, lengths, row_ids,
                      temps_keys, sampled, top_k, top_p):
   TRACE_COUNTS["insert_many"] += 1
-  model = nnx.merge(graphdef, params)
+  model = merge(graphdef, params)
   fresh = fresh_rows(pool.state, row_ids)
   logits, rows = M.prefill_fn(model, tokens, lengths, fresh)
   tok = sample_rows(logits, temps_keys[1], temps_keys[0], sampled, top_k,
@@ -511,7 +503,7 @@ def _step_body(model, pool, sampling, rng, implementation):
 @functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=(2,))
 def _step_jit(graphdef, params, pool, sampling, rng, implementation):
   TRACE_COUNTS["step"] += 1
-  model = nnx.merge(graphdef, params)
+  model = merge(graphdef, params)
   return _step_body(model, pool, sampling, rng, implementation)
 
 
@@ -520,7 +512,7 @@ def _step_jit(graphdef, params, pool, sampling, rng, implementation):
 def _step_n_jit(graphdef, params, pool, n, with_logits, sampling, rng,
                 implementation):
   TRACE_COUNTS["step_n"] += 1
-  model = nnx.merge(graphdef, params)
+  model = merge(graphdef, params)
   cap, vocab = pool.capacity, model.config.vocab_size
   out = jnp.full((cap, n), -1, jnp.int32)
   all_logits = (jnp.zeros((cap, n, vocab), jnp.float32) if with_logits

@@ -97,7 +97,6 @@ import hashlib
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from replayssm_jax import _validation as V
 from replayssm_jax.models import chunked_prefill as CP
@@ -215,7 +214,7 @@ def _prefill_jit(graphdef, params, tokens, length, pool_state, row_id):
   (built here from the pool state's shapes, not its contents: built
   eagerly it takes two host dispatches per state leaf)."""
   TRACE_COUNTS["prefill"] += 1
-  model = nnx.merge(graphdef, params)
+  model = P.merge(graphdef, params)
   fresh = P.fresh_row(pool_state, row_id)
   return M.prefill_fn(model, tokens[None], length[None], fresh)
 
@@ -225,7 +224,7 @@ def _extend_jit(graphdef, params, row, tokens, length):
   """tokens[:length] (length traced) continued from a cached row, which is
   not donated: it stays cached."""
   TRACE_COUNTS["extend"] += 1
-  model = nnx.merge(graphdef, params)
+  model = P.merge(graphdef, params)
   return CP.prefill_from_state_fn(model, tokens[None], length[None], row)
 
 
@@ -236,7 +235,7 @@ def _finish_jit(graphdef, params, pool, row, slot, tokens, length, row_id,
   a cached row), the first token sampled, the row written into `slot` of
   the (donated) pool."""
   TRACE_COUNTS["finish"] += 1
-  model = nnx.merge(graphdef, params)
+  model = P.merge(graphdef, params)
   row = P.set_row_id(row, row_id)
   logits, row = CP.prefill_from_state_fn(model, tokens[None], length[None],
                                          row)

@@ -58,7 +58,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from replayssm_jax import _validation as V
 from replayssm_jax.models import model as M
@@ -266,7 +265,7 @@ def dispatch(graphdef, params, pool, slots, proposer, n, window, sampled,
   proposed and drafts accepted; ctl with the budgets and keys after the
   rounds, batch_key).
   """
-  model = nnx.merge(graphdef, params)
+  model = P.merge(graphdef, params)
   eos, temps = ctl.eos, ctl.temps
   cap, width = slots.history.shape
   t, t1 = window, window - 1
