@@ -293,6 +293,7 @@ def test_prefix_ttft_bench_small(tmp_path):
       # the filling miss; the check's, the warm-up's and the timed hits
       assert h["first_token_equal"] and (h["hits"], h["misses"]) == (
           res["repeats"] + 2, 1), h
+      assert h["entries"] == 1, h  # the prefix only: no hit extended it
       assert h["logits_rel_err"] < tolerance(jnp.float32).rtol, h
       assert h["ms"] > 0 and h["ideal_ms"] < r["insert_ms"]
 
