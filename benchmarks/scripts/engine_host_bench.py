@@ -6,7 +6,10 @@ dispatch costs dominate what is measured: `--requests` requests of 8-31
 prompt tokens and 16-47 new tokens through `--capacity` slots, 8 steps
 per dispatch, batched admissions of up to 8 prompts, after
 `Engine.precompile`. Prints one JSON line: wall seconds of `Engine.run`,
-its statistics, wall ms per dispatch and per admission.
+its statistics, wall ms per dispatch and per admission, and the host
+time of one hash of the model's nnx GraphDef (what jax computed on every
+jitted call taking it as a static argument, before `serving.model_parts`
+kept the hash).
 
   PYTHONPATH=. python benchmarks/scripts/engine_host_bench.py --repeats 3
 
@@ -25,6 +28,7 @@ import statistics
 import time
 
 import numpy as np
+from flax import nnx
 
 from configs import hybrid_1b
 from experiments.decode_bench import build_model
@@ -74,9 +78,15 @@ def main():
       if a.shared_prefix:
         cache = eng.prefix_cache.stats()
   wall = statistics.median(walls)
+  graphdef = nnx.graphdef(model)
+  t0 = time.perf_counter()
+  for _ in range(200):
+    hash(graphdef)
+  graph_hash_ms = (time.perf_counter() - t0) / 200 * 1e3
   print(json.dumps(dict(
       capacity=a.capacity, requests=a.requests, overlap=a.overlap,
       shared_prefix=a.shared_prefix, prefix_cache=cache,
+      graph_hash_ms=graph_hash_ms,
       wall_s=wall, walls_s=walls,
       ms_per_dispatch=1e3 * wall / stats["dispatches"],
       admit_ms_per_request=1e3 * stats["admit_s"] / stats["admissions"],

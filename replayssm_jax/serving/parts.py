@@ -2,9 +2,9 @@
 
 The serving functions are jitted with the model's `GraphDef` as a static
 argument, and jax hashes static arguments on every call: an nnx GraphDef
-hashes its whole node list each time (about 0.45 ms at hybrid_1b's 25
-blocks, more for larger models), host time on every admission and
-dispatch. `model_parts` wraps it in a `StaticGraph` whose hash is computed
+hashes its whole node list each time, host time on every admission and
+dispatch that grows with the model's blocks (benchmarks/README.md,
+"Serving"). `model_parts` wraps it in a `StaticGraph` whose hash is computed
 once; the jitted functions unwrap it with `merge`.
 """
 
