@@ -470,7 +470,8 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default="gdn_kernel_bench.json")
   ap.add_argument("--batches", default=None, help="default 1,64,256,512")
-  ap.add_argument("--buffer_lens", default=None, help="default 8,16,32")
+  ap.add_argument("--buffer_lens", default=None,
+                  help="default 8,16,32; empty: the baselines only")
   ap.add_argument("--checkpoints", default="f32,f16")
   ap.add_argument("--policies", default="f16+fp8")
   add_timing_flags(ap)
@@ -490,7 +491,8 @@ def main():
   a = ap.parse_args()
   small = a.small  # shapes and settings for a CPU run (interpret mode)
   a.batches = a.batches or ("1,2" if small else "1,64,256,512")
-  a.buffer_lens = a.buffer_lens or ("4" if small else "8,16,32")
+  if a.buffer_lens is None:  # "" times no replay step
+    a.buffer_lens = "4" if small else "8,16,32"
   a.repeats = a.repeats or (3 if small else 20)
   a.warmup_s = (0.0 if small else 3.0) if a.warmup_s is None else a.warmup_s
   if small:
@@ -534,7 +536,7 @@ def main():
     if not a.no_fla:
       jobs.append(("fla", fla, ()))
     jobs += [(f"replay_pallas L={L} {p} {cf or ''}", replay, (L, p, cf))
-             for L in (int(x) for x in a.buffer_lens.split(","))
+             for L in (int(x) for x in a.buffer_lens.split(",") if x)
              for cf in configs for p in precisions]
     run_jobs(bench, batch, jobs, res, start, lambda r: write(r, a.out))
   write(res, a.out)

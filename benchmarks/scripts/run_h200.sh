@@ -40,6 +40,7 @@
 #   bash benchmarks/scripts/run_h200.sh prefix_ttft  # time to first token on an idle pool with a cached prefix of 25-94% of a 512-token prompt against insert without one, and the ideal (1 - f) of it (hybrid_1b)
 #   bash benchmarks/scripts/run_h200.sh pool_occupancy [active rows]  # a pool of 256 slots partly occupied: dense step vs gathered active rows (hybrid_1b)
 #   bash benchmarks/scripts/run_h200.sh gdn_bench    # the GDN step kernels timed: baseline (Pallas, XLA, flash-linear-attention) vs replay, b {256,64,1,512} x L {16,8,32}
+#   bash benchmarks/scripts/run_h200.sh gdn_baseline_tiles  # the GDN baseline step alone at b {64,256,512}, f32 / f16 state, over its launch shapes, beside flash-linear-attention's kernel
 #   bash benchmarks/scripts/run_h200.sh gdn_ring_weights  # the GDN step kernels with and without the replay step's ring-weights launch (GDNConfig.ring_weights) and at 2 / 3 pipelining stages, beside flash-linear-attention's kernel, b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
 #   bash benchmarks/scripts/run_h200.sh gdn_split  # the GDN replay step in one launch or two (GDNConfig.split_routes), with and without ring weights, beside the baselines and flash-linear-attention, b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
 #   bash benchmarks/scripts/run_h200.sh gdn_heads  # the split replay step's output launch stepping through 2 or 4 value heads per program at 2 / 3 pipelining stages (GDNConfig.heads_per_program; the baseline step too), b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
@@ -240,6 +241,13 @@ case "$1" in
     timeout "$T" python -u benchmarks/scripts/gdn_kernel_bench.py \
       --batches=256,64,1,512 --buffer_lens=16,8,32 --budget_s=$(( T - 120 )) \
       --out="$OUT/gdn_kernel_bench.json" ;;
+  gdn_baseline_tiles)
+    # The baseline step alone at its launch shapes, beside fla's kernel
+    # ([128, 8] tiles, 1 warp: the shape it launches).
+    timeout "$T" python -u benchmarks/scripts/gdn_kernel_bench.py \
+      --batches=64,256,512 --buffer_lens= --checkpoints=f32,f16 --policies= \
+      --no_xla --layouts=staggered --configs='[{}, {"block_v": 32}, {"block_v": 128}, {"block_v": 128, "num_warps": 8}, {"block_v": 8, "num_warps": 1}, {"block_v": 16, "num_warps": 1}, {"num_stages": 1}, {"heads_per_program": 2, "num_stages": 3}]' \
+      --budget_s=$(( T - 60 )) --out="$OUT/gdn_baseline_tiles.json" ;;
   gdn_ring_weights)
     gdn_configs gdn_ring_weights '[{}, {"ring_weights": true}, {"num_stages": 2}, {"num_stages": 3}]' ;;
   gdn_split)
