@@ -12,7 +12,9 @@ On an idle pool (nothing else queued on the device), per SSM mode:
              (whole blocks) are cached: t_f
 
 and reports t_f, the ideal (1 - f) * t0, and the share of the ideal saving
-reached, (t0 - t_f) / (f * t0). Each time runs from the call to the first
+reached, (t0 - t_f) / (f * t0); beside each hit, `serving.insert` of
+the rest alone ((1 - f) T tokens: rest_ms, the hit path's floor). Each
+time runs from the call to the first
 token on the host (`block_until_ready`), median over --repeats prompts of
 fresh random tails (never zeros), after a warm-up that compiles each path.
 Before timing, each hit's first token is checked against `insert` of the
@@ -113,6 +115,8 @@ def main():
                                      tokens(t)), a.repeats)
     rec = dict(mode=mode, insert_ms=t0, insert_times_ms=t0_all,
                miss_ms=miss, hits=[])
+    res["records"].append(rec)  # saved with each hit
+    save()
     print(f"{mode}: insert {t0:.2f} ms, miss {miss:.2f} ms", flush=True)
     done = set()
     for f in (float(x) for x in a.fractions.split(",")):
@@ -133,21 +137,21 @@ def main():
       # Warm-up and timed calls on tails of their own: the checked prompt's
       # keys are known now, so it would extend the cached prefix instead.
       tf, tf_all = timed(lambda i: cached(cache, prompts[i + 2]), a.repeats)
+      rest, _ = timed(lambda i: insert(tokens(t - k)), a.repeats)
       st = cache.stats()
       fr = k / t
       hit = dict(cached_tokens=k, fraction=fr, ms=tf, times_ms=tf_all,
-                 ideal_ms=(1 - fr) * t0,
+                 rest_ms=rest, ideal_ms=(1 - fr) * t0,
                  share_of_ideal_saving=(t0 - tf) / (fr * t0),
                  first_token_equal=ok, logits_rel_err=err,
                  hits=st["hits"], misses=st["misses"],
                  entries=st["entries"])
-      print(f"  cached {k}/{t}: {tf:.2f} ms (ideal {(1 - fr) * t0:.2f}), "
+      print(f"  cached {k}/{t}: {tf:.2f} ms (ideal {(1 - fr) * t0:.2f}, "
+            f"the rest alone {rest:.2f}), "
             f"{hit['share_of_ideal_saving']:.2f} of the ideal saving; "
             f"first token equal {ok}, logits err {err:.1e}", flush=True)
       rec["hits"].append(hit)
       save()
-    res["records"].append(rec)
-    save()
   save()
 
 
