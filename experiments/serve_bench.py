@@ -38,7 +38,10 @@ and time per output token (a request's (last - first token time) /
 (tokens - 1)) at p50 / p99, the engine's host time per decode step (its
 wall time less its waits for the device's tokens) against its wall time
 per step, the dispatches compacted to the running slots' rows, and the
-decode state's bytes. summary.md holds the table, latency.png the TTFT / TPOT
+decode state's bytes; and the full-load tokens/s: tokens streamed over the
+wall time of the dispatches that began with requests queued and ended
+with every slot running (the engine at capacity, none of a burst's ramp
+or tail). summary.md holds the table, latency.png the TTFT / TPOT
 distributions.
 
 Usage (see configs/serve_bench.py):
@@ -182,12 +185,17 @@ def play(model, config, mode: str, cached: bool, spec: bool,
 
   t0 = time.perf_counter()
   pending = list(requests)  # in arrival order
+  full = [0.0, 0]  # seconds and tokens of the dispatches at full load
   while pending or eng.busy:
     now = time.perf_counter() - t0
     while pending and pending[0]["arrival"] <= now:
       eng.submit(_request(pending.pop(0), config))
     if eng.busy:
+      queued, before = bool(eng.queue), sum(count.values())
       eng.dispatch(on_tokens)
+      if queued and all(r is not None for r in eng.slots):
+        full[0] += time.perf_counter() - t0 - now
+        full[1] += sum(count.values()) - before
     elif pending:  # idle until the next arrival
       time.sleep(max(0.0, pending[0]["arrival"] - now))
   end = max(last.values())
@@ -214,6 +222,8 @@ def play(model, config, mode: str, cached: bool, spec: bool,
       prompt_tokens=sum(len(r["prompt"]) for r in requests),
       requests=len(requests), tokens=tokens,
       duration_s=end - t0, tokens_per_s=tokens / (end - t0),
+      full_load_s=full[0],
+      full_load_tokens_per_s=full[1] / full[0] if full[0] else None,
       ttft_p50_ms=float(np.percentile(ttft, 50) * 1e3),
       ttft_p99_ms=float(np.percentile(ttft, 99) * 1e3),
       tpot_p50_ms=float(np.percentile(tpot, 50) * 1e3) if tpot.size else None,
@@ -297,11 +307,14 @@ def run(config, workdir: str) -> dict:
   base = {key(r): r for r in records if r["mode"] == "baseline"}
   plain_recs = {r["mode"]: r for r in records
                 if not r["prefix_cache"] and not r["speculative"]}
-  rows = [dict(r, vs_baseline=(
-      r["tokens_per_s"] / base[key(r)]["tokens_per_s"]
-      if key(r) in base else None), vs_plain=(
-          r["tokens_per_s"] / plain_recs[r["mode"]]["tokens_per_s"]
-          if r["mode"] in plain_recs else None))
+  def ratio(r, other, field="tokens_per_s"):
+    return (r[field] / other[field] if other is not None and r[field]
+            and other[field] else None)
+
+  rows = [dict(r, vs_baseline=ratio(r, base.get(key(r))),
+               vs_plain=ratio(r, plain_recs.get(r["mode"])),
+               full_load_vs_baseline=ratio(r, base.get(key(r)),
+                                           "full_load_tokens_per_s"))
           for r in records]
   text = (f"# serve_bench\n\nmodel: {cfg.pattern[:40]} d_model "
           f"{cfg.d_model}, {cfg.dtype}; {s.num_requests} requests at "
@@ -319,12 +332,15 @@ def run(config, workdir: str) -> dict:
               rows, ["mode", "prefix_cache", "cache_hit_rate", "speculative",
                      "acceptance_rate", "mean_accepted_length",
                      "match_plain", "tokens_per_s", "vs_baseline",
-                     "vs_plain", "ttft_p50_ms",
+                     "vs_plain", "full_load_tokens_per_s",
+                     "full_load_vs_baseline", "ttft_p50_ms",
                      "ttft_p99_ms", "admit_ms_per_request", "tpot_p50_ms",
                      "tpot_p99_ms",
                      "host_us_per_step", "wall_us_per_step", "state_bytes"],
               formats=dict(tokens_per_s=".1f", vs_baseline=".3f",
                            vs_plain=".3f", cache_hit_rate=".2f",
+                           full_load_tokens_per_s=".1f",
+                           full_load_vs_baseline=".3f",
                            acceptance_rate=".3f",
                            mean_accepted_length=".2f", match_plain=".2f",
                            ttft_p50_ms=".1f", ttft_p99_ms=".1f",
