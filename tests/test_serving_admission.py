@@ -187,8 +187,7 @@ def test_precompile_leaves_nothing_to_compile(model):
   eng.precompile(max(len(p) for _, p, _, _ in reqs))
   assert not eng.busy and eng.stats.dispatches == 0
   jitted = (controls.decode, controls.admit, controls.request_keys,
-            pool_mod._insert_many_jit,  # pylint: disable=protected-access
-            pool_mod.gather_rows, pool_mod.scatter_rows)
+            pool_mod._insert_many_jit)  # pylint: disable=protected-access
   sizes = [f._cache_size() for f in jitted]  # pylint: disable=protected-access
   for i, (rid, p, n, temp) in enumerate(reqs):  # arrivals one by one
     eng.submit(serving.Request(rid, p, n, temperature=temp))

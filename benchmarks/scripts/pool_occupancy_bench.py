@@ -7,7 +7,7 @@ dispatch (the active set only changes between dispatches: admissions and
 evictions happen there), decodes that batch and scatters it back:
 
   dense     `serving.step_n(model, pool, n)` over all `capacity` rows
-  gathered  gather the active rows (`serving.pool.gather_rows`),
+  gathered  gather the active rows (`serving.rows.gather_rows`),
             `step_n` on that batch, scatter the rows back (donated):
             what `Engine(compact_below=...)` runs
   steps     the gathered form's `step_n` alone: what a kernel that reads
@@ -50,7 +50,7 @@ from configs import _decode_bench, hybrid_1b  # pylint: disable=g-import-not-at-
 from experiments import common  # pylint: disable=g-import-not-at-top,wrong-import-position
 from experiments.decode_bench import build_model  # pylint: disable=g-import-not-at-top,wrong-import-position
 from replayssm_jax import models, serving  # pylint: disable=g-import-not-at-top,wrong-import-position
-from replayssm_jax.serving import pool as P  # pylint: disable=g-import-not-at-top,wrong-import-position
+from replayssm_jax.serving import rows as R  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def filled_pool(model, capacity, max_len, prompt_len, mode, seed):
@@ -139,9 +139,9 @@ def main():
         return serving.step_n(model, pool, steps, parts=parts)[0]
 
       def gathered(pool, idx=idx):
-        sub, _ = serving.step_n(model, P.gather_rows(pool, idx), steps,
+        sub, _ = serving.step_n(model, R.gather_rows(pool, idx), steps,
                                 parts=parts)
-        return P.scatter_rows(pool, sub, idx)
+        return R.scatter_rows(pool, sub, idx)
 
       def steps_only(sub):
         return serving.step_n(model, sub, steps, parts=parts)[0]
@@ -149,9 +149,9 @@ def main():
       # Check: the same dispatch both ways from the same pool.
       pool = base.replace(active=active)
       ref, ref_toks = serving.step_n(model, copy(pool), steps)
-      sub, toks = serving.step_n(model, P.gather_rows(copy(pool), idx),
+      sub, toks = serving.step_n(model, R.gather_rows(copy(pool), idx),
                                  steps)
-      out = P.scatter_rows(copy(pool), sub, idx)
+      out = R.scatter_rows(copy(pool), sub, idx)
       rows = lambda p: jax.tree.map(lambda x: x[idx], p.state)  # pylint: disable=cell-var-from-loop
       tokens_equal = float(np.mean(np.asarray(ref_toks)[np.asarray(idx)]
                                    == np.asarray(toks)))
@@ -162,7 +162,7 @@ def main():
       for name, fn, p in (
           ("dense", dense, copy(pool)),
           ("gathered", gathered, copy(pool)),
-          ("steps", steps_only, P.gather_rows(copy(pool), idx))):
+          ("steps", steps_only, R.gather_rows(copy(pool), idx))):
         us, times = time_us(fn, p, a.repeats, steps)
         rec[f"{name}_us_per_step"] = us
         rec[f"{name}_times_us"] = times

@@ -19,6 +19,9 @@
   controls           the engine's per-slot budgets, eos ids, temperatures
                      and key streams on the device (its overlap of host
                      and device rests on them).
+  rows               compaction: a decode call over some slots' rows
+                     gathered into a smaller batch, scattered back in the
+                     same call (Engine's compact_below).
   snapshot           Engine.save / Engine.restore: an engine written
                      between dispatches and resumed exactly.
   Speculation        Engine(speculative=...): speculative decoding rounds

@@ -26,13 +26,14 @@ import numpy as np
 
 from replayssm_jax.models.generate import is_eos as eos_hit
 from replayssm_jax.serving import pool as P
+from replayssm_jax.serving import rows as R
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SlotControls:
   """Per-slot decode controls (every leaf [capacity, ...], batch-leading,
-  so that `pool.gather_rows` / `scatter_rows` take them with the pool).
+  so that `rows.gather_rows` / `scatter_rows` take them with the pool).
 
   left [cap] int32: tokens the slot may still emit (0: it emits nothing).
   eos [cap, E] int32: its eos ids (-1: an unused column).
@@ -100,17 +101,28 @@ def admit(ctl: SlotControls, idx, keys, budgets, eos_ids, temps,
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 8),
                    donate_argnums=(2, 3))
 def decode(graphdef, params, pool, ctl: SlotControls, n, sampled, top_k,
-           top_p, implementation):
-  """n decode steps of every slot with on-device stopping.
+           top_p, implementation, rows=None):
+  """n decode steps of every slot, or of the slots `rows` [k] int32
+  (gathered into a batch of k, decoded, and scattered back within the
+  call), with on-device stopping.
 
   A slot decodes while it is active in the pool and has budget left; each
   step splits every slot's key, samples its token (sampled (static): some
   slot samples, else the loop is argmax only, with no conditional: an XLA
   GPU conditional reads its predicate on the host) and spends one token of
   its budget, all of it at one of its eos ids or an invalid row.
-  Returns (pool, tokens [cap, n] int32 (-1 where a slot emitted nothing),
-  ctl with the budgets and keys after the n steps).
+  Returns (pool, tokens [cap or k, n] int32 (-1 where a slot emitted
+  nothing), ctl with the budgets and keys after the n steps).
   """
+  (pool, ctl), out = R.on_rows(lambda pool, ctl: _decode(
+      graphdef, params, pool, ctl, n, sampled, top_k, top_p,
+      implementation), (pool, ctl), rows)
+  return pool, out, ctl
+
+
+def _decode(graphdef, params, pool, ctl, n, sampled, top_k, top_p,
+            implementation):
+  """`decode` of every row of `pool` and `ctl` -> ((pool, ctl), out)."""
   model = P.merge(graphdef, params)
   cap = pool.capacity
   eos, temps = ctl.eos, ctl.temps
@@ -133,4 +145,4 @@ def decode(graphdef, params, pool, ctl: SlotControls, n, sampled, top_k,
   out = jnp.full((cap, n), -1, jnp.int32)
   pool, out, left, keys = jax.lax.fori_loop(
       0, n, body, (pool, out, ctl.left, ctl.keys))
-  return pool, out, ctl.replace(left=left, keys=keys)
+  return (pool, ctl.replace(left=left, keys=keys)), out

@@ -483,33 +483,21 @@ class Engine:
 
   def _decode(self, rows, sampled: bool):
     """One compiled call of n steps (speculative rounds) over the pool, or
-    over its `rows` gathered into a smaller batch and scattered back ->
-    (the device's [len(rows) or capacity, cols] int32 output, the slot of
-    each of its rows)."""
+    over its `rows` (a numpy array) gathered into a smaller batch and
+    scattered back within the call -> (the device's [len(rows) or
+    capacity, cols] int32 output, the slot of each of its rows)."""
     graphdef, params = self._parts
     spec = self.speculative
-    carried = (self.pool, self._ctl,
-               self._spec_slots if spec is not None else None)
-    if rows is not None:
-      idx = jnp.asarray(rows)
-      carried = P.gather_rows(carried, idx)
-    pool, ctl, slots = carried
     if spec is None:
-      pool, out, ctl = C.decode(graphdef, params, pool, ctl, self.n, sampled,
-                                self.top_k, self.top_p, self.implementation)
+      self.pool, out, self._ctl = C.decode(
+          graphdef, params, self.pool, self._ctl, self.n, sampled,
+          self.top_k, self.top_p, self.implementation, rows)
     else:
-      pool, slots, out, ctl, self._batch_key = SP.dispatch(
-          graphdef, params, pool, slots, spec.proposer, self.n, spec.window,
-          sampled, self.top_k, self.top_p, self.implementation, ctl,
-          self._batch_key)
-    if rows is None:
-      self.pool, self._ctl = pool, ctl
-    else:
-      self.pool, self._ctl, slots = P.scatter_rows(
-          (self.pool, self._ctl, self._spec_slots if spec is not None
-           else None), (pool, ctl, slots), idx)
-    if spec is not None:
-      self._spec_slots = slots
+      (self.pool, self._spec_slots, out, self._ctl,
+       self._batch_key) = SP.dispatch(
+           graphdef, params, self.pool, self._spec_slots, spec.proposer,
+           self.n, spec.window, sampled, self.top_k, self.top_p,
+           self.implementation, self._ctl, self._batch_key, rows)
     return out, (list(range(self.pool.capacity)) if rows is None
                  else rows.tolist())
 

@@ -461,21 +461,6 @@ def evict_many(pool: Pool, slots) -> Pool:
   return pool.replace(active=_clear_active(pool.active, free))
 
 
-# ------------------------------------------------------------ compaction
-@jax.jit
-def gather_rows(tree, idx):
-  """Rows `idx` [k] of every (batch-leading) leaf of `tree`: a Pool, a
-  ModelState or a tuple of such."""
-  return jax.tree.map(lambda x: jnp.take(x, idx, axis=0), tree)
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def scatter_rows(tree, rows, idx):
-  """`tree` (donated) with the rows `idx` [k] of every leaf replaced by
-  `rows`' (as `gather_rows` took them)."""
-  return jax.tree.map(lambda x, r: x.at[idx].set(r), tree, rows)
-
-
 # ------------------------------------------------------------------- step
 def step_rows(model, pool, active, sample, implementation):
   """One decode step of every slot, kept for the `active` [capacity] rows

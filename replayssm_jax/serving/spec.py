@@ -68,6 +68,7 @@ from replayssm_jax.models.verify_commit import (_check_window_room,
                                                 commit_fn, verify_fn)
 from replayssm_jax.serving import controls as C
 from replayssm_jax.serving import pool as P
+from replayssm_jax.serving import rows as R
 
 # Per-slot statistics columns after the tokens of a dispatch's output:
 # slot-rounds verified, drafts proposed, drafts accepted.
@@ -253,18 +254,31 @@ def _accept(logits, drafts, nd, q, keys, sampled, temps, top_k, top_p):
 @functools.partial(jax.jit, static_argnums=(0, 5, 6, 7, 8, 9, 10),
                    donate_argnums=(2, 3, 11))
 def dispatch(graphdef, params, pool, slots, proposer, n, window, sampled,
-             top_k, top_p, implementation, ctl, batch_key):
-  """n speculative rounds of every slot with on-device stopping.
+             top_k, top_p, implementation, ctl, batch_key, rows=None):
+  """n speculative rounds of every slot, or of the slots `rows` [k] int32
+  (gathered into a batch of k and scattered back within the call:
+  `rows.on_rows`), with on-device stopping.
 
   ctl: the slots' `controls.SlotControls` (budgets, eos ids, temperatures
   (0: greedy), raw uint32 key streams); batch_key: the key of whole-pool
   proposals; sampled (static): some slot samples.
-  Returns (pool, slots, out [cap, n * window + STAT_COLUMNS] int32: each
-  slot's emitted tokens packed from column 0 (-1 after them; a -1 first
-  for a slot whose row became invalid), then its verify rounds, drafts
-  proposed and drafts accepted; ctl with the budgets and keys after the
-  rounds, batch_key).
+  Returns (pool, slots, out [cap or k, n * window + STAT_COLUMNS] int32:
+  each slot's emitted tokens packed from column 0 (-1 after them; a -1
+  first for a slot whose row became invalid), then its verify rounds,
+  drafts proposed and drafts accepted; ctl with the budgets and keys after
+  the rounds, batch_key).
   """
+  (pool, slots, ctl), (out, batch_key) = R.on_rows(
+      lambda pool, slots, ctl: _dispatch(
+          graphdef, params, pool, slots, proposer, n, window, sampled,
+          top_k, top_p, implementation, ctl, batch_key),
+      (pool, slots, ctl), rows)
+  return pool, slots, out, ctl, batch_key
+
+
+def _dispatch(graphdef, params, pool, slots, proposer, n, window, sampled,
+              top_k, top_p, implementation, ctl, batch_key):
+  """`dispatch` of every row -> ((pool, slots, ctl), (out, batch_key))."""
   model = P.merge(graphdef, params)
   eos, temps = ctl.eos, ctl.temps
   cap, width = slots.history.shape
@@ -338,5 +352,5 @@ def dispatch(graphdef, params, pool, slots, proposer, n, window, sampled,
            batch_key)
   pool, slots, out, _, stats, left, keys, batch_key = jax.lax.fori_loop(
       0, n, body, carry)
-  return (pool, slots, jnp.concatenate([out, stats], axis=1),
-          ctl.replace(left=left, keys=keys), batch_key)
+  return ((pool, slots, ctl.replace(left=left, keys=keys)),
+          (jnp.concatenate([out, stats], axis=1), batch_key))
