@@ -85,9 +85,18 @@ def sampling_settings(temperature, top_k, top_p, greedy, rng):
   if not greedy and rng is None:
     raise ValueError("rng is required when sampling (temperature > 0).")
   return SamplingSettings(
-      greedy, jnp.float32(temperature),
-      None if top_k is None else jnp.int32(top_k),
-      None if top_p is None else jnp.float32(top_p))
+      greedy, _scalar(temperature, np.float32),
+      None if top_k is None else _scalar(top_k, np.int32),
+      None if top_p is None else _scalar(top_p, np.float32))
+
+
+def _scalar(x, dtype):
+  """x as a 0-d value of dtype: a NumPy scalar for a host number (no
+  device op: the jitted call that takes it transfers it), else a jax array
+  (a traced or device value)."""
+  if isinstance(x, (int, float, np.number)) and not isinstance(x, bool):
+    return dtype(x)
+  return jnp.asarray(x, dtype)
 
 
 def is_static_flag(flag) -> bool:

@@ -187,8 +187,20 @@ def bucket_len(length: int, max_len: int) -> int:
 
 
 def resolve_sampling(temperature, top_k, top_p, rng):
+  """(SamplingSettings, rng or the key of seed 0 when None)."""
   sampling = sampling_settings(temperature, top_k, top_p, None, rng)
-  return sampling, jax.random.PRNGKey(0) if rng is None else rng
+  return sampling, _seed0_key(jax.config.jax_default_prng_impl) if (
+      rng is None) else rng
+
+
+@functools.cache
+def _seed0_key(impl: str) -> np.ndarray:
+  """`jax.random.PRNGKey(0)` under the PRNG implementation `impl`, kept
+  on the host: no device op per call (the jitted call transfers it)."""
+  del impl  # the cache key
+  key = np.asarray(jax.random.PRNGKey(0))
+  key.flags.writeable = False
+  return key
 
 
 # ----------------------------------------------------------------- insert
