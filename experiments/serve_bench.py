@@ -161,8 +161,9 @@ def warm_up(model, config, mode: str, cached: bool, spec: bool,
   outputs cut to two dispatches: every prompt's admission path (the
   prefix cache's remainders included) runs, and little decoding."""
   eng = _engine(model, config, mode, cached, spec)
-  eng.precompile(max(len(r["prompt"]) for r in requests),
-                 sampled=config.serve.temperature > 0)
+  lengths = [len(r["prompt"]) for r in requests]
+  eng.precompile(max(lengths), sampled=config.serve.temperature > 0,
+                 min_prompt_len=min(lengths))
   cap = 2 * config.serve.steps_per_dispatch
   for r in requests:
     eng.submit(_request(dict(r, max_new_tokens=min(r["max_new_tokens"],

@@ -198,6 +198,30 @@ def test_precompile_leaves_nothing_to_compile(model):
   assert eng.stats.compacted > 0
 
 
+def test_precompile_from_a_shortest_prompt():
+  """precompile(min_prompt_len=m) compiles the prefills of prompts of m
+  tokens and more (one bucket here, batches of 1 and 2): such prompts then
+  compile nothing, while a shorter prompt's smaller bucket compiles."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  # A model of its own (a graph no other test's jitted calls have seen),
+  # so that the trace counts are this test's.
+  own = build_model(5, 6, dataclasses.replace(CFG, norm_eps=2e-5))
+  eng = serving.Engine(own, 4, MAX_LEN, steps_per_dispatch=2,
+                       buffer_len=L, prefill_batch=2)
+  lo = serving.bucket_len(1, MAX_LEN) + 1  # past the smallest bucket
+  count = lambda: pool_mod.TRACE_COUNTS["insert_many"]
+  before = count()
+  eng.precompile(lo + 4, min_prompt_len=lo)
+  assert count() == before + 2  # one bucket, batches of 1 and 2
+  for i, t in enumerate((lo, lo + 4, lo + 2)):
+    eng.submit(serving.Request(f"r{i}", prompt(170 + i, t), 3))
+  eng.run()
+  assert count() == before + 2
+  eng.submit(serving.Request("short", prompt(180, 2), 2))
+  eng.run()
+  assert count() == before + 3
+
+
 def test_precompile_covers_the_prefix_cache(model):
   """With a prefix cache: precompile runs every shape its admissions need
   (misses, hits, extensions of a cached prefix, prompts shorter than a
@@ -241,6 +265,8 @@ def test_engine_arguments_are_named(model):
   eng = serving.Engine(model, 4, MAX_LEN, buffer_len=L)
   with pytest.raises(ValueError, match="max_prompt_len"):
     eng.precompile(MAX_LEN + 1)
+  with pytest.raises(ValueError, match="min_prompt_len"):
+    eng.precompile(8, min_prompt_len=9)
   eng.submit(serving.Request("x", prompt(1, 3), 2))
   with pytest.raises(ValueError, match="idle"):
     eng.precompile(8)

@@ -501,12 +501,15 @@ class Engine:
     return out, (list(range(self.pool.capacity)) if rows is None
                  else rows.tolist())
 
-  def precompile(self, max_prompt_len: int, sampled: bool = False):
-    """Compiles what serving prompts of up to `max_prompt_len` tokens may
-    run, so that no later dispatch compiles: the batched prefills of every
-    length bucket and padded batch size up to `prefill_batch`, and the
-    decode call over the whole pool and over every compacted batch size
-    (`compact_below`), greedy or with `sampled` rows. An idle engine only
+  def precompile(self, max_prompt_len: int, sampled: bool = False,
+                 min_prompt_len: int = 1):
+    """Compiles what serving prompts of `min_prompt_len` to
+    `max_prompt_len` tokens may run, so that no later dispatch compiles:
+    the batched prefills of their length buckets and of every padded batch
+    size up to `prefill_batch` (1 with a prefix cache, which admits one
+    prompt at a time), and the decode call over the whole pool and over
+    every compacted batch size (`compact_below`), greedy or with `sampled`
+    rows. An idle engine only
     (nothing queued or running); the slots stay free and the statistics
     zero. With a prefix cache, its paths too (`warmup_prompts`, run on a
     throwaway cache: the engine's is not touched)."""
@@ -515,14 +518,20 @@ class Engine:
                        "running requests).")
     cap, max_prompt_len = self.pool.capacity, V.positive_int(
         "max_prompt_len", max_prompt_len)
+    min_prompt_len = V.positive_int("min_prompt_len", min_prompt_len)
     if max_prompt_len > self.max_len:
       raise ValueError(f"max_prompt_len ({max_prompt_len}) exceeds the "
                        f"engine's max_len ({self.max_len}).")
+    if min_prompt_len > max_prompt_len:
+      raise ValueError(f"min_prompt_len ({min_prompt_len}) exceeds "
+                       f"max_prompt_len ({max_prompt_len}).")
     buckets = sorted({P.bucket_len(t, self.pool.max_len)
-                      for t in range(1, max_prompt_len + 1)})
+                      for t in range(min_prompt_len, max_prompt_len + 1)})
     temp = 1.0 if sampled else 0.0
+    most = 1 if self.prefix_cache is not None else min(self.prefill_batch,
+                                                        cap)
     k = 1
-    while k <= min(self.prefill_batch, cap):
+    while k <= most:
       for b in buckets:
         self._admit_rows(list(range(k)), [Request(
             None, np.zeros(b, np.int32), 1, eos_id=(),
