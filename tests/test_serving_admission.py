@@ -12,6 +12,8 @@ and MLP blocks), f32.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -202,7 +204,6 @@ def test_precompile_from_a_shortest_prompt():
   """precompile(min_prompt_len=m) compiles the prefills of prompts of m
   tokens and more (one bucket here, batches of 1 and 2): such prompts then
   compile nothing, while a shorter prompt's smaller bucket compiles."""
-  import dataclasses  # pylint: disable=g-import-not-at-top
   # A model of its own (a graph no other test's jitted calls have seen),
   # so that the trace counts are this test's.
   own = build_model(5, 6, dataclasses.replace(CFG, norm_eps=2e-5))

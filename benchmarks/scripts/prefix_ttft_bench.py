@@ -14,9 +14,9 @@ On an idle pool (nothing else queued on the device), per SSM mode:
 and reports t_f, the ideal (1 - f) * t0, and the share of the ideal saving
 reached, (t0 - t_f) / (f * t0); beside each hit, `serving.insert` of
 the rest alone ((1 - f) T tokens: rest_ms, the hit path's floor). Each
-time runs from the call to the first
-token on the host (`block_until_ready`), median over --repeats prompts of
-fresh random tails (never zeros), after a warm-up that compiles each path.
+time runs from the call to the first token on the host
+(`block_until_ready`), median over --repeats prompts of fresh random tails
+(never zeros), after a warm-up that compiles each path.
 Before timing, each hit's first token is checked against `insert` of the
 same prompt and its logits' difference recorded (max |difference| over
 max |logit|: the prefill split at the block boundary sums in another

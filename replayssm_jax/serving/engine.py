@@ -509,10 +509,10 @@ class Engine:
     size up to `prefill_batch` (1 with a prefix cache, which admits one
     prompt at a time), and the decode call over the whole pool and over
     every compacted batch size (`compact_below`), greedy or with `sampled`
-    rows. An idle engine only
-    (nothing queued or running); the slots stay free and the statistics
-    zero. With a prefix cache, its paths too (`warmup_prompts`, run on a
-    throwaway cache: the engine's is not touched)."""
+    rows. An idle engine only (nothing queued or running); the slots stay
+    free and the statistics zero. With a prefix cache, its paths too
+    (`warmup_prompts`, run on a throwaway cache: the engine's is not
+    touched)."""
     if self.busy:
       raise ValueError("precompile needs an idle engine (no queued or "
                        "running requests).")
