@@ -92,20 +92,19 @@ def _ssd_chunked_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus,
 
   d = process_dt(dt, dt_bias, dt_softplus)  # [b, l, h]
   xf = x.astype(F32)
-  bh = heads_from_groups(B.astype(F32), h, axis=2)  # [b, l, h, n]
-  ch = heads_from_groups(C.astype(F32), h, axis=2)
+  bg, cg = B.astype(F32), C.astype(F32)  # [b, l, g, n]
   if pad:
     # Zero steps after dt processing: exp(0) = 1 decay, zero contribution.
     padw = ((0, 0), (0, pad), (0, 0))
     d = jnp.pad(d, padw)
-    xf = jnp.pad(xf, padw + ((0, 0),))
-    bh = jnp.pad(bh, padw + ((0, 0),))
-    ch = jnp.pad(ch, padw + ((0, 0),))
+    xf, bg, cg = (jnp.pad(v, padw + ((0, 0),)) for v in (xf, bg, cg))
 
   def chunked(v):
     return v.reshape((b, nchunks, q) + v.shape[2:])
 
-  d, xf, bh, ch = map(chunked, (d, xf, bh, ch))
+  d, xf, bg, cg = map(chunked, (d, xf, bg, cg))
+  bh = heads_from_groups(bg, h, axis=3)  # [b, c, q, h, n]
+  ch = heads_from_groups(cg, h, axis=3)
   a = jnp.moveaxis(d * A.astype(F32), 2, -1)  # [b, c, h, q]
   a_cum = jnp.cumsum(a, axis=-1)  # [b, c, h, q]
   dx = d[..., None] * xf  # [b, c, q, h, p]
@@ -117,7 +116,11 @@ def _ssd_chunked_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus,
   # NaN directly (a zero weight times inf or NaN would poison them all).
   causal = jnp.tril(jnp.ones((q, q), bool))
   decay_ij = jnp.exp(_segsum(a))  # [b, c, h, i, j]
-  cb = jnp.einsum("bcihn,bcjhn->bchij", ch, bh, precision=HIGHEST)
+  # C_i . B_j once per group (the heads of a group share B and C: H / G
+  # times fewer products than per head), then read by each head.
+  cb = heads_from_groups(
+      jnp.einsum("bcign,bcjgn->bcgij", cg, bg, precision=HIGHEST), h,
+      axis=2)  # [b, c, h, i, j]
   bad = ~jnp.isfinite(dx)  # [b, c, q, h, p]
   y_diag = jnp.einsum("bchij,bcjhp->bcihp",
                       jnp.where(causal, decay_ij * cb, 0.0),
