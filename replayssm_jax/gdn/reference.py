@@ -132,14 +132,12 @@ def gdn_chunked_prefill(q, k, v, g, beta, chunk_size=64, initial_state=None,
   """
   b, T, _, K = k.shape
   hv, V = v.shape[2], v.shape[3]
-  qn, kn = prepare_qk(q, k, use_qk_l2norm, scale)
-  qh = heads_from_groups(qn, hv, axis=2)  # [b, T, HV, K]
-  kh = heads_from_groups(kn, hv, axis=2)
+  qn, kn = prepare_qk(q, k, use_qk_l2norm, scale)  # [b, T, HK, K]
   vf, gf, bf = v.astype(F32), g.astype(F32), beta.astype(F32)
   if valid is not None:
     m = jnp.asarray(valid, bool)
     m3, m4 = m[:, :, None], m[:, :, None, None]
-    qh, kh, vf = (jnp.where(m4, x, 0.0) for x in (qh, kh, vf))
+    qn, kn, vf = (jnp.where(m4, x, 0.0) for x in (qn, kn, vf))
     gf, bf = jnp.where(m3, gf, 0.0), jnp.where(m3, bf, 0.0)
   C = max(1, min(int(chunk_size), T))
   pad = (-T) % C
@@ -150,15 +148,20 @@ def gdn_chunked_prefill(q, k, v, g, beta, chunk_size=64, initial_state=None,
     x = x.reshape((b, n, C) + x.shape[2:])
     return jnp.moveaxis(x, 1, 0)
 
-  qc, kc, vc, gc, bc = (chunks(x) for x in (qh, kh, vf, gf, bf))
+  qg, kg, vc, gc, bc = (chunks(x) for x in (qn, kn, vf, gf, bf))
+  to_v = lambda x, axis: heads_from_groups(x, hv, axis)  # noqa: E731
+  qc, kc = to_v(qg, 3), to_v(kg, 3)  # [n, b, C, HV, K]
   G = jnp.cumsum(gc, axis=2)  # [n, b, C, h]
   i_ge_j = (jnp.arange(C)[:, None] >= jnp.arange(C)[None, :])[
       None, None, :, :, None]  # [1, 1, C(i), C(j), 1]
   diff = G[:, :, :, None, :] - G[:, :, None, :, :]  # [n, b, i, j, h]
   # Pairs j > i are selected away before the exp (their diff is positive).
   decay = jnp.where(i_ge_j, jnp.exp(jnp.where(i_ge_j, diff, 0.0)), 0.0)
-  kk = jnp.einsum("nbihk,nbjhk->nbijh", kc, kc, precision=HIGHEST)
-  qk = jnp.einsum("nbihk,nbjhk->nbijh", qc, kc, precision=HIGHEST) * decay
+  # Key products once per key head (its value heads share q and k), then
+  # read by each value head.
+  kk = to_v(jnp.einsum("nbihk,nbjhk->nbijh", kg, kg, precision=HIGHEST), 4)
+  qk = to_v(jnp.einsum("nbihk,nbjhk->nbijh", qg, kg, precision=HIGHEST),
+            4) * decay
   a = bc[:, :, :, None, :] * decay * kk  # diagonal ignored by the solve
   # One solve for both right-hand sides: beta v and beta exp(G) k.
   rhs = jnp.concatenate([bc[..., None] * vc,
