@@ -410,3 +410,12 @@ def test_gdn_readout_layout_small(tmp_path):
   assert len(checked) == 6
   tol = tolerance(jnp.float32).rtol
   assert all("error" not in r and r["rel_error"] < tol for r in checked), recs
+
+
+def test_prefill_scan_cost_small(tmp_path):
+  # Both scans' cost analysis and timing at a short sequence.
+  out = tmp_path / "cost.json"
+  _run("prefill_scan_cost.py", "--seq_len=32", "--repeats=1", f"--out={out}")
+  res = json.loads(out.read_text())
+  for op in ("ssd_chunked_scan", "gdn_chunked_prefill"):
+    assert res[op]["gflop"] > 0 and res[op]["ms"] > 0, res

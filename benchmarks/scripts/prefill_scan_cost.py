@@ -1,0 +1,74 @@
+"""Cost of the chunked prefill scans at served layer shapes (any backend).
+
+XLA's cost analysis (flops, bytes accessed) and the median wall time of
+`ssd_chunked_scan` at hybrid_1b's Mamba-2 layer (64 heads of 64, 8 groups
+of state 128, chunks of 256) and `gdn.gdn_chunked_prefill` at the Qwen3.5
+layer (16 key / 32 value heads of 128, chunks of 64), one row of
+--seq_len tokens, random bf16 inputs. Compare two commits by running it
+with PYTHONPATH at each tree in turn (it uses only those two functions):
+
+  PYTHONPATH=. python benchmarks/scripts/prefill_scan_cost.py --out $OUT/x.json
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from replayssm_jax import gdn
+from replayssm_jax.ssd import ssd_chunked_scan
+
+
+def measure(fn, args, repeats):
+  f = jax.jit(fn)
+  ca = f.lower(*args).compile().cost_analysis()
+  ca = ca[0] if isinstance(ca, list) else ca
+  jax.block_until_ready(f(*args))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    times.append(time.perf_counter() - t0)
+  return dict(gflop=ca.get("flops", 0.0) / 1e9,
+              gbytes=ca.get("bytes accessed", 0.0) / 1e9,
+              ms=statistics.median(times) * 1e3)
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--seq_len", type=int, default=512)
+  ap.add_argument("--repeats", type=int, default=7)
+  ap.add_argument("--out", default="prefill_scan_cost.json")
+  a = ap.parse_args()
+  t = a.seq_len
+  ks = jax.random.split(jax.random.PRNGKey(0), 12)
+  bf = jnp.bfloat16
+  ssd_args = (jax.random.normal(ks[0], (1, t, 64, 64), bf),
+              jax.random.normal(ks[1], (1, t, 64)),
+              -jnp.exp(jax.random.normal(ks[2], (64,))),
+              jax.random.normal(ks[3], (1, t, 8, 128), bf),
+              jax.random.normal(ks[4], (1, t, 8, 128), bf))
+  gdn_args = (jax.random.normal(ks[5], (1, t, 16, 128), bf),
+              jax.random.normal(ks[6], (1, t, 16, 128), bf),
+              jax.random.normal(ks[7], (1, t, 32, 128), bf),
+              -jax.nn.softplus(jax.random.normal(ks[8], (1, t, 32))),
+              jax.nn.sigmoid(jax.random.normal(ks[9], (1, t, 32))))
+  res = dict(backend=jax.default_backend(), jax=jax.__version__,
+             seq_len=t, command=" ".join(["prefill_scan_cost.py"] + [
+                 f"--seq_len={t}", f"--repeats={a.repeats}"]))
+  res["ssd_chunked_scan"] = measure(
+      lambda *x: ssd_chunked_scan(*x, chunk_size=256, dt_softplus=True),
+      ssd_args, a.repeats)
+  res["gdn_chunked_prefill"] = measure(
+      lambda *x: gdn.gdn_chunked_prefill(*x, chunk_size=64), gdn_args,
+      a.repeats)
+  print(json.dumps(res))
+  with open(a.out, "w") as f:
+    json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
