@@ -39,9 +39,9 @@ and time per output token (a request's (last - first token time) /
 wall time less its waits for the device's tokens) against its wall time
 per step, the dispatches compacted to the running slots' rows, and the
 decode state's bytes; and the full-load tokens/s: tokens streamed over the
-wall time of the dispatches that began with requests queued and ended
-with every slot running (the engine at capacity, none of a burst's ramp
-or tail). summary.md holds the table, latency.png the TTFT / TPOT
+wall time of the dispatches whose admissions filled every free slot from
+the queue, all but an empty pool's first fill (the engine at capacity,
+none of a burst's ramp or tail). summary.md holds the table, latency.png the TTFT / TPOT
 distributions.
 
 Usage (see configs/serve_bench.py):
@@ -192,9 +192,13 @@ def play(model, config, mode: str, cached: bool, spec: bool,
     while pending and pending[0]["arrival"] <= now:
       eng.submit(_request(pending.pop(0), config))
     if eng.busy:
-      queued, before = bool(eng.queue), sum(count.values())
+      free = sum(r is None for r in eng.slots)
+      # At full load: the queue refills every free slot, and this is not
+      # the first fill of an empty pool (a burst's ramp).
+      at_full = free < eng.pool.capacity and len(eng.queue) >= free
+      before = sum(count.values())
       eng.dispatch(on_tokens)
-      if queued and all(r is not None for r in eng.slots):
+      if at_full:
         full[0] += time.perf_counter() - t0 - now
         full[1] += sum(count.values()) - before
     elif pending:  # idle until the next arrival

@@ -49,8 +49,8 @@ def test_serve_bench_smoke(tmp_path):
     assert r["requests"] == len(want)
     assert r["tokens"] == sum(w["max_new_tokens"] for w in want)
     assert r["tokens_per_s"] > 0 and r["state_bytes"] > 0
-    # 12 requests at once into 4 slots: the first dispatches run full with
-    # a queue behind them (the full-load window).
+    # 12 requests at once into 4 slots: after the first fill, dispatches
+    # run full with a queue behind them (the full-load window).
     assert 0 < r["full_load_s"] < r["duration_s"], r
     assert r["full_load_tokens_per_s"] > 0
     assert 0 <= r["ttft_p50_ms"] <= r["ttft_p99_ms"]
