@@ -56,7 +56,8 @@ def _check_scan_inputs(x, dt, A, B, C, D, z, dt_bias, initial_state):
 
 
 def ssd_chunked_scan(x, dt, A, B, C, chunk_size: int, D=None, z=None,
-                     dt_bias=None, dt_softplus=False, initial_state=None):
+                     dt_bias=None, dt_softplus=False, initial_state=None,
+                     precision=HIGHEST):
   """Mamba-2 SSD over a whole sequence.
 
   Args:
@@ -71,6 +72,11 @@ def ssd_chunked_scan(x, dt, A, B, C, chunk_size: int, D=None, z=None,
     D, z, dt_bias, dt_softplus: as in `selective_state_update`.
     initial_state: optional [batch, nheads, headdim, dstate] state before the
       first token (zeros if None).
+    precision: of the scan's f32 products (a `jax.lax.Precision` or a dot
+      algorithm name such as "BF16_BF16_F32_X3"; the backend must support
+      it). HIGHEST, the default, is true f32 (on a GPU without tensor
+      cores); benchmarks/scripts/prefill_scan_cost.py times others and
+      their error against it.
 
   Returns:
     (y [batch, seqlen, nheads, headdim] in x.dtype,
@@ -79,11 +85,11 @@ def ssd_chunked_scan(x, dt, A, B, C, chunk_size: int, D=None, z=None,
   chunk_size = V.positive_int("chunk_size", chunk_size)
   _check_scan_inputs(x, dt, A, B, C, D, z, dt_bias, initial_state)
   return _ssd_chunked_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias,
-                           bool(dt_softplus), initial_state)
+                           bool(dt_softplus), initial_state, precision)
 
 
 def _ssd_chunked_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus,
-                      initial_state):
+                      initial_state, precision=HIGHEST):
   b, l, h, p = x.shape
   n = B.shape[-1]
   q = max(1, min(chunk_size, l))  # a short sequence: one unpadded chunk
@@ -119,18 +125,18 @@ def _ssd_chunked_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus,
   # C_i . B_j once per group (the heads of a group share B and C: H / G
   # times fewer products than per head), then read by each head.
   cb = heads_from_groups(
-      jnp.einsum("bcign,bcjgn->bcgij", cg, bg, precision=HIGHEST), h,
+      jnp.einsum("bcign,bcjgn->bcgij", cg, bg, precision=precision), h,
       axis=2)  # [b, c, h, i, j]
   bad = ~jnp.isfinite(dx)  # [b, c, q, h, p]
   y_diag = jnp.einsum("bchij,bcjhp->bcihp",
                       jnp.where(causal, decay_ij * cb, 0.0),
-                      jnp.where(bad, 0.0, dx), precision=HIGHEST)
+                      jnp.where(bad, 0.0, dx), precision=precision)
   y_diag = jnp.where(jnp.cumsum(bad, axis=2) > 0, jnp.nan, y_diag)
 
   # 2. State contributed by each chunk, as of the chunk's end.
   decay_to_end = jnp.exp(a_cum[..., -1:] - a_cum)  # [b, c, h, q]
   chunk_states = jnp.einsum("bchj,bcjhp,bcjhn->bchpn", decay_to_end, dx, bh,
-                            precision=HIGHEST)
+                            precision=precision)
 
   # 3. Carry the state across chunks.
   chunk_decay = jnp.exp(a_cum[..., -1])  # [b, c, h]
@@ -148,7 +154,7 @@ def _ssd_chunked_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus,
 
   # 4. Contribution of the state entering each chunk.
   y_off = jnp.einsum("bcihn,bchpn,bchi->bcihp", ch, prev_states,
-                     jnp.exp(a_cum), precision=HIGHEST)
+                     jnp.exp(a_cum), precision=precision)
 
   y = (y_diag + y_off).reshape(b, nchunks * q, h, p)[:, :l]
   y = _finish_output(y, x, D, z)  # D/z broadcast over [.., heads, headdim]

@@ -415,7 +415,11 @@ def test_gdn_readout_layout_small(tmp_path):
 def test_prefill_scan_cost_small(tmp_path):
   # Both scans' cost analysis and timing at a short sequence.
   out = tmp_path / "cost.json"
-  _run("prefill_scan_cost.py", "--seq_len=32", "--repeats=1", f"--out={out}")
+  _run("prefill_scan_cost.py", "--seq_len=32", "--repeats=1",
+       "--precisions=BF16_BF16_F32_X3", f"--out={out}")
   res = json.loads(out.read_text())
   for op in ("ssd_chunked_scan", "gdn_chunked_prefill"):
     assert res[op]["gflop"] > 0 and res[op]["ms"] > 0, res
+  # Three bf16 passes: about f32's error (bounded here at bf16's).
+  x3 = res["ssd_chunked_scan_precisions"]["BF16_BF16_F32_X3"]
+  assert x3["ms"] > 0 and x3["y_rel_err"] < 2 ** -8, x3

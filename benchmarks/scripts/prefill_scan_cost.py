@@ -4,7 +4,11 @@ XLA's cost analysis (flops, bytes accessed) and the median wall time of
 `ssd_chunked_scan` at hybrid_1b's Mamba-2 layer (64 heads of 64, 8 groups
 of state 128, chunks of 256) and `gdn.gdn_chunked_prefill` at the Qwen3.5
 layer (16 key / 32 value heads of 128, chunks of 64), one row of
---seq_len tokens, random bf16 inputs. Compare two commits by running it
+--seq_len tokens, random bf16 inputs. --precisions: the SSD scan at each
+further precision of its products too (a dot algorithm name, as
+`ssd_chunked_scan(precision=...)` takes it), with its outputs' and final
+state's error against the default (HIGHEST: true f32) beside its cost.
+Compare two commits by running it
 with PYTHONPATH at each tree in turn (it uses only those two functions):
 
   PYTHONPATH=. python benchmarks/scripts/prefill_scan_cost.py --out $OUT/x.json
@@ -18,8 +22,15 @@ import time
 import jax
 import jax.numpy as jnp
 
+from jax.lax import Precision
+
 from replayssm_jax import gdn
 from replayssm_jax.ssd import ssd_chunked_scan
+
+
+def rel_err(a, b):
+  a, b = (jnp.asarray(x, jnp.float32) for x in (a, b))
+  return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
 
 
 def measure(fn, args, repeats):
@@ -37,10 +48,16 @@ def measure(fn, args, repeats):
               ms=statistics.median(times) * 1e3)
 
 
+HIGHEST = Precision.HIGHEST
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--seq_len", type=int, default=512)
   ap.add_argument("--repeats", type=int, default=7)
+  ap.add_argument("--precisions", default="",
+                  help="further precisions of the SSD scan's products, "
+                  "comma-separated (e.g. BF16_BF16_F32_X3,TF32_TF32_F32)")
   ap.add_argument("--out", default="prefill_scan_cost.json")
   a = ap.parse_args()
   t = a.seq_len
@@ -58,10 +75,19 @@ def main():
               jax.nn.sigmoid(jax.random.normal(ks[9], (1, t, 32))))
   res = dict(backend=jax.default_backend(), jax=jax.__version__,
              seq_len=t, command=" ".join(["prefill_scan_cost.py"] + [
-                 f"--seq_len={t}", f"--repeats={a.repeats}"]))
-  res["ssd_chunked_scan"] = measure(
-      lambda *x: ssd_chunked_scan(*x, chunk_size=256, dt_softplus=True),
-      ssd_args, a.repeats)
+                 f"--seq_len={t}", f"--repeats={a.repeats}",
+                 f"--precisions={a.precisions}"]))
+  ssd = lambda prec: jax.jit(lambda *x: ssd_chunked_scan(  # noqa: E731
+      *x, chunk_size=256, dt_softplus=True, precision=prec))
+  res["ssd_chunked_scan"] = measure(ssd(HIGHEST), ssd_args, a.repeats)
+  want = ssd(HIGHEST)(*ssd_args)
+  res["ssd_chunked_scan_precisions"] = {}
+  for prec in (p for p in a.precisions.split(",") if p):
+    got = ssd(prec)(*ssd_args)
+    res["ssd_chunked_scan_precisions"][prec] = dict(
+        measure(ssd(prec), ssd_args, a.repeats),
+        y_rel_err=rel_err(got[0], want[0]),
+        state_rel_err=rel_err(got[1], want[1]))
   res["gdn_chunked_prefill"] = measure(
       lambda *x: gdn.gdn_chunked_prefill(*x, chunk_size=64), gdn_args,
       a.repeats)
