@@ -55,6 +55,12 @@ def _check_scan_inputs(x, dt, A, B, C, D, z, dt_bias, initial_state):
                   "[batch, nheads, headdim, dstate]")
 
 
+def scan_precision(name: str):
+  """`ssd_chunked_scan`'s precision from a `ModelConfig.scan_precision`
+  name: "highest" -> HIGHEST, else the dot algorithm of that name."""
+  return HIGHEST if name == "highest" else name
+
+
 def ssd_chunked_scan(x, dt, A, B, C, chunk_size: int, D=None, z=None,
                      dt_bias=None, dt_softplus=False, initial_state=None,
                      precision=HIGHEST):

@@ -21,7 +21,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from replayssm_jax import materialize
+from replayssm_jax import materialize, testing
 from replayssm_jax.models import (HybridLM, MambaState, ModelConfig,
                                   decode_step, prefill)
 from replayssm_jax.models import hf
@@ -120,11 +120,24 @@ def prefill_then_decode(model, prompts, lengths, cont, ssm_mode,
     ("pattern", "M-X"), ("pattern", ""), ("d_model", 0), ("vocab_size", -1),
     ("n_groups", 3), ("num_kv_heads", 3), ("mlp_activation", "gelu"),
     ("dtype", "float64"), ("norm_eps", 0.0), ("attn_head_dim", 7),
-    ("conv_kernel", 1), ("rope_theta", -1.0),
+    ("conv_kernel", 1), ("rope_theta", -1.0), ("scan_precision", "float32"),
 ])
 def test_bad_config_names_field(field, value):
   with pytest.raises((ValueError, TypeError), match=field):
     ModelConfig(**{**TINY, field: value})
+
+
+def test_scan_precision_reaches_the_prefill_scan(model):
+  """ModelConfig.scan_precision sets the SSD prefill's products: three
+  bf16 passes give the default's logits within f32 rounding (a CPU computes
+  f32 either way; a GPU's error is measured by
+  benchmarks/scripts/prefill_scan_cost.py)."""
+  tokens = jax.random.randint(jax.random.PRNGKey(7), (2, 11), 0,
+                              TINY["vocab_size"])
+  x3 = make_model(0, scan_precision="BF16_BF16_F32_X3")
+  want, got = model.forward(tokens)[0], x3.forward(tokens)[0]
+  tol = testing.tolerance(jnp.float32)
+  np.testing.assert_allclose(got, want, rtol=tol.rtol, atol=tol.atol)
 
 
 def test_config_derived_shapes():

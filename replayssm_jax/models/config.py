@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 
 PATTERN_CHARS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe",
@@ -52,6 +53,13 @@ class ModelConfig:
     conv_kernel: width of the causal depthwise conv (Mamba-2 and Gated
       DeltaNet mixers).
     chunk_size: SSD chunk length used by prefill.
+    scan_precision: precision of the SSD prefill scan's f32 products
+      (`ssd.ssd_chunked_scan(precision=...)`): "highest" (default: true
+      f32, which a GPU runs without tensor cores) or a dot algorithm name
+      of `jax.lax.DotAlgorithmPreset`, e.g. "BF16_BF16_F32_X3" (three bf16
+      passes, about f32's error) or "BF16_BF16_F32" (bf16 inputs, f32
+      accumulation, as mixed-precision training runs); the backend must
+      support it (a CPU does not TF32).
     num_heads: attention query heads.
     num_kv_heads: attention key/value heads (num_heads % num_kv_heads == 0).
     attn_head_dim: attention head dim.
@@ -126,6 +134,7 @@ class ModelConfig:
   mamba_shards: int = 1
   conv_kernel: int = 4
   chunk_size: int = 256
+  scan_precision: str = "highest"
   num_heads: int = 8
   num_kv_heads: int = 8
   attn_head_dim: int = 64
@@ -256,6 +265,12 @@ class ModelConfig:
         raise ValueError(f"ModelConfig.n_groups ({self.n_groups}) must divide "
                          f"ModelConfig.ssm_heads ({self.ssm_heads}).")
       positive("mamba_shards")
+      if self.scan_precision != "highest" and self.scan_precision not in (
+          jax.lax.DotAlgorithmPreset.__members__):
+        raise ValueError(
+            f"ModelConfig.scan_precision must be 'highest' or a "
+            f"jax.lax.DotAlgorithmPreset name (e.g. 'BF16_BF16_F32_X3'), "
+            f"got {self.scan_precision!r}.")
       t, g = self.mamba_shards, self.n_groups
       if self.ssm_heads % t or (g % t and t % g):
         raise ValueError(

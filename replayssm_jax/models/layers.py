@@ -33,7 +33,7 @@ from replayssm_jax.models.states import (AttentionState, MambaState,
 from replayssm_jax.norm import rms_norm
 from replayssm_jax.reference import process_dt
 from replayssm_jax.speculative import baseline_verify, replay_verify
-from replayssm_jax.ssd import ssd_chunked_scan
+from replayssm_jax.ssd import scan_precision, ssd_chunked_scan
 from replayssm_jax.state import ReplayState
 
 F32 = jnp.float32
@@ -244,9 +244,10 @@ class Mamba2Mixer(nnx.Module):
                 for v in (x, b, cc))
     s0 = (full_ssm_state(state.ssm, A, "the Mamba state") if resume
           else None)
-    y, final = ssd_chunked_scan(x, dtp, A, b, cc, c.chunk_size, D=D,
-                                dt_softplus=False,
-                                initial_state=s0)  # final: [b, H, P, N] f32
+    y, final = ssd_chunked_scan(
+        x, dtp, A, b, cc, c.chunk_size, D=D, dt_softplus=False,
+        initial_state=s0, precision=scan_precision(c.scan_precision))
+    # final: [b, H, P, N] f32
     y = self.norm(y.reshape(bsz, t, c.d_inner), z)
     out = self.out_proj(y)
     if state is None:
