@@ -35,12 +35,13 @@ its study share one device session; they are small for the larger models
 training): these are models to measure decode-state precision on, not
 strong language models.
 
-The Mamba-2 mixers' prefill scan (what training runs) computes its
-products in true f32 by default, which a GPU runs without tensor cores;
---config.model.scan_precision=BF16_BF16_F32_X3 (or BF16_BF16_F32, as
-mixed-precision training does) moves them onto tensor cores
-(benchmarks/scripts/prefill_scan_cost.py times the scan and its error
-at each); say so beside any result trained that way.
+The mixers' chunked prefill scans (what training runs: Mamba-2's SSD,
+Gated DeltaNet's WY form) compute their products in true f32 by default,
+which a GPU runs without tensor cores; --config.model.scan_precision=
+BF16_BF16_F32_X3 (or BF16_BF16_F32, as mixed-precision training does)
+moves them onto tensor cores (benchmarks/scripts/prefill_scan_cost.py
+times the scans and their error at each); say so beside any result
+trained that way.
 
 The corpus is pinned (task.corpus_sha256 = CORPUS_SHA256, the corpus that
 configs/corpus.py builds from Python 3.11.7's standard library and the
@@ -78,9 +79,8 @@ def model(family: str, d: int, units: int) -> dict:
            num_kv_heads=max(1, d // 256), attn_head_dim=64,
            rope_theta=10000.0, intermediate_size=3 * d,
            mlp_activation="relu2", norm_eps=1e-5, tie_embeddings=False,
-           dtype="bfloat16", param_dtype="float32")
-  if family == "mamba2":
-    m["scan_precision"] = "highest"  # settable from the command line
+           dtype="bfloat16", param_dtype="float32",
+           scan_precision="highest")  # settable from the command line
   if family == "gdn":
     m.update(pattern=m["pattern"].replace("M", "G"),
              gdn_num_k_heads=d // 128, gdn_num_v_heads=2 * d // 128,

@@ -3,6 +3,8 @@ decode steps == the full forward (replay and baseline states, right-padded
 prompts, flushes), verify / commit == stepping, speculative greedy decoding
 == generate, stale replay-buffer slots never read, and the state checks."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,6 +41,15 @@ def toks():
 @pytest.fixture(scope="module")
 def full(model, toks):
   return np.asarray(model(toks))
+
+
+def test_scan_precision_reaches_the_chunked_prefill(toks, full):
+  """ModelConfig.scan_precision sets the GDN prefill's products: three
+  bf16 passes give the default's logits within TOL (a CPU computes f32
+  either way; a GPU's error: benchmarks/scripts/prefill_scan_cost.py)."""
+  cfg = dataclasses.replace(CFG, scan_precision="BF16_BF16_F32_X3")
+  x3 = models.HybridLM(cfg, rngs=nnx.Rngs(0))  # the fixture's weights
+  np.testing.assert_allclose(np.asarray(x3(toks)), full, **TOL)
 
 
 @pytest.mark.parametrize("mode", MODES)

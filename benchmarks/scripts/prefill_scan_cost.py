@@ -4,10 +4,10 @@ XLA's cost analysis (flops, bytes accessed) and the median wall time of
 `ssd_chunked_scan` at hybrid_1b's Mamba-2 layer (64 heads of 64, 8 groups
 of state 128, chunks of 256) and `gdn.gdn_chunked_prefill` at the Qwen3.5
 layer (16 key / 32 value heads of 128, chunks of 64), one row of
---seq_len tokens, random bf16 inputs. --precisions: the SSD scan at each
-further precision of its products too (a dot algorithm name, as
-`ssd_chunked_scan(precision=...)` takes it), with its outputs' and final
-state's error against the default (HIGHEST: true f32) beside its cost.
+--seq_len tokens, random bf16 inputs. --precisions: both scans at each
+further precision of their products too (a dot algorithm name, as their
+`precision=` takes it), with the outputs' and final state's error against
+the default (HIGHEST: true f32) beside the cost.
 Compare two commits by running it
 with PYTHONPATH at each tree in turn (it uses only those two functions):
 
@@ -56,7 +56,7 @@ def main():
   ap.add_argument("--seq_len", type=int, default=512)
   ap.add_argument("--repeats", type=int, default=7)
   ap.add_argument("--precisions", default="",
-                  help="further precisions of the SSD scan's products, "
+                  help="further precisions of the scans' products, "
                   "comma-separated (e.g. BF16_BF16_F32_X3,TF32_TF32_F32)")
   ap.add_argument("--out", default="prefill_scan_cost.json")
   a = ap.parse_args()
@@ -88,9 +88,18 @@ def main():
         measure(ssd(prec), ssd_args, a.repeats),
         y_rel_err=rel_err(got[0], want[0]),
         state_rel_err=rel_err(got[1], want[1]))
-  res["gdn_chunked_prefill"] = measure(
-      lambda *x: gdn.gdn_chunked_prefill(*x, chunk_size=64), gdn_args,
-      a.repeats)
+  gdn_scan = lambda prec: jax.jit(  # noqa: E731
+      lambda *x: gdn.gdn_chunked_prefill(*x, chunk_size=64, precision=prec))
+  res["gdn_chunked_prefill"] = measure(gdn_scan(HIGHEST), gdn_args,
+                                       a.repeats)
+  want = gdn_scan(HIGHEST)(*gdn_args)
+  res["gdn_chunked_prefill_precisions"] = {}
+  for prec in (p for p in a.precisions.split(",") if p):
+    got = gdn_scan(prec)(*gdn_args)
+    res["gdn_chunked_prefill_precisions"][prec] = dict(
+        measure(gdn_scan(prec), gdn_args, a.repeats),
+        y_rel_err=rel_err(got[0], want[0]),
+        state_rel_err=rel_err(got[1], want[1]))
   print(json.dumps(res))
   with open(a.out, "w") as f:
     json.dump(res, f, indent=1)

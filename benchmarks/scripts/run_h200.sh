@@ -41,7 +41,7 @@
 #   bash benchmarks/scripts/run_h200.sh pool_occupancy [active rows]  # a pool of 256 slots partly occupied: dense step vs gathered active rows (hybrid_1b)
 #   bash benchmarks/scripts/run_h200.sh gdn_bench    # the GDN step kernels timed: baseline (Pallas, XLA, flash-linear-attention) vs replay, b {256,64,1,512} x L {16,8,32}
 #   bash benchmarks/scripts/run_h200.sh prefill_ttft_profile  # one request's prefill (batch 1, 128 and 512 tokens, replay): device against wall time, by block
-#   bash benchmarks/scripts/run_h200.sh prefill_scan_cost  # XLA's cost and the wall time of the Mamba-2 and GDN chunked prefill scans at hybrid_1b / Qwen3.5 layer shapes, 512 tokens; the SSD scan's products also at bf16 / TF32 dot algorithms, with their error against true f32
+#   bash benchmarks/scripts/run_h200.sh prefill_scan_cost  # XLA's cost and the wall time of the Mamba-2 and GDN chunked prefill scans at hybrid_1b / Qwen3.5 layer shapes, 512 tokens; their products also at bf16 / TF32 dot algorithms, with the error against true f32
 #   bash benchmarks/scripts/run_h200.sh gdn_baseline_tiles  # the GDN baseline step alone at b {64,256,512}, f32 / f16 state, over its launch shapes, beside flash-linear-attention's kernel
 #   bash benchmarks/scripts/run_h200.sh gdn_ring_weights  # the GDN step kernels with and without the replay step's ring-weights launch (GDNConfig.ring_weights) and at 2 / 3 pipelining stages, beside flash-linear-attention's kernel, b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
 #   bash benchmarks/scripts/run_h200.sh gdn_split  # the GDN replay step in one launch or two (GDNConfig.split_routes), with and without ring weights, beside the baselines and flash-linear-attention, b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy

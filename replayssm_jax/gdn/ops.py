@@ -96,7 +96,8 @@ def gdn_step(state, q, k, v, g, beta, *, use_qk_l2norm: bool = True,
 def gdn_chunked_prefill(q, k, v, g, beta, *, chunk_size: int = 64,
                         initial_state=None, valid=None,
                         use_qk_l2norm: bool = True, scale=None,
-                        implementation: str | None = None, config=None):
+                        implementation: str | None = None, config=None,
+                        precision=reference.HIGHEST):
   """GDN over a sequence in chunks (WY / UT form); == T `gdn_step` calls.
 
   Args:
@@ -110,6 +111,9 @@ def gdn_chunked_prefill(q, k, v, g, beta, *, chunk_size: int = 64,
       included) are selected away and never reach an output or the state.
     use_qk_l2norm, scale: as in `gdn_step`.
     implementation, config: see the module docstring.
+    precision: of the chunked form's f32 products (a `jax.lax.Precision`
+      or a dot algorithm name, as `ssd.ssd_chunked_scan`'s; default
+      HIGHEST: true f32).
 
   Returns:
     (o [batch, T, num_v_heads, value_dim] in v.dtype, final state
@@ -119,7 +123,8 @@ def gdn_chunked_prefill(q, k, v, g, beta, *, chunk_size: int = 64,
   checks.check_options(use_qk_l2norm, scale)
   args = dict(q=q, k=k, v=v, g=g, beta=beta, chunk_size=int(chunk_size),
               initial_state=initial_state, valid=valid,
-              use_qk_l2norm=bool(use_qk_l2norm), scale=scale)
+              use_qk_l2norm=bool(use_qk_l2norm), scale=scale,
+              precision=precision)
   return dispatch("gdn_chunked_prefill", implementation, config, args)
 
 

@@ -118,7 +118,8 @@ def solve_unit_lower(a, y):
 
 
 def gdn_chunked_prefill(q, k, v, g, beta, chunk_size=64, initial_state=None,
-                        valid=None, use_qk_l2norm=True, scale=None):
+                        valid=None, use_qk_l2norm=True, scale=None,
+                        precision=HIGHEST):
   """Chunked GDN over a sequence (WY / UT form), == T `gdn_step` calls.
 
   Shapes: q, k [b, T, HK, K]; v [b, T, HV, V]; g, beta [b, T, HV];
@@ -127,6 +128,8 @@ def gdn_chunked_prefill(q, k, v, g, beta, chunk_size=64, initial_state=None,
   inputs are selected away before any product (inf / NaN never reach the
   outputs or the state). Any T: the sequence is padded internally to a
   multiple of min(chunk_size, T).
+
+  precision: of the f32 products (as `ssd.ssd_chunked_scan`'s).
 
   Returns (o [b, T, HV, V] in v.dtype, final state [b, HV, K, V] f32).
   """
@@ -159,8 +162,8 @@ def gdn_chunked_prefill(q, k, v, g, beta, chunk_size=64, initial_state=None,
   decay = jnp.where(i_ge_j, jnp.exp(jnp.where(i_ge_j, diff, 0.0)), 0.0)
   # Key products once per key head (its value heads share q and k), then
   # read by each value head.
-  kk = to_v(jnp.einsum("nbihk,nbjhk->nbijh", kg, kg, precision=HIGHEST), 4)
-  qk = to_v(jnp.einsum("nbihk,nbjhk->nbijh", qg, kg, precision=HIGHEST),
+  kk = to_v(jnp.einsum("nbihk,nbjhk->nbijh", kg, kg, precision=precision), 4)
+  qk = to_v(jnp.einsum("nbihk,nbjhk->nbijh", qg, kg, precision=precision),
             4) * decay
   a = bc[:, :, :, None, :] * decay * kk  # diagonal ignored by the solve
   # One solve for both right-hand sides: beta v and beta exp(G) k.
@@ -176,11 +179,11 @@ def gdn_chunked_prefill(q, k, v, g, beta, chunk_size=64, initial_state=None,
 
   def body(s, xs):
     u, w, q_dec, k_dec, qk, g_last = xs
-    d = u - jnp.einsum("bchk,bhkv->bchv", w, s, precision=HIGHEST)
-    o = (jnp.einsum("bchk,bhkv->bchv", q_dec, s, precision=HIGHEST)
-         + jnp.einsum("bijh,bjhv->bihv", qk, d, precision=HIGHEST))
+    d = u - jnp.einsum("bchk,bhkv->bchv", w, s, precision=precision)
+    o = (jnp.einsum("bchk,bhkv->bchv", q_dec, s, precision=precision)
+         + jnp.einsum("bijh,bjhv->bihv", qk, d, precision=precision))
     s = (jnp.exp(g_last)[..., None, None] * s
-         + jnp.einsum("bchk,bchv->bhkv", k_dec, d, precision=HIGHEST))
+         + jnp.einsum("bchk,bchv->bhkv", k_dec, d, precision=precision))
     return s, o
 
   s0 = (jnp.zeros((b, hv, K, V), F32) if initial_state is None

@@ -53,8 +53,9 @@ class ModelConfig:
     conv_kernel: width of the causal depthwise conv (Mamba-2 and Gated
       DeltaNet mixers).
     chunk_size: SSD chunk length used by prefill.
-    scan_precision: precision of the SSD prefill scan's f32 products
-      (`ssd.ssd_chunked_scan(precision=...)`): "highest" (default: true
+    scan_precision: precision of the chunked prefill scans' f32 products
+      (Mamba-2's `ssd.ssd_chunked_scan` and Gated DeltaNet's
+      `gdn.gdn_chunked_prefill`, `precision=`): "highest" (default: true
       f32, which a GPU runs without tensor cores) or a dot algorithm name
       of `jax.lax.DotAlgorithmPreset`, e.g. "BF16_BF16_F32_X3" (three bf16
       passes, about f32's error) or "BF16_BF16_F32" (bf16 inputs, f32
@@ -257,6 +258,12 @@ class ModelConfig:
                        f"{self.pattern!r}.")
     positive("vocab_size")
     positive("d_model")
+    if self.scan_precision != "highest" and self.scan_precision not in (
+        jax.lax.DotAlgorithmPreset.__members__):
+      raise ValueError(
+          f"ModelConfig.scan_precision must be 'highest' or a "
+          f"jax.lax.DotAlgorithmPreset name (e.g. 'BF16_BF16_F32_X3'), got "
+          f"{self.scan_precision!r}.")
     if "M" in self.pattern:
       for name in ("ssm_heads", "head_dim", "d_state", "n_groups",
                    "conv_kernel", "chunk_size"):
@@ -265,12 +272,6 @@ class ModelConfig:
         raise ValueError(f"ModelConfig.n_groups ({self.n_groups}) must divide "
                          f"ModelConfig.ssm_heads ({self.ssm_heads}).")
       positive("mamba_shards")
-      if self.scan_precision != "highest" and self.scan_precision not in (
-          jax.lax.DotAlgorithmPreset.__members__):
-        raise ValueError(
-            f"ModelConfig.scan_precision must be 'highest' or a "
-            f"jax.lax.DotAlgorithmPreset name (e.g. 'BF16_BF16_F32_X3'), "
-            f"got {self.scan_precision!r}.")
       t, g = self.mamba_shards, self.n_groups
       if self.ssm_heads % t or (g % t and t % g):
         raise ValueError(

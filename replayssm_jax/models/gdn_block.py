@@ -33,6 +33,7 @@ from replayssm_jax.models.config import ModelConfig
 from replayssm_jax.models.layers import Linear, _normal
 from replayssm_jax.models.states import (GDNState, full_ssm_state,
                                          tokens_after)
+from replayssm_jax.ssd import scan_precision
 
 F32 = jnp.float32
 
@@ -113,9 +114,9 @@ class GDNMixer(nnx.Module):
     valid = jnp.arange(t)[None, :] < lengths[:, None]  # [b, T]
     s0 = (full_ssm_state(state.ssm, where="the Gated DeltaNet state")
           if resume else None)
-    o, final = gdn.gdn_chunked_prefill(q, k, v, g, beta,
-                                       chunk_size=c.gdn_chunk_size,
-                                       initial_state=s0, valid=valid)
+    o, final = gdn.gdn_chunked_prefill(
+        q, k, v, g, beta, chunk_size=c.gdn_chunk_size, initial_state=s0,
+        valid=valid, precision=scan_precision(c.scan_precision))
     out = self._out(o, z)
     if state is None:
       return out, None
