@@ -422,5 +422,5 @@ def test_prefill_scan_cost_small(tmp_path):
     assert res[op]["gflop"] > 0 and res[op]["ms"] > 0, res
   # Three bf16 passes: about f32's error (bounded here at bf16's).
   for op in ("ssd_chunked_scan", "gdn_chunked_prefill"):
-    x3 = res[f"{op}_precisions"]["BF16_BF16_F32_X3"]
+    x3 = res[op]["precisions"]["BF16_BF16_F32_X3"]
     assert x3["ms"] > 0 and x3["y_rel_err"] < 2 ** -8, x3

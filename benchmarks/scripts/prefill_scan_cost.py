@@ -28,16 +28,19 @@ from replayssm_jax import gdn
 from replayssm_jax.ssd import ssd_chunked_scan
 
 
+HIGHEST = Precision.HIGHEST
+
+
 def rel_err(a, b):
   a, b = (jnp.asarray(x, jnp.float32) for x in (a, b))
   return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
 
 
-def measure(fn, args, repeats):
-  f = jax.jit(fn)
+def measure(f, args, repeats):
+  """(cost and median time of the jitted f on args, its outputs)."""
   ca = f.lower(*args).compile().cost_analysis()
   ca = ca[0] if isinstance(ca, list) else ca
-  jax.block_until_ready(f(*args))
+  out = jax.block_until_ready(f(*args))
   times = []
   for _ in range(repeats):
     t0 = time.perf_counter()
@@ -45,10 +48,20 @@ def measure(fn, args, repeats):
     times.append(time.perf_counter() - t0)
   return dict(gflop=ca.get("flops", 0.0) / 1e9,
               gbytes=ca.get("bytes accessed", 0.0) / 1e9,
-              ms=statistics.median(times) * 1e3)
+              ms=statistics.median(times) * 1e3), out
 
 
-HIGHEST = Precision.HIGHEST
+def study(scan, args, precisions, repeats):
+  """scan(precision) -> a function of args returning (outputs, final
+  state): its record at HIGHEST, and at each of `precisions` with the
+  outputs' and state's error against HIGHEST's."""
+  rec, want = measure(jax.jit(scan(HIGHEST)), args, repeats)
+  rec["precisions"] = {}
+  for prec in precisions:
+    r, got = measure(jax.jit(scan(prec)), args, repeats)
+    rec["precisions"][prec] = dict(r, y_rel_err=rel_err(got[0], want[0]),
+                                   state_rel_err=rel_err(got[1], want[1]))
+  return rec
 
 
 def main():
@@ -77,29 +90,15 @@ def main():
              seq_len=t, command=" ".join(["prefill_scan_cost.py"] + [
                  f"--seq_len={t}", f"--repeats={a.repeats}",
                  f"--precisions={a.precisions}"]))
-  ssd = lambda prec: jax.jit(lambda *x: ssd_chunked_scan(  # noqa: E731
-      *x, chunk_size=256, dt_softplus=True, precision=prec))
-  res["ssd_chunked_scan"] = measure(ssd(HIGHEST), ssd_args, a.repeats)
-  want = ssd(HIGHEST)(*ssd_args)
-  res["ssd_chunked_scan_precisions"] = {}
-  for prec in (p for p in a.precisions.split(",") if p):
-    got = ssd(prec)(*ssd_args)
-    res["ssd_chunked_scan_precisions"][prec] = dict(
-        measure(ssd(prec), ssd_args, a.repeats),
-        y_rel_err=rel_err(got[0], want[0]),
-        state_rel_err=rel_err(got[1], want[1]))
-  gdn_scan = lambda prec: jax.jit(  # noqa: E731
-      lambda *x: gdn.gdn_chunked_prefill(*x, chunk_size=64, precision=prec))
-  res["gdn_chunked_prefill"] = measure(gdn_scan(HIGHEST), gdn_args,
-                                       a.repeats)
-  want = gdn_scan(HIGHEST)(*gdn_args)
-  res["gdn_chunked_prefill_precisions"] = {}
-  for prec in (p for p in a.precisions.split(",") if p):
-    got = gdn_scan(prec)(*gdn_args)
-    res["gdn_chunked_prefill_precisions"][prec] = dict(
-        measure(gdn_scan(prec), gdn_args, a.repeats),
-        y_rel_err=rel_err(got[0], want[0]),
-        state_rel_err=rel_err(got[1], want[1]))
+  precisions = [p for p in a.precisions.split(",") if p]
+  res["ssd_chunked_scan"] = study(
+      lambda prec: lambda *x: ssd_chunked_scan(
+          *x, chunk_size=256, dt_softplus=True, precision=prec),
+      ssd_args, precisions, a.repeats)
+  res["gdn_chunked_prefill"] = study(
+      lambda prec: lambda *x: gdn.gdn_chunked_prefill(
+          *x, chunk_size=64, precision=prec),
+      gdn_args, precisions, a.repeats)
   print(json.dumps(res))
   with open(a.out, "w") as f:
     json.dump(res, f, indent=1)
