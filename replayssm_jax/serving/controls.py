@@ -52,7 +52,7 @@ class SlotControls:
 def init_controls(capacity: int, max_eos_ids: int = 1) -> SlotControls:
   """Controls of `capacity` idle slots (no budget, greedy, zero keys), up
   to `max_eos_ids` eos ids per slot."""
-  key_shape = jax.random.PRNGKey(0).shape
+  key_shape = P.seed0_key().shape
   # Separate buffers: `admit` and the decode calls donate every leaf.
   return SlotControls(left=jnp.zeros((capacity,), jnp.int32),
                       eos=jnp.full((capacity, max_eos_ids), -1, jnp.int32),

@@ -186,17 +186,31 @@ def bucket_len(length: int, max_len: int) -> int:
   return min(max_len, max(MIN_BUCKET, 1 << (length - 1).bit_length()))
 
 
+def check_row_id(row_id):
+  """A request identity for stochastic rounding as an int32 scalar: a
+  Python / NumPy int on the host (no eager op: the jitted calls take it),
+  else a jax integer (possibly traced)."""
+  if isinstance(row_id, (int, np.integer)) and not isinstance(
+      row_id, (bool, np.bool_)):
+    return np.int32(row_id)
+  V.check_integer("row_id", jnp.asarray(row_id))
+  return jnp.asarray(row_id, jnp.int32)
+
+
 def resolve_sampling(temperature, top_k, top_p, rng):
   """(SamplingSettings, rng or the key of seed 0 when None)."""
   sampling = sampling_settings(temperature, top_k, top_p, None, rng)
-  return sampling, _seed0_key(jax.config.jax_default_prng_impl) if (
-      rng is None) else rng
+  return sampling, seed0_key() if rng is None else rng
+
+
+def seed0_key() -> np.ndarray:
+  """`jax.random.PRNGKey(0)` under the current PRNG implementation, kept
+  on the host: no device op per call (the jitted call transfers it)."""
+  return _seed0_key(jax.config.jax_default_prng_impl)
 
 
 @functools.cache
 def _seed0_key(impl: str) -> np.ndarray:
-  """`jax.random.PRNGKey(0)` under the PRNG implementation `impl`, kept
-  on the host: no device op per call (the jitted call transfers it)."""
   del impl  # the cache key
   key = np.asarray(jax.random.PRNGKey(0))
   key.flags.writeable = False
@@ -324,9 +338,7 @@ def insert(model: M.HybridLM, pool: Pool, slot, prompt_tokens, *,
     raise ValueError(f"bucket must lie in [len(prompt_tokens), max_len] = "
                      f"[{t}, {pool.max_len}], got {bucket}.")
   sampling, rng = resolve_sampling(temperature, top_k, top_p, rng)
-  if row_id is None:
-    row_id = slot
-  V.check_integer("row_id", jnp.asarray(row_id))
+  row_id = check_row_id(slot if row_id is None else row_id)
   if V.is_concrete(prompt_tokens):
     # Padded on the host: an eager scatter would compile once per prompt
     # length.
@@ -338,9 +350,7 @@ def insert(model: M.HybridLM, pool: Pool, slot, prompt_tokens, *,
         jnp.asarray(prompt_tokens, jnp.int32))
   graphdef, params = model_parts(model, parts)
   pool, tok, logits = _insert_jit(graphdef, params, pool, slot, tokens,
-                                  jnp.int32(t), jnp.asarray(row_id,
-                                                            jnp.int32),
-                                  sampling, rng)
+                                  jnp.int32(t), row_id, sampling, rng)
   return (pool, tok, logits) if return_logits else (pool, tok)
 
 
@@ -435,7 +445,7 @@ def _key_rows(keys, k: int, kp: int):
   """keys (k keys, or a [k, ...] array of them; None: zeros) as a
   [kp, ...] uint32 array, zero keys in the padding rows (an array of kp
   keys, already padded, is taken as it is)."""
-  shape = jax.random.PRNGKey(0).shape
+  shape = seed0_key().shape
   if keys is None:
     return jnp.zeros((kp,) + shape, jnp.uint32)
   if not isinstance(keys, (jax.Array, np.ndarray)):

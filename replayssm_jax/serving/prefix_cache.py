@@ -95,7 +95,6 @@ import functools
 import hashlib
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from replayssm_jax import _validation as V
@@ -340,14 +339,7 @@ def insert_cached(model: M.HybridLM, pool: P.Pool, cache: PrefixCache, slot,
   t = P.check_prompt("prompt_tokens", prompt_tokens, model, pool)
   toks = np.asarray(prompt_tokens).astype(np.int32)  # a copy
   cache._check_layout(pool)
-  if row_id is None:
-    row_id = slot
-  if isinstance(row_id, (int, np.integer)) and not isinstance(
-      row_id, (bool, np.bool_)):
-    row_id = np.int32(row_id)  # no eager op: the jitted calls take it
-  else:
-    V.check_integer("row_id", jnp.asarray(row_id))
-    row_id = jnp.asarray(row_id, jnp.int32)
+  row_id = P.check_row_id(slot if row_id is None else row_id)
 
   block = cache.block
   n_blocks = (t - 1) // block
