@@ -15,6 +15,8 @@ resumed run reproduces the uninterrupted one.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -97,6 +99,20 @@ def _scalar(x, dtype):
   if isinstance(x, (int, float, np.number)) and not isinstance(x, bool):
     return dtype(x)
   return jnp.asarray(x, dtype)
+
+
+def seed0_key() -> np.ndarray:
+  """`jax.random.PRNGKey(0)` of the current PRNG implementation, on the
+  host: no device op per call (a jitted call that takes it transfers
+  it)."""
+  return _seed0_key(jax.config.jax_default_prng_impl)
+
+
+@functools.cache
+def _seed0_key(impl: str) -> np.ndarray:  # impl: the cache key
+  key = np.asarray(jax.random.PRNGKey(0))
+  key.flags.writeable = False
+  return key
 
 
 def is_static_flag(flag) -> bool:

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from replayssm_jax.models.generate import is_eos as eos_hit
+from replayssm_jax.models.generate import seed0_key
 from replayssm_jax.serving import pool as P
 from replayssm_jax.serving import rows as R
 
@@ -52,7 +53,7 @@ class SlotControls:
 def init_controls(capacity: int, max_eos_ids: int = 1) -> SlotControls:
   """Controls of `capacity` idle slots (no budget, greedy, zero keys), up
   to `max_eos_ids` eos ids per slot."""
-  key_shape = P.seed0_key().shape
+  key_shape = seed0_key().shape
   # Separate buffers: `admit` and the decode calls donate every leaf.
   return SlotControls(left=jnp.zeros((capacity,), jnp.int32),
                       eos=jnp.full((capacity, max_eos_ids), -1, jnp.int32),

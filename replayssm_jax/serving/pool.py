@@ -70,7 +70,8 @@ import numpy as np
 
 from replayssm_jax import _validation as V
 from replayssm_jax.models.generate import (check_sampling, filter_logits,
-                                           sample_logits, sampling_settings)
+                                           sample_logits, sampling_settings,
+                                           seed0_key)
 from replayssm_jax.models import model as M
 from replayssm_jax.models import states as S
 from replayssm_jax.serving.parts import merge, model_parts
@@ -187,9 +188,8 @@ def bucket_len(length: int, max_len: int) -> int:
 
 
 def check_row_id(row_id):
-  """A request identity for stochastic rounding as an int32 scalar: a
-  Python / NumPy int on the host (no eager op: the jitted calls take it),
-  else a jax integer (possibly traced)."""
+  """row_id (stochastic rounding's request identity) as int32: a host int
+  stays on the host (no eager op), a jax integer (maybe traced) checked."""
   if isinstance(row_id, (int, np.integer)) and not isinstance(
       row_id, (bool, np.bool_)):
     return np.int32(row_id)
@@ -201,20 +201,6 @@ def resolve_sampling(temperature, top_k, top_p, rng):
   """(SamplingSettings, rng or the key of seed 0 when None)."""
   sampling = sampling_settings(temperature, top_k, top_p, None, rng)
   return sampling, seed0_key() if rng is None else rng
-
-
-def seed0_key() -> np.ndarray:
-  """`jax.random.PRNGKey(0)` under the current PRNG implementation, kept
-  on the host: no device op per call (the jitted call transfers it)."""
-  return _seed0_key(jax.config.jax_default_prng_impl)
-
-
-@functools.cache
-def _seed0_key(impl: str) -> np.ndarray:
-  del impl  # the cache key
-  key = np.asarray(jax.random.PRNGKey(0))
-  key.flags.writeable = False
-  return key
 
 
 # ----------------------------------------------------------------- insert
@@ -423,15 +409,7 @@ def insert_many(model: M.HybridLM, pool: Pool, slots, prompts, *,
     raise ValueError("keys are required when a temperature is > 0.")
   check_sampling(1.0, top_k, top_p)
   kp = 1 << (k - 1).bit_length()  # the batch, padded to a power of two
-  bucket = bucket_len(max(p.shape[0] for p in prompts), pool.max_len)
-  tokens = np.zeros((kp, bucket), np.int32)
-  lengths = np.ones(kp, np.int32)
-  for i, p in enumerate(prompts):
-    tokens[i, :p.shape[0]] = p
-    lengths[i] = p.shape[0]
-  # Padding rows scatter to index `capacity`: dropped.
-  idx = np.full(kp, pool.capacity, np.int32)
-  idx[:k] = slots
+  idx, tokens, lengths = padded_batch(slots, prompts, kp, pool)
   key_rows = _key_rows(keys, k, kp)
   graphdef, params = model_parts(model, parts)
   idx, tokens, lengths, temps = jax.device_put(  # one host -> device call
@@ -439,6 +417,19 @@ def insert_many(model: M.HybridLM, pool: Pool, slots, prompts, *,
   pool, tok = _insert_many_jit(graphdef, params, pool, idx, tokens, lengths,
                                idx, (temps, key_rows), sampled, top_k, top_p)
   return pool, (tok if padded else tok[:k])
+
+
+def padded_batch(slots, prompts, kp: int, pool: Pool):
+  """k slots and their host prompts as kp >= k rows on the host: idx [kp]
+  (padding: `capacity`, dropped by a scatter), tokens [kp, bucket] (the
+  longest prompt's) right-padded with zeros, lengths [kp] (padding: 1)."""
+  bucket = bucket_len(max(p.shape[0] for p in prompts), pool.max_len)
+  tokens = np.zeros((kp, bucket), np.int32)
+  lengths = np.ones(kp, np.int32)
+  idx = np.full(kp, pool.capacity, np.int32)
+  for i, (slot, p) in enumerate(zip(slots, prompts)):
+    tokens[i, :p.shape[0]], lengths[i], idx[i] = p, p.shape[0], slot
+  return idx, tokens, lengths
 
 
 def _key_rows(keys, k: int, kp: int):

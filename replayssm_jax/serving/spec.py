@@ -196,13 +196,9 @@ def insert_slots(spec: Speculation, slots: SpecSlots, pool: P.Pool,
   if not 0 < k <= kp:
     raise ValueError(f"firsts must hold a first token for each of the "
                      f"{k} slots, got {kp}.")
-  prompts = [np.asarray(x, np.int32) for x in prompts]
-  bucket = max(P.bucket_len(x.shape[0], pool.max_len) for x in prompts)
-  tokens = np.zeros((kp, bucket), np.int32)
-  lengths = np.ones((kp,), np.int32)  # padding rows: one token, unwritten
-  idx = np.full((kp,), pool.capacity, np.int32)
-  for r, (slot, x) in enumerate(zip(slot_list, prompts)):
-    tokens[r, :x.shape[0]], lengths[r], idx[r] = x, x.shape[0], slot
+  # Padding rows: one token, written nowhere.
+  idx, tokens, lengths = P.padded_batch(
+      slot_list, [np.asarray(x, np.int32) for x in prompts], kp, pool)
   init_kw = tuple(sorted(_init_args(spec, pool, ssm_mode,
                                     buffer_len).items()))
   return _insert_jit(spec.proposer, slots, idx, tokens, lengths, firsts,
