@@ -41,8 +41,8 @@ per step, the dispatches compacted to the running slots' rows, and the
 decode state's bytes; and the full-load tokens/s: tokens streamed over the
 wall time of the dispatches whose admissions filled every free slot from
 the queue, all but an empty pool's first fill (the engine at capacity,
-none of a burst's ramp or tail). summary.md holds the table, latency.png the TTFT / TPOT
-distributions.
+none of a burst's ramp or tail). summary.md holds the table, latency.png
+the TTFT / TPOT distributions.
 
 Usage (see configs/serve_bench.py):
   python -m experiments.serve_bench --config=configs/serve_bench.py \
@@ -177,12 +177,14 @@ def play(model, config, mode: str, cached: bool, spec: bool,
   {request id: tokens})."""
   eng = _engine(model, config, mode, cached, spec)
   first, last, count = {}, {}, {}
+  streamed = [0]  # tokens streamed so far
 
   def on_tokens(rid, toks):
     now = time.perf_counter()
     first.setdefault(rid, now)
     last[rid] = now
     count[rid] = count.get(rid, 0) + len(toks)
+    streamed[0] += len(toks)
 
   t0 = time.perf_counter()
   pending = list(requests)  # in arrival order
@@ -196,18 +198,18 @@ def play(model, config, mode: str, cached: bool, spec: bool,
       # At full load: the queue refills every free slot, and this is not
       # the first fill of an empty pool (a burst's ramp).
       at_full = free < eng.pool.capacity and len(eng.queue) >= free
-      before = sum(count.values())
+      before = streamed[0]
       eng.dispatch(on_tokens)
       if at_full:
         full[0] += time.perf_counter() - t0 - now
-        full[1] += sum(count.values()) - before
+        full[1] += streamed[0] - before
     elif pending:  # idle until the next arrival
       time.sleep(max(0.0, pending[0]["arrival"] - now))
   end = max(last.values())
   ttft = np.array([first[r["id"]] - t0 - r["arrival"] for r in requests])
   tpot = np.array([(last[r["id"]] - first[r["id"]]) / (count[r["id"]] - 1)
                    for r in requests if count[r["id"]] > 1])
-  tokens = sum(count.values())
+  tokens = streamed[0]
   st = eng.stats
   state_bytes = sum(x.size * x.dtype.itemsize
                     for x in jax.tree.leaves(eng.pool.state))
