@@ -7,7 +7,12 @@ layer (16 key / 32 value heads of 128, chunks of 64), one row of
 --seq_len tokens, random bf16 inputs. --precisions: both scans at each
 further precision of their products too (a dot algorithm name, as their
 `precision=` takes it), with the outputs' and final state's error against
-the default (HIGHEST: true f32) beside the cost.
+the default (HIGHEST: true f32) beside the cost. --chunk_sizes and
+--gdn_chunk_sizes: each scan at further chunk lengths too, and
+--segsum_difference: the Mamba-2 scan with its within-chunk decay sums
+formed as differences of one cumulative sum (a_cum_i - a_cum_j, the form
+of the GDN prefill and of mamba_ssm's kernels) in place of the masked
+cumulative sum of `ssd._segsum`, each with its error against the default.
 Compare two commits by running it
 with PYTHONPATH at each tree in turn (it uses only those two functions):
 
@@ -24,7 +29,7 @@ import jax.numpy as jnp
 
 from jax.lax import Precision
 
-from replayssm_jax import gdn
+from replayssm_jax import gdn, ssd
 from replayssm_jax.ssd import ssd_chunked_scan
 
 
@@ -51,17 +56,45 @@ def measure(f, args, repeats):
               ms=statistics.median(times) * 1e3), out
 
 
-def study(scan, args, precisions, repeats):
-  """scan(precision) -> a function of args returning (outputs, final
-  state): its record at HIGHEST, and at each of `precisions` with the
-  outputs' and state's error against HIGHEST's."""
+def study(scan, args, precisions, repeats, variants=()):
+  """scan(precision, **variant) -> a function of args returning (outputs,
+  final state): its record at HIGHEST, at each of `precisions` and each
+  (name, variant kwargs) of `variants`, with the outputs' and state's error
+  against the default's."""
   rec, want = measure(jax.jit(scan(HIGHEST)), args, repeats)
-  rec["precisions"] = {}
-  for prec in precisions:
-    r, got = measure(jax.jit(scan(prec)), args, repeats)
-    rec["precisions"][prec] = dict(r, y_rel_err=rel_err(got[0], want[0]),
-                                   state_rel_err=rel_err(got[1], want[1]))
+
+  def against(fn):
+    r, got = measure(jax.jit(fn), args, repeats)
+    return dict(r, y_rel_err=rel_err(got[0], want[0]),
+                state_rel_err=rel_err(got[1], want[1]))
+
+  rec["precisions"] = {prec: against(scan(prec)) for prec in precisions}
+  if variants:
+    rec["variants"] = {name: against(scan(HIGHEST, **kw))
+                       for name, kw in variants}
   return rec
+
+
+def _segsum_difference(a):
+  """ssd._segsum's [..., Q, Q] from differences of one cumulative sum."""
+  q = a.shape[-1]
+  c = jnp.cumsum(a, axis=-1)
+  return jnp.where(jnp.tril(jnp.ones((q, q), bool)),
+                   c[..., :, None] - c[..., None, :], -jnp.inf)
+
+
+def ssd_scan(prec, chunk_size=256, segsum_difference=False):
+  def f(*x):
+    if not segsum_difference:
+      return ssd_chunked_scan(*x, chunk_size=chunk_size, dt_softplus=True,
+                              precision=prec)
+    saved, ssd._segsum = ssd._segsum, _segsum_difference  # traced here
+    try:
+      return ssd_chunked_scan(*x, chunk_size=chunk_size, dt_softplus=True,
+                              precision=prec)
+    finally:
+      ssd._segsum = saved
+  return f
 
 
 def main():
@@ -71,8 +104,16 @@ def main():
   ap.add_argument("--precisions", default="",
                   help="further precisions of the scans' products, "
                   "comma-separated (e.g. BF16_BF16_F32_X3,TF32_TF32_F32)")
+  ap.add_argument("--chunk_sizes", default="",
+                  help="further chunk lengths of the Mamba-2 scan (256: "
+                  "the default), separated by commas or '+'")
+  ap.add_argument("--gdn_chunk_sizes", default="",
+                  help="further chunk lengths of the GDN prefill (64: the "
+                  "default), separated by commas or '+'")
+  ap.add_argument("--segsum_difference", action="store_true")
   ap.add_argument("--out", default="prefill_scan_cost.json")
   a = ap.parse_args()
+  ints = lambda v: [int(x) for x in v.replace("+", ",").split(",") if x]
   t = a.seq_len
   ks = jax.random.split(jax.random.PRNGKey(0), 12)
   bf = jnp.bfloat16
@@ -89,16 +130,25 @@ def main():
   res = dict(backend=jax.default_backend(), jax=jax.__version__,
              seq_len=t, command=" ".join(["prefill_scan_cost.py"] + [
                  f"--seq_len={t}", f"--repeats={a.repeats}",
-                 f"--precisions={a.precisions}"]))
+                 f"--precisions={a.precisions}",
+                 f"--chunk_sizes={a.chunk_sizes}",
+                 f"--gdn_chunk_sizes={a.gdn_chunk_sizes}"]
+                 + ["--segsum_difference"] * a.segsum_difference))
   precisions = [p for p in a.precisions.split(",") if p]
-  res["ssd_chunked_scan"] = study(
-      lambda prec: lambda *x: ssd_chunked_scan(
-          *x, chunk_size=256, dt_softplus=True, precision=prec),
-      ssd_args, precisions, a.repeats)
+  ssd_variants = [(f"chunk_size={q}", dict(chunk_size=q))
+                  for q in ints(a.chunk_sizes)]
+  if a.segsum_difference:
+    ssd_variants += [(f"segsum_difference,chunk_size={q}",
+                      dict(chunk_size=q, segsum_difference=True))
+                     for q in [256] + ints(a.chunk_sizes)]
+  res["ssd_chunked_scan"] = study(ssd_scan, ssd_args, precisions,
+                                  a.repeats, ssd_variants)
   res["gdn_chunked_prefill"] = study(
-      lambda prec: lambda *x: gdn.gdn_chunked_prefill(
-          *x, chunk_size=64, precision=prec),
-      gdn_args, precisions, a.repeats)
+      lambda prec, chunk_size=64: lambda *x: gdn.gdn_chunked_prefill(
+          *x, chunk_size=chunk_size, precision=prec),
+      gdn_args, precisions, a.repeats,
+      [(f"chunk_size={q}", dict(chunk_size=q))
+       for q in ints(a.gdn_chunk_sizes)])
   print(json.dumps(res))
   with open(a.out, "w") as f:
     json.dump(res, f, indent=1)

@@ -68,8 +68,11 @@ def main():
   ap.add_argument("--prompt_len", type=int, default=512)
   ap.add_argument("--block", type=int, default=16)
   ap.add_argument("--fractions", default="0.25,0.5,0.75,0.875,0.9375",
-                  help="cached fractions of the prompt, comma-separated "
-                  "(rounded down to whole blocks)")
+                  help="cached fractions of the prompt, separated by commas "
+                  "or '+' (rounded down to whole blocks)")
+  ap.add_argument("--chunk_size", type=int, default=0,
+                  help="the Mamba-2 prefill's chunk length (0: the "
+                  "model config's)")
   ap.add_argument("--max_len", type=int, default=1024)
   ap.add_argument("--capacity", type=int, default=8)
   ap.add_argument("--repeats", type=int, default=10)
@@ -81,10 +84,13 @@ def main():
     cfg = models.ModelConfig(**_decode_bench.TINY_MODEL)
   else:
     cfg = models.ModelConfig(**hybrid_1b.MODEL)
+  if a.chunk_size:
+    cfg = cfg.replace(chunk_size=a.chunk_size)
   t, block = a.prompt_len, a.block
   res = dict(env=common.log_environment(),
              command=" ".join([sys.executable] + sys.argv), prompt_len=t,
-             block=block, max_len=a.max_len, repeats=a.repeats, records=[])
+             block=block, chunk_size=cfg.chunk_size, max_len=a.max_len,
+             repeats=a.repeats, records=[])
 
   def save():
     with open(a.out, "w") as f:
@@ -119,7 +125,7 @@ def main():
     save()
     print(f"{mode}: insert {t0:.2f} ms, miss {miss:.2f} ms", flush=True)
     done = set()
-    for f in (float(x) for x in a.fractions.split(",")):
+    for f in (float(x) for x in a.fractions.replace("+", ",").split(",")):
       k = int(f * t) // block * block
       if not 0 < k < t or k in done:
         continue

@@ -37,11 +37,11 @@
 #   bash benchmarks/scripts/run_h200.sh serve_b256 [plain|speculative|plain+speculative] [hf_config]  # serve_bench saturated at 256 slots (512 requests at once); speculative: at acceptance 0.7
 #   bash benchmarks/scripts/run_h200.sh serve_decode [on|off] [hf_config]  # serve_bench saturated at 256 slots on a decode-bound workload (prompts of 16-64, outputs of 256-768 tokens), the engine's overlap on or off
 #   bash benchmarks/scripts/run_h200.sh serve_prefix [hf_config]  # serve_bench on a shared-prefix workload at a light load, without and with a prefix cache
-#   bash benchmarks/scripts/run_h200.sh prefix_ttft  # time to first token on an idle pool with a cached prefix of 25-94% of a 512-token prompt against insert without one, and the ideal (1 - f) of it (hybrid_1b)
+#   bash benchmarks/scripts/run_h200.sh prefix_ttft [name] [flags]  # time to first token on an idle pool with a cached prefix of 25-94% of a 512-token prompt against insert without one, and the ideal (1 - f) of it (hybrid_1b); flags: prefix_ttft_bench.py's (--prompt_len, --max_len, --modes, --chunk_size, --fractions joined by "+"), output prefix_ttft_<name>.json
 #   bash benchmarks/scripts/run_h200.sh pool_occupancy [active rows]  # a pool of 256 slots partly occupied: dense step vs gathered active rows (hybrid_1b)
 #   bash benchmarks/scripts/run_h200.sh gdn_bench    # the GDN step kernels timed: baseline (Pallas, XLA, flash-linear-attention) vs replay, b {256,64,1,512} x L {16,8,32}
 #   bash benchmarks/scripts/run_h200.sh prefill_ttft_profile  # one request's prefill (batch 1, 128 and 512 tokens, replay): device against wall time, by block
-#   bash benchmarks/scripts/run_h200.sh prefill_scan_cost  # XLA's cost and the wall time of the Mamba-2 and GDN chunked prefill scans at hybrid_1b / Qwen3.5 layer shapes, 512 tokens; their products also at bf16 / TF32 dot algorithms, with the error against true f32
+#   bash benchmarks/scripts/run_h200.sh prefill_scan_cost [flags]  # XLA's cost and the wall time of the Mamba-2 and GDN chunked prefill scans at hybrid_1b / Qwen3.5 layer shapes, 512 tokens; their products also at bf16 / TF32 dot algorithms, with the error against true f32
 #   bash benchmarks/scripts/run_h200.sh gdn_baseline_tiles  # the GDN baseline step alone at b {64,256,512}, f32 / f16 state, over its launch shapes, beside flash-linear-attention's kernel
 #   bash benchmarks/scripts/run_h200.sh gdn_ring_weights  # the GDN step kernels with and without the replay step's ring-weights launch (GDNConfig.ring_weights) and at 2 / 3 pipelining stages, beside flash-linear-attention's kernel, b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
 #   bash benchmarks/scripts/run_h200.sh gdn_split  # the GDN replay step in one launch or two (GDNConfig.split_routes), with and without ring weights, beside the baselines and flash-linear-attention, b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
@@ -156,9 +156,11 @@ case "$1" in
         --out "$OUT/prefill_ttft_profile_$t.json"
     done ;;
   prefill_scan_cost)
+    # Further arguments replace the default study (its dot algorithms).
+    if [ $# -gt 1 ]; then flags=("${@:2}"); else flags=(
+      --precisions=BF16_BF16_F32_X3,BF16_BF16_F32_X6,TF32_TF32_F32_X3,TF32_TF32_F32,BF16_BF16_F32); fi
     timeout "$T" python -u benchmarks/scripts/prefill_scan_cost.py \
-      --precisions=BF16_BF16_F32_X3,BF16_BF16_F32_X6,TF32_TF32_F32_X3,TF32_TF32_F32,BF16_BF16_F32 \
-      --out "$OUT/prefill_scan_cost.json" ;;
+      "${flags[@]}" --out "$OUT/prefill_scan_cost.json" ;;
   pool_profile)
     # Why the pool's step is slower than decode_bench's static one: both
     # at 256 rows after 64-token prompts, KV caches of 1024 entries.
@@ -374,8 +376,10 @@ case "$1" in
       --config.serve.shared_prefixes=4 --config.serve.shared_prefix_len=448 \
       --config.serve.speculative_window=0 ${2:+--config.hf_config=$2} ;;
   prefix_ttft)
+    # Argument 2: a name for the output file; further ones: the script's
+    # flags (fractions joined by "+").
     timeout "$T" python -u benchmarks/scripts/prefix_ttft_bench.py \
-      --out="$OUT/prefix_ttft.json" ;;
+      --out="$OUT/prefix_ttft${2:+_$2}.json" "${@:3}" ;;
   pool_occupancy)
     timeout "$T" python -u benchmarks/scripts/pool_occupancy_bench.py \
       --occupancies="${2:-64,256}" --out="$OUT/pool_occupancy.json" ;;
