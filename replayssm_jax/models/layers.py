@@ -26,6 +26,7 @@ from flax import nnx
 from replayssm_jax import ops
 from replayssm_jax.conv import (causal_conv1d, causal_conv1d_update,
                                 conv_state_after)
+from replayssm_jax.models.cached_attention import cached_attention
 from replayssm_jax.models.config import ModelConfig
 from replayssm_jax.models.states import (AttentionState, MambaState,
                                          StoredSSMState, full_ssm_state,
@@ -451,6 +452,11 @@ class Attention(nnx.Module):
     del ctx
     return self.o_proj(o)
 
+  def _scale(self) -> float:
+    c = self.cfg
+    return (c.attn_head_dim ** -0.5 if c.attention_multiplier is None
+            else c.attention_multiplier)
+
   def _attend(self, q, k, v, mask):
     """q [b, Tq, Hq, D], k/v [b, Hk, S, D], mask [b, Tq, S] -> [b, Tq, Hq*D]
     (prefill; decode steps and verify windows use ops.decode_attention).
@@ -464,8 +470,7 @@ class Attention(nnx.Module):
     rep = c.num_heads // c.num_kv_heads
     qg = q.reshape(b, tq, c.num_kv_heads, rep, c.attn_head_dim)
     s = jnp.einsum("bqkrd,bksd->bkrqs", qg.astype(F32), k.astype(F32))
-    s = s * (c.attn_head_dim ** -0.5 if c.attention_multiplier is None
-             else c.attention_multiplier)
+    s = s * self._scale()
     s = jnp.where(mask[:, None, None], s, -1e30)
     p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("bkrqs,bksd->bqkrd", p, v.astype(F32))
@@ -515,14 +520,9 @@ class Attention(nnx.Module):
     vc = state.v.at[rows, :, idx].set(jnp.swapaxes(v, 1, 2).astype(
         state.v.dtype), mode="drop")
     new_len = (state.length + lengths).astype(jnp.int32)
-    keys = jnp.arange(state.max_len)
-    live = keys[None, :] < new_len[:, None]  # [b, S] entries of the row
-    mask = live[:, None, :] & (keys[None, None, :] <= pos[:, :, None])
-    # Entries past a row's length are stale (anything, inf / NaN included):
-    # the scores select them away, the values are selected to zero before
-    # the product with the (zero) weights, as 0 * NaN is NaN.
-    vs = jnp.where(live[:, None, :, None], vc, jnp.zeros((), vc.dtype))
-    out = self._output(self._attend(q, kc, vs, mask), ctx)
+    # The live entries only, block by block (stale ones selected away).
+    o = cached_attention(q, kc, vc, new_len, pos, self._scale())
+    out = self._output(o.astype(self.cfg.jnp_dtype), ctx)
     return out, AttentionState(k=kc, v=vc, length=new_len)
 
   def step(self, h, state: AttentionState, implementation: str | None = None):
