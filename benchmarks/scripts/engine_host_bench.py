@@ -6,10 +6,13 @@ dispatch costs dominate what is measured: `--requests` requests of 8-31
 prompt tokens and 16-47 new tokens through `--capacity` slots, 8 steps
 per dispatch, batched admissions of up to 8 prompts, after
 `Engine.precompile`. Prints one JSON line: wall seconds of `Engine.run`,
-its statistics, wall ms per dispatch and per admission, and the host
+its statistics, wall ms per dispatch and per admission, the host
 time of one hash of the model's nnx GraphDef (what jax computed on every
 jitted call taking it as a static argument, before `serving.model_parts`
-kept the hash).
+kept the hash), and the GraphDef comparisons made during the timed runs
+(count and ms: each run is a new engine of the same model, whose jitted
+calls find the first engine's compiled functions; a comparison of two
+whole GraphDefs when their static graphs are not the same object).
 
   PYTHONPATH=. python benchmarks/scripts/engine_host_bench.py --repeats 3
 
@@ -53,7 +56,17 @@ def main():
       intermediate_size=256, vocab_size=256, dtype="float32",
       param_dtype="float32"))
   model = build_model(cfg, 0)
-  walls, stats, cache = [], None, None
+  graph_type = type(nnx.graphdef(model))
+  real_eq, eqs = graph_type.__eq__, []
+
+  def counted_eq(g, other):
+    t0 = time.perf_counter()
+    out = real_eq(g, other)
+    eqs.append(time.perf_counter() - t0)
+    return out
+
+  graph_type.__eq__ = counted_eq
+  walls, stats, cache, timed_eqs = [], None, None, []
   prefixes = np.random.default_rng(99).integers(
       0, 256, (4, a.shared_prefix)).astype(np.int32)
   for rep in range(a.repeats + 1):  # the first run warms up
@@ -70,13 +83,16 @@ def main():
       eng.submit(serving.Request(
           id=i, prompt=np.concatenate([prefixes[i % 4], tail]),
           max_new_tokens=int(rng.integers(16, 48))))
+    eqs.clear()
     t0 = time.perf_counter()
     eng.run()
     if rep:
       walls.append(time.perf_counter() - t0)
+      timed_eqs += eqs
       stats = dataclasses.asdict(eng.stats)
       if a.shared_prefix:
         cache = eng.prefix_cache.stats()
+  graph_type.__eq__ = real_eq
   wall = statistics.median(walls)
   graphdef = nnx.graphdef(model)
   t0 = time.perf_counter()
@@ -87,6 +103,8 @@ def main():
       capacity=a.capacity, requests=a.requests, overlap=a.overlap,
       shared_prefix=a.shared_prefix, prefix_cache=cache,
       graph_hash_ms=graph_hash_ms,
+      graph_eq_per_run=len(timed_eqs) / len(walls),
+      graph_eq_ms_per_run=1e3 * sum(timed_eqs) / len(walls),
       wall_s=wall, walls_s=walls,
       ms_per_dispatch=1e3 * wall / stats["dispatches"],
       admit_ms_per_request=1e3 * stats["admit_s"] / stats["admissions"],
