@@ -46,9 +46,10 @@ Design.
   the pool is donated).
 
 * Compilation. `insert` takes the slot as a traced int32, so one compile
-  serves every slot; prompts are right-padded to a bucket (a power of two
-  >= 16, at most max_len) and passed with their length, as `prefill`
-  takes them: one compile per bucket. `step` compiles once per pool
+  serves every slot; prompts are right-padded to a bucket (`bucket_len`:
+  a power of two >= 16, above 256 also 3 x 2^k, at most max_len) and
+  passed with their length, as `prefill` takes them: one compile per
+  bucket. `step` compiles once per pool
   shape and sampling mode; `step_n` once per n (a `lax.fori_loop`).
 
 The pool's state is donated by `insert`, `step` and `step_n` (as

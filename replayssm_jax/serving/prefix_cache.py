@@ -65,12 +65,13 @@ Design.
 
 * Cost model. A hit saves the prefill of k * block tokens: the rest runs
   as one parallel pass of T - k * block tokens (its attention layers also
-  read the k * block cached entries), so the time to the first token falls
-  with the cached fraction. A miss costs a prefill of K * block tokens and
-  a continued one of the rest; a partial hit two continued prefills. The
-  passes are padded to the pool's buckets (`pool.bucket_len`: a power of
-  two >= 16, at most max_len) and take the real lengths as traced values:
-  one compile per bucket. A miss stores one row (a prefill yields its
+  read the row's live cache entries, and only those:
+  `models.cached_attention`), so the time to the first token falls with
+  the cached fraction, down to the fixed cost of a prefill pass. A miss
+  costs a prefill of K * block tokens and a continued one of the rest; a
+  partial hit two continued prefills. The passes are padded to the
+  pool's buckets (`pool.bucket_len`) and take the real lengths as traced
+  values: one compile per bucket. A miss stores one row (a prefill yields its
   final state only): a later prompt sharing fewer blocks than it holds
   misses, stores the row at the blocks they share, and is the last one
   to miss there.
