@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from experiments.decode_bench import build_model
-from replayssm_jax import profiling
+from replayssm_jax import profiling, ssd
 from replayssm_jax import serving
 from replayssm_jax.models import ModelConfig, hf, prefill
 from replayssm_jax.models.model import prefill_fn
@@ -120,7 +120,15 @@ def main():
                   "shortest that fits its calls; 1024 for the pool part)")
   ap.add_argument("--hlo_dir", default="",
                   help="also write each mode's optimized HLO (gzipped) here")
+  ap.add_argument("--segsum_difference", action="store_true",
+                  help="the Mamba-2 prefill's within-chunk decay sums as "
+                  "differences of one cumulative sum "
+                  "(prefill_scan_cost.py's variant) in place of "
+                  "ssd._segsum's masked cumulative sum")
   a = ap.parse_args()
+  if a.segsum_difference:
+    from prefill_scan_cost import _segsum_difference  # pylint: disable=g-import-not-at-top
+    ssd._segsum = _segsum_difference  # read when the prefill is traced
 
   cfg = load_model_config(a.config)
   model = build_model(cfg, 0)

@@ -40,7 +40,7 @@
 #   bash benchmarks/scripts/run_h200.sh prefix_ttft [name] [flags]  # time to first token on an idle pool with a cached prefix of 25-94% of a 512-token prompt against insert without one, and the ideal (1 - f) of it (hybrid_1b); flags: prefix_ttft_bench.py's (--prompt_len, --max_len, --modes, --chunk_size, --fractions joined by "+"), output prefix_ttft_<name>.json
 #   bash benchmarks/scripts/run_h200.sh pool_occupancy [active rows]  # a pool of 256 slots partly occupied: dense step vs gathered active rows (hybrid_1b)
 #   bash benchmarks/scripts/run_h200.sh gdn_bench    # the GDN step kernels timed: baseline (Pallas, XLA, flash-linear-attention) vs replay, b {256,64,1,512} x L {16,8,32}
-#   bash benchmarks/scripts/run_h200.sh prefill_ttft_profile  # one request's prefill (batch 1, 128 and 512 tokens, replay): device against wall time, by block
+#   bash benchmarks/scripts/run_h200.sh prefill_ttft_profile [name] [flags]  # one request's prefill (batch 1, 128 and 512 tokens, replay): device against wall time, by block (flags: decode_step_profile.py's, e.g. --segsum_difference; output prefill_ttft_profile_<name>_<tokens>.json)
 #   bash benchmarks/scripts/run_h200.sh prefill_scan_cost [flags]  # XLA's cost and the wall time of the Mamba-2 and GDN chunked prefill scans at hybrid_1b / Qwen3.5 layer shapes, 512 tokens; their products also at bf16 / TF32 dot algorithms, with the error against true f32
 #   bash benchmarks/scripts/run_h200.sh gdn_baseline_tiles  # the GDN baseline step alone at b {64,256,512}, f32 / f16 state, over its launch shapes, beside flash-linear-attention's kernel
 #   bash benchmarks/scripts/run_h200.sh gdn_ring_weights  # the GDN step kernels with and without the replay step's ring-weights launch (GDNConfig.ring_weights) and at 2 / 3 pipelining stages, beside flash-linear-attention's kernel, b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
@@ -148,12 +148,14 @@ case "$1" in
   prefill_ttft_profile)
     # A request's prefill as time to first token sees it: batch 1, the
     # 128 tokens a hit of 384 cached leaves and the whole 512 (prefix_ttft's
-    # cases), device time against wall time, by block.
+    # cases), device time against wall time, by block. Argument 2: a name
+    # for the output files; further ones: decode_step_profile.py's flags
+    # (e.g. --segsum_difference).
     for t in 128 512; do
       XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout $(( T / 2 )) \
         python benchmarks/scripts/decode_step_profile.py --part prefill \
         --modes replay --batch 1 --prompt_len $t --max_len 1024 --top 100 \
-        --out "$OUT/prefill_ttft_profile_$t.json"
+        --out "$OUT/prefill_ttft_profile${2:+_$2}_$t.json" "${@:3}"
     done ;;
   prefill_scan_cost)
     # Further arguments replace the default study (its dot algorithms).
