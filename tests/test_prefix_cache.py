@@ -295,3 +295,67 @@ def test_hits_ending_inside_a_block_equal_insert(model, ssm_mode):
   assert (st["hits"], st["reused_tokens"]) == (4, 4 * 2 * BLOCK), st
   grew = {k: pc.TRACE_COUNTS[k] - before[k] for k in before}
   assert grew["finish"] == 0 and grew["extend"] == 0, grew
+
+
+@pytest.mark.parametrize("ssm_mode", MODES)
+def test_batched_admission_equals_one_at_a_time(model, ssm_mode):
+  """insert_cached_many of a short prompt (no whole block: through
+  insert_many), a miss (a), another miss (b) and c, which hits the row a
+  stored earlier in the same batch: the first tokens, step_n tokens and
+  logits and the cache's statistics of insert_cached one prompt at a time;
+  then a second batch, every prompt but the short one hitting, in other
+  slots."""
+  p = prompts()
+  p["s"] = prompt(5, BLOCK - 1)
+  first = [("a", 0, p["a"]), ("s", 1, p["s"]), ("b", 2, p["b"]),
+           ("c", 3, p["c"])]
+  again = [("c", 0, p["c"]), ("a", 2, p["a"]), ("s", 3, p["s"])]
+
+  def many(cache, inserts, pool=None):
+    pool = new_pool(model, ssm_mode) if pool is None else pool
+    names, slots, toks = zip(*inserts)
+    pool, firsts = serving.insert_cached_many(
+        model, pool, cache, list(slots), [np.asarray(t) for t in toks])
+    assert firsts.shape == (len(slots),)
+    pool, st, sl = serving.step_n(model, pool, 5, return_logits=True)
+    return pool, (
+        {n: np.array([int(f)] + np.asarray(st)[s].tolist())
+         for n, s, f in zip(names, slots, np.asarray(firsts))},
+        {n: np.asarray(sl)[s] for n, s in zip(names, slots)})
+
+  def one_at_a_time(cache, inserts, pool=None):
+    pool, toks, lgs = run(model, ssm_mode, inserts, pool=pool, cache=cache)
+    return pool, (toks, {n: lg[1:] for n, lg in lgs.items()})
+
+  caches = serving.PrefixCache(BLOCK, 8), serving.PrefixCache(BLOCK, 8)
+  pools = []
+  for cache, fn in zip(caches, (many, one_at_a_time)):
+    pool, res = fn(cache, first)
+    pools.append((pool, res))
+  assert_same(pools[0][1], pools[1][1], "first batch")
+  assert caches[0].stats() == caches[1].stats()
+  assert caches[0].stats()["hits"] == 1  # c, on a's row of this batch
+  results = []
+  for (pool, _), cache, fn in zip(pools, caches, (many, one_at_a_time)):
+    pool = serving.evict_many(pool, [0, 1, 2, 3])
+    results.append(fn(cache, again, pool)[1])
+  assert_same(results[0], results[1], "second batch")
+  st = caches[0].stats()
+  assert st == caches[1].stats() and st["hits"] == 3, st
+
+
+def test_batched_admission_pads_and_checks(model):
+  """padded=True returns the power-of-two batch's tokens; the batch's
+  arguments are checked as insert_many's, errors naming them."""
+  p = prompts()
+  cache = serving.PrefixCache(BLOCK, 8)
+  pool = new_pool(model, "replay")
+  pool, firsts = serving.insert_cached_many(
+      model, pool, cache, [2, 0, 1],
+      [np.asarray(p[n]) for n in "abc"], padded=True)
+  assert firsts.shape == (4,) and (np.asarray(firsts)[:3] >= 0).all()
+  with pytest.raises(ValueError, match="slots"):
+    serving.insert_cached_many(model, pool, cache, [1, 1],
+                               [np.asarray(p["a"])] * 2)
+  with pytest.raises(TypeError, match="cache"):
+    serving.insert_cached_many(model, pool, {}, [1], [np.asarray(p["a"])])

@@ -227,8 +227,8 @@ def test_precompile_covers_the_prefix_cache(model):
   """With a prefix cache: precompile runs every shape its admissions need
   (misses, hits, extensions of a cached prefix, prompts shorter than a
   block, a miss stored where the prompt parts from an earlier one with
-  the rest's prefill in a larger bucket) on a throwaway cache, leaving the
-  engine's cache empty."""
+  the rest's prefill in a larger bucket; admitted one by one, then in
+  batches) on a throwaway cache, leaving the engine's cache empty."""
   cache = serving.PrefixCache(block=4, max_entries=8)
   eng = serving.Engine(model, 4, MAX_LEN, steps_per_dispatch=2,
                        buffer_len=L, prefix_cache=cache)
@@ -240,14 +240,20 @@ def test_precompile_covers_the_prefix_cache(model):
   reqs += [other, np.concatenate([other[:4], np.asarray(prompt(151, 17))])]
   eng.precompile(max(len(p) for p in reqs))
   assert len(cache) == 0 and cache.stats()["lookups"] == 0
-  jitted = (pc_mod._prefill_jit, pc_mod._extend_jit, pc_mod._finish_jit,  # pylint: disable=protected-access
-            pool_mod._insert_jit, controls.admit, controls.request_keys)  # pylint: disable=protected-access
+  jitted = (pc_mod._prefill_jit, pc_mod._extend_jit,  # pylint: disable=protected-access
+            pc_mod._finish_many_jit, pool_mod._insert_many_jit,  # pylint: disable=protected-access
+            controls.admit, controls.request_keys)
   sizes = [f._cache_size() for f in jitted]  # pylint: disable=protected-access
   for i, p in enumerate(reqs):  # one by one: hits, misses, extensions
     eng.submit(serving.Request(i, p, 3))
     eng.dispatch()
   eng.run()
-  assert cache.stats()["hits"] > 0
+  hits = cache.stats()["hits"]
+  assert hits > 0
+  for i, p in enumerate(reqs):  # then at once: batches of up to 4
+    eng.submit(serving.Request(f"again{i}", p, 3))
+  eng.run()
+  assert cache.stats()["hits"] > hits + 2
   assert [f._cache_size() for f in jitted] == sizes  # pylint: disable=protected-access
 
 

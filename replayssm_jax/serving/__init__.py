@@ -12,14 +12,16 @@
                      inactive slots' states left unspecified).
   PrefixCache        an LRU map of decode states at block-aligned prompt
                      prefixes (keyed by a block hash chain).
-  insert_cached      insert through a PrefixCache.
+  insert_cached      insert through a PrefixCache (insert_cached_many:
+                     k prompts, batched as insert_many).
   Engine / Request   continuous batching: a request queue admitted into
                      free slots, several steps per dispatch with stopping
                      on the device, streamed tokens.
   controls           the engine's per-slot budgets, eos ids, temperatures
                      and key streams on the device (its overlap of host
                      and device rests on them).
-  rows               compaction: a decode call over some slots' rows
+  rows               admitted rows written into their slots, and
+                     compaction: a decode call over some slots' rows
                      gathered into a smaller batch, scattered back in the
                      same call (Engine's compact_below).
   snapshot           Engine.save / Engine.restore: an engine written
@@ -33,11 +35,12 @@ from replayssm_jax.serving.engine import Engine
 from replayssm_jax.serving.pool import (Pool, bucket_len, evict, evict_many,
                                         init_pool, insert, insert_many,
                                         model_parts, step, step_n)
-from replayssm_jax.serving.prefix_cache import PrefixCache, insert_cached
+from replayssm_jax.serving.prefix_cache import (PrefixCache, insert_cached,
+                                                insert_cached_many)
 from replayssm_jax.serving.requests import EngineStats, Request
 from replayssm_jax.serving.spec import Speculation
 
 __all__ = ["Engine", "EngineStats", "Pool", "PrefixCache", "Request",
            "Speculation", "bucket_len", "evict", "evict_many", "init_pool",
-           "insert", "insert_cached", "insert_many", "model_parts", "step",
-           "step_n"]
+           "insert", "insert_cached", "insert_cached_many", "insert_many",
+           "model_parts", "step", "step_n"]

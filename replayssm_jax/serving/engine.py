@@ -55,9 +55,9 @@ so a request's tokens do not depend on which slot or batch it ran in
 static shapes of the sampling filter, are set per engine.
 
 With a `prefix_cache` (`serving.PrefixCache`), admissions go through
-`insert_cached`: a prompt sharing cached whole blocks with an earlier one
-starts from the cached state (`engine.prefix_cache.stats()` counts the
-hits).
+`insert_cached_many`: a prompt sharing cached whole blocks with an earlier
+one starts from the cached state (`engine.prefix_cache.stats()` counts the
+hits), up to `prefill_batch` prompts per call.
 
 Speculative decoding. With `speculative=Speculation(proposer, window)`
 each of a dispatch's `steps_per_dispatch` iterations is a speculative
@@ -97,8 +97,9 @@ from replayssm_jax.serving import controls as C
 from replayssm_jax.serving import pool as P
 from replayssm_jax.serving import snapshot
 from replayssm_jax.serving import spec as SP
-from replayssm_jax.serving.prefix_cache import (PrefixCache, insert_cached,
-                                                warmup_prompts)
+from replayssm_jax.serving.prefix_cache import (PrefixCache,
+                                                insert_cached_many,
+                                                warmup_batches)
 from replayssm_jax.serving.requests import EngineStats, Request, check_request
 from replayssm_jax.serving.spec import Speculation
 
@@ -117,10 +118,11 @@ class Engine:
     top_k, top_p: the sampling filters of every sampled request (None:
       off).
     implementation: the ops' implementation (dispatcher name).
-    prefix_cache: a `PrefixCache` the admissions go through, one prompt
-      at a time (None: batched prefills, `prefill_batch`).
-    prefill_batch: the most queued prompts of one length bucket admitted
-      in one batched prefill (`pool.insert_many`; 1: one at a time).
+    prefix_cache: a `PrefixCache` the admissions go through
+      (`insert_cached_many`; None: `pool.insert_many`).
+    prefill_batch: the most queued prompts admitted in one call (without
+      a prefix cache, of one length bucket: one batched prefill; 1: one at
+      a time).
     compact_below: a dispatch decodes only the running slots' rows
       (gathered into a batch of their number rounded up to a power of
       two, at least capacity / 16, scattered back after) when that batch
@@ -289,16 +291,15 @@ class Engine:
       admitted.append((slot, self.queue.popleft()))
     if not admitted:
       return
-    if self.prefix_cache is not None:  # a cache lookup per prompt
-      groups = [[i] for i in range(len(admitted))]
-    else:
-      # Batched prefills: prompts of one length bucket together, at most
-      # prefill_batch per call.
-      buckets = collections.defaultdict(list)
-      for i, (_, req) in enumerate(admitted):
-        buckets[P.bucket_len(len(req.prompt), self.pool.max_len)].append(i)
-      groups = [m[c:c + self.prefill_batch] for m in buckets.values()
-                for c in range(0, len(m), self.prefill_batch)]
+    # Batched prefills of at most prefill_batch prompts per call: without
+    # a cache prompts of one length bucket together; with one in arrival
+    # order (insert_cached_many groups the rests by bucket after lookup).
+    buckets = collections.defaultdict(list)
+    for i, (_, req) in enumerate(admitted):
+      buckets[0 if self.prefix_cache is not None else P.bucket_len(
+          len(req.prompt), self.pool.max_len)].append(i)
+    groups = [m[c:c + self.prefill_batch] for m in buckets.values()
+              for c in range(0, len(m), self.prefill_batch)]
     for group in groups:
       rows = [admitted[i] for i in group]
       firsts = self._admit_rows([s for s, _ in rows], [r for _, r in rows])
@@ -312,7 +313,7 @@ class Engine:
 
   def _admit_rows(self, slots, reqs, via_cache: bool = True):
     """Prefills k requests into `slots` (one batched prefill, or with a
-    prefix cache and `via_cache` one prompt through it) and writes their
+    prefix cache and `via_cache` through it) and writes their
     controls -> their first tokens on the device ([kp], kp the power of
     two >= k)."""
     k = len(slots)
@@ -327,21 +328,16 @@ class Engine:
         pad([r.temperature for r in reqs], 0.0, np.float32),
         C.seed_words([r.seed for r in reqs] + [0] * (kp - k))))
     stream, first_keys = C.request_keys(seeds)
+    kw = dict(temperatures=[r.temperature for r in reqs], keys=first_keys,
+              top_k=self.top_k, top_p=self.top_p, parts=self._parts,
+              padded=True)
+    prompts = [r.prompt for r in reqs]
     if self.prefix_cache is not None and via_cache:
-      (slot,), (req,) = slots, reqs
-      self.pool, tok = insert_cached(
-          self.model, self.pool, self.prefix_cache, slot, req.prompt,
-          implementation=self.implementation, temperature=req.temperature,
-          top_k=self.top_k, top_p=self.top_p,
-          rng=first_keys[0] if req.temperature > 0 else None,
-          parts=self._parts)
-      firsts = jnp.reshape(tok, (1,))
+      self.pool, firsts = insert_cached_many(
+          self.model, self.pool, self.prefix_cache, slots, prompts, **kw)
     else:
-      self.pool, firsts = P.insert_many(
-          self.model, self.pool, slots, [r.prompt for r in reqs],
-          temperatures=[r.temperature for r in reqs], keys=first_keys,
-          top_k=self.top_k, top_p=self.top_p,
-          parts=self._parts, padded=True)
+      self.pool, firsts = P.insert_many(self.model, self.pool, slots,
+                                        prompts, **kw)
     self._ctl = C.admit(self._ctl, idx, stream, budgets, eos_ids, temps,
                         firsts)
     if self.speculative is not None:
@@ -506,13 +502,12 @@ class Engine:
     """Compiles what serving prompts of `min_prompt_len` to
     `max_prompt_len` tokens may run, so that no later dispatch compiles:
     the batched prefills of their length buckets and of every padded batch
-    size up to `prefill_batch` (1 with a prefix cache, which admits one
-    prompt at a time), and the decode call over the whole pool and over
+    size up to `prefill_batch`, and the decode call over the whole pool and over
     every compacted batch size (`compact_below`), greedy or with `sampled`
     rows. An idle engine only (nothing queued or running); the slots stay
-    free and the statistics zero. With a prefix cache, its paths too
-    (`warmup_prompts`, run on a throwaway cache: the engine's is not
-    touched)."""
+    free and the statistics zero. With a prefix cache, its paths instead
+    of plain prefills past one block (`warmup_batches`, run on a
+    throwaway cache: the engine's is not touched)."""
     if self.busy:
       raise ValueError("precompile needs an idle engine (no queued or "
                        "running requests).")
@@ -528,25 +523,29 @@ class Engine:
     buckets = sorted({P.bucket_len(t, self.pool.max_len)
                       for t in range(min_prompt_len, max_prompt_len + 1)})
     temp = 1.0 if sampled else 0.0
-    most = 1 if self.prefix_cache is not None else min(self.prefill_batch,
-                                                        cap)
+    most = min(self.prefill_batch, cap)
+    if self.prefix_cache is not None:  # plain prefills: no whole block
+      buckets = [b for b in buckets if b <= P.bucket_len(
+          self.prefix_cache.block, self.pool.max_len)]
+    request = lambda tokens: Request(None, tokens, 1, eos_id=(),
+                                     temperature=temp)
     k = 1
     while k <= most:
       for b in buckets:
-        self._admit_rows(list(range(k)), [Request(
-            None, np.zeros(b, np.int32), 1, eos_id=(),
-            temperature=temp)] * k, via_cache=False)
+        self._admit_rows(list(range(k)), [request(np.zeros(b, np.int32))] * k,
+                         via_cache=False)
       k *= 2
     if self.prefix_cache is not None:  # its paths, on a throwaway cache
       real = self.prefix_cache
       self.prefix_cache = PrefixCache(real.block, max_entries=2)
       try:
-        for prompts in warmup_prompts(real.block, max_prompt_len,
-                                      self.pool.max_len):
+        for batches in warmup_batches(real.block, max_prompt_len,
+                                      self.pool.max_len, most,
+                                      self.model.config.vocab_size):
           self.prefix_cache.clear()
-          for tokens in prompts:
-            self._admit_rows([0], [Request(None, tokens, 1, eos_id=(),
-                                           temperature=temp)])
+          for batch in batches:
+            self._admit_rows(list(range(len(batch))),
+                             [request(t) for t in batch])
       finally:
         self.prefix_cache = real
     self._firsts = []

@@ -13,10 +13,8 @@ Design.
   of a ModelState is batch-leading: `init_pool` checks it), and a decode
   step runs `HybridLM.step` over all `capacity` rows at once, active or
   not, so that one compiled step serves any mix of requests. Each slot
-  keeps its own replay counter, KV length and position: requests inserted
-  at different times sit at different points of their replay buffers
-  (the decode ops take per-row counters), and a new request does not wait
-  for the others to flush.
+  keeps its own replay counter, KV length and position (the decode ops
+  take per-row counters): a new request does not wait for a flush.
 
 * Free slots are decoded too, and their state is not kept. A step runs
   every row, active or not, and keeps each row's new state: a slot that is
@@ -49,8 +47,8 @@ Design.
   serves every slot; prompts are right-padded to a bucket (`bucket_len`:
   a power of two >= 16, above 256 also 3 x 2^k, at most max_len) and
   passed with their length, as `prefill` takes them: one compile per
-  bucket. `step` compiles once per pool
-  shape and sampling mode; `step_n` once per n (a `lax.fori_loop`).
+  bucket. `step` compiles once per pool shape and sampling mode; `step_n`
+  once per n (a `lax.fori_loop`).
 
 The pool's state is donated by `insert`, `step` and `step_n` (as
 `decode_step` donates its state): use the returned pool, not the one
@@ -75,6 +73,7 @@ from replayssm_jax.models.generate import (check_sampling, filter_logits,
                                            seed0_key)
 from replayssm_jax.models import model as M
 from replayssm_jax.models import states as S
+from replayssm_jax.serving import rows as R
 from replayssm_jax.serving.parts import merge, model_parts
 
 # Number of times each jitted entry point was traced (tests assert on it).
@@ -356,14 +355,8 @@ def _insert_many_jit(graphdef, params, pool, idx, tokens, lengths, row_ids,
   model = merge(graphdef, params)
   fresh = fresh_rows(pool.state, row_ids)
   logits, rows = M.prefill_fn(model, tokens, lengths, fresh)
-  tok = sample_rows(logits, temps_keys[1], temps_keys[0], sampled, top_k,
-                    top_p)
-  tok = jnp.where(rows.positions < 0, -1, tok)
-  state = jax.tree.map(lambda p, r: p.at[idx].set(r, mode="drop"),
-                       pool.state, rows)
-  return pool.replace(state=state,
-                      active=pool.active.at[idx].set(True, mode="drop"),
-                      tokens=pool.tokens.at[idx].set(tok, mode="drop")), tok
+  return R.place_rows(pool, idx, rows, sample_rows(
+      logits, temps_keys[1], temps_keys[0], sampled, top_k, top_p))
 
 
 def insert_many(model: M.HybridLM, pool: Pool, slots, prompts, *,
@@ -374,9 +367,8 @@ def insert_many(model: M.HybridLM, pool: Pool, slots, prompts, *,
   prefill): `insert` for each (slot, prompt) pair, with the same effect
   on the pool up to the batch's effect on matmul rounding.
 
-  The batch is padded to a power of two and the prompts to one length
-  bucket (`bucket_len` of the longest): one compile per (batch, bucket)
-  pair; padding rows write nothing.
+  The batch is padded to a power of two and the prompts to the longest's
+  bucket: one compile per (batch, bucket) pair; padding rows write nothing.
 
   Args:
     model, pool: as `insert` (the pool donated).
@@ -395,6 +387,24 @@ def insert_many(model: M.HybridLM, pool: Pool, slots, prompts, *,
     (pool, first tokens [k] (padded: [kp]) int32 on the device).
   """
   check_pool(pool)
+  slots, prompts, temps, sampled = check_batch(
+      model, pool, slots, prompts, temperatures, keys, top_k, top_p)
+  k = len(slots)
+  kp = 1 << (k - 1).bit_length()  # the batch, padded to a power of two
+  idx, tokens, lengths = padded_batch(slots, prompts, kp, pool)
+  krows = key_rows(keys, k, kp)
+  graphdef, params = model_parts(model, parts)
+  idx, tokens, lengths, temps = jax.device_put(  # one host -> device call
+      (idx, tokens, lengths, np.pad(temps, (0, kp - k))))
+  pool, tok = _insert_many_jit(graphdef, params, pool, idx, tokens, lengths,
+                               idx, (temps, krows), sampled, top_k, top_p)
+  return pool, (tok if padded else tok[:k])
+
+
+def check_batch(model, pool, slots, prompts, temperatures, keys, top_k,
+                top_p):
+  """`insert_many`'s arguments checked on the host -> (slots [k] ints,
+  prompts [k] arrays, temperatures [k] float32, sampled: any > 0)."""
   slots = [host_slot(s, pool.capacity, f"slots[{i}]")
            for i, s in enumerate(slots)]
   k = len(slots)
@@ -416,15 +426,7 @@ def insert_many(model: M.HybridLM, pool: Pool, slots, prompts, *,
   if sampled and keys is None:
     raise ValueError("keys are required when a temperature is > 0.")
   check_sampling(1.0, top_k, top_p)
-  kp = 1 << (k - 1).bit_length()  # the batch, padded to a power of two
-  idx, tokens, lengths = padded_batch(slots, prompts, kp, pool)
-  key_rows = _key_rows(keys, k, kp)
-  graphdef, params = model_parts(model, parts)
-  idx, tokens, lengths, temps = jax.device_put(  # one host -> device call
-      (idx, tokens, lengths, np.pad(temps, (0, kp - k))))
-  pool, tok = _insert_many_jit(graphdef, params, pool, idx, tokens, lengths,
-                               idx, (temps, key_rows), sampled, top_k, top_p)
-  return pool, (tok if padded else tok[:k])
+  return slots, prompts, temps, sampled
 
 
 def padded_batch(slots, prompts, kp: int, pool: Pool):
@@ -440,7 +442,7 @@ def padded_batch(slots, prompts, kp: int, pool: Pool):
   return idx, tokens, lengths
 
 
-def _key_rows(keys, k: int, kp: int):
+def key_rows(keys, k: int, kp: int):
   """keys (k keys, or a [k, ...] array of them; None: zeros) as a
   [kp, ...] uint32 array, zero keys in the padding rows (an array of kp
   keys, already padded, is taken as it is)."""

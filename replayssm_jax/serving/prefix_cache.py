@@ -96,15 +96,17 @@ import functools
 import hashlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from replayssm_jax import _validation as V
 from replayssm_jax.models import chunked_prefill as CP
 from replayssm_jax.models import model as M
 from replayssm_jax.serving import pool as P
+from replayssm_jax.serving import rows as R
 
 # Number of times each jitted entry point was traced (tests assert on it).
-TRACE_COUNTS = {"prefill": 0, "extend": 0, "finish": 0}
+TRACE_COUNTS = {"prefill": 0, "extend": 0, "finish": 0, "finish_many": 0}
 
 
 class PrefixCache:
@@ -243,6 +245,22 @@ def _finish_jit(graphdef, params, pool, row, slot, tokens, length, row_id,
   return pool, tok, logits[0]
 
 
+@functools.partial(jax.jit, static_argnums=(0, 9, 10, 11),
+                   donate_argnums=(2,))
+def _finish_many_jit(graphdef, params, pool, rows, idx, tokens, lengths,
+                     row_ids, temps_keys, sampled, top_k, top_p):
+  """`_finish_jit` for a batch: the batch-1 `rows` (a tuple, not donated)
+  stacked, their rests continued in one prefill, their first tokens
+  sampled as `insert_many`'s, the rows written at idx."""
+  TRACE_COUNTS["finish_many"] += 1
+  model = P.merge(graphdef, params)
+  state = P.set_row_id(jax.tree.map(lambda *r: jnp.concatenate(r), *rows),
+                       row_ids)
+  logits, state = CP.prefill_from_state_fn(model, tokens, lengths, state)
+  return R.place_rows(pool, idx, state, P.sample_rows(
+      logits, temps_keys[1], temps_keys[0], sampled, top_k, top_p))
+
+
 def _padded(tokens: np.ndarray, max_len: int):
   """tokens [n] right-padded with zeros to `bucket_len(n, max_len)`, and
   n, on the host (the jitted call transfers them: no eager op)."""
@@ -296,6 +314,73 @@ def warmup_prompts(block: int, max_prompt_len: int,
   return out
 
 
+def warmup_batches(block: int, max_prompt_len: int, max_len: int,
+                   most: int, vocab_size: int) -> list[list[list]]:
+  """Sequences of prompt batches whose `insert_cached_many` calls, each
+  sequence on an emptied cache of 2 entries, run every jitted shape that
+  batches of up to `most` prompts of up to max_prompt_len tokens can need:
+  `warmup_prompts`' sequences one prompt per batch, then for each batch
+  size 2, 4, ... <= most and each bucket of a hit's rest, a prompt that
+  stores one block followed by a batch of that size hitting it (tails
+  that differ in their first token, so that none stores a row)."""
+  out = [[[t] for t in seq]
+         for seq in warmup_prompts(block, max_prompt_len, max_len)]
+  rests = sorted({P.bucket_len(r, max_len): r
+                  for r in range(1, max_prompt_len - block + 1)}.items())
+  kp = 2
+  while kp <= most:
+    for _, r in rests:
+      tails = [np.ones((r,), np.int32) for _ in range(kp)]
+      for i, t in enumerate(tails):
+        t[0] = i % vocab_size
+      out.append([[np.zeros((block + 1,), np.int32)],
+                  [np.concatenate([np.zeros((block,), np.int32), t])
+                   for t in tails]])
+    kp *= 2
+  return out
+
+
+def _plan(cache: PrefixCache, graphdef, params, pool: P.Pool,
+          toks: np.ndarray, row_id):
+  """A checked prompt's lookup (counted in the cache's statistics) and the
+  row it stores, if any (module docstring) -> (the row its rest continues
+  from, the tokens that row holds), or (None, 0) for a prompt without a
+  whole block before its last token."""
+  block = cache.block
+  n_blocks = (toks.shape[0] - 1) // block
+  keys = cache.keys(toks[:n_blocks * block])
+  hit, row = 0, None
+  for k in range(n_blocks, 0, -1):
+    row = cache.get(keys[k - 1])
+    if row is not None:
+      hit = k
+      break
+  cache.lookups += 1
+  if hit:
+    cache.hits += 1
+    cache.reused_tokens += hit * block
+  else:
+    cache.misses += 1
+  if n_blocks == 0:
+    return None, 0
+  start = hit * block
+  at = cache.store_at(keys, hit) if hit < n_blocks else hit
+  if at > hit:
+    end = at * block
+    seg, n = _padded(toks[start:end], pool.max_len)
+    if row is None:
+      _, row = _prefill_jit(graphdef, params, seg, n, pool.state, row_id)
+    else:
+      _, row = _extend_jit(graphdef, params, row, seg, n)
+    # The prompt's tokens and length were checked, so the row is valid
+    # (positions >= 0) without reading it back: a read here would wait for
+    # this prefill and for everything the device runs before it (an
+    # engine's decode call in flight).
+    cache.put(keys[at - 1], row)
+    start = end
+  return row, start
+
+
 # ------------------------------------------------------------------ API
 def insert_cached(model: M.HybridLM, pool: P.Pool, cache: PrefixCache, slot,
                   prompt_tokens, *, row_id=None, temperature: float = 0.0,
@@ -337,49 +422,92 @@ def insert_cached(model: M.HybridLM, pool: P.Pool, cache: PrefixCache, slot,
   if not V.is_concrete(prompt_tokens):
     raise TypeError("prompt_tokens must be concrete (not traced): "
                     "insert_cached hashes its blocks on the host.")
-  t = P.check_prompt("prompt_tokens", prompt_tokens, model, pool)
+  P.check_prompt("prompt_tokens", prompt_tokens, model, pool)
   toks = np.asarray(prompt_tokens).astype(np.int32)  # a copy
   cache._check_layout(pool)
   row_id = P.check_row_id(slot if row_id is None else row_id)
 
-  block = cache.block
-  n_blocks = (t - 1) // block
-  keys = cache.keys(toks[:n_blocks * block])
-  hit, row = 0, None
-  for k in range(n_blocks, 0, -1):
-    row = cache.get(keys[k - 1])
-    if row is not None:
-      hit = k
-      break
-  cache.lookups += 1
-  if hit:
-    cache.hits += 1
-    cache.reused_tokens += hit * block
-  else:
-    cache.misses += 1
-  if n_blocks == 0:  # no whole block before the last token
+  graphdef, params = P.model_parts(model, parts)
+  row, start = _plan(cache, graphdef, params, pool, toks, row_id)
+  if row is None:  # no whole block before the last token
     return P.insert(model, pool, slot, prompt_tokens, row_id=row_id,
                     temperature=temperature, top_k=top_k, top_p=top_p,
-                    rng=rng, return_logits=return_logits, parts=parts)
-
-  graphdef, params = P.model_parts(model, parts)
-  start = hit * block
-  at = cache.store_at(keys, hit) if hit < n_blocks else hit
-  if at > hit:
-    end = at * block
-    seg, n = _padded(toks[start:end], pool.max_len)
-    if row is None:
-      _, row = _prefill_jit(graphdef, params, seg, n, pool.state, row_id)
-    else:
-      _, row = _extend_jit(graphdef, params, row, seg, n)
-    # The prompt's tokens and length were checked above, so the row is
-    # valid (positions >= 0) without reading it back: a read here would
-    # wait for this prefill and for everything the device runs before it
-    # (an engine's decode call in flight).
-    cache.put(keys[at - 1], row)
-    start = end
+                    rng=rng, return_logits=return_logits,
+                    parts=(graphdef, params))
   sampling, rng = P.resolve_sampling(temperature, top_k, top_p, rng)
   rest, n = _padded(toks[start:], pool.max_len)
   pool, tok, logits = _finish_jit(graphdef, params, pool, row, slot, rest,
                                   n, row_id, sampling, rng)
   return (pool, tok, logits) if return_logits else (pool, tok)
+
+
+def insert_cached_many(model: M.HybridLM, pool: P.Pool, cache: PrefixCache,
+                       slots, prompts, *, temperatures=None, keys=None,
+                       top_k: int | None = None, top_p: float | None = None,
+                       parts=None, padded: bool = False):
+  """`insert_cached` for k prompts into k distinct slots, batched as
+  `pool.insert_many`: each prompt's lookup and store on the host in turn
+  (a prompt may hit a row an earlier one of the batch stored), then the
+  rests continued from their rows in one prefill per rest bucket, and the
+  prompts without a whole block before their last token through
+  `insert_many`, one call per bucket.
+
+  Args:
+    model, pool, cache: as `insert_cached` (the pool donated, the cache
+      updated).
+    slots, prompts, temperatures, keys, top_k, top_p, parts, padded: as
+      `pool.insert_many`.
+
+  Returns:
+    (pool, first tokens [k] (padded: [kp], kp the power of two >= k)
+     int32 on the device, in the order of `slots`).
+  """
+  P.check_pool(pool)
+  if not isinstance(cache, PrefixCache):
+    raise TypeError(f"cache must be a PrefixCache, got "
+                    f"{type(cache).__name__}.")
+  slots, prompts, temps, sampled = P.check_batch(
+      model, pool, slots, prompts, temperatures, keys, top_k, top_p)
+  cache._check_layout(pool)
+  graphdef, params = P.model_parts(model, parts)
+  k = len(slots)
+  kp = 1 << (k - 1).bit_length()
+  groups = collections.defaultdict(list)  # (cached, rest bucket) -> rows
+  plans = []
+  for i, (slot, p) in enumerate(zip(slots, prompts)):
+    plans.append(_plan(cache, graphdef, params, pool, p.astype(np.int32),
+                       np.int32(slot)))
+    rest = p.shape[0] - plans[-1][1]
+    groups[(plans[-1][0] is not None,
+            P.bucket_len(rest, pool.max_len))].append(i)
+  krows = P.key_rows(keys, k, kp)
+  order, firsts = [], []
+  for (cached, _), members in groups.items():
+    m = len(members)
+    mp = 1 << (m - 1).bit_length()
+    sub = np.array(members + [members[0]] * (mp - m))
+    sub_keys = krows if members == list(range(k)) else krows[sub]
+    if not cached:
+      pool, tok = P.insert_many(
+          model, pool, [slots[i] for i in members],
+          [prompts[i] for i in members], temperatures=temps[members],
+          keys=sub_keys, top_k=top_k, top_p=top_p, parts=(graphdef, params),
+          padded=True)
+    else:
+      idx, tokens, lengths = P.padded_batch(
+          [slots[i] for i in members],
+          [prompts[i][plans[i][1]:] for i in members], mp, pool)
+      rows = tuple(plans[i][0] for i in sub)
+      idx, tokens, lengths, sub_temps = jax.device_put(
+          (idx, tokens, lengths, np.pad(temps[members], (0, mp - m))))
+      pool, tok = _finish_many_jit(graphdef, params, pool, rows, idx, tokens,
+                                   lengths, idx, (sub_temps, sub_keys),
+                                   sampled, top_k, top_p)
+    order += members
+    firsts.append(tok if len(groups) == 1 else tok[:m])
+  if len(groups) == 1 and order == list(range(k)):
+    tok = firsts[0]  # [kp]
+  else:
+    tok = jnp.concatenate(firsts)[np.argsort(order)]
+    tok = jnp.pad(tok, (0, kp - k)) if padded else tok
+  return pool, (tok if padded else tok[:k])

@@ -1,9 +1,11 @@
-"""Compaction: a step over some rows of a slot pool, as a batch of its own.
+"""Rows of a slot pool: placing admitted rows, and compaction.
 
-A dispatch that decodes few running slots gathers their rows of every
-batch-leading leaf (the pool, its controls, the speculative slots) into a
-smaller batch, decodes it and scatters the rows back (`serving.Engine`'s
-`compact_below`)."""
+`place_rows` writes a batch of prefilled rows into their slots (the
+batched admissions of `pool.insert_many` and
+`prefix_cache.insert_cached_many`). Compaction: a dispatch that decodes few
+running slots gathers their rows of every batch-leading leaf (the pool, its
+controls, the speculative slots) into a smaller batch, decodes it and
+scatters the rows back (`serving.Engine`'s `compact_below`)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,19 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+
+def place_rows(pool, idx, rows, tok):
+  """(Traceable.) A Pool with the batch-kp ModelState `rows` written into
+  slots idx [kp] (out of range, e.g. capacity for a padding row: nothing
+  written), those slots active with next inputs `tok` [kp] (-1 for an
+  invalid row) -> (pool, tok)."""
+  tok = jnp.where(rows.positions < 0, -1, tok)
+  state = jax.tree.map(lambda p, r: p.at[idx].set(r, mode="drop"),
+                       pool.state, rows)
+  return pool.replace(state=state,
+                      active=pool.active.at[idx].set(True, mode="drop"),
+                      tokens=pool.tokens.at[idx].set(tok, mode="drop")), tok
 
 
 @jax.jit
