@@ -241,8 +241,8 @@ def test_precompile_covers_the_prefix_cache(model):
   eng.precompile(max(len(p) for p in reqs))
   assert len(cache) == 0 and cache.stats()["lookups"] == 0
   jitted = (pc_mod._prefill_jit, pc_mod._extend_jit,  # pylint: disable=protected-access
-            pc_mod._finish_many_jit, pool_mod._insert_many_jit,  # pylint: disable=protected-access
-            controls.admit, controls.request_keys)
+            pc_mod._finish_many_jit, pc_mod._take_jit,  # pylint: disable=protected-access
+            pool_mod._insert_many_jit, controls.admit, controls.request_keys)  # pylint: disable=protected-access
   sizes = [f._cache_size() for f in jitted]  # pylint: disable=protected-access
   for i, p in enumerate(reqs):  # one by one: hits, misses, extensions
     eng.submit(serving.Request(i, p, 3))
@@ -250,10 +250,11 @@ def test_precompile_covers_the_prefix_cache(model):
   eng.run()
   hits = cache.stats()["hits"]
   assert hits > 0
-  for i, p in enumerate(reqs):  # then at once: batches of up to 4
-    eng.submit(serving.Request(f"again{i}", p, 3))
+  for i, p in enumerate(reqs):  # then at once: batches of up to 4, hits
+    eng.submit(serving.Request(f"again{i}", p, 3))  # beside short prompts
   eng.run()
   assert cache.stats()["hits"] > hits + 2
+  assert pc_mod.TRACE_COUNTS["finish_many"] > 0
   assert [f._cache_size() for f in jitted] == sizes  # pylint: disable=protected-access
 
 

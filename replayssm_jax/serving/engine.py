@@ -99,7 +99,7 @@ from replayssm_jax.serving import snapshot
 from replayssm_jax.serving import spec as SP
 from replayssm_jax.serving.prefix_cache import (PrefixCache,
                                                 insert_cached_many,
-                                                warmup_batches)
+                                                warmup_batches, warmup_takes)
 from replayssm_jax.serving.requests import EngineStats, Request, check_request
 from replayssm_jax.serving.spec import Speculation
 
@@ -548,6 +548,8 @@ class Engine:
                              [request(t) for t in batch])
       finally:
         self.prefix_cache = real
+      warmup_takes(self.pool.tokens, C.request_keys(
+          C.seed_words([0]))[1], most)
     self._firsts = []
     self._ctl = self._ctl.replace(left=jnp.zeros_like(self._ctl.left))
     self.pool = self.pool.replace(active=jnp.zeros_like(self.pool.active))

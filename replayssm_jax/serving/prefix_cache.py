@@ -248,17 +248,40 @@ def _finish_jit(graphdef, params, pool, row, slot, tokens, length, row_id,
 @functools.partial(jax.jit, static_argnums=(0, 9, 10, 11),
                    donate_argnums=(2,))
 def _finish_many_jit(graphdef, params, pool, rows, idx, tokens, lengths,
-                     row_ids, temps_keys, sampled, top_k, top_p):
+                     temps, keys, sampled, top_k, top_p):
   """`_finish_jit` for a batch: the batch-1 `rows` (a tuple, not donated)
   stacked, their rests continued in one prefill, their first tokens
-  sampled as `insert_many`'s, the rows written at idx."""
+  sampled as `insert_many`'s, the rows written at idx (their row ids)."""
   TRACE_COUNTS["finish_many"] += 1
   model = P.merge(graphdef, params)
   state = P.set_row_id(jax.tree.map(lambda *r: jnp.concatenate(r), *rows),
-                       row_ids)
+                       idx)
   logits, state = CP.prefill_from_state_fn(model, tokens, lengths, state)
   return R.place_rows(pool, idx, state, P.sample_rows(
-      logits, temps_keys[1], temps_keys[0], sampled, top_k, top_p))
+      logits, keys, temps, sampled, top_k, top_p))
+
+
+@jax.jit
+def _take_jit(x, idx):
+  """x[idx] along the leading axis (idx clipped): a group's keys of a
+  batch's, the first tokens at the batch's slots (padding: capacity,
+  clipped: unspecified)."""
+  return jnp.take(x, idx, axis=0, mode="clip")
+
+
+def warmup_takes(tokens, keys, most: int) -> None:
+  """Compiles `insert_cached_many`'s gathers for batches of up to `most`
+  prompts: the first tokens of kp slots and a group's mp <= kp keys, kp
+  and mp powers of two (tokens: a pool's next inputs; keys [1, ...]: a
+  key row)."""
+  kp = 1
+  while kp <= most:
+    _take_jit(tokens, np.zeros(kp, np.int32))
+    mp = 1
+    while mp <= kp:
+      _take_jit(jnp.repeat(keys, kp, axis=0), np.zeros(mp, np.int32))
+      mp *= 2
+    kp *= 2
 
 
 def _padded(tokens: np.ndarray, max_len: int):
@@ -481,18 +504,17 @@ def insert_cached_many(model: M.HybridLM, pool: P.Pool, cache: PrefixCache,
     groups[(plans[-1][0] is not None,
             P.bucket_len(rest, pool.max_len))].append(i)
   krows = P.key_rows(keys, k, kp)
-  order, firsts = [], []
   for (cached, _), members in groups.items():
     m = len(members)
     mp = 1 << (m - 1).bit_length()
-    sub = np.array(members + [members[0]] * (mp - m))
-    sub_keys = krows if members == list(range(k)) else krows[sub]
+    sub = np.array(members + [members[0]] * (mp - m), np.int32)
+    sub_keys = krows if m == k else _take_jit(krows, sub)  # [mp]
     if not cached:
-      pool, tok = P.insert_many(
+      pool, _ = P.insert_many(
           model, pool, [slots[i] for i in members],
           [prompts[i] for i in members], temperatures=temps[members],
-          keys=sub_keys, top_k=top_k, top_p=top_p, parts=(graphdef, params),
-          padded=True)
+          keys=sub_keys, top_k=top_k, top_p=top_p,
+          parts=(graphdef, params), padded=True)
     else:
       idx, tokens, lengths = P.padded_batch(
           [slots[i] for i in members],
@@ -500,14 +522,12 @@ def insert_cached_many(model: M.HybridLM, pool: P.Pool, cache: PrefixCache,
       rows = tuple(plans[i][0] for i in sub)
       idx, tokens, lengths, sub_temps = jax.device_put(
           (idx, tokens, lengths, np.pad(temps[members], (0, mp - m))))
-      pool, tok = _finish_many_jit(graphdef, params, pool, rows, idx, tokens,
-                                   lengths, idx, (sub_temps, sub_keys),
-                                   sampled, top_k, top_p)
-    order += members
-    firsts.append(tok if len(groups) == 1 else tok[:m])
-  if len(groups) == 1 and order == list(range(k)):
-    tok = firsts[0]  # [kp]
-  else:
-    tok = jnp.concatenate(firsts)[np.argsort(order)]
-    tok = jnp.pad(tok, (0, kp - k)) if padded else tok
+      pool, _ = _finish_many_jit(graphdef, params, pool, rows, idx, tokens,
+                                 lengths, sub_temps, sub_keys, sampled,
+                                 top_k, top_p)
+  # Every group wrote its first tokens into the pool's next inputs: one
+  # gather of a fixed shape, whatever the groups.
+  idx = np.full(kp, pool.capacity, np.int32)
+  idx[:k] = slots
+  tok = _take_jit(pool.tokens, idx)
   return pool, (tok if padded else tok[:k])
