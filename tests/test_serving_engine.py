@@ -189,6 +189,27 @@ def test_engine_splits_the_model_once(model, monkeypatch):
   assert not np.asarray(eng.pool.active).any()  # evicted in batches
 
 
+def test_sampled_requests_through_the_cache_keep_their_keys(model):
+  """Sampled requests (temperature 1, their own seeds) admitted in batches
+  through a prefix cache draw the tokens they draw without one: each row's
+  first-token key and key stream follow its request, whatever group of
+  the batched admission it lands in (short prompts beside hits)."""
+  system = prompt(61, 8).tolist()
+  prompts = [system + prompt(62 + i, 2 + i).tolist() for i in range(4)]
+  prompts.insert(1, prompt(70, 3).tolist())  # no whole block: plain
+  runs = []
+  for cache in (None, serving.PrefixCache(block=4, max_entries=8)):
+    eng = serving.Engine(model, 4, MAX_LEN, steps_per_dispatch=2,
+                         prefix_cache=cache, buffer_len=L)
+    for i, p in enumerate(prompts):
+      eng.submit(serving.Request(i, np.array(p), 5, temperature=1.0,
+                                 seed=100 + i))
+    runs.append(eng.run())
+    if cache is not None:
+      assert cache.stats()["hits"] >= 2
+  assert runs[0] == runs[1]
+
+
 @pytest.mark.parametrize("ssm_mode", ["replay", "baseline"])
 def test_prefix_cache_in_the_engine(model, ssm_mode):
   # Requests sharing a 2-block system prompt: the later ones hit the cache
