@@ -296,6 +296,10 @@ def test_prefix_ttft_bench_small(tmp_path):
       assert h["entries"] == 1, h  # the prefix only: no hit extended it
       assert h["logits_rel_err"] < tolerance(jnp.float32).rtol, h
       assert min(h["ms"], h["rest_ms"]) > 0 and h["ideal_ms"] < r["insert_ms"]
+    b = r["batch_hits"]  # 2 slots in the small run
+    assert b["first_tokens_equal"] and (b["prompts"], b["cached_tokens"]) == (
+        2, 56), b
+    assert min(b["one_at_a_time_ms"], b["batched_ms"]) > 0
 
 
 def test_moe_dispatch_small(tmp_path):

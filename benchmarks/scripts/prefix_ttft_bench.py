@@ -13,7 +13,11 @@ On an idle pool (nothing else queued on the device), per SSM mode:
 
 and reports t_f, the ideal (1 - f) * t0, and the share of the ideal saving
 reached, (t0 - t_f) / (f * t0); beside each hit, `serving.insert` of
-the rest alone ((1 - f) T tokens: rest_ms, the hit path's floor). Each
+the rest alone ((1 - f) T tokens: rest_ms, the hit path's floor). Then
+--batch_hits prompts hitting the prefix of the largest fraction:
+`serving.insert_cached` one after another (into one slot) against one
+`serving.insert_cached_many` of them all into as many slots (the engine's
+batched admission), to the last first token. Each
 time runs from the call to the first token on the host
 (`block_until_ready`), median over --repeats prompts of fresh random tails
 (never zeros), after a warm-up that compiles each path.
@@ -77,6 +81,9 @@ def main():
   ap.add_argument("--capacity", type=int, default=8)
   ap.add_argument("--repeats", type=int, default=10)
   ap.add_argument("--modes", default="replay,baseline")
+  ap.add_argument("--batch_hits", type=int, default=8,
+                  help="prompts of the batched-admission timing (at most "
+                  "--capacity; 0: none)")
   ap.add_argument("--small", action="store_true")
   a = ap.parse_args()
   if a.small:
@@ -124,13 +131,13 @@ def main():
     res["records"].append(rec)  # saved with each hit
     save()
     print(f"{mode}: insert {t0:.2f} ms, miss {miss:.2f} ms", flush=True)
-    done = set()
+    done, prefix_of = set(), {}
     for f in (float(x) for x in a.fractions.replace("+", ",").split(",")):
       k = int(f * t) // block * block
       if not 0 < k < t or k in done:
         continue
       done.add(k)
-      prefix = tokens(k)
+      prefix = prefix_of[k] = tokens(k)
       cache = serving.PrefixCache(block, 2)
       cached(cache, np.concatenate([prefix, tokens(1)]))  # stores k tokens
       prompts = [np.concatenate([prefix, tokens(t - k)])
@@ -157,6 +164,35 @@ def main():
             f"{hit['share_of_ideal_saving']:.2f} of the ideal saving; "
             f"first token equal {ok}, logits err {err:.1e}", flush=True)
       rec["hits"].append(hit)
+      save()
+    n = min(a.batch_hits, a.capacity)
+    if done and n:
+      k = max(done)
+      cache = serving.PrefixCache(block, 2)
+      cached(cache, np.concatenate([prefix_of[k], tokens(1)]))
+      batches = [[np.concatenate([prefix_of[k], tokens(t - k)])
+                  for _ in range(n)] for _ in range(a.repeats + 1)]
+
+      def one_by_one(i):
+        out = [cached(cache, p)[0] for p in batches[i]]
+        return out[-1], out
+
+      def batched(i):
+        nonlocal pool
+        pool, toks = serving.insert_cached_many(
+            model, pool, cache, list(range(n)), batches[i], parts=parts)
+        return toks, None
+
+      want = [int(x) for x in one_by_one(a.repeats)[1]]
+      got = [int(x) for x in batched(a.repeats)[0]]
+      single, _ = timed(one_by_one, a.repeats)
+      many, _ = timed(batched, a.repeats)
+      rec["batch_hits"] = dict(prompts=n, cached_tokens=k,
+                               one_at_a_time_ms=single, batched_ms=many,
+                               first_tokens_equal=want == got)
+      print(f"  {n} hits of {k}/{t}: one at a time {single:.2f} ms, "
+            f"batched {many:.2f} ms; first tokens equal {want == got}",
+            flush=True)
       save()
   save()
 
