@@ -85,10 +85,9 @@ def _segsum_difference(a):
 
 def ssd_scan(prec, chunk_size=256, segsum_difference=False):
   def f(*x):
-    if not segsum_difference:
-      return ssd_chunked_scan(*x, chunk_size=chunk_size, dt_softplus=True,
-                              precision=prec)
-    saved, ssd._segsum = ssd._segsum, _segsum_difference  # traced here
+    saved = ssd._segsum  # read when the scan is traced, here
+    if segsum_difference:
+      ssd._segsum = _segsum_difference
     try:
       return ssd_chunked_scan(*x, chunk_size=chunk_size, dt_softplus=True,
                               precision=prec)

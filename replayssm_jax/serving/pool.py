@@ -259,9 +259,7 @@ def slot_index(slot, capacity: int):
 
 
 def write_row(pool_leaf, row_leaf, idx):
-  if pool_leaf.dtype != row_leaf.dtype:
-    raise AssertionError(f"prefill returned a {row_leaf.dtype} leaf for "
-                         f"the pool's {pool_leaf.dtype}.")
+  R.check_dtype(pool_leaf, row_leaf)
   # mode="drop": an out-of-range (traced) slot writes nothing.
   return pool_leaf.at[idx].set(row_leaf[0], mode="drop")
 

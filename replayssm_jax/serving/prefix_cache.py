@@ -277,9 +277,10 @@ def warmup_takes(tokens, keys, most: int) -> None:
   kp = 1
   while kp <= most:
     _take_jit(tokens, np.zeros(kp, np.int32))
+    batch_keys = jnp.repeat(keys, kp, axis=0)
     mp = 1
     while mp <= kp:
-      _take_jit(jnp.repeat(keys, kp, axis=0), np.zeros(mp, np.int32))
+      _take_jit(batch_keys, np.zeros(mp, np.int32))
       mp *= 2
     kp *= 2
 

@@ -15,14 +15,26 @@ import jax
 import jax.numpy as jnp
 
 
+def check_dtype(pool_leaf, row_leaf):
+  """A prefilled row's leaf must have its pool leaf's dtype (a scatter
+  would cast it silently)."""
+  if pool_leaf.dtype != row_leaf.dtype:
+    raise AssertionError(f"prefill returned a {row_leaf.dtype} leaf for "
+                         f"the pool's {pool_leaf.dtype}.")
+
+
 def place_rows(pool, idx, rows, tok):
   """(Traceable.) A Pool with the batch-kp ModelState `rows` written into
   slots idx [kp] (out of range, e.g. capacity for a padding row: nothing
   written), those slots active with next inputs `tok` [kp] (-1 for an
   invalid row) -> (pool, tok)."""
   tok = jnp.where(rows.positions < 0, -1, tok)
-  state = jax.tree.map(lambda p, r: p.at[idx].set(r, mode="drop"),
-                       pool.state, rows)
+
+  def write(p, r):
+    check_dtype(p, r)
+    return p.at[idx].set(r, mode="drop")
+
+  state = jax.tree.map(write, pool.state, rows)
   return pool.replace(state=state,
                       active=pool.active.at[idx].set(True, mode="drop"),
                       tokens=pool.tokens.at[idx].set(tok, mode="drop")), tok
