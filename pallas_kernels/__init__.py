@@ -186,9 +186,11 @@ def _gdn_verify(*, config=None, **args):
 # The table the dispatcher registers: (op, Implementation) pairs. The
 # Pallas kernels are the dispatcher's default on a GPU (priority 10); the
 # Mosaic GPU baseline kernel runs only on request.
+# `ROWS`: the ops whose kernels take a slot per row (`replayssm_jax.slots`).
+ROWS = ("selective_state_update", "replay_state_update", "decode_attention")
 IMPLEMENTATIONS = tuple(
     (op, Implementation("pallas", _x32(fn), supports=supports,
-                        preferred=on_gpu, priority=10))
+                        preferred=on_gpu, priority=10, rows=op in ROWS))
     for op, fn, supports in (
         ("replay_verify", _verify, _verify_supports),
         ("baseline_verify", _snapshot_verify, _ssu_supports),

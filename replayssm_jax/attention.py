@@ -27,16 +27,19 @@ import jax
 import jax.numpy as jnp
 
 from replayssm_jax import _validation as V
+from replayssm_jax import slots
 
 F32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def validate_decode_attention(q, k_cache, v_cache, lengths, scale) -> None:
+def validate_decode_attention(q, k_cache, v_cache, lengths, scale,
+                              rows=None) -> None:
   """Static checks of the op's arguments (shapes and dtypes; each error names
   the argument). lengths values must lie in [0, max_len]; they are checked
   when concrete (outside jit), and both implementations clamp them under
-  jit."""
+  jit. With rows [batch] (a slot of the caches per query row,
+  `replayssm_jax.slots`) the caches may have any number of rows."""
   V.check_floating("q", q)
   if q.ndim not in (3, 4):
     raise ValueError(f"q must be 3-D [batch, q_heads, head_dim] (one query "
@@ -47,11 +50,14 @@ def validate_decode_attention(q, k_cache, v_cache, lengths, scale) -> None:
   V.check_ndim("k_cache", k_cache, 4,
                "[batch, kv_heads, max_len, head_dim]")
   hk, s = k_cache.shape[1], k_cache.shape[2]
-  V.check_shape("k_cache", k_cache, (b, hk, s, d),
+  cap = b if rows is None else k_cache.shape[0]
+  V.check_shape("k_cache", k_cache, (cap, hk, s, d),
                 "[batch, kv_heads, max_len, head_dim]")
   V.check_floating("v_cache", v_cache)
-  V.check_shape("v_cache", v_cache, (b, hk, s, d),
+  V.check_shape("v_cache", v_cache, (cap, hk, s, d),
                 "[batch, kv_heads, max_len, head_dim]")
+  if rows is not None:
+    slots.check_rows(rows, b, cap)
   if hk < 1 or hq % hk:
     raise ValueError(f"q_heads ({hq}, read from q) must be a multiple of "
                      f"kv_heads ({hk}, read from k_cache): each KV head serves "

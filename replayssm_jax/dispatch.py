@@ -33,6 +33,7 @@ import importlib
 import inspect
 
 from absl import logging
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -42,6 +43,7 @@ from replayssm_jax import norm
 from replayssm_jax import per_shard
 from replayssm_jax import precision as P
 from replayssm_jax import reference
+from replayssm_jax import slots
 from replayssm_jax import verify_reference
 from replayssm_jax.registry import Implementation
 from replayssm_jax.state import ReplayState
@@ -116,6 +118,42 @@ def _load_plugins() -> None:
 def dispatch(op: str, implementation: str | None, config, args: dict):
   """Runs `op` (validated args) with the chosen implementation, per shard
   under `jax.set_mesh` (`per_shard.call`)."""
+  _, fn = _choose(op, implementation, config, args)
+  return per_shard.call(op, fn, args)
+
+
+def dispatch_rows(op: str, implementation: str | None, config, args: dict,
+                  rows, state_args: tuple[str, ...],
+                  returns_state: bool = True):
+  """`dispatch` of a row-indexed op (`replayssm_jax.slots`): the args named
+  in `state_args` hold a pool's capacity rows, the other batch-leading args
+  k token rows, `rows` [k] their slots (already `slots.effective`). An
+  implementation that takes the slots itself (`Implementation.rows`) gets
+  them as `rows=`; any other runs on the gathered rows. returns_state: the
+  op returns (out, new state of its one state arg), scattered back."""
+  if rows is None:
+    return dispatch(op, implementation, config, args)
+  if per_shard.active_mesh() is not None:
+    raise NotImplementedError(
+        f"{op}: rows (a slot per row) under a device mesh; gather the rows "
+        f"first, or run without the mesh.")
+  impl, fn = _choose(op, implementation, config, args)
+  if impl.rows:
+    res = fn(**args, rows=rows)
+    if returns_state:
+      return slots.nan_pad(res[0], rows), res[1]
+    return jax.tree.map(lambda o: slots.nan_pad(o, rows), res)
+  state = tuple(args[n] for n in state_args)
+  if returns_state:
+    (state,) = state
+  def run(st):
+    return fn(**{**args, **dict(zip(state_args,
+                                    (st,) if returns_state else st))})
+  return slots.on_rows(run, state, rows, returns_state=returns_state)
+
+
+def _choose(op: str, implementation: str | None, config, args: dict):
+  """(entry, callable with config bound) of `op` for these args."""
   _load_plugins()
   table = _REGISTRY[op]
   if implementation is not None:
@@ -132,18 +170,17 @@ def dispatch(op: str, implementation: str | None, config, args: dict):
           f"{op}: implementation {implementation!r} cannot run these inputs: "
           f"{why}")
     if config is None:
-      return per_shard.call(op, impl.fn, args)
+      return impl, impl.fn
     if "config" not in inspect.signature(impl.fn).parameters:
       raise ValueError(f"{op}: implementation {implementation!r} takes no "
                        f"config, got {config!r}.")
-    return per_shard.call(op, functools.partial(impl.fn, config=config),
-                          args)
+    return impl, functools.partial(impl.fn, config=config)
   if config is not None:
     raise ValueError("config can only be given with a named implementation.")
   for name in implementations(op):
     impl = table[name]
     if impl.preferred() and impl.supports(**args) is None:
-      return per_shard.call(op, impl.fn, args)
+      return impl, impl.fn
   raise AssertionError("unreachable: the reference supports every input")
 
 

@@ -32,6 +32,7 @@ from replayssm_jax import conv
 from replayssm_jax import norm
 from replayssm_jax import precision as P
 from replayssm_jax import reference
+from replayssm_jax import slots
 from replayssm_jax import dispatch as _dispatch
 # The dispatcher's API, re-exported.
 from replayssm_jax.dispatch import (check_layer, dispatch, implementations,
@@ -56,7 +57,7 @@ __all__ = [
 
 
 def selective_state_update(ssm_state, x, dt, A, B, C, D=None, z=None,
-                           dt_bias=None, dt_softplus=False, *,
+                           dt_bias=None, dt_softplus=False, *, rows=None,
                            implementation: str | None = None, config=None):
   """Baseline Mamba-2 decode step.
 
@@ -70,6 +71,10 @@ def selective_state_update(ssm_state, x, dt, A, B, C, D=None, z=None,
     z: optional [batch, nheads, headdim] gate: y *= silu(z).
     dt_bias: optional [nheads], added to dt before the softplus.
     dt_softplus: apply softplus to dt + dt_bias.
+    rows: optional [batch] int32, a state row (slot) per token row: then
+      ssm_state may have any number of rows (a serving pool's), token row i
+      reads and writes state row rows[i] and the other state rows stay as
+      they are (`replayssm_jax.slots`: padding rows, repeated slots).
     implementation: see module docstring.
     config: tuning config of the named implementation.
 
@@ -79,15 +84,29 @@ def selective_state_update(ssm_state, x, dt, A, B, C, D=None, z=None,
   V.check_floating("ssm_state", ssm_state, V.STATE_DTYPES)
   V.check_ndim("ssm_state", ssm_state, 4, "[batch, nheads, headdim, dstate]")
   b, h, p, n = ssm_state.shape
+  b, rows = _token_rows(b, x, rows)
   V.check_step_inputs(b, h, p, n, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z,
                       dt_bias=dt_bias)
   args = dict(ssm_state=ssm_state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z,
               dt_bias=dt_bias, dt_softplus=bool(dt_softplus))
-  return dispatch("selective_state_update", implementation, config, args)
+  return _dispatch.dispatch_rows("selective_state_update", implementation,
+                                 config, args, rows, ("ssm_state",))
+
+
+def _token_rows(capacity: int, x, rows):
+  """(token rows k, effective rows or None) of a step whose state has
+  `capacity` rows and whose token input is x [k, ...] (the state's rows
+  when rows is None)."""
+  if rows is None:
+    return capacity, None
+  k = x.shape[0]
+  slots.check_rows(rows, k, capacity)
+  return k, slots.effective(rows, capacity)
 
 
 def decode_attention(q, k_cache, v_cache, lengths, scale=None, *,
-                     implementation: str | None = None, config=None):
+                     rows=None, implementation: str | None = None,
+                     config=None):
   """Queries of each row against the row's KV cache (a decode step, or a
   speculative window whose keys are already in the cache).
 
@@ -104,15 +123,23 @@ def decode_attention(q, k_cache, v_cache, lengths, scale=None, *,
       whose length lies outside [0, max_len] returns NaN. A kernel reads
       only the entries it needs.
     scale: the score scale, a Python float; None = head_dim ** -0.5.
+    rows: optional [batch] int32, a cache row (slot) per query row: the
+      caches may then have any number of rows (a serving pool's);
+      padding rows and repeated slots as in `replayssm_jax.slots`.
     implementation, config: see the module docstring.
 
   Returns:
     q's shape in q.dtype (float32 scores, softmax and sums).
   """
-  attention.validate_decode_attention(q, k_cache, v_cache, lengths, scale)
+  attention.validate_decode_attention(q, k_cache, v_cache, lengths, scale,
+                                      rows)
+  if rows is not None:
+    rows = slots.effective(rows, k_cache.shape[0])
   args = dict(q=q, k_cache=k_cache, v_cache=v_cache, lengths=lengths,
               scale=scale)
-  out = dispatch("decode_attention", implementation, config, args)
+  out = _dispatch.dispatch_rows("decode_attention", implementation, config,
+                                args, rows, ("k_cache", "v_cache"),
+                                returns_state=False)
   ln = jnp.asarray(lengths)
   bad = (ln < 0) | (ln > k_cache.shape[2])
   V.raise_if_invalid(bad, "decode_attention (lengths)")
@@ -247,8 +274,8 @@ def add_rms_norm(x, y, weight, *, eps: float, out_dtype=None,
 def replay_state_update(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
                         dt_bias=None, dt_softplus=False, *,
                         policy: P.PrecisionPolicy | None = None,
-                        layer=0, implementation: str | None = None,
-                        config=None):
+                        layer=0, rows=None,
+                        implementation: str | None = None, config=None):
   """ReplaySSM decode step: same arguments as `selective_state_update` with a
   `ReplayState` instead of the full state.
 
@@ -267,6 +294,8 @@ def replay_state_update(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
       (policy.seed, layer, row_id, step, element index).
     layer: layer index (int >= 0, or an int32 scalar, e.g. under a scan over
       layers) keying stochastic rounding; ignored otherwise.
+    rows: optional [batch] int32, a state row (slot) per token row (see
+      `selective_state_update`).
     Others: see `selective_state_update`. A state with a read copy or
       stochastic rounding runs on implementations that support it (the
       reference and the Pallas kernels; see
@@ -278,15 +307,19 @@ def replay_state_update(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
   if not isinstance(rstate, ReplayState):
     raise TypeError(f"rstate must be a ReplayState, got "
                     f"{type(rstate).__name__}.")
-  rstate.validate("rstate")
-  V.check_step_inputs(rstate.batch, rstate.nheads, rstate.headdim,
+  rstate.validate("rstate", rows)
+  batch, rows = _token_rows(rstate.batch, x, rows)
+  V.check_step_inputs(batch, rstate.nheads, rstate.headdim,
                       rstate.dstate, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z,
                       dt_bias=dt_bias, ngroups=rstate.ngroups)
   args = dict(rstate=rstate, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z,
               dt_bias=dt_bias, dt_softplus=bool(dt_softplus),
               **policy_args(rstate, policy, layer))
-  y, new = dispatch("replay_state_update", implementation, config, args)
-  V.raise_if_invalid(invalid_rows(new), "replay_state_update")
+  y, new = _dispatch.dispatch_rows("replay_state_update", implementation,
+                                   config, args, rows, ("rstate",))
+  bad = invalid_rows(new) if rows is None else slots.gather(
+      invalid_rows(new), rows) & (rows >= 0)
+  V.raise_if_invalid(bad, "replay_state_update")
   return y, new
 
 

@@ -28,9 +28,13 @@ class Implementation:
       (e.g. a Pallas kernel only on GPU: elsewhere it runs in the slow
       interpret mode, which only an explicit request gets).
     priority: higher runs first when implementation=None.
+    rows: fn takes `rows=` [k] (a slot per token row of a pool's state,
+      `replayssm_jax.slots`) and reads and writes those state rows in
+      place; otherwise a row-indexed call runs fn on gathered rows.
   """
   name: str
   fn: Callable
   supports: Callable[..., str | None] = lambda **_: None
   preferred: Callable[[], bool] = lambda: True
   priority: int = 0
+  rows: bool = False

@@ -40,6 +40,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from replayssm_jax import _validation as V
 from replayssm_jax import precision as P
@@ -229,8 +230,9 @@ class ReplayState:
                         read_scale=read_scale, row_id=row_id, step=step)
 
   # -------------------------------------------------------------- checks
-  def validate(self, name: str = "rstate") -> "ReplayState":
-    """Checks shapes and dtypes (and count values when not traced)."""
+  def validate(self, name: str = "rstate", rows=None) -> "ReplayState":
+    """Checks shapes and dtypes (and count values when not traced: of the
+    rows `rows` alone when given, a concrete [k] array of slots)."""
     V.check_floating(f"{name}.checkpoint", self.checkpoint, V.STATE_DTYPES)
     V.check_ndim(f"{name}.checkpoint", self.checkpoint, 4,
                  "[batch, nheads, headdim, dstate]")
@@ -256,7 +258,11 @@ class ReplayState:
     V.check_shape(f"{name}.count", self.count, (b,), "[batch]")
     if jnp.dtype(self.count.dtype) != jnp.int32:
       raise TypeError(f"{name}.count must be int32, got {self.count.dtype}.")
-    V.check_count_range(self.count, L, f"{name}.count")
+    count = self.count
+    if rows is not None and V.is_concrete(rows) and V.is_concrete(count):
+      r = np.asarray(rows)
+      count = np.asarray(count)[r[(r >= 0) & (r < b)]]
+    V.check_count_range(count, L, f"{name}.count")
     self._validate_policy_fields(name)
     w = self.pending_window
     if w is not None and (isinstance(w, bool) or not isinstance(w, int)

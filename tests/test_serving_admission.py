@@ -170,16 +170,21 @@ def run_engine(model, reqs, poison_free=False, **kw):
 @pytest.mark.parametrize("ssm_mode", ("replay", "baseline"))
 def test_compacted_dispatches_give_the_pools_tokens(model, ssm_mode):
   """Three requests in eight slots, one sampled: decoded as a batch of 4
-  gathered rows (padded with a poisoned free slot) or as the whole pool,
+  gathered rows (padded with a poisoned free slot), as 4 rows stepped in
+  the pool through their slots (`compact_in_place`) or as the whole pool,
   the same tokens."""
   reqs = [("a", prompt(90, 5), 7, 0.0), ("bb", prompt(91, 9), 4, 0.0),
           ("ccc", prompt(92, 3), 8, 1.3)]
   eng, compact = run_engine(model, reqs, poison_free=True,
                             ssm_mode=ssm_mode)
   assert eng.stats.compacted == eng.stats.dispatches > 0
+  eng, in_place = run_engine(model, reqs, poison_free=True,
+                             compact_in_place=True, ssm_mode=ssm_mode)
+  assert eng.stats.compacted == eng.stats.dispatches > 0
   eng, whole = run_engine(model, reqs, compact_below=0.0, ssm_mode=ssm_mode)
   assert eng.stats.compacted == 0
   assert compact == whole
+  assert in_place == whole
 
 
 def test_precompile_leaves_nothing_to_compile(model):

@@ -1,27 +1,29 @@
-"""A partly occupied slot pool decoded two ways, checked and timed (GPU).
+"""A partly occupied slot pool decoded several ways, checked and timed (GPU).
 
-`serving.step_n` decodes the whole pool as one dense batch of `capacity`
-rows, free slots included, so a dispatch costs the same at any occupancy.
-The alternative gathers the active rows into a batch of their own once per
-dispatch (the active set only changes between dispatches: admissions and
-evictions happen there), decodes that batch and scatters it back:
+Each form is one compiled call of `--steps` decode steps with on-device
+stopping, the engine's dispatch (`serving.controls.decode`):
 
-  dense     `serving.step_n(model, pool, n)` over all `capacity` rows
-  gathered  gather the active rows (`serving.rows.gather_rows`),
-            `step_n` on that batch, scatter the rows back (donated):
-            what `Engine(compact_below=...)` runs
-  steps     the gathered form's `step_n` alone: what a kernel that reads
-            and writes the pool through a slot index per row would cost
-            at best (the same rows, no copies)
+  dense     every one of the `capacity` rows, free slots included, so a
+            dispatch costs the same at any occupancy
+  gathered  the active rows gathered into a batch of their number,
+            decoded, and scattered back within the call
+            (`Engine(compact_below=...)`)
+  in_place  the active rows stepped in the pool through a slot per row
+            (`Engine(compact_in_place=True)`: the Mamba-2 and attention
+            kernels read and write the pool's rows; no copies of their
+            state)
+  steps     `serving.step_n` on a batch that already holds the active rows
+            alone: what a dispatch over those rows costs without any
+            pool around them (the floor)
 
 per occupancy (active rows out of `--capacity`), at hybrid_1b's shapes
 (random bf16 weights), replay (L 16) and baseline states. The pool's rows
 hold a real prefill of random prompts (never zeros). Before timing, the
-gathered form's tokens and active rows' states are checked against the
-dense form's on the same pool (tokens equal; states within the bf16
-matmul rounding of batch-size-dependent kernels: max |difference| over
-max |value|, recorded). µs per decode step are medians over `--repeats`
-dispatches of `--steps` steps after a warm-up.
+gathered and in-place forms' tokens and active rows' states are checked
+against the dense form's on the same pool (tokens equal; states within
+the bf16 matmul rounding of batch-size-dependent kernels: max |difference|
+over max |value|, recorded). µs per decode step are medians over
+`--repeats` dispatches of `--steps` steps after a warm-up.
 
   PYTHONPATH=. python benchmarks/scripts/pool_occupancy_bench.py \
       --out $OUT/pool_occupancy.json
@@ -50,6 +52,7 @@ from configs import _decode_bench, hybrid_1b  # pylint: disable=g-import-not-at-
 from experiments import common  # pylint: disable=g-import-not-at-top,wrong-import-position
 from experiments.decode_bench import build_model  # pylint: disable=g-import-not-at-top,wrong-import-position
 from replayssm_jax import models, serving  # pylint: disable=g-import-not-at-top,wrong-import-position
+from replayssm_jax.serving import controls  # pylint: disable=g-import-not-at-top,wrong-import-position
 from replayssm_jax.serving import rows as R  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
@@ -71,15 +74,15 @@ def copy(tree):
   return jax.tree.map(jnp.copy, tree)
 
 
-def time_us(fn, pool, repeats, steps):
+def time_us(fn, pool, ctl, repeats, steps):
   """Median µs per step of `repeats` dispatches (after one warm-up);
-  `fn(pool) -> pool` donates its argument."""
-  pool = fn(pool)
+  `fn(pool, ctl) -> (pool, tokens, ctl)` donates its arguments."""
+  pool, _, ctl = fn(pool, ctl)
   jax.block_until_ready(pool)
   times = []
   for _ in range(repeats):
     t0 = time.perf_counter()
-    pool = fn(pool)
+    pool, _, ctl = fn(pool, ctl)
     jax.block_until_ready(pool)
     times.append((time.perf_counter() - t0) / steps * 1e6)
   return statistics.median(times), times
@@ -135,41 +138,47 @@ def main():
       idx = jnp.arange(0, a.capacity, a.capacity // n)[:n].astype(jnp.int32)
       active = jnp.zeros((a.capacity,), bool).at[idx].set(True)
 
-      def dense(pool):
-        return serving.step_n(model, pool, steps, parts=parts)[0]
+      ctl0 = controls.init_controls(a.capacity)
+      ctl0 = ctl0.replace(left=jnp.full((a.capacity,), 1 << 30, jnp.int32))
+      graphdef, params = parts
 
-      def gathered(pool, idx=idx):
-        sub, _ = serving.step_n(model, R.gather_rows(pool, idx), steps,
-                                parts=parts)
-        return R.scatter_rows(pool, sub, idx)
+      def dispatch(pool, ctl, rows=None, in_place=False):
+        return controls.decode(graphdef, params, pool, ctl, steps, False,
+                               None, None, None, rows, in_place)
 
-      def steps_only(sub):
-        return serving.step_n(model, sub, steps, parts=parts)[0]
+      def forms():
+        """name -> fn(pool, ctl) -> (pool, tokens [k, steps], ctl)."""
+        return dict(
+            dense=dispatch,
+            gathered=lambda p, c: dispatch(p, c, idx),
+            in_place=lambda p, c: dispatch(p, c, idx, True))
 
-      # Check: the same dispatch both ways from the same pool.
+      # Check: the same dispatch every way from the same pool.
       pool = base.replace(active=active)
-      ref, ref_toks = serving.step_n(model, copy(pool), steps)
-      sub, toks = serving.step_n(model, R.gather_rows(copy(pool), idx),
-                                 steps)
-      out = R.scatter_rows(copy(pool), sub, idx)
+      ref, ref_toks, _ = dispatch(copy(pool), copy(ctl0))
       rows = lambda p: jax.tree.map(lambda x: x[idx], p.state)  # pylint: disable=cell-var-from-loop
-      tokens_equal = float(np.mean(np.asarray(ref_toks)[np.asarray(idx)]
-                                   == np.asarray(toks)))
-      err = state_error(rows(out), rows(ref))
-      del ref, sub, out
-      rec = dict(mode=mode, active=n, state_bytes=int(state_bytes),
-                 tokens_equal=tokens_equal, state_rel_err=err)
-      for name, fn, p in (
-          ("dense", dense, copy(pool)),
-          ("gathered", gathered, copy(pool)),
-          ("steps", steps_only, R.gather_rows(copy(pool), idx))):
-        us, times = time_us(fn, p, a.repeats, steps)
+      rec = dict(mode=mode, active=n, state_bytes=int(state_bytes))
+      for name, fn in forms().items():
+        if name == "dense":
+          continue
+        out, toks, _ = fn(copy(pool), copy(ctl0))
+        rec[f"{name}_tokens_equal"] = float(np.mean(
+            np.asarray(ref_toks)[np.asarray(idx)] == np.asarray(toks)))
+        rec[f"{name}_state_rel_err"] = state_error(rows(out), rows(ref))
+        del out
+      del ref
+
+      def steps_only(sub, ctl):
+        return serving.step_n(model, sub, steps, parts=parts)[0], None, ctl
+
+      for name, fn, p in [(k, f, copy(pool)) for k, f in forms().items()] + [
+          ("steps", steps_only, R.gather_rows(copy(pool), idx))]:
+        us, times = time_us(fn, p, copy(ctl0), a.repeats, steps)
         rec[f"{name}_us_per_step"] = us
         rec[f"{name}_times_us"] = times
-      rec["gathered_vs_dense"] = rec["dense_us_per_step"] / rec[
-          "gathered_us_per_step"]
-      rec["steps_vs_dense"] = rec["dense_us_per_step"] / rec[
-          "steps_us_per_step"]
+      for name in ("gathered", "in_place", "steps"):
+        rec[f"{name}_vs_dense"] = rec["dense_us_per_step"] / rec[
+            f"{name}_us_per_step"]
       rec["wall_s"] = time.time() - t0
       print({k: v for k, v in rec.items() if not k.endswith("times_us")},
             flush=True)

@@ -38,7 +38,8 @@
 #   bash benchmarks/scripts/run_h200.sh serve_decode [on|off] [hf_config]  # serve_bench saturated at 256 slots on a decode-bound workload (prompts of 16-64, outputs of 256-768 tokens), the engine's overlap on or off
 #   bash benchmarks/scripts/run_h200.sh serve_prefix [hf_config]  # serve_bench on a shared-prefix workload at a light load, without and with a prefix cache
 #   bash benchmarks/scripts/run_h200.sh prefix_ttft [name] [flags]  # time to first token on an idle pool with a cached prefix of 25-94% of a 512-token prompt against insert without one, and the ideal (1 - f) of it, then 8 hits admitted one by one against one batched call (hybrid_1b); flags: prefix_ttft_bench.py's (--prompt_len, --max_len, --modes, --chunk_size, --fractions joined by "+"), output prefix_ttft_<name>.json
-#   bash benchmarks/scripts/run_h200.sh pool_occupancy [active rows]  # a pool of 256 slots partly occupied: dense step vs gathered active rows (hybrid_1b)
+#   bash benchmarks/scripts/run_h200.sh pool_occupancy [active rows]  # a pool of 256 slots partly occupied: the dense dispatch vs the active rows gathered or stepped in place through a slot per row (hybrid_1b; rows "+"-joined in run_h200_chain.sh)
+#   bash benchmarks/scripts/run_h200.sh slot_tests  # tests/test_slots.py on the GPU: the kernels through a slot per row against themselves on gathered rows
 #   bash benchmarks/scripts/run_h200.sh gdn_bench    # the GDN step kernels timed: baseline (Pallas, XLA, flash-linear-attention) vs replay, b {256,64,1,512} x L {16,8,32}
 #   bash benchmarks/scripts/run_h200.sh prefill_ttft_profile [name] [flags]  # one request's prefill (batch 1, 128 and 512 tokens, replay): device against wall time, by block (flags: decode_step_profile.py's, e.g. --segsum_difference; output prefill_ttft_profile_<name>_<tokens>.json)
 #   bash benchmarks/scripts/run_h200.sh prefill_scan_cost [flags]  # XLA's cost and the wall time of the Mamba-2 and GDN chunked prefill scans at hybrid_1b / Qwen3.5 layer shapes, 512 tokens; their products also at bf16 / TF32 dot algorithms, with the error against true f32
@@ -384,7 +385,15 @@ case "$1" in
       --out="$OUT/prefix_ttft${2:+_$2}.json" "${@:3}" ;;
   pool_occupancy)
     timeout "$T" python -u benchmarks/scripts/pool_occupancy_bench.py \
-      --occupancies="${2:-64,256}" --out="$OUT/pool_occupancy.json" ;;
+      --occupancies="$(echo "${2:-64,256}" | tr + ,)" \
+      --out="$OUT/pool_occupancy.json" ;;
+  slot_tests)
+    # The ops and the model's decode step through a slot per row, the
+    # kernels compiled for the GPU (tests/test_slots.py).
+    JAX_DEFAULT_MATMUL_PRECISION=highest REPLAYSSM_TEST_CACHE=0 \
+      timeout "$T" python -m pytest -q -p no:cacheprovider tests/test_slots.py \
+      > "$OUT/slot_tests.txt" 2>&1 \
+      || echo "slot_tests: failures (see $OUT/slot_tests.txt)" ;;
   gpu_tests)
     # Kernel-vs-reference tests that run the real kernels on the GPU (the
     # conv step, the gated norm, the decode attention, and the model's

@@ -109,8 +109,15 @@ def _dot(a, b, contract_b: int):
 
 
 def _kernel(q_ref, k_ref, v_ref, len_ref, *out_refs, rep, window, block_s,
-            chunk, scale, max_len, split):
+            chunk, scale, max_len, split, has_rows=False):
   sid, kh, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  # The cache row: the query row, or its slot (has_rows: a [batch] slot
+  # input after the lengths; a padding row, -1, reads row 0 and the op
+  # makes its output NaN).
+  sb = b
+  if has_rows:
+    sb = jnp.maximum(out_refs[0][b], 0)
+    out_refs = out_refs[1:]
   n = jnp.clip(len_ref[b], 0, max_len)  # out-of-range lengths: clamped
   start0 = sid * chunk
   rows = q_ref.shape[2]  # window x query heads, padded to a dot's M
@@ -128,7 +135,7 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *out_refs, rep, window, block_s,
       m, l, acc = carry
       start = start0 + i * block_s
       pos = start + jnp.arange(block_s)
-      k, v = (plgpu.load(ref.at[b, kh, pl.ds(start, block_s), :],
+      k, v = (plgpu.load(ref.at[sb, kh, pl.ds(start, block_s), :],
                          mask=(pos < seen)[:, None], other=0.0,
                          eviction_policy="evict_first")
               for ref in (k_ref, v_ref))
@@ -188,9 +195,12 @@ def _combine(m, l, acc, seen, chunk, used):
 
 @functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
 def decode_attention(q, k_cache, v_cache, lengths, scale=None, *,
-                     config: AttentionConfig = AttentionConfig(),
+                     rows=None, config: AttentionConfig = AttentionConfig(),
                      interpret: bool = False):
-  """Same signature and results as the reference, plus a tuning config."""
+  """Same signature and results as the reference, plus a tuning config;
+  rows: [batch] int32 slots of the caches' rows (`replayssm_jax.slots`,
+  effective: -1 for a padding row)."""
+  slot_in = [] if rows is None else [rows]  # after the lengths
   qw = q if q.ndim == 4 else q[:, None]  # [b, T, Hq, D]
   batch, window, hq, d = qw.shape
   hk, max_len = k_cache.shape[1], k_cache.shape[2]
@@ -217,14 +227,14 @@ def decode_attention(q, k_cache, v_cache, lengths, scale=None, *,
       functools.partial(_kernel, rep=rep, window=window,
                         block_s=block_len(max_len, config), chunk=chunk,
                         scale=resolve_scale(scale, d), max_len=max_len,
-                        split=nsplit),
+                        split=nsplit, has_rows=bool(slot_in)),
       grid=(nsplit, hk, batch),
       out_shape=out_shape,
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                            num_stages=config.num_stages),
       interpret=interpret,
       name="replayssm_decode_attention",
-  )(qg, k_cache, v_cache, lengths)
+  )(qg, k_cache, v_cache, lengths, *slot_in)
   if nsplit == 1:
     o = out[:, :, :used]
   else:

@@ -57,8 +57,8 @@ from pallas_kernels.gdn import common
 from pallas_kernels.gdn.config import GDNConfig, plan
 from pallas_kernels.gdn.ring_weights import gdn_ring_weights
 from pallas_kernels.replay import fold
-from pallas_kernels.replay.program import (FlushStores, copy_counts,
-                                           copy_operands, copy_spec,
+from pallas_kernels.replay.program import (FlushStores, WholeTile,
+                                           copy_counts, copy_operands, copy_spec,
                                            step_fields)
 
 F32 = jnp.float32
@@ -235,7 +235,7 @@ def _replay_kernel(*refs, heads_per_key, block_v, use_l2norm, scale,
         plgpu.store(ck_out.at[b, h, :, vs], st.astype(ck_out.dtype))
       else:  # whole rows (block_v == value_dim): the Mamba-2 flush stores
         stores = FlushStores(outs[_N_OUT - 1:], extra, spec)
-        stores.store(_Item(b, K), h, st)
+        stores.store(WholeTile(b, K), h, st)
 
     if route == "both":
       pl.when(~row.flush)(output)
@@ -272,14 +272,6 @@ def _replay_kernel(*refs, heads_per_key, block_v, use_l2norm, scale,
   def _count():
     new = jnp.where(row.flush, 0, row.c + 1)
     cnt_out[b] = jnp.where(row.valid, new, row.c).astype(cnt_out.dtype)
-
-
-class _Item:
-  """The (row, whole [key_dim, value_dim] tile) item `FlushStores.store`
-  takes: its rows are the key rows, its columns the whole value row."""
-
-  def __init__(self, b, key_dim):
-    self.b, self.pblk, self.ps = b, 0, pl.ds(0, key_dim)
 
 
 @functools.partial(jax.jit, static_argnames=("use_qk_l2norm", "scale",

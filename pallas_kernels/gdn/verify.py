@@ -45,8 +45,8 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.gdn import common
 from pallas_kernels.gdn import verify_weights as VW
 from pallas_kernels.gdn.config import GDNConfig, plan
-from pallas_kernels.replay.program import (FlushStores, copy_counts,
-                                           copy_operands, copy_spec)
+from pallas_kernels.replay.program import (FlushStores, WholeTile,
+                                           copy_counts, copy_operands, copy_spec)
 
 F32 = jnp.float32
 
@@ -54,14 +54,6 @@ F32 = jnp.float32
 def _folds(c, window, L):
   """Rows whose window does not fit behind their history fold it first."""
   return (c >= 0) & (c < L) & (c + window >= L) & (c > 0)
-
-
-class _Item:
-  """The item `FlushStores.store` takes: row b, the whole [key_dim,
-  value_dim] tile (block_v = value_dim with a copy spec)."""
-
-  def __init__(self, b, key_dim):
-    self.b, self.pblk, self.ps = b, 0, pl.ds(0, key_dim)
 
 
 # ------------------------------------------------------------ fold kernel
@@ -103,7 +95,7 @@ def _fold_kernel(*refs, window, heads_per_key, block_v, spec):
     if spec is None:
       plgpu.store(outs[0].at[b, h, :, vs], st.astype(outs[0].dtype))
     else:
-      FlushStores(outs, extra, spec).store(_Item(b, st.shape[0]), h, st)
+      FlushStores(outs, extra, spec).store(WholeTile(b, st.shape[0]), h, st)
 
 
 # ---------------------------------------------------------- window kernel

@@ -257,16 +257,38 @@ def _refuse(fields, config, why):
         f"not apply: {why}.")
 
 
+def _refuse_for_rows(config: ReplayConfig) -> None:
+  """A step through slots runs the Triton routes in two launches only."""
+  for field, bad in (("output_route", ("split",)),
+                     ("flush_route", ("mosaic_gpu",)),
+                     ("fused_launch", (True,))):
+    if getattr(config, field) in bad:
+      raise NotImplementedError(
+          f"ReplayConfig.{field}={getattr(config, field)!r} does not take a "
+          f"slot per row (rows=); leave it None.")
+
+
 def plan_replay_step(config: ReplayConfig, rstate, policy=None,
                      B_dtype=None, interpret: bool = False,
                      compute_capability=None,
-                     core_count: int = 132) -> ReplayPlan:
+                     core_count: int = 132, rows: int | None = None
+                     ) -> ReplayPlan:
   """The ReplayPlan of config for rstate (and its precision policy) on a
   device of compute_capability ((major, minor) or None: off-GPU) with
-  core_count SMs; B_dtype: the current token's B (None: the buffer's)."""
+  core_count SMs; B_dtype: the current token's B (None: the buffer's).
+
+  rows: the number of token rows of a step through a slot per row
+  (`replayssm_jax.slots`), None for one token row per state row. Such a
+  step runs the Triton output route and the Triton flush route in two
+  launches (the routes that take the slots)."""
   spec = copy_spec(rstate, policy, interpret)
   plain = spec is None
   batch, nheads, headdim, _ = rstate.checkpoint.shape
+  if rows is not None:
+    batch = rows
+    _refuse_for_rows(config)
+    config = dataclasses.replace(config, output_route="triton",
+                                 flush_route="triton", fused_launch=False)
   per_group = nheads // rstate.ngroups
   L = rstate.buffer_len
   ck_dtype = rstate.checkpoint.dtype

@@ -26,16 +26,17 @@ def _fold_loads(p, h, refs, *, fold_dot, block_p):
   the checkpoint tile first (the big read), the current token, the dt
   window and, for a dot fold, the buffered x and B."""
   ck_ref, xb_ref, bb_ref, dtb_ref, x_ref, b_ref = refs
-  b, g, ps, L = p.b, p.g, p.ps, p.L
-  ld = dict(s0=plgpu.load(ck_ref.at[b, h, ps], eviction_policy="evict_first"))
+  b, sb, g, ps, L = p.b, p.sb, p.g, p.ps, p.L  # token row, state row
+  ld = dict(s0=plgpu.load(ck_ref.at[sb, h, ps],
+                          eviction_policy="evict_first"))
   ld.update(p.window_loads(h, dtb_ref))
   ld.update(x_cur=x_ref[b, h, ps], b_cur=b_ref[b, g, :])
   if fold_dot is not None:
     nstate = ck_ref.shape[-1]
-    ld["b_hist"] = plgpu.load(bb_ref.at[b, :, g, :], other=0.0,
+    ld["b_hist"] = plgpu.load(bb_ref.at[sb, :, g, :], other=0.0,
                               mask=jnp.broadcast_to(p.hist[:, None],
                                                     (L, nstate)))
-    ld["x_hist"] = plgpu.load(xb_ref.at[b, :, h, ps], other=0.0,
+    ld["x_hist"] = plgpu.load(xb_ref.at[sb, :, h, ps], other=0.0,
                               mask=jnp.broadcast_to(p.hist[:, None],
                                                     (L, block_p)))
   return ld
@@ -51,7 +52,7 @@ def _fold_head(p, h, refs, *, fold_dot, block_p):
   form (`fold_product`; needs L, block_p >= 16)."""
   ld = _fold_loads(p, h, refs, fold_dot=fold_dot, block_p=block_p)
   _, xb_ref, bb_ref, dtb_ref, _, _ = refs
-  b, g, ps, L = p.b, p.g, p.ps, p.L
+  sb, g, ps, L = p.sb, p.g, p.ps, p.L
   d_cur, s, decay = p.window_from(ld)
   x_cur = ld["x_cur"].astype(F32)
   st = decay * ld["s0"].astype(F32)  # [block_p, N]
@@ -60,8 +61,8 @@ def _fold_head(p, h, refs, *, fold_dot, block_p):
     st = st + (d_cur * x_cur)[:, None] * ld["b_cur"].astype(F32)[None, :]
 
     def token(j):
-      return (dtb_ref[b, j, h], xb_ref[b, j, h, ps].astype(F32),
-              bb_ref[b, j, g, :].astype(F32))
+      return (dtb_ref[sb, j, h], xb_ref[sb, j, h, ps].astype(F32),
+              bb_ref[sb, j, g, :].astype(F32))
 
     return rank1_fold(st, ld["a"].astype(F32), token, L - 1,
                       suffix0=d_cur), x_cur
@@ -82,24 +83,28 @@ def _store_flush(p, h, st, x_cur, stores, y_out, c_ref, d_ref, z_ref):
   stores.store(p, h, st)
 
 
-def _flush_refs(refs, has_D, has_z, has_bias, copy_spec):
-  """(inputs, [D, z, bias], y output, FlushStores) of a flush kernel:
-  inputs checkpoint, x / B / dt buffers, counters, x, dt, A, B, C, y, the
-  copy's (`copy_operands`); outputs y, checkpoint, the copy's."""
+def _flush_refs(refs, has_D, has_z, has_bias, copy_spec, has_rows=False):
+  """(inputs, [D, z, bias], y output, FlushStores, slots ref or None) of a
+  flush kernel: inputs checkpoint, x / B / dt buffers, counters, x, dt, A,
+  B, C, y, the copy's (`copy_operands`); outputs y, checkpoint, the
+  copy's."""
   nin, nout = copy_counts(copy_spec)
-  ins, opt, outs = unpack(refs, 11 + nin, 2 + nout, has_D, has_z, has_bias)
-  return ins, opt, outs[0], FlushStores(outs[1:], ins[11:], copy_spec)
+  ins, opt, outs, rows = unpack(refs, 11 + nin, 2 + nout, has_D, has_z,
+                                has_bias, has_rows)
+  return (ins, opt, outs[0], FlushStores(outs[1:], ins[11:], copy_spec),
+          rows)
 
 
 def _flush_kernel(*refs, has_D, has_z, has_bias, fold_dot, copy_spec=None,
-                  **kw):
+                  has_rows=False, **kw):
   """Flush route over the output route's grid: programs of non-flush rows
   exit at once (each still costs a launch slot); flush rows fold L tokens
   into a new checkpoint and store it and y (and with copy_spec the read
-  copy, see CopySpec)."""
-  ins, opt, y_out, stores = _flush_refs(refs, has_D, has_z, has_bias,
-                                        copy_spec)
-  _fold_flush_row(ins, opt, y_out, stores, fold_dot=fold_dot, **kw)
+  copy, see CopySpec). has_rows: a slot input (`Program`)."""
+  ins, opt, y_out, stores, rows = _flush_refs(refs, has_D, has_z, has_bias,
+                                              copy_spec, has_rows)
+  _fold_flush_row(ins, opt, y_out, stores, fold_dot=fold_dot, rows_ref=rows,
+                  **kw)
 
 
 def _fold_flush_row(ins, opt, y_out, stores, *, fold_dot, **kw):
@@ -127,25 +132,28 @@ def _fold_flush_row(ins, opt, y_out, stores, *, fold_dot, **kw):
 
 def _flush_persistent_kernel(*refs, has_D, has_z, has_bias, fold_dot,
                              num_programs, nheads, heads_per_group, block_p,
-                             headdim, copy_spec=None, **kw):
+                             headdim, copy_spec=None, has_rows=False, **kw):
   """Flush route on a fixed grid of num_programs programs that share out
   the work items (flush row, head, headdim block) of the flush rows only
   (`persistent_items`). So the launch costs num_programs programs whatever
   the batch, and a step where 1/L of the rows flush does 1/L of the work
   (no early-exit program per non-flush row). The counters come padded to a
-  power of two with -1.
+  power of two with -1 (with has_rows: the token rows' counters, padding
+  rows -1, and a slot input follows the optional ones).
   """
-  ins, opt, y_out, stores = _flush_refs(refs, has_D, has_z, has_bias,
-                                        copy_spec)
+  ins, opt, y_out, stores, rows = _flush_refs(refs, has_D, has_z, has_bias,
+                                              copy_spec, has_rows)
   _flush_items(pl.program_id(0), ins[:10], opt, y_out, stores,
                fold_dot=fold_dot, num_programs=num_programs, nheads=nheads,
                heads_per_group=heads_per_group, block_p=block_p,
-               headdim=headdim, **kw)
+               headdim=headdim, rows_ref=rows, **kw)
 
 
 def _flush_items(pid, ins, opt, y_out, stores, *, fold_dot, num_programs,
-                 nheads, heads_per_group, block_p, headdim, **kw):
-  """The items of persistent flush program `pid` (of num_programs)."""
+                 nheads, heads_per_group, block_p, headdim, rows_ref=None,
+                 **kw):
+  """The items of persistent flush program `pid` (of num_programs); the
+  counters ins[4] are the token rows' (`Program` for rows_ref)."""
   ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, x_ref, dt_ref, a_ref, b_ref = (
       ins[:9])
   c_ref = ins[9]
@@ -159,11 +167,11 @@ def _flush_items(pid, ins, opt, y_out, stores, *, fold_dot, num_programs,
     # (b, h), so all of them issue at once.
     p = Program(cnt_ref, dt_ref, a_ref, bias_ref, b=b,
                  g=h // heads_per_group, pblk=pblk, head0=h,
-                 block_p=block_p, count=L - 1, **kw)
+                 block_p=block_p, count=L - 1, rows_ref=rows_ref, **kw)
     st, x_cur = _fold_head(p, h, fold_refs, fold_dot=fold_dot,
                            block_p=block_p)
     _store_flush(p, h, st, x_cur, stores, y_out, c_ref, d_ref, z_ref)
 
   persistent_items(pid, counts == L - 1, item, num_programs=num_programs,
                    nheads=nheads, nblk=headdim // block_p,
-                   nrows=ck_ref.shape[0])
+                   nrows=x_ref.shape[0])

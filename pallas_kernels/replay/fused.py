@@ -20,7 +20,7 @@ def _fused_kernel(*refs, has_D, has_z, has_bias, num_programs,
   (the flush ranking's copy); outputs: y, buffers, counters, checkpoint
   (aliased to the input checkpoint: only flush rows' tiles are stored).
   """
-  ins, opt, outs = unpack(refs, 11, 6, has_D, has_z, has_bias)
+  ins, opt, outs, _ = unpack(refs, 11, 6, has_D, has_z, has_bias)
   y_ref, ck_out = outs[0], outs[5]
   pid = pl.program_id(0)
 
@@ -53,7 +53,7 @@ def _fused_rows_kernel(*refs, has_D, has_z, has_bias, fold_dot, **kw):
   program per output item and no flush programs, at the register budget of
   the larger route. Inputs and outputs: those of `_fused_kernel` without
   the padded counters."""
-  ins, opt, outs = unpack(refs, 10, 6, has_D, has_z, has_bias)
+  ins, opt, outs, _ = unpack(refs, 10, 6, has_D, has_z, has_bias)
   p = _fold_flush_row(ins, opt, outs[0], FlushStores([outs[5]], [], None),
                       fold_dot=fold_dot, **kw)
   _output_route(p, ins, opt, outs[:5], scaled=False, block_p=kw["block_p"],

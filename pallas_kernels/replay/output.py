@@ -16,7 +16,7 @@ F32 = jnp.float32
 
 
 def _output_kernel(*refs, has_D, has_z, has_bias, scaled=False, y_in=False,
-                   **kw):
+                   has_rows=False, **kw):
   """Output route on the grid (headdim blocks x head blocks of a group,
   ngroups, batch): y from checkpoint + buffer; non-flush rows append,
   flush-row programs exit at once.
@@ -26,11 +26,13 @@ def _output_kernel(*refs, has_D, has_z, has_bias, scaled=False, y_in=False,
   whose per-row f32 scales follow the inputs (applied to the readout).
   y_in: a y input after the optional ones, aliased to the y output (the
   flush rows' y, already written by the Mosaic flush), never read.
+  has_rows: a [batch] slot input after the optional ones (`Program`); the
+  counters output then has the token rows' batch.
   """
-  ins, opt, outs = unpack(refs, 10 + scaled, 5 + y_in, has_D, has_z,
-                           has_bias)
+  ins, opt, outs, rows = unpack(refs, 10 + scaled, 5 + y_in, has_D, has_z,
+                                has_bias, has_rows)
   outs = outs[y_in:]
-  p = Program.from_grid(ins[4], ins[6], ins[7], opt[2], **kw)
+  p = Program.from_grid(ins[4], ins[6], ins[7], opt[2], rows_ref=rows, **kw)
   _output_route(p, ins, opt, outs, scaled=scaled, block_p=kw["block_p"],
                 heads_per_program=kw["heads_per_program"])
 
@@ -50,7 +52,7 @@ def _output_route(p, ins, opt, outs, *, scaled, block_p, heads_per_program):
   # Buffers are aliased input->output (same HBM on GPU; copies of the inputs
   # in interpret mode): read the inputs, store to the outputs.
   y_ref, xb_out, bb_out, dtb_out, cnt_out = outs
-  b, g, ps = p.b, p.g, p.ps
+  b, sb, g, ps = p.b, p.sb, p.g, p.ps  # token row, state row
   appends = jnp.logical_not(p.flush) & p.valid
 
   @pl.when((g == 0) & (p.pid == 0))
@@ -63,20 +65,20 @@ def _output_route(p, ins, opt, outs, *, scaled, block_p, heads_per_program):
     b_cur = b_ref[b, g, :].astype(F32)
     bc_cur = jnp.sum(b_cur * cv)
     # once per program, for all its heads
-    b_hist = hist_load(bb_ref.at[b, :, g, :], (p.L, cv.shape[0]))
+    b_hist = hist_load(bb_ref.at[sb, :, g, :], (p.L, cv.shape[0]))
     bc_hist = jnp.sum(b_hist * cv[None, :], axis=1)  # [L]
     bc = jnp.where(p.cur, bc_cur, bc_hist)  # [L]
 
     def one_head(r, carry):
       h = p.head0 + r
       # Issue the big read first so its latency overlaps the small math.
-      s0 = tu.load_tile_blocks(ck_ref, (b, p.head0 + r, ps), None)
-      scale = None if scale_ref is None else scale_ref[b, h, ps]
+      s0 = tu.load_tile_blocks(ck_ref, (sb, p.head0 + r, ps), None)
+      scale = None if scale_ref is None else scale_ref[sb, h, ps]
       d_cur, s, decay = p.window_weights(h, dtb_ref)
       k = s * bc
       x_in = x_ref[b, h, ps]  # [block_p]; the append stores it as loaded
       x_cur = x_in.astype(F32)
-      x_hist = hist_load(xb_ref.at[b, :, h, ps], (p.L, block_p))
+      x_hist = hist_load(xb_ref.at[sb, :, h, ps], (p.L, block_p))
       x_win = jnp.where(p.cur[:, None], x_cur[None, :], x_hist)
       (readout,) = tu.readouts(s0, [lambda cols: c_ref[b, g, cols]])
       if scale is not None:
@@ -91,11 +93,11 @@ def _output_route(p, ins, opt, outs, *, scaled, block_p, heads_per_program):
 
       @pl.when(appends)
       def _append_x():
-        xb_out[b, p.c, h, ps] = x_in.astype(xb_out.dtype)
+        xb_out[sb, p.c, h, ps] = x_in.astype(xb_out.dtype)
 
       @pl.when(appends & (p.pblk == 0))
       def _append_dt():
-        dtb_out[b, p.c, h] = d_cur
+        dtb_out[sb, p.c, h] = d_cur
 
       return carry
 
@@ -103,6 +105,6 @@ def _output_route(p, ins, opt, outs, *, scaled, block_p, heads_per_program):
 
     @pl.when(appends & (p.pid == 0))
     def _append_b():
-      bb_out[b, p.c, g, :] = b_ref[b, g, :].astype(bb_out.dtype)
+      bb_out[sb, p.c, g, :] = b_ref[b, g, :].astype(bb_out.dtype)
 
   pl.when(jnp.logical_not(p.flush))(route)

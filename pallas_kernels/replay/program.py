@@ -22,17 +22,28 @@ class Program:
   """One (row, heads, headdim block) work item and its token window."""
 
   def __init__(self, cnt_ref, dt_ref, a_ref, bias_ref, *, b, g, pblk, head0,
-               buffer_len, block_p, dt_softplus, pid=None, count=None, **_):
+               buffer_len, block_p, dt_softplus, pid=None, count=None,
+               rows_ref=None, **_):
     """count: the row's counter when known at trace time (then it is not
-    loaded and the slot masks are constants), else read from cnt_ref."""
+    loaded and the slot masks are constants), else read from cnt_ref.
+
+    rows_ref: [batch] slots of the state's rows (`replayssm_jax.slots`,
+    -1 for a padding row) or None. Token refs are read at row `b`, state
+    refs at `sb`: b's slot, or b itself without rows_ref. A padding row
+    reads state row 0, appends and flushes nothing and outputs NaN."""
     self.L = buffer_len
     self.b, self.g, self.pblk, self.head0, self.pid = b, g, pblk, head0, pid
+    live = True
+    self.sb = b
+    if rows_ref is not None:
+      slot = rows_ref[b]
+      live, self.sb = slot >= 0, jnp.maximum(slot, 0)
     self.ps = pl.ds(pblk * block_p, block_p)
-    self.c = cnt_ref[b] if count is None else jnp.int32(count)
+    self.c = cnt_ref[self.sb] if count is None else jnp.int32(count)
     # A counter outside [0, L) (possible only under jit) must not write out
     # of bounds: such a row appends nothing, keeps its count, outputs NaN.
-    self.valid = (self.c >= 0) & (self.c < self.L)
-    self.flush = self.c == self.L - 1
+    self.valid = (self.c >= 0) & (self.c < self.L) & live
+    self.flush = (self.c == self.L - 1) & live
     self.j = jnp.arange(self.L)
     self.hist = self.j < self.c  # buffered slots
     self.cur = self.j == self.c  # the current token's logical slot
@@ -56,7 +67,8 @@ class Program:
 
   def window_loads(self, h, dtb_ref):
     """The global loads of window_from for head h (a dict)."""
-    d_hist = plgpu.load(dtb_ref.at[self.b, :, h], mask=self.hist, other=0.0)
+    d_hist = plgpu.load(dtb_ref.at[self.sb, :, h], mask=self.hist,
+                        other=0.0)
     ld = dict(dt=self._dt[self.b, h], a=self._a[h], d_hist=d_hist)
     if self._bias is not None:
       ld["bias"] = self._bias[h]
@@ -85,14 +97,16 @@ def window_load(ref, hist, shape):
   return plgpu.load(ref, mask=m, other=0.0).astype(F32)
 
 
-def unpack(refs, n_in, n_out, has_D, has_z, has_bias):
-  """(n_in inputs, [D, z, dt_bias] refs or None, n_out outputs) of a
-  kernel's refs."""
+def unpack(refs, n_in, n_out, has_D, has_z, has_bias, has_rows=False):
+  """(n_in inputs, [D, z, dt_bias] refs or None, n_out outputs, the slots
+  ref after the optional ones or None without has_rows) of a kernel's
+  refs."""
   it = iter(refs)
   ins = [next(it) for _ in range(n_in)]
   opt = [next(it) if flag else None for flag in (has_D, has_z, has_bias)]
+  rows = next(it) if has_rows else None
   outs = [next(it) for _ in range(n_out)]
-  return ins, opt, outs
+  return ins, opt, outs, rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +151,16 @@ class CopySpec:
     return self.copy + self.scaled
 
 
+class WholeTile:
+  """The item `FlushStores.store` takes for a whole [rows, columns] tile of
+  state row b (the Gated DeltaNet kernels: key rows by the whole value
+  row)."""
+
+  def __init__(self, b, rows):
+    self.b = self.sb = b
+    self.pblk, self.ps = 0, pl.ds(0, rows)
+
+
 def copy_counts(spec):
   """(extra inputs, extra outputs) of the flush kernels for a CopySpec."""
   return (0, 0) if spec is None else (spec.n_in, spec.n_out)
@@ -165,7 +189,7 @@ class FlushStores:
     """Stores the master tile rounded to its dtype (maybe stochastically)
     and the read copy re-stored from it, like the reference's flush (a
     plain state: the checkpoint tile alone)."""
-    b, ps, spec = p.b, p.ps, self.spec
+    b, ps, spec = p.sb, p.ps, self.spec  # the state row
     if spec is None:
       plgpu.store(self.ck_out.at[b, h, ps], st.astype(self.ck_out.dtype))
       return
@@ -260,13 +284,17 @@ def pad_pow2(count):
   return jnp.pad(count, (0, pad), constant_values=-1) if pad else count
 
 
-def step_fields(rstate):
+def step_fields(rstate, rows=None):
   """row_id / step of the new state: as the reference, step +1 per
-  in-range row (none without stochastic-rounding counters)."""
+  in-range row (none without stochastic-rounding counters); with rows
+  (effective slots), per stepped row."""
   if rstate.step is None:
     return {}
   c = rstate.count
-  in_range = (c >= 0) & (c < rstate.buffer_len)
+  stepped = (c >= 0) & (c < rstate.buffer_len)
+  if rows is not None:
+    idx = jnp.where(rows < 0, c.shape[0], rows)  # padding: dropped
+    stepped &= jnp.zeros(c.shape, bool).at[idx].set(True, mode="drop")
   return dict(row_id=rstate.row_id,
-              step=jnp.where(in_range, rstate.step + 1,
+              step=jnp.where(stepped, rstate.step + 1,
                              rstate.step).astype(jnp.int32))

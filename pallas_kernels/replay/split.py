@@ -91,7 +91,7 @@ def _window_kernel(cnt_ref, xb_ref, bb_ref, dtb_ref, x_ref, dt_ref, a_ref,
   window), the appends of (x, dt' and, in the group's first program, B) at
   slot c and, in the row's first program, its new counter. Rows that flush
   are left to the flush route (y unset, no append)."""
-  _, (d_ref, z_ref, bias_ref), outs = unpack(rest, 0, 5, has_D, has_z,
+  _, (d_ref, z_ref, bias_ref), outs, _ = unpack(rest, 0, 5, has_D, has_z,
                                               has_bias)
   y_out, xb_out, bb_out, dtb_out, cnt_out = outs
   g, q, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -30,13 +31,14 @@ from pallas_kernels.ssu.mosaic import MosaicSSUConfig
 
 
 def _state_shapes(rstate, x, *, checkpoint=False):
-  """Out shapes (y, x / B / dt buffers, counters[, checkpoint])."""
+  """Out shapes (y, x / B / dt buffers, counters of x's rows[,
+  checkpoint])."""
   sds = jax.ShapeDtypeStruct
   shapes = (sds(x.shape, x.dtype),
             sds(rstate.x_buf.shape, rstate.x_buf.dtype),
             sds(rstate.b_buf.shape, rstate.b_buf.dtype),
             sds(rstate.dt_buf.shape, rstate.dt_buf.dtype),
-            sds(rstate.count.shape, rstate.count.dtype))
+            sds(x.shape[:1], rstate.count.dtype))
   if checkpoint:
     shapes += (sds(rstate.checkpoint.shape, rstate.checkpoint.dtype),)
   return shapes
@@ -46,7 +48,7 @@ def _state_shapes(rstate, x, *, checkpoint=False):
                                              "config", "interpret"))
 def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                         dt_softplus=False, policy=None, layer=0, *,
-                        config: ReplayConfig = ReplayConfig(),
+                        rows=None, config: ReplayConfig = ReplayConfig(),
                         interpret: bool = False):
   """Same signature and results as the reference, plus a tuning config.
 
@@ -57,12 +59,19 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   `policy.stochastic_rounding` the flush stores round stochastically with
   the reference's bits (keyed by policy.seed, layer, row_id, step and the
   element index); `step` advances like the reference's.
+
+  rows: [batch] int32 slots of the state's rows (`replayssm_jax.slots`,
+  effective: -1 for a padding row): token row i steps state row rows[i] in
+  place (the state may have any number of rows; the Triton routes in two
+  launches, `config.plan_replay_step`).
   """
   from replayssm_jax.state import ReplayState  # pylint: disable=g-import-not-at-top
   plan = plan_replay_step(config, rstate, policy, B.dtype, interpret,
-                          tu.compute_capability(), tu.core_count())
+                          tu.compute_capability(), tu.core_count(),
+                          rows=None if rows is None else x.shape[0])
   spec = plan.copy_spec
-  batch, nheads, headdim, _ = rstate.checkpoint.shape
+  _, nheads, headdim, _ = rstate.checkpoint.shape
+  batch = x.shape[0]
   ngroups = rstate.ngroups
   per_group = nheads // ngroups
   block_p, hb = plan.block_p, plan.heads_per_program
@@ -73,6 +82,8 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
   state_in = [read, rstate.x_buf, rstate.b_buf, rstate.dt_buf, rstate.count]
   token_in = [x, dt, A, B, C]
   optional = [v for v in (D, z, dt_bias) if v is not None]
+  # The slots follow the optional inputs (`program.unpack`).
+  slot_in = [] if rows is None else [rows]
   kw = dict(buffer_len=rstate.buffer_len, heads_per_program=hb,
             heads_per_group=per_group, block_p=block_p, headdim=headdim,
             has_D=D is not None, has_z=z is not None,
@@ -149,26 +160,32 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     y_alias = ({len(state_in) + len(token_in) + len(extra) + len(optional):
                 0} if y_flush else {})
     y, xb, bb, dtb, cnt = pl.pallas_call(
-        functools.partial(_output_kernel, **out_kw, **kw),
+        functools.partial(_output_kernel, **out_kw, **kw,
+                          has_rows=rows is not None),
         grid=grid(),
         out_shape=_state_shapes(rstate, x),
         input_output_aliases={1: 1, 2: 2, 3: 3, **y_alias},
         compiler_params=params, interpret=interpret,
         name=tu.capped_name("replayssm_replay_output_route",
                             plan.max_registers),
-    )(*state_in, *token_in, *extra, *optional, *y_flush)
+    )(*state_in, *token_in, *extra, *optional, *slot_in, *y_flush)
+  if rows is not None:  # the token rows' new counters into the state's
+    cnt = rstate.count.at[jnp.where(rows < 0, rstate.count.shape[0],
+                                    rows)].set(cnt, mode="drop")
   if plan.flush_route == "mosaic_gpu":
     return y, ReplayState(checkpoint=ck, x_buf=xb, b_buf=bb, dt_buf=dtb,
                           count=cnt, **step_fields(rstate))
   # The flush route reads the buffers after the output route: flush rows do
   # not append, so their slots are unchanged, and one copy of each buffer
   # stays live.
-  flush_kw = dict(kw, fold_dot=plan.fold_dot)
+  flush_kw = dict(kw, fold_dot=plan.fold_dot, has_rows=rows is not None)
   count = rstate.count
   if plan.flush_grid == "persistent":
     kernel = functools.partial(_flush_persistent_kernel, nheads=nheads,
                                num_programs=plan.flush_programs, **flush_kw)
     flush_grid = (plan.flush_programs,)
+    if rows is not None:  # the token rows' counters (padding rows: -1)
+      count = jnp.where(rows < 0, -1, count[jnp.maximum(rows, 0)])
     count = pad_pow2(count)
   else:
     kernel = functools.partial(
@@ -194,7 +211,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
       name=tu.capped_name("replayssm_replay_flush_route",
                           plan.flush_max_registers),
   )(rstate.checkpoint, xb, bb, dtb, count, *token_in, y, *copy_in,
-    *optional)
+    *optional, *slot_in)
   y, ck, outs = outs[0], outs[1], outs[2:]
   fields = {}
   if spec is not None and spec.copy:
@@ -202,4 +219,4 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     if spec.scaled:
       fields["read_scale"] = outs[1]
   return y, ReplayState(checkpoint=ck, x_buf=xb, b_buf=bb, dt_buf=dtb,
-                        count=cnt, **fields, **step_fields(rstate))
+                        count=cnt, **fields, **step_fields(rstate, rows))

@@ -35,27 +35,37 @@ class SSUConfig(_LaunchConfig):
   block_p: int | None = 16  # benchmarks/kernel_tuning/first_kernel_designs_h200.json
 
 
-def _unpack(refs, has_D, has_z, has_bias, heads_per_group, block_p):
+def _unpack(refs, has_D, has_z, has_bias, heads_per_group, block_p,
+            has_rows=False):
   """(6 inputs, D/z/dt_bias refs or None, 2 outputs) and the program's tile:
   row b, head h, group g, headdim slice ps (grid: headdim blocks, heads,
-  batch)."""
+  batch); with has_rows a [batch] slot input follows the optional ones and
+  the tile also holds the state row (-1 for a padding row)."""
   it = iter(refs)
   ins = tuple(next(it) for _ in range(6))
   opt = tuple(next(it) if flag else None for flag in (has_D, has_z,
                                                       has_bias))
+  rows_ref = next(it) if has_rows else None
   outs = (next(it), next(it))
   pblk, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  return ins, opt, outs, (b, h, h // heads_per_group,
-                          pl.ds(pblk * block_p, block_p))
+  tile = (b, h, h // heads_per_group, pl.ds(pblk * block_p, block_p))
+  if has_rows:
+    tile += (rows_ref[b],)
+  return ins, opt, outs, tile
 
 
 def _ssu_kernel(*refs, has_D, has_z, has_bias, dt_softplus, heads_per_group,
-                block_p):
+                block_p, has_rows=False):
   # state_out_ref aliases state_ref (same HBM buffer on GPU; in interpret
   # mode it starts as a copy of the input): read one, write the other.
   ((state_ref, x_ref, dt_ref, a_ref, b_ref, c_ref), (d_ref, z_ref, bias_ref),
-   (y_ref, state_out_ref), (b, h, g, ps)) = _unpack(
-       refs, has_D, has_z, has_bias, heads_per_group, block_p)
+   (y_ref, state_out_ref), tile) = _unpack(
+       refs, has_D, has_z, has_bias, heads_per_group, block_p, has_rows)
+  b, h, g, ps = tile[:4]
+  # The state row: the token row, or its slot (a padding row, slot -1,
+  # reads row 0, writes nothing and outputs NaN).
+  sb = jnp.maximum(tile[4], 0) if has_rows else b
+  live = tile[4] >= 0 if has_rows else True
 
   d = process_dt(dt_ref[b, h], bias_ref[h] if has_bias else None,
                         dt_softplus)
@@ -63,31 +73,40 @@ def _ssu_kernel(*refs, has_D, has_z, has_bias, dt_softplus, heads_per_group,
   x = x_ref[b, h, ps].astype(F32)  # [block_p]
   bv = b_ref[b, g, :].astype(F32)  # [N]
   cv = c_ref[b, g, :].astype(F32)  # [N]
-  s = plgpu.load(state_ref.at[b, h, ps], eviction_policy="evict_first")
+  s = plgpu.load(state_ref.at[sb, h, ps], eviction_policy="evict_first")
   s = s.astype(F32) * decay + (d * x)[:, None] * bv[None, :]  # [block_p, N]
   y = jnp.sum(s * cv[None, :], axis=1)  # [block_p]
-  plgpu.store(state_out_ref.at[b, h, ps], s.astype(state_out_ref.dtype))
+
+  def store():
+    plgpu.store(state_out_ref.at[sb, h, ps], s.astype(state_out_ref.dtype))
+
+  pl.when(live)(store) if has_rows else store()
+
   y = tu.finish_output(y, x, d_ref[h] if has_D else None,
                            z_ref[b, h, ps] if has_z else None)
-  y_ref[b, h, ps] = y.astype(y_ref.dtype)
+  y_ref[b, h, ps] = jnp.where(live, y, jnp.nan).astype(y_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "config",
                                              "interpret"))
 def selective_state_update(ssm_state, x, dt, A, B, C, D=None, z=None,
-                           dt_bias=None, dt_softplus=False, *,
+                           dt_bias=None, dt_softplus=False, *, rows=None,
                            config: SSUConfig = SSUConfig(),
                            interpret: bool = False):
-  """Same signature and results as the reference, plus a tuning config."""
-  batch, nheads, headdim, _ = ssm_state.shape
+  """Same signature and results as the reference, plus a tuning config;
+  rows: [batch] int32 slots of ssm_state's rows (`replayssm_jax.slots`,
+  effective: -1 for a padding row), read and written in place."""
+  _, nheads, headdim, _ = ssm_state.shape
+  batch = x.shape[0]
   ngroups = B.shape[1]
   block_p = tu.resolve_block_p(config.block_p, headdim)
   operands = [ssm_state, x, dt, A, B, C]
-  operands += [v for v in (D, z, dt_bias) if v is not None]
+  operands += [v for v in (D, z, dt_bias, rows) if v is not None]
   kernel = functools.partial(
       _ssu_kernel, has_D=D is not None, has_z=z is not None,
       has_bias=dt_bias is not None, dt_softplus=dt_softplus,
-      heads_per_group=nheads // ngroups, block_p=block_p)
+      heads_per_group=nheads // ngroups, block_p=block_p,
+      has_rows=rows is not None)
   y, new_state = pl.pallas_call(
       kernel,
       grid=(headdim // block_p, nheads, batch),

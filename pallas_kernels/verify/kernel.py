@@ -109,7 +109,8 @@ def _fold_kernel(*refs, window, has_D, has_z, has_bias, fold_dot,
   SR keys), D / z / dt_bias, then the outputs (master, read copy,
   scales)."""
   nin, nout = copy_counts(copy_spec)
-  ins, _, outs = unpack(refs, 10 + nin, 1 + nout, has_D, has_z, has_bias)
+  ins, _, outs, _ = unpack(refs, 10 + nin, 1 + nout, has_D, has_z,
+                           has_bias)
   stores = FlushStores(outs, ins[10:], copy_spec)
   ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, _, _, a_ref, _, _ = ins[:10]
   refs = (ck_ref, xb_ref, bb_ref, dtb_ref, a_ref)
@@ -135,7 +136,7 @@ def _window_kernel(*refs, window, has_D, has_z, readout_chunk, fma,
   with `copy` the read copy (then with `scaled` its scales), D / z, then
   the outputs (y, buffers, counts)."""
   n_in = 12 + copy + scaled
-  ins, (d_ref, z_ref, _), outs = unpack(refs, n_in, 5, has_D, has_z,
+  ins, (d_ref, z_ref, _), outs, _ = unpack(refs, n_in, 5, has_D, has_z,
                                          False)
   ck_ref, xb_ref, bb_ref, dtb_ref, cnt_ref, x_ref, dt_ref, a_ref, b_ref = (
       ins[:9])

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from replayssm_jax import slots
 from replayssm_jax.models.config import ModelConfig
 from replayssm_jax.models.gated_attention import GatedAttention
 from replayssm_jax.models.gdn_block import GDNMixer
@@ -69,10 +70,22 @@ class Block(nnx.Module):
       return x.astype(F32) + y.astype(F32), state
 
   def mix(self, h, state, lengths=None, implementation=None, layer=0,
-          resume=False):
+          resume=False, rows=None):
     """The mixer on the normed input h [b, T, d] (prefill, with lengths)
     or [b, d] (a decode step) -> (y, new_state), without the residual;
-    y times config.residual_multiplier."""
+    y times config.residual_multiplier. rows: a decode step's [b]
+    effective slots of a state with any number of rows
+    (`replayssm_jax.slots`): Mamba-2 and attention mixers step those rows
+    in place, the others on gathered rows scattered back."""
+    if rows is not None and self.kind not in STATELESS:
+      if not isinstance(self.mixer, (Mamba2Mixer, Attention)):
+        y, state = slots.on_rows(
+            lambda st: self._mix(h, st, None, implementation, layer), state,
+            rows)
+        return self._scale(y), state
+      kw = dict(layer=layer) if self.kind == "mamba" else {}
+      y, state = self.mixer.step(h, state, implementation, rows=rows, **kw)
+      return self._scale(y), state
     y, state = self._mix(h, state, lengths, implementation, layer, resume)
     return self._scale(y), state
 

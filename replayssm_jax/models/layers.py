@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from replayssm_jax import ops
+from replayssm_jax import slots
 from replayssm_jax.conv import (causal_conv1d, causal_conv1d_update,
                                 conv_state_after)
 from replayssm_jax.models.cached_attention import cached_attention
@@ -281,9 +282,24 @@ class Mamba2Mixer(nnx.Module):
     return out, state.with_ordered_conv(conv).replace(ssm=ssm)
 
   def step(self, h, state: MambaState, implementation: str | None = None,
-           layer: int = 0):
+           layer: int = 0, rows=None):
     """One token; replay states step under state.precision with `layer`
-    (the Mamba index keying stochastic rounding)."""
+    (the Mamba index keying stochastic rounding). rows: [b] effective slots
+    (`replayssm_jax.slots`) of a state with any number of rows: the SSM op
+    steps them in place, the (small) conv windows are gathered and
+    scattered back."""
+    if rows is None:
+      return self._step(h, state, implementation, layer, None)
+    conv = slots.gather((state.conv, state.conv_start), rows)
+    y, new = self._step(h, state.replace(conv=conv[0], conv_start=conv[1]),
+                        implementation, layer, rows)
+    conv = slots.scatter((state.conv, state.conv_start),
+                         (new.conv, new.conv_start), rows)
+    return y, new.replace(conv=conv[0], conv_start=conv[1])
+
+  def _step(self, h, state: MambaState, implementation, layer, rows):
+    """`step` with the token rows' conv windows in `state` (its SSM state
+    the pool's, read through `rows`, when given)."""
     c = self.cfg
     bsz = h.shape[0]
     with jax.named_scope("in_proj"):
@@ -306,7 +322,7 @@ class Mamba2Mixer(nnx.Module):
     kw = dict(D=D, dt_bias=dt_bias, dt_softplus=True,
               implementation=implementation)
     with jax.named_scope("ssm"):
-      y, ssm = self._ssm_step(state, x, dt, A, b, cc, kw, layer)
+      y, ssm = self._ssm_step(state, x, dt, A, b, cc, kw, layer, rows)
     with jax.named_scope("gated_norm"):  # the gate read in place
       y = self.norm(y.reshape(bsz, c.d_inner), self._gate(zxbcdt), 0,
                     implementation)
@@ -314,12 +330,19 @@ class Mamba2Mixer(nnx.Module):
       out = self.out_proj(y)
     return out, state.replace(ssm=ssm)
 
-  def _ssm_step(self, state: MambaState, x, dt, A, b, cc, kw, layer):
-    """The SSM op of one step on state.ssm -> (y [b, H, P], new ssm)."""
+  def _ssm_step(self, state: MambaState, x, dt, A, b, cc, kw, layer,
+                rows=None):
+    """The SSM op of one step on state.ssm (through the slots `rows` when
+    given) -> (y [b, H, P], new ssm)."""
     policy, implementation = state.precision, kw["implementation"]
     if isinstance(state.ssm, ReplayState):
       y, ssm = ops.replay_state_update(state.ssm, x, dt, A, b, cc,
-                                       policy=policy, layer=layer, **kw)
+                                       policy=policy, layer=layer,
+                                       rows=rows, **kw)
+    elif isinstance(state.ssm, StoredSSMState) and rows is not None:
+      # (The stored baseline's op is a reference without slots.)
+      y, ssm = slots.on_rows(lambda st: self._ssm_step(
+          state.replace(ssm=st), x, dt, A, b, cc, kw, layer), state.ssm, rows)
     elif isinstance(state.ssm, StoredSSMState):
       if implementation not in (None, "reference"):
         raise NotImplementedError(
@@ -337,7 +360,8 @@ class Mamba2Mixer(nnx.Module):
           sr_rng=policy.sr_rng)
       ssm = st.replace(state=stored, scale=scale, step=step)
     else:
-      y, ssm = ops.selective_state_update(state.ssm, x, dt, A, b, cc, **kw)
+      y, ssm = ops.selective_state_update(state.ssm, x, dt, A, b, cc,
+                                          rows=rows, **kw)
     return y, ssm
 
   def verify(self, h, state: MambaState, implementation: str | None = None,
@@ -525,32 +549,41 @@ class Attention(nnx.Module):
     out = self._output(o.astype(self.cfg.jnp_dtype), ctx)
     return out, AttentionState(k=kc, v=vc, length=new_len)
 
-  def step(self, h, state: AttentionState, implementation: str | None = None):
+  def step(self, h, state: AttentionState, implementation: str | None = None,
+           rows=None):
     """One query per row against its cache (no recompute): the cache's
     first length + 1 entries, through `ops.decode_attention` (a kernel
     reads only those; `implementation` picks it).
 
     A row whose cache is full (length == max_len) drops its new key/value.
+    rows: [b] effective slots (`replayssm_jax.slots`): query row i reads
+    and writes cache row rows[i] of a state with any number of rows.
     """
     b = h.shape[0]
-    pos = state.length  # [b]
+    if rows is None:
+      idx = jnp.arange(b)
+      pos = state.length  # [b]
+    else:  # padding rows (-1) write at row `capacity`: dropped
+      idx = jnp.where(rows < 0, state.k.shape[0], rows)
+      pos = slots.gather(state.length, rows)
     with jax.named_scope("qkv"):
       # k, v [b, Hk, 1, D]
       q, k, v, ctx = self._project(h[:, None], pos[:, None])
     with jax.named_scope("kv_write"):
-      rows = jnp.arange(b)
-      kc = state.k.at[rows, :, pos].set(k[:, :, 0].astype(state.k.dtype),
-                                        mode="drop")
-      vc = state.v.at[rows, :, pos].set(v[:, :, 0].astype(state.v.dtype),
-                                        mode="drop")
+      kc = state.k.at[idx, :, pos].set(k[:, :, 0].astype(state.k.dtype),
+                                       mode="drop")
+      vc = state.v.at[idx, :, pos].set(v[:, :, 0].astype(state.v.dtype),
+                                       mode="drop")
     with jax.named_scope("attend"):
       o = ops.decode_attention(q[:, 0], kc, vc,
                                jnp.minimum(pos + 1, state.max_len),
-                               self.cfg.attention_multiplier,
+                               self.cfg.attention_multiplier, rows=rows,
                                implementation=implementation)
     with jax.named_scope("o_proj"):
       out = self._output(o.reshape(b, -1), ctx)
-    return out, AttentionState(k=kc, v=vc, length=pos + 1)
+    length = pos + 1 if rows is None else state.length.at[idx].set(
+        pos + 1, mode="drop")
+    return out, AttentionState(k=kc, v=vc, length=length)
 
   def verify(self, h, state: AttentionState,
              implementation: str | None = None):

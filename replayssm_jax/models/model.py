@@ -22,6 +22,7 @@ from flax import nnx
 
 from replayssm_jax import _validation as V
 from replayssm_jax import ops
+from replayssm_jax import slots
 from replayssm_jax import precision as P
 from replayssm_jax.models import states as S
 from replayssm_jax.models.config import ModelConfig
@@ -112,27 +113,44 @@ class HybridLM(nnx.Module):
     x, _ = self.forward(tokens)
     return self.logits(x)
 
-  def step(self, token, state: S.ModelState, implementation=None):
+  def step(self, token, state: S.ModelState, implementation=None,
+           rows=None):
     """One decode token per row: token [b] -> (logits [b, vocab], state).
 
     The blocks as in `forward`, with each residual add and the next norm
     as one `ops.add_rms_norm` (`implementation` picks it, the mixers' ops
     and the attention's), so that XLA does not run them as two fusions per
-    block, the second recomputing the sum."""
-    bad = invalid_rows(token, state, self.config.vocab_size)
+    block, the second recomputing the sum.
+
+    rows: optional [b] int32, a state row (slot) per token row of a state
+    with any number of rows (a serving pool's; `replayssm_jax.slots`: a
+    slot outside [0, state.batch) is a padding row with NaN logits, a
+    repeated slot is refused, or under jit a padding row): only those
+    state rows step, the others stay as they are."""
+    if rows is not None:
+      rows = slots.effective(rows, state.batch)
+    bad = invalid_rows(token, state, self.config.vocab_size, rows=rows)
     x = self.embeddings(token).astype(F32)  # [b, d] residual stream
     y, new_layers = None, []
     for block, s, layer in zip(self.blocks, state.layers,
                                self.mamba_indices()):
       with jax.named_scope(block.kind):
         x, h = self.add_norm(x, y, block.norm, implementation)
-        y, s = block.mix(h, s, implementation=implementation, layer=layer)
+        y, s = block.mix(h, s, implementation=implementation, layer=layer,
+                         rows=rows)
       new_layers.append(s)
     with jax.named_scope("lm_head"):
       _, h = self.add_norm(x, y, self.norm_f, implementation)
       logits = self.head(h)
-    return mark_invalid(logits, S.ModelState(
-        layers=tuple(new_layers), positions=state.positions + 1), bad)
+    if rows is None:
+      return mark_invalid(logits, S.ModelState(
+          layers=tuple(new_layers), positions=state.positions + 1), bad)
+    pos = slots.gather(state.positions, rows)
+    pos = jnp.where(bad, -1, pos + 1).astype(jnp.int32)
+    logits = jnp.where(bad[:, None], jnp.nan, logits)
+    return logits, S.ModelState(layers=tuple(new_layers),
+                                positions=slots.scatter(state.positions,
+                                                        pos, rows))
 
   @staticmethod
   def add_norm(x, y, norm, implementation):
@@ -267,16 +285,23 @@ def _check_precision_args(precision, ssm_mode, batch, checkpoint_dtype,
 
 # ------------------------------------------------------------ validation
 def invalid_rows(tokens, state: S.ModelState, vocab_size: int,
-                 window: int = 1):
+                 window: int = 1, rows=None):
   """[batch] bool: the rows a step over `window` tokens per row (tokens
   [batch] or [batch, window]) cannot run correctly, values the host cannot
   check under jit: a token id outside [0, vocab_size), a KV cache without
-  room for the window, or a row already invalid (position < 0)."""
+  room for the window, or a row already invalid (position < 0); with rows
+  (effective slots of the state's rows per token row), also a padding
+  row."""
+  def per_row(x):
+    return x if rows is None else slots.gather(x, rows)
+
   bad = _out_of_vocab(tokens.reshape(tokens.shape[0], -1), vocab_size)
-  bad = bad | (state.positions < 0)
+  bad = bad | (per_row(state.positions) < 0)
+  if rows is not None:
+    bad = bad | (rows < 0)
   for s in state.layers:
     if isinstance(s, S.AttentionState):
-      bad = bad | (s.length + window > s.max_len)
+      bad = bad | (per_row(s.length) + window > s.max_len)
   return bad
 
 
@@ -408,10 +433,10 @@ def prefill_fn(model, tokens, lengths, state):
   return mark_invalid(model.logits(last), state, bad)
 
 
-def _decode_body(graphdef, params, token, state, implementation):
+def _decode_body(graphdef, params, token, state, implementation, rows=None):
   TRACE_COUNTS["decode_step"] += 1
   model = nnx.merge(graphdef, params)
-  return model.step(token, state, implementation)
+  return model.step(token, state, implementation, rows)
 
 
 # Kept apart so that a test can jit the body the same way under
@@ -450,16 +475,25 @@ def prefill(model: HybridLM, tokens, lengths, state: S.ModelState):
 
 
 def decode_step(model: HybridLM, token, state: S.ModelState,
-                implementation: str | None = None):
+                implementation: str | None = None, rows=None):
   """One decode step of every row: token [batch] int -> (logits [batch,
   vocab] float32, new state). The state is donated.
 
   `implementation` is passed to the dispatcher of the step's kernel ops
   (the SSM decode op and `ops.decode_attention`): None picks the fastest
   of each, "reference" / "pallas" names one for both.
+
+  rows: optional [batch] int32, the state row (slot) of each token row: the
+  state may then have any number of rows (a serving pool's) and only those
+  rows step (`HybridLM.step`; the Mamba-2 and attention kernels read and
+  write them in place).
   """
   _check_tokens("token", token, 1, "[batch]", model.config)
-  _check_state(state, token.shape[0], model.config)
+  if rows is None:
+    _check_state(state, token.shape[0], model.config)
+  else:
+    _check_state(state, state.batch, model.config)
+    slots.check_rows(rows, token.shape[0], state.batch)
   if state.max_len is not None and V.is_concrete(state.positions):
     pos = np.asarray(state.positions)
     if (pos >= state.max_len).any():
@@ -469,6 +503,7 @@ def decode_step(model: HybridLM, token, state: S.ModelState,
                        f"larger max_len.")
   graphdef, params = nnx.split(model)
   logits, state = _decode_jit(graphdef, params, jnp.asarray(token), state,
-                              implementation)
+                              implementation,
+                              None if rows is None else jnp.asarray(rows))
   V.raise_if_invalid(state.positions < 0, "decode_step")
   return logits, state

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from replayssm_jax.models.generate import is_eos as eos_hit
+from replayssm_jax import slots
 from replayssm_jax.models.generate import seed0_key
 from replayssm_jax.serving import pool as P
 from replayssm_jax.serving import rows as R
@@ -99,13 +100,18 @@ def admit(ctl: SlotControls, idx, keys, budgets, eos_ids, temps,
                       temps=put(ctl.temps, temps), keys=put(ctl.keys, keys))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 8),
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 8, 10),
                    donate_argnums=(2, 3))
 def decode(graphdef, params, pool, ctl: SlotControls, n, sampled, top_k,
-           top_p, implementation, rows=None):
-  """n decode steps of every slot, or of the slots `rows` [k] int32
-  (gathered into a batch of k, decoded, and scattered back within the
-  call), with on-device stopping.
+           top_p, implementation, rows=None, in_place=False):
+  """n decode steps of every slot, or of the slots `rows` [k] int32, with
+  on-device stopping.
+
+  The slots `rows` (capacity or beyond for a padding row) are decoded as
+  a batch of k: gathered from the pool, decoded and scattered back within
+  the call, or with `in_place` (static) stepped in the pool through a slot
+  per row (`rows.step_rows`: the Mamba-2 and attention kernels read and
+  write the pool's rows themselves; only the controls are gathered).
 
   A slot decodes while it is active in the pool and has budget left; each
   step splits every slot's key, samples its token (sampled (static): some
@@ -115,35 +121,43 @@ def decode(graphdef, params, pool, ctl: SlotControls, n, sampled, top_k,
   Returns (pool, tokens [cap or k, n] int32 (-1 where a slot emitted
   nothing), ctl with the budgets and keys after the n steps).
   """
+  args = (graphdef, params, n, sampled, top_k, top_p, implementation)
+  if rows is not None and in_place:
+    live = slots.effective(rows, pool.capacity)
+    ctl_rows, out = _decode(*args, pool, slots.gather(ctl, live), live)
+    pool, ctl_rows = ctl_rows
+    return pool, out, slots.scatter(ctl, ctl_rows, live)
   (pool, ctl), out = R.on_rows(lambda pool, ctl: _decode(
-      graphdef, params, pool, ctl, n, sampled, top_k, top_p,
-      implementation), (pool, ctl), rows)
+      *args, pool, ctl), (pool, ctl), rows)
   return pool, out, ctl
 
 
-def _decode(graphdef, params, pool, ctl, n, sampled, top_k, top_p,
-            implementation):
-  """`decode` of every row of `pool` and `ctl` -> ((pool, ctl), out)."""
+def _decode(graphdef, params, n, sampled, top_k, top_p, implementation,
+            pool, ctl, rows=None):
+  """`decode` of every row of `pool` and `ctl`, or of the pool's slots
+  `rows` (effective) with `ctl` their rows -> ((pool, ctl), out)."""
   model = P.merge(graphdef, params)
-  cap = pool.capacity
+  k = pool.capacity if rows is None else rows.shape[0]
   eos, temps = ctl.eos, ctl.temps
 
   def body(i, carry):
     pool, out, left, keys = carry
-    active = pool.active & (left > 0)
-    split = jax.vmap(jax.random.split)(keys)  # [cap, 2, key]
+    on = (pool.active if rows is None
+          else slots.gather(pool.active, rows) & (rows >= 0))
+    active = on & (left > 0)
+    split = jax.vmap(jax.random.split)(keys)  # [k, 2, key]
     keys, sub = split[:, 0], split[:, 1]
 
     def sample(logits):
       return P.sample_rows(logits, sub, temps, sampled, top_k, top_p)
 
-    pool, emitted, _ = P.step_rows(model, pool, active, sample,
-                                   implementation)
+    pool, emitted, _ = R.step_rows(model, pool, active, sample,
+                                   implementation, rows)
     stop = (emitted < 0) | is_eos(emitted, eos)
     left = jnp.where(active, jnp.where(stop, 0, left - 1), left)
     return pool, out.at[:, i].set(emitted), left, keys
 
-  out = jnp.full((cap, n), -1, jnp.int32)
+  out = jnp.full((k, n), -1, jnp.int32)
   pool, out, left, keys = jax.lax.fori_loop(
       0, n, body, (pool, out, ctl.left, ctl.keys))
   return (pool, ctl.replace(left=left, keys=keys)), out

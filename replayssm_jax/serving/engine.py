@@ -129,6 +129,10 @@ class Engine:
       is at most this fraction of the capacity, and the whole pool
       otherwise (0: always the whole pool; the same tokens up to the batch
       size's effect on matmul rounding). Without a mesh only.
+    compact_in_place: such a dispatch (plain decoding) steps the running
+      slots in the pool through a slot per row instead (the Mamba-2 and
+      attention kernels read and write the pool's rows; no gathered copy
+      of their state; `serving.controls.decode`).
     speculative: a `Speculation` (a proposer and a window) for speculative
       decoding inside the engine, or None (plain decode steps). The pool's
       state must be one `verify` takes: replay buffer_len > window, a
@@ -153,6 +157,7 @@ class Engine:
                top_p: float | None = None, implementation=None,
                prefix_cache: PrefixCache | None = None,
                prefill_batch: int = 8, compact_below: float = 0.5,
+               compact_in_place: bool = False,
                speculative: Speculation | None = None, mesh=None,
                overlap: bool = True, max_eos_ids: int = 4,
                ssm_mode: str = "replay", buffer_len: int = 16,
@@ -167,6 +172,7 @@ class Engine:
       raise ValueError(f"compact_below must lie in [0, 1], got "
                        f"{compact_below!r}.")
     self.compact_below = float(compact_below)
+    self.compact_in_place = bool(compact_in_place)
     check_sampling(1.0, top_k, top_p)
     self.top_k = None if top_k is None else int(top_k)
     self.top_p = None if top_p is None else float(top_p)
@@ -487,7 +493,8 @@ class Engine:
     if spec is None:
       self.pool, out, self._ctl = C.decode(
           graphdef, params, self.pool, self._ctl, self.n, sampled,
-          self.top_k, self.top_p, self.implementation, rows)
+          self.top_k, self.top_p, self.implementation, rows,
+          self.compact_in_place)
     else:
       (self.pool, self._spec_slots, out, self._ctl,
        self._batch_key) = SP.dispatch(

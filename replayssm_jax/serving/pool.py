@@ -483,25 +483,10 @@ def evict_many(pool: Pool, slots) -> Pool:
 
 
 # ------------------------------------------------------------------- step
-def step_rows(model, pool, active, sample, implementation):
-  """One decode step of every slot, kept for the `active` [capacity] rows
-  -> (pool, tokens [capacity] int32, logits [capacity, vocab] f32).
-
-  sample(logits) -> [capacity] int32 picks each row's next token (-1 for
-  an invalid row); rows not active keep their next input and report -1,
-  and their state is left unspecified (see the module docstring)."""
-  feed = jnp.where(active, pool.tokens, 0)
-  logits, new = model.step(feed, pool.state, implementation)
-  tok = jnp.where(new.positions < 0, -1, sample(logits))
-  tokens = jnp.where(active, tok, pool.tokens)
-  out = jnp.where(active, tok, -1)
-  return pool.replace(state=new, tokens=tokens), out, logits
-
-
 def _step_body(model, pool, sampling, rng, implementation):
   """One decode step of every active slot (`step_rows` with the pool's
   sampling settings)."""
-  return step_rows(model, pool, pool.active,
+  return R.step_rows(model, pool, pool.active,
                    lambda lg: sample_logits(lg, rng, *sampling),
                    implementation)
 

@@ -14,6 +14,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from replayssm_jax import slots
+
 
 def check_dtype(pool_leaf, row_leaf):
   """A prefilled row's leaf must have its pool leaf's dtype (a scatter
@@ -64,3 +66,33 @@ def on_rows(fn, tree, rows):
     return fn(*tree)
   new, out = fn(*gather_rows(tree, rows))
   return scatter_rows(tree, new, rows), out
+
+
+def step_rows(model, pool, active, sample, implementation, rows=None):
+  """One decode step of every slot, kept for the `active` [capacity] rows
+  -> (pool, tokens [capacity] int32, logits [capacity, vocab] f32).
+
+  sample(logits) -> [capacity] int32 picks each row's next token (-1 for
+  an invalid row); rows not active keep their next input and report -1,
+  and their state is left unspecified (see the module docstring).
+
+  rows: [k] int32 effective slots (`replayssm_jax.slots`; -1 pads): the
+  step runs those slots alone, read and written in place in the pool
+  (`HybridLM.step(rows=)`); `active`, `sample`'s logits and the results
+  are then [k], and the padding rows are inactive."""
+  if rows is not None:
+    active = active & (rows >= 0)
+    feed = jnp.where(active, slots.gather(pool.tokens, rows), 0)
+    logits, new = model.step(feed, pool.state, implementation, rows)
+    bad = slots.gather(new.positions, rows) < 0
+    tok = jnp.where(bad, -1, sample(logits))
+    put = jnp.where(active, rows, -1)  # inactive rows keep their input
+    tokens = slots.scatter(pool.tokens, tok, put)
+    return (pool.replace(state=new, tokens=tokens),
+            jnp.where(active, tok, -1), logits)
+  feed = jnp.where(active, pool.tokens, 0)
+  logits, new = model.step(feed, pool.state, implementation)
+  tok = jnp.where(new.positions < 0, -1, sample(logits))
+  tokens = jnp.where(active, tok, pool.tokens)
+  out = jnp.where(active, tok, -1)
+  return pool.replace(state=new, tokens=tokens), out, logits

@@ -23,7 +23,7 @@ compiled call. One round, for every slot at once:
 
 Rows that are free, finished or out of budget emit nothing and keep their
 history and next input token; their target and proposer states are left
-unspecified, as the plain loop leaves a free slot's (`pool.step_rows`). A
+unspecified, as the plain loop leaves a free slot's (`rows.step_rows`). A
 free slot may hold anything (NaN included) and `where` never lets it
 through.
 
