@@ -12,7 +12,7 @@ reads KV head h // (Hq // Hk)):
                         min(lengths[row] + t, max_len) entries.
 
 It is the decode step's and the verify window's attention in
-`models.layers.Attention`; the public, validated op with the kernel
+`models.attention_block.Attention`; the public, validated op with the kernel
 dispatcher is `replayssm_jax.ops.decode_attention`, and the Pallas kernel is
 `pallas_kernels.attention`.
 

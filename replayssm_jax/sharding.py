@@ -109,7 +109,7 @@ from replayssm_jax import _validation as V
 from replayssm_jax import gdn, kda
 from replayssm_jax.models import shard_layout as SL
 from replayssm_jax.models import states as S
-from replayssm_jax.models.layers import Attention
+from replayssm_jax.models.attention_block import Attention
 from replayssm_jax.models.mla_attention import MLAttention
 from replayssm_jax.per_shard import (AXES, fields_spec, gdn_heads,
                                     gdn_replay_layouts, leaf_spec,

@@ -8,7 +8,7 @@
   Block.verify(h, state)               the mixer on a speculative window
 
 Mixers by kind: "mamba" (`layers.Mamba2Mixer`), "attention"
-(`layers.Attention`, or `gated_attention.GatedAttention` with q/k norms or
+(`attention_block.Attention`, or `gated_attention.GatedAttention` with q/k norms or
 an output gate, `mla_attention.MLAttention` with a latent KV), "mlp"
 (`mlp.MLP`), "moe" (`moe.MoE`), "gdn" (`gdn_block.GDNMixer`), "kda"
 (`kda_block.KDAMixer`).
@@ -25,7 +25,8 @@ from replayssm_jax.models.config import ModelConfig
 from replayssm_jax.models.gated_attention import GatedAttention
 from replayssm_jax.models.gdn_block import GDNMixer
 from replayssm_jax.models.kda_block import KDAMixer
-from replayssm_jax.models.layers import Attention, Mamba2Mixer, RMSNorm
+from replayssm_jax.models.attention_block import Attention
+from replayssm_jax.models.layers import Mamba2Mixer, RMSNorm
 from replayssm_jax.models.mla_attention import MLAttention
 from replayssm_jax.models.mlp import MLP
 from replayssm_jax.models.moe import MoE

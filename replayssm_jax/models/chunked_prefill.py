@@ -15,7 +15,7 @@ the summation order (tests/test_chunked_prefill.py). Per block kind:
                    loaded) and the conv window as the conv's history.
   Gated DeltaNet,  the chunked delta-rule prefill with `initial_state` and
   KDA              the conv window as history.
-  attention        (plain, gated and MLA, which share `layers.Attention`'s
+  attention        (plain, gated and MLA, which share `attention_block.Attention`'s
                    cache) queries at positions length .. length + T - 1
                    attend to the cached entries and causally within the
                    chunk; the chunk's keys / values are written at those

@@ -10,7 +10,7 @@
   y = o_proj(o * sigmoid(gate))
 
 The KV cache, prefill, decode step and verify window are
-`layers.Attention`'s; the gate travels from `_project` to `_output`.
+`attention_block.Attention`'s; the gate travels from `_project` to `_output`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from replayssm_jax.models.config import ModelConfig
-from replayssm_jax.models.layers import (Attention, Linear, RMSNorm,
-                                         _partial_rope)
+from replayssm_jax.models.attention_block import Attention, _partial_rope
+from replayssm_jax.models.layers import Linear, RMSNorm
 
 F32 = jnp.float32
 

@@ -12,7 +12,7 @@ full-attention layers ('*' blocks with `ModelConfig.mla_kv_lora_rank`).
 The KV cache holds the decompressed keys and values ([batch, H, max_len,
 attn_head_dim] with attn_head_dim = max(nope + rope, v_head_dim); the
 shorter of q / k and v is zero-padded, which changes neither the scores nor
-the outputs), so `layers.Attention`'s prefill, decode step and verify
+the outputs), so `attention_block.Attention`'s prefill, decode step and verify
 window (and `ops.decode_attention`) run unchanged; the score scale is
 `ModelConfig.attention_multiplier`. The latent norm's epsilon is 1e-6
 (transformers' default, not the model's rms_norm_eps).
@@ -23,7 +23,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from replayssm_jax.models.config import ModelConfig
-from replayssm_jax.models.layers import Attention, Linear, RMSNorm
+from replayssm_jax.models.attention_block import Attention
+from replayssm_jax.models.layers import Linear, RMSNorm
 
 LATENT_NORM_EPS = 1e-6
 

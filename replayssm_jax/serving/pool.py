@@ -258,25 +258,16 @@ def slot_index(slot, capacity: int):
   return jnp.where((slot >= 0) & (slot < capacity), slot, capacity)
 
 
-def write_row(pool_leaf, row_leaf, idx):
-  R.check_dtype(pool_leaf, row_leaf)
-  # mode="drop": an out-of-range (traced) slot writes nothing.
-  return pool_leaf.at[idx].set(row_leaf[0], mode="drop")
-
-
 def place_row(pool: Pool, slot, row: S.ModelState, logits, rng,
               sampling) -> tuple[Pool, jax.Array]:
   """Samples a request's first token from its prompt's last logits [1,
   vocab] (-1 for an invalid row), writes the batch-1 `row` into every
-  leaf's row `slot` and marks the slot active with that token as its next
-  input -> (pool, token)."""
+  leaf's row `slot` (a slot out of range: nothing) and marks the slot
+  active with that token as its next input -> (pool, token)."""
   tok = sample_logits(logits, rng, *sampling)
-  tok = jnp.where(row.positions < 0, -1, tok)[0]
-  idx = slot_index(slot, pool.capacity)
-  state = jax.tree.map(lambda p, r: write_row(p, r, idx), pool.state, row)
-  return pool.replace(state=state,
-                      active=pool.active.at[idx].set(True, mode="drop"),
-                      tokens=pool.tokens.at[idx].set(tok, mode="drop")), tok
+  idx = slot_index(slot, pool.capacity)[None]
+  pool, tok = R.place_rows(pool, idx, row, tok)
+  return pool, tok[0]
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
