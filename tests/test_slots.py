@@ -98,14 +98,17 @@ def ragged_replay_state(policy=None, seed=2):
   return poison_rows(rs, 3)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPLS + ("pallas/rows_flush_grid",))
 @pytest.mark.parametrize("preset", (None, "f32+bf16", "f16+fp8+sr"))
 def test_replay_state_update_through_rows(impl, preset):
   """Ragged counters with flushing rows, plain and with a read copy (and
-  stochastic rounding keyed by the state row's id and step)."""
+  stochastic rounding keyed by the state row's id and step); the kernels'
+  flush on its persistent grid (the default) and on the output route's."""
   policy = None if preset is None else PrecisionPolicy.preset(preset)
   rs = ragged_replay_state(policy)
   kw = dict(step_inputs(3), policy=policy)
+  if impl == "pallas/rows_flush_grid":
+    impl, kw["config"] = "pallas", ReplayConfig(flush_grid="rows")
   y, new = ops.replay_state_update(rs, **kw, rows=ROWS, implementation=impl)
   y_ref, new_ref = ops.replay_state_update(gathered(rs), **kw,
                                            implementation=impl)
