@@ -187,6 +187,18 @@ def test_compacted_dispatches_give_the_pools_tokens(model, ssm_mode):
   assert in_place == whole
 
 
+def test_in_place_compaction_default(model):
+  """Compacted dispatches step the pool's rows in place where every layer
+  takes a slot per row itself (Mamba-2, attention), else gather them: the
+  Gated DeltaNet layer would be gathered at every step."""
+  assert not serving.Engine(model, 4, MAX_LEN).compact_in_place
+  plain = build_model(5, 9, dataclasses.replace(CFG, pattern="M*-M"))
+  for mode in ("replay", "baseline"):
+    assert serving.Engine(plain, 4, MAX_LEN, ssm_mode=mode).compact_in_place
+  assert not serving.Engine(plain, 4, MAX_LEN,
+                            compact_in_place=False).compact_in_place
+
+
 def test_precompile_leaves_nothing_to_compile(model):
   reqs = [(f"r{i}", prompt(95 + i, 2 + 3 * i), 3 + i, 0.0) for i in range(5)]
   eng = serving.Engine(model, 8, MAX_LEN, steps_per_dispatch=2,

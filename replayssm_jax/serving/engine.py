@@ -95,6 +95,7 @@ from replayssm_jax.models import model as M
 from replayssm_jax.models.generate import check_sampling
 from replayssm_jax.serving import controls as C
 from replayssm_jax.serving import pool as P
+from replayssm_jax.serving import rows as R
 from replayssm_jax.serving import snapshot
 from replayssm_jax.serving import spec as SP
 from replayssm_jax.serving.prefix_cache import (PrefixCache,
@@ -132,7 +133,10 @@ class Engine:
     compact_in_place: such a dispatch (plain decoding) steps the running
       slots in the pool through a slot per row instead (the Mamba-2 and
       attention kernels read and write the pool's rows; no gathered copy
-      of their state; `serving.controls.decode`).
+      of their state; `serving.controls.decode`). None: where every layer
+      steps that way by itself (`rows.steps_in_place`: Mamba-2 and
+      attention layers; the faster form on a GPU, benchmarks/README.md,
+      "A partly occupied pool").
     speculative: a `Speculation` (a proposer and a window) for speculative
       decoding inside the engine, or None (plain decode steps). The pool's
       state must be one `verify` takes: replay buffer_len > window, a
@@ -157,7 +161,7 @@ class Engine:
                top_p: float | None = None, implementation=None,
                prefix_cache: PrefixCache | None = None,
                prefill_batch: int = 8, compact_below: float = 0.5,
-               compact_in_place: bool = False,
+               compact_in_place: bool | None = None,
                speculative: Speculation | None = None, mesh=None,
                overlap: bool = True, max_eos_ids: int = 4,
                ssm_mode: str = "replay", buffer_len: int = 16,
@@ -172,7 +176,6 @@ class Engine:
       raise ValueError(f"compact_below must lie in [0, 1], got "
                        f"{compact_below!r}.")
     self.compact_below = float(compact_below)
-    self.compact_in_place = bool(compact_in_place)
     check_sampling(1.0, top_k, top_p)
     self.top_k = None if top_k is None else int(top_k)
     self.top_p = None if top_p is None else float(top_p)
@@ -197,6 +200,9 @@ class Engine:
                             buffer_len=buffer_len, **state_kwargs)
     if mesh is not None:
       self.pool = SH.shard_pool(self.pool, mesh, config=model.config)
+    self.compact_in_place = (R.steps_in_place(self.pool.state)
+                             if compact_in_place is None
+                             else bool(compact_in_place))
     if speculative is not None:
       SP.check_speculation(speculative, model, self.pool, ssm_mode,
                            buffer_len)

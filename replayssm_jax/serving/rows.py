@@ -68,6 +68,19 @@ def on_rows(fn, tree, rows):
   return scatter_rows(tree, new, rows), out
 
 
+def steps_in_place(state) -> bool:
+  """Whether every layer of a ModelState steps through a slot per row by
+  itself (`HybridLM.step(rows=)`: Mamba-2 states, plain or replay, and KV
+  caches, or no state); other layers' rows would be gathered and scattered
+  back at every step."""
+  from replayssm_jax.models import states as S  # pylint: disable=g-import-not-at-top
+  return all(
+      s is None or isinstance(s, S.AttentionState)
+      or (isinstance(s, S.MambaState)
+          and not isinstance(s.ssm, S.StoredSSMState))
+      for s in state.layers)
+
+
 def step_rows(model, pool, active, sample, implementation, rows=None):
   """One decode step of every slot, kept for the `active` [capacity] rows
   -> (pool, tokens [capacity] int32, logits [capacity, vocab] f32).
