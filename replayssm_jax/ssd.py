@@ -17,7 +17,7 @@ from replayssm_jax.reference import (F32, HIGHEST, _finish_output,
                                      heads_from_groups, process_dt)
 
 
-def _segsum(a):
+def _segsum_masked(a):
   """a [..., Q] -> [..., Q, Q] with out[i, j] = sum_{j<k<=i} a_k, -inf j > i.
 
   Computed as a cumsum of a masked matrix rather than a difference of
@@ -30,6 +30,40 @@ def _segsum(a):
   seg = jnp.cumsum(jnp.where(strict, rep, 0.0), axis=-2)  # [..., i, j]
   causal = jnp.tril(jnp.ones((q, q), bool))
   return jnp.where(causal, seg, -jnp.inf)
+
+
+# The scan's decay sums (read when it is traced; benchmarks/scripts swap in
+# other forms to time them).
+_segsum = _segsum_masked
+
+
+def _segsum_blocked(a, block: int = 16):
+  """`_segsum_masked` without its masked [Q, Q] cumulative sum: the sums
+  within blocks of `block` positions on [block, block] tiles, and across
+  blocks as (the rest of j's block) + (the whole blocks between, from the
+  blocks' totals) + (i's block up to i). Every piece sums terms of one sign
+  (a <= 0 in the scan), so no prefix sums are subtracted. Q not a multiple
+  of `block` (or Q <= block): `_segsum_masked`."""
+  q = a.shape[-1]
+  if q <= block or q % block:
+    return _segsum_masked(a)
+  nb = q // block
+  ab = a.reshape(a.shape[:-1] + (nb, block))  # [..., I, u]
+  inner = _segsum_masked(ab)  # [..., I, u, v] within block I
+  loc = jnp.cumsum(ab, axis=-1)  # [..., I, u]: block I up to u
+  # [..., J, v]: block J after v (its last position: none)
+  rest = jnp.where(jnp.arange(block) < block - 1, inner[..., -1, :], 0.0)
+  between = _segsum_masked(loc[..., -1])  # [..., I, J]: blocks J < K <= I
+  between = jnp.concatenate([jnp.zeros_like(between[..., :1, :]),
+                             between[..., :-1, :]], axis=-2)  # J < K < I
+  cross = (loc[..., :, :, None, None] + between[..., :, None, :, None]
+           + rest[..., None, None, :, :])  # [..., I, u, J, v]
+  blk = jnp.arange(nb)
+  same = (blk[:, None] == blk[None, :])[:, None, :, None]
+  below = (blk[:, None] > blk[None, :])[:, None, :, None]
+  out = jnp.where(same, inner[..., :, :, None, :],
+                  jnp.where(below, cross, -jnp.inf))
+  return out.reshape(a.shape + (q,))
 
 
 def _check_scan_inputs(x, dt, A, B, C, D, z, dt_bias, initial_state):

@@ -108,3 +108,23 @@ def test_short_sequence_is_not_padded_to_chunk_size():
                                case.dt_softplus)
   testing.assert_close(y, y_ref, F32_TOL, "y")
   testing.assert_close(final, final_ref, F32_TOL, "final state")
+
+
+@pytest.mark.parametrize("q", (256, 64, 48, 16, 8))
+@pytest.mark.parametrize("scale", (0.01, 1.0, 50.0))
+def test_blocked_decay_sums(q, scale):
+  """`ssd._segsum_blocked` (no masked [Q, Q] cumulative sum) against the
+  float64 sums: -inf above the diagonal, the sums within float32
+  rounding, whatever their size (terms of one sign, never a difference of
+  prefix sums); Q not a multiple of the block falls back to the masked
+  form."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from replayssm_jax import ssd  # pylint: disable=g-import-not-at-top
+  a = -jnp.abs(jax.random.normal(jax.random.PRNGKey(q), (2, 3, q))) * scale
+  c = np.cumsum(np.asarray(a, np.float64), axis=-1)
+  want = np.where(np.tril(np.ones((q, q), bool)),
+                  c[..., :, None] - c[..., None, :], -np.inf)
+  got = np.asarray(ssd._segsum_blocked(a), np.float64)  # pylint: disable=protected-access
+  live = np.isfinite(want)
+  np.testing.assert_array_equal(np.isfinite(got), live)
+  testing.assert_close(got[live], want[live], F32_TOL, f"Q {q}")
