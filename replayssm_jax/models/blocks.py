@@ -8,8 +8,8 @@
   Block.verify(h, state)               the mixer on a speculative window
 
 Mixers by kind: "mamba" (`layers.Mamba2Mixer`), "attention"
-(`attention_block.Attention`, or `gated_attention.GatedAttention` with q/k norms or
-an output gate, `mla_attention.MLAttention` with a latent KV), "mlp"
+(`attention_block.Attention`, or `gated_attention.GatedAttention` with q/k
+norms or an output gate, `mla_attention.MLAttention` with a latent KV), "mlp"
 (`mlp.MLP`), "moe" (`moe.MoE`), "gdn" (`gdn_block.GDNMixer`), "kda"
 (`kda_block.KDAMixer`).
 """
@@ -21,11 +21,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from replayssm_jax import slots
+from replayssm_jax.models.attention_block import Attention
 from replayssm_jax.models.config import ModelConfig
 from replayssm_jax.models.gated_attention import GatedAttention
 from replayssm_jax.models.gdn_block import GDNMixer
 from replayssm_jax.models.kda_block import KDAMixer
-from replayssm_jax.models.attention_block import Attention
 from replayssm_jax.models.layers import Mamba2Mixer, RMSNorm
 from replayssm_jax.models.mla_attention import MLAttention
 from replayssm_jax.models.mlp import MLP

@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from replayssm_jax.models.generate import is_eos as eos_hit
 from replayssm_jax import slots
+from replayssm_jax.models.generate import is_eos as eos_hit
 from replayssm_jax.models.generate import seed0_key
 from replayssm_jax.serving import pool as P
 from replayssm_jax.serving import rows as R

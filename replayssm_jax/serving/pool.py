@@ -478,8 +478,8 @@ def _step_body(model, pool, sampling, rng, implementation):
   """One decode step of every active slot (`step_rows` with the pool's
   sampling settings)."""
   return R.step_rows(model, pool, pool.active,
-                   lambda lg: sample_logits(lg, rng, *sampling),
-                   implementation)
+                     lambda lg: sample_logits(lg, rng, *sampling),
+                     implementation)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=(2,))

@@ -1,11 +1,14 @@
-"""Rows of a slot pool: placing admitted rows, and compaction.
+"""Rows of a slot pool: placing admitted rows, stepping rows, compaction.
 
 `place_rows` writes a batch of prefilled rows into their slots (the
 batched admissions of `pool.insert_many` and
-`prefix_cache.insert_cached_many`). Compaction: a dispatch that decodes few
-running slots gathers their rows of every batch-leading leaf (the pool, its
-controls, the speculative slots) into a smaller batch, decodes it and
-scatters the rows back (`serving.Engine`'s `compact_below`)."""
+`prefix_cache.insert_cached_many`). `step_rows` is one decode step of the
+pool's rows, all of them or the slots `rows` in place. Compaction: a
+dispatch that decodes few running slots either steps them in place
+(`steps_in_place` models) or gathers their rows of every batch-leading leaf
+(the pool, its controls, the speculative slots) into a smaller batch,
+decodes it and scatters the rows back (`serving.Engine`'s
+`compact_below`)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from replayssm_jax import slots
+from replayssm_jax.models import states as S
 
 
 def check_dtype(pool_leaf, row_leaf):
@@ -73,7 +77,6 @@ def steps_in_place(state) -> bool:
   itself (`HybridLM.step(rows=)`: Mamba-2 states, plain or replay, and KV
   caches, or no state); other layers' rows would be gathered and scattered
   back at every step."""
-  from replayssm_jax.models import states as S  # pylint: disable=g-import-not-at-top
   return all(
       s is None or isinstance(s, S.AttentionState)
       or (isinstance(s, S.MambaState)
