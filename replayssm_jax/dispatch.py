@@ -206,30 +206,13 @@ def resolve_policy(rstate: ReplayState,
                    policy: P.PrecisionPolicy | None) -> P.PrecisionPolicy:
   """The policy of a step: `policy` checked against the state, or (None)
   the round-to-nearest policy implied by the state's dtypes."""
-  ck = jnp.dtype(rstate.checkpoint.dtype).name
-  bf = jnp.dtype(rstate.x_buf.dtype).name
-  rd = None if rstate.read_copy is None else jnp.dtype(
-      rstate.read_copy.dtype).name
-  if policy is None:
-    return P.PrecisionPolicy(checkpoint_dtype=ck, read_dtype=rd,
-                             buffer_dtype=bf)
-  if not isinstance(policy, P.PrecisionPolicy):
-    raise TypeError(f"policy must be a PrecisionPolicy or None, got "
-                    f"{type(policy).__name__}.")
-  for what, mine, theirs in (("checkpoint dtype", ck, policy.checkpoint_dtype),
-                             ("buffer dtype", bf, policy.buffer_dtype),
-                             ("read copy dtype", rd, policy.read_dtype)):
-    if mine != theirs:
-      raise ValueError(
-          f"rstate does not match policy {policy.name!r}: its {what} is "
-          f"{mine} but the policy's is {theirs}; build the state with "
-          f"ReplayState.create/from_ssm_state(..., policy=policy).")
-  if policy.stochastic_rounding and rstate.step is None:
-    raise ValueError(
-        f"policy {policy.name!r} rounds stochastically, which needs "
-        f"rstate.row_id and rstate.step ([batch] int32); build the state "
-        f"with ReplayState.create/from_ssm_state(..., policy=policy).")
-  return policy
+  return P.resolve_policy(
+      policy, jnp.dtype(rstate.checkpoint.dtype).name,
+      jnp.dtype(rstate.x_buf.dtype).name,
+      None if rstate.read_copy is None
+      else jnp.dtype(rstate.read_copy.dtype).name,
+      rstate.step is not None,
+      "ReplayState.create/from_ssm_state(..., policy=policy)")
 
 
 def check_layer(layer):

@@ -238,6 +238,36 @@ class PrecisionPolicy:
     return s + ("" if self.rounding == "rn" else "+" + self.rounding)
 
 
+def resolve_policy(policy, checkpoint_dtype: str, buffer_dtype: str,
+                   read_dtype: str | None, has_step: bool,
+                   build: str) -> PrecisionPolicy:
+  """The policy of a replay state's step: `policy` checked against the
+  state's stored dtype names and its stochastic-rounding counters
+  (has_step), or (None) the round-to-nearest policy of those dtypes.
+  build: how to build a matching state, named in the errors."""
+  if policy is None:
+    return PrecisionPolicy(checkpoint_dtype=checkpoint_dtype,
+                           read_dtype=read_dtype, buffer_dtype=buffer_dtype)
+  if not isinstance(policy, PrecisionPolicy):
+    raise TypeError(f"policy must be a PrecisionPolicy or None, got "
+                    f"{type(policy).__name__}.")
+  for what, mine, theirs in (
+      ("checkpoint dtype", checkpoint_dtype, policy.checkpoint_dtype),
+      ("buffer dtype", buffer_dtype, policy.buffer_dtype),
+      ("read copy dtype", read_dtype, policy.read_dtype)):
+    if mine != theirs:
+      raise ValueError(
+          f"rstate does not match policy {policy.name!r}: its {what} is "
+          f"{mine} but the policy's is {theirs}; build the state with "
+          f"{build}.")
+  if policy.stochastic_rounding and not has_step:
+    raise ValueError(
+        f"policy {policy.name!r} rounds stochastically, which needs "
+        f"rstate.row_id and rstate.step ([batch] int32); build the state "
+        f"with {build}.")
+  return policy
+
+
 # ------------------------------------------------------------------ RNG
 def row_keys(seed: int, layer, row_id, step, site: int):
   """[batch, 2] uint32: the threefry key data k_r of each row (see
