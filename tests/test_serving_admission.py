@@ -197,6 +197,10 @@ def test_in_place_compaction_default(model):
     assert serving.Engine(plain, 4, MAX_LEN, ssm_mode=mode).compact_in_place
   assert not serving.Engine(plain, 4, MAX_LEN,
                             compact_in_place=False).compact_in_place
+  reqs = [("a", prompt(80, 6), 6, 0.0), ("b", prompt(81, 4), 5, 0.9)]
+  eng, in_place = run_engine(plain, reqs, poison_free=True)
+  assert eng.compact_in_place and eng.stats.compacted > 0
+  assert in_place == run_engine(plain, reqs, compact_below=0.0)[1]
 
 
 def test_precompile_leaves_nothing_to_compile(model):
