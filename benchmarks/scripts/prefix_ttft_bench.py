@@ -17,7 +17,8 @@ the rest alone ((1 - f) T tokens: rest_ms, the hit path's floor). Then
 --batch_hits prompts hitting the prefix of the largest fraction:
 `serving.insert_cached` one after another (into one slot) against one
 `serving.insert_cached_many` of them all into as many slots (the engine's
-batched admission), to the last first token. Each
+batched admission), to the last first token, each form on prompts of its
+own (a tail seen before would make a hit store a deeper row). Each
 time runs from the call to the first token on the host
 (`block_until_ready`), median over --repeats prompts of fresh random tails
 (never zeros), after a warm-up that compiles each path.
@@ -35,6 +36,7 @@ order). hybrid_1b's shapes, random bf16 weights.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -168,25 +170,36 @@ def main():
     n = min(a.batch_hits, a.capacity)
     if done and n:
       k = max(done)
-      cache = serving.PrefixCache(block, 2)
-      cached(cache, np.concatenate([prefix_of[k], tokens(1)]))
-      batches = [[np.concatenate([prefix_of[k], tokens(t - k)])
-                  for _ in range(n)] for _ in range(a.repeats + 1)]
 
-      def one_by_one(i):
+      def prefix_cache():
+        cache = serving.PrefixCache(block, 2)
+        cached(cache, np.concatenate([prefix_of[k], tokens(1)]))
+        return cache
+
+      def fresh():
+        """repeats + 1 batches of n prompts with tails never seen: a tail
+        an earlier call inserted would have its keys known, and a hit then
+        stores a row deeper in that tail (one more prefill)."""
+        return [[np.concatenate([prefix_of[k], tokens(t - k)])
+                 for _ in range(n)] for _ in range(a.repeats + 1)]
+
+      def one_by_one(cache, batches, i):
         out = [cached(cache, p)[0] for p in batches[i]]
         return out[-1], out
 
-      def batched(i):
+      def batched(cache, batches, i):
         nonlocal pool
         pool, toks = serving.insert_cached_many(
             model, pool, cache, list(range(n)), batches[i], parts=parts)
         return toks, None
 
-      want = [int(x) for x in one_by_one(a.repeats)[1]]
-      got = [int(x) for x in batched(a.repeats)[0]]
-      single, _ = timed(one_by_one, a.repeats)
-      many, _ = timed(batched, a.repeats)
+      check = fresh()  # both ways, each on a cache of its own
+      want = [int(x) for x in one_by_one(prefix_cache(), check, 0)[1]]
+      got = [int(x) for x in batched(prefix_cache(), check, 0)[0]]
+      cache = prefix_cache()
+      single, _ = timed(functools.partial(one_by_one, cache, fresh()),
+                        a.repeats)
+      many, _ = timed(functools.partial(batched, cache, fresh()), a.repeats)
       rec["batch_hits"] = dict(prompts=n, cached_tokens=k,
                                one_at_a_time_ms=single, batched_ms=many,
                                first_tokens_equal=want == got)
