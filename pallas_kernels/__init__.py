@@ -187,7 +187,8 @@ def _gdn_verify(*, config=None, **args):
 # Pallas kernels are the dispatcher's default on a GPU (priority 10); the
 # Mosaic GPU baseline kernel runs only on request.
 # `ROWS`: the ops whose kernels take a slot per row (`replayssm_jax.slots`).
-ROWS = ("selective_state_update", "replay_state_update", "decode_attention")
+ROWS = ("selective_state_update", "replay_state_update", "decode_attention",
+        "gdn_step", "gdn_replay_step")
 IMPLEMENTATIONS = tuple(
     (op, Implementation("pallas", _x32(fn), supports=supports,
                         preferred=on_gpu, priority=10, rows=op in ROWS))

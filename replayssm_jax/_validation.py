@@ -95,11 +95,19 @@ def is_concrete(arr: Any) -> bool:
   return not isinstance(arr, jax.core.Tracer)
 
 
-def check_count_range(count: Any, buffer_len: int, name: str = "count"):
-  """Value check of per-row counters; only possible outside of jit."""
+def check_count_range(count: Any, buffer_len: int, name: str = "count",
+                      rows=None):
+  """Value check of per-row counters; only possible outside of jit. rows:
+  the state rows a step through slots reads (`replayssm_jax.slots`): only
+  theirs are checked (a free slot may hold anything)."""
   if not is_concrete(count):
     return
   c = np.asarray(count)
+  if rows is not None:
+    if not is_concrete(rows):
+      return
+    r = np.asarray(rows)
+    c = np.where(np.isin(np.arange(c.shape[0]), r), c, 0)
   bad = (c < 0) | (c >= buffer_len)
   if bad.any():
     rows = np.nonzero(bad)[0][:8].tolist()

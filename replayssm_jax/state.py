@@ -40,7 +40,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from replayssm_jax import _validation as V
 from replayssm_jax import precision as P
@@ -258,11 +257,7 @@ class ReplayState:
     V.check_shape(f"{name}.count", self.count, (b,), "[batch]")
     if jnp.dtype(self.count.dtype) != jnp.int32:
       raise TypeError(f"{name}.count must be int32, got {self.count.dtype}.")
-    count = self.count
-    if rows is not None and V.is_concrete(rows) and V.is_concrete(count):
-      r = np.asarray(rows)
-      count = np.asarray(count)[r[(r >= 0) & (r < b)]]
-    V.check_count_range(count, L, f"{name}.count")
+    V.check_count_range(self.count, L, f"{name}.count", rows)
     self._validate_policy_fields(name)
     w = self.pending_window
     if w is not None and (isinstance(w, bool) or not isinstance(w, int)

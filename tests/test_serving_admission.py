@@ -176,7 +176,7 @@ def test_compacted_dispatches_give_the_pools_tokens(model, ssm_mode):
   reqs = [("a", prompt(90, 5), 7, 0.0), ("bb", prompt(91, 9), 4, 0.0),
           ("ccc", prompt(92, 3), 8, 1.3)]
   eng, compact = run_engine(model, reqs, poison_free=True,
-                            ssm_mode=ssm_mode)
+                            compact_in_place=False, ssm_mode=ssm_mode)
   assert eng.stats.compacted == eng.stats.dispatches > 0
   eng, in_place = run_engine(model, reqs, poison_free=True,
                              compact_in_place=True, ssm_mode=ssm_mode)
@@ -189,18 +189,19 @@ def test_compacted_dispatches_give_the_pools_tokens(model, ssm_mode):
 
 def test_in_place_compaction_default(model):
   """Compacted dispatches step the pool's rows in place where every layer
-  takes a slot per row itself (Mamba-2, attention), else gather them: the
-  Gated DeltaNet layer would be gathered at every step."""
-  assert not serving.Engine(model, 4, MAX_LEN).compact_in_place
-  plain = build_model(5, 9, dataclasses.replace(CFG, pattern="M*-M"))
+  takes a slot per row itself (Mamba-2, Gated DeltaNet, attention), else
+  gather them (a Kimi Delta Attention layer would be gathered at every
+  step); in place, the whole pool's tokens."""
   for mode in ("replay", "baseline"):
-    assert serving.Engine(plain, 4, MAX_LEN, ssm_mode=mode).compact_in_place
-  assert not serving.Engine(plain, 4, MAX_LEN,
+    assert serving.Engine(model, 4, MAX_LEN, ssm_mode=mode).compact_in_place
+  kda = build_model(5, 9, dataclasses.replace(CFG, pattern="M*K-M"))
+  assert not serving.Engine(kda, 4, MAX_LEN).compact_in_place
+  assert not serving.Engine(model, 4, MAX_LEN,
                             compact_in_place=False).compact_in_place
   reqs = [("a", prompt(80, 6), 6, 0.0), ("b", prompt(81, 4), 5, 0.9)]
-  eng, in_place = run_engine(plain, reqs, poison_free=True)
+  eng, in_place = run_engine(model, reqs, poison_free=True)
   assert eng.compact_in_place and eng.stats.compacted > 0
-  assert in_place == run_engine(plain, reqs, compact_below=0.0)[1]
+  assert in_place == run_engine(model, reqs, compact_below=0.0)[1]
 
 
 def test_precompile_leaves_nothing_to_compile(model):

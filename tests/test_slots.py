@@ -16,10 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from replayssm_jax import models, ops, slots, testing
+from replayssm_jax import gdn, models, ops, slots, testing
+from replayssm_jax.gdn import testing as gdn_testing
 from replayssm_jax.precision import PrecisionPolicy
 from replayssm_jax.state import ReplayState
-from pallas_kernels import ReplayConfig
+from pallas_kernels import GDNConfig, ReplayConfig
 from tests.serving_common import CFG, build_model, poison_rows
 
 CAP, H, P, N, G, L = 7, 4, 16, 16, 2, 4
@@ -133,6 +134,62 @@ def test_decode_attention_through_rows(impl):
   assert np.isnan(out[~LIVE]).all()
   testing.assert_close(out[LIVE], np.asarray(ref)[LIVE],
                        testing.tolerance(jnp.float32), impl)
+
+
+GDN = dict(num_k_heads=2, num_v_heads=4, key_dim=16, value_dim=16)
+
+
+def gdn_inputs(seed):
+  return gdn_testing.random_inputs(jax.random.PRNGKey(seed), len(ROWS),
+                                   GDN["num_k_heads"], GDN["num_v_heads"],
+                                   GDN["key_dim"], GDN["value_dim"])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gdn_step_through_rows(impl):
+  state = jax.random.normal(jax.random.PRNGKey(11), (
+      CAP, GDN["num_v_heads"], GDN["key_dim"], GDN["value_dim"]))
+  state = poison_rows(state, 3)
+  kw = gdn_inputs(12)
+  o, new = gdn.gdn_step(state, **kw, rows=ROWS, implementation=impl)
+  o_ref, new_ref = gdn.gdn_step(gathered(state), **kw, implementation=impl)
+  check_rows(o, new, o_ref, new_ref, state, testing.tolerance(jnp.float32),
+             impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS + ("pallas/split_routes",
+                                          "pallas/ring_weights"))
+@pytest.mark.parametrize("preset", (None, "f32+bf16", "f16+fp8+sr"))
+def test_gdn_replay_step_through_rows(impl, preset):
+  """Ragged counters with flushing rows (stale ring slots poisoned), plain
+  and with read copies and stochastic rounding; the kernels in one launch,
+  in two (split routes) and after the ring-weights launch."""
+  counts = np.array([0, L - 1, 1, 2, 2, 0, L - 1], np.int32)
+  rs, _ = gdn_testing.random_gdn_replay_state(
+      jax.random.PRNGKey(13), CAP, buffer_len=L, counts=counts, **GDN)
+  policy = None
+  if preset is not None:  # the same history, stored per the policy
+    policy = PrecisionPolicy.preset(preset)
+    sr = dict(row_id=jnp.arange(CAP, dtype=jnp.int32) + 11,
+              step=jnp.full((CAP,), 5, jnp.int32))
+    full = gdn.gdn_replay_state_from(
+        rs.checkpoint, L, num_k_heads=GDN["num_k_heads"], policy=policy,
+        **(sr if policy.stochastic_rounding else {}))
+    rs = full.replace(d_buf=rs.d_buf.astype(full.d_buf.dtype),
+                      k_buf=rs.k_buf.astype(full.k_buf.dtype),
+                      g_buf=rs.g_buf, count=rs.count)
+  rs = poison_rows(rs, 3)
+  kw = dict(gdn_inputs(14), policy=policy)
+  if impl.startswith("pallas/"):
+    impl, field = impl.split("/")
+    kw["config"] = GDNConfig(**{field: True})
+  o, new = gdn.gdn_replay_step(rs, **kw, rows=ROWS, implementation=impl)
+  o_ref, new_ref = gdn.gdn_replay_step(gathered(rs), **kw,
+                                       implementation=impl)
+  check_rows(o, new, o_ref, new_ref, rs,
+             testing.tolerance(rs.checkpoint.dtype, *(
+                 () if rs.read_copy is None else (rs.read_copy.dtype,))),
+             f"{impl} {preset}")
 
 
 def test_repeated_slots():

@@ -23,11 +23,16 @@ class Tile:
   """Program (value block, value head, row) of the grid (value_dim //
   block_v, num_v_heads, batch): its row b, value head h, key head hk and
   value columns vs. (A grid of value-head blocks: `at_head` gives the tile
-  of each of the program's heads.)"""
+  of each of the program's heads.)
 
-  def __init__(self, *, heads_per_key, block_v):
+  rows_ref: [batch] slots of the state's rows (`replayssm_jax.slots`; -1
+  for a padding row) or None: token refs are read at row b, state refs at
+  sb (b's slot; row 0 for a padding row, `live` False), or b itself."""
+
+  def __init__(self, *, heads_per_key, block_v, rows_ref=None):
     self.vblk, self.h, self.b = (pl.program_id(0), pl.program_id(1),
                                  pl.program_id(2))
+    self.sb, self.live = state_row(rows_ref, self.b)
     self.heads_per_key = heads_per_key
     self.hk = self.h // heads_per_key
     self.vs = pl.ds(self.vblk * block_v, block_v)
@@ -39,6 +44,23 @@ class Tile:
     t.h, t.hk = h, h // self.heads_per_key
     t.first_of_key = (h % self.heads_per_key == 0) & (self.vblk == 0)
     return t
+
+
+def state_row(rows_ref, b):
+  """(state row, live) of token row b: b and True without rows_ref, else
+  b's slot (row 0 for a padding row) and whether it is one."""
+  if rows_ref is None:
+    return b, True
+  slot = rows_ref[b]
+  return jnp.maximum(slot, 0), slot >= 0
+
+
+def when_live(live, fn):
+  """fn() where `live` (`state_row`'s: True, or a traced bool)."""
+  if live is True:
+    fn()
+  else:
+    pl.when(live)(fn)
 
 
 def each_head(tile: Tile, heads_per_program: int, fn):

@@ -70,14 +70,15 @@ class _Row:
   """The ring window of a program's row: counter, route masks and the
   token's log-decay."""
 
-  def __init__(self, cnt_ref, g_ref, b, h, L):
+  def __init__(self, cnt_ref, g_ref, t, h, L):
+    """t: the program's tile (`common.Tile`: token row b, state row sb)."""
     self.L = L
-    self.c = cnt_ref[b]
-    self.valid = (self.c >= 0) & (self.c < L)
-    self.flush = self.c == L - 1
+    self.c = cnt_ref[t.sb]
+    self.valid = (self.c >= 0) & (self.c < L) & t.live
+    self.flush = (self.c == L - 1) & t.live
     self.j = jnp.arange(L)
     self.hist = self.j < self.c
-    self.g_cur = g_ref[b, h].astype(F32)
+    self.g_cur = g_ref[t.b, h].astype(F32)
 
   def decays(self, g_hist):
     """(w_j = exp(G - H_j) of the live slots, zeros past; exp(G)) from the
@@ -103,7 +104,7 @@ def _fold(st, row, t, db_ref, kb_ref, gb_ref):
   """st + sum_{j < L-1} w_j k_j d_j^T (newest first), the weights from a
   running suffix sum of the log-decays (no vector reduction in the loop;
   its body is one FMA per tile element)."""
-  b, h, hk, vs = t.b, t.h, t.hk, t.vs
+  b, h, hk, vs = t.sb, t.h, t.hk, t.vs  # the rings' row
 
   def body(i, carry):
     st, suffix = carry
@@ -121,9 +122,9 @@ def _fold_dot_operands(row, t, kb_ref, gb_ref, key_dim):
   fold's tensor-core form, loaded on flush rows only (masked: the output
   route's rows read neither) with the stale slots read as 0."""
   live = row.flush & row.hist
-  k_win = plgpu.load(kb_ref.at[t.b, :, t.hk, :], other=0.0,
+  k_win = plgpu.load(kb_ref.at[t.sb, :, t.hk, :], other=0.0,
                      mask=jnp.broadcast_to(live[:, None], (row.L, key_dim)))
-  return k_win, plgpu.load(gb_ref.at[t.b, :, t.h], mask=live, other=0.0)
+  return k_win, plgpu.load(gb_ref.at[t.sb, :, t.h], mask=live, other=0.0)
 
 
 def _load_ring(row, t, kb_ref, gb_ref, weights, key_dim):
@@ -133,12 +134,12 @@ def _load_ring(row, t, kb_ref, gb_ref, weights, key_dim):
   or without the launch (weights None) the live slots of the key and
   log-decay rings and None."""
   b, h = t.b, t.h
-  if weights is not None:
+  if weights is not None:  # the token rows'
     w_ref, s_ref = weights
     return ((w_ref[b, h, 0, :], w_ref[b, h, 1, :], s_ref[b, h, 0],
              s_ref[b, h, 1]), (s_ref[b, h, 2], s_ref[b, h, 3]))
-  return (row.window(kb_ref.at[b, :, t.hk, :], (row.L, key_dim)),
-          row.load_g(gb_ref, b, h)), None
+  return (row.window(kb_ref.at[t.sb, :, t.hk, :], (row.L, key_dim)),
+          row.load_g(gb_ref, t.sb, h)), None
 
 
 def _ring_coefficients(row, ring, qn, kn, weights):
@@ -156,13 +157,16 @@ def _ring_coefficients(row, ring, qn, kn, weights):
 
 def _replay_kernel(*refs, heads_per_key, block_v, use_l2norm, scale,
                    spec, ring_weights, route, heads_per_program=1,
-                   fold_dot=None):
+                   fold_dot=None, has_rows=False):
   n_in, _ = copy_counts(spec)
   n_w = 2 if ring_weights else 0  # the ring-weights launch's outputs
   # The flush launch of split routes takes two more inputs, the output
   # launch's o and counters, aliased to its own (it stores neither).
   n_x = 2 if route == "flush" else 0
-  ins, outs = refs[:_N_IN + n_in + n_w + n_x], refs[_N_IN + n_in + n_w + n_x:]
+  # has_rows: a [batch] slot input last (`common.Tile`).
+  n_all = _N_IN + n_in + n_w + n_x + has_rows
+  ins, outs = refs[:n_all], refs[n_all:]
+  rows_ref = ins[-1] if has_rows else None
   (ck_ref, db_ref, kb_ref, gb_ref, cnt_ref, q_ref, k_ref, v_ref, g_ref,
    beta_ref) = ins[:_N_IN]
   extra = ins[_N_IN:_N_IN + n_in]
@@ -170,13 +174,16 @@ def _replay_kernel(*refs, heads_per_key, block_v, use_l2norm, scale,
   o_ref, db_out, kb_out, gb_out, cnt_out, ck_out = outs[:_N_OUT]
   # With heads_per_program > 1 (the output launch only) the grid's second
   # axis is blocks of value heads, stepped through in a loop.
-  tile = common.Tile(heads_per_key=heads_per_key, block_v=block_v)
-  b, K, L = tile.b, ck_ref.shape[2], db_ref.shape[1]
+  tile = common.Tile(heads_per_key=heads_per_key, block_v=block_v,
+                     rows_ref=rows_ref)
+  # b: the token row (q, k, v, g, beta, o, the ring weights, the new
+  # counter); sb: the state row (checkpoint, copy, rings, old counter).
+  b, sb, K, L = tile.b, tile.sb, ck_ref.shape[2], db_ref.shape[1]
   copy = spec is not None and spec.copy
 
   def routes(t):
     h, hk, vs = t.h, t.hk, t.vs
-    row = _Row(cnt_ref, g_ref, b, h, L)
+    row = _Row(cnt_ref, g_ref, t, h, L)
     # The state tile: the master on flush rows (and on plain states), the
     # read copy on the others; masked loads, so a row reads one of the two
     # only. An 8-bit copy's scales (one per key row) multiply the vectors
@@ -184,22 +191,22 @@ def _replay_kernel(*refs, heads_per_key, block_v, use_l2norm, scale,
     # products where the tile would take K x block_v).
     scales = None
     if copy:
-      master = plgpu.load(ck_ref.at[b, h, :, vs], mask=jnp.broadcast_to(
+      master = plgpu.load(ck_ref.at[sb, h, :, vs], mask=jnp.broadcast_to(
           row.flush, (K, block_v)), other=0.0, eviction_policy="evict_first")
       rc_ref = extra[0]
-      read = plgpu.load(rc_ref.at[b, h, :, vs], mask=jnp.broadcast_to(
+      read = plgpu.load(rc_ref.at[sb, h, :, vs], mask=jnp.broadcast_to(
           ~row.flush, (K, block_v)), other=0.0,
                         eviction_policy="evict_first")
       if spec.scaled:
-        scales = extra[1][b, h, :]
+        scales = extra[1][sb, h, :]
       s0 = jnp.where(row.flush, master.astype(F32), read.astype(F32))
     else:
-      s0 = plgpu.load(ck_ref.at[b, h, :, vs],
+      s0 = plgpu.load(ck_ref.at[sb, h, :, vs],
                       eviction_policy="evict_first").astype(F32)
     qk = common.load_qk(q_ref, k_ref, b, hk)
     beta, v = beta_ref[b, h], v_ref[b, h, vs]
     ring, factors = _load_ring(row, t, kb_ref, gb_ref, weights, K)
-    d_hist = row.window(db_ref.at[b, :, h, vs], (row.L, block_v))
+    d_hist = row.window(db_ref.at[sb, :, h, vs], (row.L, block_v))
     if fold_dot is not None and route != "output":
       # Without the ring-weights launch the ring's live slots are loaded
       # already (a flush row's live slots are the fold's).
@@ -232,10 +239,10 @@ def _replay_kernel(*refs, heads_per_key, block_v, use_l2norm, scale,
                                d_hist.astype(db_ref.dtype), fold_dot, acc)
       o_ref[b, h, vs] = common.readout(st, qn).astype(o_ref.dtype)
       if spec is None:
-        plgpu.store(ck_out.at[b, h, :, vs], st.astype(ck_out.dtype))
+        plgpu.store(ck_out.at[sb, h, :, vs], st.astype(ck_out.dtype))
       else:  # whole rows (block_v == value_dim): the Mamba-2 flush stores
         stores = FlushStores(outs[_N_OUT - 1:], extra, spec)
-        stores.store(WholeTile(b, K), h, st)
+        stores.store(WholeTile(sb, K), h, st)
 
     if route == "both":
       pl.when(~row.flush)(output)
@@ -248,17 +255,17 @@ def _replay_kernel(*refs, heads_per_key, block_v, use_l2norm, scale,
 
     @pl.when(appends)
     def _append_d():
-      db_out[b, row.c, h, vs] = d.astype(db_out.dtype)
+      db_out[sb, row.c, h, vs] = d.astype(db_out.dtype)
 
     @pl.when(appends & (t.vblk == 0))
     def _append_g():
-      gb_out[b, row.c, h] = row.g_cur
+      gb_out[sb, row.c, h] = row.g_cur
 
     @pl.when(appends & t.first_of_key)
     def _append_k():
-      kb_out[b, row.c, hk, :] = kn.astype(kb_out.dtype)
+      kb_out[sb, row.c, hk, :] = kn.astype(kb_out.dtype)
 
-  row = _Row(cnt_ref, g_ref, b, 0, L)  # the row's counter and routes
+  row = _Row(cnt_ref, g_ref, tile, 0, L)  # the row's counter and routes
 
   heads = lambda: common.each_head(tile, heads_per_program, routes)
   if route == "both":
@@ -278,7 +285,7 @@ def _replay_kernel(*refs, heads_per_key, block_v, use_l2norm, scale,
                                              "policy", "config",
                                              "interpret"))
 def gdn_replay_step(rstate, q, k, v, g, beta, use_qk_l2norm=True,
-                    scale=None, policy=None, layer=0, *,
+                    scale=None, policy=None, layer=0, *, rows=None,
                     config: GDNConfig | None = None,
                     interpret: bool = False):
   """Same signature and results as `gdn.replay.gdn_replay_step`, plus a
@@ -288,9 +295,13 @@ def gdn_replay_step(rstate, q, k, v, g, beta, use_qk_l2norm=True,
   reference's bits); these need block_v = value_dim (under
   config.split_routes in the flush launch only). config.ring_weights: the
   ring weights from a first launch (`ring_weights.gdn_ring_weights`), then
-  the step."""
+  the step. rows: [batch] int32 slots of the state's rows
+  (`replayssm_jax.slots`, effective: -1 for a padding row), stepped in
+  place; the new counters come back as the token rows' and are scattered
+  into the state's."""
   spec = copy_spec(rstate, policy, interpret)
-  batch, hv, K, Vd = rstate.checkpoint.shape
+  _, hv, K, Vd = rstate.checkpoint.shape
+  batch = q.shape[0]
   hk = rstate.k_buf.shape[2]
   p = plan(config, K, Vd, whole_rows=spec is not None, rows=batch * hv,
            kernel="replay", read_copy=spec is not None and spec.copy,
@@ -300,7 +311,7 @@ def gdn_replay_step(rstate, q, k, v, g, beta, use_qk_l2norm=True,
                sds(rstate.d_buf.shape, rstate.d_buf.dtype),
                sds(rstate.k_buf.shape, rstate.k_buf.dtype),
                sds(rstate.g_buf.shape, rstate.g_buf.dtype),
-               sds(rstate.count.shape, rstate.count.dtype),
+               sds((batch,), rstate.count.dtype),
                sds(rstate.checkpoint.shape, rstate.checkpoint.dtype))
   copy_in, copy_aliases, copy_shapes = copy_operands(
       spec, policy, layer, rstate, _N_IN, _N_OUT)
@@ -321,7 +332,7 @@ def gdn_replay_step(rstate, q, k, v, g, beta, use_qk_l2norm=True,
   if p.ring_weights:  # after the copy operands: their aliases keep numbers
     weights = gdn_ring_weights(rstate.k_buf, rstate.g_buf, rstate.count, q,
                                k, g, use_qk_l2norm=use_qk_l2norm,
-                               scale=scale, interpret=interpret)
+                               scale=scale, rows=rows, interpret=interpret)
 
   def launch(route, state_ins, copy_ins, more_ins=(), more_aliases=None):
     bv, warps = p.launch(route)
@@ -330,7 +341,7 @@ def gdn_replay_step(rstate, q, k, v, g, beta, use_qk_l2norm=True,
         _replay_kernel, heads_per_key=hv // hk, block_v=bv,
         use_l2norm=use_qk_l2norm, scale=scale, spec=spec,
         ring_weights=p.ring_weights, route=route, heads_per_program=hpp,
-        fold_dot=fold_dot)
+        fold_dot=fold_dot, has_rows=rows is not None)
     return pl.pallas_call(
         kernel,
         grid=(Vd // bv, hv // hpp, batch),
@@ -344,7 +355,7 @@ def gdn_replay_step(rstate, q, k, v, g, beta, use_qk_l2norm=True,
                             else f"replayssm_gdn_replay_{route}",
                             p.max_registers),
     )(*state_ins, rstate.count, q, k, v, g, beta, *copy_ins, *weights,
-      *more_ins)
+      *more_ins, *([] if rows is None else [rows]))
 
   state_ins = (rstate.checkpoint, rstate.d_buf, rstate.k_buf, rstate.g_buf)
   if not p.split_routes:
@@ -361,10 +372,13 @@ def gdn_replay_step(rstate, q, k, v, g, beta, use_qk_l2norm=True,
         [*outs[_N_OUT:], *copy_in[n_copy:]], more_ins=(outs[0], outs[4]),
         more_aliases={first_more: 0, first_more + 1: 4})
   o, db, kb, gb, cnt, ck = outs[:_N_OUT]
+  if rows is not None:  # the token rows' new counters into the state's
+    cnt = rstate.count.at[jnp.where(rows < 0, rstate.count.shape[0],
+                                    rows)].set(cnt, mode="drop")
   fields = {}
   if spec is not None and spec.copy:
     fields["read_copy"] = outs[_N_OUT]
     if spec.scaled:
       fields["read_scale"] = outs[_N_OUT + 1]
   return o, rstate.replace(checkpoint=ck, d_buf=db, k_buf=kb, g_buf=gb,
-                           count=cnt, **fields, **step_fields(rstate))
+                           count=cnt, **fields, **step_fields(rstate, rows))

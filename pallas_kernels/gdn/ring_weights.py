@@ -45,20 +45,22 @@ F32 = jnp.float32
 NUM_WARPS = 4
 
 
-def _weights_kernel(kb_ref, gb_ref, cnt_ref, q_ref, k_ref, g_ref, w_ref,
-                    s_ref, *, heads_per_key, use_l2norm, scale):
+def _weights_kernel(kb_ref, gb_ref, cnt_ref, q_ref, k_ref, g_ref, *refs,
+                    heads_per_key, use_l2norm, scale, has_rows=False):
+  rows_ref, (w_ref, s_ref) = refs[0] if has_rows else None, refs[has_rows:]
   hk, b = pl.program_id(0), pl.program_id(1)
+  sb, _ = common.state_row(rows_ref, b)  # the rings' row (token row: b)
   L, K = kb_ref.shape[1], kb_ref.shape[3]
-  c = cnt_ref[b]
+  c = cnt_ref[sb]
   j = jnp.arange(L)
   hist = j < c
   # Every load first (common's docstring), then the math.
   qk = common.load_qk(q_ref, k_ref, b, hk)
-  k_hist = plgpu.load(kb_ref.at[b, :, hk, :], other=0.0,
+  k_hist = plgpu.load(kb_ref.at[sb, :, hk, :], other=0.0,
                       mask=jnp.broadcast_to(hist[:, None], (L, K)))
   heads = [hk * heads_per_key + i for i in range(heads_per_key)]
   g_cur = [g_ref[b, h] for h in heads]
-  g_hist = [plgpu.load(gb_ref.at[b, :, h], mask=hist, other=0.0)
+  g_hist = [plgpu.load(gb_ref.at[sb, :, h], mask=hist, other=0.0)
             for h in heads]
   fq, fk = common.norm_factors(qk, use_l2norm=use_l2norm, scale=scale)
   qn, kn = common.normalise_qk(qk, use_l2norm=use_l2norm, scale=scale,
@@ -79,16 +81,18 @@ def _weights_kernel(kb_ref, gb_ref, cnt_ref, q_ref, k_ref, g_ref, w_ref,
 
 
 def gdn_ring_weights(k_buf, g_buf, count, q, k, g, *, use_qk_l2norm=True,
-                     scale=None, interpret=False):
+                     scale=None, rows=None, interpret=False):
   """(weights [batch, HV, 2, L] f32, scalars [batch, HV, 4] f32) of the
   module docstring, from the key and log-decay rings ([batch, L, HK, K],
   [batch, L, HV]), the counters and the token's q, k ([batch, HK, K]) and
   g ([batch, HV]). A counter outside [0, L) gives meaningless weights (the
-  step outputs NaN on such rows)."""
-  batch, L, hk, _ = k_buf.shape
-  hv = g_buf.shape[2]
+  step outputs NaN on such rows). rows: [batch] slots of the rings' and
+  counters' rows (`common.Tile`), whose batch is then the pool's."""
+  _, L, hk, _ = k_buf.shape
+  batch, hv = q.shape[0], g_buf.shape[2]
   kernel = lambda *refs: _weights_kernel(
-      *refs, heads_per_key=hv // hk, use_l2norm=use_qk_l2norm, scale=scale)
+      *refs, heads_per_key=hv // hk, use_l2norm=use_qk_l2norm, scale=scale,
+      has_rows=rows is not None)
   return pl.pallas_call(
       kernel,
       grid=(hk, batch),
@@ -98,4 +102,4 @@ def gdn_ring_weights(k_buf, g_buf, count, q, k, g, *, use_qk_l2norm=True,
                                            num_stages=1),
       interpret=interpret,
       name="replayssm_gdn_ring_weights",
-  )(k_buf, g_buf, count, q, k, g)
+  )(k_buf, g_buf, count, q, k, g, *([] if rows is None else [rows]))

@@ -25,17 +25,21 @@ from pallas_kernels.gdn.config import GDNConfig, plan
 F32 = jnp.float32
 
 
-def _step_kernel(state_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref,
-                 state_out_ref, *, heads_per_key, block_v, use_l2norm,
-                 scale, heads_per_program=1):
+def _step_kernel(state_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs,
+                 heads_per_key, block_v, use_l2norm, scale,
+                 heads_per_program=1, has_rows=False):
   # state_out_ref aliases state_ref (one HBM buffer on the GPU; a copy of
-  # the input in interpret mode): read one, write the other.
-  tile = common.Tile(heads_per_key=heads_per_key, block_v=block_v)
+  # the input in interpret mode): read one, write the other. has_rows: a
+  # [batch] slot input before the outputs (`common.Tile`).
+  rows_ref, (o_ref, state_out_ref) = (refs[0] if has_rows else None,
+                                      refs[has_rows:])
+  tile = common.Tile(heads_per_key=heads_per_key, block_v=block_v,
+                     rows_ref=rows_ref)
 
   def head(t):
-    b, h, vs = t.b, t.h, t.vs
+    b, sb, h, vs = t.b, t.sb, t.h, t.vs
     # Every load first (common's docstring), then the math.
-    s = plgpu.load(state_ref.at[b, h, :, vs], eviction_policy="evict_first")
+    s = plgpu.load(state_ref.at[sb, h, :, vs], eviction_policy="evict_first")
     qk = common.load_qk(q_ref, k_ref, b, t.hk)
     g, beta, v = g_ref[b, h], beta_ref[b, h], v_ref[b, h, vs]
     qn, kn = common.normalise_qk(qk, use_l2norm=use_l2norm, scale=scale)
@@ -43,9 +47,11 @@ def _step_kernel(state_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref,
     d = beta.astype(F32) * (v.astype(F32) - common.readout(s, kn))
     s = s + kn[:, None] * d[None, :]
     o = common.readout(s, qn)
-    plgpu.store(state_out_ref.at[b, h, :, vs],
-                s.astype(state_out_ref.dtype))
-    o_ref[b, h, vs] = o.astype(o_ref.dtype)
+
+    common.when_live(t.live, lambda: plgpu.store(
+        state_out_ref.at[sb, h, :, vs], s.astype(state_out_ref.dtype)))
+
+    o_ref[b, h, vs] = jnp.where(t.live, o, jnp.nan).astype(o_ref.dtype)
 
   common.each_head(tile, heads_per_program, head)
 
@@ -53,18 +59,20 @@ def _step_kernel(state_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref,
 @functools.partial(jax.jit, static_argnames=("use_qk_l2norm", "scale",
                                              "config", "interpret"))
 def gdn_step(state, q, k, v, g, beta, use_qk_l2norm=True, scale=None, *,
-             config: GDNConfig | None = None, interpret: bool = False):
+             rows=None, config: GDNConfig | None = None,
+             interpret: bool = False):
   """Same signature and results as `gdn.reference.gdn_step`, plus a tuning
   config; the state is updated in place (input_output_aliases: donate it
-  to skip XLA's copy)."""
-  batch, hv, K, Vd = state.shape
-  hk = q.shape[1]
+  to skip XLA's copy). rows: [batch] int32 slots of the state's rows
+  (`replayssm_jax.slots`, effective: -1 for a padding row)."""
+  _, hv, K, Vd = state.shape
+  batch, hk = q.shape[0], q.shape[1]
   p = plan(config, K, Vd, rows=batch * hv, state_dtype=state.dtype,
            num_v_heads=hv)
   kernel = functools.partial(
       _step_kernel, heads_per_key=hv // hk, block_v=p.block_v,
       use_l2norm=use_qk_l2norm, scale=scale,
-      heads_per_program=p.heads_per_program)
+      heads_per_program=p.heads_per_program, has_rows=rows is not None)
   o, new_state = pl.pallas_call(
       kernel,
       grid=(Vd // p.block_v, hv // p.heads_per_program, batch),
@@ -75,5 +83,5 @@ def gdn_step(state, q, k, v, g, beta, use_qk_l2norm=True, scale=None, *,
                                            num_stages=p.num_stages),
       interpret=interpret,
       name="replayssm_gdn_step",
-  )(state, q, k, v, g, beta)
+  )(state, q, k, v, g, beta, *([] if rows is None else [rows]))
   return o, new_state

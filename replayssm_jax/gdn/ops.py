@@ -25,6 +25,7 @@ from replayssm_jax import _validation as V
 from replayssm_jax import dispatch as _dispatch
 from replayssm_jax.dispatch import dispatch
 from replayssm_jax import precision as P
+from replayssm_jax import slots
 from replayssm_jax.gdn import checks
 from replayssm_jax.gdn import reference
 from replayssm_jax.gdn import replay
@@ -69,7 +70,8 @@ def gdn_gates(a, b, A_log, dt_bias):
 
 
 def gdn_step(state, q, k, v, g, beta, *, use_qk_l2norm: bool = True,
-             scale=None, implementation: str | None = None, config=None):
+             scale=None, rows=None, implementation: str | None = None,
+             config=None):
   """Baseline GDN decode step (the full state is read and written).
 
   Args:
@@ -80,17 +82,30 @@ def gdn_step(state, q, k, v, g, beta, *, use_qk_l2norm: bool = True,
     g, beta: [batch, num_v_heads] (`gdn_gates`).
     use_qk_l2norm: L2-normalise q and k in f32 (eps 1e-6) inside the op.
     scale: q's scale after normalisation (default key_dim ** -0.5).
+    rows: optional [batch] int32, a state row (slot) per token row of a
+      state with any number of rows (`replayssm_jax.slots`).
     implementation, config: see the module docstring.
 
   Returns:
     (o [batch, num_v_heads, value_dim] in v.dtype, new state in its dtype).
   """
   b, hv, K, Vd = checks.check_state("state", state)
+  b, rows = _token_rows(b, q, rows)
   checks.check_token(b, hv, K, Vd, q, k, v, g, beta)
   checks.check_options(use_qk_l2norm, scale)
   args = dict(state=state, q=q, k=k, v=v, g=g, beta=beta,
               use_qk_l2norm=bool(use_qk_l2norm), scale=scale)
-  return dispatch("gdn_step", implementation, config, args)
+  return _dispatch.dispatch_rows("gdn_step", implementation, config, args,
+                                 rows, ("state",))
+
+
+def _token_rows(capacity: int, q, rows):
+  """(token rows, effective rows or None): `ops._token_rows` of a delta
+  rule step (its token rows are q's)."""
+  if rows is None:
+    return capacity, None
+  slots.check_rows(rows, q.shape[0], capacity)
+  return q.shape[0], slots.effective(rows, capacity)
 
 
 def gdn_chunked_prefill(q, k, v, g, beta, *, chunk_size: int = 64,
@@ -128,17 +143,18 @@ def gdn_chunked_prefill(q, k, v, g, beta, *, chunk_size: int = 64,
   return dispatch("gdn_chunked_prefill", implementation, config, args)
 
 
-def check_rstate(rstate) -> GDNReplayState:
+def check_rstate(rstate, rows=None) -> GDNReplayState:
   if not isinstance(rstate, GDNReplayState):
     raise TypeError(f"rstate must be a GDNReplayState, got "
                     f"{type(rstate).__name__}.")
-  return rstate.validate("rstate")
+  return rstate.validate("rstate", rows)
 
 
 def gdn_replay_step(rstate: GDNReplayState, q, k, v, g, beta, *,
                     use_qk_l2norm: bool = True, scale=None,
                     policy: P.PrecisionPolicy | None = None, layer=0,
-                    implementation: str | None = None, config=None):
+                    rows=None, implementation: str | None = None,
+                    config=None):
   """GDN ReplaySSM decode step: `gdn_step` with a `GDNReplayState`.
 
   Rows with count < L-1 compute o and the correction S_{t-1}^T k_t from
@@ -160,6 +176,8 @@ def gdn_replay_step(rstate: GDNReplayState, q, k, v, g, beta, *,
       stochastically keyed by (policy.seed, layer, row_id, step, element).
     layer: layer index (int >= 0 or an int32 scalar) keying stochastic
       rounding.
+    rows: optional [batch] int32, a state row (slot) per token row (see
+      `gdn_step`).
     implementation, config: see the module docstring.
 
   Returns:
@@ -167,20 +185,25 @@ def gdn_replay_step(rstate: GDNReplayState, q, k, v, g, beta, *,
     Under jit a row whose count lies outside [0, L) outputs NaN and keeps
     its count (every later output of the row is NaN).
   """
-  check_rstate(rstate)
+  check_rstate(rstate, rows)
   if rstate.pending_window is not None:
     raise ValueError(
         f"rstate holds a pending window of {rstate.pending_window} tokens "
         f"from gdn_replay_verify; gdn_replay_commit it first.")
-  checks.check_token(rstate.batch, rstate.num_v_heads, rstate.key_dim,
+  batch, rows = _token_rows(rstate.batch, q, rows)
+  checks.check_token(batch, rstate.num_v_heads, rstate.key_dim,
                      rstate.value_dim, q, k, v, g, beta,
                      hk=rstate.num_k_heads)
   checks.check_options(use_qk_l2norm, scale)
   args = dict(rstate=rstate, q=q, k=k, v=v, g=g, beta=beta,
               use_qk_l2norm=bool(use_qk_l2norm), scale=scale,
               **policy_args(rstate, policy, layer))
-  o, new = dispatch("gdn_replay_step", implementation, config, args)
-  V.raise_if_invalid(_dispatch.invalid_rows(new), "gdn_replay_step")
+  o, new = _dispatch.dispatch_rows("gdn_replay_step", implementation,
+                                   config, args, rows, ("rstate",))
+  bad = _dispatch.invalid_rows(new)
+  if rows is not None:
+    bad = slots.gather(bad, rows) & (rows >= 0)
+  V.raise_if_invalid(bad, "gdn_replay_step")
   return o, new
 
 

@@ -120,8 +120,9 @@ class GDNReplayState:
     return _with_policy_fields(self, policy, None, row_id, step, 0)
 
   # -------------------------------------------------------------- checks
-  def validate(self, name: str = "rstate") -> "GDNReplayState":
-    """Checks shapes and dtypes (and count values when not traced)."""
+  def validate(self, name: str = "rstate", rows=None) -> "GDNReplayState":
+    """Checks shapes and dtypes (and count values when not traced: of the
+    rows `rows` alone when given, `ReplayState.validate`)."""
     V.check_floating(f"{name}.checkpoint", self.checkpoint, V.STATE_DTYPES)
     V.check_ndim(f"{name}.checkpoint", self.checkpoint, 4,
                  LAYOUTS["checkpoint"])
@@ -148,7 +149,7 @@ class GDNReplayState:
     V.check_shape(f"{name}.count", self.count, (b,), "[batch]")
     if jnp.dtype(self.count.dtype) != jnp.int32:
       raise TypeError(f"{name}.count must be int32, got {self.count.dtype}.")
-    V.check_count_range(self.count, L, f"{name}.count")
+    V.check_count_range(self.count, L, f"{name}.count", rows)
     # The precision fields have ReplayState's layout (checkpoint-shaped read
     # copy, one scale per checkpoint row): its checks apply as they are.
     ReplayState._validate_policy_fields(self, name)  # pylint: disable=protected-access

@@ -76,19 +76,27 @@ class Block(nnx.Module):
     or [b, d] (a decode step) -> (y, new_state), without the residual;
     y times config.residual_multiplier. rows: a decode step's [b]
     effective slots of a state with any number of rows
-    (`replayssm_jax.slots`): Mamba-2 and attention mixers step those rows
-    in place, the others on gathered rows scattered back."""
+    (`replayssm_jax.slots`): Mamba-2, Gated DeltaNet and attention mixers
+    step those rows in place (`rows_in_place`), the others on gathered rows
+    scattered back."""
     if rows is not None and self.kind not in STATELESS:
-      if not isinstance(self.mixer, (Mamba2Mixer, Attention)):
+      if not self.rows_in_place:
         y, state = slots.on_rows(
             lambda st: self._mix(h, st, None, implementation, layer), state,
             rows)
         return self._scale(y), state
-      kw = dict(layer=layer) if self.kind == "mamba" else {}
+      kw = dict(layer=layer) if self.kind in RECURRENT else {}
       y, state = self.mixer.step(h, state, implementation, rows=rows, **kw)
       return self._scale(y), state
     y, state = self._mix(h, state, lengths, implementation, layer, resume)
     return self._scale(y), state
+
+  @property
+  def rows_in_place(self) -> bool:
+    """Whether a decode step through slots (`mix(rows=)`) steps the pool's
+    rows in place (stateless blocks: trivially)."""
+    return self.kind in STATELESS or isinstance(
+        self.mixer, (Mamba2Mixer, GDNMixer, Attention))
 
   def _scale(self, y):
     """y * config.residual_multiplier (in y's dtype)."""

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from replayssm_jax import gdn
+from replayssm_jax import slots
 from replayssm_jax.conv import (causal_conv1d, causal_conv1d_update,
                                 conv_state_after)
 from replayssm_jax.models.config import ModelConfig
@@ -143,23 +144,30 @@ class GDNMixer(nnx.Module):
     return out, state.replace(conv=conv, ssm=ssm)
 
   def step(self, h, state: GDNState, implementation: str | None = None,
-           layer: int = 0):
+           layer: int = 0, rows=None):
     """One token per row: h [b, d] -> (y [b, d], state); `implementation`
     goes to the delta-rule op's dispatcher; replay states step under
-    state.precision with `layer` (keys stochastic rounding)."""
+    state.precision with `layer` (keys stochastic rounding). rows: [b]
+    effective slots (`replayssm_jax.slots`) of a state with any number of
+    rows: the delta-rule op steps them in place, the (small) conv windows
+    are gathered and scattered back."""
     with jax.named_scope("in_proj"):  # scopes name the ops in profiles
       qkv, z, g, beta = self._project(h)
     with jax.named_scope("conv"):
-      x, conv = causal_conv1d_update(qkv, state.conv, self.conv_weight[...],
+      window = state.conv if rows is None else slots.gather(state.conv, rows)
+      x, conv = causal_conv1d_update(qkv, window, self.conv_weight[...],
                                      None, activation="silu")
+      if rows is not None:
+        conv = slots.scatter(state.conv, conv, rows)
     q, k, v = self._split(x)
     with jax.named_scope("ssm"):
       if state.is_replay:
         o, ssm = gdn.gdn_replay_step(state.ssm, q, k, v, g, beta,
                                      policy=state.precision, layer=layer,
+                                     rows=rows,
                                      implementation=implementation)
       else:
-        o, ssm = gdn.gdn_step(state.ssm, q, k, v, g, beta,
+        o, ssm = gdn.gdn_step(state.ssm, q, k, v, g, beta, rows=rows,
                               implementation=implementation)
     with jax.named_scope("out_proj"):  # the gated norm and the projection
       y = self._out(o, z)

@@ -134,9 +134,9 @@ class Engine:
       slots in the pool through a slot per row instead (the Mamba-2 and
       attention kernels read and write the pool's rows; no gathered copy
       of their state; `serving.controls.decode`). None: where every layer
-      steps that way by itself (`rows.steps_in_place`: Mamba-2 and
-      attention layers; the faster form on a GPU, benchmarks/README.md,
-      "A partly occupied pool").
+      steps that way by itself (`rows.steps_in_place`: Mamba-2, Gated
+      DeltaNet and attention layers; the faster form on a GPU,
+      benchmarks/README.md, "A partly occupied pool").
     speculative: a `Speculation` (a proposer and a window) for speculative
       decoding inside the engine, or None (plain decode steps). The pool's
       state must be one `verify` takes: replay buffer_len > window, a
@@ -200,7 +200,7 @@ class Engine:
                             buffer_len=buffer_len, **state_kwargs)
     if mesh is not None:
       self.pool = SH.shard_pool(self.pool, mesh, config=model.config)
-    self.compact_in_place = (R.steps_in_place(self.pool.state)
+    self.compact_in_place = (R.steps_in_place(model, self.pool.state)
                              if compact_in_place is None
                              else bool(compact_in_place))
     if speculative is not None:

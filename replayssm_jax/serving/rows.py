@@ -72,16 +72,16 @@ def on_rows(fn, tree, rows):
   return scatter_rows(tree, new, rows), out
 
 
-def steps_in_place(state) -> bool:
-  """Whether every layer of a ModelState steps through a slot per row by
-  itself (`HybridLM.step(rows=)`: Mamba-2 states, plain or replay, and KV
-  caches, or no state); other layers' rows would be gathered and scattered
-  back at every step."""
+def steps_in_place(model, state) -> bool:
+  """Whether every block of `model` steps its layer of a ModelState
+  through a slot per row by itself (`Block.rows_in_place`: Mamba-2 and
+  Gated DeltaNet states, plain or replay, KV caches; a Mamba-2 baseline
+  stored per a precision policy is not); other layers' rows would be
+  gathered and scattered back at every step."""
   return all(
-      s is None or isinstance(s, S.AttentionState)
-      or (isinstance(s, S.MambaState)
-          and not isinstance(s.ssm, S.StoredSSMState))
-      for s in state.layers)
+      block.rows_in_place and not (isinstance(s, S.MambaState)
+                                   and isinstance(s.ssm, S.StoredSSMState))
+      for block, s in zip(model.blocks, state.layers))
 
 
 def step_rows(model, pool, active, sample, implementation, rows=None):
