@@ -1,6 +1,7 @@
 """Ops and the model's decode step through a slot per row
 (`replayssm_jax.slots`): token row i reads and writes state row rows[i] of
-a state with more rows than tokens. Each implementation with `rows` equals
+a state with more rows than tokens (Mamba-2, decode attention, Gated
+DeltaNet). Each implementation with `rows` equals
 itself on the gathered rows (outputs and the stepped rows within the
 per-dtype tolerance), leaves every other state row bit for bit (free rows
 poisoned with NaN / inf), and gives padding rows (a slot outside the
