@@ -61,6 +61,18 @@ def check_rows(y, new, y_ref, new_ref, before, tol, what):
       np.testing.assert_array_equal(got, want, f"{what} leaf {name}")
 
 
+def check_op(op, state, kw, impl, what):
+  """op through ROWS against op on the gathered rows (`check_rows`), at
+  the tolerance of the state's stored dtypes."""
+  out, new = op(state, **kw, rows=ROWS, implementation=impl)
+  ref, new_ref = op(gathered(state), **kw, implementation=impl)
+  stored = [getattr(state, "checkpoint", state),
+            getattr(state, "read_copy", None)]
+  check_rows(out, new, ref, new_ref, state,
+             testing.tolerance(*(x.dtype for x in stored if x is not None)),
+             what)
+
+
 def step_inputs(seed, dtype=jnp.float32):
   inp = testing.random_step_inputs(jax.random.PRNGKey(seed), len(ROWS), H,
                                    P, N, G, dtype)
@@ -72,13 +84,7 @@ def step_inputs(seed, dtype=jnp.float32):
 def test_selective_state_update_through_rows(impl):
   state = jax.random.normal(jax.random.PRNGKey(0), (CAP, H, P, N))
   state = poison_rows(state, 3)  # a free row
-  kw = step_inputs(1)
-  y, new = ops.selective_state_update(state, **kw, rows=ROWS,
-                                      implementation=impl)
-  y_ref, new_ref = ops.selective_state_update(gathered(state), **kw,
-                                              implementation=impl)
-  check_rows(y, new, y_ref, new_ref, state,
-             testing.tolerance(jnp.float32), impl)
+  check_op(ops.selective_state_update, state, step_inputs(1), impl, impl)
 
 
 def ragged_replay_state(policy=None, seed=2):
@@ -111,13 +117,7 @@ def test_replay_state_update_through_rows(impl, preset):
   kw = dict(step_inputs(3), policy=policy)
   if impl == "pallas/rows_flush_grid":
     impl, kw["config"] = "pallas", ReplayConfig(flush_grid="rows")
-  y, new = ops.replay_state_update(rs, **kw, rows=ROWS, implementation=impl)
-  y_ref, new_ref = ops.replay_state_update(gathered(rs), **kw,
-                                           implementation=impl)
-  check_rows(y, new, y_ref, new_ref, rs,
-             testing.tolerance(rs.checkpoint.dtype, *(
-                 () if rs.read_copy is None else (rs.read_copy.dtype,))),
-             f"{impl} {preset}")
+  check_op(ops.replay_state_update, rs, kw, impl, f"{impl} {preset}")
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -151,11 +151,7 @@ def test_gdn_step_through_rows(impl):
   state = jax.random.normal(jax.random.PRNGKey(11), (
       CAP, GDN["num_v_heads"], GDN["key_dim"], GDN["value_dim"]))
   state = poison_rows(state, 3)
-  kw = gdn_inputs(12)
-  o, new = gdn.gdn_step(state, **kw, rows=ROWS, implementation=impl)
-  o_ref, new_ref = gdn.gdn_step(gathered(state), **kw, implementation=impl)
-  check_rows(o, new, o_ref, new_ref, state, testing.tolerance(jnp.float32),
-             impl)
+  check_op(gdn.gdn_step, state, gdn_inputs(12), impl, impl)
 
 
 @pytest.mark.parametrize("impl", IMPLS + ("pallas/split_routes",
@@ -184,13 +180,7 @@ def test_gdn_replay_step_through_rows(impl, preset):
   if impl.startswith("pallas/"):
     impl, field = impl.split("/")
     kw["config"] = GDNConfig(**{field: True})
-  o, new = gdn.gdn_replay_step(rs, **kw, rows=ROWS, implementation=impl)
-  o_ref, new_ref = gdn.gdn_replay_step(gathered(rs), **kw,
-                                       implementation=impl)
-  check_rows(o, new, o_ref, new_ref, rs,
-             testing.tolerance(rs.checkpoint.dtype, *(
-                 () if rs.read_copy is None else (rs.read_copy.dtype,))),
-             f"{impl} {preset}")
+  check_op(gdn.gdn_replay_step, rs, kw, impl, f"{impl} {preset}")
 
 
 def test_repeated_slots():
