@@ -58,8 +58,8 @@ from pallas_kernels.gdn.config import GDNConfig, plan
 from pallas_kernels.gdn.ring_weights import gdn_ring_weights
 from pallas_kernels.replay import fold
 from pallas_kernels.replay.program import (FlushStores, WholeTile,
-                                           copy_counts, copy_operands, copy_spec,
-                                           step_fields)
+                                           copy_counts, copy_operands,
+                                           copy_spec, step_fields)
 
 F32 = jnp.float32
 _N_IN = 10  # checkpoint, d / k / g rings, counters, q, k, v, g, beta

@@ -46,7 +46,8 @@ from pallas_kernels.gdn import common
 from pallas_kernels.gdn import verify_weights as VW
 from pallas_kernels.gdn.config import GDNConfig, plan
 from pallas_kernels.replay.program import (FlushStores, WholeTile,
-                                           copy_counts, copy_operands, copy_spec)
+                                           copy_counts, copy_operands,
+                                           copy_spec)
 
 F32 = jnp.float32
 
