@@ -279,6 +279,19 @@ def test_pool_occupancy_bench_small(tmp_path):
         "dense", "gathered", "in_place", "steps")) > 0
 
 
+def test_pool_occupancy_bench_gdn_model(tmp_path):
+  # A Gated DeltaNet model (the Qwen3.5 parity fixture's config): the
+  # in-place dispatch steps its GDN layers through their slots.
+  out = tmp_path / "pool_gdn.json"
+  _run("pool_occupancy_bench.py",
+       "--hf_config=tests/fixtures/hf/qwen3_5/config.json", "--capacity=8",
+       "--occupancies=2", "--max_len=64", "--prompt_len=8", "--repeats=1",
+       "--modes=replay", f"--out={out}")
+  (rec,) = json.loads(out.read_text())["records"]
+  assert rec["in_place_tokens_equal"] == 1.0, rec
+  assert rec["in_place_state_rel_err"] < tolerance(jnp.float32).rtol, rec
+
+
 def test_prefix_ttft_bench_small(tmp_path):
   # Every hit's first token is insert's, its logits within f32 rounding,
   # and each cached fraction timed once.

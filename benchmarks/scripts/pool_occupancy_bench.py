@@ -17,7 +17,9 @@ stopping, the engine's dispatch (`serving.controls.decode`):
             pool around them (the floor)
 
 per occupancy (active rows out of `--capacity`), at hybrid_1b's shapes
-(random bf16 weights), replay (L 16) and baseline states. The pool's rows
+or a transformers config's (`--hf_config`, e.g. the Gated DeltaNet model
+configs/qwen3_5_4b_text.json; random bf16 weights), replay (L 16) and
+baseline states. The pool's rows
 hold a real prefill of random prompts (never zeros). Before timing, the
 gathered and in-place forms' tokens and active rows' states are checked
 against the dense form's on the same pool (tokens equal; states within
@@ -52,6 +54,7 @@ from configs import _decode_bench, hybrid_1b  # pylint: disable=g-import-not-at-
 from experiments import common  # pylint: disable=g-import-not-at-top,wrong-import-position
 from experiments.decode_bench import build_model  # pylint: disable=g-import-not-at-top,wrong-import-position
 from replayssm_jax import models, serving  # pylint: disable=g-import-not-at-top,wrong-import-position
+from replayssm_jax.models import hf  # pylint: disable=g-import-not-at-top,wrong-import-position
 from replayssm_jax.serving import controls  # pylint: disable=g-import-not-at-top,wrong-import-position
 from replayssm_jax.serving import rows as R  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -110,16 +113,24 @@ def main():
   ap.add_argument("--steps", type=int, default=8, help="steps per dispatch")
   ap.add_argument("--repeats", type=int, default=10)
   ap.add_argument("--modes", default="replay,baseline")
+  ap.add_argument("--hf_config", default="",
+                  help="a transformers config.json (relative to the "
+                  "repository root) in place of hybrid_1b")
   ap.add_argument("--small", action="store_true")
   a = ap.parse_args()
+  if a.hf_config:
+    with open(os.path.join(ROOT, a.hf_config)) as f:
+      cfg = hf.config_from_hf(json.load(f))[0].replace(
+          dtype="bfloat16", param_dtype="bfloat16")
+  else:
+    cfg = models.ModelConfig(**hybrid_1b.MODEL)
   if a.small:
     a.capacity, a.occupancies, a.max_len = 8, "2,4,8", 64
     a.prompt_len, a.repeats = 8, 2
     cfg = models.ModelConfig(**_decode_bench.TINY_MODEL)
-  else:
-    cfg = models.ModelConfig(**hybrid_1b.MODEL)
   res = dict(env=common.log_environment(),
              command=" ".join([sys.executable] + sys.argv),
+             config=a.hf_config or "configs/hybrid_1b.py",
              capacity=a.capacity, steps_per_dispatch=a.steps,
              max_len=a.max_len, records=[])
 
