@@ -84,7 +84,7 @@ def selective_state_update(ssm_state, x, dt, A, B, C, D=None, z=None,
   V.check_floating("ssm_state", ssm_state, V.STATE_DTYPES)
   V.check_ndim("ssm_state", ssm_state, 4, "[batch, nheads, headdim, dstate]")
   b, h, p, n = ssm_state.shape
-  b, rows = _token_rows(b, x, rows)
+  b, rows = slots.token_rows(b, x, rows)
   V.check_step_inputs(b, h, p, n, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z,
                       dt_bias=dt_bias)
   args = dict(ssm_state=ssm_state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z,
@@ -92,16 +92,6 @@ def selective_state_update(ssm_state, x, dt, A, B, C, D=None, z=None,
   return _dispatch.dispatch_rows("selective_state_update", implementation,
                                  config, args, rows, ("ssm_state",))
 
-
-def _token_rows(capacity: int, x, rows):
-  """(token rows k, effective rows or None) of a step whose state has
-  `capacity` rows and whose token input is x [k, ...] (the state's rows
-  when rows is None)."""
-  if rows is None:
-    return capacity, None
-  k = x.shape[0]
-  slots.check_rows(rows, k, capacity)
-  return k, slots.effective(rows, capacity)
 
 
 def decode_attention(q, k_cache, v_cache, lengths, scale=None, *,
@@ -308,7 +298,7 @@ def replay_state_update(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
     raise TypeError(f"rstate must be a ReplayState, got "
                     f"{type(rstate).__name__}.")
   rstate.validate("rstate", rows)
-  batch, rows = _token_rows(rstate.batch, x, rows)
+  batch, rows = slots.token_rows(rstate.batch, x, rows)
   V.check_step_inputs(batch, rstate.nheads, rstate.headdim,
                       rstate.dstate, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z,
                       dt_bias=dt_bias, ngroups=rstate.ngroups)

@@ -38,6 +38,18 @@ def check_rows(rows, batch: int, capacity: int, name: str = "rows") -> None:
                        f"slots {uniq[counts > 1][:8].tolist()} repeat.")
 
 
+def token_rows(capacity: int, x, rows):
+  """(token rows, effective rows or None) of a step whose state has
+  `capacity` rows and whose token input is x [k, ...]: `rows` checked
+  (`check_rows`) and made `effective`, or (capacity, None) without rows
+  (x then unread: the op validates it)."""
+  if rows is None:
+    return capacity, None
+  k = x.shape[0]
+  check_rows(rows, k, capacity)
+  return k, effective(rows, capacity)
+
+
 def effective(rows, capacity: int):
   """(Traceable.) [k] int32: rows[i], or -1 for a padding row (a slot
   outside [0, capacity), or a repeat of an earlier row's slot)."""

@@ -90,7 +90,7 @@ def gdn_step(state, q, k, v, g, beta, *, use_qk_l2norm: bool = True,
     (o [batch, num_v_heads, value_dim] in v.dtype, new state in its dtype).
   """
   b, hv, K, Vd = checks.check_state("state", state)
-  b, rows = _token_rows(b, q, rows)
+  b, rows = slots.token_rows(b, q, rows)
   checks.check_token(b, hv, K, Vd, q, k, v, g, beta)
   checks.check_options(use_qk_l2norm, scale)
   args = dict(state=state, q=q, k=k, v=v, g=g, beta=beta,
@@ -98,14 +98,6 @@ def gdn_step(state, q, k, v, g, beta, *, use_qk_l2norm: bool = True,
   return _dispatch.dispatch_rows("gdn_step", implementation, config, args,
                                  rows, ("state",))
 
-
-def _token_rows(capacity: int, q, rows):
-  """(token rows, effective rows or None): `ops._token_rows` of a delta
-  rule step (its token rows are q's)."""
-  if rows is None:
-    return capacity, None
-  slots.check_rows(rows, q.shape[0], capacity)
-  return q.shape[0], slots.effective(rows, capacity)
 
 
 def gdn_chunked_prefill(q, k, v, g, beta, *, chunk_size: int = 64,
@@ -190,7 +182,7 @@ def gdn_replay_step(rstate: GDNReplayState, q, k, v, g, beta, *,
     raise ValueError(
         f"rstate holds a pending window of {rstate.pending_window} tokens "
         f"from gdn_replay_verify; gdn_replay_commit it first.")
-  batch, rows = _token_rows(rstate.batch, q, rows)
+  batch, rows = slots.token_rows(rstate.batch, q, rows)
   checks.check_token(batch, rstate.num_v_heads, rstate.key_dim,
                      rstate.value_dim, q, k, v, g, beta,
                      hk=rstate.num_k_heads)
