@@ -12,7 +12,6 @@ decodes it and scatters the rows back (`serving.Engine`'s
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -46,18 +45,12 @@ def place_rows(pool, idx, rows, tok):
                       tokens=pool.tokens.at[idx].set(tok, mode="drop")), tok
 
 
-@jax.jit
-def gather_rows(tree, idx):
-  """Rows `idx` [k] of every (batch-leading) leaf of `tree`: a Pool, a
-  ModelState or a tuple of such."""
-  return jax.tree.map(lambda x: jnp.take(x, idx, axis=0), tree)
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def scatter_rows(tree, rows, idx):
-  """`tree` (donated) with the rows `idx` [k] of every leaf replaced by
-  `rows`' (as `gather_rows` took them)."""
-  return jax.tree.map(lambda x, r: x.at[idx].set(r), tree, rows)
+# Rows `idx` [k] of every (batch-leading) leaf of `tree` (a Pool, a
+# ModelState or a tuple of such): `slots.gather`, jitted.
+gather_rows = jax.jit(slots.gather)
+# `tree` (donated) with the rows `idx` [k] of every leaf replaced by
+# `rows`' (as `gather_rows` took them): `slots.scatter`, jitted.
+scatter_rows = jax.jit(slots.scatter, donate_argnums=(0,))
 
 
 def on_rows(fn, tree, rows):
