@@ -380,11 +380,9 @@ def insert_many(model: M.HybridLM, pool: Pool, slots, prompts, *,
       model, pool, slots, prompts, temperatures, keys, top_k, top_p)
   k = len(slots)
   kp = 1 << (k - 1).bit_length()  # the batch, padded to a power of two
-  idx, tokens, lengths = padded_batch(slots, prompts, kp, pool)
+  idx, tokens, lengths, temps = device_batch(slots, prompts, temps, kp, pool)
   krows = key_rows(keys, k, kp)
   graphdef, params = model_parts(model, parts)
-  idx, tokens, lengths, temps = jax.device_put(  # one host -> device call
-      (idx, tokens, lengths, np.pad(temps, (0, kp - k))))
   pool, tok = _insert_many_jit(graphdef, params, pool, idx, tokens, lengths,
                                idx, (temps, krows), sampled, top_k, top_p)
   return pool, (tok if padded else tok[:k])
@@ -429,6 +427,13 @@ def padded_batch(slots, prompts, kp: int, pool: Pool):
   for i, (slot, p) in enumerate(zip(slots, prompts)):
     tokens[i, :p.shape[0]], lengths[i], idx[i] = p, p.shape[0], slot
   return idx, tokens, lengths
+
+
+def device_batch(slots, prompts, temps, kp: int, pool: Pool):
+  """`padded_batch` and the k temperatures padded with zeros to kp, on the
+  device in one host -> device call: (idx, tokens, lengths, temps)."""
+  return jax.device_put((*padded_batch(slots, prompts, kp, pool),
+                         np.pad(temps, (0, kp - len(slots)))))
 
 
 def key_rows(keys, k: int, kp: int):

@@ -517,12 +517,11 @@ def insert_cached_many(model: M.HybridLM, pool: P.Pool, cache: PrefixCache,
           keys=sub_keys, top_k=top_k, top_p=top_p,
           parts=(graphdef, params), padded=True)
     else:
-      idx, tokens, lengths = P.padded_batch(
+      idx, tokens, lengths, sub_temps = P.device_batch(
           [slots[i] for i in members],
-          [prompts[i][plans[i][1]:] for i in members], mp, pool)
+          [prompts[i][plans[i][1]:] for i in members], temps[members], mp,
+          pool)
       rows = tuple(plans[i][0] for i in sub)
-      idx, tokens, lengths, sub_temps = jax.device_put(
-          (idx, tokens, lengths, np.pad(temps[members], (0, mp - m))))
       pool, _ = _finish_many_jit(graphdef, params, pool, rows, idx, tokens,
                                  lengths, sub_temps, sub_keys, sampled,
                                  top_k, top_p)
