@@ -155,10 +155,11 @@ def host_slot(slot, capacity: int, name: str = "slot") -> int:
 
 
 def check_slot(slot, capacity: int):
-  """A Python / NumPy int slot in [0, capacity) as an int32 scalar; a jax
-  integer scalar (possibly traced) as int32."""
+  """A Python / NumPy int slot in [0, capacity) as a NumPy int32 scalar
+  (on the host: the jitted call that takes it transfers it, no eager op);
+  a jax integer scalar (possibly traced) as int32."""
   if isinstance(slot, (bool, np.bool_, int, np.integer)):
-    return jnp.int32(host_slot(slot, capacity))
+    return np.int32(host_slot(slot, capacity))
   V.check_integer("slot", slot)
   if jnp.ndim(slot) != 0:
     raise ValueError(f"slot must be a scalar, got shape "
@@ -322,17 +323,16 @@ def insert(model: M.HybridLM, pool: Pool, slot, prompt_tokens, *,
   sampling, rng = resolve_sampling(temperature, top_k, top_p, rng)
   row_id = check_row_id(slot if row_id is None else row_id)
   if V.is_concrete(prompt_tokens):
-    # Padded on the host: an eager scatter would compile once per prompt
-    # length.
-    padded = np.zeros((bucket,), np.int32)
-    padded[:t] = np.asarray(prompt_tokens)
-    tokens = jnp.asarray(padded)
+    # Padded on the host (an eager scatter would compile once per prompt
+    # length) and left there: the jitted call transfers it.
+    tokens = np.zeros((bucket,), np.int32)
+    tokens[:t] = np.asarray(prompt_tokens)
   else:
     tokens = jnp.zeros((bucket,), jnp.int32).at[:t].set(
         jnp.asarray(prompt_tokens, jnp.int32))
   graphdef, params = model_parts(model, parts)
   pool, tok, logits = _insert_jit(graphdef, params, pool, slot, tokens,
-                                  jnp.int32(t), row_id, sampling, rng)
+                                  np.int32(t), row_id, sampling, rng)
   return (pool, tok, logits) if return_logits else (pool, tok)
 
 
