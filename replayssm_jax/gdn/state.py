@@ -54,9 +54,90 @@ LAYOUTS = dict(checkpoint=checks.STATE_LAYOUT,
                g_buf="[batch, L, num_v_heads]")
 
 
+class DeltaRingState:
+  """What a delta-rule replay state (`GDNReplayState`, the KDA state) shares:
+  a checkpoint [batch, HV, K, V], rings d_buf [batch, L, HV, V] and k_buf
+  [batch, L, heads, K] of one buffer dtype, a per-row count in [0, L) and
+  the precision fields of `ReplayState`. Subclasses are frozen dataclasses
+  with those fields."""
+
+  @property
+  def batch(self) -> int:
+    return self.checkpoint.shape[0]
+
+  @property
+  def num_v_heads(self) -> int:
+    return self.checkpoint.shape[1]
+
+  @property
+  def key_dim(self) -> int:
+    return self.checkpoint.shape[2]
+
+  @property
+  def value_dim(self) -> int:
+    return self.checkpoint.shape[3]
+
+  @property
+  def buffer_len(self) -> int:
+    return self.d_buf.shape[1]
+
+  @property
+  def read_dtype(self):
+    """The read copy's dtype, or None."""
+    return None if self.read_copy is None else jnp.dtype(self.read_copy.dtype)
+
+  def replace(self, **kwargs):
+    return dataclasses.replace(self, **kwargs)
+
+  def with_policy(self, policy, *, row_id=None, step=None):
+    """This state with the fields a `PrecisionPolicy` needs (read copy
+    rounded to nearest from the stored checkpoint; with stochastic
+    rounding the row_id / step counters), as `ReplayState.with_policy`."""
+    if policy is None:
+      raise ValueError("policy must be a PrecisionPolicy, got None.")
+    return _with_policy_fields(self, policy, None, row_id, step, 0)
+
+  def _validate_rings(self, name: str, grouped: bool, layouts: dict,
+                      rows=None) -> tuple[int, int, int]:
+    """The shared checks (grouped: the k ring has its own key heads,
+    serving the value heads in groups; else one per value head) ->
+    (batch, L, HV)."""
+    V.check_floating(f"{name}.checkpoint", self.checkpoint, V.STATE_DTYPES)
+    V.check_ndim(f"{name}.checkpoint", self.checkpoint, 4,
+                 layouts["checkpoint"])
+    b, hv, K, Vd = self.checkpoint.shape
+    for field in ("d_buf", "k_buf"):
+      V.check_floating(f"{name}.{field}", getattr(self, field),
+                       V.STATE_DTYPES)
+      V.check_ndim(f"{name}.{field}", getattr(self, field), 4,
+                   layouts[field])
+    L = self.d_buf.shape[1]
+    if L < 1:
+      raise ValueError(f"{name}.d_buf: buffer_len must be >= 1, got {L}.")
+    V.check_shape(f"{name}.d_buf", self.d_buf, (b, L, hv, Vd),
+                  layouts["d_buf"])
+    hk = self.k_buf.shape[2] if grouped else hv
+    V.check_shape(f"{name}.k_buf", self.k_buf, (b, L, hk, K),
+                  layouts["k_buf"])
+    if self.k_buf.dtype != self.d_buf.dtype:
+      raise TypeError(f"{name}.k_buf ({self.k_buf.dtype}) and {name}.d_buf "
+                      f"({self.d_buf.dtype}) must share the buffer dtype.")
+    if grouped:
+      checks.check_heads(hv, hk, f"{name}.k_buf")
+    V.check_integer(f"{name}.count", self.count)
+    V.check_shape(f"{name}.count", self.count, (b,), "[batch]")
+    if jnp.dtype(self.count.dtype) != jnp.int32:
+      raise TypeError(f"{name}.count must be int32, got {self.count.dtype}.")
+    V.check_count_range(self.count, L, f"{name}.count", rows)
+    # The precision fields have ReplayState's layout (checkpoint-shaped read
+    # copy, one scale per checkpoint row): its checks apply as they are.
+    ReplayState._validate_policy_fields(self, name)  # pylint: disable=protected-access
+    return b, L, hv
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class GDNReplayState:
+class GDNReplayState(DeltaRingState):
   """Checkpoint + rings of (d, k, g) + per-row counter (a pytree)."""
 
   checkpoint: jax.Array  # [batch, HV, K, V]
@@ -78,81 +159,16 @@ class GDNReplayState:
       raise ValueError(f"pending_window must be None or an int >= 1, got "
                        f"{w!r}.")
 
-  # ---------------------------------------------------------------- shapes
-  @property
-  def batch(self) -> int:
-    return self.checkpoint.shape[0]
-
-  @property
-  def num_v_heads(self) -> int:
-    return self.checkpoint.shape[1]
-
-  @property
-  def key_dim(self) -> int:
-    return self.checkpoint.shape[2]
-
-  @property
-  def value_dim(self) -> int:
-    return self.checkpoint.shape[3]
-
   @property
   def num_k_heads(self) -> int:
     return self.k_buf.shape[2]
 
-  @property
-  def buffer_len(self) -> int:
-    return self.d_buf.shape[1]
-
-  @property
-  def read_dtype(self):
-    """The read copy's dtype, or None."""
-    return None if self.read_copy is None else jnp.dtype(self.read_copy.dtype)
-
-  def replace(self, **kwargs) -> "GDNReplayState":
-    return dataclasses.replace(self, **kwargs)
-
-  def with_policy(self, policy, *, row_id=None, step=None):
-    """This state with the fields a `PrecisionPolicy` needs (read copy
-    rounded to nearest from the stored checkpoint; with stochastic
-    rounding the row_id / step counters), as `ReplayState.with_policy`."""
-    if policy is None:
-      raise ValueError("policy must be a PrecisionPolicy, got None.")
-    return _with_policy_fields(self, policy, None, row_id, step, 0)
-
-  # -------------------------------------------------------------- checks
   def validate(self, name: str = "rstate", rows=None) -> "GDNReplayState":
     """Checks shapes and dtypes (and count values when not traced: of the
     rows `rows` alone when given, `ReplayState.validate`)."""
-    V.check_floating(f"{name}.checkpoint", self.checkpoint, V.STATE_DTYPES)
-    V.check_ndim(f"{name}.checkpoint", self.checkpoint, 4,
-                 LAYOUTS["checkpoint"])
-    b, hv, K, Vd = self.checkpoint.shape
-    for field in ("d_buf", "k_buf"):
-      V.check_floating(f"{name}.{field}", getattr(self, field),
-                       V.STATE_DTYPES)
-      V.check_ndim(f"{name}.{field}", getattr(self, field), 4,
-                   LAYOUTS[field])
-    L, hk = self.d_buf.shape[1], self.k_buf.shape[2]
-    if L < 1:
-      raise ValueError(f"{name}.d_buf: buffer_len must be >= 1, got {L}.")
-    V.check_shape(f"{name}.d_buf", self.d_buf, (b, L, hv, Vd),
-                  LAYOUTS["d_buf"])
-    V.check_shape(f"{name}.k_buf", self.k_buf, (b, L, hk, K),
-                  LAYOUTS["k_buf"])
-    if self.k_buf.dtype != self.d_buf.dtype:
-      raise TypeError(f"{name}.k_buf ({self.k_buf.dtype}) and {name}.d_buf "
-                      f"({self.d_buf.dtype}) must share the buffer dtype.")
-    checks.check_heads(hv, hk, f"{name}.k_buf")
+    b, L, hv = self._validate_rings(name, True, LAYOUTS, rows)
     V.check_floating(f"{name}.g_buf", self.g_buf, (jnp.float32,))
     V.check_shape(f"{name}.g_buf", self.g_buf, (b, L, hv), LAYOUTS["g_buf"])
-    V.check_integer(f"{name}.count", self.count)
-    V.check_shape(f"{name}.count", self.count, (b,), "[batch]")
-    if jnp.dtype(self.count.dtype) != jnp.int32:
-      raise TypeError(f"{name}.count must be int32, got {self.count.dtype}.")
-    V.check_count_range(self.count, L, f"{name}.count", rows)
-    # The precision fields have ReplayState's layout (checkpoint-shaped read
-    # copy, one scale per checkpoint row): its checks apply as they are.
-    ReplayState._validate_policy_fields(self, name)  # pylint: disable=protected-access
     w = self.pending_window
     if w is not None and not 1 <= w < L:
       raise ValueError(f"{name}.pending_window must be None or an int in "
@@ -165,6 +181,41 @@ def _with_policy_fields(rstate, policy, source, row_id, step, layer):
   master), exactly as for a ReplayState (same fields, same store sites)."""
   return ReplayState._with_policy_fields(  # pylint: disable=protected-access
       rstate, policy, source, row_id, step, layer)
+
+
+def new_state(empty, dims, policy, checkpoint_dtype, buffer_dtype, row_id,
+              step):
+  """A zero state of dims (batch, HV, K, V); `empty(checkpoint, buffer
+  dtype)` adds the empty rings (GDN's and KDA's constructors)."""
+  dims = [V.positive_int(n, x) for n, x in zip(
+      ("batch", "num_v_heads", "key_dim", "value_dim"), dims)]
+  ck, bf = _resolve_dtypes(policy, checkpoint_dtype, buffer_dtype,
+                           jnp.float32)
+  checkpoint = jnp.zeros(dims, _state_dtype("checkpoint_dtype", ck))
+  out = empty(checkpoint, bf)
+  return _with_policy_fields(out, policy, None, row_id, step, 0).validate()
+
+
+def state_from(empty, full_state, policy, checkpoint_dtype, buffer_dtype,
+               row_id, step, layer):
+  """`full_state` as the checkpoint of `empty`'s rings (as `new_state`),
+  stored through `policy` when one is given."""
+  explicit = checkpoint_dtype is not None or policy is not None
+  checks.check_state("full_state", full_state, V.FLOAT_DTYPES
+                     if explicit else V.STATE_DTYPES)
+  ck, bf = _resolve_dtypes(policy, checkpoint_dtype, buffer_dtype,
+                           full_state.dtype)
+  ckdt = _state_dtype("checkpoint_dtype", ck)
+  source = jnp.asarray(full_state)
+  if policy is None:
+    if row_id is not None or step is not None:
+      raise ValueError("row_id and step are only used with a "
+                       "PrecisionPolicy that has stochastic_rounding=True.")
+    # A copy even in the same dtype: the caller's array stays theirs.
+    return empty(jnp.array(source, ckdt, copy=True), bf).validate()
+  out = empty(jnp.zeros(source.shape, ckdt), bf)
+  return _with_policy_fields(out, policy, source, row_id, step,
+                             layer).validate()
 
 
 def _empty(checkpoint, num_k_heads, buffer_len, buffer_dtype):
@@ -197,14 +248,9 @@ def init_gdn_replay_state(batch: int, *, num_v_heads: int, num_k_heads: int,
       stochastic-rounding counters).
     row_id, step: see `gdn_replay_state_from`.
   """
-  dims = [V.positive_int(n, x) for n, x in (
-      ("batch", batch), ("num_v_heads", num_v_heads), ("key_dim", key_dim),
-      ("value_dim", value_dim))]
-  ck, bf = _resolve_dtypes(policy, checkpoint_dtype, buffer_dtype,
-                           jnp.float32)
-  checkpoint = jnp.zeros(dims, _state_dtype("checkpoint_dtype", ck))
-  out = _empty(checkpoint, num_k_heads, buffer_len, bf)
-  return _with_policy_fields(out, policy, None, row_id, step, 0).validate()
+  empty = lambda ck, bf: _empty(ck, num_k_heads, buffer_len, bf)
+  return new_state(empty, (batch, num_v_heads, key_dim, value_dim), policy,
+                   checkpoint_dtype, buffer_dtype, row_id, step)
 
 
 def gdn_replay_state_from(full_state, buffer_len: int, *, num_k_heads: int,
@@ -229,23 +275,9 @@ def gdn_replay_state_from(full_state, buffer_len: int, *, num_k_heads: int,
       arange(batch) and zeros).
     layer: layer index keying the stochastic rounding of the stores.
   """
-  explicit = checkpoint_dtype is not None or policy is not None
-  checks.check_state("full_state", full_state, V.FLOAT_DTYPES
-                     if explicit else V.STATE_DTYPES)
-  ck, bf = _resolve_dtypes(policy, checkpoint_dtype, buffer_dtype,
-                           full_state.dtype)
-  ckdt = _state_dtype("checkpoint_dtype", ck)
-  source = jnp.asarray(full_state)
-  if policy is None:
-    if row_id is not None or step is not None:
-      raise ValueError("row_id and step are only used with a "
-                       "PrecisionPolicy that has stochastic_rounding=True.")
-    # A copy even in the same dtype: the caller's array stays theirs.
-    return _empty(jnp.array(source, ckdt, copy=True), num_k_heads,
-                  buffer_len, bf).validate()
-  out = _empty(jnp.zeros(source.shape, ckdt), num_k_heads, buffer_len, bf)
-  return _with_policy_fields(out, policy, source, row_id, step,
-                             layer).validate()
+  empty = lambda ck, bf: _empty(ck, num_k_heads, buffer_len, bf)
+  return state_from(empty, full_state, policy, checkpoint_dtype,
+                    buffer_dtype, row_id, step, layer)
 
 
 def resolve_policy(rstate: GDNReplayState, policy) -> P.PrecisionPolicy:

@@ -65,8 +65,8 @@ import numpy as np
 from replayssm_jax import _validation as V
 from replayssm_jax import precision as P
 from replayssm_jax.gdn import checks
-from replayssm_jax.state import ReplayState
-from replayssm_jax.state import _resolve_dtypes, _state_dtype
+from replayssm_jax.gdn import state as GS
+from replayssm_jax.state import _state_dtype
 
 MAX_LOG_DECAY = {"float32": 80.0, "bfloat16": 80.0, "float16": 10.0}
 
@@ -113,7 +113,7 @@ def check_gate_bound(buffer_len: int, gate_lower_bound, buffer_dtype) -> float:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class KDAReplayState:
+class KDAReplayState(GS.DeltaRingState):
   """Checkpoint + rings of (d, pre-decayed k) + running log-decay + per-row
   counter (a pytree)."""
 
@@ -137,64 +137,14 @@ class KDAReplayState:
                        f"MAX_LOG_DECAY (see safe_gate_lower_bound), got "
                        f"{lb!r}.")
 
-  @property
-  def batch(self) -> int:
-    return self.checkpoint.shape[0]
-
-  @property
-  def num_v_heads(self) -> int:
-    return self.checkpoint.shape[1]
-
-  @property
-  def key_dim(self) -> int:
-    return self.checkpoint.shape[2]
-
-  @property
-  def value_dim(self) -> int:
-    return self.checkpoint.shape[3]
-
-  @property
-  def buffer_len(self) -> int:
-    return self.d_buf.shape[1]
-
-  @property
-  def read_dtype(self):
-    return None if self.read_copy is None else jnp.dtype(self.read_copy.dtype)
-
-  def replace(self, **kwargs) -> "KDAReplayState":
-    return dataclasses.replace(self, **kwargs)
-
-  def validate(self, name: str = "rstate") -> "KDAReplayState":
+  def validate(self, name: str = "rstate", rows=None) -> "KDAReplayState":
     """Checks shapes, dtypes, the gate bound (and count values when not
-    traced)."""
-    V.check_floating(f"{name}.checkpoint", self.checkpoint, V.STATE_DTYPES)
-    V.check_ndim(f"{name}.checkpoint", self.checkpoint, 4,
-                 LAYOUTS["checkpoint"])
-    b, hv, K, Vd = self.checkpoint.shape
-    for field in ("d_buf", "k_buf"):
-      V.check_floating(f"{name}.{field}", getattr(self, field),
-                       V.STATE_DTYPES)
-      V.check_ndim(f"{name}.{field}", getattr(self, field), 4,
-                   LAYOUTS[field])
-    L = self.d_buf.shape[1]
-    if L < 1:
-      raise ValueError(f"{name}.d_buf: buffer_len must be >= 1, got {L}.")
-    V.check_shape(f"{name}.d_buf", self.d_buf, (b, L, hv, Vd),
-                  LAYOUTS["d_buf"])
-    V.check_shape(f"{name}.k_buf", self.k_buf, (b, L, hv, K),
-                  LAYOUTS["k_buf"])
-    if self.k_buf.dtype != self.d_buf.dtype:
-      raise TypeError(f"{name}.k_buf ({self.k_buf.dtype}) and {name}.d_buf "
-                      f"({self.d_buf.dtype}) must share the buffer dtype.")
+    traced: of the rows `rows` alone when given)."""
+    b, L, hv = self._validate_rings(name, False, LAYOUTS, rows)
     V.check_floating(f"{name}.g_sum", self.g_sum, (jnp.float32,))
-    V.check_shape(f"{name}.g_sum", self.g_sum, (b, hv, K), LAYOUTS["g_sum"])
-    V.check_integer(f"{name}.count", self.count)
-    V.check_shape(f"{name}.count", self.count, (b,), "[batch]")
-    if jnp.dtype(self.count.dtype) != jnp.int32:
-      raise TypeError(f"{name}.count must be int32, got {self.count.dtype}.")
-    V.check_count_range(self.count, L, f"{name}.count")
+    V.check_shape(f"{name}.g_sum", self.g_sum,
+                  (b, hv, self.checkpoint.shape[2]), LAYOUTS["g_sum"])
     check_gate_bound(L, self.gate_lower_bound, self.k_buf.dtype)
-    ReplayState._validate_policy_fields(self, name)  # pylint: disable=protected-access
     return self
 
 
@@ -209,11 +159,6 @@ def _empty(checkpoint, buffer_len, buffer_dtype, gate_lower_bound):
       k_buf=jnp.zeros((b, buffer_len, hv, K), bdt),
       g_sum=jnp.zeros((b, hv, K), jnp.float32),
       count=jnp.zeros((b,), jnp.int32), gate_lower_bound=lb)
-
-
-def _with_policy(rstate, policy, source, row_id, step, layer):
-  return ReplayState._with_policy_fields(  # pylint: disable=protected-access
-      rstate, policy, source, row_id, step, layer)
 
 
 def init_kda_replay_state(batch: int, *, num_v_heads: int, key_dim: int,
@@ -233,14 +178,9 @@ def init_kda_replay_state(batch: int, *, num_v_heads: int, key_dim: int,
     buffer_dtype: of the d and k rings; default bfloat16 (or the policy's).
     policy, row_id, step: as `gdn.init_gdn_replay_state`.
   """
-  dims = [V.positive_int(n, x) for n, x in (
-      ("batch", batch), ("num_v_heads", num_v_heads), ("key_dim", key_dim),
-      ("value_dim", value_dim))]
-  ck, bf = _resolve_dtypes(policy, checkpoint_dtype, buffer_dtype,
-                           jnp.float32)
-  checkpoint = jnp.zeros(dims, _state_dtype("checkpoint_dtype", ck))
-  out = _empty(checkpoint, buffer_len, bf, gate_lower_bound)
-  return _with_policy(out, policy, None, row_id, step, 0).validate()
+  empty = lambda ck, bf: _empty(ck, buffer_len, bf, gate_lower_bound)
+  return GS.new_state(empty, (batch, num_v_heads, key_dim, value_dim),
+                      policy, checkpoint_dtype, buffer_dtype, row_id, step)
 
 
 def kda_replay_state_from(full_state, buffer_len: int, *,
@@ -252,19 +192,6 @@ def kda_replay_state_from(full_state, buffer_len: int, *,
   """Wraps a full KDA state [batch, HV, K, V] (e.g. after
   `kda_chunked_prefill`) with empty rings; the other arguments as
   `init_kda_replay_state` and `gdn.gdn_replay_state_from`."""
-  explicit = checkpoint_dtype is not None or policy is not None
-  checks.check_state("full_state", full_state, V.FLOAT_DTYPES
-                     if explicit else V.STATE_DTYPES)
-  ck, bf = _resolve_dtypes(policy, checkpoint_dtype, buffer_dtype,
-                           full_state.dtype)
-  ckdt = _state_dtype("checkpoint_dtype", ck)
-  source = jnp.asarray(full_state)
-  if policy is None:
-    if row_id is not None or step is not None:
-      raise ValueError("row_id and step are only used with a "
-                       "PrecisionPolicy that has stochastic_rounding=True.")
-    return _empty(jnp.array(source, ckdt, copy=True), buffer_len, bf,
-                  gate_lower_bound).validate()
-  out = _empty(jnp.zeros(source.shape, ckdt), buffer_len, bf,
-               gate_lower_bound)
-  return _with_policy(out, policy, source, row_id, step, layer).validate()
+  empty = lambda ck, bf: _empty(ck, buffer_len, bf, gate_lower_bound)
+  return GS.state_from(empty, full_state, policy, checkpoint_dtype,
+                       buffer_dtype, row_id, step, layer)
