@@ -68,6 +68,12 @@ def timed(fn, repeats):
   return statistics.median(times), times
 
 
+def top2_gap(logits: np.ndarray) -> float:
+  """(largest - second largest logit) / max |logit|."""
+  top = np.sort(logits.astype(np.float64))[-2:]
+  return float((top[1] - top[0]) / np.abs(logits).max())
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--out", default="prefix_ttft.json")
@@ -194,7 +200,9 @@ def main():
         return toks, None
 
       check = fresh()  # both ways, each on a cache of its own
-      want = [int(x) for x in one_by_one(prefix_cache(), check, 0)[1]]
+      ref_cache = prefix_cache()
+      ref = [cached(ref_cache, p) for p in check[0]]
+      want = [int(tok) for tok, _ in ref]
       got = [int(x) for x in batched(prefix_cache(), check, 0)[0]]
       cache = prefix_cache()
       single, _ = timed(functools.partial(one_by_one, cache, fresh()),
@@ -203,6 +211,15 @@ def main():
       rec["batch_hits"] = dict(prompts=n, cached_tokens=k,
                                one_at_a_time_ms=single, batched_ms=many,
                                first_tokens_equal=want == got)
+      if want != got:
+        # Which prompts differ, and how close their one-at-a-time logits'
+        # two largest are (over max |logit|): a gap within the logits'
+        # difference between prefills split otherwise (the hits'
+        # logits_rel_err) is a near-tie another batch shape may flip.
+        rec["batch_hits"]["differing"] = [
+            dict(prompt=i, one_at_a_time=w, batched=g,
+                 top2_gap=top2_gap(np.asarray(ref[i][1])))
+            for i, (w, g) in enumerate(zip(want, got)) if w != g]
       print(f"  {n} hits of {k}/{t}: one at a time {single:.2f} ms, "
             f"batched {many:.2f} ms; first tokens equal {want == got}",
             flush=True)
