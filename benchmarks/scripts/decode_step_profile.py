@@ -124,17 +124,17 @@ def main():
                   help="the Mamba-2 prefill's within-chunk decay sums as "
                   "differences of one cumulative sum "
                   "(prefill_scan_cost.py's variant) in place of "
-                  "ssd._segsum_masked's masked cumulative sum")
-  ap.add_argument("--segsum_blocked", action="store_true",
-                  help="the same sums by ssd._segsum_blocked (within "
-                  "blocks of 16 positions, and across them from the "
-                  "blocks' totals: no masked [Q, Q] cumulative sum)")
+                  "ssd._segsum_blocked's sums of one sign")
+  ap.add_argument("--segsum_masked", action="store_true",
+                  help="the same sums by ssd._segsum_masked (one masked "
+                  "[Q, Q] cumulative sum) instead of the default "
+                  "ssd._segsum_blocked")
   a = ap.parse_args()
   if a.segsum_difference:
     from prefill_scan_cost import _segsum_difference  # pylint: disable=g-import-not-at-top
     ssd._segsum = _segsum_difference  # read when the prefill is traced
-  elif a.segsum_blocked:
-    ssd._segsum = ssd._segsum_blocked
+  elif a.segsum_masked:
+    ssd._segsum = ssd._segsum_masked
 
   cfg = load_model_config(a.config)
   model = build_model(cfg, 0)

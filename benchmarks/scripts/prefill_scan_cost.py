@@ -11,8 +11,8 @@ the default (HIGHEST: true f32) beside the cost. --chunk_sizes and
 --gdn_chunk_sizes: each scan at further chunk lengths too, and
 --segsum_difference: the Mamba-2 scan with its within-chunk decay sums
 formed as differences of one cumulative sum (a_cum_i - a_cum_j, the form
-of the GDN prefill and of mamba_ssm's kernels) in place of the masked
-cumulative sum of `ssd._segsum_masked`, each with its error against the default.
+of the GDN prefill and of mamba_ssm's kernels) in place of the default
+`ssd._segsum`, each with its error against the default.
 Compare two commits by running it
 with PYTHONPATH at each tree in turn (it uses only those two functions):
 
