@@ -257,21 +257,26 @@ def mixer_tensors(hf: str, kind: str, me: tuple):
 
 
 def layer_tensor_map(cfg: ModelConfig, final_norm: str, ffn_norm: str,
-                     ffn_tensors) -> dict[str, tuple]:
+                     ffn_tensors, mixer=None,
+                     norm: str = "id") -> dict[str, tuple]:
   """HF tensor name -> (parameter path, transform) of a family whose
-  layer i is our blocks 2i (its mixer) and 2i+1 (its feed-forward, named
-  by `ffn_tensors(hf_prefix, kind, mixer_path)`), under model.*."""
+  layer i is our blocks 2i (its mixer, named by `mixer(hf_prefix, kind,
+  block_path)`, default Granite's / Bamba's `mixer_tensors`) and 2i+1
+  (its feed-forward, named by `ffn_tensors(hf_prefix, kind,
+  mixer_path)`), under model.*; the norms' weights through `norm` ("id",
+  or "plus1" for weights stored as offsets from one)."""
+  mixer = mixer_tensors if mixer is None else mixer
   m = {"model.embed_tokens.weight": (("embeddings", "weight"), "id"),
-       f"model.{final_norm}.weight": (("norm_f", "weight"), "id")}
+       f"model.{final_norm}.weight": (("norm_f", "weight"), norm)}
   if not cfg.tie_embeddings:
     m["lm_head.weight"] = (("lm_head", "kernel"), "T")
   kinds = cfg.block_kinds
   for i in range(len(kinds) // 2):
     hf = f"model.layers.{i}."
     mix, ffn = ("blocks", 2 * i), ("blocks", 2 * i + 1)
-    m[hf + "input_layernorm.weight"] = (mix + ("norm", "weight"), "id")
-    m.update(mixer_tensors(hf, kinds[2 * i], mix))
-    m[hf + f"{ffn_norm}.weight"] = (ffn + ("norm", "weight"), "id")
+    m[hf + "input_layernorm.weight"] = (mix + ("norm", "weight"), norm)
+    m.update(mixer(hf, kinds[2 * i], mix))
+    m[hf + f"{ffn_norm}.weight"] = (ffn + ("norm", "weight"), norm)
     m.update(ffn_tensors(hf, kinds[2 * i + 1], ffn + ("mixer",)))
   return m
 

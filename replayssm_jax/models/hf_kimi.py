@@ -221,23 +221,12 @@ def _ffn_tensors(p: str, kind: str, mx: tuple):
 def tensor_map(cfg: ModelConfig) -> dict[str, tuple]:
   """HF tensor name -> (parameter path, transform), as
   `pack_tensors` names them."""
-  m = {"model.embed_tokens.weight": (("embeddings", "weight"), "id"),
-       "model.norm.weight": (("norm_f", "weight"), "id")}
-  if not cfg.tie_embeddings:
-    m["lm_head.weight"] = (("lm_head", "kernel"), "T")
-  kinds = cfg.block_kinds
-  for i in range(len(kinds) // 2):
-    hf = f"model.layers.{i}."
-    mix, ffn = ("blocks", 2 * i), ("blocks", 2 * i + 1)
-    m[hf + "input_layernorm.weight"] = (mix + ("norm", "weight"), "id")
-    if kinds[2 * i] == "kda":
-      m.update(_kda_tensors(hf + "self_attn.", mix + ("mixer",)))
-    else:
-      m.update(_mla_tensors(hf + "self_attn.", mix + ("mixer",)))
-    m[hf + "post_attention_layernorm.weight"] = (ffn + ("norm", "weight"),
-                                                 "id")
-    m.update(_ffn_tensors(hf + "mlp.", kinds[2 * i + 1], ffn + ("mixer",)))
-  return m
+  def mixer(hf, kind, block):
+    named = _kda_tensors if kind == "kda" else _mla_tensors
+    return named(hf + "self_attn.", block + ("mixer",))
+  return G.layer_tensor_map(
+      cfg, "norm", "post_attention_layernorm",
+      lambda hf, kind, mx: _ffn_tensors(hf + "mlp.", kind, mx), mixer)
 
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")

@@ -302,24 +302,16 @@ def _ffn_tensors(p: str, kind: str, mx: tuple):
 
 def tensor_map(cfg: ModelConfig) -> dict[str, tuple]:
   """HF tensor name -> (parameter path, transform) under model.*,
-  as `pack_tensors` names them."""
-  m = {"model.embed_tokens.weight": (("embeddings", "weight"), "id"),
-       "model.norm.weight": (("norm_f", "weight"), "plus1")}
-  if not cfg.tie_embeddings:
-    m["lm_head.weight"] = (("lm_head", "kernel"), "T")
-  kinds = cfg.block_kinds
-  for i in range(len(kinds) // 2):
-    hf = f"model.layers.{i}."
-    mix, ffn = ("blocks", 2 * i), ("blocks", 2 * i + 1)
-    m[hf + "input_layernorm.weight"] = (mix + ("norm", "weight"), "plus1")
-    if kinds[2 * i] == "gdn":
-      m.update(_gdn_tensors(hf + "linear_attn.", mix + ("mixer",)))
-    else:
-      m.update(_attention_tensors(hf + "self_attn.", mix + ("mixer",)))
-    m[hf + "post_attention_layernorm.weight"] = (ffn + ("norm", "weight"),
-                                                 "plus1")
-    m.update(_ffn_tensors(hf + "mlp.", kinds[2 * i + 1], ffn + ("mixer",)))
-  return m
+  as `pack_tensors` names them (the norms' weights stored as offsets from
+  one)."""
+  def mixer(hf, kind, block):
+    if kind == "gdn":
+      return _gdn_tensors(hf + "linear_attn.", block + ("mixer",))
+    return _attention_tensors(hf + "self_attn.", block + ("mixer",))
+  return G.layer_tensor_map(
+      cfg, "norm", "post_attention_layernorm",
+      lambda hf, kind, mx: _ffn_tensors(hf + "mlp.", kind, mx), mixer,
+      norm="plus1")
 
 
 _EXPERT = re.compile(
