@@ -39,9 +39,92 @@ from replayssm_jax.ssd import scan_precision
 F32 = jnp.float32
 
 
-class GDNMixer(nnx.Module):
+class DeltaRuleMixer(nnx.Module):
+  """What the delta-rule mixers (`GDNMixer`, `kda_block.KDAMixer`) share:
+  the conv output's split into q, k, v, the gated per-head RMSNorm with
+  out_proj, and the prefill around the chunked rule. A subclass defines
+  `_project` (h -> pre-conv qkv, output gate, g, beta), `_scan` (the
+  chunked rule), `_replay_from` (its replay state's constructor, as
+  `gdn.gdn_replay_state_from`) with `_replay_kw` (its extra arguments)
+  and `GATE` (the output gate's activation), `STATE_NAME` (for errors)."""
+
+  GATE = staticmethod(jax.nn.silu)
+  STATE_NAME = "the delta-rule state"
+
+  def _split(self, x):
+    """Conv output [.., conv_dim] -> q, k [.., HK, K], v [.., HV, V]."""
+    c = self.cfg
+    lead = x.shape[:-1]
+    kd = c.gdn_key_dim
+    return (x[..., :kd].reshape(lead + (c.gdn_num_k_heads, c.gdn_k_dim)),
+            x[..., kd:2 * kd].reshape(lead + (c.gdn_num_k_heads, c.gdn_k_dim)),
+            x[..., 2 * kd:].reshape(lead + (c.gdn_num_v_heads, c.gdn_v_dim)))
+
+  def _out(self, o, gate):
+    """Gated RMSNorm over each value head (normalise, weight, times
+    GATE(gate); float32), then out_proj: o, gate [.., HV, V] -> [.., d]."""
+    of = o.astype(F32)
+    of = of * jax.lax.rsqrt(jnp.mean(of * of, -1, keepdims=True) + self.eps)
+    y = (self.norm_weight[...].astype(F32) * of
+         * self.GATE(gate.astype(F32))).astype(self.cfg.jnp_dtype)
+    return self.out_proj(y.reshape(y.shape[:-2] + (-1,)))
+
+  def prefill(self, h, lengths, state: GDNState | None, layer: int = 0,
+              resume: bool = False):
+    """The right-padded prompt h [b, T, d] (positions >= lengths are
+    padding: they leave the state unchanged) -> (y [b, T, d], state); the
+    replay state stored per state.precision (`layer`: the recurrent-block
+    index keying stochastic rounding).
+
+    resume False: every row starts empty (`state` only fixes the layout).
+    resume True: each row continues `state` (its conv window precedes the
+    chunk, its delta-rule state, materialized, is the chunked prefill's
+    initial state; the rounding step counts on from the state's own), as
+    `Mamba2Mixer.prefill`."""
+    c = self.cfg
+    bsz, t, _ = h.shape
+    qkv, gate, g, beta = self._project(h)
+    hist = state.conv if resume else None  # the window before the chunk
+    x, _ = causal_conv1d(qkv, self.conv_weight[...], None,
+                         initial_state=hist, activation="silu")
+    q, k, v = self._split(x)
+    valid = jnp.arange(t)[None, :] < lengths[:, None]  # [b, T]
+    s0 = (full_ssm_state(state.ssm, where=self.STATE_NAME)
+          if resume else None)
+    o, final = self._scan(q, k, v, g, beta, s0, valid)
+    out = self._out(o, gate)
+    if state is None:
+      return out, None
+    # Conv state: the k-1 inputs before each row's end.
+    if hist is None:  # an empty row: zeros before t=0
+      hist = jnp.zeros((bsz, c.conv_kernel - 1, qkv.shape[-1]),
+                       state.conv.dtype)
+    conv = conv_state_after(qkv, lengths, hist, state.conv.dtype)
+    policy = state.precision
+    if not state.is_replay:
+      return out, state.replace(conv=conv, ssm=final.astype(state.ssm.dtype))
+    r = state.ssm
+    if policy is None:
+      ssm = self._replay_from(final, r.buffer_len,
+                              checkpoint_dtype=r.checkpoint.dtype,
+                              buffer_dtype=r.d_buf.dtype,
+                              **self._replay_kw(r))
+    else:  # master (and read copy) stored per the policy
+      sr = policy.stochastic_rounding
+      ssm = self._replay_from(
+          final, r.buffer_len, policy=policy,
+          row_id=r.row_id if sr else None,
+          step=tokens_after(r, lengths, resume) if sr else None,
+          layer=layer, **self._replay_kw(r))
+    return out, state.replace(conv=conv, ssm=ssm)
+
+
+class GDNMixer(DeltaRuleMixer):
   """Gated DeltaNet: projections -> conv + SiLU -> delta rule -> gated
   per-head RMSNorm -> out_proj."""
+
+  STATE_NAME = "the Gated DeltaNet state"
+  _replay_from = staticmethod(gdn.gdn_replay_state_from)
 
   def __init__(self, cfg: ModelConfig, *, rngs):
     self.cfg = cfg
@@ -74,74 +157,15 @@ class GDNMixer(nnx.Module):
     g, beta = gdn.gdn_gates(a, b, self.A_log[...], self.dt_bias[...])
     return x[..., :cd], z, g, beta
 
-  def _split(self, x):
-    """Conv output [.., conv_dim] -> q, k [.., HK, K], v [.., HV, V]."""
-    c = self.cfg
-    lead = x.shape[:-1]
-    kd = c.gdn_key_dim
-    return (x[..., :kd].reshape(lead + (c.gdn_num_k_heads, c.gdn_k_dim)),
-            x[..., kd:2 * kd].reshape(lead + (c.gdn_num_k_heads, c.gdn_k_dim)),
-            x[..., 2 * kd:].reshape(lead + (c.gdn_num_v_heads, c.gdn_v_dim)))
+  def _scan(self, q, k, v, g, beta, s0, valid):
+    return gdn.gdn_chunked_prefill(
+        q, k, v, g, beta, chunk_size=self.cfg.gdn_chunk_size,
+        initial_state=s0, valid=valid,
+        precision=scan_precision(self.cfg.scan_precision))
 
-  def _out(self, o, z):
-    """Gated RMSNorm over each value head (normalise, weight, times
-    silu(z); float32), then out_proj: o, z [.., HV, V] -> [.., d]."""
-    of = o.astype(F32)
-    of = of * jax.lax.rsqrt(jnp.mean(of * of, -1, keepdims=True) + self.eps)
-    y = (self.norm_weight[...].astype(F32) * of
-         * jax.nn.silu(z.astype(F32))).astype(self.cfg.jnp_dtype)
-    return self.out_proj(y.reshape(y.shape[:-2] + (-1,)))
-
-  # ----------------------------------------------------------- entries
-  def prefill(self, h, lengths, state: GDNState | None, layer: int = 0,
-              resume: bool = False):
-    """The right-padded prompt h [b, T, d] (positions >= lengths are
-    padding: they leave the state unchanged) -> (y [b, T, d], state); the
-    replay state stored per state.precision (`layer`: the recurrent-block
-    index keying stochastic rounding).
-
-    resume False: every row starts empty (`state` only fixes the layout).
-    resume True: each row continues `state` (its conv window precedes the
-    chunk, its delta-rule state, materialized, is the chunked prefill's
-    initial state; the rounding step counts on from the state's own), as
-    `Mamba2Mixer.prefill`."""
-    c = self.cfg
-    bsz, t, _ = h.shape
-    qkv, z, g, beta = self._project(h)
-    hist = state.conv if resume else None  # the window before the chunk
-    x, _ = causal_conv1d(qkv, self.conv_weight[...], None,
-                         initial_state=hist, activation="silu")
-    q, k, v = self._split(x)
-    valid = jnp.arange(t)[None, :] < lengths[:, None]  # [b, T]
-    s0 = (full_ssm_state(state.ssm, where="the Gated DeltaNet state")
-          if resume else None)
-    o, final = gdn.gdn_chunked_prefill(
-        q, k, v, g, beta, chunk_size=c.gdn_chunk_size, initial_state=s0,
-        valid=valid, precision=scan_precision(c.scan_precision))
-    out = self._out(o, z)
-    if state is None:
-      return out, None
-    # Conv state: the k-1 inputs before each row's end.
-    if hist is None:  # an empty row: zeros before t=0
-      hist = jnp.zeros((bsz, c.conv_kernel - 1, qkv.shape[-1]),
-                       state.conv.dtype)
-    conv = conv_state_after(qkv, lengths, hist, state.conv.dtype)
-    policy = state.precision
-    if state.is_replay and policy is None:
-      r = state.ssm
-      ssm = gdn.gdn_replay_state_from(
-          final, r.buffer_len, num_k_heads=c.gdn_num_k_heads,
-          checkpoint_dtype=r.checkpoint.dtype, buffer_dtype=r.d_buf.dtype)
-    elif state.is_replay:  # master (and read copy) stored per the policy
-      sr = policy.stochastic_rounding
-      ssm = gdn.gdn_replay_state_from(
-          final, state.ssm.buffer_len, num_k_heads=c.gdn_num_k_heads,
-          policy=policy, row_id=state.ssm.row_id if sr else None,
-          step=tokens_after(state.ssm, lengths, resume) if sr else None,
-          layer=layer)
-    else:
-      ssm = final.astype(state.ssm.dtype)
-    return out, state.replace(conv=conv, ssm=ssm)
+  def _replay_kw(self, r):
+    del r
+    return dict(num_k_heads=self.cfg.gdn_num_k_heads)
 
   def step(self, h, state: GDNState, implementation: str | None = None,
            layer: int = 0, rows=None):

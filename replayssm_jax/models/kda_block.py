@@ -33,19 +33,22 @@ import jax.numpy as jnp
 from flax import nnx
 
 from replayssm_jax import kda
-from replayssm_jax.conv import (causal_conv1d, causal_conv1d_update,
-                                conv_state_after)
+from replayssm_jax.conv import causal_conv1d, causal_conv1d_update
 from replayssm_jax.models.config import ModelConfig
+from replayssm_jax.models.gdn_block import DeltaRuleMixer
 from replayssm_jax.models.layers import Linear, _normal
-from replayssm_jax.models.states import (GDNState, full_ssm_state,
-                                         tokens_after)
+from replayssm_jax.models.states import GDNState
 
 F32 = jnp.float32
 
 
-class KDAMixer(nnx.Module):
+class KDAMixer(DeltaRuleMixer):
   """Kimi Delta Attention: projections -> conv + SiLU -> KDA rule -> gated
   (sigmoid) per-head RMSNorm -> out_proj."""
+
+  GATE = staticmethod(jax.nn.sigmoid)
+  STATE_NAME = "the KDA state"
+  _replay_from = staticmethod(kda.kda_replay_state_from)
 
   def __init__(self, cfg: ModelConfig, *, rngs):
     self.cfg = cfg
@@ -80,66 +83,13 @@ class KDAMixer(nnx.Module):
                             self.dt_bias[...])
     return x[..., :cd], gate, g, beta
 
-  def _split(self, x):
-    """Conv output [.., conv_dim] -> q, k [.., HK, K], v [.., HV, V]."""
-    c = self.cfg
-    lead = x.shape[:-1]
-    kd = c.gdn_key_dim
-    return (x[..., :kd].reshape(lead + (c.gdn_num_k_heads, c.gdn_k_dim)),
-            x[..., kd:2 * kd].reshape(lead + (c.gdn_num_k_heads, c.gdn_k_dim)),
-            x[..., 2 * kd:].reshape(lead + (c.gdn_num_v_heads, c.gdn_v_dim)))
+  def _scan(self, q, k, v, g, beta, s0, valid):
+    return kda.kda_chunked_prefill(q, k, v, g, beta,
+                                   chunk_size=self.cfg.gdn_chunk_size,
+                                   initial_state=s0, valid=valid)
 
-  def _out(self, o, gate):
-    """RMSNorm over each value head, weight, times sigmoid(gate) (float32),
-    then out_proj: o, gate [.., HV, V] -> [.., d]."""
-    of = o.astype(F32)
-    of = of * jax.lax.rsqrt(jnp.mean(of * of, -1, keepdims=True) + self.eps)
-    y = (self.norm_weight[...].astype(F32) * of
-         * jax.nn.sigmoid(gate.astype(F32))).astype(self.cfg.jnp_dtype)
-    return self.out_proj(y.reshape(y.shape[:-2] + (-1,)))
-
-  def prefill(self, h, lengths, state: GDNState | None, layer: int = 0,
-              resume: bool = False):
-    """The right-padded prompt h [b, T, d] (positions >= lengths leave the
-    state unchanged) -> (y [b, T, d], state), as `GDNMixer.prefill` (and
-    its `resume`)."""
-    c = self.cfg
-    bsz, t, _ = h.shape
-    qkv, gate, g, beta = self._project(h)
-    hist = state.conv if resume else None  # the window before the chunk
-    x, _ = causal_conv1d(qkv, self.conv_weight[...], None,
-                         initial_state=hist, activation="silu")
-    q, k, v = self._split(x)
-    valid = jnp.arange(t)[None, :] < lengths[:, None]  # [b, T]
-    s0 = (full_ssm_state(state.ssm, where="the KDA state")
-          if resume else None)
-    o, final = kda.kda_chunked_prefill(q, k, v, g, beta,
-                                       chunk_size=c.gdn_chunk_size,
-                                       initial_state=s0, valid=valid)
-    out = self._out(o, gate)
-    if state is None:
-      return out, None
-    if hist is None:  # an empty row: zeros before t=0
-      hist = jnp.zeros((bsz, c.conv_kernel - 1, qkv.shape[-1]),
-                       state.conv.dtype)
-    conv = conv_state_after(qkv, lengths, hist, state.conv.dtype)
-    policy = state.precision
-    if state.is_replay:
-      r = state.ssm
-      if policy is None:
-        ssm = kda.kda_replay_state_from(
-            final, r.buffer_len, gate_lower_bound=r.gate_lower_bound,
-            checkpoint_dtype=r.checkpoint.dtype, buffer_dtype=r.d_buf.dtype)
-      else:  # master (and read copy) stored per the policy
-        sr = policy.stochastic_rounding
-        ssm = kda.kda_replay_state_from(
-            final, r.buffer_len, gate_lower_bound=r.gate_lower_bound,
-            policy=policy, row_id=r.row_id if sr else None,
-            step=tokens_after(r, lengths, resume) if sr else None,
-            layer=layer)
-    else:
-      ssm = final.astype(state.ssm.dtype)
-    return out, state.replace(conv=conv, ssm=ssm)
+  def _replay_kw(self, r):
+    return dict(gate_lower_bound=r.gate_lower_bound)
 
   def step(self, h, state: GDNState, implementation: str | None = None,
            layer: int = 0):
