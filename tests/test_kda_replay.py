@@ -216,7 +216,8 @@ def test_corrupting_live_state_changes_the_output(field):
 def test_non_flush_rows_never_read_the_master_with_a_read_copy():
   counts, rstate, tok = _one_step_setup()
   policy = PrecisionPolicy.preset("f32+bf16").replace(buffer_dtype="float32")
-  r = rstate.replace(read_copy=rstate.checkpoint.astype(jnp.bfloat16))
+  r = rstate.with_policy(policy)  # the read copy rounded from the master
+  assert r.read_copy.dtype == jnp.bfloat16
   o_ref, new_ref = _step(r, **tok, policy=policy)
   flush_row = counts.index(7)
   nan_master = r.checkpoint.at[np.array([i for i in range(B)
