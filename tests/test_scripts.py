@@ -316,6 +316,20 @@ def test_prefix_ttft_bench_small(tmp_path):
     assert min(b["one_at_a_time_ms"], b["batched_ms"]) > 0
 
 
+def test_admission_profile_small(tmp_path):
+  # Both engines (without and with a cache) are profiled; with the cache
+  # every request after the first of each prefix hits.
+  out = tmp_path / "admission.json"
+  _run("admission_profile.py", "--small", f"--out={out}")
+  recs = json.loads(out.read_text())["records"]
+  assert [(r["mode"], r["prefix_cache"]) for r in recs] == [
+      ("replay", False), ("replay", True)]
+  for r in recs:
+    assert r["admissions"] == 6 and r["admit_ms_per_request"] > 0, r
+    assert r["own_time"] and all(t["own_ms"] >= 0 for t in r["own_time"])
+  assert recs[1]["cache"]["hits"] >= 6, recs[1]["cache"]
+
+
 def test_moe_dispatch_small(tmp_path):
   # Every dispatch agrees with the dense reference; an imbalanced router
   # (bias std 0.5) gives a largest group beyond the capacity, which the
