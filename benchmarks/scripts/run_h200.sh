@@ -38,6 +38,7 @@
 #   bash benchmarks/scripts/run_h200.sh serve_decode [on|off] [hf_config]  # serve_bench saturated at 256 slots on a decode-bound workload (prompts of 16-64, outputs of 256-768 tokens), the engine's overlap on or off
 #   bash benchmarks/scripts/run_h200.sh serve_prefix [hf_config]  # serve_bench on a shared-prefix workload at a light load, without and with a prefix cache
 #   bash benchmarks/scripts/run_h200.sh prefix_ttft [name] [flags]  # time to first token on an idle pool with a cached prefix of 25-94% of a 512-token prompt against insert without one, and the ideal (1 - f) of it, then 8 hits admitted one by one against one batched call (hybrid_1b); flags: prefix_ttft_bench.py's (--prompt_len, --max_len, --modes, --chunk_size, --fractions joined by "+"), output prefix_ttft_<name>.json
+#   bash benchmarks/scripts/run_h200.sh admission_profile [on|off]  # an engine's admissions with and without a prefix cache under cProfile, each jitted call of the admission paths a row of its own (hybrid_1b, replay, 24 requests), XLA's command buffers on (default) or off; output admission_profile_cb_<on|off>.json
 #   bash benchmarks/scripts/run_h200.sh pool_occupancy [active rows] [hf_config]  # a pool of 256 slots partly occupied: the dense dispatch vs the active rows gathered or stepped in place through a slot per row (hybrid_1b, or a transformers config's shape, e.g. configs/qwen3_5_4b_text.json; rows "+"-joined in run_h200_chain.sh)
 #   bash benchmarks/scripts/run_h200.sh slot_tests  # tests/test_slots.py on the GPU: the kernels through a slot per row against themselves on gathered rows
 #   bash benchmarks/scripts/run_h200.sh gdn_bench    # the GDN step kernels timed: baseline (Pallas, XLA, flash-linear-attention) vs replay, b {256,64,1,512} x L {16,8,32}
@@ -383,6 +384,11 @@ case "$1" in
     # flags (fractions joined by "+").
     timeout "$T" python -u benchmarks/scripts/prefix_ttft_bench.py \
       --out="$OUT/prefix_ttft${2:+_$2}.json" "${@:3}" ;;
+  admission_profile)
+    cb=${2:-on}
+    XLA_FLAGS="${XLA_FLAGS:-}$([ "$cb" = off ] && echo ' --xla_gpu_enable_command_buffer=')" \
+      timeout "$T" python -u benchmarks/scripts/admission_profile.py \
+      --modes=replay --requests=24 --out="$OUT/admission_profile_cb_$cb.json" ;;
   pool_occupancy)
     timeout "$T" python -u benchmarks/scripts/pool_occupancy_bench.py \
       --occupancies="$(echo "${2:-64,256}" | tr + ,)" \
