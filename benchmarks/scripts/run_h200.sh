@@ -36,7 +36,7 @@
 #   bash benchmarks/scripts/run_h200.sh serve [hf_config]  # serve_bench: continuous batching, Poisson arrivals, baseline vs replay (hybrid_1b, or a transformers config's shape)
 #   bash benchmarks/scripts/run_h200.sh serve_b256 [plain|speculative|plain+speculative] [hf_config]  # serve_bench saturated at 256 slots (512 requests at once); speculative: at acceptance 0.7
 #   bash benchmarks/scripts/run_h200.sh serve_decode [on|off] [hf_config]  # serve_bench saturated at 256 slots on a decode-bound workload (prompts of 16-64, outputs of 256-768 tokens), the engine's overlap on or off
-#   bash benchmarks/scripts/run_h200.sh serve_prefix [hf_config]  # serve_bench on a shared-prefix workload at a light load, without and with a prefix cache
+#   bash benchmarks/scripts/run_h200.sh serve_prefix [hf_config] [modes]  # serve_bench on a shared-prefix workload at a light load, without and with a prefix cache (modes: "+"-joined SSM modes, default baseline+replay; a cached engine's precompile takes ~4 min on an H100, so one mode per call; hf_config "-" for hybrid_1b)
 #   bash benchmarks/scripts/run_h200.sh prefix_ttft [name] [flags]  # time to first token on an idle pool with a cached prefix of 25-94% of a 512-token prompt against insert without one, and the ideal (1 - f) of it, then 8 hits admitted one by one against one batched call (hybrid_1b); flags: prefix_ttft_bench.py's (--prompt_len, --max_len, --modes, --chunk_size, --fractions joined by "+"), output prefix_ttft_<name>.json
 #   bash benchmarks/scripts/run_h200.sh admission_profile [on|off]  # an engine's admissions with and without a prefix cache under cProfile, each jitted call of the admission paths a row of its own (hybrid_1b, replay, 24 requests), XLA's command buffers on (default) or off; output admission_profile_cb_<on|off>.json
 #   bash benchmarks/scripts/run_h200.sh pool_occupancy [active rows] [hf_config]  # a pool of 256 slots partly occupied: the dense dispatch vs the active rows gathered or stepped in place through a slot per row (hybrid_1b, or a transformers config's shape, e.g. configs/qwen3_5_4b_text.json; rows "+"-joined in run_h200_chain.sh)
@@ -373,12 +373,14 @@ case "$1" in
     # 464-512 tokens, 448 of them one of 4 shared prefixes, 16-32 new
     # tokens; each mode without and with a prefix cache of 16-token blocks.
     timeout "$T" python -m experiments.serve_bench \
-      --config=configs/serve_bench.py --workdir="$OUT/serve_prefix" \
+      --config=configs/serve_bench.py --workdir="$OUT/serve_prefix${3:+_$3}" \
       --config.serve.num_requests=192 --config.serve.arrival_rate=16 \
       --config.serve.prompt_len_min=464 --config.serve.prompt_len_max=512 \
       --config.serve.output_len_min=16 --config.serve.output_len_max=32 \
       --config.serve.shared_prefixes=4 --config.serve.shared_prefix_len=448 \
-      --config.serve.speculative_window=0 ${2:+--config.hf_config=$2} ;;
+      --config.serve.speculative_window=0 \
+      --config.serve.ssm_modes="('$(echo "${3:-baseline+replay}" | sed "s/+/','/g")',)" \
+      $([ "${2:--}" != - ] && echo "--config.hf_config=$2") ;;
   prefix_ttft)
     # Argument 2: a name for the output file; further ones: the script's
     # flags (fractions joined by "+").
