@@ -9,7 +9,9 @@ per dispatch, batched admissions of up to 8 prompts, after
 its statistics, wall ms per dispatch and per admission, the host
 time of one hash of the model's nnx GraphDef (what jax computed on every
 jitted call taking it as a static argument, before `serving.model_parts`
-kept the hash), and the GraphDef comparisons made during the timed runs
+kept the hash), of one flattening of the model's parameters as an nnx
+State and as `model_parts` passes them (every jitted serving call
+flattens them), and the GraphDef comparisons made during the timed runs
 (count and ms: each run is a new engine of the same model, whose jitted
 calls find the first engine's compiled functions; a comparison of two
 whole GraphDefs when their static graphs are not the same object).
@@ -30,6 +32,7 @@ import json
 import statistics
 import time
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -99,10 +102,22 @@ def main():
   for _ in range(200):
     hash(graphdef)
   graph_hash_ms = (time.perf_counter() - t0) / 200 * 1e3
+
+  def flatten_us(tree):
+    t0 = time.perf_counter()
+    for _ in range(1000):
+      jax.tree_util.tree_flatten(tree)
+    return (time.perf_counter() - t0) * 1e3
+
+  # What every jitted serving call flattens: the model's parameters as
+  # nnx.split gives them, and as serving.model_parts passes them.
+  state_flatten_us = flatten_us(nnx.split(model)[1])
+  parts_flatten_us = flatten_us(serving.model_parts(model)[1])
   print(json.dumps(dict(
       capacity=a.capacity, requests=a.requests, overlap=a.overlap,
       shared_prefix=a.shared_prefix, prefix_cache=cache,
-      graph_hash_ms=graph_hash_ms,
+      graph_hash_ms=graph_hash_ms, state_flatten_us=state_flatten_us,
+      parts_flatten_us=parts_flatten_us,
       graph_eq_per_run=len(timed_eqs) / len(walls),
       graph_eq_ms_per_run=1e3 * sum(timed_eqs) / len(walls),
       wall_s=wall, walls_s=walls,
