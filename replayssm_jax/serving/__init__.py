@@ -4,9 +4,10 @@
                      ("slot").
   insert             prefill a prompt into one slot (jitted, traced slot).
   insert_many        prefill k prompts into k slots in one batched call.
-  model_parts        a model's nnx.split, its graph hashed once, kept to
-                     skip the split and the hash per call (parts= of the
-                     insert and step functions).
+  model_parts        a model's nnx.split, its graph hashed once and its
+                     parameters flat, kept to skip the split, the hash and
+                     the State's flattening per call (parts= of the insert
+                     and step functions).
   evict / evict_many free a slot / several slots in one op.
   step / step_n      one / n decode steps over all slots (dense batch;
                      inactive slots' states left unspecified).
