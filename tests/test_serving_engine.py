@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from replayssm_jax import models, serving
-from replayssm_jax.serving import parts as parts_mod
+from replayssm_jax.models import parts as parts_mod
 from tests.serving_common import CFG, build_model, greedy_tokens, prompt
 
 CAP, MAX_LEN, L = 3, 48, 4

@@ -21,6 +21,7 @@ from flax import nnx
 
 from replayssm_jax import _validation as V
 from replayssm_jax.models import model as M
+from replayssm_jax.models import parts as PT
 from replayssm_jax.models import states as S
 from replayssm_jax.models.generate import sample_logits, sampling_probs
 from replayssm_jax.models.verify_commit import commit_fn, verify_fn
@@ -190,7 +191,9 @@ class DraftModelProposer(Proposer):
                        f"{ssm_mode!r}.")
     if buffer_len is not None:
       buffer_len = V.positive_int("buffer_len", buffer_len)
-    graphdef, params = nnx.split(draft_model)
+    # The graph hashed once and the parameters flat (`parts.flat_parts`):
+    # the proposer is an argument of every jitted speculative call.
+    graphdef, params = PT.flat_parts(*nnx.split(draft_model))
     self._set(draft_model.config, graphdef, params, ssm_mode, buffer_len,
               implementation)
 
@@ -218,7 +221,7 @@ class DraftModelProposer(Proposer):
             f"buffer_len={self.buffer_len!r})")
 
   def _model(self):
-    return nnx.merge(self.graphdef, self.params)
+    return PT.merge(self.graphdef, self.params)
 
   def _mode(self, ssm_mode, buffer_len):
     return (self.ssm_mode or ssm_mode,

@@ -74,7 +74,7 @@ from replayssm_jax.models.generate import (check_sampling, filter_logits,
 from replayssm_jax.models import model as M
 from replayssm_jax.models import states as S
 from replayssm_jax.serving import rows as R
-from replayssm_jax.serving.parts import merge, model_parts
+from replayssm_jax.models.parts import merge, model_parts
 
 # Number of times each jitted entry point was traced (tests assert on it).
 TRACE_COUNTS = {"insert": 0, "insert_many": 0, "step": 0, "step_n": 0}

@@ -1,11 +1,12 @@
-"""A served model's nnx.split, its graph hashed once and its parameters
-flat.
+"""A model's nnx.split for jitted calls: its graph hashed once and its
+parameters flat.
 
 The serving functions are jitted with the model's `GraphDef` as a static
-argument, and jax hashes static arguments on every call: an nnx GraphDef
-hashes its whole node list each time, host time on every admission and
-dispatch that grows with the model's blocks (benchmarks/README.md,
-"Serving"). `model_parts` wraps it in a `StaticGraph` whose hash is computed
+argument (a draft-model proposer, an argument of the speculative calls,
+carries its own as pytree metadata), and jax hashes it on every call: an
+nnx GraphDef hashes its whole node list each time, host time on every
+admission and dispatch that grows with the model's blocks
+(benchmarks/README.md, "Serving"). `model_parts` wraps it in a `StaticGraph` whose hash is computed
 once; the jitted functions unwrap it with `merge`.
 
 A jit cache compares a static argument of an equal hash with the one it
@@ -68,6 +69,12 @@ def static_graph(graphdef, treedef=None) -> StaticGraph:
   return new
 
 
+def flat_parts(graphdef, state):
+  """(StaticGraph, the State's leaves as a tuple) of an nnx.split."""
+  leaves, treedef = jax.tree_util.tree_flatten(state)
+  return static_graph(graphdef, treedef), tuple(leaves)
+
+
 def model_parts(model, parts=None):
   """(StaticGraph, params: the State's leaves as a tuple) of `model`:
   `parts` when it is an earlier `model_parts` (kept by a caller that
@@ -77,9 +84,7 @@ def model_parts(model, parts=None):
   tens of blocks)."""
   if parts is not None and isinstance(parts[0], StaticGraph):
     return parts
-  graphdef, state = nnx.split(model) if parts is None else parts
-  leaves, treedef = jax.tree_util.tree_flatten(state)
-  return static_graph(graphdef, treedef), tuple(leaves)
+  return flat_parts(*(nnx.split(model) if parts is None else parts))
 
 
 def merge(graphdef, params):
