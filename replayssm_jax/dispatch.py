@@ -185,10 +185,13 @@ def _choose(op: str, implementation: str | None, config, args: dict):
 
 
 # ------------------------------------------------- replay ops' arguments
-def invalid_rows(rstate: ReplayState):
+def invalid_rows(rstate: ReplayState, rows=None):
   """[batch] bool: rows whose counter is outside [0, L) (the traced-value
-  policy's marker: such rows output NaN)."""
-  return (rstate.count < 0) | (rstate.count >= rstate.buffer_len)
+  policy's marker: such rows output NaN); with `rows` ([k] effective
+  slots of a step through slots) [k]: those of the stepped slots (a
+  padding row: False)."""
+  bad = (rstate.count < 0) | (rstate.count >= rstate.buffer_len)
+  return bad if rows is None else slots.gather(bad, rows) & (rows >= 0)
 
 
 def policy_args(rstate: ReplayState, policy, layer) -> dict:

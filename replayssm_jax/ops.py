@@ -93,7 +93,6 @@ def selective_state_update(ssm_state, x, dt, A, B, C, D=None, z=None,
                                  config, args, rows, ("ssm_state",))
 
 
-
 def decode_attention(q, k_cache, v_cache, lengths, scale=None, *,
                      rows=None, implementation: str | None = None,
                      config=None):
@@ -307,9 +306,7 @@ def replay_state_update(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
               **policy_args(rstate, policy, layer))
   y, new = _dispatch.dispatch_rows("replay_state_update", implementation,
                                    config, args, rows, ("rstate",))
-  bad = invalid_rows(new) if rows is None else slots.gather(
-      invalid_rows(new), rows) & (rows >= 0)
-  V.raise_if_invalid(bad, "replay_state_update")
+  V.raise_if_invalid(invalid_rows(new, rows), "replay_state_update")
   return y, new
 
 

@@ -60,6 +60,7 @@ from pallas_kernels.replay import fold
 from pallas_kernels.replay.program import (FlushStores, WholeTile,
                                            copy_counts, copy_operands,
                                            copy_spec, step_fields)
+from replayssm_jax import slots
 
 F32 = jnp.float32
 _N_IN = 10  # checkpoint, d / k / g rings, counters, q, k, v, g, beta
@@ -373,8 +374,7 @@ def gdn_replay_step(rstate, q, k, v, g, beta, use_qk_l2norm=True,
         more_aliases={first_more: 0, first_more + 1: 4})
   o, db, kb, gb, cnt, ck = outs[:_N_OUT]
   if rows is not None:  # the token rows' new counters into the state's
-    cnt = rstate.count.at[jnp.where(rows < 0, rstate.count.shape[0],
-                                    rows)].set(cnt, mode="drop")
+    cnt = slots.scatter(rstate.count, cnt, rows)
   fields = {}
   if spec is not None and spec.copy:
     fields["read_copy"] = outs[_N_OUT]

@@ -28,6 +28,7 @@ from pallas_kernels.replay.program import (pad_pow2, step_fields,
                                            copy_operands)
 from pallas_kernels.replay.split import _split_output_route
 from pallas_kernels.ssu.mosaic import MosaicSSUConfig
+from replayssm_jax import slots
 
 
 def _state_shapes(rstate, x, *, checkpoint=False):
@@ -170,8 +171,7 @@ def replay_state_update(rstate, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                             plan.max_registers),
     )(*state_in, *token_in, *extra, *optional, *slot_in, *y_flush)
   if rows is not None:  # the token rows' new counters into the state's
-    cnt = rstate.count.at[jnp.where(rows < 0, rstate.count.shape[0],
-                                    rows)].set(cnt, mode="drop")
+    cnt = slots.scatter(rstate.count, cnt, rows)
   if plan.flush_route == "mosaic_gpu":
     return y, ReplayState(checkpoint=ck, x_buf=xb, b_buf=bb, dt_buf=dtb,
                           count=cnt, **step_fields(rstate))

@@ -99,7 +99,6 @@ def gdn_step(state, q, k, v, g, beta, *, use_qk_l2norm: bool = True,
                                  rows, ("state",))
 
 
-
 def gdn_chunked_prefill(q, k, v, g, beta, *, chunk_size: int = 64,
                         initial_state=None, valid=None,
                         use_qk_l2norm: bool = True, scale=None,
@@ -192,10 +191,7 @@ def gdn_replay_step(rstate: GDNReplayState, q, k, v, g, beta, *,
               **policy_args(rstate, policy, layer))
   o, new = _dispatch.dispatch_rows("gdn_replay_step", implementation,
                                    config, args, rows, ("rstate",))
-  bad = _dispatch.invalid_rows(new)
-  if rows is not None:
-    bad = slots.gather(bad, rows) & (rows >= 0)
-  V.raise_if_invalid(bad, "gdn_replay_step")
+  V.raise_if_invalid(_dispatch.invalid_rows(new, rows), "gdn_replay_step")
   return o, new
 
 

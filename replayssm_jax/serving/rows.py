@@ -12,7 +12,6 @@ decodes it and scatters the rows back (`serving.Engine`'s
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 
