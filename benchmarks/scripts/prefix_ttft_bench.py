@@ -58,14 +58,19 @@ from replayssm_jax import models, serving  # pylint: disable=g-import-not-at-top
 
 def timed(fn, repeats):
   """fn(i) -> (first token, ...) for repeat i: one warm-up call, then the
-  median ms of `repeats` calls to the first token on the host."""
+  median ms of `repeats` calls to the first token on the host, those
+  times, and the median ms until fn returned (the host's own work: its
+  Python and the dispatches; where it is close to the first one, the
+  device waited for the host)."""
   jax.block_until_ready(fn(-1)[0])
-  times = []
+  times, host = [], []
   for i in range(repeats):
     t0 = time.perf_counter()
-    jax.block_until_ready(fn(i)[0])
+    out = fn(i)
+    host.append((time.perf_counter() - t0) * 1e3)
+    jax.block_until_ready(out[0])
     times.append((time.perf_counter() - t0) * 1e3)
-  return statistics.median(times), times
+  return statistics.median(times), times, statistics.median(host)
 
 
 def top2_gap(logits: np.ndarray) -> float:
@@ -131,14 +136,15 @@ def main():
                                             parts=parts, return_logits=True)
       return tok, lg
 
-    t0, t0_all = timed(lambda i: insert(tokens(t)), a.repeats)
-    miss, _ = timed(lambda i: cached(serving.PrefixCache(block, 2),
+    t0, t0_all, t0_host = timed(lambda i: insert(tokens(t)), a.repeats)
+    miss, _, _ = timed(lambda i: cached(serving.PrefixCache(block, 2),
                                      tokens(t)), a.repeats)
     rec = dict(mode=mode, insert_ms=t0, insert_times_ms=t0_all,
-               miss_ms=miss, hits=[])
+               insert_host_ms=t0_host, miss_ms=miss, hits=[])
     res["records"].append(rec)  # saved with each hit
     save()
-    print(f"{mode}: insert {t0:.2f} ms, miss {miss:.2f} ms", flush=True)
+    print(f"{mode}: insert {t0:.2f} ms (host {t0_host:.2f}), miss "
+          f"{miss:.2f} ms", flush=True)
     done, prefix_of = set(), {}
     for f in (float(x) for x in a.fractions.replace("+", ",").split(",")):
       k = int(f * t) // block * block
@@ -157,18 +163,20 @@ def main():
                   / np.max(np.abs(np.asarray(want_lg))))
       # Warm-up and timed calls on tails of their own: the checked prompt's
       # keys are known now, so it would extend the cached prefix instead.
-      tf, tf_all = timed(lambda i: cached(cache, prompts[i + 2]), a.repeats)
-      rest, _ = timed(lambda i: insert(tokens(t - k)), a.repeats)
+      tf, tf_all, tf_host = timed(lambda i: cached(cache, prompts[i + 2]),
+                                  a.repeats)
+      rest, _, rest_host = timed(lambda i: insert(tokens(t - k)), a.repeats)
       st = cache.stats()
       fr = k / t
       hit = dict(cached_tokens=k, fraction=fr, ms=tf, times_ms=tf_all,
-                 rest_ms=rest, ideal_ms=(1 - fr) * t0,
+                 host_ms=tf_host, rest_ms=rest, rest_host_ms=rest_host,
+                 ideal_ms=(1 - fr) * t0,
                  share_of_ideal_saving=(t0 - tf) / (fr * t0),
                  first_token_equal=ok, logits_rel_err=err,
                  hits=st["hits"], misses=st["misses"],
                  entries=st["entries"])
-      print(f"  cached {k}/{t}: {tf:.2f} ms (ideal {(1 - fr) * t0:.2f}, "
-            f"the rest alone {rest:.2f}), "
+      print(f"  cached {k}/{t}: {tf:.2f} ms (host {tf_host:.2f}; ideal "
+            f"{(1 - fr) * t0:.2f}, the rest alone {rest:.2f}), "
             f"{hit['share_of_ideal_saving']:.2f} of the ideal saving; "
             f"first token equal {ok}, logits err {err:.1e}", flush=True)
       rec["hits"].append(hit)
@@ -205,11 +213,13 @@ def main():
       want = [int(tok) for tok, _ in ref]
       got = [int(x) for x in batched(prefix_cache(), check, 0)[0]]
       cache = prefix_cache()
-      single, _ = timed(functools.partial(one_by_one, cache, fresh()),
-                        a.repeats)
-      many, _ = timed(functools.partial(batched, cache, fresh()), a.repeats)
+      single, _, _ = timed(functools.partial(one_by_one, cache, fresh()),
+                           a.repeats)
+      many, _, many_host = timed(functools.partial(batched, cache, fresh()),
+                                 a.repeats)
       rec["batch_hits"] = dict(prompts=n, cached_tokens=k,
                                one_at_a_time_ms=single, batched_ms=many,
+                               batched_host_ms=many_host,
                                first_tokens_equal=want == got)
       if want != got:
         # Which prompts differ, and how close their one-at-a-time logits'
