@@ -50,7 +50,7 @@ import numpy as np
 
 from replayssm_jax.models import hf_granite as G
 from replayssm_jax.models.config import ModelConfig
-from replayssm_jax.models.hf_tensors import swiglu_tensors
+from replayssm_jax.models.hf_tensors import stack_gated_experts, swiglu_tensors
 
 ARCHITECTURE = "KimiLinearForCausalLM"
 MODEL_TYPE = "kimi_linear"
@@ -233,31 +233,6 @@ _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
 _KDA_IN = ("q_proj", "k_proj", "v_proj", "f_a_proj", "g_a_proj", "b_proj")
 
 
-def _stack_experts(experts: dict, out: dict) -> None:
-  for prefix, projs in experts.items():
-    stacked = {}
-    for w, by_index in projs.items():
-      n = len(by_index)
-      if sorted(by_index) != list(range(n)):
-        raise ValueError(f"checkpoint tensors: {prefix}.*.{w}.weight holds "
-                         f"experts {sorted(by_index)}, expected 0 .. {n - 1}.")
-      shapes = {tuple(a.shape) for a in by_index.values()}
-      if len(shapes) != 1:
-        raise ValueError(f"checkpoint tensors: {prefix}.*.{w}.weight have "
-                         f"different shapes {sorted(shapes)}.")
-      stacked[w] = np.stack([np.asarray(by_index[j]) for j in range(n)])
-    if "w1" in stacked and "w3" in stacked:
-      if stacked["w1"].shape != stacked["w3"].shape:
-        raise ValueError(f"checkpoint tensors: {prefix}.*.w1 and w3 differ "
-                         f"in shape.")
-      out[prefix + ".gate_up_proj"] = np.concatenate(
-          [stacked.pop("w1"), stacked.pop("w3")], axis=1)  # [gate; up]
-    if "w2" in stacked:
-      out[prefix + ".down_proj"] = stacked.pop("w2")
-    for w, arr in stacked.items():  # an unpaired w1 / w3: reported unexpected
-      out[f"{prefix}.{w}.weight"] = arr
-
-
 def _pack_kda(cfg: ModelConfig, p: str, out: dict, missing: list,
               bad: list) -> None:
   """One KDA layer's tensors under p = model.layers.{i}.self_attn.: the six
@@ -311,13 +286,7 @@ def pack_tensors(cfg: ModelConfig, tensors: dict[str, Any]
           m.group(3), {})[int(m.group(2))] = arr
     else:
       out[name] = arr
-  _stack_experts(experts, out)
-  for name in [k for k in out
-               if k.endswith(".shared_experts.gate_proj.weight")]:
-    up = name.replace(".gate_proj.", ".up_proj.")
-    if up in out and np.shape(out[up]) == np.shape(out[name]):
-      out[name.replace(".gate_proj.", ".gate_up_proj.")] = np.concatenate(
-          [np.asarray(out.pop(name)), np.asarray(out.pop(up))], axis=0)
+  stack_gated_experts(experts, out, "w1", "w3", "w2", "shared_experts")
   missing, bad = [], []
   for i, kind in enumerate(cfg.block_kinds[::2]):
     if kind == "kda":

@@ -41,7 +41,7 @@ from typing import Any, Callable
 import numpy as np
 
 from replayssm_jax.models.config import ModelConfig
-from replayssm_jax.models.hf_tensors import json_float
+from replayssm_jax.models.hf_tensors import json_float, stack_experts
 
 ARCHITECTURE = "NemotronHForCausalLM"
 PATTERN_OF = {"linear_attention": "M", "mamba": "M", "full_attention": "*",
@@ -251,16 +251,7 @@ def pack_tensors(tensors: dict[str, Any]) -> dict[str, Any]:
     else:
       out[name] = arr
   for (prefix, proj), by_index in experts.items():
-    n = len(by_index)
-    if sorted(by_index) != list(range(n)):
-      raise ValueError(f"checkpoint tensors: {prefix}.*.{proj}.weight holds "
-                       f"experts {sorted(by_index)}, expected 0 .. {n - 1}.")
-    shapes = {tuple(a.shape) for a in by_index.values()}
-    if len(shapes) != 1:
-      raise ValueError(f"checkpoint tensors: {prefix}.*.{proj}.weight have "
-                       f"different shapes {sorted(shapes)}.")
-    out[f"{prefix}.{proj}"] = np.stack(
-        [np.asarray(by_index[j]) for j in range(n)])
+    out[f"{prefix}.{proj}"] = stack_experts(prefix, proj, by_index)
   return out
 
 

@@ -69,7 +69,7 @@ import numpy as np
 from replayssm_jax import _validation as V
 from replayssm_jax.models import hf_granite as G
 from replayssm_jax.models.config import ModelConfig
-from replayssm_jax.models.hf_tensors import swiglu_tensors
+from replayssm_jax.models.hf_tensors import stack_gated_experts, swiglu_tensors
 
 ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
                  "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
@@ -340,32 +340,7 @@ def pack_tensors(cfg: ModelConfig, tensors: dict[str, Any]
           m.group(3), {})[int(m.group(2))] = arr
     else:
       out[name] = arr
-  for prefix, projs in experts.items():
-    stacked = {}
-    for proj, by_index in projs.items():
-      n = len(by_index)
-      if sorted(by_index) != list(range(n)):
-        raise ValueError(f"checkpoint tensors: {prefix}.*.{proj}.weight "
-                         f"holds experts {sorted(by_index)}, expected 0 .. "
-                         f"{n - 1}.")
-      shapes = {tuple(a.shape) for a in by_index.values()}
-      if len(shapes) != 1:
-        raise ValueError(f"checkpoint tensors: {prefix}.*.{proj}.weight "
-                         f"have different shapes {sorted(shapes)}.")
-      stacked[proj] = np.stack([np.asarray(by_index[j]) for j in range(n)])
-    if "gate_proj" in stacked and "up_proj" in stacked:
-      if stacked["gate_proj"].shape != stacked["up_proj"].shape:
-        raise ValueError(f"checkpoint tensors: {prefix}.*.gate_proj and "
-                         f"up_proj differ in shape.")
-      out[prefix + ".gate_up_proj"] = np.concatenate(
-          [stacked.pop("gate_proj"), stacked.pop("up_proj")], axis=1)
-    for proj, arr in stacked.items():
-      out[f"{prefix}.{proj}" if proj == "down_proj"
-          else f"{prefix}.{proj}.weight"] = arr
-  for name in [k for k in out if k.endswith(".shared_expert.gate_proj.weight")]:
-    up = name.replace(".gate_proj.", ".up_proj.")
-    if up in out and out[up].shape == out[name].shape:
-      out[name.replace(".gate_proj.", ".gate_up_proj.")] = np.concatenate(
-          [np.asarray(out.pop(name)), np.asarray(out.pop(up))], axis=0)
+  stack_gated_experts(experts, out, "gate_proj", "up_proj", "down_proj",
+                      "shared_expert")
   _fuse_gdn_in_proj(cfg, out)
   return out

@@ -47,6 +47,50 @@ def swiglu_tensors(prefix: str, mx: tuple) -> dict[str, tuple]:
   return m
 
 
+def stack_experts(prefix: str, proj: str, by_index: dict) -> np.ndarray:
+  """Per-expert tensors {index: [out, in]} of `{prefix}.*.{proj}.weight`
+  stacked [E, out, in]; experts 0 .. E-1 must all be present, of one
+  shape (a ValueError naming the tensors otherwise)."""
+  n = len(by_index)
+  if sorted(by_index) != list(range(n)):
+    raise ValueError(f"checkpoint tensors: {prefix}.*.{proj}.weight holds "
+                     f"experts {sorted(by_index)}, expected 0 .. {n - 1}.")
+  shapes = {tuple(a.shape) for a in by_index.values()}
+  if len(shapes) != 1:
+    raise ValueError(f"checkpoint tensors: {prefix}.*.{proj}.weight have "
+                     f"different shapes {sorted(shapes)}.")
+  return np.stack([np.asarray(by_index[j]) for j in range(n)])
+
+
+def stack_gated_experts(experts: dict, out: dict, gate: str, up: str,
+                        down: str, shared: str) -> None:
+  """SwiGLU experts {prefix: {proj: {index: tensor}}} into `out` as the
+  tensor maps name them: the gate and up projections stacked as
+  {prefix}.gate_up_proj [E, 2I, d] (each expert's [gate; up] rows), the
+  down projection as {prefix}.down_proj [E, d, I], anything unpaired as
+  {prefix}.{proj}.weight (left for `load_tensors` to report). Then every
+  shared expert's `{shared}.gate_proj.weight` and `up_proj.weight` in `out`
+  of one shape, as one {shared}.gate_up_proj.weight [gate; up]."""
+  for prefix, projs in experts.items():
+    stacked = {p: stack_experts(prefix, p, by_index)
+               for p, by_index in projs.items()}
+    if gate in stacked and up in stacked:
+      if stacked[gate].shape != stacked[up].shape:
+        raise ValueError(f"checkpoint tensors: {prefix}.*.{gate} and {up} "
+                         f"differ in shape.")
+      out[prefix + ".gate_up_proj"] = np.concatenate(
+          [stacked.pop(gate), stacked.pop(up)], axis=1)
+    if down in stacked:
+      out[prefix + ".down_proj"] = stacked.pop(down)
+    for p, arr in stacked.items():
+      out[f"{prefix}.{p}.weight"] = arr
+  for name in [k for k in out if k.endswith(f".{shared}.gate_proj.weight")]:
+    other = name.replace(".gate_proj.", ".up_proj.")
+    if other in out and np.shape(out[other]) == np.shape(out[name]):
+      out[name.replace(".gate_proj.", ".gate_up_proj.")] = np.concatenate(
+          [np.asarray(out.pop(name)), np.asarray(out.pop(other))], axis=0)
+
+
 class _Transform(NamedTuple):
   """One transform's three directions: HF tensor -> parameter (jax),
   parameter -> HF tensor (numpy), parameter shape -> HF shape."""
