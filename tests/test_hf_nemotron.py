@@ -169,3 +169,34 @@ def test_missing_pattern_is_a_value_error():
   base.pop("hybrid_override_pattern")
   with pytest.raises(ValueError, match="hybrid_override_pattern"):
     hf.config_from_hf(base)
+
+
+def test_expert_stacking_checks_and_pairs():
+  """hf_tensors' stacking (every MoE reader's): experts 0 .. E-1 of one
+  shape or a ValueError naming the tensors; gate and up stacked as one
+  [E, 2I, d] of [gate; up] rows, a shared expert's halves fused."""
+  from replayssm_jax.models import hf_tensors as T  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  w = lambda *s: rng.standard_normal(s).astype(np.float32)
+  with pytest.raises(ValueError, match=r"m\.experts\.\*\.up\.weight holds "
+                     r"experts \[0, 2\], expected 0 \.\. 1"):
+    T.stack_experts("m.experts", "up", {0: w(3, 2), 2: w(3, 2)})
+  with pytest.raises(ValueError, match="different shapes"):
+    T.stack_experts("m.experts", "up", {0: w(3, 2), 1: w(2, 2)})
+  g, u, d = [w(3, 2), w(3, 2)], [w(3, 2), w(3, 2)], [w(2, 3), w(2, 3)]
+  sg, su = w(4, 2), w(4, 2)
+  out = {"m.shared.gate_proj.weight": sg, "m.shared.up_proj.weight": su}
+  T.stack_gated_experts(
+      {"m.experts": {"g": dict(enumerate(g)), "u": dict(enumerate(u)),
+                     "d": dict(enumerate(d))}}, out, "g", "u", "d", "shared")
+  assert sorted(out) == ["m.experts.down_proj", "m.experts.gate_up_proj",
+                         "m.shared.gate_up_proj.weight"]
+  np.testing.assert_array_equal(out["m.experts.gate_up_proj"][1],
+                                np.concatenate([g[1], u[1]]))
+  np.testing.assert_array_equal(out["m.experts.down_proj"], np.stack(d))
+  np.testing.assert_array_equal(out["m.shared.gate_up_proj.weight"],
+                                np.concatenate([sg, su]))
+  with pytest.raises(ValueError, match=r"m\.experts\.\*\.g and u differ"):
+    T.stack_gated_experts({"m.experts": {"g": {0: w(3, 2)},
+                                         "u": {0: w(4, 2)}}}, {}, "g", "u",
+                          "d", "shared")
