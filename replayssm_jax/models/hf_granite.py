@@ -52,8 +52,8 @@ from replayssm_jax.models.hf_tensors import json_float
 ARCHITECTURE = "GraniteMoeHybridForCausalLM"
 MODEL_TYPE = "granitemoehybrid"
 
-_MAMBA_TYPES = ("mamba", "linear_attention")
-_ATTENTION_TYPES = ("attention", "full_attention")
+_LAYER_TYPES = {"mamba": "M", "linear_attention": "M", "attention": "*",
+                "full_attention": "*"}
 _MISSING = object()
 
 
@@ -90,6 +90,21 @@ def refuse(hf: dict, key: str, allowed, default):
   if v not in allowed:
     raise ValueError(f"config.json: {key}={v!r} is not supported (only "
                      f"{' or '.join(map(repr, allowed))}).")
+
+
+def per_layer(key: str, types, n: int, table: dict, what: str = "layer types"
+              ) -> list:
+  """config.json's `key`, a list of n names each in `table`, as their
+  table values; a ValueError naming the key and the first bad entry
+  otherwise."""
+  if not isinstance(types, list) or len(types) != n:
+    raise ValueError(f"config.json: {key} must be a list of "
+                     f"num_hidden_layers={n} {what}, got {types!r}.")
+  bad = [t for t in types if not isinstance(t, str) or t not in table]
+  if bad:
+    raise ValueError(f"config.json: {key} holds {bad[0]!r}, not supported "
+                     f"(only {tuple(table)}).")
+  return [table[t] for t in types]
 
 
 def layer_pattern(kinds, ffn: str = "-") -> str:
@@ -197,18 +212,7 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "float32",
   types = hf.get("layer_types", hf.get("layers_block_type"))
   if types is None:
     types = ["mamba"] * n
-  if not isinstance(types, list) or len(types) != n:
-    raise ValueError(f"config.json: layer_types must be a list of "
-                     f"num_hidden_layers={n} layer types, got {types!r}.")
-  kinds = []
-  for t in types:
-    if t in _MAMBA_TYPES:
-      kinds.append("M")
-    elif t in _ATTENTION_TYPES:
-      kinds.append("*")
-    else:
-      raise ValueError(f"config.json: layer_types holds {t!r}, not "
-                       f"supported (only {_MAMBA_TYPES + _ATTENTION_TYPES}).")
+  kinds = per_layer("layer_types", types, n, _LAYER_TYPES)
   pos = hf.get("position_embedding_type")
   if pos not in (None, "nope", "rope"):
     raise ValueError(f"config.json: position_embedding_type={pos!r} is not "

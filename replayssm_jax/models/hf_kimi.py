@@ -80,14 +80,7 @@ def _layer_types(hf: dict, n: int, lin: dict) -> list[str]:
   elif types is None:
     types = ["full_attention" if i and i % 4 == 0 else "linear_attention"
              for i in range(n)]
-  if not isinstance(types, list) or len(types) != n:
-    raise ValueError(f"config.json: layer_types must be a list of "
-                     f"num_hidden_layers={n} layer types, got {types!r}.")
-  bad = [t for t in types if t not in _LAYER_TYPES]
-  if bad:
-    raise ValueError(f"config.json: layer_types holds {bad[0]!r}, not "
-                     f"supported (only {tuple(_LAYER_TYPES)}).")
-  return [_LAYER_TYPES[t] for t in types]
+  return G.per_layer("layer_types", types, n, _LAYER_TYPES)
 
 
 def _mlp_types(hf: dict, n: int) -> list[str]:
@@ -98,14 +91,7 @@ def _mlp_types(hf: dict, n: int) -> list[str]:
       raise ValueError(f"config.json: first_k_dense_replace must be an int "
                        f">= 0, got {k!r}.")
     types = ["dense" if i < k else "sparse" for i in range(n)]
-  if not isinstance(types, list) or len(types) != n:
-    raise ValueError(f"config.json: mlp_layer_types must be a list of "
-                     f"num_hidden_layers={n} entries, got {types!r}.")
-  bad = [t for t in types if t not in _MLP_TYPES]
-  if bad:
-    raise ValueError(f"config.json: mlp_layer_types holds {bad[0]!r}, not "
-                     f"supported (only {tuple(_MLP_TYPES)}).")
-  return [_MLP_TYPES[t] for t in types]
+  return G.per_layer("mlp_layer_types", types, n, _MLP_TYPES, "entries")
 
 
 def _int(hf, *keys, default=None):

@@ -117,14 +117,7 @@ def layer_kinds(hf: dict, n: int) -> list[str]:
     k = G.get(hf, "full_attention_interval", 4, "int")
     types = ["full_attention" if (i + 1) % k == 0 else "linear_attention"
              for i in range(n)]
-  if not isinstance(types, list) or len(types) != n:
-    raise ValueError(f"config.json: layer_types must be a list of "
-                     f"num_hidden_layers={n} layer types, got {types!r}.")
-  bad = [t for t in types if t not in _LAYER_TYPES]
-  if bad:
-    raise ValueError(f"config.json: layer_types holds {bad[0]!r}, not "
-                     f"supported (only {tuple(_LAYER_TYPES)}).")
-  return [_LAYER_TYPES[t] for t in types]
+  return G.per_layer("layer_types", types, n, _LAYER_TYPES)
 
 
 def _moe_layers(hf: dict, n: int) -> tuple[list[bool], dict[str, Any]]:
