@@ -179,6 +179,8 @@ def test_granite_moe_config_maps_onto_the_moe_block():
     (GRANITE, "num_local_experts", 0.5),
     (GRANITE, "position_embedding_type", "alibi"),
     (GRANITE, "layer_types", ["mamba", "moe"]),
+    (GRANITE, "layer_types", [["mamba"], "attention"]),
+    (GRANITE, "layer_types", ["mamba"]),
     (GRANITE, "hidden_act", "gelu"),
     (GRANITE, "time_step_limit", [0.0, 0.1]),
     (GRANITE, "time_step_limit", [0.001, {"__float__": "Infinity"}]),
