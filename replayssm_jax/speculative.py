@@ -138,25 +138,31 @@ def replay_commit(rstate: ReplayState, num_accepted,
   if not isinstance(rstate, ReplayState):
     raise TypeError(f"rstate must be a ReplayState, got "
                     f"{type(rstate).__name__}.")
+  return commit_pending(rstate, num_accepted, window, "replay_commit",
+                        "replay_verify")
+
+
+def commit_pending(rstate, num_accepted, window, commit: str, verify: str):
+  """A verified window's commit as a counter move, for any replay state
+  with `pending_window`, `count` and `step` (Mamba-2, GDN): checks the
+  window and num_accepted (messages naming the `commit` and `verify`
+  functions), advances count (and step) by num_accepted, and under jit
+  sets an out-of-range row's count to -1."""
   pending = rstate.pending_window
   if pending is None:
     raise ValueError(
-        "rstate has no pending window: replay_commit takes the state "
-        "returned by replay_verify (a committed state has nothing to "
-        "commit).")
-  if window is not None:
-    window = V.positive_int("window", window)
-    if window != pending:
-      raise ValueError(
-          f"window ({window}) does not match the pending window of rstate "
-          f"({pending} tokens, from replay_verify).")
-  window = pending
-  V.check_num_accepted(num_accepted, rstate.batch, window)
+        f"rstate has no pending window: {commit} takes the state returned "
+        f"by {verify} (a committed state has nothing to commit).")
+  if window is not None and V.positive_int("window", window) != pending:
+    raise ValueError(
+        f"window ({window}) does not match the pending window of rstate "
+        f"({pending} tokens, from {verify}).")
+  V.check_num_accepted(num_accepted, rstate.batch, pending)
   n = jnp.asarray(num_accepted, jnp.int32)
-  ok = (n >= 1) & (n <= window)
+  ok = (n >= 1) & (n <= pending)
   extra = {} if rstate.step is None else dict(
       step=jnp.where(ok, rstate.step + n, rstate.step).astype(jnp.int32))
-  V.raise_if_invalid(~ok, "replay_commit (num_accepted)")
+  V.raise_if_invalid(~ok, f"{commit} (num_accepted)")
   return rstate.replace(
       count=jnp.where(ok, rstate.count + n, -1).astype(jnp.int32),
       pending_window=None, **extra)

@@ -19,8 +19,6 @@ reference registered; kernels register further entries with
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
 from replayssm_jax import _validation as V
 from replayssm_jax import dispatch as _dispatch
 from replayssm_jax.dispatch import dispatch
@@ -31,7 +29,7 @@ from replayssm_jax.gdn import reference
 from replayssm_jax.gdn import replay
 from replayssm_jax.gdn import verify
 from replayssm_jax.gdn.state import GDNReplayState, policy_args
-from replayssm_jax.speculative import baseline_commit
+from replayssm_jax.speculative import baseline_commit, commit_pending
 
 OPS = {
     "gdn_step": reference.gdn_step,
@@ -277,25 +275,8 @@ def gdn_replay_commit(rstate: GDNReplayState, num_accepted,
   if not isinstance(rstate, GDNReplayState):
     raise TypeError(f"rstate must be a GDNReplayState, got "
                     f"{type(rstate).__name__}.")
-  pending = rstate.pending_window
-  if pending is None:
-    raise ValueError(
-        "rstate has no pending window: gdn_replay_commit takes the state "
-        "returned by gdn_replay_verify (a committed state has nothing to "
-        "commit).")
-  if window is not None and V.positive_int("window", window) != pending:
-    raise ValueError(
-        f"window ({window}) does not match the pending window of rstate "
-        f"({pending} tokens, from gdn_replay_verify).")
-  V.check_num_accepted(num_accepted, rstate.batch, pending)
-  n = jnp.asarray(num_accepted, jnp.int32)
-  ok = (n >= 1) & (n <= pending)
-  extra = {} if rstate.step is None else dict(
-      step=jnp.where(ok, rstate.step + n, rstate.step).astype(jnp.int32))
-  V.raise_if_invalid(~ok, "gdn_replay_commit (num_accepted)")
-  return rstate.replace(
-      count=jnp.where(ok, rstate.count + n, -1).astype(jnp.int32),
-      pending_window=None, **extra)
+  return commit_pending(rstate, num_accepted, window, "gdn_replay_commit",
+                        "gdn_replay_verify")
 
 
 def gdn_baseline_verify(state, q, k, v, g, beta, *,
