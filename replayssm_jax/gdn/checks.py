@@ -52,9 +52,11 @@ def check_state(name: str, state, allowed=V.STATE_DTYPES):
 
 
 def check_token(batch: int, hv: int, K: int, Vd: int, q, k, v, g, beta,
-                hk: int | None = None, window: bool = False) -> tuple:
-  """One token ([batch, ...]) or a window ([batch, T, ...]) of inputs;
-  returns (T or None, num_k_heads)."""
+                hk: int | None = None, window: bool = False,
+                per_channel_gate: bool = False) -> tuple:
+  """One token ([batch, ...]) or a window ([batch, T, ...]) of inputs, g
+  one log-gate per value head or, per_channel_gate (KDA), one per head and
+  key channel; returns (T or None, num_k_heads)."""
   lead = "[batch, T, " if window else "[batch, "
   nd = 4 if window else 3
   V.check_floating("q", q)
@@ -68,9 +70,13 @@ def check_token(batch: int, hv: int, K: int, Vd: int, q, k, v, g, beta,
   V.check_shape("k", k, pre + (hk, K), lead + "num_k_heads, key_dim]")
   V.check_floating("v", v)
   V.check_shape("v", v, pre + (hv, Vd), lead + "num_v_heads, value_dim]")
-  for name, x in (("g", g), ("beta", beta)):
-    V.check_floating(name, x)
-    V.check_shape(name, x, pre + (hv,), lead + "num_v_heads]")
+  V.check_floating("g", g)
+  if per_channel_gate:
+    V.check_shape("g", g, pre + (hv, K), lead + "num_v_heads, key_dim]")
+  else:
+    V.check_shape("g", g, pre + (hv,), lead + "num_v_heads]")
+  V.check_floating("beta", beta)
+  V.check_shape("beta", beta, pre + (hv,), lead + "num_v_heads]")
   if window and T < 1:
     raise ValueError("q must hold T >= 1 positions, got T = 0.")
   return T, hk

@@ -74,28 +74,10 @@ def kda_gates(f, b, A_log, dt_bias, *, lower_bound=None):
 
 
 def check_token(batch, hv, K, Vd, q, k, v, g, beta, window=False):
-  """One token ([batch, ...]) or a sequence ([batch, T, ...]); returns T
-  (None for one token)."""
-  lead = "[batch, T, " if window else "[batch, "
-  nd = 4 if window else 3
-  V.check_floating("q", q)
-  V.check_ndim("q", q, nd, lead + "num_k_heads, key_dim]")
-  T = q.shape[1] if window else None
-  pre = (batch, T) if window else (batch,)
-  hk = q.shape[-2]
-  V.check_shape("q", q, pre + (hk, K), lead + "num_k_heads, key_dim]")
-  checks.check_heads(hv, hk, "q")
-  V.check_floating("k", k)
-  V.check_shape("k", k, pre + (hk, K), lead + "num_k_heads, key_dim]")
-  V.check_floating("v", v)
-  V.check_shape("v", v, pre + (hv, Vd), lead + "num_v_heads, value_dim]")
-  V.check_floating("g", g)
-  V.check_shape("g", g, pre + (hv, K), lead + "num_v_heads, key_dim]")
-  V.check_floating("beta", beta)
-  V.check_shape("beta", beta, pre + (hv,), lead + "num_v_heads]")
-  if window and T < 1:
-    raise ValueError("q must hold T >= 1 positions, got T = 0.")
-  return T
+  """One token ([batch, ...]) or a sequence ([batch, T, ...]), g per head
+  and key channel; returns T (None for one token)."""
+  return checks.check_token(batch, hv, K, Vd, q, k, v, g, beta,
+                            window=window, per_channel_gate=True)[0]
 
 
 def kda_step(state, q, k, v, g, beta, *, use_qk_l2norm: bool = True,
