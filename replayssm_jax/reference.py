@@ -193,6 +193,23 @@ def flush_stores(rstate: ReplayState, new_state, flush, policy=None,
   return master, fields
 
 
+def step_stores(rstate, new_state, flush, policy=None, layer=0) -> dict:
+  """What one replay decode step writes besides its ring slots, for any
+  replay state (Mamba-2, GDN, KDA): `flush_stores`' fields, the counter (0
+  after a flush, + 1 otherwise) and, with stochastic-rounding counters,
+  step + 1; rows whose count lies outside [0, L) keep count and step."""
+  c, L = rstate.count, rstate.buffer_len
+  in_range = (c >= 0) & (c < L)
+  _, fields = flush_stores(rstate, new_state, flush, policy, layer)
+  if rstate.step is not None:
+    fields["row_id"] = rstate.row_id
+    fields["step"] = jnp.where(in_range, rstate.step + 1,
+                               rstate.step).astype(jnp.int32)
+  fields["count"] = jnp.where(in_range, jnp.where(flush, 0, c + 1),
+                              c).astype(jnp.int32)
+  return fields
+
+
 def replay_state_update(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
                         dt_bias=None, dt_softplus=False, policy=None,
                         layer=0):
@@ -245,20 +262,12 @@ def replay_state_update(rstate: ReplayState, x, dt, A, B, C, D=None, z=None,
   in_range = (c >= 0) & (c < L)
   y = jnp.where(in_range[:, None, None], y, jnp.nan)
 
-  _, extra = flush_stores(rstate, new_state, flush, policy, layer)
-  if rstate.step is not None:
-    extra["row_id"] = rstate.row_id
-    extra["step"] = jnp.where(in_range, rstate.step + 1,
-                              rstate.step).astype(jnp.int32)
   slot_idx = jnp.clip(c, 0, L - 1)
   new_rstate = ReplayState(
       x_buf=write_slot(rstate.x_buf, x, slot_idx),
       b_buf=write_slot(rstate.b_buf, B, slot_idx),
       dt_buf=write_slot(rstate.dt_buf, d_cur, slot_idx),
-      count=jnp.where(in_range, jnp.where(flush, 0, c + 1),
-                      c).astype(jnp.int32),
-      **extra,
-  )
+      **step_stores(rstate, new_state, flush, policy, layer))
   return y.astype(x.dtype), new_rstate
 
 

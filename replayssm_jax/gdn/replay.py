@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from replayssm_jax import precision as P
 from replayssm_jax.gdn.reference import F32, HIGHEST, prepare_qk, readout
 from replayssm_jax.gdn.state import GDNReplayState
-from replayssm_jax.reference import flush_stores, heads_from_groups, write_slot
+from replayssm_jax.reference import heads_from_groups, step_stores, write_slot
 
 
 def history(d_buf, k_buf, g_buf, count):
@@ -128,17 +128,10 @@ def gdn_replay_step(rstate: GDNReplayState, q, k, v, g, beta,
   in_range = (c >= 0) & (c < L)
   o = jnp.where(in_range[:, None, None], o, jnp.nan)
 
-  _, extra = flush_stores(rstate, new_state, flush, policy, layer)
-  if rstate.step is not None:
-    extra["row_id"] = rstate.row_id
-    extra["step"] = jnp.where(in_range, rstate.step + 1,
-                              rstate.step).astype(jnp.int32)
   slot = jnp.clip(c, 0, L - 1)
   new = GDNReplayState(
       d_buf=write_slot(rstate.d_buf, d, slot),
       k_buf=write_slot(rstate.k_buf, kn, slot),
       g_buf=write_slot(rstate.g_buf, gt, slot),
-      count=jnp.where(in_range, jnp.where(flush, 0, c + 1),
-                      c).astype(jnp.int32),
-      **extra)
+      **step_stores(rstate, new_state, flush, policy, layer))
   return o.astype(v.dtype), new

@@ -30,7 +30,7 @@ from replayssm_jax import precision as P
 from replayssm_jax.gdn.reference import F32, HIGHEST, prepare_qk, readout
 from replayssm_jax.kda.reference import delta_rule
 from replayssm_jax.kda.state import KDAReplayState
-from replayssm_jax.reference import flush_stores, heads_from_groups, write_slot
+from replayssm_jax.reference import heads_from_groups, step_stores, write_slot
 
 
 def history(rstate: KDAReplayState, count):
@@ -114,11 +114,6 @@ def kda_replay_step(rstate: KDAReplayState, q, k, v, g, beta,
   o = jnp.where(f3, o_f, o_r)
   o = jnp.where(in_range[:, None, None], o, jnp.nan)
 
-  _, extra = flush_stores(rstate, new_state, flush, policy, layer)
-  if rstate.step is not None:
-    extra["row_id"] = rstate.row_id
-    extra["step"] = jnp.where(in_range, rstate.step + 1,
-                              rstate.step).astype(jnp.int32)
   append = in_range & ~flush
   a3 = append[:, None, None]
   # Flush rows' slot goes stale; zeros keep the ring finite.
@@ -128,7 +123,6 @@ def kda_replay_step(rstate: KDAReplayState, q, k, v, g, beta,
       d_buf=write_slot(rstate.d_buf, jnp.where(a3, d, 0.0), slot, in_range),
       k_buf=write_slot(rstate.k_buf, k_dec, slot, in_range),
       g_sum=jnp.where(a3, G, jnp.where(f3, 0.0, rstate.g_sum)),
-      count=jnp.where(in_range, jnp.where(flush, 0, c + 1),
-                      c).astype(jnp.int32),
-      gate_lower_bound=rstate.gate_lower_bound, **extra)
+      gate_lower_bound=rstate.gate_lower_bound,
+      **step_stores(rstate, new_state, flush, policy, layer))
   return o.astype(v.dtype), new
