@@ -456,3 +456,19 @@ def test_prefill_scan_cost_small(tmp_path):
   for op in ("ssd_chunked_scan", "gdn_chunked_prefill"):
     x3 = res[op]["precisions"]["BF16_BF16_F32_X3"]
     assert x3["ms"] > 0 and x3["y_rel_err"] < 2 ** -8, x3
+
+
+def test_dispatch_sync_small(tmp_path):
+  # Every path of both modes is timed and its programs' loops read from
+  # XLA's dumps (the decode step has none of unknown trip count).
+  out = tmp_path / "dispatch_sync.json"
+  _run("dispatch_sync.py", "--small", f"--out={out}")
+  recs = json.loads(out.read_text())["records"]
+  assert [(r["mode"], r["path"]) for r in recs] == [
+      (m, p) for m in ("replay", "baseline")
+      for p in ("insert_8", "insert_64", "hit_8", "hits_8x8", "step_1")]
+  for r in recs:
+    assert r["idle_host_ms"] > 0 and r["behind_busy_host_ms"] > 0, r
+  first = {r["path"]: r["hlo"] for r in recs[:5]}
+  assert all(h["programs"] >= 1 for h in first.values()), first
+  assert first["step_1"]["whiles_unknown"] == 0, first

@@ -39,6 +39,7 @@
 #   bash benchmarks/scripts/run_h200.sh serve_prefix [hf_config] [modes]  # serve_bench on a shared-prefix workload at a light load, without and with a prefix cache (modes: "+"-joined SSM modes, default baseline+replay; a cached engine's precompile takes ~4 min on an H100, so one mode per call; hf_config "-" for hybrid_1b)
 #   bash benchmarks/scripts/run_h200.sh prefix_ttft [name] [flags]  # time to first token on an idle pool with a cached prefix of 25-94% of a 512-token prompt against insert without one, and the ideal (1 - f) of it, then 8 hits admitted one by one against one batched call (hybrid_1b); flags: prefix_ttft_bench.py's (--prompt_len, --max_len, --modes, --chunk_size, --fractions joined by "+"), output prefix_ttft_<name>.json
 #   bash benchmarks/scripts/run_h200.sh admission_profile [on|off]  # an engine's admissions with and without a prefix cache under cProfile, each jitted call of the admission paths a row of its own (hybrid_1b, replay, 24 requests), XLA's command buffers on (default) or off; output admission_profile_cb_<on|off>.json
+#   bash benchmarks/scripts/run_h200.sh dispatch_sync [name] [flags]  # which serving calls (insert, a prefix-cache hit, batched hits, a decode step) wait for device work queued before them, and their programs' while loops of unknown trip count (benchmarks/scripts/dispatch_sync.py; output dispatch_sync[_name].json)
 #   bash benchmarks/scripts/run_h200.sh pool_occupancy [active rows] [hf_config]  # a pool of 256 slots partly occupied: the dense dispatch vs the active rows gathered or stepped in place through a slot per row (hybrid_1b, or a transformers config's shape, e.g. configs/qwen3_5_4b_text.json; rows "+"-joined in run_h200_chain.sh)
 #   bash benchmarks/scripts/run_h200.sh slot_tests  # tests/test_slots.py on the GPU: the kernels through a slot per row against themselves on gathered rows
 #   bash benchmarks/scripts/run_h200.sh gdn_bench    # the GDN step kernels timed: baseline (Pallas, XLA, flash-linear-attention) vs replay, b {256,64,1,512} x L {16,8,32}
@@ -386,6 +387,9 @@ case "$1" in
     # flags (fractions joined by "+").
     timeout "$T" python -u benchmarks/scripts/prefix_ttft_bench.py \
       --out="$OUT/prefix_ttft${2:+_$2}.json" "${@:3}" ;;
+  dispatch_sync)
+    timeout "$T" python -u benchmarks/scripts/dispatch_sync.py \
+      --out="$OUT/dispatch_sync${2:+_$2}.json" "${@:3}" ;;
   admission_profile)
     cb=${2:-on}
     XLA_FLAGS="${XLA_FLAGS:-}$([ "$cb" = off ] && echo ' --xla_gpu_enable_command_buffer=')" \
