@@ -282,3 +282,28 @@ def test_compiles_once_per_shape_and_names_bad_arguments(model):
       ssm=st.layers[0].ssm.replace(pending_window=2)),) + st.layers[1:])
   with pytest.raises(ValueError, match=r"layers\[0\].*pending"):
     models.prefill_from_state(model, good_toks, good_len, pending)
+
+
+def test_kv_len_bound(model):
+  """kv_len at the rows' largest positions + lengths: the same logits and
+  state as without; one short of it: the row past it is invalid (NaN
+  logits, position -1; the others as before), never attends to part of
+  its cache."""
+  toks, split = tokens(8), SPLITS[0]
+  _, part = models.prefill(model, jnp.asarray(toks), jnp.asarray(split),
+                           state(model, "replay"))
+  ck, cl = chunk(toks, split, LENGTHS)
+  fn = CP.prefill_from_state_fn  # eager: the test reuses `part`
+  want = fn(model, ck, cl, part, None)
+  top = int(LENGTHS.max())
+  got = fn(model, ck, cl, part, top)
+  np.testing.assert_array_equal(got[0], want[0])
+  assert_states_close(got[1], want[1], "kv_len", dict(atol=0, rtol=0))
+  short = fn(model, ck, cl, part, top - 1)
+  over = LENGTHS == top
+  assert np.isnan(np.asarray(short[0])[over]).all()
+  np.testing.assert_array_equal(np.asarray(short[1].positions)[over], -1)
+  np.testing.assert_array_equal(np.asarray(short[0])[~over],
+                                np.asarray(want[0])[~over])
+  with pytest.raises(ValueError, match="kv_len"):
+    models.prefill_from_state(model, ck, cl, part, kv_len=0)

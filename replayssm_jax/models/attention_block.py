@@ -101,12 +101,13 @@ class Attention(nnx.Module):
     return o.reshape(b, tq, c.num_heads * c.attn_head_dim).astype(c.jnp_dtype)
 
   def prefill(self, h, lengths, state: AttentionState | None,
-              resume: bool = False):
+              resume: bool = False, kv_len: int | None = None):
     """The right-padded prompt h [b, T, d] (lengths [b]) -> (y [b, T, d],
     the KV cache holding it). resume: each row's chunk continues its cache
-    (`_prefill_resume`); otherwise every row starts at position 0."""
+    (`_prefill_resume`, reading up to kv_len entries: `cached_attention`);
+    otherwise every row starts at position 0."""
     if resume:
-      return self._prefill_resume(h, lengths, state)
+      return self._prefill_resume(h, lengths, state, kv_len)
     b, t, _ = h.shape
     positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
     q, k, v, ctx = self._project(h, positions)
@@ -126,7 +127,7 @@ class Attention(nnx.Module):
         length=lengths.astype(jnp.int32))
     return out, new
 
-  def _prefill_resume(self, h, lengths, state: AttentionState):
+  def _prefill_resume(self, h, lengths, state: AttentionState, kv_len=None):
     """A chunk appended to each row's cache: the queries at positions
     length .. length + T - 1 (RoPE'd there) attend to the cache's first
     `length` entries and causally within the chunk; the chunk's keys and
@@ -145,7 +146,8 @@ class Attention(nnx.Module):
         state.v.dtype), mode="drop")
     new_len = (state.length + lengths).astype(jnp.int32)
     # The live entries only, block by block (stale ones selected away).
-    o = cached_attention(q, kc, vc, new_len, pos, self._scale())
+    o = cached_attention(q, kc, vc, new_len, pos, self._scale(),
+                         kv_len=kv_len)
     out = self._output(o.astype(self.cfg.jnp_dtype), ctx)
     return out, AttentionState(k=kc, v=vc, length=new_len)
 

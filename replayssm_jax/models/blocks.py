@@ -60,18 +60,19 @@ class Block(nnx.Module):
     self.mixer = mixer_class(kind, cfg)(cfg, rngs=rngs)
 
   def __call__(self, x, state, lengths=None, implementation=None, layer=0,
-               resume=False):
+               resume=False, kv_len=None):
     """x [b, T, d] (with lengths [b]) or [b, d] -> (x', new_state); `layer`:
     a Mamba block's index among the Mamba blocks (keys stochastic
     rounding); resume: a prefill continues each row of `state` (the
-    mixers' `prefill(..., resume=True)`)."""
+    mixers' `prefill(..., resume=True)`; kv_len: the attention's bound on
+    the live KV entries, `HybridLM.forward`)."""
     with jax.named_scope(self.kind):  # names the ops in profiles
       y, state = self.mix(self.norm(x), state, lengths, implementation,
-                          layer, resume)
+                          layer, resume, kv_len=kv_len)
       return x.astype(F32) + y.astype(F32), state
 
   def mix(self, h, state, lengths=None, implementation=None, layer=0,
-          resume=False, rows=None):
+          resume=False, rows=None, kv_len=None):
     """The mixer on the normed input h [b, T, d] (prefill, with lengths)
     or [b, d] (a decode step) -> (y, new_state), without the residual;
     y times config.residual_multiplier. rows: a decode step's [b]
@@ -88,7 +89,8 @@ class Block(nnx.Module):
       kw = dict(layer=layer) if self.kind in RECURRENT else {}
       y, state = self.mixer.step(h, state, implementation, rows=rows, **kw)
       return self._scale(y), state
-    y, state = self._mix(h, state, lengths, implementation, layer, resume)
+    y, state = self._mix(h, state, lengths, implementation, layer, resume,
+                         kv_len)
     return self._scale(y), state
 
   @property
@@ -105,12 +107,13 @@ class Block(nnx.Module):
     return y * jnp.asarray(self.residual_multiplier, y.dtype)
 
   def _mix(self, h, state, lengths=None, implementation=None, layer=0,
-           resume=False):
+           resume=False, kv_len=None):
     """`mix` before the residual multiplier."""
     if self.kind in STATELESS:
       return self.mixer(h), state
     if self.kind == "attention":
-      return (self.mixer.prefill(h, lengths, state, resume=resume)
+      return (self.mixer.prefill(h, lengths, state, resume=resume,
+                                 kv_len=kv_len)
               if h.ndim == 3 else self.mixer.step(h, state, implementation))
     if h.ndim == 3:
       return self.mixer.prefill(h, lengths, state, layer, resume=resume)

@@ -7,9 +7,13 @@ row are live. Attending to the whole cache costs T x max_len scores per
 head (f32, materialized by XLA): a hit of 1024 cached tokens whose 1024 new
 ones sit in a cache of 4096 entries would read four times the keys it
 needs. `cached_attention` walks the cache in blocks of `key_block` entries
-and stops after the block holding the batch's largest new_len (a loop with
-a traced trip count), keeping a running softmax (max, sum, weighted values)
-across blocks: the same attention up to the summation order.
+up to a bound the caller knows on the host (`kv_len`, static: a prefix
+cache knows each hit's position), keeping a running softmax (max, sum,
+weighted values) across blocks: the same attention up to the summation
+order. The loop's trip count is static: a loop whose count the device
+computes would make XLA copy its predicate to the host each iteration, so
+that the call waits for everything queued before it (a decode step in
+flight) instead of returning once queued.
 
 Masking: query t of a row (position pos[t]) sees the entries j < new_len
 with j <= pos[t]. Entries past a row's new_len are stale (anything, inf /
@@ -37,18 +41,30 @@ def key_block_for(max_len: int, key_block: int = 512) -> int:
   return max_len
 
 
+def key_blocks(kv_len: int | None, max_len: int, key_block: int = 512
+               ) -> int:
+  """The key blocks `cached_attention` reads for live entries up to kv_len
+  (None: the whole cache of max_len), in [1, max_len / block]."""
+  kb = key_block_for(max_len, key_block)
+  if kv_len is None:
+    return max_len // kb
+  return max(1, min(max_len // kb, -(-int(kv_len) // kb)))
+
+
 def cached_attention(q, k_cache, v_cache, new_len, pos, scale: float,
-                     key_block: int = 512):
+                     key_block: int = 512, kv_len: int | None = None):
   """q [b, T, Hq, D] (queries at positions pos [b, T]), k_cache / v_cache
   [b, Hk, S, D] holding the chunk's keys and values already, new_len [b]
   live entries per row -> [b, T, Hq * D] float32 (grouped-query heads:
-  query head h reads KV head h // (Hq // Hk))."""
+  query head h reads KV head h // (Hq // Hk)). kv_len: a static bound on
+  new_len (entries past it are not read: the caller makes a row past it
+  invalid); None: the whole cache."""
   b, t, hq, d = q.shape
   hk, s = k_cache.shape[1], k_cache.shape[2]
   rep = hq // hk
   kb = key_block_for(s, key_block)
   qg = q.reshape(b, t, hk, rep, d).astype(F32) * scale
-  n = jnp.clip((jnp.max(new_len) + kb - 1) // kb, 1, s // kb)
+  n = key_blocks(kv_len, s, key_block)
 
   def body(i, carry):
     m, l, acc = carry

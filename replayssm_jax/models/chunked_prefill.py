@@ -83,36 +83,41 @@ def check_inputs(model, tokens, lengths, state):
           f"max_len.")
 
 
-def prefill_from_state_fn(model, tokens, lengths, state: S.ModelState):
+def prefill_from_state_fn(model, tokens, lengths, state: S.ModelState,
+                          kv_len: int | None = None):
   """Traceable `prefill_from_state`: (logits at each row's last new token
-  [b, vocab] float32, the continued state)."""
+  [b, vocab] float32, the continued state); kv_len (static) as there."""
   t = tokens.shape[1]
   lengths = lengths.astype(jnp.int32)
   # Under jit (the traced-value policy, `replayssm_jax._validation`): a
   # length outside [1, seqlen], a token id outside the vocabulary within a
   # row's chunk, a row already invalid or a KV cache without room for the
-  # chunk make the row invalid (NaN logits, position -1).
+  # chunk (or more entries than kv_len) make the row invalid (NaN logits,
+  # position -1).
   real = jnp.arange(t)[None, :] < lengths[:, None]
   bad = ((lengths < 1) | (lengths > t) | (state.positions < 0)
          | M._out_of_vocab(tokens, model.config.vocab_size, real))
   for s in state.layers:
     if isinstance(s, S.AttentionState):
       bad = bad | (s.length + lengths > s.max_len)
-  x, new = model.forward(tokens, lengths, state, resume=True)
+      if kv_len is not None:
+        bad = bad | (s.length + lengths > kv_len)
+  x, new = model.forward(tokens, lengths, state, resume=True, kv_len=kv_len)
   last = jnp.take_along_axis(x, jnp.clip(lengths - 1, 0, t - 1)[
       :, None, None], axis=1)[:, 0]  # [b, d]
   return M.mark_invalid(model.logits(last), new, bad)
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(4,))
-def _prefill_from_state_jit(graphdef, params, tokens, lengths, state):
+@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=(4,))
+def _prefill_from_state_jit(graphdef, params, tokens, lengths, state,
+                            kv_len):
   TRACE_COUNTS["prefill_from_state"] += 1
   model = nnx.merge(graphdef, params)
-  return prefill_from_state_fn(model, tokens, lengths, state)
+  return prefill_from_state_fn(model, tokens, lengths, state, kv_len)
 
 
 def prefill_from_state(model: M.HybridLM, tokens, lengths,
-                       state: S.ModelState):
+                       state: S.ModelState, kv_len: int | None = None):
   """Continues every row of `state` over a right-padded chunk of tokens.
 
   Row r's tokens[r, :lengths[r]] follow the state's state.positions[r]
@@ -131,6 +136,10 @@ def prefill_from_state(model: M.HybridLM, tokens, lengths,
       pool or prefix cache, ...), committed (no pending verify window);
       rows may sit at different positions and points of their replay
       buffers.
+    kv_len: optional int, a bound on every row's positions + lengths
+      known on the host: the attention layers read their caches' first
+      kv_len entries only (in blocks; default: all max_len), and a row
+      past it is invalid (NaN logits, position -1). One compile per value.
 
   Returns:
     (logits [batch, vocab] float32 of each row's last new token, the state
@@ -140,6 +149,6 @@ def prefill_from_state(model: M.HybridLM, tokens, lengths,
   graphdef, params = nnx.split(model)
   logits, state = _prefill_from_state_jit(
       graphdef, params, jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32),
-      state)
+      state, None if kv_len is None else V.positive_int("kv_len", kv_len))
   V.raise_if_invalid(state.positions < 0, "prefill_from_state")
   return logits, state

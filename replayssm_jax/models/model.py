@@ -81,11 +81,13 @@ class HybridLM(nnx.Module):
     return logits
 
   def forward(self, tokens, lengths=None, state: S.ModelState | None = None,
-              resume: bool = False):
+              resume: bool = False, kv_len: int | None = None):
     """Runs a right-padded sequence. tokens [b, T] int, lengths [b].
 
     resume: each row continues `state` (at its position) instead of
-    starting empty (`chunked_prefill.prefill_from_state`).
+    starting empty (`chunked_prefill.prefill_from_state`); kv_len: with
+    resume, a static bound on every row's KV entries after the chunk (the
+    attention reads no further; None: the whole cache).
 
     Returns (hidden [b, T, d] float32 before the final norm, new state or
     None).
@@ -98,7 +100,8 @@ class HybridLM(nnx.Module):
     for i, (block, layer) in enumerate(zip(self.blocks,
                                            self.mamba_indices())):
       s = None if state is None else state.layers[i]
-      x, s = block(x, s, lengths=lengths, layer=layer, resume=resume)
+      x, s = block(x, s, lengths=lengths, layer=layer, resume=resume,
+                   kv_len=kv_len)
       new_layers.append(s)
     if state is None:
       return x, None
