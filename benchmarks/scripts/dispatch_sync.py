@@ -19,6 +19,10 @@ Paths (hybrid_1b's shapes, random bf16 weights, a pool of 8 slots x
                     tokens with all but its last n cached
   hits_8x<n>        serving.insert_cached_many of 8 such prompts
   step_1            serving.step_n of one step over the pool
+  moe_step_1        the same on a two-block model (Mamba-2, MoE of 128
+                    experts, top 6) over a pool of --moe_slots slots (its
+                    experts' capacity dispatch runs rounds until every
+                    expert's tokens are served)
 
   PYTHONPATH=. python benchmarks/scripts/dispatch_sync.py \\
       --out $OUT/dispatch_sync.json
@@ -89,10 +93,12 @@ def main():
   ap.add_argument("--modes", default="replay,baseline")
   ap.add_argument("--busy_ms", type=float, default=20.0)
   ap.add_argument("--repeats", type=int, default=7)
+  ap.add_argument("--moe_slots", type=int, default=256)
   ap.add_argument("--small", action="store_true")
   a = ap.parse_args()
   if a.small:
     a.prompt_len, a.max_len, a.rests, a.repeats = 64, 128, "8", 3
+    a.moe_slots = 64  # 24 slots per expert: more than one round may run
     cfg = models.ModelConfig(**_decode_bench.TINY_MODEL)
   else:
     cfg = models.ModelConfig(**hybrid_1b.MODEL)
@@ -124,9 +130,23 @@ def main():
              command=" ".join([sys.executable] + sys.argv),
              args=vars(a), busy_ms=ms, busy_products=n_busy, records=[])
 
+  moe_model = build_model(models.ModelConfig(
+      vocab_size=cfg.vocab_size, d_model=cfg.d_model, pattern="ME",
+      ssm_heads=cfg.ssm_heads, head_dim=cfg.head_dim, d_state=cfg.d_state,
+      n_groups=cfg.n_groups, n_routed_experts=128 if not a.small else 64,
+      num_experts_per_tok=6, moe_intermediate_size=256 if not a.small else 16,
+      dtype=cfg.dtype), seed=0)
+  moe_parts = serving.model_parts(moe_model)
+
   for mode in a.modes.replace("+", ",").split(","):
     pool = serving.init_pool(model, 8, a.max_len, ssm_mode=mode,
                              buffer_len=16)
+    moe_pool = serving.init_pool(moe_model, a.moe_slots, 64, ssm_mode=mode,
+                                 buffer_len=16)
+    # Every slot active on a random token: the router sees real rows.
+    moe_pool = moe_pool.replace(
+        active=jnp.ones_like(moe_pool.active),
+        tokens=jnp.asarray(tokens(a.moe_slots)))
     prefix = tokens(a.prompt_len)
     cache = serving.PrefixCache(block, 4)
 
@@ -160,7 +180,14 @@ def main():
     for n in rests:
       paths += [(f"hit_{n}", lambda n=n: hit(n), "_finish_jit"),
                 (f"hits_8x{n}", lambda n=n: hits(n), "_finish_many_jit")]
-    paths.append(("step_1", step, "_step_n_jit"))
+    def moe_step():
+      nonlocal moe_pool
+      moe_pool, tok = serving.step_n(moe_model, moe_pool, 1,
+                                     parts=moe_parts)
+      return tok
+
+    paths += [("step_1", step, "_step_n_jit"),
+              ("moe_step_1", moe_step, "_step_n_jit")]
     # The cached prefixes: one prompt stores the row each hit starts from.
     for n in rests:
       hit(n)
