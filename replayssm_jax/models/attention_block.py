@@ -145,7 +145,7 @@ class Attention(nnx.Module):
     vc = state.v.at[rows, :, idx].set(jnp.swapaxes(v, 1, 2).astype(
         state.v.dtype), mode="drop")
     new_len = (state.length + lengths).astype(jnp.int32)
-    # The live entries only, block by block (stale ones selected away).
+    # Block by block, up to kv_len (stale entries selected away).
     o = cached_attention(q, kc, vc, new_len, pos, self._scale(),
                          kv_len=kv_len)
     out = self._output(o.astype(self.cfg.jnp_dtype), ctx)

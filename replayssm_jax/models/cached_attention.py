@@ -7,10 +7,10 @@ row are live. Attending to the whole cache costs T x max_len scores per
 head (f32, materialized by XLA): a hit of 1024 cached tokens whose 1024 new
 ones sit in a cache of 4096 entries would read four times the keys it
 needs. `cached_attention` walks the cache in blocks of `key_block` entries
-up to a bound the caller knows on the host (`kv_len`, static: a prefix
-cache knows each hit's position), keeping a running softmax (max, sum,
-weighted values) across blocks: the same attention up to the summation
-order. The loop's trip count is static: a loop whose count the device
+up to a bound the caller knows on the host (`kv_len`, static:
+`models.prefill_from_state(kv_len=)`), or over all of it, keeping a
+running softmax (max, sum, weighted values) across blocks: the same
+attention up to the summation order. The loop's trip count is static: a loop whose count the device
 computes would make XLA copy its predicate to the host each iteration, so
 that the call waits for everything queued before it (a decode step in
 flight) instead of returning once queued.
