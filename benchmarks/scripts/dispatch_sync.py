@@ -33,16 +33,20 @@ Paths (hybrid_1b's shapes, random bf16 weights, a pool of 8 slots x
 from __future__ import annotations
 
 import argparse
+import atexit
+import functools
 import glob
 import json
 import os
 import re
+import shutil
 import statistics
 import sys
 import tempfile
 import time
 
 DUMP = tempfile.mkdtemp(prefix="dispatch_sync_hlo_")
+atexit.register(functools.partial(shutil.rmtree, DUMP, ignore_errors=True))
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + f" --xla_dump_to={DUMP} --xla_dump_hlo_as_text"
                            " --xla_dump_hlo_pass_re=^$")
