@@ -10,10 +10,10 @@ needs. `cached_attention` walks the cache in blocks of `key_block` entries
 up to a bound the caller knows on the host (`kv_len`, static:
 `models.prefill_from_state(kv_len=)`), or over all of it, keeping a
 running softmax (max, sum, weighted values) across blocks: the same
-attention up to the summation order. The loop's trip count is static: a loop whose count the device
-computes would make XLA copy its predicate to the host each iteration, so
-that the call waits for everything queued before it (a decode step in
-flight) instead of returning once queued.
+attention up to the summation order. The loop's trip count is static: a
+loop whose count the device computes would make XLA copy its predicate to
+the host each iteration, so that the call waits for everything queued
+before it (a decode step in flight) instead of returning once queued.
 
 Masking: query t of a row (position pos[t]) sees the entries j < new_len
 with j <= pos[t]. Entries past a row's new_len are stale (anything, inf /

@@ -6,8 +6,9 @@ argument (a draft-model proposer, an argument of the speculative calls,
 carries its own as pytree metadata), and jax hashes it on every call: an
 nnx GraphDef hashes its whole node list each time, host time on every
 admission and dispatch that grows with the model's blocks
-(benchmarks/README.md, "Serving"). `model_parts` wraps it in a `StaticGraph` whose hash is computed
-once; the jitted functions unwrap it with `merge`.
+(benchmarks/README.md, "Serving"). `model_parts` wraps it in a
+`StaticGraph` whose hash is computed once; the jitted functions unwrap it
+with `merge`.
 
 A jit cache compares a static argument of an equal hash with the one it
 was compiled for: for two distinct StaticGraphs that is a comparison of
