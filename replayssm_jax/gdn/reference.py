@@ -117,6 +117,14 @@ def solve_unit_lower(a, y):
                                          lower=True, unit_diagonal=True)
 
 
+def time_chunks(x, size: int):
+  """[b, T, ...] -> [n, b, size, ...]: the time axis zero padded to a
+  multiple of `size` and split into n chunks, chunk-major."""
+  b, t = x.shape[:2]
+  x = jnp.pad(x, [(0, 0), (0, (-t) % size)] + [(0, 0)] * (x.ndim - 2))
+  return jnp.moveaxis(x.reshape((b, -1, size) + x.shape[2:]), 1, 0)
+
+
 def gdn_chunked_prefill(q, k, v, g, beta, chunk_size=64, initial_state=None,
                         valid=None, use_qk_l2norm=True, scale=None,
                         precision=HIGHEST):
@@ -143,15 +151,7 @@ def gdn_chunked_prefill(q, k, v, g, beta, chunk_size=64, initial_state=None,
     qn, kn, vf = (jnp.where(m4, x, 0.0) for x in (qn, kn, vf))
     gf, bf = jnp.where(m3, gf, 0.0), jnp.where(m3, bf, 0.0)
   C = max(1, min(int(chunk_size), T))
-  pad = (-T) % C
-  n = (T + pad) // C
-
-  def chunks(x):  # [b, T, ...] -> [n, b, C, ...] (zero padded)
-    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-    x = x.reshape((b, n, C) + x.shape[2:])
-    return jnp.moveaxis(x, 1, 0)
-
-  qg, kg, vc, gc, bc = (chunks(x) for x in (qn, kn, vf, gf, bf))
+  qg, kg, vc, gc, bc = (time_chunks(x, C) for x in (qn, kn, vf, gf, bf))
   to_v = lambda x, axis: heads_from_groups(x, hv, axis)  # noqa: E731
   qc, kc = to_v(qg, 3), to_v(kg, 3)  # [n, b, C, HV, K]
   G = jnp.cumsum(gc, axis=2)  # [n, b, C, h]
@@ -189,5 +189,5 @@ def gdn_chunked_prefill(q, k, v, g, beta, chunk_size=64, initial_state=None,
   s0 = (jnp.zeros((b, hv, K, V), F32) if initial_state is None
         else initial_state.astype(F32))
   s, o = jax.lax.scan(body, s0, (u, w, q_dec, k_dec, qk, g_last))
-  o = jnp.moveaxis(o, 0, 1).reshape((b, n * C, hv, V))[:, :T]
+  o = jnp.moveaxis(o, 0, 1).reshape((b, -1, hv, V))[:, :T]
   return o.astype(v.dtype), s

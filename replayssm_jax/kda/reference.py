@@ -37,7 +37,8 @@ import jax
 import jax.numpy as jnp
 
 from replayssm_jax.gdn.reference import (F32, HIGHEST, prepare_qk, readout,
-                                         solve_unit_lower, step_scan)
+                                         solve_unit_lower, step_scan,
+                                         time_chunks)
 from replayssm_jax.reference import heads_from_groups, process_dt
 
 SOFTPLUS_THRESHOLD = 20.0
@@ -117,14 +118,6 @@ def kda_chunked_prefill(q, k, v, g, beta, chunk_size=64, initial_state=None,
     qh, kh, vf, gf = (jnp.where(m4, x, 0.0) for x in (qh, kh, vf, gf))
     bf = jnp.where(m3, bf, 0.0)
   C = max(1, min(int(chunk_size), T))
-  pad = (-T) % C
-  n = (T + pad) // C
-
-  def chunks(x):  # [b, T, ...] -> [n, b, C, ...] (zero padded)
-    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-    x = x.reshape((b, n, C) + x.shape[2:])
-    return jnp.moveaxis(x, 1, 0)
-
   i_ge_j = (jnp.arange(C)[:, None] >= jnp.arange(C)[None, :])[
       None, :, :, None, None]  # [1, C(i), C(j), 1, 1]
 
@@ -157,7 +150,7 @@ def kda_chunked_prefill(q, k, v, g, beta, chunk_size=64, initial_state=None,
 
   s0 = (jnp.zeros((b, hv, K, V), F32) if initial_state is None
         else initial_state.astype(F32))
-  s, o = jax.lax.scan(body, s0, tuple(chunks(x)
+  s, o = jax.lax.scan(body, s0, tuple(time_chunks(x, C)
                                       for x in (qh, kh, vf, gf, bf)))
-  o = jnp.moveaxis(o, 0, 1).reshape((b, n * C, hv, V))[:, :T]
+  o = jnp.moveaxis(o, 0, 1).reshape((b, -1, hv, V))[:, :T]
   return o.astype(v.dtype), s
