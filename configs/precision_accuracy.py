@@ -122,7 +122,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.buffer_dtype = "float32"
   config.sr_seed = 1234
   config.baseline_contrast = True
-  config.baseline_policies = None
+  # None (`policies`) or a tuple; typed so that a command line can set one.
+  config.baseline_policies = ml_collections.config_dict.placeholder(tuple)
   config.eval_batches = 4
   config.eval_batch_size = 32
   config.within_points = 1.0

@@ -508,6 +508,11 @@ def run(config, workdir: str) -> dict:
                                                       "eval_s")})]
   if tc.decode_eval_batches:
     dec_batches = eval_batches[:tc.decode_eval_batches]
+    # The forward pass on the decode batches alone: the decode modes'
+    # like-for-like comparison (the forward row above averages all the
+    # eval batches).
+    final_evals.append(dict(mode="forward, decode batches",
+                            **task.evaluate(model, dec_batches)))
     for mode in ("baseline", "replay"):
       t0 = time.perf_counter()
       m = task.decode_evaluate(model, dec_batches, mode,

@@ -287,6 +287,9 @@ def test_smoke_training_outputs(smoke_run):
     assert r["num_targets"] == fwd["num_targets"]
     assert r["accuracy"] == fwd["accuracy"], r
     assert r["loss"] == pytest.approx(fwd["loss"], rel=1e-5)
+  # The summary's like-for-like forward row is that same evaluation.
+  same = {r["mode"]: r for r in records[-1]["evals"]}["forward, decode batches"]
+  assert same["loss"] == fwd["loss"] and same["accuracy"] == fwd["accuracy"]
 
 
 def test_checkpoint_round_trip(smoke_run):

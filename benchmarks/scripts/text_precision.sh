@@ -66,7 +66,7 @@ case "$1" in
     # state saved; the same part in the next call continues it, and once
     # finished returns at once. The log says "paused" or "finished".
     stop=$(( T - ${STOP_MARGIN:-120} ))
-    timeout "$T" python -m experiments.train \
+    timeout -k 10 "$T" python -m experiments.train \
       --config=configs/train_text.py:"$name" --workdir="runs/train_text/$name" \
       --config.train.stop_after_s="$stop" "${@:3}"
     mkdir -p "$OUT/text_train_$name"
@@ -102,10 +102,13 @@ names = tuple(precision_text.get_config(sys.argv[2]).policies)
 n = int(sys.argv[1])
 for i in range(min(n, len(names))):
   print(repr(names[i::n]))" "$procs" "$name")
+    # The slices stop 30 s before the part's limit (killed 10 s after the
+    # TERM: a process inside a compile can outlast it), leaving the merge
+    # its time.
     pids=()
     for i in "${!slices[@]}"; do
       CUDA_VISIBLE_DEVICES=$(( i % ngpu )) XLA_PYTHON_CLIENT_PREALLOCATE=false \
-        timeout "$T" python -m experiments.precision_accuracy \
+        timeout -k 10 $(( T - 40 )) python -m experiments.precision_accuracy \
         --config=configs/precision_text.py:"$name" --workdir="$base/part$i" \
         --config.stages="('${stages//,/\',\'}',)" \
         --config.policies="${slices[$i]}" \
@@ -117,8 +120,14 @@ for i in range(min(n, len(names))):
       wait "$p" || echo "text_study $name: a slice exited $? (see $base/part*.log)"
     done
     tail -n 3 "$base"/part*.log
+    mkdir -p "$OUT/text_${name}_logs"
+    cp "$base"/part*.log "$OUT/text_${name}_logs/"
     parts=$(find "$study" -name metrics.jsonl -path '*part*' \
       -printf "'%h',\n" | sort | tr -d '\n')
+    if [ -z "$parts" ]; then  # (an empty list would run the whole study)
+      echo "text_study $name: no slice wrote records (logs: $base)" >&2
+      exit 1
+    fi
     python -m experiments.precision_accuracy \
       --config=configs/precision_text.py:"$name" --workdir="$OUT/text_$name" \
       --config.merge_workdirs="($parts)" ;;
