@@ -24,24 +24,27 @@
 # (about 13 MB; configs/train_text.py pins the corpus hash, and every load
 # checks each split's sha256 against the manifest).
 #
-# Planning (assumed, not measured: the first text_train call logs the real
-# tokens/s). At a conservative 3-5% of the H200's bf16 matrix rate, one
-# GPU trains about 150k / 90k / 45k / 22k tokens/s at s20m / s60m / s120m
-# / s300m, so the token budgets of configs/train_text.py (65.5M, 49.2M,
-# 24.6M, 12.3M) take about 440 / 550 / 550 / 560 s of steps. A machine and
-# its runs/ last one session (30 minutes of device time, a call at most 10
-# minutes), so a model's training and study share a session: three calls
-# of run_h200_chain.sh (carry ["runs/carry", "wheels"]),
-#   580 text_train,NAME
-#   580 text_train,NAME:280 text_study,NAME,scores:290
-#   480 text_study,NAME,generation,state_error
-# (about 460 + 160 s of training, compilation included; a finished
-# training returns at once; the second and third calls' reports hold every
-# part so far, the third's all of them): eight
-# sessions for the eight models. Where the first call's tokens/s says the
-# budget will not fit, a several-GPU kind splits each batch over its GPUs
-# (train.py, data-parallel) and runs three study slices per GPU; or a
-# smaller --config.train.num_steps, said beside the results.
+# Planning. Measured on one H100 (benchmarks/text_precision/
+# mamba2_s20m_h100): mamba2_s20m trains at 437k bytes/s (its 65.5M bytes in
+# 150 s of steps), gdn_s20m at 217k (about 300 s); scaled by parameters x
+# bytes (an estimate, larger models usually run their GEMMs faster), s60m /
+# s120m / s300m take about 2 / 2.6 / 2.7 times as long as s20m. The whole
+# study of one model ran 558 s in one process (scores 9 s and a 2048-token
+# generation 10 s per run, mostly compilation) and was cut before its last
+# stages; split over 3 processes it needs about 300-400 s. A machine and its
+# runs/ last one session (30 minutes of device time, a call at most 10
+# minutes), so a model's training and study share a session, e.g. for an
+# s20m pair (carry ["runs/carry", "wheels"]; a chain's total at most 540 s,
+# leaving the call's limit room):
+#   540 text_train,mamba2_s20m:200 text_train,gdn_s20m:340
+#   540 text_study,mamba2_s20m:270 text_study,gdn_s20m,scores:270
+#   540 text_study,gdn_s20m,generation,state_error
+# (a finished training returns at once; a paused one continues; a study
+# part's report merges every part of that model so far). Larger models
+# take a session each; where that does not fit, a several-GPU kind splits
+# each batch over its GPUs (train.py, data-parallel) and runs three study
+# slices per GPU; or a smaller --config.train.num_steps, said beside the
+# results.
 set -euo pipefail
 OUT=${OUT:-runs}
 T=${T:-560}
