@@ -311,12 +311,15 @@ _IDENTITY = ("kind", "model", "label", "L", "mode", "run_kind", "block")
 def _merged(config) -> tuple[list[dict], list[dict]]:
   """(model infos, records) of the workdirs in config.merge_workdirs; a
   record that several hold (the reference decode of each preset slice)
-  is kept once."""
+  is kept once, and a model's unsupported baselines are those of every
+  slice."""
   models, records, seen = {}, [], set()
   for wd in config.merge_workdirs:
     for r in common.read_metrics(os.path.join(wd, "metrics.jsonl")):
       if r["kind"] == "model":
-        models.setdefault(r["model"], r)
+        m = models.setdefault(r["model"], dict(r))
+        m["baselines_not_supported"] = list(dict.fromkeys(
+            m["baselines_not_supported"] + r["baselines_not_supported"]))
         continue
       key = tuple(str(r.get(k)) for k in _IDENTITY)
       if r["kind"] not in ("environment", "final") and key not in seen:

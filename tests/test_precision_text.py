@@ -145,6 +145,35 @@ def test_merge_reports_the_same_records(study, tmp_path):
     assert f.read() == want
 
 
+def test_merge_of_slices(study, tmp_path):
+  """The study's records split as two preset slices write them (each with
+  the references and its own model records, the GDN model's unsupported
+  baseline known to one slice only) merge into the same report."""
+  workdir, records = study
+  body = [r for r in records if r["kind"] not in ("environment", "final",
+                                                  "model")]
+  slices = []
+  for i in range(2):
+    mine = [r for j, r in enumerate(body)
+            if r["kind"] == "reference" or j % 2 == i]
+    models = [dict(r, baselines_not_supported=(
+        r["baselines_not_supported"] if i else [])) for r in records
+              if r["kind"] == "model"]
+    wd = tmp_path / f"part{i}"
+    wd.mkdir()
+    with open(wd / "metrics.jsonl", "w") as f:
+      for r in models + mine:
+        f.write(json.dumps(r) + "\n")
+    slices.append(str(wd))
+  config = precision_text.get_config("fixture")
+  config.merge_workdirs = tuple(slices)
+  out = precision_accuracy.run(config, str(tmp_path / "merged"))
+  assert sorted(json.dumps(r, sort_keys=True) for r in out["records"]) == (
+      sorted(json.dumps(r, sort_keys=True) for r in body))
+  got = {m["model"]: m["baselines_not_supported"] for m in out["models"]}
+  assert got == {"fixture": [], "gdn_fixture": ["int8+sr"]}
+
+
 def test_fixture_files_and_rebuild_record():
   """The committed fixtures: small, trained on the pinned corpus, scored
   on an excerpt of it; their metrics.jsonl records how to rebuild them."""
