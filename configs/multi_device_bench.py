@@ -37,7 +37,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config, smoke = _args.bench_config(arg, SMOKE_MODEL, hybrid_1b.MODEL)
   b = config.bench = ml_collections.ConfigDict()
   # (data, model) mesh shapes, in order.
-  b.meshes = (((1, 8), (2, 4), (8, 1)) if smoke else
+  b.meshes = (((2, 4), (8, 1)) if smoke else
               ((1, 1), (1, 2), (2, 1), (1, 4), (2, 2), (4, 1), (1, 8),
                (2, 4), (4, 2), (8, 1)))
   b.global_batches = (8,) if smoke else (64, 256)

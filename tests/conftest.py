@@ -34,6 +34,15 @@ if _CACHE != "0":
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
+# The scripts, experiments and pytest runs that tests start as subprocesses
+# inherit both settings through the environment (jax reads JAX_<FLAG>).
+if os.environ.get("REPLAYSSM_TEST_FULL_OPT") != "1":
+  os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+if _CACHE != "0":
+  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():

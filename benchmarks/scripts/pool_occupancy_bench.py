@@ -125,7 +125,7 @@ def main():
   else:
     cfg = models.ModelConfig(**hybrid_1b.MODEL)
   if a.small:
-    a.capacity, a.occupancies, a.max_len = 8, "2,4,8", 64
+    a.capacity, a.occupancies, a.max_len = 8, "2,8", 64
     a.prompt_len, a.repeats = 8, 2
     cfg = models.ModelConfig(**_decode_bench.TINY_MODEL)
   res = dict(env=common.log_environment(),
