@@ -33,14 +33,19 @@
 # generation 10 s per run, mostly compilation) and was cut before its last
 # stages; split over 3 processes it needs about 300-400 s. A machine and its
 # runs/ last one session (30 minutes of device time, a call at most 10
-# minutes), so a model's training and study share a session, e.g. for an
-# s20m pair (carry ["runs/carry", "wheels"]; a chain's total at most 540 s,
-# leaving the call's limit room):
-#   540 text_train,mamba2_s20m:200 text_train,gdn_s20m:340
-#   540 text_study,mamba2_s20m:270 text_study,gdn_s20m,scores:270
-#   540 text_study,gdn_s20m,generation,state_error
-# (a finished training returns at once; a paused one continues; a study
-# part's report merges every part of that model so far). Larger models
+# minutes), so a model's training and study share a session, e.g. for the
+# s20m pair three calls (carry ["runs/carry", "wheels"]; a chain's total at
+# most 540 s, leaving the call's limit room; an s20m run's last eval,
+# checkpoint and decode cross-check take well under the default 120 s
+# STOP_MARGIN):
+#   STOP_MARGIN=40 run_h200_chain.sh 540 text_train,mamba2_s20m:240 \
+#       text_train,gdn_s20m:300
+#   STOP_MARGIN=40 run_h200_chain.sh 540 text_train,gdn_s20m:220 \
+#       text_study,mamba2_s20m:320
+#   run_h200_chain.sh 540 text_study,gdn_s20m
+# (a paused training continues where it stopped, a finished one returns at
+# once; a study part's report merges every part of that model so far;
+# gdn_s20m's five evals take 14 s each). Larger models
 # take a session each; where that does not fit, a several-GPU kind splits
 # each batch over its GPUs (train.py, data-parallel) and runs three study
 # slices per GPU; or a smaller --config.train.num_steps, said beside the
