@@ -28,10 +28,11 @@
 # mamba2_s20m_h100): mamba2_s20m trains at 437k bytes/s (its 65.5M bytes in
 # 150 s of steps), gdn_s20m at 217k (about 300 s); scaled by parameters x
 # bytes (an estimate, larger models usually run their GEMMs faster), s60m /
-# s120m / s300m take about 2 / 2.6 / 2.7 times as long as s20m. The whole
-# study of one model ran 558 s in one process (scores 9 s and a 2048-token
-# generation 10 s per run, mostly compilation) and was cut before its last
-# stages; split over 3 processes it needs about 300-400 s. A machine and its
+# s120m / s300m take about 2 / 2.6 / 2.7 times as long as s20m. The study
+# of mamba2_s20m in one process spent 558 s in its runs (a score 9 s, a
+# 2048-token generation 10 s, mostly compilation) before the call's limit
+# cut it ahead of its last stages; split over 3 processes a whole study
+# should take about 300-400 s. A machine and its
 # runs/ last one session (30 minutes of device time, a call at most 10
 # minutes), so a model's training and study share a session, e.g. for the
 # s20m pair three calls (carry ["runs/carry", "wheels"]; a chain's total at
@@ -110,9 +111,9 @@ names = tuple(precision_text.get_config(sys.argv[2]).policies)
 n = int(sys.argv[1])
 for i in range(min(n, len(names))):
   print(repr(names[i::n]))" "$procs" "$name")
-    # The slices stop 30 s before the part's limit (killed 10 s after the
-    # TERM: a process inside a compile can outlast it), leaving the merge
-    # its time.
+    # The slices get a TERM 40 s before the part's limit and a KILL 10 s
+    # later (a process inside a compile can outlast the TERM), leaving the
+    # merge 30 s.
     pids=()
     for i in "${!slices[@]}"; do
       CUDA_VISIBLE_DEVICES=$(( i % ngpu )) XLA_PYTHON_CLIENT_PREALLOCATE=false \
