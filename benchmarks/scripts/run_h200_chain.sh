@@ -11,6 +11,11 @@
 set -uo pipefail
 total=${1:?usage: run_h200_chain.sh TOTAL_S part[:limit] ...}
 shift
+# The log also goes to $OUT/chain.log: a call stopped at its limit brings
+# back what is under $OUT, not what a pipe after this script held.
+OUT=${OUT:-runs}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/chain.log") 2>&1
 start=$SECONDS
 for spec in "$@"; do
   part=${spec%%:*}
@@ -29,6 +34,7 @@ for spec in "$@"; do
     || echo "chain: ${part//,/ } exited $?"
 done
 echo "chain: done at $((SECONDS - start)) s"
-OUT=${OUT:-runs}
-tar czf /tmp/runs.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete \
+# (tar exits 1 when chain.log grows while it reads it: still packed.)
+tar --warning=no-file-changed -czf /tmp/runs.tgz -C "$OUT" .
+[ -s /tmp/runs.tgz ] && find "$OUT" -mindepth 1 -delete \
   && mv /tmp/runs.tgz "$OUT/runs.tgz"
