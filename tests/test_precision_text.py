@@ -232,26 +232,6 @@ def test_text_configs():
                                     * c.task.seq_len)
 
 
-def test_text_study_slice_flags_parse():
-  """The overrides text_precision.sh gives each study slice parse on every
-  real model's config (baseline_policies defaults to None there, a typed
-  placeholder a command line can set)."""
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
-  for name in ("mamba2_s20m", "gdn_s300m"):
-    argv = ["study", f"--config=configs/precision_text.py:{name}",
-            "--config.stages=('scores','generation',)",
-            "--config.policies=('f32', 'f32+bf16')",
-            "--config.baseline_policies=('f32', 'f32+bf16')"]
-    fv = flags.FlagValues()
-    config_flags.DEFINE_config_file("config", None, flag_values=fv,
-                                    sys_argv=argv)
-    fv(argv)
-    assert fv.config.baseline_policies == ("f32", "f32+bf16")
-    assert fv.config.stages == ("scores", "generation")
-  assert precision_text.get_config("mamba2_s20m").baseline_policies is None
-
-
 def test_text_study_script_on_the_fixtures(tmp_path):
   """benchmarks/scripts/text_precision.sh text_study (behind run_h200.sh
   text_study): the presets split over two processes, then merged."""
