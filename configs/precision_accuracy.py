@@ -87,7 +87,7 @@ def _model(name: str, eval_seq_len: int = 0, file: str = "train") -> dict:
               eval_seq_len=eval_seq_len, train_overrides={})
 
 
-def _OPTIONAL():  # pylint: disable=invalid-name
+def _optional_tuple():
   """None (the default the docstrings name) or a tuple: a typed
   placeholder, so that a command line can set it
   (`--config.generation.policies="('f32',)"`)."""
@@ -105,7 +105,7 @@ def state_error_config(steps: int, **kw) -> ml_collections.ConfigDict:
   the model's decode."""
   return ml_collections.ConfigDict(dict(dict(
       steps=steps, rows=4, source="generation", layers=(0, -1),
-      num_points=24, reference_dtype="float64", policies=_OPTIONAL(),
+      num_points=24, reference_dtype="float64", policies=_optional_tuple(),
       buffer_lens=(16,), baselines=True, capture_check=True), **kw))
 
 
@@ -129,7 +129,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.buffer_dtype = "float32"
   config.sr_seed = 1234
   config.baseline_contrast = True
-  config.baseline_policies = _OPTIONAL()
+  config.baseline_policies = _optional_tuple()
   config.eval_batches = 4
   config.eval_batch_size = 32
   config.within_points = 1.0
@@ -141,8 +141,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # experiments/precision_lib/generation.py); new_tokens 0 skips them.
   config.generation = ml_collections.ConfigDict(dict(
       num_prompts=8, prompt_len=64, new_tokens=2048, temperature=1.0,
-      modes=("greedy", "sampled"), policies=_OPTIONAL(),
-      buffer_lens=_OPTIONAL(), baselines=True))
+      modes=("greedy", "sampled"), policies=_optional_tuple(),
+      buffer_lens=_optional_tuple(), baselines=True))
   config.state_error = state_error_config(steps=0)
   if arg == "smoke":
     # Next-character prediction (every position scored) by a two-layer
