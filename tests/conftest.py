@@ -13,6 +13,15 @@ import pytest
 # irrelevant here.
 jax.config.update("jax_threefry_partitionable", False)
 
+
+def _setting(name: str, value) -> None:
+  """Sets a jax flag in this process and, through the environment (jax
+  reads JAX_<FLAG>), in the scripts, experiments and pytest runs that tests
+  start as subprocesses."""
+  jax.config.update(name, value)
+  os.environ.setdefault(name.upper(), str(value))
+
+
 # The suite is bound by XLA:CPU compile time (interpret-mode kernels compile
 # each case apart), not by run time: skip most of XLA's and LLVM's
 # optimization passes. The tests compare against references and
@@ -20,7 +29,7 @@ jax.config.update("jax_threefry_partitionable", False)
 # every timed configuration at full optimization. REPLAYSSM_TEST_FULL_OPT=1
 # runs the suite fully optimized.
 if os.environ.get("REPLAYSSM_TEST_FULL_OPT") != "1":
-  jax.config.update("jax_disable_most_optimizations", True)
+  _setting("jax_disable_most_optimizations", True)
 
 # XLA's persistent compilation cache, shared by the xdist workers (and by
 # later runs on the same machine): a program that several tests or both
@@ -30,18 +39,9 @@ _CACHE = os.environ.get("REPLAYSSM_TEST_CACHE",
                         os.path.join(tempfile.gettempdir(),
                                      "replayssm_jax_test_xla_cache"))
 if _CACHE != "0":
-  jax.config.update("jax_compilation_cache_dir", _CACHE)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-# The scripts, experiments and pytest runs that tests start as subprocesses
-# inherit both settings through the environment (jax reads JAX_<FLAG>).
-if os.environ.get("REPLAYSSM_TEST_FULL_OPT") != "1":
-  os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-if _CACHE != "0":
-  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
-  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
-  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+  _setting("jax_compilation_cache_dir", _CACHE)
+  _setting("jax_persistent_cache_min_compile_time_secs", 0.1)
+  _setting("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 @pytest.fixture(autouse=True, scope="module")
