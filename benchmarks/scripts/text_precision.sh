@@ -46,7 +46,7 @@
 #   run_h200_chain.sh 540 text_study,gdn_s20m
 # (a paused training continues where it stopped, a finished one returns at
 # once; a study part's report merges every part of that model so far;
-# gdn_s20m's five evals take 14 s each). Larger models
+# gdn_s20m's first eval took 14 s, of five). Larger models
 # take a session each; where that does not fit, a several-GPU kind splits
 # each batch over its GPUs (train.py, data-parallel) and runs three study
 # slices per GPU; or a smaller --config.train.num_steps, said beside the
