@@ -68,6 +68,8 @@ Fields (override any with --config.<field>=...):
     state_error.py); steps 0: none (the default here).
   merge_workdirs: report the records of these study workdirs together
     instead of evaluating (stages or policy slices run apart).
+  resume: keep the records a previous run of the same config left in the
+    workdir (one stopped by a time limit) and run only the rest.
 """
 
 import ml_collections
@@ -137,6 +139,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.agreement_target = 0.99
   config.stages = ("scores", "generation", "state_error")
   config.merge_workdirs = ()
+  config.resume = False
   # Long generations per model against the f32 baseline's (see
   # experiments/precision_lib/generation.py); new_tokens 0 skips them.
   config.generation = ml_collections.ConfigDict(dict(

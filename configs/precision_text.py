@@ -4,9 +4,10 @@ configs/train_text.py (experiments/precision_accuracy.py).
 Per model: decode-mode validation perplexity (1024 bytes, 1023 decode
 steps) of every precision preset x L in {8, 16, 32} and of the every-step
 baselines against the f32 baseline-mode model, with the 1% criterion;
-greedy and sampled generations of 2048 tokens against the f32 baseline's
-(first divergence, token agreement; `--config.generation.new_tokens=16384`
-for longer ones); the state of the first and last recurrent layers along a
+greedy and sampled generations of 2048 tokens from 32 prompts against the
+f32 baseline's (first divergence, token agreement: a prompt that leaves the
+reference at a near-tie moves it by 1/32;
+`--config.generation.new_tokens=16384` for longer ones); the state of the first and last recurrent layers along a
 4096-token decode against a float64 recurrence. One model per run:
 
   python -m experiments.precision_accuracy \
@@ -59,7 +60,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.buffer_lens = (8, 16, 32)
   config.eval_batches = 2
   config.eval_batch_size = 32
-  config.generation.update(num_prompts=8, prompt_len=64, new_tokens=2048,
+  config.generation.update(num_prompts=32, prompt_len=64, new_tokens=2048,
                            buffer_lens=(16,))
   config.state_error = base.state_error_config(steps=4096)
   if arg == "fixture_full":

@@ -224,32 +224,37 @@ def decode_eval(model, batches, refs, ssm_mode, buffer_len, policy=None):
 def score_model(entry, model, task, config, writer) -> list[dict]:
   """The reference, replay and every-step baseline decodes of one model
   on its validation batches."""
-  batches = task.eval_batches(config.eval_batches, config.eval_batch_size)
   steps = task.seq_len - 1  # prefill 1 token, then decode steps
   base = dict(model=entry.name, task=task.name, seq_len=task.seq_len,
               decode_steps=steps)
-  records = []
+  runs = R.replay_runs(config, config.policies, config.buffer_lens)
+  if config.baseline_contrast:
+    runs += R.baseline_runs(config, model, R.baseline_policies(config))[0]
+  idents = [dict(base, kind=run.kind, label=run.label, L=run.L)
+            for run in runs]
+  ref_ident = dict(base, kind="reference", label="f32 baseline", L=None)
+  if all(map(writer.done, idents + [ref_ident])):  # a resumed study's
+    return [writer.done(r) for r in [ref_ident] + idents]
 
+  batches = task.eval_batches(config.eval_batches, config.eval_batch_size)
   t0 = time.perf_counter()
   ref, refs = decode_eval(model, batches, None, "baseline", 1)
-  rec = writer.write(dict(base, kind="reference", label="f32 baseline",
-                          policy=None, L=None, storage_dtype="float32",
+  rec = writer.write(dict(ref_ident, policy=None, storage_dtype="float32",
                           rounding="rn", eval_s=time.perf_counter() - t0,
                           **ref))
-  records.append(rec)
+  records = [rec]
   logging.info("%s reference (f32 baseline): accuracy %.4f, loss %.4f, "
                "perplexity %.4f", entry.name, ref["accuracy"], ref["loss"],
                ref["perplexity"])
 
-  runs = R.replay_runs(config, config.policies, config.buffer_lens)
-  if config.baseline_contrast:
-    runs += R.baseline_runs(config, model, R.baseline_policies(config))[0]
-  for run in runs:
+  for run, ident in zip(runs, idents):
+    if writer.done(ident):
+      records.append(writer.done(ident))
+      continue
     t0 = time.perf_counter()
     m, _ = decode_eval(model, batches, refs, run.ssm_mode, run.buffer_len,
                        run.policy)
-    rec = dict(base, kind=run.kind, label=run.label, policy=run.policy_name,
-               L=run.L)
+    rec = dict(ident, policy=run.policy_name)
     if run.kind == "replay":
       rec.update(checkpoint_dtype=run.policy.checkpoint_dtype,
                  read_dtype=run.policy.read_dtype,
@@ -305,9 +310,6 @@ def _check_config(config):
                      f"{STAGES}.")
 
 
-_IDENTITY = ("kind", "model", "label", "L", "mode", "run_kind", "block")
-
-
 def _merged(config) -> tuple[list[dict], list[dict]]:
   """(model infos, records) of the workdirs in config.merge_workdirs; a
   record that several hold (the reference decode of each preset slice)
@@ -321,11 +323,31 @@ def _merged(config) -> tuple[list[dict], list[dict]]:
         m["baselines_not_supported"] = list(dict.fromkeys(
             m["baselines_not_supported"] + r["baselines_not_supported"]))
         continue
-      key = tuple(str(r.get(k)) for k in _IDENTITY)
+      key = R.identity(r)
       if r["kind"] not in ("environment", "final") and key not in seen:
         seen.add(key)
         records.append(r)
   return list(models.values()), records
+
+
+def _previous_records(config, workdir: str) -> list[dict]:
+  """With config.resume, the run records an earlier run of the same config
+  left in `workdir` (none if it holds no metrics.jsonl)."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not config.get("resume") or not os.path.exists(path):
+    return []
+  with open(os.path.join(workdir, "config.json")) as f:
+    old = json.load(f)
+  new = json.loads(json.dumps(common.to_jsonable(config)))
+  differ = sorted(k for k in set(old) | set(new) if k != "resume"
+                  and old.get(k) != new.get(k))
+  if differ:
+    raise ValueError(
+        f"config.resume: {workdir} holds a run of another config (fields "
+        f"{differ} differ); resume with the same config or use another "
+        f"--workdir.")
+  return [r for r in common.read_metrics(path)
+          if r["kind"] not in ("environment", "model", "final")]
 
 
 def run(config, workdir: str) -> dict:
@@ -334,7 +356,9 @@ def run(config, workdir: str) -> dict:
   _check_config(config)
   for entry in map(model_entry, config.models):  # before jax starts
     common.avoid_cpu_lapack_stall(_block_kinds(entry, workdir))
+  previous = _previous_records(config, workdir)
   workdir, _, writer = common.start_run(workdir, config)
+  writer = R.ResumableWriter(writer, previous)
   if config.get("merge_workdirs"):
     models, records = _merged(config)
     for r in models + records:

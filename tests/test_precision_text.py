@@ -7,6 +7,7 @@ workdirs, the configs and the fixtures' rebuild records."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -174,6 +175,48 @@ def test_merge_of_slices(study, tmp_path):
   assert got == {"fixture": [], "gdn_fixture": ["int8+sr"]}
 
 
+def _untimed(r):
+  return {k: v for k, v in r.items() if not k.endswith("_s")}
+
+
+def test_resume_runs_only_what_is_missing(study, tmp_path):
+  """A study stopped short (its metrics.jsonl missing a score, a generation
+  and a state-error record) and run again with resume: the records it had
+  are kept as they were, the missing ones come back equal to the
+  uninterrupted run's, and a resume under another config is refused."""
+  workdir, records = study
+  body = [r for r in records if r["kind"] not in ("environment", "final")]
+  drop = {max(i for i, r in enumerate(body) if r["kind"] == kind)
+          for kind in ("replay", "generation", "state_error")}
+  cut = tmp_path / "cut"
+  cut.mkdir()
+  shutil.copy(os.path.join(workdir, "config.json"), cut / "config.json")
+  with open(cut / "metrics.jsonl", "w") as f:
+    for i, r in enumerate(body):
+      if i not in drop:
+        f.write(json.dumps(r) + "\n")
+  r = subprocess.run(
+      [sys.executable, "-m", "experiments.precision_accuracy",
+       "--config=configs/precision_text.py:fixture", f"--workdir={cut}",
+       "--config.resume=True"],
+      cwd=ROOT, capture_output=True, text=True, timeout=900, check=False,
+      env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"))
+  assert r.returncode == 0, r.stderr[-4000:]
+  assert r.stderr.count("reference generation") == 1  # one mode, one model
+  got = [x for x in common.read_metrics(str(cut / "metrics.jsonl"))
+         if x["kind"] not in ("environment", "final")]
+  kept = [x for i, x in enumerate(body)
+          if i not in drop and x["kind"] != "model"]
+  assert [x for x in got if x in kept] == kept  # as they were, timings too
+  key = lambda x: json.dumps(_untimed(x), sort_keys=True)  # noqa: E731
+  assert sorted(map(key, got)) == sorted(map(key, body))
+  config = precision_text.get_config("fixture")
+  config.resume = True
+  config.eval_batches = 2
+  with pytest.raises(ValueError, match="eval_batches"):
+    precision_accuracy._previous_records(config, str(cut))  # pylint: disable=protected-access
+
+
 def test_fixture_files_and_rebuild_record():
   """The committed fixtures: small, trained on the pinned corpus, scored
   on an excerpt of it; their metrics.jsonl records how to rebuild them."""
@@ -244,7 +287,7 @@ def test_text_study_script_on_the_fixtures(tmp_path):
       text=True, timeout=900, check=False)
   assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
   parts = sorted(os.listdir(tmp_path / "study" / "fixture" / "scores"))
-  assert parts == ["part0", "part0.log", "part1", "part1.log"]
+  assert parts == ["part0of2", "part0of2.log", "part1of2", "part1of2.log"]
   records = common.read_metrics(str(tmp_path / "out" / "text_fixture" /
                                     "metrics.jsonl"))
   replay = {(r["model"], r["policy"]) for r in records

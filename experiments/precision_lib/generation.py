@@ -74,17 +74,22 @@ def agreement(name, model, task, config, writer) -> list[dict]:
   runs = R.sub_runs(config, model, config.generation)
   records = []
   for mode in config.generation.modes:
+    idents = [dict(kind="generation", model=name, mode=mode,
+                   run_kind=run.kind, label=run.label, L=run.buffer_len)
+              for run in runs]
+    records += filter(None, map(writer.done, idents))  # a resumed study's
+    todo = [(r, i) for r, i in zip(runs, idents) if not writer.done(i)]
+    if not todo:
+      continue
     t0 = time.perf_counter()
     ref = generate_run(model, p, config, mode, None)
     logging.info("%s %s reference generation: %d x %d tokens in %.1fs", name,
                  mode, *ref.shape, time.perf_counter() - t0)
-    for run in runs:
+    for run, ident in todo:
       t0 = time.perf_counter()
       out = generate_run(model, p, config, mode, run)
       rec = writer.write(dict(
-          kind="generation", model=name, mode=mode, run_kind=run.kind,
-          label=run.label, policy=run.policy_name, L=run.buffer_len,
-          prompt_len=p.shape[1],
+          ident, policy=run.policy_name, prompt_len=p.shape[1],
           temperature=(float(config.generation.temperature)
                        if mode == "sampled" else 0.0),
           eval_s=time.perf_counter() - t0, **divergence(out, ref)))

@@ -9,7 +9,8 @@ state error against float64, and the targets:
     ppl_tolerance relative validation perplexity of the f32 reference at
     every L;
   * greedy agreement >= agreement_target over the generation for the
-    16-bit-master presets (bf16 / f16 master);
+    16-bit-master presets (bf16 / f16 master), beside the f32 replay
+    decode's (where it runs: the control);
   * the every-step bf16 baseline, for contrast.
 
 A target reads "not run" where its records are missing (a stage left out).
@@ -125,6 +126,12 @@ def _targets(config, models, records) -> list[str]:
           f"{'met' if ok else 'missed'}: min {worst['agreement']:.4f} "
           f"({worst['policy']} L={worst['L']}, {worst['new_tokens']} "
           "tokens)")
+      control = [r for r in mine if r["kind"] == "generation"
+                 and r["mode"] == "greedy" and r["run_kind"] == "replay"
+                 and r.get("policy") == "f32"]
+      if control:  # the same math in another order: the model's own noise
+        row["16-bit-master greedy agreement"] += (
+            f"; f32 replay {control[0]['agreement']:.4f}")
     else:
       row["16-bit-master greedy agreement"] = "not run"
     b = [r for r in mine if r["kind"] == "baseline"
@@ -141,7 +148,9 @@ def _targets(config, models, records) -> list[str]:
   return ["## Targets", "",
           f"Dual-precision presets within {100 * tol:g}% relative "
           "perplexity at every L; greedy agreement >= "
-          f"{target:g} for the 16-bit-master presets; the every-step bf16 "
+          f"{target:g} for the 16-bit-master presets, beside the f32 "
+          "replay decode's (the same math summed in another order: what "
+          "rounding elsewhere in the model does alone); the every-step bf16 "
           "baseline for contrast.", "",
           common.markdown_table(rows, ["model", "dual-precision ppl",
                                        "16-bit-master greedy agreement",
@@ -179,13 +188,16 @@ def write_summary(config, workdir, models, records) -> str:
               ""]
   gen = [r for r in records if r["kind"] == "generation"]
   if gen:
-    g = config.generation
+    def shape(key):  # the records' (a merge of runs may mix them)
+      return "/".join(sorted({str(r[key]) for r in gen}))
+    temps = sorted({r["temperature"] for r in gen if r["mode"] == "sampled"})
     lines += [
         "## Long generation", "",
-        f"{g.num_prompts} prompts of {g.prompt_len} tokens, "
-        f"{g.new_tokens} new tokens each, against the f32 baseline's; "
-        f"sampled at temperature {g.temperature:g} with the same PRNG key "
-        "in every run. agreement: share of tokens equal to the "
+        f"{shape('rows')} prompts of {shape('prompt_len')} tokens, "
+        f"{shape('new_tokens')} new tokens each, against the f32 baseline's"
+        + (f"; sampled at temperature {'/'.join(f'{t:g}' for t in temps)} "
+           "with the same PRNG key in every run" if temps else "")
+        + ". agreement: share of tokens equal to the "
         "reference's; first divergence: index of a row's first differing "
         "token (median / min over rows).", "",
         common.markdown_table(gen, [

@@ -140,6 +140,37 @@ def sub_runs(config, model, part) -> list[Run]:
   return runs
 
 
+IDENTITY = ("kind", "model", "label", "L", "mode", "run_kind", "block")
+
+
+def identity(record) -> tuple[str, ...]:
+  """What tells one study record from another: a merge of slices and a
+  resumed run keep one record per identity."""
+  return tuple(str(record.get(k)) for k in IDENTITY)
+
+
+class ResumableWriter:
+  """A metrics writer that starts from the records of an earlier run of
+  the same study (config.resume): it writes them first; `done(record)` is
+  the earlier record of that identity (None if none), and `write` of such
+  a record returns the earlier one instead of writing it again. The study
+  skips a run whose record is done, and a stage's reference when every run
+  of the stage is."""
+
+  def __init__(self, writer, previous=()):
+    self.writer = writer
+    self.previous = {identity(r): r for r in previous}
+    for r in self.previous.values():
+      writer.write(r)
+
+  def done(self, record) -> dict | None:
+    return self.previous.get(identity(record))
+
+  def write(self, record=None, **fields) -> dict:
+    rec = dict(record or {}, **fields)
+    return self.done(rec) or self.writer.write(rec)
+
+
 def release_compiled() -> None:
   """Drops jax's compiled programs between runs. Each decode configuration
   compiles programs of its own (a static policy), used by that run only;

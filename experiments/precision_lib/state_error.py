@@ -250,9 +250,17 @@ def floor_run(config) -> R.Run:
 def measure(name, model, task, config, writer) -> list[dict]:
   """The state-error records of one model (one per layer x run)."""
   se = config.state_error
+  blocks = layer_blocks(model, se.layers)
+  runs = [floor_run(config)] + R.sub_runs(config, model, se)
+  idents = [(block, run, dict(kind="state_error", model=name, block=block,
+                              run_kind=run.kind, label=run.label, L=run.L))
+            for block in blocks for run in runs]
+  records = [r for r in map(writer.done, (i for *_, i in idents)) if r]
+  todo = [(b, r, i) for b, r, i in idents if not writer.done(i)]
+  if not todo:  # a resumed study's, all done
+    return records
   t0 = time.perf_counter()
   tokens = stream(model, task, config)
-  blocks = layer_blocks(model, se.layers)
   init, rec, logits = capture(model, tokens, blocks)
   check = None
   if se.get("capture_check", True):
@@ -267,33 +275,28 @@ def measure(name, model, task, config, writer) -> list[dict]:
                "decode_logits: max |logit diff| %s)", name, steps,
                tokens.shape[0], blocks, check)
   points = PD.measure_points(steps, int(se.num_points))
-  runs = [floor_run(config)] + R.sub_runs(config, model, se)
   layer_of = model.mamba_indices()
-  records = []
   with PD.precision_context(se.reference_dtype):
     ref_dtype = jnp.dtype(se.reference_dtype)
-    for block in blocks:
-      for run in runs:
-        t1 = time.perf_counter()
-        stats = _layer_stats(model, block, layer_of[block], init[block],
-                             rec[block], run, points, ref_dtype)
-        r = writer.write(dict(
-            kind="state_error", model=name,
-            mixer=model.config.block_kinds[block], block=block,
-            layer=layer_of[block], run_kind=run.kind, label=run.label,
-            policy=run.policy_name, L=run.L, source=se.source,
-            reference_dtype=ref_dtype.name, steps=steps,
-            points=points.tolist(),
-            final_state_max_rel=stats["state_max"][-1],
-            final_state_fro_rel=stats["state_fro"][-1],
-            peak_state_max_rel=float(np.max(stats["state_max"])),
-            max_out_rel=float(np.max(stats["out_max"])),
-            wall_s=time.perf_counter() - t1,
-            **{f"{k}_rel": v for k, v in stats.items()}))
-        records.append(r)
-        R.release_compiled()
-        logging.info("%s block %d (%s) %-8s %-12s L=%-3s: final state err "
-                     "%.2e, max output err %.2e", name, block, r["mixer"],
-                     run.kind, run.label, run.L or "-",
-                     r["final_state_max_rel"], r["max_out_rel"])
+    for block, run, ident in todo:
+      t1 = time.perf_counter()
+      stats = _layer_stats(model, block, layer_of[block], init[block],
+                           rec[block], run, points, ref_dtype)
+      r = writer.write(dict(
+          ident, mixer=model.config.block_kinds[block],
+          layer=layer_of[block], policy=run.policy_name, source=se.source,
+          reference_dtype=ref_dtype.name, steps=steps,
+          points=points.tolist(),
+          final_state_max_rel=stats["state_max"][-1],
+          final_state_fro_rel=stats["state_fro"][-1],
+          peak_state_max_rel=float(np.max(stats["state_max"])),
+          max_out_rel=float(np.max(stats["out_max"])),
+          wall_s=time.perf_counter() - t1,
+          **{f"{k}_rel": v for k, v in stats.items()}))
+      records.append(r)
+      R.release_compiled()
+      logging.info("%s block %d (%s) %-8s %-12s L=%-3s: final state err "
+                   "%.2e, max output err %.2e", name, block, r["mixer"],
+                   run.kind, run.label, run.L or "-",
+                   r["final_state_max_rel"], r["max_out_rel"])
   return records
