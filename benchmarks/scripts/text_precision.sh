@@ -25,32 +25,34 @@
 # checks each split's sha256 against the manifest).
 #
 # Planning. Measured on one H100 (benchmarks/text_precision/
-# mamba2_s20m_h100): mamba2_s20m trains at 437k bytes/s (its 65.5M bytes in
-# 150 s of steps), gdn_s20m at 217k (about 300 s); scaled by parameters x
-# bytes (an estimate, larger models usually run their GEMMs faster), s60m /
-# s120m / s300m take about 2 / 2.6 / 2.7 times as long as s20m. The study
-# of mamba2_s20m in one process spent 558 s in its runs (a score 9 s, a
-# 2048-token generation 10 s, mostly compilation) before the call's limit
-# cut it ahead of its last stages; split over 3 processes a whole study
-# should take about 300-400 s. A machine and its
-# runs/ last one session (30 minutes of device time, a call at most 10
-# minutes), so a model's training and study share a session, e.g. for the
-# s20m pair three calls (carry ["runs/carry", "wheels"]; a chain's total at
-# most 540 s, leaving the call's limit room; an s20m run's last eval,
-# checkpoint and decode cross-check take well under the default 120 s
-# STOP_MARGIN):
+# mamba2_s20m_h100, gdn_s20m_h100): mamba2_s20m trains at 437k bytes/s
+# (its 65.5M bytes in 150 s of steps), gdn_s20m at 217k (302 s); scaled by
+# parameters x bytes (an estimate, larger models usually run their GEMMs
+# faster), s60m / s120m / s300m take about 2 / 2.6 / 2.7 times as long as
+# s20m. A study of an s20m model over three processes took 330 s (Mamba-2)
+# and over 440 s (Gated DeltaNet: its stochastically rounded presets score
+# in 20-30 s a run against 7-9 s) per slice: a score 7-30 s, a 2048-token
+# generation 8-10 s, mostly compilation. Everything under runs/, the
+# trained models too, is lost when the machine goes back (30 minutes of
+# device time a session, a call at most 10 minutes, idle machines go back
+# within a minute): a model's training and study share one machine's
+# calls, back to back. The s20m pair in three calls (carry ["runs/carry",
+# "wheels"]; a chain's total at most 540 s, leaving the call's limit room;
+# an s20m run's last eval, checkpoint and decode cross-check take well
+# under the default 120 s STOP_MARGIN):
 #   STOP_MARGIN=40 run_h200_chain.sh 540 text_train,mamba2_s20m:240 \
 #       text_train,gdn_s20m:300
-#   STOP_MARGIN=40 run_h200_chain.sh 540 text_train,gdn_s20m:220 \
-#       text_study,mamba2_s20m:320
-#   run_h200_chain.sh 540 text_study,gdn_s20m
-# (a paused training continues where it stopped, a finished one returns at
-# once; a study part's report merges every part of that model so far;
-# gdn_s20m's first eval took 14 s, of five). Larger models
-# take a session each; where that does not fit, a several-GPU kind splits
-# each batch over its GPUs (train.py, data-parallel) and runs three study
-# slices per GPU; or a smaller --config.train.num_steps, said beside the
-# results.
+#   STOP_MARGIN=40 run_h200_chain.sh 540 text_train,gdn_s20m:180 \
+#       text_study,mamba2_s20m:360
+#   run_h200_chain.sh 540 text_train,gdn_s20m:60 text_study,gdn_s20m:480
+# A paused training continues where it stopped and a finished one returns
+# at once; a study slice stopped by its limit continues in the next call
+# (--config.resume), and each study part's report merges every part of
+# that model so far. Larger models take a session each (one model, its
+# training split over calls, then its study); where that does not fit, a
+# several-GPU kind splits each batch over its GPUs (train.py,
+# data-parallel) and runs six study slices per GPU; or a smaller
+# --config.train.num_steps, said beside the results.
 set -euo pipefail
 OUT=${OUT:-runs}
 T=${T:-560}
@@ -92,15 +94,16 @@ case "$1" in
     stages=${stages:-scores,generation,state_error}
     # ("fixture": the committed CPU fixtures on their own corpus excerpt.)
     [ "$name" = fixture ] || text_corpus
-    # STUDY_PROCS processes (default three per GPU: compiles dominate a
-    # small model's study, and they run on the host) each take a slice of
-    # the presets, with their every-step baselines, into
-    # $STUDY_DIR/NAME/<stages>/part<i> (STUDY_DIR default
+    # STUDY_PROCS processes (default six per GPU: compiles dominate a
+    # small model's study, and they run on the host's 16 cores) each take
+    # a slice of the presets, with their every-step baselines, into
+    # $STUDY_DIR/NAME/<stages>/part<i>of<procs> (STUDY_DIR default
     # runs/precision_text); then every part of every call so far is merged
-    # into $OUT/text_NAME.
+    # into $OUT/text_NAME. A slice stopped by the limit continues where it
+    # stopped when the same part runs again (--config.resume).
     ngpu=$( (nvidia-smi -L 2>/dev/null || true) | wc -l)
     ngpu=$(( ngpu > 0 ? ngpu : 1 ))
-    procs=${STUDY_PROCS:-$(( 3 * ngpu ))}
+    procs=${STUDY_PROCS:-$(( 6 * ngpu ))}
     study=${STUDY_DIR:-runs/precision_text}/$name
     base="$study/${stages//,/_}"
     mkdir -p "$base"
@@ -118,19 +121,20 @@ for i in range(min(n, len(names))):
     for i in "${!slices[@]}"; do
       CUDA_VISIBLE_DEVICES=$(( i % ngpu )) XLA_PYTHON_CLIENT_PREALLOCATE=false \
         timeout -k 10 $(( T - 40 )) python -m experiments.precision_accuracy \
-        --config=configs/precision_text.py:"$name" --workdir="$base/part$i" \
+        --config=configs/precision_text.py:"$name" \
+        --workdir="$base/part${i}of$procs" --config.resume=True \
         --config.stages="('${stages//,/\',\'}',)" \
         --config.policies="${slices[$i]}" \
         --config.baseline_policies="${slices[$i]}" \
-        > "$base/part$i.log" 2>&1 &
+        >> "$base/part${i}of$procs.log" 2>&1 &
       pids+=($!)
     done
     for p in "${pids[@]}"; do
       wait "$p" || echo "text_study $name: a slice exited $? (see $base/part*.log)"
     done
-    tail -n 3 "$base"/part*.log
+    tail -n 3 "$base"/part*of"$procs".log
     mkdir -p "$OUT/text_${name}_logs"
-    cp "$base"/part*.log "$OUT/text_${name}_logs/"
+    cp "$base"/part*of"$procs".log "$OUT/text_${name}_logs/"
     parts=$(find "$study" -name metrics.jsonl -path '*part*' \
       -printf "'%h',\n" | sort | tr -d '\n')
     if [ -z "$parts" ]; then  # (an empty list would run the whole study)
