@@ -229,7 +229,7 @@ def score_model(entry, model, task, config, writer) -> list[dict]:
               decode_steps=steps)
   runs = R.replay_runs(config, config.policies, config.buffer_lens)
   if config.baseline_contrast:
-    runs += R.baseline_runs(config, model, R.baseline_policies(config))[0]
+    runs += R.baseline_runs(config, R.baseline_policies(config))
   idents = [dict(base, kind=run.kind, label=run.label, L=run.L)
             for run in runs]
   ref_ident = dict(base, kind="reference", label="f32 baseline", L=None)
@@ -313,15 +313,12 @@ def _check_config(config):
 def _merged(config) -> tuple[list[dict], list[dict]]:
   """(model infos, records) of the workdirs in config.merge_workdirs; a
   record that several hold (the reference decode of each preset slice)
-  is kept once, and a model's unsupported baselines are those of every
-  slice."""
+  is kept once."""
   models, records, seen = {}, [], set()
   for wd in config.merge_workdirs:
     for r in common.read_metrics(os.path.join(wd, "metrics.jsonl")):
       if r["kind"] == "model":
-        m = models.setdefault(r["model"], dict(r))
-        m["baselines_not_supported"] = list(dict.fromkeys(
-            m["baselines_not_supported"] + r["baselines_not_supported"]))
+        models.setdefault(r["model"], r)
         continue
       key = R.identity(r)
       if r["kind"] not in ("environment", "final") and key not in seen:
@@ -370,14 +367,11 @@ def run(config, workdir: str) -> dict:
       trained = _training_record(path)
       n_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(
           nnx.split(model)[1])))
-      skipped = R.baseline_runs(config, model, R.baseline_policies(
-          config))[1] if config.baseline_contrast else []
       info = writer.write(kind="model", model=entry.name, task=task.name,
                           seq_len=task.seq_len, train_workdir=path,
                           pattern=model.config.pattern,
                           d_model=model.config.d_model, num_params=n_params,
                           recipe=trained.get("recipe"),
-                          baselines_not_supported=skipped,
                           task_spec=task.to_dict())
       models.append(dict(info))
       logging.info("model %s: %s, pattern %s, %s parameters, eval seq_len "

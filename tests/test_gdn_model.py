@@ -13,6 +13,7 @@ from flax import nnx
 
 from replayssm_jax import models
 from replayssm_jax import precision as P
+from replayssm_jax import testing
 from replayssm_jax.models.config import ModelConfig
 
 CFG = ModelConfig(
@@ -177,10 +178,68 @@ def test_precision_policies(model, toks, full, mode, preset):
     np.testing.assert_array_equal(r, runs[0])
 
 
-def test_baseline_takes_plain_policies_only(model):
-  with pytest.raises(ValueError, match="baseline Gated DeltaNet"):
-    model.init_state(2, 16, ssm_mode="baseline",
-                     precision=P.PrecisionPolicy.preset("f32+bf16"))
+def _decode(model, toks, state, steps=3):
+  """Prefill 5 tokens, then `steps` decode steps -> (logits [b, 1 + steps,
+  vocab], state)."""
+  last, state = models.prefill(model, toks[:, :5], jnp.full((2,), 5), state)
+  got = [np.asarray(last)]
+  for t in range(5, 5 + steps):
+    lg, state = models.decode_step(model, toks[:, t], state)
+    got.append(np.asarray(lg))
+  return np.stack(got, 1), state
+
+
+@pytest.mark.parametrize("preset", ["f32+fp8", "f32+int8+sr", "bf16+sr"])
+def test_baseline_stored_per_policy(model, toks, full, preset):
+  """A baseline state under a policy with an 8-bit read copy or stochastic
+  rounding is stored every step as `baseline_storage_dtype` says
+  (StoredSSMState: the read copy's dtype with its scales, the rounding
+  keyed by row and step): within 2e-2 of the float32 forward's logit
+  scale after 8 stores (observed 3.4e-3 with fp8, 9e-4 int8+sr, 6e-4
+  bf16+sr) but not equal to it; stochastic rounding repeats bit
+  for bit and counts the tokens; the speculative path refuses it."""
+  policy = P.PrecisionPolicy.preset(preset)
+  dtype = jnp.dtype(policy.read_dtype or policy.checkpoint_dtype)
+  runs = []
+  for _ in range(2 if policy.stochastic_rounding else 1):
+    ids = np.array([4, 9]) if policy.stochastic_rounding else None
+    state = model.init_state(2, 32, ssm_mode="baseline", precision=policy,
+                             row_ids=ids)
+    logits, state = _decode(model, toks, state)
+    runs.append(logits)
+  err = testing.max_rel_error(runs[0], full[:, 4:8])
+  assert 0 < err < 2e-2, err
+  for r in runs[1:]:
+    np.testing.assert_array_equal(r, runs[0])
+  assert state.precision == policy
+  ssm = state.layers[0].ssm
+  assert isinstance(ssm, models.StoredSSMState) and ssm.dtype == dtype
+  if dtype.name in P.QUANTIZED_DTYPES:
+    assert ssm.scale.shape == ssm.state.shape[:3]  # per (row, head, key)
+  else:
+    assert ssm.scale is None
+  if policy.stochastic_rounding:
+    np.testing.assert_array_equal(ssm.step, [8, 8])
+    np.testing.assert_array_equal(ssm.row_id, [4, 9])
+  with pytest.raises(ValueError, match="baseline state"):
+    models.verify(model, toks[:, 8:10], state)
+
+
+def test_stored_baseline_steps_slots_in_place(model, toks):
+  """A stored baseline pool stepped through slots (`rows`, here the two
+  rows swapped) gives each slot what the batch step gives that row."""
+  policy = P.PrecisionPolicy.preset("f32+int8+sr")
+  pool = model.init_state(2, 32, ssm_mode="baseline", precision=policy,
+                          row_ids=np.array([0, 1]))
+  _, pool = models.prefill(model, toks[:, :5], jnp.full((2,), 5), pool)
+  want, batch = model.step(toks[:, 5], pool)
+  got, slots = model.step(toks[::-1, 5], pool, rows=jnp.array([1, 0]))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want)[::-1])
+  for a, b in zip(jax.tree.leaves(slots.layers[0].ssm),
+                  jax.tree.leaves(batch.layers[0].ssm)):
+    np.testing.assert_array_equal(a, b)
+  assert not np.array_equal(batch.layers[0].ssm.state,
+                            pool.layers[0].ssm.state)
 
 
 @pytest.mark.parametrize("field,value,match", [

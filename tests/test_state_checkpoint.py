@@ -58,12 +58,6 @@ def model_for(pattern):
   return _MODELS[pattern]
 
 
-def pattern_for(ssm_mode, preset):
-  """A baseline Gated DeltaNet state takes plain policies only."""
-  plain = preset is None or PrecisionPolicy.preset(preset).plain
-  return "M*-G" if ssm_mode == "replay" or plain else "M*-"
-
-
 def state_kwargs(preset):
   return {} if preset is None else dict(
       precision=PrecisionPolicy.preset(preset))
@@ -122,7 +116,7 @@ def test_save_restore_resume_bit_exact(tmp_path, ssm_mode, preset):
   sampled = ssm_mode == "replay" and preset == "f32+int8+sr"
   sampling = (dict(temperature=1.0, rng=jax.random.PRNGKey(7)) if sampled
               else {})
-  model = model_for(pattern_for(ssm_mode, preset))
+  model = model_for("M*-G")
   ref, ref_state, state, restored, (out, n, final) = save_restore_resume(
       model, tmp_path, sampling, ssm_mode=ssm_mode, buffer_len=L,
       **state_kwargs(preset))

@@ -4,7 +4,7 @@ baseline's.
 Per model: prompts are the first `generation.prompt_len` tokens of
 validation windows; `generate` runs `generation.new_tokens` tokens per
 prompt with the f32 baseline state (the reference) and with each decode
-configuration (`runs.sub_runs(config, model, config.generation)`), greedy
+configuration (`runs.sub_runs(config, config.generation)`), greedy
 and sampled (temperature `generation.temperature`, the same PRNG key in
 every run, so two runs draw the same random numbers and part only where
 their distributions do). Greedy agreement measures how often rounding
@@ -71,7 +71,7 @@ def agreement(name, model, task, config, writer) -> list[dict]:
   equal to the reference's at the same position; first divergence per
   row: the index of its first differing token, new_tokens if none)."""
   p = prompts(task, config)
-  runs = R.sub_runs(config, model, config.generation)
+  runs = R.sub_runs(config, config.generation)
   records = []
   for mode in config.generation.modes:
     idents = [dict(kind="generation", model=name, mode=mode,

@@ -43,7 +43,7 @@ def _mine(records, name, kind=None):
           and (kind is None or r["kind"] == kind)]
 
 
-def _baseline_cell(config, mine, pname, cell, skipped):
+def _baseline_cell(config, mine, pname, cell):
   key = R.baseline_key(R.make_policy(pname, config))
   label = R.baseline_label(key)
   b = next((r for r in mine if r["kind"] == "baseline"
@@ -52,18 +52,17 @@ def _baseline_cell(config, mine, pname, cell, skipped):
     return f"{b['label']}: {cell(b)}"
   if key == ("float32", "rn"):
     return "= reference"
-  return f"{label}: not supported" if label in skipped else "-"
+  return "-"
 
 
-def _pivot(config, mine, cell, skipped) -> str:
+def _pivot(config, mine, cell) -> str:
   rows = []
   for pname in R.table_policies(config):
     row = {"policy": pname}
     for r in mine:
       if r["kind"] == "replay" and r["policy"] == pname:
         row[f"L={r['L']}"] = cell(r)
-    row["baseline (every step)"] = _baseline_cell(config, mine, pname, cell,
-                                                  skipped)
+    row["baseline (every step)"] = _baseline_cell(config, mine, pname, cell)
     rows.append(row)
   cols = ["policy"] + [f"L={L}" for L in config.buffer_lens]
   if config.baseline_contrast:
@@ -79,7 +78,6 @@ def _model_section(config, info, records) -> list[str]:
           f"{info.get('num_params', 0):,} parameters)", ""]
   if ref is None:
     return head + ["(no scoring stage in these records)", ""]
-  skipped = info.get("baselines_not_supported", [])
   Ls = list(config.buffer_lens)
   return head + [
       f"seq_len {ref['seq_len']}, {ref['decode_steps']} decode steps, "
@@ -91,10 +89,10 @@ def _model_section(config, info, records) -> list[str]:
       "",
       "Accuracy delta vs the reference (percentage points; |delta| <= "
       f"{config.within_points:g}?):", "",
-      _pivot(config, mine, _cell, skipped), "",
+      _pivot(config, mine, _cell), "",
       "Relative perplexity change vs the reference (|change| <= "
       f"{100 * config.ppl_tolerance:g}%?):", "",
-      _pivot(config, mine, _ppl_cell, skipped), ""]
+      _pivot(config, mine, _ppl_cell), ""]
 
 
 def _targets(config, models, records) -> list[str]:

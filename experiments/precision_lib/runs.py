@@ -9,11 +9,6 @@ A `Run` is one way to hold the recurrent layers' decode state:
             read copy's dtype, else the master's) and rounding: the "round
             every step" contrast. One run per distinct (dtype, rounding);
             (float32, rn) is the f32 reference itself.
-
-Gated DeltaNet (and Kimi Delta Attention) baseline states are plain arrays
-in a float dtype, rounded to nearest: a model with such layers runs the
-bf16 / f16 every-step baselines, and the 8-bit or stochastically rounded
-ones are reported as not supported (`baseline_runs`' second result).
 """
 
 from __future__ import annotations
@@ -29,7 +24,6 @@ from replayssm_jax.precision import PrecisionPolicy
 
 SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16",
          "float8_e4m3fn": "fp8", "int8": "int8"}
-DELTA_RULE_KINDS = ("gdn", "kda")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,17 +63,6 @@ def baseline_label(key: tuple[str, str]) -> str:
   return f"{SHORT[key[0]]}+{key[1]}"
 
 
-def has_delta_rule(model) -> bool:
-  """Whether the model holds Gated DeltaNet / KDA layers."""
-  return any(k in DELTA_RULE_KINDS for k in model.config.block_kinds)
-
-
-def baseline_supported(model, key: tuple[str, str]) -> bool:
-  """Whether `model` can store its states every step as `key` says."""
-  plain = key[0] not in P.QUANTIZED_DTYPES and key[1] == "rn"
-  return plain or not has_delta_rule(model)
-
-
 def replay_runs(config, names, buffer_lens) -> list[Run]:
   """A replay run per preset x L."""
   out = []
@@ -89,27 +72,23 @@ def replay_runs(config, names, buffer_lens) -> list[Run]:
   return out
 
 
-def baseline_runs(config, model, names) -> tuple[list[Run], list[str]]:
-  """(every-step baseline runs of the presets `names`, one per distinct
-  (dtype, rounding) other than the f32 reference; the labels the model
-  cannot run). A float dtype rounded to nearest runs as the plain policy
-  of that dtype (what every layer kind stores alike)."""
-  runs, skipped, done = [], [], {("float32", "rn")}
+def baseline_runs(config, names) -> list[Run]:
+  """Every-step baseline runs of the presets `names`, one per distinct
+  (dtype, rounding) other than the f32 reference. A float dtype rounded to
+  nearest runs as the plain policy of that dtype."""
+  runs, done = [], {("float32", "rn")}
   for name in names:
     policy = make_policy(name, config)
     key = baseline_key(policy)
     if key in done:
       continue
     done.add(key)
-    if not baseline_supported(model, key):
-      skipped.append(baseline_label(key))
-      continue
     if key[0] not in P.QUANTIZED_DTYPES and key[1] == "rn":
       policy = PrecisionPolicy(checkpoint_dtype=key[0]).replace(
           buffer_dtype=config.buffer_dtype, seed=config.sr_seed)
     runs.append(Run("baseline", baseline_label(key), name, policy, None,
                     key[0], key[1]))
-  return runs, skipped
+  return runs
 
 
 def baseline_policies(config) -> tuple:
@@ -125,7 +104,7 @@ def table_policies(config) -> tuple:
   return tuple(config.policies) + tuple(dict.fromkeys(extra))
 
 
-def sub_runs(config, model, part) -> list[Run]:
+def sub_runs(config, part) -> list[Run]:
   """The runs of a study part (config.generation / config.state_error):
   its `policies` (None: config.policies) x its `buffer_lens` (None:
   config.buffer_lens), then the every-step baselines of config's
@@ -136,7 +115,7 @@ def sub_runs(config, model, part) -> list[Run]:
   lens = tuple(config.buffer_lens if lens is None else lens)
   runs = replay_runs(config, names, lens)
   if part.get("baselines", True) and config.baseline_contrast:
-    runs += baseline_runs(config, model, baseline_policies(config))[0]
+    runs += baseline_runs(config, baseline_policies(config))
   return runs
 
 

@@ -181,8 +181,9 @@ def _gdn_ref_step(state, tok):
 
 @functools.partial(jax.jit, static_argnames=("policy", "layer", "replay"))
 def advance_gdn(carry, t0, n, inputs, *, policy, layer, replay):
-  """n steps of a GDN state (replay under `policy`, or a baseline array
-  stored in its dtype) beside the float64 recurrence; (carry, stats)."""
+  """n steps of a GDN state (replay under `policy`, or a baseline state
+  stored every step: an array in its dtype, or a StoredSSMState per
+  `policy`) beside the float64 recurrence; (carry, stats)."""
   def body(t, c):
     ref, st, mx, sm = c
     tok = {k: v[t] for k, v in inputs.items()}
@@ -191,6 +192,9 @@ def advance_gdn(carry, t0, n, inputs, *, policy, layer, replay):
     if replay:
       o, st = gdn.gdn_replay_step(st, *args, policy=policy, layer=layer,
                                   implementation="reference")
+    elif isinstance(st, S.StoredSSMState):
+      o, st = S.step_stored(st, policy, layer, lambda s: gdn.gdn_step(
+          s, *args, implementation="reference"))
     else:
       o, st = gdn.gdn_step(st, *args, implementation="reference")
     err = jnp.max(jnp.abs(o.astype(ref.dtype) - o_ref)) / jnp.maximum(
@@ -201,7 +205,7 @@ def advance_gdn(carry, t0, n, inputs, *, policy, layer, replay):
   ref, st = carry
   zero = jnp.zeros((), ref.dtype)
   ref, st, mx, sm = jax.lax.fori_loop(t0, t0 + n, body, (ref, st, zero, zero))
-  full = gdn.gdn_materialize(st) if replay else st
+  full = S.full_ssm_state(st)
   st_max, st_fro = PD.rel_errors(full, ref)
   return (ref, st), dict(out_max=mx, out_mean=sm / n, state_max=st_max,
                          state_fro=st_fro)
@@ -217,11 +221,14 @@ def _layer_stats(model, block, layer, s0, inputs, run: R.Run, points,
       st = gdn.gdn_replay_state_from(
           s0, run.L, num_k_heads=model.config.gdn_num_k_heads,
           policy=run.policy, layer=layer)
-    else:
-      st = s0.astype(run.storage_dtype)
+    else:  # stored as the model's baseline state is (a StoredSSMState
+      # for 8-bit or stochastically rounded storage)
+      rows = jnp.arange(s0.shape[0], dtype=jnp.int32)
+      st = S.store_baseline(s0, run.policy, run.storage_dtype, rows,
+                            jnp.zeros_like(rows), layer)
     return PD.drive(advance_gdn, (ref0, st), points, inputs=inputs,
-                    policy=run.policy if run.kind == "replay" else None,
-                    layer=layer, replay=run.kind == "replay")[1]
+                    policy=run.policy, layer=layer,
+                    replay=run.kind == "replay")[1]
   mixer = model.blocks[block].mixer
   A, _, dt_bias = mixer._ssm_params()  # pylint: disable=protected-access
   b, h, p, n = s0.shape
@@ -251,7 +258,7 @@ def measure(name, model, task, config, writer) -> list[dict]:
   """The state-error records of one model (one per layer x run)."""
   se = config.state_error
   blocks = layer_blocks(model, se.layers)
-  runs = [floor_run(config)] + R.sub_runs(config, model, se)
+  runs = [floor_run(config)] + R.sub_runs(config, se)
   idents = [(block, run, dict(kind="state_error", model=name, block=block,
                               run_kind=run.kind, label=run.label, L=run.L))
             for block in blocks for run in runs]

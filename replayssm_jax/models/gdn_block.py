@@ -32,7 +32,10 @@ from replayssm_jax.conv import (causal_conv1d, causal_conv1d_update,
                                 conv_state_after)
 from replayssm_jax.models.config import ModelConfig
 from replayssm_jax.models.layers import Linear, _normal
-from replayssm_jax.models.states import (GDNState, full_ssm_state,
+from replayssm_jax.models.states import (GDNState, StoredSSMState,
+                                         baseline_after_prefill,
+                                         check_stored_implementation,
+                                         full_ssm_state, step_stored,
                                          tokens_after)
 from replayssm_jax.ssd import scan_precision
 
@@ -102,7 +105,10 @@ class DeltaRuleMixer(nnx.Module):
     conv = conv_state_after(qkv, lengths, hist, state.conv.dtype)
     policy = state.precision
     if not state.is_replay:
-      return out, state.replace(conv=conv, ssm=final.astype(state.ssm.dtype))
+      ssm = baseline_after_prefill(
+          final, state.ssm, policy, tokens_after(state.ssm, lengths, resume),
+          layer)
+      return out, state.replace(conv=conv, ssm=ssm)
     r = state.ssm
     if policy is None:
       ssm = self._replay_from(final, r.buffer_len,
@@ -117,6 +123,26 @@ class DeltaRuleMixer(nnx.Module):
           step=tokens_after(r, lengths, resume) if sr else None,
           layer=layer, **self._replay_kw(r))
     return out, state.replace(conv=conv, ssm=ssm)
+
+
+  def _baseline_step(self, op, state: GDNState, args, layer, rows,
+                     implementation):
+    """The baseline op `op` (`gdn.gdn_step`, `kda.kda_step`) of one token
+    on state.ssm with args (q, k, v, g, beta) -> (o, ssm): a plain array
+    through the op's dispatcher (rows: its slots); a StoredSSMState
+    (reference only) loaded, stepped in float32 and stored back per
+    state.precision with `layer` (`states.step_stored`), its `rows`
+    gathered and scattered back."""
+    kw = {} if rows is None else dict(rows=rows)
+    if not isinstance(state.ssm, StoredSSMState):
+      return op(state.ssm, *args, implementation=implementation, **kw)
+    check_stored_implementation(implementation, state.precision)
+
+    def step(ssm):
+      return step_stored(ssm, state.precision, layer,
+                         lambda s: op(s, *args, implementation="reference"))
+    return step(state.ssm) if rows is None else slots.on_rows(
+        step, state.ssm, rows)
 
 
 class GDNMixer(DeltaRuleMixer):
@@ -191,8 +217,8 @@ class GDNMixer(DeltaRuleMixer):
                                      rows=rows,
                                      implementation=implementation)
       else:
-        o, ssm = gdn.gdn_step(state.ssm, q, k, v, g, beta, rows=rows,
-                              implementation=implementation)
+        o, ssm = self._baseline_step(gdn.gdn_step, state, (q, k, v, g, beta),
+                                     layer, rows, implementation)
     with jax.named_scope("out_proj"):  # the gated norm and the projection
       y = self._out(o, z)
     return y, state.replace(conv=conv, ssm=ssm)

@@ -103,8 +103,8 @@ class KDAMixer(DeltaRuleMixer):
                                    policy=state.precision, layer=layer,
                                    implementation=implementation)
     else:
-      o, ssm = kda.kda_step(state.ssm, q, k, v, g, beta,
-                            implementation=implementation)
+      o, ssm = self._baseline_step(kda.kda_step, state, (q, k, v, g, beta),
+                                   layer, None, implementation)
     return self._out(o, gate), state.replace(conv=conv, ssm=ssm)
 
   def verify(self, h, state: GDNState, implementation: str | None = None,

@@ -28,9 +28,11 @@ from replayssm_jax import slots
 from replayssm_jax.conv import (causal_conv1d, causal_conv1d_update,
                                 conv_state_after)
 from replayssm_jax.models.config import ModelConfig
-from replayssm_jax.models.states import (MambaState, StoredSSMState,
-                                         full_ssm_state, store_baseline,
-                                         tokens_after)
+from replayssm_jax.models.states import (GDNState, MambaState,
+                                         StoredSSMState,
+                                         baseline_after_prefill,
+                                         check_stored_implementation,
+                                         full_ssm_state, tokens_after)
 from replayssm_jax.norm import rms_norm
 from replayssm_jax.reference import process_dt
 from replayssm_jax.speculative import baseline_verify, replay_verify
@@ -106,13 +108,15 @@ class GatedRMSNorm(nnx.Module):
                               implementation=implementation)
 
 
-def check_speculative_precision(state: MambaState, what: str) -> None:
+def check_speculative_precision(state: MambaState | GDNState,
+                                what: str) -> None:
   """The speculative verify/commit path takes every precision policy of a
   replay state; a baseline state only without a policy or with a plain one
   (its snapshots are not stored per policy)."""
   policy = state.precision
-  if (policy is not None and not policy.plain
-      and not isinstance(state.ssm, ReplayState)):
+  replay = (state.is_replay if isinstance(state, GDNState)
+            else isinstance(state.ssm, ReplayState))
+  if policy is not None and not policy.plain and not replay:
     raise ValueError(
         f"{what}: precision {policy.name!r} (an 8-bit store or stochastic "
         f"rounding) of a baseline state is not supported by the speculative "
@@ -272,12 +276,8 @@ class Mamba2Mixer(nnx.Module):
             final, c.bc_groups, state.ssm.buffer_len, policy=policy,
             row_id=state.ssm.row_id if sr else None,
             step=steps if sr else None, layer=layer)
-    elif isinstance(state.ssm, StoredSSMState):
-      ssm = store_baseline(final, policy, state.ssm.dtype, state.ssm.row_id,
-                           steps if state.ssm.step is not None else None,
-                           layer)
     else:
-      ssm = final.astype(state.ssm.dtype)
+      ssm = baseline_after_prefill(final, state.ssm, policy, steps, layer)
     return out, state.with_ordered_conv(conv).replace(ssm=ssm)
 
   def step(self, h, state: MambaState, implementation: str | None = None,
@@ -343,12 +343,7 @@ class Mamba2Mixer(nnx.Module):
       y, ssm = slots.on_rows(lambda st: self._ssm_step(
           state.replace(ssm=st), x, dt, A, b, cc, kw, layer), state.ssm, rows)
     elif isinstance(state.ssm, StoredSSMState):
-      if implementation not in (None, "reference"):
-        raise NotImplementedError(
-            f"implementation {implementation!r} cannot run a baseline state "
-            f"stored per precision {policy.name!r} (8-bit or stochastic "
-            f"rounding): that step has a reference implementation only; "
-            f"pass implementation=None or 'reference'.")
+      check_stored_implementation(implementation, policy)
       st = state.ssm
       step = None if st.step is None else st.step + 1
       y, stored, scale = ops.selective_state_update_stored(

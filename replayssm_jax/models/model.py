@@ -388,7 +388,8 @@ def _check_layer_state(i, kind, s, cfg):
     expect("conv [kernel - 1, gdn_conv_dim]", s.conv.shape[1:],
            (cfg.conv_kernel - 1, cfg.gdn_conv_dim))
     heads = (cfg.gdn_num_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim)
-    arr = s.ssm.checkpoint if s.is_replay else s.ssm
+    arr = (s.ssm.checkpoint if s.is_replay else s.ssm.state
+           if isinstance(s.ssm, S.StoredSSMState) else s.ssm)
     expect("ssm [HV, K, V]", arr.shape[1:], heads)
   elif kind == "attention":
     expect("k [num_kv_heads, attn_head_dim]",

@@ -17,7 +17,8 @@ The modules hold parameters only; these states are passed in and returned.
                         inputs, oldest first
                   ssm:  GDNReplayState (ssm_mode="replay",
                         replayssm_jax.gdn) or [batch, HV, K, V] array
-                        (ssm_mode="baseline"); Kimi Delta Attention
+                        (ssm_mode="baseline") or StoredSSMState (as for
+                        Mamba-2); Kimi Delta Attention
                         layers: KDAReplayState (replayssm_jax.kda) or the
                         array
   AttentionState  k, v: [batch, num_kv_heads, max_len, attn_head_dim]
@@ -59,17 +60,20 @@ SSM_MODES = ("replay", "baseline")
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StoredSSMState:
-  """A baseline SSM state stored in a low precision, rounded every step.
+  """A baseline recurrent state stored in a low precision, rounded every
+  step (Mamba-2 [batch, H, P, N], Gated DeltaNet / KDA [batch, HV, K, V]).
 
-  Decoded by `ops.selective_state_update_stored` (reference only): load to
-  f32, advance one token, store back (round to nearest or stochastically).
-  Stochastic rounding of a store is keyed by (policy seed, Mamba layer
-  index, row_id, step after the store, element), with the store site
+  Decoded by `ops.selective_state_update_stored` (Mamba-2) or
+  `step_stored` (delta rule), reference only: load to f32, advance one
+  token, store back (round to nearest or stochastically). Stochastic
+  rounding of a store is keyed by (policy seed, recurrent layer index,
+  row_id, step after the store, element), with the store site
   `precision.SITE_BASELINE`; the prefill store is keyed by step = prompt
   length.
   """
-  state: jax.Array  # [batch, H, P, N] storage dtype
-  scale: jax.Array | None = None  # [batch, H, P] float32 (fp8 / int8 only)
+  state: jax.Array  # [batch, H, P, N] / [batch, HV, K, V] storage dtype
+  scale: jax.Array | None = None  # [batch, H, P] / [batch, HV, K] float32
+  # (fp8 / int8 only)
   row_id: jax.Array | None = None  # [batch] int32 (stochastic rounding)
   step: jax.Array | None = None  # [batch] int32 tokens in the stored state
 
@@ -102,6 +106,57 @@ def store_baseline(state, policy: P.PrecisionPolicy, dtype, row_id, step,
   return StoredSSMState(state=stored, scale=scale,
                         row_id=row_id if sr else None,
                         step=step if sr else None)
+
+
+def init_stored(shape, precision: P.PrecisionPolicy, row_ids):
+  """An empty baseline state of `shape` stored per `precision` (a plain
+  array in a float dtype rounded to nearest, else a StoredSSMState; with
+  stochastic rounding, row_ids [batch] int32 and step 0)."""
+  rn = precision.replace(stochastic_rounding=False) if (
+      precision.stochastic_rounding) else precision
+  # zeros store exactly: no random bits needed
+  ssm = store_baseline(jnp.zeros(shape, jnp.float32), rn,
+                       baseline_storage_dtype(precision), None, None, 0)
+  if precision.stochastic_rounding:
+    if not isinstance(ssm, StoredSSMState):
+      ssm = StoredSSMState(state=ssm)
+    ssm = ssm.replace(row_id=row_ids,
+                      step=jnp.zeros((shape[0],), jnp.int32))
+  return ssm
+
+
+def step_stored(ssm: StoredSSMState, policy: P.PrecisionPolicy, layer,
+                advance):
+  """One decode step of a stored baseline state: loaded to f32, advanced
+  by `advance` (f32 state -> (output, f32 state)), stored back per
+  `policy` (stochastic rounding keyed by the step after the store) ->
+  (output, StoredSSMState)."""
+  step = None if ssm.step is None else ssm.step + 1
+  out, new = advance(P.load(ssm.state, ssm.scale))
+  return out, store_baseline(new, policy, ssm.dtype, ssm.row_id, step,
+                             layer)
+
+
+def baseline_after_prefill(final, ssm, policy: P.PrecisionPolicy | None,
+                           steps, layer):
+  """A prefill's final f32 state [b, ...] stored as the baseline `ssm`
+  is: a plain array cast to its dtype, a StoredSSMState stored per
+  `policy` (stochastic rounding keyed by `steps`, [b] tokens in the state,
+  and its row ids)."""
+  if isinstance(ssm, StoredSSMState):
+    return store_baseline(final, policy, ssm.dtype, ssm.row_id,
+                          steps if ssm.step is not None else None, layer)
+  return final.astype(ssm.dtype)
+
+
+def check_stored_implementation(implementation, policy) -> None:
+  """A stored baseline state steps through the reference alone."""
+  if implementation not in (None, "reference"):
+    raise NotImplementedError(
+        f"implementation {implementation!r} cannot run a baseline state "
+        f"stored per precision {policy.name!r} (8-bit or stochastic "
+        f"rounding): that step has a reference implementation only; pass "
+        f"implementation=None or 'reference'.")
 
 
 def full_ssm_state(ssm, A=None, where: str = "state"):
@@ -182,11 +237,13 @@ class GDNState:
   `replayssm_jax.gdn.GDNReplayState` (checkpoint + buffers of corrected
   updates, keys and log-decays, flushed every buffer_len steps), built and
   stepped under `precision` (static; None: no policy). A baseline state
-  takes plain policies only (no read copy, no stochastic rounding): it is
-  the state stored in the policy's checkpoint dtype.
+  under a policy is stored every step as `baseline_storage_dtype` says
+  (a plain array, or a StoredSSMState for 8-bit or stochastically rounded
+  storage), as a Mamba-2 one.
   """
   conv: jax.Array  # [batch, conv_kernel - 1, gdn_conv_dim]
   ssm: Any  # gdn.GDNReplayState | jax.Array [batch, HV, K, V]
+  # | StoredSSMState
   precision: P.PrecisionPolicy | None = dataclasses.field(
       default=None, metadata=dict(static=True))
 
@@ -217,28 +274,22 @@ def init_gdn_state(cfg, batch: int, ssm_mode: str, buffer_len: int,
   sizes = dict(num_v_heads=cfg.gdn_num_v_heads, key_dim=cfg.gdn_k_dim,
                value_dim=cfg.gdn_v_dim, buffer_len=buffer_len)
   if kind == "kda":
-    init_replay, family = kda.init_kda_replay_state, "KDA"
+    init_replay = kda.init_kda_replay_state
   else:
-    init_replay, family = gdn.init_gdn_replay_state, "Gated DeltaNet"
+    init_replay = gdn.init_gdn_replay_state
     sizes["num_k_heads"] = cfg.gdn_num_k_heads
+  if row_ids is not None:  # a buffer of this layer's own (donated)
+    row_ids = jnp.array(row_ids, jnp.int32, copy=True)
+  shape = (batch, cfg.gdn_num_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim)
   if ssm_mode == "replay" and precision is None:
     ssm = init_replay(batch, checkpoint_dtype=checkpoint_dtype,
                       buffer_dtype=buffer_dtype, **sizes)
   elif ssm_mode == "replay":
-    if row_ids is not None:  # a buffer of this layer's own (donated)
-      row_ids = jnp.array(row_ids, jnp.int32, copy=True)
     ssm = init_replay(batch, policy=precision, row_id=row_ids, **sizes)
+  elif precision is None:
+    ssm = jnp.zeros(shape, checkpoint_dtype)
   else:
-    if precision is not None and not precision.plain:
-      raise ValueError(
-          f"precision {precision.name!r} (a read copy or stochastic "
-          f"rounding) is not supported by a baseline {family} state; use "
-          f"ssm_mode='replay' or a plain policy (e.g. "
-          f"PrecisionPolicy.preset('bf16')).")
-    dtype = (checkpoint_dtype if precision is None
-             else precision.checkpoint_dtype)
-    ssm = jnp.zeros((batch, cfg.gdn_num_v_heads, cfg.gdn_k_dim,
-                     cfg.gdn_v_dim), dtype)
+    ssm = init_stored(shape, precision, row_ids)
   return GDNState(conv=conv, ssm=ssm, precision=precision)
 
 
@@ -320,16 +371,8 @@ def init_mamba_state(cfg, batch: int, ssm_mode: str, buffer_len: int,
                                policy=precision, row_id=row_ids)
   elif precision is None:
     ssm = jnp.zeros(shape, checkpoint_dtype)
-  else:  # zeros store exactly: no random bits needed
-    rn = precision.replace(stochastic_rounding=False) if (
-        precision.stochastic_rounding) else precision
-    ssm = store_baseline(jnp.zeros(shape, jnp.float32), rn,
-                         baseline_storage_dtype(precision), None, None, 0)
-    if precision.stochastic_rounding:
-      if not isinstance(ssm, StoredSSMState):
-        ssm = StoredSSMState(state=ssm)
-      ssm = ssm.replace(row_id=row_ids,
-                        step=jnp.zeros((batch,), jnp.int32))
+  else:
+    ssm = init_stored(shape, precision, row_ids)
   return MambaState(conv=conv, ssm=ssm, precision=precision,
                     conv_start=jnp.zeros((batch,), jnp.int32))
 

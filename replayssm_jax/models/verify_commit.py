@@ -220,7 +220,7 @@ def _check_window_room(state: S.ModelState, t: int, what: str) -> None:
   (`check_speculative_precision`).
   Refused by name, before anything is traced."""
   for i, s in enumerate(state.layers):
-    if isinstance(s, S.MambaState):
+    if isinstance(s, (S.MambaState, S.GDNState)):
       check_speculative_precision(s, what)
     if isinstance(s, S.GDNState) and s.is_replay:
       if s.ssm.d_buf.shape[1] <= t:

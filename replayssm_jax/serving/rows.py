@@ -67,12 +67,12 @@ def on_rows(fn, tree, rows):
 def steps_in_place(model, state) -> bool:
   """Whether every block of `model` steps its layer of a ModelState
   through a slot per row by itself (`Block.rows_in_place`: Mamba-2 and
-  Gated DeltaNet states, plain or replay, KV caches; a Mamba-2 baseline
+  Gated DeltaNet states, plain or replay, KV caches; a recurrent baseline
   stored per a precision policy is not); other layers' rows would be
   gathered and scattered back at every step."""
   return all(
-      block.rows_in_place and not (isinstance(s, S.MambaState)
-                                   and isinstance(s.ssm, S.StoredSSMState))
+      block.rows_in_place and not isinstance(getattr(s, "ssm", None),
+                                             S.StoredSSMState)
       for block, s in zip(model.blocks, state.layers))
 
 
