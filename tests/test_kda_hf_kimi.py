@@ -263,23 +263,30 @@ def test_speculative_generate_equals_transformers(loaded, ssm_mode):
       assert float(stats.mean_accepted_length) > 2.0
 
 
+def _follow_transformers(model, exp, state, tol):
+  """Prefill the fixture's prompts into `state`, then decode its greedy
+  tokens; each step's logits within `tol` of transformers' (relative to
+  their scale) -> the final state."""
+  ids, greedy, want = exp["input_ids"], exp["greedy"], exp["greedy_logits"]
+  logits, state = models.prefill(model, jnp.asarray(ids), jnp.full((2,), 8),
+                                 state)
+  for i in range(greedy.shape[1]):
+    assert rel_err(logits, want[:, i]) <= tol, f"step {i}"
+    logits, state = models.decode_step(model, jnp.asarray(greedy[:, i]),
+                                       state)
+  return state
+
+
 def test_replay_under_a_precision_policy_stays_close(loaded):
   """A bf16 read copy and bf16 rings (PrecisionPolicy "f32+bf16"): every
   decode step's logits stay within bf16 rounding of transformers'."""
   from replayssm_jax import PrecisionPolicy  # pylint: disable=g-import-not-at-top
   model, exp = loaded
-  ids, greedy, want = exp["input_ids"], exp["greedy"], exp["greedy_logits"]
-  policy = PrecisionPolicy.preset("f32+bf16")
   state = model.init_state(2, 32, ssm_mode="replay", buffer_len=4,
-                           precision=policy)
+                           precision=PrecisionPolicy.preset("f32+bf16"))
   r = state.layers[0].ssm
   assert r.read_copy.dtype == jnp.bfloat16 and r.k_buf.dtype == jnp.bfloat16
-  logits, state = models.prefill(model, jnp.asarray(ids), jnp.full((2,), 8),
-                                 state)
-  for i in range(greedy.shape[1]):
-    assert rel_err(logits, want[:, i]) <= 1e-2, f"step {i}"
-    logits, state = models.decode_step(model, jnp.asarray(greedy[:, i]),
-                                       state)
+  _follow_transformers(model, exp, state, 1e-2)
 
 
 def test_baseline_stored_per_policy_stays_close(loaded):
@@ -290,16 +297,9 @@ def test_baseline_stored_per_policy_stays_close(loaded):
   largest entry), the steps counted."""
   from replayssm_jax import PrecisionPolicy  # pylint: disable=g-import-not-at-top
   model, exp = loaded
-  ids, greedy, want = exp["input_ids"], exp["greedy"], exp["greedy_logits"]
   state = model.init_state(2, 32, ssm_mode="baseline",
                            precision=PrecisionPolicy.preset("f32+int8+sr"),
                            row_ids=np.array([0, 1]))
-  logits, state = models.prefill(model, jnp.asarray(ids), jnp.full((2,), 8),
-                                 state)
-  for i in range(greedy.shape[1]):
-    assert rel_err(logits, want[:, i]) <= 5e-2, f"step {i}"
-    logits, state = models.decode_step(model, jnp.asarray(greedy[:, i]),
-                                       state)
-  ssm = state.layers[0].ssm
+  ssm = _follow_transformers(model, exp, state, 5e-2).layers[0].ssm
   assert isinstance(ssm, models.StoredSSMState) and ssm.dtype == jnp.int8
-  np.testing.assert_array_equal(ssm.step, 8 + greedy.shape[1])
+  np.testing.assert_array_equal(ssm.step, 8 + exp["greedy"].shape[1])
