@@ -1,0 +1,119 @@
+"""The delta-rule families (Gated DeltaNet, Kimi Delta Attention) side by
+side, for the replay tests they share (tests/test_delta_rule_replay.py) and
+those of each family's own (tests/test_gdn_replay.py, test_kda_replay.py):
+each family's ops, random states and inputs at one small shape, and `run`,
+its baseline and replay steps over the same tokens in one scan."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from replayssm_jax import gdn
+from replayssm_jax import kda
+from replayssm_jax.gdn import reference as GR
+from replayssm_jax.gdn import testing as GT
+from replayssm_jax.kda import reference as KR
+from replayssm_jax.kda import testing as KT
+
+B, HK, HV, K, VD = 4, 2, 4, 8, 6
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Family:
+  """One delta-rule family's ops at the shape above."""
+  name: str
+  step: Callable  # the reference baseline step
+  step_scan: Callable  # its scan: (s0, **seq) -> (o, states)
+  replay_step: Callable
+  materialize: Callable
+  chunked_prefill: Callable
+  replay_from: Callable  # (full [B, HV, K, VD], L, **kw) -> replay state
+  random_state: Callable  # (key, L, counts, **kw) -> (rstate, full)
+  inputs: Callable  # (key, T, **kw) -> {name: [B, T, ...]}
+  fill_stale_slots: Callable
+  decays: str  # the log-decays' field: one entry per slot or per row
+  decays_per_row: bool = False
+  rings: tuple[str, ...] = ("d_buf", "k_buf")  # one entry per slot
+
+  @property
+  def buffers(self) -> tuple[str, ...]:
+    return self.rings + (self.decays,)
+
+
+GDN = Family(
+    name="gdn", step=GR.gdn_step, step_scan=GR.gdn_step_scan,
+    replay_step=gdn.gdn_replay_step, materialize=gdn.gdn_materialize,
+    chunked_prefill=gdn.gdn_chunked_prefill,
+    replay_from=functools.partial(gdn.gdn_replay_state_from, num_k_heads=HK),
+    random_state=lambda key, L, counts, **kw: GT.random_gdn_replay_state(
+        key, B, HK, HV, K, VD, L, counts, **kw),
+    inputs=lambda key, T, **kw: GT.random_inputs(key, B, HK, HV, K, VD, T=T,
+                                                 **kw),
+    fill_stale_slots=GT.fill_stale_slots, decays="g_buf")
+
+# Gates in [-3, 0] unless a test passes lower_bound (None: Kimi Linear's
+# unbounded gate).
+KDA = Family(
+    name="kda", step=KR.kda_step, step_scan=KR.kda_step_scan,
+    replay_step=kda.kda_replay_step, materialize=kda.kda_materialize,
+    chunked_prefill=kda.kda_chunked_prefill,
+    replay_from=kda.kda_replay_state_from,
+    random_state=lambda key, L, counts, **kw: KT.random_kda_replay_state(
+        key, B, HV, K, VD, L, counts, **kw),
+    inputs=lambda key, T, lower_bound=-3.0: KT.random_inputs(
+        key, B, HK, HV, K, VD, T=T, lower_bound=lower_bound),
+    fill_stale_slots=KT.fill_stale_slots, decays="g_sum",
+    decays_per_row=True)
+
+FAMILIES = (GDN, KDA)
+
+
+def bits(a):
+  a = jnp.asarray(a)
+  ut = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[a.dtype.itemsize]
+  return jax.lax.bitcast_convert_type(a, ut)
+
+
+def rows_changed(old, new):
+  diff = bits(old) != bits(new)
+  return jnp.any(diff.reshape(diff.shape[0], -1), axis=1)
+
+
+def steps_for(fam: Family, seed, nsteps, **kw):
+  """[T, batch, ...] token inputs."""
+  inp = fam.inputs(jax.random.PRNGKey(seed), nsteps, **kw)
+  return {n: jnp.swapaxes(x, 0, 1) for n, x in inp.items()}
+
+
+@functools.partial(jax.jit, static_argnames=("fam", "policy"))
+def run(fam: Family, rstate, full, steps, policy=None):
+  """Baseline and replay over the same tokens in one scan -> (final replay
+  state, per step: outputs o_b / o_r, states s_b / s_r (materialized),
+  which rows wrote the checkpoint (and read copy), counts, max |k ring|)."""
+  def body(carry, tok):
+    r, s = carry
+    o_b, s = fam.step(s, **tok)
+    o_r, new = fam.replay_step(r, **tok, policy=policy)
+    out = dict(o_b=o_b, o_r=o_r, s_b=s, s_r=fam.materialize(new),
+               wrote=rows_changed(r.checkpoint, new.checkpoint),
+               count=new.count, kmax=jnp.max(jnp.abs(new.k_buf.astype(
+                   jnp.float32)), axis=(1, 2, 3)))
+    if r.read_copy is not None:
+      out["copy_wrote"] = rows_changed(r.read_copy, new.read_copy)
+    return (new, s), out
+
+  (final, _), out = jax.lax.scan(body, (rstate, full), steps)
+  return final, out
+
+
+def one_step_setup(fam: Family, L=8):
+  """(counts, a random replay state at those counts, one token's inputs)."""
+  counts = (0, L - 1, L // 2, 2)
+  rstate, _ = fam.random_state(jax.random.PRNGKey(5), L, counts)
+  tok = {n: x[0] for n, x in steps_for(fam, 6, 1).items()}
+  return counts, rstate, tok
