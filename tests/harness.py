@@ -30,7 +30,8 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0,
 def bits(a):
   """The raw bits of a float array (to test bit-identity, -0 != +0)."""
   a = jnp.asarray(a)
-  ut = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[a.dtype.itemsize]
+  ut = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32,
+        8: jnp.uint64}[a.dtype.itemsize]
   return jax.lax.bitcast_convert_type(a, ut)
 
 

@@ -15,8 +15,9 @@ import pytest
 from replayssm_jax import PrecisionPolicy
 from replayssm_jax import testing
 from replayssm_jax.gdn import testing as GT
-from tests.delta_rule_families import (B, FAMILIES, HV, K, VD, bits,
+from tests.delta_rule_families import (B, FAMILIES, HV, K, VD,
                                        one_step_setup, run, steps_for)
+from tests.harness import bits
 
 TOL = testing.TOLERANCES["float32"]
 fams = pytest.mark.parametrize("fam", FAMILIES, ids=lambda f: f.name)

@@ -1,10 +1,10 @@
-"""KDA reference ops: the decode step against a float64 loop, the chunked
-prefill against the step, padding, the gates, transformers' recurrence on
-fixed inputs and argument checks."""
+"""KDA reference ops, the cases of their own (those both delta-rule
+families share: tests/test_delta_rule_reference.py): the gates, chunks of
+strong decays, transformers' recurrence on fixed inputs, the baseline
+verify's snapshots, the dispatch table and argument checks."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,73 +13,11 @@ import replayssm_jax as rs
 from replayssm_jax import kda
 from replayssm_jax import testing
 from replayssm_jax.kda import reference as R
-from replayssm_jax.kda import testing as KT
+from tests.delta_rule_families import (B, HV, K, KDA, VD, numpy_loop,
+                                       reference_inputs)
 
 TOL = testing.TOLERANCES["float32"]
-B, HK, HV, K, VD = 3, 2, 4, 8, 6
 TOKS = ("q", "k", "v", "g", "beta")
-
-
-def make_inputs(seed, batch=B, T=None, hk=HK, lower_bound=None):
-  inp = KT.random_inputs(jax.random.PRNGKey(seed), batch, hk, HV, K, VD, T=T,
-                         lower_bound=lower_bound)
-  state = jax.random.normal(jax.random.PRNGKey(seed + 1000),
-                            (batch, HV, K, VD))
-  return inp, state
-
-
-def numpy_loop(state, q, k, v, g, beta, use_qk_l2norm=True, scale=None):
-  """The KDA rule token by token in float64 (transformers' recurrent
-  form): [b, T, ...] inputs -> (o [b, T, HV, V], final state)."""
-  f = lambda x: np.asarray(x, np.float64)  # noqa: E731
-  s, q, k, v, g, beta = map(f, (state, q, k, v, g, beta))
-  rep = v.shape[2] // q.shape[2]
-  q, k = np.repeat(q, rep, axis=2), np.repeat(k, rep, axis=2)
-  if use_qk_l2norm:
-    q, k = (x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
-            for x in (q, k))
-  q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
-  out = []
-  for t in range(q.shape[1]):
-    s = s * np.exp(g[:, t])[..., None]
-    kv = np.einsum("bhkv,bhk->bhv", s, k[:, t])
-    d = beta[:, t][..., None] * (v[:, t] - kv)
-    s = s + k[:, t][..., :, None] * d[..., None, :]
-    out.append(np.einsum("bhkv,bhk->bhv", s, q[:, t]))
-  return np.stack(out, 1), s
-
-
-_step = jax.jit(kda.kda_step, static_argnames=("use_qk_l2norm", "scale"))
-_prefill = jax.jit(kda.kda_chunked_prefill, static_argnames=(
-    "chunk_size", "use_qk_l2norm", "scale"))
-_scan = jax.jit(R.kda_step_scan)
-
-
-@pytest.mark.parametrize("opts", [dict(), dict(use_qk_l2norm=False,
-                                                scale=0.3)],
-                         ids=["l2norm", "raw-scaled"])
-@pytest.mark.parametrize("hk", [HK, HV], ids=["gqa", "mha"])
-def test_step_matches_float64_loop(opts, hk):
-  T = 6
-  inp, state = make_inputs(1, T=T, hk=hk)
-  want_o, want_s = numpy_loop(state, **inp, **opts)
-  s = state
-  for t in range(T):
-    o, s = _step(s, *(inp[n][:, t] for n in TOKS), **opts)
-    assert o.dtype == jnp.float32 and o.shape == (B, HV, VD)
-    testing.assert_close(o, want_o[:, t], TOL, f"o at step {t}")
-  testing.assert_close(s, want_s, TOL, "state")
-
-
-def test_step_keeps_the_state_dtype():
-  inp, state = make_inputs(2)
-  st = state.astype(jnp.bfloat16)
-  o, new = kda.kda_step(st, **inp)
-  assert new.dtype == jnp.bfloat16
-  want_o, want_s = numpy_loop(st.astype(jnp.float32),
-                              **{n: x[:, None] for n, x in inp.items()})
-  testing.assert_close(o, want_o[:, 0], TOL, "o from a bf16 state")
-  testing.assert_close(new, want_s, testing.tolerance("bfloat16"), "state")
 
 
 def test_gates_match_formula():
@@ -100,56 +38,19 @@ def test_gates_match_formula():
   assert np.all(np.asarray(g2) >= -5.0) and np.all(np.asarray(g2) <= 0)
 
 
-CHUNK_CASES = [(1, 64), (1, 1), (5, 4), (5, 64), (33, 16), (33, 7),
-               (64, 64)]
-
-
-@pytest.mark.parametrize("T,chunk", CHUNK_CASES,
-                         ids=[f"T{t}-Q{c}" for t, c in CHUNK_CASES])
-def test_chunked_matches_stepwise(T, chunk):
-  inp, state = make_inputs(10 + T + chunk, T=T)
-  want_o, snaps = _scan(state, **inp)
-  o, s = _prefill(**inp, chunk_size=chunk, initial_state=state)
-  assert o.shape == (B, T, HV, VD) and s.dtype == jnp.float32
-  testing.assert_close(o, want_o, TOL, f"T={T} chunk={chunk} o")
-  testing.assert_close(s, snaps[:, -1], TOL, f"T={T} chunk={chunk} state")
-
-
 def test_chunked_strong_decays_and_zero_initial_state():
   """Channels decaying by exp(-40) and more per token (the pairwise decays
   of a chunk are formed from differences: nothing overflows)."""
   T = 21
-  inp, _ = make_inputs(31, T=T, hk=1)
+  inp, _ = reference_inputs(KDA, 31, T=T, hk=1)
   inp["g"] = inp["g"] * 20.0
   assert float(jnp.min(inp["g"])) < -40
   zero = jnp.zeros((B, HV, K, VD), jnp.float32)
-  o, s = _prefill(**inp, chunk_size=8)
+  o, s = kda.kda_chunked_prefill(**inp, chunk_size=8)
   assert np.all(np.isfinite(o)) and np.all(np.isfinite(s))
   o64, s64 = numpy_loop(zero, **inp)
   testing.assert_close(o, o64, TOL, "o vs float64")
   testing.assert_close(s, s64, TOL, "state vs float64")
-
-
-def test_padded_positions_never_reach_outputs_or_state():
-  T, lengths = 13, np.array([13, 7, 1, 0])
-  inp, state = make_inputs(40, batch=4, T=T)
-  valid = jnp.asarray(np.arange(T)[None, :] < lengths[:, None])
-  want_o, snaps = _scan(state, **inp)
-  poison = dict(q=jnp.nan, k=jnp.inf, v=jnp.nan, g=jnp.nan, beta=jnp.inf)
-  bad = {n: jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 2)), x,
-                      poison[n]) for n, x in inp.items()}
-  for chunk in (4, 64):
-    o, s = _prefill(**bad, chunk_size=chunk, initial_state=state,
-                    valid=valid)
-    assert np.all(np.isfinite(o)) and np.all(np.isfinite(s))
-    np.testing.assert_array_equal(
-        np.where(valid[..., None, None], 0.0, o), 0.0)
-    for r, n in enumerate(lengths):
-      if n:
-        testing.assert_close(o[r, :n], want_o[r, :n], TOL, f"row {r} o")
-        testing.assert_close(s[r], snaps[r, n - 1], TOL, f"row {r} state")
-      else:
-        testing.assert_close(s[r], state[r], TOL, "empty row keeps its state")
 
 
 def _formula_inputs():
@@ -186,10 +87,11 @@ HF_STATE = np.array([
 
 def test_matches_transformers_kda_recurrence():
   q, k, v, g, beta, s0 = _formula_inputs()
-  o, s = _prefill(q, k, v, g, beta, chunk_size=2, initial_state=s0)
+  o, s = kda.kda_chunked_prefill(q, k, v, g, beta, chunk_size=2,
+                                 initial_state=s0)
   testing.assert_close(o, HF_O, TOL, "chunked o vs transformers")
   testing.assert_close(s, HF_STATE, TOL, "chunked state vs transformers")
-  o, snaps = _scan(s0, q, k, v, g, beta)
+  o, snaps = R.kda_step_scan(s0, q, k, v, g, beta)
   testing.assert_close(o, HF_O, TOL, "stepwise o vs transformers")
   testing.assert_close(snaps[:, -1], HF_STATE, TOL, "stepwise state")
   o64, s64 = numpy_loop(s0, q, k, v, g, beta)
@@ -202,7 +104,7 @@ def test_baseline_verify_snapshots_equal_the_float64_loop():
   snapshot equal the float64 loop's after that many tokens; bad windows
   are named."""
   T = 4
-  inp, state = make_inputs(45, T=T)
+  inp, state = reference_inputs(KDA, 45, T=T)
   o, snaps = kda.kda_baseline_verify(state, **inp)
   assert snaps.shape == (B, T, HV, K, VD) and snaps.dtype == state.dtype
   for t in range(1, T + 1):
@@ -217,7 +119,7 @@ def test_dispatch_table():
   for op in ("kda_step", "kda_chunked_prefill", "kda_replay_step",
              "kda_baseline_verify"):
     assert "reference" in rs.implementations(op)
-  inp, state = make_inputs(50)
+  inp, state = reference_inputs(KDA, 50)
   o, _ = kda.kda_step(state, **inp, implementation="reference")
   o2, _ = kda.kda_step(state, **inp)
   np.testing.assert_array_equal(o, o2)
@@ -226,7 +128,7 @@ def test_dispatch_table():
 
 
 def test_bad_arguments_name_the_argument():
-  inp, state = make_inputs(60)
+  inp, state = reference_inputs(KDA, 60)
   good = dict(state=state, **inp)
   cases = [
       ("state", dict(state=state[0])),
@@ -242,7 +144,7 @@ def test_bad_arguments_name_the_argument():
   for name, change in cases:
     with pytest.raises(ValueError, match=name):
       kda.kda_step(**{**good, **change})
-  seq, _ = make_inputs(61, T=5)
+  seq, _ = reference_inputs(KDA, 61, T=5)
   for name, change in [("g", dict(g=seq["g"][:, :, :, :-1])),
                        ("chunk_size", dict(chunk_size=0)),
                        ("initial_state", dict(initial_state=state[:, :1])),
