@@ -7,8 +7,9 @@ baselines against the f32 baseline-mode model, with the 1% criterion;
 greedy and sampled generations of 2048 tokens from 32 prompts against the
 f32 baseline's (first divergence, token agreement: a prompt that leaves the
 reference at a near-tie moves it by 1/32;
-`--config.generation.new_tokens=16384` for longer ones); the state of the first and last recurrent layers along a
-4096-token decode against a float64 recurrence. One model per run:
+`--config.generation.new_tokens=16384` for longer ones); the state of the
+first and last recurrent layers along a 4096-token decode against a
+float64 recurrence. One model per run:
 
   python -m experiments.precision_accuracy \
       --config=configs/precision_text.py:mamba2_s20m \

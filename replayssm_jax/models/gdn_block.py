@@ -124,7 +124,6 @@ class DeltaRuleMixer(nnx.Module):
           layer=layer, **self._replay_kw(r))
     return out, state.replace(conv=conv, ssm=ssm)
 
-
   def _baseline_step(self, op, state: GDNState, args, layer, rows,
                      implementation):
     """The baseline op `op` (`gdn.gdn_step`, `kda.kda_step`) of one token

@@ -242,8 +242,7 @@ class GDNState:
   storage), as a Mamba-2 one.
   """
   conv: jax.Array  # [batch, conv_kernel - 1, gdn_conv_dim]
-  ssm: Any  # gdn.GDNReplayState | jax.Array [batch, HV, K, V]
-  # | StoredSSMState
+  ssm: Any  # GDNReplayState | [batch, HV, K, V] array | StoredSSMState
   precision: P.PrecisionPolicy | None = dataclasses.field(
       default=None, metadata=dict(static=True))
 
