@@ -195,9 +195,9 @@ def test_baseline_stored_per_policy(model, toks, full, preset):
   rounding is stored every step as `baseline_storage_dtype` says
   (StoredSSMState: the read copy's dtype with its scales, the rounding
   keyed by row and step): within 2e-2 of the float32 forward's logit
-  scale after 8 stores (observed 3.4e-3 with fp8, 9e-4 int8+sr, 6e-4
-  bf16+sr) but not equal to it; stochastic rounding repeats bit
-  for bit and counts the tokens; the speculative path refuses it."""
+  scale over a prefill and 3 decode steps (observed 3.4e-3 with fp8, 9e-4
+  int8+sr, 6e-4 bf16+sr) but not equal to it; stochastic rounding repeats
+  bit for bit and counts the tokens; the speculative path refuses it."""
   policy = P.PrecisionPolicy.preset(preset)
   dtype = jnp.dtype(policy.read_dtype or policy.checkpoint_dtype)
   runs = []
