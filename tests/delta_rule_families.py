@@ -18,6 +18,7 @@ import numpy as np
 
 from replayssm_jax import gdn
 from replayssm_jax import kda
+from replayssm_jax import testing
 from replayssm_jax.gdn import reference as GR
 from replayssm_jax.gdn import testing as GT
 from replayssm_jax.kda import reference as KR
@@ -114,6 +115,21 @@ def numpy_loop(state, q, k, v, g, beta, use_qk_l2norm=True, scale=None):
     s = s + k[:, t][..., :, None] * d[..., None, :]
     out.append(np.einsum("bhkv,bhk->bhv", s, q[:, t]))
   return np.stack(out, 1), s
+
+
+def assert_matches_values(fam: Family, inputs, want_o, want_state, tol):
+  """The chunked prefill (chunks of 2), the stepwise scan and the float64
+  loop on fixed `inputs` (q, k, v, g, beta, initial state) all give the
+  values another implementation computed (transformers')."""
+  q, k, v, g, beta, s0 = inputs
+  o, s = fam.chunked_prefill(q, k, v, g, beta, chunk_size=2,
+                             initial_state=s0)
+  o_step, snaps = fam.step_scan(s0, q, k, v, g, beta)
+  o64, s64 = numpy_loop(s0, q, k, v, g, beta)
+  for how, o, s in (("chunked", o, s), ("stepwise", o_step, snaps[:, -1]),
+                    ("float64 loop", o64, s64)):
+    testing.assert_close(o, want_o, tol, f"{how} o")
+    testing.assert_close(s, want_state, tol, f"{how} state")
 
 
 def steps_for(fam: Family, seed, nsteps, **kw):

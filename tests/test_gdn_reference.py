@@ -12,7 +12,8 @@ import replayssm_jax as rs
 from replayssm_jax import gdn
 from replayssm_jax import testing
 from replayssm_jax.gdn import reference as R
-from tests.delta_rule_families import B, GDN, K, reference_inputs
+from tests.delta_rule_families import (B, GDN, K, assert_matches_values,
+                                       reference_inputs)
 
 TOL = testing.TOLERANCES["float32"]
 
@@ -142,11 +143,4 @@ HF_STATE = np.array([
 
 
 def test_matches_transformers_gated_delta_rule():
-  q, k, v, g, beta, s0 = _formula_inputs()
-  o, s = gdn.gdn_chunked_prefill(q, k, v, g, beta, chunk_size=2,
-                                 initial_state=s0)
-  testing.assert_close(o, HF_O, TOL, "chunked o vs transformers")
-  testing.assert_close(s, HF_STATE, TOL, "chunked state vs transformers")
-  o, snaps = R.gdn_step_scan(s0, q, k, v, g, beta)
-  testing.assert_close(o, HF_O, TOL, "stepwise o vs transformers")
-  testing.assert_close(snaps[:, -1], HF_STATE, TOL, "stepwise state")
+  assert_matches_values(GDN, _formula_inputs(), HF_O, HF_STATE, TOL)

@@ -12,8 +12,8 @@ import pytest
 import replayssm_jax as rs
 from replayssm_jax import kda
 from replayssm_jax import testing
-from replayssm_jax.kda import reference as R
-from tests.delta_rule_families import (B, HV, K, KDA, VD, numpy_loop,
+from tests.delta_rule_families import (B, HV, K, KDA, VD,
+                                       assert_matches_values, numpy_loop,
                                        reference_inputs)
 
 TOL = testing.TOLERANCES["float32"]
@@ -86,17 +86,7 @@ HF_STATE = np.array([
 
 
 def test_matches_transformers_kda_recurrence():
-  q, k, v, g, beta, s0 = _formula_inputs()
-  o, s = kda.kda_chunked_prefill(q, k, v, g, beta, chunk_size=2,
-                                 initial_state=s0)
-  testing.assert_close(o, HF_O, TOL, "chunked o vs transformers")
-  testing.assert_close(s, HF_STATE, TOL, "chunked state vs transformers")
-  o, snaps = R.kda_step_scan(s0, q, k, v, g, beta)
-  testing.assert_close(o, HF_O, TOL, "stepwise o vs transformers")
-  testing.assert_close(snaps[:, -1], HF_STATE, TOL, "stepwise state")
-  o64, s64 = numpy_loop(s0, q, k, v, g, beta)
-  testing.assert_close(o64, HF_O, TOL, "float64 loop vs transformers")
-  testing.assert_close(s64, HF_STATE, TOL, "float64 loop state")
+  assert_matches_values(KDA, _formula_inputs(), HF_O, HF_STATE, TOL)
 
 
 def test_baseline_verify_snapshots_equal_the_float64_loop():
