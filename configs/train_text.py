@@ -41,7 +41,10 @@ which a GPU runs without tensor cores; --config.model.scan_precision=
 BF16_BF16_F32_X3 (or BF16_BF16_F32, as mixed-precision training does)
 moves them onto tensor cores (benchmarks/scripts/prefill_scan_cost.py
 times the scans and their error at each); say so beside any result
-trained that way.
+trained that way. Gated DeltaNet's chunks solve their triangular systems
+by substitution; --config.model.gdn_solve=inverse forms their inverses
+from matrix products instead (equal within f32's tolerance,
+tests/test_delta_rule_reference.py); say so likewise.
 
 The corpus is pinned (task.corpus_sha256 = CORPUS_SHA256, the corpus that
 configs/corpus.py builds from Python 3.11.7's standard library and the
@@ -84,7 +87,8 @@ def model(family: str, d: int, units: int) -> dict:
   if family == "gdn":
     m.update(pattern=m["pattern"].replace("M", "G"),
              gdn_num_k_heads=d // 128, gdn_num_v_heads=2 * d // 128,
-             gdn_k_dim=128, gdn_v_dim=128, gdn_chunk_size=64)
+             gdn_k_dim=128, gdn_v_dim=128, gdn_chunk_size=64,
+             gdn_solve="substitution")  # settable from the command line
   return m
 
 

@@ -2,7 +2,8 @@
 Delta Attention; tests/delta_rule_families.py): the decode step against a
 float64 loop (grouped and one-per-value-head keys, raw and scaled q), in
 a 16-bit state, the chunked prefill against the step, from a zero state
-against float64, and padded positions holding NaN / inf. Each family's
+against float64, padded positions holding NaN / inf, and the chunk
+systems solved by their inverses (`solve="inverse"`). Each family's
 own cases (gates, dispatch, argument checks, transformers' values):
 tests/test_gdn_reference.py, tests/test_kda_reference.py."""
 
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from replayssm_jax import testing
+from replayssm_jax.gdn import reference as GR
 from tests.delta_rule_families import (B, FAMILIES, HK, HV, K, VD, numpy_loop,
                                        reference_inputs)
 
@@ -106,3 +108,42 @@ def test_padded_positions_never_reach_outputs_or_state(fam):
         testing.assert_close(s[r], snaps[r, n - 1], TOL, f"row {r} state")
       else:
         testing.assert_close(s[r], state[r], TOL, "empty row keeps its state")
+
+
+@pytest.mark.parametrize("c", [1, 2, 5, 16, 17, 64, 100])
+def test_invert_unit_lower_matches_float64(c):
+  """(I + a)^-1 from products alone (blocks of 16 by the nilpotent series,
+  larger ones by halves) == numpy's float64 inverse; entries on and above
+  the diagonal, NaN here, are never read."""
+  a = jax.random.uniform(jax.random.PRNGKey(c), (2, 3, c, c), minval=-1.0,
+                         maxval=1.0)
+  lower = np.tril(np.asarray(a, np.float64), -1)
+  want = np.linalg.inv(lower + np.eye(c))
+  a = jnp.where(jnp.tri(c, k=-1, dtype=bool), a, jnp.nan)
+  testing.assert_close(GR.invert_unit_lower(a), want, TOL, f"C={c}")
+
+
+@fams
+@pytest.mark.parametrize("T,chunk", [(5, 4), (33, 7), (100, 64)])
+def test_inverse_solve_equals_substitution(fam, T, chunk):
+  """solve="inverse" (the chunk systems' inverses from matrix products)
+  gives substitution's outputs, final state and gradients (what training
+  takes through it)."""
+  inp, state = reference_inputs(fam, 70 + T, T=T)
+
+  def loss(inp, state, solve):
+    o, s = fam.chunked_prefill(**inp, chunk_size=chunk, initial_state=state,
+                               solve=solve)
+    return jnp.sum(o * o) + jnp.sum(s * s), (o, s)
+
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True),
+                 static_argnums=2)
+  (gi, gs), (o, s) = grad(inp, state, "substitution")
+  (gi2, gs2), (o2, s2) = grad(inp, state, "inverse")
+  testing.assert_close(o2, o, TOL, "o")
+  testing.assert_close(s2, s, TOL, "state")
+  testing.assert_close(gs2, gs, TOL, "d initial_state")
+  for n in gi:
+    testing.assert_close(gi2[n], gi[n], TOL, f"d {n}")
+  with pytest.raises(ValueError, match="solve"):
+    fam.chunked_prefill(**inp, solve="cholesky")

@@ -44,6 +44,14 @@ def full(model, toks):
   return np.asarray(model(toks))
 
 
+def test_gdn_solve_reaches_the_chunked_prefill(toks, full):
+  """ModelConfig.gdn_solve="inverse" (the chunk systems' inverses from
+  matrix products): the default's logits within TOL."""
+  cfg = dataclasses.replace(CFG, gdn_solve="inverse")
+  inv = models.HybridLM(cfg, rngs=nnx.Rngs(0))  # the fixture's weights
+  np.testing.assert_allclose(np.asarray(inv(toks)), full, **TOL)
+
+
 def test_scan_precision_reaches_the_chunked_prefill(toks, full):
   """ModelConfig.scan_precision sets the GDN prefill's products: three
   bf16 passes give the default's logits within TOL (a CPU computes f32
@@ -247,6 +255,7 @@ def test_stored_baseline_steps_slots_in_place(model, toks):
     ("gdn_k_dim", 0, "gdn_k_dim"),
     ("attn_output_gate", 1, "attn_output_gate"),
     ("moe_router", "softmax_all", "moe_router"),
+    ("gdn_solve", "cholesky", "gdn_solve"),
 ])
 def test_bad_gdn_fields_name_the_field(field, value, match):
   with pytest.raises((ValueError, TypeError), match=match):

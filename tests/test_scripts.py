@@ -458,6 +458,20 @@ def test_prefill_scan_cost_small(tmp_path):
     assert x3["ms"] > 0 and x3["y_rel_err"] < 2 ** -8, x3
 
 
+def test_prefill_scan_cost_backward_and_solves(tmp_path):
+  # The gradients a training step takes, the GDN chunks solved both ways:
+  # the inverse's within bf16's rounding of the substitution's (the inputs
+  # and so their gradients are bf16).
+  out = tmp_path / "cost.json"
+  _run("prefill_scan_cost.py", "--seq_len=16", "--repeats=1", "--batch=2",
+       "--backward", "--gdn_solves=inverse", f"--out={out}")
+  res = json.loads(out.read_text())
+  assert "--backward" in res["command"]
+  inv = res["gdn_chunked_prefill"]["variants"]["solve=inverse"]
+  assert inv["ms"] > 0 and inv["y_rel_err"] < 2 ** -8, inv
+  assert inv["state_rel_err"] < 2 ** -8, inv
+
+
 def test_dispatch_sync_small(tmp_path):
   # Every path is timed and its programs' loops read from XLA's dumps:
   # neither the decode step nor a hit's continued prefill

@@ -12,7 +12,14 @@ the default (HIGHEST: true f32) beside the cost. --chunk_sizes and
 --segsum_difference: the Mamba-2 scan with its within-chunk decay sums
 formed as differences of one cumulative sum (a_cum_i - a_cum_j, the form
 of the GDN prefill and of mamba_ssm's kernels) in place of the default
-`ssd._segsum`, each with its error against the default.
+`ssd._segsum`, each with its error against the default. --gdn_solves:
+the GDN prefill with further solves of its chunk systems too ("inverse":
+`gdn.reference.solve_unit_lower`). --batch: rows per call (training's
+batch, e.g. 32 at 1024 tokens). --backward: time the gradient of a loss
+of the outputs and final state with respect to the inputs instead, what
+a training step takes through the scans (the errors are then those of
+the gradients with respect to the first and third input: x and B /
+q and v).
 Compare two commits by running it
 with PYTHONPATH at each tree in turn (it uses only those two functions):
 
@@ -83,6 +90,20 @@ def _segsum_difference(a):
                    c[..., :, None] - c[..., None, :], -jnp.inf)
 
 
+def with_backward(scan):
+  """scan(precision, **variant) -> the gradient of sum(y^2) + sum(state^2)
+  with respect to the scan's first and third inputs, in their place."""
+  def wrapped(prec, **kw):
+    f = scan(prec, **kw)
+
+    def loss(*x):
+      y, state = f(*x)
+      return (jnp.sum(jnp.square(y.astype(jnp.float32)))
+              + jnp.sum(jnp.square(state)))
+    return jax.grad(loss, argnums=(0, 2))
+  return wrapped
+
+
 def ssd_scan(prec, chunk_size=256, segsum_difference=False):
   def f(*x):
     saved = ssd._segsum  # read when the scan is traced, here
@@ -110,29 +131,37 @@ def main():
                   help="further chunk lengths of the GDN prefill (64: the "
                   "default), separated by commas or '+'")
   ap.add_argument("--segsum_difference", action="store_true")
+  ap.add_argument("--gdn_solves", default="",
+                  help="further solves of the GDN chunk systems "
+                  "(substitution: the default; inverse)")
+  ap.add_argument("--batch", type=int, default=1)
+  ap.add_argument("--backward", action="store_true")
   ap.add_argument("--out", default="prefill_scan_cost.json")
   a = ap.parse_args()
   ints = lambda v: [int(x) for x in v.replace("+", ",").split(",") if x]
-  t = a.seq_len
+  t, b = a.seq_len, a.batch
   ks = jax.random.split(jax.random.PRNGKey(0), 12)
   bf = jnp.bfloat16
-  ssd_args = (jax.random.normal(ks[0], (1, t, 64, 64), bf),
-              jax.random.normal(ks[1], (1, t, 64)),
+  ssd_args = (jax.random.normal(ks[0], (b, t, 64, 64), bf),
+              jax.random.normal(ks[1], (b, t, 64)),
               -jnp.exp(jax.random.normal(ks[2], (64,))),
-              jax.random.normal(ks[3], (1, t, 8, 128), bf),
-              jax.random.normal(ks[4], (1, t, 8, 128), bf))
-  gdn_args = (jax.random.normal(ks[5], (1, t, 16, 128), bf),
-              jax.random.normal(ks[6], (1, t, 16, 128), bf),
-              jax.random.normal(ks[7], (1, t, 32, 128), bf),
-              -jax.nn.softplus(jax.random.normal(ks[8], (1, t, 32))),
-              jax.nn.sigmoid(jax.random.normal(ks[9], (1, t, 32))))
+              jax.random.normal(ks[3], (b, t, 8, 128), bf),
+              jax.random.normal(ks[4], (b, t, 8, 128), bf))
+  gdn_args = (jax.random.normal(ks[5], (b, t, 16, 128), bf),
+              jax.random.normal(ks[6], (b, t, 16, 128), bf),
+              jax.random.normal(ks[7], (b, t, 32, 128), bf),
+              -jax.nn.softplus(jax.random.normal(ks[8], (b, t, 32))),
+              jax.nn.sigmoid(jax.random.normal(ks[9], (b, t, 32))))
   res = dict(backend=jax.default_backend(), jax=jax.__version__,
              seq_len=t, command=" ".join(["prefill_scan_cost.py"] + [
                  f"--seq_len={t}", f"--repeats={a.repeats}",
                  f"--precisions={a.precisions}",
                  f"--chunk_sizes={a.chunk_sizes}",
-                 f"--gdn_chunk_sizes={a.gdn_chunk_sizes}"]
-                 + ["--segsum_difference"] * a.segsum_difference))
+                 f"--gdn_chunk_sizes={a.gdn_chunk_sizes}",
+                 f"--gdn_solves={a.gdn_solves}", f"--batch={b}"]
+                 + ["--segsum_difference"] * a.segsum_difference
+                 + ["--backward"] * a.backward))
+  grad = with_backward if a.backward else (lambda scan: scan)
   precisions = [p for p in a.precisions.split(",") if p]
   ssd_variants = [(f"chunk_size={q}", dict(chunk_size=q))
                   for q in ints(a.chunk_sizes)]
@@ -140,14 +169,17 @@ def main():
     ssd_variants += [(f"segsum_difference,chunk_size={q}",
                       dict(chunk_size=q, segsum_difference=True))
                      for q in [256] + ints(a.chunk_sizes)]
-  res["ssd_chunked_scan"] = study(ssd_scan, ssd_args, precisions,
+  res["ssd_chunked_scan"] = study(grad(ssd_scan), ssd_args, precisions,
                                   a.repeats, ssd_variants)
   res["gdn_chunked_prefill"] = study(
-      lambda prec, chunk_size=64: lambda *x: gdn.gdn_chunked_prefill(
-          *x, chunk_size=chunk_size, precision=prec),
+      grad(lambda prec, chunk_size=64, solve="substitution": lambda *x: (
+          gdn.gdn_chunked_prefill(*x, chunk_size=chunk_size, precision=prec,
+                                  solve=solve))),
       gdn_args, precisions, a.repeats,
       [(f"chunk_size={q}", dict(chunk_size=q))
-       for q in ints(a.gdn_chunk_sizes)])
+       for q in ints(a.gdn_chunk_sizes)]
+      + [(f"solve={v}", dict(solve=v))
+         for v in a.gdn_solves.replace("+", ",").split(",") if v])
   print(json.dumps(res))
   with open(a.out, "w") as f:
     json.dump(res, f, indent=1)

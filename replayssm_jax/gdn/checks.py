@@ -11,6 +11,7 @@ import math
 import numpy as np
 
 from replayssm_jax import _validation as V
+from replayssm_jax.gdn import reference
 
 STATE_LAYOUT = "[batch, num_v_heads, key_dim, value_dim]"
 
@@ -80,6 +81,14 @@ def check_token(batch: int, hv: int, K: int, Vd: int, q, k, v, g, beta,
   if window and T < 1:
     raise ValueError("q must hold T >= 1 positions, got T = 0.")
   return T, hk
+
+
+def check_solve(solve) -> str:
+  """`solve`: one of reference.SOLVES."""
+  if solve not in reference.SOLVES:
+    raise ValueError(f"solve must be one of {reference.SOLVES}, got "
+                     f"{solve!r}.")
+  return solve
 
 
 def check_sequence(q, k, v, g, beta, initial_state, valid, chunk_size):

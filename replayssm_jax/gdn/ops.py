@@ -101,7 +101,8 @@ def gdn_chunked_prefill(q, k, v, g, beta, *, chunk_size: int = 64,
                         initial_state=None, valid=None,
                         use_qk_l2norm: bool = True, scale=None,
                         implementation: str | None = None, config=None,
-                        precision=reference.HIGHEST):
+                        precision=reference.HIGHEST,
+                        solve: str = "substitution"):
   """GDN over a sequence in chunks (WY / UT form); == T `gdn_step` calls.
 
   Args:
@@ -118,6 +119,9 @@ def gdn_chunked_prefill(q, k, v, g, beta, *, chunk_size: int = 64,
     precision: of the chunked form's f32 products (a `jax.lax.Precision`
       or a dot algorithm name, as `ssd.ssd_chunked_scan`'s; default
       HIGHEST: true f32).
+    solve: each chunk's unit-lower-triangular system by "substitution" (a
+      triangular solve) or "inverse" (its inverse from matrix products,
+      then one product; `reference.solve_unit_lower`).
 
   Returns:
     (o [batch, T, num_v_heads, value_dim] in v.dtype, final state
@@ -128,7 +132,7 @@ def gdn_chunked_prefill(q, k, v, g, beta, *, chunk_size: int = 64,
   args = dict(q=q, k=k, v=v, g=g, beta=beta, chunk_size=int(chunk_size),
               initial_state=initial_state, valid=valid,
               use_qk_l2norm=bool(use_qk_l2norm), scale=scale,
-              precision=precision)
+              precision=precision, solve=checks.check_solve(solve))
   return dispatch("gdn_chunked_prefill", implementation, config, args)
 
 

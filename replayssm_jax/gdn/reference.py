@@ -30,6 +30,8 @@ start and cumulative log-decays G_i = sum_{j <= i} g_j,
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -107,9 +109,45 @@ def gdn_step_scan(state, q, k, v, g, beta, use_qk_l2norm=True, scale=None):
   return step_scan(gdn_step, state, q, k, v, g, beta, use_qk_l2norm, scale)
 
 
-def solve_unit_lower(a, y):
+SOLVES = ("substitution", "inverse")
+INVERSE_BLOCK = 16  # `invert_unit_lower`'s largest block by products
+
+
+def invert_unit_lower(a, precision=HIGHEST):
+  """(I + a)^-1, unit lower triangular, for a [..., C, C] strictly lower
+  triangular (entries on and above the diagonal are ignored) by matrix
+  products alone: a block of up to INVERSE_BLOCK rows as the product
+  (I - a)(I + a^2)(I + a^4)... (a is nilpotent: the series
+  sum_k (-a)^k ends at k = C - 1), a larger one by halves,
+  [[T11, 0], [T21, T22]]^-1 = [[T11^-1, 0], [-T22^-1 T21 T11^-1, T22^-1]]."""
+  c = a.shape[-1]
+  a = jnp.where(jnp.tri(c, k=-1, dtype=bool), a, 0.0)
+  mm = functools.partial(jnp.matmul, precision=precision)
+  if c <= INVERSE_BLOCK:
+    inv, p, n = jnp.eye(c, dtype=a.dtype) - a, a, 2
+    while n < c:
+      p = mm(p, p)  # a^n
+      inv = inv + mm(inv, p)  # covers the powers below 2n
+      n *= 2
+    return inv
+  h = c // 2
+  t11 = invert_unit_lower(a[..., :h, :h], precision)
+  t22 = invert_unit_lower(a[..., h:, h:], precision)
+  t21 = -mm(mm(t22, a[..., h:, :h]), t11)
+  zero = jnp.zeros(t11.shape[:-1] + (c - h,), a.dtype)
+  return jnp.concatenate([jnp.concatenate([t11, zero], -1),
+                          jnp.concatenate([t21, t22], -1)], -2)
+
+
+def solve_unit_lower(a, y, solve: str = "substitution", precision=HIGHEST):
   """X with (I + a) X = y; a [..., C, C] strictly lower triangular (entries
-  on and above the diagonal are ignored), y [..., C, n]."""
+  on and above the diagonal are ignored), y [..., C, n]. solve:
+  "substitution" (a triangular solve) or "inverse" (`invert_unit_lower`,
+  then one product: matrix products only, as flash-linear-attention's
+  chunked kernels form the WY system's inverse)."""
+  if solve == "inverse":
+    return jnp.matmul(invert_unit_lower(a, precision), y,
+                      precision=precision)
   c = a.shape[-1]
   eye = jnp.eye(c, dtype=a.dtype)
   lower = jnp.tril(a, -1) + eye
@@ -127,7 +165,7 @@ def time_chunks(x, size: int):
 
 def gdn_chunked_prefill(q, k, v, g, beta, chunk_size=64, initial_state=None,
                         valid=None, use_qk_l2norm=True, scale=None,
-                        precision=HIGHEST):
+                        precision=HIGHEST, solve="substitution"):
   """Chunked GDN over a sequence (WY / UT form), == T `gdn_step` calls.
 
   Shapes: q, k [b, T, HK, K]; v [b, T, HV, V]; g, beta [b, T, HV];
@@ -138,6 +176,8 @@ def gdn_chunked_prefill(q, k, v, g, beta, chunk_size=64, initial_state=None,
   multiple of min(chunk_size, T).
 
   precision: of the f32 products (as `ssd.ssd_chunked_scan`'s).
+  solve: how each chunk's unit-lower-triangular system is solved
+  (`solve_unit_lower`).
 
   Returns (o [b, T, HV, V] in v.dtype, final state [b, HV, K, V] f32).
   """
@@ -171,7 +211,8 @@ def gdn_chunked_prefill(q, k, v, g, beta, chunk_size=64, initial_state=None,
                          (bc * jnp.exp(G))[..., None] * kc], axis=-1)
   to_mat = lambda x: jnp.moveaxis(x, 4, 2)  # noqa: E731  [n, b, h, i, j]
   rhs = jnp.moveaxis(rhs, 3, 2)  # [n, b, h, C, V + K]
-  sol = jnp.moveaxis(solve_unit_lower(to_mat(a), rhs), 2, 3)
+  sol = jnp.moveaxis(solve_unit_lower(to_mat(a), rhs, solve, precision), 2,
+                    3)
   u, w = sol[..., :V], sol[..., V:]  # [n, b, C, h, V], [n, b, C, h, K]
   q_dec = qc * jnp.exp(G)[..., None]
   g_last = G[:, :, -1]  # [n, b, h]

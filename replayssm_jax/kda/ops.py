@@ -133,7 +133,8 @@ def kda_baseline_verify(state, q, k, v, g, beta, *,
 def kda_chunked_prefill(q, k, v, g, beta, *, chunk_size: int = 64,
                         initial_state=None, valid=None,
                         use_qk_l2norm: bool = True, scale=None,
-                        implementation: str | None = None, config=None):
+                        implementation: str | None = None, config=None,
+                        solve: str = "substitution"):
   """KDA over a sequence in chunks (WY / UT form); == T `kda_step` calls.
 
   Args:
@@ -141,7 +142,7 @@ def kda_chunked_prefill(q, k, v, g, beta, *, chunk_size: int = 64,
       value_dim]; g [batch, T, num_v_heads, key_dim]; beta [batch, T,
       num_v_heads]. Any T >= 1.
     chunk_size, initial_state, valid, use_qk_l2norm, scale,
-    implementation, config: as `gdn.gdn_chunked_prefill` (an invalid
+    implementation, config, solve: as `gdn.gdn_chunked_prefill` (an invalid
       position leaves the state unchanged and outputs zeros; inf / NaN in
       it never reach an output or the state).
 
@@ -170,7 +171,8 @@ def kda_chunked_prefill(q, k, v, g, beta, *, chunk_size: int = 64,
   checks.check_options(use_qk_l2norm, scale)
   args = dict(q=q, k=k, v=v, g=g, beta=beta, chunk_size=int(chunk_size),
               initial_state=initial_state, valid=valid,
-              use_qk_l2norm=bool(use_qk_l2norm), scale=scale)
+              use_qk_l2norm=bool(use_qk_l2norm), scale=scale,
+              solve=checks.check_solve(solve))
   return dispatch("kda_chunked_prefill", implementation, config, args)
 
 

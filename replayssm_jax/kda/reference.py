@@ -93,7 +93,8 @@ def kda_step_scan(state, q, k, v, g, beta, use_qk_l2norm=True, scale=None):
 
 
 def kda_chunked_prefill(q, k, v, g, beta, chunk_size=64, initial_state=None,
-                        valid=None, use_qk_l2norm=True, scale=None):
+                        valid=None, use_qk_l2norm=True, scale=None,
+                        solve="substitution"):
   """Chunked KDA over a sequence (WY / UT form), == T `kda_step` calls.
 
   Shapes: q, k [b, T, HK, K]; v [b, T, HV, V]; g [b, T, HV, K]; beta
@@ -102,7 +103,8 @@ def kda_chunked_prefill(q, k, v, g, beta, chunk_size=64, initial_state=None,
   zeros: its inputs are selected away before any product (inf / NaN never
   reach the outputs or the state). Any T: the sequence is padded
   internally to a multiple of min(chunk_size, T). The chunks are scanned:
-  one chunk's pairwise decays [b, C, C, HV, K] are live at a time.
+  one chunk's pairwise decays [b, C, C, HV, K] are live at a time. solve:
+  as in `gdn.reference.solve_unit_lower`.
 
   Returns (o [b, T, HV, V] in v.dtype, final state [b, HV, K, V] f32).
   """
@@ -136,7 +138,8 @@ def kda_chunked_prefill(q, k, v, g, beta, chunk_size=64, initial_state=None,
     rhs = jnp.concatenate([bc[..., None] * vc,
                            bc[..., None] * jnp.exp(G) * kc], axis=-1)
     sol = solve_unit_lower(jnp.moveaxis(a, 3, 1),  # [b, h, i, j]
-                           jnp.moveaxis(rhs, 2, 1))  # [b, h, C, V + K]
+                           jnp.moveaxis(rhs, 2, 1),  # [b, h, C, V + K]
+                           solve)
     sol = jnp.moveaxis(sol, 1, 2)
     u, w = sol[..., :V], sol[..., V:]  # [b, C, h, V], [b, C, h, K]
     g_last = G[:, -1]  # [b, h, K]

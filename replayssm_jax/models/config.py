@@ -116,6 +116,9 @@ class ModelConfig:
     gdn_k_dim: Gated DeltaNet key (and query) head dim K.
     gdn_v_dim: Gated DeltaNet value head dim V.
     gdn_chunk_size: chunk length of the Gated DeltaNet prefill.
+    gdn_solve: how that prefill solves each chunk's unit-lower-triangular
+      system: "substitution" (default, a triangular solve) or "inverse"
+      (matrix products only; `gdn.reference.solve_unit_lower`).
       The gdn_* fields size the Kimi Delta Attention ('K') mixers too.
     mla_kv_lora_rank: None, or the latent width of multi-head latent
       attention ('*' blocks become `mla_attention.MLAttention`, Kimi
@@ -174,6 +177,7 @@ class ModelConfig:
   gdn_k_dim: int = 128
   gdn_v_dim: int = 128
   gdn_chunk_size: int = 64
+  gdn_solve: str = "substitution"
   # Multi-head latent attention ('*' blocks of Kimi Linear).
   mla_kv_lora_rank: int | None = None
   mla_qk_nope_head_dim: int = 128
@@ -300,6 +304,9 @@ class ModelConfig:
       for name in ("gdn_num_k_heads", "gdn_num_v_heads", "gdn_k_dim",
                    "gdn_v_dim", "gdn_chunk_size", "conv_kernel"):
         positive(name)
+      if self.gdn_solve not in ("substitution", "inverse"):
+        raise ValueError(f"ModelConfig.gdn_solve must be 'substitution' or "
+                         f"'inverse', got {self.gdn_solve!r}.")
       if self.gdn_num_v_heads % self.gdn_num_k_heads:
         raise ValueError(f"ModelConfig.gdn_num_k_heads "
                          f"({self.gdn_num_k_heads}) must divide "

@@ -186,7 +186,8 @@ class GDNMixer(DeltaRuleMixer):
     return gdn.gdn_chunked_prefill(
         q, k, v, g, beta, chunk_size=self.cfg.gdn_chunk_size,
         initial_state=s0, valid=valid,
-        precision=scan_precision(self.cfg.scan_precision))
+        precision=scan_precision(self.cfg.scan_precision),
+        solve=self.cfg.gdn_solve)
 
   def _replay_kw(self, r):
     del r

@@ -86,7 +86,8 @@ class KDAMixer(DeltaRuleMixer):
   def _scan(self, q, k, v, g, beta, s0, valid):
     return kda.kda_chunked_prefill(q, k, v, g, beta,
                                    chunk_size=self.cfg.gdn_chunk_size,
-                                   initial_state=s0, valid=valid)
+                                   initial_state=s0, valid=valid,
+                                   solve=self.cfg.gdn_solve)
 
   def _replay_kw(self, r):
     return dict(gate_lower_bound=r.gate_lower_bound)
