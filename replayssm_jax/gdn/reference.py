@@ -121,22 +121,25 @@ def invert_unit_lower(a, precision=HIGHEST):
   sum_k (-a)^k ends at k = C - 1), a larger one by halves,
   [[T11, 0], [T21, T22]]^-1 = [[T11^-1, 0], [-T22^-1 T21 T11^-1, T22^-1]]."""
   c = a.shape[-1]
-  a = jnp.where(jnp.tri(c, k=-1, dtype=bool), a, 0.0)
   mm = functools.partial(jnp.matmul, precision=precision)
-  if c <= INVERSE_BLOCK:
-    inv, p, n = jnp.eye(c, dtype=a.dtype) - a, a, 2
-    while n < c:
-      p = mm(p, p)  # a^n
-      inv = inv + mm(inv, p)  # covers the powers below 2n
-      n *= 2
-    return inv
-  h = c // 2
-  t11 = invert_unit_lower(a[..., :h, :h], precision)
-  t22 = invert_unit_lower(a[..., h:, h:], precision)
-  t21 = -mm(mm(t22, a[..., h:, :h]), t11)
-  zero = jnp.zeros(t11.shape[:-1] + (c - h,), a.dtype)
-  return jnp.concatenate([jnp.concatenate([t11, zero], -1),
-                          jnp.concatenate([t21, t22], -1)], -2)
+
+  def invert(a):  # a strictly lower triangular, as its diagonal blocks
+    c = a.shape[-1]
+    if c <= INVERSE_BLOCK:
+      inv, p, n = jnp.eye(c, dtype=a.dtype) - a, a, 2
+      while n < c:
+        p = mm(p, p)  # a^n
+        inv = inv + mm(inv, p)  # covers the powers below 2n
+        n *= 2
+      return inv
+    h = c // 2
+    t11, t22 = invert(a[..., :h, :h]), invert(a[..., h:, h:])
+    t21 = -mm(mm(t22, a[..., h:, :h]), t11)
+    zero = jnp.zeros(t11.shape[:-1] + (c - h,), a.dtype)
+    return jnp.concatenate([jnp.concatenate([t11, zero], -1),
+                            jnp.concatenate([t21, t22], -1)], -2)
+
+  return invert(jnp.where(jnp.tri(c, k=-1, dtype=bool), a, 0.0))
 
 
 def solve_unit_lower(a, y, solve: str = "substitution", precision=HIGHEST):

@@ -20,6 +20,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from replayssm_jax.gdn.reference import SOLVES
+
 PATTERN_CHARS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe",
                  "G": "gdn", "K": "kda"}
 MLP_ACTIVATIONS = ("relu2", "swiglu")
@@ -304,9 +306,9 @@ class ModelConfig:
       for name in ("gdn_num_k_heads", "gdn_num_v_heads", "gdn_k_dim",
                    "gdn_v_dim", "gdn_chunk_size", "conv_kernel"):
         positive(name)
-      if self.gdn_solve not in ("substitution", "inverse"):
-        raise ValueError(f"ModelConfig.gdn_solve must be 'substitution' or "
-                         f"'inverse', got {self.gdn_solve!r}.")
+      if self.gdn_solve not in SOLVES:
+        raise ValueError(f"ModelConfig.gdn_solve must be one of {SOLVES}, "
+                         f"got {self.gdn_solve!r}.")
       if self.gdn_num_v_heads % self.gdn_num_k_heads:
         raise ValueError(f"ModelConfig.gdn_num_k_heads "
                          f"({self.gdn_num_k_heads}) must divide "

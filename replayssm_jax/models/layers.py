@@ -114,9 +114,7 @@ def check_speculative_precision(state: MambaState | GDNState,
   replay state; a baseline state only without a policy or with a plain one
   (its snapshots are not stored per policy)."""
   policy = state.precision
-  replay = (state.is_replay if isinstance(state, GDNState)
-            else isinstance(state.ssm, ReplayState))
-  if policy is not None and not policy.plain and not replay:
+  if policy is not None and not policy.plain and not state.is_replay:
     raise ValueError(
         f"{what}: precision {policy.name!r} (an 8-bit store or stochastic "
         f"rounding) of a baseline state is not supported by the speculative "

@@ -222,6 +222,10 @@ class MambaState:
              else jnp.zeros_like(self.conv_start))
     return self.replace(conv=conv, conv_start=start)
 
+  @property
+  def is_replay(self) -> bool:
+    return isinstance(self.ssm, ReplayState)
+
   def replace(self, **kwargs) -> "MambaState":
     return dataclasses.replace(self, **kwargs)
 
