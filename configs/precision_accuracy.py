@@ -39,7 +39,10 @@ Fields (override any with --config.<field>=...):
     eval_seq_len
     (0: the task's own seq_len; longer sequences make more flushes: a row
     flushes floor((eval_seq_len - 1) / L) times), train_overrides (flat
-    dict applied to the train config, e.g. {"train.num_steps": 100}).
+    dict applied to the train config, e.g. {"train.num_steps": 100}),
+    model_overrides (ModelConfig fields the trained model loads with,
+    among experiments.train.LOAD_MODEL_OVERRIDES, e.g. {"dtype":
+    "float32"}: a bf16-trained model computing in f32).
   train_missing: train models whose workdir holds no checkpoint (else such
     a model is an error).
   policies: `PrecisionPolicy.preset` names; buffer_dtype and sr_seed are

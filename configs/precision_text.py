@@ -15,7 +15,12 @@ float64 recurrence. One model per run:
       --config=configs/precision_text.py:mamba2_s20m \
       --workdir=runs/precision_text/mamba2_s20m
 
-(`:all` lists the eight models.) The stages run apart with
+(`:all` lists the eight models.) `:<family>_<size>@f32`: the same trained
+model computing in float32 instead of its bf16 (model_overrides), greedy
+generations only, the f32 control and the 16-bit-master presets with their
+every-step baselines: whether those presets' greedy agreement is limited by
+the state's precision or by near-ties that bf16 activations decide (the
+f32 replay decode, the same math summed in another order, is the control). The stages run apart with
 `--config.stages="('scores',)"` etc. and the presets in slices with
 `--config.policies=...` (benchmarks/scripts/run_h200.sh text_study splits
 them over processes); `--config.merge_workdirs="('a','b')"` writes the
@@ -39,22 +44,33 @@ FIXTURES = "tests/fixtures/text_models"
 FIXTURE_CORPUS = "tests/fixtures/text_corpus"
 
 
+# The f32 control and the presets with a 16-bit master (the greedy target's).
+GREEDY_TARGET_PRESETS = ("f32", "bf16", "f16", "bf16+sr", "f16+sr", "f16+fp8",
+                       "f16+fp8+sr")
+
+
 def text_model(name: str, eval_seq_len: int = 1024, workdir: str = "",
-               corpus_dir: str = "") -> dict:
-  """A config.models entry of configs/train_text.py:<name>."""
-  return dict(name=name, workdir=workdir or f"runs/train_text/{name}",
-              train_config=name, train_config_file="train_text",
+               corpus_dir: str = "", model_overrides=None) -> dict:
+  """A config.models entry of configs/train_text.py:<name> ("<name>@f32":
+  the same model computing in float32)."""
+  train_arg = name.split("@")[0]
+  return dict(name=name, workdir=workdir or f"runs/train_text/{train_arg}",
+              train_config=train_arg, train_config_file="train_text",
               eval_seq_len=eval_seq_len, train_overrides={},
-              corpus_dir=corpus_dir)
+              corpus_dir=corpus_dir, model_overrides=model_overrides or {})
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  """arg: "<family>_<size>", "all", "fixture" or "fixture_full"."""
+  """arg: "<family>_<size>", "<family>_<size>@f32", "all", "fixture" or
+  "fixture_full"."""
   arg = arg or "mamba2_s20m"
   names = [f"{f}_{s}" for f in train_text.FAMILIES for s in train_text.SIZES]
-  if arg not in names + ["all", "fixture", "fixture_full"]:
+  name, at, variant = arg.partition("@")
+  if (name not in names + ["all", "fixture", "fixture_full"]
+      or at and (name not in names or variant != "f32")):
     raise ValueError(f"config arg must be 'all', 'fixture', 'fixture_full' "
-                     f"or one of {names}, got {arg!r}.")
+                     f"or one of {names}, optionally followed by '@f32', "
+                     f"got {arg!r}.")
   config = base.get_config()
   config.models = [text_model(n) for n in (names if arg == "all"
                                            else [arg])]
@@ -64,6 +80,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.generation.update(num_prompts=32, prompt_len=64, new_tokens=2048,
                            buffer_lens=(16,))
   config.state_error = base.state_error_config(steps=4096)
+  if variant:
+    config.models = [text_model(arg, model_overrides={"dtype": "float32"})]
+    config.policies = GREEDY_TARGET_PRESETS
+    config.stages = ("generation",)
+    config.generation.modes = ("greedy",)
   if arg == "fixture_full":
     config.models = [text_model(n, 256, f"{FIXTURES}/{n}", FIXTURE_CORPUS)
                      for n in ("fixture", "gdn_fixture")]

@@ -82,6 +82,7 @@ class ModelEntry:
   eval_seq_len: int = 0
   train_overrides: dict = dataclasses.field(default_factory=dict)
   corpus_dir: str = ""
+  model_overrides: dict = dataclasses.field(default_factory=dict)
 
 
 def model_entry(raw) -> ModelEntry:
@@ -92,9 +93,10 @@ def model_entry(raw) -> ModelEntry:
   if unknown or "name" not in d or "train_config" not in d:
     raise ValueError(f"config.models entries need 'name' and "
                      f"'train_config' (optional: train_config_file, "
-                     f"workdir, eval_seq_len, train_overrides, corpus_dir); "
-                     f"got fields {sorted(d)}.")
+                     f"workdir, eval_seq_len, train_overrides, corpus_dir, "
+                     f"model_overrides); got fields {sorted(d)}.")
   d["train_overrides"] = dict(d.get("train_overrides") or {})
+  d["model_overrides"] = dict(d.get("model_overrides") or {})
   return ModelEntry(**d)
 
 
@@ -143,7 +145,8 @@ def load_model(entry, workdir: str, train_missing: bool):
                  path, entry.train_config)
     train_lib.run(_train_config(entry), path)
   model, task, _ = train_lib.load_trained(
-      path, task_overrides=_corpus_override(entry, path))
+      path, task_overrides=_corpus_override(entry, path),
+      model_overrides=entry.model_overrides)
   if entry.eval_seq_len:
     if entry.eval_seq_len < 2:
       raise ValueError(f"models[{entry.name!r}].eval_seq_len must be 0 or "
@@ -371,6 +374,7 @@ def run(config, workdir: str) -> dict:
                           seq_len=task.seq_len, train_workdir=path,
                           pattern=model.config.pattern,
                           d_model=model.config.d_model, num_params=n_params,
+                          dtype=model.config.dtype,
                           recipe=trained.get("recipe"),
                           task_spec=task.to_dict())
       models.append(dict(info))

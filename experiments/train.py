@@ -181,8 +181,14 @@ def restore_model(cfg: ModelConfig, path: str) -> HybridLM:
   return nnx.merge(graphdef, nnx.from_flat_state(new))
 
 
+# ModelConfig fields a trained model may be loaded with other values of:
+# they change how its parameters compute, not which parameters it has.
+LOAD_MODEL_OVERRIDES = ("dtype", "scan_precision", "gdn_solve")
+
+
 def load_trained(workdir: str, step: int | None = None,
-                 task_overrides: dict | None = None
+                 task_overrides: dict | None = None,
+                 model_overrides: dict | None = None
                  ) -> tuple[HybridLM, tasks.Task, ml_collections.ConfigDict]:
   """(model, task, config) of a training run's workdir.
 
@@ -192,6 +198,9 @@ def load_trained(workdir: str, step: int | None = None,
     task_overrides: task fields to replace before the task is built (e.g.
       a text model's corpus_dir, to score it on another copy or an excerpt
       of its corpus); the returned config keeps the run's own.
+    model_overrides: ModelConfig fields among LOAD_MODEL_OVERRIDES to
+      replace (e.g. {"dtype": "float32"}: a bf16-trained model computing
+      in f32); the returned config keeps the run's own.
 
   Returns:
     The HybridLM with the trained parameters, the task (`tasks.make_task`
@@ -207,6 +216,13 @@ def load_trained(workdir: str, step: int | None = None,
   config = ml_collections.ConfigDict(raw)
   if task_overrides:
     raw["task"] = dict(raw["task"], **task_overrides)
+  unknown = sorted(set(model_overrides or ()) - set(LOAD_MODEL_OVERRIDES))
+  if unknown:
+    raise ValueError(f"model_overrides may set {LOAD_MODEL_OVERRIDES} (the "
+                     f"fields that keep the trained parameters), got "
+                     f"{unknown}.")
+  if model_overrides:
+    raw["model"] = dict(raw["model"], **model_overrides)
   task, cfg = build(ml_collections.ConfigDict(raw))
   steps = checkpoint_steps(workdir)
   if not steps:

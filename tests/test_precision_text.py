@@ -11,8 +11,10 @@ import shutil
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 pytest.importorskip("ml_collections")
 pytest.importorskip("matplotlib")
@@ -22,6 +24,7 @@ from configs import precision_text  # noqa: E402
 from configs import train_text  # noqa: E402
 from experiments import common  # noqa: E402
 from experiments import precision_accuracy  # noqa: E402
+from replayssm_jax import tasks  # noqa: E402
 from replayssm_jax import text_corpus as TC  # noqa: E402
 from replayssm_jax.models import ModelConfig  # noqa: E402
 from replayssm_jax.precision import PrecisionPolicy  # noqa: E402
@@ -66,6 +69,7 @@ def test_fixture_study_outputs(study):
   assert set(models) == set(NAMES)
   assert models["fixture"]["pattern"] == "M-M-M*-"
   assert models["gdn_fixture"]["pattern"] == "G-G-G*-"
+  assert {m["dtype"] for m in models.values()} == {"float32"}
   for name in NAMES:
     mine = [r for r in records if r.get("model") == name]
     assert models[name]["recipe"]["corpus_sha256"] == (
@@ -243,6 +247,33 @@ def test_fixture_files_and_rebuild_record():
           **train_text.get_config(name).model.to_dict())
 
 
+def test_model_overrides():
+  """A study entry's model_overrides load the trained parameters into
+  another compute dtype; fields that would change the parameters are
+  refused by name."""
+  path = os.path.join(FIXTURES, "fixture")
+  entry = precision_accuracy.model_entry(precision_text.text_model(
+      "fixture@bf16", 64, path, precision_text.FIXTURE_CORPUS,
+      model_overrides={"dtype": "bfloat16"}))
+  low, task, _ = precision_accuracy.load_model(entry, "", False)
+  ref, _, _ = precision_accuracy.load_model(
+      precision_accuracy.model_entry(precision_text.text_model(
+          "fixture", 64, path, precision_text.FIXTURE_CORPUS)), "", False)
+  assert (low.config.dtype, ref.config.dtype) == ("bfloat16", "float32")
+  jax.tree.map(np.testing.assert_array_equal, nnx.state(low, nnx.Param),
+               nnx.state(ref, nnx.Param))
+  inputs = task.eval_batches(1, 2)[0]["inputs"]
+  a = np.asarray(tasks.forward_logits(low, inputs), np.float32)
+  b = np.asarray(tasks.forward_logits(ref, inputs), np.float32)
+  assert not np.array_equal(a, b)  # bf16 activations round
+  np.testing.assert_allclose(a, b, atol=0.25)
+  bad = precision_accuracy.model_entry(precision_text.text_model(
+      "fixture", 64, path, precision_text.FIXTURE_CORPUS,
+      model_overrides={"d_model": 32}))
+  with pytest.raises(ValueError, match="model_overrides.*d_model"):
+    precision_accuracy.load_model(bad, "", False)
+
+
 def test_text_configs():
   assert "python -m experiments.precision_accuracy" in precision_text.__doc__
   all_ = precision_text.get_config("all")
@@ -252,8 +283,18 @@ def test_text_configs():
     assert m["eval_seq_len"] == 1024
     assert m["workdir"] == f"runs/train_text/{m['train_config']}"
   assert set(all_.policies) == set(PrecisionPolicy.preset_names())
-  with pytest.raises(ValueError, match="config arg"):
-    precision_text.get_config("mamba2_s1b")
+  for bad in ("mamba2_s1b", "fixture@f32", "gdn_s20m@bf16"):
+    with pytest.raises(ValueError, match="config arg"):
+      precision_text.get_config(bad)
+  f32 = precision_text.get_config("gdn_s60m@f32")
+  (m,) = f32.models
+  assert m["name"] == "gdn_s60m@f32" and m["train_config"] == "gdn_s60m"
+  assert m["workdir"] == "runs/train_text/gdn_s60m"
+  assert m["model_overrides"] == {"dtype": "float32"}
+  assert f32.stages == ("generation",) and f32.generation.modes == ("greedy",)
+  assert f32.policies[0] == "f32" and all(
+      PrecisionPolicy.preset(p).checkpoint_dtype in ("bfloat16", "float16")
+      for p in f32.policies[1:])
   counts = train_text.param_counts()
   for name, n in counts.items():
     # The docstring's table holds the exact counts.

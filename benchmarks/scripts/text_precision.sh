@@ -8,10 +8,13 @@
 #   text_study NAME [STAGES]    configs/precision_text.py:NAME, the presets
 #                               split over processes, then one merged report
 #                               (STAGES: scores, generation, state_error;
-#                               default all three)
+#                               default the config's, all three but for
+#                               NAME@f32's generation)
 #
 # NAME: <family>_<size>, family mamba2 | gdn, size s20m | s60m | s120m |
-# s300m (text_study also takes "fixture", the CPU fixtures of the tests). Everything under runs/ stays on the machine for as long as it is
+# s300m (text_study also takes "fixture", the CPU fixtures of the tests,
+# and <family>_<size>@f32, the trained model computing in float32: its
+# greedy generations under the 16-bit-master presets). Everything under runs/ stays on the machine for as long as it is
 # held (a later call of the same session sees it); what comes back is under
 # $OUT.
 #
@@ -91,7 +94,10 @@ case "$1" in
     # Stages as one comma-separated word or as words (run_h200_chain.sh
     # turns a part's commas into spaces).
     stages=$(IFS=,; echo "${*:3}")
-    stages=${stages:-scores,generation,state_error}
+    stages=${stages:-$(python -c "
+import sys
+from configs import precision_text
+print(','.join(precision_text.get_config(sys.argv[1]).stages))" "$name")}
     # ("fixture": the committed CPU fixtures on their own corpus excerpt.)
     [ "$name" = fixture ] || text_corpus
     # STUDY_PROCS processes (default six per GPU: compiles dominate a

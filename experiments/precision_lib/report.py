@@ -74,8 +74,9 @@ def _model_section(config, info, records) -> list[str]:
   name = info["model"]
   mine = _mine(records, name)
   ref = next((r for r in mine if r["kind"] == "reference"), None)
+  dtype = f", {info['dtype']} activations" if info.get("dtype") else ""
   head = [f"## {name} ({info['task']}, pattern `{info['pattern']}`, "
-          f"{info.get('num_params', 0):,} parameters)", ""]
+          f"{info.get('num_params', 0):,} parameters{dtype})", ""]
   if ref is None:
     return head + ["(no scoring stage in these records)", ""]
   Ls = list(config.buffer_lens)
