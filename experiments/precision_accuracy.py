@@ -180,10 +180,20 @@ def _training_record(path: str) -> dict:
 @jax.jit
 def _compare(logits, ref, targets, mask):
   """Sums of one batch: masked_sums + agreement with the reference's greedy
-  predictions at the scored positions + max |logit diffs|."""
+  predictions at the scored positions + the KL divergence KL(ref || run)
+  and total-variation distance of the next-token distributions (summed
+  and max) + max |logit diffs|."""
   out = tasks.masked_sums(logits, targets, mask)
+  scored = mask > 0
   agree = jnp.argmax(logits, -1) == jnp.argmax(ref, -1)
-  out["agree"] = jnp.sum(agree.astype(jnp.float32) * mask)
+  out["agree"] = jnp.sum((agree & scored).astype(jnp.float32))
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
+  logr = jax.nn.log_softmax(ref.astype(jnp.float32), -1)
+  kl = jnp.sum(jnp.exp(logr) * (logr - logp), -1)
+  tv = 0.5 * jnp.sum(jnp.abs(jnp.exp(logp) - jnp.exp(logr)), -1)
+  out["kl"] = jnp.sum(jnp.where(scored, kl, 0.0))
+  out["tv"] = jnp.sum(jnp.where(scored, tv, 0.0))
+  out["max_tv"] = jnp.max(jnp.where(scored, tv, 0.0))
   finite = jnp.isfinite(logits)
   out["nonfinite"] = jnp.sum((~finite).astype(jnp.float32))
   out["max_abs_diff"] = jnp.max(jnp.where(finite, jnp.abs(logits - ref),
@@ -218,6 +228,8 @@ def decode_eval(model, batches, refs, ssm_mode, buffer_len, policy=None):
       all_logits.append(logits)
   m = tasks.finalize(total)
   m.update(agreement=total["agree"] / total["count"],
+           mean_kl=total["kl"] / total["count"],
+           mean_tv=total["tv"] / total["count"], max_tv=total["max_tv"],
            nonfinite_logits=int(total["nonfinite"]),
            max_rel_logit_diff=total["max_abs_diff"] / max(
                total["max_abs_ref"], 1e-30))

@@ -22,13 +22,16 @@ def masked_sums(logits, targets, mask) -> dict:
   """Sums over the scored positions (traceable): cross-entropy `loss_sum`,
   `correct` greedy predictions and `count` (all float32 scalars)."""
   logits = logits.astype(F32)
-  mask = mask.astype(F32)
+  scored = mask.astype(F32) > 0
   logz = jax.nn.logsumexp(logits, axis=-1)
   tgt = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32),
                             axis=-1)[..., 0]
-  correct = (jnp.argmax(logits, axis=-1) == targets).astype(F32)
-  return dict(loss_sum=jnp.sum((logz - tgt) * mask),
-              correct=jnp.sum(correct * mask), count=jnp.sum(mask))
+  correct = jnp.argmax(logits, axis=-1) == targets
+  # Selected, not multiplied: an unscored position's inf / NaN logits stay
+  # out of the sums.
+  return dict(loss_sum=jnp.sum(jnp.where(scored, logz - tgt, 0.0)),
+              correct=jnp.sum((correct & scored).astype(F32)),
+              count=jnp.sum(scored.astype(F32)))
 
 
 def masked_loss(logits, targets, mask):

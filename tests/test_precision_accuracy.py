@@ -93,7 +93,15 @@ def test_precision_accuracy_smoke(tmp_path):
     assert r["accuracy"] == ref["accuracy"]
     assert r["max_rel_logit_diff"] < testing.TOLERANCES["float32"].rtol
     # The int8 read copy is really read: its logits differ.
-    assert replay[("f32+int8+sr", L)]["max_rel_logit_diff"] > 1e-4
+    int8 = replay[("f32+int8+sr", L)]
+    assert int8["max_rel_logit_diff"] > 1e-4
+    # Distances of the next-token distributions: bounded, the f32 replay's
+    # at f32's rounding level, the int8 copy's larger.
+    for x in (r, int8):
+      assert 0.0 <= x["mean_tv"] <= x["max_tv"] <= 1.0, x
+      assert x["mean_kl"] > -1e-6, x  # >= 0 but for rounding
+    assert r["max_tv"] < testing.TOLERANCES["float32"].rtol
+    assert int8["mean_tv"] > r["mean_tv"] and int8["mean_kl"] > r["mean_kl"]
   # Long generations (greedy and sampled) of every run against the f32
   # baseline's: in f32 the replay state generates the same tokens.
   g = config.generation

@@ -160,6 +160,28 @@ def random_model():
   return HybridLM(train.model_config(SMOKE), rngs=nnx.Rngs(7))
 
 
+def test_masked_sums_select_unscored_positions_away():
+  """An unscored position's inf / NaN logits (a padded or stale slot)
+  reach no sum; the scored positions' sums are the plain ones."""
+  rng = np.random.default_rng(0)
+  logits = rng.standard_normal((2, 5, 7)).astype(np.float32)
+  targets = rng.integers(0, 7, (2, 5))
+  mask = np.ones((2, 5), np.float32)
+  mask[0, 3:] = 0
+  clean = {k: float(v) for k, v in tasks.masked_sums(
+      logits, targets, mask).items()}
+  poisoned = logits.copy()
+  poisoned[0, 3] = np.nan
+  poisoned[0, 4] = np.inf
+  got = {k: float(v) for k, v in tasks.masked_sums(
+      poisoned, targets, mask).items()}
+  assert got == clean and clean["count"] == 8
+  logz = np.log(np.exp(logits).sum(-1))
+  tgt = np.take_along_axis(logits, targets[..., None], -1)[..., 0]
+  np.testing.assert_allclose(clean["loss_sum"],
+                             ((logz - tgt) * mask).sum(), rtol=1e-5)
+
+
 def test_decode_accuracy_equals_forward_f32(random_model):
   """Prefill 1 token + teacher-forced decode_step (both state modes) scores
   the same positions as the full forward, with equal metrics in f32."""

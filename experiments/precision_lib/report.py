@@ -38,6 +38,10 @@ def _ppl_cell(r):
           f"({'yes' if r['within_ppl'] else 'no'})")
 
 
+def _tv_cell(r):  # records written before the distances: "-"
+  return f"{r['mean_tv']:.1e}" if "mean_tv" in r else "-"
+
+
 def _mine(records, name, kind=None):
   return [r for r in records if r.get("model") == name
           and (kind is None or r["kind"] == kind)]
@@ -93,7 +97,12 @@ def _model_section(config, info, records) -> list[str]:
       _pivot(config, mine, _cell), "",
       "Relative perplexity change vs the reference (|change| <= "
       f"{100 * config.ppl_tolerance:g}%?):", "",
-      _pivot(config, mine, _ppl_cell), ""]
+      _pivot(config, mine, _ppl_cell), "",
+      "Mean total-variation distance between the next-token distribution "
+      "and the reference's at the scored positions: the per-step "
+      "probability that a sample coupled to the reference's (the best "
+      "coupling) differs from it:", "",
+      _pivot(config, mine, _tv_cell), ""]
 
 
 def _targets(config, models, records) -> list[str]:
@@ -174,17 +183,20 @@ def write_summary(config, workdir, models, records) -> str:
     cols = ["model", "kind", "label", "L", "flushes_per_row", "accuracy",
             "delta_accuracy_points", "within", "agreement", "loss",
             "delta_loss", "perplexity", "rel_perplexity", "within_ppl",
-            "max_rel_logit_diff"]
+            "mean_kl", "mean_tv", "max_tv", "max_rel_logit_diff"]
     fmts = {"accuracy": ".4f", "delta_accuracy_points": "+.2f",
             "agreement": ".4f", "loss": ".4f", "delta_loss": "+.4f",
             "perplexity": ".4f", "rel_perplexity": "+.2e",
+            "mean_kl": ".2e", "mean_tv": ".2e", "max_tv": ".2e",
             "max_rel_logit_diff": ".2e"}
     lines += ["## All runs", "",
               "agreement: share of scored positions where the greedy "
-              "prediction equals the reference's; max_rel_logit_diff: max "
-              "|logit - reference logit| / max |reference logit| over all "
-              "positions.", "", common.markdown_table(scored, cols, fmts),
-              ""]
+              "prediction equals the reference's; mean_kl: mean KL(reference "
+              "|| run) of the next-token distributions (nats); mean_tv / "
+              "max_tv: their total-variation distance, mean / max over the "
+              "scored positions; max_rel_logit_diff: max |logit - reference "
+              "logit| / max |reference logit| over all positions.", "",
+              common.markdown_table(scored, cols, fmts), ""]
   gen = [r for r in records if r["kind"] == "generation"]
   if gen:
     def shape(key):  # the records' (a merge of runs may mix them)
