@@ -16,11 +16,12 @@ float64 recurrence. One model per run:
       --workdir=runs/precision_text/mamba2_s20m
 
 (`:all` lists the eight models.) `:<family>_<size>@f32`: the same trained
-model computing in float32 instead of its bf16 (model_overrides), greedy
-generations only, the f32 control and the 16-bit-master presets with their
-every-step baselines: whether those presets' greedy agreement is limited by
-the state's precision or by near-ties that bf16 activations decide (the
-f32 replay decode, the same math summed in another order, is the control). The stages run apart with
+model computing in float32 instead of its bf16 (model_overrides): scores
+at L 16 and greedy generations of the f32 control and the 16-bit-master
+presets with their every-step baselines: whether those presets' greedy
+agreement is limited by the state's precision or by near-ties that bf16
+activations decide (the f32 replay decode, the same math summed in another
+order, is the control). The stages run apart with
 `--config.stages="('scores',)"` etc. and the presets in slices with
 `--config.policies=...` (benchmarks/scripts/run_h200.sh text_study splits
 them over processes); `--config.merge_workdirs="('a','b')"` writes the
@@ -83,7 +84,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if variant:
     config.models = [text_model(arg, model_overrides={"dtype": "float32"})]
     config.policies = GREEDY_TARGET_PRESETS
-    config.stages = ("generation",)
+    config.stages = ("scores", "generation")
+    config.buffer_lens = (16,)
     config.generation.modes = ("greedy",)
   if arg == "fixture_full":
     config.models = [text_model(n, 256, f"{FIXTURES}/{n}", FIXTURE_CORPUS)

@@ -291,7 +291,8 @@ def test_text_configs():
   assert m["name"] == "gdn_s60m@f32" and m["train_config"] == "gdn_s60m"
   assert m["workdir"] == "runs/train_text/gdn_s60m"
   assert m["model_overrides"] == {"dtype": "float32"}
-  assert f32.stages == ("generation",) and f32.generation.modes == ("greedy",)
+  assert f32.stages == ("scores", "generation") and f32.buffer_lens == (16,)
+  assert f32.generation.modes == ("greedy",)
   assert f32.policies[0] == "f32" and all(
       PrecisionPolicy.preset(p).checkpoint_dtype in ("bfloat16", "float16")
       for p in f32.policies[1:])

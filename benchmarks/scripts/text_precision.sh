@@ -8,13 +8,13 @@
 #   text_study NAME [STAGES]    configs/precision_text.py:NAME, the presets
 #                               split over processes, then one merged report
 #                               (STAGES: scores, generation, state_error;
-#                               default the config's, all three but for
-#                               NAME@f32's generation)
+#                               default the config's: all three, NAME@f32
+#                               scores and generation)
 #
 # NAME: <family>_<size>, family mamba2 | gdn, size s20m | s60m | s120m |
 # s300m (text_study also takes "fixture", the CPU fixtures of the tests,
-# and <family>_<size>@f32, the trained model computing in float32: its
-# greedy generations under the 16-bit-master presets). Everything under runs/ stays on the machine for as long as it is
+# and <family>_<size>@f32, the trained model computing in float32: the
+# 16-bit-master presets' scores at L 16 and greedy generations). Everything under runs/ stays on the machine for as long as it is
 # held (a later call of the same session sees it); what comes back is under
 # $OUT.
 #
