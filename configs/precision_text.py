@@ -46,8 +46,8 @@ FIXTURE_CORPUS = "tests/fixtures/text_corpus"
 
 
 # The f32 control and the presets with a 16-bit master (the greedy target's).
-GREEDY_TARGET_PRESETS = ("f32", "bf16", "f16", "bf16+sr", "f16+sr", "f16+fp8",
-                       "f16+fp8+sr")
+GREEDY_TARGET_PRESETS = ("f32", "bf16", "f16", "bf16+sr", "f16+sr",
+                         "f16+fp8", "f16+fp8+sr")
 
 
 def text_model(name: str, eval_seq_len: int = 1024, workdir: str = "",

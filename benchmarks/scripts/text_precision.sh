@@ -14,9 +14,9 @@
 # NAME: <family>_<size>, family mamba2 | gdn, size s20m | s60m | s120m |
 # s300m (text_study also takes "fixture", the CPU fixtures of the tests,
 # and <family>_<size>@f32, the trained model computing in float32: the
-# 16-bit-master presets' scores at L 16 and greedy generations). Everything under runs/ stays on the machine for as long as it is
-# held (a later call of the same session sees it); what comes back is under
-# $OUT.
+# 16-bit-master presets' scores at L 16 and greedy generations).
+# Everything under runs/ stays on the machine for as long as it is held (a
+# later call of the same session sees it); what comes back is under $OUT.
 #
 # The corpus travels as runs/carry/corpus.tar.xz (carry ["runs/carry",
 # "wheels"]), made on the CPU machine:
