@@ -15,6 +15,7 @@ pytest.importorskip("orbax.checkpoint")
 from configs import precision_accuracy as pa_config  # noqa: E402
 from experiments import common  # noqa: E402
 from experiments import precision_accuracy  # noqa: E402
+from experiments.precision_lib import generation  # noqa: E402
 from replayssm_jax import testing  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -117,6 +118,17 @@ def test_precision_accuracy_smoke(tmp_path):
   for L in config.buffer_lens:
     assert gen[("greedy", "f32", L)]["never_diverged"] == 1.0
     assert gen[("sampled", "f32", L)]["agreement"] == 1.0
+  for (mode, _, _), r in gen.items():
+    # The reference's top-2 margins (greedy runs): positive; where a run
+    # left the reference, the margin there is recorded.
+    assert ("ref_margin_median" in r) == (mode == "greedy")
+    if mode == "greedy":
+      assert r["ref_margin_median"] > 0
+      diverged = r["never_diverged"] < 1.0
+      assert (r["divergence_margin_median"] is not None) == diverged
+      if diverged:
+        assert 0 <= r["divergence_margin_median"] <= r[
+            "divergence_margin_max"]
   with open(os.path.join(workdir, "summary.md")) as f:
     summary = f.read()
   assert "## Long generation" in summary
@@ -142,6 +154,25 @@ def test_precision_accuracy_smoke(tmp_path):
   assert b2["accuracy"] == base["int8+sr"]["accuracy"]
   with open(os.path.join(workdir, "summary.md")) as f:
     assert "| f32+int8+sr | - | int8+sr: " in f.read()
+
+
+def test_divergence_statistics():
+  """First divergence per row and the reference's margin there, on
+  hand-made tokens."""
+  ref = np.arange(12).reshape(3, 4)
+  out = ref.copy()
+  out[0, 2] = -1  # row 0 leaves at 2, row 1 at 0, row 2 never
+  out[1, 0] = -1
+  margins = np.arange(12, dtype=np.float32).reshape(3, 4) / 10
+  d = generation.divergence(out, ref, margins)
+  assert d["agreement"] == 10 / 12 and d["never_diverged"] == 1 / 3
+  assert (d["first_divergence_min"], d["first_divergence_median"]) == (0, 2)
+  np.testing.assert_allclose(
+      [d["divergence_margin_median"], d["divergence_margin_max"]],
+      [np.median([0.2, 0.4]), 0.4])
+  same = generation.divergence(ref, ref, margins)
+  assert same["divergence_margin_median"] is None
+  assert "divergence_margin_median" not in generation.divergence(ref, ref)
 
 
 def test_studies_cover_every_preset():

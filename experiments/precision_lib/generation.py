@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.precision_lib import runs as R
+from replayssm_jax import tasks
 from replayssm_jax.models import generate
 
 
@@ -33,17 +34,39 @@ def prompts(task, config, rows: int | None = None):
   return task.batch(0, n, "val")["inputs"][:, :g.prompt_len]
 
 
-def divergence(tokens, ref) -> dict:
-  """Agreement and first-divergence statistics of [n, T] tokens vs ref."""
+def divergence(tokens, ref, margins=None) -> dict:
+  """Agreement and first-divergence statistics of [n, T] tokens vs ref;
+  with the reference's [n, T] top-2 logit margins (`reference_margins`),
+  also the margin at each diverged row's first divergence (median / max:
+  a greedy run that leaves the reference where its two best tokens nearly
+  tie was decided by rounding anywhere in the model)."""
   tokens, ref = np.asarray(tokens), np.asarray(ref)
   same = tokens == ref
   n, t = same.shape
   first = np.where(same.all(1), t, np.argmin(same, axis=1))
-  return dict(agreement=float(same.mean()),
-              first_divergence_median=float(np.median(first)),
-              first_divergence_min=int(first.min()),
-              never_diverged=float(np.mean(first == t)), rows=int(n),
-              new_tokens=int(t))
+  out = dict(agreement=float(same.mean()),
+             first_divergence_median=float(np.median(first)),
+             first_divergence_min=int(first.min()),
+             never_diverged=float(np.mean(first == t)), rows=int(n),
+             new_tokens=int(t))
+  if margins is not None:
+    rows = np.flatnonzero(first < t)
+    at = np.asarray(margins)[rows, first[rows]]
+    out.update(divergence_margin_median=(float(np.median(at)) if rows.size
+                                         else None),
+               divergence_margin_max=float(at.max()) if rows.size else None)
+  return out
+
+
+def reference_margins(model, p, ref) -> np.ndarray:
+  """[n, T] the reference's top-1 minus top-2 logit at each generated
+  position, from a forward pass over prompt + reference tokens (the
+  decode's logits up to summation order)."""
+  p, ref = np.asarray(p), np.asarray(ref)
+  seq = np.concatenate([p, ref], axis=1)[:, :-1]
+  logits = np.asarray(tasks.forward_logits(model, seq))[:, p.shape[1] - 1:]
+  top2 = np.partition(logits, -2, axis=-1)[..., -2:]
+  return top2[..., 1] - top2[..., 0]
 
 
 def generate_run(model, p, config, mode, run: R.Run | None,
@@ -85,6 +108,12 @@ def agreement(name, model, task, config, writer) -> list[dict]:
     ref = generate_run(model, p, config, mode, None)
     logging.info("%s %s reference generation: %d x %d tokens in %.1fs", name,
                  mode, *ref.shape, time.perf_counter() - t0)
+    margins = None
+    if mode == "greedy":
+      margins = reference_margins(model, p, ref)
+      ref_margin = dict(ref_margin_median=float(np.median(margins)))
+    else:
+      ref_margin = {}
     for run, ident in todo:
       t0 = time.perf_counter()
       out = generate_run(model, p, config, mode, run)
@@ -92,7 +121,8 @@ def agreement(name, model, task, config, writer) -> list[dict]:
           ident, policy=run.policy_name, prompt_len=p.shape[1],
           temperature=(float(config.generation.temperature)
                        if mode == "sampled" else 0.0),
-          eval_s=time.perf_counter() - t0, **divergence(out, ref)))
+          eval_s=time.perf_counter() - t0, **ref_margin,
+          **divergence(out, ref, margins)))
       records.append(rec)
       R.release_compiled()
       logging.info("%s %s %-8s %-12s L=%-4s agreement %.4f, first "

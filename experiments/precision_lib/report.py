@@ -210,12 +210,19 @@ def write_summary(config, workdir, models, records) -> str:
            "with the same PRNG key in every run" if temps else "")
         + ". agreement: share of tokens equal to the "
         "reference's; first divergence: index of a row's first differing "
-        "token (median / min over rows).", "",
+        "token (median / min over rows); margin at divergence (greedy): "
+        "the reference's top-1 minus top-2 logit where a row first "
+        "differs (median / max over the diverged rows), beside its median "
+        "over every generated position (ref margin).", "",
         common.markdown_table(gen, [
             "model", "mode", "run_kind", "label", "L", "new_tokens",
             "agreement", "first_divergence_median", "first_divergence_min",
-            "never_diverged"], dict(agreement=".4f", never_diverged=".2f",
-                                    first_divergence_median=".0f")), ""]
+            "never_diverged", "divergence_margin_median",
+            "divergence_margin_max", "ref_margin_median"], dict(
+                agreement=".4f", never_diverged=".2f",
+                first_divergence_median=".0f",
+                divergence_margin_median=".3f", divergence_margin_max=".3f",
+                ref_margin_median=".2f")), ""]
   se = [r for r in records if r["kind"] == "state_error"]
   if se:
     lines += [
