@@ -3,10 +3,12 @@ configs/train_text.py (experiments/precision_accuracy.py).
 
 Per model: decode-mode validation perplexity (1024 bytes, 1023 decode
 steps) of every precision preset x L in {8, 16, 32} and of the every-step
-baselines against the f32 baseline-mode model, with the 1% criterion;
+baselines against the f32 baseline-mode model, with the 1% criterion, and
+the next-token distributions' KL / total-variation distance to it;
 greedy and sampled generations of 2048 tokens from 32 prompts against the
 f32 baseline's (first divergence, token agreement: a prompt that leaves the
-reference at a near-tie moves it by 1/32;
+reference at a near-tie moves it by 1/32, so the reference's top-2 logit
+margin where a greedy row leaves it is recorded;
 `--config.generation.new_tokens=16384` for longer ones); the state of the
 first and last recurrent layers along a 4096-token decode against a
 float64 recurrence. One model per run:
