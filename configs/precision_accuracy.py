@@ -84,7 +84,9 @@ POLICIES = ("f32", "bf16", "f16", "bf16+sr", "f16+sr", "f32+bf16", "f32+f16",
             "f16+fp8+sr")
 
 
-def _model(name: str, eval_seq_len: int = 0, file: str = "train") -> dict:
+def entry(name: str, eval_seq_len: int = 0, file: str = "train") -> dict:
+  """A config.models entry of configs/<file>.py:<name> ("<name>@<variant>":
+  another evaluation of the same training run)."""
   train_arg = name.split("@")[0]
   runs = "runs/train" if file == "train" else f"runs/{file}"
   return dict(name=name, workdir=f"{runs}/{train_arg}",
@@ -125,9 +127,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # flushes per row at L = 4 / 16 / 64; at L = 64 the outputs come from the
   # prefill checkpoint + buffer alone) and at 1024 tokens (same pairs,
   # queries spread further; 255 / 63 / 15 flushes); char at 1024 tokens.
-  config.models = [_model(f"mqar_{size}_ssm"),
-                   _model(f"mqar_{size}_ssm@1024", 1024),
-                   _model(f"char_{size}_ssm", 1024)]
+  config.models = [entry(f"mqar_{size}_ssm"),
+                   entry(f"mqar_{size}_ssm@1024", 1024),
+                   entry(f"char_{size}_ssm", 1024)]
   config.train_missing = False
   config.policies = POLICIES
   config.buffer_lens = (4, 16, 64)

@@ -56,11 +56,11 @@ def text_model(name: str, eval_seq_len: int = 1024, workdir: str = "",
                corpus_dir: str = "", model_overrides=None) -> dict:
   """A config.models entry of configs/train_text.py:<name> ("<name>@f32":
   the same model computing in float32)."""
-  train_arg = name.split("@")[0]
-  return dict(name=name, workdir=workdir or f"runs/train_text/{train_arg}",
-              train_config=train_arg, train_config_file="train_text",
-              eval_seq_len=eval_seq_len, train_overrides={},
-              corpus_dir=corpus_dir, model_overrides=model_overrides or {})
+  m = base.entry(name, eval_seq_len, "train_text")
+  m.update(corpus_dir=corpus_dir, model_overrides=model_overrides or {})
+  if workdir:
+    m["workdir"] = workdir
+  return m
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
