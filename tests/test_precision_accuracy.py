@@ -175,6 +175,32 @@ def test_divergence_statistics():
   assert "divergence_margin_median" not in generation.divergence(ref, ref)
 
 
+def test_reference_margins_follow_the_reference_generation():
+  """The margins come from the reference decode teacher-forced along its
+  own greedy tokens: non-negative at every generated position (each token
+  was the argmax there), and the full forward's top-2 gaps up to f32
+  summation order."""
+  from replayssm_jax import tasks  # pylint: disable=g-import-not-at-top
+  from replayssm_jax.models import generate  # pylint: disable=g-import-not-at-top
+  from tests.test_models import make_model, random_tokens  # pylint: disable=g-import-not-at-top
+  model = make_model(3)
+  p = np.asarray(random_tokens(11, (2, 5)))
+  ref, _ = generate(model, p, np.full((2,), 5, np.int32), 12,
+                    ssm_mode="baseline", buffer_len=1)
+  ref = np.asarray(ref)
+  margins = generation.reference_margins(model, p, ref)
+  assert margins.shape == ref.shape
+  assert (margins >= 0).all()
+  logits = np.asarray(tasks.forward_logits(
+      model, np.concatenate([p, ref], 1)[:, :-1]))[:, 4:]
+  top2 = np.sort(logits, -1)[..., -2:]
+  # Each margin is a difference of two logits: the f32 table's bound on
+  # a logit, relative to the largest, twice.
+  atol = 2 * testing.TOLERANCES["float32"].atol * np.abs(logits).max()
+  np.testing.assert_allclose(margins, top2[..., 1] - top2[..., 0], rtol=0,
+                             atol=atol)
+
+
 def test_studies_cover_every_preset():
   """The accuracy and drift studies run every PrecisionPolicy preset."""
   from configs import precision_drift  # pylint: disable=g-import-not-at-top

@@ -60,11 +60,14 @@ def divergence(tokens, ref, margins=None) -> dict:
 
 def reference_margins(model, p, ref) -> np.ndarray:
   """[n, T] the reference's top-1 minus top-2 logit at each generated
-  position, from a forward pass over prompt + reference tokens (the
-  decode's logits up to summation order)."""
+  position: the f32 baseline decode teacher-forced along prompt +
+  reference tokens (the prompt prefilled, then one step a token, as the
+  reference generation ran: memory linear in the length, where a forward
+  pass over the whole sequence holds attention scores quadratic in it)."""
   p, ref = np.asarray(p), np.asarray(ref)
   seq = np.concatenate([p, ref], axis=1)[:, :-1]
-  logits = np.asarray(tasks.forward_logits(model, seq))[:, p.shape[1] - 1:]
+  logits = np.asarray(tasks.decode_logits(
+      model, seq, "baseline", 1, prefill_len=p.shape[1]))[:, p.shape[1] - 1:]
   top2 = np.partition(logits, -2, axis=-1)[..., -2:]
   return top2[..., 1] - top2[..., 0]
 
