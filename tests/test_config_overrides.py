@@ -65,12 +65,14 @@ def test_text_study_slice_flags_parse():
         "--config.baseline_policies=('f32', 'f32+bf16')",
         "--config.generation.policies=('f32',)",
         "--config.generation.buffer_lens=(8, 32)",
-        "--config.state_error.policies=('f32+bf16',)"])
+        "--config.state_error.policies=('f32+bf16',)",
+        "--config.shared_dir=runs/precision_text/x/shared"])
     assert config.baseline_policies == ("f32", "f32+bf16")
     assert config.stages == ("scores", "generation")
     assert config.generation.policies == ("f32",)
     assert config.generation.buffer_lens == (8, 32)
     assert config.state_error.policies == ("f32+bf16",)
+    assert config.shared_dir == "runs/precision_text/x/shared"
   default = _parse(["study", "--config=configs/precision_text.py:mamba2_s20m"])
   assert default.baseline_policies is None
   assert default.generation.policies is None

@@ -200,7 +200,10 @@ def test_resume_runs_only_what_is_missing(study, tmp_path):
       cwd=ROOT, capture_output=True, text=True, timeout=900, check=False,
       env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"))
   assert r.returncode == 0, r.stderr[-4000:]
-  assert r.stderr.count("reference generation") == 1  # one mode, one model
+  # One model: the generation stage's greedy reference, and the state-error
+  # stage's stream (its own prompts and length).
+  assert r.stderr.count("greedy reference generation: 2 x 48") == 1
+  assert r.stderr.count("reference generation") == 2
   got = [x for x in common.read_metrics(str(cut / "metrics.jsonl"))
          if x["kind"] not in ("environment", "final")]
   kept = [x for i, x in enumerate(body)

@@ -28,14 +28,18 @@
 # checks each split's sha256 against the manifest).
 #
 # Planning. Measured on one H100 (benchmarks/text_precision/
-# mamba2_s20m_h100, gdn_s20m_h100): mamba2_s20m trains at 437k bytes/s
-# (its 65.5M bytes in 150 s of steps), gdn_s20m at 217k (302 s); scaled by
-# parameters x bytes (an estimate, larger models usually run their GEMMs
-# faster), s60m / s120m / s300m take about 2 / 2.6 / 2.7 times as long as
-# s20m. A study of an s20m model over three processes took 330 s (Mamba-2)
-# and over 440 s (Gated DeltaNet: its stochastically rounded presets score
-# in 20-30 s a run against 7-9 s) per slice: a score 7-30 s, a 2048-token
-# generation 8-10 s, mostly compilation. Everything under runs/, the
+# mamba2_s20m_h100, gdn_s20m_h100, mamba2_s60m_h100): mamba2_s20m trains
+# at 437k bytes/s (its 65.5M bytes in 150 s of steps), gdn_s20m at 217k
+# (302 s), mamba2_s60m at 259k (49.2M bytes in 190 s; 246 s with
+# compilation and evals); scaled by parameters x bytes (an estimate, larger
+# models usually run their GEMMs faster), s120m / s300m take about 2.6 /
+# 2.7 times as long as s20m. A study of an s20m model over three processes
+# took 330 s (Mamba-2) and over 440 s (Gated DeltaNet: its stochastically
+# rounded presets score in 20-30 s a run against 7-9 s) per slice: a score
+# 7-30 s, a 2048-token generation 8-10 s, mostly compilation. mamba2_s60m's
+# scores over twelve processes took 150 s; its generations 6-23 s a run,
+# after the f32 reference (62 s when each of twelve slices generated it at
+# once; one of them now generates it for all). Everything under runs/, the
 # trained models too, is lost when the machine goes back (30 minutes of
 # device time a session, a call at most 10 minutes, idle machines go back
 # within a minute): a model's training and study share one machine's
@@ -104,7 +108,9 @@ print(','.join(precision_text.get_config(sys.argv[1]).stages))" "$name")}
     # small model's study, and they run on the host's 16 cores) each take
     # a slice of the presets, with their every-step baselines, into
     # $STUDY_DIR/NAME/<stages>/part<i>of<procs> (STUDY_DIR default
-    # runs/precision_text); then every part of every call so far is merged
+    # runs/precision_text), the f32 reference's generations computed by
+    # one of them and shared through $STUDY_DIR/NAME/shared (a later call
+    # loads them); then every part of every call so far is merged
     # into $OUT/text_NAME. A slice stopped by the limit continues where it
     # stopped when the same part runs again (--config.resume).
     ngpu=$( (nvidia-smi -L 2>/dev/null || true) | wc -l)
@@ -129,6 +135,7 @@ for i in range(min(n, len(names))):
         timeout -k 10 $(( T - 40 )) python -m experiments.precision_accuracy \
         --config=configs/precision_text.py:"$name" \
         --workdir="$base/part${i}of$procs" --config.resume=True \
+        --config.shared_dir="$study/shared" \
         --config.stages="('${stages//,/\',\'}',)" \
         --config.policies="${slices[$i]}" \
         --config.baseline_policies="${slices[$i]}" \

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.precision_lib import runs as R
+from experiments.precision_lib import shared
 from replayssm_jax import tasks
 from replayssm_jax.models import generate
 
@@ -92,6 +93,33 @@ def generate_run(model, p, config, mode, run: R.Run | None,
   return np.asarray(tokens)
 
 
+def reference_run(name, model, p, config, mode, new_tokens=None,
+                  with_margins=False) -> dict[str, np.ndarray]:
+  """The f32 baseline's generation of prompts p ("tokens"; with_margins:
+  "margins" too, `reference_margins`), computed once for every process
+  of a split study that shares `config.shared_dir` (shared.py)."""
+  n = int(new_tokens or config.generation.new_tokens)
+
+  def compute():
+    t0 = time.perf_counter()
+    out = dict(tokens=generate_run(model, p, config, mode, None, n))
+    if with_margins:
+      out["margins"] = reference_margins(model, p, out["tokens"])
+    logging.info("%s %s reference generation: %d x %d tokens in %.1fs",
+                 name, mode, *out["tokens"].shape, time.perf_counter() - t0)
+    return out
+
+  folder = config.get("shared_dir", "")
+  if not folder:
+    return compute()
+  k = shared.key(name, f"{mode}_reference", prompts=np.asarray(p),
+                 new_tokens=n, with_margins=with_margins, seed=config.seed,
+                 temperature=float(config.generation.temperature),
+                 model_config=repr(model.config),
+                 params=shared.fingerprint(model))
+  return shared.computed_once(folder, k, compute)
+
+
 def agreement(name, model, task, config, writer) -> list[dict]:
   """Long-generation records of one model (agreement: share of tokens
   equal to the reference's at the same position; first divergence per
@@ -107,16 +135,11 @@ def agreement(name, model, task, config, writer) -> list[dict]:
     todo = [(r, i) for r, i in zip(runs, idents) if not writer.done(i)]
     if not todo:
       continue
-    t0 = time.perf_counter()
-    ref = generate_run(model, p, config, mode, None)
-    logging.info("%s %s reference generation: %d x %d tokens in %.1fs", name,
-                 mode, *ref.shape, time.perf_counter() - t0)
-    margins = None
-    if mode == "greedy":
-      margins = reference_margins(model, p, ref)
-      ref_margin = dict(ref_margin_median=float(np.median(margins)))
-    else:
-      ref_margin = {}
+    reference = reference_run(name, model, p, config, mode,
+                              with_margins=mode == "greedy")
+    ref, margins = reference["tokens"], reference.get("margins")
+    ref_margin = ({} if margins is None else
+                  dict(ref_margin_median=float(np.median(margins))))
     for run, ident in todo:
       t0 = time.perf_counter()
       out = generate_run(model, p, config, mode, run)

@@ -58,7 +58,7 @@ KINDS = ("mamba", "gdn")  # recurrent mixers the stage measures
 
 
 # ----------------------------------------------------------------- stream
-def stream(model, task, config) -> np.ndarray:
+def stream(name, model, task, config) -> np.ndarray:
   """[rows, steps] int32 tokens decoded by the stage."""
   se = config.state_error
   steps, rows = int(se.steps), int(se.rows)
@@ -74,8 +74,8 @@ def stream(model, task, config) -> np.ndarray:
   p = generation.prompts(task, config, rows)
   if steps <= p.shape[1]:
     return p[:, :steps]
-  new = generation.generate_run(model, p, config, "greedy", None,
-                                steps - p.shape[1])
+  new = generation.reference_run(name, model, p, config, "greedy",
+                                 steps - p.shape[1])["tokens"]
   return np.concatenate([p, new], axis=1).astype(np.int32)
 
 
@@ -267,7 +267,7 @@ def measure(name, model, task, config, writer) -> list[dict]:
   if not todo:  # a resumed study's, all done
     return records
   t0 = time.perf_counter()
-  tokens = stream(model, task, config)
+  tokens = stream(name, model, task, config)
   init, rec, logits = capture(model, tokens, blocks)
   check = None
   if se.get("capture_check", True):

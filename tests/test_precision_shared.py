@@ -1,0 +1,115 @@
+"""The study's shared results (experiments/precision_lib/shared.py): one
+computation for every process sharing a folder, stale locks taken over,
+keys that change with every input."""
+
+import os
+import socket
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("ml_collections")
+
+from configs import precision_accuracy as pa_config  # noqa: E402
+from experiments.precision_lib import generation  # noqa: E402
+from experiments.precision_lib import shared  # noqa: E402
+
+
+def _counting(calls, value, delay=0.0):
+  def compute():
+    calls.append(1)
+    time.sleep(delay)
+    return {"x": np.asarray(value)}
+  return compute
+
+
+def test_computed_once_shares_through_the_folder(tmp_path):
+  calls = []
+  first = shared.computed_once(str(tmp_path), "k", _counting(calls, [1, 2]))
+  again = shared.computed_once(str(tmp_path), "k", _counting(calls, [9, 9]))
+  assert len(calls) == 1
+  np.testing.assert_array_equal(again["x"], first["x"])
+  assert sorted(os.listdir(tmp_path)) == ["k.npz"]  # lock and tmp gone
+  # No folder: computed each time.
+  shared.computed_once("", "k", _counting(calls, [3]))
+  shared.computed_once("", "k", _counting(calls, [3]))
+  assert len(calls) == 3
+
+
+def test_concurrent_callers_compute_once(tmp_path):
+  calls, results = [], []
+  compute = _counting(calls, np.arange(5), delay=0.3)
+  threads = [threading.Thread(target=lambda: results.append(
+      shared.computed_once(str(tmp_path), "k", compute, poll_s=0.05)))
+             for _ in range(4)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert len(calls) == 1 and len(results) == 4
+  for r in results:
+    np.testing.assert_array_equal(r["x"], np.arange(5))
+
+
+def test_stale_and_held_locks(tmp_path):
+  gone = subprocess.Popen(["true"])
+  gone.wait()  # a pid no process holds now
+  (tmp_path / "k.lock").write_text(
+      '{"host": "%s", "pid": %d}' % (socket.gethostname(), gone.pid))
+  calls = []
+  out = shared.computed_once(str(tmp_path), "k", _counting(calls, [4]))
+  assert len(calls) == 1 and out["x"].tolist() == [4]
+  # A lock this (live) process holds: after wait_s the caller computes
+  # for itself and leaves the lock and the file alone.
+  (tmp_path / "j.lock").write_text(
+      '{"host": "%s", "pid": %d}' % (socket.gethostname(), os.getpid()))
+  out = shared.computed_once(str(tmp_path), "j", _counting(calls, [5]),
+                             wait_s=0.2, poll_s=0.05)
+  assert len(calls) == 2 and out["x"].tolist() == [5]
+  assert (tmp_path / "j.lock").exists() and not (tmp_path / "j.npz").exists()
+
+
+def test_keys_change_with_every_input():
+  p = np.arange(6).reshape(2, 3)
+  k = shared.key("m@f32", "greedy_reference", prompts=p, new_tokens=8)
+  assert k.startswith("m_f32-greedy_reference-")
+  assert k == shared.key("m@f32", "greedy_reference", new_tokens=8,
+                         prompts=p.copy())
+  assert k != shared.key("m@f32", "greedy_reference", prompts=p + 1,
+                         new_tokens=8)
+  assert k != shared.key("m@f32", "greedy_reference", prompts=p,
+                         new_tokens=9)
+  assert k != shared.key("m", "greedy_reference", prompts=p, new_tokens=8)
+
+
+def test_reference_run_shared_between_slices(tmp_path, monkeypatch):
+  """A second slice loads the reference the first generated; a model
+  with other parameters does not."""
+  from tests.test_models import make_model, random_tokens  # pylint: disable=g-import-not-at-top
+  config = pa_config.get_config("smoke")
+  config.shared_dir = str(tmp_path)
+  config.generation.new_tokens = 6
+  calls = []
+  real = generation.generate_run
+
+  def counted(*a, **kw):
+    calls.append(1)
+    return real(*a, **kw)
+
+  monkeypatch.setattr(generation, "generate_run", counted)
+  model = make_model(3)
+  p = np.asarray(random_tokens(5, (2, 4)))
+  first = generation.reference_run("m", model, p, config, "greedy",
+                                   with_margins=True)
+  again = generation.reference_run("m", model, p, config, "greedy",
+                                   with_margins=True)
+  assert len(calls) == 1
+  for k in ("tokens", "margins"):
+    np.testing.assert_array_equal(again[k], first[k])
+  assert shared.fingerprint(make_model(4)) != shared.fingerprint(model)
+  generation.reference_run("m", make_model(4), p, config, "greedy",
+                           with_margins=True)
+  assert len(calls) == 2
