@@ -185,7 +185,7 @@ def _excerpt(config, workdir: str) -> dict:
   manifest = TC.write_excerpt(c.excerpt_of, workdir, dict(c.excerpt_bytes))
   writer.write(kind="excerpt", **manifest)
   common.log_block(common.write_summary(workdir, (
-      f"# corpus excerpt\n\n" + ", ".join(
+      "# corpus excerpt\n\n" + ", ".join(
           f"{s} {v['bytes']} bytes" for s, v in manifest["splits"].items())
       + f"\n\ncorpus sha256 {manifest['corpus_sha256']}, an excerpt of "
       f"{manifest['excerpt_of']['corpus_sha256']}\n")))
