@@ -28,10 +28,11 @@ from flax import nnx
 
 
 def fingerprint(model) -> str:
-  """A digest of the model's parameters: every leaf's path, shape and
-  dtype and its first and last 16 values."""
+  """A digest of the model's parameters (nnx.Param): every leaf's path,
+  shape and dtype and its first and last 16 values."""
   h = hashlib.sha256()
-  for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model)):
+  for path, leaf in jax.tree_util.tree_leaves_with_path(
+      nnx.state(model, nnx.Param)):
     flat = leaf.reshape(-1)
     h.update(repr((jax.tree_util.keystr(path), leaf.shape,
                    str(leaf.dtype))).encode())
