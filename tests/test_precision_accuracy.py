@@ -201,6 +201,31 @@ def test_reference_margins_follow_the_reference_generation():
                              atol=atol)
 
 
+def test_targets_name_the_margins_at_divergences():
+  """The targets table's greedy cell: the lowest 16-bit-master agreement,
+  the f32 replay decode's beside it, and the largest reference margin
+  where any of those runs (not the f32 decode's) left the reference."""
+  from experiments.precision_lib import report  # pylint: disable=g-import-not-at-top
+
+  def gen(policy, agreement, margin):
+    return dict(kind="generation", model="m", mode="greedy",
+                run_kind="replay", policy=policy, label=policy, L=16,
+                new_tokens=2048, agreement=agreement,
+                divergence_margin_max=margin, ref_margin_median=6.5)
+
+  config = pa_config.get_config()
+  records = [gen("f32", 0.97, 0.5), gen("bf16", 0.88, 0.03125),
+             gen("f16", 1.0, None), gen("f16+fp8+sr", 0.89, 0.0625)]
+  table = "\n".join(report._targets(config, [{"model": "m"}], records))  # pylint: disable=protected-access
+  assert ("missed: min 0.8800 (bf16 L=16, 2048 tokens); f32 replay 0.9700; "
+          "reference margin at a divergence <= 0.0625 (median over all "
+          "tokens 6.5)") in table
+  records = [gen("f32", 1.0, None), gen("bf16", 1.0, None)]
+  table = "\n".join(report._targets(config, [{"model": "m"}], records))  # pylint: disable=protected-access
+  assert "met: min 1.0000 (bf16 L=16, 2048 tokens); f32 replay 1.0000 |" in (
+      table)
+
+
 def test_studies_cover_every_preset():
   """The accuracy and drift studies run every PrecisionPolicy preset."""
   from configs import precision_drift  # pylint: disable=g-import-not-at-top
