@@ -264,6 +264,14 @@ case "$1" in
     timeout "$T" python -u benchmarks/scripts/gdn_kernel_bench.py \
       --batches=256,64,1,512 --buffer_lens=16,8,32 --budget_s=$(( T - 120 )) \
       --out="$OUT/gdn_kernel_bench.json" ;;
+  gdn_defaults)
+    # The step kernels at their launch defaults, batches 256, 64, 1, 512
+    # (the budget cuts the tail), L 16, staggered counters, beside fla's
+    # kernel: the table the targets are read from.
+    timeout "$T" python -u benchmarks/scripts/gdn_kernel_bench.py \
+      --batches=256,64,1,512 --buffer_lens=16 --checkpoints=f32,f16 \
+      --policies=f16+fp8,f32+bf16 --no_xla --layouts=staggered \
+      --budget_s=$(( T - 40 )) --out="$OUT/gdn_defaults.json" ;;
   gdn_baseline_tiles)
     # The baseline step alone at its launch shapes, beside fla's kernel
     # ([128, 8] tiles, 1 warp: the shape it launches).
