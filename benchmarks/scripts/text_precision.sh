@@ -28,25 +28,29 @@
 # checks each split's sha256 against the manifest).
 #
 # Planning. Measured on one H100 (benchmarks/text_precision/
-# mamba2_s20m_h100, gdn_s20m_h100, mamba2_s60m_h100): mamba2_s20m trains
-# at 437k bytes/s (its 65.5M bytes in 150 s of steps), gdn_s20m at 217k
-# (302 s), mamba2_s60m at 259k (49.2M bytes in 190 s; 246 s with
-# compilation and evals); scaled by parameters x bytes (an estimate, larger
-# models usually run their GEMMs faster), s120m / s300m take about 2.6 /
-# 2.7 times as long as s20m. A study of an s20m model over three processes
+# mamba2_s20m_h100, gdn_s20m_h100, mamba2_s60m_h100, gdn_s60m_h100):
+# mamba2_s20m trains at 437k bytes/s (its 65.5M bytes in 150 s of steps),
+# gdn_s20m at 217k (302 s), mamba2_s60m at 259k (49.2M bytes in 190 s;
+# 246 s with compilation and evals), gdn_s60m at 130k (379 s; 459 s in
+# all); scaled by parameters x bytes (an estimate, larger models usually
+# run their GEMMs faster), s120m / s300m take about 2.6 / 2.7 times as
+# long as s20m. A study of an s20m model over three processes
 # took 330 s (Mamba-2) and over 440 s (Gated DeltaNet: its stochastically
 # rounded presets score in 20-30 s a run against 7-9 s) per slice: a score
 # 7-30 s, a 2048-token generation 8-10 s, mostly compilation. mamba2_s60m's
 # scores over twelve processes took 150 s; its generations 6-23 s a run,
 # after the f32 reference (62 s when each of twelve slices generated it at
-# once; one of them now generates it for all). Everything under runs/, the
-# trained models too, is lost when the machine goes back (30 minutes of
-# device time a session, a call at most 10 minutes, idle machines go back
-# within a minute): a model's training and study share one machine's
-# calls, back to back. The s20m pair in three calls (carry ["runs/carry",
-# "wheels"]; a chain's total at most 540 s, leaving the call's limit room;
-# an s20m run's last eval, checkpoint and decode cross-check take well
-# under the default 120 s STOP_MARGIN):
+# once; one of them now generates it for all). gdn_s60m's whole study
+# over twelve processes (scores, generations and state error of every
+# preset) took 379-501 s a slice (near the 505 s a slice gets in a
+# 545 s part), its float32-activation control 159 s. Everything under
+# runs/, the trained models too, is lost when the machine goes back (30
+# minutes of device time a session, a call at most 10 minutes, idle
+# machines go back within a minute): a model's training and study share
+# one machine's calls, back to back. The s20m pair in three calls
+# (carry ["runs/carry", "wheels"]; a chain's total at most 540 s,
+# leaving the call's limit room; an s20m run's last eval, checkpoint and
+# decode cross-check take well under the default 120 s STOP_MARGIN):
 #   STOP_MARGIN=40 run_h200_chain.sh 540 text_train,mamba2_s20m:240 \
 #       text_train,gdn_s20m:300
 #   STOP_MARGIN=40 run_h200_chain.sh 540 text_train,gdn_s20m:180 \
