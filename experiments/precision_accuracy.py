@@ -38,8 +38,8 @@ Usage (see configs/precision_accuracy.py and configs/precision_text.py):
 Outputs in --workdir: config.json, metrics.jsonl (kind = environment |
 model | reference | replay | baseline | generation | state_error_stream |
 state_error | final), summary.md (`precision_lib.report`),
-accuracy_delta.png, perplexity.png, generation.png, state_error.png;
-trained smoke models under train/<name>/.
+accuracy_delta.png, perplexity.png, distance.png, generation.png,
+state_error.png; trained smoke models under train/<name>/.
 """
 
 from __future__ import annotations

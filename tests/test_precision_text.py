@@ -59,8 +59,8 @@ def test_fixture_study_outputs(study):
   config = precision_text.get_config("fixture")
   for f in ("config.json", "metrics.jsonl", "summary.md"):
     assert os.path.getsize(os.path.join(workdir, f)) > 0, f
-  for f in ("accuracy_delta.png", "perplexity.png", "generation.png",
-            "state_error.png"):
+  for f in ("accuracy_delta.png", "perplexity.png", "distance.png",
+            "generation.png", "state_error.png"):
     with open(os.path.join(workdir, f), "rb") as fh:
       assert fh.read(8) == PNG_MAGIC, f
   assert records[0]["kind"] == "environment"

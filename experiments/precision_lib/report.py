@@ -251,10 +251,11 @@ def write_summary(config, workdir, models, records) -> str:
 
 # ------------------------------------------------------------------ plots
 def _policy_axes(config, ax, mine, val, band=None):
+  from matplotlib import colormaps  # pylint: disable=g-import-not-at-top
   Ls = list(config.buffer_lens)
   bl = {r["label"]: r for r in mine if r["kind"] == "baseline"}
   for k, pname in enumerate(R.table_policies(config)):
-    color = f"C{k % 10}"
+    color = colormaps["tab20"](k % 20)  # 13 presets: no colour twice
     rs = sorted((r for r in mine if r["kind"] == "replay"
                  and r["policy"] == pname), key=lambda r: r["L"])
     ax.plot([r["L"] for r in rs], [val(r) for r in rs], "o-", color=color,
@@ -274,8 +275,12 @@ def _policy_axes(config, ax, mine, val, band=None):
 
 
 def plot_scores(config, workdir, models, records) -> list[str]:
-  """accuracy_delta.png (accuracy delta, greedy disagreement) and
-  perplexity.png (relative perplexity change), one column per model."""
+  """accuracy_delta.png (accuracy delta, greedy disagreement),
+  perplexity.png (relative perplexity change, in the band of the
+  criterion) and distance.png (mean total-variation distance to the
+  reference on a log scale: the differences the perplexity band is too
+  coarse to show; records without it are left out), one column per
+  model."""
   scored = [m for m in models if _mine(records, m["model"], "reference")]
   if not scored:
     return []
@@ -290,7 +295,10 @@ def plot_scores(config, workdir, models, records) -> list[str]:
       ("perplexity.png", (
           (lambda r: 100.0 * r["rel_perplexity"],
            "perplexity / f32 reference - 1 (%)",
-           100.0 * config.ppl_tolerance),)))
+           100.0 * config.ppl_tolerance),)),
+      ("distance.png", (
+          (lambda r: r.get("mean_tv", np.nan),
+           "mean total-variation distance to the f32 reference", "log"),)))
   for fname, rows in panels:
     fig, axes = common.new_figure(len(rows), n,
                                   figsize=(6.5 * n, 4.0 * len(rows)))
@@ -298,7 +306,21 @@ def plot_scores(config, workdir, models, records) -> list[str]:
       mine = _mine(records, info["model"])
       for i, (val, ylabel, band) in enumerate(rows):
         ax = axes[i][j]
-        _policy_axes(config, ax, mine, val, band)
+        _policy_axes(config, ax, mine, val,
+                     None if band == "log" else band)
+        if band == "log":
+          from matplotlib import ticker  # pylint: disable=g-import-not-at-top
+          ax.set_yscale("log")
+          # label minor ticks too (the values often span about a decade,
+          # where powers of ten alone say little): 2-8 x 10^k within 30x,
+          # 2 and 5 x 10^k beyond
+          lo, hi = ax.get_ylim()
+          keep = "2345678" if hi < 30 * lo else "25"
+          ax.yaxis.set_minor_formatter(ticker.FuncFormatter(
+              lambda v, _, keep=keep: f"{v:.0e}" if f"{v:.0e}"[0] in keep
+              else ""))
+          ax.tick_params(axis="y", which="minor", labelsize=7)
+          ax.grid(True, which="both", alpha=0.3)
         ax.set_ylabel(ylabel)
         if i == 0:
           ax.set_title(f"{info['model']} (seq_len {info['seq_len']})")
