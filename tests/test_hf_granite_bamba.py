@@ -17,17 +17,9 @@ from flax import nnx
 from replayssm_jax import models
 from replayssm_jax.models import hf, hf_bamba, hf_granite, hf_tensors
 from replayssm_jax.models.config import ModelConfig
+from tests.hf_common import fixture_dir
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
 PARITY = ("granite_hybrid_dense", "bamba", "granite_hybrid_moe")
-
-
-def fixture_dir(name):
-  d = os.path.join(FIXTURES, name)
-  assert os.path.isfile(os.path.join(d, "expected.npz")), (
-      f"{d} is missing: the committed transformers fixtures "
-      f"(tests/fixtures/make_hf_fixtures.py writes them).")
-  return d
 
 
 @pytest.fixture(scope="module", params=PARITY)

@@ -16,17 +16,14 @@ from replayssm_jax import models
 from replayssm_jax.models import hf
 from replayssm_jax.models.config import ModelConfig
 from replayssm_jax.testing import max_rel_error
+from tests.hf_common import fixture_dir
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
 NAMES = ("nemotron_h", "nemotron_h_legacy_config", "nemotron_h_moe",
          "nemotron_h_moe_latent")
 
 
 def _fixture(name):
-  d = os.path.join(FIXTURES, name)
-  assert os.path.isfile(os.path.join(d, "expected.npz")), (
-      f"fixture {d} is missing (tests/fixtures/make_hf_fixtures.py writes "
-      f"it).")
+  d = fixture_dir(name)
   return d, np.load(os.path.join(d, "expected.npz"))
 
 

@@ -15,17 +15,9 @@ from safetensors.numpy import load_file, save_file
 
 from replayssm_jax import models
 from replayssm_jax.models import hf, hf_qwen, hf_tensors
+from tests.hf_common import fixture_dir
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
 PARITY = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
-
-
-def fixture_dir(name):
-  d = os.path.join(FIXTURES, name)
-  assert os.path.isfile(os.path.join(d, "expected.npz")), (
-      f"{d} is missing: the committed transformers fixtures "
-      f"(tests/fixtures/make_hf_fixtures.py writes them).")
-  return d
 
 
 def read_config(name):

@@ -8,7 +8,6 @@ and the refusals of what is not implemented."""
 import json
 import os
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,9 +19,9 @@ from replayssm_jax import models
 from replayssm_jax import testing
 from replayssm_jax.models import hf, hf_kimi, hf_tensors
 from replayssm_jax.models.states import full_ssm_state
+from tests.hf_common import FIXTURES, fixture_dir
 
-FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "hf",
-                       "kimi_linear")
+FIXTURE = os.path.join(FIXTURES, "kimi_linear")
 F32_TOL = testing.tolerance(jnp.float32)
 
 
@@ -33,9 +32,7 @@ def read_config():
 
 @pytest.fixture(scope="module")
 def loaded():
-  assert os.path.isfile(os.path.join(FIXTURE, "expected.npz")), (
-      f"{FIXTURE} is missing: the committed transformers fixture "
-      f"(tests/fixtures/make_hf_fixtures.py writes it).")
+  fixture_dir("kimi_linear")
   return (hf.from_pretrained(FIXTURE),
           dict(np.load(os.path.join(FIXTURE, "expected.npz"))))
 

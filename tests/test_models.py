@@ -30,6 +30,7 @@ from replayssm_jax.models import states as S
 from replayssm_jax.models.generate import generate
 from pallas_kernels import attention as attention_kernel
 import pallas_kernels as pk_configs
+from tests.hf_common import fixture_dir
 # The module (the package re-exports its function under the same name).
 G = importlib.import_module("replayssm_jax.models.generate")
 
@@ -504,8 +505,7 @@ def test_from_pretrained_round_trip(tmp_path, architecture, overrides,
 
 
 def test_eos_ids_of_a_checkpoint(tmp_path):
-  fixture = os.path.join(os.path.dirname(__file__), "fixtures", "hf",
-                         "qwen3_5")
+  fixture = fixture_dir("qwen3_5")
   assert hf.eos_ids(fixture) == (2,)  # generation_config.json
 
   def write(name, d):

@@ -17,9 +17,9 @@ import pytest
 
 from replayssm_jax import models, serving
 from replayssm_jax.models import hf
+from tests.hf_common import fixture_dir
 from tests.serving_common import greedy_tokens, poison
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
 # Every case but the legacy config (the same checkpoint as nemotron_h).
 FAMILIES = ("bamba", "granite_hybrid_dense", "granite_hybrid_moe",
             "kimi_linear", "nemotron_h", "nemotron_h_moe",
@@ -30,8 +30,9 @@ L = 4
 
 
 def load(name):
-  model = hf.from_pretrained(os.path.join(FIXTURES, name))
-  expected = np.load(os.path.join(FIXTURES, name, "expected.npz"))
+  d = fixture_dir(name)
+  model = hf.from_pretrained(d)
+  expected = np.load(os.path.join(d, "expected.npz"))
   return model, expected["input_ids"].astype(np.int32), expected["greedy"]
 
 
