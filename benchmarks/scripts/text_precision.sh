@@ -42,12 +42,14 @@
 # after the f32 reference (62 s when each of twelve slices generated it at
 # once; one of them now generates it for all). gdn_s60m's whole study
 # over twelve processes (scores, generations and state error of every
-# preset) took 379-501 s a slice (near the 505 s a slice gets in a
-# 545 s part), its float32-activation control 159 s. Everything under
-# runs/, the trained models too, is lost when the machine goes back (30
-# minutes of device time a session, a call at most 10 minutes, idle
-# machines go back within a minute): a model's training and study share
-# one machine's calls, back to back. The s20m pair in three calls
+# preset) took 379-438 s a slice, and 501 s for the first, which held two
+# of the 13 presets (f32 and f16+fp8+sr: a slice gets every STUDY_PROCS-th
+# preset; STUDY_PROCS=13 gives each slice one), near the 505 s a slice
+# gets in a 545 s part; its float32-activation control took 159 s.
+# Everything under runs/, the trained models too, is lost when the machine
+# goes back (30 minutes of device time a session, a call at most 10
+# minutes, idle machines go back within a minute): a model's training and
+# study share one machine's calls, back to back. The s20m pair in three calls
 # (carry ["runs/carry", "wheels"]; a chain's total at most 540 s,
 # leaving the call's limit room; an s20m run's last eval, checkpoint and
 # decode cross-check take well under the default 120 s STOP_MARGIN):
