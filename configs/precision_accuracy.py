@@ -146,8 +146,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.merge_workdirs = ()
   config.resume = False
   # A folder where the processes of one study split by presets share the
-  # f32 reference's generations (experiments/precision_lib/shared.py);
-  # "" computes them in each process.
+  # f32 reference's generations and the state-error stage's recording
+  # (experiments/precision_lib/shared.py); "" computes them in each
+  # process.
   config.shared_dir = ""
   # Long generations per model against the f32 baseline's (see
   # experiments/precision_lib/generation.py); new_tokens 0 skips them.

@@ -113,3 +113,46 @@ def test_reference_run_shared_between_slices(tmp_path, monkeypatch):
   generation.reference_run("m", make_model(4), p, config, "greedy",
                            with_margins=True)
   assert len(calls) == 2
+
+
+def test_state_error_capture_shared_between_slices(tmp_path, monkeypatch):
+  """The state-error stage's recording: a second slice loads the first's
+  (op inputs in their own dtypes, values and the logits check equal to a
+  capture of its own); without a folder each call records."""
+  from experiments.precision_lib import state_error  # pylint: disable=g-import-not-at-top
+  from tests.test_models import make_model, random_tokens  # pylint: disable=g-import-not-at-top
+  config = pa_config.get_config("smoke")
+  config.shared_dir = str(tmp_path)
+  model = make_model(3, dtype="bfloat16")
+  tokens = np.asarray(random_tokens(6, (2, 12)))
+  blocks = state_error.layer_blocks(model, (0, -1))
+  calls = []
+  real = state_error.capture
+
+  def counted(*a):
+    calls.append(1)
+    return real(*a)
+
+  monkeypatch.setattr(state_error, "capture", counted)
+  first = state_error.captured("m", model, tokens, blocks, config)
+  again = state_error.captured("m", model, tokens, blocks, config)
+  assert len(calls) == 1
+  init, rec, _ = real(model, tokens, blocks)
+  for got in (first, again):
+    for b in blocks:
+      assert got[0][b].dtype == init[b].dtype
+      np.testing.assert_array_equal(got[0][b], init[b])
+      assert set(got[1][b]) == set(rec[b]) == {"x", "dt", "B", "C"}
+      for k, v in rec[b].items():
+        assert got[1][b][k].dtype == v.dtype == np.dtype("bfloat16"), k
+        np.testing.assert_array_equal(got[1][b][k], v)
+    # The same ops as the model's decode: equal on this backend, at most
+    # one bf16 step of these logits (|logit| < 4) where a backend fuses
+    # the two loops apart.
+    assert 0.0 <= got[2] <= 2.0 ** -6
+  config.state_error.capture_check = False
+  assert state_error.captured("m", model, tokens, blocks, config)[2] is None
+  config.shared_dir = ""
+  state_error.captured("m", model, tokens, blocks, config)
+  state_error.captured("m", model, tokens, blocks, config)
+  assert len(calls) == 4

@@ -27,12 +27,15 @@ that floor.
 The recording loop is `HybridLM.step` with the layer inputs read on the
 side; `capture_check` records the largest difference between its logits
 and `tasks.decode_logits`' on the same stream (they run the same ops).
+The slices of a split study (`config.shared_dir`) record once and share
+the recording, as they share the f32 reference's generations.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import time
 
 from absl import logging
@@ -44,6 +47,7 @@ from flax import nnx
 from experiments import precision_drift as PD
 from experiments.precision_lib import generation
 from experiments.precision_lib import runs as R
+from experiments.precision_lib import shared
 import replayssm_jax as rs
 from replayssm_jax import gdn
 from replayssm_jax import tasks
@@ -157,6 +161,42 @@ def capture(model, tokens, blocks):
                       tuple(blocks))
 
 
+def captured(name, model, tokens, blocks, config):
+  """(init, rec) of `capture`, and the largest |logit| difference between
+  the recording loop and `tasks.decode_logits` on the same stream (None
+  without state_error.capture_check): computed once for the slices of a
+  split study that share `config.shared_dir` (shared.py). The arrays go
+  through the folder in float32 with their dtypes beside them (exact for
+  the bf16 / f16 op inputs)."""
+  check = bool(config.state_error.get("capture_check", True))
+
+  def compute():
+    init, rec, logits = capture(model, tokens, blocks)
+    out = {f"init_{b}": init[b] for b in blocks}
+    for b in blocks:
+      out.update({f"rec_{b}_{k}": v for k, v in rec[b].items()})
+    dtypes = {k: str(v.dtype) for k, v in out.items()}
+    out = {k: np.asarray(v, np.float32) for k, v in out.items()}
+    out["dtypes"] = np.asarray(json.dumps(dtypes))
+    if check:
+      ref = tasks.decode_logits(model, tokens, "baseline", 1)[:, 1:]
+      out["check"] = np.asarray(
+          jnp.max(jnp.abs(jnp.swapaxes(logits, 0, 1) - ref)), np.float64)
+    return out
+
+  k = shared.key(name, "state_error_capture", tokens=np.asarray(tokens),
+                 blocks=tuple(blocks), check=check,
+                 model_config=repr(model.config),
+                 params=shared.fingerprint(model))
+  out = shared.computed_once(config.get("shared_dir", ""), k, compute)
+  dtypes = json.loads(str(out["dtypes"]))
+  arr = {k: jnp.asarray(out[k], dtypes[k]) for k in dtypes}
+  init = {b: arr[f"init_{b}"] for b in blocks}
+  rec = {b: {k[len(f"rec_{b}_"):]: v for k, v in arr.items()
+             if k.startswith(f"rec_{b}_")} for b in blocks}
+  return init, rec, float(out["check"]) if check else None
+
+
 # ------------------------------------------------------------ GDN runners
 def _gdn_ref_step(state, tok):
   """The delta rule in state.dtype (float64): q, k L2-normalised (eps
@@ -268,11 +308,7 @@ def measure(name, model, task, config, writer) -> list[dict]:
     return records
   t0 = time.perf_counter()
   tokens = stream(name, model, task, config)
-  init, rec, logits = capture(model, tokens, blocks)
-  check = None
-  if se.get("capture_check", True):
-    ref = tasks.decode_logits(model, tokens, "baseline", 1)[:, 1:]
-    check = float(jnp.max(jnp.abs(jnp.swapaxes(logits, 0, 1) - ref)))
+  init, rec, check = captured(name, model, tokens, blocks, config)
   steps = tokens.shape[1] - 1
   writer.write(kind="state_error_stream", model=name, source=se.source,
                rows=int(tokens.shape[0]), steps=steps, blocks=blocks,
