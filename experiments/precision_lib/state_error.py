@@ -165,9 +165,9 @@ def captured(name, model, tokens, blocks, config):
   """(init, rec) of `capture`, and the largest |logit| difference between
   the recording loop and `tasks.decode_logits` on the same stream (None
   without state_error.capture_check): computed once for the slices of a
-  split study that share `config.shared_dir` (shared.py). The arrays go
-  through the folder in float32 with their dtypes beside them (exact for
-  the bf16 / f16 op inputs)."""
+  split study that share `config.shared_dir` (shared.py). Arrays of 16
+  bits and fewer go through the folder in float32 (exact), their dtypes
+  beside them."""
   check = bool(config.state_error.get("capture_check", True))
 
   def compute():
@@ -176,7 +176,8 @@ def captured(name, model, tokens, blocks, config):
     for b in blocks:
       out.update({f"rec_{b}_{k}": v for k, v in rec[b].items()})
     dtypes = {k: str(v.dtype) for k, v in out.items()}
-    out = {k: np.asarray(v, np.float32) for k, v in out.items()}
+    out = {k: np.asarray(v, np.float32 if v.dtype.itemsize < 4 else None)
+           for k, v in out.items()}  # (numpy saves no bf16 / fp8)
     out["dtypes"] = np.asarray(json.dumps(dtypes))
     if check:
       ref = tasks.decode_logits(model, tokens, "baseline", 1)[:, 1:]
