@@ -39,6 +39,29 @@ def test_computed_once_shares_through_the_folder(tmp_path):
   assert len(calls) == 3
 
 
+def test_dtypes_kept_and_keys_made_only_with_a_folder(tmp_path):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  x = {"b": np.asarray([1.5, -3.0, 2.0 ** -9], jnp.bfloat16),
+       "e": np.asarray([0.5, -448.0], jnp.float8_e4m3fn),
+       "h": np.asarray([1.0, 2.0 ** -14], np.float16),
+       "i": np.arange(3, dtype=np.int32)}
+  made = []
+
+  def key():
+    made.append(1)
+    return "k"
+
+  shared.computed_once(str(tmp_path), key, lambda: x)
+  got = shared.computed_once(str(tmp_path), key, lambda: {})
+  assert len(made) == 2 and set(got) == set(x)
+  for k, v in x.items():
+    assert got[k].dtype == v.dtype, k
+    np.testing.assert_array_equal(got[k].astype(np.float32),
+                                  v.astype(np.float32))
+  shared.computed_once("", key, lambda: x)
+  assert len(made) == 2
+
+
 def test_concurrent_callers_compute_once(tmp_path):
   calls, results = [], []
   compute = _counting(calls, np.arange(5), delay=0.3)

@@ -7,7 +7,8 @@
   state_error  each recurrent layer's state along a long decode against a
                float64 recurrence over the same inputs
   shared       results every slice of a split study needs alike (the f32
-               reference's generations), computed once through a folder
+               reference's generations, the state-error recording),
+               computed once through a folder
   report       summary.md tables (accuracy, perplexity and the 1%
                criterion, generations, state error, targets) and plots
 """

@@ -109,15 +109,15 @@ def reference_run(name, model, p, config, mode, new_tokens=None,
                  name, mode, *out["tokens"].shape, time.perf_counter() - t0)
     return out
 
-  folder = config.get("shared_dir", "")
-  if not folder:
-    return compute()
-  k = shared.key(name, f"{mode}_reference", prompts=np.asarray(p),
-                 new_tokens=n, with_margins=with_margins, seed=config.seed,
-                 temperature=float(config.generation.temperature),
-                 model_config=repr(model.config),
-                 params=shared.fingerprint(model))
-  return shared.computed_once(folder, k, compute)
+  def key():
+    return shared.key(name, f"{mode}_reference", prompts=np.asarray(p),
+                      new_tokens=n, with_margins=with_margins,
+                      seed=config.seed,
+                      temperature=float(config.generation.temperature),
+                      model_config=repr(model.config),
+                      params=shared.fingerprint(model))
+
+  return shared.computed_once(config.get("shared_dir", ""), key, compute)
 
 
 def agreement(name, model, task, config, writer) -> list[dict]:

@@ -78,22 +78,46 @@ def _owner_alive(lock: str) -> bool:
   return True
 
 
-def computed_once(folder: str, key_: str,
+_DTYPES = "__dtypes__"  # the entry naming the arrays stored as float32
+
+
+def _save(path: str, out: dict) -> None:
+  """np.savez of out; arrays of a dtype numpy does not define (bf16, fp8:
+  ml_dtypes') as float32 (exact), their dtypes in one more entry."""
+  arrays, dtypes = {}, {}
+  for k, v in out.items():
+    v = np.asarray(v)
+    if v.dtype.isbuiltin == 2:  # a user-defined (ml_dtypes) dtype
+      dtypes[k], v = v.dtype.name, v.astype(np.float32)
+    arrays[k] = v
+  np.savez(path, **arrays, **{_DTYPES: np.asarray(json.dumps(dtypes))})
+
+
+def _load(path: str) -> dict[str, np.ndarray]:
+  with np.load(path) as f:
+    out = {k: f[k] for k in f.files}
+  for k, name in json.loads(str(out.pop(_DTYPES))).items():
+    out[k] = out[k].astype(jax.numpy.dtype(name))
+  return out
+
+
+def computed_once(folder: str, key_: str | Callable[[], str],
                   compute: Callable[[], dict[str, np.ndarray]], *,
                   wait_s: float = 900.0,
                   poll_s: float = 0.5) -> dict[str, np.ndarray]:
   """compute() (a dict of arrays), once for every process sharing
-  `folder` ("" computes here, shares nothing)."""
+  `folder` ("" computes here, shares nothing; a callable key_ is called
+  only with a folder). Arrays keep their dtypes through the folder."""
   if not folder:
     return compute()
+  key_ = key_() if callable(key_) else key_
   os.makedirs(folder, exist_ok=True)
   path = os.path.join(folder, key_ + ".npz")
   lock = os.path.join(folder, key_ + ".lock")
   deadline = time.monotonic() + wait_s
   while True:
     if os.path.exists(path):
-      with np.load(path) as f:
-        return {k: f[k] for k in f.files}
+      return _load(path)
     try:
       fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
@@ -114,7 +138,7 @@ def computed_once(folder: str, key_: str,
         json.dump(dict(host=socket.gethostname(), pid=os.getpid()), f)
       out = compute()
       tmp = f"{path}.{os.getpid()}.tmp.npz"
-      np.savez(tmp, **out)
+      _save(tmp, out)
       os.replace(tmp, path)
       return out
     finally:

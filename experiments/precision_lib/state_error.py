@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import time
 
 from absl import logging
@@ -165,9 +164,7 @@ def captured(name, model, tokens, blocks, config):
   """(init, rec) of `capture`, and the largest |logit| difference between
   the recording loop and `tasks.decode_logits` on the same stream (None
   without state_error.capture_check): computed once for the slices of a
-  split study that share `config.shared_dir` (shared.py). Arrays of 16
-  bits and fewer go through the folder in float32 (exact), their dtypes
-  beside them."""
+  split study that share `config.shared_dir` (shared.py)."""
   check = bool(config.state_error.get("capture_check", True))
 
   def compute():
@@ -175,25 +172,20 @@ def captured(name, model, tokens, blocks, config):
     out = {f"init_{b}": init[b] for b in blocks}
     for b in blocks:
       out.update({f"rec_{b}_{k}": v for k, v in rec[b].items()})
-    dtypes = {k: str(v.dtype) for k, v in out.items()}
-    out = {k: np.asarray(v, np.float32 if v.dtype.itemsize < 4 else None)
-           for k, v in out.items()}  # (numpy saves no bf16 / fp8)
-    out["dtypes"] = np.asarray(json.dumps(dtypes))
     if check:
       ref = tasks.decode_logits(model, tokens, "baseline", 1)[:, 1:]
-      out["check"] = np.asarray(
-          jnp.max(jnp.abs(jnp.swapaxes(logits, 0, 1) - ref)), np.float64)
+      out["check"] = jnp.max(jnp.abs(jnp.swapaxes(logits, 0, 1) - ref))
     return out
 
-  k = shared.key(name, "state_error_capture", tokens=np.asarray(tokens),
-                 blocks=tuple(blocks), check=check,
-                 model_config=repr(model.config),
-                 params=shared.fingerprint(model))
-  out = shared.computed_once(config.get("shared_dir", ""), k, compute)
-  dtypes = json.loads(str(out["dtypes"]))
-  arr = {k: jnp.asarray(out[k], dtypes[k]) for k in dtypes}
-  init = {b: arr[f"init_{b}"] for b in blocks}
-  rec = {b: {k[len(f"rec_{b}_"):]: v for k, v in arr.items()
+  def key():
+    return shared.key(name, "state_error_capture", tokens=np.asarray(tokens),
+                      blocks=tuple(blocks), check=check,
+                      model_config=repr(model.config),
+                      params=shared.fingerprint(model))
+
+  out = shared.computed_once(config.get("shared_dir", ""), key, compute)
+  init = {b: jnp.asarray(out[f"init_{b}"]) for b in blocks}
+  rec = {b: {k[len(f"rec_{b}_"):]: jnp.asarray(v) for k, v in out.items()
              if k.startswith(f"rec_{b}_")} for b in blocks}
   return init, rec, float(out["check"]) if check else None
 
