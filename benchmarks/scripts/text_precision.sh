@@ -27,14 +27,19 @@
 # (about 13 MB; configs/train_text.py pins the corpus hash, and every load
 # checks each split's sha256 against the manifest).
 #
-# Planning. Measured on one H100 (benchmarks/text_precision/
-# mamba2_s20m_h100, gdn_s20m_h100, mamba2_s60m_h100, gdn_s60m_h100):
+# Planning. Measured on one H100 (benchmarks/text_precision/<model>_h100):
 # mamba2_s20m trains at 437k bytes/s (its 65.5M bytes in 150 s of steps),
 # gdn_s20m at 217k (302 s), mamba2_s60m at 259k (49.2M bytes in 190 s;
 # 246 s with compilation and evals), gdn_s60m at 130k (379 s; 459 s in
-# all); scaled by parameters x bytes (an estimate, larger models usually
-# run their GEMMs faster), s120m / s300m take about 2.6 / 2.7 times as
-# long as s20m. A study of an s20m model over three processes
+# all), mamba2_s120m at 159k (24.6M bytes in 155 s; 210 s in all: half
+# what parameters x bytes scaled from s60m predicted, its GEMMs being
+# larger). By the same measure mamba2_s300m (parameters x bytes about
+# s120m's) needs about as long, and a Gated DeltaNet model about twice its
+# Mamba-2 twin's time (gdn_s120m ~310 s of steps, gdn_s300m ~320 s).
+# mamba2_s120m's study over thirteen processes took 95-148 s a slice
+# for the scores, 182-216 s for the generations and state error, and
+# 79-111 s for the float32-activation control. A study of an s20m model
+# over three processes
 # took 330 s (Mamba-2) and over 440 s (Gated DeltaNet: its stochastically
 # rounded presets score in 20-30 s a run against 7-9 s) per slice: a score
 # 7-30 s, a 2048-token generation 8-10 s, mostly compilation. mamba2_s60m's
