@@ -334,3 +334,38 @@ def test_text_study_script_on_the_fixtures(tmp_path):
   assert replay == {(m, p) for m in NAMES for p in ("f32", "f32+bf16")}
   refs = [r for r in records if r["kind"] == "reference"]
   assert len(refs) == 2  # one per model, though each slice ran one
+
+
+def test_across_models_table_is_the_records(tmp_path):
+  """benchmarks/scripts/text_precision_across.py on the committed studies:
+  one row per model folder with a study, its worst replay perplexity
+  change that of its records, the figure written, and benchmarks/README's
+  copy of the table equal to the script's."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  studies = os.path.join(root, "benchmarks", "text_precision")
+  subprocess.run(
+      [sys.executable, os.path.join(root, "benchmarks", "scripts",
+                                    "text_precision_across.py"),
+       f"--studies={studies}", f"--out_dir={tmp_path}"],
+      check=True, cwd=root, env=dict(os.environ, PYTHONPATH=root),
+      capture_output=True, timeout=300)
+  assert os.path.getsize(tmp_path / "across.png") > 10_000
+  md = (tmp_path / "across.md").read_text()
+  table = md[md.index("| model |"):].strip()
+  rows = {line.split(" | ")[0].strip("| "): line
+          for line in table.splitlines()[2:]}
+  folders = [d for d in sorted(os.listdir(studies)) if os.path.exists(
+      os.path.join(studies, d, "study", "metrics.jsonl"))]
+  assert len(rows) == len(folders) >= 5
+  for d in folders:
+    with open(os.path.join(studies, d, "study", "metrics.jsonl")) as f:
+      recs = [json.loads(line) for line in f]
+    name = next(r["model"] for r in recs if r["kind"] == "model")
+    worst = max((r for r in recs if r["kind"] == "replay"),
+                key=lambda r: abs(r["rel_perplexity"]))
+    assert f"{100 * worst['rel_perplexity']:+.4f}% ({worst['policy']} " \
+        f"L {worst['L']})" in rows[name], (name, rows[name])
+  with open(os.path.join(root, "benchmarks", "README.md")) as f:
+    assert table in f.read(), "benchmarks/README.md: rerun the script"
+  with open(os.path.join(studies, "across.md")) as f:
+    assert f.read() == md, "benchmarks/text_precision/across.md is stale"
