@@ -65,6 +65,10 @@
 #   STOP_MARGIN=40 run_h200_chain.sh 540 text_train,gdn_s20m:180 \
 #       text_study,mamba2_s20m:360
 #   run_h200_chain.sh 540 text_train,gdn_s20m:60 text_study,gdn_s20m:480
+# Once a model's folder is committed (benchmarks/text_precision/<model>_h100/
+# with study/ and study_f32/), `python benchmarks/scripts/
+# text_precision_across.py` redraws the cross-model table and figure; its
+# table goes into benchmarks/README.md (a test compares them).
 # A paused training continues where it stopped and a finished one returns
 # at once; a study slice stopped by its limit continues in the next call
 # (--config.resume), and each study part's report merges every part of
