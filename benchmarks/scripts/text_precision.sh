@@ -33,9 +33,10 @@
 # 246 s with compilation and evals), gdn_s60m at 130k (379 s; 459 s in
 # all), mamba2_s120m at 159k (24.6M bytes in 155 s; 210 s in all: half
 # what parameters x bytes scaled from s60m predicted, its GEMMs being
-# larger). By the same measure mamba2_s300m (parameters x bytes about
-# s120m's) needs about as long, and a Gated DeltaNet model about twice its
-# Mamba-2 twin's time (gdn_s120m ~310 s of steps, gdn_s300m ~320 s).
+# larger). Scaled from mamba2_s120m by parameters x bytes, mamba2_s300m
+# needs about as long, and a Gated DeltaNet model about twice its Mamba-2
+# twin's time, as at s20m and s60m (gdn_s120m ~310 s of steps, gdn_s300m
+# ~320 s).
 # mamba2_s120m's study over thirteen processes took 95-148 s a slice
 # for the scores, 182-216 s for the generations and state error, and
 # 79-111 s for the float32-activation control. A study of an s20m model
