@@ -72,11 +72,11 @@ class GDNConfig:
       window's coefficients (normalisation factors, the key ring and the
       window's keys against each other, decays) formed once per key head
       and row by a first launch (`verify_weights.gdn_verify_weights`)
-      instead of in every value-block program; None: on (an H100 at the
-      Qwen3.5 layer, batch 256, window 4: 998 µs per verify + commit
-      against 1,865 without it, f32, [128, 16] tiles; the window program
-      holds 47 barriers instead of 147: `triton_offline.py --op
-      gdn_verify`). Refused by the baseline step. False: no first launch.
+      instead of in every value-block program; None: on (it took the
+      window program from 147 barriers to 47, `triton_offline.py --op
+      gdn_verify`, and made the verify faster at every launch shape timed:
+      benchmarks/README.md, "The speculative verify"). Refused by the
+      baseline step. False: no first launch.
     split_routes: replay step only. None: `default_split_routes`. True:
       the output route (rows with count < L-1) and the flush route (count
       == L-1) in two launches, the programs of the other route's rows
@@ -97,8 +97,8 @@ class GDNConfig:
       where the d ring is bf16, three pieces for an f32 checkpoint and two
       for a 16-bit one, else TF32 x3); needs buffer_len and key_dim >= 16
       (Triton dot tiles). None: "dot" where those reach 16, else "rank1"
-      (the flush step 23-41% faster on an H100 at batch 64 and 256, the
-      staggered step within the run's spread).
+      (the flush step faster at batch 64 and 256, the staggered step no
+      slower: benchmarks/README.md, "The flush fold").
   """
   block_v: int | None = None
   num_warps: int | None = None
@@ -167,9 +167,10 @@ class GDNPlan:
 
 
 # Tile elements ([key_dim, block_v]) of the step kernels' default and of
-# the verify kernels' ([128, 32]: 21% (f32) and 31% (f16) faster than
-# [128, 16] with 4 warps on an H100 at batch 256); the step tile is halved,
-# down to MIN_TILE, while the grid has fewer than MIN_PROGRAMS programs.
+# the verify kernels' ([128, 32], the fastest of the verify's sweep at
+# batch 256: benchmarks/README.md, "The speculative verify"); the step
+# tile is halved, down to MIN_TILE, while the grid has fewer than
+# MIN_PROGRAMS programs.
 STEP_TILE, VERIFY_TILE, MIN_TILE = 8192, 4096, 2048
 MIN_PROGRAMS = 256
 # Rows x value heads from which the replay step forms its ring weights in a
@@ -195,11 +196,11 @@ def default_block_v(key_dim: int, value_dim: int, rows: int | None = None,
 def default_num_warps(key_dim: int, block_v: int, kernel: str = "step",
                       state_dtype=None) -> int:
   """4 warps for the step kernels (the fastest or tied at every tile the
-  H200 sweep timed, whole rows included); the verify kernels: up to 4096
-  tile elements 4 warps, or 2 for a 16-bit checkpoint (state_dtype: 11-26%
-  faster on an H100 at batch 64 and 256, where an f32 checkpoint lost 1-7%
-  with them; benchmarks/README.md, "The speculative verify"), 8 above
-  (whole rows; on an H100 at batch 256 2 warps there took 4.3x as long)."""
+  launch sweep timed, whole rows included: benchmarks/README.md, "Launch
+  defaults"); the verify kernels: up to 4096 tile elements 4 warps, or 2
+  for a 16-bit checkpoint (state_dtype: faster at batch 64 and 256, where
+  an f32 checkpoint was slower with them), 8 above (whole rows, where 2
+  warps were several times slower; both: "The speculative verify")."""
   if kernel == "step":
     return 4
   if key_dim * block_v > 4096:
@@ -209,8 +210,9 @@ def default_num_warps(key_dim: int, block_v: int, kernel: str = "step",
 
 
 def default_num_stages(kernel: str = "step", state_dtype=None) -> int:
-  """The baseline step: 3 stages for an f32 state, 2 for a 16-bit one (the
-  H200 timings at batch 64 and 256); 1 otherwise."""
+  """The baseline step: 3 stages for an f32 state, 2 for a 16-bit one
+  (timed at batch 64 and 256: benchmarks/README.md, "Ring weights and
+  pipelining stages"); 1 otherwise."""
   if kernel != "step" or state_dtype is None:
     return 1
   return 3 if jnp.dtype(state_dtype).itemsize >= 4 else 2
@@ -227,9 +229,10 @@ def default_ring_weights(whole_rows: bool, rows: int | None) -> bool:
 def default_split_routes(read_copy: bool, rows: int | None) -> bool:
   """The replay step's routes in two launches for a state with a read copy
   over at least RING_WEIGHTS_MIN_ROWS rows x value heads (its output
-  launch then reads the copy in value tiles: f16 + fp8 at batch 64 and
-  256 on the H200); one launch otherwise (a plain f32 state gained 3% at
-  batch 256 and lost 16% at batch 64, an f16 one lost at both)."""
+  launch then reads the copy in value tiles; faster with an fp8 copy at
+  batch 64 and 256); one launch otherwise (a state without a copy was
+  slower split at batch 64; both: benchmarks/README.md, "Split
+  routes")."""
   return read_copy and rows is not None and rows >= RING_WEIGHTS_MIN_ROWS
 
 
