@@ -358,8 +358,8 @@ def test_across_models_table_is_the_records(tmp_path):
       os.path.join(studies, d, "study", "metrics.jsonl"))]
   assert len(rows) == len(folders) >= 5
   for d in folders:
-    with open(os.path.join(studies, d, "study", "metrics.jsonl")) as f:
-      recs = [json.loads(line) for line in f]
+    recs = common.read_metrics(os.path.join(studies, d, "study",
+                                            "metrics.jsonl"))
     name = next(r["model"] for r in recs if r["kind"] == "model")
     worst = max((r for r in recs if r["kind"] == "replay"),
                 key=lambda r: abs(r["rel_perplexity"]))

@@ -22,7 +22,6 @@ record is "-" in the table and left out of the figure.
 
 import argparse
 import glob
-import json
 import os
 
 import numpy as np
@@ -43,10 +42,7 @@ PPL_TOLERANCE, AGREEMENT_TARGET = (_STUDY.ppl_tolerance,
 
 
 def _records(path):
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  return common.read_metrics(path) if os.path.exists(path) else []
 
 
 def _find(recs, **want):
@@ -194,11 +190,9 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: str) -> None:
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  from matplotlib import ticker  # pylint: disable=g-import-not-at-top
-  fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
+  # pylint: disable=g-import-not-at-top
+  from matplotlib import colormaps, ticker
+  fig, axes = common.new_figure(2, 2, figsize=(12, 8.5))
   panels = [
       (axes[0, 0], "|relative perplexity change| (worst run)",
        [("replay presets", lambda r: abs(r["worst_replay_ppl"])
@@ -221,7 +215,7 @@ def plot(rows: list[dict], path: str) -> None:
         ("every-step bf16", lambda r: r.get("se bf16+rn")),
         ("f16 master", lambda r: r.get("se f16")),
         ("every-step f16", lambda r: r.get("se f16+rn"))], None, True)]
-  colors = plt.get_cmap("tab10").colors
+  colors = colormaps["tab10"].colors
   for ax, title, series, target, logy in panels:
     for i, (name, get) in enumerate(series):
       for family, style in (("mamba2", "-o"), ("gdn", "--s")):
@@ -242,9 +236,7 @@ def plot(rows: list[dict], path: str) -> None:
     ax.set_xlabel("parameters (M)")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  common.save_plot(fig, path, dpi=110)
 
 
 def main():
