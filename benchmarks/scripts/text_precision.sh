@@ -33,13 +33,16 @@
 # 246 s with compilation and evals), gdn_s60m at 130k (379 s; 459 s in
 # all), mamba2_s120m at 159k (24.6M bytes in 155 s; 210 s in all: half
 # what parameters x bytes scaled from s60m predicted, its GEMMs being
-# larger). Scaled from mamba2_s120m by parameters x bytes, mamba2_s300m
-# needs about as long, and a Gated DeltaNet model about twice its Mamba-2
-# twin's time, as at s20m and s60m (gdn_s120m ~310 s of steps, gdn_s300m
-# ~320 s).
+# larger), mamba2_s300m at 88k (12.3M bytes in 140 s; 226 s in all). A
+# Gated DeltaNet model takes about twice its Mamba-2 twin's time, as at
+# s20m and s60m (gdn_s120m ~310 s of steps, gdn_s300m ~280 s).
 # mamba2_s120m's study over thirteen processes took 95-148 s a slice
 # for the scores, 182-216 s for the generations and state error, and
-# 79-111 s for the float32-activation control. A study of an s20m model
+# 79-111 s for the float32-activation control; mamba2_s300m's ~40 s a
+# scored run (a slice's three L and its baseline: give the scores part
+# 300 s; 215 s left 8 of 39 replay runs and the baselines unscored),
+# 277-316 s for the generations and state error, and ~190 s for the
+# float32-activation control (two calls: its slices resume). A study of an s20m model
 # over three processes
 # took 330 s (Mamba-2) and over 440 s (Gated DeltaNet: its stochastically
 # rounded presets score in 20-30 s a run against 7-9 s) per slice: a score
