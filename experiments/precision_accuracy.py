@@ -242,9 +242,7 @@ def score_model(entry, model, task, config, writer) -> list[dict]:
   steps = task.seq_len - 1  # prefill 1 token, then decode steps
   base = dict(model=entry.name, task=task.name, seq_len=task.seq_len,
               decode_steps=steps)
-  runs = R.replay_runs(config, config.policies, config.buffer_lens)
-  if config.baseline_contrast:
-    runs += R.baseline_runs(config, R.baseline_policies(config))
+  runs = R.score_runs(config)
   idents = [dict(base, kind=run.kind, label=run.label, L=run.L)
             for run in runs]
   ref_ident = dict(base, kind="reference", label="f32 baseline", L=None)

@@ -24,6 +24,7 @@ from configs import precision_text  # noqa: E402
 from configs import train_text  # noqa: E402
 from experiments import common  # noqa: E402
 from experiments import precision_accuracy  # noqa: E402
+from experiments.precision_lib import runs as R  # noqa: E402
 from replayssm_jax import tasks  # noqa: E402
 from replayssm_jax import text_corpus as TC  # noqa: E402
 from replayssm_jax.models import ModelConfig  # noqa: E402
@@ -299,6 +300,14 @@ def test_text_configs():
   assert f32.policies[0] == "f32" and all(
       PrecisionPolicy.preset(p).checkpoint_dtype in ("bfloat16", "float16")
       for p in f32.policies[1:])
+  # A slice stopped by its limit has scored the L the other stages read
+  # and the every-step baselines before the other L.
+  order = [(r.kind, r.L) for r in R.score_runs(
+      precision_text.get_config("mamba2_s300m"))]
+  n = len(all_.policies)
+  assert order[:n] == [("replay", 16)] * n
+  assert {k for k, _ in order[n:-2 * n]} == {"baseline"}
+  assert sorted(order[-2 * n:]) == [("replay", 8)] * n + [("replay", 32)] * n
   counts = train_text.param_counts()
   for name, n in counts.items():
     # The docstring's table holds the exact counts.

@@ -40,7 +40,8 @@
 # for the scores, 182-216 s for the generations and state error, and
 # 79-111 s for the float32-activation control; mamba2_s300m's ~40 s a
 # scored run (a slice's three L and its baseline: give the scores part
-# 300 s; 215 s left 8 of 39 replay runs and the baselines unscored),
+# 300 s; 215 s left 8 of 39 replay runs and the baselines unscored: a
+# slice now scores L 16 and the baselines before L 8 and 32),
 # 277-316 s for the generations and state error, and ~190 s for the
 # float32-activation control (two calls: its slices resume). A study of an s20m model
 # over three processes

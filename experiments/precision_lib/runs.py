@@ -119,6 +119,21 @@ def sub_runs(config, part) -> list[Run]:
   return runs
 
 
+def score_runs(config) -> list[Run]:
+  """The scores' runs, in the order a slice stopped by its time limit
+  should meet them: the replay runs at the generations' L (the L every
+  other stage and the cross-model table read), the every-step baselines,
+  then the replay runs at the other L."""
+  lens = tuple(int(L) for L in config.buffer_lens)
+  first = config.get("generation", {}).get("buffer_lens") or lens
+  first = [L for L in lens if L in set(int(L) for L in first)]
+  runs = replay_runs(config, config.policies, first)
+  if config.baseline_contrast:
+    runs += baseline_runs(config, baseline_policies(config))
+  rest = [L for L in lens if L not in first]
+  return runs + replay_runs(config, config.policies, rest)
+
+
 IDENTITY = ("kind", "model", "label", "L", "mode", "run_kind", "block")
 
 
