@@ -302,28 +302,29 @@ def test_kernels_per_shard():
   model = _model(**KERNEL)
   tok, ln = _prompts()
   proposer = NgramProposer(n=2)
-  for ssm_mode in ("replay", "baseline"):
+  # Each mode on one mesh (the read-copy check below runs replay's kernels
+  # on the other; test_multi_device runs the reference ops on every mesh).
+  for ssm_mode, (data, m) in (("replay", (2, 4)), ("baseline", (4, 2))):
     want, want_n = generate(model, tok, ln, 4, ssm_mode=ssm_mode,
                             buffer_len=4)
     want_spec, _, _ = speculative_generate(model, proposer, tok, ln, 6, 2,
                                            ssm_mode=ssm_mode, buffer_len=4)
-    for data, m in ((2, 4), (4, 2)):
-      mesh = SH.make_mesh(data, m)
-      sharded = SH.shard_model(model, mesh)
-      stok, sln = SH.shard_batch(tok, mesh), SH.shard_batch(ln, mesh)
-      with jax.set_mesh(mesh):
-        got, n = generate(sharded, stok, sln, 4, ssm_mode=ssm_mode,
-                          buffer_len=4, implementation="pallas")
-        # (the GDN snapshot verify has no kernel: its reference runs per
-        # shard)
-        spec, _, _ = speculative_generate(
-            sharded, proposer, stok, sln, 6, 2, ssm_mode=ssm_mode,
-            buffer_len=4,
-            implementation="pallas" if ssm_mode == "replay" else None)
-      where = f"{ssm_mode} {mesh.shape}"
-      np.testing.assert_array_equal(got, want, err_msg=where)
-      np.testing.assert_array_equal(n, want_n, err_msg=where)
-      np.testing.assert_array_equal(spec, want_spec, err_msg=where)
+    mesh = SH.make_mesh(data, m)
+    sharded = SH.shard_model(model, mesh)
+    stok, sln = SH.shard_batch(tok, mesh), SH.shard_batch(ln, mesh)
+    with jax.set_mesh(mesh):
+      got, n = generate(sharded, stok, sln, 4, ssm_mode=ssm_mode,
+                        buffer_len=4, implementation="pallas")
+      # (the GDN snapshot verify has no kernel: its reference runs per
+      # shard)
+      spec, _, _ = speculative_generate(
+          sharded, proposer, stok, sln, 6, 2, ssm_mode=ssm_mode,
+          buffer_len=4,
+          implementation="pallas" if ssm_mode == "replay" else None)
+    where = f"{ssm_mode} {mesh.shape}"
+    np.testing.assert_array_equal(got, want, err_msg=where)
+    np.testing.assert_array_equal(n, want_n, err_msg=where)
+    np.testing.assert_array_equal(spec, want_spec, err_msg=where)
   # Precision policies: a read copy (heads split) and stochastic rounding
   # (heads kept whole), tokens and every state leaf as the kernels' on one
   # device.
