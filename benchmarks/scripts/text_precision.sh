@@ -43,9 +43,8 @@
 # 300 s; 215 s left 8 of 39 replay runs and the baselines unscored: a
 # slice now scores L 16 and the baselines before L 8 and 32),
 # 277-316 s for the generations and state error, and ~190 s for the
-# float32-activation control (two calls: its slices resume). A study of an s20m model
-# over three processes
-# took 330 s (Mamba-2) and over 440 s (Gated DeltaNet: its stochastically
+# float32-activation control (two calls: its slices resume). A study of
+# an s20m model over three processes took 330 s (Mamba-2) and over 440 s (Gated DeltaNet: its stochastically
 # rounded presets score in 20-30 s a run against 7-9 s) per slice: a score
 # 7-30 s, a 2048-token generation 8-10 s, mostly compilation. mamba2_s60m's
 # scores over twelve processes took 150 s; its generations 6-23 s a run,
