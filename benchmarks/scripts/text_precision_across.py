@@ -28,6 +28,7 @@ import numpy as np
 
 from configs import precision_text
 from experiments import common
+from replayssm_jax.models import states
 from replayssm_jax.precision import PrecisionPolicy
 
 SIXTEEN_BIT = ("bfloat16", "float16")  # storage dtypes
@@ -56,8 +57,7 @@ def _one(recs, key, **want):
 
 
 def _storage(policy):
-  p = PrecisionPolicy.preset(policy)
-  return p.read_dtype or p.checkpoint_dtype
+  return states.baseline_storage_dtype(PrecisionPolicy.preset(policy))
 
 
 def model_row(folder: str) -> dict | None:

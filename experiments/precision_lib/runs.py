@@ -127,11 +127,9 @@ def score_runs(config) -> list[Run]:
   lens = tuple(int(L) for L in config.buffer_lens)
   first = config.get("generation", {}).get("buffer_lens") or lens
   first = [L for L in lens if L in set(int(L) for L in first)]
-  runs = replay_runs(config, config.policies, first)
-  if config.baseline_contrast:
-    runs += baseline_runs(config, baseline_policies(config))
   rest = [L for L in lens if L not in first]
-  return runs + replay_runs(config, config.policies, rest)
+  return (sub_runs(config, dict(buffer_lens=first))
+          + replay_runs(config, config.policies, rest))
 
 
 IDENTITY = ("kind", "model", "label", "L", "mode", "run_kind", "block")
