@@ -2,9 +2,10 @@
 run (by name, so the dispatcher falls back to the reference or says why).
 
 The step kernels' defaults (baseline and replay step) were chosen on an
-H200 at a Qwen3.5-shaped layer (benchmarks/README.md, "Gated DeltaNet
-kernels"): [128, 64] state tiles with 4 warps, smaller tiles only when the
-grid would otherwise hold fewer than 256 programs (batch 1), and whole
+H200 at a Qwen3.5-shaped layer (benchmarks/kernel_tuning/gdn_kernels.md;
+the current figures: benchmarks/README.md, "Gated DeltaNet kernels"):
+[128, 64] state tiles with 4 warps, smaller tiles only when the grid would
+otherwise hold fewer than 256 programs (batch 1), and whole
 rows with 4 warps where a read copy needs them; the baseline step
 pipelined over 3 stages for an f32 state and 2 for a 16-bit one (1 for the
 other kernels); the replay step's ring weights formed once per row and
@@ -75,8 +76,8 @@ class GDNConfig:
       instead of in every value-block program; None: on (it took the
       window program from 147 barriers to 47, `triton_offline.py --op
       gdn_verify`, and made the verify faster at every launch shape timed:
-      benchmarks/README.md, "The speculative verify"). Refused by the
-      baseline step. False: no first launch.
+      benchmarks/kernel_tuning/gdn_kernels.md, "The speculative
+      verify"). Refused by the baseline step. False: no first launch.
     split_routes: replay step only. None: `default_split_routes`. True:
       the output route (rows with count < L-1) and the flush route (count
       == L-1) in two launches, the programs of the other route's rows
@@ -98,7 +99,8 @@ class GDNConfig:
       for a 16-bit one, else TF32 x3); needs buffer_len and key_dim >= 16
       (Triton dot tiles). None: "dot" where those reach 16, else "rank1"
       (the flush step faster at batch 64 and 256, the staggered step no
-      slower: benchmarks/README.md, "The flush fold").
+      slower: benchmarks/kernel_tuning/gdn_kernels.md, "The flush
+      fold").
   """
   block_v: int | None = None
   num_warps: int | None = None
@@ -168,9 +170,9 @@ class GDNPlan:
 
 # Tile elements ([key_dim, block_v]) of the step kernels' default and of
 # the verify kernels' ([128, 32], the fastest of the verify's sweep at
-# batch 256: benchmarks/README.md, "The speculative verify"); the step
-# tile is halved, down to MIN_TILE, while the grid has fewer than
-# MIN_PROGRAMS programs.
+# batch 256: benchmarks/kernel_tuning/gdn_kernels.md, "The speculative
+# verify"); the step tile is halved, down to MIN_TILE, while the grid has
+# fewer than MIN_PROGRAMS programs.
 STEP_TILE, VERIFY_TILE, MIN_TILE = 8192, 4096, 2048
 MIN_PROGRAMS = 256
 # Rows x value heads from which the replay step forms its ring weights in a
@@ -196,11 +198,12 @@ def default_block_v(key_dim: int, value_dim: int, rows: int | None = None,
 def default_num_warps(key_dim: int, block_v: int, kernel: str = "step",
                       state_dtype=None) -> int:
   """4 warps for the step kernels (the fastest or tied at every tile the
-  launch sweep timed, whole rows included: benchmarks/README.md, "Launch
-  defaults"); the verify kernels: up to 4096 tile elements 4 warps, or 2
-  for a 16-bit checkpoint (state_dtype: faster at batch 64 and 256, where
-  an f32 checkpoint was slower with them), 8 above (whole rows, where 2
-  warps were several times slower; both: "The speculative verify")."""
+  launch sweep timed, whole rows included: benchmarks/kernel_tuning/
+  gdn_kernels.md, "Launch defaults"); the verify kernels: up to 4096 tile
+  elements 4 warps, or 2 for a 16-bit checkpoint (state_dtype: faster at
+  batch 64 and 256, where an f32 checkpoint was slower with them), 8 above
+  (whole rows, where 2 warps were several times slower; both: "The
+  speculative verify")."""
   if kernel == "step":
     return 4
   if key_dim * block_v > 4096:
@@ -211,8 +214,8 @@ def default_num_warps(key_dim: int, block_v: int, kernel: str = "step",
 
 def default_num_stages(kernel: str = "step", state_dtype=None) -> int:
   """The baseline step: 3 stages for an f32 state, 2 for a 16-bit one
-  (timed at batch 64 and 256: benchmarks/README.md, "Ring weights and
-  pipelining stages"); 1 otherwise."""
+  (timed at batch 64 and 256: benchmarks/kernel_tuning/gdn_kernels.md,
+  "Ring weights and pipelining stages"); 1 otherwise."""
   if kernel != "step" or state_dtype is None:
     return 1
   return 3 if jnp.dtype(state_dtype).itemsize >= 4 else 2
@@ -231,8 +234,8 @@ def default_split_routes(read_copy: bool, rows: int | None) -> bool:
   over at least RING_WEIGHTS_MIN_ROWS rows x value heads (its output
   launch then reads the copy in value tiles; faster with an fp8 copy at
   batch 64 and 256); one launch otherwise (a state without a copy was
-  slower split at batch 64; both: benchmarks/README.md, "Split
-  routes")."""
+  slower split at batch 64; both: benchmarks/kernel_tuning/gdn_kernels.md,
+  "Split routes")."""
   return read_copy and rows is not None and rows >= RING_WEIGHTS_MIN_ROWS
 
 
