@@ -46,6 +46,7 @@
 #   bash benchmarks/scripts/run_h200.sh prefill_ttft_profile [name] [flags]  # one request's prefill (batch 1, 128 and 512 tokens, replay): device against wall time, by block (flags: decode_step_profile.py's, e.g. --segsum_difference or --segsum_masked, the forms of the Mamba-2 decay sums; output prefill_ttft_profile_<name>_<tokens>.json)
 #   bash benchmarks/scripts/run_h200.sh prefill_scan_cost [flags]  # XLA's cost and the wall time of the Mamba-2 and GDN chunked prefill scans at hybrid_1b / Qwen3.5 layer shapes, 512 tokens; their products also at bf16 / TF32 dot algorithms, with the error against true f32
 #   bash benchmarks/scripts/run_h200.sh gdn_baseline_tiles  # the GDN baseline step alone at b {64,256,512}, f32 / f16 state, over its launch shapes, beside flash-linear-attention's kernel
+#   bash benchmarks/scripts/run_h200.sh gdn_batch1  # the GDN step kernels at b 1 and 8 per pipelining depth and launch shape, beside flash-linear-attention's kernel, two passes in one call (output gdn_batch1_{1,2}.json)
 #   bash benchmarks/scripts/run_h200.sh gdn_ring_weights  # the GDN step kernels with and without the replay step's ring-weights launch (GDNConfig.ring_weights) and at 2 / 3 pipelining stages, beside flash-linear-attention's kernel, b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
 #   bash benchmarks/scripts/run_h200.sh gdn_split  # the GDN replay step in one launch or two (GDNConfig.split_routes), with and without ring weights, beside the baselines and flash-linear-attention, b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
 #   bash benchmarks/scripts/run_h200.sh gdn_heads  # the split replay step's output launch stepping through 2 or 4 value heads per program at 2 / 3 pipelining stages (GDNConfig.heads_per_program; the baseline step too), b {256,64}, L 16, f32 / f16 masters and the f16 + fp8 copy
@@ -272,6 +273,17 @@ case "$1" in
       --batches=256,64,1,512 --buffer_lens=16 --checkpoints=f32,f16 \
       --policies=f16+fp8,f32+bf16 --no_xla --layouts=staggered \
       --budget_s=$(( T - 40 )) --out="$OUT/gdn_defaults.json" ;;
+  gdn_batch1)
+    # At batch 1 the f32 baseline step took twice the f16 one (H100,
+    # ddcc2d4: 20.0 against 9.1 µs; flash-linear-attention 4.6), its
+    # 3 stages chosen at batch 64 and 256; two passes tell the launch shape
+    # from a timing outlier.
+    for pass in 1 2; do
+      timeout $(( T / 2 )) python -u benchmarks/scripts/gdn_kernel_bench.py \
+        --batches=1,8 --buffer_lens=16 --checkpoints=f32,f16 --policies= \
+        --no_xla --layouts=staggered --configs='[{}, {"num_stages": 1}, {"num_stages": 2}, {"block_v": 32}, {"block_v": 8, "num_warps": 1}]' \
+        --budget_s=$(( T / 2 - 30 )) --out="$OUT/gdn_batch1_$pass.json"
+    done ;;
   gdn_baseline_tiles)
     # The baseline step alone at its launch shapes, beside fla's kernel
     # ([128, 8] tiles, 1 warp: the shape it launches).
