@@ -237,10 +237,11 @@ def test_random_weight_decode_small(tmp_path, hf_config):
   # The published config loads; the decode-step loop and the generate /
   # speculative_generate runs go on a shrunk model in both SSM modes (the
   # GDN model's step also with an f32 master + fp8 read copy state, its
-  # speculative runs' replay states with a bf16 copy).
+  # speculative runs' replay states with a bf16 copy, their batch compacted
+  # as rows finish).
   out = tmp_path / "decode.json"
-  copy = (["--precisions=f32+fp8", "--spec_precision=f32+bf16"]
-          if hf_config.startswith("qwen") else [])
+  copy = (["--precisions=f32+fp8", "--spec_precision=f32+bf16",
+           "--spec_compactions=1"] if hf_config.startswith("qwen") else [])
   _run("random_weight_decode.py", "--small", "--batches=2",
        "--spec_batches=2", f"--hf_config=configs/{hf_config}", f"--out={out}",
        *copy)
@@ -261,6 +262,7 @@ def test_random_weight_decode_small(tmp_path, hf_config):
     assert res["spec_settings"]["precision"] == "f32+bf16"
     assert [r["precision"] for r in res["records"] if r["part"] == "spec"] == [
         "f32+bf16", None, "f32+bf16", None]
+    assert [r["compaction"] for r in res["records"][-2:]] == [1, 1]
 
 
 def test_pool_occupancy_bench_small(tmp_path):

@@ -76,6 +76,10 @@ def main():
                   help="part spec: a precision preset of the replay states "
                   "(plain and speculative decoding with them; the snapshot "
                   "baseline and plain_baseline keep f32 states)")
+  ap.add_argument("--spec_compactions", default="0",
+                  help="speculative decoding's compaction settings (0: the "
+                  "static batch; k: the batch halved up to k times as rows "
+                  "finish, which cuts the idle tail of a static batch)")
   ap.add_argument("--spec_modes", default="replay,baseline",
                   help="speculative decoding's state modes, in this order "
                   "(baseline: the snapshot-per-draft state)")
@@ -186,6 +190,7 @@ def main():
 
   spec = dict(SPEC, implementation=a.implementation,
               ssm_modes=tuple(a.spec_modes.split(",")),
+              compactions=tuple(int(c) for c in a.spec_compactions.split(",")),
               precision=a.spec_precision,
               **(dict(prompt_len=4, new_tokens=8, repeats=1)
                  if a.small else {}))
