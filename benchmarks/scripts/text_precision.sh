@@ -43,20 +43,20 @@
 # 300 s; 215 s left 8 of 39 replay runs and the baselines unscored: a
 # slice now scores L 16 and the baselines before L 8 and 32),
 # 277-316 s for the generations and state error, and ~190 s for the
-# float32-activation control (two calls: its slices resume). A study of
-# an s20m model over three processes took 330 s (Mamba-2) and over 440 s (Gated DeltaNet: its stochastically
-# rounded presets score in 20-30 s a run against 7-9 s) per slice: a score
-# 7-30 s, a 2048-token generation 8-10 s, mostly compilation. mamba2_s60m's
-# scores over twelve processes took 150 s; its generations 6-23 s a run,
-# after the f32 reference (62 s when each of twelve slices generated it at
-# once; one of them now generates it for all, and the state-error stage's
-# recording of its stream is shared likewise: 55 s a slice at gdn_s60m,
-# before it was). gdn_s60m's whole study over twelve processes (scores,
-# generations and state error of every preset) took 379-438 s a slice,
-# and 501 s for the first, which held two of the 13 presets (f32 and
-# f16+fp8+sr: a slice gets every STUDY_PROCS-th preset; STUDY_PROCS=13
-# gives each slice one), near the 505 s a slice gets in a 545 s part; its
-# float32-activation control took 159 s.
+# float32-activation control (two calls: its slices resume). A study of an s20m
+# model over three processes took 330 s (Mamba-2) and over 440 s (Gated
+# DeltaNet: its stochastically rounded presets score in 20-30 s a run against
+# 7-9 s) per slice: a score 7-30 s, a 2048-token generation 8-10 s, mostly
+# compilation. mamba2_s60m's scores over twelve processes took 150 s; its
+# generations 6-23 s a run, after the f32 reference (62 s when each of twelve
+# slices generated it at once; one of them now generates it for all, and the
+# state-error stage's recording of its stream is shared likewise: 55 s a slice
+# at gdn_s60m, before it was). gdn_s60m's whole study over twelve processes
+# (scores, generations and state error of every preset) took 379-438 s a slice,
+# and 501 s for the first, which held two of the 13 presets (f32 and f16+fp8+sr:
+# a slice gets every STUDY_PROCS-th preset; STUDY_PROCS=13 gives each slice
+# one), near the 505 s a slice gets in a 545 s part; its float32-activation
+# control took 159 s.
 # Everything under runs/, the trained models too, is lost when the machine
 # goes back (30 minutes of device time a session, a call at most 10
 # minutes, idle machines go back within a minute): a model's training and
