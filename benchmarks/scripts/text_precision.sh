@@ -35,7 +35,8 @@
 # what parameters x bytes scaled from s60m predicted, its GEMMs being
 # larger), mamba2_s300m at 88k (12.3M bytes in 140 s; 226 s in all). A
 # Gated DeltaNet model takes about twice its Mamba-2 twin's time, as at
-# s20m and s60m (gdn_s120m ~310 s of steps, gdn_s300m ~280 s).
+# s20m, s60m and s120m (gdn_s120m 297 s of steps, 401 s in all; gdn_s300m
+# ~280 s expected).
 # mamba2_s120m's study over thirteen processes took 95-148 s a slice
 # for the scores, 182-216 s for the generations and state error, and
 # 79-111 s for the float32-activation control; mamba2_s300m's ~40 s a
@@ -56,7 +57,15 @@
 # and 501 s for the first, which held two of the 13 presets (f32 and f16+fp8+sr:
 # a slice gets every STUDY_PROCS-th preset; STUDY_PROCS=13 gives each slice
 # one), near the 505 s a slice gets in a 545 s part; its float32-activation
-# control took 159 s.
+# control took 159 s. gdn_s120m over thirteen processes: 125 s of scores
+# after its training, then 409-449 s a slice for the rest of the scores,
+# the generations and the state error (the f16+fp8+sr slice, the slowest,
+# stopped by a 530 s part in its last state error), and 101-138 s for the
+# float32-activation control (f16+fp8+sr cut at 185 s in its last
+# generation): its three calls, the first held 530 s before it ran, used
+# the session's 30 minutes. gdn_s300m's study, about twice that, needs
+# its training and scores in one session's calls and more than the rest
+# of it for the generations and state error.
 # Everything under runs/, the trained models too, is lost when the machine
 # goes back (30 minutes of device time a session, a call at most 10
 # minutes, idle machines go back within a minute): a model's training and

@@ -12,8 +12,11 @@ master with an fp8 read copy against the every-step fp8 state); the
 lowest greedy agreement of the six 16-bit-master presets in float32
 activations (where all six ran) beside the every-step bf16 state's and
 the 0.99 target; and
-the first recorded layer's final state error against float64 (the bf16
-and f16 masters against their every-step states). A value a study did not
+the first recorded layer's largest state error against float64 over its
+recorded points (the bf16 and f16 masters against their every-step
+states; the peak, not the last point's: a replay state between flushes
+whose checkpoint has decayed away ends at the f32 decode's error
+whatever its master's precision). A value a study did not
 record is "-" in the table and left out of the figure.
 
   python benchmarks/scripts/text_precision_across.py \\
@@ -115,7 +118,7 @@ def model_row(folder: str) -> dict | None:
                                     policy="f32")
     row[f"{act} greedy bf16+rn"] = _one(greedy, "agreement",
                                         run_kind="baseline", label="bf16+rn")
-  # The first recorded layer's final state error against float64.
+  # The first recorded layer's peak state error against float64.
   errs = _find(recs, kind="state_error")
   if errs:
     first = min(r["block"] for r in errs)
@@ -123,7 +126,7 @@ def model_row(folder: str) -> dict | None:
                              ("se bf16+rn", "baseline", "bf16+rn"),
                              ("se f16", "replay", "f16"),
                              ("se f16+rn", "baseline", "f16+rn")):
-      row[key] = _one(errs, "final_state_max_rel", block=first,
+      row[key] = _one(errs, "peak_state_max_rel", block=first,
                       run_kind=kind, label=label)
   return row
 
@@ -181,7 +184,7 @@ def table(rows: list[dict]) -> str:
           + (f"{r[f'{act} greedy met']} of {runs}, "
              f"{_a(r[f'{act} greedy min'])}" if runs else "-")
           + f"; {_a(r.get(f'{act} greedy bf16+rn'))}")
-    cell["final state error, first layer: bf16 vs every step; "
+    cell["peak state error, first layer: bf16 vs every step; "
          "f16 vs every step"] = (
         f"{_e(r.get('se bf16'))} vs {_e(r.get('se bf16+rn'))}; "
         f"{_e(r.get('se f16'))} vs {_e(r.get('se f16+rn'))}")
@@ -210,7 +213,7 @@ def plot(rows: list[dict], path: str) -> None:
          if r.get("f32act greedy runs") == len(SIXTEEN_BIT_MASTERS) else None),
         ("every-step bf16", lambda r: r.get("f32act greedy bf16+rn"))],
        AGREEMENT_TARGET, False),
-      (axes[1, 1], "final state error vs float64, first layer",
+      (axes[1, 1], "peak state error vs float64, first layer",
        [("bf16 master", lambda r: r.get("se bf16")),
         ("every-step bf16", lambda r: r.get("se bf16+rn")),
         ("f16 master", lambda r: r.get("se f16")),
