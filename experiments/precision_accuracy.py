@@ -61,6 +61,7 @@ from experiments import train as train_lib
 from experiments.precision_lib import generation
 from experiments.precision_lib import report
 from experiments.precision_lib import runs as R
+from experiments.precision_lib import shared
 from experiments.precision_lib import state_error
 from replayssm_jax import tasks
 from replayssm_jax import text_corpus
@@ -236,6 +237,30 @@ def decode_eval(model, batches, refs, ssm_mode, buffer_len, policy=None):
   return m, all_logits
 
 
+def reference_scores(name, model, batches, config):
+  """(metrics, logits per batch) of the reference decode (`decode_eval`
+  without a reference), computed once for every slice of a split study
+  that shares `config.shared_dir` (shared.py)."""
+
+  def compute():
+    m, logits = decode_eval(model, batches, None, "baseline", 1)
+    out = {f"logits_{i}": x for i, x in enumerate(logits)}
+    out.update({f"metric_{k}": np.asarray(v) for k, v in m.items()})
+    return out
+
+  def key():
+    arrays = {f"batch{i}_{k}": np.asarray(v) for i, b in enumerate(batches)
+              for k, v in b.items()}
+    return shared.key(name, "score_reference", model_config=repr(
+        model.config), params=shared.fingerprint(model), **arrays)
+
+  out = shared.computed_once(config.get("shared_dir", ""), key, compute)
+  metrics = {k[len("metric_"):]: np.asarray(v).item()
+             for k, v in out.items() if k.startswith("metric_")}
+  return metrics, [jnp.asarray(out[f"logits_{i}"])
+                   for i in range(len(batches))]
+
+
 def score_model(entry, model, task, config, writer) -> list[dict]:
   """The reference, replay and every-step baseline decodes of one model
   on its validation batches."""
@@ -251,7 +276,7 @@ def score_model(entry, model, task, config, writer) -> list[dict]:
 
   batches = task.eval_batches(config.eval_batches, config.eval_batch_size)
   t0 = time.perf_counter()
-  ref, refs = decode_eval(model, batches, None, "baseline", 1)
+  ref, refs = reference_scores(entry.name, model, batches, config)
   rec = writer.write(dict(ref_ident, policy=None, storage_dtype="float32",
                           rounding="rn", eval_s=time.perf_counter() - t0,
                           **ref))

@@ -179,3 +179,65 @@ def test_state_error_capture_shared_between_slices(tmp_path, monkeypatch):
   state_error.captured("m", model, tokens, blocks, config)
   state_error.captured("m", model, tokens, blocks, config)
   assert len(calls) == 4
+
+
+def test_score_reference_shared_between_slices(tmp_path, monkeypatch):
+  """The scores' reference decode: a second slice loads the first's
+  metrics and logits (in their dtype), equal to a decode of its own;
+  other validation batches are not served from the file."""
+  from experiments import precision_accuracy as pa  # pylint: disable=g-import-not-at-top
+  from tests.test_models import make_model, random_tokens  # pylint: disable=g-import-not-at-top
+  config = pa_config.get_config("smoke")
+  config.shared_dir = str(tmp_path)
+  model = make_model(3, dtype="bfloat16")
+  toks = np.asarray(random_tokens(7, (2, 9)))
+  batches = [dict(inputs=toks[:, :-1], targets=toks[:, 1:],
+                  mask=np.ones((2, 8), np.float32))]
+  calls = []
+  real = pa.decode_eval
+
+  def counted(*a, **kw):
+    calls.append(1)
+    return real(*a, **kw)
+
+  monkeypatch.setattr(pa, "decode_eval", counted)
+  first = pa.reference_scores("m", model, batches, config)
+  again = pa.reference_scores("m", model, batches, config)
+  assert len(calls) == 1
+  config.shared_dir = ""
+  own = pa.reference_scores("m", model, batches, config)
+  for got in (first, again):
+    assert got[0] == own[0] and got[0]["num_targets"] == 16
+    assert got[1][0].dtype == own[1][0].dtype
+    np.testing.assert_array_equal(got[1][0], own[1][0])
+  config.shared_dir = str(tmp_path)
+  other = [dict(batches[0], inputs=(toks[:, :-1] + 1) % 64)]
+  pa.reference_scores("m", model, other, config)
+  assert len(calls) == 3
+
+
+def test_state_error_floor_shared_between_slices(tmp_path):
+  """The state-error floor (the f32 baseline's own error): computed by one
+  slice per block, its lists of floats returned unchanged to every
+  slice."""
+  from experiments.precision_lib import state_error  # pylint: disable=g-import-not-at-top
+  from tests.test_models import make_model, random_tokens  # pylint: disable=g-import-not-at-top
+  config = pa_config.get_config("smoke")
+  config.shared_dir = str(tmp_path)
+  model = make_model(3)
+  tokens = np.asarray(random_tokens(6, (2, 12)))
+  points = np.asarray([1, 4, 11])
+  calls = []
+
+  def compute():
+    calls.append(1)
+    return {"state_max": [1e-7, 3.0e-7 / 7, 2.5e-7], "out_max": [0.1] * 3}
+
+  args = (model, 0, tokens, points, "float64")
+  got = [state_error.floor_stats("m", *args, compute, config)
+         for _ in range(2)]
+  assert len(calls) == 1
+  assert got[0] == got[1] == compute()
+  state_error.floor_stats("m", model, 1, tokens, points, "float64", compute,
+                          config)
+  assert len(calls) == 3  # another block: its own

@@ -138,7 +138,8 @@ print(','.join(precision_text.get_config(sys.argv[1]).stages))" "$name")}
     # small model's study, and they run on the host's 16 cores) each take
     # a slice of the presets, with their every-step baselines, into
     # $STUDY_DIR/NAME/<stages>/part<i>of<procs> (STUDY_DIR default
-    # runs/precision_text), the f32 reference's generations computed by
+    # runs/precision_text), the references (the scores' f32 decode, the
+    # f32 generations, the state-error recording and floor) computed by
     # one of them and shared through $STUDY_DIR/NAME/shared (a later call
     # loads them); then every part of every call so far is merged
     # into $OUT/text_NAME. A slice stopped by the limit continues where it

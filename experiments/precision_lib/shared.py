@@ -1,10 +1,11 @@
-"""Results that every slice of a split study computes alike (the f32
-reference's generations, the state-error stage's recording of its
-stream), computed once and shared through a folder.
+"""Results that every slice of a split study computes alike (the scores'
+reference decode, the f32 reference's generations, the state-error
+stage's recording of its stream and its f32 floor), computed once and
+shared through a folder.
 
 A study split over processes (benchmarks/scripts/text_precision.sh: each
-process a slice of the presets) needs the same f32 baseline generations
-and recorded layer inputs in every slice. With `config.shared_dir` set,
+process a slice of the presets) needs the same reference logits, f32
+baseline generations and recorded layer inputs in every slice. With `config.shared_dir` set,
 the first process to ask for one takes `<key>.lock` (its host and pid
 inside), computes it and writes `<key>.npz`; the others wait for the file
 and load it. A lock whose process is gone (killed by a time limit) is

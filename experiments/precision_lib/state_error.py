@@ -28,7 +28,8 @@ The recording loop is `HybridLM.step` with the layer inputs read on the
 side; `capture_check` records the largest difference between its logits
 and `tasks.decode_logits`' on the same stream (they run the same ops).
 The slices of a split study (`config.shared_dir`) record once and share
-the recording, as they share the f32 reference's generations.
+the recording and the f32 floor's errors, as they share the f32
+reference's generations.
 """
 
 from __future__ import annotations
@@ -280,6 +281,25 @@ def _layer_stats(model, block, layer, s0, inputs, run: R.Run, points,
                   sr_rng=sr_rng or "threefry", **common)[1]
 
 
+def floor_stats(name, model, block, tokens, points, ref_dtype, compute,
+                config) -> dict[str, list[float]]:
+  """compute() (the floor run's `_layer_stats` on one block), once for
+  every slice of a split study that shares `config.shared_dir`: every
+  slice reports the floor beside its own runs."""
+
+  def key():
+    return shared.key(name, f"state_error_floor_{block}",
+                      tokens=np.asarray(tokens), points=np.asarray(points),
+                      reference_dtype=jnp.dtype(ref_dtype).name,
+                      model_config=repr(model.config),
+                      params=shared.fingerprint(model))
+
+  out = shared.computed_once(
+      config.get("shared_dir", ""), key,
+      lambda: {k: np.asarray(v, np.float64) for k, v in compute().items()})
+  return {k: np.asarray(v).tolist() for k, v in out.items()}
+
+
 def floor_run(config) -> R.Run:
   """The f32 baseline itself (its error against float64 is the floor)."""
   policy = PrecisionPolicy(checkpoint_dtype="float32").replace(
@@ -291,7 +311,8 @@ def measure(name, model, task, config, writer) -> list[dict]:
   """The state-error records of one model (one per layer x run)."""
   se = config.state_error
   blocks = layer_blocks(model, se.layers)
-  runs = [floor_run(config)] + R.sub_runs(config, se)
+  floor = floor_run(config)
+  runs = [floor] + R.sub_runs(config, se)
   idents = [(block, run, dict(kind="state_error", model=name, block=block,
                               run_kind=run.kind, label=run.label, L=run.L))
             for block in blocks for run in runs]
@@ -316,8 +337,11 @@ def measure(name, model, task, config, writer) -> list[dict]:
     ref_dtype = jnp.dtype(se.reference_dtype)
     for block, run, ident in todo:
       t1 = time.perf_counter()
-      stats = _layer_stats(model, block, layer_of[block], init[block],
-                           rec[block], run, points, ref_dtype)
+      stats = functools.partial(_layer_stats, model, block, layer_of[block],
+                                init[block], rec[block], run, points,
+                                ref_dtype)
+      stats = (floor_stats(name, model, block, tokens, points, ref_dtype,
+                           stats, config) if run is floor else stats())
       r = writer.write(dict(
           ident, mixer=model.config.block_kinds[block],
           layer=layer_of[block], policy=run.policy_name, source=se.source,
