@@ -5,7 +5,8 @@ up(x)) with gate and up one [d_model, 2, intermediate] kernel `gate_up`
 ([:, 0] the gate, [:, 1] the up projection), so that they run as one GEMM:
 at the Qwen3.5-4B MLP shape XLA ran two separate weights as one Triton GEMM
 fusion, 1.44x slower than cuBLAS on the packed weight at 256 rows
-(benchmarks/README.md, "Qwen3.5-4B shapes"). The middle axis keeps the
+(benchmarks/decode_step/qwen3_5_4b_studies.md, "The MLP's GEMMs
+alone"). The middle axis keeps the
 gate and up columns of a tensor-parallel shard of the intermediate axis
 together. Checkpoints' separate gate_proj / up_proj tensors (or a fused
 [gate; up] one) load into it (`hf_tensors`).
