@@ -5,14 +5,14 @@ shared through a folder.
 
 A study split over processes (benchmarks/scripts/text_precision.sh: each
 process a slice of the presets) needs the same reference logits, f32
-baseline generations and recorded layer inputs in every slice. With `config.shared_dir` set,
-the first process to ask for one takes `<key>.lock` (its host and pid
-inside), computes it and writes `<key>.npz`; the others wait for the file
-and load it. A lock whose process is gone (killed by a time limit) is
-taken over; a process that has waited `wait_s` computes for itself. The
-key hashes everything the result depends on, the model's parameters
-included (`fingerprint`), so a retrained model or other prompts never
-load a stale file.
+baseline generations and recorded layer inputs in every slice. With
+`config.shared_dir` set, the first process to ask for one takes
+`<key>.lock` (its host and pid inside), computes it and writes
+`<key>.npz`; the others wait for the file and load it. A lock whose
+process is gone (killed by a time limit) is taken over; a process that
+has waited `wait_s` computes for itself. The key hashes everything the
+result depends on, the model's parameters included (`fingerprint`), so a
+retrained model or other prompts never load a stale file.
 """
 
 from __future__ import annotations

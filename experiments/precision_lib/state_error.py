@@ -337,11 +337,11 @@ def measure(name, model, task, config, writer) -> list[dict]:
     ref_dtype = jnp.dtype(se.reference_dtype)
     for block, run, ident in todo:
       t1 = time.perf_counter()
-      stats = functools.partial(_layer_stats, model, block, layer_of[block],
-                                init[block], rec[block], run, points,
-                                ref_dtype)
+      compute = functools.partial(_layer_stats, model, block,
+                                  layer_of[block], init[block], rec[block],
+                                  run, points, ref_dtype)
       stats = (floor_stats(name, model, block, tokens, points, ref_dtype,
-                           stats, config) if run is floor else stats())
+                           compute, config) if run is floor else compute())
       r = writer.write(dict(
           ident, mixer=model.config.block_kinds[block],
           layer=layer_of[block], policy=run.policy_name, source=se.source,
