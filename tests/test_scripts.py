@@ -238,10 +238,11 @@ def test_random_weight_decode_small(tmp_path, hf_config):
   # speculative_generate runs go on a shrunk model in both SSM modes (the
   # GDN model's step also with an f32 master + fp8 read copy state, its
   # speculative runs' replay states with a bf16 copy, their batch compacted
-  # as rows finish).
+  # as rows finish, at window 3).
   out = tmp_path / "decode.json"
   copy = (["--precisions=f32+fp8", "--spec_precision=f32+bf16",
-           "--spec_compactions=1"] if hf_config.startswith("qwen") else [])
+           "--spec_compactions=1", "--spec_windows=3"]
+          if hf_config.startswith("qwen") else [])
   _run("random_weight_decode.py", "--small", "--batches=2",
        "--spec_batches=2", f"--hf_config=configs/{hf_config}", f"--out={out}",
        *copy)
@@ -263,6 +264,7 @@ def test_random_weight_decode_small(tmp_path, hf_config):
     assert [r["precision"] for r in res["records"] if r["part"] == "spec"] == [
         "f32+bf16", None, "f32+bf16", None]
     assert [r["compaction"] for r in res["records"][-2:]] == [1, 1]
+    assert [r["window"] for r in res["records"][-2:]] == [3, 3]
 
 
 def test_pool_occupancy_bench_small(tmp_path):

@@ -23,7 +23,7 @@ timed against the same f32 baseline state.
 Part "spec" (records with part "spec"), per batch:
 `experiments.specdec_bench.bench_batch` with SPEC below: plain `generate`
 with the replay state ("plain") and the baseline state
-("plain_baseline"), and `speculative_generate` (window 4) with the
+("plain_baseline"), and `speculative_generate` (window 4; `--spec_windows`) with the
 snapshot baseline and replay, sampling at a high temperature with its
 oracle proposer at acceptance 0.7 per draft (random weights give no
 meaningful drafts of their own; see that module); `--spec_precision`
@@ -76,6 +76,9 @@ def main():
                   help="part spec: a precision preset of the replay states "
                   "(plain and speculative decoding with them; the snapshot "
                   "baseline and plain_baseline keep f32 states)")
+  ap.add_argument("--spec_windows", default="4",
+                  help="speculative windows (tokens a verify checks: the "
+                  "drafts and one more), comma-separated")
   ap.add_argument("--spec_compactions", default="0",
                   help="speculative decoding's compaction settings (0: the "
                   "static batch; k: the batch halved up to k times as rows "
@@ -190,6 +193,7 @@ def main():
 
   spec = dict(SPEC, implementation=a.implementation,
               ssm_modes=tuple(a.spec_modes.split(",")),
+              windows=tuple(int(w) for w in a.spec_windows.split(",")),
               compactions=tuple(int(c) for c in a.spec_compactions.split(",")),
               precision=a.spec_precision,
               **(dict(prompt_len=4, new_tokens=8, repeats=1)

@@ -31,7 +31,7 @@
 #   bash benchmarks/scripts/run_h200.sh mlp_gemm   # the Qwen3.5-4B dense MLP's GEMMs alone, gate / up as two weights or one packed weight, rows {256,1024}, with XLA's Triton GEMMs on and off (XLA's CUDA graphs off)
 #   bash benchmarks/scripts/run_h200.sh moe_dispatch  # one Nemotron 3 Nano MoE layer per dispatch, balanced and imbalanced routing
 #   bash benchmarks/scripts/run_h200.sh nano [parts] [batches]  # the Nemotron 3 Nano-shaped model: decode step, generate / speculative_generate (parts and batches joined by "," or "+"; run_h200_chain.sh needs "+", e.g. qwen35_4b,step+spec,256)
-#   bash benchmarks/scripts/run_h200.sh qwen35_4b [parts] [batches]  # the same on the Qwen3.5-4B text shape (Gated DeltaNet); PRECISIONS=f32+fp8,f32+bf16 adds replay states under those presets to the step part, SPEC_PRECISION=f32+bf16 sets the spec part's replay states, SPEC_MODES=replay leaves out the snapshot baseline (which needs an H200's memory at batch 256); SPEC_COMPACTIONS=0,3 adds speculative runs whose batch halves up to 3 times as rows finish; the model's init takes ~6 s on a fresh machine (one compiled initializer per block kind; step at b 256 with two presets and spec at b 256 ran in 84 s on an H100)
+#   bash benchmarks/scripts/run_h200.sh qwen35_4b [parts] [batches]  # the same on the Qwen3.5-4B text shape (Gated DeltaNet); PRECISIONS=f32+fp8,f32+bf16 adds replay states under those presets to the step part, SPEC_PRECISION=f32+bf16 sets the spec part's replay states, SPEC_MODES=replay leaves out the snapshot baseline (which needs an H200's memory at batch 256); SPEC_COMPACTIONS=0,3 adds speculative runs whose batch halves up to 3 times as rows finish; SPEC_WINDOWS=2,3,4 times those windows (default 4: 3 drafts); the model's init takes ~6 s on a fresh machine (one compiled initializer per block kind; step at b 256 with two presets and spec at b 256 ran in 84 s on an H100)
 #   bash benchmarks/scripts/run_h200.sh gdn_kernels  # the Gated DeltaNet kernels vs their references at Qwen3.5 shapes, then their tests on the GPU
 #   bash benchmarks/scripts/run_h200.sh serve [hf_config]  # serve_bench: continuous batching, Poisson arrivals, baseline vs replay (hybrid_1b, or a transformers config's shape)
 #   bash benchmarks/scripts/run_h200.sh serve_b256 [plain|speculative|plain+speculative] [hf_config]  # serve_bench saturated at 256 slots (512 requests at once); speculative: at acceptance 0.7
@@ -252,6 +252,7 @@ case "$1" in
       --spec_batches="$b" --prng_impl=rbg --budget_s=$(( T - 120 )) \
       --precisions="${PRECISIONS:-}" --spec_precision="${SPEC_PRECISION:-}" \
       --spec_modes="${SPEC_MODES:-replay,baseline}" \
+      --spec_windows="${SPEC_WINDOWS:-4}" \
       --spec_compactions="${SPEC_COMPACTIONS:-0}" --out="$OUT/$1.json" ;;
   gdn_kernels)
     timeout "$T" python -u benchmarks/scripts/gdn_kernels_check.py \
