@@ -23,8 +23,9 @@ timed against the same f32 baseline state.
 Part "spec" (records with part "spec"), per batch:
 `experiments.specdec_bench.bench_batch` with SPEC below: plain `generate`
 with the replay state ("plain") and the baseline state
-("plain_baseline"), and `speculative_generate` (window 4; `--spec_windows`) with the
-snapshot baseline and replay, sampling at a high temperature with its
+("plain_baseline"), and `speculative_generate` (window 4;
+`--spec_windows`) with the snapshot baseline and replay, sampling at a
+high temperature with its
 oracle proposer at acceptance 0.7 per draft (random weights give no
 meaningful drafts of their own; see that module); `--spec_precision`
 sets the replay states' precision preset there. Best of 2 runs after a
