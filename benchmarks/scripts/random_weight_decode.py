@@ -25,10 +25,10 @@ Part "spec" (records with part "spec"), per batch:
 with the replay state ("plain") and the baseline state
 ("plain_baseline"), and `speculative_generate` (window 4;
 `--spec_windows`) with the snapshot baseline and replay, sampling at a
-high temperature with its
-oracle proposer at acceptance 0.7 per draft (random weights give no
-meaningful drafts of their own; see that module); `--spec_precision`
-sets the replay states' precision preset there. Best of 2 runs after a
+high temperature with its oracle proposer at acceptance 0.7 per draft
+(random weights give no meaningful drafts of their own; see that
+module); `--spec_precision` sets the replay states' precision preset
+there. Best of 2 runs after a
 compile + warm-up run; tokens/s of the decode (prefill subtracted) and end
 to end. A run that does not fit in device memory is recorded as such.
 
