@@ -26,6 +26,19 @@ def _counting(calls, value, delay=0.0):
   return compute
 
 
+def _count_calls(monkeypatch, module, name):
+  """Replaces module.name by a wrapper that counts its calls: (the list
+  that grows by one a call, the original function)."""
+  calls, real = [], getattr(module, name)
+
+  def counted(*a, **kw):
+    calls.append(1)
+    return real(*a, **kw)
+
+  monkeypatch.setattr(module, name, counted)
+  return calls, real
+
+
 def test_computed_once_shares_through_the_folder(tmp_path):
   calls = []
   first = shared.computed_once(str(tmp_path), "k", _counting(calls, [1, 2]))
@@ -115,14 +128,7 @@ def test_reference_run_shared_between_slices(tmp_path, monkeypatch):
   config = pa_config.get_config("smoke")
   config.shared_dir = str(tmp_path)
   config.generation.new_tokens = 6
-  calls = []
-  real = generation.generate_run
-
-  def counted(*a, **kw):
-    calls.append(1)
-    return real(*a, **kw)
-
-  monkeypatch.setattr(generation, "generate_run", counted)
+  calls, _ = _count_calls(monkeypatch, generation, "generate_run")
   model = make_model(3)
   p = np.asarray(random_tokens(5, (2, 4)))
   first = generation.reference_run("m", model, p, config, "greedy",
@@ -149,14 +155,7 @@ def test_state_error_capture_shared_between_slices(tmp_path, monkeypatch):
   model = make_model(3, dtype="bfloat16")
   tokens = np.asarray(random_tokens(6, (2, 12)))
   blocks = state_error.layer_blocks(model, (0, -1))
-  calls = []
-  real = state_error.capture
-
-  def counted(*a):
-    calls.append(1)
-    return real(*a)
-
-  monkeypatch.setattr(state_error, "capture", counted)
+  calls, real = _count_calls(monkeypatch, state_error, "capture")
   first = state_error.captured("m", model, tokens, blocks, config)
   again = state_error.captured("m", model, tokens, blocks, config)
   assert len(calls) == 1
@@ -193,14 +192,7 @@ def test_score_reference_shared_between_slices(tmp_path, monkeypatch):
   toks = np.asarray(random_tokens(7, (2, 9)))
   batches = [dict(inputs=toks[:, :-1], targets=toks[:, 1:],
                   mask=np.ones((2, 8), np.float32))]
-  calls = []
-  real = pa.decode_eval
-
-  def counted(*a, **kw):
-    calls.append(1)
-    return real(*a, **kw)
-
-  monkeypatch.setattr(pa, "decode_eval", counted)
+  calls, _ = _count_calls(monkeypatch, pa, "decode_eval")
   first = pa.reference_scores("m", model, batches, config)
   again = pa.reference_scores("m", model, batches, config)
   assert len(calls) == 1

@@ -28,9 +28,9 @@ with the replay state ("plain") and the baseline state
 high temperature with its oracle proposer at acceptance 0.7 per draft
 (random weights give no meaningful drafts of their own; see that
 module); `--spec_precision` sets the replay states' precision preset
-there. Best of 2 runs after a
-compile + warm-up run; tokens/s of the decode (prefill subtracted) and end
-to end. A run that does not fit in device memory is recorded as such.
+there. Best of 2 runs after a compile + warm-up run; tokens/s of the
+decode (prefill subtracted) and end to end. A run that does not fit in
+device memory is recorded as such.
 
 Records are written after each one, so a run cut short keeps what it has;
 `--budget_s` starts no new batch after that many seconds. A MoE routing
