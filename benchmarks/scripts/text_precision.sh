@@ -34,9 +34,9 @@
 # all), mamba2_s120m at 159k (24.6M bytes in 155 s; 210 s in all: half
 # what parameters x bytes scaled from s60m predicted, its GEMMs being
 # larger), mamba2_s300m at 88k (12.3M bytes in 140 s; 226 s in all). A
-# Gated DeltaNet model takes about twice its Mamba-2 twin's time, as at
-# s20m, s60m and s120m (gdn_s120m 297 s of steps, 401 s in all; gdn_s300m
-# ~280 s expected).
+# Gated DeltaNet model takes about twice its Mamba-2 twin's time at
+# every size (gdn_s120m 297 s of steps, 401 s in all; gdn_s300m 275 s,
+# 404 s in all).
 # mamba2_s120m's study over thirteen processes took 95-148 s a slice
 # for the scores, 182-216 s for the generations and state error, and
 # 79-111 s for the float32-activation control; mamba2_s300m's ~40 s a
@@ -63,9 +63,10 @@
 # stopped by a 530 s part in its last state error), and 101-138 s for the
 # float32-activation control (f16+fp8+sr cut at 185 s in its last
 # generation): its three calls, the first held 530 s before it ran, used
-# the session's 30 minutes. gdn_s300m's study, about twice that, needs
-# its training and scores in one session's calls and more than the rest
-# of it for the generations and state error.
+# the session's 30 minutes. gdn_s300m: training 404 s, then its scored
+# runs took 17-77 s each over thirteen processes (about 300 s for a
+# slice's three L and its baselines); its generations and state error,
+# about twice gdn_s120m's, need more than the rest of a session.
 # Everything under runs/, the trained models too, is lost when the machine
 # goes back (30 minutes of device time a session, a call at most 10
 # minutes, idle machines go back within a minute): a model's training and

@@ -161,7 +161,7 @@ def table(rows: list[dict]) -> str:
         if "worst_replay_run" in r else "-")
     cell["f32 replay ppl"] = (
         "-" if r.get("f32_replay_ppl") is None
-        else f"up to {_pct(r['f32_replay_ppl'])}")
+        else f"up to {100 * r['f32_replay_ppl']:.4f}%")  # a magnitude
     cell["every step bf16 / f16 / fp8 / int8 ppl"] = " / ".join(
         _pct(r.get(f"ppl {k}+rn")) for k in ("bf16", "f16", "fp8", "int8"))
     cell["tv at L 16: f32 replay; 16-bit; 8-bit copies; "
