@@ -131,6 +131,30 @@ def test_out_of_range_lengths_under_jit_are_nan_rows():
     testing.assert_close(got[2], want[2], testing.TOLERANCES["float32"], impl)
 
 
+@pytest.mark.parametrize("poison", [np.nan, np.inf])
+@pytest.mark.parametrize("impl,config", [
+    ("reference", "default"), ("pallas", "default"), ("pallas", "split32")])
+def test_unseen_values_never_reach_a_query(impl, config, poison):
+  """Cache entries a query does not see (stale ones past the window, and a
+  window position after the query's: a rejected draft) holding NaN / inf
+  leave its output bit-identical, while a query that sees one returns NaN;
+  one query per row: stale entries past the length."""
+  q, k, v, n = _inputs(jax.random.PRNGKey(6), 4, 4, 2, 48, 16, "float32",
+                       window=4)
+  n = jnp.minimum(n, 40)  # every window inside the cache
+  pos = jnp.arange(48)[None, None, :, None]
+  # Entry n + 2 (window positions 0-2 do not see it) and the stale tail.
+  dirty = (pos == n[:, None, None, None] + 2) | (pos >= n[:, None, None,
+                                                              None] + 4)
+  run = lambda qq, vv: np.asarray(ops.decode_attention(
+      qq, k, vv, n, implementation=impl, config=KERNEL_CONFIGS[config]))
+  clean, got = run(q, v), run(q, jnp.where(dirty, poison, v))
+  np.testing.assert_array_equal(got[:, :3], clean[:, :3])
+  assert np.isnan(got[:, 3]).all()
+  stale = jnp.where(pos >= n[:, None, None, None], poison, v)
+  np.testing.assert_array_equal(run(q[:, 0], stale), run(q[:, 0], v))
+
+
 def test_inputs_are_not_mutated():
   args = _inputs(jax.random.PRNGKey(5), 2, 4, 2, 16, 16, "float32")
   copies = [np.array(a) for a in args]

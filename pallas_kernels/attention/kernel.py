@@ -132,15 +132,26 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *out_refs, rep, window, block_s,
     q = q_ref[b, kh]  # [rows, D]
 
     def body(i, carry):
-      m, l, acc = carry
+      m, l, acc, flag = carry
       start = start0 + i * block_s
       pos = start + jnp.arange(block_s)
       k, v = (plgpu.load(ref.at[sb, kh, pl.ds(start, block_s), :],
                          mask=(pos < seen)[:, None], other=0.0,
                          eviction_policy="evict_first")
               for ref in (k_ref, v_ref))
-      s = jnp.where(pos[None, :] < limit[:, None], _dot(q, k, 1) * scale,
-                    -jnp.inf)
+      sees = pos[None, :] < limit[:, None]  # [rows, block_s]
+      s = jnp.where(sees, _dot(q, k, 1) * scale, -jnp.inf)
+      if window > 1:
+        # A window query must not take a later position's non-finite
+        # value through its zero weight: such values enter the dots as 0,
+        # and a query that sees one is flagged (its output becomes NaN).
+        # A single query loads only entries it sees (a value of theirs
+        # that is not finite reaches the output by itself).
+        fin = jnp.abs(v.astype(F32)) < jnp.inf  # (False at NaN too)
+        bad = jnp.min(jnp.where(fin, 1.0, 0.0), axis=1) < 0.5  # [block_s]
+        v = jnp.where(fin, v, jnp.zeros_like(v))
+        flag = jnp.maximum(flag, jnp.max(
+            jnp.where(sees & bad[None, :], 1.0, 0.0), axis=1))
       m_new = jnp.maximum(m, jnp.max(s, axis=1))  # [rows]
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no key yet
       alpha = jnp.exp(m - m_safe)
@@ -152,11 +163,14 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *out_refs, rep, window, block_s,
         lo = (p - hi.astype(F32)).astype(v.dtype)
         pv = _dot(hi, v, 0) + _dot(lo, v, 0)
       return (m_new, l * alpha + jnp.sum(p, axis=1),
-              acc * alpha[:, None] + pv)
+              acc * alpha[:, None] + pv, flag)
 
     init = (jnp.full((rows,), -jnp.inf, F32), jnp.zeros((rows,), F32),
-            jnp.zeros((rows, d), F32))
-    return lax.fori_loop(0, chunk // block_s, body, init)
+            jnp.zeros((rows, d), F32), jnp.zeros((rows,), F32))
+    m, l, acc, flag = lax.fori_loop(0, chunk // block_s, body, init)
+    if window > 1:  # (a NaN sum stays NaN through the splits' combine)
+      acc = jnp.where((flag > 0)[:, None], jnp.nan, acc)
+    return m, l, acc
 
   if split == 1:
     (o_ref,) = out_refs
