@@ -161,6 +161,69 @@ def test_conv_window_is_causal(impl):
   assert np.isnan(y[:, 2:]).all()
 
 
+@pytest.mark.parametrize("poison", ["nan", "inf"])
+@pytest.mark.parametrize("solve", ["substitution", "inverse"])
+@pytest.mark.parametrize("family", ["gdn", "kda"])
+def test_delta_rule_prefill_is_causal_within_a_chunk(family, solve, poison):
+  """A non-finite key at position 5 of a chunk of 8 leaves positions 0-4
+  and the other row bit-identical, whichever way the chunk's triangular
+  system is solved, and makes position 5 non-finite."""
+  b, t, hk, hv, dk = 2, 8, 1, 2, 8
+  ks = jax.random.split(jax.random.PRNGKey(7), 5)
+  q, k = (jax.random.normal(kk, (b, t, hk, dk)) for kk in ks[:2])
+  v = jax.random.normal(ks[2], (b, t, hv, dk))
+  a_in, b_in = jax.random.normal(ks[3], (b, t, hv)), jax.random.normal(
+      ks[4], (b, t, hv))
+  if family == "gdn":
+    g, beta = rs.gdn.gdn_gates(a_in, b_in, jnp.zeros(hv), jnp.zeros(hv))
+    run = lambda kk: rs.gdn.gdn_chunked_prefill(  # noqa: E731
+        q, kk, v, g, beta, chunk_size=t, solve=solve)[0]
+  else:
+    a4 = jnp.broadcast_to(a_in[..., None], (b, t, hv, dk)) + jnp.arange(dk)
+    g, beta = rs.kda.kda_gates(a4 / dk, b_in, jnp.zeros(hv),
+                               jnp.zeros((hv, dk)))
+    run = lambda kk: rs.kda.kda_chunked_prefill(  # noqa: E731
+        q, kk, v, g, beta, chunk_size=t, solve=solve)[0]
+  y_ref = np.asarray(run(k))
+  y = np.asarray(run(k.at[0, 5].set(POISONS[poison])))
+  np.testing.assert_array_equal(harness.bits(y[0, :5]),
+                                harness.bits(y_ref[0, :5]))
+  np.testing.assert_array_equal(harness.bits(y[1]), harness.bits(y_ref[1]))
+  assert not np.isfinite(y[0, 5]).all()
+
+
+def test_model_forward_and_prefill_are_causal():
+  """A token id outside the vocabulary (unchecked under jit: a NaN
+  embedding) at position 5 of row 0 leaves that row's earlier positions and
+  the other row bit-identical through every block kind (attention, Mamba-2,
+  Gated DeltaNet, Kimi Delta Attention, MoE, MLP), in the full forward and
+  as a right-padded prompt's pads in a fresh prefill."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from replayssm_jax import models  # pylint: disable=g-import-not-at-top
+  from replayssm_jax.models import model as model_lib  # pylint: disable=g-import-not-at-top
+  cfg = models.ModelConfig(
+      vocab_size=64, d_model=32, pattern="*MGKE-", ssm_heads=4, head_dim=8,
+      d_state=8, n_groups=2, conv_kernel=4, chunk_size=8, num_heads=4,
+      num_kv_heads=2, attn_head_dim=8, intermediate_size=48,
+      gdn_num_k_heads=2, gdn_num_v_heads=4, gdn_k_dim=8, gdn_v_dim=8,
+      gdn_chunk_size=8, n_routed_experts=4, num_experts_per_tok=2,
+      moe_intermediate_size=16)
+  graph = nnx.split(models.HybridLM(cfg, rngs=nnx.Rngs(0)))
+  toks = jax.random.randint(jax.random.PRNGKey(3), (2, 12), 0, 64)
+  bad = toks.at[0, 5].set(64 + 1)
+  forward = jax.jit(lambda g, t: nnx.merge(*g).forward(t)[0])
+  y_ref, y = np.asarray(forward(graph, toks)), np.asarray(forward(graph, bad))
+  np.testing.assert_array_equal(harness.bits(y[0, :5]),
+                                harness.bits(y_ref[0, :5]))
+  np.testing.assert_array_equal(harness.bits(y[1]), harness.bits(y_ref[1]))
+  assert np.isnan(y[0, 5]).all()
+  lengths = jnp.array([5, 12])
+  prefill = jax.jit(lambda g, t: model_lib.prefill_fn(
+      nnx.merge(*g), t, lengths, nnx.merge(*g).init_state(2, 16))[0])
+  np.testing.assert_array_equal(harness.bits(prefill(graph, bad)),
+                                harness.bits(prefill(graph, toks)))
+
+
 def test_from_ssm_state_keeps_the_callers_array():
   """The checkpoint is a copy: a donated decode step does not delete the
   caller's state."""

@@ -142,16 +142,36 @@ def invert_unit_lower(a, precision=HIGHEST):
   return invert(jnp.where(jnp.tri(c, k=-1, dtype=bool), a, 0.0))
 
 
+def causal_mix(w, d, precision=HIGHEST):
+  """o[b, i, h] = sum_{j <= i} w[b, i, j, h] d[b, j, h] (w [b, C, C, h], d
+  [b, C, h, V]): pairs j > i are selected away, and a non-finite d_j
+  enters as 0 and makes positions >= j NaN, so position i never reads a
+  later position's inf / NaN (0 times NaN would)."""
+  c = w.shape[1]
+  w = jnp.where(jnp.tri(c, dtype=bool)[None, :, :, None], w, 0.0)
+  bad = ~jnp.all(jnp.isfinite(d), axis=-1)  # [b, C, h]
+  o = jnp.einsum("bijh,bjhv->bihv", w, jnp.where(bad[..., None], 0.0, d),
+                 precision=precision)
+  return jnp.where((jnp.cumsum(bad, axis=1) > 0)[..., None], jnp.nan, o)
+
+
 def solve_unit_lower(a, y, solve: str = "substitution", precision=HIGHEST):
   """X with (I + a) X = y; a [..., C, C] strictly lower triangular (entries
   on and above the diagonal are ignored), y [..., C, n]. solve:
   "substitution" (a triangular solve) or "inverse" (`invert_unit_lower`,
   then one product: matrix products only, as flash-linear-attention's
   chunked kernels form the WY system's inverse)."""
-  if solve == "inverse":
-    return jnp.matmul(invert_unit_lower(a, precision), y,
-                      precision=precision)
   c = a.shape[-1]
+  if solve == "inverse":
+    # The products would multiply a later row's inf / NaN by the zeros
+    # above the diagonal: such rows enter as zeros, and their solutions and
+    # every later one become NaN (as substitution makes them).
+    bad = (jnp.any(jnp.tri(c, k=-1, dtype=bool) & ~jnp.isfinite(a), axis=-1)
+           | ~jnp.all(jnp.isfinite(y), axis=-1))  # [..., C]
+    x = jnp.matmul(invert_unit_lower(jnp.where(jnp.isfinite(a), a, 0.0),
+                                     precision),
+                   jnp.where(bad[..., None], 0.0, y), precision=precision)
+    return jnp.where((jnp.cumsum(bad, axis=-1) > 0)[..., None], jnp.nan, x)
   eye = jnp.eye(c, dtype=a.dtype)
   lower = jnp.tril(a, -1) + eye
   return jax.lax.linalg.triangular_solve(lower, y, left_side=True,
@@ -225,7 +245,7 @@ def gdn_chunked_prefill(q, k, v, g, beta, chunk_size=64, initial_state=None,
     u, w, q_dec, k_dec, qk, g_last = xs
     d = u - jnp.einsum("bchk,bhkv->bchv", w, s, precision=precision)
     o = (jnp.einsum("bchk,bhkv->bchv", q_dec, s, precision=precision)
-         + jnp.einsum("bijh,bjhv->bihv", qk, d, precision=precision))
+         + causal_mix(qk, d, precision))
     s = (jnp.exp(g_last)[..., None, None] * s
          + jnp.einsum("bchk,bchv->bhkv", k_dec, d, precision=precision))
     return s, o

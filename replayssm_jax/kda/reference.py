@@ -36,7 +36,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from replayssm_jax.gdn.reference import (F32, HIGHEST, prepare_qk, readout,
+from replayssm_jax.gdn.reference import (F32, HIGHEST, causal_mix,
+                                         prepare_qk, readout,
                                          solve_unit_lower, step_scan,
                                          time_chunks)
 from replayssm_jax.reference import heads_from_groups, process_dt
@@ -145,7 +146,7 @@ def kda_chunked_prefill(q, k, v, g, beta, chunk_size=64, initial_state=None,
     g_last = G[:, -1]  # [b, h, K]
     d = u - jnp.einsum("bchk,bhkv->bchv", w, s, precision=HIGHEST)
     o = (jnp.einsum("bchk,bhkv->bchv", qc * jnp.exp(G), s, precision=HIGHEST)
-         + jnp.einsum("bijh,bjhv->bihv", qk, d, precision=HIGHEST))
+         + causal_mix(qk, d))
     k_dec = kc * jnp.exp(g_last[:, None] - G)
     s = (jnp.exp(g_last)[..., None] * s
          + jnp.einsum("bchk,bchv->bhkv", k_dec, d, precision=HIGHEST))

@@ -97,7 +97,14 @@ class Attention(nnx.Module):
     s = s * self._scale()
     s = jnp.where(mask[:, None, None], s, -1e30)
     p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("bkrqs,bksd->bqkrd", p, v.astype(F32))
+    # A masked key's weight is 0, and 0 times a pad's or a later position's
+    # inf / NaN value would poison the sum: non-finite values enter it as 0,
+    # and a query that sees one returns NaN.
+    vf = v.astype(F32)
+    bad = ~jnp.all(jnp.isfinite(vf), axis=-1)  # [b, Hk, S]
+    o = jnp.einsum("bkrqs,bksd->bqkrd", p, jnp.where(bad[..., None], 0.0, vf))
+    sees_bad = jnp.any(mask[:, :, None] & bad[:, None], axis=-1)  # [b, Tq, Hk]
+    o = jnp.where(sees_bad[..., None, None], jnp.nan, o)
     return o.reshape(b, tq, c.num_heads * c.attn_head_dim).astype(c.jnp_dtype)
 
   def prefill(self, h, lengths, state: AttentionState | None,
