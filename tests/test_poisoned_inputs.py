@@ -4,20 +4,24 @@
   that overflow in a product are selected away by every implementation of
   the decode step and the verify (`testing.random_replay_state` poisons
   them for every kernel test; here the verify and a realistic trigger);
-* causality: a non-finite token of a verify window, of a prefill chunk or
-  of a conv window leaves every earlier position's output bit-identical;
+* causality: a non-finite token of a verify window, of a prefill chunk
+  (Mamba-2, Gated DeltaNet, Kimi Delta Attention, attention), of a model's
+  forward or of a conv window leaves every earlier position's output
+  bit-identical;
 * the states a user passes in are neither mutated nor deleted.
 """
 
 from __future__ import annotations
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import replayssm_jax as rs
-from replayssm_jax import ssd, testing
+from replayssm_jax import models, ssd, testing
+from replayssm_jax.models import model as model_lib
 from tests import harness
 
 B, H, P, N, G, L, T = 4, 8, 8, 16, 2, 8, 4
@@ -198,9 +202,6 @@ def test_model_forward_and_prefill_are_causal():
   the other row bit-identical through every block kind (attention, Mamba-2,
   Gated DeltaNet, Kimi Delta Attention, MoE, MLP), in the full forward and
   as a right-padded prompt's pads in a fresh prefill."""
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-  from replayssm_jax import models  # pylint: disable=g-import-not-at-top
-  from replayssm_jax.models import model as model_lib  # pylint: disable=g-import-not-at-top
   cfg = models.ModelConfig(
       vocab_size=64, d_model=32, pattern="*MGKE-", ssm_heads=4, head_dim=8,
       d_state=8, n_groups=2, conv_kernel=4, chunk_size=8, num_heads=4,
