@@ -18,8 +18,7 @@ dispatcher is `replayssm_jax.ops.decode_attention`, and the Pallas kernel is
 
 Math (float32 throughout, whatever the input dtypes):
   s_j = scale * q . k_j  for the visible j, p = softmax(s), o = sum_j p_j v_j;
-a query that sees no entry returns zeros, one that sees a non-finite value
-NaN; entries a query does not see never reach it, whatever they hold.
+a query that sees no entry returns zeros.
 """
 
 from __future__ import annotations
@@ -102,17 +101,9 @@ def decode_attention_reference(q, k_cache, v_cache, lengths, scale=None):
   m = jnp.where(jnp.isfinite(m), m, 0.0)  # a query that sees no entry
   p = jnp.where(valid, jnp.exp(sc - m), 0.0)
   denom = jnp.sum(p, axis=-1)[..., None]  # [b, Hk, T, r, 1]
-  # A zero weight times a stale entry's (or a later window position's)
-  # inf / NaN value would poison the sum: non-finite values enter it as 0,
-  # and a query that sees one returns NaN.
-  v = v_cache.astype(F32)
-  bad = ~jnp.all(jnp.isfinite(v), axis=-1)  # [b, Hk, S]
-  first_bad = jnp.min(jnp.where(bad, jnp.arange(s), s), axis=-1)  # [b, Hk]
-  o = jnp.einsum("bktrs,bksd->btkrd", p, jnp.where(bad[..., None], 0.0, v),
+  o = jnp.einsum("bktrs,bksd->btkrd", p, v_cache.astype(F32),
                  precision=HIGHEST)
   denom = jnp.moveaxis(denom, 1, 2)  # [b, T, Hk, r, 1]
   o = jnp.where(denom > 0, o / jnp.where(denom > 0, denom, 1.0), 0.0)
-  sees_bad = first_bad[:, None, :] < jnp.minimum(limit, s)[:, :, None]
-  o = jnp.where(sees_bad[..., None, None], jnp.nan, o)
   o = o.reshape(b, t, hq, d).astype(q.dtype)
   return o if window else o[:, 0]
