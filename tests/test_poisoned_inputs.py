@@ -22,7 +22,7 @@ import pytest
 import replayssm_jax as rs
 from replayssm_jax import models, ssd, testing
 from replayssm_jax.models import model as model_lib
-from tests import harness
+from tests import harness, serving_common
 
 B, H, P, N, G, L, T = 4, 8, 8, 16, 2, 8, 4
 # Row 3 (count 7, count + T >= L) folds its history before the window.
@@ -202,13 +202,9 @@ def test_model_forward_and_prefill_are_causal():
   the other row bit-identical through every block kind (attention, Mamba-2,
   Gated DeltaNet, Kimi Delta Attention, MoE, MLP), in the full forward and
   as a right-padded prompt's pads in a fresh prefill."""
-  cfg = models.ModelConfig(
-      vocab_size=64, d_model=32, pattern="*MGKE-", ssm_heads=4, head_dim=8,
-      d_state=8, n_groups=2, conv_kernel=4, chunk_size=8, num_heads=4,
-      num_kv_heads=2, attn_head_dim=8, intermediate_size=48,
-      gdn_num_k_heads=2, gdn_num_v_heads=4, gdn_k_dim=8, gdn_v_dim=8,
-      gdn_chunk_size=8, n_routed_experts=4, num_experts_per_tok=2,
-      moe_intermediate_size=16)
+  cfg = serving_common.CFG.replace(
+      pattern="*MGKE-", gdn_chunk_size=8, n_routed_experts=4,
+      num_experts_per_tok=2, moe_intermediate_size=16)
   graph = nnx.split(models.HybridLM(cfg, rngs=nnx.Rngs(0)))
   toks = jax.random.randint(jax.random.PRNGKey(3), (2, 12), 0, 64)
   bad = toks.at[0, 5].set(64 + 1)
